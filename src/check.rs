@@ -1,0 +1,85 @@
+//! `check` without `--offline`: one real token exchange when the credential is an AccessKey
+//! pair, then one authenticated request to the control plane. Reports, never the key.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+
+use crate::cli::NetArgs;
+use crate::error::Error;
+use crate::secret::Secret;
+use crate::settings::{parse_duration, Credential, Settings};
+use crate::upstream::{self, Versions};
+
+pub fn online(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::InvalidSetting {
+            key: "runtime".into(),
+            reason: e.to_string(),
+        })?;
+    runtime.block_on(run(settings, net))
+}
+
+async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
+    let connect_timeout = duration("connect_timeout", &net.connect_timeout)?;
+    let tls = upstream::tls_config(net.upstream_ca.as_deref())?;
+    let client = upstream::client(tls.clone(), Versions::Negotiate, connect_timeout);
+    let key: Secret = match &settings.credential {
+        Credential::ApiKey(k) => k.clone(),
+        Credential::AccessKey { .. } => {
+            return Err(Error::TokenExchange {
+                reason: "AK/SK exchange is not built yet".into(),
+            })
+        }
+    };
+    probe(settings, &client, &key).await
+}
+
+async fn probe(settings: &Settings, client: &upstream::HttpClient, key: &Secret) -> Result<i32, Error> {
+    let base = &settings.sandbox_base_url;
+    let host = base.host().to_string();
+    let uri = base.join("/sandboxes").map_err(|e| Error::InvalidSetting {
+        key: "sandbox_base_url".into(),
+        reason: e.to_string(),
+    })?;
+    let req = http::Request::get(uri)
+        .header(http::header::AUTHORIZATION, format!("Bearer {}", key.expose()))
+        .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())
+        .map_err(|e| Error::InvalidSetting {
+            key: "sandbox_base_url".into(),
+            reason: e.to_string(),
+        })?;
+    let timeout = Duration::from_secs(30);
+    let resp = match tokio::time::timeout(timeout, client.request(req)).await {
+        Err(_) => {
+            return Err(Error::UpstreamTimeout {
+                seconds: timeout.as_secs(),
+                host,
+            })
+        }
+        Ok(Err(e)) => {
+            return Err(Error::UpstreamUnreachable {
+                reason: crate::proxy::forward::describe(&e),
+                host,
+            })
+        }
+        Ok(Ok(resp)) => resp,
+    };
+    let status = resp.status().as_u16();
+    if status == 401 || status == 403 {
+        return Err(Error::CredentialRejected { status, host });
+    }
+    println!("control plane: {host} answered {status}");
+    println!("ok");
+    Ok(0)
+}
+
+fn duration(name: &str, raw: &str) -> Result<Duration, Error> {
+    parse_duration(raw).map_err(|reason| Error::InvalidSetting {
+        key: name.to_string(),
+        reason,
+    })
+}

@@ -1,0 +1,281 @@
+//! The command line (clap definitions only) and its translation into settings inputs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::error::Error;
+use crate::secret::Secret;
+use crate::settings::{FlagValue, Key};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "abx-proxy",
+    version,
+    about = "Credential-injecting streaming proxy for E2B-compatible sandbox clouds",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// With no subcommand, `serve` runs with these flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the proxy (the default).
+    Serve(ServeArgs),
+    /// Show the effective settings and where each comes from.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Resolve everything, exchange a token if AK/SK, probe the upstream.
+    Check(CheckArgs),
+    /// Providers known (built-in and installed).
+    Provider {
+        #[command(subcommand)]
+        command: ProviderCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Every key: effective value (secrets masked), source, env name.
+    List {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        settings: SettingsArgs,
+    },
+    /// One key's effective value (secrets masked).
+    Get {
+        key: String,
+        #[command(flatten)]
+        settings: SettingsArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ProviderCommand {
+    /// Providers known, built-in and installed.
+    List,
+    /// One provider's fields, env names and inherits.
+    Info { id: String },
+    /// Install a plugin manifest.
+    Install {
+        file: PathBuf,
+        /// Consent to the manifest's `[core] inherit` list.
+        #[arg(long)]
+        consent: bool,
+    },
+}
+
+/// The settings flags shared by `serve`, `check` and `config`: one per non-secret key,
+/// and `-file` flags for the secrets.
+#[derive(Debug, Args, Clone, Default)]
+pub struct SettingsArgs {
+    #[arg(long, value_name = "ID")]
+    pub access_key_id: Option<String>,
+    #[arg(long)]
+    pub region: Option<String>,
+    #[arg(long)]
+    pub provider: Option<String>,
+    #[arg(long, value_name = "URL")]
+    pub sandbox_base_url: Option<String>,
+    #[arg(long, value_name = "DOMAIN")]
+    pub sandbox_domain: Option<String>,
+    #[arg(long, value_name = "URL")]
+    pub sandbox_url: Option<String>,
+    #[arg(long, value_name = "URL")]
+    pub token_exchange_url: Option<String>,
+    #[arg(long, value_name = "rpc-v1|acs3")]
+    pub token_exchange: Option<String>,
+    #[arg(long, value_name = "SECONDS")]
+    pub token_ttl: Option<String>,
+    #[arg(long, value_name = "SECONDS")]
+    pub token_refresh_before: Option<String>,
+    #[arg(long, value_name = "rewrite|pass")]
+    pub compat_v2_paths: Option<String>,
+    /// HOST:PORT or unix:/path
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<String>,
+    /// Read the API key from a file (a Kubernetes secret volume); trailing newline trimmed.
+    #[arg(long, value_name = "PATH")]
+    pub sandbox_api_key_file: Option<PathBuf>,
+    /// Read the AccessKey secret from a file; trailing newline trimmed.
+    #[arg(long, value_name = "PATH")]
+    pub access_key_secret_file: Option<PathBuf>,
+    /// A plugin provider's non-secret field.
+    #[arg(long, value_name = "FIELD=VALUE")]
+    pub provider_option: Vec<String>,
+
+    // Secrets on the command line leak through `ps` and shell history. These exist only to
+    // refuse them with a clear message that does not repeat the value.
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    pub sandbox_api_key: Option<Option<String>>,
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    pub access_key_secret: Option<Option<String>>,
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    pub github_token: Option<Option<String>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Network flags shared by `serve` and `check`.
+#[derive(Debug, Args, Clone, Default)]
+pub struct NetArgs {
+    /// Extra CA certificates (PEM) to trust for upstream TLS, beside the system and Mozilla roots.
+    #[arg(long, value_name = "FILE")]
+    pub upstream_ca: Option<PathBuf>,
+    /// Upstream TCP+TLS connect timeout.
+    #[arg(long, value_name = "DURATION", default_value = "10s")]
+    pub connect_timeout: String,
+    /// Time an upstream may take to send response headers.
+    #[arg(long, value_name = "DURATION", default_value = "300s")]
+    pub upstream_timeout: String,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub settings: SettingsArgs,
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// Accept connections on a non-loopback address without listener TLS.
+    #[arg(long)]
+    pub allow_remote: bool,
+    /// With --allow-remote: a Host name to accept (repeatable); without it any Host is accepted.
+    #[arg(long, value_name = "NAME")]
+    pub allowed_host: Vec<String>,
+    /// Serve TLS on the listener with this certificate chain (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Close a connection that moved no bytes for this long.
+    #[arg(long, value_name = "DURATION", default_value = "300s")]
+    pub idle_timeout: String,
+    /// How long in-flight requests may run after SIGTERM/SIGINT.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub shutdown_grace: String,
+    /// Most client connections served at once; beyond it new connections wait in the
+    /// kernel's accept queue.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    pub max_connections: usize,
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// A RUST_LOG-style filter (RUST_LOG applies when this is not given).
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub settings: SettingsArgs,
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// Resolve and validate only; no network.
+    #[arg(long)]
+    pub offline: bool,
+}
+
+/// A refused command-line secret: the message names the flag and the alternatives.
+#[derive(Debug)]
+pub struct RefusedSecretFlag(pub &'static str, pub &'static str);
+
+impl SettingsArgs {
+    /// Refuses secret-valued flags (exit 2 in main).
+    pub fn refused_secret(&self) -> Option<RefusedSecretFlag> {
+        if self.sandbox_api_key.is_some() {
+            return Some(RefusedSecretFlag(
+                "--sandbox-api-key",
+                "use --sandbox-api-key-file PATH or ABX_SANDBOX_API_KEY (environment or .env)",
+            ));
+        }
+        if self.access_key_secret.is_some() {
+            return Some(RefusedSecretFlag(
+                "--access-key-secret",
+                "use --access-key-secret-file PATH or ALICLOUD_ACCESS_KEY_SECRET (environment or .env)",
+            ));
+        }
+        if self.github_token.is_some() {
+            return Some(RefusedSecretFlag(
+                "--github-token",
+                "use GITHUB_TOKEN (environment or .env)",
+            ));
+        }
+        None
+    }
+
+    /// The flag level of the settings chain. Reads the `-file` secrets.
+    pub fn to_flags(&self) -> Result<HashMap<Key, FlagValue>, Error> {
+        let mut flags = HashMap::new();
+        let plain = [
+            (Key::AccessKeyId, &self.access_key_id),
+            (Key::Region, &self.region),
+            (Key::Provider, &self.provider),
+            (Key::SandboxBaseUrl, &self.sandbox_base_url),
+            (Key::SandboxDomain, &self.sandbox_domain),
+            (Key::SandboxUrl, &self.sandbox_url),
+            (Key::TokenExchangeUrl, &self.token_exchange_url),
+            (Key::TokenExchange, &self.token_exchange),
+            (Key::TokenTtl, &self.token_ttl),
+            (Key::TokenRefreshBefore, &self.token_refresh_before),
+            (Key::CompatV2Paths, &self.compat_v2_paths),
+            (Key::Listen, &self.listen),
+            (Key::AdminListen, &self.admin_listen),
+        ];
+        for (key, value) in plain {
+            if let Some(v) = value {
+                flags.insert(key, FlagValue::Plain(v.clone()));
+            }
+        }
+        let files = [
+            (Key::SandboxApiKey, &self.sandbox_api_key_file),
+            (Key::AccessKeySecret, &self.access_key_secret_file),
+        ];
+        for (key, path) in files {
+            if let Some(path) = path {
+                flags.insert(key, FlagValue::Secret(read_secret_file(path)?));
+            }
+        }
+        Ok(flags)
+    }
+
+    /// `--provider-option FIELD=VALUE` pairs.
+    pub fn provider_options(&self) -> Result<Vec<(String, String)>, String> {
+        self.provider_option
+            .iter()
+            .map(|o| {
+                o.split_once('=')
+                    .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                    .ok_or_else(|| format!("--provider-option expects FIELD=VALUE, got {o:?}"))
+            })
+            .collect()
+    }
+}
+
+/// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline.
+fn read_secret_file(path: &Path) -> Result<Secret, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::ReadFile {
+        path: path.display().to_string(),
+        reason: e.kind().to_string(),
+    })?;
+    let trimmed = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(&text);
+    Ok(Secret::new(trimmed))
+}

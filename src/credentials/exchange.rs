@@ -1,0 +1,987 @@
+//! The AK/SK → temporary API key exchange of SPEC §5: one signed `CreateApiKey` call (RPC V1
+//! or ACS3), the reading of its answer, and [`ExchangedKey`], the credential source that keeps
+//! a fresh temporary key in memory and refreshes it in the background.
+//!
+//! Only the background task of an [`ExchangedKey`] ever calls the endpoint, so any number of
+//! concurrent requests cause exactly one exchange. Requests read the key from an `ArcSwap`
+//! snapshot and never wait on the refresher, except before the very first answer.
+//!
+//! Key expiry is wall-clock time (the endpoint states it so, and a laptop that slept through
+//! it must not send a dead key); every deadline here is read through a [`Clock`] so tests can
+//! move time without real sockets racing a paused Tokio clock.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwapOption;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use serde_json::Value;
+use time::OffsetDateTime;
+use tokio::sync::{watch, Notify};
+
+use crate::error::Error;
+use crate::secret::Secret;
+use crate::settings::{Credential, ExchangeScheme, Settings, UpstreamUrl};
+use crate::signing::{self, acs3, rpc_v1};
+use crate::upstream::HttpClient;
+
+/// A boxed, sendable future (the [`Exchanger`] and [`Clock`] traits are object safe).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One exchange call may take this long before it counts as failed.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Requests that arrive before the first exchange has answered wait this long for it.
+pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
+/// A key is never handed out later than this before its expiry: a request still has to
+/// reach the upstream and be checked there.
+pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+/// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
+pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// An answer is a few hundred bytes; anything far larger is not an answer we can use.
+const MAX_RESPONSE_BYTES: usize = 64 * 1024;
+/// The refresher re-reads the wall clock at least this often, so a suspended laptop
+/// refreshes soon after waking instead of when the monotonic timer finally fires.
+const RECHECK_EVERY: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------
+// Time
+// ---------------------------------------------------------------------------------------
+
+/// Wall-clock time and sleeping, injectable for tests.
+pub trait Clock: Send + Sync + 'static {
+    fn now(&self) -> SystemTime;
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
+}
+
+/// The real clock: `SystemTime::now` and Tokio's timer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        Box::pin(tokio::time::sleep(duration))
+    }
+}
+
+/// Seconds since the Unix epoch (0 for times before it).
+pub fn unix_seconds(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ`, for log lines and `check`.
+pub fn iso8601(t: SystemTime) -> String {
+    signing::timestamp(OffsetDateTime::from(t))
+}
+
+// ---------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------
+
+/// What one exchange needs, taken from [`Settings`] when the credential is an AccessKey pair.
+#[derive(Debug, Clone)]
+pub struct ExchangeConfig {
+    pub url: UpstreamUrl,
+    pub scheme: ExchangeScheme,
+    pub region: String,
+    pub access_key_id: String,
+    pub access_key_secret: Secret,
+    /// Lifetime asked for (ACS3) and assumed when the answer states no expiry.
+    pub token_ttl: Duration,
+    pub refresh_before: Duration,
+}
+
+impl ExchangeConfig {
+    /// `None` when the configured credential is a plain API key.
+    pub fn from_settings(settings: &Settings) -> Option<Self> {
+        match &settings.credential {
+            Credential::ApiKey(_) => None,
+            Credential::AccessKey { id, secret } => Some(ExchangeConfig {
+                url: settings.token_exchange_url.clone(),
+                scheme: settings.token_exchange,
+                region: settings.region.clone(),
+                access_key_id: id.clone(),
+                access_key_secret: secret.clone(),
+                token_ttl: settings.token_ttl,
+                refresh_before: settings.token_refresh_before,
+            }),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading the answer
+// ---------------------------------------------------------------------------------------
+
+/// A temporary key and when it stops working.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedKey {
+    pub key: Secret,
+    pub expires_at: SystemTime,
+}
+
+/// Reads an exchange answer. `now` is when the request was made: it anchors the `token_ttl`
+/// fallback and the sanity check of the stated expiry.
+///
+/// Errors name the HTTP status and the endpoint's error `Code`, never the body: an error
+/// body may echo request parameters, and a success body holds the key.
+pub fn parse_response(
+    status: u16,
+    body: &[u8],
+    now: SystemTime,
+    token_ttl: Duration,
+) -> Result<IssuedKey, Error> {
+    let json: Option<Value> = serde_json::from_slice(body).ok();
+    let code = json.as_ref().and_then(error_code);
+    if !(200..300).contains(&status) {
+        return Err(endpoint_error(status, code.as_deref()));
+    }
+    let Some(json) = json else {
+        return Err(Error::TokenExchange {
+            reason: format!("HTTP {status}: the answer is not JSON"),
+        });
+    };
+    let Some((key, holder)) = find_key(&json) else {
+        return Err(match code {
+            Some(c) => endpoint_error(status, Some(&c)),
+            None => Error::TokenExchange {
+                reason: format!("HTTP {status}: the answer has no apiKey"),
+            },
+        });
+    };
+    let stated = holder
+        .and_then(expiry_field)
+        .or_else(|| expiry_field(&json))
+        .map(|v| parse_expiry(v).ok_or(v));
+    let expires_at = match stated {
+        Some(Ok(t)) => t,
+        Some(Err(_)) => {
+            tracing::warn!(
+                "token exchange: unreadable expireTime in the answer; assuming token_ttl"
+            );
+            now + token_ttl
+        }
+        None => now + token_ttl,
+    };
+    if expires_at <= now + EXPIRY_MARGIN {
+        return Err(Error::TokenExchange {
+            reason: format!(
+                "the endpoint issued a key that expires at {}, already (nearly) past by this machine's clock",
+                iso8601(expires_at)
+            ),
+        });
+    }
+    Ok(IssuedKey {
+        key: Secret::new(key),
+        expires_at,
+    })
+}
+
+/// The key and, when it came as an object, that object (the expiry may sit beside the value).
+fn find_key(json: &Value) -> Option<(&str, Option<&Value>)> {
+    for name in ["apiKey", "ApiKey"] {
+        match json.get(name) {
+            Some(Value::String(s)) if !s.trim().is_empty() => return Some((s.trim(), None)),
+            Some(obj @ Value::Object(_)) => {
+                for inner in ["apiKeyValue", "ApiKeyValue"] {
+                    if let Some(Value::String(s)) = obj.get(inner) {
+                        if !s.trim().is_empty() {
+                            return Some((s.trim(), Some(obj)));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+fn expiry_field(obj: &Value) -> Option<&Value> {
+    ["expireTime", "ExpireTime"]
+        .iter()
+        .find_map(|name| obj.get(*name))
+        .filter(|v| !v.is_null())
+}
+
+/// ISO-8601, or epoch seconds, or epoch milliseconds (above 10^11, which as seconds would be
+/// the year 5138), as a number or a numeric string.
+pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
+    match value {
+        Value::Number(n) => n
+            .as_i64()
+            .or_else(|| n.as_f64().map(|f| f as i64))
+            .and_then(from_epoch),
+        Value::String(s) => {
+            let s = s.trim();
+            if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+                s.parse::<f64>().ok().and_then(|f| from_epoch(f as i64))
+            } else {
+                parse_iso8601(s)
+            }
+        }
+        _ => None,
+    }
+}
+
+fn from_epoch(n: i64) -> Option<SystemTime> {
+    let n = u64::try_from(n).ok().filter(|n| *n > 0)?;
+    let d = if n > 100_000_000_000 {
+        Duration::from_millis(n)
+    } else {
+        Duration::from_secs(n)
+    };
+    UNIX_EPOCH.checked_add(d)
+}
+
+fn parse_iso8601(s: &str) -> Option<SystemTime> {
+    use time::format_description::well_known::{Iso8601, Rfc3339};
+    use time::macros::format_description;
+    use time::PrimitiveDateTime;
+
+    if let Ok(t) = OffsetDateTime::parse(s, &Rfc3339) {
+        return Some(t.into());
+    }
+    if let Ok(t) = OffsetDateTime::parse(s, &Iso8601::DEFAULT) {
+        return Some(t.into());
+    }
+    // Alibaba also writes minute precision (`2025-01-01T00:00Z`) and zone-less UTC times.
+    let s = s.strip_suffix('Z').unwrap_or(s);
+    let zone_less: [&[time::format_description::BorrowedFormatItem<'_>]; 4] = [
+        format_description!("[year]-[month]-[day]T[hour]:[minute]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond]"),
+    ];
+    zone_less
+        .iter()
+        .find_map(|f| PrimitiveDateTime::parse(s, f).ok())
+        .map(|t| t.assume_utc().into())
+}
+
+fn error_code(json: &Value) -> Option<String> {
+    ["Code", "code"].iter().find_map(|k| match json.get(*k) {
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(Value::Number(n)) => Some(n.to_string()),
+        _ => None,
+    })
+}
+
+/// Keeps an endpoint-supplied code to the characters error codes use, so an odd answer
+/// cannot smuggle text (or anything echoed from the request) into a log line.
+fn sanitize_code(code: &str) -> String {
+    code.chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        .take(80)
+        .collect()
+}
+
+/// `InvalidTimeStamp.Expired`, `RequestTimeTooSkewed` and their kin. `SignatureDoesNotMatch`
+/// is not among them: a wrong secret must not send the user to fix their clock.
+fn is_clock_skew(code: &str) -> bool {
+    let c = code.to_ascii_lowercase();
+    c.contains("timestamp") || c.contains("skew")
+}
+
+fn endpoint_error(status: u16, code: Option<&str>) -> Error {
+    let code = code.map(sanitize_code).filter(|c| !c.is_empty());
+    match code {
+        Some(c) if is_clock_skew(&c) => Error::ClockSkew {
+            reason: format!("HTTP {status}, {c}"),
+        },
+        Some(c) => Error::TokenExchange {
+            reason: format!("the endpoint answered HTTP {status}, {c}"),
+        },
+        None => Error::TokenExchange {
+            reason: format!("the endpoint answered HTTP {status}"),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One call
+// ---------------------------------------------------------------------------------------
+
+/// Something that performs one exchange. `now` is the time to sign with.
+pub trait Exchanger: Send + Sync + 'static {
+    fn exchange(&self, now: SystemTime) -> BoxFuture<'_, Result<IssuedKey, Error>>;
+}
+
+/// The real exchange over HTTP(S), signed with the configured scheme.
+pub struct HttpExchanger {
+    config: ExchangeConfig,
+    client: HttpClient,
+    hostname: String,
+}
+
+impl fmt::Debug for HttpExchanger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpExchanger")
+            .field("config", &self.config)
+            .field("hostname", &self.hostname)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpExchanger {
+    pub fn new(config: ExchangeConfig, client: HttpClient) -> Self {
+        HttpExchanger {
+            config,
+            client,
+            hostname: local_hostname(),
+        }
+    }
+
+    /// One exchange, bounded by [`CALL_TIMEOUT`]. An endpoint that cannot be reached is
+    /// E5001/E5002 (so `check` exits 69); everything else is E1004 or E1002.
+    pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
+        let host = self.config.url.host().to_string();
+        let request = self.request(now)?;
+        let call = async {
+            let response =
+                self.client
+                    .request(request)
+                    .await
+                    .map_err(|e| Error::UpstreamUnreachable {
+                        reason: describe(&e),
+                        host: host.clone(),
+                    })?;
+            let status = response.status().as_u16();
+            let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+                .collect()
+                .await
+                .map_err(|e| Error::TokenExchange {
+                    reason: format!("HTTP {status}: reading the answer failed: {e}"),
+                })?
+                .to_bytes();
+            parse_response(status, &body, now, self.config.token_ttl)
+        };
+        match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::UpstreamTimeout {
+                seconds: CALL_TIMEOUT.as_secs(),
+                host,
+            }),
+        }
+    }
+
+    fn request(&self, now: SystemTime) -> Result<http::Request<crate::upstream::ProxyBody>, Error> {
+        let cfg = &self.config;
+        let bad_url = |e: http::Error| Error::InvalidSetting {
+            key: "token_exchange_url".into(),
+            reason: e.to_string(),
+        };
+        let (uri, headers, body) = match cfg.scheme {
+            ExchangeScheme::RpcV1 => {
+                let params = rpc_v1::create_api_key_params(
+                    &cfg.access_key_id,
+                    &cfg.region,
+                    &signing::rpc_nonce(),
+                    &signing::timestamp(OffsetDateTime::from(now)),
+                );
+                let query = rpc_v1::signed_query("POST", &params, &cfg.access_key_secret);
+                let uri = cfg.url.join(&format!("/?{query}")).map_err(bad_url)?;
+                let headers = vec![("accept".to_string(), "application/json".to_string())];
+                (uri, headers, Vec::new())
+            }
+            ExchangeScheme::Acs3 => {
+                let signed = acs3::create_api_key_request(
+                    &acs3::CreateApiKey {
+                        host: cfg.url.authority.as_str(),
+                        path_prefix: &cfg.url.path,
+                        access_key_id: &cfg.access_key_id,
+                        hostname: &self.hostname,
+                        now: OffsetDateTime::from(now),
+                        ttl: time::Duration::try_from(cfg.token_ttl).unwrap_or(time::Duration::MAX),
+                        nonce: &signing::acs3_nonce(),
+                    },
+                    &cfg.access_key_secret,
+                );
+                // The prefix is part of the signed path already.
+                let uri = UpstreamUrl {
+                    path: String::new(),
+                    ..cfg.url.clone()
+                }
+                .join(&signed.path)
+                .map_err(bad_url)?;
+                (uri, signed.headers, signed.body)
+            }
+        };
+        let mut builder = http::Request::post(uri).header(
+            http::header::USER_AGENT,
+            concat!("abx-proxy/", env!("CARGO_PKG_VERSION")),
+        );
+        for (name, value) in &headers {
+            builder = builder.header(name.as_str(), value.as_str());
+        }
+        builder
+            .body(
+                Full::new(Bytes::from(body))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            )
+            .map_err(bad_url)
+    }
+}
+
+impl Exchanger for HttpExchanger {
+    fn exchange(&self, now: SystemTime) -> BoxFuture<'_, Result<IssuedKey, Error>> {
+        Box::pin(self.exchange_at(now))
+    }
+}
+
+/// One exchange for `check`: the key and its expiry as `YYYY-MM-DDTHH:MM:SSZ`.
+/// A plain API key configuration is E1001 here: there is nothing to exchange.
+pub async fn exchange_once(
+    settings: &Settings,
+    client: &HttpClient,
+) -> Result<(Secret, String), Error> {
+    let config = ExchangeConfig::from_settings(settings).ok_or(Error::MissingCredential)?;
+    let issued = HttpExchanger::new(config, client.clone())
+        .exchange_at(SystemTime::now())
+        .await?;
+    Ok((issued.key, iso8601(issued.expires_at)))
+}
+
+/// The machine's name as it goes into `apiKeyName`: letters, digits, `-` and `.` only.
+fn local_hostname() -> String {
+    let raw = gethostname::gethostname();
+    let name: String = raw
+        .to_string_lossy()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(63)
+        .collect();
+    if name.is_empty() {
+        "unknown".to_string()
+    } else {
+        name
+    }
+}
+
+/// An error and its causes on one line (`client error (Connect): tcp connect error: …`).
+/// These come from the HTTP stack and carry no request data.
+fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// The credential source
+// ---------------------------------------------------------------------------------------
+
+/// What the refresher reports after each exchange, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeEvent {
+    Success { expiry_unix: i64 },
+    Failure,
+}
+
+/// Called on the refresher task after every exchange; keep it quick.
+pub type Observer = Arc<dyn Fn(ExchangeEvent) + Send + Sync>;
+
+/// How an [`ExchangedKey`] runs. [`RefreshOptions::new`] gives the real clock and no observer.
+#[derive(Clone)]
+pub struct RefreshOptions {
+    pub refresh_before: Duration,
+    pub clock: Arc<dyn Clock>,
+    pub observer: Option<Observer>,
+}
+
+impl RefreshOptions {
+    pub fn new(refresh_before: Duration) -> Self {
+        RefreshOptions {
+            refresh_before,
+            clock: Arc::new(SystemClock),
+            observer: None,
+        }
+    }
+
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    pub fn with_observer(mut self, observer: Observer) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+}
+
+impl fmt::Debug for RefreshOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RefreshOptions")
+            .field("refresh_before", &self.refresh_before)
+            .field("observer", &self.observer.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Token {
+    key: Secret,
+    expires_at: SystemTime,
+    /// `expires_at - EXPIRY_MARGIN`: not handed out from here on.
+    usable_until: SystemTime,
+    refresh_at: SystemTime,
+}
+
+impl Token {
+    fn new(issued: IssuedKey, now: SystemTime, refresh_before: Duration) -> Self {
+        let expires_at = issued.expires_at;
+        let lifetime = expires_at.duration_since(now).unwrap_or_default();
+        let usable_until = expires_at.checked_sub(EXPIRY_MARGIN).unwrap_or(UNIX_EPOCH);
+        let lead = refresh_before.min(lifetime / 2);
+        // Refreshing after the key stopped being handed out would leave a gap every cycle.
+        let refresh_at = expires_at
+            .checked_sub(lead)
+            .unwrap_or(UNIX_EPOCH)
+            .min(usable_until);
+        Token {
+            key: issued.key,
+            expires_at,
+            usable_until,
+            refresh_at,
+        }
+    }
+}
+
+struct Shared {
+    token: ArcSwapOption<Token>,
+    /// Why the last exchange failed; cleared by a success.
+    last_error: ArcSwapOption<Error>,
+    /// Completed exchanges (either outcome): waiters for the first answer watch it.
+    attempts: watch::Sender<u64>,
+    /// Requests that see a key past its refresh time nudge the refresher (after a suspend
+    /// the timer may lag the wall clock).
+    kick: Notify,
+    clock: Arc<dyn Clock>,
+    observer: Option<Observer>,
+    successes: AtomicU64,
+    failures: AtomicU64,
+    /// Unix seconds of the current key's expiry, 0 when there is none.
+    expiry_unix: AtomicI64,
+}
+
+impl Shared {
+    fn unusable(&self) -> Error {
+        match &*self.last_error.load() {
+            Some(e) => Error::clone(e),
+            None => Error::TokenExchange {
+                reason: "the temporary key has expired and no new one has been obtained yet".into(),
+            },
+        }
+    }
+
+    fn usable_key(&self, now: SystemTime) -> Option<Secret> {
+        match &*self.token.load() {
+            Some(t) if now < t.usable_until => Some(t.key.clone()),
+            _ => None,
+        }
+    }
+
+    fn notify(&self, event: ExchangeEvent) {
+        if let Some(observer) = &self.observer {
+            observer(event);
+        }
+    }
+}
+
+/// The AK/SK credential source: a temporary key obtained at construction and kept fresh in
+/// the background. Dropping it stops the refresher.
+pub struct ExchangedKey {
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ExchangedKey {
+    /// Starts the first exchange now. Must be called within a Tokio runtime.
+    pub fn new(config: ExchangeConfig, client: HttpClient, observer: Option<Observer>) -> Self {
+        let mut options = RefreshOptions::new(config.refresh_before);
+        options.observer = observer;
+        Self::with_exchanger(Arc::new(HttpExchanger::new(config, client)), options)
+    }
+
+    /// Starts the first exchange now with any [`Exchanger`]. Must be called within a Tokio
+    /// runtime.
+    pub fn with_exchanger(exchanger: Arc<dyn Exchanger>, options: RefreshOptions) -> Self {
+        let (attempts, _) = watch::channel(0);
+        let shared = Arc::new(Shared {
+            token: ArcSwapOption::empty(),
+            last_error: ArcSwapOption::empty(),
+            attempts,
+            kick: Notify::new(),
+            clock: options.clock,
+            observer: options.observer,
+            successes: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            expiry_unix: AtomicI64::new(0),
+        });
+        let task = tokio::spawn(refresher(
+            Arc::clone(&shared),
+            exchanger,
+            options.refresh_before,
+        ));
+        ExchangedKey { shared, task }
+    }
+
+    /// The key to attach now. Lock-free while a usable key is cached; before the first
+    /// exchange has answered, waits for it up to [`STARTUP_WAIT`]. E1004 (or E1002 after a
+    /// clock-skew answer) when there is no usable key.
+    pub async fn current(&self) -> Result<Secret, Error> {
+        let shared = &*self.shared;
+        let now = shared.clock.now();
+        if let Some(t) = &*shared.token.load() {
+            if now >= t.refresh_at {
+                shared.kick.notify_one();
+            }
+            if now < t.usable_until {
+                return Ok(t.key.clone());
+            }
+            return Err(shared.unusable());
+        }
+        if *shared.attempts.borrow() == 0 {
+            let mut first = shared.attempts.subscribe();
+            tokio::select! {
+                _ = first.wait_for(|n| *n > 0) => {}
+                _ = shared.clock.sleep(STARTUP_WAIT) => {
+                    return Err(Error::TokenExchange {
+                        reason: format!(
+                            "no answer from the token exchange endpoint within {}s",
+                            STARTUP_WAIT.as_secs()
+                        ),
+                    });
+                }
+            }
+            if let Some(key) = shared.usable_key(shared.clock.now()) {
+                return Ok(key);
+            }
+        }
+        Err(shared.unusable())
+    }
+
+    /// Whether a key could be attached right now (for `/readyz`); never waits.
+    pub fn ready(&self) -> bool {
+        self.shared.usable_key(self.shared.clock.now()).is_some()
+    }
+
+    /// Unix seconds of the cached key's expiry, once one has been obtained.
+    pub fn expiry_unix(&self) -> Option<i64> {
+        match self.shared.expiry_unix.load(Ordering::Relaxed) {
+            0 => None,
+            t => Some(t),
+        }
+    }
+
+    /// Successful exchanges so far.
+    pub fn successes(&self) -> u64 {
+        self.shared.successes.load(Ordering::Relaxed)
+    }
+
+    /// Failed exchanges so far.
+    pub fn failures(&self) -> u64 {
+        self.shared.failures.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for ExchangedKey {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl fmt::Debug for ExchangedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExchangedKey")
+            .field("ready", &self.ready())
+            .field("expiry_unix", &self.expiry_unix())
+            .field("successes", &self.successes())
+            .field("failures", &self.failures())
+            .finish()
+    }
+}
+
+/// Exchange errors as requests see them: an unreachable endpoint is still "no key" (E1004,
+/// 503), not an upstream failure of the request itself.
+fn as_credential_error(e: Error) -> Error {
+    match e {
+        Error::TokenExchange { .. } | Error::ClockSkew { .. } => e,
+        other => Error::TokenExchange {
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Delay before retry number `n` (from 0): 1 s doubling to 30 s, each drawn from the upper
+/// half of its step so a fleet restarted together does not retry in lockstep.
+fn backoff(n: u32) -> Duration {
+    let step = BACKOFF_MIN
+        .saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX))
+        .min(BACKOFF_MAX);
+    step.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
+async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_before: Duration) {
+    let mut failed_in_row: u32 = 0;
+    loop {
+        if failed_in_row == 0 {
+            wait_until_due(&shared).await;
+        }
+        let started = shared.clock.now();
+        let outcome = tokio::select! {
+            r = exchanger.exchange(started) => r,
+            _ = shared.clock.sleep(CALL_TIMEOUT) => Err(Error::TokenExchange {
+                reason: format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
+            }),
+        };
+        let now = shared.clock.now();
+        let outcome = outcome.and_then(|issued| {
+            let token = Token::new(issued, now, refresh_before);
+            if token.usable_until > now {
+                Ok(token)
+            } else {
+                Err(Error::TokenExchange {
+                    reason: "the issued key expired before it could be used".into(),
+                })
+            }
+        });
+        match outcome {
+            Ok(token) => {
+                let expiry_unix = unix_seconds(token.expires_at);
+                tracing::info!(expires_at = %iso8601(token.expires_at), "token exchange succeeded");
+                shared.token.store(Some(Arc::new(token)));
+                shared.last_error.store(None);
+                shared.expiry_unix.store(expiry_unix, Ordering::Relaxed);
+                shared.successes.fetch_add(1, Ordering::Relaxed);
+                shared.notify(ExchangeEvent::Success { expiry_unix });
+                shared.attempts.send_modify(|n| *n += 1);
+                failed_in_row = 0;
+            }
+            Err(e) => {
+                let e = as_credential_error(e);
+                let delay = backoff(failed_in_row);
+                tracing::warn!(
+                    error = %e.line(),
+                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "token exchange failed"
+                );
+                shared.last_error.store(Some(Arc::new(e)));
+                shared.failures.fetch_add(1, Ordering::Relaxed);
+                shared.notify(ExchangeEvent::Failure);
+                shared.attempts.send_modify(|n| *n += 1);
+                failed_in_row = failed_in_row.saturating_add(1);
+                shared.clock.sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Returns when the cached key is due for refresh (at once when there is none).
+async fn wait_until_due(shared: &Shared) {
+    loop {
+        let due = match &*shared.token.load() {
+            Some(t) => t.refresh_at,
+            None => return,
+        };
+        let wait = match due.duration_since(shared.clock.now()) {
+            Ok(w) if !w.is_zero() => w,
+            _ => return,
+        };
+        tokio::select! {
+            _ = shared.clock.sleep(wait.min(RECHECK_EVERY)) => {}
+            _ = shared.kick.notified() => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const TTL: Duration = Duration::from_secs(3600);
+
+    fn now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_735_689_600) // 2025-01-01T00:00:00Z
+    }
+
+    fn parse(status: u16, body: Value) -> Result<IssuedKey, Error> {
+        parse_response(status, body.to_string().as_bytes(), now(), TTL)
+    }
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn key_shapes() {
+        for body in [
+            json!({"apiKey": {"apiKeyValue": "k1"}}),
+            json!({"ApiKey": {"ApiKeyValue": "k1"}}),
+            json!({"apiKey": "k1"}),
+            json!({"ApiKey": " k1 "}),
+            json!({"RequestId": "x", "apiKey": {"apiKeyName": "n", "apiKeyValue": "k1"}}),
+        ] {
+            let k = parse(200, body.clone()).unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert_eq!(k.key.expose(), "k1", "{body}");
+            assert_eq!(k.expires_at, now() + TTL, "{body}");
+        }
+    }
+
+    #[test]
+    fn expiry_forms() {
+        let exp = 1_735_693_200; // +1 h
+        for body in [
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00:00Z"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T09:00:00+08:00"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00Z"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00:00.000Z"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00"}}),
+            json!({"ApiKey": {"ApiKeyValue": "k", "ExpireTime": exp}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": exp * 1000}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": exp.to_string()}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": (exp * 1000).to_string()}}),
+            json!({"apiKey": "k", "expireTime": exp}),
+            json!({"apiKey": {"apiKeyValue": "k"}, "ExpireTime": "2025-01-01T01:00:00Z"}),
+        ] {
+            let k = parse(200, body.clone()).unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert_eq!(k.expires_at, at(exp), "{body}");
+        }
+    }
+
+    #[test]
+    fn unreadable_or_null_expiry_falls_back_to_ttl() {
+        for body in [
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "soon"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": null}}),
+        ] {
+            assert_eq!(
+                parse(200, body).map(|k| k.expires_at).ok(),
+                Some(now() + TTL)
+            );
+        }
+    }
+
+    #[test]
+    fn past_expiry_is_an_error() {
+        let e = parse(200, json!({"apiKey": "k", "expireTime": 1_000_000_000}));
+        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn error_answers_name_status_and_code_only() {
+        let body = json!({"Code": "InvalidAccessKeyId.NotFound", "Message": "Specified access key is not found: LTAIsecretish", "RequestId": "r"});
+        let e = parse(404, body).err().unwrap_or(Error::MissingCredential);
+        assert_eq!(e.code(), "E1004");
+        let text = e.to_string();
+        assert!(
+            text.contains("404") && text.contains("InvalidAccessKeyId.NotFound"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("LTAI") && !text.contains("Specified"),
+            "{text}"
+        );
+
+        let e = parse(
+            403,
+            json!({"code": "SignatureDoesNotMatch", "message": "m"}),
+        );
+        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+
+        let e = parse_response(500, b"<html>oops k=secret</html>", now(), TTL);
+        match e {
+            Err(Error::TokenExchange { reason }) => {
+                assert_eq!(reason, "the endpoint answered HTTP 500")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn success_status_without_key() {
+        let e = parse(200, json!({"Code": "Throttling.User", "Message": "m"}));
+        assert!(
+            matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains("Throttling.User")),
+            "{e:?}"
+        );
+        let e = parse(200, json!({"apiKey": {"apiKeyValue": ""}}));
+        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+        let e = parse_response(200, b"not json", now(), TTL);
+        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn clock_skew_codes() {
+        for code in [
+            "InvalidTimeStamp.Expired",
+            "InvalidTimeStamp.Format",
+            "RequestTimeTooSkewed",
+        ] {
+            let e = parse(400, json!({"Code": code, "Message": "m"}));
+            assert!(matches!(e, Err(Error::ClockSkew { .. })), "{code}: {e:?}");
+        }
+        assert!(!is_clock_skew("SignatureDoesNotMatch"));
+    }
+
+    #[test]
+    fn odd_codes_are_sanitized() {
+        let e = parse(400, json!({"Code": "Bad Code\n<script>", "Message": "m"}));
+        let text = e.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.ends_with("HTTP 400, BadCodescript"), "{text}");
+    }
+
+    #[test]
+    fn refresh_point() {
+        let issued = |secs| IssuedKey {
+            key: Secret::new("k"),
+            expires_at: now() + Duration::from_secs(secs),
+        };
+        // min(refresh_before, lifetime / 2) before expiry.
+        let t = Token::new(issued(20), now(), Duration::from_secs(10));
+        assert_eq!(t.refresh_at, now() + Duration::from_secs(10));
+        let t = Token::new(issued(3600), now(), Duration::from_secs(300));
+        assert_eq!(t.refresh_at, now() + Duration::from_secs(3300));
+        let t = Token::new(issued(60), now(), Duration::from_secs(300));
+        assert_eq!(t.refresh_at, now() + Duration::from_secs(30));
+        // Never after the key stops being handed out.
+        let t = Token::new(issued(60), now(), Duration::ZERO);
+        assert_eq!(t.refresh_at, now() + Duration::from_secs(55));
+        assert_eq!(t.usable_until, now() + Duration::from_secs(55));
+    }
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_jitter() {
+        for (n, step) in [(0, 1), (1, 2), (2, 4), (4, 16), (5, 30), (40, 30)] {
+            let d = backoff(n);
+            let step = Duration::from_secs(step);
+            assert!(d >= step / 2 && d <= step, "{n}: {d:?}");
+        }
+    }
+}

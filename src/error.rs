@@ -1,0 +1,185 @@
+//! The error catalogue: every E-code, its message, its suggestion, its exit status and its
+//! HTTP status. Only this file knows the texts.
+//!
+//! Variants carry only non-secret context (key names, file paths, host names, reasons built
+//! by this crate). A secret has no way in: [`crate::secret::Secret`] prints as `****`.
+
+use std::fmt::Write as _;
+
+/// Exit status for a bad command line (clap uses it too).
+pub const EXIT_USAGE: i32 = 2;
+/// EX_UNAVAILABLE: `check` could not reach the upstream or the exchange endpoint.
+pub const EXIT_UNAVAILABLE: i32 = 69;
+/// EX_CONFIG: configuration or credential error.
+pub const EXIT_CONFIG: i32 = 78;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// E1001: neither an API key nor a complete AccessKey pair was found.
+    #[error("API key cannot be empty")]
+    MissingCredential,
+    /// E1002: the exchange endpoint says our clock is off.
+    #[error("clock skew: the token exchange endpoint rejected the request time ({reason})")]
+    ClockSkew { reason: String },
+    /// E1003: one half of the AccessKey pair, and no API key.
+    #[error("incomplete AccessKey pair: {present} is set but {missing} is not")]
+    IncompletePair {
+        present: &'static str,
+        missing: &'static str,
+    },
+    /// E1004: no usable temporary key (exchange failed, or the key expired).
+    #[error("token exchange failed: {reason}")]
+    TokenExchange { reason: String },
+    /// E1005: a setting has a value we cannot use.
+    #[error("invalid value for {key}: {reason}")]
+    InvalidSetting { key: String, reason: String },
+    /// E1006: a file named by a setting or flag cannot be read or parsed.
+    #[error("cannot read {path}: {reason}")]
+    ReadFile { path: String, reason: String },
+    /// E1007: a non-loopback listener without TLS and without consent.
+    #[error("refusing to listen on {addr} without TLS: anyone who reaches this port spends your key")]
+    RemoteListen { addr: String },
+    /// E1008: a listener could not be bound.
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    /// E1009: the upstream answered `check` with 401/403.
+    #[error("the upstream rejected the credential ({status} from {host})")]
+    CredentialRejected { status: u16, host: String },
+    /// E2009: the control plane does not know the sandbox.
+    #[error("sandbox not found: {sandbox_id}")]
+    SandboxNotFound { sandbox_id: String },
+    /// E5001: connect or TLS failure towards the upstream.
+    #[error("upstream unreachable: {reason} ({host})")]
+    UpstreamUnreachable { reason: String, host: String },
+    /// E5002: the upstream did not answer in time.
+    #[error("upstream timeout: no response within {seconds}s ({host})")]
+    UpstreamTimeout { seconds: u64, host: String },
+    /// E5003: a request this proxy will not forward.
+    #[error("request refused: {reason}")]
+    Refused { reason: String },
+    /// E8001: a provider manifest or install receipt is malformed.
+    #[error("invalid provider manifest {path}:{line}: {reason}")]
+    Manifest {
+        path: String,
+        line: usize,
+        reason: String,
+    },
+    /// E8002: the selected provider is neither built in nor installed.
+    #[error("unknown provider: {id}")]
+    UnknownProvider { id: String },
+    /// E8003: a provider needs consent or a field it does not have.
+    #[error("provider {id}: {reason}")]
+    Provider { id: String, reason: String },
+}
+
+impl Error {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::MissingCredential => "E1001",
+            Error::ClockSkew { .. } => "E1002",
+            Error::IncompletePair { .. } => "E1003",
+            Error::TokenExchange { .. } => "E1004",
+            Error::InvalidSetting { .. } => "E1005",
+            Error::ReadFile { .. } => "E1006",
+            Error::RemoteListen { .. } => "E1007",
+            Error::Bind { .. } => "E1008",
+            Error::CredentialRejected { .. } => "E1009",
+            Error::SandboxNotFound { .. } => "E2009",
+            Error::UpstreamUnreachable { .. } => "E5001",
+            Error::UpstreamTimeout { .. } => "E5002",
+            Error::Refused { .. } => "E5003",
+            Error::Manifest { .. } => "E8001",
+            Error::UnknownProvider { .. } => "E8002",
+            Error::Provider { .. } => "E8003",
+        }
+    }
+
+    /// What the user can do about it, when there is something to say.
+    pub fn suggestion(&self) -> Option<String> {
+        let s = match self {
+            Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
+            Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
+            Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
+            Error::TokenExchange { .. } => "Check the AccessKey pair, token_exchange_url and network access; `abx-proxy check` performs one exchange and reports the cause.",
+            Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
+            Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
+            Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
+            Error::Bind { .. } => "Is another process using the address? Choose another with --listen / --admin-listen.",
+            Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check ABX_SANDBOX_API_KEY or the AccessKey pair.",
+            Error::UpstreamUnreachable { .. } => "Check network access to the upstream, sandbox_base_url and --upstream-ca.",
+            Error::UpstreamTimeout { .. } => "The upstream is slow or unreachable; retry, or raise --upstream-timeout.",
+            Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
+            Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
+            Error::SandboxNotFound { .. } | Error::Refused { .. } | Error::Provider { .. } => {
+                return None
+            }
+        };
+        Some(s.to_string())
+    }
+
+    /// Exit status when this error ends a command.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::UpstreamUnreachable { .. } | Error::UpstreamTimeout { .. } => EXIT_UNAVAILABLE,
+            _ => EXIT_CONFIG,
+        }
+    }
+
+    /// HTTP status when the proxy answers a request with this error itself.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Error::UpstreamUnreachable { .. } => 502,
+            Error::UpstreamTimeout { .. } => 504,
+            Error::Refused { .. } => 400,
+            Error::SandboxNotFound { .. } => 404,
+            _ => 503,
+        }
+    }
+
+    /// `[E1001] API key cannot be empty` — the one-line form used in logs and HTTP bodies.
+    pub fn line(&self) -> String {
+        format!("[{}] {}", self.code(), self)
+    }
+
+    /// The house format for stderr: the line, then an indented suggestion.
+    pub fn render(&self) -> String {
+        let mut out = self.line();
+        if let Some(s) = self.suggestion() {
+            let _ = write!(out, "\n  Suggestion: {s}");
+        }
+        out
+    }
+
+    /// The E2B error shape, so the SDKs show the message: `{"code": 502, "message": "[E5001] …"}`.
+    pub fn json_body(&self) -> String {
+        serde_json::json!({ "code": self.http_status(), "message": self.line() }).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn house_format() {
+        assert_eq!(
+            Error::MissingCredential.render(),
+            "[E1001] API key cannot be empty\n  Suggestion: Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file."
+        );
+        assert_eq!(Error::MissingCredential.exit_code(), 78);
+    }
+
+    #[test]
+    fn json_shape() {
+        let e = Error::UpstreamUnreachable {
+            reason: "connect refused".into(),
+            host: "api.example".into(),
+        };
+        let v: serde_json::Value = serde_json::from_str(&e.json_body()).unwrap();
+        assert_eq!(v["code"], 502);
+        assert_eq!(
+            v["message"],
+            "[E5001] upstream unreachable: connect refused (api.example)"
+        );
+    }
+}

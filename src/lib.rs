@@ -1,0 +1,35 @@
+//! abx-proxy: a local, streaming, credential-injecting reverse proxy for E2B-compatible
+//! sandbox clouds.
+//!
+//! Module map, in the order a request meets them:
+//! - [`settings`]: the key table and the layered resolution (flags → env → `./.env` →
+//!   `~/.abx/.env` → `~/.abx/config.toml` → default), read once into typed data;
+//! - [`credentials`]: where the key attached to a request comes from (static key, AK/SK
+//!   exchange, envd token store);
+//! - [`signing`]: Alibaba Cloud request signatures, pure functions;
+//! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
+//! - [`upstream`]: the TLS client stack shared by the proxy and its own calls;
+//! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
+//! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
+//!
+//! The binary's commands live in [`serve`], [`commands`] and [`check`].
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod check;
+pub mod cli;
+pub mod commands;
+pub mod credentials;
+pub mod error;
+pub mod logging;
+pub mod metrics;
+pub mod proxy;
+pub mod secret;
+pub mod serve;
+pub mod settings;
+pub mod signals;
+pub mod signing;
+pub mod upstream;
+
+pub use error::Error;
+pub use secret::Secret;

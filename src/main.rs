@@ -1,0 +1,55 @@
+//! The `abx-proxy` binary: parse the command line, set up logging, run the command, turn
+//! its error into the house format and an exit status.
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use abx_proxy::cli::{Cli, Command, ConfigCommand, ProviderCommand};
+use abx_proxy::error::EXIT_USAGE;
+use abx_proxy::{commands, logging, serve, Error};
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let command = cli.command.unwrap_or(Command::Serve(cli.serve));
+    let settings = match &command {
+        Command::Serve(a) => Some(&a.settings),
+        Command::Check(a) => Some(&a.settings),
+        Command::Config { command: ConfigCommand::List { settings, .. } }
+        | Command::Config { command: ConfigCommand::Get { settings, .. } } => Some(settings),
+        Command::Provider { .. } => None,
+    };
+    if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
+        eprintln!(
+            "error: {} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
+            refused.0, refused.1
+        );
+        return ExitCode::from(EXIT_USAGE as u8);
+    }
+    let result: Result<i32, Error> = match &command {
+        Command::Serve(args) => {
+            logging::init(args.log_format, args.log_level.as_deref(), "info");
+            serve::run(args).map(|()| 0)
+        }
+        Command::Check(args) => {
+            logging::init(Default::default(), None, "warn");
+            commands::check(args)
+        }
+        Command::Config { command } => match command {
+            ConfigCommand::List { json, settings } => commands::config_list(settings, *json),
+            ConfigCommand::Get { key, settings } => commands::config_get(settings, key),
+        },
+        Command::Provider { command } => match command {
+            ProviderCommand::List => commands::provider_list(),
+            ProviderCommand::Info { id } => commands::provider_info(id),
+            ProviderCommand::Install { file, consent } => commands::provider_install(file, *consent),
+        },
+    };
+    match result {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("{}", e.render());
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Phase 4, forward: send the rewritten request upstream with a deadline for the response
+//! head, and turn failures into E5001/E5002 with a metric kind.
+
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+use crate::error::Error;
+use crate::upstream::{HttpClient, ProxyBody};
+
+/// Why an upstream exchange failed, as `abx_proxy_upstream_errors_total{kind}` labels it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    Connect,
+    Tls,
+    Timeout,
+    Reset,
+    Protocol,
+}
+
+impl FailKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            FailKind::Connect => "connect",
+            FailKind::Tls => "tls",
+            FailKind::Timeout => "timeout",
+            FailKind::Reset => "reset",
+            FailKind::Protocol => "protocol",
+        }
+    }
+}
+
+pub async fn send(
+    client: &HttpClient,
+    req: Request<ProxyBody>,
+    timeout: Duration,
+    host: &str,
+) -> Result<Response<Incoming>, (Error, FailKind)> {
+    match tokio::time::timeout(timeout, client.request(req)).await {
+        Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(e)) => {
+            let kind = classify(&e);
+            Err((
+                Error::UpstreamUnreachable {
+                    reason: describe(&e),
+                    host: host.to_string(),
+                },
+                kind,
+            ))
+        }
+        Err(_) => Err((
+            Error::UpstreamTimeout {
+                seconds: timeout.as_secs().max(1),
+                host: host.to_string(),
+            },
+            FailKind::Timeout,
+        )),
+    }
+}
+
+fn chain<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |e| e.source())
+}
+
+fn find_rustls<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    chain(e).find_map(|e| {
+        e.downcast_ref::<rustls::Error>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        })
+    })
+}
+
+fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(|io| io.kind()))
+}
+
+pub fn classify(e: &hyper_util::client::legacy::Error) -> FailKind {
+    use std::io::ErrorKind::*;
+    if find_rustls(e).is_some() {
+        return FailKind::Tls;
+    }
+    if e.is_connect() {
+        return match find_io(e) {
+            Some(TimedOut) => FailKind::Timeout,
+            _ => FailKind::Connect,
+        };
+    }
+    match find_io(e) {
+        Some(ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof) => FailKind::Reset,
+        Some(TimedOut) => FailKind::Timeout,
+        _ => FailKind::Protocol,
+    }
+}
+
+/// A short, secret-free reason: "connect refused", "tls: invalid peer certificate: …".
+pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
+    use std::io::ErrorKind::*;
+    if let Some(tls) = find_rustls(e) {
+        return format!("tls: {tls}");
+    }
+    match find_io(e) {
+        Some(ConnectionRefused) => "connect refused".into(),
+        Some(TimedOut) => "connect timed out".into(),
+        Some(ConnectionReset) => "connection reset".into(),
+        Some(UnexpectedEof) => "connection closed early".into(),
+        Some(kind) if e.is_connect() => format!("connect failed: {kind}"),
+        _ if e.is_connect() => {
+            // DNS failures surface as a plain message from the resolver.
+            let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
+            format!("connect failed: {msg}")
+        }
+        _ => {
+            let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
+            format!("upstream connection failed: {msg}")
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! One request through the phases: route → authorize → rewrite → forward → respond → log.
+//! Each phase is a call in [`Proxy::handle`] or in the plane functions below it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
+use http::request::Parts;
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body as _;
+use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+
+use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
+use super::compat::{self, Rewrite};
+use super::forward::{self, FailKind};
+use super::headers::{self, X_ACCESS_TOKEN};
+use super::route::{self, Route};
+use super::sniff::{self, Sniff};
+use super::{EnvdTarget, Proxy};
+use crate::error::Error;
+use crate::secret::Secret;
+use crate::settings::CompatMode;
+use crate::upstream::ProxyBody;
+
+/// A failed request: the error answered, and the upstream failure kind when there was one.
+struct Failure {
+    error: Error,
+    kind: Option<FailKind>,
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        Failure { error, kind: None }
+    }
+}
+
+impl From<(Error, FailKind)> for Failure {
+    fn from((error, kind): (Error, FailKind)) -> Self {
+        Failure {
+            error,
+            kind: Some(kind),
+        }
+    }
+}
+
+fn internal(reason: impl std::fmt::Display) -> Error {
+    Error::Refused {
+        reason: format!("cannot build the upstream request: {reason}"),
+    }
+}
+
+impl Proxy {
+    pub async fn handle(
+        self: Arc<Self>,
+        mut req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let start = Instant::now();
+        let method = req.method().clone();
+        let uri = req.uri().clone();
+        let upgrade = (req.version() == Version::HTTP_11 && headers::is_upgrade(req.headers()))
+            .then(|| hyper::upgrade::on(&mut req));
+        let (parts, body) = req.into_parts();
+
+        let (plane, result) = match route::route(&parts, &self.host_policy) {
+            Err(e) => ("api", Err(Failure::from(e))),
+            Ok(route) => {
+                let plane = route.plane();
+                let gauge = self.metrics.in_flight.with_label_values(&[plane]);
+                gauge.inc();
+                let result = match route {
+                    Route::Api => self.api(parts, body, upgrade).await,
+                    Route::Envd { sandbox_id, port } => {
+                        self.envd(parts, body, &sandbox_id, port, upgrade).await
+                    }
+                };
+                gauge.dec();
+                (plane, result)
+            }
+        };
+        let (resp, upstream) = match result {
+            Ok(ok) => ok,
+            Err(f) => {
+                if let Some(kind) = f.kind {
+                    self.metrics
+                        .upstream_errors
+                        .with_label_values(&[plane, kind.label()])
+                        .inc();
+                }
+                (body::error_response(&f.error), String::new())
+            }
+        };
+        let elapsed = start.elapsed();
+        let status = resp.status().as_u16();
+        self.metrics
+            .requests
+            .with_label_values(&[plane, method.as_str(), &itoa(status)])
+            .inc();
+        self.metrics
+            .duration
+            .with_label_values(&[plane])
+            .observe(elapsed.as_secs_f64());
+        // Never the query string: signed file URLs carry secrets there.
+        tracing::info!(
+            target: "abx_proxy::access",
+            method = %method,
+            path = %uri.path(),
+            plane,
+            status,
+            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            upstream = %upstream,
+        );
+        Ok(resp)
+    }
+
+    /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
+    async fn api(
+        &self,
+        mut parts: Parts,
+        body: Incoming,
+        upgrade: Option<OnUpgrade>,
+    ) -> Result<(Response<ProxyBody>, String), Failure> {
+        // authorize
+        let credential = self.credential.load_full();
+        let key = credential.current().await?;
+        let auth_value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
+
+        // rewrite
+        let path = parts.uri.path();
+        let rewrite = match self.compat {
+            CompatMode::Rewrite => compat::plan(&parts.method, path),
+            CompatMode::Pass => Rewrite::None,
+        };
+        let upstream_path = match rewrite {
+            Rewrite::None => path,
+            _ => compat::rewritten_path(path),
+        };
+        let sniff = sniff::plan(&parts.method, upstream_path);
+        let uri = match parts.uri.query() {
+            Some(q) => self.api_base.join(&format!("{upstream_path}?{q}")),
+            None => self.api_base.join(upstream_path),
+        }
+        .map_err(internal)?;
+        headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
+        parts.headers.remove(HOST);
+        headers::authorize_api(&mut parts.headers, &self.auth, auth_value);
+        if sniff == Sniff::Learn {
+            // The token is read from the body: ask for it uncompressed.
+            parts.headers.remove(ACCEPT_ENCODING);
+        }
+        let body = if rewrite == Rewrite::Create {
+            parts.headers.remove(CONTENT_LENGTH);
+            match body::read_bounded(body, SNIFF_LIMIT).await {
+                Ok(Bounded::Complete(b)) => body::full(compat::add_secure(b)),
+                Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                Err(_) => {
+                    return Err(Error::Refused {
+                        reason: "request body ended early".into(),
+                    }
+                    .into())
+                }
+            }
+        } else {
+            body::boxed(body)
+        };
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+
+        // forward
+        let host = self.api_base.host().to_string();
+        let client = match upgrade {
+            // HTTP/2 has no Upgrade: a WebSocket goes over the HTTP/1.1 client.
+            Some(_) => &self.envd_client,
+            None => &self.api_client,
+        };
+        let resp = forward::send(client, Request::from_parts(parts, body), self.upstream_timeout, &host)
+            .await?;
+
+        // respond
+        let resp = self.respond(resp, sniff, upgrade).await?;
+        Ok((resp, host))
+    }
+
+    /// envd: the sandbox's token, routing headers, one refetch on 401.
+    async fn envd(
+        &self,
+        mut parts: Parts,
+        body: Incoming,
+        sandbox_id: &str,
+        port: u16,
+        upgrade: Option<OnUpgrade>,
+    ) -> Result<(Response<ProxyBody>, String), Failure> {
+        // authorize: the store, else the client's own token, else ask the control plane.
+        let client_token = parts
+            .headers
+            .get(X_ACCESS_TOKEN)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(Secret::new);
+        let token = match (self.tokens.get(sandbox_id), client_token) {
+            (Some(t), _) => t,
+            (None, Some(t)) => t,
+            (None, None) => self.lookup_token(sandbox_id).await?,
+        };
+
+        // rewrite
+        let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        let (uri, host) = self.envd_uri(sandbox_id, port, pq)?;
+        headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
+        parts.headers.remove(HOST);
+        headers::authorize_envd(&mut parts.headers, &token, sandbox_id, port);
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+        // A request without a body can be sent again after a 401.
+        let replay = body
+            .is_end_stream()
+            .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
+
+        // forward
+        let req = Request::from_parts(parts, body::boxed(body));
+        let mut resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
+        if resp.status() == StatusCode::UNAUTHORIZED {
+            // The token may have been rotated: fetch it again, once.
+            self.tokens.remove(sandbox_id);
+            if let Ok(fresh) = self.lookup_token(sandbox_id).await {
+                if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
+                    headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
+                    let req = rebuild(method, uri, headers);
+                    resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host)
+                        .await?;
+                }
+            }
+        }
+
+        // respond
+        let resp = self.respond(resp, Sniff::None, upgrade).await?;
+        Ok((resp, host))
+    }
+
+    fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, String), Error> {
+        match &self.envd {
+            EnvdTarget::Url(url) => Ok((url.join(pq).map_err(internal)?, url.host().to_string())),
+            EnvdTarget::Domain { scheme, domain } => {
+                let host = format!("{port}-{sandbox_id}.{domain}");
+                let uri = Uri::builder()
+                    .scheme(scheme.clone())
+                    .authority(host.as_str())
+                    .path_and_query(pq)
+                    .build()
+                    .map_err(internal)?;
+                Ok((uri, host))
+            }
+        }
+    }
+
+    /// The sandbox's envd token from the control plane, one look-up per sandbox at a time.
+    /// A sandbox that exists without a token (not `secure`) gets an empty one.
+    async fn lookup_token(&self, sandbox_id: &str) -> Result<Secret, Error> {
+        let found = self
+            .tokens
+            .get_or_fetch(sandbox_id, || self.fetch_token(sandbox_id))
+            .await?;
+        self.metrics.envd_tokens.set(self.tokens.len() as i64);
+        found.ok_or_else(|| Error::SandboxNotFound {
+            sandbox_id: sandbox_id.to_string(),
+        })
+    }
+
+    async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
+        let key = self.credential.load_full().current().await?;
+        let value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
+        let uri = self
+            .api_base
+            .join(&format!("/sandboxes/{sandbox_id}"))
+            .map_err(internal)?;
+        let mut headers = HeaderMap::new();
+        headers.insert(self.auth.header(), value);
+        let req = rebuild(Method::GET, uri, headers);
+        let host = self.api_base.host().to_string();
+        let resp = forward::send(&self.api_client, req, self.upstream_timeout, &host)
+            .await
+            .map_err(|(e, _)| e)?;
+        let status = resp.status();
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(Error::UpstreamUnreachable {
+                reason: format!("envd token look-up answered {}", status.as_u16()),
+                host,
+            });
+        }
+        match body::read_bounded(resp.into_body(), SNIFF_LIMIT).await {
+            Ok(Bounded::Complete(b)) => Ok(Some(
+                sniff::learn(&b).map_or_else(|| Secret::new(""), |(_, t)| t),
+            )),
+            _ => Err(Error::UpstreamUnreachable {
+                reason: "envd token look-up: unreadable answer".into(),
+                host,
+            }),
+        }
+    }
+
+    /// Phase 5, respond: hop-by-hop out, tunnels for upgrades, token learning.
+    async fn respond(
+        &self,
+        mut resp: Response<Incoming>,
+        sniff: Sniff,
+        upgrade: Option<OnUpgrade>,
+    ) -> Result<Response<ProxyBody>, Failure> {
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if let Some(client_side) = upgrade {
+                let upstream_side = hyper::upgrade::on(&mut resp);
+                tokio::spawn(tunnel(client_side, upstream_side));
+                headers::strip_hop_by_hop(resp.headers_mut(), true);
+                return Ok(resp.map(|_| body::empty()));
+            }
+        }
+        headers::strip_hop_by_hop(resp.headers_mut(), false);
+        let ok = resp.status().is_success();
+        match sniff {
+            Sniff::Learn if ok => {
+                let (parts, incoming) = resp.into_parts();
+                let body = match body::read_bounded(incoming, SNIFF_LIMIT).await {
+                    Ok(Bounded::Complete(b)) => {
+                        if let Some((id, token)) = sniff::learn(&b) {
+                            if route::valid_sandbox_id(&id) {
+                                self.tokens.insert(&id, token);
+                                self.metrics.envd_tokens.set(self.tokens.len() as i64);
+                            }
+                        }
+                        body::full(b)
+                    }
+                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    Err(_) => {
+                        return Err(Failure {
+                            error: Error::UpstreamUnreachable {
+                                reason: "connection closed mid-response".into(),
+                                host: self.api_base.host().to_string(),
+                            },
+                            kind: Some(FailKind::Reset),
+                        })
+                    }
+                };
+                Ok(Response::from_parts(parts, body))
+            }
+            Sniff::Forget(id) if ok || resp.status() == StatusCode::NOT_FOUND => {
+                self.tokens.remove(&id);
+                self.metrics.envd_tokens.set(self.tokens.len() as i64);
+                Ok(resp.map(body::boxed))
+            }
+            _ => Ok(resp.map(body::boxed)),
+        }
+    }
+}
+
+fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
+    let mut req = Request::new(body::empty());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    req
+}
+
+/// Bytes both ways between an upgraded client connection and the upstream's.
+async fn tunnel(client: OnUpgrade, upstream: OnUpgrade) {
+    let (Ok(client), Ok(upstream)) = tokio::join!(client, upstream) else {
+        return;
+    };
+    let mut client = TokioIo::new(client);
+    let mut upstream = TokioIo::new(upstream);
+    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+}
+
+/// Status codes as label values without a per-request allocation for the common ones.
+fn itoa(status: u16) -> std::borrow::Cow<'static, str> {
+    match status {
+        200 => "200".into(),
+        201 => "201".into(),
+        204 => "204".into(),
+        400 => "400".into(),
+        401 => "401".into(),
+        404 => "404".into(),
+        502 => "502".into(),
+        503 => "503".into(),
+        504 => "504".into(),
+        s => s.to_string().into(),
+    }
+}

@@ -1,0 +1,326 @@
+//! Listeners: TCP or unix socket, optional TLS, HTTP/1.1 and HTTP/2 (h2c by prior knowledge
+//! or ALPN), the connection limit, the idle timeout, and the graceful drain.
+
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{watch, Semaphore};
+use tokio_rustls::TlsAcceptor;
+
+use super::Proxy;
+use crate::error::Error;
+use crate::settings::ListenAddr;
+
+/// Request heads larger than this get 431 (SPEC §4).
+pub const MAX_HEAD: usize = 64 * 1024;
+
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    pub async fn bind(addr: &ListenAddr) -> Result<Self, Error> {
+        let fail = |e: io::Error| Error::Bind {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        };
+        match addr {
+            ListenAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await.map_err(fail)?)),
+            ListenAddr::Unix(path) => {
+                remove_stale_socket(path).await.map_err(fail)?;
+                let l = UnixListener::bind(path).map_err(fail)?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+                    .map_err(fail)?;
+                Ok(Listener::Unix(l, path.clone()))
+            }
+        }
+    }
+
+    /// The bound address (with the real port when 0 was asked for).
+    pub fn local_addr(&self) -> String {
+        match self {
+            Listener::Tcp(l) => l
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
+            Listener::Unix(_, p) => format!("unix:{}", p.display()),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A socket file nobody listens on is left over from a crash: replace it. One somebody
+/// answers on is in use.
+async fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    match tokio::net::UnixStream::connect(path).await {
+        Ok(_) => Err(io::Error::new(io::ErrorKind::AddrInUse, "socket in use")),
+        Err(_) => std::fs::remove_file(path),
+    }
+}
+
+/// The listener's TLS, from `--tls-cert` and `--tls-key`.
+pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, Error> {
+    let read_err = |path: &Path, reason: String| Error::ReadFile {
+        path: path.display().to_string(),
+        reason,
+    };
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| read_err(cert, e.to_string()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| read_err(cert, e.to_string()))?;
+    // The key's own parse errors could quote key material; keep the reason generic.
+    let key_der = PrivateKeyDer::from_pem_file(key)
+        .map_err(|_| read_err(key, "no readable PEM private key".into()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key_der))
+        .map_err(|e| read_err(cert, e.to_string()))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// How connections are served.
+pub struct ServeConfig {
+    pub tls: Option<TlsAcceptor>,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
+/// Accepts until `stop` turns true, then returns the graceful-shutdown handle holding the
+/// connections still open.
+pub async fn accept_loop(
+    listener: Listener,
+    proxy: Arc<Proxy>,
+    config: ServeConfig,
+    mut stop: watch::Receiver<bool>,
+) -> GracefulShutdown {
+    let graceful = GracefulShutdown::new();
+    let builder = Arc::new(http_builder());
+    let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let config = Arc::new(config);
+    loop {
+        // Beyond the limit new connections wait in the kernel's accept queue.
+        let permit = tokio::select! {
+            p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let accepted: io::Result<Box<dyn Io>> = tokio::select! {
+            a = accept(&listener) => a,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let stream = match accepted {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let proxy = proxy.clone();
+        let builder = builder.clone();
+        let config = config.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let _open = OpenGuard::new(&proxy.metrics.open_connections);
+            let io: Box<dyn Io> = match &config.tls {
+                None => stream,
+                Some(acceptor) => {
+                    let handshake = acceptor.accept(stream);
+                    match tokio::time::timeout(Duration::from_secs(10), handshake).await {
+                        Ok(Ok(tls)) => Box::new(tls),
+                        _ => return,
+                    }
+                }
+            };
+            let (io, last_activity) = IdleIo::new(io);
+            let service = service_fn(move |req| proxy.clone().handle(req));
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+            let conn = watcher.watch(conn.into_owned());
+            tokio::select! {
+                _ = conn => {}
+                _ = idle(last_activity, config.idle_timeout) => {}
+            }
+        });
+    }
+    graceful
+}
+
+/// Counts a connection in `abx_proxy_open_connections` for as long as it lives.
+struct OpenGuard(prometheus::IntGauge);
+
+impl OpenGuard {
+    fn new(gauge: &prometheus::IntGauge) -> Self {
+        gauge.inc();
+        OpenGuard(gauge.clone())
+    }
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+pub fn http_builder() -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .max_buf_size(MAX_HEAD)
+        .keep_alive(true);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_HEAD as u32)
+        .keep_alive_interval(Some(Duration::from_secs(30)));
+    b
+}
+
+trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+async fn accept(listener: &Listener) -> io::Result<Box<dyn Io>> {
+    match listener {
+        Listener::Tcp(l) => {
+            let (s, _) = l.accept().await?;
+            let _ = s.set_nodelay(true);
+            Ok(Box::new(s))
+        }
+        Listener::Unix(l, _) => {
+            let (s, _) = l.accept().await?;
+            Ok(Box::new(s))
+        }
+    }
+}
+
+/// Milliseconds since the connection opened at its last byte moved.
+struct IdleIo<T> {
+    inner: T,
+    opened: Instant,
+    last: Arc<AtomicU64>,
+}
+
+impl<T> IdleIo<T> {
+    fn new(inner: T) -> (Self, Activity) {
+        let last = Arc::new(AtomicU64::new(0));
+        let opened = Instant::now();
+        (
+            IdleIo {
+                inner,
+                opened,
+                last: last.clone(),
+            },
+            Activity { opened, last },
+        )
+    }
+
+    fn touch(&self) {
+        let ms = self.opened.elapsed().as_millis() as u64;
+        self.last.store(ms, Ordering::Relaxed);
+    }
+}
+
+struct Activity {
+    opened: Instant,
+    last: Arc<AtomicU64>,
+}
+
+/// Resolves once the connection has moved no bytes for `timeout`. A connection that still
+/// moves bytes (Connect keepalives every 50 s) is never cut.
+async fn idle(activity: Activity, timeout: Duration) {
+    loop {
+        let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
+        let deadline = activity.opened + last + timeout;
+        if Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep_until(deadline.into()).await;
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() != before {
+            self.touch();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.touch();
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.touch();
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Waits for the drain to finish, or for `grace` to pass.
+pub async fn drain(graceful: GracefulShutdown, grace: Duration) -> bool {
+    let done: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(graceful.shutdown());
+    tokio::time::timeout(grace, done).await.is_ok()
+}

@@ -1,0 +1,157 @@
+//! The proxy: its shared state, and `run` — bind, serve until a signal, drain.
+//!
+//! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
+//! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
+//! `body`). `handler` strings the phases together.
+
+pub mod body;
+pub mod compat;
+pub mod forward;
+mod handler;
+pub mod headers;
+pub mod listener;
+pub mod route;
+pub mod sniff;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::uri::Scheme;
+
+use crate::credentials::envd::TokenStore;
+use crate::credentials::ApiCredential;
+use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
+use crate::upstream::{self, HttpClient, Versions};
+use headers::AuthScheme;
+use route::HostPolicy;
+
+/// Serving options that are not settings keys (flags of `serve`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub allow_remote: bool,
+    pub allowed_hosts: Vec<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub upstream_ca: Option<PathBuf>,
+    pub connect_timeout: Duration,
+    pub upstream_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub shutdown_grace: Duration,
+    pub max_connections: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            allow_remote: false,
+            allowed_hosts: Vec::new(),
+            tls_cert: None,
+            tls_key: None,
+            upstream_ca: None,
+            connect_timeout: Duration::from_secs(10),
+            upstream_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(300),
+            shutdown_grace: Duration::from_secs(30),
+            max_connections: 10_000,
+        }
+    }
+}
+
+/// Where envd traffic goes.
+#[derive(Debug, Clone)]
+pub enum EnvdTarget {
+    /// `https://{port}-{id}.{domain}`.
+    Domain { scheme: Scheme, domain: String },
+    /// One URL for every sandbox (`sandbox_url`), routed by the `E2b-Sandbox-*` headers.
+    Url(UpstreamUrl),
+}
+
+/// Everything a request needs, shared by all connections.
+pub struct Proxy {
+    pub(crate) api_base: UpstreamUrl,
+    pub(crate) envd: EnvdTarget,
+    pub(crate) api_client: HttpClient,
+    pub(crate) envd_client: HttpClient,
+    pub(crate) auth: AuthScheme,
+    /// Swapped whole on SIGHUP; requests in flight keep the one they loaded.
+    pub credential: ArcSwap<ApiCredential>,
+    pub tokens: TokenStore,
+    pub metrics: Arc<Metrics>,
+    pub(crate) host_policy: HostPolicy,
+    pub(crate) compat: CompatMode,
+    pub(crate) upstream_timeout: Duration,
+    draining: AtomicBool,
+}
+
+impl Proxy {
+    pub fn new(
+        settings: &Settings,
+        options: &Options,
+        credential: ApiCredential,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, Error> {
+        check_exposure(&settings.listen, options)?;
+        let tls = upstream::tls_config(options.upstream_ca.as_deref())?;
+        let host_policy = match &settings.listen {
+            ListenAddr::Unix(_) => HostPolicy::Any,
+            ListenAddr::Tcp(a) if a.ip().is_loopback() && !options.allow_remote => {
+                HostPolicy::Loopback
+            }
+            _ if options.allowed_hosts.is_empty() => HostPolicy::Any,
+            _ => HostPolicy::Listed(options.allowed_hosts.clone()),
+        };
+        let envd = match &settings.sandbox_url {
+            Some(url) => EnvdTarget::Url(url.clone()),
+            None => EnvdTarget::Domain {
+                scheme: Scheme::HTTPS,
+                domain: settings.sandbox_domain.clone(),
+            },
+        };
+        let compat = if settings.provider == "alicloud-express" {
+            settings.compat_v2_paths
+        } else {
+            CompatMode::Pass
+        };
+        Ok(Proxy {
+            api_base: settings.sandbox_base_url.clone(),
+            envd,
+            api_client: upstream::client(tls.clone(), Versions::Negotiate, options.connect_timeout),
+            envd_client: upstream::client(tls, Versions::Http1, options.connect_timeout),
+            auth: AuthScheme::Bearer,
+            credential: ArcSwap::from_pointee(credential),
+            tokens: TokenStore::new(),
+            metrics,
+            host_policy,
+            compat,
+            upstream_timeout: options.upstream_timeout,
+            draining: AtomicBool::new(false),
+        })
+    }
+
+    /// `/readyz`: a credential can be attached and we are not draining.
+    pub fn ready(&self) -> bool {
+        !self.draining.load(Ordering::Relaxed) && self.credential.load().ready()
+    }
+
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whoever reaches a non-loopback plaintext port spends the key: that needs consent.
+fn check_exposure(listen: &ListenAddr, options: &Options) -> Result<(), Error> {
+    let tls = options.tls_cert.is_some() && options.tls_key.is_some();
+    match listen {
+        ListenAddr::Tcp(addr) if !addr.ip().is_loopback() && !tls && !options.allow_remote => {
+            Err(Error::RemoteListen {
+                addr: addr.to_string(),
+            })
+        }
+        _ => Ok(()),
+    }
+}

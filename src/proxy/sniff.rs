@@ -1,0 +1,74 @@
+//! Learning envd tokens from control-plane responses: which responses to read, and what to
+//! take from them. The response itself reaches the client byte for byte.
+
+use http::Method;
+
+use crate::secret::Secret;
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Sniff {
+    None,
+    /// create, connect, `GET /sandboxes/{id}`: the body may carry `envdAccessToken`.
+    Learn,
+    /// `DELETE /sandboxes/{id}`: forget the sandbox's token.
+    Forget(String),
+}
+
+/// `path` is the client's path after the `/v2` rewrite.
+pub fn plan(method: &Method, path: &str) -> Sniff {
+    let Some(rest) = path.strip_prefix("/sandboxes") else {
+        return Sniff::None;
+    };
+    let rest = rest.trim_end_matches('/');
+    if rest.is_empty() {
+        return if method == Method::POST { Sniff::Learn } else { Sniff::None };
+    }
+    let Some(rest) = rest.strip_prefix('/') else {
+        return Sniff::None;
+    };
+    match rest.split_once('/') {
+        None if method == Method::GET => Sniff::Learn,
+        None if method == Method::DELETE => Sniff::Forget(rest.to_string()),
+        Some((_, "connect")) if method == Method::POST => Sniff::Learn,
+        _ => Sniff::None,
+    }
+}
+
+/// `(sandboxID, envdAccessToken)` from a JSON body, when both are there.
+pub fn learn(body: &[u8]) -> Option<(String, Secret)> {
+    #[derive(serde::Deserialize)]
+    struct Sandbox {
+        #[serde(rename = "sandboxID")]
+        sandbox_id: String,
+        #[serde(rename = "envdAccessToken")]
+        envd_access_token: Option<String>,
+    }
+    let s: Sandbox = serde_json::from_slice(body).ok()?;
+    let token = s.envd_access_token.filter(|t| !t.is_empty())?;
+    Some((s.sandbox_id, Secret::new(token)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans() {
+        assert_eq!(plan(&Method::POST, "/sandboxes"), Sniff::Learn);
+        assert_eq!(plan(&Method::GET, "/sandboxes"), Sniff::None);
+        assert_eq!(plan(&Method::GET, "/sandboxes/isb-1"), Sniff::Learn);
+        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/connect"), Sniff::Learn);
+        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/timeout"), Sniff::None);
+        assert_eq!(plan(&Method::DELETE, "/sandboxes/isb-1"), Sniff::Forget("isb-1".into()));
+        assert_eq!(plan(&Method::GET, "/templates"), Sniff::None);
+    }
+
+    #[test]
+    fn learns_token() {
+        let (id, tok) = learn(br#"{"sandboxID":"isb-1","envdAccessToken":"t0k","domain":null}"#).unwrap();
+        assert_eq!(id, "isb-1");
+        assert_eq!(tok.expose(), "t0k");
+        assert!(learn(br#"{"sandboxID":"isb-1"}"#).is_none());
+        assert!(learn(b"[]").is_none());
+    }
+}

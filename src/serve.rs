@@ -1,0 +1,141 @@
+//! `abx-proxy serve`, as a narrative: settings → credential → listeners → signal → drain.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use crate::cli::{ServeArgs, SettingsArgs};
+use crate::commands;
+use crate::credentials::ApiCredential;
+use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::proxy::listener::{self, Listener, ServeConfig};
+use crate::proxy::{Options, Proxy};
+use crate::settings::{parse_duration, Resolved, Settings};
+use crate::signals;
+
+/// Reads and checks everything before any port is bound, then runs until a signal.
+pub fn run(args: &ServeArgs) -> Result<(), Error> {
+    let resolved = commands::resolve(&args.settings)?;
+    let settings = resolved.validate()?;
+    let options = options(args)?;
+    let tls = match (&options.tls_cert, &options.tls_key) {
+        (Some(cert), Some(key)) => Some(listener::tls_acceptor(cert, key)?),
+        _ => None,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Bind {
+            addr: settings.listen.to_string(),
+            reason: format!("cannot start the runtime: {e}"),
+        })?;
+    runtime.block_on(serve(settings, resolved, options, tls, args.settings.clone()))
+}
+
+async fn serve(
+    settings: Settings,
+    resolved: Resolved,
+    options: Options,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    flags: SettingsArgs,
+) -> Result<(), Error> {
+    let metrics = Arc::new(Metrics::new().map_err(|e| Error::Bind {
+        addr: settings.admin_listen.to_string(),
+        reason: format!("metrics registry: {e}"),
+    })?);
+    let credential = ApiCredential::start(&settings, &options, &metrics)?;
+    let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics)?);
+
+    let listener = Listener::bind(&settings.listen).await?;
+    let admin = Listener::bind(&settings.admin_listen).await?;
+    tracing::info!(
+        listen = %listener.local_addr(),
+        admin = %admin.local_addr(),
+        upstream = %settings.sandbox_base_url,
+        "abx-proxy listening"
+    );
+    tokio::spawn(crate::admin::serve(admin, proxy.clone()));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let config = ServeConfig {
+        tls,
+        idle_timeout: options.idle_timeout,
+        max_connections: options.max_connections,
+    };
+    let accepting = tokio::spawn(listener::accept_loop(listener, proxy.clone(), config, stop_rx));
+    tokio::spawn(reload_on_hangup(proxy.clone(), flags, resolved, options.clone()));
+
+    signals::terminate().await;
+    tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
+    proxy.start_draining();
+    let _ = stop_tx.send(true);
+    // The accept loop returns after dropping the listener: new connections are refused.
+    let graceful = accepting.await.map_err(|e| Error::Bind {
+        addr: settings.listen.to_string(),
+        reason: e.to_string(),
+    })?;
+    let clean = listener::drain(graceful, options.shutdown_grace).await;
+    tracing::info!(clean, "stopped");
+    Ok(())
+}
+
+fn options(args: &ServeArgs) -> Result<Options, Error> {
+    let d = |name: &str, raw: &str| {
+        parse_duration(raw).map_err(|reason| Error::InvalidSetting {
+            key: name.to_string(),
+            reason,
+        })
+    };
+    Ok(Options {
+        allow_remote: args.allow_remote,
+        allowed_hosts: args.allowed_host.clone(),
+        tls_cert: args.tls_cert.clone(),
+        tls_key: args.tls_key.clone(),
+        upstream_ca: args.net.upstream_ca.clone(),
+        connect_timeout: d("--connect-timeout", &args.net.connect_timeout)?,
+        upstream_timeout: d("--upstream-timeout", &args.net.upstream_timeout)?,
+        idle_timeout: d("--idle-timeout", &args.idle_timeout)?,
+        shutdown_grace: d("--shutdown-grace", &args.shutdown_grace)?,
+        max_connections: args.max_connections,
+    })
+}
+
+/// SIGHUP: re-read the `.env` files and config.toml with the same flags; swap the
+/// credential atomically when it changed. A reload that fails keeps what runs.
+async fn reload_on_hangup(proxy: Arc<Proxy>, flags: SettingsArgs, mut current: Resolved, options: Options) {
+    let Some(mut hangups) = signals::hangups() else {
+        return;
+    };
+    while hangups.recv().await.is_some() {
+        let next = match commands::resolve(&flags).and_then(|r| r.validate().map(|s| (r, s))) {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
+                continue;
+            }
+        };
+        let (resolved, settings) = next;
+        let changed = crate::settings::changed_keys(&current, &resolved);
+        if changed.is_empty() {
+            tracing::info!("reload: nothing changed");
+            continue;
+        }
+        match ApiCredential::start(&settings, &options, &proxy.metrics) {
+            Ok(credential) => {
+                proxy.credential.store(Arc::new(credential));
+                tracing::info!(changed = %changed.join(","), "reloaded");
+                let restart: Vec<&str> = changed
+                    .iter()
+                    .copied()
+                    .filter(|k| !crate::settings::is_credential_key(k))
+                    .collect();
+                if !restart.is_empty() {
+                    tracing::warn!(keys = %restart.join(","), "these settings apply at the next restart");
+                }
+                current = resolved;
+            }
+            Err(e) => tracing::warn!(error = %e.line(), "reload failed; keeping the running settings"),
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Reading the layers of the chain: the process environment, `./.env`, `~/.abx/.env` and
+//! `~/.abx/config.toml`. Each layer becomes a plain map; resolution happens in `mod.rs`.
+//! Nothing here writes to the process environment.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::keys::KEYS;
+use crate::error::Error;
+
+/// Where a value came from, with the literal names `config list` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Source {
+    Flag,
+    Env,
+    DotEnvCwd,
+    DotEnvHome,
+    ConfigToml,
+    Default,
+    Unset,
+}
+
+impl Source {
+    pub fn label(self) -> &'static str {
+        match self {
+            Source::Flag => "flag",
+            Source::Env => "env",
+            Source::DotEnvCwd => "./.env",
+            Source::DotEnvHome => "~/.abx/.env",
+            Source::ConfigToml => "~/.abx/config.toml",
+            Source::Default => "default",
+            Source::Unset => "unset",
+        }
+    }
+}
+
+/// A `.env` file's variables, in file order (later duplicates win, as in a shell).
+pub fn read_dotenv(
+    path: &Path,
+    label: &str,
+    warnings: &mut Vec<String>,
+) -> Result<HashMap<String, String>, Error> {
+    let mut out = HashMap::new();
+    if !path.is_file() {
+        return Ok(out);
+    }
+    warn_if_shared(path, label, warnings);
+    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(path, label, &e))?;
+    for item in iter {
+        // The dotenvy error names the line and byte offset only, never the value.
+        let (k, v) = item.map_err(|e| read_error(path, label, &e))?;
+        out.insert(k, v);
+    }
+    Ok(out)
+}
+
+fn read_error(path: &Path, label: &str, e: &dotenvy::Error) -> Error {
+    let reason = match e {
+        dotenvy::Error::LineParse(_, idx) => format!("syntax error at byte {idx}"),
+        dotenvy::Error::Io(io) => io.to_string(),
+        _ => "unreadable".to_string(),
+    };
+    Error::ReadFile {
+        path: format!("{label} ({})", path.display()),
+        reason,
+    }
+}
+
+/// `.env` files hold secrets and are meant to be mode 600.
+fn warn_if_shared(path: &Path, label: &str, warnings: &mut Vec<String>) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o044 != 0 {
+            warnings.push(format!(
+                "{label} ({}) is readable by group or others (mode {mode:04o}); it may hold secrets: chmod 600 it",
+                path.display()
+            ));
+        }
+    }
+}
+
+/// The non-secret keys of `config.toml` by canonical name, plus `[providers.<id>]` tables
+/// keyed `<id>.<field>`. Secrets found there are dropped with a warning.
+pub fn read_config_toml(
+    path: &Path,
+    warnings: &mut Vec<String>,
+) -> Result<HashMap<String, String>, Error> {
+    let mut out = HashMap::new();
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => {
+            return Err(Error::ReadFile {
+                path: config_label(path),
+                reason: e.to_string(),
+            })
+        }
+    };
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::ReadFile {
+        path: config_label(path),
+        // The parser's message quotes the offending line, which could be a secret.
+        reason: format!(
+            "invalid TOML{}",
+            e.span()
+                .map(|s| format!(" at line {}", line_of(&text, s.start)))
+                .unwrap_or_default()
+        ),
+    })?;
+    for (name, value) in &table {
+        match value {
+            toml::Value::Table(section) if name == "providers" => {
+                for (id, fields) in section {
+                    if let toml::Value::Table(fields) = fields {
+                        for (field, v) in fields {
+                            if let Some(v) = scalar(v) {
+                                out.insert(format!("{id}.{field}"), v);
+                            }
+                        }
+                    }
+                }
+            }
+            toml::Value::Table(section) => {
+                for (key, v) in section {
+                    take(path, Some(name), key, v, &mut out, warnings);
+                }
+            }
+            v => take(path, None, name, v, &mut out, warnings),
+        }
+    }
+    Ok(out)
+}
+
+fn take(
+    path: &Path,
+    section: Option<&str>,
+    key: &str,
+    value: &toml::Value,
+    out: &mut HashMap<String, String>,
+    warnings: &mut Vec<String>,
+) {
+    let shown = match section {
+        Some(s) => format!("[{s}] {key}"),
+        None => key.to_string(),
+    };
+    match KEYS.iter().find(|k| k.name == key) {
+        Some(spec) if spec.secret => warnings.push(format!(
+            "{}: secret key {shown} ignored; secrets are read only from the environment or a .env file",
+            config_label(path)
+        )),
+        Some(spec) if section.is_none() || spec.section == section => {
+            if let Some(v) = scalar(value) {
+                out.insert(key.to_string(), v);
+            }
+        }
+        Some(spec) => warnings.push(format!(
+            "{}: {shown} ignored; {key} belongs in [{}]",
+            config_label(path),
+            spec.section.unwrap_or("")
+        )),
+        None => warnings.push(format!("{}: unknown key {shown} ignored", config_label(path))),
+    }
+}
+
+fn scalar(v: &toml::Value) -> Option<String> {
+    match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        toml::Value::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.get(..offset).map(|t| t.lines().count().max(1)).unwrap_or(1)
+}
+
+fn config_label(path: &Path) -> String {
+    format!("~/.abx/config.toml ({})", path.display())
+}
+
+/// `$ABX_HOME`, else `$HOME/.abx`.
+pub fn abx_home(env: &HashMap<String, String>) -> Option<PathBuf> {
+    let nonblank = |k: &str| env.get(k).filter(|v| !v.trim().is_empty()).cloned();
+    nonblank("ABX_HOME")
+        .map(PathBuf::from)
+        .or_else(|| nonblank("HOME").map(|h| Path::new(&h).join(".abx")))
+}

@@ -1,0 +1,404 @@
+//! Settings: every key of SPEC §2 resolved through the chain (flags → environment →
+//! `./.env` → `~/.abx/.env` → `~/.abx/config.toml` → default), per key, blank values
+//! skipped; then validated once into typed [`Settings`] before any port is bound.
+//!
+//! [`Resolved`] is the raw view (value + source per key) that `config list` prints;
+//! [`Settings`] is what the proxy runs on.
+
+pub mod keys;
+pub mod layers;
+mod values;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use keys::{Key, KeySpec, KEYS};
+pub use layers::Source;
+pub use values::{parse_duration, CompatMode, ExchangeScheme, ListenAddr, UpstreamUrl};
+
+use crate::error::Error;
+use crate::secret::Secret;
+
+/// What the chain is resolved from. `flags` is the highest level: command-line flags, or
+/// code parameters for the library (see [`Builder`]).
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    pub flags: HashMap<Key, FlagValue>,
+    /// `--provider-option FIELD=VALUE` pairs, for plugin providers.
+    pub provider_options: Vec<(String, String)>,
+    pub env: HashMap<String, String>,
+    pub cwd: PathBuf,
+    /// `~/.abx` (or `$ABX_HOME`); `None` when neither HOME nor ABX_HOME is set.
+    pub abx_home: Option<PathBuf>,
+}
+
+/// A flag's value; secrets arrive only through `--*-file` flags or code parameters.
+#[derive(Clone, Debug)]
+pub enum FlagValue {
+    Plain(String),
+    Secret(Secret),
+}
+
+impl Inputs {
+    /// The process environment and current directory, with the given flag-level values.
+    pub fn from_process(flags: HashMap<Key, FlagValue>) -> Self {
+        let env: HashMap<String, String> = std::env::vars().collect();
+        Inputs {
+            abx_home: layers::abx_home(&env),
+            flags,
+            provider_options: Vec::new(),
+            env,
+            cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from(".")),
+        }
+    }
+}
+
+/// Code parameters for library users: the same level as command-line flags.
+#[derive(Debug, Default, Clone)]
+pub struct Builder {
+    flags: HashMap<Key, FlagValue>,
+}
+
+impl Builder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets a non-secret key (`region`, `listen`, …) or, for a secret key, its value.
+    pub fn set(mut self, key: Key, value: impl Into<String>) -> Self {
+        let value = value.into();
+        let v = if key.spec().secret {
+            FlagValue::Secret(Secret::new(value))
+        } else {
+            FlagValue::Plain(value)
+        };
+        self.flags.insert(key, v);
+        self
+    }
+
+    pub fn sandbox_api_key(self, key: Secret) -> Self {
+        let mut b = self;
+        b.flags.insert(Key::SandboxApiKey, FlagValue::Secret(key));
+        b
+    }
+
+    /// Resolves against the process environment and files, with these values on top.
+    pub fn resolve(self) -> Result<Resolved, Error> {
+        Resolved::from_inputs(&Inputs::from_process(self.flags))
+    }
+}
+
+/// One key's effective value and where it came from.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub spec: &'static KeySpec,
+    pub value: Option<Value>,
+    pub source: Source,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    Plain(String),
+    Secret(Secret),
+}
+
+impl Value {
+    /// The value as `config list` shows it: secrets masked.
+    pub fn shown(&self) -> String {
+        match self {
+            Value::Plain(s) => s.clone(),
+            Value::Secret(s) => s.masked(),
+        }
+    }
+}
+
+/// Which credential is attached to control-plane requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialKind {
+    ApiKey,
+    AccessKey,
+}
+
+impl CredentialKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            CredentialKind::ApiKey => "api_key",
+            CredentialKind::AccessKey => "access_key",
+        }
+    }
+}
+
+/// The chain resolved for every key, before validation.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub entries: Vec<Entry>,
+    /// Every layer's raw maps, kept for plugin provider fields.
+    pub layers: RawLayers,
+    pub warnings: Vec<String>,
+}
+
+/// The layers as read, by env name (env, `.env` files) or key (toml, flags).
+#[derive(Debug, Clone, Default)]
+pub struct RawLayers {
+    pub flags: HashMap<Key, FlagValue>,
+    pub provider_options: Vec<(String, String)>,
+    pub env: HashMap<String, String>,
+    pub dotenv_cwd: HashMap<String, String>,
+    pub dotenv_home: HashMap<String, String>,
+    pub toml: HashMap<String, String>,
+}
+
+fn nonblank(v: &str) -> Option<&str> {
+    let t = v.trim();
+    (!t.is_empty()).then_some(t)
+}
+
+impl RawLayers {
+    /// The highest non-blank value for these env names / toml key, with its source. For a
+    /// secret, config.toml was already stripped when read.
+    pub fn lookup(
+        &self,
+        envs: &[&str],
+        toml_key: Option<&str>,
+    ) -> Option<(String, Source)> {
+        let by_env = |map: &HashMap<String, String>| {
+            envs.iter()
+                .find_map(|e| map.get(*e).and_then(|v| nonblank(v)).map(str::to_string))
+        };
+        by_env(&self.env)
+            .map(|v| (v, Source::Env))
+            .or_else(|| by_env(&self.dotenv_cwd).map(|v| (v, Source::DotEnvCwd)))
+            .or_else(|| by_env(&self.dotenv_home).map(|v| (v, Source::DotEnvHome)))
+            .or_else(|| {
+                toml_key
+                    .and_then(|k| self.toml.get(k))
+                    .and_then(|v| nonblank(v))
+                    .map(|v| (v.to_string(), Source::ConfigToml))
+            })
+    }
+}
+
+impl Resolved {
+    pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
+        let mut warnings = Vec::new();
+        let dotenv_cwd =
+            layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", &mut warnings)?;
+        let (dotenv_home, toml) = match &inputs.abx_home {
+            Some(home) => (
+                layers::read_dotenv(&home.join(".env"), "~/.abx/.env", &mut warnings)?,
+                layers::read_config_toml(&home.join("config.toml"), &mut warnings)?,
+            ),
+            None => Default::default(),
+        };
+        let layers = RawLayers {
+            flags: inputs.flags.clone(),
+            provider_options: inputs.provider_options.clone(),
+            env: inputs.env.clone(),
+            dotenv_cwd,
+            dotenv_home,
+            toml,
+        };
+
+        let mut entries: Vec<Entry> = KEYS
+            .iter()
+            .map(|spec| {
+                let from_flag = layers.flags.get(&spec.key).and_then(|f| match f {
+                    FlagValue::Plain(v) => nonblank(v).map(|v| Value::Plain(v.to_string())),
+                    FlagValue::Secret(s) => {
+                        nonblank(s.expose()).map(|v| Value::Secret(Secret::new(v)))
+                    }
+                });
+                let (value, source) = match from_flag {
+                    Some(v) => (Some(v), Source::Flag),
+                    None => {
+                        let toml_key = (!spec.secret).then_some(spec.name);
+                        match layers.lookup(&[spec.env], toml_key) {
+                            Some((v, src)) if spec.secret => {
+                                (Some(Value::Secret(Secret::new(v))), src)
+                            }
+                            Some((v, src)) => (Some(Value::Plain(v)), src),
+                            None => (None, Source::Unset),
+                        }
+                    }
+                };
+                Entry {
+                    spec,
+                    value,
+                    source,
+                }
+            })
+            .collect();
+
+        // Defaults last: some derive from the effective region.
+        let region = entries[Key::Region as usize]
+            .value
+            .as_ref()
+            .map(Value::shown)
+            .unwrap_or_else(|| keys::DEFAULT_REGION.to_string());
+        for e in entries.iter_mut().filter(|e| e.value.is_none()) {
+            if let Some(d) = e.spec.key.default_value(&region) {
+                e.value = Some(Value::Plain(d));
+                e.source = Source::Default;
+            }
+        }
+        Ok(Resolved {
+            entries,
+            layers,
+            warnings,
+        })
+    }
+
+    pub fn entry(&self, key: Key) -> &Entry {
+        &self.entries[key as usize]
+    }
+
+    fn plain(&self, key: Key) -> Option<&str> {
+        match &self.entry(key).value {
+            Some(Value::Plain(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn secret(&self, key: Key) -> Option<&Secret> {
+        match &self.entry(key).value {
+            Some(Value::Secret(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The credential rule of SPEC §2: the highest level decides, a pair counts at the level
+    /// of its lower half, a tie goes to the API key. Also the warning for a stray half pair.
+    pub fn credential(&self) -> Result<(CredentialKind, Source, Option<String>), Error> {
+        let key = self.entry(Key::SandboxApiKey);
+        let id = self.entry(Key::AccessKeyId);
+        let secret = self.entry(Key::AccessKeySecret);
+        let pair = match (&id.value, &secret.value) {
+            (Some(_), Some(_)) => Some(id.source.max(secret.source)),
+            _ => None,
+        };
+        let half = match (&id.value, &secret.value) {
+            (Some(_), None) => Some(("ALICLOUD_ACCESS_KEY_ID", "ALICLOUD_ACCESS_KEY_SECRET")),
+            (None, Some(_)) => Some(("ALICLOUD_ACCESS_KEY_SECRET", "ALICLOUD_ACCESS_KEY_ID")),
+            _ => None,
+        };
+        match (key.value.is_some(), pair, half) {
+            (true, Some(p), _) if p < key.source => Ok((CredentialKind::AccessKey, p, None)),
+            (true, _, half) => Ok((
+                CredentialKind::ApiKey,
+                key.source,
+                half.map(|(present, missing)| {
+                    format!("{present} is set but {missing} is not; using the API key")
+                }),
+            )),
+            (false, Some(p), _) => Ok((CredentialKind::AccessKey, p, None)),
+            (false, None, Some((present, missing))) => {
+                Err(Error::IncompletePair { present, missing })
+            }
+            (false, None, None) => Err(Error::MissingCredential),
+        }
+    }
+
+    /// Validates every key into typed settings; the first problem is the error.
+    pub fn validate(&self) -> Result<Settings, Error> {
+        let get = |k: Key| self.plain(k).unwrap_or_default();
+        let region = get(Key::Region).to_string();
+        values::check_region(&region)?;
+        let (kind, _, _) = self.credential()?;
+        let credential = match kind {
+            CredentialKind::ApiKey => Credential::ApiKey(
+                self.secret(Key::SandboxApiKey)
+                    .cloned()
+                    .ok_or(Error::MissingCredential)?,
+            ),
+            CredentialKind::AccessKey => Credential::AccessKey {
+                id: get(Key::AccessKeyId).to_string(),
+                secret: self
+                    .secret(Key::AccessKeySecret)
+                    .cloned()
+                    .ok_or(Error::MissingCredential)?,
+            },
+        };
+        let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
+        if token_ttl.is_zero() {
+            return Err(values::invalid(Key::TokenTtl, "must be at least 1 second"));
+        }
+        Ok(Settings {
+            provider: get(Key::Provider).to_string(),
+            sandbox_base_url: UpstreamUrl::parse(Key::SandboxBaseUrl, get(Key::SandboxBaseUrl))?,
+            sandbox_domain: values::domain(get(Key::SandboxDomain))?,
+            sandbox_url: self
+                .plain(Key::SandboxUrl)
+                .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
+                .transpose()?,
+            token_exchange_url: UpstreamUrl::parse(
+                Key::TokenExchangeUrl,
+                get(Key::TokenExchangeUrl),
+            )?,
+            token_exchange: ExchangeScheme::parse(get(Key::TokenExchange))?,
+            token_ttl,
+            token_refresh_before: values::seconds(
+                Key::TokenRefreshBefore,
+                get(Key::TokenRefreshBefore),
+            )?,
+            compat_v2_paths: CompatMode::parse(get(Key::CompatV2Paths))?,
+            listen: ListenAddr::parse(Key::Listen, get(Key::Listen))?,
+            admin_listen: ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?,
+            github_token: self.secret(Key::GithubToken).cloned(),
+            region,
+            credential,
+        })
+    }
+
+    /// Warnings from reading the layers plus those of the credential rule.
+    pub fn all_warnings(&self) -> Vec<String> {
+        let mut w = self.warnings.clone();
+        if let Ok((_, _, Some(extra))) = self.credential() {
+            w.push(extra);
+        }
+        w
+    }
+}
+
+/// The credential to attach, as configured.
+#[derive(Debug, Clone)]
+pub enum Credential {
+    ApiKey(Secret),
+    AccessKey { id: String, secret: Secret },
+}
+
+/// Validated, typed settings: what the proxy runs on.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub region: String,
+    pub provider: String,
+    pub sandbox_base_url: UpstreamUrl,
+    pub sandbox_domain: String,
+    pub sandbox_url: Option<UpstreamUrl>,
+    pub token_exchange_url: UpstreamUrl,
+    pub token_exchange: ExchangeScheme,
+    pub token_ttl: Duration,
+    pub token_refresh_before: Duration,
+    pub compat_v2_paths: CompatMode,
+    pub listen: ListenAddr,
+    pub admin_listen: ListenAddr,
+    pub credential: Credential,
+    pub github_token: Option<Secret>,
+}
+
+/// The keys whose value or source differ between two resolutions (for reload logs: names
+/// only, never values).
+pub fn changed_keys(before: &Resolved, after: &Resolved) -> Vec<&'static str> {
+    before
+        .entries
+        .iter()
+        .zip(&after.entries)
+        .filter(|(a, b)| a.value != b.value || a.source != b.source)
+        .map(|(a, _)| a.spec.name)
+        .collect()
+}
+
+/// Keys a reload applies without a restart.
+pub fn is_credential_key(name: &str) -> bool {
+    matches!(name, "sandbox_api_key" | "access_key_id" | "access_key_secret")
+}

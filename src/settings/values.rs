@@ -1,0 +1,256 @@
+//! Parsing and checking individual setting values into typed data.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::uri::{Authority, Scheme, Uri};
+
+use super::keys::Key;
+use crate::error::Error;
+
+pub(crate) fn invalid(key: Key, reason: impl Into<String>) -> Error {
+    Error::InvalidSetting {
+        key: key.name().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// An upstream base URL: scheme, authority and an optional path prefix.
+#[derive(Clone, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    pub scheme: Scheme,
+    pub authority: Authority,
+    /// Path prefix without a trailing slash ("" for the root).
+    pub path: String,
+}
+
+impl UpstreamUrl {
+    pub fn parse(key: Key, raw: &str) -> Result<Self, Error> {
+        Self::parse_named(key.name(), raw)
+    }
+
+    pub fn parse_named(name: &str, raw: &str) -> Result<Self, Error> {
+        let bad = |reason: &str| Error::InvalidSetting {
+            key: name.to_string(),
+            reason: reason.to_string(),
+        };
+        let uri: Uri = raw
+            .parse()
+            .map_err(|_| bad("not a URL (expected https://host[:port][/path])"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| bad("missing scheme (https:// or http://)"))?;
+        if scheme != Scheme::HTTPS && scheme != Scheme::HTTP {
+            return Err(bad("scheme must be https or http"));
+        }
+        let authority = uri.authority().cloned().ok_or_else(|| bad("missing host"))?;
+        if authority.as_str().contains('@') {
+            return Err(bad("credentials in the URL are not accepted"));
+        }
+        if uri.query().is_some() {
+            return Err(bad("a query string is not accepted"));
+        }
+        let path = uri.path().trim_end_matches('/').to_string();
+        Ok(UpstreamUrl {
+            scheme,
+            authority,
+            path,
+        })
+    }
+
+    pub fn host(&self) -> &str {
+        self.authority.host()
+    }
+
+    pub fn is_https(&self) -> bool {
+        self.scheme == Scheme::HTTPS
+    }
+
+    /// The URL for a client request target: the prefix, then the client's path and query.
+    pub fn join(&self, path_and_query: &str) -> Result<Uri, http::Error> {
+        let mut pq = String::with_capacity(self.path.len() + path_and_query.len());
+        pq.push_str(&self.path);
+        pq.push_str(path_and_query);
+        if pq.is_empty() {
+            pq.push('/');
+        }
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+    }
+}
+
+impl fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}{}", self.scheme, self.authority, self.path)
+    }
+}
+
+impl fmt::Debug for UpstreamUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// A listener address: TCP, or a unix socket path (`unix:/path`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl ListenAddr {
+    pub fn parse(key: Key, raw: &str) -> Result<Self, Error> {
+        if let Some(path) = raw.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(invalid(key, "unix: needs a socket path"));
+            }
+            return Ok(ListenAddr::Unix(PathBuf::from(path)));
+        }
+        if let Some(port) = raw.strip_prefix("localhost:") {
+            let port: u16 = port.parse().map_err(|_| invalid(key, "bad port"))?;
+            return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
+        }
+        raw.parse::<SocketAddr>()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| invalid(key, "expected HOST:PORT (e.g. 127.0.0.1:49982) or unix:/path"))
+    }
+
+    /// Loopback TCP: the Host check applies; remote exposure needs consent.
+    pub fn is_loopback(&self) -> bool {
+        matches!(self, ListenAddr::Tcp(a) if a.ip().is_loopback())
+    }
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddr::Tcp(a) => write!(f, "{a}"),
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompatMode {
+    Rewrite,
+    Pass,
+}
+
+impl CompatMode {
+    pub fn parse(raw: &str) -> Result<Self, Error> {
+        match raw {
+            "rewrite" => Ok(CompatMode::Rewrite),
+            "pass" => Ok(CompatMode::Pass),
+            _ => Err(invalid(Key::CompatV2Paths, "expected rewrite or pass")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeScheme {
+    RpcV1,
+    Acs3,
+}
+
+impl ExchangeScheme {
+    pub fn parse(raw: &str) -> Result<Self, Error> {
+        match raw {
+            "rpc-v1" => Ok(ExchangeScheme::RpcV1),
+            "acs3" => Ok(ExchangeScheme::Acs3),
+            _ => Err(invalid(Key::TokenExchange, "expected rpc-v1 or acs3")),
+        }
+    }
+}
+
+pub(crate) fn seconds(key: Key, raw: &str) -> Result<Duration, Error> {
+    raw.parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|_| invalid(key, "expected a whole number of seconds"))
+}
+
+/// Region ids go into host names: keep them to what Alibaba uses.
+pub(crate) fn check_region(region: &str) -> Result<(), Error> {
+    let ok = region
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if ok && !region.is_empty() {
+        Ok(())
+    } else {
+        Err(invalid(Key::Region, "expected a region id such as cn-hangzhou"))
+    }
+}
+
+/// `sandbox_domain`: a host name, optionally with a port; no scheme, no path.
+pub(crate) fn domain(raw: &str) -> Result<String, Error> {
+    let ok = raw.parse::<Authority>().is_ok() && !raw.contains('@');
+    if ok {
+        Ok(raw.to_string())
+    } else {
+        Err(invalid(
+            Key::SandboxDomain,
+            "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com",
+        ))
+    }
+}
+
+/// `30s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
+pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let raw = raw.trim();
+    let split = raw
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(raw.len());
+    let (num, unit) = raw.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {raw:?} (examples: 30s, 500ms, 5m)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("invalid duration unit in {raw:?} (ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+        return Err(format!("duration out of range: {raw:?}"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("x").is_err());
+        assert!(parse_duration("3d").is_err());
+    }
+
+    #[test]
+    fn upstream_join_keeps_prefix() {
+        let u = UpstreamUrl::parse(Key::SandboxBaseUrl, "http://h:1/api/").unwrap();
+        assert_eq!(u.join("/sandboxes?x=1").unwrap().to_string(), "http://h:1/api/sandboxes?x=1");
+        assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, "h:1").is_err());
+        assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, "ftp://h").is_err());
+    }
+
+    #[test]
+    fn listen_addrs() {
+        assert!(ListenAddr::parse(Key::Listen, "127.0.0.1:1").unwrap().is_loopback());
+        assert!(!ListenAddr::parse(Key::Listen, "0.0.0.0:1").unwrap().is_loopback());
+        assert_eq!(
+            ListenAddr::parse(Key::Listen, "unix:/tmp/x.sock").unwrap(),
+            ListenAddr::Unix("/tmp/x.sock".into())
+        );
+    }
+}

@@ -1,0 +1,90 @@
+//! The upstream client stack, shared by the proxy and the proxy's own calls (token
+//! exchange, envd token look-ups, `check`): rustls with the Mozilla and system roots plus
+//! `--upstream-ca`, and hyper-util's pooled client. Plain `http://` upstreams work too
+//! (local OpenSandbox, tests).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+use crate::error::Error;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body type of every upstream request and every response the proxy sends.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+
+/// Which HTTP versions to offer upstream over TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Versions {
+    /// HTTP/2 when the server's ALPN offers it, else HTTP/1.1 (control plane).
+    Negotiate,
+    /// HTTP/1.1 only (envd: long Connect streams and file downloads, see SPEC §4).
+    Http1,
+}
+
+/// The trust store: Mozilla roots, the system's, and any extra CA file.
+pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error> {
+    let mut roots = RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    // A system store that fails to load is not fatal: the Mozilla roots still apply.
+    let native = rustls_native_certs::load_native_certs();
+    let _ = roots.add_parsable_certificates(native.certs);
+    if let Some(path) = extra_ca {
+        let bad = |reason: String| Error::ReadFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| bad(e.to_string()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| bad(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(bad("no PEM certificate in file".into()));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|e| bad(e.to_string()))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::InvalidSetting {
+            key: "tls".into(),
+            reason: e.to_string(),
+        })?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(config)
+}
+
+/// A pooled client over `tls`.
+pub fn client(tls: rustls::ClientConfig, versions: Versions, connect_timeout: Duration) -> HttpClient {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    let https = match versions {
+        Versions::Negotiate => builder.enable_http1().enable_http2().wrap_connector(http),
+        Versions::Http1 => builder.enable_http1().wrap_connector(http),
+    };
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .build(https)
+}
