@@ -30,9 +30,9 @@ async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
     let key: Secret = match &settings.credential {
         Credential::ApiKey(k) => k.clone(),
         Credential::AccessKey { .. } => {
-            return Err(Error::TokenExchange {
-                reason: "AK/SK exchange is not built yet".into(),
-            })
+            let (key, expires_at) = crate::credentials::exchange_once(settings, &client).await?;
+            println!("token exchange: ok, temporary key expires at {expires_at}");
+            key
         }
     };
     probe(settings, &client, &key).await

@@ -116,12 +116,14 @@ pub struct SettingsArgs {
     pub provider_option: Vec<String>,
 
     // Secrets on the command line leak through `ps` and shell history. These exist only to
-    // refuse them with a clear message that does not repeat the value.
-    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    // refuse them with a clear message that does not repeat the value. A value starting
+    // with `-` is still taken as the value: otherwise clap reports it as an unknown flag
+    // and quotes it back on stderr.
+    #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
     pub sandbox_api_key: Option<Option<String>>,
-    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
     pub access_key_secret: Option<Option<String>>,
-    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
     pub github_token: Option<Option<String>>,
 }
 

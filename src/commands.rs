@@ -127,10 +127,12 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     }
     println!("listen: {}  admin: {}", settings.listen, settings.admin_listen);
     if kind == crate::settings::CredentialKind::AccessKey {
-        println!(
-            "token exchange: {} ({:?})",
-            settings.token_exchange_url, settings.token_exchange
-        );
+        // The setting's own spelling (`rpc-v1`, `acs3`), not the enum's Debug name.
+        let scheme = match settings.token_exchange {
+            crate::settings::ExchangeScheme::RpcV1 => "rpc-v1",
+            crate::settings::ExchangeScheme::Acs3 => "acs3",
+        };
+        println!("token exchange: {} ({scheme})", settings.token_exchange_url);
     }
     if args.offline {
         println!("ok (offline: nothing was contacted)");

@@ -70,6 +70,9 @@ pub enum Error {
     /// E8003: a provider needs consent or a field it does not have.
     #[error("provider {id}: {reason}")]
     Provider { id: String, reason: String },
+    /// E8004: a `--provider-option` that cannot be accepted.
+    #[error("--provider-option {field}: {reason}")]
+    ProviderOption { field: String, reason: String },
 }
 
 impl Error {
@@ -91,6 +94,7 @@ impl Error {
             Error::Manifest { .. } => "E8001",
             Error::UnknownProvider { .. } => "E8002",
             Error::Provider { .. } => "E8003",
+            Error::ProviderOption { .. } => "E8004",
         }
     }
 
@@ -110,6 +114,7 @@ impl Error {
             Error::UpstreamTimeout { .. } => "The upstream is slow or unreachable; retry, or raise --upstream-timeout.",
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
+            Error::ProviderOption { .. } => "Secret fields are read only from the environment or a .env file; `abx-proxy provider info ID` lists the fields.",
             Error::SandboxNotFound { .. } | Error::Refused { .. } | Error::Provider { .. } => {
                 return None
             }
@@ -121,6 +126,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::UpstreamUnreachable { .. } | Error::UpstreamTimeout { .. } => EXIT_UNAVAILABLE,
+            Error::ProviderOption { .. } => EXIT_USAGE,
             _ => EXIT_CONFIG,
         }
     }

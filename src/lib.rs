@@ -23,6 +23,7 @@ pub mod credentials;
 pub mod error;
 pub mod logging;
 pub mod metrics;
+pub mod providers;
 pub mod proxy;
 pub mod secret;
 pub mod serve;

@@ -75,6 +75,8 @@ async fn serve(
         addr: settings.listen.to_string(),
         reason: e.to_string(),
     })?;
+    // From here a connect is refused: operators (and tests) can tell the drain has begun.
+    tracing::info!(open = graceful.count(), "listener closed");
     let clean = listener::drain(graceful, options.shutdown_grace).await;
     tracing::info!(clean, "stopped");
     Ok(())

@@ -355,7 +355,7 @@ impl HttpExchanger {
                     .request(request)
                     .await
                     .map_err(|e| Error::UpstreamUnreachable {
-                        reason: describe(&e),
+                        reason: crate::proxy::forward::describe(&e),
                         host: host.clone(),
                     })?;
             let status = response.status().as_u16();
@@ -475,22 +475,6 @@ fn local_hostname() -> String {
     } else {
         name
     }
-}
-
-/// An error and its causes on one line (`client error (Connect): tcp connect error: …`).
-/// These come from the HTTP stack and carry no request data.
-fn describe(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@
 //! `ArcSwap`; refresh and reload happen beside the traffic.
 
 pub mod envd;
+pub mod exchange;
+
+pub use exchange::exchange_once;
 
 use std::sync::Arc;
 
@@ -19,27 +22,54 @@ use crate::settings::{Credential, Settings};
 /// The control-plane credential in use.
 pub enum ApiCredential {
     Static(Secret),
+    /// A temporary key from the AK/SK exchange, refreshed in the background.
+    Exchanged(exchange::ExchangedKey),
 }
 
 impl ApiCredential {
     /// The credential the settings call for; an AK/SK pair starts its first exchange now.
+    /// Must run inside the runtime: the exchange task is spawned here.
     pub fn start(
         settings: &Settings,
-        _options: &crate::proxy::Options,
-        _metrics: &Arc<Metrics>,
+        options: &crate::proxy::Options,
+        metrics: &Arc<Metrics>,
     ) -> Result<Self, Error> {
-        match &settings.credential {
-            Credential::ApiKey(key) => Ok(ApiCredential::Static(key.clone())),
-            Credential::AccessKey { .. } => Err(Error::TokenExchange {
-                reason: "AK/SK exchange is not built yet".into(),
-            }),
-        }
+        let Some(config) = exchange::ExchangeConfig::from_settings(settings) else {
+            return match &settings.credential {
+                Credential::ApiKey(key) => Ok(ApiCredential::Static(key.clone())),
+                Credential::AccessKey { .. } => Err(Error::MissingCredential),
+            };
+        };
+        let tls = crate::upstream::tls_config(options.upstream_ca.as_deref())?;
+        let client = crate::upstream::client(
+            tls,
+            crate::upstream::Versions::Negotiate,
+            options.connect_timeout,
+        );
+        let (success, failure, expiry) = (
+            metrics.token_exchanges.with_label_values(&["success"]),
+            metrics.token_exchanges.with_label_values(&["failure"]),
+            metrics.token_expiry.clone(),
+        );
+        let observer: exchange::Observer = Arc::new(move |event| match event {
+            exchange::ExchangeEvent::Success { expiry_unix } => {
+                success.inc();
+                expiry.set(expiry_unix as f64);
+            }
+            exchange::ExchangeEvent::Failure => failure.inc(),
+        });
+        Ok(ApiCredential::Exchanged(exchange::ExchangedKey::new(
+            config,
+            client,
+            Some(observer),
+        )))
     }
 
     /// The key to attach now.
     pub async fn current(&self) -> Result<Secret, Error> {
         match self {
             ApiCredential::Static(key) => Ok(key.clone()),
+            ApiCredential::Exchanged(source) => source.current().await,
         }
     }
 
@@ -47,6 +77,7 @@ impl ApiCredential {
     pub fn ready(&self) -> bool {
         match self {
             ApiCredential::Static(_) => true,
+            ApiCredential::Exchanged(source) => source.ready(),
         }
     }
 }
@@ -55,6 +86,7 @@ impl std::fmt::Debug for ApiCredential {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ApiCredential::Static(_) => f.write_str("ApiCredential::Static(****)"),
+            ApiCredential::Exchanged(_) => f.write_str("ApiCredential::Exchanged(****)"),
         }
     }
 }

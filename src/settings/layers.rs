@@ -56,7 +56,18 @@ pub fn read_dotenv(
 
 fn read_error(path: &Path, label: &str, e: &dotenvy::Error) -> Error {
     let reason = match e {
-        dotenvy::Error::LineParse(_, idx) => format!("syntax error at byte {idx}"),
+        // dotenvy gives the offending entry's text and an offset into it, no line number.
+        // The text may hold a secret, so it is only used to find where the entry starts (an
+        // unterminated quote runs to the end of the file: its start is the useful line).
+        dotenvy::Error::LineParse(entry, idx) => {
+            let line = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|text| text.find(entry.as_str()).map(|start| line_of(&text, start)));
+            match line {
+                Some(n) => format!("syntax error at line {n}"),
+                None => format!("syntax error at byte {idx} of an entry"),
+            }
+        }
         dotenvy::Error::Io(io) => io.to_string(),
         _ => "unreadable".to_string(),
     };
@@ -172,8 +183,11 @@ fn scalar(v: &toml::Value) -> Option<String> {
     }
 }
 
+/// The 1-based line of a byte offset (counting newlines: `str::lines` would put an offset
+/// at the start of a line on the line before).
 fn line_of(text: &str, offset: usize) -> usize {
-    text.get(..offset).map(|t| t.lines().count().max(1)).unwrap_or(1)
+    let end = offset.min(text.len());
+    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
 }
 
 fn config_label(path: &Path) -> String {
@@ -186,4 +200,19 @@ pub fn abx_home(env: &HashMap<String, String>) -> Option<PathBuf> {
     nonblank("ABX_HOME")
         .map(PathBuf::from)
         .or_else(|| nonblank("HOME").map(|h| Path::new(&h).join(".abx")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_numbers_count_newlines() {
+        let text = "a=1\nb=2\n\nc";
+        assert_eq!(line_of(text, 0), 1);
+        assert_eq!(line_of(text, 3), 1);
+        assert_eq!(line_of(text, 4), 2);
+        assert_eq!(line_of(text, 9), 4);
+        assert_eq!(line_of(text, 99), 4);
+    }
 }

