@@ -11,10 +11,12 @@ use crate::settings::{Inputs, Resolved, Source, KEYS};
 /// settings does).
 pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
     let mut inputs = Inputs::from_process(args.to_flags()?);
-    inputs.provider_options = args.provider_options().map_err(|reason| Error::InvalidSetting {
-        key: "provider_option".into(),
-        reason,
-    })?;
+    inputs.provider_options = args
+        .provider_options()
+        .map_err(|reason| Error::InvalidSetting {
+            key: "provider_option".into(),
+            reason,
+        })?;
     let resolved = Resolved::from_inputs(&inputs)?;
     for w in resolved.all_warnings() {
         eprintln!("warning: {w}");
@@ -123,9 +125,15 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     println!("control plane: {}", settings.sandbox_base_url);
     match &settings.sandbox_url {
         Some(u) => println!("envd: {u} (routed by E2b-Sandbox-* headers)"),
-        None => println!("envd: https://{{port}}-{{sandboxId}}.{}", settings.sandbox_domain),
+        None => println!(
+            "envd: https://{{port}}-{{sandboxId}}.{}",
+            settings.sandbox_domain
+        ),
     }
-    println!("listen: {}  admin: {}", settings.listen, settings.admin_listen);
+    println!(
+        "listen: {}  admin: {}",
+        settings.listen, settings.admin_listen
+    );
     if kind == crate::settings::CredentialKind::AccessKey {
         // The setting's own spelling (`rpc-v1`, `acs3`), not the enum's Debug name.
         let scheme = match settings.token_exchange {
@@ -154,7 +162,12 @@ pub fn provider_info(id: &str) -> Result<i32, Error> {
     println!("auth: Authorization: Bearer <key>");
     println!("fields:");
     for k in KEYS {
-        println!("  {:22} {:28} {}", k.name, k.env, if k.secret { "secret" } else { "" });
+        println!(
+            "  {:22} {:28} {}",
+            k.name,
+            k.env,
+            if k.secret { "secret" } else { "" }
+        );
     }
     println!("Inherits: (none)");
     Ok(0)

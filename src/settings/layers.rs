@@ -187,7 +187,11 @@ fn scalar(v: &toml::Value) -> Option<String> {
 /// at the start of a line on the line before).
 fn line_of(text: &str, offset: usize) -> usize {
     let end = offset.min(text.len());
-    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 fn config_label(path: &Path) -> String {

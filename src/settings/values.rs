@@ -46,7 +46,10 @@ impl UpstreamUrl {
         if scheme != Scheme::HTTPS && scheme != Scheme::HTTP {
             return Err(bad("scheme must be https or http"));
         }
-        let authority = uri.authority().cloned().ok_or_else(|| bad("missing host"))?;
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| bad("missing host"))?;
         if authority.as_str().contains('@') {
             return Err(bad("credentials in the URL are not accepted"));
         }
@@ -116,9 +119,12 @@ impl ListenAddr {
             let port: u16 = port.parse().map_err(|_| invalid(key, "bad port"))?;
             return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
         }
-        raw.parse::<SocketAddr>()
-            .map(ListenAddr::Tcp)
-            .map_err(|_| invalid(key, "expected HOST:PORT (e.g. 127.0.0.1:49982) or unix:/path"))
+        raw.parse::<SocketAddr>().map(ListenAddr::Tcp).map_err(|_| {
+            invalid(
+                key,
+                "expected HOST:PORT (e.g. 127.0.0.1:49982) or unix:/path",
+            )
+        })
     }
 
     /// Loopback TCP: the Host check applies; remote exposure needs consent.
@@ -182,7 +188,10 @@ pub(crate) fn check_region(region: &str) -> Result<(), Error> {
     if ok && !region.is_empty() {
         Ok(())
     } else {
-        Err(invalid(Key::Region, "expected a region id such as cn-hangzhou"))
+        Err(invalid(
+            Key::Region,
+            "expected a region id such as cn-hangzhou",
+        ))
     }
 }
 
@@ -216,7 +225,8 @@ pub fn parse_duration(raw: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("invalid duration unit in {raw:?} (ms, s, m, h)")),
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    // Also rejects NaN and infinities, which no range contains.
+    if !(0.0..=1e9).contains(&secs) {
         return Err(format!("duration out of range: {raw:?}"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -239,15 +249,22 @@ mod tests {
     #[test]
     fn upstream_join_keeps_prefix() {
         let u = UpstreamUrl::parse(Key::SandboxBaseUrl, "http://h:1/api/").unwrap();
-        assert_eq!(u.join("/sandboxes?x=1").unwrap().to_string(), "http://h:1/api/sandboxes?x=1");
+        assert_eq!(
+            u.join("/sandboxes?x=1").unwrap().to_string(),
+            "http://h:1/api/sandboxes?x=1"
+        );
         assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, "h:1").is_err());
         assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, "ftp://h").is_err());
     }
 
     #[test]
     fn listen_addrs() {
-        assert!(ListenAddr::parse(Key::Listen, "127.0.0.1:1").unwrap().is_loopback());
-        assert!(!ListenAddr::parse(Key::Listen, "0.0.0.0:1").unwrap().is_loopback());
+        assert!(ListenAddr::parse(Key::Listen, "127.0.0.1:1")
+            .unwrap()
+            .is_loopback());
+        assert!(!ListenAddr::parse(Key::Listen, "0.0.0.0:1")
+            .unwrap()
+            .is_loopback());
         assert_eq!(
             ListenAddr::parse(Key::Listen, "unix:/tmp/x.sock").unwrap(),
             ListenAddr::Unix("/tmp/x.sock".into())

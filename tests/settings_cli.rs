@@ -1,0 +1,1452 @@
+//! Acceptance tests for the settings chain and the `config`/`check`/`serve` command lines
+//! (SPEC §1–§2), driving the real binary.
+//!
+//! Every case gets its own temporary HOME, ABX_HOME and working directory and a cleared
+//! environment (only PATH, HOME, ABX_HOME and what the case sets), so nothing from the
+//! machine running the tests leaks in. Every run goes through [`Case::run`], which asserts
+//! that no raw secret of this file ([`SECRETS`]) appears in stdout or stderr.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_abx-proxy");
+
+// Every secret value this file ever hands to the binary. Distinct last four characters
+// tell which level won through the mask; none is a substring of any output.
+const KEY_FLAG: &str = "sk-flag-5f1e2d3c4b5a69788796FLAG";
+const KEY_ENV: &str = "sk-envv-5f1e2d3c4b5a69788796ENVV";
+const KEY_CWD: &str = "sk-cwdd-5f1e2d3c4b5a69788796CWDD";
+const KEY_HOME: &str = "sk-home-5f1e2d3c4b5a69788796HOME";
+const KEY_TOML: &str = "sk-toml-5f1e2d3c4b5a69788796TOML";
+const KEY_OTHER_HOME: &str = "sk-ohom-5f1e2d3c4b5a69788796OHOM";
+const KEY_SHORT: &str = "sk-short-9x";
+const KEY_16: &str = "sk-16-abcdefQ16Z";
+const KEY_15: &str = "sk-15-abcdefQ15";
+const AK_SECRET_ENV: &str = "aksec-env-0a1b2c3d4e5f6a7b8c9dSENV";
+const AK_SECRET_CWD: &str = "aksec-cwd-0a1b2c3d4e5f6a7b8c9dSCWD";
+const AK_SECRET_HOME: &str = "aksec-hom-0a1b2c3d4e5f6a7b8c9dSHOM";
+const AK_SECRET_FILE: &str = "aksec-fil-0a1b2c3d4e5f6a7b8c9dSFIL";
+const AK_SECRET_TOML: &str = "aksec-tom-0a1b2c3d4e5f6a7b8c9dSTOM";
+const GH_TOKEN: &str = "ghp_0a1b2c3d4e5f6a7b8c9d0e1f2a3bGHTK";
+const REFUSED: &str = "sk-cmdl-5f1e2d3c4b5a69788796REFU";
+const REFUSED_DASH: &str = "-sk-dash-5f1e2d3c4b5a6978879DASH";
+
+const SECRETS: &[&str] = &[
+    KEY_FLAG,
+    KEY_ENV,
+    KEY_CWD,
+    KEY_HOME,
+    KEY_TOML,
+    KEY_OTHER_HOME,
+    KEY_SHORT,
+    KEY_16,
+    KEY_15,
+    AK_SECRET_ENV,
+    AK_SECRET_CWD,
+    AK_SECRET_HOME,
+    AK_SECRET_FILE,
+    AK_SECRET_TOML,
+    GH_TOKEN,
+    REFUSED,
+    REFUSED_DASH,
+];
+
+const AK_ID: &str = "LTAI5tAccessKeyIdExample";
+
+const E1001: &str = "[E1001] API key cannot be empty\n  Suggestion: Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.\n";
+
+/// A child that runs longer than this is killed and the test fails (nothing here should
+/// take more than a fraction of a second; a `serve` that starts by mistake would not end).
+const WATCHDOG: Duration = Duration::from_secs(60);
+
+/// One isolated world: temp HOME, ABX_HOME and cwd, and the environment and flags the
+/// case adds.
+struct Case {
+    _root: TempDir,
+    home: PathBuf,
+    abx_home: Option<PathBuf>,
+    cwd: PathBuf,
+    vars: Vec<(String, String)>,
+    flags: Vec<String>,
+}
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// One row of `config list --json`.
+#[derive(Debug, Clone, PartialEq)]
+struct Row {
+    key: String,
+    value: Option<String>,
+    source: String,
+    env: Option<String>,
+    secret: bool,
+}
+
+impl Case {
+    /// HOME and ABX_HOME in separate temp directories: every case exercises the override.
+    fn new() -> Self {
+        let root = tempfile::tempdir().expect("tempdir");
+        let home = root.path().join("home");
+        let abx_home = root.path().join("abx-home");
+        let cwd = root.path().join("work");
+        for d in [&home, &abx_home, &cwd] {
+            std::fs::create_dir_all(d).expect("mkdir");
+        }
+        Case {
+            _root: root,
+            home,
+            abx_home: Some(abx_home),
+            cwd,
+            vars: Vec::new(),
+            flags: Vec::new(),
+        }
+    }
+
+    /// No ABX_HOME: the directory is `$HOME/.abx`.
+    fn without_abx_home() -> Self {
+        let mut c = Case::new();
+        let dir = c.home.join(".abx");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        c.abx_home = None;
+        c
+    }
+
+    fn abx_dir(&self) -> PathBuf {
+        self.abx_home
+            .clone()
+            .unwrap_or_else(|| self.home.join(".abx"))
+    }
+
+    fn env(&mut self, k: &str, v: &str) -> &mut Self {
+        self.vars.push((k.to_string(), v.to_string()));
+        self
+    }
+
+    /// Settings flags appended to every run (after the subcommand).
+    fn flag(&mut self, f: &str, v: &str) -> &mut Self {
+        self.flags.push(f.to_string());
+        self.flags.push(v.to_string());
+        self
+    }
+
+    fn file(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.cwd.parent().expect("root").join(name);
+        std::fs::write(&p, text).expect("write file");
+        p
+    }
+
+    fn cwd_dotenv(&self, text: &str) -> &Self {
+        append(&self.cwd.join(".env"), text, 0o600);
+        self
+    }
+
+    fn home_dotenv(&self, text: &str) -> &Self {
+        append(&self.abx_dir().join(".env"), text, 0o600);
+        self
+    }
+
+    fn toml(&self, text: &str) -> &Self {
+        append(&self.abx_dir().join("config.toml"), text, 0o600);
+        self
+    }
+
+    /// Runs the binary; asserts that no raw secret reached stdout or stderr.
+    fn run(&self, args: &[&str]) -> Out {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args)
+            .args(&self.flags)
+            .env_clear()
+            .env(
+                "PATH",
+                std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
+            )
+            .env("HOME", &self.home)
+            .current_dir(&self.cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(h) = &self.abx_home {
+            cmd.env("ABX_HOME", h);
+        }
+        for (k, v) in &self.vars {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn abx-proxy");
+        let pid = child.id();
+        let (done, watch) = mpsc::channel::<()>();
+        let watchdog = std::thread::spawn(move || {
+            if watch.recv_timeout(WATCHDOG) == Err(mpsc::RecvTimeoutError::Timeout) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        });
+        let output = child.wait_with_output().expect("wait abx-proxy");
+        let _ = done.send(());
+        let _ = watchdog.join();
+        let out = Out {
+            code: output.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        };
+        for s in SECRETS {
+            assert!(
+                !out.stdout.contains(s) && !out.stderr.contains(s),
+                "raw secret ending {:?} printed by {args:?} {:?}\nstdout:\n{}\nstderr:\n{}",
+                &s[s.len() - 4..],
+                self.flags,
+                out.stdout,
+                out.stderr
+            );
+        }
+        out
+    }
+
+    /// `config list --json`, which must succeed, parsed into rows.
+    fn list(&self) -> Vec<Row> {
+        let out = self.run(&["config", "list", "--json"]);
+        assert_eq!(out.code, 0, "config list failed:\n{}", out.stderr);
+        parse_rows(&out.stdout)
+    }
+
+    /// One row of `config list --json`.
+    fn row(&self, key: &str) -> Row {
+        find(&self.list(), key)
+    }
+}
+
+fn append(path: &Path, text: &str, mode: u32) {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("open for append");
+    writeln!(f, "{text}").expect("append");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+fn parse_rows(stdout: &str) -> Vec<Row> {
+    let v: Value = serde_json::from_str(stdout).expect("config list --json is JSON");
+    let arr = v.as_array().expect("a JSON array");
+    arr.iter()
+        .map(|o| {
+            let o = o.as_object().expect("rows are objects");
+            let mut fields: Vec<&str> = o.keys().map(String::as_str).collect();
+            fields.sort_unstable();
+            assert_eq!(fields, ["env", "key", "secret", "source", "value"], "{o:?}");
+            let opt = |f: &str| match &o[f] {
+                Value::Null => None,
+                Value::String(s) => Some(s.clone()),
+                other => panic!("{f} is neither a string nor null: {other}"),
+            };
+            Row {
+                key: o["key"].as_str().expect("key is a string").to_string(),
+                value: opt("value"),
+                source: o["source"]
+                    .as_str()
+                    .expect("source is a string")
+                    .to_string(),
+                env: opt("env"),
+                secret: o["secret"].as_bool().expect("secret is a bool"),
+            }
+        })
+        .collect()
+}
+
+fn find(rows: &[Row], key: &str) -> Row {
+    rows.iter()
+        .find(|r| r.key == key)
+        .unwrap_or_else(|| panic!("no row {key} in {rows:?}"))
+        .clone()
+}
+
+fn masked(secret: &str) -> String {
+    format!("****{}", &secret[secret.len() - 4..])
+}
+
+/// The levels of the chain, highest first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Level {
+    Flag,
+    Env,
+    CwdDotenv,
+    HomeDotenv,
+    Toml,
+}
+
+const LEVELS: [Level; 5] = [
+    Level::Flag,
+    Level::Env,
+    Level::CwdDotenv,
+    Level::HomeDotenv,
+    Level::Toml,
+];
+
+impl Level {
+    fn source(self) -> &'static str {
+        match self {
+            Level::Flag => "flag",
+            Level::Env => "env",
+            Level::CwdDotenv => "./.env",
+            Level::HomeDotenv => "~/.abx/.env",
+            Level::Toml => "~/.abx/config.toml",
+        }
+    }
+}
+
+/// Puts `region = value` at a level.
+fn set_region(c: &mut Case, level: Level, value: &str) {
+    match level {
+        Level::Flag => {
+            c.flag("--region", value);
+        }
+        Level::Env => {
+            c.env("ALIBABA_CLOUD_REGION_ID", value);
+        }
+        Level::CwdDotenv => {
+            c.cwd_dotenv(&format!("ALIBABA_CLOUD_REGION_ID={value}"));
+        }
+        Level::HomeDotenv => {
+            c.home_dotenv(&format!("ALIBABA_CLOUD_REGION_ID={value}"));
+        }
+        Level::Toml => {
+            c.toml(&format!("[transport]\nregion = \"{value}\""));
+        }
+    }
+}
+
+/// Puts the API key at a level (`--sandbox-api-key-file` for the flag level).
+fn set_key(c: &mut Case, level: Level, value: &str) {
+    match level {
+        Level::Flag => {
+            let p = c.file(
+                &format!("key-{}", &value[value.len() - 4..]),
+                &format!("{value}\n"),
+            );
+            c.flag("--sandbox-api-key-file", p.to_str().expect("utf-8 path"));
+        }
+        Level::Env => {
+            c.env("ABX_SANDBOX_API_KEY", value);
+        }
+        Level::CwdDotenv => {
+            c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={value}"));
+        }
+        Level::HomeDotenv => {
+            c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={value}"));
+        }
+        Level::Toml => {
+            c.toml(&format!("sandbox_api_key = \"{value}\""));
+        }
+    }
+}
+
+fn region_for(level: Level) -> &'static str {
+    match level {
+        Level::Flag => "us-east-1",
+        Level::Env => "cn-beijing",
+        Level::CwdDotenv => "cn-shanghai",
+        Level::HomeDotenv => "ap-southeast-1",
+        Level::Toml => "cn-shenzhen",
+    }
+}
+
+fn key_for(level: Level) -> &'static str {
+    match level {
+        Level::Flag => KEY_FLAG,
+        Level::Env => KEY_ENV,
+        Level::CwdDotenv => KEY_CWD,
+        Level::HomeDotenv => KEY_HOME,
+        Level::Toml => KEY_TOML,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The chain: every pair of levels
+
+#[test]
+fn region_every_pair_of_levels_higher_wins() {
+    // Each level alone beats the default; each pair is won by the higher level.
+    for (i, &hi) in LEVELS.iter().enumerate() {
+        let mut alone = Case::new();
+        set_region(&mut alone, hi, region_for(hi));
+        let r = alone.row("region");
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some(region_for(hi)), hi.source())
+        );
+
+        for &lo in &LEVELS[i + 1..] {
+            let mut c = Case::new();
+            set_region(&mut c, hi, region_for(hi));
+            set_region(&mut c, lo, region_for(lo));
+            let r = c.row("region");
+            assert_eq!(
+                (r.value.as_deref(), r.source.as_str()),
+                (Some(region_for(hi)), hi.source()),
+                "{hi:?} over {lo:?}"
+            );
+        }
+    }
+    let r = Case::new().row("region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-hangzhou"), "default")
+    );
+}
+
+#[test]
+fn api_key_every_pair_of_levels_higher_wins() {
+    // config.toml may not hold a secret: it is a level only in that it must lose to every
+    // other level and never supply a value on its own.
+    for (i, &hi) in LEVELS.iter().enumerate() {
+        for &lo in &LEVELS[i + 1..] {
+            let mut c = Case::new();
+            set_key(&mut c, hi, key_for(hi));
+            set_key(&mut c, lo, key_for(lo));
+            let rows = c.list();
+            let key = find(&rows, "sandbox_api_key");
+            assert_eq!(
+                (key.value, key.source.as_str()),
+                (Some(masked(key_for(hi))), hi.source()),
+                "{hi:?} over {lo:?}"
+            );
+            let cred = find(&rows, "credential");
+            assert_eq!(
+                (cred.value.as_deref(), cred.source.as_str()),
+                (Some("api_key"), hi.source())
+            );
+        }
+    }
+    // Each allowed level alone; config.toml alone leaves the key unset.
+    for level in LEVELS {
+        let mut c = Case::new();
+        set_key(&mut c, level, key_for(level));
+        let r = c.row("sandbox_api_key");
+        if level == Level::Toml {
+            assert_eq!((r.value, r.source.as_str()), (None, "unset"));
+        } else {
+            assert_eq!(
+                (r.value, r.source.as_str()),
+                (Some(masked(key_for(level))), level.source())
+            );
+        }
+    }
+}
+
+#[test]
+fn each_key_falls_through_on_its_own() {
+    // ./.env sets only the region: the key still comes from ~/.abx/.env.
+    let c = Case::new();
+    c.cwd_dotenv("ALIBABA_CLOUD_REGION_ID=cn-beijing");
+    c.home_dotenv(&format!(
+        "ABX_SANDBOX_API_KEY={KEY_HOME}\nALIBABA_CLOUD_REGION_ID=cn-shenzhen"
+    ));
+    c.toml("[transport]\nsandbox_domain = \"toml.example\"\nregion = \"us-west-1\"");
+    let rows = c.list();
+    let region = find(&rows, "region");
+    assert_eq!(
+        (region.value.as_deref(), region.source.as_str()),
+        (Some("cn-beijing"), "./.env")
+    );
+    let key = find(&rows, "sandbox_api_key");
+    assert_eq!(
+        (key.value, key.source.as_str()),
+        (Some(masked(KEY_HOME)), "~/.abx/.env")
+    );
+    let domain = find(&rows, "sandbox_domain");
+    assert_eq!(
+        (domain.value.as_deref(), domain.source.as_str()),
+        (Some("toml.example"), "~/.abx/config.toml")
+    );
+    // Defaults derive from the effective region, whatever its level.
+    let base = find(&rows, "sandbox_base_url");
+    assert_eq!(
+        (base.value.as_deref(), base.source.as_str()),
+        (
+            Some("https://api.cn-beijing.e2b.fc.aliyuncs.com"),
+            "default"
+        )
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Blank values
+
+#[test]
+fn blank_values_are_skipped_at_every_level() {
+    for blank in ["", "  ", "\t "] {
+        // A blank flag falls to the environment.
+        let mut c = Case::new();
+        c.flag("--region", blank)
+            .env("ALIBABA_CLOUD_REGION_ID", "cn-beijing");
+        let r = c.row("region");
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some("cn-beijing"), "env"),
+            "{blank:?}"
+        );
+
+        // A blank environment variable falls to ./.env.
+        let mut c = Case::new();
+        c.env("ALIBABA_CLOUD_REGION_ID", blank)
+            .env("ABX_SANDBOX_API_KEY", blank);
+        c.cwd_dotenv(&format!(
+            "ALIBABA_CLOUD_REGION_ID=cn-shanghai\nABX_SANDBOX_API_KEY={KEY_CWD}"
+        ));
+        let rows = c.list();
+        let r = find(&rows, "region");
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some("cn-shanghai"), "./.env")
+        );
+        let k = find(&rows, "sandbox_api_key");
+        assert_eq!(
+            (k.value, k.source.as_str()),
+            (Some(masked(KEY_CWD)), "./.env")
+        );
+
+        // A blank ./.env value falls to ~/.abx/.env; a blank ~/.abx/.env one to config.toml.
+        let c = Case::new();
+        c.cwd_dotenv(&format!(
+            "ALIBABA_CLOUD_REGION_ID=\"{blank}\"\nABX_SANDBOX_API_KEY='{blank}'"
+        ));
+        c.home_dotenv(&format!(
+            "ABX_SANDBOX_API_KEY={KEY_HOME}\nALIBABA_CLOUD_REGION_ID=\"{blank}\""
+        ));
+        c.toml("region = \"cn-shenzhen\"");
+        let rows = c.list();
+        let r = find(&rows, "region");
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some("cn-shenzhen"), "~/.abx/config.toml")
+        );
+        let k = find(&rows, "sandbox_api_key");
+        assert_eq!(
+            (k.value, k.source.as_str()),
+            (Some(masked(KEY_HOME)), "~/.abx/.env")
+        );
+
+        // A blank config.toml value falls to the default.
+        let c = Case::new();
+        c.toml(&format!("[transport]\nregion = \"{blank}\""));
+        let r = c.row("region");
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some("cn-hangzhou"), "default")
+        );
+    }
+
+    // Unquoted empty values in .env files, and a blank key file.
+    let mut c = Case::new();
+    c.cwd_dotenv("ABX_SANDBOX_API_KEY=\nALIBABA_CLOUD_REGION_ID=");
+    let blank_file = c.file("blank-key", "  \n");
+    c.flag(
+        "--sandbox-api-key-file",
+        blank_file.to_str().expect("utf-8 path"),
+    );
+    c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+    let rows = c.list();
+    let k = find(&rows, "sandbox_api_key");
+    assert_eq!(
+        (k.value, k.source.as_str()),
+        (Some(masked(KEY_HOME)), "~/.abx/.env")
+    );
+    let r = find(&rows, "region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-hangzhou"), "default")
+    );
+
+    // Only blanks everywhere: no key at all.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", "   ");
+    c.cwd_dotenv("ABX_SANDBOX_API_KEY=\"  \"");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!((out.code, out.stderr.as_str()), (78, E1001));
+}
+
+// ---------------------------------------------------------------------------------------
+// Dotenv syntax
+
+#[test]
+fn dotenv_syntax_forms_in_both_files() {
+    let text = format!(
+        "# a full-line comment: ABX_TOKEN_EXCHANGE=acs3\n\
+         export ABX_SANDBOX_API_KEY=\"{KEY_CWD}\"\n\
+         export ALIBABA_CLOUD_REGION_ID=cn-beijing\n\
+         ABX_PROVIDER='single # quoted'\n\
+         ABX_SANDBOX_DOMAIN=\"double.example\"\n\
+         ABX_TOKEN_TTL=1234 # a trailing comment\n\
+         ABX_TOKEN_REFRESH_BEFORE=\"60\" # after a quoted value\n\
+         ABX_SANDBOX_BASE_URL=https://${{BASE_HOST}}/api\n\
+         ABX_TOKEN_EXCHANGE_URL=\"https://${{BASE_HOST}}:8443\"\n\
+         ABX_SANDBOX_URL=https://envd.${{ABX_SANDBOX_DOMAIN}}\n\
+         ABX_COMPAT_V2_PATHS='${{BASE_HOST}}'\n\
+         ABX_PROXY_LISTEN=127.0.0.1:${{MISSING_VAR}}7000\n"
+    );
+    for in_home in [false, true] {
+        let mut c = Case::new();
+        c.env("BASE_HOST", "base.example");
+        let source = if in_home {
+            c.home_dotenv(&text);
+            "~/.abx/.env"
+        } else {
+            c.cwd_dotenv(&text);
+            "./.env"
+        };
+        let rows = c.list();
+        let expect: &[(&str, Option<&str>, &str)] = &[
+            ("region", Some("cn-beijing"), source),
+            ("provider", Some("single # quoted"), source),
+            ("sandbox_domain", Some("double.example"), source),
+            ("token_ttl", Some("1234"), source),
+            ("token_refresh_before", Some("60"), source),
+            ("sandbox_base_url", Some("https://base.example/api"), source),
+            (
+                "token_exchange_url",
+                Some("https://base.example:8443"),
+                source,
+            ),
+            ("sandbox_url", Some("https://envd.double.example"), source),
+            // Single quotes are literal: no expansion.
+            ("compat_v2_paths", Some("${BASE_HOST}"), source),
+            // An unset variable expands to nothing.
+            ("listen", Some("127.0.0.1:7000"), source),
+            // The commented-out line is not read.
+            ("token_exchange", Some("rpc-v1"), "default"),
+        ];
+        for (key, value, src) in expect {
+            let r = find(&rows, key);
+            assert_eq!(
+                (r.value.as_deref(), r.source.as_str()),
+                (*value, *src),
+                "{key} (in {source})"
+            );
+        }
+        let k = find(&rows, "sandbox_api_key");
+        assert_eq!(
+            (k.value, k.source.as_str()),
+            (Some(masked(KEY_CWD)), source)
+        );
+    }
+}
+
+#[test]
+fn dotenv_expansion_from_an_earlier_line_with_the_secret() {
+    // A secret assembled from an earlier line still resolves, masked, and never printed.
+    let c = Case::new();
+    let (head, tail) = KEY_HOME.split_at(10);
+    c.home_dotenv(&format!(
+        "KEY_HEAD={head}\nexport ABX_SANDBOX_API_KEY=\"${{KEY_HEAD}}{tail}\""
+    ));
+    let r = c.row("sandbox_api_key");
+    assert_eq!(
+        (r.value, r.source.as_str()),
+        (Some(masked(KEY_HOME)), "~/.abx/.env")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Secrets: config.toml, the command line, files, masking
+
+#[test]
+fn secret_in_config_toml_is_ignored_with_a_warning() {
+    let c = Case::new();
+    c.toml(&format!(
+        "sandbox_api_key = \"{KEY_TOML}\"\n[auth]\naccess_key_id = \"{AK_ID}\"\naccess_key_secret = \"{AK_SECRET_TOML}\"\n[transport]\nregion = \"cn-beijing\""
+    ));
+    let out = c.run(&["config", "list", "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let rows = parse_rows(&out.stdout);
+    for key in ["sandbox_api_key", "access_key_secret"] {
+        let r = find(&rows, key);
+        assert_eq!((r.value, r.source.as_str()), (None, "unset"), "{key}");
+        let warning = out
+            .stderr
+            .lines()
+            .find(|l| l.contains(key))
+            .unwrap_or_else(|| panic!("no warning naming {key}:\n{}", out.stderr));
+        assert!(warning.starts_with("warning: "), "{warning}");
+        assert!(warning.contains("~/.abx/config.toml"), "{warning}");
+        let path = c.abx_dir().join("config.toml");
+        assert!(warning.contains(path.to_str().expect("utf-8")), "{warning}");
+    }
+    // The non-secret keys of the same file are used.
+    let r = find(&rows, "region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-beijing"), "~/.abx/config.toml")
+    );
+    let r = find(&rows, "access_key_id");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some(AK_ID), "~/.abx/config.toml")
+    );
+
+    // With only the half pair left, check and serve stop with E1003 (after the warnings).
+    for args in [&["check", "--offline"][..], &["serve"][..]] {
+        let out = c.run(args);
+        assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains("sandbox_api_key"), "{}", out.stderr);
+        assert!(out.stderr.contains("[E1003] "), "{}", out.stderr);
+    }
+}
+
+#[test]
+fn secret_flags_are_refused_without_echoing_the_value() {
+    let commands: &[&[&str]] = &[
+        &[],
+        &["serve"],
+        &["check", "--offline"],
+        &["config", "list"],
+        &["config", "get", "region"],
+    ];
+    let equals = format!("--sandbox-api-key={REFUSED}");
+    let forms: &[&[&str]] = &[
+        &["--sandbox-api-key", REFUSED],
+        &[&equals],
+        &["--sandbox-api-key", REFUSED_DASH],
+        &["--sandbox-api-key"],
+        &["--access-key-secret", REFUSED],
+        &["--access-key-secret", REFUSED_DASH],
+        &["--github-token", REFUSED],
+    ];
+    for cmd in commands {
+        for form in forms {
+            let mut c = Case::new();
+            c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+            let args: Vec<&str> = cmd.iter().chain(form.iter()).copied().collect();
+            let out = c.run(&args);
+            assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+            assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
+            // Names the flag it refuses and points at the alternatives.
+            let flag = form[0].split('=').next().unwrap_or_default();
+            assert!(
+                out.stderr.contains(&format!("{flag} is not accepted")),
+                "{args:?}: {}",
+                out.stderr
+            );
+            // Run's shared check covers the whole value; also no tail of it.
+            assert!(
+                !out.stderr.contains(&REFUSED[20..]) && !out.stderr.contains(&REFUSED_DASH[20..]),
+                "{}",
+                out.stderr
+            );
+        }
+    }
+}
+
+#[test]
+fn command_line_errors_around_a_refused_secret_do_not_echo_it() {
+    // clap rejects these before the refusal runs: still exit 2, still no value on stderr.
+    let cases: &[&[&str]] = &[
+        &["config", "get", "--sandbox-api-key", REFUSED],
+        &["--sandbox-api-key", REFUSED, "config", "list"],
+        &["check", "--sandbox-api-key", REFUSED, "--no-such-flag"],
+        &[
+            "serve",
+            "--access-key-secret",
+            REFUSED_DASH,
+            "--max-connections",
+            "many",
+        ],
+    ];
+    for args in cases {
+        let out = Case::new().run(args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(
+            !out.stderr.contains(&REFUSED[20..]) && !out.stderr.contains(&REFUSED_DASH[20..]),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn malformed_files_name_the_file_and_line_but_not_the_content() {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "./.env",
+            "ALIBABA_CLOUD_REGION_ID=cn-beijing\n# a comment\nABX_SANDBOX_API_KEY=\"sk-cwdd-5f1e2d3c4b5a69788796CWDD\nGITHUB_TOKEN=x",
+            "line 3",
+        ),
+        ("~/.abx/.env", "ALIBABA_CLOUD_REGION_ID=cn-beijing\nsk-home-5f1e2d3c4b5a69788796HOME", "line 2"),
+        (
+            "~/.abx/config.toml",
+            "[transport]\nregion = \"cn-beijing\"\nsandbox_api_key = \"sk-toml-5f1e2d3c4b5a69788796TOML",
+            "line 3",
+        ),
+    ];
+    // The literal secrets above are the consts, spelled out so the file text is plain.
+    assert!(
+        cases[0].1.contains(KEY_CWD)
+            && cases[1].1.contains(KEY_HOME)
+            && cases[2].1.contains(KEY_TOML)
+    );
+    for (label, text, line) in cases {
+        let c = Case::new();
+        match *label {
+            "./.env" => c.cwd_dotenv(text),
+            "~/.abx/.env" => c.home_dotenv(text),
+            _ => c.toml(text),
+        };
+        for cmd in [
+            &["config", "list"][..],
+            &["check", "--offline"][..],
+            &["serve"][..],
+        ] {
+            let out = c.run(cmd);
+            assert_eq!(out.code, 78, "{label} {cmd:?}: {}", out.stderr);
+            let first = out.stderr.lines().next().unwrap_or_default();
+            assert!(first.starts_with("[E1006] cannot read "), "{first}");
+            assert!(
+                first.contains(label) && first.contains(line),
+                "{label}: {first}"
+            );
+        }
+    }
+}
+
+#[test]
+fn secret_files_trim_one_trailing_newline_and_count_as_flags() {
+    for content in [
+        format!("{KEY_FLAG}\n"),
+        format!("{KEY_FLAG}\r\n"),
+        KEY_FLAG.to_string(),
+    ] {
+        let mut c = Case::new();
+        let p = c.file("api-key", &content);
+        c.flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        let rows = c.list();
+        let k = find(&rows, "sandbox_api_key");
+        assert_eq!(
+            (k.value, k.source.as_str()),
+            (Some(masked(KEY_FLAG)), "flag")
+        );
+        let cred = find(&rows, "credential");
+        assert_eq!(
+            (cred.value.as_deref(), cred.source.as_str()),
+            (Some("api_key"), "flag")
+        );
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert!(
+            out.stdout.contains("credential: api_key (flag)"),
+            "{}",
+            out.stdout
+        );
+    }
+
+    // The AccessKey secret from a file and the id from its flag: a pair at the flag level.
+    let mut c = Case::new();
+    let p = c.file("ak-secret", &format!("{AK_SECRET_FILE}\n"));
+    c.flag("--access-key-secret-file", p.to_str().expect("utf-8"));
+    c.flag("--access-key-id", AK_ID);
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+    let rows = c.list();
+    let s = find(&rows, "access_key_secret");
+    assert_eq!(
+        (s.value, s.source.as_str()),
+        (Some(masked(AK_SECRET_FILE)), "flag")
+    );
+    let id = find(&rows, "access_key_id");
+    assert_eq!(
+        (id.value.as_deref(), id.source.as_str()),
+        (Some(AK_ID), "flag")
+    );
+    let cred = find(&rows, "credential");
+    assert_eq!(
+        (cred.value.as_deref(), cred.source.as_str()),
+        (Some("access_key"), "flag")
+    );
+
+    // A missing file is a configuration error that names the flag's file.
+    let mut c = Case::new();
+    c.flag("--sandbox-api-key-file", "/nonexistent/abx-key");
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("/nonexistent/abx-key"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn secrets_are_masked() {
+    let cases = [
+        (KEY_ENV, masked(KEY_ENV)),
+        (KEY_16, "****Q16Z".to_string()),
+        (KEY_15, "****".to_string()),
+        (KEY_SHORT, "****".to_string()),
+    ];
+    for (raw, shown) in cases {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", raw)
+            .env("GITHUB_TOKEN", GH_TOKEN);
+        let rows = c.list();
+        assert_eq!(
+            find(&rows, "sandbox_api_key").value,
+            Some(shown.clone()),
+            "{} chars",
+            raw.len()
+        );
+        assert_eq!(find(&rows, "github_token").value, Some(masked(GH_TOKEN)));
+        let out = c.run(&["config", "get", "sandbox_api_key"]);
+        assert_eq!(
+            (out.code, out.stdout.as_str()),
+            (0, format!("{shown}\n").as_str())
+        );
+        let out = c.run(&["config", "list"]);
+        assert_eq!(out.code, 0);
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("sandbox_api_key "))
+            .expect("sandbox_api_key line");
+        assert_eq!(line.split_whitespace().nth(1), Some(shown.as_str()));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Which credential
+
+#[test]
+fn credential_choice() {
+    struct Choice {
+        name: &'static str,
+        setup: fn(&mut Case),
+        kind: &'static str,
+        source: &'static str,
+        warning: Option<&'static str>,
+    }
+    let choices = [
+        Choice {
+            name: "pair in env beats key in ~/.abx/.env",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID)
+                    .env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+                c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+            },
+            kind: "access_key",
+            source: "env",
+            warning: None,
+        },
+        Choice {
+            name: "tie in env: the key wins",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID)
+                    .env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV)
+                    .env("ABX_SANDBOX_API_KEY", KEY_ENV);
+            },
+            kind: "api_key",
+            source: "env",
+            warning: None,
+        },
+        Choice {
+            name: "tie in ./.env: the key wins",
+            setup: |c| {
+                c.cwd_dotenv(&format!(
+                    "ALICLOUD_ACCESS_KEY_ID={AK_ID}\nALICLOUD_ACCESS_KEY_SECRET={AK_SECRET_CWD}\nABX_SANDBOX_API_KEY={KEY_CWD}"
+                ));
+            },
+            kind: "api_key",
+            source: "./.env",
+            warning: None,
+        },
+        Choice {
+            name: "pair counts at its lower half (~/.abx/.env) and loses to the key in ./.env",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID);
+                c.home_dotenv(&format!("ALICLOUD_ACCESS_KEY_SECRET={AK_SECRET_HOME}"));
+                c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_CWD}"));
+            },
+            kind: "api_key",
+            source: "./.env",
+            warning: None,
+        },
+        Choice {
+            name: "pair counts at its lower half (./.env) and beats the key in ~/.abx/.env",
+            setup: |c| {
+                c.flag("--access-key-id", AK_ID);
+                c.cwd_dotenv(&format!("ALICLOUD_ACCESS_KEY_SECRET={AK_SECRET_CWD}"));
+                c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+            },
+            kind: "access_key",
+            source: "./.env",
+            warning: None,
+        },
+        Choice {
+            name: "pair split between config.toml and ~/.abx/.env, no key",
+            setup: |c| {
+                c.toml(&format!("[auth]\naccess_key_id = \"{AK_ID}\""));
+                c.home_dotenv(&format!("ALICLOUD_ACCESS_KEY_SECRET={AK_SECRET_HOME}"));
+            },
+            kind: "access_key",
+            source: "~/.abx/config.toml",
+            warning: None,
+        },
+        Choice {
+            name: "pair in ./.env ties with the key in ./.env even if one half is also in env",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+                c.cwd_dotenv(&format!(
+                    "ALICLOUD_ACCESS_KEY_ID={AK_ID}\nABX_SANDBOX_API_KEY={KEY_CWD}"
+                ));
+            },
+            kind: "api_key",
+            source: "./.env",
+            warning: None,
+        },
+        Choice {
+            name: "key plus the id half: the key, and a warning",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID);
+                c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+            },
+            kind: "api_key",
+            source: "~/.abx/.env",
+            warning: Some("ALICLOUD_ACCESS_KEY_SECRET"),
+        },
+        Choice {
+            name: "key plus the secret half: the key, and a warning",
+            setup: |c| {
+                c.env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+                c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_CWD}"));
+            },
+            kind: "api_key",
+            source: "./.env",
+            warning: Some("ALICLOUD_ACCESS_KEY_ID"),
+        },
+    ];
+    for ch in &choices {
+        let mut c = Case::new();
+        (ch.setup)(&mut c);
+        let out = c.run(&["config", "list", "--json"]);
+        assert_eq!(out.code, 0, "{}: {}", ch.name, out.stderr);
+        let cred = find(&parse_rows(&out.stdout), "credential");
+        assert_eq!(
+            (
+                cred.value.as_deref(),
+                cred.source.as_str(),
+                cred.env,
+                cred.secret
+            ),
+            (Some(ch.kind), ch.source, None, false),
+            "{}",
+            ch.name
+        );
+        let check = c.run(&["check", "--offline"]);
+        assert_eq!(check.code, 0, "{}: {}", ch.name, check.stderr);
+        assert!(
+            check
+                .stdout
+                .contains(&format!("credential: {} ({})", ch.kind, ch.source)),
+            "{}: {}",
+            ch.name,
+            check.stdout
+        );
+        if ch.kind == "access_key" {
+            assert!(
+                check.stdout.contains(
+                    "token exchange: https://fcsandbox.cn-hangzhou.aliyuncs.com (rpc-v1)"
+                ),
+                "{}: {}",
+                ch.name,
+                check.stdout
+            );
+        }
+        for stderr in [&out.stderr, &check.stderr] {
+            match ch.warning {
+                Some(missing) => {
+                    let w = stderr
+                        .lines()
+                        .find(|l| l.starts_with("warning: "))
+                        .unwrap_or_else(|| panic!("{}: no warning", ch.name));
+                    assert!(w.contains(missing), "{}: {w}", ch.name);
+                }
+                None => assert!(stderr.is_empty(), "{}: {stderr}", ch.name),
+            }
+        }
+    }
+}
+
+#[test]
+fn missing_credential_is_e1001_and_half_pair_is_e1003() {
+    let e1003 = |present: &str, missing: &str| {
+        format!(
+            "[E1003] incomplete AccessKey pair: {present} is set but {missing} is not\n  Suggestion: "
+        )
+    };
+    let commands: &[&[&str]] = &[&["check", "--offline"], &["serve"], &[]];
+    for cmd in commands {
+        // Nothing at all.
+        let mut c = Case::new();
+        c.flag("--listen", "127.0.0.1:0")
+            .flag("--admin-listen", "127.0.0.1:0");
+        let out = c.run(cmd);
+        assert_eq!(
+            (out.code, out.stderr.as_str(), out.stdout.as_str()),
+            (78, E1001, ""),
+            "{cmd:?}"
+        );
+
+        // Only the id.
+        let mut c = Case::new();
+        c.flag("--listen", "127.0.0.1:0")
+            .flag("--admin-listen", "127.0.0.1:0");
+        c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID);
+        let out = c.run(cmd);
+        assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
+        let want = e1003("ALICLOUD_ACCESS_KEY_ID", "ALICLOUD_ACCESS_KEY_SECRET");
+        assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
+        assert_eq!(out.stderr.lines().count(), 2, "{}", out.stderr);
+
+        // Only the secret, from its file flag.
+        let mut c = Case::new();
+        let p = c.file("ak-secret", &format!("{AK_SECRET_FILE}\n"));
+        c.flag("--access-key-secret-file", p.to_str().expect("utf-8"));
+        c.flag("--listen", "127.0.0.1:0")
+            .flag("--admin-listen", "127.0.0.1:0");
+        let out = c.run(cmd);
+        assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
+        let want = e1003("ALICLOUD_ACCESS_KEY_SECRET", "ALICLOUD_ACCESS_KEY_ID");
+        assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
+        assert_eq!(out.stderr.lines().count(), 2, "{}", out.stderr);
+    }
+
+    // config list still works without a credential: the credential row is unset.
+    let c = Case::new();
+    let cred = c.row("credential");
+    assert_eq!((cred.value, cred.source.as_str()), (None, "unset"));
+}
+
+// ---------------------------------------------------------------------------------------
+// File permissions
+
+#[test]
+fn group_or_world_readable_dotenv_files_get_a_warning() {
+    for (in_home, label) in [(false, "./.env"), (true, "~/.abx/.env")] {
+        for (mode, warned) in [
+            (0o644, true),
+            (0o640, true),
+            (0o604, true),
+            (0o600, false),
+            (0o400, false),
+        ] {
+            let c = Case::new();
+            let path = if in_home {
+                c.abx_dir().join(".env")
+            } else {
+                c.cwd.join(".env")
+            };
+            // Region only: `serve` stops at E1001 after resolving, so it never binds.
+            append(&path, "ALIBABA_CLOUD_REGION_ID=cn-beijing", mode);
+            let commands: &[&[&str]] = &[
+                &["config", "list"],
+                &["config", "get", "region"],
+                &["check", "--offline"],
+                &["serve"],
+            ];
+            for cmd in commands {
+                let out = c.run(cmd);
+                let warning = out.stderr.lines().find(|l| l.starts_with("warning: "));
+                if warned {
+                    let w = warning.unwrap_or_else(|| panic!("{mode:o} {cmd:?}: no warning"));
+                    assert!(w.contains(label), "{w}");
+                    assert!(w.contains(path.to_str().expect("utf-8")), "{w}");
+                } else {
+                    assert_eq!(warning, None, "{mode:o} {cmd:?}");
+                }
+            }
+            let r = c.row("region");
+            assert_eq!(
+                (r.value.as_deref(), r.source.as_str()),
+                (Some("cn-beijing"), label)
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Defaults, config get, config list forms, ABX_HOME
+
+#[test]
+fn defaults_follow_another_region() {
+    let mut c = Case::new();
+    c.flag("--region", "cn-shanghai");
+    let rows = c.list();
+    let expect = [
+        ("region", "cn-shanghai", "flag"),
+        (
+            "sandbox_base_url",
+            "https://api.cn-shanghai.e2b.fc.aliyuncs.com",
+            "default",
+        ),
+        (
+            "sandbox_domain",
+            "cn-shanghai.e2b.fc.aliyuncs.com",
+            "default",
+        ),
+        (
+            "token_exchange_url",
+            "https://fcsandbox.cn-shanghai.aliyuncs.com",
+            "default",
+        ),
+    ];
+    for (key, value, source) in expect {
+        let r = find(&rows, key);
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some(value), source),
+            "{key}"
+        );
+    }
+}
+
+/// Every key of the SPEC §2 table, in `config list` order: env name, secret, default.
+const TABLE: &[(&str, &str, bool, Option<&str>)] = &[
+    ("sandbox_api_key", "ABX_SANDBOX_API_KEY", true, None),
+    ("access_key_id", "ALICLOUD_ACCESS_KEY_ID", false, None),
+    (
+        "access_key_secret",
+        "ALICLOUD_ACCESS_KEY_SECRET",
+        true,
+        None,
+    ),
+    (
+        "region",
+        "ALIBABA_CLOUD_REGION_ID",
+        false,
+        Some("cn-hangzhou"),
+    ),
+    ("github_token", "GITHUB_TOKEN", true, None),
+    ("provider", "ABX_PROVIDER", false, Some("alicloud-express")),
+    (
+        "sandbox_base_url",
+        "ABX_SANDBOX_BASE_URL",
+        false,
+        Some("https://api.cn-hangzhou.e2b.fc.aliyuncs.com"),
+    ),
+    (
+        "sandbox_domain",
+        "ABX_SANDBOX_DOMAIN",
+        false,
+        Some("cn-hangzhou.e2b.fc.aliyuncs.com"),
+    ),
+    ("sandbox_url", "ABX_SANDBOX_URL", false, None),
+    (
+        "token_exchange_url",
+        "ABX_TOKEN_EXCHANGE_URL",
+        false,
+        Some("https://fcsandbox.cn-hangzhou.aliyuncs.com"),
+    ),
+    (
+        "token_exchange",
+        "ABX_TOKEN_EXCHANGE",
+        false,
+        Some("rpc-v1"),
+    ),
+    ("token_ttl", "ABX_TOKEN_TTL", false, Some("3600")),
+    (
+        "token_refresh_before",
+        "ABX_TOKEN_REFRESH_BEFORE",
+        false,
+        Some("300"),
+    ),
+    (
+        "compat_v2_paths",
+        "ABX_COMPAT_V2_PATHS",
+        false,
+        Some("rewrite"),
+    ),
+    ("listen", "ABX_PROXY_LISTEN", false, Some("127.0.0.1:49982")),
+    (
+        "admin_listen",
+        "ABX_PROXY_ADMIN_LISTEN",
+        false,
+        Some("127.0.0.1:9464"),
+    ),
+];
+
+#[test]
+fn config_list_json_has_every_key_and_the_credential_row() {
+    let c = Case::new();
+    let rows = c.list();
+    let mut want: Vec<Row> = TABLE
+        .iter()
+        .map(|(key, env, secret, default)| Row {
+            key: key.to_string(),
+            value: default.map(str::to_string),
+            source: if default.is_some() {
+                "default"
+            } else {
+                "unset"
+            }
+            .to_string(),
+            env: Some(env.to_string()),
+            secret: *secret,
+        })
+        .collect();
+    want.push(Row {
+        key: "credential".into(),
+        value: None,
+        source: "unset".into(),
+        env: None,
+        secret: false,
+    });
+    assert_eq!(rows, want);
+
+    // Every key is set by its env name and flows through to its own row.
+    let mut c = Case::new();
+    for (key, env, _, _) in TABLE {
+        let v = match *key {
+            "sandbox_api_key" => KEY_ENV,
+            "access_key_secret" => AK_SECRET_ENV,
+            "github_token" => GH_TOKEN,
+            "region" => "cn-beijing",
+            _ => env,
+        };
+        c.env(env, v);
+    }
+    for r in &c.list()[..TABLE.len()] {
+        assert_eq!(r.source, "env", "{}", r.key);
+        if r.secret {
+            assert!(
+                r.value.as_deref().is_some_and(|v| v.starts_with("****")),
+                "{r:?}"
+            );
+        } else if r.key != "region" {
+            assert_eq!(r.value, r.env, "{}", r.key);
+        }
+    }
+}
+
+#[test]
+fn config_list_text_has_one_row_per_key_and_the_credential_row() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ALIBABA_CLOUD_REGION_ID=cn-beijing");
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let lines: Vec<Vec<&str>> = out
+        .stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    let keys: Vec<&str> = lines.iter().map(|l| l[0]).collect();
+    let mut want: Vec<&str> = TABLE.iter().map(|t| t.0).collect();
+    want.push("credential");
+    assert_eq!(keys, want);
+    let line = |k: &str| lines.iter().find(|l| l[0] == k).expect("line").clone();
+    let key_masked = masked(KEY_ENV);
+    assert_eq!(
+        line("sandbox_api_key"),
+        ["sandbox_api_key", &key_masked, "env", "ABX_SANDBOX_API_KEY"]
+    );
+    assert_eq!(
+        line("region"),
+        ["region", "cn-beijing", "./.env", "ALIBABA_CLOUD_REGION_ID"]
+    );
+    assert_eq!(
+        line("sandbox_url"),
+        ["sandbox_url", "-", "unset", "ABX_SANDBOX_URL"]
+    );
+    assert_eq!(
+        line("token_exchange_url"),
+        [
+            "token_exchange_url",
+            "https://fcsandbox.cn-beijing.aliyuncs.com",
+            "default",
+            "ABX_TOKEN_EXCHANGE_URL"
+        ]
+    );
+    assert_eq!(line("credential")[..3], ["credential", "api_key", "env"]);
+}
+
+#[test]
+fn config_get_prints_one_value() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.flag("--region", "cn-shanghai");
+    let cases: &[(&str, i32, &str)] = &[
+        ("sandbox_api_key", 0, "****ENVV\n"),
+        ("region", 0, "cn-shanghai\n"),
+        ("sandbox_domain", 0, "cn-shanghai.e2b.fc.aliyuncs.com\n"),
+        ("credential", 0, "api_key\n"),
+        ("no_such_key", 2, ""),
+        ("ABX_SANDBOX_API_KEY", 2, ""),
+    ];
+    for (key, code, stdout) in cases {
+        let out = c.run(&["config", "get", key]);
+        assert_eq!(
+            (out.code, out.stdout.as_str()),
+            (*code, *stdout),
+            "{key}: {}",
+            out.stderr
+        );
+        if *code == 2 {
+            assert!(out.stderr.contains(key), "{}", out.stderr);
+        }
+    }
+}
+
+#[test]
+fn abx_home_moves_the_directory_but_not_the_source_names() {
+    // ABX_HOME set: its files are read, $HOME/.abx is not.
+    let c = Case::new();
+    let home_abx = c.home.join(".abx");
+    std::fs::create_dir_all(&home_abx).expect("mkdir");
+    append(
+        &home_abx.join(".env"),
+        &format!("ABX_SANDBOX_API_KEY={KEY_OTHER_HOME}\nABX_SANDBOX_DOMAIN=wrong.example"),
+        0o600,
+    );
+    append(
+        &home_abx.join("config.toml"),
+        "region = \"us-west-1\"",
+        0o600,
+    );
+    c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+    c.toml("[transport]\nregion = \"cn-beijing\"");
+    let rows = c.list();
+    let k = find(&rows, "sandbox_api_key");
+    assert_eq!(
+        (k.value, k.source.as_str()),
+        (Some(masked(KEY_HOME)), "~/.abx/.env")
+    );
+    let r = find(&rows, "region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-beijing"), "~/.abx/config.toml")
+    );
+    let d = find(&rows, "sandbox_domain");
+    assert_eq!(d.source, "default");
+
+    // No ABX_HOME: $HOME/.abx, same names.
+    let c = Case::without_abx_home();
+    c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}"));
+    c.toml("region = \"cn-beijing\"");
+    let rows = c.list();
+    let k = find(&rows, "sandbox_api_key");
+    assert_eq!(
+        (k.value, k.source.as_str()),
+        (Some(masked(KEY_HOME)), "~/.abx/.env")
+    );
+    let r = find(&rows, "region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-beijing"), "~/.abx/config.toml")
+    );
+}
