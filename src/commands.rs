@@ -5,6 +5,7 @@ use std::io::Write;
 
 use crate::cli::{CheckArgs, SettingsArgs};
 use crate::error::{Error, EXIT_USAGE};
+use crate::providers;
 use crate::settings::{Inputs, Resolved, Source, KEYS};
 
 /// Resolves the chain for these flags and prints the warnings (every command that resolves
@@ -28,11 +29,11 @@ struct Row {
     key: String,
     value: Option<String>,
     source: &'static str,
-    env: Option<&'static str>,
+    env: Option<String>,
     secret: bool,
 }
 
-fn rows(resolved: &Resolved) -> Vec<Row> {
+fn rows(resolved: &Resolved) -> Result<Vec<Row>, Error> {
     let mut rows: Vec<Row> = KEYS
         .iter()
         .map(|spec| {
@@ -41,13 +42,22 @@ fn rows(resolved: &Resolved) -> Vec<Row> {
                 key: spec.name.to_string(),
                 value: e.value.as_ref().map(|v| v.shown()),
                 source: e.source.label(),
-                env: Some(spec.env),
+                env: Some(spec.env.to_string()),
                 secret: spec.secret,
             }
         })
         .collect();
-    let (value, source) = match resolved.credential() {
-        Ok((kind, source, _)) => (Some(kind.label().to_string()), source.label()),
+    if let Some(plugin) = resolved.plugin()? {
+        rows.extend(plugin.fields.iter().map(|f| Row {
+            key: f.key.clone(),
+            value: f.value.as_ref().map(|v| v.shown()),
+            source: f.source.label(),
+            env: Some(f.env.clone()),
+            secret: f.secret,
+        }));
+    }
+    let (value, source) = match credential_in_use(resolved) {
+        Ok((kind, source)) => (Some(kind.to_string()), source.label()),
         Err(_) => (None, Source::Unset.label()),
     };
     rows.push(Row {
@@ -57,12 +67,26 @@ fn rows(resolved: &Resolved) -> Vec<Row> {
         env: None,
         secret: false,
     });
-    rows
+    Ok(rows)
+}
+
+/// Which credential is attached and where it comes from: the built-in rule of SPEC §2, or
+/// the selected plugin's `api_key`.
+fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Error> {
+    match resolved.plugin()? {
+        None => resolved.credential().map(|(kind, source, _)| (kind.label(), source)),
+        Some(p) => p
+            .fields
+            .iter()
+            .find(|f| f.field == "api_key" && f.value.is_some())
+            .map(|f| ("api_key", f.source))
+            .ok_or(Error::MissingCredential),
+    }
 }
 
 pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
     let resolved = resolve(args)?;
-    let rows = rows(&resolved);
+    let rows = rows(&resolved)?;
     let mut out = std::io::stdout().lock();
     if json {
         let arr: Vec<serde_json::Value> = rows
@@ -88,7 +112,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
                 r.key,
                 r.value.as_deref().unwrap_or("-"),
                 r.source,
-                r.env.unwrap_or("-"),
+                r.env.as_deref().unwrap_or("-"),
             );
             let _ = writeln!(out, "{}", line.trim_end());
         }
@@ -98,7 +122,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
 
 pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     let resolved = resolve(args)?;
-    match rows(&resolved).into_iter().find(|r| r.key == key) {
+    match rows(&resolved)?.into_iter().find(|r| r.key == key) {
         Some(row) => {
             if let Some(v) = row.value {
                 println!("{v}");
@@ -119,22 +143,20 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
 pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let resolved = resolve(&args.settings)?;
     let settings = resolved.validate()?;
-    let (kind, source, _) = resolved.credential()?;
-    println!("credential: {} ({})", kind.label(), source.label());
+    let (kind, source) = credential_in_use(&resolved)?;
+    println!("credential: {kind} ({})", source.label());
     println!("provider: {}", settings.provider);
     println!("control plane: {}", settings.sandbox_base_url);
-    match &settings.sandbox_url {
-        Some(u) => println!("envd: {u} (routed by E2b-Sandbox-* headers)"),
-        None => println!(
-            "envd: https://{{port}}-{{sandboxId}}.{}",
-            settings.sandbox_domain
-        ),
+    match (&settings.sandbox_url, &settings.sandbox_domain) {
+        (Some(u), _) => println!("envd: {u} (routed by E2b-Sandbox-* headers)"),
+        (None, Some(d)) => println!("envd: https://{{port}}-{{sandboxId}}.{d}"),
+        (None, None) => println!("envd: none (this provider has no envd plane)"),
     }
     println!(
         "listen: {}  admin: {}",
         settings.listen, settings.admin_listen
     );
-    if kind == crate::settings::CredentialKind::AccessKey {
+    if matches!(settings.credential, crate::settings::Credential::AccessKey { .. }) {
         // The setting's own spelling (`rpc-v1`, `acs3`), not the enum's Debug name.
         let scheme = match settings.token_exchange {
             crate::settings::ExchangeScheme::RpcV1 => "rpc-v1",
@@ -149,33 +171,105 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     crate::check::online(&settings, &args.net)
 }
 
+fn abx_home() -> Result<std::path::PathBuf, Error> {
+    Inputs::from_process(Default::default())
+        .abx_home
+        .ok_or_else(|| Error::InvalidSetting {
+            key: "ABX_HOME".into(),
+            reason: "neither ABX_HOME nor HOME is set".into(),
+        })
+}
+
 pub fn provider_list() -> Result<i32, Error> {
-    println!("alicloud-express  built-in  Alibaba Cloud Agent Sandbox (E2B API)");
+    println!("{:18} {:10} description", "id", "kind");
+    println!(
+        "{:18} {:10} Alibaba Cloud Agent Sandbox (E2B API, Authorization: Bearer)",
+        providers::BUILTIN,
+        "built-in"
+    );
+    for entry in providers::list(&abx_home()?) {
+        match entry {
+            Ok(p) => println!(
+                "{:18} {:10} {}",
+                p.manifest.id,
+                "installed",
+                p.manifest.description.as_deref().unwrap_or("")
+            ),
+            Err(e) => eprintln!("warning: {}", e.line()),
+        }
+    }
     Ok(0)
 }
 
 pub fn provider_info(id: &str) -> Result<i32, Error> {
-    if id != "alicloud-express" {
-        return Err(Error::UnknownProvider { id: id.to_string() });
+    if id == providers::BUILTIN {
+        println!("id: {id} (built-in)");
+        println!("base_url: https://api.{{region}}.e2b.fc.aliyuncs.com");
+        println!("auth: Authorization: Bearer <key>");
+        println!("envd: https://{{port}}-{{sandboxId}}.{{region}}.e2b.fc.aliyuncs.com");
+        println!("fields:");
+        for k in KEYS {
+            println!("  {:22} {:28}{}", k.name, k.env, if k.secret { " secret" } else { "" });
+        }
+        println!("Inherits: (none)");
+        return Ok(0);
     }
-    println!("id: alicloud-express (built-in)");
-    println!("auth: Authorization: Bearer <key>");
-    println!("fields:");
-    for k in KEYS {
-        println!(
-            "  {:22} {:28} {}",
-            k.name,
-            k.env,
-            if k.secret { "secret" } else { "" }
-        );
-    }
-    println!("Inherits: (none)");
+    let installed = providers::load(&abx_home()?, id)?
+        .ok_or_else(|| Error::UnknownProvider { id: id.to_string() })?;
+    print_provider(&installed);
     Ok(0)
 }
 
-pub fn provider_install(_file: &std::path::Path, _consent: bool) -> Result<i32, Error> {
-    Err(Error::Provider {
-        id: "-".into(),
-        reason: "plugin providers are not supported yet".into(),
-    })
+fn print_provider(p: &providers::Installed) {
+    let m = &p.manifest;
+    println!("id: {}", m.id);
+    if let Some(d) = &m.description {
+        println!("description: {d}");
+    }
+    println!("base_url: {}", m.base_url);
+    match &m.auth {
+        providers::AuthKind::Bearer => println!("auth: Authorization: Bearer <key>"),
+        providers::AuthKind::Header(h) => println!("auth: {h}: <key>"),
+    }
+    match &m.envd_domain {
+        Some(d) => println!("envd: https://{{port}}-{{sandboxId}}.{d}"),
+        None => println!("envd: none"),
+    }
+    println!("fields:");
+    for f in m.fields.values() {
+        let mut envs = vec![m.canonical_env(&f.name)];
+        envs.extend(f.aliases.iter().cloned());
+        println!(
+            "  {:14} {}{}",
+            f.name,
+            envs.join(", "),
+            if f.secret { "  (secret: environment or .env only)" } else { "" }
+        );
+    }
+    println!("Inherits:");
+    if m.inherit.is_empty() {
+        println!("  (none)");
+    }
+    for key in &m.inherit {
+        let state = if p.consented.contains(key) {
+            "consented"
+        } else {
+            "NOT consented: reinstall with --consent to allow"
+        };
+        println!("  {key} ({state})");
+    }
+}
+
+pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Error> {
+    let installed = providers::install(&abx_home()?, file, consent)?;
+    println!("installed {} in {}", installed.manifest.id, installed.dir.display());
+    print_provider(&installed);
+    if !installed.manifest.inherit.is_empty() && !consent {
+        println!(
+            "note: this provider asks to inherit {}; it was not granted. Run `abx-proxy provider install {} --consent` to allow.",
+            installed.manifest.inherit.join(", "),
+            file.display()
+        );
+    }
+    Ok(0)
 }

@@ -162,6 +162,14 @@ impl PluginSettings {
         }
     }
 
+    /// envd's domain (`envd_domain` field, else the manifest's); `None`: no envd plane.
+    pub fn envd_domain(&self) -> Option<String> {
+        match self.field("envd_domain").and_then(|f| f.value.as_ref()) {
+            Some(v) => Some(v.shown()),
+            None => self.installed.manifest.envd_domain.clone(),
+        }
+    }
+
     /// The control-plane upstream: the `base_url` field, else the manifest's.
     pub fn base_url(&self) -> Result<UpstreamUrl, Error> {
         let raw = match self.field("base_url").and_then(|f| f.value.as_ref()) {
@@ -171,6 +179,15 @@ impl PluginSettings {
         // OPEN_SANDBOX_DOMAIN is `host:port` without a scheme.
         let raw = if raw.contains("://") { raw } else { format!("http://{raw}") };
         UpstreamUrl::parse_named(&format!("{}.base_url", self.installed.manifest.id), &raw)
+    }
+}
+
+/// `base_url` and `envd_domain` fields default to the manifest's `[endpoint]`.
+fn endpoint_default<'a>(m: &'a Manifest, field: &Field) -> Option<&'a String> {
+    match field.name.as_str() {
+        "base_url" => Some(&m.base_url),
+        "envd_domain" => m.envd_domain.as_ref(),
+        _ => None,
     }
 }
 
@@ -216,7 +233,7 @@ pub fn resolve(
         let (value, source) = match found {
             Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),
             Some((v, s)) => (Some(Value::Plain(v)), s),
-            None => match (&field.default, core_api_key) {
+            None => match (endpoint_default(m, field).or(field.default.as_ref()), core_api_key) {
                 (Some(d), _) => (Some(Value::Plain(d.clone())), Source::Default),
                 (None, Some((k, s)))
                     if field.name == "api_key"

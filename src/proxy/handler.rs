@@ -67,6 +67,11 @@ impl Proxy {
         let (plane, result) = match route::route(&parts, &self.host_policy) {
             Err(e) => ("api", Err(Failure::from(e))),
             Ok(route) => {
+                // A provider without envd gets everything on its control plane.
+                let route = match route {
+                    Route::Envd { .. } if self.envd.is_none() => Route::Api,
+                    route => route,
+                };
                 let plane = route.plane();
                 let gauge = self.metrics.in_flight.with_label_values(&[plane]);
                 gauge.inc();
@@ -241,8 +246,9 @@ impl Proxy {
 
     fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, String), Error> {
         match &self.envd {
-            EnvdTarget::Url(url) => Ok((url.join(pq).map_err(internal)?, url.host().to_string())),
-            EnvdTarget::Domain { scheme, domain } => {
+            None => Err(internal("this provider has no envd plane")),
+            Some(EnvdTarget::Url(url)) => Ok((url.join(pq).map_err(internal)?, url.host().to_string())),
+            Some(EnvdTarget::Domain { scheme, domain }) => {
                 let host = format!("{port}-{sandbox_id}.{domain}");
                 let uri = Uri::builder()
                     .scheme(scheme.clone())

@@ -45,18 +45,24 @@ fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &str> {
 /// Removes hop-by-hop headers and those named in `Connection`. With `upgrade`, the
 /// `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    if let Some(conn) = headers.get(header::CONNECTION) {
-        if conn.as_bytes() != b"keep-alive" && conn.as_bytes() != b"close" {
-            let named: Vec<HeaderName> = headers
-                .get_all(header::CONNECTION)
-                .iter()
-                .flat_map(connection_tokens)
-                .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
-                .filter(|n| !(upgrade && n == header::UPGRADE))
-                .collect();
-            for name in named {
-                headers.remove(&name);
-            }
+    // Every `Connection` line counts, not just the first: `Connection: close` followed by
+    // `Connection: X-Secret` must still drop `X-Secret`. The list is only built when some
+    // token names a field beyond the ones removed below anyway.
+    let names_fields = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(connection_tokens)
+        .any(|t| !is_plain_connection_token(t));
+    if names_fields {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .flat_map(connection_tokens)
+            .filter(|t| !is_plain_connection_token(t))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(&name);
         }
     }
     // `TE: trailers` is the one TE value a proxy may pass on (gRPC over HTTP/2 needs it).
@@ -78,6 +84,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
+/// `close`, `keep-alive` and `upgrade`: options, or fields handled by [`HOP_BY_HOP`].
+fn is_plain_connection_token(t: &str) -> bool {
+    ["close", "keep-alive", "upgrade"]
+        .iter()
+        .any(|p| t.eq_ignore_ascii_case(p))
+}
+
 /// How a provider wants its key.
 #[derive(Debug, Clone)]
 pub enum AuthScheme {
@@ -85,6 +98,18 @@ pub enum AuthScheme {
     Bearer,
     /// `<header>: <key>`.
     Header(HeaderName),
+}
+
+impl From<&crate::providers::AuthKind> for AuthScheme {
+    fn from(kind: &crate::providers::AuthKind) -> Self {
+        match kind {
+            crate::providers::AuthKind::Bearer => AuthScheme::Bearer,
+            // The manifest reader checked the name; an invalid one cannot get here.
+            crate::providers::AuthKind::Header(h) => HeaderName::from_bytes(h.as_bytes())
+                .map(AuthScheme::Header)
+                .unwrap_or(AuthScheme::Bearer),
+        }
+    }
 }
 
 impl AuthScheme {
@@ -157,6 +182,21 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("upgrade", "websocket"),
             ("proxy-authorization", "Basic x"),
+            ("x-kept", "yes"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn every_connection_line_counts() {
+        let mut h = map(&[
+            ("connection", "close"),
+            ("connection", "X-Hop-A, keep-alive"),
+            ("connection", "Upgrade, x-hop-b"),
+            ("x-hop-a", "1"),
+            ("x-hop-b", "2"),
             ("x-kept", "yes"),
         ]);
         strip_hop_by_hop(&mut h, false);

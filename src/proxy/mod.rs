@@ -74,7 +74,8 @@ pub enum EnvdTarget {
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
     pub(crate) api_base: UpstreamUrl,
-    pub(crate) envd: EnvdTarget,
+    /// `None` for a provider without an envd plane: everything goes to the control plane.
+    pub(crate) envd: Option<EnvdTarget>,
     pub(crate) api_client: HttpClient,
     pub(crate) envd_client: HttpClient,
     pub(crate) auth: AuthScheme,
@@ -105,12 +106,13 @@ impl Proxy {
             _ if options.allowed_hosts.is_empty() => HostPolicy::Any,
             _ => HostPolicy::Listed(options.allowed_hosts.clone()),
         };
-        let envd = match &settings.sandbox_url {
-            Some(url) => EnvdTarget::Url(url.clone()),
-            None => EnvdTarget::Domain {
+        let envd = match (&settings.sandbox_url, &settings.sandbox_domain) {
+            (Some(url), _) => Some(EnvdTarget::Url(url.clone())),
+            (None, Some(domain)) => Some(EnvdTarget::Domain {
                 scheme: Scheme::HTTPS,
-                domain: settings.sandbox_domain.clone(),
-            },
+                domain: domain.clone(),
+            }),
+            (None, None) => None,
         };
         let compat = if settings.provider == "alicloud-express" {
             settings.compat_v2_paths
@@ -122,7 +124,7 @@ impl Proxy {
             envd,
             api_client: upstream::client(tls.clone(), Versions::Negotiate, options.connect_timeout),
             envd_client: upstream::client(tls, Versions::Http1, options.connect_timeout),
-            auth: AuthScheme::Bearer,
+            auth: AuthScheme::from(&settings.auth),
             credential: ArcSwap::from_pointee(credential),
             tokens: TokenStore::new(),
             metrics,

@@ -18,6 +18,7 @@ pub use layers::Source;
 pub use values::{parse_duration, CompatMode, ExchangeScheme, ListenAddr, UpstreamUrl};
 
 use crate::error::Error;
+use crate::providers::{self, AuthKind, PluginSettings};
 use crate::secret::Secret;
 
 /// What the chain is resolved from. `flags` is the highest level: command-line flags, or
@@ -133,6 +134,8 @@ impl CredentialKind {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     pub entries: Vec<Entry>,
+    /// `~/.abx` (or `$ABX_HOME`), where plugin providers are installed.
+    pub abx_home: Option<PathBuf>,
     /// Every layer's raw maps, kept for plugin provider fields.
     pub layers: RawLayers,
     pub warnings: Vec<String>,
@@ -244,6 +247,7 @@ impl Resolved {
         }
         Ok(Resolved {
             entries,
+            abx_home: inputs.abx_home.clone(),
             layers,
             warnings,
         })
@@ -300,33 +304,58 @@ impl Resolved {
     }
 
     /// Validates every key into typed settings; the first problem is the error.
+    /// The selected plugin provider, resolved; `None` for the built-in one.
+    pub fn plugin(&self) -> Result<Option<PluginSettings>, Error> {
+        let id = self.plain(Key::Provider).unwrap_or(providers::BUILTIN);
+        if id == providers::BUILTIN {
+            return Ok(None);
+        }
+        let unknown = || Error::UnknownProvider { id: id.to_string() };
+        let home = self.abx_home.as_deref().ok_or_else(unknown)?;
+        let installed = providers::load(home, id)?.ok_or_else(unknown)?;
+        let core_key = self
+            .secret(Key::SandboxApiKey)
+            .map(|k| (k, self.entry(Key::SandboxApiKey).source));
+        providers::resolve(installed, &self.layers, core_key).map(Some)
+    }
+
+    /// Validates every key into typed settings; the first problem is the error.
     pub fn validate(&self) -> Result<Settings, Error> {
         let get = |k: Key| self.plain(k).unwrap_or_default();
         let region = get(Key::Region).to_string();
         values::check_region(&region)?;
-        let (kind, _, _) = self.credential()?;
-        let credential = match kind {
-            CredentialKind::ApiKey => Credential::ApiKey(
-                self.secret(Key::SandboxApiKey)
-                    .cloned()
-                    .ok_or(Error::MissingCredential)?,
-            ),
-            CredentialKind::AccessKey => Credential::AccessKey {
-                id: get(Key::AccessKeyId).to_string(),
-                secret: self
-                    .secret(Key::AccessKeySecret)
-                    .cloned()
-                    .ok_or(Error::MissingCredential)?,
-            },
-        };
+        let plugin = self.plugin()?;
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
         if token_ttl.is_zero() {
             return Err(values::invalid(Key::TokenTtl, "must be at least 1 second"));
         }
+        let (credential, auth, sandbox_base_url, envd_domain) = match &plugin {
+            None => (
+                self.builtin_credential()?,
+                AuthKind::Bearer,
+                UpstreamUrl::parse(Key::SandboxBaseUrl, get(Key::SandboxBaseUrl))?,
+                Some(values::domain(get(Key::SandboxDomain))?),
+            ),
+            Some(p) => {
+                let m = &p.installed.manifest;
+                let key = p.api_key().ok_or_else(|| Error::Provider {
+                    id: m.id.clone(),
+                    reason: format!(
+                        "api_key is not set: set {}{}",
+                        m.canonical_env("api_key"),
+                        m.fields
+                            .get("api_key")
+                            .map(|f| f.aliases.iter().map(|a| format!(" or {a}")).collect::<String>())
+                            .unwrap_or_default()
+                    ),
+                })?;
+                (Credential::ApiKey(key), m.auth.clone(), p.base_url()?, p.envd_domain())
+            }
+        };
         Ok(Settings {
             provider: get(Key::Provider).to_string(),
-            sandbox_base_url: UpstreamUrl::parse(Key::SandboxBaseUrl, get(Key::SandboxBaseUrl))?,
-            sandbox_domain: values::domain(get(Key::SandboxDomain))?,
+            sandbox_base_url,
+            sandbox_domain: envd_domain,
             sandbox_url: self
                 .plain(Key::SandboxUrl)
                 .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
@@ -347,14 +376,41 @@ impl Resolved {
             github_token: self.secret(Key::GithubToken).cloned(),
             region,
             credential,
+            auth,
+            plugin,
+        })
+    }
+
+    fn builtin_credential(&self) -> Result<Credential, Error> {
+        let (kind, _, _) = self.credential()?;
+        Ok(match kind {
+            CredentialKind::ApiKey => Credential::ApiKey(
+                self.secret(Key::SandboxApiKey)
+                    .cloned()
+                    .ok_or(Error::MissingCredential)?,
+            ),
+            CredentialKind::AccessKey => Credential::AccessKey {
+                id: self.plain(Key::AccessKeyId).unwrap_or_default().to_string(),
+                secret: self
+                    .secret(Key::AccessKeySecret)
+                    .cloned()
+                    .ok_or(Error::MissingCredential)?,
+            },
         })
     }
 
     /// Warnings from reading the layers plus those of the credential rule.
     pub fn all_warnings(&self) -> Vec<String> {
         let mut w = self.warnings.clone();
-        if let Ok((_, _, Some(extra))) = self.credential() {
-            w.push(extra);
+        match self.plugin() {
+            Ok(Some(p)) => w.extend(p.warnings),
+            Ok(None) => {
+                if let Ok((_, _, Some(extra))) = self.credential() {
+                    w.push(extra);
+                }
+            }
+            // The error itself is reported by whoever validates.
+            Err(_) => {}
         }
         w
     }
@@ -373,7 +429,8 @@ pub struct Settings {
     pub region: String,
     pub provider: String,
     pub sandbox_base_url: UpstreamUrl,
-    pub sandbox_domain: String,
+    /// envd at `https://{port}-{id}.{domain}`; `None` for a provider without envd.
+    pub sandbox_domain: Option<String>,
     pub sandbox_url: Option<UpstreamUrl>,
     pub token_exchange_url: UpstreamUrl,
     pub token_exchange: ExchangeScheme,
@@ -384,6 +441,10 @@ pub struct Settings {
     pub admin_listen: ListenAddr,
     pub credential: Credential,
     pub github_token: Option<Secret>,
+    /// How the provider wants its key attached.
+    pub auth: AuthKind,
+    /// The selected plugin provider; `None` for the built-in one.
+    pub plugin: Option<PluginSettings>,
 }
 
 /// The keys whose value or source differ between two resolutions (for reload logs: names

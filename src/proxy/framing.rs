@@ -1,0 +1,301 @@
+//! Request framing that hyper accepts and SPEC §4 refuses.
+//!
+//! hyper frames a request that carries both `Content-Length` and `Transfer-Encoding` by the
+//! latter (RFC 9112 §6.3 allows that), drops the length, and closes the connection after
+//! the response: the service never learns the length was there. SPEC §4 wants such a
+//! request refused with 400, since a peer on the path may have framed it by the length
+//! (request smuggling). So the connection's bytes are watched on their way into hyper:
+//! [`HeadWatch`] follows HTTP/1 framing (heads, sized and chunked bodies) and records which
+//! request head carried both fields; [`Verdicts`] tells the service, request by request.
+//!
+//! The watch costs a scan for line ends in heads and chunk-size lines; body bytes are
+//! skipped by count. Whatever it cannot follow (HTTP/2, `CONNECT`, upgrades, malformed
+//! input hyper will reject) switches it off for the connection: hyper's own handling, TE
+//! wins and the connection closes, still applies there.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Marks a request (in its extensions) whose head had both `Content-Length` and
+/// `Transfer-Encoding`.
+#[derive(Debug, Clone, Copy)]
+pub struct AmbiguousLength;
+
+/// Enough of a line to recognise the fields that matter and read a length or chunk size.
+const LINE_CAP: usize = 64;
+
+/// The watch and the service's side of it, for one connection.
+pub fn watch() -> (HeadWatch, Verdicts) {
+    let flagged = Arc::new(AtomicU64::new(0));
+    (
+        HeadWatch {
+            state: State::Head { first: true },
+            line: [0; LINE_CAP],
+            line_len: 0,
+            head: Head::default(),
+            heads: 0,
+            flagged: flagged.clone(),
+        },
+        Verdicts {
+            flagged,
+            served: AtomicU64::new(0),
+        },
+    )
+}
+
+/// Tells the service which request is the ambiguous one. hyper hands HTTP/1 requests to the
+/// service in the order their heads arrived, and the watch sees each head before hyper
+/// does, so counting requests is enough — even with pipelining, where a later head may
+/// already have been read while an earlier request is served.
+#[derive(Debug)]
+pub struct Verdicts {
+    flagged: Arc<AtomicU64>,
+    served: AtomicU64,
+}
+
+impl Verdicts {
+    /// Called once per request, in order: whether this one had both length fields.
+    pub fn next_is_ambiguous(&self) -> bool {
+        let n = self.served.fetch_add(1, Ordering::Relaxed) + 1;
+        self.flagged.load(Ordering::Relaxed) == n
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// The lines of a head; `first` until the request line has been read.
+    Head { first: bool },
+    /// A sized body: bytes still to pass.
+    Sized(u64),
+    /// A chunk-size line.
+    ChunkSize,
+    /// Chunk data and the CRLF after it: bytes still to pass.
+    ChunkData(u64),
+    /// Trailer lines after the last chunk, up to the empty line.
+    Trailers,
+    /// Not HTTP/1 framing any more, or lost: watch no further.
+    Off,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Head {
+    content_length: Option<u64>,
+    has_content_length: bool,
+    transfer_encoding: bool,
+    upgrade: bool,
+}
+
+/// Follows one connection's request framing; fed every byte hyper reads, in order.
+#[derive(Debug)]
+pub struct HeadWatch {
+    state: State,
+    line: [u8; LINE_CAP],
+    line_len: usize,
+    head: Head,
+    /// Heads completed so far.
+    heads: u64,
+    /// The number (1-based) of the first head with both fields; 0 while there is none.
+    flagged: Arc<AtomicU64>,
+}
+
+impl HeadWatch {
+    pub fn scan(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            match self.state {
+                State::Off => return,
+                State::Sized(left) | State::ChunkData(left) => {
+                    let take = left.min(data.len() as u64);
+                    data = &data[take as usize..];
+                    let left = left - take;
+                    self.state = match (self.state, left) {
+                        (State::Sized(_), 0) => State::Head { first: true },
+                        (State::Sized(_), _) => State::Sized(left),
+                        (_, 0) => State::ChunkSize,
+                        _ => State::ChunkData(left),
+                    };
+                }
+                State::Head { .. } | State::ChunkSize | State::Trailers => {
+                    match data.iter().position(|&b| b == b'\n') {
+                        Some(end) => {
+                            self.push(&data[..end]);
+                            data = &data[end + 1..];
+                            self.end_of_line();
+                        }
+                        None => {
+                            self.push(data);
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(LINE_CAP - self.line_len);
+        self.line[self.line_len..self.line_len + n].copy_from_slice(&bytes[..n]);
+        self.line_len += n;
+    }
+
+    fn end_of_line(&mut self) {
+        let mut line = &self.line[..self.line_len];
+        if let Some(l) = line.strip_suffix(b"\r") {
+            line = l;
+        }
+        self.state = match self.state {
+            // Empty lines before a request line are tolerated (RFC 9112 §2.2).
+            State::Head { first: true } if line.is_empty() => State::Head { first: true },
+            State::Head { first: true } => {
+                self.head = Head::default();
+                let method = line.split(|&b| b == b' ').next().unwrap_or_default();
+                // CONNECT tunnels, and `PRI` is the HTTP/2 preface: no HTTP/1 framing follows.
+                if method == b"CONNECT" || method == b"PRI" {
+                    State::Off
+                } else {
+                    State::Head { first: false }
+                }
+            }
+            State::Head { first: false } if line.is_empty() => self.end_of_head(),
+            State::Head { first: false } => {
+                self.header_line(line);
+                State::Head { first: false }
+            }
+            State::ChunkSize => match chunk_size(line) {
+                Some(0) => State::Trailers,
+                Some(size) => State::ChunkData(size.saturating_add(2)),
+                None => State::Off,
+            },
+            State::Trailers if line.is_empty() => State::Head { first: true },
+            other => other,
+        };
+        self.line_len = 0;
+    }
+
+    fn header_line(&mut self, line: &[u8]) {
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            return;
+        };
+        let (name, value) = (&line[..colon], trim(&line[colon + 1..]));
+        if name.eq_ignore_ascii_case(b"content-length") {
+            self.head.has_content_length = true;
+            // `5, 5` is one length said twice; hyper refuses lists that disagree.
+            let first = value.split(|&b| b == b',').next().unwrap_or_default();
+            self.head.content_length = std::str::from_utf8(trim(first))
+                .ok()
+                .and_then(|v| v.parse().ok());
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            self.head.transfer_encoding = true;
+        } else if name.eq_ignore_ascii_case(b"upgrade") {
+            self.head.upgrade = true;
+        }
+    }
+
+    fn end_of_head(&mut self) -> State {
+        self.heads += 1;
+        let head = self.head;
+        if head.has_content_length && head.transfer_encoding {
+            // Only the first matters: hyper closes the connection after that request.
+            let _ = self.flagged.compare_exchange(
+                0,
+                self.heads,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+        if head.upgrade {
+            // The bytes after a 101 are not HTTP; whether one comes is not known here.
+            State::Off
+        } else if head.transfer_encoding {
+            // hyper accepts only `chunked` last; anything else ends the connection.
+            State::ChunkSize
+        } else {
+            match head.content_length {
+                Some(0) | None if !head.has_content_length => State::Head { first: true },
+                Some(0) => State::Head { first: true },
+                Some(n) => State::Sized(n),
+                None => State::Off,
+            }
+        }
+    }
+}
+
+fn trim(mut s: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = s {
+        s = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = s {
+        s = rest;
+    }
+    s
+}
+
+/// The hex size at the start of a chunk-size line (extensions after `;` ignored).
+fn chunk_size(line: &[u8]) -> Option<u64> {
+    let digits = line
+        .iter()
+        .position(|b| !b.is_ascii_hexdigit())
+        .unwrap_or(line.len());
+    if digits == 0 || digits > 16 {
+        return None;
+    }
+    let text = std::str::from_utf8(&line[..digits]).ok()?;
+    u64::from_str_radix(text, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `input` in pieces of `step` bytes; which requests (1-based) were flagged.
+    fn flagged(input: &[u8], step: usize, requests: usize) -> Vec<usize> {
+        let (mut watch, verdicts) = watch();
+        for piece in input.chunks(step) {
+            watch.scan(piece);
+        }
+        (1..=requests)
+            .filter(|_| verdicts.next_is_ambiguous())
+            .collect()
+    }
+
+    const CLEAN: &[u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+        e\r\nContent-Length\r\n0\r\nX-Trailer: 1\r\n\r\n\
+        POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 26\r\n\r\nTransfer-Encoding: chunked\
+        \r\n\nGET /c HTTP/1.1\nHost: x\n\n";
+
+    #[test]
+    fn clean_requests_pass_in_any_split() {
+        for step in [1, 2, 3, 7, 64, 4096] {
+            assert_eq!(flagged(CLEAN, step, 3), Vec::<usize>::new(), "step {step}");
+        }
+    }
+
+    #[test]
+    fn both_fields_flag_the_right_request() {
+        let mut input = CLEAN.to_vec();
+        input.extend_from_slice(
+            b"POST /d HTTP/1.1\r\nHost: x\r\ncontent-length: 3\r\nTRANSFER-ENCODING: chunked\r\n\r\n0\r\n\r\n",
+        );
+        for step in [1, 5, 4096] {
+            assert_eq!(flagged(&input, step, 4), vec![4], "step {step}");
+        }
+        let te_first = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n";
+        assert_eq!(flagged(te_first, 4096, 1), vec![1]);
+    }
+
+    #[test]
+    fn stops_where_http1_framing_ends() {
+        let h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0Content-Length: 1\r\nTransfer-Encoding: x\r\n\r\n";
+        assert_eq!(flagged(h2, 4096, 2), Vec::<usize>::new());
+        let upgrade = b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n\
+            GET / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(flagged(upgrade, 4096, 2), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn long_lines_are_bounded() {
+        let mut input = b"GET / HTTP/1.1\r\nX-Big: ".to_vec();
+        input.extend(std::iter::repeat(b'a').take(100_000));
+        input.extend_from_slice(b"\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!(flagged(&input, 1000, 1), vec![1]);
+    }
+}
