@@ -1,0 +1,140 @@
+//! Criterion benchmarks of the per-request hot path: routing, the header rewrite (strip +
+//! attach), the credential read, the envd token look-up, and both signing schemes (which run
+//! once per token exchange, not per request, but should stay cheap).
+
+use std::time::Duration;
+
+use abx_proxy::credentials::envd::TokenStore;
+use abx_proxy::credentials::ApiCredential;
+use abx_proxy::proxy::headers::{self, AuthScheme};
+use abx_proxy::proxy::route::{self, HostPolicy};
+use abx_proxy::secret::Secret;
+use abx_proxy::signing::{acs3, rpc_v1};
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use http::request::Parts;
+
+/// The head the Python SDK sends for `POST /v2/sandboxes` (from the wire captures).
+fn sdk_api_request() -> Parts {
+    http::Request::post("/v2/sandboxes")
+        .header("accept", "*/*")
+        .header("accept-encoding", "gzip, deflate")
+        .header("lang", "python")
+        .header("lang_version", "3.11.7")
+        .header("package_version", "2.63.0")
+        .header("publisher", "e2b")
+        .header("sdk_runtime", "python")
+        .header("system", "Linux")
+        .header("user-agent", "e2b-python-sdk/2.63.0")
+        .header("x-api-key", "dummy-key")
+        .header("content-type", "application/json")
+        .header("content-length", "68")
+        .header("connection", "keep-alive")
+        .header("host", "127.0.0.1:49982")
+        .body(())
+        .map(|r| r.into_parts().0)
+        .unwrap_or_else(|_| unreachable!("static request"))
+}
+
+fn sdk_envd_request() -> Parts {
+    http::Request::get("/files?path=%2Fhome%2Fuser%2Fhello.txt")
+        .header("accept", "*/*")
+        .header("accept-encoding", "gzip, deflate")
+        .header("user-agent", "e2b-python-sdk/2.63.0")
+        .header("x-access-token", "envd-token-FAKE-123")
+        .header("e2b-sandbox-id", "isb-fake0001")
+        .header("e2b-sandbox-port", "49983")
+        .header("host", "127.0.0.1:49982")
+        .body(())
+        .map(|r| r.into_parts().0)
+        .unwrap_or_else(|_| unreachable!("static request"))
+}
+
+fn routing(c: &mut Criterion) {
+    let api = sdk_api_request();
+    let envd = sdk_envd_request();
+    let policy = HostPolicy::Loopback;
+    c.bench_function("route/api", |b| b.iter(|| route::route(black_box(&api), &policy)));
+    c.bench_function("route/envd", |b| b.iter(|| route::route(black_box(&envd), &policy)));
+}
+
+fn header_rewrite(c: &mut Criterion) {
+    let template = sdk_api_request().headers;
+    let key = Secret::new("sk-0123456789abcdef0123456789abcdef");
+    let scheme = AuthScheme::Bearer;
+    let value = scheme.value(&key).unwrap_or_else(|| unreachable!("valid key"));
+    c.bench_function("rewrite/api (strip + attach)", |b| {
+        b.iter_batched_ref(
+            || template.clone(),
+            |h| {
+                headers::strip_hop_by_hop(h, false);
+                h.remove(http::header::HOST);
+                headers::authorize_api(h, &scheme, value.clone());
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let envd = sdk_envd_request().headers;
+    let token = Secret::new("envd-token-FAKE-123");
+    c.bench_function("rewrite/envd (strip + attach)", |b| {
+        b.iter_batched_ref(
+            || envd.clone(),
+            |h| {
+                headers::strip_hop_by_hop(h, false);
+                h.remove(http::header::HOST);
+                headers::authorize_envd(h, &token, "isb-fake0001", 49983);
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+}
+
+fn credential_read(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    let cred = arc_swap::ArcSwap::from_pointee(ApiCredential::Static(Secret::new("sk-key")));
+    c.bench_function("credential/current (static)", |b| {
+        b.iter(|| rt.block_on(async { cred.load_full().current().await }))
+    });
+    let store = TokenStore::new();
+    for i in 0..1000 {
+        store.insert(&format!("isb-{i:04}"), Secret::new(format!("tok-{i}")));
+    }
+    c.bench_function("envd token lookup (1000 sandboxes)", |b| {
+        b.iter(|| store.get(black_box("isb-0500")))
+    });
+}
+
+fn signing(c: &mut Criterion) {
+    let secret = Secret::new("testsecret");
+    let params = rpc_v1::create_api_key_params(
+        "testid",
+        "cn-hangzhou",
+        "3ee8c1b8-83d3-44af-a94f-4e0ad82fd6cf",
+        "2025-01-01T00:00:00Z",
+    );
+    c.bench_function("sign/rpc-v1 CreateApiKey", |b| {
+        b.iter(|| rpc_v1::signed_query("POST", black_box(&params), &secret))
+    });
+    let input = acs3::CreateApiKey {
+        host: "fcsandbox.cn-hangzhou.aliyuncs.com",
+        path_prefix: "",
+        access_key_id: "testid",
+        hostname: "bench",
+        now: time::OffsetDateTime::UNIX_EPOCH,
+        ttl: time::Duration::hours(1),
+        nonce: "d410180a5abf7fe235dd9b74aca91fc0",
+    };
+    c.bench_function("sign/acs3 CreateApiKey", |b| {
+        b.iter(|| acs3::create_api_key_request(black_box(&input), &secret))
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = routing, header_rewrite, credential_read, signing
+}
+criterion_main!(benches);

@@ -1,0 +1,972 @@
+//! A fake E2B cloud for end-to-end tests: one process, two plain-HTTP listeners on
+//! 127.0.0.1 — the control plane (`/sandboxes`, `/v2/sandboxes`, …) and envd (the
+//! in-sandbox daemon, reached the way the SDKs reach it with `E2B_SANDBOX_URL`: one URL,
+//! routed by the `E2b-Sandbox-Id` header).
+//!
+//! ```text
+//! fake_e2b [--api-port 0] [--envd-port 0] [--expect-key KEY] [--dummy-key dummy-key]
+//!          [--no-auth-check] [--envd-version 0.5.7] [--stdin-lifeline]
+//! ```
+//!
+//! On startup it prints one JSON line, `{"api":"http://127.0.0.1:X","envd":"http://127.0.0.1:Y"}`.
+//! Every request is checked; a violation is recorded and answered with an error so the SDK
+//! fails too. `GET /__fake/report` on the api port returns
+//! `{"requests": N, "routes": {"api POST /sandboxes": 1, …}, "violations": […], "log": […]}`.
+//!
+//! Control-plane checks (off with `--no-auth-check`): `Authorization: Bearer <expect-key>`,
+//! no `X-API-Key` header, the dummy key in no header. Envd checks (always): `X-Access-Token`
+//! equal to the token issued for the sandbox named by `E2b-Sandbox-Id`, `E2b-Sandbox-Port`
+//! present, `Authorization` (if any) only `Basic`, the real key in no header. Both planes:
+//! `Host` is the listener's own authority.
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// Default port of envd inside a sandbox; the SDKs send it as `E2b-Sandbox-Port`.
+const ENVD_PORT: &str = "49983";
+
+#[derive(Clone, Debug)]
+struct Args {
+    api_port: u16,
+    envd_port: u16,
+    expect_key: Option<String>,
+    dummy_key: String,
+    no_auth_check: bool,
+    envd_version: String,
+    stdin_lifeline: bool,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: fake_e2b [--api-port N] [--envd-port N] [--expect-key KEY] [--dummy-key KEY] \
+         [--no-auth-check] [--envd-version V] [--stdin-lifeline]"
+    );
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        api_port: 0,
+        envd_port: 0,
+        expect_key: None,
+        dummy_key: "dummy-key".to_string(),
+        no_auth_check: false,
+        envd_version: "0.5.7".to_string(),
+        stdin_lifeline: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let value = |it: &mut std::iter::Skip<std::env::Args>| -> String {
+            inline.clone().or_else(|| it.next()).unwrap_or_else(|| {
+                eprintln!("fake_e2b: {name} needs a value");
+                usage()
+            })
+        };
+        match name.as_str() {
+            "--api-port" => args.api_port = value(&mut it).parse().unwrap_or_else(|_| usage()),
+            "--envd-port" => args.envd_port = value(&mut it).parse().unwrap_or_else(|_| usage()),
+            "--expect-key" => args.expect_key = Some(value(&mut it)),
+            "--dummy-key" => args.dummy_key = value(&mut it),
+            "--envd-version" => args.envd_version = value(&mut it),
+            "--no-auth-check" => args.no_auth_check = true,
+            "--stdin-lifeline" => args.stdin_lifeline = true,
+            "-h" | "--help" => usage(),
+            other => {
+                eprintln!("fake_e2b: unknown argument {other:?}");
+                usage()
+            }
+        }
+    }
+    if !args.no_auth_check && args.expect_key.as_deref().unwrap_or("").is_empty() {
+        eprintln!("fake_e2b: --expect-key KEY is required unless --no-auth-check is given");
+        usage()
+    }
+    args
+}
+
+#[derive(Debug)]
+struct Sandbox {
+    token: String,
+    template_id: String,
+    metadata: Value,
+    timeout: u64,
+    alive: bool,
+    files: HashMap<String, Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    requests: u64,
+    routes: BTreeMap<String, u64>,
+    violations: Vec<String>,
+    log: Vec<Value>,
+    sandboxes: HashMap<String, Sandbox>,
+    next_pid: u32,
+}
+
+struct State {
+    args: Args,
+    api_authority: String,
+    envd_authority: String,
+    inner: Mutex<Inner>,
+}
+
+impl State {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic in one handler must not turn every later request into a second panic.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Plane {
+    Api,
+    Envd,
+}
+
+impl Plane {
+    fn name(self) -> &'static str {
+        match self {
+            Plane::Api => "api",
+            Plane::Envd => "envd",
+        }
+    }
+}
+
+fn main() {
+    let args = parse_args();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fake_e2b: cannot start the runtime: {e}");
+            std::process::exit(1)
+        }
+    };
+    if let Err(e) = rt.block_on(run(args)) {
+        eprintln!("fake_e2b: {e}");
+        std::process::exit(1)
+    }
+}
+
+async fn run(args: Args) -> std::io::Result<()> {
+    let api = TcpListener::bind(("127.0.0.1", args.api_port)).await?;
+    let envd = TcpListener::bind(("127.0.0.1", args.envd_port)).await?;
+    let api_addr = api.local_addr()?;
+    let envd_addr = envd.local_addr()?;
+    let state = Arc::new(State {
+        api_authority: api_addr.to_string(),
+        envd_authority: envd_addr.to_string(),
+        args: args.clone(),
+        inner: Mutex::new(Inner {
+            next_pid: 1000,
+            ..Inner::default()
+        }),
+    });
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(
+            out,
+            "{}",
+            json!({"api": format!("http://{api_addr}"), "envd": format!("http://{envd_addr}")})
+        )?;
+        out.flush()?;
+    }
+    if args.stdin_lifeline {
+        // Exit when the parent closes our stdin (or dies), so no fake outlives its test.
+        std::thread::spawn(|| {
+            let mut sink = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            std::process::exit(0);
+        });
+    }
+    let a = tokio::spawn(serve(api, Plane::Api, state.clone()));
+    let e = tokio::spawn(serve(envd, Plane::Envd, state));
+    let _ = tokio::join!(a, e);
+    Ok(())
+}
+
+async fn serve(listener: TcpListener, plane: Plane, state: Arc<State>) {
+    loop {
+        let (stream, _peer): (_, SocketAddr) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                eprintln!("fake_e2b: accept on {}: {e}", plane.name());
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(handle(req, plane, &state).await) }
+            });
+            // HTTP/1.1 and cleartext HTTP/2 (prior knowledge), as a real server offers.
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// helpers
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).boxed()
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    let mut r = Response::new(full(v.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn empty(status: StatusCode) -> Response<Body> {
+    let mut r = Response::new(full(Bytes::new()));
+    *r.status_mut() = status;
+    r
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json_response(
+        status,
+        &json!({"code": status.as_u16(), "message": message}),
+    )
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok())
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query_param(query: Option<&str>, name: &str) -> Option<String> {
+    query?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        (percent_decode(k) == name).then(|| percent_decode(v))
+    })
+}
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+fn b64_encode(data: &[u8]) -> String {
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let n = (u32::from(chunk[0]) << 16)
+            | (u32::from(*chunk.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*chunk.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(B64[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn b64_decode(s: &str) -> Option<Vec<u8>> {
+    let mut bits = 0u32;
+    let mut nbits = 0;
+    let mut out = Vec::new();
+    for c in s.trim_end_matches('=').bytes() {
+        let v = B64.iter().position(|&x| x == c)? as u32;
+        bits = (bits << 6) | v;
+        nbits += 6;
+        if nbits >= 8 {
+            nbits -= 8;
+            out.push((bits >> nbits) as u8);
+        }
+    }
+    Some(out)
+}
+
+/// The sandbox user selected by `Authorization: Basic base64(user:)`, as envd reads it.
+fn basic_user(h: &HeaderMap) -> Option<String> {
+    let v = header(h, "authorization")?;
+    let enc = v.strip_prefix("Basic ")?;
+    let dec = String::from_utf8(b64_decode(enc.trim())?).ok()?;
+    Some(dec.split(':').next().unwrap_or("").to_string())
+}
+
+/// One Connect envelope: flags byte, u32 big-endian length, payload.
+fn envelope(flags: u8, payload: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(5 + payload.len());
+    v.push(flags);
+    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    v.extend_from_slice(payload);
+    Bytes::from(v)
+}
+
+fn first_envelope(body: &[u8]) -> Option<(u8, &[u8])> {
+    if body.len() < 5 {
+        return None;
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    body.get(5..5 + len).map(|p| (body[0], p))
+}
+
+fn new_sandbox_id() -> String {
+    format!("isb-{}", &uuid::Uuid::new_v4().simple().to_string()[..16])
+}
+
+fn sandbox_json(id: &str, sb: &Sandbox, envd_version: &str) -> Value {
+    json!({
+        "templateID": sb.template_id,
+        "sandboxID": id,
+        "alias": sb.template_id,
+        "clientID": "fake-client",
+        "envdVersion": envd_version,
+        "envdAccessToken": sb.token,
+        "trafficAccessToken": Value::Null,
+        "domain": Value::Null,
+    })
+}
+
+fn sandbox_detail_json(id: &str, sb: &Sandbox, envd_version: &str) -> Value {
+    json!({
+        "templateID": sb.template_id,
+        "sandboxID": id,
+        "alias": sb.template_id,
+        "clientID": "fake-client",
+        "startedAt": "2025-01-01T00:00:00Z",
+        "endAt": "2025-01-01T01:00:00Z",
+        "envdVersion": envd_version,
+        "envdAccessToken": sb.token,
+        "domain": Value::Null,
+        "cpuCount": 2,
+        "memoryMB": 512,
+        "diskSizeMB": 1024,
+        "state": "running",
+        "metadata": sb.metadata,
+        "timeout": sb.timeout,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// dispatch
+
+async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response<Body> {
+    let (parts, body) = req.into_parts();
+    let method = parts.method.clone();
+    let path = parts.uri.path().to_string();
+    let query = parts.uri.query().map(str::to_string);
+
+    if plane == Plane::Api && path == "/__fake/report" {
+        let inner = state.lock();
+        return json_response(
+            StatusCode::OK,
+            &json!({
+                "requests": inner.requests,
+                "routes": inner.routes,
+                "violations": inner.violations,
+                "log": inner.log,
+            }),
+        );
+    }
+
+    let body = match body.collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            let msg = format!(
+                "{} {method} {path}: reading the body failed: {e}",
+                plane.name()
+            );
+            state.lock().violations.push(msg.clone());
+            return error(StatusCode::BAD_REQUEST, &msg);
+        }
+    };
+
+    let route = route_name(plane, &method, &path);
+    let mut violations = check_common(plane, &parts.uri, &parts.headers, state);
+    let resp = if let Some(v) = match plane {
+        Plane::Api => check_api(&parts.headers, state),
+        Plane::Envd => check_envd(&parts.headers, state),
+    } {
+        violations.push(v.1.clone());
+        error(v.0, &v.1)
+    } else {
+        match plane {
+            Plane::Api => api(&method, &path, &body, state),
+            Plane::Envd => envd(
+                &method,
+                &path,
+                query.as_deref(),
+                &parts.headers,
+                &body,
+                state,
+            ),
+        }
+    };
+    if resp.status() == StatusCode::NOT_FOUND && route.ends_with("(unknown)") {
+        violations.push(format!("{} unexpected route {method} {path}", plane.name()));
+    }
+
+    let mut inner = state.lock();
+    inner.requests += 1;
+    *inner.routes.entry(route.clone()).or_insert(0) += 1;
+    let mut entry = json!({
+        "plane": plane.name(),
+        "method": method.as_str(),
+        "path": path,
+        "route": route,
+        "status": resp.status().as_u16(),
+        "version": format!("{:?}", parts.version),
+    });
+    if route.ends_with("POST /sandboxes") || route.ends_with("POST /v2/sandboxes") {
+        let secure = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("secure").cloned())
+            .unwrap_or(Value::Null);
+        entry["secure"] = secure;
+    }
+    if let Some(a) = header(&parts.headers, "authorization").filter(|a| a.starts_with("Basic ")) {
+        entry["basic"] = Value::String(a.to_string());
+    }
+    for v in &violations {
+        eprintln!("fake_e2b: VIOLATION: {v}");
+    }
+    inner.violations.extend(violations);
+    inner.log.push(entry);
+    resp
+}
+
+/// Route names for the report: the method and the path with the sandbox id replaced.
+fn route_name(plane: Plane, method: &Method, path: &str) -> String {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let shape = match (plane, segs.as_slice()) {
+        (Plane::Api, ["sandboxes"]) => "/sandboxes".to_string(),
+        (Plane::Api, ["v2", "sandboxes"]) => "/v2/sandboxes".to_string(),
+        (Plane::Api, ["sandboxes", _]) => "/sandboxes/{id}".to_string(),
+        (Plane::Api, ["sandboxes", _, rest]) => format!("/sandboxes/{{id}}/{rest}"),
+        (Plane::Api, ["v2", "sandboxes", _, rest]) => format!("/v2/sandboxes/{{id}}/{rest}"),
+        (Plane::Envd, ["files" | "health" | "process.Process" | "filesystem.Filesystem", ..]) => {
+            path.to_string()
+        }
+        _ => return format!("{} {method} (unknown)", plane.name()),
+    };
+    format!("{} {method} {shape}", plane.name())
+}
+
+fn check_common(plane: Plane, uri: &hyper::Uri, h: &HeaderMap, state: &State) -> Vec<String> {
+    let own = match plane {
+        Plane::Api => &state.api_authority,
+        Plane::Envd => &state.envd_authority,
+    };
+    let mut v = Vec::new();
+    // HTTP/2 carries the authority in the URI instead of a Host header.
+    match header(h, "host").or_else(|| uri.authority().map(|a| a.as_str())) {
+        Some(host) if host == own => {}
+        other => v.push(format!(
+            "{}: Host is {other:?}, expected the upstream's own {own:?}",
+            plane.name()
+        )),
+    }
+    v
+}
+
+/// Control-plane credential checks; `Some((status, message))` on a violation.
+fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
+    let a = &state.args;
+    if a.no_auth_check {
+        return None;
+    }
+    if h.contains_key("x-api-key") {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            "api: request carries an X-API-Key header (client credential leaked upstream)".into(),
+        ));
+    }
+    if !a.dummy_key.is_empty()
+        && h.values().any(|v| {
+            v.as_bytes()
+                .windows(a.dummy_key.len())
+                .any(|w| w == a.dummy_key.as_bytes())
+        })
+    {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            "api: the dummy key appears in a request header".into(),
+        ));
+    }
+    let expected = format!("Bearer {}", a.expect_key.as_deref().unwrap_or(""));
+    let auths: Vec<_> = h.get_all("authorization").iter().collect();
+    if auths.len() != 1 || auths[0].as_bytes() != expected.as_bytes() {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            format!(
+                "api: expected exactly one `Authorization: Bearer <expected key>`, got {} Authorization header(s){}",
+                auths.len(),
+                if auths.iter().any(|v| v.as_bytes().starts_with(b"Bearer ")) {
+                    " (Bearer with a wrong key)"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    None
+}
+
+/// envd checks; `Some((status, message))` on a violation.
+fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
+    let a = &state.args;
+    if let Some(key) = a.expect_key.as_deref().filter(|k| !k.is_empty()) {
+        if h.values()
+            .any(|v| v.as_bytes().windows(key.len()).any(|w| w == key.as_bytes()))
+        {
+            return Some((
+                StatusCode::UNAUTHORIZED,
+                "envd: the control-plane API key appears in an envd request header".into(),
+            ));
+        }
+    }
+    if !a.no_auth_check && h.contains_key("x-api-key") {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            "envd: request carries an X-API-Key header".into(),
+        ));
+    }
+    if let Some(auth) = header(h, "authorization") {
+        if !auth.starts_with("Basic ") {
+            return Some((
+                StatusCode::UNAUTHORIZED,
+                "envd: Authorization header that is not Basic".into(),
+            ));
+        }
+    }
+    let Some(id) = header(h, "e2b-sandbox-id") else {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            "envd: no E2b-Sandbox-Id header".into(),
+        ));
+    };
+    match header(h, "e2b-sandbox-port") {
+        Some(ENVD_PORT) => {}
+        other => {
+            return Some((
+                StatusCode::BAD_REQUEST,
+                format!("envd: E2b-Sandbox-Port is {other:?}, expected {ENVD_PORT:?}"),
+            ))
+        }
+    }
+    let inner = state.lock();
+    let Some(sb) = inner.sandboxes.get(id) else {
+        return Some((
+            StatusCode::BAD_GATEWAY,
+            format!("envd: unknown sandbox {id:?}"),
+        ));
+    };
+    match header(h, "x-access-token") {
+        Some(t) if t == sb.token => None,
+        Some(_) => Some((
+            StatusCode::UNAUTHORIZED,
+            format!("envd: X-Access-Token for {id} is not the token issued for it"),
+        )),
+        None => Some((
+            StatusCode::UNAUTHORIZED,
+            format!("envd: no X-Access-Token for {id}"),
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// control plane
+
+fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body> {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let ev = state.args.envd_version.as_str();
+    let segs: Vec<&str> = match segs.as_slice() {
+        ["v2", "sandboxes", rest @ ..] => std::iter::once("sandboxes")
+            .chain(rest.iter().copied())
+            .collect(),
+        _ => segs,
+    };
+    let mut inner = state.lock();
+    match (method, segs.as_slice()) {
+        (&Method::POST, ["sandboxes"]) => {
+            let req: Value = match serde_json::from_slice(body) {
+                Ok(v) => v,
+                Err(e) => return error(StatusCode::BAD_REQUEST, &format!("bad JSON body: {e}")),
+            };
+            let id = new_sandbox_id();
+            let sb = Sandbox {
+                token: format!("envd-tok-{}", uuid::Uuid::new_v4().simple()),
+                template_id: req
+                    .get("templateID")
+                    .and_then(Value::as_str)
+                    .unwrap_or("base")
+                    .to_string(),
+                metadata: req.get("metadata").cloned().unwrap_or_else(|| json!({})),
+                timeout: req.get("timeout").and_then(Value::as_u64).unwrap_or(300),
+                alive: true,
+                files: HashMap::new(),
+            };
+            let resp = sandbox_json(&id, &sb, ev);
+            inner.sandboxes.insert(id, sb);
+            json_response(StatusCode::CREATED, &resp)
+        }
+        (&Method::GET, ["sandboxes", id]) => match inner.sandboxes.get(*id).filter(|s| s.alive) {
+            Some(sb) => json_response(StatusCode::OK, &sandbox_detail_json(id, sb, ev)),
+            None => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+        },
+        (&Method::DELETE, ["sandboxes", id]) => {
+            match inner.sandboxes.get_mut(*id).filter(|s| s.alive) {
+                Some(sb) => {
+                    sb.alive = false;
+                    empty(StatusCode::NO_CONTENT)
+                }
+                None => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+            }
+        }
+        (&Method::POST, ["sandboxes", id, "timeout"]) => {
+            let t = serde_json::from_slice::<Value>(body)
+                .ok()
+                .and_then(|v| v.get("timeout").and_then(Value::as_u64));
+            match (inner.sandboxes.get_mut(*id).filter(|s| s.alive), t) {
+                (Some(sb), Some(t)) => {
+                    sb.timeout = t;
+                    empty(StatusCode::NO_CONTENT)
+                }
+                (Some(_), None) => error(StatusCode::BAD_REQUEST, "body needs a numeric timeout"),
+                (None, _) => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+            }
+        }
+        (&Method::POST, ["sandboxes", id, "connect"]) => {
+            match inner.sandboxes.get_mut(*id).filter(|s| s.alive) {
+                Some(sb) => {
+                    if let Some(t) = serde_json::from_slice::<Value>(body)
+                        .ok()
+                        .and_then(|v| v.get("timeout").and_then(Value::as_u64))
+                    {
+                        sb.timeout = sb.timeout.max(t);
+                    }
+                    json_response(StatusCode::OK, &sandbox_json(id, sb, ev))
+                }
+                None => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+            }
+        }
+        _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// envd
+
+fn envd(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    h: &HeaderMap,
+    body: &Bytes,
+    state: &State,
+) -> Response<Body> {
+    // check_envd has verified the id and that the sandbox exists.
+    let id = header(h, "e2b-sandbox-id").unwrap_or_default().to_string();
+    let mut inner = state.lock();
+    let pid = inner.next_pid;
+    let Some(sb) = inner.sandboxes.get_mut(&id) else {
+        return error(StatusCode::BAD_GATEWAY, "sandbox not found");
+    };
+    if !sb.alive {
+        // What the edge answers for a sandbox that is gone; `is_running()` maps 502 to false.
+        return error(
+            StatusCode::BAD_GATEWAY,
+            &format!("sandbox {id} is not running"),
+        );
+    }
+    match (method, path) {
+        (&Method::GET, "/health") => empty(StatusCode::NO_CONTENT),
+        (&Method::GET, "/files") => {
+            let Some(p) = query_param(query, "path") else {
+                return error(StatusCode::BAD_REQUEST, "missing path");
+            };
+            match sb.files.get(&p) {
+                Some(data) => {
+                    let mut r = Response::new(full(data.clone()));
+                    r.headers_mut().insert(
+                        CONTENT_TYPE,
+                        HeaderValue::from_static("application/octet-stream"),
+                    );
+                    r
+                }
+                None => error(StatusCode::NOT_FOUND, &format!("file {p} not found")),
+            }
+        }
+        (&Method::POST, "/files") => upload(sb, query, h, body),
+        (&Method::POST, "/process.Process/Start") => {
+            let r = process_start(h, body, pid);
+            inner.next_pid += 1;
+            r
+        }
+        (&Method::POST, "/filesystem.Filesystem/ListDir") => list_dir(sb, body),
+        _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),
+    }
+}
+
+fn upload(sb: &mut Sandbox, query: Option<&str>, h: &HeaderMap, body: &Bytes) -> Response<Body> {
+    let ct = header(h, "content-type").unwrap_or("");
+    let qpath = query_param(query, "path");
+    let mut written = Vec::new();
+    if ct.starts_with("multipart/form-data") {
+        let Some(boundary) = ct
+            .split(';')
+            .filter_map(|p| p.trim().strip_prefix("boundary="))
+            .next()
+            .map(|b| b.trim_matches('"').to_string())
+        else {
+            return error(StatusCode::BAD_REQUEST, "multipart without boundary");
+        };
+        let parts = match parse_multipart(body, &boundary) {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, &format!("bad multipart: {e}")),
+        };
+        if parts.is_empty() {
+            return error(StatusCode::BAD_REQUEST, "multipart without parts");
+        }
+        let single = parts.len() == 1;
+        for (filename, data) in parts {
+            let path = match (&qpath, filename) {
+                (Some(p), _) if single => p.clone(),
+                (_, Some(f)) => f,
+                (Some(p), None) => p.clone(),
+                (None, None) => return error(StatusCode::BAD_REQUEST, "part without a path"),
+            };
+            sb.files.insert(path.clone(), data);
+            written.push(path);
+        }
+    } else if ct.starts_with("application/octet-stream") {
+        if header(h, "content-encoding").is_some_and(|e| e != "identity") {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "fake: compressed uploads not supported",
+            );
+        }
+        let Some(p) = qpath else {
+            return error(StatusCode::BAD_REQUEST, "octet-stream upload needs ?path=");
+        };
+        sb.files.insert(p.clone(), body.to_vec());
+        written.push(p);
+    } else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!("unsupported upload content type {ct:?}"),
+        );
+    }
+    let infos: Vec<Value> = written
+        .iter()
+        .map(|p| {
+            json!({
+                "name": p.rsplit('/').next().unwrap_or(p),
+                "type": "file",
+                "path": p,
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, &Value::Array(infos))
+}
+
+/// One multipart part: its `filename` (if any) and its content.
+type Part = (Option<String>, Vec<u8>);
+
+/// Splits a multipart/form-data body into its parts.
+fn parse_multipart(body: &[u8], boundary: &str) -> Result<Vec<Part>, String> {
+    let delim = format!("--{boundary}").into_bytes();
+    let find = |hay: &[u8], needle: &[u8], from: usize| -> Option<usize> {
+        hay.get(from..)?
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|p| p + from)
+    };
+    let mut parts = Vec::new();
+    let mut pos = find(body, &delim, 0).ok_or("no opening boundary")? + delim.len();
+    loop {
+        if body.get(pos..pos + 2) == Some(b"--") {
+            return Ok(parts);
+        }
+        pos += 2; // CRLF after the boundary
+        let head_end = find(body, b"\r\n\r\n", pos).ok_or("part without header end")?;
+        let head = String::from_utf8_lossy(&body[pos..head_end]).into_owned();
+        let data_start = head_end + 4;
+        let mut next_delim = b"\r\n".to_vec();
+        next_delim.extend_from_slice(&delim);
+        let data_end =
+            find(body, &next_delim, data_start).ok_or("part without closing boundary")?;
+        let filename = head.lines().find_map(|l| {
+            let l = l.trim();
+            if !l.to_ascii_lowercase().starts_with("content-disposition:") {
+                return None;
+            }
+            l.split(';').find_map(|p| {
+                p.trim()
+                    .strip_prefix("filename=")
+                    .map(|f| f.trim_matches('"').to_string())
+            })
+        });
+        parts.push((filename, body[data_start..data_end].to_vec()));
+        pos = data_end + next_delim.len();
+    }
+}
+
+/// `process.Process/Start`: a Connect server stream of start, stdout data, end, then the
+/// end-of-stream frame. Understands `echo WORDS` and `whoami`; anything else exits 127.
+fn process_start(h: &HeaderMap, body: &Bytes, pid: u32) -> Response<Body> {
+    let ct = header(h, "content-type").unwrap_or("");
+    if ct != "application/connect+json" {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            &format!("Start expects application/connect+json, got {ct:?}"),
+        );
+    }
+    let Some((_flags, payload)) = first_envelope(body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "no Connect envelope in the request body",
+        );
+    };
+    let req: Value = match serde_json::from_slice(payload) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("bad Start request: {e}")),
+    };
+    let script = req
+        .pointer("/process/args")
+        .and_then(Value::as_array)
+        .and_then(|a| a.last())
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let user = basic_user(h).unwrap_or_else(|| "user".to_string());
+    let (stdout, stderr, code) = if let Some(words) = script.strip_prefix("echo ") {
+        (format!("{words}\n"), String::new(), 0)
+    } else if script == "whoami" {
+        (format!("{user}\n"), String::new(), 0)
+    } else {
+        (
+            String::new(),
+            format!("fake envd: cannot run {script:?}\n"),
+            127,
+        )
+    };
+    let mut frames = vec![envelope(
+        0,
+        json!({"event": {"start": {"pid": pid}}})
+            .to_string()
+            .as_bytes(),
+    )];
+    if !stdout.is_empty() {
+        frames.push(envelope(
+            0,
+            json!({"event": {"data": {"stdout": b64_encode(stdout.as_bytes())}}})
+                .to_string()
+                .as_bytes(),
+        ));
+    }
+    if !stderr.is_empty() {
+        frames.push(envelope(
+            0,
+            json!({"event": {"data": {"stderr": b64_encode(stderr.as_bytes())}}})
+                .to_string()
+                .as_bytes(),
+        ));
+    }
+    frames.push(envelope(
+        0,
+        json!({"event": {"end": {"exitCode": code, "exited": true, "status": format!("exit status {code}")}}})
+            .to_string()
+            .as_bytes(),
+    ));
+    frames.push(envelope(0x02, b"{}"));
+    // Each frame is its own body chunk: a proxy that buffers instead of streaming still
+    // passes, but one that drops or reorders chunks does not.
+    let stream = futures_util::stream::iter(
+        frames
+            .into_iter()
+            .map(|f| Ok::<_, Infallible>(Frame::data(f))),
+    );
+    let mut r = Response::new(StreamBody::new(stream).boxed());
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
+    r
+}
+
+/// `filesystem.Filesystem/ListDir`: a Connect unary JSON call over the in-memory files.
+fn list_dir(sb: &Sandbox, body: &Bytes) -> Response<Body> {
+    let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let dir = req
+        .get("path")
+        .and_then(Value::as_str)
+        .unwrap_or("/")
+        .trim_end_matches('/')
+        .to_string();
+    let mut entries: Vec<Value> = sb
+        .files
+        .iter()
+        .filter_map(|(p, data)| {
+            let (parent, name) = p.rsplit_once('/')?;
+            (parent == dir).then(|| {
+                json!({
+                    "name": name,
+                    "type": "FILE_TYPE_FILE",
+                    "path": p,
+                    "size": data.len().to_string(),
+                    "mode": 0o644,
+                    "permissions": "-rw-r--r--",
+                    "owner": "user",
+                    "group": "user",
+                    "modifiedTime": "2025-01-01T00:00:00Z",
+                })
+            })
+        })
+        .collect();
+    entries.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+    json_response(StatusCode::OK, &json!({"entries": entries}))
+}
