@@ -34,12 +34,17 @@ pub async fn serve(listener: Listener, proxy: Arc<Proxy>) {
     }
 }
 
-async fn answer(req: Request<Incoming>, proxy: Arc<Proxy>) -> Result<Response<ProxyBody>, Infallible> {
+async fn answer(
+    req: Request<Incoming>,
+    proxy: Arc<Proxy>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let text = |status: StatusCode, body: &'static str| {
         let mut r = Response::new(body::full(body));
         *r.status_mut() = status;
-        r.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
         r
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {

@@ -38,7 +38,11 @@ async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
     probe(settings, &client, &key).await
 }
 
-async fn probe(settings: &Settings, client: &upstream::HttpClient, key: &Secret) -> Result<i32, Error> {
+async fn probe(
+    settings: &Settings,
+    client: &upstream::HttpClient,
+    key: &Secret,
+) -> Result<i32, Error> {
     let base = &settings.sandbox_base_url;
     let host = base.host().to_string();
     let uri = base.join("/sandboxes").map_err(|e| Error::InvalidSetting {
@@ -46,7 +50,10 @@ async fn probe(settings: &Settings, client: &upstream::HttpClient, key: &Secret)
         reason: e.to_string(),
     })?;
     let req = http::Request::get(uri)
-        .header(http::header::AUTHORIZATION, format!("Bearer {}", key.expose()))
+        .header(
+            http::header::AUTHORIZATION,
+            format!("Bearer {}", key.expose()),
+        )
         .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())
         .map_err(|e| Error::InvalidSetting {
             key: "sandbox_base_url".into(),

@@ -33,7 +33,7 @@ struct Row {
     secret: bool,
 }
 
-fn rows(resolved: &Resolved) -> Result<Vec<Row>, Error> {
+fn rows(resolved: &Resolved) -> Vec<Row> {
     let mut rows: Vec<Row> = KEYS
         .iter()
         .map(|spec| {
@@ -47,14 +47,18 @@ fn rows(resolved: &Resolved) -> Result<Vec<Row>, Error> {
             }
         })
         .collect();
-    if let Some(plugin) = resolved.plugin()? {
-        rows.extend(plugin.fields.iter().map(|f| Row {
+    // `config` is where a user looks when something is wrong: show what resolves and say
+    // what does not, rather than refusing to print anything.
+    match resolved.plugin() {
+        Ok(Some(plugin)) => rows.extend(plugin.fields.iter().map(|f| Row {
             key: f.key.clone(),
             value: f.value.as_ref().map(|v| v.shown()),
             source: f.source.label(),
             env: Some(f.env.clone()),
             secret: f.secret,
-        }));
+        })),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: {}", e.line()),
     }
     let (value, source) = match credential_in_use(resolved) {
         Ok((kind, source)) => (Some(kind.to_string()), source.label()),
@@ -67,14 +71,16 @@ fn rows(resolved: &Resolved) -> Result<Vec<Row>, Error> {
         env: None,
         secret: false,
     });
-    Ok(rows)
+    rows
 }
 
 /// Which credential is attached and where it comes from: the built-in rule of SPEC §2, or
 /// the selected plugin's `api_key`.
 fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Error> {
     match resolved.plugin()? {
-        None => resolved.credential().map(|(kind, source, _)| (kind.label(), source)),
+        None => resolved
+            .credential()
+            .map(|(kind, source, _)| (kind.label(), source)),
         Some(p) => p
             .fields
             .iter()
@@ -86,7 +92,7 @@ fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Erro
 
 pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
     let resolved = resolve(args)?;
-    let rows = rows(&resolved)?;
+    let rows = rows(&resolved);
     let mut out = std::io::stdout().lock();
     if json {
         let arr: Vec<serde_json::Value> = rows
@@ -122,7 +128,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
 
 pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     let resolved = resolve(args)?;
-    match rows(&resolved)?.into_iter().find(|r| r.key == key) {
+    match rows(&resolved).into_iter().find(|r| r.key == key) {
         Some(row) => {
             if let Some(v) = row.value {
                 println!("{v}");
@@ -156,7 +162,10 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
         "listen: {}  admin: {}",
         settings.listen, settings.admin_listen
     );
-    if matches!(settings.credential, crate::settings::Credential::AccessKey { .. }) {
+    if matches!(
+        settings.credential,
+        crate::settings::Credential::AccessKey { .. }
+    ) {
         // The setting's own spelling (`rpc-v1`, `acs3`), not the enum's Debug name.
         let scheme = match settings.token_exchange {
             crate::settings::ExchangeScheme::RpcV1 => "rpc-v1",
@@ -209,7 +218,12 @@ pub fn provider_info(id: &str) -> Result<i32, Error> {
         println!("envd: https://{{port}}-{{sandboxId}}.{{region}}.e2b.fc.aliyuncs.com");
         println!("fields:");
         for k in KEYS {
-            println!("  {:22} {:28}{}", k.name, k.env, if k.secret { " secret" } else { "" });
+            println!(
+                "  {:22} {:28}{}",
+                k.name,
+                k.env,
+                if k.secret { " secret" } else { "" }
+            );
         }
         println!("Inherits: (none)");
         return Ok(0);
@@ -243,7 +257,11 @@ fn print_provider(p: &providers::Installed) {
             "  {:14} {}{}",
             f.name,
             envs.join(", "),
-            if f.secret { "  (secret: environment or .env only)" } else { "" }
+            if f.secret {
+                "  (secret: environment or .env only)"
+            } else {
+                ""
+            }
         );
     }
     println!("Inherits:");
@@ -262,7 +280,11 @@ fn print_provider(p: &providers::Installed) {
 
 pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Error> {
     let installed = providers::install(&abx_home()?, file, consent)?;
-    println!("installed {} in {}", installed.manifest.id, installed.dir.display());
+    println!(
+        "installed {} in {}",
+        installed.manifest.id,
+        installed.dir.display()
+    );
     print_provider(&installed);
     if !installed.manifest.inherit.is_empty() && !consent {
         println!(

@@ -37,7 +37,9 @@ pub enum Error {
     #[error("cannot read {path}: {reason}")]
     ReadFile { path: String, reason: String },
     /// E1007: a non-loopback listener without TLS and without consent.
-    #[error("refusing to listen on {addr} without TLS: anyone who reaches this port spends your key")]
+    #[error(
+        "refusing to listen on {addr} without TLS: anyone who reaches this port spends your key"
+    )]
     RemoteListen { addr: String },
     /// E1008: a listener could not be bound.
     #[error("cannot listen on {addr}: {reason}")]

@@ -1,6 +1,8 @@
 //! Logging: `tracing` to stderr, text or JSON (one object per line, fields at the top
 //! level), filtered by `--log-level`, else `RUST_LOG`, else the command's default.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
@@ -10,8 +12,10 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .and_then(|l| EnvFilter::try_new(l).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default));
+    // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => builder.try_init(),

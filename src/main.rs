@@ -15,8 +15,12 @@ fn main() -> ExitCode {
     let settings = match &command {
         Command::Serve(a) => Some(&a.settings),
         Command::Check(a) => Some(&a.settings),
-        Command::Config { command: ConfigCommand::List { settings, .. } }
-        | Command::Config { command: ConfigCommand::Get { settings, .. } } => Some(settings),
+        Command::Config {
+            command: ConfigCommand::List { settings, .. },
+        }
+        | Command::Config {
+            command: ConfigCommand::Get { settings, .. },
+        } => Some(settings),
         Command::Provider { .. } => None,
     };
     if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
@@ -42,7 +46,9 @@ fn main() -> ExitCode {
         Command::Provider { command } => match command {
             ProviderCommand::List => commands::provider_list(),
             ProviderCommand::Info { id } => commands::provider_info(id),
-            ProviderCommand::Install { file, consent } => commands::provider_install(file, *consent),
+            ProviderCommand::Install { file, consent } => {
+                commands::provider_install(file, *consent)
+            }
         },
     };
     match result {

@@ -25,7 +25,10 @@ impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("abx_proxy_requests_total", "Requests answered, by plane, method and status code."),
+            Opts::new(
+                "abx_proxy_requests_total",
+                "Requests answered, by plane, method and status code.",
+            ),
             &["plane", "method", "code"],
         )?;
         let duration = HistogramVec::new(
@@ -39,7 +42,10 @@ impl Metrics {
             &["plane"],
         )?;
         let upstream_errors = IntCounterVec::new(
-            Opts::new("abx_proxy_upstream_errors_total", "Failed upstream exchanges, by kind."),
+            Opts::new(
+                "abx_proxy_upstream_errors_total",
+                "Failed upstream exchanges, by kind.",
+            ),
             &["plane", "kind"],
         )?;
         let in_flight = IntGaugeVec::new(
@@ -51,7 +57,10 @@ impl Metrics {
             "Downstream (client) connections open.",
         )?;
         let token_exchanges = IntCounterVec::new(
-            Opts::new("abx_proxy_token_exchanges_total", "AK/SK token exchanges, by result."),
+            Opts::new(
+                "abx_proxy_token_exchanges_total",
+                "AK/SK token exchanges, by result.",
+            ),
             &["result"],
         )?;
         let token_expiry = Gauge::new(
@@ -85,7 +94,9 @@ impl Metrics {
         registry.register(Box::new(envd_tokens.clone()))?;
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
-        registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
         Ok(Metrics {
             registry,
             requests,

@@ -30,7 +30,13 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
             addr: settings.listen.to_string(),
             reason: format!("cannot start the runtime: {e}"),
         })?;
-    runtime.block_on(serve(settings, resolved, options, tls, args.settings.clone()))
+    runtime.block_on(serve(
+        settings,
+        resolved,
+        options,
+        tls,
+        args.settings.clone(),
+    ))
 }
 
 async fn serve(
@@ -47,6 +53,10 @@ async fn serve(
     let credential = ApiCredential::start(&settings, &options, &metrics)?;
     let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics)?);
 
+    // Handlers before the listening line: from then on SIGTERM must drain and SIGHUP
+    // reload, not take their default action (terminate) as they would a moment later.
+    let terminated = signals::terminate();
+    let hangups = signals::hangups();
     let listener = Listener::bind(&settings.listen).await?;
     let admin = Listener::bind(&settings.admin_listen).await?;
     tracing::info!(
@@ -63,10 +73,18 @@ async fn serve(
         idle_timeout: options.idle_timeout,
         max_connections: options.max_connections,
     };
-    let accepting = tokio::spawn(listener::accept_loop(listener, proxy.clone(), config, stop_rx));
-    tokio::spawn(reload_on_hangup(proxy.clone(), flags, resolved, options.clone()));
+    let accepting = tokio::spawn(listener::accept_loop(
+        listener,
+        proxy.clone(),
+        config,
+        stop_rx,
+    ));
+    if let Some(hangups) = hangups {
+        let reload = reload_on_hangup(proxy.clone(), hangups, flags, resolved, options.clone());
+        tokio::spawn(reload);
+    }
 
-    signals::terminate().await;
+    terminated.await;
     tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
     proxy.start_draining();
     let _ = stop_tx.send(true);
@@ -105,10 +123,13 @@ fn options(args: &ServeArgs) -> Result<Options, Error> {
 
 /// SIGHUP: re-read the `.env` files and config.toml with the same flags; swap the
 /// credential atomically when it changed. A reload that fails keeps what runs.
-async fn reload_on_hangup(proxy: Arc<Proxy>, flags: SettingsArgs, mut current: Resolved, options: Options) {
-    let Some(mut hangups) = signals::hangups() else {
-        return;
-    };
+async fn reload_on_hangup(
+    proxy: Arc<Proxy>,
+    mut hangups: tokio::signal::unix::Signal,
+    flags: SettingsArgs,
+    mut current: Resolved,
+    options: Options,
+) {
     while hangups.recv().await.is_some() {
         let next = match commands::resolve(&flags).and_then(|r| r.validate().map(|s| (r, s))) {
             Ok(next) => next,
@@ -137,7 +158,9 @@ async fn reload_on_hangup(proxy: Arc<Proxy>, flags: SettingsArgs, mut current: R
                 }
                 current = resolved;
             }
-            Err(e) => tracing::warn!(error = %e.line(), "reload failed; keeping the running settings"),
+            Err(e) => {
+                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings")
+            }
         }
     }
 }

@@ -69,7 +69,11 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
 }
 
 /// A pooled client over `tls`.
-pub fn client(tls: rustls::ClientConfig, versions: Versions, connect_timeout: Duration) -> HttpClient {
+pub fn client(
+    tls: rustls::ClientConfig,
+    versions: Versions,
+    connect_timeout: Duration,
+) -> HttpClient {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);

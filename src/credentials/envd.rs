@@ -58,7 +58,11 @@ impl TokenStore {
 
     /// The token for `sandbox_id`, running `fetch` on a miss. Concurrent callers for the same
     /// sandbox share one `fetch`. `Ok(None)`: the sandbox does not exist.
-    pub async fn get_or_fetch<F, Fut>(&self, sandbox_id: &str, fetch: F) -> Result<Option<Secret>, Error>
+    pub async fn get_or_fetch<F, Fut>(
+        &self,
+        sandbox_id: &str,
+        fetch: F,
+    ) -> Result<Option<Secret>, Error>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Secret>, Error>>,
@@ -116,7 +120,11 @@ struct InflightGuard<'a> {
 
 impl Drop for InflightGuard<'_> {
     fn drop(&mut self) {
-        let mut inflight = self.store.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = self
+            .store
+            .inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         inflight.remove(self.id);
     }
 }

@@ -81,44 +81,68 @@ impl Manifest {
             Some(v) => {
                 return Err(err(
                     "manifest_version",
-                    format!("unsupported manifest_version {v} (this build reads {MANIFEST_VERSION})"),
+                    format!(
+                        "unsupported manifest_version {v} (this build reads {MANIFEST_VERSION})"
+                    ),
                 ))
             }
             None => return Err(err("", "missing manifest_version".into())),
         }
         for key in table.keys() {
-            if !["manifest_version", "provider", "endpoint", "config", "core"].contains(&key.as_str()) {
+            if !["manifest_version", "provider", "endpoint", "config", "core"]
+                .contains(&key.as_str())
+            {
                 return Err(err(key, format!("unknown table or key {key:?}")));
             }
         }
 
-        let provider = sub(&table, "provider").ok_or_else(|| err("", "missing [provider]".into()))?;
-        let id = string(provider, "id").ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
+        let provider =
+            sub(&table, "provider").ok_or_else(|| err("", "missing [provider]".into()))?;
+        let id = string(provider, "id")
+            .ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
         if !valid_id(&id) {
-            return Err(err("id =", format!("provider id {id:?}: lower-case letters, digits and dashes only")));
+            return Err(err(
+                "id =",
+                format!("provider id {id:?}: lower-case letters, digits and dashes only"),
+            ));
         }
         if id == "alicloud-express" {
-            return Err(err("id =", "provider id alicloud-express is built in".into()));
+            return Err(err(
+                "id =",
+                "provider id alicloud-express is built in".into(),
+            ));
         }
         let description = string(provider, "description");
 
-        let endpoint = sub(&table, "endpoint").ok_or_else(|| err("", "missing [endpoint]".into()))?;
+        let endpoint =
+            sub(&table, "endpoint").ok_or_else(|| err("", "missing [endpoint]".into()))?;
         let base_url = string(endpoint, "base_url")
             .ok_or_else(|| err("[endpoint]", "missing endpoint.base_url".into()))?;
         let envd_domain = string(endpoint, "envd_domain");
-        let auth = sub(endpoint, "auth").ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
+        let auth = sub(endpoint, "auth")
+            .ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
         let auth = match string(auth, "scheme").as_deref() {
             Some("bearer") => AuthKind::Bearer,
             Some("header") => {
-                let header = string(auth, "header")
-                    .ok_or_else(|| err("scheme", "auth.scheme = \"header\" needs auth.header".into()))?;
+                let header = string(auth, "header").ok_or_else(|| {
+                    err(
+                        "scheme",
+                        "auth.scheme = \"header\" needs auth.header".into(),
+                    )
+                })?;
                 if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
-                    return Err(err("auth.header", format!("auth.header {header:?} is not a valid header name")));
+                    return Err(err(
+                        "auth.header",
+                        format!("auth.header {header:?} is not a valid header name"),
+                    ));
                 }
                 AuthKind::Header(header)
             }
             Some(other) => {
-                return Err(err("scheme", format!("auth.scheme {other:?}: expected \"bearer\" or \"header\"")))
+                return Err(err(
+                    "scheme",
+                    format!("auth.scheme {other:?}: expected \"bearer\" or \"header\""),
+                ))
             }
             None => return Err(err("auth", "missing auth.scheme".into())),
         };
@@ -131,13 +155,24 @@ impl Manifest {
                 let toml::Value::Table(def) = def else {
                     return Err(err(name, format!("config.fields.{name} must be a table")));
                 };
-                if !name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
-                    return Err(err(name, format!("field name {name:?}: lower-case letters, digits and _ only")));
+                if !name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                {
+                    return Err(err(
+                        name,
+                        format!("field name {name:?}: lower-case letters, digits and _ only"),
+                    ));
                 }
                 let secret = match def.get("secret") {
                     None => false,
                     Some(toml::Value::Boolean(b)) => *b,
-                    Some(_) => return Err(err("secret", format!("config.fields.{name}.secret must be true or false"))),
+                    Some(_) => {
+                        return Err(err(
+                            "secret",
+                            format!("config.fields.{name}.secret must be true or false"),
+                        ))
+                    }
                 };
                 let aliases = match def.get("env") {
                     None => Vec::new(),
@@ -145,8 +180,18 @@ impl Manifest {
                         .iter()
                         .map(|v| v.as_str().map(str::to_string))
                         .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| err(name, format!("config.fields.{name}.env must be a list of strings")))?,
-                    Some(_) => return Err(err(name, format!("config.fields.{name}.env must be a list of strings"))),
+                        .ok_or_else(|| {
+                            err(
+                                name,
+                                format!("config.fields.{name}.env must be a list of strings"),
+                            )
+                        })?,
+                    Some(_) => {
+                        return Err(err(
+                            name,
+                            format!("config.fields.{name}.env must be a list of strings"),
+                        ))
+                    }
                 };
                 for alias in &aliases {
                     if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
@@ -154,8 +199,13 @@ impl Manifest {
                             "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
                         )));
                     }
-                    if alias.is_empty() || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                        return Err(err(alias, format!("env alias {alias:?} is not a valid variable name")));
+                    if alias.is_empty()
+                        || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    {
+                        return Err(err(
+                            alias,
+                            format!("env alias {alias:?} is not a valid variable name"),
+                        ));
                     }
                 }
                 let default = def.get("default").map(|v| match v {
@@ -163,14 +213,28 @@ impl Manifest {
                     other => other.to_string(),
                 });
                 if secret && default.is_some() {
-                    return Err(err(name, format!("secret field {name} cannot have a default")));
+                    return Err(err(
+                        name,
+                        format!("secret field {name} cannot have a default"),
+                    ));
                 }
                 for key in def.keys() {
                     if !["secret", "env", "default", "description"].contains(&key.as_str()) {
-                        return Err(err(key, format!("config.fields.{name}: unknown key {key:?}")));
+                        return Err(err(
+                            key,
+                            format!("config.fields.{name}: unknown key {key:?}"),
+                        ));
                     }
                 }
-                fields.insert(name.clone(), Field { name: name.clone(), secret, aliases, default });
+                fields.insert(
+                    name.clone(),
+                    Field {
+                        name: name.clone(),
+                        secret,
+                        aliases,
+                        default,
+                    },
+                );
             }
         }
         if fields.get("base_url").is_some_and(|f| f.secret) {
@@ -182,18 +246,38 @@ impl Manifest {
             if let Some(list) = core.get("inherit") {
                 let list = list
                     .as_array()
-                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
-                    .ok_or_else(|| err("inherit", "core.inherit must be a list of strings".into()))?;
+                    .and_then(|a| {
+                        a.iter()
+                            .map(|v| v.as_str().map(str::to_string))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| {
+                        err("inherit", "core.inherit must be a list of strings".into())
+                    })?;
                 for key in &list {
                     if !INHERITABLE.contains(&key.as_str()) {
-                        return Err(err(key, format!("core.inherit: {key:?} cannot be inherited (only {})", INHERITABLE.join(", "))));
+                        return Err(err(
+                            key,
+                            format!(
+                                "core.inherit: {key:?} cannot be inherited (only {})",
+                                INHERITABLE.join(", ")
+                            ),
+                        ));
                     }
                 }
                 inherit = list;
             }
         }
 
-        Ok(Manifest { id, description, base_url, auth, envd_domain, fields, inherit })
+        Ok(Manifest {
+            id,
+            description,
+            base_url,
+            auth,
+            envd_domain,
+            fields,
+            inherit,
+        })
     }
 }
 
@@ -209,7 +293,9 @@ fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && id.starts_with(|c: char| c.is_ascii_lowercase())
-        && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && id
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
 }
 
 /// The 1-based line of the first occurrence of `needle` (0 when not found): semantic errors
@@ -257,22 +343,68 @@ inherit = ["sandbox_api_key"]
     #[test]
     fn rejects_with_file_and_line() {
         let cases = [
-            (OPEN.replace("manifest_version = 1", "manifest_version = 2"), 1, "manifest_version"),
-            (OPEN.replace("OPEN_SANDBOX_API_KEY", "ABX_SANDBOX_API_KEY"), 10, "reserved"),
-            (OPEN.replace("OPEN_SANDBOX_API_KEY", "E2B_API_KEY"), 10, "reserved"),
-            (OPEN.replace("OPEN_SANDBOX_DOMAIN", "ALICLOUD_ACCESS_KEY_ID"), 12, "reserved"),
-            (OPEN.replace("secret = true", "secret = true\ndefault = \"x\""), 8, "cannot have a default"),
-            (OPEN.replace("\"header\"\n", "\"digest\"\n"), 6, "auth.scheme"),
-            (OPEN.replace("id = \"opensandbox\"", "id = \"Open Sandbox\""), 3, "provider id"),
-            (OPEN.replace("base_url = \"http://localhost:8080\"\n", ""), 4, "base_url"),
+            (
+                OPEN.replace("manifest_version = 1", "manifest_version = 2"),
+                1,
+                "manifest_version",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY", "ABX_SANDBOX_API_KEY"),
+                10,
+                "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY", "E2B_API_KEY"),
+                10,
+                "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_DOMAIN", "ALICLOUD_ACCESS_KEY_ID"),
+                12,
+                "reserved",
+            ),
+            (
+                OPEN.replace("secret = true", "secret = true\ndefault = \"x\""),
+                8,
+                "cannot have a default",
+            ),
+            (
+                OPEN.replace("\"header\"\n", "\"digest\"\n"),
+                6,
+                "auth.scheme",
+            ),
+            (
+                OPEN.replace("id = \"opensandbox\"", "id = \"Open Sandbox\""),
+                3,
+                "provider id",
+            ),
+            (
+                OPEN.replace("base_url = \"http://localhost:8080\"\n", ""),
+                4,
+                "base_url",
+            ),
             (OPEN.replace("[core]", "[core"), 13, "invalid TOML"),
-            (OPEN.replace("\"sandbox_api_key\"", "\"access_key_secret\""), 14, "cannot be inherited"),
+            (
+                OPEN.replace("\"sandbox_api_key\"", "\"access_key_secret\""),
+                14,
+                "cannot be inherited",
+            ),
         ];
         for (text, line, what) in cases {
             let e = Manifest::parse(&text, "m.toml").unwrap_err();
-            let Error::Manifest { path, line: l, reason } = &e else { panic!("{e:?}") };
+            let Error::Manifest {
+                path,
+                line: l,
+                reason,
+            } = &e
+            else {
+                panic!("{e:?}")
+            };
             assert_eq!(path, "m.toml");
-            assert!(reason.contains(what) || e.to_string().contains(what), "{what}: {e}");
+            assert!(
+                reason.contains(what) || e.to_string().contains(what),
+                "{what}: {e}"
+            );
             assert_eq!(*l, line, "{what}: {e}");
             assert_eq!(e.code(), "E8001");
         }

@@ -67,19 +67,29 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
     let target = dir.join(MANIFEST_FILE);
     std::fs::write(&target, &text).map_err(|e| write_err(&target, e))?;
-    let consented = if consent { manifest.inherit.clone() } else { Vec::new() };
+    let consented = if consent {
+        manifest.inherit.clone()
+    } else {
+        Vec::new()
+    };
     let receipt = Receipt {
         id: manifest.id.clone(),
         manifest_sha256: sha256_hex(&text),
         installed_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-        consent: Consent { inherit: consented.clone() },
+        consent: Consent {
+            inherit: consented.clone(),
+        },
     };
     let receipt_path = dir.join(RECEIPT_FILE);
     let json = serde_json::to_vec_pretty(&receipt).unwrap_or_default();
     std::fs::write(&receipt_path, json).map_err(|e| write_err(&receipt_path, e))?;
-    Ok(Installed { manifest, dir, consented })
+    Ok(Installed {
+        manifest,
+        dir,
+        consented,
+    })
 }
 
 /// The installed plugin `id`, if any. Consent counts only for the manifest it was given to.
@@ -109,7 +119,11 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             .collect(),
         _ => Vec::new(),
     };
-    Ok(Some(Installed { manifest, dir, consented }))
+    Ok(Some(Installed {
+        manifest,
+        dir,
+        consented,
+    }))
 }
 
 /// Every installed plugin, by id.
@@ -177,7 +191,11 @@ impl PluginSettings {
             None => self.installed.manifest.base_url.clone(),
         };
         // OPEN_SANDBOX_DOMAIN is `host:port` without a scheme.
-        let raw = if raw.contains("://") { raw } else { format!("http://{raw}") };
+        let raw = if raw.contains("://") {
+            raw
+        } else {
+            format!("http://{raw}")
+        };
         UpstreamUrl::parse_named(&format!("{}.base_url", self.installed.manifest.id), &raw)
     }
 }
@@ -233,7 +251,10 @@ pub fn resolve(
         let (value, source) = match found {
             Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),
             Some((v, s)) => (Some(Value::Plain(v)), s),
-            None => match (endpoint_default(m, field).or(field.default.as_ref()), core_api_key) {
+            None => match (
+                endpoint_default(m, field).or(field.default.as_ref()),
+                core_api_key,
+            ) {
                 (Some(d), _) => (Some(Value::Plain(d.clone())), Source::Default),
                 (None, Some((k, s)))
                     if field.name == "api_key"
@@ -261,5 +282,9 @@ pub fn resolve(
             });
         }
     }
-    Ok(PluginSettings { installed, fields, warnings })
+    Ok(PluginSettings {
+        installed,
+        fields,
+        warnings,
+    })
 }

@@ -36,7 +36,10 @@ pub fn error_response(e: &Error) -> Response<ProxyBody> {
     *resp.status_mut() =
         StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let h = resp.headers_mut();
-    h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     h.insert("x-abx-error", HeaderValue::from_static(e.code()));
     resp
 }

@@ -23,7 +23,10 @@ pub fn plan(method: &Method, path: &str) -> Rewrite {
     }
     match path.strip_prefix("/v2/sandboxes") {
         Some("") | Some("/") => Rewrite::Create,
-        Some(rest) => match rest.strip_prefix('/').and_then(|r| r.strip_suffix("/connect")) {
+        Some(rest) => match rest
+            .strip_prefix('/')
+            .and_then(|r| r.strip_suffix("/connect"))
+        {
             Some(id) if !id.is_empty() && !id.contains('/') => Rewrite::Connect,
             _ => Rewrite::None,
         },
@@ -55,11 +58,20 @@ mod tests {
     #[test]
     fn plans() {
         assert_eq!(plan(&Method::POST, "/v2/sandboxes"), Rewrite::Create);
-        assert_eq!(plan(&Method::POST, "/v2/sandboxes/isb-1/connect"), Rewrite::Connect);
+        assert_eq!(
+            plan(&Method::POST, "/v2/sandboxes/isb-1/connect"),
+            Rewrite::Connect
+        );
         assert_eq!(plan(&Method::GET, "/v2/sandboxes"), Rewrite::None);
         assert_eq!(plan(&Method::POST, "/sandboxes"), Rewrite::None);
-        assert_eq!(plan(&Method::POST, "/v2/sandboxes/a/b/connect"), Rewrite::None);
-        assert_eq!(rewritten_path("/v2/sandboxes/x/connect"), "/sandboxes/x/connect");
+        assert_eq!(
+            plan(&Method::POST, "/v2/sandboxes/a/b/connect"),
+            Rewrite::None
+        );
+        assert_eq!(
+            rewritten_path("/v2/sandboxes/x/connect"),
+            "/sandboxes/x/connect"
+        );
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! input hyper will reject) switches it off for the connection: hyper's own handling, TE
 //! wins and the connection closes, still applies there.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// Marks a request (in its extensions) whose head had both `Content-Length` and
@@ -56,8 +57,8 @@ pub struct Verdicts {
 impl Verdicts {
     /// Called once per request, in order: whether this one had both length fields.
     pub fn next_is_ambiguous(&self) -> bool {
-        let n = self.served.fetch_add(1, Ordering::Relaxed) + 1;
-        self.flagged.load(Ordering::Relaxed) == n
+        let n = self.served.fetch_add(1, Relaxed) + 1;
+        self.flagged.load(Relaxed) == n
     }
 }
 
@@ -138,7 +139,8 @@ impl HeadWatch {
     }
 
     fn end_of_line(&mut self) {
-        let mut line = &self.line[..self.line_len];
+        let copy = self.line;
+        let mut line = &copy[..self.line_len];
         if let Some(l) = line.strip_suffix(b"\r") {
             line = l;
         }
@@ -195,12 +197,8 @@ impl HeadWatch {
         let head = self.head;
         if head.has_content_length && head.transfer_encoding {
             // Only the first matters: hyper closes the connection after that request.
-            let _ = self.flagged.compare_exchange(
-                0,
-                self.heads,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            let (this, none) = (self.heads, 0);
+            let _ = self.flagged.compare_exchange(none, this, Relaxed, Relaxed);
         }
         if head.upgrade {
             // The bytes after a 101 are not HTTP; whether one comes is not known here.
@@ -208,11 +206,13 @@ impl HeadWatch {
         } else if head.transfer_encoding {
             // hyper accepts only `chunked` last; anything else ends the connection.
             State::ChunkSize
+        } else if !head.has_content_length {
+            State::Head { first: true }
         } else {
             match head.content_length {
-                Some(0) | None if !head.has_content_length => State::Head { first: true },
                 Some(0) => State::Head { first: true },
                 Some(n) => State::Sized(n),
+                // A length hyper refuses: the connection ends with its 400.
                 None => State::Off,
             }
         }
@@ -278,7 +278,8 @@ mod tests {
         for step in [1, 5, 4096] {
             assert_eq!(flagged(&input, step, 4), vec![4], "step {step}");
         }
-        let te_first = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n";
+        let te_first =
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n";
         assert_eq!(flagged(te_first, 4096, 1), vec![1]);
     }
 

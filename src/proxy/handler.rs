@@ -180,8 +180,13 @@ impl Proxy {
             Some(_) => &self.envd_client,
             None => &self.api_client,
         };
-        let resp = forward::send(client, Request::from_parts(parts, body), self.upstream_timeout, &host)
-            .await?;
+        let resp = forward::send(
+            client,
+            Request::from_parts(parts, body),
+            self.upstream_timeout,
+            &host,
+        )
+        .await?;
 
         // respond
         let resp = self.respond(resp, sniff, upgrade).await?;
@@ -219,9 +224,13 @@ impl Proxy {
         parts.uri = uri;
         parts.version = Version::HTTP_11;
         // A request without a body can be sent again after a 401.
-        let replay = body
-            .is_end_stream()
-            .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
+        let replay = body.is_end_stream().then(|| {
+            (
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.clone(),
+            )
+        });
 
         // forward
         let req = Request::from_parts(parts, body::boxed(body));
@@ -233,8 +242,8 @@ impl Proxy {
                 if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
                     headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
                     let req = rebuild(method, uri, headers);
-                    resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host)
-                        .await?;
+                    resp =
+                        forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
                 }
             }
         }
@@ -247,7 +256,9 @@ impl Proxy {
     fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, String), Error> {
         match &self.envd {
             None => Err(internal("this provider has no envd plane")),
-            Some(EnvdTarget::Url(url)) => Ok((url.join(pq).map_err(internal)?, url.host().to_string())),
+            Some(EnvdTarget::Url(url)) => {
+                Ok((url.join(pq).map_err(internal)?, url.host().to_string()))
+            }
             Some(EnvdTarget::Domain { scheme, domain }) => {
                 let host = format!("{port}-{sandbox_id}.{domain}");
                 let uri = Uri::builder()

@@ -144,9 +144,9 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
 /// (which selects the sandbox user) is kept, anything else becomes the default user.
 pub fn authorize_envd(headers: &mut HeaderMap, token: &Secret, sandbox_id: &str, port: u16) {
     headers.remove(X_API_KEY);
-    let basic = headers
-        .get(header::AUTHORIZATION)
-        .is_some_and(|v| v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic "));
+    let basic = headers.get(header::AUTHORIZATION).is_some_and(|v| {
+        v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic ")
+    });
     if !basic {
         headers.insert(header::AUTHORIZATION, DEFAULT_BASIC);
     }
@@ -167,7 +167,10 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -215,9 +218,17 @@ mod tests {
 
     #[test]
     fn api_credentials_replaced() {
-        let mut h = map(&[("x-api-key", "dummy"), ("X-Api-Key", "dummy2"), ("authorization", "Bearer dummy")]);
+        let mut h = map(&[
+            ("x-api-key", "dummy"),
+            ("X-Api-Key", "dummy2"),
+            ("authorization", "Bearer dummy"),
+        ]);
         let key = Secret::new("real");
-        authorize_api(&mut h, &AuthScheme::Bearer, AuthScheme::Bearer.value(&key).unwrap());
+        authorize_api(
+            &mut h,
+            &AuthScheme::Bearer,
+            AuthScheme::Bearer.value(&key).unwrap(),
+        );
         assert_eq!(h.len(), 1);
         assert_eq!(h["authorization"], "Bearer real");
     }

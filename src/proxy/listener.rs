@@ -1,5 +1,6 @@
 //! Listeners: TCP or unix socket, optional TLS, HTTP/1.1 and HTTP/2 (h2c by prior knowledge
-//! or ALPN), the connection limit, the idle timeout, and the graceful drain.
+//! or ALPN), the connection limit, the idle timeout, the framing watch, and the graceful
+//! drain.
 
 use std::future::Future;
 use std::io;
@@ -10,6 +11,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use http::Request;
+use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -21,6 +24,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
+use super::framing::{self, HeadWatch, Verdicts};
 use super::Proxy;
 use crate::error::Error;
 use crate::settings::ListenAddr;
@@ -55,10 +59,7 @@ impl Listener {
     /// The bound address (with the real port when 0 was asked for).
     pub fn local_addr(&self) -> String {
         match self {
-            Listener::Tcp(l) => l
-                .local_addr()
-                .map(|a| a.to_string())
-                .unwrap_or_default(),
+            Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
         }
     }
@@ -161,8 +162,13 @@ pub async fn accept_loop(
                     }
                 }
             };
-            let (io, last_activity) = IdleIo::new(io);
-            let service = service_fn(move |req| proxy.clone().handle(req));
+            let (io, last_activity, verdicts) = IdleIo::new(io);
+            let service = service_fn(move |mut req: Request<Incoming>| {
+                if verdicts.next_is_ambiguous() {
+                    req.extensions_mut().insert(framing::AmbiguousLength);
+                }
+                proxy.clone().handle(req)
+            });
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
             let conn = watcher.watch(conn.into_owned());
             tokio::select! {
@@ -221,24 +227,29 @@ async fn accept(listener: &Listener) -> io::Result<Box<dyn Io>> {
     }
 }
 
-/// Milliseconds since the connection opened at its last byte moved.
+/// A client connection's bytes: when they last moved (milliseconds since the connection
+/// opened), and the request framing they carry (see [`framing`]).
 struct IdleIo<T> {
     inner: T,
     opened: Instant,
     last: Arc<AtomicU64>,
+    framing: HeadWatch,
 }
 
 impl<T> IdleIo<T> {
-    fn new(inner: T) -> (Self, Activity) {
+    fn new(inner: T) -> (Self, Activity, Verdicts) {
         let last = Arc::new(AtomicU64::new(0));
         let opened = Instant::now();
+        let (framing, verdicts) = framing::watch();
         (
             IdleIo {
                 inner,
                 opened,
                 last: last.clone(),
+                framing,
             },
             Activity { opened, last },
+            verdicts,
         )
     }
 
@@ -276,6 +287,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() != before {
             self.touch();
+            self.framing.scan(&buf.filled()[before..]);
         }
         r
     }

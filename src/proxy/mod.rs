@@ -2,11 +2,12 @@
 //!
 //! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
 //! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
-//! `body`). `handler` strings the phases together.
+//! `framing`, `body`). `handler` strings the phases together.
 
 pub mod body;
 pub mod compat;
 pub mod forward;
+pub mod framing;
 mod handler;
 pub mod headers;
 pub mod listener;

@@ -1,9 +1,10 @@
 //! Phase 1, route: which plane a request belongs to, and whether it may be served at all
-//! (Host check against DNS rebinding, no forward-proxying).
+//! (Host check against DNS rebinding, no forward-proxying, no ambiguous framing).
 
 use http::request::Parts;
 use http::{HeaderValue, Method};
 
+use super::framing::AmbiguousLength;
 use crate::error::Error;
 
 pub const DEFAULT_ENVD_PORT: u16 = 49983;
@@ -56,9 +57,12 @@ pub fn is_local_name(host: &str) -> bool {
         return true;
     }
     if let Some(v6) = h.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
-        return v6.parse::<std::net::Ipv6Addr>().is_ok_and(|a| a.is_loopback());
+        return v6
+            .parse::<std::net::Ipv6Addr>()
+            .is_ok_and(|a| a.is_loopback());
     }
-    h.parse::<std::net::Ipv4Addr>().is_ok_and(|a| a.is_loopback())
+    h.parse::<std::net::Ipv4Addr>()
+        .is_ok_and(|a| a.is_loopback())
 }
 
 fn ends_with_ignore_case(s: &str, suffix: &str) -> bool {
@@ -88,14 +92,24 @@ fn refused(reason: impl Into<String>) -> Error {
 }
 
 pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
+    if parts.extensions.get::<AmbiguousLength>().is_some() {
+        // Some peer on the path may have framed this by the length: request smuggling.
+        return Err(refused("both Content-Length and Transfer-Encoding"));
+    }
     if parts.method == Method::CONNECT {
-        return Err(refused("CONNECT is not supported: this is not a forward proxy"));
+        return Err(refused(
+            "CONNECT is not supported: this is not a forward proxy",
+        ));
     }
     // HTTP/2 carries the target in :authority; HTTP/1.1 absolute-form too. Either way the
     // named host is the one checked, so `GET http://example.com/` cannot pass as local.
     let host = match parts.uri.authority() {
         Some(a) => a.as_str(),
-        None => match parts.headers.get(http::header::HOST).map(HeaderValue::to_str) {
+        None => match parts
+            .headers
+            .get(http::header::HOST)
+            .map(HeaderValue::to_str)
+        {
             Some(Ok(h)) => h,
             Some(Err(_)) => return Err(refused("invalid Host header")),
             None if parts.version < http::Version::HTTP_11 => "",
@@ -157,9 +171,7 @@ fn sandbox_host(host: &str) -> Option<(u16, &str)> {
 
 /// Sandbox ids become part of a host name upstream: letters, digits and dashes only.
 pub fn valid_sandbox_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 128
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 #[cfg(test)]
@@ -177,24 +189,57 @@ mod tests {
     #[test]
     fn planes() {
         let p = HostPolicy::Loopback;
-        assert_eq!(route(&parts("/sandboxes", &[("host", "127.0.0.1:49982")]), &p).unwrap(), Route::Api);
         assert_eq!(
-            route(&parts("/files", &[("host", "localhost"), ("e2b-sandbox-id", "isb-a1")]), &p).unwrap(),
-            Route::Envd { sandbox_id: "isb-a1".into(), port: 49983 }
+            route(&parts("/sandboxes", &[("host", "127.0.0.1:49982")]), &p).unwrap(),
+            Route::Api
         );
         assert_eq!(
-            route(&parts("/files", &[("host", "49983-isb-abc-1.localhost:49982")]), &p).unwrap(),
-            Route::Envd { sandbox_id: "isb-abc-1".into(), port: 49983 }
+            route(
+                &parts(
+                    "/files",
+                    &[("host", "localhost"), ("e2b-sandbox-id", "isb-a1")]
+                ),
+                &p
+            )
+            .unwrap(),
+            Route::Envd {
+                sandbox_id: "isb-a1".into(),
+                port: 49983
+            }
+        );
+        assert_eq!(
+            route(
+                &parts("/files", &[("host", "49983-isb-abc-1.localhost:49982")]),
+                &p
+            )
+            .unwrap(),
+            Route::Envd {
+                sandbox_id: "isb-abc-1".into(),
+                port: 49983
+            }
         );
     }
 
     #[test]
     fn host_check() {
         let p = HostPolicy::Loopback;
-        for ok in ["127.0.0.1", "127.1.2.3:80", "[::1]:49982", "localhost", "LOCALHOST:1", "a.localhost"] {
+        for ok in [
+            "127.0.0.1",
+            "127.1.2.3:80",
+            "[::1]:49982",
+            "localhost",
+            "LOCALHOST:1",
+            "a.localhost",
+        ] {
             assert!(route(&parts("/", &[("host", ok)]), &p).is_ok(), "{ok}");
         }
-        for bad in ["evil.com", "localhost.evil.com", "10.0.0.1", "[::2]", "127.0.0.1.evil.com"] {
+        for bad in [
+            "evil.com",
+            "localhost.evil.com",
+            "10.0.0.1",
+            "[::2]",
+            "127.0.0.1.evil.com",
+        ] {
             let e = route(&parts("/", &[("host", bad)]), &p).unwrap_err();
             assert_eq!(e.code(), "E5003", "{bad}");
         }
@@ -208,7 +253,22 @@ mod tests {
     #[test]
     fn bad_envd_headers() {
         let p = HostPolicy::Loopback;
-        assert!(route(&parts("/", &[("host", "localhost"), ("e2b-sandbox-id", "../x")]), &p).is_err());
-        assert!(route(&parts("/", &[("host", "localhost"), ("e2b-sandbox-id", "a"), ("e2b-sandbox-port", "x")]), &p).is_err());
+        assert!(route(
+            &parts("/", &[("host", "localhost"), ("e2b-sandbox-id", "../x")]),
+            &p
+        )
+        .is_err());
+        assert!(route(
+            &parts(
+                "/",
+                &[
+                    ("host", "localhost"),
+                    ("e2b-sandbox-id", "a"),
+                    ("e2b-sandbox-port", "x")
+                ]
+            ),
+            &p
+        )
+        .is_err());
     }
 }

@@ -21,7 +21,11 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
     };
     let rest = rest.trim_end_matches('/');
     if rest.is_empty() {
-        return if method == Method::POST { Sniff::Learn } else { Sniff::None };
+        return if method == Method::POST {
+            Sniff::Learn
+        } else {
+            Sniff::None
+        };
     }
     let Some(rest) = rest.strip_prefix('/') else {
         return Sniff::None;
@@ -57,15 +61,22 @@ mod tests {
         assert_eq!(plan(&Method::POST, "/sandboxes"), Sniff::Learn);
         assert_eq!(plan(&Method::GET, "/sandboxes"), Sniff::None);
         assert_eq!(plan(&Method::GET, "/sandboxes/isb-1"), Sniff::Learn);
-        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/connect"), Sniff::Learn);
+        assert_eq!(
+            plan(&Method::POST, "/sandboxes/isb-1/connect"),
+            Sniff::Learn
+        );
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/timeout"), Sniff::None);
-        assert_eq!(plan(&Method::DELETE, "/sandboxes/isb-1"), Sniff::Forget("isb-1".into()));
+        assert_eq!(
+            plan(&Method::DELETE, "/sandboxes/isb-1"),
+            Sniff::Forget("isb-1".into())
+        );
         assert_eq!(plan(&Method::GET, "/templates"), Sniff::None);
     }
 
     #[test]
     fn learns_token() {
-        let (id, tok) = learn(br#"{"sandboxID":"isb-1","envdAccessToken":"t0k","domain":null}"#).unwrap();
+        let (id, tok) =
+            learn(br#"{"sandboxID":"isb-1","envdAccessToken":"t0k","domain":null}"#).unwrap();
         assert_eq!(id, "isb-1");
         assert_eq!(tok.expose(), "t0k");
         assert!(learn(br#"{"sandboxID":"isb-1"}"#).is_none());

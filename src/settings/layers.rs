@@ -1,6 +1,9 @@
 //! Reading the layers of the chain: the process environment, `./.env`, `~/.abx/.env` and
 //! `~/.abx/config.toml`. Each layer becomes a plain map; resolution happens in `mod.rs`.
 //! Nothing here writes to the process environment.
+//!
+//! The file readers hand the text to [`parse_dotenv_str`] and [`parse_config_toml_str`],
+//! which do the parsing and touch no file system (the fuzz targets call them directly).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -40,28 +43,46 @@ pub fn read_dotenv(
     label: &str,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    let mut out = HashMap::new();
     if !path.is_file() {
-        return Ok(out);
+        return Ok(HashMap::new());
     }
     warn_if_shared(path, label, warnings);
-    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(path, label, &e))?;
+    let shown = format!("{label} ({})", path.display());
+    let text = || std::fs::read_to_string(path).ok();
+    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text))?;
+    collect_dotenv(iter, &shown, &text)
+}
+
+/// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
+/// `label` standing where the file reader names the file. No permission warning (there is
+/// no file to check).
+pub fn parse_dotenv_str(text: &str, label: &str) -> Result<HashMap<String, String>, Error> {
+    let iter = dotenvy::from_read_iter(text.as_bytes());
+    collect_dotenv(iter, label, &|| Some(text.to_string()))
+}
+
+/// `text` gives the whole input again, only to turn a syntax error into a line number.
+fn collect_dotenv<R: std::io::Read>(
+    iter: dotenvy::Iter<R>,
+    shown: &str,
+    text: &dyn Fn() -> Option<String>,
+) -> Result<HashMap<String, String>, Error> {
+    let mut out = HashMap::new();
     for item in iter {
         // The dotenvy error names the line and byte offset only, never the value.
-        let (k, v) = item.map_err(|e| read_error(path, label, &e))?;
+        let (k, v) = item.map_err(|e| read_error(shown, &e, text))?;
         out.insert(k, v);
     }
     Ok(out)
 }
 
-fn read_error(path: &Path, label: &str, e: &dotenvy::Error) -> Error {
+fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Error {
     let reason = match e {
         // dotenvy gives the offending entry's text and an offset into it, no line number.
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => {
-            let line = std::fs::read_to_string(path)
-                .ok()
+            let line = text()
                 .and_then(|text| text.find(entry.as_str()).map(|start| line_of(&text, start)));
             match line {
                 Some(n) => format!("syntax error at line {n}"),
@@ -72,7 +93,7 @@ fn read_error(path: &Path, label: &str, e: &dotenvy::Error) -> Error {
         _ => "unreadable".to_string(),
     };
     Error::ReadFile {
-        path: format!("{label} ({})", path.display()),
+        path: shown.to_string(),
         reason,
     }
 }
@@ -97,10 +118,9 @@ pub fn read_config_toml(
     path: &Path,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    let mut out = HashMap::new();
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
         Err(e) => {
             return Err(Error::ReadFile {
                 path: config_label(path),
@@ -108,13 +128,23 @@ pub fn read_config_toml(
             })
         }
     };
+    parse_config_toml_str(&text, path, warnings)
+}
+
+/// [`read_config_toml`] on text already in memory; `path` only labels errors and warnings.
+pub fn parse_config_toml_str(
+    text: &str,
+    path: &Path,
+    warnings: &mut Vec<String>,
+) -> Result<HashMap<String, String>, Error> {
+    let mut out = HashMap::new();
     let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::ReadFile {
         path: config_label(path),
         // The parser's message quotes the offending line, which could be a secret.
         reason: format!(
             "invalid TOML{}",
             e.span()
-                .map(|s| format!(" at line {}", line_of(&text, s.start)))
+                .map(|s| format!(" at line {}", line_of(text, s.start)))
                 .unwrap_or_default()
         ),
     })?;

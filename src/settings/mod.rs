@@ -160,11 +160,7 @@ fn nonblank(v: &str) -> Option<&str> {
 impl RawLayers {
     /// The highest non-blank value for these env names / toml key, with its source. For a
     /// secret, config.toml was already stripped when read.
-    pub fn lookup(
-        &self,
-        envs: &[&str],
-        toml_key: Option<&str>,
-    ) -> Option<(String, Source)> {
+    pub fn lookup(&self, envs: &[&str], toml_key: Option<&str>) -> Option<(String, Source)> {
         let by_env = |map: &HashMap<String, String>| {
             envs.iter()
                 .find_map(|e| map.get(*e).and_then(|v| nonblank(v)).map(str::to_string))
@@ -185,8 +181,7 @@ impl RawLayers {
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
-        let dotenv_cwd =
-            layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", &mut warnings)?;
+        let dotenv_cwd = layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", &mut warnings)?;
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
                 layers::read_dotenv(&home.join(".env"), "~/.abx/.env", &mut warnings)?,
@@ -345,11 +340,20 @@ impl Resolved {
                         m.canonical_env("api_key"),
                         m.fields
                             .get("api_key")
-                            .map(|f| f.aliases.iter().map(|a| format!(" or {a}")).collect::<String>())
+                            .map(|f| f
+                                .aliases
+                                .iter()
+                                .map(|a| format!(" or {a}"))
+                                .collect::<String>())
                             .unwrap_or_default()
                     ),
                 })?;
-                (Credential::ApiKey(key), m.auth.clone(), p.base_url()?, p.envd_domain())
+                (
+                    Credential::ApiKey(key),
+                    m.auth.clone(),
+                    p.base_url()?,
+                    p.envd_domain(),
+                )
             }
         };
         Ok(Settings {
@@ -461,5 +465,8 @@ pub fn changed_keys(before: &Resolved, after: &Resolved) -> Vec<&'static str> {
 
 /// Keys a reload applies without a restart.
 pub fn is_credential_key(name: &str) -> bool {
-    matches!(name, "sandbox_api_key" | "access_key_id" | "access_key_secret")
+    matches!(
+        name,
+        "sandbox_api_key" | "access_key_id" | "access_key_secret"
+    )
 }

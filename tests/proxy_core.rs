@@ -1,0 +1,1017 @@
+//! Acceptance tests of the proxy core (SPEC §4, §6, §7): the real `abx-proxy` binary between
+//! a hyper client (or raw bytes) and an in-process TLS upstream signed by a test CA. Every
+//! test asserts on what the upstream RECEIVED, and ends by stopping the proxy with SIGTERM
+//! and checking that the key appears nowhere in its debug-level stderr.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::json;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+const BIG: u64 = 256 * 1024 * 1024;
+
+async fn connect_raw(addr: std::net::SocketAddr) -> TcpStream {
+    within("connect to the proxy", TcpStream::connect(addr))
+        .await
+        .expect("connect to the proxy")
+}
+
+/// What every forwarded control-plane request must look like upstream.
+fn assert_authorized(seen: &Seen, upstream: &Upstream) {
+    assert_eq!(
+        seen.all("authorization"),
+        vec![format!("Bearer {API_KEY}")],
+        "exactly the real key"
+    );
+    assert!(
+        seen.header("x-api-key").is_none(),
+        "client X-API-Key went upstream"
+    );
+    assert_eq!(
+        seen.host(),
+        upstream.addr.to_string(),
+        "Host is the upstream's"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Headers
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_attached_client_credentials_and_hop_by_hop_removed() {
+    let pki = Pki::new();
+    let mut upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        let mut r = response(200, "listed");
+        let h = r.headers_mut();
+        h.insert("connection", "X-Resp-Hop".parse().unwrap());
+        h.insert("x-resp-hop", "hop".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("proxy-authenticate", "Basic realm=x".parse().unwrap());
+        h.insert("x-resp-kept", "yes".parse().unwrap());
+        r
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    // Raw bytes: header names in odd cases, two Connection lines (the first plain `close`),
+    // and every hop-by-hop field the proxy must not pass on.
+    let req = format!(
+        "GET /sandboxes?limit=5 HTTP/1.1\r\n\
+         Host: 127.0.0.1:{port}\r\n\
+         X-Api-Key: dummy-1\r\n\
+         x-API-KEY: dummy-2\r\n\
+         AUTHORIZATION: Bearer dummy-3\r\n\
+         Connection: close\r\n\
+         Connection: X-Req-Hop, Keep-Alive\r\n\
+         X-Req-Hop: hop\r\n\
+         Keep-Alive: timeout=5\r\n\
+         Proxy-Authorization: Basic Zm9vOmJhcg==\r\n\
+         Proxy-Connection: keep-alive\r\n\
+         TE: gzip\r\n\
+         X-Kept: yes\r\n\r\n",
+        port = addr.port()
+    );
+    let resp = raw_exchange(addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert_eq!(resp.text(), "listed");
+
+    let seen = upstream.next_request().await;
+    assert_authorized(&seen, &upstream);
+    assert_eq!(seen.method, "GET");
+    assert_eq!(seen.path_and_query(), "/sandboxes?limit=5");
+    for hop in [
+        "connection",
+        "x-req-hop",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "transfer-encoding",
+        "upgrade",
+    ] {
+        assert!(
+            seen.header(hop).is_none(),
+            "{hop} went upstream: {:?}",
+            seen.headers
+        );
+    }
+    assert_eq!(seen.header("x-kept"), Some("yes"));
+
+    // The other direction.
+    assert_eq!(resp.header("x-resp-kept"), Some("yes"));
+    for hop in ["x-resp-hop", "keep-alive", "proxy-authenticate"] {
+        assert!(
+            !resp.has(hop),
+            "{hop} reached the client: {:?}",
+            resp.headers
+        );
+    }
+    if let Some(conn) = resp.header("connection") {
+        assert!(
+            conn.eq_ignore_ascii_case("close"),
+            "upstream Connection leaked: {conn}"
+        );
+    }
+
+    proxy.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_upstream_gets_the_key_and_its_authority() {
+    let pki = Pki::new();
+    let mut upstream = Upstream::start(&pki, Proto::H2, |_req| async { response(200, "h2") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let req = request("GET", addr, "/templates")
+        .header("x-api-key", "dummy")
+        .header("authorization", "Bearer dummy")
+        .body(empty())
+        .unwrap();
+    let resp = send(addr, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "h2");
+
+    let seen = upstream.next_request().await;
+    assert_eq!(seen.version, http::Version::HTTP_2);
+    assert_authorized(&seen, &upstream);
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Streaming
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_upload_of_256_mib_arrives_byte_identical() {
+    let pki = Pki::new();
+    let (got_tx, mut got_rx) = mpsc::unbounded_channel();
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let got_tx = got_tx.clone();
+        async move {
+            let received = hash_body(req.into_body()).await;
+            let _ = got_tx.send(received);
+            response(200, "stored")
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let (body, sent) = GenBody::new(0x5eed_0001, BIG, false);
+    let req = request("PUT", addr, "/files/upload")
+        .header("content-type", "application/octet-stream")
+        .body(boxed(body))
+        .unwrap();
+    let resp = send(addr, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "stored");
+
+    let seen = upstream.next_request().await;
+    assert_eq!(seen.header("transfer-encoding"), Some("chunked"));
+    assert!(seen.header("content-length").is_none());
+    let (sent_len, sent_hash) = within("the client's hash", sent).await.unwrap();
+    let (got_len, got_hash) = within("the upstream's hash", got_rx.recv()).await.unwrap();
+    assert_eq!(got_len, sent_len);
+    assert_eq!(
+        hex(&got_hash),
+        hex(&sent_hash),
+        "upload corrupted on the way"
+    );
+    proxy.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn download_of_256_mib_arrives_byte_identical() {
+    let pki = Pki::new();
+    let (hash_tx, mut hash_rx) = mpsc::unbounded_channel();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let (body, sent) = GenBody::new(0x5eed_0002, BIG, true);
+        let hash_tx = hash_tx.clone();
+        tokio::spawn(async move {
+            if let Ok(h) = sent.await {
+                let _ = hash_tx.send(h);
+            }
+        });
+        async move { Response::new(boxed(body)) }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let resp = send(
+        addr,
+        request("GET", addr, "/files/big").body(empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        resp.headers()
+            .get("content-length")
+            .map(|v| v.to_str().unwrap()),
+        Some(BIG.to_string().as_str())
+    );
+    let (got_len, got_hash) = within("the download", hash_body(resp.into_body())).await;
+    let (sent_len, sent_hash) = within("the upstream's hash", hash_rx.recv()).await.unwrap();
+    assert_eq!(got_len, sent_len);
+    assert_eq!(
+        hex(&got_hash),
+        hex(&sent_hash),
+        "download corrupted on the way"
+    );
+    proxy.finish().await;
+}
+
+/// Chunk 2 is only sent after the client has chunk 1: a buffering proxy deadlocks here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_stream_reaches_the_client_chunk_by_chunk() {
+    const FIRST: &[u8] = b"event: one\n\n";
+    const SECOND: &[u8] = b"event: two\n\n";
+    let pki = Pki::new();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let release_rx = Arc::new(Mutex::new(Some(release_rx)));
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let release = release_rx
+            .lock()
+            .unwrap()
+            .take()
+            .expect("one stream request");
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let _ = tx.send(Bytes::from_static(FIRST)).await;
+            if release.await.is_ok() {
+                let _ = tx.send(Bytes::from_static(SECOND)).await;
+            }
+        });
+        async move {
+            let mut r = Response::new(boxed(ChannelBody(rx)));
+            r.headers_mut()
+                .insert("content-type", "text/event-stream".parse().unwrap());
+            r
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let resp = send(addr, request("GET", addr, "/stream").body(empty()).unwrap()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while got.len() < FIRST.len() {
+        let frame = within("chunk 1 before chunk 2 is even sent", body.frame())
+            .await
+            .expect("stream ended early")
+            .expect("stream failed");
+        got.extend_from_slice(&frame.into_data().unwrap_or_default());
+    }
+    assert_eq!(got, FIRST);
+    release_tx.send(()).unwrap();
+    let rest = within("chunk 2", body.collect()).await.unwrap().to_bytes();
+    assert_eq!(&rest[..], SECOND);
+    proxy.finish().await;
+}
+
+/// A client that dies mid-upload must not become a complete (truncated) body upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_abort_mid_upload_reaches_upstream_as_an_error() {
+    let pki = Pki::new();
+    let (outcome_tx, mut outcome_rx) = mpsc::unbounded_channel();
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let outcome_tx = outcome_tx.clone();
+        async move {
+            let mut body = req.into_body();
+            let mut got = 0usize;
+            let outcome = loop {
+                match body.frame().await {
+                    None => break Ok(got),
+                    Some(Ok(f)) => got += f.into_data().map_or(0, |d| d.len()),
+                    Some(Err(e)) => break Err(e.to_string()),
+                }
+            };
+            let _ = outcome_tx.send(outcome);
+            response(200, "")
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let mut s = connect_raw(addr).await;
+    let head = format!(
+        "PUT /files/upload HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n0123456789abcdef\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    upstream.next_request().await;
+    drop(s);
+    let outcome = within("the upstream's view of the body", outcome_rx.recv())
+        .await
+        .unwrap();
+    assert!(
+        outcome.is_err(),
+        "a truncated upload ended cleanly upstream: {outcome:?}"
+    );
+    proxy.finish().await;
+}
+
+/// An upstream that dies mid-download must not look like a complete body to the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_abort_mid_download_reaches_the_client_as_an_error() {
+    let pki = Pki::new();
+    let (die_tx, die_rx) = oneshot::channel::<()>();
+    let die_rx = Arc::new(Mutex::new(Some(die_rx)));
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let die = die_rx.lock().unwrap().take().expect("one download");
+        async move {
+            Response::new(boxed(AbortingBody {
+                first: Some(Bytes::from_static(b"partial")),
+                die,
+            }))
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let resp = send(
+        addr,
+        request("GET", addr, "/files/big").body(empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while got.len() < b"partial".len() {
+        let frame = within("the first bytes", body.frame())
+            .await
+            .unwrap()
+            .unwrap();
+        got.extend_from_slice(&frame.into_data().unwrap_or_default());
+    }
+    drop(die_tx);
+    let outcome = within("the end of the body", async {
+        loop {
+            match body.frame().await {
+                None => break Ok(()),
+                Some(Ok(f)) => got.extend_from_slice(&f.into_data().unwrap_or_default()),
+                Some(Err(e)) => break Err(e),
+            }
+        }
+    })
+    .await;
+    assert!(
+        outcome.is_err(),
+        "a truncated download ended cleanly: {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Upgrades
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_upgrade_tunnels_bytes_both_ways() {
+    let pki = Pki::new();
+    let mut upstream = Upstream::start(&pki, Proto::H2, |mut req| {
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            let Ok(upgraded) = on_upgrade.await else {
+                return;
+            };
+            let mut io = hyper_util::rt::TokioIo::new(upgraded);
+            if io.write_all(b"hello from upstream\n").await.is_err() {
+                return;
+            }
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match io.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if io.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        async move {
+            let mut r = response(101, Bytes::new());
+            let h = r.headers_mut();
+            h.insert("connection", "Upgrade".parse().unwrap());
+            h.insert("upgrade", "websocket".parse().unwrap());
+            h.insert(
+                "sec-websocket-accept",
+                "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=".parse().unwrap(),
+            );
+            r
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let mut s = connect_raw(addr).await;
+    let req = format!(
+        "GET /ws?x=1 HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+         X-API-Key: dummy\r\n\r\n",
+        addr.port()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let resp = read_response(&mut s, &mut buf).await;
+    assert_eq!(resp.status, 101, "{resp:?}");
+    assert_eq!(resp.header("upgrade"), Some("websocket"));
+    assert!(resp
+        .header("connection")
+        .is_some_and(|c| c.eq_ignore_ascii_case("upgrade")));
+    assert_eq!(
+        resp.header("sec-websocket-accept"),
+        Some("s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+    );
+
+    let seen = upstream.next_request().await;
+    assert_authorized(&seen, &upstream);
+    assert_eq!(
+        seen.version,
+        http::Version::HTTP_11,
+        "upgrades go over HTTP/1.1"
+    );
+    assert_eq!(seen.header("upgrade"), Some("websocket"));
+    assert!(seen
+        .header("connection")
+        .is_some_and(|c| c.to_ascii_lowercase().contains("upgrade")));
+    assert_eq!(
+        seen.header("sec-websocket-key"),
+        Some("dGhlIHNhbXBsZSBub25jZQ==")
+    );
+    assert_eq!(seen.path_and_query(), "/ws?x=1");
+
+    // Upstream → client first, then echoes of what the client sends, small and large.
+    let greeting = b"hello from upstream\n";
+    while buf.len() < greeting.len() {
+        let mut tmp = [0u8; 1024];
+        let n = within("the upstream's greeting", s.read(&mut tmp))
+            .await
+            .unwrap();
+        assert!(n > 0, "tunnel closed");
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    assert_eq!(&buf[..], greeting);
+    for size in [5usize, 1024 * 1024] {
+        let mut payload = vec![0u8; size.next_multiple_of(8)];
+        Gen::new(size as u64).fill(&mut payload);
+        let (mut rd, mut wr) = s.split();
+        let write = async {
+            wr.write_all(&payload).await.unwrap();
+        };
+        let read = async {
+            let mut echoed = vec![0u8; payload.len()];
+            rd.read_exact(&mut echoed).await.unwrap();
+            echoed
+        };
+        let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
+        assert!(echoed == payload, "echo of {size} bytes differs");
+    }
+    drop(s);
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// The /v2 compatibility rewrite
+// ---------------------------------------------------------------------------------------
+
+async fn recording_upstream(pki: &Pki) -> (Upstream, mpsc::UnboundedReceiver<(String, Bytes)>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let upstream = Upstream::start(pki, Proto::Http1, move |req| {
+        let tx = tx.clone();
+        async move {
+            let path = req.uri().path().to_string();
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let _ = tx.send((path, body));
+            response(201, r#"{"sandboxID":"x","clientID":"c"}"#)
+        }
+    })
+    .await;
+    (upstream, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v2_paths_are_rewritten_and_create_made_secure() {
+    let pki = Pki::new();
+    let (upstream, mut bodies) = recording_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let create = json!({"templateID": "base", "timeout": 300, "metadata": {"a": "b"}});
+    let req = request("POST", addr, "/v2/sandboxes")
+        .header("content-type", "application/json")
+        .body(full(create.to_string()))
+        .unwrap();
+    let resp = send(addr, req).await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let (path, body) = within("the create", bodies.recv()).await.unwrap();
+    assert_eq!(path, "/sandboxes");
+    let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let mut expected = create.clone();
+    expected["secure"] = json!(true);
+    assert_eq!(sent, expected);
+
+    let req = request("POST", addr, "/v2/sandboxes/x/connect")
+        .header("content-type", "application/json")
+        .body(full(r#"{"timeout":60}"#))
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+    let (path, body) = within("the connect", bodies.recv()).await.unwrap();
+    assert_eq!(path, "/sandboxes/x/connect");
+    assert_eq!(&body[..], br#"{"timeout":60}"#);
+
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[0].header("content-length"),
+        Some(body_len(&sent).as_str()),
+        "the rewritten create carries its new length"
+    );
+    for s in &seen {
+        assert_authorized(s, &upstream);
+    }
+    proxy.finish().await;
+}
+
+fn body_len(v: &serde_json::Value) -> String {
+    serde_json::to_vec(v).unwrap().len().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v2_paths_pass_through_with_compat_pass() {
+    let pki = Pki::new();
+    let (upstream, mut bodies) = recording_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--compat-v2-paths", "pass"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let create = r#"{"templateID":"base"}"#;
+    let req = request("POST", addr, "/v2/sandboxes")
+        .body(full(create))
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+    let (path, body) = within("the create", bodies.recv()).await.unwrap();
+    assert_eq!(path, "/v2/sandboxes");
+    assert_eq!(&body[..], create.as_bytes(), "body untouched");
+
+    let req = request("POST", addr, "/v2/sandboxes/x/connect")
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+    let (path, _) = within("the connect", bodies.recv()).await.unwrap();
+    assert_eq!(path, "/v2/sandboxes/x/connect");
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Redirects and refusals
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_are_passed_back_not_followed() {
+    let pki = Pki::new();
+    let elsewhere = Upstream::start(&pki, Proto::Http1, |_req| async {
+        response(200, "followed")
+    })
+    .await;
+    let location = format!("https://127.0.0.1:{}/landing", elsewhere.addr.port());
+    let upstream = {
+        let location = location.clone();
+        Upstream::start(&pki, Proto::Http1, move |_req| {
+            let location = location.clone();
+            async move {
+                let mut r = response(302, "");
+                r.headers_mut()
+                    .insert("location", location.parse().unwrap());
+                r
+            }
+        })
+        .await
+    };
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let resp = send(
+        addr,
+        request("GET", addr, "/sandboxes/x/logs")
+            .body(empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::FOUND);
+    assert_eq!(resp.headers()["location"], location.as_str());
+    assert_eq!(upstream.seen().len(), 1);
+    assert_eq!(
+        elsewhere.connections(),
+        0,
+        "the proxy followed the redirect"
+    );
+    proxy.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let local = format!("127.0.0.1:{}", addr.port());
+
+    let refused = [
+        // absolute-form to a foreign authority: not a forward proxy
+        "GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\nConnection: close\r\n\r\n".to_string(),
+        format!("GET http://example.com/sandboxes HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        // CONNECT tunnels
+        "CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n".to_string(),
+        format!("CONNECT {local} HTTP/1.1\r\nHost: {local}\r\n\r\n"),
+        // DNS rebinding: a page on evil.example resolving to 127.0.0.1
+        "GET /sandboxes HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n".to_string(),
+        format!("GET /sandboxes HTTP/1.1\r\nHost: evil.example:{}\r\nConnection: close\r\n\r\n", addr.port()),
+        "GET /sandboxes HTTP/1.1\r\nHost: localhost.evil.example\r\nConnection: close\r\n\r\n".to_string(),
+        "GET /sandboxes HTTP/1.1\r\nHost: 10.0.0.1\r\nConnection: close\r\n\r\n".to_string(),
+        "GET /sandboxes HTTP/1.1\r\nConnection: close\r\n\r\n".to_string(),
+    ];
+    for req in &refused {
+        let resp = raw_exchange(addr, req.as_bytes()).await;
+        assert_proxy_error(&resp, 400, "E5003");
+        assert!(
+            !resp.text().contains("dummy"),
+            "request: {req:?} → {:?}",
+            resp.text()
+        );
+    }
+    assert_eq!(
+        upstream.connections(),
+        0,
+        "a refused request reached the upstream"
+    );
+
+    // The loopback names that must pass.
+    for host in [
+        local.clone(),
+        format!("localhost:{}", addr.port()),
+        "[::1]".into(),
+    ] {
+        let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let resp = raw_exchange(addr, req.as_bytes()).await;
+        assert_eq!(resp.status, 200, "Host {host}: {:?}", resp.text());
+    }
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Upstream failures
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_down_is_502_e5001() {
+    let pki = Pki::new();
+    let port = closed_port().await;
+    let proxy = ProxyCmd::new(&format!("https://{port}"), &pki)
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let req = format!(
+        "GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\nConnection: close\r\n\r\n"
+    );
+    let resp = raw_exchange(addr, req.as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(resp.header("content-type"), Some("application/json"));
+    proxy.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_upstream_is_504_e5002() {
+    let pki = Pki::new();
+    // One accepts TCP and never speaks (TLS never completes); one completes TLS and reads
+    // the request but never answers it.
+    let tcp_silent = SilentUpstream::start().await;
+    let (hold_tx, hold_rx) = oneshot::channel::<()>();
+    let hold_rx = Arc::new(tokio::sync::Mutex::new(Some(hold_rx)));
+    let mut tls_silent = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let hold_rx = hold_rx.clone();
+        async move {
+            if let Some(rx) = hold_rx.lock().await.take() {
+                let _ = rx.await;
+            }
+            response(200, "too late")
+        }
+    })
+    .await;
+    let p1 = ProxyCmd::new(&format!("https://{}", tcp_silent.addr), &pki)
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+    let p2 = ProxyCmd::new(&tls_silent.url(), &pki)
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+
+    let get = |addr: std::net::SocketAddr| async move {
+        let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        raw_exchange(addr, req.as_bytes()).await
+    };
+    let (r1, r2) = tokio::join!(get(p1.addr()), get(p2.addr()));
+    assert_proxy_error(&r1, 504, "E5002");
+    assert_proxy_error(&r2, 504, "E5002");
+    assert_eq!(
+        tls_silent.next_request().await.path_and_query(),
+        "/sandboxes"
+    );
+    drop(hold_tx);
+    p1.finish().await;
+    p2.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Signals
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
+    let pki = Pki::new();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let release_rx = Arc::new(tokio::sync::Mutex::new(Some(release_rx)));
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let release_rx = release_rx.clone();
+        async move {
+            if let Some(rx) = release_rx.lock().await.take() {
+                let _ = rx.await;
+            }
+            response(200, "finished after the signal")
+        }
+    })
+    .await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let admin = proxy.admin_addr();
+
+    let readyz = |admin| async move {
+        raw_exchange(
+            admin,
+            b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .status
+    };
+    assert_eq!(readyz(admin).await, 200);
+
+    let in_flight = tokio::spawn(send(
+        addr,
+        request("POST", addr, "/sandboxes/x/timeout")
+            .body(full("{}"))
+            .unwrap(),
+    ));
+    upstream.next_request().await;
+
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    let refused = TcpStream::connect(addr).await;
+    assert_eq!(
+        refused.map(|_| ()).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "a new connection was accepted while draining"
+    );
+    assert_eq!(readyz(admin).await, 503, "/readyz while draining");
+
+    release_tx.send(()).unwrap();
+    let resp = within("the in-flight request", in_flight).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "finished after the signal");
+
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    assert_no_key(&proxy.stderr(), "the proxy's stderr");
+}
+
+/// The moment the listening line is out, SIGHUP must reload and SIGTERM drain: neither may
+/// fall to its default action (terminate) because a handler is installed a little later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_right_after_startup_are_handled() {
+    let pki = Pki::new();
+    let mut proxy = ProxyCmd::new("https://127.0.0.1:9", &pki).spawn().await;
+    proxy.signal("HUP");
+    proxy.wait_for_line("reload").await;
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains("stopped"), "no drain:\n{stderr}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Listeners
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_socket_listener_serves_requests() {
+    use std::os::unix::fs::PermissionsExt;
+    let pki = Pki::new();
+    let mut upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        response(200, "via unix")
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("abx.sock");
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .listen(&format!("unix:{}", sock.display()))
+        .spawn()
+        .await;
+    assert_eq!(proxy.listen, format!("unix:{}", sock.display()));
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660, "socket mode");
+
+    let stream = within(
+        "connect to the socket",
+        tokio::net::UnixStream::connect(&sock),
+    )
+    .await
+    .unwrap();
+    let mut client = handshake(stream).await;
+    let req = Request::builder()
+        .uri("/sandboxes")
+        .header("host", "localhost")
+        .header("x-api-key", "dummy")
+        .body(empty())
+        .unwrap();
+    let resp = within("the response", client.send_request(req))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "via unix");
+    assert_authorized(&upstream.next_request().await, &upstream);
+    drop(client);
+    proxy.finish().await;
+    assert!(!sock.exists(), "the socket file is removed at exit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_loopback_listen_needs_allow_remote() {
+    let pki = Pki::new();
+    let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .listen("0.0.0.0:0")
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "stderr:\n{stderr}");
+    assert!(stderr.contains("--allow-remote"), "stderr:\n{stderr}");
+    assert!(
+        !stderr.contains("abx-proxy listening"),
+        "it bound anyway:\n{stderr}"
+    );
+}
+
+/// `--idle-timeout 1s`: a stream moving a few bytes every 200 ms runs past several idle
+/// periods untouched; a connection that moves nothing is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_timeout_cuts_only_connections_that_move_nothing() {
+    const TICKS: usize = 12;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            // Pacing the stream (the point of the test), not synchronisation.
+            let mut every = tokio::time::interval(std::time::Duration::from_millis(200));
+            for i in 0..TICKS {
+                every.tick().await;
+                if tx.send(Bytes::from(format!("ping {i}\n"))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let mut idle = connect_raw(addr).await;
+    let resp = send(addr, request("GET", addr, "/stream").body(empty()).unwrap()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = collect(resp.into_body()).await;
+    let expected: String = (0..TICKS).map(|i| format!("ping {i}\n")).collect();
+    assert_eq!(body, expected.as_bytes(), "the moving stream was cut");
+    expect_closed(&mut idle, &[]).await;
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Limits and framing
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_head_is_431() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let big = "a".repeat(70 * 1024);
+    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-Big: {big}\r\n\r\n");
+    let resp = raw_exchange(addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 431);
+
+    // Just under the limit still goes through.
+    let ok = "a".repeat(60 * 1024);
+    let req = format!(
+        "GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-Big: {ok}\r\nConnection: close\r\n\r\n"
+    );
+    assert_eq!(raw_exchange(addr, req.as_bytes()).await.status, 200);
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.finish().await;
+}
+
+/// Sends `req` and expects 400 and the connection closed, the upstream untouched.
+async fn expect_400_and_close(addr: std::net::SocketAddr, req: &str) -> RawResponse {
+    let mut s = connect_raw(addr).await;
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let resp = read_response(&mut s, &mut buf).await;
+    assert_eq!(resp.status, 400, "{req:?} → {resp:?}");
+    expect_closed(&mut s, &buf).await;
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambiguous_framing_is_400_and_closes() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        response(200, body)
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let host = format!("Host: {addr}\r\n");
+
+    // Both orders of Content-Length + Transfer-Encoding; the answer is the proxy's own.
+    for headers in [
+        "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+        "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+        "transfer-encoding: chunked\r\ncontent-length: 0\r\n",
+    ] {
+        let req = format!("POST /sandboxes HTTP/1.1\r\n{host}{headers}\r\n5\r\nhello\r\n0\r\n\r\n");
+        let resp = expect_400_and_close(addr, &req).await;
+        assert_proxy_error(&resp, 400, "E5003");
+    }
+    // Conflicting lengths.
+    let req = format!(
+        "POST /sandboxes HTTP/1.1\r\n{host}Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"
+    );
+    expect_400_and_close(addr, &req).await;
+    let req = format!("POST /sandboxes HTTP/1.1\r\n{host}Content-Length: 5, 6\r\n\r\nhello!");
+    expect_400_and_close(addr, &req).await;
+    assert_eq!(upstream.connections(), 0);
+
+    // Pipelined on one keep-alive connection: a clean chunked request, a clean sized one,
+    // then a smuggling attempt. Only the last is refused.
+    let mut s = connect_raw(addr).await;
+    let pipelined = format!(
+        "POST /a HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\ne\r\nContent-Length\r\n0\r\n\r\n\
+         POST /b HTTP/1.1\r\n{host}Content-Length: 26\r\n\r\nTransfer-Encoding: chunked\
+         POST /c HTTP/1.1\r\n{host}Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    );
+    s.write_all(pipelined.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let a = read_response(&mut s, &mut buf).await;
+    assert_eq!((a.status, a.text().as_str()), (200, "Content-Length"));
+    let b = read_response(&mut s, &mut buf).await;
+    assert_eq!(
+        (b.status, b.text().as_str()),
+        (200, "Transfer-Encoding: chunked")
+    );
+    let c = read_response(&mut s, &mut buf).await;
+    assert_proxy_error(&c, 400, "E5003");
+    expect_closed(&mut s, &buf).await;
+    let paths: Vec<String> = upstream
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect();
+    assert_eq!(paths, ["/a", "/b"]);
+    proxy.finish().await;
+}

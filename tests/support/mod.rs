@@ -1,0 +1,1035 @@
+//! Shared helpers for the proxy integration tests: a test PKI (CA + server certificate from
+//! `rcgen`), a TLS hyper upstream that records what it received and answers through a
+//! closure, the real `abx-proxy` binary spawned with a cleared environment, and small HTTP
+//! clients (hyper over TCP or a unix socket, and raw bytes over a `TcpStream`).
+//!
+//! Synchronisation is by events only: the proxy's "listening" log line, requests seen by the
+//! upstream, channels the tests release. [`GUARD`] bounds every wait so a broken proxy fails
+//! a test instead of hanging it; it never lets time pass on purpose.
+//!
+//! Include it from a test crate with `mod support;`.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// The longest any single wait may take before the test fails.
+pub const GUARD: Duration = Duration::from_secs(30);
+
+/// The real key the proxy attaches. Distinctive, so a leak into a log or a body is found.
+pub const API_KEY: &str = "sk-abx-live-7Q4mZ2xK9pW3rT8vB5nL1cY6";
+
+/// Streaming tests move data in pieces of this size.
+pub const CHUNK: usize = 64 * 1024;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type TestBody = BoxBody<Bytes, BoxError>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `fut` within [`GUARD`], or a test failure naming `what`.
+pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(GUARD, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {GUARD:?}: {what}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Bodies
+// ---------------------------------------------------------------------------------------
+
+pub fn full(bytes: impl Into<Bytes>) -> TestBody {
+    Full::new(bytes.into()).map_err(|e| match e {}).boxed()
+}
+
+pub fn empty() -> TestBody {
+    Empty::new().map_err(|e| match e {}).boxed()
+}
+
+pub fn boxed<B>(body: B) -> TestBody
+where
+    B: Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed()
+}
+
+/// Every data frame of `body`, concatenated.
+pub async fn collect(body: Incoming) -> Bytes {
+    within("reading a body", body.collect())
+        .await
+        .expect("body stream failed")
+        .to_bytes()
+}
+
+/// A body fed by a channel: each message is one frame; dropping the sender ends it.
+pub struct ChannelBody(pub mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|m| m.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// SHA-256, streaming. ring's implementation (reached through the rustls provider) rather
+/// than `sha2`: in an unoptimised test build `sha2` manages ~15 MB/s, ring's assembly ~600.
+pub struct Sha256(Box<dyn rustls::crypto::hash::Context>);
+
+impl Sha256 {
+    pub fn new() -> Self {
+        use rustls::crypto::hash::HashAlgorithm;
+        let hash = rustls::crypto::ring::default_provider()
+            .cipher_suites
+            .iter()
+            .find_map(|s| match s {
+                rustls::SupportedCipherSuite::Tls13(t)
+                    if t.common.hash_provider.algorithm() == HashAlgorithm::SHA256 =>
+                {
+                    Some(t.common.hash_provider)
+                }
+                _ => None,
+            })
+            .expect("ring offers a SHA-256 suite");
+        Sha256(hash.start())
+    }
+
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+
+    pub fn finalize(self) -> [u8; 32] {
+        self.0
+            .finish()
+            .as_ref()
+            .try_into()
+            .expect("SHA-256 is 32 bytes")
+    }
+}
+
+impl Default for Sha256 {
+    fn default() -> Self {
+        Sha256::new()
+    }
+}
+
+/// One data frame, then — once `die` fires or is dropped — a failure: a peer that dies
+/// mid-stream, at a moment the test chooses.
+pub struct AbortingBody {
+    pub first: Option<Bytes>,
+    pub die: oneshot::Receiver<()>,
+}
+
+impl Body for AbortingBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(b) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(b))));
+        }
+        Pin::new(&mut self.die)
+            .poll(cx)
+            .map(|_| Some(Err("the test upstream died mid-stream".into())))
+    }
+}
+
+/// A seeded pseudo-random byte stream (splitmix64): the same seed gives the same bytes.
+pub struct Gen(u64);
+
+impl Gen {
+    pub fn new(seed: u64) -> Self {
+        Gen(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Fills `buf`; its length must be a multiple of 8.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for word in buf.chunks_exact_mut(8) {
+            word.copy_from_slice(&self.next().to_le_bytes());
+        }
+    }
+}
+
+/// `len` generated bytes, produced [`CHUNK`] at a time and hashed as they go out; the
+/// SHA-256 is sent on `done` with the last chunk. With `exact`, the length is announced
+/// (Content-Length); without, HTTP/1.1 sends it chunked.
+pub struct GenBody {
+    gen: Gen,
+    remaining: u64,
+    exact: bool,
+    hasher: Sha256,
+    done: Option<oneshot::Sender<(u64, [u8; 32])>>,
+    total: u64,
+}
+
+impl GenBody {
+    pub fn new(seed: u64, len: u64, exact: bool) -> (Self, oneshot::Receiver<(u64, [u8; 32])>) {
+        assert_eq!(len % 8, 0, "GenBody lengths are whole words");
+        let (tx, rx) = oneshot::channel();
+        let body = GenBody {
+            gen: Gen::new(seed),
+            remaining: len,
+            exact,
+            hasher: Sha256::new(),
+            done: Some(tx),
+            total: len,
+        };
+        (body, rx)
+    }
+}
+
+impl Body for GenBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.remaining == 0 {
+            return Poll::Ready(None);
+        }
+        let n = self.remaining.min(CHUNK as u64) as usize;
+        let mut buf = BytesMut::zeroed(n);
+        self.gen.fill(&mut buf);
+        self.hasher.update(&buf);
+        self.remaining -= n as u64;
+        if self.remaining == 0 {
+            let digest = std::mem::take(&mut self.hasher).finalize();
+            let total = self.total;
+            if let Some(tx) = self.done.take() {
+                let _ = tx.send((total, digest));
+            }
+        }
+        Poll::Ready(Some(Ok(Frame::data(buf.freeze()))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.remaining == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.exact {
+            SizeHint::with_exact(self.remaining)
+        } else {
+            SizeHint::default()
+        }
+    }
+}
+
+/// Length and SHA-256 of a body, computed frame by frame without holding it.
+pub async fn hash_body<B>(mut body: B) -> (u64, [u8; 32])
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    let mut hasher = Sha256::new();
+    let mut len = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("body stream failed");
+        if let Ok(data) = frame.into_data() {
+            len += data.len() as u64;
+            hasher.update(&data);
+        }
+    }
+    (len, hasher.finalize())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// PKI
+// ---------------------------------------------------------------------------------------
+
+/// A throwaway CA and a server certificate it signed for `127.0.0.1` and `localhost`.
+pub struct Pki {
+    dir: tempfile::TempDir,
+    pub ca_pem: PathBuf,
+    chain: Vec<CertificateDer<'static>>,
+    key: Vec<u8>,
+}
+
+impl Pki {
+    pub fn new() -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "abx-proxy test CA");
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca.self_signed(&ca_key).expect("CA certificate");
+
+        let leaf_key = KeyPair::generate().expect("server key");
+        let mut leaf =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+                .expect("server params");
+        leaf.distinguished_name
+            .push(DnType::CommonName, "127.0.0.1");
+        let leaf_cert = leaf
+            .signed_by(&leaf_key, &ca_cert, &ca_key)
+            .expect("server certificate");
+
+        let dir = tempfile::tempdir().expect("pki dir");
+        let ca_pem = dir.path().join("ca.pem");
+        std::fs::write(&ca_pem, ca_cert.pem()).expect("write ca.pem");
+        Pki {
+            dir,
+            ca_pem,
+            chain: vec![leaf_cert.der().clone()],
+            key: leaf_key.serialize_der(),
+        }
+    }
+
+    /// The server side of the upstream's TLS, offering `alpn`.
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Arc<rustls::ServerConfig> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key.clone()));
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("protocol versions")
+            .with_no_client_auth()
+            .with_single_cert(self.chain.clone(), key)
+            .expect("server config");
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(config)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The upstream
+// ---------------------------------------------------------------------------------------
+
+/// Which HTTP versions the upstream offers in ALPN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    Http1,
+    /// HTTP/2 preferred, HTTP/1.1 accepted.
+    H2,
+}
+
+/// A request head as the upstream received it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: Method,
+    pub uri: Uri,
+    pub version: Version,
+    pub headers: HeaderMap,
+}
+
+impl Seen {
+    /// `Host`, or HTTP/2's `:authority`.
+    pub fn host(&self) -> String {
+        match self.headers.get(http::header::HOST) {
+            Some(h) => h.to_str().expect("Host is text").to_string(),
+            None => self
+                .uri
+                .authority()
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
+        }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("header is text"))
+    }
+
+    pub fn all(&self, name: &str) -> Vec<String> {
+        self.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().expect("header is text").to_string())
+            .collect()
+    }
+
+    pub fn path_and_query(&self) -> &str {
+        self.uri.path_and_query().map_or("/", |pq| pq.as_str())
+    }
+}
+
+type HandlerFn = dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Response<TestBody>> + Send>>
+    + Send
+    + Sync;
+
+/// A TLS hyper server on 127.0.0.1 that records every request head and answers through the
+/// test's closure (which gets the whole request: body, upgrades).
+pub struct Upstream {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    seen_rx: mpsc::UnboundedReceiver<Seen>,
+    connections: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start<F, Fut>(pki: &Pki, proto: Proto, handler: F) -> Upstream
+    where
+        F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Response<TestBody>> + Send + 'static,
+    {
+        let handler: Arc<HandlerFn> = Arc::new(move |req| Box::pin(handler(req)));
+        let alpn: &[&[u8]] = match proto {
+            Proto::Http1 => &[b"http/1.1"],
+            Proto::H2 => &[b"h2", b"http/1.1"],
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(alpn));
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream addr");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (seen_tx, seen_rx) = mpsc::unbounded_channel();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let task = {
+            let seen = seen.clone();
+            let connections = connections.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    connections.fetch_add(1, Ordering::SeqCst);
+                    let acceptor = acceptor.clone();
+                    let handler = handler.clone();
+                    let seen = seen.clone();
+                    let seen_tx = seen_tx.clone();
+                    tokio::spawn(async move {
+                        let Ok(tls) = acceptor.accept(stream).await else {
+                            return;
+                        };
+                        let service = service_fn(move |req: Request<Incoming>| {
+                            let record = Seen {
+                                method: req.method().clone(),
+                                uri: req.uri().clone(),
+                                version: req.version(),
+                                headers: req.headers().clone(),
+                            };
+                            lock(&seen).push(record.clone());
+                            let _ = seen_tx.send(record);
+                            let fut = handler(req);
+                            async move { Ok::<_, Infallible>(fut.await) }
+                        });
+                        let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                            .serve_connection_with_upgrades(TokioIo::new(tls), service)
+                            .await;
+                    });
+                }
+            })
+        };
+        Upstream {
+            addr,
+            seen,
+            seen_rx,
+            connections,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://{}", self.addr)
+    }
+
+    /// Every request head received so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        lock(&self.seen).clone()
+    }
+
+    /// The next request head, in arrival order (bounded by [`GUARD`]).
+    pub async fn next_request(&mut self) -> Seen {
+        within("the upstream to receive a request", self.seen_rx.recv())
+            .await
+            .expect("upstream stopped")
+    }
+
+    /// TCP connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An upstream that accepts TCP connections and never says a word (not even TLS).
+pub struct SilentUpstream {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl SilentUpstream {
+    pub async fn start() -> SilentUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind silent");
+        let addr = listener.local_addr().expect("silent addr");
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        SilentUpstream { addr, task }
+    }
+}
+
+impl Drop for SilentUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A 127.0.0.1 port nothing listens on (bound, then released).
+pub async fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    l.local_addr().expect("addr")
+}
+
+pub fn response(status: u16, body: impl Into<Bytes>) -> Response<TestBody> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = StatusCode::from_u16(status).expect("status");
+    r
+}
+
+// ---------------------------------------------------------------------------------------
+// The proxy process
+// ---------------------------------------------------------------------------------------
+
+/// How to start `abx-proxy serve`: a cleared environment with only HOME, ABX_HOME and the
+/// key, a temporary cwd, debug logging, and the upstream's CA.
+pub struct ProxyCmd {
+    listen: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl ProxyCmd {
+    pub fn new(base_url: &str, pki: &Pki) -> ProxyCmd {
+        ProxyCmd {
+            listen: "127.0.0.1:0".into(),
+            args: vec![
+                "--sandbox-base-url".into(),
+                base_url.into(),
+                "--upstream-ca".into(),
+                pki.ca_pem.display().to_string(),
+                "--log-level".into(),
+                "debug".into(),
+                "--shutdown-grace".into(),
+                "10s".into(),
+            ],
+            env: vec![("ABX_SANDBOX_API_KEY".into(), API_KEY.into())],
+        }
+    }
+
+    pub fn listen(mut self, addr: &str) -> Self {
+        self.listen = addr.into();
+        self
+    }
+
+    pub fn arg(mut self, a: &str) -> Self {
+        self.args.push(a.into());
+        self
+    }
+
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    fn command(&self, home: &Path) -> Command {
+        let abx_home = home.join(".abx");
+        let cwd = home.join("cwd");
+        std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
+        std::fs::create_dir_all(&cwd).expect("cwd");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        cmd.env_clear()
+            .env("HOME", home)
+            .env("ABX_HOME", &abx_home)
+            .current_dir(&cwd)
+            .arg("serve")
+            .args(["--listen", &self.listen, "--admin-listen", "127.0.0.1:0"])
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Starts the proxy and waits for its "listening" line.
+    pub async fn spawn(self) -> ProxyProc {
+        let home = tempfile::tempdir().expect("home");
+        let mut child = self.command(home.path()).spawn().expect("spawn abx-proxy");
+        let pid = child.id();
+        let stderr = child.stderr.take().expect("stderr piped");
+        let text = Arc::new(Mutex::new(String::new()));
+        let (tx, lines) = mpsc::unbounded_channel();
+        let reader = {
+            let text = text.clone();
+            std::thread::spawn(move || {
+                let mut r = std::io::BufReader::new(stderr);
+                let mut raw = Vec::new();
+                while let Ok(n) = r.read_until(b'\n', &mut raw) {
+                    if n == 0 {
+                        break;
+                    }
+                    let line = strip_ansi(&String::from_utf8_lossy(&raw));
+                    lock(&text).push_str(&line);
+                    let _ = tx.send(line);
+                    raw.clear();
+                }
+            })
+        };
+        let mut proc = ProxyProc {
+            child: Some(child),
+            pid,
+            listen: String::new(),
+            admin: String::new(),
+            text,
+            lines,
+            reader: Some(reader),
+            _home: home,
+        };
+        let line = proc.wait_for_line("abx-proxy listening").await;
+        proc.listen = field(&line, "listen").expect("listen= in the listening line");
+        proc.admin = field(&line, "admin").expect("admin= in the listening line");
+        proc
+    }
+
+    /// Runs a proxy that is expected to refuse to start: its exit status and stderr.
+    pub async fn run_to_exit(self) -> (ExitStatus, String) {
+        let home = tempfile::tempdir().expect("home");
+        let cmd = self.command(home.path());
+        let out = within(
+            "abx-proxy to exit",
+            tokio::task::spawn_blocking(move || {
+                let mut cmd = cmd;
+                cmd.output()
+            }),
+        )
+        .await
+        .expect("join")
+        .expect("run abx-proxy");
+        let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
+        assert_no_key(&stderr, "stderr");
+        (out.status, stderr)
+    }
+}
+
+/// `name=value` from a log line (values end at whitespace).
+fn field(line: &str, name: &str) -> Option<String> {
+    let pat = format!("{name}=");
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&pat))
+        .map(|v| v.trim_matches('"').to_string())
+}
+
+/// Log text without terminal colour sequences (`ESC [ … letter`).
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.next() == Some('[') {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The key, or any recognisable part of it, must not appear in `text`.
+pub fn assert_no_key(text: &str, what: &str) {
+    let body = &API_KEY["sk-abx-live-".len()..];
+    assert!(
+        !text.contains(API_KEY) && !text.contains(body),
+        "the API key leaked into {what}:\n{text}"
+    );
+}
+
+/// A running proxy. Dropping it kills the process; [`ProxyProc::finish`] stops it the
+/// way an operator would and checks its whole stderr.
+pub struct ProxyProc {
+    child: Option<Child>,
+    pub pid: u32,
+    /// `127.0.0.1:PORT` or `unix:/path`, as logged.
+    pub listen: String,
+    pub admin: String,
+    text: Arc<Mutex<String>>,
+    lines: mpsc::UnboundedReceiver<String>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    _home: tempfile::TempDir,
+}
+
+impl ProxyProc {
+    pub fn addr(&self) -> SocketAddr {
+        self.listen.parse().expect("a TCP listen address")
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.parse().expect("a TCP admin address")
+    }
+
+    /// Everything the proxy wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        lock(&self.text).clone()
+    }
+
+    /// Waits for a stderr line containing `needle` (lines before it are consumed).
+    pub async fn wait_for_line(&mut self, needle: &str) -> String {
+        let found = tokio::time::timeout(GUARD, async {
+            while let Some(line) = self.lines.recv().await {
+                if line.contains(needle) {
+                    return Some(line);
+                }
+            }
+            None
+        })
+        .await;
+        match found {
+            Ok(Some(line)) => line,
+            Ok(None) => panic!(
+                "abx-proxy exited before logging {needle:?}; stderr:\n{}",
+                self.stderr()
+            ),
+            Err(_) => panic!(
+                "abx-proxy did not log {needle:?} within {GUARD:?}; stderr:\n{}",
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`, `HUP`) with kill(1).
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} {} failed", self.pid);
+    }
+
+    /// Waits for the process to exit (bounded), then for its stderr to be complete.
+    pub async fn wait_exit(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("proxy already reaped");
+        let waited =
+            tokio::time::timeout(GUARD, tokio::task::spawn_blocking(move || child.wait())).await;
+        let status = match waited {
+            Ok(joined) => joined.expect("join").expect("wait abx-proxy"),
+            Err(_) => {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &self.pid.to_string()])
+                    .status();
+                panic!(
+                    "abx-proxy did not exit within {GUARD:?}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+        };
+        if let Some(reader) = self.reader.take() {
+            let _ = tokio::task::spawn_blocking(move || reader.join()).await;
+        }
+        status
+    }
+
+    /// SIGTERM, a clean exit 0, and no key anywhere in stderr. Returns the stderr (also
+    /// printed when `ABX_TEST_SHOW_STDERR` is set, for `--nocapture` debugging).
+    pub async fn finish(mut self) -> String {
+        self.signal("TERM");
+        let status = self.wait_exit().await;
+        let text = self.stderr();
+        assert!(
+            status.success(),
+            "abx-proxy exited with {status}; stderr:\n{text}"
+        );
+        assert_no_key(&text, "the proxy's stderr");
+        if std::env::var_os("ABX_TEST_SHOW_STDERR").is_some() {
+            eprintln!("{text}");
+        }
+        text
+    }
+}
+
+impl Drop for ProxyProc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Clients
+// ---------------------------------------------------------------------------------------
+
+/// An HTTP/1.1 client connection to `addr` (hyper, one connection).
+pub async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<TestBody> {
+    let stream = within("connect to the proxy", TcpStream::connect(addr))
+        .await
+        .expect("connect to the proxy");
+    handshake(stream).await
+}
+
+pub async fn handshake<S>(stream: S) -> hyper::client::conn::http1::SendRequest<TestBody>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("client handshake");
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    send
+}
+
+/// One request on a fresh connection; the response head within [`GUARD`].
+pub async fn send(addr: SocketAddr, req: Request<TestBody>) -> Response<Incoming> {
+    let mut client = connect(addr).await;
+    within("the proxy's response", client.send_request(req))
+        .await
+        .expect("request through the proxy")
+}
+
+/// A request builder with the proxy's own Host (a loopback name, as the SDKs send).
+pub fn request(method: &str, addr: SocketAddr, path_and_query: &str) -> http::request::Builder {
+    Request::builder()
+        .method(method)
+        .uri(path_and_query)
+        .header(http::header::HOST, addr.to_string())
+}
+
+/// A response read off a raw stream.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.header(name).is_some()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+async fn fill_more<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -> usize {
+    let mut tmp = [0u8; 16 * 1024];
+    let n = within("bytes from the proxy", s.read(&mut tmp))
+        .await
+        .expect("read from the proxy");
+    buf.extend_from_slice(&tmp[..n]);
+    n
+}
+
+/// Reads one response from `s`. `buf` holds bytes already read and keeps what follows the
+/// response (for pipelining and upgrades). Bodies: Content-Length, chunked, none for
+/// 1xx/204/304, else to EOF.
+pub async fn read_response<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -> RawResponse {
+    let end = loop {
+        if let Some(i) = find(buf, b"\r\n\r\n") {
+            break i;
+        }
+        if fill_more(s, buf).await == 0 {
+            panic!(
+                "connection closed before a response head; got {:?}",
+                String::from_utf8_lossy(buf)
+            );
+        }
+    };
+    let head = String::from_utf8(buf[..end].to_vec()).expect("head is text");
+    buf.drain(..end + 4);
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut resp = RawResponse {
+        status,
+        headers,
+        body: Vec::new(),
+    };
+    if (100..200).contains(&status) || status == 204 || status == 304 {
+        return resp;
+    }
+    if let Some(len) = resp.header("content-length") {
+        let len: usize = len.parse().expect("content-length");
+        while buf.len() < len {
+            if fill_more(s, buf).await == 0 {
+                panic!("connection closed mid-body");
+            }
+        }
+        resp.body = buf.drain(..len).collect();
+    } else if resp
+        .header("transfer-encoding")
+        .is_some_and(|te| te.eq_ignore_ascii_case("chunked"))
+    {
+        loop {
+            let line_end = loop {
+                if let Some(i) = find(buf, b"\r\n") {
+                    break i;
+                }
+                assert!(fill_more(s, buf).await > 0, "closed mid-chunk");
+            };
+            let size_text = String::from_utf8_lossy(&buf[..line_end]).to_string();
+            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                .expect("chunk size");
+            buf.drain(..line_end + 2);
+            if size == 0 {
+                // No trailers from the proxy: the final CRLF.
+                while buf.len() < 2 {
+                    assert!(fill_more(s, buf).await > 0, "closed before the last CRLF");
+                }
+                buf.drain(..2);
+                break;
+            }
+            while buf.len() < size + 2 {
+                assert!(fill_more(s, buf).await > 0, "closed mid-chunk");
+            }
+            resp.body.extend_from_slice(&buf[..size]);
+            buf.drain(..size + 2);
+        }
+    } else {
+        while fill_more(s, buf).await > 0 {}
+        resp.body = std::mem::take(buf);
+    }
+    resp
+}
+
+/// Writes `bytes` to a fresh connection and reads one response.
+pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> RawResponse {
+    let mut s = within("connect to the proxy", TcpStream::connect(addr))
+        .await
+        .expect("connect to the proxy");
+    within("write the request", s.write_all(bytes))
+        .await
+        .expect("write the request");
+    let mut buf = Vec::new();
+    read_response(&mut s, &mut buf).await
+}
+
+/// The peer closes: EOF (or a reset) within [`GUARD`], with nothing else before it.
+pub async fn expect_closed<S: AsyncRead + Unpin>(s: &mut S, leftover: &[u8]) {
+    assert!(
+        leftover.is_empty(),
+        "unexpected bytes: {:?}",
+        String::from_utf8_lossy(leftover)
+    );
+    let mut tmp = [0u8; 1024];
+    match within("the proxy to close the connection", s.read(&mut tmp)).await {
+        Ok(0) => {}
+        Ok(n) => panic!(
+            "expected the connection closed, got {:?}",
+            String::from_utf8_lossy(&tmp[..n])
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("read failed: {e}"),
+    }
+}
+
+/// Asserts the proxy's own error answer: status, `X-Abx-Error`, the E2B JSON shape, no key.
+pub fn assert_proxy_error(resp: &RawResponse, status: u16, code: &str) {
+    assert_eq!(resp.status, status, "status; body {:?}", resp.text());
+    assert_eq!(resp.header("x-abx-error"), Some(code), "X-Abx-Error");
+    let v = resp.json();
+    assert_eq!(v["code"], status, "JSON code in {v}");
+    let message = v["message"].as_str().expect("message is a string");
+    assert!(
+        message.starts_with(&format!("[{code}] ")),
+        "message {message:?} should start with [{code}]"
+    );
+    assert_no_key(&resp.text(), "an error body");
+}
