@@ -19,6 +19,18 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
             reason,
         })?;
     let resolved = Resolved::from_inputs(&inputs)?;
+    // A refused --provider-option is a bad command line for every command (exit 2).
+    match resolved.plugin() {
+        Err(e @ Error::ProviderOption { .. }) => return Err(e),
+        Ok(None) if !inputs.provider_options.is_empty() => {
+            return Err(Error::ProviderOption {
+                field: inputs.provider_options[0].0.clone(),
+                reason: "the built-in provider takes no --provider-option; use its own flags"
+                    .into(),
+            })
+        }
+        _ => {}
+    }
     for w in resolved.all_warnings() {
         eprintln!("warning: {w}");
     }

@@ -94,7 +94,12 @@ impl Proxy {
                         .with_label_values(&[plane, kind.label()])
                         .inc();
                 }
-                (body::error_response(&f.error), String::new())
+                let host = match &f.error {
+                    Error::UpstreamUnreachable { host, .. }
+                    | Error::UpstreamTimeout { host, .. } => host.clone(),
+                    _ => String::new(),
+                };
+                (body::error_response(&f.error), host)
             }
         };
         let elapsed = start.elapsed();
@@ -236,8 +241,10 @@ impl Proxy {
         let req = Request::from_parts(parts, body::boxed(body));
         let mut resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
         if resp.status() == StatusCode::UNAUTHORIZED {
-            // The token may have been rotated: fetch it again, once.
-            self.tokens.remove(sandbox_id);
+            // The token may have been rotated: fetch it again, once. Only the refused token
+            // is dropped, so concurrent 401s share one look-up instead of each discarding
+            // the token the previous one just fetched.
+            self.tokens.remove_stale(sandbox_id, &token);
             if let Ok(fresh) = self.lookup_token(sandbox_id).await {
                 if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
                     headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
@@ -278,9 +285,10 @@ impl Proxy {
         let found = self
             .tokens
             .get_or_fetch(sandbox_id, || self.fetch_token(sandbox_id))
-            .await?;
+            .await;
+        // Also after a failed look-up: a 401 may have dropped the token just before.
         self.metrics.envd_tokens.set(self.tokens.len() as i64);
-        found.ok_or_else(|| Error::SandboxNotFound {
+        found?.ok_or_else(|| Error::SandboxNotFound {
             sandbox_id: sandbox_id.to_string(),
         })
     }

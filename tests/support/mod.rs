@@ -555,6 +555,10 @@ pub struct ProxyCmd {
     listen: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// Files written under ABX_HOME before start: (relative path, contents).
+    files: Vec<(String, String)>,
+    /// `abx-proxy` commands run with the same environment before `serve`.
+    setup: Vec<Vec<String>>,
 }
 
 impl ProxyCmd {
@@ -572,6 +576,59 @@ impl ProxyCmd {
                 "10s".into(),
             ],
             env: vec![("ABX_SANDBOX_API_KEY".into(), API_KEY.into())],
+            files: Vec::new(),
+            setup: Vec::new(),
+        }
+    }
+
+    /// Sets (or, with `None`, removes) an environment variable of the proxy.
+    pub fn env(mut self, key: &str, value: Option<&str>) -> Self {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.into(), v.into()));
+        }
+        self
+    }
+
+    /// Writes `contents` to `ABX_HOME/<rel>` (mode 600) before the proxy starts.
+    pub fn abx_file(mut self, rel: &str, contents: &str) -> Self {
+        self.files.push((rel.into(), contents.into()));
+        self
+    }
+
+    /// Runs `abx-proxy <args>` (same environment and home) before `serve`; it must succeed.
+    pub fn setup(mut self, args: &[&str]) -> Self {
+        self.setup
+            .push(args.iter().map(|a| a.to_string()).collect());
+        self
+    }
+
+    fn prepare(&self, home: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        let abx_home = home.join(".abx");
+        for (rel, contents) in &self.files {
+            let path = abx_home.join(rel);
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(&path, contents).expect("write ABX_HOME file");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .expect("chmod 600");
+        }
+        for args in &self.setup {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+            cmd.env_clear()
+                .env("HOME", home)
+                .env("ABX_HOME", &abx_home)
+                .current_dir(home.join("cwd"))
+                .args(args);
+            for (k, v) in &self.env {
+                cmd.env(k, v);
+            }
+            let out = cmd.output().expect("run abx-proxy setup");
+            assert!(
+                out.status.success(),
+                "abx-proxy {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
     }
 
@@ -615,7 +672,9 @@ impl ProxyCmd {
     /// Starts the proxy and waits for its "listening" line.
     pub async fn spawn(self) -> ProxyProc {
         let home = tempfile::tempdir().expect("home");
-        let mut child = self.command(home.path()).spawn().expect("spawn abx-proxy");
+        let mut command = self.command(home.path());
+        self.prepare(home.path());
+        let mut child = command.spawn().expect("spawn abx-proxy");
         let pid = child.id();
         let stderr = child.stderr.take().expect("stderr piped");
         let text = Arc::new(Mutex::new(String::new()));
@@ -656,6 +715,7 @@ impl ProxyCmd {
     pub async fn run_to_exit(self) -> (ExitStatus, String) {
         let home = tempfile::tempdir().expect("home");
         let cmd = self.command(home.path());
+        self.prepare(home.path());
         let out = within(
             "abx-proxy to exit",
             tokio::task::spawn_blocking(move || {
@@ -674,6 +734,10 @@ impl ProxyCmd {
 
 /// `name=value` from a log line (values end at whitespace).
 fn field(line: &str, name: &str) -> Option<String> {
+    // `--log-format json`: one object per line, fields at the top level.
+    if let Ok(serde_json::Value::Object(obj)) = serde_json::from_str(line.trim()) {
+        return obj.get(name).and_then(|v| v.as_str()).map(str::to_string);
+    }
     let pat = format!("{name}=");
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(&pat))
@@ -730,6 +794,11 @@ impl ProxyProc {
 
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin.parse().expect("a TCP admin address")
+    }
+
+    /// The proxy's `ABX_HOME` (files there can be changed before a SIGHUP).
+    pub fn abx_home(&self) -> PathBuf {
+        self._home.path().join(".abx")
     }
 
     /// Everything the proxy wrote to stderr so far.
@@ -1032,4 +1101,66 @@ pub fn assert_proxy_error(resp: &RawResponse, status: u16, code: &str) {
         "message {message:?} should start with [{code}]"
     );
     assert_no_key(&resp.text(), "an error body");
+}
+
+// ---------------------------------------------------------------------------------------
+// Added for tests/envd.rs: certificates for other names, and the admin listener's metrics
+// ---------------------------------------------------------------------------------------
+
+impl Pki {
+    /// Like [`Pki::new`], but the server certificate names `names` (DNS names, wildcards
+    /// such as `*.localhost`, or IP literals) instead of `127.0.0.1` and `localhost`.
+    pub fn with_names(names: &[&str]) -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "abx-proxy test CA");
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca.self_signed(&ca_key).expect("CA certificate");
+
+        let leaf_key = KeyPair::generate().expect("server key");
+        let sans: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut leaf = CertificateParams::new(sans).expect("server params");
+        leaf.distinguished_name
+            .push(DnType::CommonName, names.first().copied().unwrap_or("test"));
+        let leaf_cert = leaf
+            .signed_by(&leaf_key, &ca_cert, &ca_key)
+            .expect("server certificate");
+
+        let dir = tempfile::tempdir().expect("pki dir");
+        let ca_pem = dir.path().join("ca.pem");
+        std::fs::write(&ca_pem, ca_cert.pem()).expect("write ca.pem");
+        Pki {
+            dir,
+            ca_pem,
+            chain: vec![leaf_cert.der().clone()],
+            key: leaf_key.serialize_der(),
+        }
+    }
+}
+
+/// The proxy's `/metrics` text from its admin listener.
+pub async fn scrape(admin: SocketAddr) -> String {
+    let resp = send(
+        admin,
+        request("GET", admin, "/metrics").body(empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK, "GET /metrics");
+    String::from_utf8(collect(resp.into_body()).await.to_vec()).expect("metrics are text")
+}
+
+/// The value of one series in Prometheus text, named exactly as rendered
+/// (`abx_proxy_envd_tokens`, `abx_proxy_in_flight_requests{plane="envd"}`).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok())?
+    })
 }

@@ -1,0 +1,581 @@
+//! Operations (SPEC §5, §7): the admin listener's metrics and readiness, request logs,
+//! SIGHUP reload, and the AK/SK credential seen through the real binary. Upstreams are
+//! in-process TLS servers (tests/support); the token endpoint is the verifying fake of
+//! tests/support/fake_exchange.rs.
+
+mod support;
+
+#[path = "support/fake_exchange.rs"]
+mod fake_exchange;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use abx_proxy::credentials::exchange::SystemClock;
+use bytes::Bytes;
+use fake_exchange::{FakeExchange, ACCESS_KEY_ID, ACCESS_KEY_SECRET};
+use http_body_util::BodyExt;
+use support::*;
+use tokio::sync::{oneshot, watch};
+
+/// `GET path` through the proxy (or the admin listener): status and body.
+async fn get(addr: SocketAddr, path: &str) -> (u16, Bytes) {
+    let resp = send(
+        addr,
+        request("GET", addr, path).body(empty()).expect("request"),
+    )
+    .await;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, body)
+}
+
+async fn scrape(admin: SocketAddr) -> String {
+    let resp = send(
+        admin,
+        request("GET", admin, "/metrics")
+            .body(empty())
+            .expect("req"),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["content-type"]
+            .to_str()
+            .expect("text")
+            .split(';')
+            .next(),
+        Some("text/plain")
+    );
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .expect("text")
+        .contains("version=0.0.4"));
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    String::from_utf8(body.to_vec()).expect("metrics are text")
+}
+
+/// The value of the series `name{labels}` (labels compared as a set), if present.
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let want: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (n, rest) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            if n != name {
+                return None;
+            }
+            let got: BTreeMap<String, String> = rest
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .filter_map(|p| p.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.trim_matches('"').to_string()))
+                .collect();
+            (got == want).then(|| value.parse().expect("a number"))
+        })
+}
+
+fn requests_total(text: &str, method: &str, code: &str) -> f64 {
+    metric(
+        text,
+        "abx_proxy_requests_total",
+        &[("plane", "api"), ("method", method), ("code", code)],
+    )
+    .unwrap_or(0.0)
+}
+
+fn promtool_check(text: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus; scripts/deps.sh installs it)");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write metrics");
+    let out = child.wait_with_output().expect("promtool");
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}\n--- metrics ---\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.method().as_str() {
+            "POST" => response(201, "{}"),
+            _ => response(200, "[]"),
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+
+    let before = scrape(admin).await;
+    promtool_check(&before);
+    // Fixed label sets exist from startup, at 0.
+    for result in ["success", "failure"] {
+        assert_eq!(
+            metric(
+                &before,
+                "abx_proxy_token_exchanges_total",
+                &[("result", result)]
+            ),
+            Some(0.0),
+            "{before}"
+        );
+    }
+    assert_eq!(
+        metric(
+            &before,
+            "abx_proxy_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        Some(1.0)
+    );
+    for name in [
+        "abx_proxy_open_connections",
+        "abx_proxy_envd_tokens",
+        "abx_proxy_token_expiry_timestamp_seconds",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+    ] {
+        assert!(
+            metric(&before, name, &[]).is_some(),
+            "{name} missing:\n{before}"
+        );
+    }
+    assert_eq!(requests_total(&before, "GET", "200"), 0.0);
+
+    for _ in 0..5 {
+        assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    }
+    for _ in 0..2 {
+        let req = request("POST", addr, "/sandboxes")
+            .body(full("{}"))
+            .expect("request");
+        assert_eq!(send(addr, req).await.status(), 201);
+    }
+    // Refused by the proxy itself: counted too, with the status it answered.
+    let refused = raw_exchange(addr, b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n").await;
+    assert_eq!(refused.status, 400);
+
+    let after = scrape(admin).await;
+    promtool_check(&after);
+    assert_eq!(requests_total(&after, "GET", "200"), 5.0, "{after}");
+    assert_eq!(requests_total(&after, "POST", "201"), 2.0, "{after}");
+    assert_eq!(requests_total(&after, "GET", "400"), 1.0, "{after}");
+    assert_eq!(
+        metric(
+            &after,
+            "abx_proxy_request_duration_seconds_count",
+            &[("plane", "api")]
+        ),
+        Some(8.0)
+    );
+    assert_eq!(
+        metric(&after, "abx_proxy_in_flight_requests", &[("plane", "api")]),
+        Some(0.0)
+    );
+    // Scrapes of the admin listener are not requests through the proxy.
+    let again = scrape(admin).await;
+    assert_eq!(requests_total(&again, "GET", "200"), 5.0);
+    assert_no_key(&after, "/metrics");
+
+    proxy.finish().await;
+
+    // Nothing listening upstream: counted as an upstream error of kind connect.
+    let closed = closed_port().await;
+    let proxy = ProxyCmd::new(&format!("https://{closed}"), &pki)
+        .spawn()
+        .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 502);
+    let down = scrape(proxy.admin_addr()).await;
+    promtool_check(&down);
+    assert_eq!(
+        metric(
+            &down,
+            "abx_proxy_upstream_errors_total",
+            &[("plane", "api"), ("kind", "connect")]
+        ),
+        Some(1.0),
+        "{down}"
+    );
+    assert_eq!(requests_total(&down, "GET", "502"), 1.0);
+    proxy.finish().await;
+}
+
+/// An AK/SK proxy whose token endpoint is `fake`.
+fn aksk_proxy(upstream: &Upstream, pki: &Pki, fake: &FakeExchange) -> ProxyCmd {
+    ProxyCmd::new(&upstream.url(), pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .env("ALICLOUD_ACCESS_KEY_ID", Some(ACCESS_KEY_ID))
+        .env("ALICLOUD_ACCESS_KEY_SECRET", Some(ACCESS_KEY_SECRET))
+        .args(&["--token-exchange-url", &fake.url])
+}
+
+fn assert_no_aksk_secret(text: &str, issued: &[String], what: &str) {
+    assert!(
+        !text.contains(ACCESS_KEY_SECRET),
+        "AccessKey secret in {what}"
+    );
+    for key in issued {
+        assert!(!text.contains(key.as_str()), "a temporary key in {what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_credential_and_the_drain() {
+    let pki = Pki::new();
+    let (release_tx, release_rx) = watch::channel(false);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let mut release = release_rx.clone();
+        async move {
+            if req.uri().path() == "/slow" {
+                let _ = release.wait_for(|r| *r).await;
+            }
+            response(200, "ok")
+        }
+    })
+    .await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.hold();
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let admin = proxy.admin_addr();
+
+    // The first exchange started at startup and is held: not ready, and liveness is fine.
+    fake.until_calls(1).await;
+    assert_eq!(get(admin, "/readyz").await.0, 503);
+    assert_eq!(get(admin, "/healthz").await.0, 200);
+
+    fake.release();
+    proxy.wait_for_line("token exchange succeeded").await;
+    assert_eq!(get(admin, "/readyz").await.0, 200);
+    let text = scrape(admin).await;
+    assert_eq!(
+        metric(
+            &text,
+            "abx_proxy_token_exchanges_total",
+            &[("result", "success")]
+        ),
+        Some(1.0)
+    );
+    assert!(
+        metric(&text, "abx_proxy_token_expiry_timestamp_seconds", &[]).unwrap_or(0.0) > 1.7e9,
+        "{text}"
+    );
+
+    // The upstream sees the temporary key, never the AccessKey secret.
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    let seen = upstream.next_request().await;
+    let issued = fake.issued_keys();
+    assert_eq!(
+        seen.all("authorization"),
+        vec![format!("Bearer {}", issued[0])]
+    );
+    for (_, v) in seen.headers.iter() {
+        assert!(!v.to_str().unwrap_or("").contains(ACCESS_KEY_SECRET));
+    }
+
+    // Draining: /readyz turns 503 while an in-flight request finishes.
+    let addr = proxy.addr();
+    let slow = tokio::spawn(async move { get(addr, "/slow").await.0 });
+    upstream.next_request().await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    assert_eq!(get(admin, "/readyz").await.0, 503);
+    release_tx.send_replace(true);
+    assert_eq!(within("the slow request", slow).await.expect("join"), 200);
+    let status = proxy.wait_exit().await;
+    assert!(status.success());
+    assert_no_aksk_secret(&proxy.stderr(), &fake.issued_keys(), "the proxy's stderr");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.set_ttl(Some(Duration::from_secs(20)));
+    let proxy = aksk_proxy(&upstream, &pki, &fake)
+        .args(&["--token-ttl", "20", "--token-refresh-before", "10"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    // Two clients send requests back to back until the upstream has seen the second key.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let (stop, sent, failed) = (stop.clone(), sent.clone(), failed.clone());
+        clients.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let status = get(addr, "/sandboxes").await.0;
+                sent.fetch_add(1, Ordering::SeqCst);
+                if status != 200 {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    fake.until_calls(2).await;
+    let second = loop {
+        let keys = fake.issued_keys();
+        if keys.len() >= 2 {
+            break format!("Bearer {}", keys[1]);
+        }
+        fake.until_calls(keys.len() + 1).await;
+    };
+    within("the upstream to see the rotated key", async {
+        loop {
+            if upstream
+                .seen()
+                .iter()
+                .any(|s| s.header("authorization") == Some(second.as_str()))
+            {
+                break;
+            }
+            tokio::task::yield_now().await;
+            let before = sent.load(Ordering::SeqCst);
+            while sent.load(Ordering::SeqCst) == before {
+                tokio::task::yield_now().await;
+            }
+        }
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for c in clients {
+        c.await.expect("client");
+    }
+    assert_eq!(
+        failed.load(Ordering::SeqCst),
+        0,
+        "requests failed during rotation"
+    );
+    assert_eq!(fake.calls(), 2, "exactly one refresh");
+    let keys: std::collections::HashSet<String> = upstream
+        .seen()
+        .iter()
+        .filter_map(|s| s.header("authorization").map(str::to_string))
+        .collect();
+    assert_eq!(keys.len(), 2, "the first key, then the second: {keys:?}");
+    let stderr = proxy.finish().await;
+    assert_no_aksk_secret(&stderr, &fake.issued_keys(), "the proxy's stderr");
+}
+
+/// `abx-proxy <args>` with only an AccessKey pair in a cleared environment.
+fn run_check(home: &std::path::Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
+        .env_clear()
+        .env("HOME", home)
+        .env("ALICLOUD_ACCESS_KEY_ID", ACCESS_KEY_ID)
+        .env("ALICLOUD_ACCESS_KEY_SECRET", ACCESS_KEY_SECRET)
+        .current_dir(home)
+        .args(args)
+        .output()
+        .expect("run abx-proxy check")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_performs_one_exchange_and_reports_the_expiry() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "[]") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let home = tempfile::tempdir().expect("home");
+    let home_path = home.path().to_path_buf();
+    let run = move |args: &[&str]| run_check(&home_path, args);
+    let ca = pki.ca_pem.display().to_string();
+    let url = upstream.url();
+    let out = tokio::task::spawn_blocking({
+        let (fake_url, ca, url, run) = (fake.url.clone(), ca.clone(), url.clone(), run.clone());
+        move || {
+            run(&[
+                "check",
+                "--token-exchange-url",
+                &fake_url,
+                "--sandbox-base-url",
+                &url,
+                "--upstream-ca",
+                &ca,
+            ])
+        }
+    })
+    .await
+    .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert_eq!(fake.accepted(), 1, "exactly one signed exchange");
+    assert!(stdout.contains("temporary key expires at 20"), "{stdout}");
+    let issued = fake.issued_keys();
+    assert_no_aksk_secret(&format!("{stdout}{stderr}"), &issued, "check's output");
+    assert_eq!(
+        upstream.seen()[0].all("authorization"),
+        vec![format!("Bearer {}", issued[0])]
+    );
+
+    // The endpoint unreachable: exit 69.
+    drop(fake);
+    let closed = closed_port().await;
+    let out = tokio::task::spawn_blocking(move || {
+        run(&[
+            "check",
+            "--token-exchange-url",
+            &format!("http://{closed}"),
+            "--sandbox-base-url",
+            &url,
+            "--upstream-ca",
+            &ca,
+        ])
+    })
+    .await
+    .expect("join");
+    assert_eq!(
+        out.status.code(),
+        Some(69),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
+    const KEY1: &str = "sk-reload-one-AAAA1111bbbb2222";
+    const KEY2: &str = "sk-reload-two-CCCC3333dddd4444";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", &format!("ABX_SANDBOX_API_KEY={KEY1}\n"))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let (first_tx, first_rx) = oneshot::channel();
+    let client = {
+        let (stop, failed) = (stop.clone(), failed.clone());
+        tokio::spawn(async move {
+            let mut first = Some(first_tx);
+            while !stop.load(Ordering::SeqCst) {
+                if get(addr, "/sandboxes").await.0 != 200 {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                }
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(());
+                }
+            }
+        })
+    };
+    within("the first request", first_rx).await.expect("client");
+
+    let env = proxy.abx_home().join(".env");
+    std::fs::write(&env, format!("ABX_SANDBOX_API_KEY={KEY2}\n")).expect("rewrite .env");
+    proxy.signal("HUP");
+    let line = proxy.wait_for_line("reloaded").await;
+    assert!(
+        line.contains("sandbox_api_key"),
+        "names what changed: {line}"
+    );
+    let bearer2 = format!("Bearer {KEY2}");
+    within("a request with the new key", async {
+        while !upstream
+            .seen()
+            .iter()
+            .any(|s| s.header("authorization") == Some(bearer2.as_str()))
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+
+    // A broken file: the reload fails, says why, and the running key stays.
+    std::fs::write(&env, "ABX_SANDBOX_API_KEY=\"unterminated\n").expect("break .env");
+    proxy.signal("HUP");
+    proxy.wait_for_line("reload failed").await;
+    stop.store(true, Ordering::SeqCst);
+    client.await.expect("client");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    assert_eq!(
+        upstream
+            .seen()
+            .last()
+            .and_then(|s| s.header("authorization").map(str::to_string)),
+        Some(bearer2.clone())
+    );
+    assert_eq!(
+        failed.load(Ordering::SeqCst),
+        0,
+        "a request failed around the reload"
+    );
+    let before = upstream
+        .seen()
+        .iter()
+        .filter(|s| s.header("authorization") == Some(&format!("Bearer {KEY1}")))
+        .count();
+    assert!(before > 0, "the first key was used before the reload");
+    let stderr = proxy.finish().await;
+    for key in [KEY1, KEY2] {
+        assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_per_line_without_query_strings() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--log-format", "json"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    assert_eq!(
+        get(addr, "/files?path=%2Ftmp%2Fx&signature=SIGNEDURLSECRET")
+            .await
+            .0,
+        200
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("SIGNEDURLSECRET"), "query string logged");
+    let mut request_lines = 0;
+    for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            v.get("level").is_some() && v.get("timestamp").is_some(),
+            "{line}"
+        );
+        if v.get("method").is_some() {
+            request_lines += 1;
+            assert_eq!(v["method"], "GET");
+            assert_eq!(v["path"], "/files");
+            assert_eq!(v["plane"], "api");
+            assert_eq!(v["status"], 200);
+            assert!(v["duration_ms"].as_f64().is_some(), "{line}");
+            assert_eq!(v["upstream"], "127.0.0.1");
+        }
+    }
+    assert_eq!(request_lines, 1, "one line per request:\n{stderr}");
+}

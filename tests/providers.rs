@@ -1,0 +1,349 @@
+//! Plugin providers (SPEC §3) through the real binary: manifests installed with
+//! `provider install`, each provider's key sent only to its own upstream (both upstreams
+//! running, both asserted), consent for `[core] inherit`, and the command-line rules.
+
+mod support;
+
+use std::path::Path;
+use std::process::Output;
+
+use http_body_util::BodyExt;
+use support::*;
+
+const OPENSANDBOX: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/deploy/providers/opensandbox/abx-provider.toml"
+);
+const OS_KEY: &str = "os-key-Hq7Lm2Np9Rs4Tv6W";
+const OS_HEADER: &str = "open-sandbox-api-key";
+
+/// A manifest that asks to inherit the built-in key.
+const INHERITING: &str = r#"manifest_version = 1
+[provider]
+id = "borrower"
+[endpoint]
+base_url = "http://localhost:9"
+auth.scheme = "header"
+auth.header = "X-Borrower-Key"
+[config.fields.api_key]
+secret = true
+[config.fields.base_url]
+[core]
+inherit = ["sandbox_api_key"]
+"#;
+
+/// `abx-proxy <args>` in a cleared environment with `ABX_HOME=<home>/.abx`.
+fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+    cmd.env_clear()
+        .env("HOME", home)
+        .env("ABX_HOME", home.join(".abx"))
+        .current_dir(home)
+        .args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run abx-proxy")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A request carrying every kind of client credential. `/envd` paths also carry
+/// `E2b-Sandbox-Id`, which a provider without an envd plane sends to its control plane.
+async fn send_with_client_credentials(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut req = request("GET", addr, path)
+        .header("x-api-key", "dummy")
+        .header("authorization", "Bearer dummy")
+        .header(OS_HEADER, "dummy");
+    if path.starts_with("/envd") {
+        req = req.header("e2b-sandbox-id", "isb-1");
+    }
+    let req = req.body(empty()).expect("request");
+    let resp = send(addr, req).await;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&body).to_string())
+}
+
+fn assert_no_value(seen: &[Seen], value: &str, what: &str) {
+    for s in seen {
+        for (name, v) in s.headers.iter() {
+            assert!(
+                !v.to_str().unwrap_or("").contains(value),
+                "{what} reached the wrong upstream in {name}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_key_reaches_only_its_own_provider() {
+    let pki = Pki::new();
+    let alicloud = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ali") }).await;
+    let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "os") }).await;
+
+    // The plugin selected: its header and key, nothing else, and only to its upstream.
+    let proxy = ProxyCmd::new(&alicloud.url(), &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_PROVIDER", Some("opensandbox"))
+        .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
+        .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        .spawn()
+        .await;
+    for path in ["/v1/sandboxes", "/v2/sandboxes", "/envd/files"] {
+        let (status, body) = send_with_client_credentials(proxy.addr(), path).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    proxy.finish().await;
+    let seen = opensandbox.seen();
+    assert_eq!(seen.len(), 3);
+    for s in &seen {
+        assert_eq!(s.all(OS_HEADER), vec![OS_KEY.to_string()]);
+        assert!(s.header("authorization").is_none(), "{:?}", s.headers);
+        assert!(s.header("x-api-key").is_none());
+        // No /v2 rewrite for a plugin, and no envd plane: the path is the client's.
+        assert!(["/v1/sandboxes", "/v2/sandboxes", "/envd/files"].contains(&s.path_and_query()));
+    }
+    assert_no_value(&seen, API_KEY, "the built-in key");
+    assert_eq!(
+        alicloud.connections(),
+        0,
+        "the built-in upstream was contacted"
+    );
+
+    // The built-in selected: the plugin's key, though in the environment, goes nowhere.
+    let proxy = ProxyCmd::new(&alicloud.url(), &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
+        .env("ABX_OPENSANDBOX_API_KEY", Some(OS_KEY))
+        .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        .spawn()
+        .await;
+    assert_eq!(
+        send_with_client_credentials(proxy.addr(), "/sandboxes")
+            .await
+            .0,
+        200
+    );
+    proxy.finish().await;
+    let seen = alicloud.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].all("authorization"),
+        vec![format!("Bearer {API_KEY}")]
+    );
+    // The client's own dummy in that header is its business; the real key never goes.
+    assert_eq!(seen[0].all(OS_HEADER), vec!["dummy".to_string()]);
+    assert_no_value(&seen, OS_KEY, "the opensandbox key");
+    assert_eq!(
+        opensandbox.seen().len(),
+        3,
+        "nothing more reached the plugin upstream"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inherit_needs_consent_for_that_exact_manifest() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let manifest = dir.path().join("abx-provider.toml");
+    std::fs::write(&manifest, INHERITING).expect("manifest");
+    let manifest = manifest.display().to_string();
+    let base = ("ABX_BORROWER_BASE_URL", upstream.url());
+
+    // Installed without consent: no key for the plugin, so serve refuses to start.
+    let (status, stderr) = ProxyCmd::new(&upstream.url(), &pki)
+        .setup(&["provider", "install", &manifest])
+        .env("ABX_PROVIDER", Some("borrower"))
+        .env(base.0, Some(&base.1))
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("[E8003] provider borrower: api_key is not set"),
+        "{stderr}"
+    );
+
+    // With consent: the built-in key is attached in the plugin's header.
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .setup(&["provider", "install", &manifest, "--consent"])
+        .env("ABX_PROVIDER", Some("borrower"))
+        .env(base.0, Some(&base.1))
+        .spawn()
+        .await;
+    assert_eq!(
+        send_with_client_credentials(proxy.addr(), "/x").await.0,
+        200
+    );
+    // A manifest changed after consent loses it (the receipt is bound to its hash).
+    let installed = proxy
+        .abx_home()
+        .join("providers/borrower/abx-provider.toml");
+    std::fs::write(
+        &installed,
+        INHERITING.replace("localhost:9", "localhost:10"),
+    )
+    .expect("edit");
+    let home = proxy.abx_home().parent().expect("home").to_path_buf();
+    let out = abx(
+        &home,
+        &[
+            ("ABX_SANDBOX_API_KEY", API_KEY),
+            ("ABX_PROVIDER", "borrower"),
+        ],
+        &["check", "--offline"],
+    );
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("api_key is not set"));
+    proxy.finish().await;
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].all("x-borrower-key"), vec![API_KEY.to_string()]);
+    assert!(seen[0].header("authorization").is_none());
+}
+
+#[test]
+fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    let out = abx(h, &[], &["provider", "install", OPENSANDBOX]);
+    assert!(out.status.success(), "{}", text(&out));
+    let listing = text(&out);
+    for needed in [
+        "ABX_OPENSANDBOX_API_KEY",
+        "OPEN_SANDBOX_API_KEY",
+        "Inherits",
+    ] {
+        assert!(
+            listing.contains(needed),
+            "install output lacks {needed}:\n{listing}"
+        );
+    }
+
+    let canonical = "canonical-key-0123456789-WXYZ";
+    let alias = "alias-key-0123456789abcd-QRST";
+    let env = [
+        ("ABX_PROVIDER", "opensandbox"),
+        ("ABX_OPENSANDBOX_API_KEY", canonical),
+        ("OPEN_SANDBOX_API_KEY", alias),
+        ("OPEN_SANDBOX_DOMAIN", "127.0.0.1:8081"),
+    ];
+    let out = abx(
+        h,
+        &env,
+        &[
+            "config",
+            "list",
+            "--json",
+            "--provider-option",
+            "base_url=127.0.0.1:9999",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let all = text(&out);
+    assert!(
+        !all.contains(canonical) && !all.contains(alias),
+        "a raw key in the output"
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    let row = |key: &str| {
+        rows.iter()
+            .find(|r| r["key"] == key)
+            .unwrap_or_else(|| panic!("no row {key}"))
+            .clone()
+    };
+    let api_key = row("opensandbox.api_key");
+    assert_eq!(api_key["value"], "****WXYZ", "the canonical name wins");
+    assert_eq!(api_key["source"], "env");
+    assert_eq!(api_key["env"], "ABX_OPENSANDBOX_API_KEY");
+    assert_eq!(api_key["secret"], true);
+    let base = row("opensandbox.base_url");
+    assert_eq!(base["value"], "127.0.0.1:9999");
+    assert_eq!(base["source"], "flag");
+    assert_eq!(row("credential")["value"], "api_key");
+
+    // A secret field as --provider-option: refused, exit 2, the value not repeated.
+    let out = abx(
+        h,
+        &env,
+        &[
+            "config",
+            "list",
+            "--provider-option",
+            "api_key=sneaky-value-123",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(!text(&out).contains("sneaky-value-123"));
+
+    let out = abx(h, &[], &["provider", "info", "opensandbox"]);
+    assert!(out.status.success());
+    assert!(text(&out).contains("Inherits:"), "{}", text(&out));
+    let out = abx(h, &[], &["provider", "list"]);
+    assert!(text(&out).contains("alicloud-express") && text(&out).contains("opensandbox"));
+}
+
+#[test]
+fn malformed_manifests_are_refused_naming_file_and_line() {
+    let home = tempfile::tempdir().expect("home");
+    let good = std::fs::read_to_string(OPENSANDBOX).expect("shipped manifest");
+    let line_of = |text: &str, needle: &str| {
+        text.lines()
+            .position(|l| l.contains(needle))
+            .expect("needle")
+            + 1
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (
+            good.replace("manifest_version = 1", "manifest_version = 7"),
+            "manifest_version",
+        ),
+        (
+            good.replace("\"OPEN_SANDBOX_API_KEY\"", "\"ABX_SANDBOX_API_KEY\""),
+            "ABX_SANDBOX_API_KEY",
+        ),
+        (
+            good.replace("\"OPEN_SANDBOX_API_KEY\"", "\"E2B_API_KEY\""),
+            "E2B_API_KEY",
+        ),
+        (
+            good.replace("\"OPEN_SANDBOX_DOMAIN\"", "\"ALICLOUD_ACCESS_KEY_ID\""),
+            "ALICLOUD_ACCESS_KEY_ID",
+        ),
+        (
+            good.replace("secret = true", "secret = true\ndefault = \"k\""),
+            "[config.fields.api_key]",
+        ),
+    ];
+    for (i, (text_, needle)) in cases.iter().enumerate() {
+        let path = home.path().join(format!("bad{i}.toml"));
+        std::fs::write(&path, text_).expect("write");
+        let out = abx(
+            home.path(),
+            &[],
+            &["provider", "install", &path.display().to_string()],
+        );
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(78), "case {i}: {all}");
+        let expected = format!(
+            "[E8001] invalid provider manifest {}:{}",
+            path.display(),
+            line_of(text_, needle)
+        );
+        assert!(
+            all.contains(&expected),
+            "case {i}: wanted {expected:?} in {all}"
+        );
+    }
+    assert!(
+        !home.path().join(".abx/providers/opensandbox").exists(),
+        "a refused manifest was installed"
+    );
+}
