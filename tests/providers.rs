@@ -347,3 +347,28 @@ fn malformed_manifests_are_refused_naming_file_and_line() {
         "a refused manifest was installed"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_is_the_proxy_itself_is_refused() {
+    // A shell set up for the OpenSandbox SDK points OPEN_SANDBOX_DOMAIN at the proxy; the
+    // proxy reads the same variable as its upstream and would call itself forever.
+    let pki = Pki::new();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+        l.local_addr().expect("addr").port()
+    };
+    let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .listen(&format!("127.0.0.1:{port}"))
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_PROVIDER", Some("opensandbox"))
+        .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
+        .env("OPEN_SANDBOX_DOMAIN", Some(&format!("127.0.0.1:{port}")))
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("[E1005]") && stderr.contains("own listener"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(OS_KEY));
+}
