@@ -2,14 +2,24 @@
 //! exchange, envd token look-ups, `check`): rustls with the Mozilla and system roots plus
 //! `--upstream-ca`, and hyper-util's pooled client. Plain `http://` upstreams work too
 //! (local OpenSandbox, tests).
+//!
+//! Names resolve through [`LocalResolver`]: `localhost` and every `*.localhost` name are
+//! loopback without asking DNS (RFC 6761 §6.3; many system resolvers do not answer
+//! `foo.localhost`), so `sandbox_domain = localhost:PORT` reaches a local envd as
+//! `https://{port}-{id}.localhost:PORT`. Every other name goes to getaddrinfo.
 
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::dns::{GaiResolver, Name};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -22,7 +32,64 @@ use crate::error::Error;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body type of every upstream request and every response the proxy sends.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+pub type HttpClient = Client<HttpsConnector<HttpConnector<LocalResolver>>, ProxyBody>;
+
+/// DNS for the upstream connector: `localhost` and `*.localhost` (any case, with or without
+/// the root dot) are 127.0.0.1 then ::1, answered here (RFC 6761 §6.3); everything else is
+/// asked of the system through [`GaiResolver`].
+#[derive(Clone, Debug)]
+pub struct LocalResolver {
+    system: GaiResolver,
+}
+
+impl LocalResolver {
+    pub fn new() -> Self {
+        LocalResolver {
+            system: GaiResolver::new(),
+        }
+    }
+}
+
+impl Default for LocalResolver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Whether RFC 6761 §6.3 makes `host` a loopback name.
+pub fn is_localhost_name(host: &str) -> bool {
+    let h = host.strip_suffix('.').unwrap_or(host);
+    let suffix = ".localhost";
+    h.eq_ignore_ascii_case("localhost")
+        || (h.len() > suffix.len()
+            && h.is_char_boundary(h.len() - suffix.len())
+            && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix))
+}
+
+/// The addresses [`LocalResolver`] answers. The port is filled in by the connector.
+pub type ResolvedAddrs = std::vec::IntoIter<SocketAddr>;
+
+impl tower_service::Service<Name> for LocalResolver {
+    type Response = ResolvedAddrs;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<ResolvedAddrs, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.system.poll_ready(cx)
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        if is_localhost_name(name.as_str()) {
+            let addrs = vec![
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+                SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), 0),
+            ];
+            return Box::pin(std::future::ready(Ok(addrs.into_iter())));
+        }
+        let lookup = self.system.call(name);
+        Box::pin(async move { Ok(lookup.await?.collect::<Vec<_>>().into_iter()) })
+    }
+}
 
 /// Which HTTP versions to offer upstream over TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +141,7 @@ pub fn client(
     versions: Versions,
     connect_timeout: Duration,
 ) -> HttpClient {
-    let mut http = HttpConnector::new();
+    let mut http = HttpConnector::new_with_resolver(LocalResolver::new());
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));
@@ -91,4 +158,46 @@ pub fn client(
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .timer(hyper_util::rt::TokioTimer::new())
         .build(https)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower_service::Service;
+
+    #[test]
+    fn localhost_names() {
+        for yes in [
+            "localhost",
+            "LocalHost",
+            "localhost.",
+            "49983-isb-1.localhost",
+            "a.b.LOCALHOST.",
+        ] {
+            assert!(is_localhost_name(yes), "{yes}");
+        }
+        for no in [
+            "",
+            ".localhost",
+            "localhost.example.com",
+            "evillocalhost",
+            "127.0.0.1",
+            "localhost..",
+        ] {
+            assert!(!is_localhost_name(no), "{no}");
+        }
+    }
+
+    #[tokio::test]
+    async fn localhost_resolves_to_loopback_without_dns() {
+        let name: Name = "49983-isb-1.localhost".parse().unwrap();
+        let addrs: Vec<SocketAddr> = LocalResolver::new().call(name).await.unwrap().collect();
+        assert_eq!(
+            addrs,
+            vec![
+                SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+                SocketAddr::from((Ipv6Addr::LOCALHOST, 0)),
+            ]
+        );
+    }
 }

@@ -8,7 +8,6 @@ mod support;
 #[path = "support/fake_exchange.rs"]
 mod fake_exchange;
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,7 +32,8 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, Bytes) {
     (status, body)
 }
 
-async fn scrape(admin: SocketAddr) -> String {
+/// `/metrics` must be served as the Prometheus text format, version 0.0.4.
+async fn assert_metrics_content_type(admin: SocketAddr) {
     let resp = send(
         admin,
         request("GET", admin, "/metrics")
@@ -41,52 +41,24 @@ async fn scrape(admin: SocketAddr) -> String {
             .expect("req"),
     )
     .await;
-    assert_eq!(resp.status(), 200);
-    assert_eq!(
-        resp.headers()["content-type"]
-            .to_str()
-            .expect("text")
-            .split(';')
-            .next(),
-        Some("text/plain")
-    );
-    assert!(resp.headers()["content-type"]
+    let ctype = resp.headers()["content-type"]
         .to_str()
         .expect("text")
-        .contains("version=0.0.4"));
-    let body = resp.into_body().collect().await.expect("body").to_bytes();
-    String::from_utf8(body.to_vec()).expect("metrics are text")
+        .to_string();
+    assert!(
+        ctype.starts_with("text/plain") && ctype.contains("version=0.0.4"),
+        "{ctype}"
+    );
 }
 
-/// The value of the series `name{labels}` (labels compared as a set), if present.
-fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let want: BTreeMap<String, String> = labels
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (n, rest) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            if n != name {
-                return None;
-            }
-            let got: BTreeMap<String, String> = rest
-                .split(',')
-                .filter(|p| !p.is_empty())
-                .filter_map(|p| p.split_once('='))
-                .map(|(k, v)| (k.to_string(), v.trim_matches('"').to_string()))
-                .collect();
-            (got == want).then(|| value.parse().expect("a number"))
-        })
+/// The value of `name{labels}` (label order is irrelevant).
+fn series(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    metric(text, &format!("{name}{{{}}}", labels.join(",")))
 }
 
 fn requests_total(text: &str, method: &str, code: &str) -> f64 {
-    metric(
+    series(
         text,
         "abx_proxy_requests_total",
         &[("plane", "api"), ("method", method), ("code", code)],
@@ -131,12 +103,13 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
 
+    assert_metrics_content_type(admin).await;
     let before = scrape(admin).await;
     promtool_check(&before);
     // Fixed label sets exist from startup, at 0.
     for result in ["success", "failure"] {
         assert_eq!(
-            metric(
+            series(
                 &before,
                 "abx_proxy_token_exchanges_total",
                 &[("result", result)]
@@ -146,7 +119,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         );
     }
     assert_eq!(
-        metric(
+        series(
             &before,
             "abx_proxy_build_info",
             &[("version", env!("CARGO_PKG_VERSION"))]
@@ -161,7 +134,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         "process_open_fds",
     ] {
         assert!(
-            metric(&before, name, &[]).is_some(),
+            series(&before, name, &[]).is_some(),
             "{name} missing:\n{before}"
         );
     }
@@ -186,7 +159,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     assert_eq!(requests_total(&after, "POST", "201"), 2.0, "{after}");
     assert_eq!(requests_total(&after, "GET", "400"), 1.0, "{after}");
     assert_eq!(
-        metric(
+        series(
             &after,
             "abx_proxy_request_duration_seconds_count",
             &[("plane", "api")]
@@ -194,7 +167,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         Some(8.0)
     );
     assert_eq!(
-        metric(&after, "abx_proxy_in_flight_requests", &[("plane", "api")]),
+        series(&after, "abx_proxy_in_flight_requests", &[("plane", "api")]),
         Some(0.0)
     );
     // Scrapes of the admin listener are not requests through the proxy.
@@ -213,7 +186,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     let down = scrape(proxy.admin_addr()).await;
     promtool_check(&down);
     assert_eq!(
-        metric(
+        series(
             &down,
             "abx_proxy_upstream_errors_total",
             &[("plane", "api"), ("kind", "connect")]
@@ -273,7 +246,7 @@ async fn readiness_follows_the_credential_and_the_drain() {
     assert_eq!(get(admin, "/readyz").await.0, 200);
     let text = scrape(admin).await;
     assert_eq!(
-        metric(
+        series(
             &text,
             "abx_proxy_token_exchanges_total",
             &[("result", "success")]
@@ -281,7 +254,7 @@ async fn readiness_follows_the_credential_and_the_drain() {
         Some(1.0)
     );
     assert!(
-        metric(&text, "abx_proxy_token_expiry_timestamp_seconds", &[]).unwrap_or(0.0) > 1.7e9,
+        series(&text, "abx_proxy_token_expiry_timestamp_seconds", &[]).unwrap_or(0.0) > 1.7e9,
         "{text}"
     );
 
@@ -578,4 +551,34 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
         }
     }
     assert_eq!(request_lines, 1, "one line per request:\n{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_upstream_certificate_is_a_tls_error() {
+    // The upstream's certificate is from a CA the proxy was not given.
+    let (trusted, other) = (Pki::new(), Pki::new());
+    let upstream = Upstream::start(&other, Proto::Http1, |_r| async { response(200, "no") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &trusted).spawn().await;
+    let resp = raw_exchange(
+        proxy.addr(),
+        format!("GET /sandboxes HTTP/1.1\r\nHost: {}\r\n\r\n", proxy.addr()).as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(resp.text().contains("tls: "), "{}", resp.text());
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        series(
+            &text,
+            "abx_proxy_upstream_errors_total",
+            &[("plane", "api"), ("kind", "tls")]
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        upstream.seen().is_empty(),
+        "no request over an untrusted connection"
+    );
+    proxy.finish().await;
 }

@@ -48,6 +48,20 @@ impl TokenStore {
         }
     }
 
+    /// Forgets `sandbox_id`'s token only while it is still `stale` (the one envd refused):
+    /// a fresher token, fetched after the same 401 by a concurrent request, is kept.
+    pub fn remove_stale(&self, sandbox_id: &str, stale: &Secret) {
+        if self.tokens.load().get(sandbox_id) == Some(stale) {
+            self.tokens.rcu(|map| {
+                let mut next = HashMap::clone(map);
+                if next.get(sandbox_id) == Some(stale) {
+                    next.remove(sandbox_id);
+                }
+                next
+            });
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.tokens.load().len()
     }
@@ -165,6 +179,16 @@ mod tests {
         }
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         store.remove("isb-1");
+        assert!(store.get("isb-1").is_none());
+    }
+
+    #[test]
+    fn remove_stale_keeps_a_fresher_token() {
+        let store = TokenStore::new();
+        store.insert("isb-1", Secret::new("new"));
+        store.remove_stale("isb-1", &Secret::new("old"));
+        assert_eq!(store.get("isb-1").unwrap().expose(), "new");
+        store.remove_stale("isb-1", &Secret::new("new"));
         assert!(store.get("isb-1").is_none());
     }
 }

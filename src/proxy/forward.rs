@@ -67,12 +67,18 @@ fn chain<'a>(
 
 fn find_rustls<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
     chain(e).find_map(|e| {
-        e.downcast_ref::<rustls::Error>().or_else(|| {
-            e.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        })
+        e.downcast_ref::<rustls::Error>()
+            .or_else(|| e.downcast_ref::<std::io::Error>().and_then(inside_io))
     })
+}
+
+/// hyper-rustls wraps tokio-rustls's `io::Error` in another `io::Error`, and `get_ref` is
+/// not `source`: unwrap the layers by hand.
+fn inside_io(io: &std::io::Error) -> Option<&rustls::Error> {
+    let inner = io.get_ref()?;
+    inner
+        .downcast_ref::<rustls::Error>()
+        .or_else(|| inner.downcast_ref::<std::io::Error>().and_then(inside_io))
 }
 
 fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {

@@ -1156,11 +1156,26 @@ pub async fn scrape(admin: SocketAddr) -> String {
     String::from_utf8(collect(resp.into_body()).await.to_vec()).expect("metrics are text")
 }
 
-/// The value of one series in Prometheus text, named exactly as rendered
-/// (`abx_proxy_envd_tokens`, `abx_proxy_in_flight_requests{plane="envd"}`).
+/// The value of one series in Prometheus text: `abx_proxy_envd_tokens`, or with labels
+/// in any order, `abx_proxy_in_flight_requests{plane="envd"}`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
+    let want = parse_series(series);
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let (name, value) = l.rsplit_once(' ')?;
-        (name == series).then(|| value.parse().ok())?
+        (parse_series(name) == want).then(|| value.parse().ok())?
     })
+}
+
+/// A series' name and its label set.
+fn parse_series(s: &str) -> (String, std::collections::BTreeMap<String, String>) {
+    let (name, labels) = match s.split_once('{') {
+        Some((n, rest)) => (n, rest.trim_end_matches('}')),
+        None => (s, ""),
+    };
+    let labels = labels
+        .split(',')
+        .filter_map(|p| p.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim_matches('"').to_string()))
+        .collect();
+    (name.to_string(), labels)
 }

@@ -1,0 +1,1014 @@
+//! Acceptance tests of the envd plane (SPEC §4, issue 4): the real `abx-proxy` binary between
+//! a client and two in-process TLS upstreams — a scripted control plane that creates, looks
+//! up and deletes sandboxes, and an envd that checks `X-Access-Token` against the sandbox's
+//! current token. Every test asserts on what the upstreams RECEIVED; every envd head is
+//! checked for HTTP/1.1 (the upstream offers h2 in ALPN) and for the absence of the API key
+//! and of the client's `X-API-Key`.
+//!
+//! Synchronisation is by events only: responses, request heads seen by the upstreams, the
+//! proxy's admin metrics, and channels. The one timer is the Connect keepalive pacing in
+//! `connect_server_stream_outlives_the_idle_timeout`, where the timing is what is tested.
+
+mod support;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::json;
+use support::*;
+use tokio::sync::{mpsc, oneshot, watch, Barrier};
+
+const ENVD_PORT: u16 = 49983;
+/// `user:` — envd's default user, attached when the client names none.
+const DEFAULT_BASIC: &str = "Basic dXNlcjo=";
+/// `root:` — a client that picks the sandbox user.
+const ROOT_BASIC: &str = "Basic cm9vdDo=";
+
+// ---------------------------------------------------------------------------------------
+// The fake cloud
+// ---------------------------------------------------------------------------------------
+
+/// What the fake control plane knows; envd checks tokens against it too.
+struct Cloud {
+    /// Sandboxes that exist, with their current envd token.
+    sandboxes: Mutex<HashMap<String, String>>,
+    /// What the next `POST /sandboxes` creates.
+    next: Mutex<VecDeque<(String, String)>>,
+    /// `GET /sandboxes/{id}` answers only while this is true.
+    lookups_open: watch::Sender<bool>,
+    /// When set, envd's 401 answers wait here until as many have gathered.
+    unauthorized_together: Mutex<Option<Arc<Barrier>>>,
+}
+
+impl Cloud {
+    fn new() -> Arc<Cloud> {
+        Arc::new(Cloud {
+            sandboxes: Mutex::new(HashMap::new()),
+            next: Mutex::new(VecDeque::new()),
+            lookups_open: watch::channel(true).0,
+            unauthorized_together: Mutex::new(None),
+        })
+    }
+
+    /// A sandbox that exists in the cloud (the proxy has not seen it).
+    fn exists(&self, id: &str, token: &str) {
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .insert(id.to_string(), token.to_string());
+    }
+
+    /// The next `POST /sandboxes` creates `id` with `token`.
+    fn will_create(&self, id: &str, token: &str) {
+        self.next
+            .lock()
+            .unwrap()
+            .push_back((id.to_string(), token.to_string()));
+    }
+
+    fn token(&self, id: &str) -> Option<String> {
+        self.sandboxes.lock().unwrap().get(id).cloned()
+    }
+}
+
+fn sandbox_json(id: &str, token: &str) -> serde_json::Value {
+    json!({
+        "sandboxID": id,
+        "templateID": "base",
+        "clientID": "c-1",
+        "envdVersion": "0.2.0",
+        "envdAccessToken": token,
+        "trafficAccessToken": null,
+        "domain": null,
+    })
+}
+
+fn json_response(status: u16, v: &serde_json::Value) -> Response<TestBody> {
+    let mut r = response(status, v.to_string());
+    r.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    r
+}
+
+/// The control plane: create, look up (held while `lookups_open` is false), delete.
+async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    collect(req.into_body()).await;
+    let Some(rest) = path.strip_prefix("/sandboxes") else {
+        return response(404, "no such route");
+    };
+    let id = rest.strip_prefix('/').unwrap_or("");
+    match (method.as_str(), id) {
+        ("POST", "") => {
+            let (id, token) = cloud
+                .next
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("the test announced this create");
+            cloud.exists(&id, &token);
+            json_response(201, &sandbox_json(&id, &token))
+        }
+        ("GET", id) if !id.is_empty() => {
+            let mut open = cloud.lookups_open.subscribe();
+            let _ = open.wait_for(|open| *open).await;
+            match cloud.token(id) {
+                Some(token) => json_response(200, &sandbox_json(id, &token)),
+                None => json_response(404, &json!({"code": 404, "message": "sandbox not found"})),
+            }
+        }
+        ("DELETE", id) if !id.is_empty() => match cloud.sandboxes.lock().unwrap().remove(id) {
+            Some(_) => response(204, ""),
+            None => response(404, ""),
+        },
+        _ => response(404, "no such route"),
+    }
+}
+
+/// envd: 401 unless `X-Access-Token` is the sandbox's current token; else says who it is.
+async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
+    let id = header_of(&req, "e2b-sandbox-id");
+    let token = header_of(&req, "x-access-token");
+    let what = format!(
+        "{} {}",
+        req.method(),
+        req.uri().path_and_query().map_or("/", |pq| pq.as_str())
+    );
+    let body = collect(req.into_body()).await;
+    if cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty() {
+        let together = cloud.unauthorized_together.lock().unwrap().clone();
+        if let Some(barrier) = together {
+            barrier.wait().await;
+        }
+        return response(401, "bad access token");
+    }
+    response(200, format!("envd {id}: {what} ({} bytes)", body.len()))
+}
+
+fn header_of<B>(req: &Request<B>, name: &str) -> String {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+struct Env {
+    pki: Pki,
+    cloud: Arc<Cloud>,
+    api: Upstream,
+    envd: Upstream,
+}
+
+impl Env {
+    /// Both upstreams offer h2 and HTTP/1.1; envd checks tokens.
+    async fn start(pki: Pki) -> Env {
+        let cloud = Cloud::new();
+        let c = cloud.clone();
+        let envd = Upstream::start(&pki, Proto::H2, move |req| {
+            envd_checking_tokens(c.clone(), req)
+        })
+        .await;
+        Env::with_envd(pki, cloud, envd).await
+    }
+
+    async fn with_envd(pki: Pki, cloud: Arc<Cloud>, envd: Upstream) -> Env {
+        let c = cloud.clone();
+        let api = Upstream::start(&pki, Proto::H2, move |req| control_plane(c.clone(), req)).await;
+        Env {
+            pki,
+            cloud,
+            api,
+            envd,
+        }
+    }
+
+    /// `sandbox_url` mode: all envd traffic to the envd upstream.
+    async fn proxy(&self) -> ProxyProc {
+        self.proxy_with(&[]).await
+    }
+
+    async fn proxy_with(&self, extra: &[&str]) -> ProxyProc {
+        ProxyCmd::new(&self.api.url(), &self.pki)
+            .args(&["--sandbox-url", &self.envd.url()])
+            .args(extra)
+            .spawn()
+            .await
+    }
+
+    /// `GET /sandboxes/{id}` requests the control plane received (the proxy's look-ups).
+    fn lookups(&self, id: &str) -> Vec<Seen> {
+        let path = format!("/sandboxes/{id}");
+        self.api
+            .seen()
+            .into_iter()
+            .filter(|s| s.method == "GET" && s.uri.path() == path)
+            .collect()
+    }
+
+    /// Every envd head: HTTP/1.1 (SPEC §4), no client `X-API-Key`, no API key anywhere.
+    fn assert_envd_clean(&self) {
+        let seen = self.envd.seen();
+        assert!(!seen.is_empty(), "envd saw nothing");
+        for s in &seen {
+            assert_eq!(
+                s.version,
+                Version::HTTP_11,
+                "envd must be reached over HTTP/1.1 even when it offers h2: {s:?}"
+            );
+            assert!(
+                s.header("x-api-key").is_none(),
+                "client X-API-Key reached envd: {s:?}"
+            );
+            let text: String = s
+                .headers
+                .iter()
+                .map(|(k, v)| format!("{k}: {}\n", String::from_utf8_lossy(v.as_bytes())))
+                .collect();
+            assert_no_key(&text, "an envd request head");
+            assert_no_key(s.path_and_query(), "an envd request target");
+        }
+    }
+
+    /// Creates a sandbox through the proxy as an SDK would (dummy key, `POST /sandboxes`).
+    async fn create(&self, proxy: &ProxyProc, id: &str, token: &str) {
+        self.cloud.will_create(id, token);
+        let addr = proxy.addr();
+        let req = request("POST", addr, "/sandboxes")
+            .header("x-api-key", "dummy-key")
+            .header("content-type", "application/json")
+            .body(full(r#"{"templateID":"base","timeout":300}"#))
+            .unwrap();
+        let resp = send(addr, req).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: serde_json::Value =
+            serde_json::from_slice(&collect(resp.into_body()).await).expect("create JSON");
+        assert_eq!(
+            body,
+            sandbox_json(id, token),
+            "the create response is unchanged"
+        );
+    }
+}
+
+/// The routing and credential headers one envd head must carry.
+fn assert_envd_head(seen: &Seen, host: &str, id: &str, port: u16, token: &str, basic: &str) {
+    assert_eq!(seen.host(), host, "Host is the envd upstream's: {seen:?}");
+    assert_eq!(seen.all("x-access-token"), vec![token], "X-Access-Token");
+    assert_eq!(seen.all("e2b-sandbox-id"), vec![id], "E2b-Sandbox-Id");
+    assert_eq!(
+        seen.all("e2b-sandbox-port"),
+        vec![port.to_string()],
+        "E2b-Sandbox-Port"
+    );
+    assert_eq!(seen.all("authorization"), vec![basic], "Authorization");
+}
+
+/// A bodiless envd request routed by `E2b-Sandbox-Id` alone (no token, no port).
+fn envd_request(addr: SocketAddr, id: &str, path: &str) -> Request<TestBody> {
+    request("GET", addr, path)
+        .header("e2b-sandbox-id", id)
+        .body(empty())
+        .unwrap()
+}
+
+async fn text(resp: Response<Incoming>) -> (StatusCode, String) {
+    let status = resp.status();
+    let body = collect(resp.into_body()).await;
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Scrapes `/metrics` on one admin connection until `series` equals `want`. Each round is
+/// a full request to the proxy: the wait is on the proxy's state, bounded by [`GUARD`].
+async fn wait_for_metric(admin: SocketAddr, series: &str, want: f64) {
+    let mut client = connect(admin).await;
+    let mut last = None;
+    let reached = tokio::time::timeout(GUARD, async {
+        loop {
+            client.ready().await.expect("admin connection");
+            let resp = client
+                .send_request(request("GET", admin, "/metrics").body(empty()).unwrap())
+                .await
+                .expect("GET /metrics");
+            let body = collect(resp.into_body()).await;
+            last = metric(&String::from_utf8_lossy(&body), series);
+            if last == Some(want) {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "{series} did not reach {want} within {GUARD:?}; last {last:?}"
+    );
+}
+
+async fn gauge(proxy: &ProxyProc, series: &str) -> Option<f64> {
+    metric(&scrape(proxy.admin_addr()).await, series)
+}
+
+const ENVD_TOKENS: &str = "abx_proxy_envd_tokens";
+
+// ---------------------------------------------------------------------------------------
+// 1. Learned tokens, routing headers, credentials
+// ---------------------------------------------------------------------------------------
+
+/// A curl-like client names only the sandbox; envd gets the token the proxy learned from the
+/// create response, the routing headers, and the default Basic user; a client's own Basic
+/// user is kept; `X-API-Key` and the key never reach envd; in `sandbox_url` mode the Host
+/// is that URL's authority.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learned_token_and_routing_headers_reach_envd_without_the_key() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let envd_host = env.envd.addr.to_string();
+
+    env.create(&proxy, "isb-1", "tok-1").await;
+    let create = &env.api.seen()[0];
+    assert_eq!(
+        (create.method.as_str(), create.uri.path()),
+        ("POST", "/sandboxes")
+    );
+    assert_eq!(
+        create.all("authorization"),
+        vec![format!("Bearer {API_KEY}")]
+    );
+    assert!(create.header("x-api-key").is_none());
+
+    // curl -H 'E2b-Sandbox-Id: isb-1' -H 'X-API-Key: dummy-key' …
+    let raw = format!(
+        "GET /files?path=%2Fhome%2Fuser%2Fa.txt&username=user HTTP/1.1\r\n\
+         Host: 127.0.0.1:{port}\r\n\
+         User-Agent: curl/8.5.0\r\n\
+         Accept: */*\r\n\
+         E2b-Sandbox-Id: isb-1\r\n\
+         X-API-Key: dummy-key\r\n\
+         x-api-key: {API_KEY}\r\n\r\n",
+        port = addr.port()
+    );
+    let resp = raw_exchange(addr, raw.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(
+        resp.text(),
+        "envd isb-1: GET /files?path=%2Fhome%2Fuser%2Fa.txt&username=user (0 bytes)"
+    );
+    let seen = &env.envd.seen()[0];
+    assert_envd_head(seen, &envd_host, "isb-1", ENVD_PORT, "tok-1", DEFAULT_BASIC);
+    assert_eq!(seen.header("user-agent"), Some("curl/8.5.0"));
+
+    // The SDK's `user="root"`: its Basic user is kept. A stale client token loses to the
+    // store's; a client Bearer is no envd credential and becomes the default user.
+    let req = request("POST", addr, "/filesystem.Filesystem/ListDir")
+        .header("e2b-sandbox-id", "isb-1")
+        .header("authorization", ROOT_BASIC)
+        .header("x-access-token", "stale-client-token")
+        .header("x-api-key", "dummy-key")
+        .header("content-type", "application/json")
+        .body(full(r#"{"path":"/root"}"#))
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        body,
+        "envd isb-1: POST /filesystem.Filesystem/ListDir (16 bytes)"
+    );
+    let req = request("GET", addr, "/health")
+        .header("e2b-sandbox-id", "isb-1")
+        .header("authorization", format!("Bearer {API_KEY}"))
+        .body(empty())
+        .unwrap();
+    let (status, _) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK);
+
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 3);
+    assert_envd_head(
+        &seen[1], &envd_host, "isb-1", ENVD_PORT, "tok-1", ROOT_BASIC,
+    );
+    assert_envd_head(
+        &seen[2],
+        &envd_host,
+        "isb-1",
+        ENVD_PORT,
+        "tok-1",
+        DEFAULT_BASIC,
+    );
+    assert!(
+        env.lookups("isb-1").is_empty(),
+        "a learned token needs no look-up"
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Look-ups: single flight, unknown sandboxes, the client's own token
+// ---------------------------------------------------------------------------------------
+
+/// 50 requests for a sandbox the proxy never saw cause ONE `GET /sandboxes/{id}`. The
+/// control plane holds its answer until all 50 are inside the proxy (its in-flight gauge).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_misses_cause_one_lookup() {
+    const N: usize = 50;
+    let mut env = Env::start(Pki::new()).await;
+    env.cloud.exists("isb-7", "tok-7");
+    env.cloud.lookups_open.send_replace(false);
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+
+    let clients: Vec<_> = (0..N)
+        .map(|i| {
+            tokio::spawn(async move {
+                let resp = send(addr, envd_request(addr, "isb-7", &format!("/health?n={i}"))).await;
+                text(resp).await
+            })
+        })
+        .collect();
+
+    let lookup = env.api.next_request().await;
+    assert_eq!(
+        (lookup.method.as_str(), lookup.uri.path()),
+        ("GET", "/sandboxes/isb-7")
+    );
+    assert_eq!(
+        lookup.all("authorization"),
+        vec![format!("Bearer {API_KEY}")]
+    );
+    assert!(lookup.header("x-api-key").is_none());
+    wait_for_metric(
+        proxy.admin_addr(),
+        r#"abx_proxy_in_flight_requests{plane="envd"}"#,
+        N as f64,
+    )
+    .await;
+    env.cloud.lookups_open.send_replace(true);
+
+    for (i, client) in clients.into_iter().enumerate() {
+        let (status, body) = within("an envd response", client)
+            .await
+            .expect("client task");
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+        assert_eq!(body, format!("envd isb-7: GET /health?n={i} (0 bytes)"));
+    }
+    let lookups: Vec<_> = env
+        .api
+        .seen()
+        .into_iter()
+        .filter(|s| s.uri.path() == "/sandboxes/isb-7")
+        .collect();
+    assert_eq!(
+        lookups.len(),
+        1,
+        "one look-up for {N} waiting requests: {lookups:?}"
+    );
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), N);
+    let envd_host = env.envd.addr.to_string();
+    for s in &seen {
+        assert_envd_head(s, &envd_host, "isb-7", ENVD_PORT, "tok-7", DEFAULT_BASIC);
+    }
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// A sandbox the control plane does not know: 404 E2009, envd never contacted. A store miss
+/// with the client's own `X-Access-Token` uses that token as is, without a look-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+
+    let raw = format!(
+        "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nE2b-Sandbox-Id: isb-gone\r\n\r\n",
+        addr.port()
+    );
+    let resp = raw_exchange(addr, raw.as_bytes()).await;
+    assert_proxy_error(&resp, 404, "E2009");
+    assert!(resp.text().contains("isb-gone"), "{}", resp.text());
+    let lookups = env.lookups("isb-gone");
+    assert_eq!(lookups.len(), 1);
+    assert_eq!(
+        lookups[0].all("authorization"),
+        vec![format!("Bearer {API_KEY}")]
+    );
+    assert!(
+        env.envd.seen().is_empty(),
+        "envd contacted for an unknown sandbox"
+    );
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+
+    env.cloud.exists("isb-8", "tok-8");
+    let req = request("GET", addr, "/health")
+        .header("e2b-sandbox-id", "isb-8")
+        .header("x-access-token", "tok-8")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_envd_head(
+        &env.envd.seen()[0],
+        &env.envd.addr.to_string(),
+        "isb-8",
+        ENVD_PORT,
+        "tok-8",
+        DEFAULT_BASIC,
+    );
+    assert!(
+        env.lookups("isb-8").is_empty(),
+        "the client's token needed no look-up"
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Host-based routing
+// ---------------------------------------------------------------------------------------
+
+/// `Host: <port>-<id>.localhost:<listen port>` with no E2b headers is envd traffic; the
+/// token was learned from the client's own `GET /sandboxes/{id}` (no second look-up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_names_route_to_envd() {
+    let env = Env::start(Pki::new()).await;
+    env.cloud.exists("isb-2", "tok-2");
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+
+    // The SDK's get_info: the proxy learns the token from the answer.
+    let req = request("GET", addr, "/sandboxes/isb-2")
+        .header("x-api-key", "dummy-key")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        sandbox_json("isb-2", "tok-2")
+    );
+
+    for (port, path) in [(ENVD_PORT, "/health"), (8080u16, "/app?x=1")] {
+        let raw = format!(
+            "GET {path} HTTP/1.1\r\nHost: {port}-isb-2.localhost:{}\r\nX-API-Key: dummy-key\r\n\r\n",
+            addr.port()
+        );
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert_eq!(resp.text(), format!("envd isb-2: GET {path} (0 bytes)"));
+    }
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 2);
+    let envd_host = env.envd.addr.to_string();
+    assert_envd_head(
+        &seen[0],
+        &envd_host,
+        "isb-2",
+        ENVD_PORT,
+        "tok-2",
+        DEFAULT_BASIC,
+    );
+    assert_envd_head(&seen[1], &envd_host, "isb-2", 8080, "tok-2", DEFAULT_BASIC);
+    assert_eq!(
+        env.lookups("isb-2").len(),
+        1,
+        "only the client's own GET: the token was learned from it"
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Forgetting on delete
+// ---------------------------------------------------------------------------------------
+
+/// `DELETE /sandboxes/{id}` through the proxy forgets the token: the next envd request for
+/// it asks the control plane again. `abx_proxy_envd_tokens` follows creates and deletes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_forgets_the_token() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+
+    env.create(&proxy, "isb-4", "tok-4").await;
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+    env.create(&proxy, "isb-5", "tok-5").await;
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
+    let (status, _) = text(send(addr, envd_request(addr, "isb-4", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(env.lookups("isb-4").is_empty());
+
+    let req = request("DELETE", addr, "/sandboxes/isb-4")
+        .header("x-api-key", "dummy-key")
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::NO_CONTENT);
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+
+    // Forgotten: the proxy asks, and the control plane no longer knows it.
+    let resp = raw_exchange(
+        addr,
+        format!(
+            "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nE2b-Sandbox-Id: isb-4\r\n\r\n",
+            addr.port()
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 404, "E2009");
+    assert_eq!(
+        env.lookups("isb-4").len(),
+        1,
+        "the forgotten token was looked up"
+    );
+    assert_eq!(
+        env.envd.seen().len(),
+        1,
+        "envd contacted for a deleted sandbox"
+    );
+
+    // The other sandbox is untouched.
+    let (status, _) = text(send(addr, envd_request(addr, "isb-5", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(env.lookups("isb-5").is_empty());
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+
+    // A look-up that finds the sandbox counts it again.
+    env.cloud.exists("isb-6", "tok-6");
+    let (status, _) = text(send(addr, envd_request(addr, "isb-6", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. envd 401: fetch the token again
+// ---------------------------------------------------------------------------------------
+
+/// The token rotates behind the proxy's back. A bodiless request that gets 401 is retried
+/// with the token fetched again; one with a body gets the 401, and the next request uses
+/// the fresh token. Each 401 costs exactly one look-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_401_fetches_the_token_again() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let envd_host = env.envd.addr.to_string();
+    env.create(&proxy, "isb-5", "tok-a").await;
+
+    env.cloud.exists("isb-5", "tok-b");
+    let (status, body) = text(send(addr, envd_request(addr, "isb-5", "/health")).await).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the bodiless request was retried: {body}"
+    );
+    assert_eq!(env.lookups("isb-5").len(), 1);
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 2, "the 401, then the retry");
+    assert_envd_head(
+        &seen[0],
+        &envd_host,
+        "isb-5",
+        ENVD_PORT,
+        "tok-a",
+        DEFAULT_BASIC,
+    );
+    assert_envd_head(
+        &seen[1],
+        &envd_host,
+        "isb-5",
+        ENVD_PORT,
+        "tok-b",
+        DEFAULT_BASIC,
+    );
+    assert_eq!(seen[1].path_and_query(), "/health");
+
+    env.cloud.exists("isb-5", "tok-c");
+    let upload = || {
+        request("POST", addr, "/files?path=%2Ftmp%2Fx")
+            .header("e2b-sandbox-id", "isb-5")
+            .header("content-type", "application/octet-stream")
+            .body(full("payload"))
+            .unwrap()
+    };
+    let (status, body) = text(send(addr, upload()).await).await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "a body cannot be sent twice"
+    );
+    assert_eq!(body, "bad access token");
+    assert_eq!(
+        env.lookups("isb-5").len(),
+        2,
+        "the 401 fetched the token again"
+    );
+    assert_eq!(env.envd.seen().len(), 3, "no retry with a body");
+
+    let (status, body) = text(send(addr, upload()).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "envd isb-5: POST /files?path=%2Ftmp%2Fx (7 bytes)");
+    assert_eq!(env.lookups("isb-5").len(), 2, "the fresh token was kept");
+    let seen = env.envd.seen();
+    assert_envd_head(
+        &seen[2],
+        &envd_host,
+        "isb-5",
+        ENVD_PORT,
+        "tok-b",
+        DEFAULT_BASIC,
+    );
+    assert_envd_head(
+        &seen[3],
+        &envd_host,
+        "isb-5",
+        ENVD_PORT,
+        "tok-c",
+        DEFAULT_BASIC,
+    );
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+
+    // Deleted behind the proxy's back: envd's 401 reaches the client, the look-up finds
+    // nothing, and the token is no longer counted as known.
+    env.cloud.sandboxes.lock().unwrap().remove("isb-5");
+    let (status, _) = text(send(addr, envd_request(addr, "isb-5", "/health")).await).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(env.lookups("isb-5").len(), 3);
+    assert_eq!(env.envd.seen().len(), 5, "nothing to retry with");
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// Many requests rejected together with the same stale token: one look-up between them,
+/// and every bodiless request is retried with the fresh token. (A request whose 401 is
+/// handled after another's look-up finished must not throw the fresh token away.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_401s_share_one_refetch() {
+    const N: usize = 20;
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-r", "tok-old").await;
+    env.cloud.exists("isb-r", "tok-new");
+    *env.cloud.unauthorized_together.lock().unwrap() = Some(Arc::new(Barrier::new(N)));
+
+    let clients: Vec<_> = (0..N)
+        .map(|i| {
+            tokio::spawn(async move {
+                text(send(addr, envd_request(addr, "isb-r", &format!("/health?n={i}"))).await).await
+            })
+        })
+        .collect();
+    for (i, client) in clients.into_iter().enumerate() {
+        let (status, body) = within("an envd response", client)
+            .await
+            .expect("client task");
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+    }
+    assert_eq!(
+        env.lookups("isb-r").len(),
+        1,
+        "one look-up for {N} rejections"
+    );
+    let seen = env.envd.seen();
+    let with = |token: &str| {
+        seen.iter()
+            .filter(|s| s.header("x-access-token") == Some(token))
+            .count()
+    };
+    assert_eq!((with("tok-old"), with("tok-new")), (N, N));
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. sandbox_domain mode
+// ---------------------------------------------------------------------------------------
+
+/// `--sandbox-domain localhost:P` (no `sandbox_url`): the proxy connects to
+/// `https://49983-isb-1.localhost:P` — `*.localhost` resolves to loopback without DNS
+/// (RFC 6761) — verifies the certificate for that name, and sends it as the Host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
+    // webpki (like NSS) ignores a wildcard with fewer than two labels after it, so the
+    // certificate names the sandbox hosts as well as `*.localhost`.
+    let pki = Pki::with_names(&[
+        "127.0.0.1",
+        "*.localhost",
+        "49983-isb-1.localhost",
+        "8080-isb-1.localhost",
+    ]);
+    let env = Env::start(pki).await;
+    let domain = format!("localhost:{}", env.envd.addr.port());
+    let proxy = ProxyCmd::new(&env.api.url(), &env.pki)
+        .args(&["--sandbox-domain", &domain])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-1", "tok-1").await;
+
+    // Routed by the headers, then by the Host name, then to another port.
+    let (status, body) = text(send(addr, envd_request(addr, "isb-1", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let raw = format!(
+        "GET /health HTTP/1.1\r\nHost: 49983-isb-1.localhost:{}\r\n\r\n",
+        addr.port()
+    );
+    let resp = raw_exchange(addr, raw.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let req = request("GET", addr, "/app")
+        .header("e2b-sandbox-id", "isb-1")
+        .header("e2b-sandbox-port", "8080")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 3);
+    let host = |port: u16| format!("{port}-isb-1.{domain}");
+    assert_envd_head(
+        &seen[0],
+        &host(ENVD_PORT),
+        "isb-1",
+        ENVD_PORT,
+        "tok-1",
+        DEFAULT_BASIC,
+    );
+    assert_envd_head(
+        &seen[1],
+        &host(ENVD_PORT),
+        "isb-1",
+        ENVD_PORT,
+        "tok-1",
+        DEFAULT_BASIC,
+    );
+    assert_envd_head(&seen[2], &host(8080), "isb-1", 8080, "tok-1", DEFAULT_BASIC);
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. Connect server streams
+// ---------------------------------------------------------------------------------------
+
+/// A Connect envelope: flags, big-endian length, payload.
+fn envelope(flags: u8, payload: &str) -> Bytes {
+    let mut b = Vec::with_capacity(5 + payload.len());
+    b.push(flags);
+    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    b.extend_from_slice(payload.as_bytes());
+    Bytes::from(b)
+}
+
+/// Complete envelopes at the front of `buf`, removed from it.
+fn take_envelopes(buf: &mut Vec<u8>) -> Vec<(u8, String)> {
+    let mut out = Vec::new();
+    while buf.len() >= 5 {
+        let len = u32::from_be_bytes(buf[1..5].try_into().unwrap()) as usize;
+        if buf.len() < 5 + len {
+            break;
+        }
+        let payload = String::from_utf8(buf[5..5 + len].to_vec()).expect("JSON payload");
+        out.push((buf[0], payload));
+        buf.drain(..5 + len);
+    }
+    out
+}
+
+const START: &str =
+    r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","sleep 3; echo hi"]},"stdin":false}"#;
+const STARTED: &str = r#"{"event":{"start":{"pid":4242}}}"#;
+const KEEPALIVE: &str = r#"{"event":{"keepalive":{}}}"#;
+const KEEPALIVES: usize = 4;
+
+/// `/process.Process/Start` through envd: the first event reaches the client before envd
+/// sends anything else (streaming, no buffering), then keepalives every 750 ms carry the
+/// stream past the 2 s `--idle-timeout` (a connection that moves bytes is never cut), then
+/// the end-of-stream frame. The chunked request envelope arrives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_server_stream_outlives_the_idle_timeout() {
+    let pki = Pki::new();
+    let cloud = Cloud::new();
+    let (client_saw_start, start_seen) = oneshot::channel::<()>();
+    let start_seen = Arc::new(Mutex::new(Some(start_seen)));
+    let (upload_tx, mut upload_rx) = mpsc::unbounded_channel::<Bytes>();
+    let envd = Upstream::start(&pki, Proto::H2, move |req: Request<Incoming>| {
+        let start_seen = start_seen.lock().unwrap().take();
+        let upload_tx = upload_tx.clone();
+        async move {
+            let start_seen = start_seen.expect("one Start request");
+            let _ = upload_tx.send(collect(req.into_body()).await);
+            let (tx, rx) = mpsc::channel(1);
+            tokio::spawn(async move {
+                if tx.send(envelope(0, STARTED)).await.is_err() || start_seen.await.is_err() {
+                    return;
+                }
+                // Pacing the keepalives is what is under test, not synchronisation.
+                let mut every = tokio::time::interval(Duration::from_millis(750));
+                every.tick().await;
+                for _ in 0..KEEPALIVES {
+                    every.tick().await;
+                    if tx.send(envelope(0, KEEPALIVE)).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send(envelope(2, "{}")).await;
+            });
+            let mut r = Response::new(boxed(ChannelBody(rx)));
+            r.headers_mut()
+                .insert("content-type", "application/connect+json".parse().unwrap());
+            r
+        }
+    })
+    .await;
+    let env = Env::with_envd(pki, cloud, envd).await;
+    let proxy = env.proxy_with(&["--idle-timeout", "2s"]).await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-9", "tok-9").await;
+
+    // The SDK's request: one envelope, chunked (no length announced).
+    let (body_tx, body_rx) = mpsc::channel(1);
+    body_tx.send(envelope(0, START)).await.unwrap();
+    drop(body_tx);
+    let req = request("POST", addr, "/process.Process/Start")
+        .header("e2b-sandbox-id", "isb-9")
+        .header("e2b-sandbox-port", "49983")
+        .header("content-type", "application/connect+json")
+        .header("connect-protocol-version", "1")
+        .header("keepalive-ping-interval", "50")
+        .header("connect-timeout-ms", "60000")
+        .header("x-api-key", "dummy-key")
+        .body(boxed(ChannelBody(body_rx)))
+        .unwrap();
+    let resp = send(addr, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "application/connect+json");
+
+    let mut body = resp.into_body();
+    let mut buf = Vec::new();
+    let mut frames = Vec::new();
+    let mut release = Some(client_saw_start);
+    loop {
+        let Some(frame) = within("the next stream frame", body.frame()).await else {
+            break;
+        };
+        let frame = frame.expect("the stream was cut");
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+        }
+        frames.extend(take_envelopes(&mut buf));
+        if !frames.is_empty() {
+            if let Some(release) = release.take() {
+                assert_eq!(frames[0], (0, STARTED.to_string()), "the first event");
+                release.send(()).unwrap();
+            }
+        }
+    }
+    assert!(buf.is_empty(), "a partial envelope at the end: {buf:?}");
+    let mut expected = vec![(0u8, STARTED.to_string())];
+    expected.extend((0..KEEPALIVES).map(|_| (0u8, KEEPALIVE.to_string())));
+    expected.push((2, "{}".to_string()));
+    assert_eq!(frames, expected, "every event, then end-of-stream");
+
+    let upload = within("the request envelope", upload_rx.recv())
+        .await
+        .unwrap();
+    assert_eq!(
+        upload,
+        envelope(0, START),
+        "the request envelope arrived intact"
+    );
+    let seen = &env.envd.seen()[0];
+    assert_eq!(seen.uri.path(), "/process.Process/Start");
+    assert_eq!(
+        seen.header("content-type"),
+        Some("application/connect+json")
+    );
+    assert_eq!(seen.header("keepalive-ping-interval"), Some("50"));
+    assert_eq!(seen.header("connect-protocol-version"), Some("1"));
+    assert_envd_head(
+        seen,
+        &env.envd.addr.to_string(),
+        "isb-9",
+        ENVD_PORT,
+        "tok-9",
+        DEFAULT_BASIC,
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
