@@ -19,35 +19,33 @@
 //! present, `Authorization` (if any) only `Basic`, the real key in no header. Both planes:
 //! `Host` is the listener's own authority.
 
-use std::collections::{BTreeMap, HashMap};
+#[path = "support/mod.rs"]
+mod support;
+
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::io::{Read, Write};
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-type Body = BoxBody<Bytes, Infallible>;
+use support::{empty, full, json_response, Body, Locked, Tally};
 
 /// Default port of envd inside a sandbox; the SDKs send it as `E2b-Sandbox-Port`.
 const ENVD_PORT: &str = "49983";
 
 #[derive(Clone, Debug)]
 struct Args {
+    common: support::Common,
     api_port: u16,
     envd_port: u16,
-    expect_key: Option<String>,
     dummy_key: String,
-    no_auth_check: bool,
     envd_version: String,
-    stdin_lifeline: bool,
 }
 
 fn usage() -> ! {
@@ -59,47 +57,26 @@ fn usage() -> ! {
 }
 
 fn parse_args() -> Args {
-    let mut args = Args {
-        api_port: 0,
-        envd_port: 0,
-        expect_key: None,
-        dummy_key: "dummy-key".to_string(),
-        no_auth_check: false,
-        envd_version: "0.5.7".to_string(),
-        stdin_lifeline: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let value = |it: &mut std::iter::Skip<std::env::Args>| -> String {
-            inline.clone().or_else(|| it.next()).unwrap_or_else(|| {
-                eprintln!("fake_e2b: {name} needs a value");
-                usage()
-            })
-        };
-        match name.as_str() {
-            "--api-port" => args.api_port = value(&mut it).parse().unwrap_or_else(|_| usage()),
-            "--envd-port" => args.envd_port = value(&mut it).parse().unwrap_or_else(|_| usage()),
-            "--expect-key" => args.expect_key = Some(value(&mut it)),
-            "--dummy-key" => args.dummy_key = value(&mut it),
-            "--envd-version" => args.envd_version = value(&mut it),
-            "--no-auth-check" => args.no_auth_check = true,
-            "--stdin-lifeline" => args.stdin_lifeline = true,
-            "-h" | "--help" => usage(),
-            other => {
-                eprintln!("fake_e2b: unknown argument {other:?}");
-                usage()
-            }
+    let (mut api_port, mut envd_port) = (0, 0);
+    let mut dummy_key = "dummy-key".to_string();
+    let mut envd_version = "0.5.7".to_string();
+    let common = support::Options::parse("fake_e2b", usage, |name, opts| {
+        match name {
+            "--api-port" => api_port = opts.port(),
+            "--envd-port" => envd_port = opts.port(),
+            "--dummy-key" => dummy_key = opts.value(),
+            "--envd-version" => envd_version = opts.value(),
+            _ => return false,
         }
+        true
+    });
+    Args {
+        common,
+        api_port,
+        envd_port,
+        dummy_key,
+        envd_version,
     }
-    if !args.no_auth_check && args.expect_key.as_deref().unwrap_or("").is_empty() {
-        eprintln!("fake_e2b: --expect-key KEY is required unless --no-auth-check is given");
-        usage()
-    }
-    args
 }
 
 #[derive(Debug)]
@@ -114,10 +91,7 @@ struct Sandbox {
 
 #[derive(Default)]
 struct Inner {
-    requests: u64,
-    routes: BTreeMap<String, u64>,
-    violations: Vec<String>,
-    log: Vec<Value>,
+    tally: Tally,
     sandboxes: HashMap<String, Sandbox>,
     next_pid: u32,
 }
@@ -126,14 +100,7 @@ struct State {
     args: Args,
     api_authority: String,
     envd_authority: String,
-    inner: Mutex<Inner>,
-}
-
-impl State {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic in one handler must not turn every later request into a second panic.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
+    inner: Locked<Inner>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -152,22 +119,7 @@ impl Plane {
 }
 
 fn main() {
-    let args = parse_args();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("fake_e2b: cannot start the runtime: {e}");
-            std::process::exit(1)
-        }
-    };
-    if let Err(e) = rt.block_on(run(args)) {
-        eprintln!("fake_e2b: {e}");
-        std::process::exit(1)
-    }
+    support::main("fake_e2b", run(parse_args()));
 }
 
 async fn run(args: Args) -> std::io::Result<()> {
@@ -179,29 +131,15 @@ async fn run(args: Args) -> std::io::Result<()> {
         api_authority: api_addr.to_string(),
         envd_authority: envd_addr.to_string(),
         args: args.clone(),
-        inner: Mutex::new(Inner {
+        inner: Locked::new(Inner {
             next_pid: 1000,
             ..Inner::default()
         }),
     });
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(
-            out,
-            "{}",
-            json!({"api": format!("http://{api_addr}"), "envd": format!("http://{envd_addr}")})
-        )?;
-        out.flush()?;
-    }
-    if args.stdin_lifeline {
-        // Exit when the parent closes our stdin (or dies), so no fake outlives its test.
-        std::thread::spawn(|| {
-            let mut sink = [0u8; 256];
-            let mut stdin = std::io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-            std::process::exit(0);
-        });
-    }
+    support::started(
+        &json!({"api": format!("http://{api_addr}"), "envd": format!("http://{envd_addr}")}),
+        args.common.stdin_lifeline,
+    )?;
     let a = tokio::spawn(serve(api, Plane::Api, state.clone()));
     let e = tokio::spawn(serve(envd, Plane::Envd, state));
     let _ = tokio::join!(a, e);
@@ -209,47 +147,16 @@ async fn run(args: Args) -> std::io::Result<()> {
 }
 
 async fn serve(listener: TcpListener, plane: Plane, state: Arc<State>) {
-    loop {
-        let (stream, _peer): (_, SocketAddr) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                eprintln!("fake_e2b: accept on {}: {e}", plane.name());
-                continue;
-            }
-        };
+    let what = format!("fake_e2b: {}", plane.name());
+    support::serve(listener, &what, move |req| {
         let state = state.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(req, plane, &state).await) }
-            });
-            // HTTP/1.1 and cleartext HTTP/2 (prior knowledge), as a real server offers.
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
-        });
-    }
+        async move { handle(req, plane, &state).await }
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------
 // helpers
-
-fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).boxed()
-}
-
-fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
-    let mut r = Response::new(full(v.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r
-}
-
-fn empty(status: StatusCode) -> Response<Body> {
-    let mut r = Response::new(full(Bytes::new()));
-    *r.status_mut() = status;
-    r
-}
 
 fn error(status: StatusCode, message: &str) -> Response<Body> {
     json_response(
@@ -400,16 +307,7 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
     let query = parts.uri.query().map(str::to_string);
 
     if plane == Plane::Api && path == "/__fake/report" {
-        let inner = state.lock();
-        return json_response(
-            StatusCode::OK,
-            &json!({
-                "requests": inner.requests,
-                "routes": inner.routes,
-                "violations": inner.violations,
-                "log": inner.log,
-            }),
-        );
+        return state.inner.lock().tally.report();
     }
 
     let body = match body.collect().await {
@@ -419,7 +317,7 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
                 "{} {method} {path}: reading the body failed: {e}",
                 plane.name()
             );
-            state.lock().violations.push(msg.clone());
+            state.inner.lock().tally.violations.push(msg.clone());
             return error(StatusCode::BAD_REQUEST, &msg);
         }
     };
@@ -449,9 +347,8 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
         violations.push(format!("{} unexpected route {method} {path}", plane.name()));
     }
 
-    let mut inner = state.lock();
-    inner.requests += 1;
-    *inner.routes.entry(route.clone()).or_insert(0) += 1;
+    let mut inner = state.inner.lock();
+    inner.tally.count(&route);
     let mut entry = json!({
         "plane": plane.name(),
         "method": method.as_str(),
@@ -473,8 +370,8 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
     for v in &violations {
         eprintln!("fake_e2b: VIOLATION: {v}");
     }
-    inner.violations.extend(violations);
-    inner.log.push(entry);
+    inner.tally.violations.extend(violations);
+    inner.tally.log.push(entry);
     resp
 }
 
@@ -515,7 +412,7 @@ fn check_common(plane: Plane, uri: &hyper::Uri, h: &HeaderMap, state: &State) ->
 /// Control-plane credential checks; `Some((status, message))` on a violation.
 fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
     let a = &state.args;
-    if a.no_auth_check {
+    if a.common.no_auth_check {
         return None;
     }
     if h.contains_key("x-api-key") {
@@ -536,7 +433,7 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             "api: the dummy key appears in a request header".into(),
         ));
     }
-    let expected = format!("Bearer {}", a.expect_key.as_deref().unwrap_or(""));
+    let expected = format!("Bearer {}", a.common.expect_key.as_deref().unwrap_or(""));
     let auths: Vec<_> = h.get_all("authorization").iter().collect();
     if auths.len() != 1 || auths[0].as_bytes() != expected.as_bytes() {
         return Some((
@@ -558,7 +455,7 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
 /// envd checks; `Some((status, message))` on a violation.
 fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
     let a = &state.args;
-    if let Some(key) = a.expect_key.as_deref().filter(|k| !k.is_empty()) {
+    if let Some(key) = a.common.expect_key.as_deref().filter(|k| !k.is_empty()) {
         if h.values()
             .any(|v| v.as_bytes().windows(key.len()).any(|w| w == key.as_bytes()))
         {
@@ -568,7 +465,7 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             ));
         }
     }
-    if !a.no_auth_check && h.contains_key("x-api-key") {
+    if !a.common.no_auth_check && h.contains_key("x-api-key") {
         return Some((
             StatusCode::UNAUTHORIZED,
             "envd: request carries an X-API-Key header".into(),
@@ -597,7 +494,7 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             ))
         }
     }
-    let inner = state.lock();
+    let inner = state.inner.lock();
     let Some(sb) = inner.sandboxes.get(id) else {
         return Some((
             StatusCode::BAD_GATEWAY,
@@ -629,7 +526,7 @@ fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body
             .collect(),
         _ => segs,
     };
-    let mut inner = state.lock();
+    let mut inner = state.inner.lock();
     match (method, segs.as_slice()) {
         (&Method::POST, ["sandboxes"]) => {
             let req: Value = match serde_json::from_slice(body) {
@@ -710,7 +607,7 @@ fn envd(
 ) -> Response<Body> {
     // check_envd has verified the id and that the sandbox exists.
     let id = header(h, "e2b-sandbox-id").unwrap_or_default().to_string();
-    let mut inner = state.lock();
+    let mut inner = state.inner.lock();
     let pid = inner.next_pid;
     let Some(sb) = inner.sandboxes.get_mut(&id) else {
         return error(StatusCode::BAD_GATEWAY, "sandbox not found");

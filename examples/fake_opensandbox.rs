@@ -33,21 +33,20 @@
 // Handlers answer errors as `Err(Response)`; the size does not matter in a test fake.
 #![allow(clippy::result_large_err)]
 
-use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
-use std::io::{Read, Write};
-use std::sync::{Arc, Mutex};
+#[path = "support/mod.rs"]
+mod support;
 
-use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::header::CONTENT_TYPE;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-type Body = BoxBody<Bytes, Infallible>;
+use support::{empty, json_response, Body, Locked, Tally};
 
 /// The SDK's credential header (`OPEN-SANDBOX-API-KEY`), as hyper stores names.
 const KEY_HEADER: &str = "open-sandbox-api-key";
@@ -58,11 +57,9 @@ const MAX_BODY: usize = 1 << 20;
 
 #[derive(Clone, Debug)]
 struct Args {
+    common: support::Common,
     port: u16,
-    expect_key: Option<String>,
     forbid_keys: Vec<String>,
-    no_auth_check: bool,
-    stdin_lifeline: bool,
 }
 
 fn usage() -> ! {
@@ -74,50 +71,27 @@ fn usage() -> ! {
 }
 
 fn parse_args() -> Args {
-    let mut args = Args {
-        port: 0,
-        expect_key: None,
-        forbid_keys: Vec::new(),
-        no_auth_check: false,
-        stdin_lifeline: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let value = |it: &mut std::iter::Skip<std::env::Args>| -> String {
-            inline.clone().or_else(|| it.next()).unwrap_or_else(|| {
-                eprintln!("fake_opensandbox: {name} needs a value");
-                usage()
-            })
-        };
-        match name.as_str() {
-            "--port" => args.port = value(&mut it).parse().unwrap_or_else(|_| usage()),
-            "--expect-key" => args.expect_key = Some(value(&mut it)),
+    let mut port = 0;
+    let mut forbid_keys = Vec::new();
+    let common = support::Options::parse("fake_opensandbox", usage, |name, opts| {
+        match name {
+            "--port" => port = opts.port(),
             "--forbid-key" => {
-                let k = value(&mut it);
+                let k = opts.value();
                 if k.is_empty() {
-                    eprintln!("fake_opensandbox: --forbid-key needs a non-empty value");
-                    usage()
+                    opts.fail("--forbid-key needs a non-empty value")
                 }
-                args.forbid_keys.push(k)
+                forbid_keys.push(k)
             }
-            "--no-auth-check" => args.no_auth_check = true,
-            "--stdin-lifeline" => args.stdin_lifeline = true,
-            "-h" | "--help" => usage(),
-            other => {
-                eprintln!("fake_opensandbox: unknown argument {other:?}");
-                usage()
-            }
+            _ => return false,
         }
+        true
+    });
+    Args {
+        common,
+        port,
+        forbid_keys,
     }
-    if !args.no_auth_check && args.expect_key.as_deref().unwrap_or("").is_empty() {
-        eprintln!("fake_opensandbox: --expect-key KEY is required unless --no-auth-check is given");
-        usage()
-    }
-    args
 }
 
 #[derive(Debug)]
@@ -132,23 +106,19 @@ struct Sandbox {
 
 #[derive(Default)]
 struct Inner {
-    requests: u64,
-    routes: BTreeMap<String, u64>,
-    violations: Vec<String>,
-    log: Vec<Value>,
+    tally: Tally,
     sandboxes: HashMap<String, Sandbox>,
 }
 
 struct State {
     args: Args,
     authority: String,
-    inner: Mutex<Inner>,
+    inner: Locked<Inner>,
 }
 
 impl State {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic in one handler must not turn every later request into a second panic.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn alive(&self, id: &str) -> bool {
+        self.inner.lock().sandboxes.get(id).is_some_and(|s| s.alive)
     }
 }
 
@@ -168,22 +138,7 @@ impl Plane {
 }
 
 fn main() {
-    let args = parse_args();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("fake_opensandbox: cannot start the runtime: {e}");
-            std::process::exit(1)
-        }
-    };
-    if let Err(e) = rt.block_on(run(args)) {
-        eprintln!("fake_opensandbox: {e}");
-        std::process::exit(1)
-    }
+    support::main("fake_opensandbox", run(parse_args()));
 }
 
 async fn run(args: Args) -> std::io::Result<()> {
@@ -192,62 +147,22 @@ async fn run(args: Args) -> std::io::Result<()> {
     let state = Arc::new(State {
         authority: addr.to_string(),
         args: args.clone(),
-        inner: Mutex::new(Inner::default()),
+        inner: Locked::new(Inner::default()),
     });
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", json!({"url": format!("http://{addr}")}))?;
-        out.flush()?;
-    }
-    if args.stdin_lifeline {
-        // Exit when the parent closes our stdin (or dies), so no fake outlives its test.
-        std::thread::spawn(|| {
-            let mut sink = [0u8; 256];
-            let mut stdin = std::io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-            std::process::exit(0);
-        });
-    }
-    loop {
-        let (stream, _peer) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                eprintln!("fake_opensandbox: accept: {e}");
-                continue;
-            }
-        };
+    support::started(
+        &json!({"url": format!("http://{addr}")}),
+        args.common.stdin_lifeline,
+    )?;
+    support::serve(listener, "fake_opensandbox", move |req| {
         let state = state.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(req, &state).await) }
-            });
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
-        });
-    }
+        async move { handle(req, &state).await }
+    })
+    .await;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
 // helpers
-
-fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).boxed()
-}
-
-fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
-    let mut r = Response::new(full(v.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r
-}
-
-fn empty(status: StatusCode) -> Response<Body> {
-    let mut r = Response::new(full(Bytes::new()));
-    *r.status_mut() = status;
-    r
-}
 
 /// OpenSandbox's `ErrorResponse`: `{"code": "<DOMAIN::CODE>", "message": "…"}`.
 fn error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
@@ -274,7 +189,7 @@ fn check_head(req: &Request<Incoming>, plane: Plane, state: &State) -> Vec<Strin
         .map(|k| ("the forbidden key (--forbid-key)", k.as_str()))
         .collect();
     if plane == Plane::Execd {
-        if let Some(k) = args.expect_key.as_deref().filter(|k| !k.is_empty()) {
+        if let Some(k) = args.common.expect_key.as_deref().filter(|k| !k.is_empty()) {
             secrets.push(("the real key (--expect-key)", k));
         }
     }
@@ -302,7 +217,7 @@ fn check_head(req: &Request<Incoming>, plane: Plane, state: &State) -> Vec<Strin
         None => bad.push(format!("{what}: no Host header")),
     }
 
-    if args.no_auth_check {
+    if args.common.no_auth_check {
         return bad;
     }
     if headers.contains_key(hyper::header::AUTHORIZATION) {
@@ -314,7 +229,7 @@ fn check_head(req: &Request<Incoming>, plane: Plane, state: &State) -> Vec<Strin
     let keys: Vec<_> = headers.get_all(KEY_HEADER).iter().collect();
     match plane {
         Plane::Api => {
-            let expect = args.expect_key.as_deref().unwrap_or("");
+            let expect = args.common.expect_key.as_deref().unwrap_or("");
             match keys.as_slice() {
                 [] => bad.push(format!("{what}: no OPEN-SANDBOX-API-KEY header")),
                 [one] if one.as_bytes() == expect.as_bytes() => {}
@@ -356,16 +271,7 @@ async fn handle(req: Request<Incoming>, state: &State) -> Response<Body> {
     let method = req.method().clone();
 
     if method == Method::GET && path == "/__fake/report" {
-        let inner = state.lock();
-        return json_response(
-            StatusCode::OK,
-            &json!({
-                "requests": inner.requests,
-                "routes": inner.routes,
-                "violations": inner.violations,
-                "log": inner.log,
-            }),
-        );
+        return state.inner.lock().tally.report();
     }
 
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
@@ -382,10 +288,9 @@ async fn handle(req: Request<Incoming>, state: &State) -> Response<Body> {
         .get(hyper::header::HOST)
         .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
     {
-        let mut inner = state.lock();
-        inner.requests += 1;
-        *inner.routes.entry(route.clone()).or_insert(0) += 1;
-        inner.violations.extend(bad.iter().cloned());
+        let mut inner = state.inner.lock();
+        inner.tally.count(&route);
+        inner.tally.violations.extend(bad.iter().cloned());
     }
 
     let resp = if !bad.is_empty() {
@@ -401,8 +306,8 @@ async fn handle(req: Request<Incoming>, state: &State) -> Response<Body> {
         }
     };
 
-    let mut inner = state.lock();
-    inner.log.push(json!({
+    let mut inner = state.inner.lock();
+    inner.tally.log.push(json!({
         "plane": plane.name(),
         "method": method.as_str(),
         "path": path,
@@ -455,7 +360,7 @@ async fn dispatch(
         (Plane::Execd, &Method::GET, ["execd", id, port, "ping"]) => ping(id, port, state),
         _ => {
             let msg = format!("unexpected request {method} /{}", segs.join("/"));
-            state.lock().violations.push(msg.clone());
+            state.inner.lock().tally.violations.push(msg.clone());
             Err(error(StatusCode::NOT_FOUND, "FAKE::NO_ROUTE", &msg))
         }
     }
@@ -471,7 +376,7 @@ fn not_found(id: &str) -> Response<Body> {
 
 fn bad_request(state: &State, what: &str, msg: String) -> Response<Body> {
     let msg = format!("{what}: {msg}");
-    state.lock().violations.push(msg.clone());
+    state.inner.lock().tally.violations.push(msg.clone());
     error(StatusCode::BAD_REQUEST, "SANDBOX::INVALID_PARAMETER", &msg)
 }
 
@@ -527,7 +432,7 @@ async fn create(req: Request<Incoming>, state: &State) -> Result<Response<Body>,
     if let Some(e) = &expires_at {
         resp["expiresAt"] = json!(e);
     }
-    state.lock().sandboxes.insert(
+    state.inner.lock().sandboxes.insert(
         id,
         Sandbox {
             image,
@@ -542,7 +447,7 @@ async fn create(req: Request<Incoming>, state: &State) -> Result<Response<Body>,
 }
 
 fn get(id: &str, state: &State) -> Result<Response<Body>, Response<Body>> {
-    let inner = state.lock();
+    let inner = state.inner.lock();
     let sb = inner
         .sandboxes
         .get(id)
@@ -565,7 +470,7 @@ fn get(id: &str, state: &State) -> Result<Response<Body>, Response<Body>> {
 }
 
 fn delete(id: &str, state: &State) -> Result<Response<Body>, Response<Body>> {
-    let mut inner = state.lock();
+    let mut inner = state.inner.lock();
     match inner.sandboxes.get_mut(id).filter(|s| s.alive) {
         Some(sb) => {
             sb.alive = false;
@@ -597,7 +502,7 @@ fn endpoint(
             "use_server_proxy=true is not implemented".into(),
         ));
     }
-    if !state.lock().sandboxes.get(id).is_some_and(|s| s.alive) {
+    if !state.alive(id) {
         return Err(not_found(id));
     }
     Ok(json_response(
@@ -620,10 +525,10 @@ async fn metrics(req: Request<Incoming>, state: &State) -> Result<Response<Body>
 fn ping(id: &str, port: &str, state: &State) -> Result<Response<Body>, Response<Body>> {
     if port != EXECD_PORT.to_string() {
         let msg = format!("execd ping on port {port}, expected {EXECD_PORT}");
-        state.lock().violations.push(msg.clone());
+        state.inner.lock().tally.violations.push(msg.clone());
         return Err(error(StatusCode::NOT_FOUND, "FAKE::NO_ROUTE", &msg));
     }
-    if !state.lock().sandboxes.get(id).is_some_and(|s| s.alive) {
+    if !state.alive(id) {
         return Err(not_found(id));
     }
     Ok(empty(StatusCode::OK))
