@@ -53,15 +53,21 @@ fn routing(c: &mut Criterion) {
     let api = sdk_api_request();
     let envd = sdk_envd_request();
     let policy = HostPolicy::Loopback;
-    c.bench_function("route/api", |b| b.iter(|| route::route(black_box(&api), &policy)));
-    c.bench_function("route/envd", |b| b.iter(|| route::route(black_box(&envd), &policy)));
+    c.bench_function("route/api", |b| {
+        b.iter(|| route::route(black_box(&api), &policy))
+    });
+    c.bench_function("route/envd", |b| {
+        b.iter(|| route::route(black_box(&envd), &policy))
+    });
 }
 
 fn header_rewrite(c: &mut Criterion) {
     let template = sdk_api_request().headers;
     let key = Secret::new("sk-0123456789abcdef0123456789abcdef");
     let scheme = AuthScheme::Bearer;
-    let value = scheme.value(&key).unwrap_or_else(|| unreachable!("valid key"));
+    let value = scheme
+        .value(&key)
+        .unwrap_or_else(|| unreachable!("valid key"));
     c.bench_function("rewrite/api (strip + attach)", |b| {
         b.iter_batched_ref(
             || template.clone(),

@@ -171,6 +171,10 @@ pub struct ServeArgs {
     /// How long in-flight requests may run after SIGTERM/SIGINT.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub shutdown_grace: String,
+    /// Time a client may take to send a request head; slower connections are closed
+    /// (slowloris).
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub header_timeout: String,
     /// Most client connections served at once; beyond it new connections wait in the
     /// kernel's accept queue.
     #[arg(long, value_name = "N", default_value_t = 10_000)]

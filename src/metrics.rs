@@ -1,9 +1,14 @@
 //! The Prometheus registry and the handles the proxy updates (SPEC §7 names).
 //! Label sets that are fixed (`result`) are created at startup so the series exist at 0.
 
+use std::borrow::Cow;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use http::Method;
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -16,10 +21,43 @@ pub struct Metrics {
     pub token_exchanges: IntCounterVec,
     pub token_expiry: Gauge,
     pub envd_tokens: IntGauge,
+    /// The per-request series, resolved once (see [`Hot`]).
+    hot: Hot,
 }
 
 /// The plane label values.
 pub const PLANES: [&str; 2] = ["api", "envd"];
+
+/// Methods and status codes common enough to get a cached series; others take the
+/// `with_label_values` path.
+const HOT_METHODS: [Method; 7] = [
+    Method::GET,
+    Method::POST,
+    Method::PUT,
+    Method::DELETE,
+    Method::PATCH,
+    Method::HEAD,
+    Method::OPTIONS,
+];
+const HOT_CODES: [u16; 24] = [
+    200, 201, 202, 204, 206, 301, 302, 304, 307, 308, 400, 401, 403, 404, 405, 409, 413, 422,
+    429, 431, 500, 502, 503, 504,
+];
+
+/// The series every request touches. `with_label_values` hashes the label strings and
+/// takes a lock on each call — three times per request; here each series is looked up
+/// once, on its first use (so no series appears before its first request, as before), and
+/// after that is an index and an atomic load.
+struct Hot {
+    in_flight: [IntGauge; 2],
+    duration: [OnceLock<Histogram>; 2],
+    /// plane × method × code, flattened.
+    requests: Box<[OnceLock<IntCounter>]>,
+}
+
+fn plane_index(plane: &str) -> Option<usize> {
+    PLANES.iter().position(|p| *p == plane)
+}
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
@@ -97,6 +135,13 @@ impl Metrics {
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
+        let hot = Hot {
+            in_flight: PLANES.map(|p| in_flight.with_label_values(&[p])),
+            duration: Default::default(),
+            requests: (0..PLANES.len() * HOT_METHODS.len() * HOT_CODES.len())
+                .map(|_| OnceLock::new())
+                .collect(),
+        };
         Ok(Metrics {
             registry,
             requests,
@@ -107,7 +152,49 @@ impl Metrics {
             token_exchanges,
             token_expiry,
             envd_tokens,
+            hot,
         })
+    }
+
+    /// `abx_proxy_in_flight_requests{plane}`.
+    pub fn in_flight_for(&self, plane: &str) -> Cow<'_, IntGauge> {
+        match plane_index(plane) {
+            Some(i) => Cow::Borrowed(&self.hot.in_flight[i]),
+            None => Cow::Owned(self.in_flight.with_label_values(&[plane])),
+        }
+    }
+
+    /// Counts an answered request and observes its duration (to response headers).
+    pub fn request_done(&self, plane: &str, method: &Method, status: u16, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        let Some(p) = plane_index(plane) else {
+            self.count_slow(plane, method, status);
+            self.duration.with_label_values(&[plane]).observe(secs);
+            return;
+        };
+        self.hot.duration[p]
+            .get_or_init(|| self.duration.with_label_values(&[plane]))
+            .observe(secs);
+        let m = HOT_METHODS.iter().position(|m| m == method);
+        let c = HOT_CODES.binary_search(&status).ok();
+        match (m, c) {
+            (Some(m), Some(c)) => {
+                let slot = (p * HOT_METHODS.len() + m) * HOT_CODES.len() + c;
+                self.hot.requests[slot]
+                    .get_or_init(|| {
+                        self.requests
+                            .with_label_values(&[plane, method.as_str(), &status.to_string()])
+                    })
+                    .inc();
+            }
+            _ => self.count_slow(plane, method, status),
+        }
+    }
+
+    fn count_slow(&self, plane: &str, method: &Method, status: u16) {
+        self.requests
+            .with_label_values(&[plane, method.as_str(), &status.to_string()])
+            .inc();
     }
 
     /// The text exposition format.
@@ -116,5 +203,33 @@ impl Metrics {
         // Encoding into a Vec cannot fail for well-formed metric families.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         buf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(m: &Metrics) -> String {
+        String::from_utf8(m.render()).unwrap_or_default()
+    }
+
+    #[test]
+    fn cached_and_uncached_series_read_the_same() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        assert!(!text(&m).contains("abx_proxy_requests_total{"));
+        let ms = Duration::from_millis(3);
+        m.request_done("api", &Method::GET, 200, ms);
+        m.request_done("api", &Method::GET, 200, ms);
+        m.request_done("envd", &Method::POST, 599, ms);
+        m.request_done("envd", &Method::from_bytes(b"PROPFIND").unwrap(), 207, ms);
+        let t = text(&m);
+        assert!(t.contains(r#"abx_proxy_requests_total{code="200",method="GET",plane="api"} 2"#));
+        assert!(t.contains(r#"abx_proxy_requests_total{code="599",method="POST",plane="envd"} 1"#));
+        assert!(t.contains(r#"abx_proxy_requests_total{code="207",method="PROPFIND",plane="envd"} 1"#));
+        assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="api"} 2"#));
+        assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 2"#));
+        m.in_flight_for("envd").inc();
+        assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
     }
 }

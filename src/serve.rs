@@ -72,6 +72,7 @@ async fn serve(
     let config = ServeConfig {
         tls,
         idle_timeout: options.idle_timeout,
+        header_timeout: options.header_timeout,
         max_connections: options.max_connections,
     };
     let accepting = tokio::spawn(listener::accept_loop(
@@ -150,6 +151,15 @@ fn options(args: &ServeArgs) -> Result<Options, Error> {
         upstream_timeout: d("--upstream-timeout", &args.net.upstream_timeout)?,
         idle_timeout: d("--idle-timeout", &args.idle_timeout)?,
         shutdown_grace: d("--shutdown-grace", &args.shutdown_grace)?,
+        header_timeout: match d("--header-timeout", &args.header_timeout)? {
+            t if t.is_zero() => {
+                return Err(Error::InvalidSetting {
+                    key: "--header-timeout".into(),
+                    reason: "must be more than 0".into(),
+                })
+            }
+            t => t,
+        },
         max_connections: args.max_connections,
     })
 }

@@ -83,7 +83,13 @@ pub fn unix_seconds(t: SystemTime) -> i64 {
 
 /// `YYYY-MM-DDTHH:MM:SSZ`, for log lines and `check`.
 pub fn iso8601(t: SystemTime) -> String {
-    signing::timestamp(OffsetDateTime::from(t))
+    // `time` panics past the year 9999; no expiry we keep is later, but stay total.
+    signing::timestamp(OffsetDateTime::from(t.min(latest_expiry())))
+}
+
+/// 9999-12-31T23:59:59Z: the last instant ISO-8601 (and `time`) can write with four digits.
+fn latest_expiry() -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(253_402_300_799)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -219,7 +225,8 @@ fn expiry_field(obj: &Value) -> Option<&Value> {
 /// ISO-8601, or epoch seconds, or epoch milliseconds (above 10^11, which as seconds would be
 /// the year 5138), as a number or a numeric string.
 pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
-    match value {
+    // An expiry past the year 9999 is nonsense; treat it as absent (token_ttl applies).
+    let t = match value {
         Value::Number(n) => n
             .as_i64()
             .or_else(|| n.as_f64().map(|f| f as i64))
@@ -233,7 +240,8 @@ pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
             }
         }
         _ => None,
-    }
+    };
+    t.filter(|t| *t <= latest_expiry())
 }
 
 fn from_epoch(n: i64) -> Option<SystemTime> {

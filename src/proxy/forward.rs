@@ -36,9 +36,17 @@ pub async fn send(
     req: Request<ProxyBody>,
     timeout: Duration,
     host: &str,
-) -> Result<Response<Incoming>, (Error, FailKind)> {
+) -> Result<Response<Incoming>, (Error, Option<FailKind>)> {
     match tokio::time::timeout(timeout, client.request(req)).await {
         Ok(Ok(resp)) => Ok(resp),
+        // The client's own body broke (a bad chunk, a closed upload): not the upstream's
+        // fault, and not an upstream error in the metrics.
+        Ok(Err(e)) if client_body_failed(&e) => Err((
+            Error::Refused {
+                reason: "the request body could not be read".into(),
+            },
+            None,
+        )),
         Ok(Err(e)) => {
             let kind = classify(&e);
             Err((
@@ -46,7 +54,7 @@ pub async fn send(
                     reason: describe(&e),
                     host: host.to_string(),
                 },
-                kind,
+                Some(kind),
             ))
         }
         Err(_) => Err((
@@ -54,7 +62,7 @@ pub async fn send(
                 seconds: timeout.as_secs().max(1),
                 host: host.to_string(),
             },
-            FailKind::Timeout,
+            Some(FailKind::Timeout),
         )),
     }
 }
@@ -83,6 +91,14 @@ fn inside_io(io: &std::io::Error) -> Option<&rustls::Error> {
 
 fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
     chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(|io| io.kind()))
+}
+
+/// hyper marks an error of the request body stream as the user's.
+fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
+    chain(e).any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_user)
+    })
 }
 
 pub fn classify(e: &hyper_util::client::legacy::Error) -> FailKind {

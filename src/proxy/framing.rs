@@ -8,6 +8,12 @@
 //! [`HeadWatch`] follows HTTP/1 framing (heads, sized and chunked bodies) and records which
 //! request head carried both fields; [`Verdicts`] tells the service, request by request.
 //!
+//! The same watch refuses the other framings hyper accepts but a peer could read
+//! differently ([`Refusal`]): a repeated `Content-Length` (hyper keeps one when they agree)
+//! and a `Transfer-Encoding` other than exactly `chunked` (hyper accepts `gzip, chunked`
+//! and `chunked, chunked`, and would hand the proxy still-coded bytes as the content).
+//! After a refusal the listener closes the connection.
+//!
 //! The watch costs a scan for line ends in heads and chunk-size lines; body bytes are
 //! skipped by count. Whatever it cannot follow (HTTP/2, `CONNECT`, upgrades, malformed
 //! input hyper will reject) switches it off for the connection: hyper's own handling, TE
@@ -17,10 +23,53 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-/// Marks a request (in its extensions) whose head had both `Content-Length` and
-/// `Transfer-Encoding`.
+/// Marks a request (in its extensions) whose framing is refused: both `Content-Length` and
+/// `Transfer-Encoding`, or another [`Refusal`] (which the listener inserts beside it).
 #[derive(Debug, Clone, Copy)]
 pub struct AmbiguousLength;
+
+/// Why a request's framing is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Both `Content-Length` and `Transfer-Encoding`.
+    BothLengths,
+    /// More than one `Content-Length` field line, even with equal values (as nginx).
+    RepeatedLength,
+    /// A `Transfer-Encoding` other than exactly one `chunked`.
+    TransferCoding,
+    /// A `Content-Length` or `Transfer-Encoding` line too long to be an honest one.
+    LongFramingField,
+}
+
+impl Refusal {
+    /// The reason in the client's E5003 answer.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::BothLengths => "both Content-Length and Transfer-Encoding",
+            Refusal::RepeatedLength => "more than one Content-Length",
+            Refusal::TransferCoding => "unsupported Transfer-Encoding (only chunked is accepted)",
+            Refusal::LongFramingField => "oversized Content-Length or Transfer-Encoding field",
+        }
+    }
+
+    fn code(self) -> u64 {
+        match self {
+            Refusal::BothLengths => 1,
+            Refusal::RepeatedLength => 2,
+            Refusal::TransferCoding => 3,
+            Refusal::LongFramingField => 4,
+        }
+    }
+
+    fn from_code(code: u64) -> Self {
+        match code {
+            2 => Refusal::RepeatedLength,
+            3 => Refusal::TransferCoding,
+            4 => Refusal::LongFramingField,
+            _ => Refusal::BothLengths,
+        }
+    }
+}
 
 /// Enough of a line to recognise the fields that matter and read a length or chunk size.
 const LINE_CAP: usize = 64;
@@ -33,6 +82,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             state: State::Head { first: true },
             line: [0; LINE_CAP],
             line_len: 0,
+            line_cut: false,
             head: Head::default(),
             heads: 0,
             flagged: flagged.clone(),
@@ -55,10 +105,16 @@ pub struct Verdicts {
 }
 
 impl Verdicts {
-    /// Called once per request, in order: whether this one had both length fields.
-    pub fn next_is_ambiguous(&self) -> bool {
+    /// Called once per request, in order: whether this one's framing is refused, and why.
+    pub fn next_refusal(&self) -> Option<Refusal> {
         let n = self.served.fetch_add(1, Relaxed) + 1;
-        self.flagged.load(Relaxed) == n
+        let flagged = self.flagged.load(Relaxed);
+        (flagged >> 8 == n).then(|| Refusal::from_code(flagged & 0xff))
+    }
+
+    /// Called once per request, in order: whether this one's framing is refused.
+    pub fn next_is_ambiguous(&self) -> bool {
+        self.next_refusal().is_some()
     }
 }
 
@@ -82,7 +138,13 @@ enum State {
 struct Head {
     content_length: Option<u64>,
     has_content_length: bool,
+    /// A second `Content-Length` line.
+    repeated_length: bool,
     transfer_encoding: bool,
+    /// The only `Transfer-Encoding` line says exactly `chunked`.
+    plain_chunked: bool,
+    /// A `Content-Length` or `Transfer-Encoding` line longer than [`LINE_CAP`].
+    long_field: bool,
     upgrade: bool,
 }
 
@@ -92,10 +154,13 @@ pub struct HeadWatch {
     state: State,
     line: [u8; LINE_CAP],
     line_len: usize,
+    /// The current line is longer than [`LINE_CAP`]: `line` holds its start only.
+    line_cut: bool,
     head: Head,
     /// Heads completed so far.
     heads: u64,
-    /// The number (1-based) of the first head with both fields; 0 while there is none.
+    /// The number (1-based) of the first refused head, shifted left by 8, with the
+    /// [`Refusal`] code in the low byte; 0 while there is none.
     flagged: Arc<AtomicU64>,
 }
 
@@ -116,11 +181,20 @@ impl HeadWatch {
                     };
                 }
                 State::Head { .. } | State::ChunkSize | State::Trailers => {
-                    match data.iter().position(|&b| b == b'\n') {
+                    // This runs on every read: the line end is found a word at a time, and a
+                    // line that arrived whole is looked at where it lies, not copied.
+                    match memchr::memchr(b'\n', data) {
+                        Some(end) if self.line_len == 0 => {
+                            let line = &data[..end];
+                            data = &data[end + 1..];
+                            self.line_cut = line.len() > LINE_CAP;
+                            self.end_of_line(&line[..line.len().min(LINE_CAP)]);
+                        }
                         Some(end) => {
                             self.push(&data[..end]);
                             data = &data[end + 1..];
-                            self.end_of_line();
+                            let (copy, len) = (self.line, self.line_len);
+                            self.end_of_line(&copy[..len]);
                         }
                         None => {
                             self.push(data);
@@ -136,11 +210,12 @@ impl HeadWatch {
         let n = bytes.len().min(LINE_CAP - self.line_len);
         self.line[self.line_len..self.line_len + n].copy_from_slice(&bytes[..n]);
         self.line_len += n;
+        self.line_cut |= n < bytes.len();
     }
 
-    fn end_of_line(&mut self) {
-        let copy = self.line;
-        let mut line = &copy[..self.line_len];
+    /// `line`: the line without its `\n`, at most [`LINE_CAP`] bytes of it (`line_cut`
+    /// says whether there was more).
+    fn end_of_line(&mut self, mut line: &[u8]) {
         if let Some(l) = line.strip_suffix(b"\r") {
             line = l;
         }
@@ -162,6 +237,8 @@ impl HeadWatch {
                 self.header_line(line);
                 State::Head { first: false }
             }
+            // A cut size line could hide digits (`000…05` reads as 0): stop following.
+            State::ChunkSize if self.line_cut => State::Off,
             State::ChunkSize => match chunk_size(line) {
                 Some(0) => State::Trailers,
                 Some(size) => State::ChunkData(size.saturating_add(2)),
@@ -171,14 +248,22 @@ impl HeadWatch {
             other => other,
         };
         self.line_len = 0;
+        self.line_cut = false;
     }
 
     fn header_line(&mut self, line: &[u8]) {
-        let Some(colon) = line.iter().position(|&b| b == b':') else {
+        // Only three names matter: most lines are ruled out by their first byte, and a
+        // colon further in than 17 bytes cannot end one of them.
+        if !matches!(line.first(), Some(b'c' | b'C' | b't' | b'T' | b'u' | b'U')) {
+            return;
+        }
+        let Some(colon) = line.iter().take(18).position(|&b| b == b':') else {
             return;
         };
-        let (name, value) = (&line[..colon], trim(&line[colon + 1..]));
+        let (name, value) = (&line[..colon], &line[colon + 1..]);
         if name.eq_ignore_ascii_case(b"content-length") {
+            self.head.repeated_length |= self.head.has_content_length;
+            self.head.long_field |= self.line_cut;
             self.head.has_content_length = true;
             // `5, 5` is one length said twice; hyper refuses lists that disagree.
             let first = value.split(|&b| b == b',').next().unwrap_or_default();
@@ -186,6 +271,10 @@ impl HeadWatch {
                 .ok()
                 .and_then(|v| v.parse().ok());
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            self.head.long_field |= self.line_cut;
+            // hyper accepts any list that ends in `chunked`, over one line or several.
+            self.head.plain_chunked =
+                !self.head.transfer_encoding && trim(value).eq_ignore_ascii_case(b"chunked");
             self.head.transfer_encoding = true;
         } else if name.eq_ignore_ascii_case(b"upgrade") {
             self.head.upgrade = true;
@@ -195,9 +284,20 @@ impl HeadWatch {
     fn end_of_head(&mut self) -> State {
         self.heads += 1;
         let head = self.head;
-        if head.has_content_length && head.transfer_encoding {
-            // Only the first matters: hyper closes the connection after that request.
-            let (this, none) = (self.heads, 0);
+        let refusal = if head.has_content_length && head.transfer_encoding {
+            Some(Refusal::BothLengths)
+        } else if head.long_field {
+            Some(Refusal::LongFramingField)
+        } else if head.repeated_length {
+            Some(Refusal::RepeatedLength)
+        } else if head.transfer_encoding && !head.plain_chunked {
+            Some(Refusal::TransferCoding)
+        } else {
+            None
+        };
+        if let Some(refusal) = refusal {
+            // Only the first matters: the connection closes after that request.
+            let (this, none) = ((self.heads << 8) | refusal.code(), 0);
             let _ = self.flagged.compare_exchange(none, this, Relaxed, Relaxed);
         }
         if head.upgrade {
@@ -229,13 +329,14 @@ fn trim(mut s: &[u8]) -> &[u8] {
     s
 }
 
-/// The hex size at the start of a chunk-size line (extensions after `;` ignored).
+/// The hex size at the start of a chunk-size line (extensions after `;` ignored). Leading
+/// zeros are fine (hyper takes them); a size over `u64` is not.
 fn chunk_size(line: &[u8]) -> Option<u64> {
     let digits = line
         .iter()
         .position(|b| !b.is_ascii_hexdigit())
         .unwrap_or(line.len());
-    if digits == 0 || digits > 16 {
+    if digits == 0 {
         return None;
     }
     let text = std::str::from_utf8(&line[..digits]).ok()?;
@@ -290,6 +391,61 @@ mod tests {
         let upgrade = b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n\
             GET / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
         assert_eq!(flagged(upgrade, 4096, 2), Vec::<usize>::new());
+    }
+
+    /// The refusal of each request (1-based) that has one.
+    fn refusals(input: &[u8], step: usize, requests: usize) -> Vec<(usize, Refusal)> {
+        let (mut watch, verdicts) = watch();
+        for piece in input.chunks(step) {
+            watch.scan(piece);
+        }
+        (1..=requests)
+            .filter_map(|n| verdicts.next_refusal().map(|r| (n, r)))
+            .collect()
+    }
+
+    #[test]
+    fn other_framings_hyper_accepts_are_refused() {
+        let cases: [(&[u8], Refusal); 5] = [
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\nhello",
+                Refusal::RepeatedLength,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+                Refusal::TransferCoding,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                Refusal::TransferCoding,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding:                                             chunked\r\n\r\n0\r\n\r\n",
+                Refusal::LongFramingField,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                Refusal::BothLengths,
+            ),
+        ];
+        for (input, want) in cases {
+            for step in [1, 3, 4096] {
+                assert_eq!(
+                    refusals(input, step, 1),
+                    vec![(1, want)],
+                    "{:?}",
+                    String::from_utf8_lossy(input)
+                );
+            }
+        }
+        // Plain chunked in any case with OWS, and a chunk size with many leading zeros, are
+        // followed: the smuggling attempt after them is still caught.
+        let input = b"POST /a HTTP/1.1\r\nTransfer-Encoding:  Chunked \r\n\r\n\
+            000000000000000000000005\r\nhello\r\n0\r\n\r\n\
+            POST /b HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello";
+        for step in [1, 7, 4096] {
+            assert_eq!(refusals(input, step, 2), vec![(2, Refusal::RepeatedLength)]);
+        }
     }
 
     #[test]

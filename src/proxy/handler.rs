@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 use hyper::body::Incoming;
@@ -22,7 +23,7 @@ use super::sniff::{self, Sniff};
 use super::{EnvdTarget, Proxy};
 use crate::error::Error;
 use crate::secret::Secret;
-use crate::settings::CompatMode;
+use crate::settings::{CompatMode, UpstreamUrl};
 use crate::upstream::ProxyBody;
 
 /// A failed request: the error answered, and the upstream failure kind when there was one.
@@ -37,12 +38,9 @@ impl From<Error> for Failure {
     }
 }
 
-impl From<(Error, FailKind)> for Failure {
-    fn from((error, kind): (Error, FailKind)) -> Self {
-        Failure {
-            error,
-            kind: Some(kind),
-        }
+impl From<(Error, Option<FailKind>)> for Failure {
+    fn from((error, kind): (Error, Option<FailKind>)) -> Self {
+        Failure { error, kind }
     }
 }
 
@@ -73,7 +71,7 @@ impl Proxy {
                     route => route,
                 };
                 let plane = route.plane();
-                let gauge = self.metrics.in_flight.with_label_values(&[plane]);
+                let gauge = self.metrics.in_flight_for(plane);
                 gauge.inc();
                 let result = match route {
                     Route::Api => self.api(parts, body, upgrade).await,
@@ -104,14 +102,7 @@ impl Proxy {
         };
         let elapsed = start.elapsed();
         let status = resp.status().as_u16();
-        self.metrics
-            .requests
-            .with_label_values(&[plane, method.as_str(), &itoa(status)])
-            .inc();
-        self.metrics
-            .duration
-            .with_label_values(&[plane])
-            .observe(elapsed.as_secs_f64());
+        self.metrics.request_done(plane, &method, status, elapsed);
         // Never the query string: signed file URLs carry secrets there.
         tracing::info!(
             target: "abx_proxy::access",
@@ -148,14 +139,20 @@ impl Proxy {
             _ => compat::rewritten_path(path),
         };
         let sniff = sniff::plan(&parts.method, upstream_path);
-        let uri = match parts.uri.query() {
-            Some(q) => self.api_base.join(&format!("{upstream_path}?{q}")),
-            None => self.api_base.join(upstream_path),
+        let uri = if rewrite == Rewrite::None && self.api_base.path.is_empty() {
+            // The common case: the client's path and query as hyper parsed them, under the
+            // upstream's scheme and authority; no string is built and nothing re-parsed.
+            upstream_uri(&self.api_base, &parts.uri)
+        } else {
+            match parts.uri.query() {
+                Some(q) => self.api_base.join(&format!("{upstream_path}?{q}")),
+                None => self.api_base.join(upstream_path),
+            }
         }
         .map_err(internal)?;
         headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
         parts.headers.remove(HOST);
-        headers::authorize_api(&mut parts.headers, &self.auth, auth_value);
+        headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
         if sniff == Sniff::Learn {
             // The token is read from the body: ask for it uncompressed.
             parts.headers.remove(ACCEPT_ENCODING);
@@ -381,6 +378,21 @@ impl Proxy {
     }
 }
 
+/// `base`'s scheme and authority with `client`'s path and query: what
+/// [`UpstreamUrl::join`] gives for a base without a path prefix, without the string.
+fn upstream_uri(base: &UpstreamUrl, client: &Uri) -> Result<Uri, http::Error> {
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(base.scheme.clone());
+    parts.authority = Some(base.authority.clone());
+    parts.path_and_query = Some(
+        client
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+    );
+    Ok(Uri::from_parts(parts)?)
+}
+
 fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
     let mut req = Request::new(body::empty());
     *req.method_mut() = method;
@@ -397,20 +409,4 @@ async fn tunnel(client: OnUpgrade, upstream: OnUpgrade) {
     let mut client = TokioIo::new(client);
     let mut upstream = TokioIo::new(upstream);
     let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-}
-
-/// Status codes as label values without a per-request allocation for the common ones.
-fn itoa(status: u16) -> std::borrow::Cow<'static, str> {
-    match status {
-        200 => "200".into(),
-        201 => "201".into(),
-        204 => "204".into(),
-        400 => "400".into(),
-        401 => "401".into(),
-        404 => "404".into(),
-        502 => "502".into(),
-        503 => "503".into(),
-        504 => "504".into(),
-        s => s.to_string().into(),
-    }
 }

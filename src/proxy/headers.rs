@@ -31,50 +31,61 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
         && headers
             .get_all(header::CONNECTION)
             .iter()
-            .any(|v| connection_tokens(v).any(|t| t.eq_ignore_ascii_case("upgrade")))
+            .any(|v| connection_tokens(v).any(|t| t.eq_ignore_ascii_case(b"upgrade")))
 }
 
-fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &str> {
-    v.to_str()
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
+/// The comma-separated tokens of a `Connection` value, as bytes: a line with obs-text
+/// (bytes >= 0x80, which hyper accepts) still names the fields it lists.
+fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &[u8]> {
+    v.as_bytes()
+        .split(|b| *b == b',')
+        .map(|t| t.trim_ascii())
         .filter(|t| !t.is_empty())
 }
 
 /// Removes hop-by-hop headers and those named in `Connection`. With `upgrade`, the
 /// `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    // Every `Connection` line counts, not just the first: `Connection: close` followed by
-    // `Connection: X-Secret` must still drop `X-Secret`. The list is only built when some
-    // token names a field beyond the ones removed below anyway.
-    let names_fields = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(connection_tokens)
-        .any(|t| !is_plain_connection_token(t));
-    if names_fields {
-        let named: Vec<HeaderName> = headers
+    // One pass over the names present decides what to do, so the map is hashed only for
+    // fields that are there. (Removing all nine names unconditionally cost nine hash
+    // probes per message, twice per request, nearly all of them for absent fields.)
+    let present = headers
+        .keys()
+        .fold(0u16, |bits, name| bits | hop_by_hop_bit(name));
+    if present & CONNECTION_BIT != 0 {
+        // Every `Connection` line counts, not just the first: `Connection: close` followed
+        // by `Connection: X-Secret` must still drop `X-Secret`. The list is only built when
+        // some token names a field beyond the ones removed below anyway.
+        let names_fields = headers
             .get_all(header::CONNECTION)
             .iter()
             .flat_map(connection_tokens)
-            .filter(|t| !is_plain_connection_token(t))
-            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
-            .collect();
-        for name in named {
-            headers.remove(&name);
+            .any(|t| !is_plain_connection_token(t));
+        if names_fields {
+            let named: Vec<HeaderName> = headers
+                .get_all(header::CONNECTION)
+                .iter()
+                .flat_map(connection_tokens)
+                .filter(|t| !is_plain_connection_token(t))
+                .filter_map(|t| HeaderName::from_bytes(t).ok())
+                .collect();
+            for name in named {
+                headers.remove(&name);
+            }
         }
     }
-    // `TE: trailers` is the one TE value a proxy may pass on (gRPC over HTTP/2 needs it).
-    let te_trailers = headers
-        .get(header::TE)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
-    headers.remove(header::TE);
-    if te_trailers {
-        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    if present & TE_BIT != 0 {
+        // `TE: trailers` is the one TE value a proxy may pass on (gRPC over HTTP/2 needs it).
+        let te_trailers = headers
+            .get(header::TE)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+        headers.remove(header::TE);
+        if te_trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
     }
-    for name in &HOP_BY_HOP {
-        if upgrade && name == header::UPGRADE {
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) == 0 || (upgrade && name == header::UPGRADE) {
             continue;
         }
         headers.remove(name);
@@ -84,9 +95,28 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
+/// Bit `i` stands for `HOP_BY_HOP[i]`; `TE` has the next one.
+const CONNECTION_BIT: u16 = 1;
+const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
+
+/// Which hop-by-hop field `name` is, as a bit (0 for none).
+fn hop_by_hop_bit(name: &HeaderName) -> u16 {
+    // Lengths first: one comparison rules out most names (host, accept, x-api-key, …).
+    if !matches!(name.as_str().len(), 2 | 7 | 10 | 16..=19) {
+        return 0;
+    }
+    if name == header::TE {
+        return TE_BIT;
+    }
+    HOP_BY_HOP
+        .iter()
+        .position(|h| h == name)
+        .map_or(0, |i| 1 << i)
+}
+
 /// `close`, `keep-alive` and `upgrade`: options, or fields handled by [`HOP_BY_HOP`].
-fn is_plain_connection_token(t: &str) -> bool {
-    ["close", "keep-alive", "upgrade"]
+fn is_plain_connection_token(t: &[u8]) -> bool {
+    [&b"close"[..], b"keep-alive", b"upgrade"]
         .iter()
         .any(|p| t.eq_ignore_ascii_case(p))
 }
@@ -131,12 +161,62 @@ impl AuthScheme {
     }
 }
 
+/// The provider's auth header with its value built once per key: formatting `Bearer <key>`
+/// and validating it as a header value took two allocations and a scan on every request.
+/// Keys change rarely (AK/SK refresh, SIGHUP), so one remembered pair is enough.
+pub struct CachedAuth {
+    scheme: AuthScheme,
+    last: arc_swap::ArcSwapOption<(Secret, HeaderValue)>,
+}
+
+impl CachedAuth {
+    pub fn new(scheme: AuthScheme) -> Self {
+        CachedAuth {
+            scheme,
+            last: arc_swap::ArcSwapOption::empty(),
+        }
+    }
+
+    pub fn scheme(&self) -> &AuthScheme {
+        &self.scheme
+    }
+
+    pub fn header(&self) -> HeaderName {
+        self.scheme.header()
+    }
+
+    /// [`AuthScheme::value`], remembered for the last key. `Secret` equality is a pointer
+    /// comparison first, so the hit costs no string compare for the same key.
+    pub fn value(&self, key: &Secret) -> Option<HeaderValue> {
+        if let Some(last) = &*self.last.load() {
+            if last.0 == *key {
+                return Some(last.1.clone());
+            }
+        }
+        let value = self.scheme.value(key)?;
+        self.last
+            .store(Some(std::sync::Arc::new((key.clone(), value.clone()))));
+        Some(value)
+    }
+}
+
+impl std::fmt::Debug for CachedAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The cached value is a secret: only the scheme is shown.
+        f.debug_struct("CachedAuth")
+            .field("scheme", &self.scheme)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Control plane: every client credential out, the resolved key in.
 pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: HeaderValue) {
-    headers.remove(header::AUTHORIZATION);
     headers.remove(X_API_KEY);
     let name = scheme.header();
-    headers.remove(&name);
+    if name != header::AUTHORIZATION {
+        headers.remove(header::AUTHORIZATION);
+    }
+    // `insert` replaces every value the client sent under this name.
     headers.insert(name, value);
 }
 
@@ -144,12 +224,13 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
 /// (which selects the sandbox user) is kept, anything else becomes the default user.
 pub fn authorize_envd(headers: &mut HeaderMap, token: &Secret, sandbox_id: &str, port: u16) {
     headers.remove(X_API_KEY);
-    let basic = headers.get(header::AUTHORIZATION).is_some_and(|v| {
-        v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic ")
-    });
-    if !basic {
-        headers.insert(header::AUTHORIZATION, DEFAULT_BASIC);
-    }
+    // Exactly one Authorization goes to envd: the client's first Basic, or the default user.
+    let basic = headers
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .find(|v| v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic "))
+        .cloned();
+    headers.insert(header::AUTHORIZATION, basic.unwrap_or(DEFAULT_BASIC));
     if let Ok(mut v) = HeaderValue::from_str(token.expose()) {
         v.set_sensitive(true);
         headers.insert(X_ACCESS_TOKEN, v);
@@ -193,6 +274,25 @@ mod tests {
     }
 
     #[test]
+    fn every_hop_by_hop_field_has_a_bit() {
+        assert_eq!(TE_BIT, 1 << HOP_BY_HOP.len());
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_by_hop_bit(name), 1 << i, "{name}");
+        }
+        assert_eq!(hop_by_hop_bit(&header::TE), TE_BIT);
+        for other in ["host", "user-agent", "x-api-key", "authorization", "trailers", "t"] {
+            assert_eq!(hop_by_hop_bit(&HeaderName::from_static(other)), 0, "{other}");
+        }
+        let mut h = map(&[("te", "trailers"), ("te", "gzip"), ("x-kept", "1")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.get_all("te").iter().count(), 1);
+        assert_eq!(h["te"], "trailers");
+        let mut h = map(&[("te", "gzip"), ("transfer-encoding", "chunked")]);
+        strip_hop_by_hop(&mut h, false);
+        assert!(h.is_empty(), "{h:?}");
+    }
+
+    #[test]
     fn every_connection_line_counts() {
         let mut h = map(&[
             ("connection", "close"),
@@ -231,6 +331,19 @@ mod tests {
         );
         assert_eq!(h.len(), 1);
         assert_eq!(h["authorization"], "Bearer real");
+    }
+
+    #[test]
+    fn cached_auth_follows_the_key() {
+        let auth = CachedAuth::new(AuthScheme::Bearer);
+        let a = Secret::new("key-a");
+        assert_eq!(auth.value(&a).unwrap(), "Bearer key-a");
+        assert_eq!(auth.value(&a.clone()).unwrap(), "Bearer key-a");
+        assert!(auth.value(&a).unwrap().is_sensitive());
+        assert_eq!(auth.value(&Secret::new("key-b")).unwrap(), "Bearer key-b");
+        assert_eq!(auth.value(&Secret::new("key-a")).unwrap(), "Bearer key-a");
+        assert!(auth.value(&Secret::new("bad\nkey")).is_none());
+        assert!(!format!("{auth:?}").contains("key-a"));
     }
 
     #[test]

@@ -2,16 +2,18 @@
 //! or ALPN), the connection limit, the idle timeout, the framing watch, and the graceful
 //! drain.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use http::Request;
+use http::header::CONNECTION;
+use http::{HeaderValue, Request};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -31,6 +33,10 @@ use crate::settings::ListenAddr;
 
 /// Request heads larger than this get 431 (SPEC §4).
 pub const MAX_HEAD: usize = 64 * 1024;
+
+/// Request heads with more header lines than this get 431 (hyper's default, set here so it
+/// is a decision, not an accident; Apache's `LimitRequestFields` default too).
+pub const MAX_HEADERS: usize = 100;
 
 pub enum Listener {
     Tcp(TcpListener),
@@ -111,6 +117,8 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, Error> {
 pub struct ServeConfig {
     pub tls: Option<TlsAcceptor>,
     pub idle_timeout: Duration,
+    /// `--header-timeout`: the time a client may take to send a request head.
+    pub header_timeout: Duration,
     pub max_connections: usize,
 }
 
@@ -123,7 +131,7 @@ pub async fn accept_loop(
     mut stop: watch::Receiver<bool>,
 ) -> GracefulShutdown {
     let graceful = GracefulShutdown::new();
-    let builder = Arc::new(http_builder());
+    let builder = Arc::new(http_builder(config.header_timeout));
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let config = Arc::new(config);
     loop {
@@ -163,17 +171,34 @@ pub async fn accept_loop(
                 }
             };
             let (io, last_activity, verdicts) = IdleIo::new(io);
-            let service = service_fn(move |mut req: Request<Incoming>| {
-                if verdicts.next_is_ambiguous() {
-                    req.extensions_mut().insert(framing::AmbiguousLength);
-                }
-                proxy.clone().handle(req)
-            });
+            let headed = Arc::new(AtomicBool::new(false));
+            let service = {
+                let headed = headed.clone();
+                service_fn(move |mut req: Request<Incoming>| {
+                    headed.store(true, Ordering::Relaxed);
+                    let refusal = verdicts.next_refusal();
+                    if let Some(why) = refusal {
+                        req.extensions_mut().insert(framing::AmbiguousLength);
+                        req.extensions_mut().insert(why);
+                    }
+                    let handled = proxy.clone().handle(req);
+                    async move {
+                        let mut resp = handled.await?;
+                        if refusal.is_some() {
+                            // What follows on this connection was framed by a guess.
+                            resp.headers_mut()
+                                .insert(CONNECTION, HeaderValue::from_static("close"));
+                        }
+                        Ok::<_, Infallible>(resp)
+                    }
+                })
+            };
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
             let conn = watcher.watch(conn.into_owned());
             tokio::select! {
                 _ = conn => {}
                 _ = idle(last_activity, config.idle_timeout) => {}
+                _ = first_head(headed, config.header_timeout) => {}
             }
         });
     }
@@ -196,11 +221,12 @@ impl Drop for OpenGuard {
     }
 }
 
-pub fn http_builder() -> auto::Builder<TokioExecutor> {
+pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
+        .header_read_timeout(header_timeout)
+        .max_headers(MAX_HEADERS)
         .max_buf_size(MAX_HEAD)
         .keep_alive(true);
     b.http2()
@@ -262,6 +288,17 @@ impl<T> IdleIo<T> {
 struct Activity {
     opened: Instant,
     last: Arc<AtomicU64>,
+}
+
+/// Resolves when no request head has arrived within `timeout` of the connection's start.
+/// hyper's own header timer starts only once it knows the connection is HTTP/1: a client
+/// that sends nothing, or a bit of the HTTP/2 preface, would otherwise hold its slot of
+/// `--max-connections` until the idle timeout.
+async fn first_head(headed: Arc<AtomicBool>, timeout: Duration) {
+    tokio::time::sleep(timeout).await;
+    if headed.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
 }
 
 /// Resolves once the connection has moved no bytes for `timeout`. A connection that still

@@ -28,7 +28,7 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
 use crate::upstream::{self, HttpClient, Versions};
-use headers::AuthScheme;
+use headers::{AuthScheme, CachedAuth};
 use route::HostPolicy;
 
 /// Serving options that are not settings keys (flags of `serve`).
@@ -43,6 +43,9 @@ pub struct Options {
     pub upstream_timeout: Duration,
     pub idle_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// Time a client may take to send a request head (and, on a new connection, its first
+    /// bytes).
+    pub header_timeout: Duration,
     pub max_connections: usize,
 }
 
@@ -58,6 +61,7 @@ impl Default for Options {
             upstream_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(30),
             max_connections: 10_000,
         }
     }
@@ -79,7 +83,7 @@ pub struct Proxy {
     pub(crate) envd: Option<EnvdTarget>,
     pub(crate) api_client: HttpClient,
     pub(crate) envd_client: HttpClient,
-    pub(crate) auth: AuthScheme,
+    pub(crate) auth: CachedAuth,
     /// Swapped whole on SIGHUP; requests in flight keep the one they loaded.
     pub credential: ArcSwap<ApiCredential>,
     pub tokens: TokenStore,
@@ -125,7 +129,7 @@ impl Proxy {
             envd,
             api_client: upstream::client(tls.clone(), Versions::Negotiate, options.connect_timeout),
             envd_client: upstream::client(tls, Versions::Http1, options.connect_timeout),
-            auth: AuthScheme::from(&settings.auth),
+            auth: CachedAuth::new(AuthScheme::from(&settings.auth)),
             credential: ArcSwap::from_pointee(credential),
             tokens: TokenStore::new(),
             metrics,

@@ -4,7 +4,8 @@
 use http::request::Parts;
 use http::{HeaderValue, Method};
 
-use super::framing::AmbiguousLength;
+use super::framing::{AmbiguousLength, Refusal};
+use super::headers::{E2B_SANDBOX_ID, E2B_SANDBOX_PORT};
 use crate::error::Error;
 
 pub const DEFAULT_ENVD_PORT: u16 = 49983;
@@ -93,8 +94,9 @@ fn refused(reason: impl Into<String>) -> Error {
 
 pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     if parts.extensions.get::<AmbiguousLength>().is_some() {
-        // Some peer on the path may have framed this by the length: request smuggling.
-        return Err(refused("both Content-Length and Transfer-Encoding"));
+        // Some peer on the path may have framed this differently: request smuggling.
+        let why = parts.extensions.get::<Refusal>().copied();
+        return Err(refused(why.unwrap_or(Refusal::BothLengths).reason()));
     }
     if parts.method == Method::CONNECT {
         return Err(refused(
@@ -128,13 +130,14 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
         return Err(refused("missing Host header"));
     }
 
-    if let Some(id) = parts.headers.get("e2b-sandbox-id") {
+    // The constants, not strings: a `&str` key is parsed into a name on every call.
+    if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
         let id = id
             .to_str()
             .ok()
             .filter(|s| valid_sandbox_id(s))
             .ok_or_else(|| refused("invalid E2b-Sandbox-Id"))?;
-        let port = match parts.headers.get("e2b-sandbox-port") {
+        let port = match parts.headers.get(&E2B_SANDBOX_PORT) {
             None => DEFAULT_ENVD_PORT,
             Some(p) => p
                 .to_str()

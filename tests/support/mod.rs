@@ -1179,3 +1179,23 @@ fn parse_series(s: &str) -> (String, std::collections::BTreeMap<String, String>)
         .collect();
     (name.to_string(), labels)
 }
+
+// ---------------------------------------------------------------------------------------
+// Added for tests/faults.rs
+// ---------------------------------------------------------------------------------------
+
+impl ProxyCmd {
+    /// Replaces the `--log-level` filter (`debug` by default), e.g. with `trace`.
+    pub fn log_level(mut self, filter: &str) -> Self {
+        if let Some(i) = self.args.iter().position(|a| a == "--log-level") {
+            self.args[i + 1] = filter.to_string();
+        }
+        self
+    }
+
+    /// The environment the proxy gets besides HOME and ABX_HOME (for running other
+    /// `abx-proxy` commands, e.g. `config list`, the same way).
+    pub fn env_vars(&self) -> Vec<(String, String)> {
+        self.env.clone()
+    }
+}

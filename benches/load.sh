@@ -1,0 +1,487 @@
+#!/usr/bin/env bash
+# Load test: abx-proxy against nginx and HAProxy configured the same way, on 127.0.0.1 only.
+#
+# Usage (as root, from anywhere in the repo):
+#   bash benches/load.sh
+#
+# One run installs what is missing (nginx, haproxy, wrk, curl, python3 from Debian's
+# packages), builds abx-proxy and examples/bench_upstream.rs in release, starts the upstream,
+# nginx with 1 and with 2 workers, HAProxy and abx-proxy, then:
+#   1. request rate: wrk (2 threads, `--latency`) at 8, 64 and 256 connections, DUR seconds
+#      a run, ROUNDS rounds, the targets interleaved (order rotated every round);
+#      per run the proxy's peak RSS (VmHWM reset before the run via /proc/PID/clear_refs,
+#      summed over nginx's master and workers; VmRSS polling where clear_refs is refused);
+#   2. transfers: XFER_BYTES (1 GiB) downloaded and uploaded through every proxy and direct,
+#      with curl to /dev/null and from a generator (`head -c … /dev/zero`): throughput and
+#      the proxy's peak RSS;
+#   3. IDLE_CONNS (10 000) idle keep-alive connections (one request each, then held open)
+#      against abx-proxy (and nginx 1 worker, for reference): the proxy's RSS.
+# and prints Markdown tables: medians per target and connection count, the ratio to the
+# best nginx configuration at that count; the transfer table; the idle-connection lines.
+#
+# Every proxy is configured equivalently: forward to the upstream, `Authorization: Bearer
+# <key>` attached, `X-API-Key` removed, `Host` set to the upstream's, keep-alive to the
+# upstream (reusing any idle connection), no request or response buffering, one access-log
+# line per request written to /dev/null (abx-proxy logs every request at info; the others
+# are made to do the same work). The headers each proxy sends are checked before measuring.
+#
+# Knobs (environment): DUR=5 ROUNDS=3 CONNS="8 64 256" XFER_BYTES=1073741824
+#   IDLE_CONNS=10000 BASE_PORT=27100 SKIP_BUILD=1 (use the binaries already built)
+#   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`).
+# Every run is bounded (wrk -d, curl --max-time, timeouts on every wait), stops by itself
+# and kills what it started on exit. Expect 6 to 8 minutes after the build. Not part of the
+# test suite.
+set -euo pipefail
+
+DUR=${DUR:-5}
+ROUNDS=${ROUNDS:-3}
+CONNS=${CONNS:-"8 64 256"}
+XFER_BYTES=${XFER_BYTES:-1073741824}
+IDLE_CONNS=${IDLE_CONNS:-10000}
+BASE_PORT=${BASE_PORT:-27100}
+KEY="sk-bench-0123456789abcdef0123456789abcdef"
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WORK=$(mktemp -d /tmp/abx-load.XXXXXX)
+PIDS=()
+
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        # nginx's master takes its workers down with it; give everyone a moment.
+        timeout 5 tail --pid="$pid" -f /dev/null 2>/dev/null || kill -9 "$pid" 2>/dev/null || true
+    done
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log() { printf '>> %s\n' "$*" >&2; }
+die() { printf 'load.sh: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- tools and build
+export PATH="$PATH:/usr/sbin:/sbin"
+missing=()
+command -v nginx >/dev/null || missing+=(nginx)
+command -v haproxy >/dev/null || missing+=(haproxy)
+command -v wrk >/dev/null || missing+=(wrk)
+command -v curl >/dev/null || missing+=(curl)
+command -v python3 >/dev/null || missing+=(python3)
+if ((${#missing[@]})); then
+    log "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# nginx's package may start a system instance; ours use their own ports and prefix.
+
+if [[ -z ${SKIP_BUILD:-} ]]; then
+    log "cargo build --release --locked"
+    (cd "$ROOT" && cargo build --release --locked --bin abx-proxy --example bench_upstream)
+fi
+ABX="$ROOT/target/release/abx-proxy"
+UPSTREAM_BIN="$ROOT/target/release/examples/bench_upstream"
+[[ -x $ABX && -x $UPSTREAM_BIN ]] || die "release binaries missing (build failed?)"
+
+# 10 000 client sockets plus the proxy's: raise the descriptor limit for everything below.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+(($(ulimit -n) >= IDLE_CONNS + 512)) || {
+    log "ulimit -n $(ulimit -n) is too low for $IDLE_CONNS connections; using $(($(ulimit -n) - 512))"
+    IDLE_CONNS=$(($(ulimit -n) - 512))
+}
+
+P_UP=$BASE_PORT
+P_NGX1=$((BASE_PORT + 1))
+P_NGX2=$((BASE_PORT + 2))
+P_HAP=$((BASE_PORT + 3))
+P_ABX=$((BASE_PORT + 4))
+P_ADMIN=$((BASE_PORT + 5))
+for p in $P_UP $P_NGX1 $P_NGX2 $P_HAP $P_ABX $P_ADMIN; do
+    if ss -Hltn "sport = :$p" | grep -q .; then die "port $p is in use (set BASE_PORT)"; fi
+done
+
+# ---------------------------------------------------------------- configurations
+nginx_conf() { # workers port dir
+    mkdir -p "$3/tmp"
+    cat >"$3/nginx.conf" <<EOF
+worker_processes $1;
+worker_rlimit_nofile $(ulimit -n);
+daemon off;
+pid $3/nginx.pid;
+error_log $3/error.log warn;
+events { worker_connections $((IDLE_CONNS + 1024)); }
+http {
+    access_log /dev/null;
+    client_body_temp_path $3/tmp/body;
+    proxy_temp_path $3/tmp/proxy;
+    fastcgi_temp_path $3/tmp/fastcgi;
+    uwsgi_temp_path $3/tmp/uwsgi;
+    scgi_temp_path $3/tmp/scgi;
+    keepalive_timeout 300s;
+    keepalive_requests 1000000;
+    client_max_body_size 0;
+    upstream bench {
+        server 127.0.0.1:$P_UP;
+        keepalive 512;
+        keepalive_requests 1000000;
+        keepalive_timeout 90s;
+    }
+    server {
+        listen 127.0.0.1:$2 backlog=4096;
+        location / {
+            proxy_pass http://bench;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host 127.0.0.1:$P_UP;
+            proxy_set_header X-API-Key "";
+            proxy_set_header Authorization "Bearer $KEY";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;
+            proxy_send_timeout 300s;
+        }
+    }
+}
+EOF
+}
+
+haproxy_conf() { # port file
+    cat >"$2" <<EOF
+global
+    maxconn 4096
+    log stdout format raw local0 info
+defaults
+    mode http
+    log global
+    option httplog
+    option http-keep-alive
+    http-reuse always
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+    timeout http-keep-alive 300s
+frontend fe
+    bind 127.0.0.1:$1
+    default_backend be
+backend be
+    http-request del-header X-API-Key
+    http-request set-header Authorization "Bearer $KEY"
+    http-request set-header Host 127.0.0.1:$P_UP
+    server up 127.0.0.1:$P_UP
+EOF
+}
+
+# ---------------------------------------------------------------- processes
+wait_http() { # port path
+    local i
+    for i in $(seq 100); do
+        if curl -s -o /dev/null --max-time 1 -H 'X-API-Key: dummy' "http://127.0.0.1:$1$2"; then return 0; fi
+        sleep 0.1
+    done
+    return 1
+}
+
+log "starting upstream, nginx x2, haproxy, abx-proxy"
+"$UPSTREAM_BIN" "127.0.0.1:$P_UP" >"$WORK/upstream.log" 2>&1 &
+PIDS+=($!)
+PID_UP=$!
+wait_http "$P_UP" /bench || die "upstream did not start: $(cat "$WORK/upstream.log")"
+
+mkdir -p "$WORK/ngx1" "$WORK/ngx2"
+nginx_conf 1 "$P_NGX1" "$WORK/ngx1"
+nginx_conf 2 "$P_NGX2" "$WORK/ngx2"
+nginx -p "$WORK/ngx1" -c "$WORK/ngx1/nginx.conf" 2>"$WORK/ngx1/stderr" &
+PIDS+=($!)
+PID_NGX1=$!
+nginx -p "$WORK/ngx2" -c "$WORK/ngx2/nginx.conf" 2>"$WORK/ngx2/stderr" &
+PIDS+=($!)
+PID_NGX2=$!
+
+haproxy_conf "$P_HAP" "$WORK/haproxy.cfg"
+haproxy -db -f "$WORK/haproxy.cfg" >/dev/null 2>"$WORK/haproxy.stderr" &
+PIDS+=($!)
+PID_HAP=$!
+
+mkdir -p "$WORK/abx-home"
+# A clean settings chain: no ABX_* from the caller, no ./.env, no ~/.abx.
+start_abx() { # stderr-file
+    (
+        cd "$WORK"
+        for v in $(compgen -e | grep '^ABX_' || true); do unset "$v"; done
+        export ABX_HOME="$WORK/abx-home" ABX_SANDBOX_API_KEY="$KEY"
+        # shellcheck disable=SC2086
+        exec "$ABX" serve --listen "127.0.0.1:$P_ABX" --admin-listen "127.0.0.1:$P_ADMIN" \
+            --sandbox-base-url "http://127.0.0.1:$P_UP" ${ABX_EXTRA_ARGS:-} 2>"$1"
+    ) &
+    PID_ABX=$!
+    PIDS+=($!)
+}
+# Access log to /dev/null like the others; on a failed start, start again to see why.
+start_abx /dev/null
+if ! wait_http "$P_ABX" /bench; then
+    kill "$PID_ABX" 2>/dev/null || true
+    start_abx "$WORK/abx.stderr"
+    wait_http "$P_ABX" /bench || die "abx-proxy did not start: $(cat "$WORK/abx.stderr")"
+fi
+wait_http "$P_NGX1" /bench || die "nginx (1 worker) did not start: $(cat "$WORK/ngx1/stderr" "$WORK/ngx1/error.log" 2>/dev/null)"
+wait_http "$P_NGX2" /bench || die "nginx (2 workers) did not start: $(cat "$WORK/ngx2/stderr" "$WORK/ngx2/error.log" 2>/dev/null)"
+wait_http "$P_HAP" /bench || die "haproxy did not start: $(cat "$WORK/haproxy.stderr")"
+
+TARGETS=(direct nginx-1w nginx-2w haproxy abx-proxy)
+port_of() {
+    case $1 in
+    direct) echo "$P_UP" ;; nginx-1w) echo "$P_NGX1" ;; nginx-2w) echo "$P_NGX2" ;;
+    haproxy) echo "$P_HAP" ;; abx-proxy) echo "$P_ABX" ;;
+    esac
+}
+# The processes whose memory counts: the proxy (nginx: master and workers).
+pids_of() {
+    local m
+    case $1 in
+    direct) echo "$PID_UP" ;;
+    nginx-1w | nginx-2w)
+        m=$PID_NGX1
+        [[ $1 == nginx-2w ]] && m=$PID_NGX2
+        echo "$m $(pgrep -P "$m" | tr '\n' ' ')"
+        ;;
+    haproxy) echo "$PID_HAP" ;; abx-proxy) echo "$PID_ABX" ;;
+    esac
+}
+
+# Same rewrite everywhere: the key attached, the dummy gone, the upstream's Host.
+for t in nginx-1w nginx-2w haproxy abx-proxy; do
+    h=$(curl -s --max-time 5 -H 'X-API-Key: dummy' -H 'Authorization: Bearer dummy' \
+        "http://127.0.0.1:$(port_of "$t")/headers" | tr 'A-Z' 'a-z')
+    grep -qx "authorization: bearer ${KEY,,}" <<<"$h" || die "$t: no injected Authorization: $h"
+    grep -q '^x-api-key:' <<<"$h" && die "$t: X-API-Key reached the upstream"
+    grep -qx "host: 127.0.0.1:$P_UP" <<<"$h" || die "$t: Host not rewritten: $h"
+done
+
+# ---------------------------------------------------------------- memory
+status_kb() { # pid field -> kB
+    local k v _
+    while read -r k v _; do
+        if [[ $k == "$2:" ]]; then
+            echo "$v"
+            return
+        fi
+    done <"/proc/$1/status" 2>/dev/null
+    echo 0
+}
+sum_kb() { # field pids...
+    local f=$1 total=0 p
+    shift
+    for p in "$@"; do total=$((total + $(status_kb "$p" "$f"))); done
+    echo "$total"
+}
+CLEAR_REFS=0
+if echo 5 >"/proc/$PID_ABX/clear_refs" 2>/dev/null; then CLEAR_REFS=1; fi
+
+# Runs "$@" while tracking the peak RSS (kB) of the target's processes; prints it to fd 3.
+with_peak_rss() { # target cmd...
+    local t=$1 p poller peak_file="$WORK/peak"
+    shift
+    local pids
+    read -r -a pids <<<"$(pids_of "$t")"
+    echo 0 >"$peak_file"
+    if ((CLEAR_REFS)); then
+        for p in "${pids[@]}"; do echo 5 >"/proc/$p/clear_refs" 2>/dev/null || true; done
+    else
+        (
+            max=0
+            while :; do
+                cur=$(sum_kb VmRSS "${pids[@]}")
+                ((cur > max)) && max=$cur && echo "$max" >"$peak_file"
+                sleep 0.1
+            done
+        ) &
+        poller=$!
+    fi
+    "$@"
+    if ((CLEAR_REFS)); then
+        sum_kb VmHWM "${pids[@]}" >"$peak_file"
+    else
+        kill "$poller" 2>/dev/null || true
+        wait "$poller" 2>/dev/null || true
+    fi
+    cat "$peak_file" >&3
+}
+
+ABX_IDLE_KB=$(status_kb "$PID_ABX" VmRSS)
+
+# ---------------------------------------------------------------- 1. request rate
+to_ms() { # wrk latency ("612.00us", "1.23ms", "2.00s") -> ms
+    awk -v v="$1" 'BEGIN {
+        n = v + 0; u = v; sub(/^[0-9.]+/, "", u)
+        if (u == "us") n /= 1000; else if (u == "s") n *= 1000; else if (u == "m") n *= 60000
+        printf "%.3f", n }'
+}
+RESULTS="$WORK/results.tsv"
+: >"$RESULTS"
+run_wrk() { # target conns round
+    local port out rss
+    port=$(port_of "$1")
+    out="$WORK/wrk.out"
+    rss=$(with_peak_rss "$1" timeout $((DUR + 20)) wrk -t2 -c"$2" -d"${DUR}s" --timeout 5s --latency \
+        -H 'X-API-Key: dummy' "http://127.0.0.1:$port/bench" 3>&1 >"$out" 2>&1) || true
+    local rps p50 p99 errs
+    rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
+    p50=$(to_ms "$(awk '$1 == "50%" {print $2}' "$out")")
+    p99=$(to_ms "$(awk '$1 == "99%" {print $2}' "$out")")
+    errs=$(awk '/Non-2xx/ {e += $NF} /Socket errors/ {gsub(",", ""); e += $4 + $6 + $8 + $10} END {print e + 0}' "$out")
+    [[ -n $rps ]] || { rps=0; log "wrk against $1 failed: $(head -c 300 "$out")"; }
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$errs" >>"$RESULTS"
+    log "$(printf '%-10s c=%-4s round %s: %10s req/s  p50 %7s ms  p99 %8s ms  peak %6s kB  errors %s' \
+        "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$errs")"
+}
+
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+log "warm-up"
+for t in "${TARGETS[@]}"; do
+    timeout 20 wrk -t2 -c64 -d1s -H 'X-API-Key: dummy' "http://127.0.0.1:$(port_of "$t")/bench" >/dev/null 2>&1 || true
+done
+for round in $(seq "$ROUNDS"); do
+    # Rotate the order every round so no target always runs right after the same one.
+    order=("${TARGETS[@]:$(((round - 1) % ${#TARGETS[@]}))}" "${TARGETS[@]:0:$(((round - 1) % ${#TARGETS[@]}))}")
+    for c in $CONNS; do
+        for t in "${order[@]}"; do run_wrk "$t" "$c" "$round"; done
+    done
+done
+
+# ---------------------------------------------------------------- 2. transfers
+XFER="$WORK/xfer.tsv"
+: >"$XFER"
+transfer() { # target direction
+    local port out rss
+    port=$(port_of "$1")
+    out="$WORK/curl.out"
+    if [[ $2 == down ]]; then
+        rss=$(with_peak_rss "$1" curl -s -o /dev/null --max-time 180 -w '%{size_download} %{time_total}' \
+            "http://127.0.0.1:$port/download?bytes=$XFER_BYTES" 3>&1 >"$out" 2>&1) || true
+    else
+        # A sized upload (Content-Length, no chunking, no Expect round trip), from a pipe.
+        rss=$(with_peak_rss "$1" bash -c "head -c $XFER_BYTES /dev/zero | curl -s -o '$WORK/up.body' \
+            --max-time 180 -X POST -T - -H 'Content-Length: $XFER_BYTES' -H 'Transfer-Encoding:' \
+            -H 'Expect:' -w '%{size_upload} %{time_total}' 'http://127.0.0.1:$port/upload'" 3>&1 >"$out" 2>&1) || true
+        grep -q "\"received\":$XFER_BYTES" "$WORK/up.body" 2>/dev/null || { log "$1 upload incomplete: $(cat "$WORK/up.body" 2>/dev/null)"; echo "0 1" >"$out"; }
+    fi
+    local size secs
+    read -r size secs <"$out" || true
+    [[ ${size:-0} == "$XFER_BYTES" ]] || { log "$1 $2: transferred ${size:-0} of $XFER_BYTES"; secs=0; }
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(awk -v b="$XFER_BYTES" -v s="${secs:-0}" 'BEGIN { if (s > 0) printf "%.0f", b / s / 1048576; else print 0 }')" "$rss" >>"$XFER"
+    log "$(printf '%-10s %-4s %6s MiB/s  peak %7s kB' "$1" "$2" "$(tail -1 "$XFER" | cut -f3)" "$rss")"
+}
+for t in "${TARGETS[@]}"; do
+    transfer "$t" down
+    transfer "$t" up
+done
+
+# ---------------------------------------------------------------- 3. idle connections
+cat >"$WORK/idle.py" <<'EOF'
+import socket, sys, time
+port, n, ready, hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+req = b"GET /bench HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX-API-Key: dummy\r\n\r\n" % port
+socks, deadline = [], time.monotonic() + 60
+for i in range(n):
+    if time.monotonic() > deadline:
+        break
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(req)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        buf += s.recv(4096) or b"!\r\n\r\n"
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += s.recv(4096) or b"!" * length
+    socks.append(s)
+open(ready, "w").write(str(len(socks)))
+time.sleep(hold)
+EOF
+idle_test() { # target -> "conns rss_before_kB rss_after_kB"
+    local port ready="$WORK/idle.ready" py before after held i pids
+    port=$(port_of "$1")
+    read -r -a pids <<<"$(pids_of "$1")"
+    rm -f "$ready"
+    before=$(sum_kb VmRSS "${pids[@]}")
+    timeout 120 python3 "$WORK/idle.py" "$port" "$IDLE_CONNS" "$ready" 30 &
+    py=$!
+    for i in $(seq 900); do [[ -s $ready ]] && break; kill -0 "$py" 2>/dev/null || break; sleep 0.1; done
+    held=$(cat "$ready" 2>/dev/null || echo 0)
+    sleep 1 # let the proxy settle (pool and buffers)
+    after=$(sum_kb VmRSS "${pids[@]}")
+    kill "$py" 2>/dev/null || true
+    wait "$py" 2>/dev/null || true
+    echo "$held $before $after"
+}
+read -r ABX_IDLE_N ABX_IDLE_BEFORE ABX_IDLE_AFTER <<<"$(idle_test abx-proxy)"
+sleep 2
+read -r NGX_IDLE_N NGX_IDLE_BEFORE NGX_IDLE_AFTER <<<"$(idle_test nginx-1w)"
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# ---------------------------------------------------------------- report
+python3 - "$RESULTS" "$XFER" "$ROUNDS" "$DUR" <<EOF
+import statistics, sys
+from collections import defaultdict
+results, xfer, rounds, dur = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+runs = defaultdict(list)
+for line in open(results):
+    t, c, r, rps, p50, p99, rss, errs = line.split("\t")
+    runs[(t, int(c))].append((float(rps), float(p50), float(p99), int(rss), int(errs)))
+med = lambda xs: statistics.median(xs)
+order = ["direct", "nginx-1w", "nginx-2w", "haproxy", "abx-proxy"]
+conns = sorted({c for _, c in runs})
+print()
+print("## Request rate (GET, 53-byte body; wrk -t2, ${DUR}s x ${ROUNDS} rounds, interleaved; medians)")
+print()
+print(f"machine: $(nproc) cores; load average at start {'$LOAD_START'}, at end {'$LOAD_END'}")
+print()
+print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | req/s vs best nginx | p99 vs best nginx | errors |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for c in conns:
+    best = max((t for t in ("nginx-1w", "nginx-2w") if (t, c) in runs), key=lambda t: med([x[0] for x in runs[(t, c)]]), default=None)
+    brps = med([x[0] for x in runs[(best, c)]]) if best else 0
+    bp99 = med([x[2] for x in runs[(best, c)]]) if best else 0
+    for t in order:
+        if (t, c) not in runs:
+            continue
+        xs = runs[(t, c)]
+        rps, p50, p99 = med([x[0] for x in xs]), med([x[1] for x in xs]), med([x[2] for x in xs])
+        rss, errs = med([x[3] for x in xs]) / 1024, sum(x[4] for x in xs)
+        ratio = f"{rps / brps:.2f}x" if brps else "-"
+        pratio = f"{p99 / bp99:.2f}x" if bp99 else "-"
+        print(f"| {t} | {c} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {rss:.1f} | {ratio} | {pratio} | {errs} |")
+print()
+print("(direct = wrk straight to the upstream, for scale; its RSS is the upstream's. best nginx = the faster of 1 and 2 workers at that connection count.)")
+print()
+print("## Transfers ($((XFER_BYTES / 1048576)) MiB, curl, one each)")
+print()
+x = {}
+for line in open(xfer):
+    t, d, mibs, rss = line.split("\t")
+    x[(t, d)] = (float(mibs), int(rss))
+print("| target | download MiB/s | vs direct | peak RSS MiB | upload MiB/s | vs direct | peak RSS MiB |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+dd, du = x.get(("direct", "down"), (0, 0))[0], x.get(("direct", "up"), (0, 0))[0]
+for t in order:
+    if (t, "down") not in x:
+        continue
+    (dm, dr), (um, ur) = x[(t, "down")], x[(t, "up")]
+    rd = f"{dm / dd:.2f}x" if dd else "-"
+    ru = f"{um / du:.2f}x" if du else "-"
+    print(f"| {t} | {dm:,.0f} | {rd} | {dr / 1024:.1f} | {um:,.0f} | {ru} | {ur / 1024:.1f} |")
+print()
+print("(direct: RSS is the upstream's.)")
+print()
+print("## Idle")
+print()
+def idle(name, n, before, after):
+    n, before, after = int(n), int(before), int(after)
+    per = (after - before) / n if n else 0
+    print(f"- {name}: {n} idle keep-alive connections held: RSS {after / 1024:.1f} MiB (before {before / 1024:.1f} MiB, {per:.2f} KiB per connection)")
+print(f"- abx-proxy idle RSS (after start-up and one request per target check): {int('$ABX_IDLE_KB') / 1024:.1f} MiB")
+idle("abx-proxy", "$ABX_IDLE_N", "$ABX_IDLE_BEFORE", "$ABX_IDLE_AFTER")
+idle("nginx-1w (reference)", "$NGX_IDLE_N", "$NGX_IDLE_BEFORE", "$NGX_IDLE_AFTER")
+EOF

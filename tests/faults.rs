@@ -1,0 +1,1234 @@
+//! Limits, request smuggling and fault injection (SPEC §4–§7), through the real binary.
+//!
+//! Every proxy here runs at `--log-level trace` with `RUST_BACKTRACE=1`, and every test ends
+//! with a [`Sweep`]: whatever the client got (status lines, headers, bodies), `/metrics`,
+//! `config list` and `config list --json` with the same settings, and the proxy's whole
+//! stderr must hold none of the secrets in play (the API key, the AccessKey secret, every
+//! temporary key the token endpoint issued, envd tokens), and nothing may have panicked.
+//! After every fault a normal request still succeeds and `/healthz` is 200.
+//!
+//! Waits are on events (log lines, requests reaching an upstream, metrics reaching a
+//! value), each bounded by [`GUARD`]. The only deliberate pacing is the slow client of the
+//! slowloris test, which is the behaviour under test.
+
+mod support;
+
+#[path = "support/fake_exchange.rs"]
+mod fake_exchange;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use abx_proxy::credentials::exchange::SystemClock;
+use bytes::Bytes;
+use fake_exchange::{FakeExchange, Mode, ACCESS_KEY_ID, ACCESS_KEY_SECRET};
+use http::Response;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// Every proxy of this file: all of tracing on, backtraces on.
+fn traced(cmd: ProxyCmd) -> ProxyCmd {
+    cmd.log_level("trace").env("RUST_BACKTRACE", Some("1"))
+}
+
+async fn connect_raw(addr: SocketAddr) -> TcpStream {
+    within("connect to the proxy", TcpStream::connect(addr))
+        .await
+        .expect("connect to the proxy")
+}
+
+/// `GET path` on a fresh connection that closes after the answer.
+async fn get(addr: SocketAddr, path: &str) -> RawResponse {
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    raw_exchange(addr, req.as_bytes()).await
+}
+
+/// Reads one response, or `None` when the peer closes (or resets) before a response head.
+/// Returns the bytes read past the response too.
+async fn response_or_close(s: &mut TcpStream) -> (Option<RawResponse>, Vec<u8>) {
+    let mut buf = Vec::new();
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut tmp = [0u8; 16 * 1024];
+        match within("an answer or a close", s.read(&mut tmp)).await {
+            Ok(0) | Err(_) if buf.is_empty() => return (None, buf),
+            Ok(0) => panic!("closed mid-head: {:?}", String::from_utf8_lossy(&buf)),
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            Err(e) => panic!("read failed mid-head: {e}"),
+        }
+    }
+    let resp = read_response(s, &mut buf).await;
+    (Some(resp), buf)
+}
+
+/// Sum of every series of a metric family (any labels).
+fn family_sum(text: &str, family: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(family) && l[family.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Scrapes `/metrics` until `series` is at least `min` (bounded by [`GUARD`]). Each round
+/// is a full request to the proxy: the wait is on the proxy's state.
+async fn wait_metric_at_least(admin: SocketAddr, series: &str, min: f64) -> f64 {
+    let mut last = None;
+    let reached = tokio::time::timeout(GUARD, async {
+        loop {
+            last = metric(&scrape(admin).await, series);
+            if last.is_some_and(|v| v >= min) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "{series} did not reach {min} within {GUARD:?}; last {last:?}"
+    );
+    last.unwrap_or_default()
+}
+
+const EXCHANGE_FAILURES: &str = "abx_proxy_token_exchanges_total{result=\"failure\"}";
+const EXCHANGE_SUCCESSES: &str = "abx_proxy_token_exchanges_total{result=\"success\"}";
+
+/// Runs another `abx-proxy` command with the proxy's environment and settings flags.
+struct Settings {
+    env: Vec<(String, String)>,
+    flags: Vec<String>,
+}
+
+impl Settings {
+    fn of(cmd: &ProxyCmd, flags: &[&str]) -> Settings {
+        Settings {
+            env: cmd.env_vars(),
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+        }
+    }
+
+    /// `abx-proxy config list [--json]`: stdout and stderr; it must succeed.
+    async fn config_list(&self, json: bool) -> String {
+        let home = tempfile::tempdir().expect("home");
+        let abx_home = home.path().join(".abx");
+        std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        cmd.env_clear()
+            .env("HOME", home.path())
+            .env("ABX_HOME", &abx_home)
+            .env("RUST_BACKTRACE", "1")
+            .current_dir(home.path())
+            .args(["config", "list"])
+            .args(&self.flags);
+        if json {
+            cmd.arg("--json");
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let out = within(
+            "config list",
+            tokio::task::spawn_blocking(move || cmd.output()),
+        )
+        .await
+        .expect("join")
+        .expect("run config list");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "config list failed: {text}");
+        text
+    }
+}
+
+/// What left the proxy during a test, searched for secrets at the end.
+struct Sweep {
+    secrets: Vec<String>,
+    seen: Vec<(String, String)>,
+}
+
+impl Sweep {
+    fn new(secrets: &[&str]) -> Sweep {
+        Sweep {
+            secrets: secrets.iter().map(|s| s.to_string()).collect(),
+            seen: Vec::new(),
+        }
+    }
+
+    fn secret(&mut self, s: impl Into<String>) {
+        self.secrets.push(s.into());
+    }
+
+    fn text(&mut self, what: impl Into<String>, text: impl Into<String>) {
+        self.seen.push((what.into(), text.into()));
+    }
+
+    /// Everything the client got: status, every header, the body.
+    fn raw(&mut self, what: &str, r: &RawResponse) {
+        let headers: String = r
+            .headers
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}\n"))
+            .collect();
+        self.text(what, format!("{}\n{headers}\n{}", r.status, r.text()));
+    }
+
+    /// Adds `/metrics` and `config list [--json]`, stops the proxy (exit 0, key-free stderr,
+    /// see [`ProxyProc::finish`]) and searches all of it.
+    async fn finish(mut self, proxy: ProxyProc, settings: &Settings) {
+        let metrics = scrape(proxy.admin_addr()).await;
+        self.text("/metrics", metrics);
+        self.text("config list", settings.config_list(false).await);
+        self.text("config list --json", settings.config_list(true).await);
+        let stderr = proxy.finish().await;
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+            "something panicked:\n{stderr}"
+        );
+        assert!(
+            stderr.contains(" TRACE "),
+            "trace logging is off:\n{stderr}"
+        );
+        self.text("the proxy's stderr", stderr);
+        for (what, text) in &self.seen {
+            assert_no_key(text, what);
+            for secret in &self.secrets {
+                assert!(
+                    !text.contains(secret.as_str()),
+                    "a secret ({}…) leaked into {what}:\n{text}",
+                    &secret[..6.min(secret.len())]
+                );
+            }
+        }
+    }
+}
+
+/// A normal request still succeeds, `/healthz` is 200 and `/readyz` as expected.
+async fn assert_healthy(proxy: &ProxyProc, sweep: &mut Sweep, ready: bool) {
+    let ok = get(proxy.addr(), "/sandboxes").await;
+    sweep.raw("a normal request", &ok);
+    assert_eq!(ok.status, 200, "a normal request after a fault: {ok:?}");
+    let admin = proxy.admin_addr();
+    assert_eq!(get(admin, "/healthz").await.status, 200, "/healthz");
+    let want = if ready { 200 } else { 503 };
+    assert_eq!(get(admin, "/readyz").await.status, want, "/readyz");
+}
+
+/// An upstream that answers 200 with the request body (400 if the body broke).
+async fn echo_upstream(pki: &Pki) -> Upstream {
+    Upstream::start(pki, Proto::Http1, |req| async move {
+        match req.into_body().collect().await {
+            Ok(b) => response(200, b.to_bytes()),
+            Err(_) => response(400, "the request body broke"),
+        }
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Limits
+// ---------------------------------------------------------------------------------------
+
+/// 100 header lines pass, the 101st gets hyper's 431 before anything reaches the upstream,
+/// and the connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_than_100_headers_is_431() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+
+    // Host, X-API-Key and Authorization are replaced on the way up, so the upstream (hyper,
+    // 100 at most too) sees 97 + Host + the proxy's Authorization.
+    let head = |lines: usize| {
+        let mut h = format!(
+            "GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\nAuthorization: Bearer dummy\r\n"
+        );
+        for i in 3..lines {
+            h.push_str(&format!("X-Filler-{i}: {i}\r\n"));
+        }
+        h + "Connection: close\r\n\r\n"
+    };
+    // `Connection: close` is one more line: 99 + 1 = 100.
+    let ok = raw_exchange(addr, head(99).as_bytes()).await;
+    sweep.raw("100 headers", &ok);
+    assert_eq!(ok.status, 200, "{ok:?}");
+    assert_eq!(upstream.seen().len(), 1);
+
+    let mut s = connect_raw(addr).await;
+    s.write_all(head(100).as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let too_many = read_response(&mut s, &mut buf).await;
+    sweep.raw("101 headers", &too_many);
+    assert_eq!(too_many.status, 431, "{too_many:?}");
+    expect_closed(&mut s, &buf).await;
+    assert_eq!(upstream.seen().len(), 1, "the 431 request went upstream");
+
+    assert_healthy(&proxy, &mut sweep, true).await;
+    sweep.finish(proxy, &settings).await;
+}
+
+/// `--header-timeout 1s` (slowloris): a connection whose request head stops half-way, one
+/// that trickles a head byte by byte (moving bytes, so the idle timeout never fires), one
+/// that says nothing at all, one that stops inside the HTTP/2 preface, and a keep-alive
+/// connection whose second head stalls are all closed after about a second — not after
+/// the 300 s idle timeout. None of the slow heads reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_request_heads_are_cut_at_the_header_timeout() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--header-timeout", "1s"]);
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+    const BOUND: Duration = Duration::from_secs(10);
+
+    let stalled = async {
+        let start = Instant::now();
+        let mut s = connect_raw(addr).await;
+        let partial = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-Slow: ");
+        s.write_all(partial.as_bytes()).await.unwrap();
+        expect_closed(&mut s, &[]).await;
+        start.elapsed()
+    };
+    let trickled = async {
+        let start = Instant::now();
+        let s = connect_raw(addr).await;
+        let (mut rd, mut wr) = s.into_split();
+        let head = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-Slow: ");
+        wr.write_all(head.as_bytes()).await.unwrap();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let writer = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                // Pacing the slow client (the behaviour under test), not synchronisation.
+                let mut every = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    every.tick().await;
+                    if wr.write_all(b"a").await.is_err() {
+                        return;
+                    }
+                    sent.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        let mut tmp = [0u8; 64];
+        let n = within("the trickling connection to close", rd.read(&mut tmp)).await;
+        assert!(matches!(n, Ok(0) | Err(_)), "got bytes: {n:?}");
+        writer.abort();
+        (start.elapsed(), sent.load(Ordering::SeqCst))
+    };
+    let silent = async {
+        let start = Instant::now();
+        let mut s = connect_raw(addr).await;
+        expect_closed(&mut s, &[]).await;
+        start.elapsed()
+    };
+    let preface = async {
+        let start = Instant::now();
+        let mut s = connect_raw(addr).await;
+        s.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        expect_closed(&mut s, &[]).await;
+        start.elapsed()
+    };
+    // hyper's timer also runs between requests on a keep-alive connection, from the end
+    // of the previous response: a stalled second head (or plain idleness) is cut alike.
+    let second = async {
+        let mut s = connect_raw(addr).await;
+        let first = format!("GET /first HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        s.write_all(first.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
+        let start = Instant::now();
+        s.write_all(b"GET /second HTTP/1.1\r\nX-Slow: ")
+            .await
+            .unwrap();
+        expect_closed(&mut s, &buf).await;
+        start.elapsed()
+    };
+    let (stalled, (trickled, sent), silent, preface, second) =
+        tokio::join!(stalled, trickled, silent, preface, second);
+    for (what, took) in [
+        ("half a head", stalled),
+        ("a trickled head", trickled),
+        ("nothing", silent),
+        ("half an HTTP/2 preface", preface),
+        ("half a second head on a keep-alive connection", second),
+    ] {
+        assert!(
+            took >= Duration::from_millis(900) && took < BOUND,
+            "{what}: closed after {took:?}"
+        );
+    }
+    assert!(sent >= 5, "the trickle moved only {sent} bytes");
+    let paths: Vec<String> = upstream
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect();
+    assert_eq!(paths, ["/first"], "a slow head reached the upstream");
+
+    // A client that is merely a little slow still gets through: a head in two parts.
+    let mut s = connect_raw(addr).await;
+    s.write_all(b"GET /sandboxes HTTP/1.1\r\n").await.unwrap();
+    s.write_all(format!("Host: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let ok = read_response(&mut s, &mut buf).await;
+    sweep.raw("a head in two parts", &ok);
+    assert_eq!(ok.status, 200);
+
+    assert_healthy(&proxy, &mut sweep, true).await;
+    sweep.finish(proxy, &settings).await;
+}
+
+/// `--max-connections 2`: with two connections busy, a third connection's request is not
+/// served; once one of the two closes, it is. Proved by order: the upstream answers the
+/// third request with how many held requests had been released when it arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_max_connections_a_connection_waits_its_turn() {
+    let pki = Pki::new();
+    let (release_tx, release_rx) = watch::channel(0usize);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let mut release = release_rx.clone();
+        async move {
+            let path = req.uri().path().to_string();
+            if let Some(n) = path.strip_prefix("/hold/") {
+                let n: usize = n.parse().expect("hold number");
+                let _ = release.wait_for(|r| *r >= n).await;
+                return response(200, format!("held {n}"));
+            }
+            let released = *release.borrow();
+            response(200, format!("released={released}"))
+        }
+    })
+    .await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--max-connections", "2"]);
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+
+    let hold = |n: usize| {
+        tokio::spawn(async move {
+            let req =
+                format!("GET /hold/{n} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+            raw_exchange(addr, req.as_bytes()).await
+        })
+    };
+    let first = hold(1);
+    let second = hold(2);
+    let mut held = vec![
+        upstream.next_request().await.path_and_query().to_string(),
+        upstream.next_request().await.path_and_query().to_string(),
+    ];
+    held.sort();
+    assert_eq!(held, ["/hold/1", "/hold/2"]);
+    assert_eq!(
+        metric(
+            &scrape(proxy.admin_addr()).await,
+            "abx_proxy_open_connections"
+        ),
+        Some(2.0)
+    );
+
+    // The third connection completes in the kernel's accept queue; its request waits.
+    let mut third = connect_raw(addr).await;
+    let req = format!("GET /third HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    third.write_all(req.as_bytes()).await.unwrap();
+
+    release_tx.send_replace(1);
+    let first = within("the first held request", first).await.expect("join");
+    sweep.raw("/hold/1", &first);
+    assert_eq!((first.status, first.text().as_str()), (200, "held 1"));
+    let mut buf = Vec::new();
+    let served = read_response(&mut third, &mut buf).await;
+    sweep.raw("/third", &served);
+    assert_eq!(
+        (served.status, served.text().as_str()),
+        (200, "released=1"),
+        "the third request was served before a slot was free"
+    );
+    let paths: Vec<String> = upstream
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect();
+    assert_eq!(
+        paths.last().map(String::as_str),
+        Some("/third"),
+        "{paths:?}"
+    );
+
+    release_tx.send_replace(2);
+    let second = within("the second held request", second)
+        .await
+        .expect("join");
+    assert_eq!(second.status, 200);
+    assert_healthy(&proxy, &mut sweep, true).await;
+    sweep.finish(proxy, &settings).await;
+}
+
+/// `--connect-timeout 1s` against an upstream whose accept queue is full (its SYNs are
+/// dropped, so the connect hangs): 502 E5001 naming the timeout, counted as
+/// `kind="timeout"`, and the proxy keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connect_timeout_is_a_502_not_a_hang() {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind("127.0.0.1:0".parse().unwrap()).expect("bind");
+    let blackhole = socket.listen(1).expect("listen");
+    let hole = blackhole.local_addr().expect("addr");
+    // Fill the accept queue (backlog 1 holds two): nobody ever accepts.
+    let mut fillers = Vec::new();
+    for _ in 0..2 {
+        fillers.push(
+            TcpStream::connect(hole)
+                .await
+                .expect("fill the accept queue"),
+        );
+    }
+
+    let pki = Pki::new();
+    let hole_url = format!("http://{hole}");
+    let cmd = traced(ProxyCmd::new(&hole_url, &pki)).args(&["--connect-timeout", "1s"]);
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &hole_url]);
+    let proxy = cmd.spawn().await;
+    let mut sweep = Sweep::new(&[]);
+
+    let start = Instant::now();
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    sweep.raw("connect timeout", &resp);
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(resp.text().contains("timed out"), "{}", resp.text());
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    let text = scrape(proxy.admin_addr()).await;
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("abx_proxy_upstream_errors_total{")
+                && l.contains("kind=\"timeout\"")
+                && l.ends_with(" 1")),
+        "{text}"
+    );
+    assert_eq!(get(proxy.admin_addr(), "/healthz").await.status, 200);
+    sweep.finish(proxy, &settings).await;
+    drop((fillers, blackhole));
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Request smuggling
+// ---------------------------------------------------------------------------------------
+
+/// What a smuggling vector must come to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Want {
+    /// Refused before the upstream is asked: a 4xx (or a close), then the connection closes.
+    Refused,
+    /// The head is fine and the chunked body is broken: hyper hands the request over and the
+    /// body fails while it is forwarded. The upstream sees at most `/a`; the client gets an
+    /// error or a close, then the connection closes. (Today that error is 502 E5001, which
+    /// blames the upstream for the client's broken body.)
+    BrokenBody,
+    /// Valid HTTP that some parsers read differently; hyper's reading is one request with
+    /// this body, served once.
+    One(&'static str),
+}
+
+/// The body smuggled inside the `One` vectors: a parser that framed them differently
+/// would see it as a second request.
+const INNER: &str = "GET /smuggled HTTP/1.1\r\n\r\n";
+
+/// Every vector on its own connection, with a request to `/smuggled` after it (or inside
+/// its body). None may be read as two requests: the upstream never sees `/smuggled`, and
+/// sees `/a` only where noted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smuggling_vectors_never_become_two_requests() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+
+    let host = format!("Host: {addr}\r\n");
+    let smuggled = format!("GET /smuggled HTTP/1.1\r\n{host}\r\n");
+    let post = |headers: &str, body: &str| {
+        format!("POST /a HTTP/1.1\r\n{host}{headers}\r\n{body}{smuggled}")
+    };
+    let te = |body: &str| post("Transfer-Encoding: chunked\r\n", body);
+    let chunked = "5\r\nhello\r\n0\r\n\r\n";
+    let inner_chunked = format!("{:x}\r\n{INNER}\r\n0\r\n\r\n", INNER.len());
+    let long_ows = " ".repeat(80);
+
+    let vectors: Vec<(&str, String, Want)> = vec![
+        // Content-Length.
+        ("CL.CL differing", post("Content-Length: 5\r\nContent-Length: 7\r\n", "hello"), Want::Refused),
+        ("CL.CL identical", post("Content-Length: 5\r\nContent-Length: 5\r\n", "hello"), Want::Refused),
+        ("CL list", post("Content-Length: 5, 5\r\n", "hello"), Want::Refused),
+        ("CL with +", post("Content-Length: +5\r\n", "hello"), Want::Refused),
+        ("CL with -", post("Content-Length: -5\r\n", "hello"), Want::Refused),
+        ("CL in hex", post("Content-Length: 0x5\r\n", "hello"), Want::Refused),
+        ("CL with inner space", post("Content-Length: 5 0\r\n", "hello"), Want::Refused),
+        ("CL after a vertical tab", post("Content-Length: \x0b5\r\n", "hello"), Want::Refused),
+        ("CL after a form feed", post("Content-Length:\x0c5\r\n", "hello"), Want::Refused),
+        ("CL empty", post("Content-Length: \r\n", "hello"), Want::Refused),
+        ("CL after 80 spaces", post(&format!("Content-Length:{long_ows}5\r\n"), "hello"), Want::Refused),
+        // Header syntax.
+        ("obs-fold (SP)", post("Content-Length: 5\r\nX-Fold: a\r\n b\r\n", "hello"), Want::Refused),
+        ("obs-fold (HTAB) into CL", post("Content-Length: 5\r\n\t0\r\n", "hello"), Want::Refused),
+        ("bare CR in a header line", post("Content-Length: 5\r\nX-A: 1\rContent-Length: 40\r\n", "hello"), Want::Refused),
+        ("bare CR in the request line", format!("POST /a\rHTTP/1.1\r\n{host}Content-Length: 5\r\n\r\nhello{smuggled}"), Want::Refused),
+        ("space before colon", post("Content-Length : 5\r\n", "hello"), Want::Refused),
+        ("tab before colon", post("Content-Length\t: 5\r\n", "hello"), Want::Refused),
+        ("space in a name", post("Content-Length: 5\r\nX Y: z\r\n", "hello"), Want::Refused),
+        ("non-token name", post("Content-Length: 5\r\nX(Y): z\r\n", "hello"), Want::Refused),
+        ("empty name", post("Content-Length: 5\r\n: z\r\n", "hello"), Want::Refused),
+        ("NUL in a value", post("Content-Length: 5\r\nX-A: a\0b\r\n", "hello"), Want::Refused),
+        // Transfer-Encoding.
+        ("TE gzip, chunked", post("Transfer-Encoding: gzip, chunked\r\n", chunked), Want::Refused),
+        ("TE chunked, gzip", post("Transfer-Encoding: chunked, gzip\r\n", chunked), Want::Refused),
+        ("TE chunked, chunked", post("Transfer-Encoding: chunked, chunked\r\n", chunked), Want::Refused),
+        ("TE gzip + chunked lines", post("Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", chunked), Want::Refused),
+        ("TE chunked + chunked lines", post("Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", chunked), Want::Refused),
+        ("TE chunked + gzip lines", post("Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n", chunked), Want::Refused),
+        ("TE , chunked", post("Transfer-Encoding: , chunked\r\n", chunked), Want::Refused),
+        ("TE identity", post("Transfer-Encoding: identity\r\n", chunked), Want::Refused),
+        ("TE xchunked", post("Transfer-Encoding: xchunked\r\n", chunked), Want::Refused),
+        ("TE quoted", post("Transfer-Encoding: \"chunked\"\r\n", chunked), Want::Refused),
+        ("TE after a vertical tab", post("Transfer-Encoding: \x0bchunked\r\n", chunked), Want::Refused),
+        ("TE after 80 spaces", post(&format!("Transfer-Encoding:{long_ows}chunked\r\n"), chunked), Want::Refused),
+        ("TE space before colon + CL", post("Transfer-Encoding : chunked\r\nContent-Length: 5\r\n", "hello"), Want::Refused),
+        ("TE in HTTP/1.0", format!("POST /a HTTP/1.0\r\n{host}Transfer-Encoding: chunked\r\n\r\n{chunked}{smuggled}"), Want::Refused),
+        // Chunked bodies with junk.
+        ("chunk size zz", te("zz\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk size 0x5", te("0x5\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk size -5", te("-5\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk size over u64", te("1ffffffffffffffff\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk size line with bare LF", te("5\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk longer than its size", te("3\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk extension with bare LF", te("5;a\nb\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        ("chunk size with inner space", te("5 5\r\nhello\r\n0\r\n\r\n"), Want::BrokenBody),
+        // Valid (or tolerated) framing, read once, as hyper reads it.
+        (
+            "bare LF line ends (hyper accepts them, RFC 9112 §2.2)",
+            format!("POST /a HTTP/1.1\nHost: {addr}\nContent-Length: {}\nConnection: close\n\n{INNER}", INNER.len()),
+            Want::One(INNER),
+        ),
+        (
+            "a bare LF hiding CL from a CRLF-only parser",
+            format!("POST /a HTTP/1.1\r\n{host}X-A: 1\nContent-Length: {}\r\nConnection: close\r\n\r\n{INNER}", INNER.len()),
+            Want::One(INNER),
+        ),
+        (
+            "CL with OWS around it",
+            format!("POST /a HTTP/1.1\r\n{host}Content-Length: \t {} \t\r\nConnection: close\r\n\r\n{INNER}", INNER.len()),
+            Want::One(INNER),
+        ),
+        (
+            "TE Chunked with OWS",
+            format!("POST /a HTTP/1.1\r\n{host}Transfer-Encoding:  Chunked \r\nConnection: close\r\n\r\n{inner_chunked}"),
+            Want::One(INNER),
+        ),
+        (
+            "chunk size with 30 leading zeros",
+            format!("POST /a HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n{}{:x}\r\n{INNER}\r\n0\r\n\r\n", "0".repeat(30), INNER.len()),
+            Want::One(INNER),
+        ),
+    ];
+
+    for (name, bytes, want) in &vectors {
+        let before = upstream.seen().len();
+        let mut s = connect_raw(addr).await;
+        // A refusal may close the connection before all of it is written.
+        let _ = s.write_all(bytes.as_bytes()).await;
+        let (resp, leftover) = response_or_close(&mut s).await;
+        if let Some(r) = &resp {
+            sweep.raw(name, r);
+        }
+        let after: Vec<String> = upstream.seen()[before..]
+            .iter()
+            .map(|s| s.path_and_query().to_string())
+            .collect();
+        match want {
+            Want::Refused => {
+                if let Some(r) = &resp {
+                    assert!((400..500).contains(&r.status), "{name}: {r:?}");
+                    if r.has("x-abx-error") {
+                        assert_proxy_error(r, 400, "E5003");
+                    }
+                }
+                expect_closed(&mut s, &leftover).await;
+                assert!(
+                    after.is_empty(),
+                    "{name}: reached the upstream as {after:?}"
+                );
+            }
+            Want::BrokenBody => {
+                if let Some(r) = &resp {
+                    assert!(r.status >= 400, "{name}: {r:?}");
+                }
+                expect_closed(&mut s, &leftover).await;
+                assert!(
+                    after.is_empty() || after == ["/a"],
+                    "{name}: reached the upstream as {after:?}"
+                );
+            }
+            Want::One(body) => {
+                let r = resp.unwrap_or_else(|| panic!("{name}: closed without an answer"));
+                assert_eq!((r.status, r.text().as_str()), (200, *body), "{name}");
+                expect_closed(&mut s, &leftover).await;
+                assert_eq!(after, ["/a"], "{name}");
+            }
+        }
+    }
+    assert!(
+        upstream.seen().iter().all(|s| s.path_and_query() == "/a"),
+        "{:?}",
+        upstream.seen()
+    );
+
+    // The proxy's own refusals name the reason.
+    let resp = raw_exchange(
+        addr,
+        post("Transfer-Encoding: gzip, chunked\r\n", chunked).as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 400, "E5003");
+    assert!(resp.text().contains("Transfer-Encoding"), "{}", resp.text());
+    let resp = raw_exchange(
+        addr,
+        post("Content-Length: 5\r\nContent-Length: 5\r\n", "hello").as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 400, "E5003");
+    assert!(resp.text().contains("Content-Length"), "{}", resp.text());
+
+    assert_healthy(&proxy, &mut sweep, true).await;
+    sweep.finish(proxy, &settings).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Upstream faults
+// ---------------------------------------------------------------------------------------
+
+/// How the [`FaultUpstream`] treats the next connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// A valid answer (`Connection: close`, so every request is a fresh connection).
+    Ok,
+    ResetOnAccept,
+    ResetAfterRequest,
+    Garbage,
+    /// Garbage at once, before the client says anything (for TLS clients).
+    GarbageFirst,
+    BadStatusLine,
+    BadHeaderName,
+    ConflictingLengths,
+    TooManyHeaders,
+    HalfHead,
+    TruncatedBody,
+}
+
+/// A plain-TCP upstream (`http://`) that breaks HTTP on purpose, per connection.
+struct FaultUpstream {
+    addr: SocketAddr,
+    fault: Arc<Mutex<Fault>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultUpstream {
+    async fn start() -> FaultUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let fault = Arc::new(Mutex::new(Fault::Ok));
+        let task = {
+            let fault = fault.clone();
+            tokio::spawn(async move {
+                while let Ok((s, _)) = listener.accept().await {
+                    let f = *fault.lock().unwrap();
+                    tokio::spawn(Self::serve(s, f));
+                }
+            })
+        };
+        FaultUpstream { addr, fault, task }
+    }
+
+    fn set(&self, f: Fault) {
+        *self.fault.lock().unwrap() = f;
+    }
+
+    async fn serve(mut s: TcpStream, fault: Fault) {
+        if fault == Fault::ResetOnAccept {
+            let _ = s.set_zero_linger();
+            return;
+        }
+        if fault == Fault::GarbageFirst {
+            let _ = s
+                .write_all(b"\x00\x01\xfe\xff not TLS, not HTTP\r\n\r\n")
+                .await;
+            let _ = s.shutdown().await;
+            // Read until the client gives up, so the close is a FIN, not a reset.
+            let mut sink = Vec::new();
+            let _ = tokio::time::timeout(GUARD, s.read_to_end(&mut sink)).await;
+            return;
+        }
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut tmp = [0u8; 4096];
+            match tokio::time::timeout(GUARD, s.read(&mut tmp)).await {
+                Ok(Ok(n)) if n > 0 => head.extend_from_slice(&tmp[..n]),
+                _ => return,
+            }
+        }
+        let reply: Vec<u8> = match fault {
+            Fault::Ok => {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".to_vec()
+            }
+            Fault::ResetOnAccept | Fault::GarbageFirst | Fault::ResetAfterRequest => {
+                let _ = s.set_zero_linger();
+                return;
+            }
+            Fault::Garbage => {
+                b"\x00\x01\xfe\xffSSH-2.0-OpenSSH_9.6\r\n\x16\x03\x01\x02\x00 not http\r\n\r\n"
+                    .to_vec()
+            }
+            Fault::BadStatusLine => b"HTTP/1.1 2x0 OK\r\nContent-Length: 0\r\n\r\n".to_vec(),
+            Fault::BadHeaderName => {
+                b"HTTP/1.1 200 OK\r\nBad(Name): x\r\nContent-Length: 0\r\n\r\n".to_vec()
+            }
+            Fault::ConflictingLengths => {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok!".to_vec()
+            }
+            Fault::TooManyHeaders => {
+                let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
+                for i in 0..150 {
+                    r.extend_from_slice(format!("X-H{i}: {i}\r\n").as_bytes());
+                }
+                r.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+                r
+            }
+            Fault::HalfHead => b"HTTP/1.1 200 OK\r\nContent-Le".to_vec(),
+            Fault::TruncatedBody => {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly twenty-one bytes".to_vec()
+            }
+        };
+        let _ = s.write_all(&reply).await;
+        let _ = s.shutdown().await;
+    }
+}
+
+impl Drop for FaultUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Each fault (reset on accept, reset after the request, garbage instead of HTTP, a bad
+/// status line, a bad header name, conflicting lengths, 150 headers, half a head; then a
+/// reset and garbage during TLS) gets the proxy's own 502 E5001 (JSON, `X-Abx-Error`) and
+/// one upstream-error count; a body cut short reaches the client as a stream that ends
+/// mid-body. After every fault a normal request succeeds, `/healthz` is 200 and `/readyz`
+/// stays 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
+    let pki = Pki::new();
+    let upstream = FaultUpstream::start().await;
+    let url = format!("http://{}", upstream.addr);
+    let cmd = traced(ProxyCmd::new(&url, &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &url]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+
+    let faults = [
+        Fault::ResetOnAccept,
+        Fault::ResetAfterRequest,
+        Fault::Garbage,
+        Fault::BadStatusLine,
+        Fault::BadHeaderName,
+        Fault::ConflictingLengths,
+        Fault::TooManyHeaders,
+        Fault::HalfHead,
+    ];
+    for fault in faults {
+        upstream.set(fault);
+        let resp = get(addr, "/sandboxes").await;
+        sweep.raw(&format!("{fault:?}"), &resp);
+        assert_proxy_error(&resp, 502, "E5001");
+        upstream.set(Fault::Ok);
+        assert_healthy(&proxy, &mut sweep, true).await;
+    }
+
+    // The head arrives and is passed on; the body stops short: the client sees the stream
+    // end early, not a clean end.
+    upstream.set(Fault::TruncatedBody);
+    let mut s = connect_raw(addr).await;
+    let req = format!("GET /download HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    within("the cut download", s.read_to_end(&mut got))
+        .await
+        .ok();
+    let got = String::from_utf8_lossy(&got).into_owned();
+    sweep.text("TruncatedBody", got.clone());
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let (head, body) = got.split_once("\r\n\r\n").expect("a head");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 100"),
+        "{head}"
+    );
+    assert!(body.len() < 100, "a 100-byte body arrived whole: {body:?}");
+    upstream.set(Fault::Ok);
+    assert_healthy(&proxy, &mut sweep, true).await;
+
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        faults.len() as f64,
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "abx_proxy_requests_total{code=\"502\",method=\"GET\",plane=\"api\"}"
+        ),
+        Some(faults.len() as f64),
+        "{text}"
+    );
+    sweep.finish(proxy, &settings).await;
+
+    // Under TLS (an `https://` upstream): a reset during the handshake and garbage instead
+    // of a ServerHello are 502 E5001 too.
+    let tls_url = format!("https://{}", upstream.addr);
+    let cmd = traced(ProxyCmd::new(&tls_url, &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &tls_url]);
+    let proxy = cmd.spawn().await;
+    let mut sweep = Sweep::new(&[]);
+    for fault in [Fault::ResetOnAccept, Fault::GarbageFirst] {
+        upstream.set(fault);
+        let resp = get(proxy.addr(), "/sandboxes").await;
+        sweep.raw(&format!("TLS {fault:?}"), &resp);
+        assert_proxy_error(&resp, 502, "E5001");
+        assert_eq!(get(proxy.admin_addr(), "/healthz").await.status, 200);
+        assert_eq!(get(proxy.admin_addr(), "/readyz").await.status, 200);
+    }
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        2.0,
+        "{text}"
+    );
+    sweep.finish(proxy, &settings).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Credential faults
+// ---------------------------------------------------------------------------------------
+
+fn aksk(upstream_url: &str, pki: &Pki, exchange_url: &str) -> ProxyCmd {
+    traced(ProxyCmd::new(upstream_url, pki))
+        .env("ABX_SANDBOX_API_KEY", None)
+        .env("ALICLOUD_ACCESS_KEY_ID", Some(ACCESS_KEY_ID))
+        .env("ALICLOUD_ACCESS_KEY_SECRET", Some(ACCESS_KEY_SECRET))
+        .args(&["--token-exchange-url", exchange_url])
+}
+
+/// The token endpoint hangs at startup, then answers 500s, then recovers: `/readyz` is 503
+/// throughout the outage (liveness 200), requests get 503 E1004 once an answer came, the
+/// failure count rises with each retry, and after the recovery `/readyz` is 200 and a
+/// request carries the new temporary key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_endpoint_hanging_then_failing_then_recovering() {
+    let pki = Pki::new();
+    let mut upstream =
+        Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.hold();
+    let cmd = aksk(&upstream.url(), &pki, &fake.url);
+    let settings = Settings::of(
+        &cmd,
+        &[
+            "--sandbox-base-url",
+            &upstream.url(),
+            "--token-exchange-url",
+            &fake.url,
+        ],
+    );
+    let mut proxy = cmd.spawn().await;
+    let admin = proxy.admin_addr();
+    let mut sweep = Sweep::new(&[ACCESS_KEY_SECRET]);
+
+    // Hanging: the first exchange is in flight.
+    fake.until_calls(1).await;
+    assert_eq!(get(admin, "/readyz").await.status, 503);
+    assert_eq!(get(admin, "/healthz").await.status, 200);
+    assert_eq!(metric(&scrape(admin).await, EXCHANGE_FAILURES), Some(0.0));
+
+    // Failing.
+    fake.set_mode(Mode::Fail500);
+    fake.release();
+    proxy.wait_for_line("token exchange failed").await;
+    wait_metric_at_least(admin, EXCHANGE_FAILURES, 1.0).await;
+    assert_eq!(get(admin, "/readyz").await.status, 503);
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    sweep.raw("no key yet", &resp);
+    assert_proxy_error(&resp, 503, "E1004");
+    assert!(resp.text().contains("500"), "{}", resp.text());
+    // The retry loop is alive: another failure is counted.
+    wait_metric_at_least(admin, EXCHANGE_FAILURES, 2.0).await;
+    assert_eq!(get(admin, "/healthz").await.status, 200);
+    assert!(
+        upstream.seen().is_empty(),
+        "a request went upstream without a key"
+    );
+
+    // Recovering.
+    fake.set_mode(Mode::Ok);
+    wait_metric_at_least(admin, EXCHANGE_SUCCESSES, 1.0).await;
+    let keys = fake.issued_keys();
+    assert_eq!(keys.len(), 1);
+    assert_healthy(&proxy, &mut sweep, true).await;
+    let seen = upstream.next_request().await;
+    assert_eq!(seen.all("authorization"), [format!("Bearer {}", keys[0])]);
+
+    for k in fake.issued_keys() {
+        sweep.secret(k);
+    }
+    sweep.finish(proxy, &settings).await;
+}
+
+/// A token endpoint that answers 200 with bodies that are not a usable answer, then (after
+/// `fix`) with a good one. Issued and embedded keys are recorded for the sweep.
+struct JunkExchange {
+    url: String,
+    fixed: Arc<AtomicBool>,
+    keys: Arc<Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl JunkExchange {
+    async fn start() -> JunkExchange {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let fixed = Arc::new(AtomicBool::new(false));
+        let keys = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let task = {
+            let (fixed, keys) = (fixed.clone(), keys.clone());
+            tokio::spawn(async move {
+                while let Ok((s, _)) = listener.accept().await {
+                    let (fixed, keys, calls) = (fixed.clone(), keys.clone(), calls.clone());
+                    let svc = hyper::service::service_fn(move |_req: hyper::Request<Incoming>| {
+                        let n = calls.fetch_add(1, Ordering::SeqCst);
+                        let key = format!("tmpkey-junk-{n}-{:016x}", fastrand::u64(..));
+                        keys.lock().unwrap().push(key.clone());
+                        let body = if fixed.load(Ordering::SeqCst) {
+                            json!({"RequestId": "J", "ApiKey": {"ApiKeyValue": key}}).to_string()
+                        } else {
+                            match n % 4 {
+                                0 => format!(r#"{{"RequestId":"J","ApiKey":{{"ApiKeyValue":"{key}""#),
+                                1 => format!("<html><body>{key}</body></html>"),
+                                2 => json!({"RequestId": "J", "ApiKey": {"ApiKeyValue": ""}, "Note": key}).to_string(),
+                                _ => json!({"RequestId": "J", "ApiKey": 42, "Message": key}).to_string(),
+                            }
+                        };
+                        let mut resp = Response::new(Full::new(Bytes::from(body)));
+                        resp.headers_mut()
+                            .insert("content-type", "application/json".parse().unwrap());
+                        async move { Ok::<_, Infallible>(resp) }
+                    });
+                    tokio::spawn(async move {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(s), svc)
+                            .await;
+                    });
+                }
+            })
+        };
+        JunkExchange {
+            url,
+            fixed,
+            keys,
+            task,
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.keys.lock().unwrap().clone()
+    }
+}
+
+impl Drop for JunkExchange {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The token endpoint answers 200 with malformed JSON, HTML, an empty key and a non-string
+/// key: each is a failed exchange (counted; `/readyz` 503; requests 503 E1004 that do not
+/// quote the body), never a key; once it answers properly the proxy becomes ready and uses
+/// the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_endpoint_malformed_answers_then_recovering() {
+    let pki = Pki::new();
+    let mut upstream =
+        Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let junk = JunkExchange::start().await;
+    let cmd = aksk(&upstream.url(), &pki, &junk.url);
+    let settings = Settings::of(
+        &cmd,
+        &[
+            "--sandbox-base-url",
+            &upstream.url(),
+            "--token-exchange-url",
+            &junk.url,
+        ],
+    );
+    let proxy = cmd.spawn().await;
+    let admin = proxy.admin_addr();
+    let mut sweep = Sweep::new(&[ACCESS_KEY_SECRET]);
+
+    wait_metric_at_least(admin, EXCHANGE_FAILURES, 1.0).await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    sweep.raw("malformed answer", &resp);
+    assert_proxy_error(&resp, 503, "E1004");
+    wait_metric_at_least(admin, EXCHANGE_FAILURES, 2.0).await;
+    assert_eq!(get(admin, "/readyz").await.status, 503);
+    assert_eq!(get(admin, "/healthz").await.status, 200);
+    assert_eq!(metric(&scrape(admin).await, EXCHANGE_SUCCESSES), Some(0.0));
+
+    junk.fixed.store(true, Ordering::SeqCst);
+    wait_metric_at_least(admin, EXCHANGE_SUCCESSES, 1.0).await;
+    assert_healthy(&proxy, &mut sweep, true).await;
+    let seen = upstream.next_request().await;
+    let good = junk.keys().last().cloned().expect("a key");
+    assert_eq!(seen.all("authorization"), [format!("Bearer {good}")]);
+
+    for k in junk.keys() {
+        sweep.secret(k);
+    }
+    sweep.finish(proxy, &settings).await;
+}
+
+/// The control plane answers 500 to the envd token look-up (`GET /sandboxes/{id}`): the
+/// envd request gets 502 E5001 naming the look-up, envd is not called; once the control
+/// plane recovers, the next envd request gets the token and succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_token_lookup_failure_is_502_then_recovers() {
+    const ID: &str = "isb-faulty-1";
+    const TOKEN: &str = "envd-tok-Hq83LmX0pZ7vR2wE";
+    let pki = Pki::new();
+    let failing = Arc::new(AtomicBool::new(true));
+    let control = {
+        let failing = failing.clone();
+        Upstream::start(&pki, Proto::Http1, move |req| {
+            let failing = failing.load(Ordering::SeqCst);
+            async move {
+                let path = req.uri().path().to_string();
+                if path == format!("/sandboxes/{ID}") {
+                    if failing {
+                        return response(500, r#"{"code":500,"message":"internal error"}"#);
+                    }
+                    let body =
+                        json!({"sandboxID": ID, "templateID": "base", "envdAccessToken": TOKEN});
+                    return response(200, body.to_string());
+                }
+                response(200, "[]")
+            }
+        })
+        .await
+    };
+    let envd = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.headers().get("x-access-token").map(|v| v.as_bytes()) {
+            Some(t) if t == TOKEN.as_bytes() => response(200, "envd ok"),
+            _ => response(401, "bad token"),
+        }
+    })
+    .await;
+    let cmd = traced(ProxyCmd::new(&control.url(), &pki)).args(&["--sandbox-url", &envd.url()]);
+    let settings = Settings::of(
+        &cmd,
+        &[
+            "--sandbox-base-url",
+            &control.url(),
+            "--sandbox-url",
+            &envd.url(),
+        ],
+    );
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[TOKEN]);
+
+    let envd_get = format!(
+        "GET /files?path=/etc/hostname HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: {ID}\r\nConnection: close\r\n\r\n"
+    );
+    let resp = raw_exchange(addr, envd_get.as_bytes()).await;
+    sweep.raw("failed look-up", &resp);
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(resp.text().contains("look-up"), "{}", resp.text());
+    assert!(envd.seen().is_empty(), "envd was called without a token");
+    assert_healthy(&proxy, &mut sweep, true).await;
+
+    failing.store(false, Ordering::SeqCst);
+    let resp = raw_exchange(addr, envd_get.as_bytes()).await;
+    sweep.raw("envd after recovery", &resp);
+    assert_eq!((resp.status, resp.text().as_str()), (200, "envd ok"));
+    let lookups = control
+        .seen()
+        .iter()
+        .filter(|s| s.path_and_query() == format!("/sandboxes/{ID}"))
+        .count();
+    assert_eq!(lookups, 2, "one failed look-up, one good one");
+    assert_eq!(envd.seen().len(), 1);
+    sweep.finish(proxy, &settings).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_client_body_is_the_clients_fault_not_the_upstreams() {
+    let pki = Pki::new();
+    let mut upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let mut s = connect_raw(proxy.addr()).await;
+    s.write_all(
+        b"POST /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .expect("send the head and a chunk");
+    upstream.next_request().await;
+    // The body goes bad after the request was forwarded: a chunk size that is not hex.
+    s.write_all(b"zz\r\n").await.expect("send junk");
+    let (resp, _) = response_or_close(&mut s).await;
+    let resp = resp.expect("an answer, not a silent close");
+    assert_eq!(resp.status, 400, "{resp:?}");
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        0.0,
+        "a client's broken body counted against the upstream:\n{text}"
+    );
+    proxy.finish().await;
+}
