@@ -1,0 +1,109 @@
+//! The `.env` reader and the config.toml reader on arbitrary text.
+//!
+//! Invariants: no panic; an error names the label and a line (or byte) number, never a piece
+//! of the input; config.toml never yields a secret key; a warning never repeats a value.
+#![no_main]
+
+use std::path::Path;
+
+use abx_proxy::settings::layers::{parse_config_toml_str, parse_dotenv_str};
+use abx_proxy::settings::KEYS;
+use libfuzzer_sys::fuzz_target;
+
+#[path = "common.rs"]
+mod common;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    dotenv(text);
+    config(text);
+});
+
+fn dotenv(text: &str) {
+    let Err(e) = parse_dotenv_str(text, "fuzz.env") else {
+        return;
+    };
+    assert_eq!(e.code(), "E1006");
+    let msg = e.to_string();
+    let reason = msg
+        .strip_prefix("cannot read fuzz.env: ")
+        .unwrap_or_else(|| panic!("unexpected error shape: {msg:?}"));
+    let lines = text.bytes().filter(|&b| b == b'\n').count() + 1;
+    let ok = reason == "unreadable"
+        || common::is_numbered(reason, "syntax error at byte ", " of an entry")
+        || (common::is_numbered(reason, "syntax error at line ", "")
+            && reason["syntax error at line ".len()..]
+                .parse::<usize>()
+                .unwrap()
+                <= lines);
+    assert!(ok, "unexpected .env error reason: {reason:?}");
+}
+
+fn config(text: &str) {
+    let path = Path::new("fuzz/config.toml");
+    let mut warnings = Vec::new();
+    match parse_config_toml_str(text, path, &mut warnings) {
+        Err(e) => {
+            assert_eq!(e.code(), "E1006");
+            assert!(warnings.is_empty());
+            let msg = e.to_string();
+            let reason = msg
+                .strip_prefix("cannot read ~/.abx/config.toml (fuzz/config.toml): ")
+                .unwrap_or_else(|| panic!("unexpected error shape: {msg:?}"));
+            assert!(
+                reason == "invalid TOML"
+                    || common::is_numbered(reason, "invalid TOML at line ", ""),
+                "unexpected config.toml error reason: {reason:?}"
+            );
+        }
+        Ok(map) => {
+            for spec in KEYS.iter().filter(|k| k.secret) {
+                assert!(
+                    !map.contains_key(spec.name),
+                    "secret {} taken from config.toml",
+                    spec.name
+                );
+            }
+            for key in map.keys() {
+                assert!(
+                    key.contains('.') || KEYS.iter().any(|s| s.name == key),
+                    "unknown key {key:?} taken from config.toml"
+                );
+            }
+            // Warnings name keys (which come from the input) but never repeat a value.
+            let table: toml::Table = text.parse().expect("the reader accepted it");
+            let mut keys = Vec::new();
+            let mut values = Vec::new();
+            walk(&toml::Value::Table(table), &mut keys, &mut values);
+            for value in &values {
+                for run in common::key_like_runs(value.as_bytes(), 17) {
+                    if keys.iter().any(|k| common::contains(k.as_bytes(), run)) {
+                        continue;
+                    }
+                    for w in &warnings {
+                        assert!(
+                            !common::contains(w.as_bytes(), run),
+                            "warning repeats a value: {w:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn walk(v: &toml::Value, keys: &mut Vec<String>, values: &mut Vec<String>) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                keys.push(k.clone());
+                walk(v, keys, values);
+            }
+        }
+        toml::Value::Array(a) => a.iter().for_each(|v| walk(v, keys, values)),
+        toml::Value::String(s) => values.push(s.clone()),
+        other => values.push(other.to_string()),
+    }
+}
