@@ -766,12 +766,14 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
         match outcome {
             Ok(token) => {
                 let expiry_unix = unix_seconds(token.expires_at);
-                tracing::info!(expires_at = %iso8601(token.expires_at), "token exchange succeeded");
+                let expires_at = iso8601(token.expires_at);
                 shared.token.store(Some(Arc::new(token)));
                 shared.last_error.store(None);
                 shared.expiry_unix.store(expiry_unix, Ordering::Relaxed);
                 shared.successes.fetch_add(1, Ordering::Relaxed);
                 shared.notify(ExchangeEvent::Success { expiry_unix });
+                // Logged once the key is in place: whoever reads this line finds it served.
+                tracing::info!(expires_at = %expires_at, "token exchange succeeded");
                 shared.attempts.send_modify(|n| *n += 1);
                 failed_in_row = 0;
             }
