@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use abx_proxy::credentials::envd::TokenStore;
 use abx_proxy::credentials::ApiCredential;
-use abx_proxy::proxy::headers::{self, AuthScheme};
+use abx_proxy::proxy::headers::{self, AuthScheme, CachedAuth};
 use abx_proxy::proxy::route::{self, HostPolicy};
 use abx_proxy::secret::Secret;
 use abx_proxy::signing::{acs3, rpc_v1};
@@ -64,17 +64,18 @@ fn routing(c: &mut Criterion) {
 fn header_rewrite(c: &mut Criterion) {
     let template = sdk_api_request().headers;
     let key = Secret::new("sk-0123456789abcdef0123456789abcdef");
-    let scheme = AuthScheme::Bearer;
-    let value = scheme
-        .value(&key)
-        .unwrap_or_else(|| unreachable!("valid key"));
+    // As the handler does it: the header value from the per-key cache, then strip + attach.
+    let auth = CachedAuth::new(AuthScheme::Bearer);
     c.bench_function("rewrite/api (strip + attach)", |b| {
         b.iter_batched_ref(
             || template.clone(),
             |h| {
                 headers::strip_hop_by_hop(h, false);
                 h.remove(http::header::HOST);
-                headers::authorize_api(h, &scheme, value.clone());
+                let value = auth
+                    .value(&key)
+                    .unwrap_or_else(|| unreachable!("valid key"));
+                headers::authorize_api(h, auth.scheme(), value);
             },
             criterion::BatchSize::SmallInput,
         )
@@ -91,6 +92,31 @@ fn header_rewrite(c: &mut Criterion) {
             },
             criterion::BatchSize::SmallInput,
         )
+    });
+}
+
+/// The bytes of the SDK's `POST /v2/sandboxes` head and body, as the framing watch sees
+/// them on every read of a client connection.
+const SDK_HEAD: &[u8] = b"POST /v2/sandboxes HTTP/1.1\r\nHost: 127.0.0.1:49982\r\n\
+    Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\n\
+    User-Agent: e2b-python-sdk/2.63.0\r\nX-API-Key: dummy-key\r\nlang: python\r\n\
+    lang_version: 3.11.7\r\npackage_version: 2.63.0\r\npublisher: e2b\r\n\
+    sdk_runtime: python\r\nsystem: Linux\r\nContent-Type: application/json\r\n\
+    Content-Length: 68\r\n\r\n\
+    {\"templateID\": \"base\", \"timeout\": 300, \"secure\": true, \"metadata\": {}}";
+
+fn framing_and_metrics(c: &mut Criterion) {
+    c.bench_function("framing/scan (SDK head + body)", |b| {
+        b.iter_batched_ref(
+            abx_proxy::proxy::framing::watch,
+            |(watch, _)| watch.scan(black_box(SDK_HEAD)),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let metrics = abx_proxy::metrics::Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
+    let took = Duration::from_micros(850);
+    c.bench_function("metrics/request_done (api GET 200)", |b| {
+        b.iter(|| metrics.request_done("api", black_box(&http::Method::GET), black_box(200), took))
     });
 }
 
@@ -141,6 +167,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = routing, header_rewrite, credential_read, signing
+    targets = routing, header_rewrite, framing_and_metrics, credential_read, signing
 }
 criterion_main!(benches);

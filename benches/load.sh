@@ -438,21 +438,25 @@ print("## Request rate (GET, 53-byte body; wrk -t2, ${DUR}s x ${ROUNDS} rounds, 
 print()
 print(f"machine: $(nproc) cores; load average at start {'$LOAD_START'}, at end {'$LOAD_END'}")
 print()
-print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | req/s vs best nginx | p99 vs best nginx | errors |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | req/s vs best nginx | p99 vs best nginx | req/s vs haproxy | errors |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+summary = {}
 for c in conns:
     best = max((t for t in ("nginx-1w", "nginx-2w") if (t, c) in runs), key=lambda t: med([x[0] for x in runs[(t, c)]]), default=None)
     brps = med([x[0] for x in runs[(best, c)]]) if best else 0
     bp99 = med([x[2] for x in runs[(best, c)]]) if best else 0
+    hrps = med([x[0] for x in runs[("haproxy", c)]]) if ("haproxy", c) in runs else 0
     for t in order:
         if (t, c) not in runs:
             continue
         xs = runs[(t, c)]
         rps, p50, p99 = med([x[0] for x in xs]), med([x[1] for x in xs]), med([x[2] for x in xs])
         rss, errs = med([x[3] for x in xs]) / 1024, sum(x[4] for x in xs)
+        summary[(t, c)] = (rps / brps if brps else 0, p99 / bp99 if bp99 else 0, rps / hrps if hrps else 0, rss)
         ratio = f"{rps / brps:.2f}x" if brps else "-"
         pratio = f"{p99 / bp99:.2f}x" if bp99 else "-"
-        print(f"| {t} | {c} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {rss:.1f} | {ratio} | {pratio} | {errs} |")
+        hratio = f"{rps / hrps:.2f}x" if hrps else "-"
+        print(f"| {t} | {c} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {rss:.1f} | {ratio} | {pratio} | {hratio} | {errs} |")
 print()
 print("(direct = wrk straight to the upstream, for scale; its RSS is the upstream's. best nginx = the faster of 1 and 2 workers at that connection count.)")
 print()
@@ -484,4 +488,25 @@ def idle(name, n, before, after):
 print(f"- abx-proxy idle RSS (after start-up and one request per target check): {int('$ABX_IDLE_KB') / 1024:.1f} MiB")
 idle("abx-proxy", "$ABX_IDLE_N", "$ABX_IDLE_BEFORE", "$ABX_IDLE_AFTER")
 idle("nginx-1w (reference)", "$NGX_IDLE_N", "$NGX_IDLE_BEFORE", "$NGX_IDLE_AFTER")
+print()
+print("## abx-proxy against the targets")
+print()
+def check(what, ok, detail):
+    print(f"- {'MET    ' if ok else 'NOT MET'} {what}: {detail}")
+for c in (64, 256):
+    if ("abx-proxy", c) in summary:
+        vn, vp, vh, rss = summary[("abx-proxy", c)]
+        check(f"req/s at {c} >= 1.0x best nginx and >= 1.0x haproxy", vn >= 1 and vh >= 1, f"{vn:.2f}x nginx, {vh:.2f}x haproxy")
+        check(f"p99 at {c} <= best nginx p99", 0 < vp <= 1, f"{vp:.2f}x")
+if ("abx-proxy", 256) in summary:
+    rss = summary[("abx-proxy", 256)][3]
+    check("peak RSS at 256 connections <= 16 MiB", rss <= 16, f"{rss:.1f} MiB")
+idle_mib = int("$ABX_IDLE_KB") / 1024
+check("idle RSS <= 8 MiB", idle_mib <= 8, f"{idle_mib:.1f} MiB")
+if ("abx-proxy", "down") in x and dd and du:
+    (dm, dr), (um, ur) = x[("abx-proxy", "down")], x[("abx-proxy", "up")]
+    check("1 GiB transfers: peak RSS <= 32 MiB", max(dr, ur) / 1024 <= 32, f"down {dr / 1024:.1f} MiB, up {ur / 1024:.1f} MiB")
+    check("1 GiB transfers: throughput >= 0.8x direct", dm / dd >= 0.8 and um / du >= 0.8, f"down {dm / dd:.2f}x, up {um / du:.2f}x")
+n_idle = int("$ABX_IDLE_N")
+check(f"{n_idle} idle keep-alive connections: RSS <= 64 MiB", n_idle >= 10000 and int("$ABX_IDLE_AFTER") / 1024 <= 64, f"{int('$ABX_IDLE_AFTER') / 1024:.1f} MiB")
 EOF

@@ -128,8 +128,7 @@ fn main() -> std::io::Result<()> {
             let _ = stream.set_nodelay(true);
             let chunk = chunk.clone();
             tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req| handle(req, chunk.clone()));
+                let service = hyper::service::service_fn(move |req| handle(req, chunk.clone()));
                 let _ = hyper::server::conn::http1::Builder::new()
                     .keep_alive(true)
                     .serve_connection(TokioIo::new(stream), service)

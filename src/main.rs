@@ -9,12 +9,6 @@ use abx_proxy::error::EXIT_USAGE;
 use abx_proxy::{commands, logging, serve, Error};
 use clap::Parser;
 
-/// mimalloc instead of glibc's malloc: the proxy allocates and frees small buffers on
-/// every request from two threads (hyper's read buffers, header maps, boxed futures);
-/// see benches/load.sh for the measured effect on throughput and RSS.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Serve(cli.serve));

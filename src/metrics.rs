@@ -40,8 +40,8 @@ const HOT_METHODS: [Method; 7] = [
     Method::OPTIONS,
 ];
 const HOT_CODES: [u16; 24] = [
-    200, 201, 202, 204, 206, 301, 302, 304, 307, 308, 400, 401, 403, 404, 405, 409, 413, 422,
-    429, 431, 500, 502, 503, 504,
+    200, 201, 202, 204, 206, 301, 302, 304, 307, 308, 400, 401, 403, 404, 405, 409, 413, 422, 429,
+    431, 500, 502, 503, 504,
 ];
 
 /// The series every request touches. `with_label_values` hashes the label strings and
@@ -182,8 +182,11 @@ impl Metrics {
                 let slot = (p * HOT_METHODS.len() + m) * HOT_CODES.len() + c;
                 self.hot.requests[slot]
                     .get_or_init(|| {
-                        self.requests
-                            .with_label_values(&[plane, method.as_str(), &status.to_string()])
+                        self.requests.with_label_values(&[
+                            plane,
+                            method.as_str(),
+                            &status.to_string(),
+                        ])
                     })
                     .inc();
             }
@@ -226,7 +229,9 @@ mod tests {
         let t = text(&m);
         assert!(t.contains(r#"abx_proxy_requests_total{code="200",method="GET",plane="api"} 2"#));
         assert!(t.contains(r#"abx_proxy_requests_total{code="599",method="POST",plane="envd"} 1"#));
-        assert!(t.contains(r#"abx_proxy_requests_total{code="207",method="PROPFIND",plane="envd"} 1"#));
+        assert!(
+            t.contains(r#"abx_proxy_requests_total{code="207",method="PROPFIND",plane="envd"} 1"#)
+        );
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="api"} 2"#));
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 2"#));
         m.in_flight_for("envd").inc();

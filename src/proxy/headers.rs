@@ -280,8 +280,19 @@ mod tests {
             assert_eq!(hop_by_hop_bit(name), 1 << i, "{name}");
         }
         assert_eq!(hop_by_hop_bit(&header::TE), TE_BIT);
-        for other in ["host", "user-agent", "x-api-key", "authorization", "trailers", "t"] {
-            assert_eq!(hop_by_hop_bit(&HeaderName::from_static(other)), 0, "{other}");
+        for other in [
+            "host",
+            "user-agent",
+            "x-api-key",
+            "authorization",
+            "trailers",
+            "t",
+        ] {
+            assert_eq!(
+                hop_by_hop_bit(&HeaderName::from_static(other)),
+                0,
+                "{other}"
+            );
         }
         let mut h = map(&[("te", "trailers"), ("te", "gzip"), ("x-kept", "1")]);
         strip_hop_by_hop(&mut h, false);

@@ -181,7 +181,11 @@ pub async fn accept_loop(
                         req.extensions_mut().insert(framing::AmbiguousLength);
                         req.extensions_mut().insert(why);
                     }
-                    let handled = proxy.clone().handle(req);
+                    // Boxed: hyper keeps the service future's slot for the connection's
+                    // whole life, so an unboxed one (3 KB, held twice by this wrapper) stays
+                    // resident on every idle keep-alive connection; boxed, it lives only
+                    // while a request does, and moves as a pointer.
+                    let handled = Box::pin(proxy.clone().handle(req));
                     async move {
                         let mut resp = handled.await?;
                         if refusal.is_some() {
