@@ -238,3 +238,20 @@ mod tests {
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
     }
 }
+
+/// Holds a gauge up by one for as long as it lives: a future dropped half-way (a client that
+/// hangs up, a connection cut at shutdown) still gives its count back.
+pub struct GaugeGuard(IntGauge);
+
+impl GaugeGuard {
+    pub fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        GaugeGuard(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

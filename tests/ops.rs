@@ -582,3 +582,35 @@ async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     );
     proxy.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_mid_request_gives_its_in_flight_count_back() {
+    let pki = Pki::new();
+    // The upstream never answers: the request is in flight until the client goes away.
+    let mut upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        std::future::pending::<()>().await;
+        response(200, "never")
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let admin = proxy.admin_addr();
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr())
+        .await
+        .expect("connect");
+    use tokio::io::AsyncWriteExt;
+    stream
+        .write_all(format!("GET /hang HTTP/1.1\r\nHost: {}\r\n\r\n", proxy.addr()).as_bytes())
+        .await
+        .expect("send");
+    upstream.next_request().await;
+    let in_flight = |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
+    assert_eq!(in_flight(&scrape(admin).await), Some(1.0));
+    drop(stream);
+    within("the in-flight gauge to return to 0", async {
+        while in_flight(&scrape(admin).await) != Some(0.0) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    proxy.finish().await;
+}

@@ -22,6 +22,7 @@ use super::route::{self, Route};
 use super::sniff::{self, Sniff};
 use super::{EnvdTarget, Proxy};
 use crate::error::Error;
+use crate::metrics::GaugeGuard;
 use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
 use crate::upstream::ProxyBody;
@@ -71,15 +72,14 @@ impl Proxy {
                     route => route,
                 };
                 let plane = route.plane();
-                let gauge = self.metrics.in_flight_for(plane);
-                gauge.inc();
+                let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
                 let result = match route {
                     Route::Api => self.api(parts, body, upgrade).await,
                     Route::Envd { sandbox_id, port } => {
                         self.envd(parts, body, &sandbox_id, port, upgrade).await
                     }
                 };
-                gauge.dec();
+                drop(in_flight);
                 (plane, result)
             }
         };

@@ -29,6 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use super::framing::{self, HeadWatch, Verdicts};
 use super::Proxy;
 use crate::error::Error;
+use crate::metrics::GaugeGuard;
 use crate::settings::ListenAddr;
 
 /// Request heads larger than this get 431 (SPEC §4).
@@ -159,7 +160,7 @@ pub async fn accept_loop(
         let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _permit = permit;
-            let _open = OpenGuard::new(&proxy.metrics.open_connections);
+            let _open = GaugeGuard::new(&proxy.metrics.open_connections);
             let io: Box<dyn Io> = match &config.tls {
                 None => stream,
                 Some(acceptor) => {
@@ -207,22 +208,6 @@ pub async fn accept_loop(
         });
     }
     graceful
-}
-
-/// Counts a connection in `abx_proxy_open_connections` for as long as it lives.
-struct OpenGuard(prometheus::IntGauge);
-
-impl OpenGuard {
-    fn new(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        OpenGuard(gauge.clone())
-    }
-}
-
-impl Drop for OpenGuard {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
