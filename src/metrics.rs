@@ -209,6 +209,23 @@ impl Metrics {
     }
 }
 
+/// Holds a gauge up by one for as long as it lives: a future dropped half-way (a client that
+/// hangs up, a connection cut at shutdown) still gives its count back.
+pub struct GaugeGuard(IntGauge);
+
+impl GaugeGuard {
+    pub fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        GaugeGuard(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,22 +253,5 @@ mod tests {
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 2"#));
         m.in_flight_for("envd").inc();
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
-    }
-}
-
-/// Holds a gauge up by one for as long as it lives: a future dropped half-way (a client that
-/// hangs up, a connection cut at shutdown) still gives its count back.
-pub struct GaugeGuard(IntGauge);
-
-impl GaugeGuard {
-    pub fn new(gauge: &IntGauge) -> Self {
-        gauge.inc();
-        GaugeGuard(gauge.clone())
-    }
-}
-
-impl Drop for GaugeGuard {
-    fn drop(&mut self) {
-        self.0.dec();
     }
 }
