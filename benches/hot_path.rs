@@ -1,6 +1,6 @@
 //! Criterion benchmarks of the per-request hot path: routing, the header rewrite (strip +
 //! attach), the credential read, the envd token look-up, and both signing schemes (which run
-//! once per token exchange, not per request, but should stay cheap).
+//! once per token exchange, not per request, but should stay cheap), and the access line.
 
 use std::time::Duration;
 
@@ -162,11 +162,70 @@ fn signing(c: &mut Criterion) {
     });
 }
 
+/// The per-request access line (SPEC §7): the hand-written formatter into its buffer, the
+/// whole fast path (filter check, span check, clock, format) into a sink, and, for
+/// comparison, the same event through tracing-subscriber's fmt layer into a sink.
+fn access_log(c: &mut Criterion) {
+    use abx_proxy::cli::LogFormat;
+    use abx_proxy::logging::{self, AccessLine};
+    use std::time::SystemTime;
+
+    let line = AccessLine {
+        method: &http::Method::POST,
+        path: "/v2/sandboxes",
+        plane: "api",
+        status: 201,
+        elapsed: Duration::from_micros(772),
+        upstream: "api.sandbox.example.com",
+    };
+    let mut group = c.benchmark_group("access_log");
+    let mut buf = Vec::with_capacity(256);
+    for (name, format) in [("text", LogFormat::Text), ("json", LogFormat::Json)] {
+        group.bench_function(format!("format/{name}"), |b| {
+            b.iter(|| {
+                buf.clear();
+                logging::format_access(&mut buf, format, SystemTime::now(), black_box(&line));
+                black_box(buf.len())
+            })
+        });
+        // `init`'s subscriber (colours off, default filter) writing into a sink; scoped to
+        // this thread, so the dispatcher look-up is a little dearer than the global one.
+        let filter = || tracing_subscriber::EnvFilter::new("info");
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_ansi(false)
+            .with_writer(std::io::sink);
+        let dispatch = match format {
+            LogFormat::Text => tracing::Dispatch::new(builder.finish()),
+            LogFormat::Json => tracing::Dispatch::new(
+                builder
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false)
+                    .finish(),
+            ),
+        };
+        tracing::dispatcher::with_default(&dispatch, || {
+            group.bench_function(format!("fast path/{name}"), |b| {
+                b.iter(|| {
+                    logging::access_with(format, black_box(&line), |bytes| {
+                        black_box(bytes.len());
+                    })
+                })
+            });
+            group.bench_function(format!("tracing-subscriber/{name}"), |b| {
+                b.iter(|| logging::access_via_tracing(black_box(&line)))
+            });
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = routing, header_rewrite, framing_and_metrics, credential_read, signing
+    targets = routing, header_rewrite, framing_and_metrics, credential_read, signing, access_log
 }
 criterion_main!(benches);

@@ -27,7 +27,8 @@
 #
 # Knobs (environment): DUR=5 ROUNDS=3 CONNS="8 64 256" XFER_BYTES=1073741824
 #   IDLE_CONNS=10000 BASE_PORT=27100 SKIP_BUILD=1 (use the binaries already built)
-#   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`).
+#   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`)
+#   PARTS="rate xfer idle" (which of the three parts to run; the report covers those run).
 # Every run is bounded (wrk -d, curl --max-time, timeouts on every wait), stops by itself
 # and kills what it started on exit. Expect 6 to 8 minutes after the build. Not part of the
 # test suite.
@@ -39,6 +40,8 @@ CONNS=${CONNS:-"8 64 256"}
 XFER_BYTES=${XFER_BYTES:-1073741824}
 IDLE_CONNS=${IDLE_CONNS:-10000}
 BASE_PORT=${BASE_PORT:-27100}
+PARTS=${PARTS:-"rate xfer idle"}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 KEY="sk-bench-0123456789abcdef0123456789abcdef"
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -342,6 +345,7 @@ log "warm-up"
 for t in "${TARGETS[@]}"; do
     timeout 20 wrk -t2 -c64 -d1s -H 'X-API-Key: dummy' "http://127.0.0.1:$(port_of "$t")/bench" >/dev/null 2>&1 || true
 done
+part rate || ROUNDS=0
 for round in $(seq "$ROUNDS"); do
     # Rotate the order every round so no target always runs right after the same one.
     order=("${TARGETS[@]:$(((round - 1) % ${#TARGETS[@]}))}" "${TARGETS[@]:0:$(((round - 1) % ${#TARGETS[@]}))}")
@@ -373,10 +377,12 @@ transfer() { # target direction
     printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(awk -v b="$XFER_BYTES" -v s="${secs:-0}" 'BEGIN { if (s > 0) printf "%.0f", b / s / 1048576; else print 0 }')" "$rss" >>"$XFER"
     log "$(printf '%-10s %-4s %6s MiB/s  peak %7s kB' "$1" "$2" "$(tail -1 "$XFER" | cut -f3)" "$rss")"
 }
-for t in "${TARGETS[@]}"; do
-    transfer "$t" down
-    transfer "$t" up
-done
+if part xfer; then
+    for t in "${TARGETS[@]}"; do
+        transfer "$t" down
+        transfer "$t" up
+    done
+fi
 
 # ---------------------------------------------------------------- 3. idle connections
 cat >"$WORK/idle.py" <<'EOF'
@@ -416,9 +422,12 @@ idle_test() { # target -> "conns rss_before_kB rss_after_kB"
     wait "$py" 2>/dev/null || true
     echo "$held $before $after"
 }
-read -r ABX_IDLE_N ABX_IDLE_BEFORE ABX_IDLE_AFTER <<<"$(idle_test abx-proxy)"
-sleep 2
-read -r NGX_IDLE_N NGX_IDLE_BEFORE NGX_IDLE_AFTER <<<"$(idle_test nginx-1w)"
+ABX_IDLE_N=0 ABX_IDLE_BEFORE=0 ABX_IDLE_AFTER=0 NGX_IDLE_N=0 NGX_IDLE_BEFORE=0 NGX_IDLE_AFTER=0
+if part idle; then
+    read -r ABX_IDLE_N ABX_IDLE_BEFORE ABX_IDLE_AFTER <<<"$(idle_test abx-proxy)"
+    sleep 2
+    read -r NGX_IDLE_N NGX_IDLE_BEFORE NGX_IDLE_AFTER <<<"$(idle_test nginx-1w)"
+fi
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # ---------------------------------------------------------------- report

@@ -7,6 +7,7 @@
 //! - [`credentials`]: where the key attached to a request comes from (static key, AK/SK
 //!   exchange, envd token store);
 //! - [`signing`]: Alibaba Cloud request signatures, pure functions;
+//! - [`workers`]: one single-threaded runtime per core, serving connections;
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
 //! - [`upstream`]: the TLS client stack shared by the proxy and its own calls;
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
@@ -31,6 +32,7 @@ pub mod settings;
 pub mod signals;
 pub mod signing;
 pub mod upstream;
+pub mod workers;
 
 pub use error::Error;
 pub use secret::Secret;

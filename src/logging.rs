@@ -1,11 +1,33 @@
 //! Logging: `tracing` to stderr, text or JSON (one object per line, fields at the top
 //! level), filtered by `--log-level`, else `RUST_LOG`, else the command's default.
+//!
+//! Also owns the per-request access line (SPEC §7, [`access`]). tracing-subscriber's fmt
+//! layer spends most of a request's logging budget on its generic machinery (field
+//! visitors, a dynamic writer, timestamp formatting through `fmt`), so the access line is
+//! formatted here by hand, byte for byte what that layer prints for the same event, and
+//! written with one `write_all`. Filtering stays with the installed subscriber: the line is
+//! only written when it would let `abx_proxy::access` at info through. Whenever the fast
+//! path cannot vouch for identical output (logging not set up by [`init`], colours on,
+//! inside a span), the event goes through `tracing` as before.
 
-use std::io::IsTerminal;
+use std::cell::{Cell, RefCell};
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
+
+/// The target of the access line; filters name it (`RUST_LOG=abx_proxy::access=off`).
+pub const ACCESS_TARGET: &str = "abx_proxy::access";
+
+/// What [`init`] installed, as far as [`access`] needs to know: `FALLBACK` until a
+/// subscriber without colours is in place, then the format it prints.
+static FAST_FORMAT: AtomicU8 = AtomicU8::new(FALLBACK);
+const FALLBACK: u8 = 0;
+const TEXT: u8 = 1;
+const JSON: u8 = 2;
 
 pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let filter = level
@@ -13,16 +35,1054 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
+    let ansi = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    let _ = match format {
+    let installed = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder
             .json()
             .flatten_event(true)
             .with_current_span(false)
             .try_init(),
+    }
+    .is_ok();
+    // The hand-written line mirrors exactly this subscriber's plain output; if another
+    // subscriber was already installed, or it paints colours, `access` defers to tracing.
+    if installed && !ansi {
+        let fast = match format {
+            LogFormat::Text => TEXT,
+            LogFormat::Json => JSON,
+        };
+        FAST_FORMAT.store(fast, Ordering::Release);
+    }
+}
+
+/// The fields of one access line (SPEC §7), in the order they are printed.
+#[derive(Debug, Clone, Copy)]
+pub struct AccessLine<'a> {
+    pub method: &'a http::Method,
+    /// Never the query string: signed file URLs carry secrets there.
+    pub path: &'a str,
+    pub plane: &'a str,
+    pub status: u16,
+    pub elapsed: Duration,
+    pub upstream: &'a str,
+}
+
+/// One access line (SPEC §7), if `abx_proxy::access` is enabled at info.
+pub fn access(
+    method: &http::Method,
+    path: &str,
+    plane: &str,
+    status: u16,
+    elapsed: Duration,
+    upstream: &str,
+) {
+    let line = AccessLine {
+        method,
+        path,
+        plane,
+        status,
+        elapsed,
+        upstream,
     };
+    let format = match FAST_FORMAT.load(Ordering::Acquire) {
+        TEXT => LogFormat::Text,
+        JSON => LogFormat::Json,
+        _ => return access_via_tracing(&line),
+    };
+    access_with(format, &line, |bytes| {
+        // One `write` for the line, as tracing-subscriber does; a failing stderr is not
+        // worth failing a request over (tracing-subscriber ignores it too).
+        let _ = std::io::stderr().lock().write_all(bytes);
+    });
+}
+
+/// The fast path of [`access`] for a subscriber installed by [`init`] printing `format`
+/// without colours: the formatted line goes to `out`, unless the filter drops it or a span
+/// is current (then tracing prints it, span context included).
+#[doc(hidden)]
+pub fn access_with(format: LogFormat, line: &AccessLine<'_>, out: impl FnOnce(&[u8])) {
+    if !access_enabled() {
+        return;
+    }
+    // Inside a span the subscriber prefixes (text) or appends (JSON) the span context,
+    // which only it knows how to render.
+    if tracing::dispatcher::get_default(|d| d.current_span().id().is_some()) {
+        return access_via_tracing(line);
+    }
+    let now = SystemTime::now();
+    let mut out = Some(out);
+    let _ = LINE_BUF.try_with(|cell| {
+        if let Ok(mut buf) = cell.try_borrow_mut() {
+            buf.clear();
+            format_access(&mut buf, format, now, line);
+            if let Some(out) = out.take() {
+                out(&buf);
+            }
+            // One huge path should not pin its buffer for the thread's lifetime.
+            if buf.capacity() > MAX_KEPT_BUF {
+                *buf = Vec::with_capacity(INITIAL_BUF);
+            }
+        }
+    });
+    // Thread teardown or re-entrance: a one-off buffer still gets the line out.
+    if let Some(out) = out {
+        let mut buf = Vec::with_capacity(INITIAL_BUF);
+        format_access(&mut buf, format, now, line);
+        out(&buf);
+    }
+}
+
+const INITIAL_BUF: usize = 256;
+const MAX_KEPT_BUF: usize = 16 * 1024;
+
+thread_local! {
+    /// The line under construction, kept per thread so formatting does not allocate.
+    static LINE_BUF: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(INITIAL_BUF));
+}
+
+/// Whether the installed subscriber lets `abx_proxy::access` through at info. The
+/// callsite's cached interest answers most calls; the filter decides the rest.
+#[doc(hidden)]
+pub fn access_enabled() -> bool {
+    tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO)
+}
+
+/// The access line as a `tracing` event: what the fast path reproduces, and what runs
+/// whenever the fast path cannot stand in for the subscriber.
+#[doc(hidden)]
+pub fn access_via_tracing(line: &AccessLine<'_>) {
+    tracing::info!(
+        target: ACCESS_TARGET,
+        method = %line.method,
+        path = %line.path,
+        plane = line.plane,
+        status = line.status,
+        duration_ms = line.elapsed.as_secs_f64() * 1000.0,
+        upstream = %line.upstream,
+    );
+}
+
+/// Append the access line, newline included, exactly as tracing-subscriber's plain (no
+/// ANSI) fmt layer configured by [`init`] prints the event of [`access_via_tracing`] at
+/// `now`.
+#[doc(hidden)]
+pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line: &AccessLine) {
+    let duration_ms = line.elapsed.as_secs_f64() * 1000.0;
+    match format {
+        // `{timestamp} {level:>5} {target}: {fields}`; `%` fields print with Display,
+        // `&str` ones with Debug (quoted), numbers with Debug.
+        LogFormat::Text => {
+            write_timestamp(buf, now);
+            buf.extend_from_slice(b"  INFO abx_proxy::access: method=");
+            buf.extend_from_slice(line.method.as_str().as_bytes());
+            buf.extend_from_slice(b" path=");
+            buf.extend_from_slice(line.path.as_bytes());
+            buf.extend_from_slice(b" plane=");
+            write_debug_str(buf, line.plane);
+            buf.extend_from_slice(b" status=");
+            write_u16(buf, line.status);
+            buf.extend_from_slice(b" duration_ms=");
+            write_debug_f64(buf, duration_ms);
+            buf.extend_from_slice(b" upstream=");
+            buf.extend_from_slice(line.upstream.as_bytes());
+        }
+        // Keys in the order the layer emits them: timestamp, level, the event's fields,
+        // target. The float, and any string that needs escaping, go through serde_json,
+        // which is what the layer uses, so neither can drift from it.
+        LogFormat::Json => {
+            buf.extend_from_slice(b"{\"timestamp\":\"");
+            write_timestamp(buf, now);
+            buf.extend_from_slice(b"\",\"level\":\"INFO\",\"method\":");
+            write_json_str(buf, line.method.as_str());
+            buf.extend_from_slice(b",\"path\":");
+            write_json_str(buf, line.path);
+            buf.extend_from_slice(b",\"plane\":");
+            write_json_str(buf, line.plane);
+            buf.extend_from_slice(b",\"status\":");
+            write_u16(buf, line.status);
+            buf.extend_from_slice(b",\"duration_ms\":");
+            // Writing into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut *buf, &duration_ms);
+            buf.extend_from_slice(b",\"upstream\":");
+            write_json_str(buf, line.upstream);
+            buf.extend_from_slice(b",\"target\":\"abx_proxy::access\"}");
+        }
+    }
+    buf.push(b'\n');
+}
+
+/// RFC 3339 UTC with microseconds, as tracing-subscriber's default `SystemTime` timer:
+/// `2024-05-06T07:08:09.123456Z`, years past 9999 as `+10000`, before year 0 as `-0001`.
+fn write_timestamp(buf: &mut Vec<u8>, now: SystemTime) {
+    // Floor to whole seconds on both sides of the epoch, like the timer does.
+    let (secs, nanos) = match now.duration_since(UNIX_EPOCH) {
+        Ok(d) => (
+            i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+            d.subsec_nanos(),
+        ),
+        Err(e) => {
+            let d = e.duration();
+            let secs = i64::try_from(d.as_secs()).unwrap_or(i64::MAX);
+            match d.subsec_nanos() {
+                0 => (-secs, 0),
+                n => (-secs - 1, 1_000_000_000 - n),
+            }
+        }
+    };
+    // Lines come many to a second and date and time of day only change once a second,
+    // so each thread keeps its last second's rendering.
+    let second = LAST_SECOND
+        .try_with(|last| {
+            let (at, text) = last.get();
+            if at == Some(secs) {
+                return Some(text);
+            }
+            let text = render_second(secs)?;
+            last.set((Some(secs), text));
+            Some(text)
+        })
+        .unwrap_or_else(|_| render_second(secs));
+    match second {
+        Some(text) => buf.extend_from_slice(&text),
+        None => write_wide_year_second(buf, secs),
+    }
+    let micros = nanos / 1_000;
+    let mut fraction = *b".000000Z";
+    put_2(&mut fraction[1..3], micros / 10_000);
+    put_2(&mut fraction[3..5], micros / 100 % 100);
+    put_2(&mut fraction[5..7], micros % 100);
+    buf.extend_from_slice(&fraction);
+}
+
+thread_local! {
+    /// The second [`write_timestamp`] last rendered, and its `YYYY-MM-DDTHH:MM:SS`.
+    static LAST_SECOND: Cell<(Option<i64>, [u8; 19])> = const { Cell::new((None, [0; 19])) };
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` of a second since the epoch; `None` outside years 0 to 9999.
+fn render_second(secs: i64) -> Option<[u8; 19]> {
+    let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
+    let year = u32::try_from(year).ok().filter(|y| *y <= 9999)?;
+    let day_secs = secs.rem_euclid(86_400) as u32;
+    let mut out = *b"0000-00-00T00:00:00";
+    put_2(&mut out[0..2], year / 100);
+    put_2(&mut out[2..4], year % 100);
+    put_2(&mut out[5..7], month);
+    put_2(&mut out[8..10], day);
+    put_2(&mut out[11..13], day_secs / 3600);
+    put_2(&mut out[14..16], day_secs / 60 % 60);
+    put_2(&mut out[17..19], day_secs % 60);
+    Some(out)
+}
+
+/// [`render_second`] for the years tracing-subscriber prints wider: `+10000`, `-0001`.
+fn write_wide_year_second(buf: &mut Vec<u8>, secs: i64) {
+    let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
+    let t = secs.rem_euclid(86_400);
+    let _ = if year > 9999 {
+        write!(buf, "+{year}")
+    } else {
+        write!(buf, "{year:05}")
+    };
+    let _ = write!(
+        buf,
+        "-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        t / 3600,
+        t / 60 % 60,
+        t % 60
+    );
+}
+
+/// Proleptic Gregorian (year, month, day) of a day count from 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // [0, 146096]
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
+    let mp = (5 * doy + 2) / 153; // [0, 11], March first
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = (if mp < 10 { mp + 3 } else { mp - 9 }) as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Two decimal digits of `n` (< 100) into `out[..2]`.
+fn put_2(out: &mut [u8], n: u32) {
+    out[0] = b'0' + (n / 10 % 10) as u8;
+    out[1] = b'0' + (n % 10) as u8;
+}
+
+fn write_u16(buf: &mut Vec<u8>, n: u16) {
+    let mut digits = [0u8; 5];
+    let mut i = digits.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+}
+
+/// `{:?}` of a `str`: printable ASCII without `"` or `\` is copied between quotes, anything
+/// else goes through `fmt` so Rust's escaping rules (unicode tables included) apply.
+fn write_debug_str(buf: &mut Vec<u8>, s: &str) {
+    if s.bytes()
+        .all(|b| (0x20..0x7f).contains(&b) && b != b'"' && b != b'\\')
+    {
+        buf.push(b'"');
+        buf.extend_from_slice(s.as_bytes());
+        buf.push(b'"');
+    } else {
+        let _ = write!(buf, "{s:?}");
+    }
+}
+
+/// A JSON string, escaped as the JSON layer escapes it: serde_json, which only touches
+/// `"`, `\` and control characters below U+0020; strings free of those (every path and
+/// host in practice) are copied as they are.
+fn write_json_str(buf: &mut Vec<u8>, s: &str) {
+    if !needs_json_escape(s.as_bytes()) {
+        buf.push(b'"');
+        buf.extend_from_slice(s.as_bytes());
+        buf.push(b'"');
+    } else {
+        // Writing into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *buf, s);
+    }
+}
+
+/// Whether `s` holds a byte serde_json escapes: `"`, `\` or a control character below
+/// 0x20. Eight bytes at a time with the classic zero-byte / byte-below-n word tests,
+/// which are exact about whether any byte matches (for n <= 0x80); UTF-8 bytes (>= 0x80)
+/// never match.
+fn needs_json_escape(s: &[u8]) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let flagged = |w: u64| {
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let backslash = w ^ (ONES * u64::from(b'\\'));
+        let zero_quote = quote.wrapping_sub(ONES) & !quote;
+        let zero_backslash = backslash.wrapping_sub(ONES) & !backslash;
+        let below_space = w.wrapping_sub(ONES * 0x20) & !w;
+        (zero_quote | zero_backslash | below_space) & HIGH != 0
+    };
+    let mut words = s.chunks_exact(8);
+    for word in &mut words {
+        match <[u8; 8]>::try_from(word) {
+            Ok(word) if !flagged(u64::from_le_bytes(word)) => {}
+            _ => return true,
+        }
+    }
+    // The tail, padded with a byte that never matches.
+    let tail = words.remainder();
+    let mut last = [b'a'; 8];
+    last[..tail.len()].copy_from_slice(tail);
+    flagged(u64::from_le_bytes(last))
+}
+
+/// `{:?}` of an `f64`, which the text layer prints, at a third of the cost where that is
+/// safe. For 1e-4 <= v < 1e16 both `{:?}` and serde_json print the shortest round-tripping
+/// digits in plain decimal notation (`.0` on whole numbers), closest to the exact value. They
+/// differ only on an exact tie between two shortest candidates, which they break in
+/// opposite directions (`1.0000076293945313` vs `…312` for 1 + 2^-17), and a tie needs the exact decimal expansion of `v` to end at
+/// the 18th significant digit or earlier. With `f` fractional bits that expansion has `f`
+/// fractional digits, at most 3 of them leading zeros (v >= 1e-4), so at least `f - 3`
+/// significant ones: with f >= 22 there is no tie. Anything else goes through `fmt`.
+fn write_debug_f64(buf: &mut Vec<u8>, v: f64) {
+    if (1e-4..1e16).contains(&v) && fractional_bits(v) >= 22 {
+        // Writing into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *buf, &v);
+    } else {
+        let _ = write!(buf, "{v:?}");
+    }
+}
+
+/// How many binary digits after the point the exact value of a normal positive `v` has.
+fn fractional_bits(v: f64) -> i32 {
+    let bits = v.to_bits();
+    let biased_exp = ((bits >> 52) & 0x7ff) as i32;
+    let mantissa = (bits & ((1 << 52) - 1)) | (1 << 52);
+    // v = mantissa * 2^(biased_exp - 1075); trailing zero bits of the mantissa do not count.
+    (1075 - biased_exp - mantissa.trailing_zeros() as i32).max(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::fmt::format::Writer;
+    use tracing_subscriber::fmt::time::FormatTime;
+    use tracing_subscriber::fmt::MakeWriter;
+
+    use super::*;
+
+    /// A `MakeWriter` collecting everything the subscriber writes.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl Capture {
+        fn text(&self) -> String {
+            let bytes = self.0.lock().map(|b| b.clone()).unwrap_or_default();
+            String::from_utf8(bytes).unwrap_or_else(|e| panic!("not UTF-8: {e}"))
+        }
+    }
+
+    impl Write for Capture {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            if let Ok(mut b) = self.0.lock() {
+                b.extend_from_slice(data);
+            }
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Capture {
+        type Writer = Capture;
+        fn make_writer(&'a self) -> Self::Writer {
+            self.clone()
+        }
+    }
+
+    /// A timer printing our rendering of a fixed instant, so whole lines compare.
+    struct Fixed(SystemTime);
+
+    impl FormatTime for Fixed {
+        fn format_time(&self, w: &mut Writer<'_>) -> std::fmt::Result {
+            let mut buf = Vec::new();
+            write_timestamp(&mut buf, self.0);
+            w.write_str(std::str::from_utf8(&buf).map_err(|_| std::fmt::Error)?)
+        }
+    }
+
+    /// What `init`'s subscriber (colours off) prints for the event, with `timer`.
+    fn tracing_output<T>(format: LogFormat, filter: &str, timer: T, emit: impl FnOnce()) -> String
+    where
+        T: FormatTime + Send + Sync + 'static,
+    {
+        let capture = Capture::default();
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(EnvFilter::new(filter))
+            .with_ansi(false)
+            .with_timer(timer)
+            .with_writer(capture.clone());
+        match format {
+            LogFormat::Text => tracing::subscriber::with_default(builder.finish(), emit),
+            LogFormat::Json => tracing::subscriber::with_default(
+                builder
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false)
+                    .finish(),
+                emit,
+            ),
+        }
+        capture.text()
+    }
+
+    fn ours(format: LogFormat, now: SystemTime, line: &AccessLine) -> String {
+        let mut buf = Vec::new();
+        format_access(&mut buf, format, now, line);
+        String::from_utf8(buf).unwrap_or_else(|e| panic!("not UTF-8: {e}"))
+    }
+
+    /// `got` is the line formatted at some time between `before` and `after`: it sorts
+    /// between ours at both ends, and everything but the timestamp matches exactly.
+    fn assert_between(
+        format: LogFormat,
+        before: SystemTime,
+        after: SystemTime,
+        line: &AccessLine,
+        got: &str,
+    ) {
+        let (lo, hi) = (ours(format, before, line), ours(format, after, line));
+        assert!(lo.as_str() <= got && got <= hi.as_str(), "{lo}{got}{hi}");
+        let skip = if format == LogFormat::Json {
+            14 + 27
+        } else {
+            27
+        };
+        assert_eq!(lo[skip..], got[skip..]);
+    }
+
+    const NASTY_PATHS: &[&str] = &[
+        "/v2/sandboxes",
+        "/",
+        "",
+        "/a\"b\\c",
+        "/ctl\u{0}\u{1}\u{7}\u{8}\t\n\r\u{b}\u{c}\u{1b}[31m\u{1f}\u{7f}",
+        "/c1\u{80}\u{85}\u{9f}\u{a0}\u{ad}",
+        "/unicode/é/€/𝄞/\u{301}/\u{200b}/\u{2028}\u{2029}/\u{feff}/\u{fffd}",
+        "/quote'single'/%22/%E2%82%AC",
+        "/{\"json\":[1,2]}",
+    ];
+
+    fn lines<'a>(
+        method: &'a http::Method,
+        plane: &'a str,
+        upstream: &'a str,
+    ) -> impl Iterator<Item = AccessLine<'a>> {
+        let elapsed = [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_nanos(50),
+            Duration::from_nanos(772_670),
+            Duration::from_micros(1),
+            Duration::from_millis(2),
+            Duration::from_secs(1),
+            Duration::from_secs(3600 * 24 * 365 * 400),
+            Duration::new(12, 345_678_901),
+        ];
+        NASTY_PATHS
+            .iter()
+            .zip(elapsed.into_iter().cycle())
+            .zip([0u16, 7, 200, 502, 65535].into_iter().cycle())
+            .map(move |((path, elapsed), status)| AccessLine {
+                method,
+                path,
+                plane,
+                status,
+                elapsed,
+                upstream,
+            })
+    }
+
+    fn instants() -> Vec<SystemTime> {
+        vec![
+            UNIX_EPOCH + Duration::new(1_796_053_336, 912_543_999),
+            UNIX_EPOCH,
+            UNIX_EPOCH - Duration::new(1, 1),
+            UNIX_EPOCH + Duration::new(951_782_400, 1_000), // 2000-02-29
+            UNIX_EPOCH + Duration::new(253_402_300_799, 999_999_999), // 9999-12-31
+            UNIX_EPOCH + Duration::new(253_402_300_800, 0), // +10000
+            UNIX_EPOCH - Duration::new(62_167_219_201, 0),  // -0001
+        ]
+    }
+
+    #[test]
+    fn text_lines_match_tracing_subscriber() {
+        let ext = http::Method::from_bytes(b"PROPFIND").unwrap_or_else(|e| panic!("{e}"));
+        for method in [http::Method::GET, http::Method::POST, ext] {
+            for plane in ["api", "envd", "we\"ird\\\n", "é\u{301}\u{0}"] {
+                for upstream in ["127.0.0.1", "api.example.com:8443", "", "a\"b"] {
+                    for line in lines(&method, plane, upstream) {
+                        for now in instants() {
+                            let theirs =
+                                tracing_output(LogFormat::Text, "info", Fixed(now), || {
+                                    access_via_tracing(&line)
+                                });
+                            assert_eq!(ours(LogFormat::Text, now, &line), theirs, "{line:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn json_lines_match_tracing_subscriber_and_parse() {
+        let ext = http::Method::from_bytes(b"PROPFIND").unwrap_or_else(|e| panic!("{e}"));
+        for method in [http::Method::GET, http::Method::DELETE, ext] {
+            for plane in ["api", "envd", "we\"ird\\\n"] {
+                for upstream in ["127.0.0.1", "", "a\"b\\\u{1}é"] {
+                    for line in lines(&method, plane, upstream) {
+                        for now in instants() {
+                            let theirs =
+                                tracing_output(LogFormat::Json, "info", Fixed(now), || {
+                                    access_via_tracing(&line)
+                                });
+                            let mine = ours(LogFormat::Json, now, &line);
+                            assert_eq!(mine, theirs, "{line:?}");
+                            assert!(mine.ends_with('\n') && mine.matches('\n').count() == 1);
+                            let v: serde_json::Value = serde_json::from_str(&mine)
+                                .unwrap_or_else(|e| panic!("not JSON ({e}): {mine}"));
+                            assert_eq!(v["level"], "INFO");
+                            assert_eq!(v["target"], ACCESS_TARGET);
+                            assert_eq!(v["method"], line.method.as_str());
+                            assert_eq!(v["path"], line.path);
+                            assert_eq!(v["plane"], line.plane);
+                            assert_eq!(v["upstream"], line.upstream);
+                            assert_eq!(v["status"].as_u64(), Some(u64::from(line.status)));
+                            let ms = line.elapsed.as_secs_f64() * 1000.0;
+                            // serde_json's parser (without `float_roundtrip`) may be off
+                            // in the last bit; the printed digits are checked above.
+                            let parsed = v["duration_ms"].as_f64().unwrap_or(f64::NAN);
+                            assert!((parsed - ms).abs() <= ms * 1e-15, "{mine}");
+                            let mut ts = Vec::new();
+                            write_timestamp(&mut ts, now);
+                            assert_eq!(v["timestamp"].as_str().map(str::as_bytes), Some(&ts[..]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// With tracing-subscriber's own clock, our timestamp of the instants just before and
+    /// after the event brackets the one it printed (same width, so bytes order as time).
+    #[test]
+    fn timestamp_matches_the_default_timer() {
+        let line = AccessLine {
+            method: &http::Method::GET,
+            path: "/x",
+            plane: "api",
+            status: 200,
+            elapsed: Duration::from_micros(1234),
+            upstream: "127.0.0.1",
+        };
+        for format in [LogFormat::Text, LogFormat::Json] {
+            let capture = Capture::default();
+            let builder = tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_writer(capture.clone());
+            let run = || {
+                let before = SystemTime::now();
+                access_via_tracing(&line);
+                (before, SystemTime::now())
+            };
+            let (before, after) = match format {
+                LogFormat::Text => tracing::subscriber::with_default(builder.finish(), run),
+                LogFormat::Json => {
+                    let sub = builder.json().flatten_event(true).with_current_span(false);
+                    tracing::subscriber::with_default(sub.finish(), run)
+                }
+            };
+            let theirs = capture.text();
+            assert_between(format, before, after, &line, &theirs);
+        }
+    }
+
+    /// Against the `time` crate over a spread of instants, both sides of the epoch.
+    #[test]
+    fn timestamp_agrees_with_the_time_crate() {
+        let rfc = time::macros::format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z"
+        );
+        let mut secs: i64 = -62_135_596_800; // 0001-01-01
+        let mut rng = fastrand::Rng::with_seed(7);
+        while secs < 253_402_300_799 {
+            let nanos = rng.u32(0..1_000_000_000);
+            let nanos_total = i128::from(secs) * 1_000_000_000 + i128::from(nanos);
+            let magnitude = nanos_total.unsigned_abs();
+            let span = Duration::new(
+                (magnitude / 1_000_000_000) as u64,
+                (magnitude % 1_000_000_000) as u32,
+            );
+            let now = if nanos_total >= 0 {
+                UNIX_EPOCH + span
+            } else {
+                UNIX_EPOCH - span
+            };
+            let expected = time::OffsetDateTime::from_unix_timestamp_nanos(nanos_total)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .format(rfc)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut buf = Vec::new();
+            write_timestamp(&mut buf, now);
+            assert_eq!(String::from_utf8_lossy(&buf), expected, "{secs}.{nanos}");
+            // Again within the same second: the cached date part.
+            let later = now + Duration::from_nanos(u64::from(999_999_999 - nanos));
+            buf.clear();
+            write_timestamp(&mut buf, later);
+            assert_eq!(buf[..20], expected.as_bytes()[..20]);
+            assert_eq!(&buf[20..], b"999999Z");
+            secs += i64::from(rng.u32(1..40_000_000));
+        }
+        // Leap days and month ends.
+        for (secs, expected) in [
+            (951_782_399_i64, "2000-02-28T23:59:59.000000Z"),
+            (951_782_400, "2000-02-29T00:00:00.000000Z"),
+            (4_107_542_400, "2100-03-01T00:00:00.000000Z"),
+            (-1, "1969-12-31T23:59:59.000000Z"),
+            (253_402_300_800, "+10000-01-01T00:00:00.000000Z"),
+            (-62_167_219_201, "-0001-12-31T23:59:59.000000Z"),
+        ] {
+            let now = if secs >= 0 {
+                UNIX_EPOCH + Duration::from_secs(secs as u64)
+            } else {
+                UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs())
+            };
+            let mut buf = Vec::new();
+            write_timestamp(&mut buf, now);
+            assert_eq!(String::from_utf8_lossy(&buf), expected);
+        }
+    }
+
+    /// The float is printed as the layers print it: `{:?}` in text, serde_json in JSON.
+    #[test]
+    fn durations_render_like_tracing_subscriber_over_many_values() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let method = http::Method::GET;
+        for i in 0..20_000u64 {
+            let nanos = match i % 4 {
+                0 => rng.u64(0..1_000_000),
+                1 => rng.u64(0..100_000_000_000),
+                2 => i * 1_000_000,
+                _ => rng.u64(..),
+            };
+            let line = AccessLine {
+                method: &method,
+                path: "/p",
+                plane: "api",
+                status: 200,
+                elapsed: Duration::from_nanos(nanos),
+                upstream: "u",
+            };
+            for format in [LogFormat::Text, LogFormat::Json] {
+                let mut mine = Vec::new();
+                format_access(&mut mine, format, UNIX_EPOCH, &line);
+                let ms = line.elapsed.as_secs_f64() * 1000.0;
+                let expected = match format {
+                    LogFormat::Text => format!("{ms:?}"),
+                    LogFormat::Json => serde_json::to_string(&ms).unwrap_or_default(),
+                };
+                let mine = String::from_utf8_lossy(&mine);
+                assert!(
+                    mine.contains(&format!(
+                        "duration_ms{}",
+                        match format {
+                            LogFormat::Text => format!("={expected} "),
+                            LogFormat::Json => format!("\":{expected},"),
+                        }
+                    )),
+                    "{mine}"
+                );
+            }
+        }
+        // A sample through the real layers too (they are slow, so fewer).
+        for nanos in [
+            1,
+            50,
+            999,
+            100_000,
+            772_670,
+            1_000_000,
+            123_456_789,
+            u64::MAX,
+        ] {
+            let line = AccessLine {
+                method: &method,
+                path: "/p",
+                plane: "api",
+                status: 200,
+                elapsed: Duration::from_nanos(nanos),
+                upstream: "u",
+            };
+            for format in [LogFormat::Text, LogFormat::Json] {
+                let theirs = tracing_output(format, "info", Fixed(UNIX_EPOCH), || {
+                    access_via_tracing(&line)
+                });
+                assert_eq!(ours(format, UNIX_EPOCH, &line), theirs);
+            }
+        }
+    }
+
+    /// The serde_json shortcut for `{:?}` of a float, over random bit patterns across (and
+    /// beyond) the range where it is used, whole numbers, and the range's edges.
+    #[test]
+    fn debug_f64_shortcut_matches_fmt() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        let (lo, hi) = (1e-6f64.to_bits(), 1e18f64.to_bits());
+        let mut values: Vec<f64> = (0..2_000_000)
+            .map(|_| f64::from_bits(rng.u64(lo..=hi)))
+            .collect();
+        values.extend((0..100_000).map(|_| rng.u64(..) as f64 / 1e6));
+        values.extend((0..100_000).map(|_| rng.u64(..1 << 40) as f64));
+        values.extend((0..100_000).map(|_| Duration::from_nanos(rng.u64(..)).as_secs_f64() * 1e3));
+        // Exact ties between two shortest candidates, where the two printers disagree.
+        for (int, frac_bits) in [
+            (1u64, 17),
+            (12_345_678, 10),
+            (14_350_791_064_097, 4),
+            (0, 20),
+        ] {
+            for num in 1..64u64 {
+                values.push(int as f64 + num as f64 / (1u64 << frac_bits) as f64);
+            }
+        }
+        values.push(f64::from_bits(0x430c_973e_c1fa_3b22));
+        for edge in [1e-4f64, 1e16, 1e15, 1.0, 0.1, 9_007_199_254_740_993.0] {
+            let b = edge.to_bits();
+            values.extend([f64::from_bits(b - 1), edge, f64::from_bits(b + 1)]);
+        }
+        values.extend([0.0, -0.0, f64::MIN_POSITIVE, 5e-324, f64::MAX, 1e300]);
+        let mut buf = Vec::new();
+        for v in values {
+            buf.clear();
+            write_debug_f64(&mut buf, v);
+            assert_eq!(
+                String::from_utf8_lossy(&buf),
+                format!("{v:?}"),
+                "{:#x}",
+                v.to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn enabled_follows_the_env_filter() {
+        for (filter, expected) in [
+            ("info", true),
+            ("debug", true),
+            ("trace", true),
+            ("warn", false),
+            ("error", false),
+            ("off", false),
+            ("info,abx_proxy::access=off", false),
+            ("info,abx_proxy::access=warn", false),
+            ("warn,abx_proxy::access=info", true),
+            ("off,abx_proxy=info", true),
+            ("off,abx_proxy::access=debug", true),
+            ("abx_proxy::serve=info", false),
+            ("hyper=debug", false),
+        ] {
+            let (enabled, printed) = {
+                let mut enabled = false;
+                let line = AccessLine {
+                    method: &http::Method::GET,
+                    path: "/x",
+                    plane: "api",
+                    status: 200,
+                    elapsed: Duration::from_millis(1),
+                    upstream: "u",
+                };
+                let printed = tracing_output(LogFormat::Text, filter, Fixed(UNIX_EPOCH), || {
+                    enabled = access_enabled();
+                    access_via_tracing(&line);
+                });
+                (enabled, !printed.is_empty())
+            };
+            assert_eq!(enabled, expected, "enabled!() under {filter:?}");
+            assert_eq!(printed, expected, "tracing::info! under {filter:?}");
+        }
+    }
+
+    /// Logging was never set up in the test binary: `access` must hand the event to
+    /// whatever subscriber is current, so nothing is lost.
+    #[test]
+    fn without_init_access_goes_through_tracing() {
+        assert_eq!(FAST_FORMAT.load(Ordering::Acquire), FALLBACK);
+        let method = http::Method::PUT;
+        let line = AccessLine {
+            method: &method,
+            path: "/files",
+            plane: "envd",
+            status: 201,
+            elapsed: Duration::from_micros(4321),
+            upstream: "sbx.example:49983",
+        };
+        for format in [LogFormat::Text, LogFormat::Json] {
+            let via_access = tracing_output(format, "info", Fixed(UNIX_EPOCH), || {
+                access(
+                    line.method,
+                    line.path,
+                    line.plane,
+                    line.status,
+                    line.elapsed,
+                    line.upstream,
+                )
+            });
+            assert_eq!(via_access, ours(format, UNIX_EPOCH, &line));
+            let filtered = tracing_output(format, "warn", Fixed(UNIX_EPOCH), || {
+                access(&method, "/files", "envd", 201, line.elapsed, "u")
+            });
+            assert_eq!(filtered, "");
+        }
+    }
+
+    /// The fast path prints the same bytes the subscriber would, honours its filter, and
+    /// leaves lines inside a span to the subscriber.
+    #[test]
+    fn fast_path_filters_and_defers_inside_spans() {
+        let line = AccessLine {
+            method: &http::Method::POST,
+            path: "/v2/sandboxes",
+            plane: "api",
+            status: 201,
+            elapsed: Duration::from_micros(987),
+            upstream: "127.0.0.1",
+        };
+        for format in [LogFormat::Text, LogFormat::Json] {
+            for (filter, expected) in [
+                ("info", true),
+                ("warn", false),
+                ("info,abx_proxy::access=off", false),
+                ("off,abx_proxy::access=info", true),
+            ] {
+                let mut fast = None;
+                let before = SystemTime::now();
+                let via_tracing = tracing_output(format, filter, Fixed(UNIX_EPOCH), || {
+                    access_with(format, &line, |b| fast = Some(b.to_vec()))
+                });
+                let after = SystemTime::now();
+                assert_eq!(via_tracing, "", "{filter}");
+                assert_eq!(fast.is_some(), expected, "{filter}");
+                if let Some(fast) = fast {
+                    let fast = String::from_utf8_lossy(&fast).into_owned();
+                    assert_between(format, before, after, &line, &fast);
+                }
+            }
+            let mut fast = None;
+            let in_span = tracing_output(format, "info", Fixed(UNIX_EPOCH), || {
+                let _span = tracing::info_span!("conn", peer = "x").entered();
+                access_with(format, &line, |b| fast = Some(b.to_vec()))
+            });
+            assert!(fast.is_none(), "fast path inside a span");
+            assert!(in_span.contains("conn"), "{in_span}");
+            assert!(in_span.contains("/v2/sandboxes"), "{in_span}");
+        }
+    }
+
+    /// The child half of `init_then_access_writes_what_tracing_writes`: set up logging as
+    /// `serve` does, then log one line through the fast path and the same through tracing.
+    #[test]
+    fn child_init_and_access() {
+        let Ok(spec) = std::env::var("ABX_LOGGING_CHILD") else {
+            return;
+        };
+        let (format, level) = spec.split_once(':').unwrap_or((&spec, ""));
+        let format = if format == "json" {
+            LogFormat::Json
+        } else {
+            LogFormat::Text
+        };
+        init(format, Some(level).filter(|l| !l.is_empty()), "info");
+        assert_ne!(
+            FAST_FORMAT.load(Ordering::Acquire),
+            FALLBACK,
+            "fast path off"
+        );
+        let line = child_line();
+        access(
+            line.method,
+            line.path,
+            line.plane,
+            line.status,
+            line.elapsed,
+            line.upstream,
+        );
+        access_via_tracing(&line);
+    }
+
+    fn child_line() -> AccessLine<'static> {
+        AccessLine {
+            method: &http::Method::GET,
+            path: "/a\"b\\c/\u{1b}[1m/é",
+            plane: "api",
+            status: 502,
+            elapsed: Duration::from_nanos(772_670),
+            upstream: "127.0.0.1",
+        }
+    }
+
+    /// End to end in a child process: `init`'s real subscriber on a non-terminal stderr,
+    /// its filter from `--log-level` or `RUST_LOG`, the fast line byte-identical (past the
+    /// timestamp) to what tracing-subscriber writes next to it.
+    #[test]
+    fn init_then_access_writes_what_tracing_writes() {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+        for (spec, rust_log, expected_lines) in [
+            ("text:", None, 2),
+            ("json:", None, 2),
+            ("text:debug", None, 2),
+            ("text:warn", None, 0),
+            ("json:info,abx_proxy::access=off", None, 0),
+            ("json:", Some("abx_proxy::access=off"), 0),
+            ("text:", Some("warn,abx_proxy::access=info"), 2),
+        ] {
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.args(["--exact", "logging::tests::child_init_and_access"])
+                .args(["--nocapture", "--test-threads=1"])
+                .env("ABX_LOGGING_CHILD", spec)
+                .env_remove("RUST_LOG");
+            if let Some(rust_log) = rust_log {
+                cmd.env("RUST_LOG", rust_log);
+            }
+            let out = cmd.output().unwrap_or_else(|e| panic!("{e}"));
+            assert!(out.status.success(), "{spec}: {out:?}");
+            let stderr = String::from_utf8(out.stderr).unwrap_or_else(|e| panic!("{e}"));
+            let lines: Vec<&str> = stderr
+                .split_inclusive('\n')
+                .filter(|l| l.contains(ACCESS_TARGET))
+                .collect();
+            assert_eq!(
+                lines.len(),
+                expected_lines,
+                "{spec} {rust_log:?}:\n{stderr}"
+            );
+            if let [fast, traced] = lines[..] {
+                let skip = if spec.starts_with("json") {
+                    14 + 27
+                } else {
+                    27
+                };
+                assert_eq!(fast[skip..], traced[skip..], "{spec}");
+                let mut expected = String::new();
+                let format = if spec.starts_with("json") {
+                    LogFormat::Json
+                } else {
+                    LogFormat::Text
+                };
+                expected.push_str(&ours(format, UNIX_EPOCH, &child_line()));
+                assert_eq!(fast[skip..], expected[skip..], "{spec}");
+            }
+        }
+    }
+
+    #[test]
+    fn json_escape_scan_is_exact() {
+        let naive = |s: &[u8]| s.iter().any(|&b| b < 0x20 || b == b'"' || b == b'\\');
+        // Every byte value at every position of strings up to 20 bytes long.
+        for len in 1..=20 {
+            for at in 0..len {
+                for byte in 0..=255u8 {
+                    let mut s = vec![b'x'; len];
+                    s[at] = byte;
+                    assert_eq!(needs_json_escape(&s), naive(&s), "{s:?}");
+                }
+            }
+        }
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..200_000 {
+            let len = rng.usize(0..40);
+            // Mostly printable with the occasional special or high byte.
+            let s: Vec<u8> = (0..len)
+                .map(|_| match rng.u8(0..20) {
+                    0 => rng.u8(..),
+                    _ => rng.u8(0x20..0x7f),
+                })
+                .collect();
+            assert_eq!(needs_json_escape(&s), naive(&s), "{s:?}");
+        }
+        assert!(!needs_json_escape(b""));
+    }
+
+    #[test]
+    fn debug_str_fast_path_matches_fmt() {
+        for s in [
+            "", "api", "envd", "a b~!", "\"", "\\", "'", "\u{7f}", "é", "\u{301}x",
+        ] {
+            let mut buf = Vec::new();
+            write_debug_str(&mut buf, s);
+            assert_eq!(String::from_utf8_lossy(&buf), format!("{s:?}"));
+        }
+        for n in [0u16, 1, 9, 10, 99, 100, 502, 9999, 10000, 65535] {
+            let mut buf = Vec::new();
+            write_u16(&mut buf, n);
+            assert_eq!(String::from_utf8_lossy(&buf), n.to_string());
+        }
+    }
 }

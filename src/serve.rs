@@ -13,6 +13,7 @@ use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
 use crate::settings::{parse_duration, Resolved, Settings};
 use crate::signals;
+use crate::workers;
 
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
@@ -23,7 +24,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         (Some(cert), Some(key)) => Some(listener::tls_acceptor(cert, key)?),
         _ => None,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // The main thread's runtime: signals, admin, refresher, drain. Connections are served by
+    // the workers' (see `workers`).
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| Error::Bind {
@@ -75,12 +78,7 @@ async fn serve(
         header_timeout: options.header_timeout,
         max_connections: options.max_connections,
     };
-    let accepting = tokio::spawn(listener::accept_loop(
-        listener,
-        proxy.clone(),
-        config,
-        stop_rx,
-    ));
+    let workers = workers::start(workers::count(), &listener, &proxy, config, &stop_rx)?;
     if let Some(hangups) = hangups {
         let reload = reload_on_hangup(proxy.clone(), hangups, flags, resolved, options.clone());
         tokio::spawn(reload);
@@ -90,14 +88,13 @@ async fn serve(
     tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
     proxy.start_draining();
     let _ = stop_tx.send(true);
-    // The accept loop returns after dropping the listener: new connections are refused.
-    let graceful = accepting.await.map_err(|e| Error::Bind {
-        addr: settings.listen.to_string(),
-        reason: e.to_string(),
-    })?;
+    // The accept loops return after dropping their listeners; with ours the socket closes
+    // and new connections are refused.
+    workers.closed().await;
+    drop((listener, stop_rx));
     // From here a connect is refused: operators (and tests) can tell the drain has begun.
-    tracing::info!(open = graceful.count(), "listener closed");
-    let clean = listener::drain(graceful, options.shutdown_grace).await;
+    tracing::info!(open = stop_tx.receiver_count(), "listener closed");
+    let clean = listener::drain(&stop_tx, options.shutdown_grace).await;
     tracing::info!(clean, "stopped");
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! The upstream client stack, shared by the proxy and the proxy's own calls (token
 //! exchange, envd token look-ups, `check`): rustls with the Mozilla and system roots plus
-//! `--upstream-ca`, and hyper-util's pooled client. Plain `http://` upstreams work too
-//! (local OpenSandbox, tests).
+//! `--upstream-ca`, the TCP connector, and hyper-util's pooled client. Plain `http://`
+//! upstreams work too (local OpenSandbox, tests). The proxy's own HTTP/1.1 pool
+//! (`proxy::pool`) connects through [`connector`] and keeps this client for HTTP/2 and
+//! upgrades.
 //!
 //! Names resolve through [`LocalResolver`]: `localhost` and every `*.localhost` name are
 //! loopback without asking DNS (RFC 6761 §6.3; many system resolvers do not answer
@@ -135,17 +137,24 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
     Ok(config)
 }
 
+/// TCP connections to upstreams: names through [`LocalResolver`], `https` URIs accepted
+/// (TLS is layered above), TCP_NODELAY, keep-alive probes after 60 s idle.
+pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
+    let mut http = HttpConnector::new_with_resolver(LocalResolver::new());
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    http
+}
+
 /// A pooled client over `tls`.
 pub fn client(
     tls: rustls::ClientConfig,
     versions: Versions,
     connect_timeout: Duration,
 ) -> HttpClient {
-    let mut http = HttpConnector::new_with_resolver(LocalResolver::new());
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
-    http.set_keepalive(Some(Duration::from_secs(60)));
+    let http = connector(connect_timeout);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();

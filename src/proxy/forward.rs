@@ -1,13 +1,17 @@
 //! Phase 4, forward: send the rewritten request upstream with a deadline for the response
 //! head, and turn failures into E5001/E5002 with a metric kind.
+//!
+//! The request goes through [`Upstream`] (`proxy::pool`): its own HTTP/1.1 pool, or
+//! hyper-util's client for HTTP/2 and upgrades. The legacy error helpers below also serve
+//! the proxy's own calls that use hyper-util's client directly (token exchange, `check`).
 
 use std::time::Duration;
 
 use http::{Request, Response};
-use hyper::body::Incoming;
 
+use super::pool::Upstream;
 use crate::error::Error;
-use crate::upstream::{HttpClient, ProxyBody};
+use crate::upstream::ProxyBody;
 
 /// Why an upstream exchange failed, as `abx_proxy_upstream_errors_total{kind}` labels it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,31 +36,28 @@ impl FailKind {
 }
 
 pub async fn send(
-    client: &HttpClient,
+    client: &Upstream,
     req: Request<ProxyBody>,
     timeout: Duration,
     host: &str,
-) -> Result<Response<Incoming>, (Error, Option<FailKind>)> {
+) -> Result<Response<ProxyBody>, (Error, Option<FailKind>)> {
     match tokio::time::timeout(timeout, client.request(req)).await {
         Ok(Ok(resp)) => Ok(resp),
         // The client's own body broke (a bad chunk, a closed upload): not the upstream's
         // fault, and not an upstream error in the metrics.
-        Ok(Err(e)) if client_body_failed(&e) => Err((
+        Ok(Err(e)) if e.is_client_body() => Err((
             Error::Refused {
                 reason: "the request body could not be read".into(),
             },
             None,
         )),
-        Ok(Err(e)) => {
-            let kind = classify(&e);
-            Err((
-                Error::UpstreamUnreachable {
-                    reason: describe(&e),
-                    host: host.to_string(),
-                },
-                Some(kind),
-            ))
-        }
+        Ok(Err(e)) => Err((
+            Error::UpstreamUnreachable {
+                reason: e.describe(),
+                host: host.to_string(),
+            },
+            Some(e.kind()),
+        )),
         Err(_) => Err((
             Error::UpstreamTimeout {
                 seconds: timeout.as_secs().max(1),
@@ -73,7 +74,9 @@ fn chain<'a>(
     std::iter::successors(Some(e), |e| e.source())
 }
 
-fn find_rustls<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+pub(crate) fn find_rustls<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rustls::Error> {
     chain(e).find_map(|e| {
         e.downcast_ref::<rustls::Error>()
             .or_else(|| e.downcast_ref::<std::io::Error>().and_then(inside_io))
@@ -89,12 +92,12 @@ fn inside_io(io: &std::io::Error) -> Option<&rustls::Error> {
         .or_else(|| inner.downcast_ref::<std::io::Error>().and_then(inside_io))
 }
 
-fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+pub(crate) fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
     chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(|io| io.kind()))
 }
 
 /// hyper marks an error of the request body stream as the user's.
-fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
+pub(crate) fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
     chain(e).any(|e| {
         e.downcast_ref::<hyper::Error>()
             .is_some_and(hyper::Error::is_user)

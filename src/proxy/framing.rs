@@ -72,7 +72,7 @@ impl Refusal {
 }
 
 /// Enough of a line to recognise the fields that matter and read a length or chunk size.
-const LINE_CAP: usize = 64;
+pub(super) const LINE_CAP: usize = 64;
 
 /// The watch and the service's side of it, for one connection.
 pub fn watch() -> (HeadWatch, Verdicts) {

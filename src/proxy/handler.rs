@@ -10,7 +10,6 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
-use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
@@ -54,7 +53,7 @@ fn internal(reason: impl std::fmt::Display) -> Error {
 impl Proxy {
     pub async fn handle(
         self: Arc<Self>,
-        mut req: Request<Incoming>,
+        mut req: Request<ProxyBody>,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let start = Instant::now();
         let method = req.method().clone();
@@ -94,8 +93,8 @@ impl Proxy {
                 }
                 let host = match &f.error {
                     Error::UpstreamUnreachable { host, .. }
-                    | Error::UpstreamTimeout { host, .. } => host.clone(),
-                    _ => String::new(),
+                    | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
+                    _ => Arc::from(""),
                 };
                 (body::error_response(&f.error), host)
             }
@@ -104,15 +103,7 @@ impl Proxy {
         let status = resp.status().as_u16();
         self.metrics.request_done(plane, &method, status, elapsed);
         // Never the query string: signed file URLs carry secrets there.
-        tracing::info!(
-            target: "abx_proxy::access",
-            method = %method,
-            path = %uri.path(),
-            plane,
-            status,
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
-            upstream = %upstream,
-        );
+        crate::logging::access(&method, uri.path(), plane, status, elapsed, &upstream);
         Ok(resp)
     }
 
@@ -120,9 +111,9 @@ impl Proxy {
     async fn api(
         &self,
         mut parts: Parts,
-        body: Incoming,
+        body: ProxyBody,
         upgrade: Option<OnUpgrade>,
-    ) -> Result<(Response<ProxyBody>, String), Failure> {
+    ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
         // authorize
         let credential = self.credential.load_full();
         let key = credential.current().await?;
@@ -170,13 +161,13 @@ impl Proxy {
                 }
             }
         } else {
-            body::boxed(body)
+            body
         };
         parts.uri = uri;
         parts.version = Version::HTTP_11;
 
         // forward
-        let host = self.api_base.host().to_string();
+        let host = self.api_host.clone();
         let client = match upgrade {
             // HTTP/2 has no Upgrade: a WebSocket goes over the HTTP/1.1 client.
             Some(_) => &self.envd_client,
@@ -199,11 +190,11 @@ impl Proxy {
     async fn envd(
         &self,
         mut parts: Parts,
-        body: Incoming,
+        body: ProxyBody,
         sandbox_id: &str,
         port: u16,
         upgrade: Option<OnUpgrade>,
-    ) -> Result<(Response<ProxyBody>, String), Failure> {
+    ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
         // authorize: the store, else the client's own token, else ask the control plane.
         let client_token = parts
             .headers
@@ -220,6 +211,7 @@ impl Proxy {
         // rewrite
         let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
         let (uri, host) = self.envd_uri(sandbox_id, port, pq)?;
+        let host: Arc<str> = Arc::from(host);
         headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
         parts.headers.remove(HOST);
         headers::authorize_envd(&mut parts.headers, &token, sandbox_id, port);
@@ -235,7 +227,7 @@ impl Proxy {
         });
 
         // forward
-        let req = Request::from_parts(parts, body::boxed(body));
+        let req = Request::from_parts(parts, body);
         let mut resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
         if resp.status() == StatusCode::UNAUTHORIZED {
             // The token may have been rotated: fetch it again, once. Only the refused token
@@ -328,7 +320,7 @@ impl Proxy {
     /// Phase 5, respond: hop-by-hop out, tunnels for upgrades, token learning.
     async fn respond(
         &self,
-        mut resp: Response<Incoming>,
+        mut resp: Response<ProxyBody>,
         sniff: Sniff,
         upgrade: Option<OnUpgrade>,
     ) -> Result<Response<ProxyBody>, Failure> {
@@ -371,9 +363,9 @@ impl Proxy {
             Sniff::Forget(id) if ok || resp.status() == StatusCode::NOT_FOUND => {
                 self.tokens.remove(&id);
                 self.metrics.envd_tokens.set(self.tokens.len() as i64);
-                Ok(resp.map(body::boxed))
+                Ok(resp)
             }
-            _ => Ok(resp.map(body::boxed)),
+            _ => Ok(resp),
         }
     }
 }

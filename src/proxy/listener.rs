@@ -3,7 +3,6 @@
 //! drain.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -12,13 +11,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::header::CONNECTION;
 use http::{HeaderValue, Request};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -27,6 +26,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use super::framing::{self, HeadWatch, Verdicts};
+use super::h1::{self, Sock};
 use super::Proxy;
 use crate::error::Error;
 use crate::metrics::GaugeGuard;
@@ -72,10 +72,40 @@ impl Listener {
     }
 }
 
+/// Another descriptor of a listening socket, for a worker thread to accept from with its
+/// own runtime (see [`crate::workers`]).
+pub enum SharedListener {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener),
+}
+
+impl Listener {
+    pub fn share(&self) -> io::Result<SharedListener> {
+        use std::os::fd::AsFd;
+        Ok(match self {
+            Listener::Tcp(l) => SharedListener::Tcp(l.as_fd().try_clone_to_owned()?.into()),
+            Listener::Unix(l, _) => SharedListener::Unix(l.as_fd().try_clone_to_owned()?.into()),
+        })
+    }
+}
+
+impl SharedListener {
+    /// Registers the descriptor with the calling thread's runtime. The socket file of a
+    /// unix listener stays the original's to remove.
+    pub fn into_tokio(self) -> io::Result<Listener> {
+        Ok(match self {
+            SharedListener::Tcp(l) => Listener::Tcp(TcpListener::from_std(l)?),
+            SharedListener::Unix(l) => Listener::Unix(UnixListener::from_std(l)?, PathBuf::new()),
+        })
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
+            if !path.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -123,29 +153,27 @@ pub struct ServeConfig {
     pub max_connections: usize,
 }
 
-/// Accepts until `stop` turns true, then returns the graceful-shutdown handle holding the
-/// connections still open.
+/// Accepts until `stop` turns true. Every connection task holds a clone of `stop`: the
+/// drain is over when the sender sees no receivers left (see [`drain`]).
 pub async fn accept_loop(
     listener: Listener,
     proxy: Arc<Proxy>,
-    config: ServeConfig,
+    config: Arc<ServeConfig>,
+    limit: Arc<Semaphore>,
     mut stop: watch::Receiver<bool>,
-) -> GracefulShutdown {
-    let graceful = GracefulShutdown::new();
+) {
     let builder = Arc::new(http_builder(config.header_timeout));
-    let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
-    let config = Arc::new(config);
     loop {
         // Beyond the limit new connections wait in the kernel's accept queue.
         let permit = tokio::select! {
             p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
             _ = stop.wait_for(|s| *s) => break,
         };
-        let accepted: io::Result<Box<dyn Io>> = tokio::select! {
+        let accepted = tokio::select! {
             a = accept(&listener) => a,
             _ = stop.wait_for(|s| *s) => break,
         };
-        let stream = match accepted {
+        let sock = match accepted {
             Ok(s) => s,
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
@@ -157,57 +185,100 @@ pub async fn accept_loop(
         let proxy = proxy.clone();
         let builder = builder.clone();
         let config = config.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
+        let stop = stop.clone();
+        let task = async move {
             let _permit = permit;
             let _open = GaugeGuard::new(&proxy.metrics.open_connections);
-            let io: Box<dyn Io> = match &config.tls {
-                None => stream,
-                Some(acceptor) => {
-                    let handshake = acceptor.accept(stream);
-                    match tokio::time::timeout(Duration::from_secs(10), handshake).await {
-                        Ok(Ok(tls)) => Box::new(tls),
-                        _ => return,
-                    }
-                }
-            };
-            let (io, last_activity, verdicts) = IdleIo::new(io);
-            let headed = Arc::new(AtomicBool::new(false));
-            let service = {
-                let headed = headed.clone();
-                service_fn(move |mut req: Request<Incoming>| {
-                    headed.store(true, Ordering::Relaxed);
-                    let refusal = verdicts.next_refusal();
-                    if let Some(why) = refusal {
-                        req.extensions_mut().insert(framing::AmbiguousLength);
-                        req.extensions_mut().insert(why);
-                    }
-                    // Boxed: hyper keeps the service future's slot for the connection's
-                    // whole life, so an unboxed one (3 KB, held twice by this wrapper) stays
-                    // resident on every idle keep-alive connection; boxed, it lives only
-                    // while a request does, and moves as a pointer.
-                    let handled = Box::pin(proxy.clone().handle(req));
-                    async move {
-                        let mut resp = handled.await?;
-                        if refusal.is_some() {
-                            // What follows on this connection was framed by a guess.
-                            resp.headers_mut()
-                                .insert(CONNECTION, HeaderValue::from_static("close"));
-                        }
-                        Ok::<_, Infallible>(resp)
-                    }
-                })
-            };
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-            let conn = watcher.watch(conn.into_owned());
+            let activity = Activity::new();
+            let headed = AtomicBool::new(false);
+            let serving = connection(sock, &proxy, &config, &builder, &activity, &headed, stop);
             tokio::select! {
-                _ = conn => {}
-                _ = idle(last_activity, config.idle_timeout) => {}
-                _ = first_head(headed, config.header_timeout) => {}
+                _ = serving => {}
+                _ = idle(&activity, config.idle_timeout) => {}
+                _ = first_head(&headed, config.header_timeout) => {}
             }
-        });
+        };
+        tokio::spawn(task);
     }
-    graceful
+}
+
+/// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for
+/// whatever the fast path hands over.
+async fn connection(
+    sock: Sock,
+    proxy: &Arc<Proxy>,
+    config: &ServeConfig,
+    builder: &auto::Builder<TokioExecutor>,
+    activity: &Activity,
+    headed: &AtomicBool,
+    mut stop: watch::Receiver<bool>,
+) {
+    let io: Box<dyn Io> = match &config.tls {
+        None => {
+            let ctx = h1::Ctx {
+                proxy,
+                activity,
+                headed,
+                header_timeout: config.header_timeout,
+            };
+            match h1::serve(sock, ctx, &mut stop).await {
+                h1::Outcome::Closed => return,
+                h1::Outcome::HandOver(sock, prefix) => Box::new(h1::Rewind::new(sock, prefix)),
+            }
+        }
+        Some(acceptor) => {
+            let handshake = acceptor.accept(h1::Rewind::new(sock, Bytes::new()));
+            match Box::pin(tokio::time::timeout(Duration::from_secs(10), handshake)).await {
+                Ok(Ok(tls)) => Box::new(tls),
+                _ => return,
+            }
+        }
+    };
+    Box::pin(with_hyper(io, proxy, builder, activity, headed, stop)).await
+}
+
+/// hyper serves the rest of the connection. Boxed by the caller: its state is kilobytes,
+/// and an unboxed one would size every fast-path connection's task.
+async fn with_hyper(
+    io: Box<dyn Io>,
+    proxy: &Arc<Proxy>,
+    builder: &auto::Builder<TokioExecutor>,
+    activity: &Activity,
+    headed: &AtomicBool,
+    mut stop: watch::Receiver<bool>,
+) {
+    // A fresh watch: the fast path hands over at the start of a head.
+    let (io, verdicts) = IdleIo::new(io, activity.clone());
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        headed.store(true, Ordering::Relaxed);
+        let refusal = verdicts.next_refusal();
+        if let Some(why) = refusal {
+            req.extensions_mut().insert(framing::AmbiguousLength);
+            req.extensions_mut().insert(why);
+        }
+        // Boxed: hyper keeps the service future's slot for the connection's whole life,
+        // so an unboxed one (3 KB, held twice by this wrapper) stays resident on every
+        // idle keep-alive connection; boxed, it lives only while a request does.
+        let handled = Box::pin(proxy.clone().handle(req.map(super::body::boxed)));
+        async move {
+            let mut resp = handled.await?;
+            if refusal.is_some() {
+                // What follows on this connection was framed by a guess.
+                resp.headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(resp)
+        }
+    });
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = stop.wait_for(|s| *s) => {}
+    }
+    // Draining: finish what is in flight, take no new request.
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
 }
 
 pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
@@ -228,62 +299,73 @@ pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
 trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
 
-async fn accept(listener: &Listener) -> io::Result<Box<dyn Io>> {
+async fn accept(listener: &Listener) -> io::Result<Sock> {
     match listener {
         Listener::Tcp(l) => {
             let (s, _) = l.accept().await?;
             let _ = s.set_nodelay(true);
-            Ok(Box::new(s))
+            Ok(Sock::Tcp(s))
         }
         Listener::Unix(l, _) => {
             let (s, _) = l.accept().await?;
-            Ok(Box::new(s))
+            Ok(Sock::Unix(s))
         }
     }
 }
 
-/// A client connection's bytes: when they last moved (milliseconds since the connection
-/// opened), and the request framing they carry (see [`framing`]).
-struct IdleIo<T> {
-    inner: T,
+/// When a connection's bytes last moved, in milliseconds since it opened: the idle
+/// timeout's clock, shared by the fast path, [`IdleIo`] and [`idle`].
+#[derive(Clone)]
+pub struct Activity {
     opened: Instant,
     last: Arc<AtomicU64>,
-    framing: HeadWatch,
 }
 
-impl<T> IdleIo<T> {
-    fn new(inner: T) -> (Self, Activity, Verdicts) {
-        let last = Arc::new(AtomicU64::new(0));
-        let opened = Instant::now();
-        let (framing, verdicts) = framing::watch();
-        (
-            IdleIo {
-                inner,
-                opened,
-                last: last.clone(),
-                framing,
-            },
-            Activity { opened, last },
-            verdicts,
-        )
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            opened: Instant::now(),
+            last: Arc::new(AtomicU64::new(0)),
+        }
     }
 
-    fn touch(&self) {
+    pub fn touch(&self) {
         let ms = self.opened.elapsed().as_millis() as u64;
         self.last.store(ms, Ordering::Relaxed);
     }
 }
 
-struct Activity {
-    opened: Instant,
-    last: Arc<AtomicU64>,
+/// A connection's bytes on their way into hyper: activity recorded, request framing
+/// watched (see [`framing`]).
+struct IdleIo<T> {
+    inner: T,
+    activity: Activity,
+    framing: HeadWatch,
+}
+
+impl<T> IdleIo<T> {
+    fn new(inner: T, activity: Activity) -> (Self, Verdicts) {
+        let (framing, verdicts) = framing::watch();
+        (
+            IdleIo {
+                inner,
+                activity,
+                framing,
+            },
+            verdicts,
+        )
+    }
+
+    fn touch(&self) {
+        self.activity.touch();
+    }
 }
 
 /// Resolves when no request head has arrived within `timeout` of the connection's start.
 /// hyper's own header timer starts only once it knows the connection is HTTP/1: a client
 /// that sends nothing, or a bit of the HTTP/2 preface, would otherwise hold its slot of
 /// `--max-connections` until the idle timeout.
-async fn first_head(headed: Arc<AtomicBool>, timeout: Duration) {
+async fn first_head(headed: &AtomicBool, timeout: Duration) {
     tokio::time::sleep(timeout).await;
     if headed.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
@@ -292,7 +374,7 @@ async fn first_head(headed: Arc<AtomicBool>, timeout: Duration) {
 
 /// Resolves once the connection has moved no bytes for `timeout`. A connection that still
 /// moves bytes (Connect keepalives every 50 s) is never cut.
-async fn idle(activity: Activity, timeout: Duration) {
+async fn idle(activity: &Activity, timeout: Duration) {
     loop {
         let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
         let deadline = activity.opened + last + timeout;
@@ -357,8 +439,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     }
 }
 
-/// Waits for the drain to finish, or for `grace` to pass.
-pub async fn drain(graceful: GracefulShutdown, grace: Duration) -> bool {
-    let done: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(graceful.shutdown());
-    tokio::time::timeout(grace, done).await.is_ok()
+/// Waits until every connection has finished (each holds a receiver of `stop`), or for
+/// `grace` to pass.
+pub async fn drain(stop: &watch::Sender<bool>, grace: Duration) -> bool {
+    tokio::time::timeout(grace, stop.closed()).await.is_ok()
 }

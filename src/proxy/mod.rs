@@ -8,9 +8,11 @@ pub mod body;
 pub mod compat;
 pub mod forward;
 pub mod framing;
+mod h1;
 mod handler;
 pub mod headers;
 pub mod listener;
+pub mod pool;
 pub mod route;
 pub mod sniff;
 
@@ -27,8 +29,9 @@ use crate::credentials::ApiCredential;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
-use crate::upstream::{self, HttpClient, Versions};
+use crate::upstream::{self, Versions};
 use headers::{AuthScheme, CachedAuth};
+use pool::Upstream;
 use route::HostPolicy;
 
 /// Serving options that are not settings keys (flags of `serve`).
@@ -79,10 +82,12 @@ pub enum EnvdTarget {
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
     pub(crate) api_base: UpstreamUrl,
+    /// `api_base`'s host, for log lines and errors without re-parsing it per request.
+    pub(crate) api_host: Arc<str>,
     /// `None` for a provider without an envd plane: everything goes to the control plane.
     pub(crate) envd: Option<EnvdTarget>,
-    pub(crate) api_client: HttpClient,
-    pub(crate) envd_client: HttpClient,
+    pub(crate) api_client: Upstream,
+    pub(crate) envd_client: Upstream,
     pub(crate) auth: CachedAuth,
     /// Swapped whole on SIGHUP; requests in flight keep the one they loaded.
     pub credential: ArcSwap<ApiCredential>,
@@ -126,9 +131,10 @@ impl Proxy {
         };
         Ok(Proxy {
             api_base: settings.sandbox_base_url.clone(),
+            api_host: Arc::from(settings.sandbox_base_url.host()),
             envd,
-            api_client: upstream::client(tls.clone(), Versions::Negotiate, options.connect_timeout),
-            envd_client: upstream::client(tls, Versions::Http1, options.connect_timeout),
+            api_client: Upstream::new(tls.clone(), Versions::Negotiate, options.connect_timeout),
+            envd_client: Upstream::new(tls, Versions::Http1, options.connect_timeout),
             auth: CachedAuth::new(AuthScheme::from(&settings.auth)),
             credential: ArcSwap::from_pointee(credential),
             tokens: TokenStore::new(),

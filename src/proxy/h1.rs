@@ -1,0 +1,816 @@
+//! The HTTP/1.1 fast path for plain TCP and unix-socket clients.
+//!
+//! Nearly every request an E2B SDK sends is a plain HTTP/1.1 message: a head, then no body
+//! or a `Content-Length` one. This module serves exactly those, on the connection's own
+//! task: the head is parsed with `httparse` straight from the socket, handed to
+//! [`Proxy::handle`], and the answer is written back with the head and the first body bytes
+//! in one write. Between requests a connection holds no buffer at all (an idle keep-alive
+//! connection costs its socket and a small task, as in nginx), and the next head waits for
+//! readiness, not for a read into a buffer.
+//!
+//! Everything else is handed over, whole, to hyper's server: the bytes read so far go first
+//! ([`Rewind`]), and hyper serves that request and every later one on the connection. That
+//! covers `Transfer-Encoding`, repeated or odd `Content-Length`, `Expect`, upgrades
+//! (WebSocket), HTTP/1.0, the HTTP/2 preface, heads over the size or field limits and
+//! anything `httparse` rejects — hyper answers those as it always has (400, 431, …), and
+//! the framing watch sees every byte it is given.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::{CONNECTION, CONTENT_LENGTH, DATE, EXPECT, TRANSFER_ENCODING, UPGRADE};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::watch;
+
+use super::body;
+use super::framing;
+use super::listener::{Activity, MAX_HEAD, MAX_HEADERS};
+use super::Proxy;
+use crate::upstream::ProxyBody;
+
+/// A client socket the fast path can read and write through a shared reference, so the
+/// request body (on its way upstream) and the response (on its way back) move at once.
+#[derive(Debug)]
+pub enum Sock {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Sock {
+    async fn readable(&self) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.readable().await,
+            Sock::Unix(s) => s.readable().await,
+        }
+    }
+
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self {
+            Sock::Tcp(s) => s.poll_read_ready(cx),
+            Sock::Unix(s) => s.poll_read_ready(cx),
+        }
+    }
+
+    fn try_read_buf<B: BufMut>(&self, buf: &mut B) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.try_read_buf(buf),
+            Sock::Unix(s) => s.try_read_buf(buf),
+        }
+    }
+
+    /// Reads what is there; a read that did not fill `buf` emptied the socket, so the
+    /// readiness is cleared at once (as nginx does) instead of by one more read that
+    /// finds nothing. The clear is tied to the readiness seen before the read: bytes that
+    /// arrive meanwhile raise it again, so no wake-up is lost.
+    fn read_draining<B: BufMut>(&self, buf: &mut B) -> io::Result<usize> {
+        let room = buf.chunk_mut().len();
+        let mut got = None;
+        let mut read = || {
+            let n = self.try_read_buf(buf)?;
+            got = Some(n);
+            if n > 0 && n < room {
+                Err(io::ErrorKind::WouldBlock.into())
+            } else {
+                Ok(n)
+            }
+        };
+        let r = match self {
+            Sock::Tcp(s) => s.try_io(Interest::READABLE, &mut read),
+            Sock::Unix(s) => s.try_io(Interest::READABLE, &mut read),
+        };
+        match got {
+            Some(n) => Ok(n),
+            None => r,
+        }
+    }
+
+    async fn writable(&self) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.writable().await,
+            Sock::Unix(s) => s.writable().await,
+        }
+    }
+
+    fn try_write_vectored(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.try_write_vectored(bufs),
+            Sock::Unix(s) => s.try_write_vectored(bufs),
+        }
+    }
+}
+
+/// What the fast path leaves behind: nothing, or the connection for hyper with the bytes
+/// already read from it.
+pub enum Outcome {
+    Closed,
+    HandOver(Sock, Bytes),
+}
+
+/// What a connection needs from the listener.
+pub struct Ctx<'a> {
+    pub proxy: &'a Arc<Proxy>,
+    pub activity: &'a Activity,
+    pub headed: &'a AtomicBool,
+    pub header_timeout: Duration,
+}
+
+/// The socket and what the request body reader shares with the connection loop.
+struct Shared {
+    sock: Sock,
+    /// Bytes of the current request body not yet read; the connection can carry another
+    /// request only once this is 0.
+    body_left: AtomicU64,
+}
+
+/// Serves requests until the client closes, a timeout or the drain ends the connection,
+/// or a request needs hyper.
+pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -> Outcome {
+    let shared = Arc::new(Shared {
+        sock,
+        body_left: AtomicU64::new(0),
+    });
+    let mut buf = BytesMut::new();
+    loop {
+        if buf.is_empty() {
+            // Idle between requests: no buffer is held while waiting.
+            buf = BytesMut::new();
+            tokio::select! {
+                r = shared.sock.readable() => if r.is_err() { return Outcome::Closed },
+                _ = stop.wait_for(|s| *s) => return Outcome::Closed,
+            }
+        }
+        let head = match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
+            Read::Head(head) => head,
+            Read::Nothing => continue,
+            Read::Closed => return Outcome::Closed,
+            Read::HandOver => {
+                return match Arc::try_unwrap(shared) {
+                    Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
+                    // A body reader of an earlier request is still alive somewhere.
+                    Err(_) => Outcome::Closed,
+                };
+            }
+        };
+        ctx.headed.store(true, Ordering::Relaxed);
+
+        let length = head.content_length;
+        let body = if length == 0 {
+            body::empty()
+        } else {
+            let prefix = buf.split_to(buf.len().min(length as usize)).freeze();
+            let left = length - prefix.len() as u64;
+            shared.body_left.store(left, Ordering::Relaxed);
+            body::boxed(FastBody {
+                shared: shared.clone(),
+                activity: ctx.activity.clone(),
+                prefix: Some(prefix).filter(|p| !p.is_empty()),
+                left,
+                buf: BytesMut::new(),
+            })
+        };
+        let is_head = head.method == Method::HEAD;
+        let mut close = head.close;
+        let req = head.into_request(body);
+
+        // Boxed, like the write below: only a pointer of it stays in the connection's task,
+        // so an idle keep-alive connection does not carry a request's worth of state.
+        let handled = Box::pin(ctx.proxy.clone().handle(req));
+        let resp = if length == 0 {
+            // A client that hangs up while waiting takes its request with it (hyper does
+            // the same): the handler is dropped, the upstream exchange cancelled.
+            tokio::select! {
+                r = handled => r,
+                () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+            }
+        } else {
+            handled.await
+        };
+        let resp = match resp {
+            Ok(resp) => resp,
+            Err(never) => match never {},
+        };
+        close |= *stop.borrow();
+        let written = Box::pin(write_response(
+            &shared.sock,
+            ctx.activity,
+            resp,
+            is_head,
+            close,
+        ))
+        .await;
+        if !written || close || shared.body_left.load(Ordering::Relaxed) != 0 || *stop.borrow() {
+            return Outcome::Closed;
+        }
+    }
+}
+
+/// Resolves when the client closes its side while a request is being answered. Bytes it
+/// sends meanwhile (a pipelined request) are kept in `buf` and the watch ends there.
+async fn client_gone(sock: &Sock, buf: &mut BytesMut) {
+    let mut probe = [0u8; 512];
+    loop {
+        if sock.readable().await.is_err() {
+            return;
+        }
+        match sock.try_read_buf(&mut &mut probe[..]) {
+            Ok(0) => return,
+            Ok(n) => {
+                buf.extend_from_slice(&probe[..n]);
+                return std::future::pending().await;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
+        }
+    }
+}
+
+// Returned by value once per request and matched at once: boxing the head would add an
+// allocation to every request to save a move.
+#[allow(clippy::large_enum_variant)]
+enum Read {
+    Head(Head),
+    /// Readiness without bytes: wait again.
+    Nothing,
+    Closed,
+    HandOver,
+}
+
+/// Reads until a whole head is buffered and parsed. The header timeout runs from the head's
+/// first byte (waiting for that byte is the keep-alive idle time, watched elsewhere).
+async fn read_head(
+    sock: &Sock,
+    buf: &mut BytesMut,
+    activity: &Activity,
+    header_timeout: Duration,
+) -> Read {
+    let mut deadline = None;
+    loop {
+        if !buf.is_empty() {
+            match parse(buf) {
+                Parsed::Head(head) => return Read::Head(head),
+                Parsed::HandOver => return Read::HandOver,
+                Parsed::Partial if buf.len() > MAX_HEAD => return Read::HandOver,
+                Parsed::Partial => {}
+            }
+        }
+        if buf.capacity() - buf.len() < 1024 {
+            buf.reserve(4096);
+        }
+        match sock.read_draining(buf) {
+            Ok(0) => return Read::Closed,
+            Ok(_) => activity.touch(),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if buf.is_empty() {
+                    return Read::Nothing;
+                }
+                let at = *deadline.get_or_insert_with(|| Instant::now() + header_timeout);
+                match tokio::time::timeout_at(at.into(), sock.readable()).await {
+                    Ok(Ok(())) => {}
+                    _ => return Read::Closed,
+                }
+            }
+            Err(_) => return Read::Closed,
+        }
+    }
+}
+
+/// A request head the fast path serves.
+struct Head {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    content_length: u64,
+    /// The client asked for the connection to close after this request.
+    close: bool,
+}
+
+impl Head {
+    fn into_request(self, body: ProxyBody) -> Request<ProxyBody> {
+        let mut req = Request::new(body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers;
+        req
+    }
+}
+
+#[allow(clippy::large_enum_variant)]
+enum Parsed {
+    Head(Head),
+    Partial,
+    HandOver,
+}
+
+/// Parses the head at the start of `buf`; on success the head's bytes are split off and
+/// the URI and values point into them (no copy).
+fn parse(buf: &mut BytesMut) -> Parsed {
+    let Some(len) = head_end(buf) else {
+        return Parsed::Partial;
+    };
+    if len > MAX_HEAD {
+        // Over the limit: hyper answers 431.
+        return Parsed::HandOver;
+    }
+    let head = buf.split_to(len).freeze();
+    match parse_head(&head) {
+        Some(parsed) => Parsed::Head(parsed),
+        None => {
+            // Put the bytes back in front for hyper: nothing was consumed.
+            let mut back = BytesMut::with_capacity(head.len() + buf.len());
+            back.extend_from_slice(&head);
+            back.extend_from_slice(buf);
+            *buf = back;
+            Parsed::HandOver
+        }
+    }
+}
+
+/// The length of the head at the start of `buf` (through its empty line), once it is all
+/// there. Bare `LF` line ends count, as they do for httparse and hyper (RFC 9112 §2.2).
+fn head_end(buf: &[u8]) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = memchr::memchr(b'\n', &buf[from..]) {
+        let next = &buf[from + i + 1..];
+        if next.starts_with(b"\n") {
+            return Some(from + i + 2);
+        }
+        if next.starts_with(b"\r\n") {
+            return Some(from + i + 3);
+        }
+        if next.len() < 2 {
+            return None;
+        }
+        from += i + 1;
+    }
+    None
+}
+
+/// The request in `head`, if the fast path serves it; `None` hands it to hyper.
+fn parse_head(head: &Bytes) -> Option<Head> {
+    // Uninitialised slots: zeroing 100 of them cost more than parsing a small request.
+    let mut fields =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    match req.parse_with_uninit_headers(head, &mut fields) {
+        Ok(httparse::Status::Complete(n)) if n == head.len() => {}
+        // Too many fields, bad syntax, HTTP/2's preface: hyper gives the answer.
+        _ => return None,
+    }
+    if req.version != Some(1) {
+        return None;
+    }
+    let method = Method::from_bytes(req.method?.as_bytes()).ok()?;
+    if method == Method::CONNECT {
+        return None;
+    }
+    let uri = Uri::from_maybe_shared(head.slice_ref(req.path?.as_bytes())).ok()?;
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    let mut content_length = None;
+    let mut close = false;
+    for f in req.headers.iter() {
+        let name = HeaderName::from_bytes(f.name.as_bytes()).ok()?;
+        if name == CONTENT_LENGTH {
+            // The framing watch refuses a length line it cannot hold whole; so does this.
+            let line = (f.value.as_ptr() as usize + f.value.len()) - f.name.as_ptr() as usize;
+            if content_length.is_some() || line > framing::LINE_CAP {
+                return None;
+            }
+            content_length = Some(decimal(f.value)?);
+        } else if name == TRANSFER_ENCODING || name == EXPECT || name == UPGRADE {
+            return None;
+        } else if name == CONNECTION {
+            for token in f.value.split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if token.eq_ignore_ascii_case(b"upgrade") {
+                    return None;
+                }
+            }
+        }
+        let value = HeaderValue::from_maybe_shared(head.slice_ref(f.value)).ok()?;
+        headers.append(name, value);
+    }
+    Some(Head {
+        method,
+        uri,
+        headers,
+        content_length: content_length.unwrap_or(0),
+        close,
+    })
+}
+
+/// A `Content-Length` value: digits only, no sign, no list, at most 18 of them.
+fn decimal(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// A request body of known length, read from the client socket as the upstream takes it.
+struct FastBody {
+    shared: Arc<Shared>,
+    activity: Activity,
+    /// Body bytes that arrived with the head.
+    prefix: Option<Bytes>,
+    left: u64,
+    buf: BytesMut,
+}
+
+/// Large reads for large bodies: an upload moves in pieces of up to this.
+const BODY_READ: usize = 64 * 1024;
+
+impl Body for FastBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(p) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        let this = &mut *self;
+        loop {
+            let want = this.left.min(BODY_READ as u64) as usize;
+            if this.buf.capacity() < want {
+                this.buf = BytesMut::with_capacity(want);
+            }
+            // Never past this body's end: what follows is the next request's.
+            match this
+                .shared
+                .sock
+                .read_draining(&mut (&mut this.buf).limit(want))
+            {
+                Ok(0) => {
+                    return Poll::Ready(Some(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "client closed the connection mid-body",
+                    ))))
+                }
+                Ok(n) => {
+                    this.activity.touch();
+                    this.left -= n as u64;
+                    this.shared.body_left.store(this.left, Ordering::Relaxed);
+                    let data = this.buf.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready!(this.shared.sock.poll_read_ready(cx))?;
+                }
+                Err(e) => return Poll::Ready(Some(Err(e))),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.left == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.left + self.prefix.as_ref().map_or(0, |p| p.len() as u64))
+    }
+}
+
+/// How the response body is delimited on the wire.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Length(u64),
+    Chunked,
+}
+
+/// Writes the response; whether the connection can carry another request afterwards.
+async fn write_response(
+    sock: &Sock,
+    activity: &Activity,
+    resp: Response<ProxyBody>,
+    is_head: bool,
+    close: bool,
+) -> bool {
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status;
+    let bodyless = is_head
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+        || status.is_informational();
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .map(|v| decimal(v.as_bytes()));
+    let framing = match (declared, body.size_hint().exact()) {
+        // A length that is not a number cannot frame anything: close-delimit instead.
+        (Some(None), _) => return write_close_delimited(sock, activity, parts, body).await,
+        (Some(Some(n)), _) => Framing::Length(n),
+        (None, Some(n)) => Framing::Length(n),
+        (None, None) => Framing::Chunked,
+    };
+
+    let mut out = Vec::with_capacity(512);
+    status_line(&mut out, status);
+    for (name, value) in &parts.headers {
+        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if !parts.headers.contains_key(DATE) {
+        with_date(|d| field(&mut out, b"date", d));
+    }
+    match framing {
+        Framing::Length(n) if declared.is_none() => {
+            field(&mut out, b"content-length", itoa(n).as_bytes());
+        }
+        Framing::Chunked if !bodyless => field(&mut out, b"transfer-encoding", b"chunked"),
+        _ => {}
+    }
+    if close {
+        field(&mut out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    if bodyless {
+        return write_all(sock, activity, &out, &[]).await.is_ok();
+    }
+
+    let mut left = match framing {
+        Framing::Length(n) => n,
+        _ => u64::MAX,
+    };
+    let chunked = framing == Framing::Chunked;
+    loop {
+        // Frames already there join what is queued; the queue goes out when the body has
+        // nothing more right now, so a stream is never held back and a small answer
+        // leaves in one write.
+        let next = match body.frame().now_or_never() {
+            Some(f) => f,
+            None => {
+                if !out.is_empty() {
+                    if write_all(sock, activity, &out, &[]).await.is_err() {
+                        return false;
+                    }
+                    out.clear();
+                }
+                body.frame().await
+            }
+        };
+        let frame = match next {
+            None => break,
+            Some(Ok(f)) => f,
+            Some(Err(_)) => {
+                // The upstream broke mid-answer: what was sent stands, the client sees the
+                // connection close before the end.
+                let _ = write_all(sock, activity, &out, &[]).await;
+                return false;
+            }
+        };
+        let data = match frame.into_data() {
+            Ok(d) => d,
+            Err(frame) => {
+                if let (true, Ok(trailers)) = (chunked, frame.into_trailers()) {
+                    out.extend_from_slice(b"0\r\n");
+                    for (name, value) in &trailers {
+                        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+                    }
+                    out.extend_from_slice(b"\r\n");
+                    return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+                }
+                continue;
+            }
+        };
+        if data.is_empty() {
+            continue;
+        }
+        let data = if chunked {
+            chunk_size(&mut out, data.len());
+            data
+        } else if (data.len() as u64) > left {
+            // More than the declared length: the rest cannot be framed.
+            let cut = data.slice(..left as usize);
+            let _ = write_all(sock, activity, &out, &cut).await;
+            return false;
+        } else {
+            left -= data.len() as u64;
+            data
+        };
+        if data.len() <= 16 * 1024 && out.len() < 64 * 1024 {
+            out.extend_from_slice(&data);
+        } else {
+            if write_all(sock, activity, &out, &data).await.is_err() {
+                return false;
+            }
+            out.clear();
+        }
+        if chunked {
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+    if chunked {
+        out.extend_from_slice(b"0\r\n\r\n");
+    } else if left != 0 {
+        // Shorter than declared: the client must not wait for the rest.
+        let _ = write_all(sock, activity, &out, &[]).await;
+        return false;
+    }
+    write_all(sock, activity, &out, &[]).await.is_ok() && !close
+}
+
+/// An answer whose `Content-Length` is unusable: sent without it, ended by the close.
+async fn write_close_delimited(
+    sock: &Sock,
+    activity: &Activity,
+    mut parts: http::response::Parts,
+    mut body: ProxyBody,
+) -> bool {
+    parts.headers.remove(CONTENT_LENGTH);
+    let mut out = Vec::with_capacity(512);
+    status_line(&mut out, parts.status);
+    for (name, value) in &parts.headers {
+        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    out.extend_from_slice(b"connection: close\r\n\r\n");
+    if write_all(sock, activity, &out, &[]).await.is_err() {
+        return false;
+    }
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Ok(data) = frame.into_data() {
+            if write_all(sock, activity, &data, &[]).await.is_err() {
+                break;
+            }
+        }
+    }
+    false
+}
+
+fn status_line(out: &mut Vec<u8>, status: StatusCode) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+fn chunk_size(out: &mut Vec<u8>, n: usize) {
+    let digits = (usize::BITS - n.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        out.push(b"0123456789abcdef"[(n >> (i * 4)) & 0xf]);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Decimal digits of `n` without going through `fmt`.
+fn itoa(mut n: u64) -> Digits {
+    let mut d = Digits {
+        buf: [0; 20],
+        start: 20,
+    };
+    loop {
+        d.start -= 1;
+        d.buf[d.start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return d;
+        }
+    }
+}
+
+struct Digits {
+    buf: [u8; 20],
+    start: usize,
+}
+
+impl Digits {
+    fn as_bytes(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+}
+
+/// The `Date` value, formatted once a second per thread (as hyper does).
+fn with_date<R>(f: impl FnOnce(&[u8]) -> R) -> R {
+    use std::cell::RefCell;
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
+    }
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with(|cell| {
+        let mut cached = cell.borrow_mut();
+        if cached.0 != secs || cached.1.is_empty() {
+            *cached = (secs, httpdate::fmt_http_date(now));
+        }
+        f(cached.1.as_bytes())
+    })
+}
+
+/// Writes `a` then `b`, in as few system calls as the socket allows.
+async fn write_all(sock: &Sock, activity: &Activity, a: &[u8], b: &[u8]) -> io::Result<()> {
+    let (mut a, mut b) = (a, b);
+    while !a.is_empty() || !b.is_empty() {
+        let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
+        match sock.try_write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                activity.touch();
+                let from_a = n.min(a.len());
+                a = &a[from_a..];
+                b = &b[n - from_a..];
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => sock.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Bytes already read from a connection, served before the rest of it: how a connection
+/// the fast path started goes on under hyper.
+pub struct Rewind {
+    prefix: Bytes,
+    inner: Sock,
+}
+
+impl Rewind {
+    pub fn new(inner: Sock, prefix: Bytes) -> Self {
+        Rewind { prefix, inner }
+    }
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        match &mut self.inner {
+            Sock::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Sock::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.inner {
+            Sock::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Sock::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.inner {
+            Sock::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Sock::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.inner {
+            Sock::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Sock::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.inner {
+            Sock::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Sock::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}

@@ -1,0 +1,2079 @@
+//! The upstream client the proxy forwards through: a lean HTTP/1.1 client with a keep-alive
+//! pool per origin, driven inline in the request's own task, and hyper-util's legacy
+//! client beside it for what it alone can do.
+//!
+//! The legacy pooled client costs a spawned task per connection and a channel hand-off per
+//! request (a cross-thread wake-up each way); here the request task writes the head and
+//! body and reads the answer itself, and the response body owns the connection until its
+//! end, when it goes back to the idle list of its origin. What goes to the legacy client:
+//! `https` origins with [`Versions::Negotiate`] (they may speak HTTP/2 through ALPN), and
+//! requests that carry `Upgrade` (the handler tunnels WebSockets through
+//! `hyper::upgrade::on`, which only hyper's connections provide).
+//!
+//! Names, connect timeout, TCP_NODELAY and keep-alive probes are those of
+//! [`crate::upstream`]'s connector (the same `LocalResolver` rules); TLS is tokio-rustls with
+//! the same trust store, ALPN `http/1.1` only, SNI = the host.
+
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice, Write as _};
+use std::mem::MaybeUninit;
+use std::pin::{pin, Pin};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING, UPGRADE};
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use hyper_util::client::legacy::connect::HttpConnector;
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+use tower_service::Service;
+
+use super::body;
+use super::forward::{self, FailKind};
+use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
+
+/// The largest response head (and trailer section) accepted.
+const MAX_HEAD: usize = 64 * 1024;
+/// Header lines in a response head; more is a protocol error (hyper's own limit is 100).
+const MAX_HEADERS: usize = 128;
+/// Trailer lines after a chunked body.
+const MAX_TRAILERS: usize = 64;
+/// A chunk-size line, extensions included.
+const MAX_CHUNK_LINE: usize = 4 * 1024;
+/// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
+const FIRST_READ: usize = 8 * 1024;
+const MAX_READ: usize = 64 * 1024;
+const MAX_IDLE_PER_ORIGIN: usize = 256;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How often a connection going idle also clears out expired ones of every origin (so
+/// origins no longer asked for, e.g. deleted sandboxes, do not hold sockets forever).
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------
+
+/// Why an upstream exchange failed. Nothing here carries a header value: no secret can
+/// reach a message or `Debug` output.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// From hyper-util's client (HTTP/2 origins, upgrades).
+    #[error(transparent)]
+    Legacy(#[from] hyper_util::client::legacy::Error),
+    /// The client's own request body failed: not the upstream's fault.
+    #[error("the request body could not be read")]
+    ClientBody(#[source] BoxError),
+    /// Name resolution or TCP connect (a connect timeout included).
+    #[error("connect failed")]
+    Connect(#[source] BoxError),
+    #[error("tls handshake failed")]
+    Tls(#[source] io::Error),
+    #[error("upstream connection failed")]
+    Io(#[source] io::Error),
+    /// The upstream closed the connection before the message was complete.
+    #[error("connection closed early")]
+    Closed,
+    #[error("invalid response: {0}")]
+    Protocol(&'static str),
+}
+
+impl UpstreamError {
+    /// The client's request body broke; forward answers 400 instead of blaming upstream.
+    pub fn is_client_body(&self) -> bool {
+        match self {
+            UpstreamError::ClientBody(_) => true,
+            UpstreamError::Legacy(e) => forward::client_body_failed(e),
+            _ => false,
+        }
+    }
+
+    /// The `abx_proxy_upstream_errors_total{kind}` label.
+    pub fn kind(&self) -> FailKind {
+        use io::ErrorKind::*;
+        match self {
+            UpstreamError::Legacy(e) => forward::classify(e),
+            UpstreamError::Connect(e) => match forward::find_io(e.as_ref()) {
+                Some(TimedOut) => FailKind::Timeout,
+                _ => FailKind::Connect,
+            },
+            // A handshake cut short is a failure to connect, as the legacy client counts it.
+            UpstreamError::Tls(e) if forward::find_rustls(e).is_none() => FailKind::Connect,
+            UpstreamError::Tls(_) => FailKind::Tls,
+            UpstreamError::Io(e) => match e.kind() {
+                ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => FailKind::Reset,
+                TimedOut => FailKind::Timeout,
+                _ => FailKind::Protocol,
+            },
+            UpstreamError::Closed => FailKind::Reset,
+            UpstreamError::ClientBody(_) | UpstreamError::Protocol(_) => FailKind::Protocol,
+        }
+    }
+
+    /// A short, secret-free reason: "connect refused", "tls: invalid peer certificate: …".
+    pub fn describe(&self) -> String {
+        use io::ErrorKind::*;
+        match self {
+            UpstreamError::Legacy(e) => forward::describe(e),
+            UpstreamError::ClientBody(_) => "the request body could not be read".into(),
+            UpstreamError::Connect(e) => match forward::find_io(e.as_ref()) {
+                Some(ConnectionRefused) => "connect refused".into(),
+                Some(TimedOut) => "connect timed out".into(),
+                Some(kind) => format!("connect failed: {kind}"),
+                None => {
+                    // DNS failures surface as a plain message from the resolver.
+                    let e: &(dyn std::error::Error + 'static) = e.as_ref();
+                    let msg = std::iter::successors(Some(e), |e| e.source())
+                        .last()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default();
+                    format!("connect failed: {msg}")
+                }
+            },
+            UpstreamError::Tls(e) => match forward::find_rustls(e) {
+                Some(tls) => format!("tls: {tls}"),
+                None => describe_io(e.kind(), "tls handshake failed"),
+            },
+            UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
+            UpstreamError::Closed => "connection closed early".into(),
+            UpstreamError::Protocol(what) => format!("invalid response: {what}"),
+        }
+    }
+}
+
+fn describe_io(kind: io::ErrorKind, what: &str) -> String {
+    use io::ErrorKind::*;
+    match kind {
+        ConnectionReset | ConnectionAborted => "connection reset".into(),
+        UnexpectedEof | BrokenPipe => "connection closed early".into(),
+        TimedOut => "timed out".into(),
+        kind => format!("{what}: {kind}"),
+    }
+}
+
+/// A failed exchange, and whether sending it again on a fresh connection is safe.
+struct Failed {
+    error: UpstreamError,
+    retry: bool,
+}
+
+// ---------------------------------------------------------------------------------------
+// The client
+// ---------------------------------------------------------------------------------------
+
+/// The client behind `Proxy::api_client` and `Proxy::envd_client`.
+pub struct Upstream {
+    legacy: HttpClient,
+    /// `https` origins may negotiate HTTP/2: they go to the legacy client.
+    negotiate: bool,
+    pool: Arc<Pool>,
+}
+
+impl Upstream {
+    pub fn new(tls: rustls::ClientConfig, versions: Versions, connect_timeout: Duration) -> Self {
+        let mut h1 = tls.clone();
+        h1.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Upstream {
+            legacy: upstream::client(tls, versions, connect_timeout),
+            negotiate: versions == Versions::Negotiate,
+            pool: Arc::new(Pool {
+                idle: (0..SHARDS)
+                    .map(|_| {
+                        Mutex::new(Idle {
+                            origins: Vec::new(),
+                            last_sweep: Instant::now(),
+                        })
+                    })
+                    .collect(),
+                tcp: upstream::connector(connect_timeout),
+                tls: TlsConnector::from(Arc::new(h1)),
+            }),
+        }
+    }
+
+    /// Sends `req` (absolute URI) and returns the response head with its streaming body.
+    pub async fn request(
+        &self,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        let tls = match req.uri().scheme_str() {
+            Some("http") => false,
+            Some("https") if !self.negotiate => true,
+            _ => return self.legacy(req).await,
+        };
+        if req.headers().contains_key(UPGRADE) {
+            return self.legacy(req).await;
+        }
+        self.pool.send(req, tls).await
+    }
+
+    async fn legacy(&self, req: Request<ProxyBody>) -> Result<Response<ProxyBody>, UpstreamError> {
+        let resp = self.legacy.request(req).await?;
+        Ok(resp.map(body::boxed))
+    }
+}
+
+/// Who a connection talks to. The host is as the URI spells it (brackets for IPv6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Origin {
+    tls: bool,
+    port: u16,
+    host: Box<str>,
+}
+
+impl Origin {
+    fn is(&self, tls: bool, host: &str, port: u16) -> bool {
+        self.tls == tls && self.port == port && *self.host == *host
+    }
+}
+
+/// Idle lists, one per worker thread (see [`crate::workers`]): a connection is registered
+/// with the runtime of the thread that opened it, so it is only ever used from there.
+const SHARDS: usize = 64;
+
+struct Pool {
+    idle: Box<[Mutex<Idle>]>,
+    tcp: HttpConnector<LocalResolver>,
+    tls: TlsConnector,
+}
+
+/// Idle connections by origin. There are a handful of origins (the control plane, envd or
+/// a few sandboxes), so a list scanned in order beats hashing.
+struct Idle {
+    origins: Vec<OriginIdle>,
+    last_sweep: Instant,
+}
+
+struct OriginIdle {
+    key: Origin,
+    /// Oldest first; taken from the end (the most recently used is the likeliest alive).
+    conns: Vec<Conn>,
+}
+
+impl Pool {
+    fn lock(&self) -> MutexGuard<'_, Idle> {
+        self.idle[crate::workers::index() % self.idle.len()]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// An idle connection to the origin that still looks open.
+    fn checkout(&self, tls: bool, host: &str, port: u16) -> Option<Conn> {
+        let now = Instant::now();
+        loop {
+            let mut conn = {
+                let mut idle = self.lock();
+                let list = idle
+                    .origins
+                    .iter_mut()
+                    .find(|o| o.key.is(tls, host, port))?;
+                let conn = list.conns.pop()?;
+                if now.saturating_duration_since(conn.idle_since) >= IDLE_TIMEOUT {
+                    // The ones below it are older still.
+                    let expired = std::mem::take(&mut list.conns);
+                    drop(idle);
+                    drop((conn, expired));
+                    return None;
+                }
+                conn
+            };
+            if conn.looks_open() {
+                return Some(conn);
+            }
+        }
+    }
+
+    fn put(&self, mut conn: Conn) {
+        let now = Instant::now();
+        conn.idle_since = now;
+        if conn.rbuf.capacity() > 2 * MAX_READ {
+            // Do not keep a large download's buffer for an idle socket.
+            conn.rbuf = BytesMut::new();
+        }
+        conn.read_size = FIRST_READ;
+        let mut idle = self.lock();
+        if now.saturating_duration_since(idle.last_sweep) >= SWEEP_EVERY {
+            idle.last_sweep = now;
+            for o in &mut idle.origins {
+                o.conns
+                    .retain(|c| now.saturating_duration_since(c.idle_since) < IDLE_TIMEOUT);
+            }
+            idle.origins.retain(|o| !o.conns.is_empty());
+        }
+        let overflow = match idle.origins.iter_mut().find(|o| o.key == conn.origin) {
+            Some(o) if o.conns.len() < MAX_IDLE_PER_ORIGIN => {
+                o.conns.push(conn);
+                None
+            }
+            Some(_) => Some(conn),
+            None => {
+                let key = conn.origin.clone();
+                idle.origins.push(OriginIdle {
+                    key,
+                    conns: vec![conn],
+                });
+                None
+            }
+        };
+        drop(idle);
+        // Closing a socket is a syscall: not under the lock.
+        drop(overflow);
+    }
+
+    async fn connect(
+        &self,
+        uri: &http::Uri,
+        tls: bool,
+        host: &str,
+        port: u16,
+    ) -> Result<Conn, UpstreamError> {
+        let mut tcp = self.tcp.clone();
+        poll_fn(|cx| tcp.poll_ready(cx))
+            .await
+            .map_err(|e| UpstreamError::Connect(e.into()))?;
+        let stream = tcp
+            .call(uri.clone())
+            .await
+            .map_err(|e| UpstreamError::Connect(e.into()))?
+            .into_inner();
+        let io = if tls {
+            let name = host.trim_start_matches('[').trim_end_matches(']');
+            let name = ServerName::try_from(name)
+                .map_err(|_| UpstreamError::Connect("invalid server name".into()))?
+                .to_owned();
+            let stream = self
+                .tls
+                .connect(name, stream)
+                .await
+                .map_err(UpstreamError::Tls)?;
+            Io::Tls(Box::new(stream))
+        } else {
+            Io::Plain(stream)
+        };
+        Ok(Conn {
+            io,
+            rbuf: BytesMut::with_capacity(FIRST_READ),
+            wbuf: Vec::with_capacity(1024),
+            spans: Vec::new(),
+            read_size: FIRST_READ,
+            origin: Origin {
+                tls,
+                port,
+                host: host.into(),
+            },
+            idle_since: Instant::now(),
+        })
+    }
+
+    async fn send(
+        self: &Arc<Self>,
+        req: Request<ProxyBody>,
+        tls: bool,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        let (parts, mut body) = req.into_parts();
+        let Some(authority) = parts.uri.authority() else {
+            return Err(UpstreamError::Protocol("request URI without authority"));
+        };
+        let (host, port, host_header) = authority_parts(authority.as_str(), tls);
+        let mut retried = false;
+        loop {
+            let pooled = if retried {
+                None
+            } else {
+                self.checkout(tls, host, port)
+            };
+            let reused = pooled.is_some();
+            let mut conn = match pooled {
+                Some(conn) => conn,
+                None => self.connect(&parts.uri, tls, host, port).await?,
+            };
+            match exchange(&mut conn, &parts, host_header, &mut body).await {
+                Ok((head, sent)) => return Ok(self.response(conn, head, sent)),
+                // The keep-alive race: the server closed the connection as we reused it.
+                // Nothing of the answer came and nothing of the body was taken, so the
+                // request can go again, once, on a new connection (as hyper does).
+                Err(f) if f.retry && reused && !retried => retried = true,
+                Err(f) => return Err(f.error),
+            }
+        }
+    }
+
+    fn response(self: &Arc<Self>, mut conn: Conn, head: Head, sent: bool) -> Response<ProxyBody> {
+        let reusable = head.keep_alive && sent;
+        let body = match head.body {
+            BodyKind::None => {
+                self.release(conn, reusable);
+                body::empty()
+            }
+            BodyKind::Length(0) => {
+                self.release(conn, reusable);
+                body::empty()
+            }
+            // The whole body came with the head: no state to keep.
+            BodyKind::Length(n) if conn.rbuf.len() as u64 >= n => {
+                let bytes = conn.rbuf.split_to(n as usize).freeze();
+                self.release(conn, reusable);
+                body::full(bytes)
+            }
+            kind => {
+                let state = match kind {
+                    BodyKind::Length(n) => Decode::Length(n),
+                    BodyKind::Chunked => Decode::Chunk(Chunk::Size),
+                    _ => Decode::Eof,
+                };
+                body::boxed(PoolBody {
+                    conn: Some(conn),
+                    pool: self.clone(),
+                    state,
+                    reusable: reusable && !matches!(kind, BodyKind::Eof),
+                    pending: None,
+                })
+            }
+        };
+        let mut resp = Response::new(body);
+        *resp.status_mut() = head.status;
+        *resp.version_mut() = head.version;
+        *resp.headers_mut() = head.headers;
+        resp
+    }
+
+    /// Back to the idle list when the exchange left the connection clean.
+    fn release(&self, conn: Conn, reusable: bool) {
+        if reusable && conn.rbuf.is_empty() {
+            self.put(conn);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A connection
+// ---------------------------------------------------------------------------------------
+
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Where a response header's name and value lie in the read buffer.
+#[derive(Clone, Copy)]
+struct Span {
+    name: (u32, u32),
+    value: (u32, u32),
+}
+
+struct Conn {
+    io: Io,
+    /// Bytes read and not yet handed out; empty whenever the connection is idle.
+    rbuf: BytesMut,
+    /// The request head, then chunk-size lines; reused across requests.
+    wbuf: Vec<u8>,
+    /// Scratch for the head parser; reused across requests.
+    spans: Vec<Span>,
+    read_size: usize,
+    origin: Origin,
+    idle_since: Instant,
+}
+
+impl Conn {
+    /// Whether an idle connection is still open: the peer has neither closed it nor sent
+    /// anything (an idle HTTP/1.1 server has nothing to say). Never waits.
+    fn looks_open(&mut self) -> bool {
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        let read = pin!(self.io.read_buf(&mut self.rbuf));
+        read.poll(&mut cx).is_pending()
+    }
+
+    /// One read into `rbuf`, of at least `want` bytes of room (bounded by the read size).
+    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        let want = want.clamp(1, self.read_size);
+        if self.rbuf.capacity() - self.rbuf.len() < want {
+            self.rbuf.reserve(want);
+        }
+        let room = self.rbuf.capacity() - self.rbuf.len();
+        let n = ready!(pin!(self.io.read_buf(&mut self.rbuf)).poll(cx))?;
+        if n >= room.min(self.read_size) && self.read_size < MAX_READ {
+            self.read_size = (self.read_size * 2).min(MAX_READ);
+        }
+        Poll::Ready(Ok(n))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One exchange: the request out, the response head in
+// ---------------------------------------------------------------------------------------
+
+/// How the request body is framed.
+#[derive(Clone, Copy)]
+enum Out {
+    Length(u64),
+    Chunked,
+}
+
+/// The request on `conn`; the response head, and whether the request was sent whole.
+async fn exchange(
+    conn: &mut Conn,
+    parts: &Parts,
+    host_header: &str,
+    body: &mut ProxyBody,
+) -> Result<(Head, bool), Failed> {
+    let (out, length) = if body.is_end_stream() {
+        let expects_body = matches!(parts.method, Method::POST | Method::PUT | Method::PATCH);
+        (None, expects_body.then_some(0))
+    } else if parts.headers.contains_key(TRANSFER_ENCODING) {
+        (Some(Out::Chunked), None)
+    } else {
+        match declared_length(&parts.headers).or_else(|| body.size_hint().exact()) {
+            Some(n) => (Some(Out::Length(n)), Some(n)),
+            None => (Some(Out::Chunked), None),
+        }
+    };
+    let close = encode_head(&mut conn.wbuf, parts, host_header, out, length);
+    let mut ex = Exchange {
+        body_done: matches!(out, None | Some(Out::Length(0))),
+        out: out.unwrap_or(Out::Length(0)),
+        conn,
+        body,
+        head_request: parts.method == Method::HEAD,
+        wpos: 0,
+        data: Bytes::new(),
+        post: b"",
+        sent: false,
+        write_error: None,
+        touched: false,
+        got_bytes: false,
+    };
+    let head = poll_fn(|cx| ex.poll(cx)).await?;
+    let sent = ex.sent && ex.write_error.is_none() && !close;
+    Ok((head, sent))
+}
+
+/// A `Content-Length` the request declares itself, when it is one valid number.
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    let mut values = headers.get_all(CONTENT_LENGTH).iter();
+    let n = parse_length(values.next()?.as_bytes())?;
+    values.next().is_none().then_some(n)
+}
+
+/// Writes the request head; returns whether the request itself asks to close.
+fn encode_head(
+    buf: &mut Vec<u8>,
+    parts: &Parts,
+    host_header: &str,
+    out: Option<Out>,
+    length: Option<u64>,
+) -> bool {
+    buf.clear();
+    let target = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .filter(|pq| !pq.is_empty())
+        .unwrap_or("/");
+    buf.extend_from_slice(parts.method.as_str().as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(target.as_bytes());
+    buf.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut close = false;
+    let mut has_host = false;
+    for (name, value) in &parts.headers {
+        // The framing is this client's to state.
+        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
+            continue;
+        }
+        has_host |= name == HOST;
+        if name == CONNECTION && has_token(value.as_bytes(), b"close") {
+            close = true;
+        }
+        buf.extend_from_slice(name.as_str().as_bytes());
+        buf.extend_from_slice(b": ");
+        buf.extend_from_slice(value.as_bytes());
+        buf.extend_from_slice(b"\r\n");
+    }
+    if !has_host {
+        buf.extend_from_slice(b"host: ");
+        buf.extend_from_slice(host_header.as_bytes());
+        buf.extend_from_slice(b"\r\n");
+    }
+    if let Some(n) = length {
+        // Writing into a Vec cannot fail.
+        let _ = write!(buf, "content-length: {n}\r\n");
+    } else if let Some(Out::Chunked) = out {
+        buf.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    buf.extend_from_slice(b"\r\n");
+    close
+}
+
+/// The host, the port (explicit or the scheme's default) and the `Host` value of an
+/// authority, in one pass: `http`'s accessors scan the string again on every call. The
+/// `Host` value is what hyper-util's client writes: the host, and `:port` only when the
+/// port is not the scheme's default.
+fn authority_parts(authority: &str, tls: bool) -> (&str, u16, &str) {
+    // Authorities are short: a plain scan beats memchr's set-up.
+    let start = authority
+        .as_bytes()
+        .iter()
+        .rposition(|c| *c == b'@')
+        .map_or(0, |at| at + 1);
+    let host_port = &authority[start..];
+    let b = host_port.as_bytes();
+    // The port is the digits after the last colon; an IPv6 literal ends in `]`.
+    let digits = b.iter().rev().take_while(|c| c.is_ascii_digit()).count();
+    let colon = b.len() - digits;
+    let (host, port) = if colon > 0 && b[colon - 1] == b':' {
+        let port = b[colon..].iter().try_fold(0u16, |n, d| {
+            n.checked_mul(10)?.checked_add(u16::from(d - b'0'))
+        });
+        let port = port.filter(|_| digits > 0);
+        (&host_port[..colon - 1], port)
+    } else {
+        (host_port, None)
+    };
+    let default = if tls { 443 } else { 80 };
+    match port {
+        Some(p) if p != default => (host, p, host_port),
+        _ => (host, default, host),
+    }
+}
+
+fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value
+        .split(|b| *b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// `Content-Length` digits (a comma list of equal values is one value, as in hyper).
+fn parse_length(value: &[u8]) -> Option<u64> {
+    let mut found = None;
+    for part in value.split(|b| *b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let n = part.iter().try_fold(0u64, |n, d| {
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        })?;
+        match found {
+            Some(m) if m != n => return None,
+            _ => found = Some(n),
+        }
+    }
+    found
+}
+
+enum SendError {
+    Io(io::Error),
+    Body(BoxError),
+}
+
+struct Exchange<'a> {
+    conn: &'a mut Conn,
+    body: &'a mut ProxyBody,
+    out: Out,
+    head_request: bool,
+    /// Written part of `conn.wbuf`.
+    wpos: usize,
+    /// The body chunk being written, after `wbuf` and before `post`.
+    data: Bytes,
+    post: &'static [u8],
+    /// The body has given (or framed) all it will.
+    body_done: bool,
+    /// Everything was written and flushed.
+    sent: bool,
+    write_error: Option<io::Error>,
+    /// The body was polled: it cannot be sent again.
+    touched: bool,
+    /// Something of the response arrived.
+    got_bytes: bool,
+}
+
+impl Exchange<'_> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Head, Failed>> {
+        loop {
+            if !self.sent && self.write_error.is_none() {
+                match self.poll_send(cx) {
+                    Poll::Ready(Ok(())) => self.sent = true,
+                    // Keep reading: the server may have answered before it stopped reading
+                    // (a 413 to a large upload), and that answer is the one to pass on.
+                    Poll::Ready(Err(SendError::Io(e))) => self.write_error = Some(e),
+                    Poll::Ready(Err(SendError::Body(e))) => {
+                        return Poll::Ready(Err(self.fail(UpstreamError::ClientBody(e))))
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            match parse_head(self.conn, self.head_request) {
+                Ok(Some(head)) => return Poll::Ready(Ok(head)),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(Err(self.fail(e))),
+            }
+            match self.conn.poll_fill(cx, FIRST_READ) {
+                Poll::Ready(Ok(0)) => {
+                    let e = match self.write_error.take() {
+                        Some(e) => UpstreamError::Io(e),
+                        None => UpstreamError::Closed,
+                    };
+                    return Poll::Ready(Err(self.fail(e)));
+                }
+                Poll::Ready(Ok(_)) => self.got_bytes = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(UpstreamError::Io(e)))),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn fail(&self, error: UpstreamError) -> Failed {
+        let retry = !self.got_bytes
+            && !self.touched
+            && matches!(error, UpstreamError::Io(_) | UpstreamError::Closed);
+        Failed { error, retry }
+    }
+
+    /// Writes the head and the body; `Ready(Ok)` once all of it is written and flushed.
+    fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SendError>> {
+        loop {
+            // Take the next frame only when the previous one is out, so chunk-size lines
+            // appended to `wbuf` stay in order. The first frame joins the head when the
+            // body has it ready: one write for both.
+            if !self.body_done && self.data.is_empty() && self.post.is_empty() {
+                match Pin::new(&mut *self.body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        self.touched = true;
+                        if let Ok(data) = frame.into_data() {
+                            self.queue(data)?;
+                        }
+                        continue;
+                    }
+                    Poll::Ready(Some(Err(e))) => {
+                        self.touched = true;
+                        return Poll::Ready(Err(SendError::Body(e)));
+                    }
+                    Poll::Ready(None) => {
+                        self.touched = true;
+                        self.end_body()?;
+                        continue;
+                    }
+                    Poll::Pending if self.wpos == self.conn.wbuf.len() => {
+                        // Waiting on the client: what was written must reach the upstream.
+                        ready!(Pin::new(&mut self.conn.io).poll_flush(cx))
+                            .map_err(SendError::Io)?;
+                        return Poll::Pending;
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            if self.wpos < self.conn.wbuf.len() || !self.data.is_empty() || !self.post.is_empty() {
+                let n = {
+                    let bufs = [
+                        IoSlice::new(&self.conn.wbuf[self.wpos..]),
+                        IoSlice::new(&self.data),
+                        IoSlice::new(self.post),
+                    ];
+                    ready!(Pin::new(&mut self.conn.io).poll_write_vectored(cx, &bufs))
+                        .map_err(SendError::Io)?
+                };
+                if n == 0 {
+                    return Poll::Ready(Err(SendError::Io(io::ErrorKind::WriteZero.into())));
+                }
+                self.advance(n);
+                continue;
+            }
+            if self.body_done {
+                ready!(Pin::new(&mut self.conn.io).poll_flush(cx)).map_err(SendError::Io)?;
+                return Poll::Ready(Ok(()));
+            }
+        }
+    }
+
+    fn queue(&mut self, data: Bytes) -> Result<(), SendError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        match &mut self.out {
+            Out::Length(left) => {
+                let n = data.len() as u64;
+                if n > *left {
+                    return Err(SendError::Body(
+                        "the request body is longer than its length".into(),
+                    ));
+                }
+                *left -= n;
+                // A body that announced its length is complete at that length.
+                self.body_done = *left == 0;
+            }
+            Out::Chunked => {
+                let _ = write!(self.conn.wbuf, "{:x}\r\n", data.len());
+                self.post = if self.body.is_end_stream() {
+                    self.body_done = true;
+                    b"\r\n0\r\n\r\n"
+                } else {
+                    b"\r\n"
+                };
+            }
+        }
+        self.data = data;
+        Ok(())
+    }
+
+    fn end_body(&mut self) -> Result<(), SendError> {
+        self.body_done = true;
+        match self.out {
+            Out::Length(0) => Ok(()),
+            Out::Length(_) => Err(SendError::Body(
+                "the request body is shorter than its length".into(),
+            )),
+            Out::Chunked => {
+                self.conn.wbuf.extend_from_slice(b"0\r\n\r\n");
+                Ok(())
+            }
+        }
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        let pre = self.conn.wbuf.len() - self.wpos;
+        if n < pre {
+            self.wpos += n;
+            return;
+        }
+        n -= pre;
+        self.conn.wbuf.clear();
+        self.wpos = 0;
+        let d = n.min(self.data.len());
+        if d == self.data.len() {
+            // Let the chunk's memory go now, not at the next frame.
+            self.data = Bytes::new();
+        } else {
+            self.data.advance(d);
+        }
+        n -= d;
+        self.post = &self.post[n.min(self.post.len())..];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The response head
+// ---------------------------------------------------------------------------------------
+
+struct Head {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+    body: BodyKind,
+    keep_alive: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BodyKind {
+    None,
+    Length(u64),
+    Chunked,
+    /// Read to the end of the connection (RFC 9112 §6.3 rule 8).
+    Eof,
+}
+
+/// What the framing headers of a response say.
+#[derive(Default)]
+struct Framing {
+    length: Option<u64>,
+    bad_length: bool,
+    te: bool,
+    chunked: bool,
+    close: bool,
+    keep_alive: bool,
+}
+
+impl Framing {
+    fn note(&mut self, name: &str, value: &[u8]) {
+        if name.eq_ignore_ascii_case("content-length") {
+            match parse_length(value) {
+                Some(n) if !matches!(self.length, Some(m) if m != n) => self.length = Some(n),
+                _ => self.bad_length = true,
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            self.te = true;
+            // Only the final coding of the last field decides.
+            self.chunked = value
+                .rsplit(|b| *b == b',')
+                .next()
+                .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case("connection") {
+            self.close |= has_token(value, b"close");
+            self.keep_alive |= has_token(value, b"keep-alive");
+        }
+    }
+}
+
+/// The final response head at the front of `conn.rbuf`, once it is all there; interim
+/// (1xx) responses are consumed and skipped.
+fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, UpstreamError> {
+    loop {
+        if conn.rbuf.is_empty() {
+            return Ok(None);
+        }
+        let mut framing = Framing::default();
+        conn.spans.clear();
+        let (len, code, version) = {
+            let mut slots = [MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
+            let mut resp = httparse::Response::new(&mut []);
+            let buf: &[u8] = &conn.rbuf;
+            let len = match httparse::ParserConfig::default()
+                .parse_response_with_uninit_headers(&mut resp, buf, &mut slots)
+            {
+                Ok(httparse::Status::Complete(n)) if n <= MAX_HEAD => n,
+                Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return Ok(None),
+                Ok(_) => return Err(UpstreamError::Protocol("response head too large")),
+                Err(httparse::Error::TooManyHeaders) => {
+                    return Err(UpstreamError::Protocol("too many response headers"))
+                }
+                Err(_) => return Err(UpstreamError::Protocol("malformed response head")),
+            };
+            let base = buf.as_ptr() as usize;
+            let at = |s: &[u8]| {
+                let start = (s.as_ptr() as usize - base) as u32;
+                (start, start + s.len() as u32)
+            };
+            for h in resp.headers.iter() {
+                framing.note(h.name, h.value);
+                conn.spans.push(Span {
+                    name: at(h.name.as_bytes()),
+                    value: at(h.value),
+                });
+            }
+            (len, resp.code.unwrap_or(0), resp.version.unwrap_or(1))
+        };
+        let status = StatusCode::from_u16(code)
+            .map_err(|_| UpstreamError::Protocol("invalid status code"))?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                // Upgrades go through the legacy client; nothing here asked for one.
+                return Err(UpstreamError::Protocol(
+                    "unexpected 101 Switching Protocols",
+                ));
+            }
+            conn.rbuf.advance(len);
+            continue;
+        }
+        if framing.bad_length {
+            return Err(UpstreamError::Protocol("invalid Content-Length"));
+        }
+        if framing.te && framing.length.is_some() {
+            return Err(UpstreamError::Protocol(
+                "both Content-Length and Transfer-Encoding",
+            ));
+        }
+        let body = if head_request
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            BodyKind::None
+        } else if framing.te {
+            if framing.chunked {
+                BodyKind::Chunked
+            } else {
+                BodyKind::Eof
+            }
+        } else {
+            framing.length.map_or(BodyKind::Eof, BodyKind::Length)
+        };
+        let (version, keep_alive) = if version == 0 {
+            (Version::HTTP_10, framing.keep_alive && !framing.close)
+        } else {
+            (Version::HTTP_11, !framing.close)
+        };
+        let raw = conn.rbuf.split_to(len).freeze();
+        let mut headers = HeaderMap::with_capacity(conn.spans.len());
+        for span in &conn.spans {
+            let name = &raw[span.name.0 as usize..span.name.1 as usize];
+            let name = HeaderName::from_bytes(name)
+                .map_err(|_| UpstreamError::Protocol("invalid header name"))?;
+            // A slice of the head: no copy per header.
+            let value = raw.slice(span.value.0 as usize..span.value.1 as usize);
+            let value = HeaderValue::from_maybe_shared(value)
+                .map_err(|_| UpstreamError::Protocol("invalid header value"))?;
+            headers.append(name, value);
+        }
+        return Ok(Some(Head {
+            status,
+            version,
+            headers,
+            body,
+            keep_alive: keep_alive && body != BodyKind::Eof,
+        }));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The response body
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Decode {
+    Length(u64),
+    Chunk(Chunk),
+    Eof,
+    Done,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chunk {
+    Size,
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    Trailers,
+}
+
+enum Step {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    /// Nothing more without reading (or, in a look-ahead, without handing out data).
+    More,
+}
+
+/// Decodes what `rbuf` holds. With `data` false, stops before handing out body bytes: the
+/// look-ahead after a data frame that finds the end without waiting for another poll.
+fn step(state: &mut Decode, rbuf: &mut BytesMut, data: bool) -> Result<Step, UpstreamError> {
+    loop {
+        match *state {
+            Decode::Done | Decode::Length(0) => {
+                *state = Decode::Done;
+                return Ok(Step::End);
+            }
+            Decode::Length(left) => {
+                if rbuf.is_empty() || !data {
+                    return Ok(Step::More);
+                }
+                let n = left.min(rbuf.len() as u64);
+                *state = Decode::Length(left - n);
+                return Ok(Step::Data(rbuf.split_to(n as usize).freeze()));
+            }
+            Decode::Eof => {
+                if rbuf.is_empty() || !data {
+                    return Ok(Step::More);
+                }
+                return Ok(Step::Data(rbuf.split().freeze()));
+            }
+            Decode::Chunk(Chunk::Size) => match chunk_size(rbuf)? {
+                None => return Ok(Step::More),
+                Some((used, size)) => {
+                    rbuf.advance(used);
+                    *state = Decode::Chunk(if size == 0 {
+                        Chunk::Trailers
+                    } else {
+                        Chunk::Data(size)
+                    });
+                }
+            },
+            Decode::Chunk(Chunk::Data(left)) => {
+                if rbuf.is_empty() || !data {
+                    return Ok(Step::More);
+                }
+                let n = left.min(rbuf.len() as u64);
+                *state = Decode::Chunk(if n == left {
+                    Chunk::DataEnd
+                } else {
+                    Chunk::Data(left - n)
+                });
+                return Ok(Step::Data(rbuf.split_to(n as usize).freeze()));
+            }
+            Decode::Chunk(Chunk::DataEnd) => {
+                if rbuf.len() < 2 {
+                    return Ok(Step::More);
+                }
+                if &rbuf[..2] != b"\r\n" {
+                    return Err(UpstreamError::Protocol("chunk data not followed by CRLF"));
+                }
+                rbuf.advance(2);
+                *state = Decode::Chunk(Chunk::Size);
+            }
+            Decode::Chunk(Chunk::Trailers) => {
+                if rbuf.starts_with(b"\r\n") {
+                    rbuf.advance(2);
+                    *state = Decode::Done;
+                    return Ok(Step::End);
+                }
+                return match trailers(rbuf)? {
+                    None => Ok(Step::More),
+                    Some(map) => {
+                        *state = Decode::Done;
+                        Ok(Step::Trailers(map))
+                    }
+                };
+            }
+        }
+    }
+}
+
+/// `chunk-size [ws] [; ext] CRLF` at the front of `buf`: bytes used and the size, `None`
+/// while incomplete. Bare LF and CR are refused, as hyper does.
+fn chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, UpstreamError> {
+    let bad = || UpstreamError::Protocol("invalid chunk size line");
+    let window = &buf[..buf.len().min(MAX_CHUNK_LINE)];
+    let Some(lf) = memchr::memchr(b'\n', window) else {
+        return if buf.len() >= MAX_CHUNK_LINE {
+            Err(bad())
+        } else {
+            Ok(None)
+        };
+    };
+    if lf == 0 || window[lf - 1] != b'\r' {
+        return Err(bad());
+    }
+    let line = &window[..lf - 1];
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 {
+        return Err(bad());
+    }
+    let mut size: u64 = 0;
+    for &d in &line[..digits] {
+        let v = (d as char).to_digit(16).unwrap_or(0);
+        size = size
+            .checked_mul(16)
+            .and_then(|s| s.checked_add(u64::from(v)))
+            .ok_or_else(bad)?;
+    }
+    let rest = &line[digits..];
+    let rest = &rest[rest
+        .iter()
+        .take_while(|b| **b == b' ' || **b == b'\t')
+        .count()..];
+    if !rest.is_empty() && (rest[0] != b';' || rest.contains(&b'\r')) {
+        return Err(bad());
+    }
+    Ok(Some((lf + 1, size)))
+}
+
+/// The trailer section after the last chunk, once complete (its blank line included).
+fn trailers(rbuf: &mut BytesMut) -> Result<Option<HeaderMap>, UpstreamError> {
+    let bad = || UpstreamError::Protocol("invalid trailers");
+    let mut slots = [httparse::EMPTY_HEADER; MAX_TRAILERS];
+    let (used, map) = match httparse::parse_headers(rbuf, &mut slots) {
+        Ok(httparse::Status::Complete((used, fields))) => {
+            let mut map = HeaderMap::with_capacity(fields.len());
+            for f in fields {
+                let name = HeaderName::from_bytes(f.name.as_bytes()).map_err(|_| bad())?;
+                let value = HeaderValue::from_bytes(f.value).map_err(|_| bad())?;
+                map.append(name, value);
+            }
+            (used, map)
+        }
+        Ok(httparse::Status::Partial) if rbuf.len() < MAX_HEAD => return Ok(None),
+        _ => return Err(bad()),
+    };
+    rbuf.advance(used);
+    Ok(Some(map))
+}
+
+/// Something the look-ahead found, for the next poll.
+enum Deferred {
+    Trailers(HeaderMap),
+    Error(UpstreamError),
+}
+
+/// A response body read from its connection; the connection goes back to the pool at the
+/// body's end, and closes if the body is dropped before it.
+struct PoolBody {
+    /// `None` once the body ended or failed.
+    conn: Option<Conn>,
+    pool: Arc<Pool>,
+    state: Decode,
+    reusable: bool,
+    pending: Option<Deferred>,
+}
+
+impl PoolBody {
+    fn release(&mut self) {
+        self.state = Decode::Done;
+        if let Some(conn) = self.conn.take() {
+            self.pool.release(conn, self.reusable);
+        }
+    }
+
+    fn fail(&mut self, e: UpstreamError) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        self.conn = None;
+        self.state = Decode::Done;
+        Poll::Ready(Some(Err(e)))
+    }
+}
+
+impl Body for PoolBody {
+    type Data = Bytes;
+    type Error = UpstreamError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        let this = self.get_mut();
+        match this.pending.take() {
+            Some(Deferred::Trailers(t)) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
+            Some(Deferred::Error(e)) => return this.fail(e),
+            None => {}
+        }
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match step(&mut this.state, &mut conn.rbuf, true) {
+                Ok(Step::Data(bytes)) => {
+                    // When the end is already buffered, give the connection back now: a
+                    // consumer that stops at `is_end_stream` never polls again.
+                    match step(&mut this.state, &mut conn.rbuf, false) {
+                        Ok(Step::End) => this.release(),
+                        Ok(Step::Trailers(t)) => {
+                            this.pending = Some(Deferred::Trailers(t));
+                            this.release();
+                        }
+                        Ok(_) => {}
+                        Err(e) => this.pending = Some(Deferred::Error(e)),
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(bytes))));
+                }
+                Ok(Step::Trailers(t)) => {
+                    this.release();
+                    return Poll::Ready(Some(Ok(Frame::trailers(t))));
+                }
+                Ok(Step::End) => {
+                    this.release();
+                    return Poll::Ready(None);
+                }
+                Ok(Step::More) => {}
+                Err(e) => return this.fail(e),
+            }
+            let want = match this.state {
+                Decode::Length(left) | Decode::Chunk(Chunk::Data(left)) => {
+                    usize::try_from(left).unwrap_or(usize::MAX)
+                }
+                _ => MAX_READ,
+            };
+            match ready!(conn.poll_fill(cx, want)) {
+                Ok(0) if this.state == Decode::Eof => {
+                    // The end of a close-delimited body; the connection is done with.
+                    this.conn = None;
+                    this.state = Decode::Done;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return this.fail(UpstreamError::Closed),
+                Ok(_) => {}
+                Err(e) => return this.fail(UpstreamError::Io(e)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.pending.is_none() && self.state == Decode::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            Decode::Length(n) => SizeHint::with_exact(n),
+            Decode::Done if self.pending.is_none() => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::uri::Authority;
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+    use tokio::sync::{mpsc, oneshot};
+
+    /// Bounds every wait so a broken client fails the test instead of hanging it.
+    const GUARD: Duration = Duration::from_secs(20);
+
+    async fn within<F: Future>(fut: F) -> F::Output {
+        tokio::time::timeout(GUARD, fut).await.expect("timed out")
+    }
+
+    fn config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth()
+    }
+
+    fn client() -> Upstream {
+        Upstream::new(
+            config(rustls::RootCertStore::empty()),
+            Versions::Http1,
+            Duration::from_secs(5),
+        )
+    }
+
+    /// A raw TCP upstream on 127.0.0.1: each connection goes to `serve` with its number.
+    struct Fake {
+        addr: SocketAddr,
+        accepts: Arc<AtomicUsize>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Fake {
+        async fn start<F, Fut>(serve: F) -> Fake
+        where
+            F: Fn(TcpStream, usize) -> Fut + Send + 'static,
+            Fut: Future<Output = ()> + Send + 'static,
+        {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let accepts = Arc::new(AtomicUsize::new(0));
+            let count = accepts.clone();
+            let task = tokio::spawn(async move {
+                while let Ok((s, _)) = listener.accept().await {
+                    let n = count.fetch_add(1, Ordering::SeqCst);
+                    tokio::spawn(serve(s, n));
+                }
+            });
+            Fake {
+                addr,
+                accepts,
+                task,
+            }
+        }
+
+        fn url(&self, path: &str) -> String {
+            format!("http://{}{path}", self.addr)
+        }
+
+        fn accepts(&self) -> usize {
+            self.accepts.load(Ordering::SeqCst)
+        }
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    /// One request head from `s` (what follows it stays in `buf`); `None` at EOF.
+    async fn read_head<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -> Option<String> {
+        loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..i + 4]).into_owned();
+                buf.drain(..i + 4);
+                return Some(head);
+            }
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    }
+
+    /// Reads until `buf` ends with `end` (or EOF).
+    async fn read_until<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>, end: &[u8]) {
+        while !buf.ends_with(end) {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    }
+
+    /// A keep-alive server answering each request head with `answer(head)`.
+    fn keep_alive(
+        answer: fn(&str) -> Vec<u8>,
+    ) -> impl Fn(TcpStream, usize) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        move |mut s, _| {
+            Box::pin(async move {
+                let mut buf = Vec::new();
+                while let Some(head) = read_head(&mut s, &mut buf).await {
+                    if s.write_all(&answer(&head)).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        }
+    }
+
+    fn get(url: &str) -> Request<ProxyBody> {
+        Request::get(url).body(body::empty()).unwrap()
+    }
+
+    fn with_body(method: &str, url: &str, b: ProxyBody) -> Request<ProxyBody> {
+        Request::builder().method(method).uri(url).body(b).unwrap()
+    }
+
+    async fn text(resp: Response<ProxyBody>) -> String {
+        let bytes = within(resp.into_body().collect())
+            .await
+            .expect("body")
+            .to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    /// A request body fed by the test, one chunk per message, size unknown.
+    struct ChannelBody(mpsc::Receiver<Result<Bytes, BoxError>>);
+
+    impl Body for ChannelBody {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0.poll_recv(cx).map(|m| m.map(|r| r.map(Frame::data)))
+        }
+    }
+
+    fn channel() -> (mpsc::Sender<Result<Bytes, BoxError>>, ProxyBody) {
+        let (tx, rx) = mpsc::channel(4);
+        (tx, body::boxed(ChannelBody(rx)))
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+
+    #[tokio::test]
+    async fn sequential_requests_reuse_one_connection() {
+        let fake = Fake::start(keep_alive(|head| {
+            if head.starts_with("GET /big ") {
+                let mut r = b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n".to_vec();
+                r.extend(std::iter::repeat_n(b'x', 200_000));
+                r
+            } else {
+                OK.to_vec()
+            }
+        }))
+        .await;
+        let client = client();
+        for path in ["/a", "/big", "/b", "/big", "/c"] {
+            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            let body = text(resp).await;
+            if path == "/big" {
+                assert_eq!(body.len(), 200_000);
+                assert!(body.bytes().all(|b| b == b'x'));
+            } else {
+                assert_eq!(body, "ok");
+            }
+        }
+        assert_eq!(fake.accepts(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_server_closed_is_replaced() {
+        let (closed_tx, closed_rx) = oneshot::channel::<()>();
+        let closed_tx = Arc::new(Mutex::new(Some(closed_tx)));
+        let fake = Fake::start(move |mut s, n| {
+            let closed_tx = closed_tx.clone();
+            async move {
+                let mut buf = Vec::new();
+                while read_head(&mut s, &mut buf).await.is_some() {
+                    let _ = s.write_all(OK).await;
+                    if n == 0 {
+                        // Keep-alive said nothing about closing; close anyway.
+                        drop(s);
+                        if let Some(tx) = closed_tx.lock().unwrap().take() {
+                            let _ = tx.send(());
+                        }
+                        return;
+                    }
+                }
+            }
+        })
+        .await;
+        let client = client();
+        let resp = within(client.request(get(&fake.url("/1")))).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        within(closed_rx).await.unwrap();
+        let resp = within(client.request(get(&fake.url("/2")))).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 2);
+    }
+
+    /// The server takes the second request on the kept-alive connection and closes without
+    /// a word: a bodiless request goes again on a new connection, one with a body does not.
+    #[tokio::test]
+    async fn a_request_lost_to_a_keep_alive_close_is_retried_once_without_a_body() {
+        let heads = Arc::new(Mutex::new(Vec::<String>::new()));
+        let seen = heads.clone();
+        let fake = Fake::start(move |mut s, _| {
+            let seen = seen.clone();
+            async move {
+                let mut buf = Vec::new();
+                let mut served = 0;
+                while let Some(head) = read_head(&mut s, &mut buf).await {
+                    seen.lock().unwrap().push(head);
+                    if served == 1 {
+                        return;
+                    }
+                    served += 1;
+                    let _ = s.write_all(OK).await;
+                }
+            }
+        })
+        .await;
+        let client = client();
+        for path in ["/1", "/2"] {
+            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            assert_eq!(text(resp).await, "ok");
+        }
+        assert_eq!(fake.accepts(), 2, "the retry took a new connection");
+        let paths: Vec<String> = heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.split(' ').nth(1).unwrap().to_string())
+            .collect();
+        assert_eq!(paths, ["/1", "/2", "/2"]);
+
+        // Connection 2 served /2; the POST reuses it and is lost: not sent again.
+        let post = with_body("POST", &fake.url("/3"), body::full("data"));
+        let e = within(client.request(post)).await.unwrap_err();
+        assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
+        assert_eq!(e.describe(), "connection closed early");
+        assert_eq!(fake.accepts(), 2, "a body is never sent twice");
+    }
+
+    #[tokio::test]
+    async fn a_server_closing_mid_response_is_a_reset() {
+        // One answer per connection, cut short, then the connection closes.
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            if let Some(head) = read_head(&mut s, &mut buf).await {
+                let reply: &[u8] = if head.starts_with("GET /head ") {
+                    b"HTTP/1.1 200 OK\r\nContent-Le"
+                } else {
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part"
+                };
+                let _ = s.write_all(reply).await;
+            }
+        })
+        .await;
+        let client = client();
+        let e = within(client.request(get(&fake.url("/head"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
+        assert_eq!(e.describe(), "connection closed early");
+
+        let resp = within(client.request(get(&fake.url("/body"))))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let e = within(resp.into_body().collect()).await.unwrap_err();
+        let e = e.downcast_ref::<UpstreamError>().expect("an UpstreamError");
+        assert!(matches!(e, UpstreamError::Closed), "{e:?}");
+        assert_eq!(e.kind(), FailKind::Reset);
+    }
+
+    #[tokio::test]
+    async fn chunked_responses_are_decoded_with_extensions_and_trailers() {
+        let fake = Fake::start(keep_alive(|_| {
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+              5;ext=1\r\nhello\r\n6 ; name=\"v\"\r\n world\r\n0\r\nx-trailer: yes\r\n\r\n"
+                .to_vec()
+        }))
+        .await;
+        let client = client();
+        for _ in 0..2 {
+            let resp = within(client.request(get(&fake.url("/")))).await.unwrap();
+            let collected = within(resp.into_body().collect()).await.unwrap();
+            assert_eq!(collected.trailers().unwrap()["x-trailer"], "yes");
+            assert_eq!(collected.to_bytes(), "hello world");
+        }
+        assert_eq!(
+            fake.accepts(),
+            1,
+            "a chunked body read to its end is reusable"
+        );
+    }
+
+    /// The decoder fed one byte at a time: every state survives a partial read.
+    #[test]
+    fn chunked_decoding_byte_by_byte() {
+        let wire = b"5;a=b\r\nhello\r\n000C\r\n hello world\r\n0\r\nx-t: 1\r\n\r\n";
+        let mut state = Decode::Chunk(Chunk::Size);
+        let mut rbuf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut trailers = None;
+        for &b in wire {
+            rbuf.extend_from_slice(&[b]);
+            loop {
+                match step(&mut state, &mut rbuf, true).unwrap() {
+                    Step::Data(d) => out.extend_from_slice(&d),
+                    Step::Trailers(t) => trailers = Some(t),
+                    Step::End | Step::More => break,
+                }
+            }
+        }
+        assert_eq!(state, Decode::Done);
+        assert!(rbuf.is_empty());
+        assert_eq!(out, b"hello hello world");
+        assert_eq!(trailers.unwrap()["x-t"], "1");
+
+        for bad in [
+            &b"zz\r\n"[..],
+            b"5\nhello\r\n",
+            b"-5\r\n",
+            b"0x5\r\n",
+            b"5 5\r\n",
+            b"1ffffffffffffffff\r\n",
+            b"5;a\rb\r\n",
+        ] {
+            let mut state = Decode::Chunk(Chunk::Size);
+            let mut rbuf = BytesMut::from(bad);
+            assert!(
+                step(&mut state, &mut rbuf, true).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let mut state = Decode::Chunk(Chunk::Size);
+        let mut rbuf = BytesMut::from(&b"3\r\nhello\r\n"[..]);
+        assert!(matches!(
+            step(&mut state, &mut rbuf, true),
+            Ok(Step::Data(_))
+        ));
+        assert!(
+            step(&mut state, &mut rbuf, true).is_err(),
+            "data longer than its size"
+        );
+    }
+
+    #[tokio::test]
+    async fn close_delimited_responses_read_to_eof() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            if read_head(&mut s, &mut buf).await.is_some() {
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nall of it").await;
+            }
+        })
+        .await;
+        let client = client();
+        for _ in 0..2 {
+            let resp = within(client.request(get(&fake.url("/")))).await.unwrap();
+            assert_eq!(text(resp).await, "all of it");
+        }
+        assert_eq!(
+            fake.accepts(),
+            2,
+            "a close-delimited body ends its connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn head_204_and_304_have_no_body() {
+        let fake = Fake::start(keep_alive(|head| match head.split(' ').nth(1).unwrap() {
+            "/head" => b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n".to_vec(),
+            "/204" => b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(),
+            "/304" => b"HTTP/1.1 304 Not Modified\r\nContent-Length: 7\r\n\r\n".to_vec(),
+            _ => OK.to_vec(),
+        }))
+        .await;
+        let client = client();
+        let head = Request::head(fake.url("/head"))
+            .body(body::empty())
+            .unwrap();
+        let resp = within(client.request(head)).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-length"], "1000");
+        assert!(resp.body().is_end_stream());
+        for path in ["/204", "/304"] {
+            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            assert_eq!(resp.status().as_str(), &path[1..]);
+            assert_eq!(text(resp).await, "");
+        }
+        let resp = within(client.request(get(&fake.url("/ok")))).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 1);
+    }
+
+    #[tokio::test]
+    async fn interim_100_continue_is_skipped() {
+        let fake = Fake::start(keep_alive(|_| {
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n\
+              HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok"
+                .to_vec()
+        }))
+        .await;
+        let client = client();
+        let post = with_body("POST", &fake.url("/"), body::full("x"));
+        let resp = within(client.request(post)).await.unwrap();
+        assert_eq!(resp.status(), 201);
+        assert!(resp.headers().get("link").is_none());
+        assert_eq!(text(resp).await, "ok");
+    }
+
+    #[tokio::test]
+    async fn ambiguous_response_framing_is_a_protocol_error() {
+        let fake = Fake::start(keep_alive(|head| {
+            match head.split(' ').nth(1).unwrap() {
+                "/cl-te" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+                "/two-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok!".to_vec(),
+                "/bad-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok".to_vec(),
+                "/garbage" => b"\x00\x01 not http\r\n\r\n".to_vec(),
+                "/many" => {
+                    let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
+                    for i in 0..150 {
+                        r.extend_from_slice(format!("x-h{i}: {i}\r\n").as_bytes());
+                    }
+                    r.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+                    r
+                }
+                _ => OK.to_vec(),
+            }
+        }))
+        .await;
+        let client = client();
+        for path in ["/cl-te", "/two-cl", "/bad-cl", "/garbage", "/many"] {
+            let e = within(client.request(get(&fake.url(path))))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), FailKind::Protocol, "{path}: {e:?}");
+            assert!(e.describe().starts_with("invalid response: "), "{path}");
+        }
+        assert_eq!(
+            fake.accepts(),
+            5,
+            "no connection with a bad answer is reused"
+        );
+        // 128 header lines are fine.
+        let resp = within(client.request(get(&fake.url("/ok")))).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+    }
+
+    /// A 413 before the upload ended: the answer is delivered, the upload stops, and the
+    /// connection is not reused.
+    #[tokio::test]
+    async fn an_early_answer_stops_the_upload() {
+        let fake = Fake::start(|mut s, n| async move {
+            let mut buf = Vec::new();
+            while read_head(&mut s, &mut buf).await.is_some() {
+                if n == 0 {
+                    let _ = s
+                        .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+                        .await;
+                    // Read on so the client's close is a FIN, not a reset.
+                    let mut sink = Vec::new();
+                    let _ = s.read_to_end(&mut sink).await;
+                    return;
+                }
+                let _ = s.write_all(OK).await;
+            }
+        })
+        .await;
+        let client = client();
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(b"first part")))
+            .await
+            .unwrap();
+        let resp = within(client.request(with_body("PUT", &fake.url("/up"), body)))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 413);
+        assert_eq!(text(resp).await, "");
+        within(tx.closed()).await;
+        let resp = within(client.request(get(&fake.url("/next"))))
+            .await
+            .unwrap();
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 2);
+    }
+
+    #[tokio::test]
+    async fn request_framing_and_host() {
+        let (seen_tx, mut seen) = mpsc::unbounded_channel::<(String, Vec<u8>)>();
+        let fake = Fake::start(move |mut s, _| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let mut buf = Vec::new();
+                while let Some(head) = read_head(&mut s, &mut buf).await {
+                    let lower = head.to_ascii_lowercase();
+                    if lower.contains("transfer-encoding: chunked") {
+                        read_until(&mut s, &mut buf, b"0\r\n\r\n").await;
+                    } else if let Some(n) = lower
+                        .split("\r\n")
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                    {
+                        let n: usize = n.parse().unwrap();
+                        while buf.len() < n {
+                            let mut tmp = [0u8; 4096];
+                            match s.read(&mut tmp).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(k) => buf.extend_from_slice(&tmp[..k]),
+                            }
+                        }
+                    }
+                    let _ = seen_tx.send((head, std::mem::take(&mut buf)));
+                    let _ = s.write_all(OK).await;
+                }
+            }
+        })
+        .await;
+        let client = client();
+
+        // Unknown size: chunked, each frame a chunk.
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
+        tx.send(Ok(Bytes::from_static(b"second!"))).await.unwrap();
+        drop(tx);
+        let resp = within(client.request(with_body("POST", &fake.url("/c?q=1"), body)))
+            .await
+            .unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, sent) = within(seen.recv()).await.unwrap();
+        assert!(head.starts_with("POST /c?q=1 HTTP/1.1\r\n"), "{head}");
+        assert!(
+            head.contains(&format!("\r\nhost: 127.0.0.1:{}\r\n", fake.addr.port())),
+            "{head}"
+        );
+        assert!(
+            head.contains("\r\ntransfer-encoding: chunked\r\n"),
+            "{head}"
+        );
+        assert!(!head.contains("content-length"), "{head}");
+        assert_eq!(sent, b"5\r\nfirst\r\n7\r\nsecond!\r\n0\r\n\r\n");
+
+        // Known size: Content-Length, the body right behind the head.
+        let resp = within(client.request(with_body("PUT", &fake.url("/k"), body::full("hello"))))
+            .await
+            .unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, sent) = within(seen.recv()).await.unwrap();
+        assert!(head.contains("\r\ncontent-length: 5\r\n"), "{head}");
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        assert_eq!(sent, b"hello");
+
+        // No body: nothing for GET, a zero length for POST; a Host of the caller's own.
+        let mut req = get(&fake.url("/"));
+        req.headers_mut()
+            .insert(HOST, HeaderValue::from_static("example.test"));
+        let resp = within(client.request(req)).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, _) = within(seen.recv()).await.unwrap();
+        assert!(!head.contains("content-length"), "{head}");
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        assert_eq!(head.matches("host: ").count(), 1, "{head}");
+        assert!(head.contains("\r\nhost: example.test\r\n"), "{head}");
+        let resp = within(client.request(with_body("POST", &fake.url("/"), body::empty())))
+            .await
+            .unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, _) = within(seen.recv()).await.unwrap();
+        assert!(head.contains("\r\ncontent-length: 0\r\n"), "{head}");
+        assert_eq!(fake.accepts(), 1);
+    }
+
+    #[test]
+    fn host_header_omits_only_the_default_port() {
+        let parts = |authority: &str, tls: bool| {
+            let parsed: Authority = authority.parse().unwrap();
+            let (host, port, header) = authority_parts(authority, tls);
+            // The same host and port as the `http` crate reads.
+            assert_eq!(host, parsed.host(), "{authority}");
+            let default = if tls { 443 } else { 80 };
+            assert_eq!(port, parsed.port_u16().unwrap_or(default), "{authority}");
+            header.to_string()
+        };
+        assert_eq!(parts("example.com", false), "example.com");
+        assert_eq!(parts("example.com:80", false), "example.com");
+        assert_eq!(parts("example.com:443", true), "example.com");
+        assert_eq!(parts("example.com:443", false), "example.com:443");
+        assert_eq!(parts("example.com:80", true), "example.com:80");
+        assert_eq!(parts("user:pw@example.com:8080", false), "example.com:8080");
+        assert_eq!(parts("[::1]", true), "[::1]");
+        assert_eq!(parts("[::1]:443", true), "[::1]");
+        assert_eq!(parts("[::1]:8080", false), "[::1]:8080");
+        assert_eq!(parts("example.com:", false), "example.com");
+        assert_eq!(parts("example.com:99999", false), "example.com");
+        assert_eq!(parts("10.0.0.1:0080", false), "10.0.0.1");
+        assert_eq!(
+            parts("49983-isb-1.localhost:9443", true),
+            "49983-isb-1.localhost:9443"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_broken_request_body_is_the_clients_fault() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            let _ = read_head(&mut s, &mut buf).await;
+            let _ = s.read_to_end(&mut buf).await;
+        })
+        .await;
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(b"some"))).await.unwrap();
+        tx.send(Err("the client went away".into())).await.unwrap();
+        let e = within(client().request(with_body("POST", &fake.url("/"), body)))
+            .await
+            .unwrap_err();
+        assert!(e.is_client_body(), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_a_connect_error() {
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let e = within(client().request(get(&format!("http://{addr}/"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FailKind::Connect, "{e:?}");
+        assert_eq!(e.describe(), "connect refused");
+        assert!(!e.is_client_body());
+    }
+
+    struct Tls {
+        ca: rustls_pki_types::CertificateDer<'static>,
+        server: Arc<rustls::ServerConfig>,
+    }
+
+    fn tls_pair() -> Tls {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = ca.self_signed(&ca_key).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&key, &ca, &ca_key)
+            .unwrap();
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+        let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der().clone()], key)
+        .unwrap();
+        server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Tls {
+            ca: ca.der().clone(),
+            server: Arc::new(server),
+        }
+    }
+
+    async fn tls_fake(tls: &Tls) -> Fake {
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+        Fake::start(move |s, _| {
+            let acceptor = acceptor.clone();
+            async move {
+                let Ok(mut s) = acceptor.accept(s).await else {
+                    return;
+                };
+                let (_, session) = s.get_ref();
+                let alpn = session.alpn_protocol().map(<[u8]>::to_vec);
+                let sni = session.server_name().map(str::to_string);
+                let mut buf = Vec::new();
+                while read_head(&mut s, &mut buf).await.is_some() {
+                    let body = format!(
+                        "{:?} {:?}",
+                        sni,
+                        alpn.as_deref().map(String::from_utf8_lossy)
+                    );
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn tls_with_a_trusted_ca_works_and_an_untrusted_one_is_a_tls_error() {
+        let tls = tls_pair();
+        let fake = tls_fake(&tls).await;
+        let url = format!("https://localhost:{}/", fake.addr.port());
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(tls.ca.clone()).unwrap();
+        let trusting = Upstream::new(config(roots), Versions::Http1, Duration::from_secs(5));
+        for _ in 0..2 {
+            let resp = within(trusting.request(get(&url))).await.unwrap();
+            assert_eq!(text(resp).await, r#"Some("localhost") Some("http/1.1")"#);
+        }
+        assert_eq!(fake.accepts(), 1, "kept alive over TLS");
+
+        let e = within(client().request(get(&url))).await.unwrap_err();
+        assert_eq!(e.kind(), FailKind::Tls, "{e:?}");
+        assert!(e.describe().starts_with("tls: "), "{}", e.describe());
+    }
+}
