@@ -428,8 +428,9 @@ struct FastBody {
     buf: BytesMut,
 }
 
-/// Large reads for large bodies: an upload moves in pieces of up to this.
-const BODY_READ: usize = 64 * 1024;
+/// Large reads for large bodies: an upload moves in pieces of up to this (fewer system
+/// calls per byte; 64 KiB reads left a 1 GiB upload at 0.68x of going direct).
+const BODY_READ: usize = 256 * 1024;
 
 impl Body for FastBody {
     type Data = Bytes;
@@ -448,7 +449,9 @@ impl Body for FastBody {
         let this = &mut *self;
         loop {
             let want = this.left.min(BODY_READ as u64) as usize;
-            if this.buf.capacity() < want {
+            // The last piece has usually gone upstream by now: take its memory back
+            // rather than allocate (and, at this size, map) a new one.
+            if this.buf.capacity() < want && !this.buf.try_reclaim(want) {
                 this.buf = BytesMut::with_capacity(want);
             }
             // Never past this body's end: what follows is the next request's.

@@ -49,7 +49,7 @@ const MAX_TRAILERS: usize = 64;
 const MAX_CHUNK_LINE: usize = 4 * 1024;
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
 const FIRST_READ: usize = 8 * 1024;
-const MAX_READ: usize = 64 * 1024;
+const MAX_READ: usize = 256 * 1024;
 const MAX_IDLE_PER_ORIGIN: usize = 256;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// How often a connection going idle also clears out expired ones of every origin (so
