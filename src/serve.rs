@@ -13,7 +13,7 @@ use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
 use crate::settings::{parse_duration, Resolved, Settings};
 use crate::signals;
-use crate::workers;
+use crate::workers::{self, Workers};
 
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
@@ -63,6 +63,7 @@ async fn serve(
     let listener = Listener::bind(&settings.listen).await?;
     refuse_self_loop(&settings, &listener)?;
     let admin = Listener::bind(&settings.admin_listen).await?;
+    let workers = Workers::start(workers::count())?;
     tracing::info!(
         listen = %listener.local_addr(),
         admin = %admin.local_addr(),
@@ -78,7 +79,13 @@ async fn serve(
         header_timeout: options.header_timeout,
         max_connections: options.max_connections,
     };
-    let workers = workers::start(workers::count(), &listener, &proxy, config, &stop_rx)?;
+    let accepting = tokio::spawn(listener::accept_loop(
+        listener,
+        proxy.clone(),
+        config,
+        workers,
+        stop_rx,
+    ));
     if let Some(hangups) = hangups {
         let reload = reload_on_hangup(proxy.clone(), hangups, flags, resolved, options.clone());
         tokio::spawn(reload);
@@ -88,10 +95,11 @@ async fn serve(
     tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
     proxy.start_draining();
     let _ = stop_tx.send(true);
-    // The accept loops return after dropping their listeners; with ours the socket closes
-    // and new connections are refused.
-    workers.closed().await;
-    drop((listener, stop_rx));
+    // The accept loop returns after dropping the listener: new connections are refused.
+    accepting.await.map_err(|e| Error::Bind {
+        addr: settings.listen.to_string(),
+        reason: e.to_string(),
+    })?;
     // From here a connect is refused: operators (and tests) can tell the drain has begun.
     tracing::info!(open = stop_tx.receiver_count(), "listener closed");
     let clean = listener::drain(&stop_tx, options.shutdown_grace).await;

@@ -46,7 +46,28 @@ pub enum Sock {
     Unix(UnixStream),
 }
 
+/// A [`Sock`] on its way between runtimes.
+pub enum StdSock {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
 impl Sock {
+    pub fn into_std(self) -> io::Result<StdSock> {
+        Ok(match self {
+            Sock::Tcp(s) => StdSock::Tcp(s.into_std()?),
+            Sock::Unix(s) => StdSock::Unix(s.into_std()?),
+        })
+    }
+
+    /// Registers the socket with the calling thread's runtime.
+    pub fn from_std(s: StdSock) -> io::Result<Self> {
+        Ok(match s {
+            StdSock::Tcp(s) => Sock::Tcp(TcpStream::from_std(s)?),
+            StdSock::Unix(s) => Sock::Unix(UnixStream::from_std(s)?),
+        })
+    }
+
     async fn readable(&self) -> io::Result<()> {
         match self {
             Sock::Tcp(s) => s.readable().await,

@@ -31,6 +31,7 @@ use super::Proxy;
 use crate::error::Error;
 use crate::metrics::GaugeGuard;
 use crate::settings::ListenAddr;
+use crate::workers::Workers;
 
 /// Request heads larger than this get 431 (SPEC §4).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -72,40 +73,10 @@ impl Listener {
     }
 }
 
-/// Another descriptor of a listening socket, for a worker thread to accept from with its
-/// own runtime (see [`crate::workers`]).
-pub enum SharedListener {
-    Tcp(std::net::TcpListener),
-    Unix(std::os::unix::net::UnixListener),
-}
-
-impl Listener {
-    pub fn share(&self) -> io::Result<SharedListener> {
-        use std::os::fd::AsFd;
-        Ok(match self {
-            Listener::Tcp(l) => SharedListener::Tcp(l.as_fd().try_clone_to_owned()?.into()),
-            Listener::Unix(l, _) => SharedListener::Unix(l.as_fd().try_clone_to_owned()?.into()),
-        })
-    }
-}
-
-impl SharedListener {
-    /// Registers the descriptor with the calling thread's runtime. The socket file of a
-    /// unix listener stays the original's to remove.
-    pub fn into_tokio(self) -> io::Result<Listener> {
-        Ok(match self {
-            SharedListener::Tcp(l) => Listener::Tcp(TcpListener::from_std(l)?),
-            SharedListener::Unix(l) => Listener::Unix(UnixListener::from_std(l)?, PathBuf::new()),
-        })
-    }
-}
-
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, path) = self {
-            if !path.as_os_str().is_empty() {
-                let _ = std::fs::remove_file(path);
-            }
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -158,12 +129,14 @@ pub struct ServeConfig {
 pub async fn accept_loop(
     listener: Listener,
     proxy: Arc<Proxy>,
-    config: Arc<ServeConfig>,
-    limit: Arc<Semaphore>,
+    config: ServeConfig,
+    workers: Workers,
     mut stop: watch::Receiver<bool>,
 ) {
     let builder = Arc::new(http_builder(config.header_timeout));
-    loop {
+    let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let config = Arc::new(config);
+    for turn in 0.. {
         // Beyond the limit new connections wait in the kernel's accept queue.
         let permit = tokio::select! {
             p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -173,7 +146,8 @@ pub async fn accept_loop(
             a = accept(&listener) => a,
             _ = stop.wait_for(|s| *s) => break,
         };
-        let sock = match accepted {
+        // Unregistered from this thread's runtime, registered with the worker's below.
+        let sock = match accepted.and_then(Sock::into_std) {
             Ok(s) => s,
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
@@ -189,6 +163,9 @@ pub async fn accept_loop(
         let task = async move {
             let _permit = permit;
             let _open = GaugeGuard::new(&proxy.metrics.open_connections);
+            let Ok(sock) = Sock::from_std(sock) else {
+                return;
+            };
             let activity = Activity::new();
             let headed = AtomicBool::new(false);
             let serving = connection(sock, &proxy, &config, &builder, &activity, &headed, stop);
@@ -198,7 +175,7 @@ pub async fn accept_loop(
                 _ = first_head(&headed, config.header_timeout) => {}
             }
         };
-        tokio::spawn(task);
+        workers.spawn(turn, task);
     }
 }
 

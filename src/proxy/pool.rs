@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING, UPGRADE};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
@@ -554,7 +554,9 @@ impl Conn {
             self.rbuf.reserve(want);
         }
         let room = self.rbuf.capacity() - self.rbuf.len();
-        let n = ready!(pin!(self.io.read_buf(&mut self.rbuf)).poll(cx))?;
+        // At most `want`: reserve may have doubled the buffer, and a read that outgrows the
+        // cache makes the copy back out to the client a trip to memory.
+        let n = ready!(pin!(self.io.read_buf(&mut (&mut self.rbuf).limit(want))).poll(cx))?;
         if n >= room.min(self.read_size) && self.read_size < MAX_READ {
             self.read_size = (self.read_size * 2).min(MAX_READ);
         }
