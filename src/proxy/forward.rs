@@ -41,7 +41,9 @@ pub async fn send(
     timeout: Duration,
     host: &str,
 ) -> Result<Response<ProxyBody>, (Error, Option<FailKind>)> {
-    match tokio::time::timeout(timeout, client.request(req)).await {
+    // Boxed: the exchange's state is kilobytes, and every future that awaits this one would
+    // otherwise carry (and move) a copy of its size.
+    match tokio::time::timeout(timeout, Box::pin(client.request(req))).await {
         Ok(Ok(resp)) => Ok(resp),
         // The client's own body broke (a bad chunk, a closed upload): not the upstream's
         // fault, and not an upstream error in the metrics.

@@ -74,8 +74,10 @@ impl Proxy {
                 let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
                 let result = match route {
                     Route::Api => self.api(parts, body, upgrade).await,
+                    // Boxed: with its token look-up and 401 replay the envd plane's state is
+                    // several times the control plane's, and would size every request.
                     Route::Envd { sandbox_id, port } => {
-                        self.envd(parts, body, &sandbox_id, port, upgrade).await
+                        Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
                     }
                 };
                 drop(in_flight);
