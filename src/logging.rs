@@ -97,8 +97,31 @@ pub fn access(
     access_with(format, &line, |bytes| {
         // One `write` for the line, as tracing-subscriber does; a failing stderr is not
         // worth failing a request over (tracing-subscriber ignores it too).
-        let _ = std::io::stderr().lock().write_all(bytes);
+        let _ = write_line(bytes);
     });
+}
+
+/// Writes one whole line to stderr through this thread's own descriptor for it. Through
+/// `std::io::stderr()` every worker took the same lock for every request, and under load
+/// they queued on it (a futex call for every few requests); a line is one `write` either
+/// way, so lines from different threads still never mix.
+fn write_line(bytes: &[u8]) -> std::io::Result<()> {
+    use std::cell::OnceCell;
+    use std::os::fd::AsFd;
+    thread_local! {
+        static STDERR: OnceCell<Option<std::fs::File>> = const { OnceCell::new() };
+    }
+    STDERR.with(|cell| {
+        let own = cell.get_or_init(|| {
+            let fd = std::io::stderr().as_fd().try_clone_to_owned().ok()?;
+            Some(std::fs::File::from(fd))
+        });
+        match own {
+            // `Write` for `&File`: no `&mut` needed, the descriptor is the thread's own.
+            Some(file) => (&*file).write_all(bytes),
+            None => std::io::stderr().lock().write_all(bytes),
+        }
+    })
 }
 
 /// The fast path of [`access`] for a subscriber installed by [`init`] printing `format`
