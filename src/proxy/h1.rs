@@ -34,6 +34,7 @@ use tokio::sync::watch;
 
 use super::body;
 use super::framing;
+use super::headers;
 use super::listener::{Activity, MAX_HEAD, MAX_HEADERS};
 use super::Proxy;
 use crate::upstream::ProxyBody;
@@ -410,14 +411,7 @@ fn parse_head(head: &Bytes) -> Option<Head> {
         } else if name == TRANSFER_ENCODING || name == EXPECT || name == UPGRADE {
             return None;
         } else if name == CONNECTION {
-            for token in f.value.split(|b| *b == b',') {
-                let token = token.trim_ascii();
-                if token.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case(b"upgrade") {
-                    return None;
-                }
-            }
+            close |= headers::has_token(f.value, b"close");
         }
         let value = HeaderValue::from_maybe_shared(head.slice_ref(f.value)).ok()?;
         headers.append(name, value);

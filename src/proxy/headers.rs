@@ -37,10 +37,19 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
 /// The comma-separated tokens of a `Connection` value, as bytes: a line with obs-text
 /// (bytes >= 0x80, which hyper accepts) still names the fields it lists.
 fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &[u8]> {
-    v.as_bytes()
-        .split(|b| *b == b',')
+    tokens(v.as_bytes())
+}
+
+fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|b| *b == b',')
         .map(|t| t.trim_ascii())
         .filter(|t| !t.is_empty())
+}
+
+/// Whether a comma-separated field value (`Connection: keep-alive, close`) lists `token`,
+/// in any case.
+pub fn has_token(value: &[u8], token: &[u8]) -> bool {
+    tokens(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
 /// Removes hop-by-hop headers and those named in `Connection`. With `upgrade`, the

@@ -37,6 +37,7 @@ use tower_service::Service;
 
 use super::body;
 use super::forward::{self, FailKind};
+use super::headers::has_token;
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The largest response head (and trailer section) accepted.
@@ -700,12 +701,6 @@ fn authority_parts(authority: &str, tls: bool) -> (&str, u16, &str) {
         Some(p) if p != default => (host, p, host_port),
         _ => (host, default, host),
     }
-}
-
-fn has_token(value: &[u8], token: &[u8]) -> bool {
-    value
-        .split(|b| *b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
 /// `Content-Length` digits (a comma list of equal values is one value, as in hyper).
