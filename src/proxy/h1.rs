@@ -558,7 +558,7 @@ async fn write_response(
     }
     out.extend_from_slice(b"\r\n");
     if bodyless {
-        return write_all(sock, activity, &out, &[]).await.is_ok();
+        return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
     }
 
     let mut left = match framing {
@@ -830,5 +830,154 @@ impl AsyncWrite for Rewind {
             Sock::Tcp(s) => Pin::new(s).poll_shutdown(cx),
             Sock::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{Full, StreamBody};
+    use tokio::io::AsyncReadExt;
+
+    fn head_of(raw: &str) -> (Parsed, BytesMut) {
+        let mut buf = BytesMut::from(raw.as_bytes());
+        (parse(&mut buf), buf)
+    }
+
+    #[test]
+    fn head_end_takes_crlf_and_bare_lf_and_waits_for_the_rest() {
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nrest"), Some(24));
+        assert_eq!(head_end(b"GET / HTTP/1.1\nA: b\n\nrest"), Some(21));
+        assert_eq!(head_end(b"\r\nGET / HTTP/1.1\r\n\r\n"), Some(20));
+        for partial in [
+            "GET / HTTP/1.1\r\nA: b\r\n",
+            "GET / HTTP/1.1\r\nA: b\r\n\r",
+            "",
+        ] {
+            assert_eq!(head_end(partial.as_bytes()), None, "{partial:?}");
+        }
+    }
+
+    #[test]
+    fn plain_requests_are_served_here_with_the_body_left_in_the_buffer() {
+        let (parsed, rest) =
+            head_of("POST /v2/sandboxes?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nConnection: keep-alive, Close\r\n\r\nhello");
+        let Parsed::Head(head) = parsed else {
+            panic!("not served by the fast path")
+        };
+        assert_eq!(head.method, Method::POST);
+        assert_eq!(head.uri, "/v2/sandboxes?x=1");
+        assert_eq!(head.content_length, 5);
+        assert!(head.close);
+        assert_eq!(head.headers["host"], "a");
+        assert_eq!(&rest[..], b"hello");
+    }
+
+    #[test]
+    fn anything_unusual_goes_to_hyper_with_every_byte_kept() {
+        let long_ows = " ".repeat(60);
+        for raw in [
+            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_string(),
+            "POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello".into(),
+            "POST / HTTP/1.1\r\nContent-Length: 5, 5\r\n\r\nhello".into(),
+            "POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\nhello".into(),
+            format!("POST / HTTP/1.1\r\nContent-Length:{long_ows}5\r\n\r\nhello"),
+            "PUT / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n".into(),
+            "GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n".into(),
+            "GET / HTTP/1.0\r\n\r\n".into(),
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".into(),
+            "CONNECT a:443 HTTP/1.1\r\n\r\n".into(),
+            "GET / HTTP/1.1\r\nX-A: 1\rX-B: 2\r\n\r\n".into(),
+            "GET /\x7f HTTP/1.1\r\n\r\n".into(),
+        ] {
+            let (parsed, rest) = head_of(&raw);
+            assert!(matches!(parsed, Parsed::HandOver), "{raw:?}");
+            assert_eq!(&rest[..], raw.as_bytes(), "{raw:?}: bytes lost");
+        }
+        let many = format!(
+            "GET / HTTP/1.1\r\n{}\r\n",
+            "X-A: 1\r\n".repeat(MAX_HEADERS + 1)
+        );
+        assert!(matches!(head_of(&many).0, Parsed::HandOver));
+        let big = format!("GET / HTTP/1.1\r\nX-A: {}\r\n\r\n", "a".repeat(MAX_HEAD));
+        assert!(matches!(head_of(&big).0, Parsed::HandOver));
+    }
+
+    #[test]
+    fn numbers_on_the_wire() {
+        assert_eq!(itoa(0).as_bytes(), b"0");
+        assert_eq!(itoa(u64::MAX).as_bytes(), u64::MAX.to_string().as_bytes());
+        for n in [0usize, 1, 15, 16, 255, 4096, 65535, 1 << 20] {
+            let mut out = Vec::new();
+            chunk_size(&mut out, n);
+            assert_eq!(out, format!("{n:x}\r\n").into_bytes());
+        }
+        assert_eq!(decimal(b"0012"), Some(12));
+        for bad in [&b""[..], b"1 2", b"-1", b"0x5", b"1234567890123456789"] {
+            assert_eq!(decimal(bad), None, "{bad:?}");
+        }
+    }
+
+    /// Writes `resp` through a real socket and returns what the client reads.
+    async fn on_the_wire(resp: Response<ProxyBody>, is_head: bool, close: bool) -> (bool, String) {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let sock = Sock::Unix(ours);
+        let activity = Activity::new();
+        let keep = write_response(&sock, &activity, resp, is_head, close).await;
+        drop(sock);
+        let mut got = String::new();
+        theirs.read_to_string(&mut got).await.expect("read");
+        (keep, got)
+    }
+
+    fn with_date_removed(wire: &str) -> String {
+        wire.split_inclusive("\r\n")
+            .filter(|l| !l.starts_with("date: "))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_sized_answer_goes_out_with_its_length_and_a_head_answer_without_body() {
+        let resp = Response::new(body::full("hello"));
+        let (keep, wire) = on_the_wire(resp, false, false).await;
+        assert!(keep);
+        assert!(wire.contains("\r\ndate: "), "{wire}");
+        assert_eq!(
+            with_date_removed(&wire),
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+        );
+
+        let mut resp = Response::new(body::empty());
+        resp.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("42"));
+        let (keep, wire) = on_the_wire(resp, true, true).await;
+        assert!(!keep, "close was asked for");
+        assert_eq!(
+            with_date_removed(&wire),
+            "HTTP/1.1 200 OK\r\ncontent-length: 42\r\nconnection: close\r\n\r\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unsized_answer_is_chunked_and_a_short_one_closes() {
+        let frames = ["ab", "", "cdefghijklmnopq"]
+            .map(|s| Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(s))));
+        let stream = StreamBody::new(futures_util::stream::iter(frames));
+        let (keep, wire) = on_the_wire(Response::new(body::boxed(stream)), false, false).await;
+        assert!(keep);
+        assert!(
+            wire.ends_with(
+                "transfer-encoding: chunked\r\n\r\n2\r\nab\r\nf\r\ncdefghijklmnopq\r\n0\r\n\r\n"
+            ),
+            "{wire}"
+        );
+
+        // A body shorter than its declared length: the connection must not be reused.
+        let mut resp = Response::new(body::boxed(Full::new(Bytes::from("abc"))));
+        resp.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("10"));
+        let (keep, wire) = on_the_wire(resp, false, false).await;
+        assert!(!keep);
+        assert!(wire.ends_with("\r\n\r\nabc"), "{wire}");
     }
 }

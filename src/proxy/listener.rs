@@ -299,7 +299,7 @@ pub struct Activity {
 }
 
 impl Activity {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Activity {
             opened: Instant::now(),
             last: Arc::new(AtomicU64::new(0)),
