@@ -749,6 +749,14 @@ mod tests {
     fn durations_render_like_tracing_subscriber_over_many_values() {
         let mut rng = fastrand::Rng::with_seed(11);
         let method = http::Method::GET;
+        let line_of = |nanos| AccessLine {
+            method: &method,
+            path: "/p",
+            plane: "api",
+            status: 200,
+            elapsed: Duration::from_nanos(nanos),
+            upstream: "u",
+        };
         for i in 0..20_000u64 {
             let nanos = match i % 4 {
                 0 => rng.u64(0..1_000_000),
@@ -756,14 +764,7 @@ mod tests {
                 2 => i * 1_000_000,
                 _ => rng.u64(..),
             };
-            let line = AccessLine {
-                method: &method,
-                path: "/p",
-                plane: "api",
-                status: 200,
-                elapsed: Duration::from_nanos(nanos),
-                upstream: "u",
-            };
+            let line = line_of(nanos);
             for format in [LogFormat::Text, LogFormat::Json] {
                 let mut mine = Vec::new();
                 format_access(&mut mine, format, UNIX_EPOCH, &line);
@@ -796,14 +797,7 @@ mod tests {
             123_456_789,
             u64::MAX,
         ] {
-            let line = AccessLine {
-                method: &method,
-                path: "/p",
-                plane: "api",
-                status: 200,
-                elapsed: Duration::from_nanos(nanos),
-                upstream: "u",
-            };
+            let line = line_of(nanos);
             for format in [LogFormat::Text, LogFormat::Json] {
                 let theirs = tracing_output(format, "info", Fixed(UNIX_EPOCH), || {
                     access_via_tracing(&line)

@@ -63,7 +63,7 @@ async fn serve(
     let listener = Listener::bind(&settings.listen).await?;
     refuse_self_loop(&settings, &listener)?;
     let admin = Listener::bind(&settings.admin_listen).await?;
-    let workers = Workers::start(workers::count())?;
+    let workers = Workers::start(workers::count(), &listener.local_addr())?;
     tracing::info!(
         listen = %listener.local_addr(),
         admin = %admin.local_addr(),

@@ -43,9 +43,11 @@ pub struct Workers {
 }
 
 impl Workers {
-    pub fn start(n: usize) -> Result<Self, Error> {
+    /// `listen` names the listener the workers serve, for the error if one cannot start
+    /// (reported like the main runtime's).
+    pub fn start(n: usize, listen: &str) -> Result<Self, Error> {
         let fail = |reason: String| Error::Bind {
-            addr: "worker".into(),
+            addr: listen.to_string(),
             reason,
         };
         let mut handles = Vec::with_capacity(n);
