@@ -5,7 +5,8 @@
 //! layer spends most of a request's logging budget on its generic machinery (field
 //! visitors, a dynamic writer, timestamp formatting through `fmt`), so the access line is
 //! formatted here by hand, byte for byte what that layer prints for the same event, and
-//! written with one `write_all`. Filtering stays with the installed subscriber: the line is
+//! written with one `write_all`; on the workers, several lines with one (see
+//! [`batch_this_thread`]). Filtering stays with the installed subscriber: the line is
 //! only written when it would let `abx_proxy::access` at info through. Whenever the fast
 //! path cannot vouch for identical output (logging not set up by [`init`], colours on,
 //! inside a span), the event goes through `tracing` as before.
@@ -94,17 +95,72 @@ pub fn access(
         JSON => LogFormat::Json,
         _ => return access_via_tracing(&line),
     };
-    access_with(format, &line, |bytes| {
-        // One `write` for the line, as tracing-subscriber does; a failing stderr is not
-        // worth failing a request over (tracing-subscriber ignores it too).
-        let _ = write_line(bytes);
+    access_with(format, &line, emit);
+}
+
+/// Up to this many bytes of access lines go out in one `write`: `PIPE_BUF`, below which a
+/// write to a pipe (journald, a container runtime) is atomic, so the lines of different
+/// threads never mix.
+const BATCH_MAX: usize = 4096;
+
+thread_local! {
+    /// Access lines of a batching thread (see [`batch_this_thread`]) not yet written.
+    static PENDING: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
+}
+
+/// From now on this thread's access lines wait in a buffer until [`flush_thread`] or until
+/// the buffer is full. The workers call it: under load a worker writes a dozen lines with
+/// one system call instead of one each, and their runtimes flush before they sleep, so a
+/// line is never held while the thread waits for work.
+pub fn batch_this_thread() {
+    PENDING.with(|p| *p.borrow_mut() = Some(Vec::with_capacity(BATCH_MAX)));
+}
+
+/// Writes this thread's pending access lines, if any.
+pub fn flush_thread() {
+    let _ = PENDING.try_with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            if let Some(buf) = p.as_mut().filter(|b| !b.is_empty()) {
+                // A failing stderr is not worth failing a request over (tracing-subscriber
+                // ignores it too).
+                let _ = write_line(buf);
+                buf.clear();
+            }
+        }
     });
 }
 
-/// Writes one whole line to stderr through this thread's own descriptor for it. Through
+/// One formatted access line: into this thread's batch, or straight out.
+fn emit(line: &[u8]) {
+    let batched = PENDING
+        .try_with(|p| {
+            let Ok(mut p) = p.try_borrow_mut() else {
+                return false;
+            };
+            let Some(buf) = p.as_mut() else {
+                return false;
+            };
+            if buf.len() + line.len() > BATCH_MAX && !buf.is_empty() {
+                let _ = write_line(buf);
+                buf.clear();
+            }
+            // A line longer than a whole batch goes out on its own, after those before it.
+            if line.len() > BATCH_MAX {
+                return false;
+            }
+            buf.extend_from_slice(line);
+            true
+        })
+        .unwrap_or(false);
+    if !batched {
+        let _ = write_line(line);
+    }
+}
+
+/// Writes whole lines to stderr through this thread's own descriptor for it. Through
 /// `std::io::stderr()` every worker took the same lock for every request, and under load
-/// they queued on it (a futex call for every few requests); a line is one `write` either
-/// way, so lines from different threads still never mix.
+/// they queued on it (a futex call for every few requests); lines go out whole, at most
+/// [`BATCH_MAX`] bytes at a time or one line, so lines from different threads never mix.
 fn write_line(bytes: &[u8]) -> std::io::Result<()> {
     use std::cell::OnceCell;
     use std::os::fd::AsFd;
@@ -902,16 +958,8 @@ mod tests {
             upstream: "sbx.example:49983",
         };
         for format in [LogFormat::Text, LogFormat::Json] {
-            let via_access = tracing_output(format, "info", Fixed(UNIX_EPOCH), || {
-                access(
-                    line.method,
-                    line.path,
-                    line.plane,
-                    line.status,
-                    line.elapsed,
-                    line.upstream,
-                )
-            });
+            let via_access =
+                tracing_output(format, "info", Fixed(UNIX_EPOCH), || log_access(&line));
             assert_eq!(via_access, ours(format, UNIX_EPOCH, &line));
             let filtered = tracing_output(format, "warn", Fixed(UNIX_EPOCH), || {
                 access(&method, "/files", "envd", 201, line.elapsed, "u")
@@ -983,6 +1031,82 @@ mod tests {
             "fast path off"
         );
         let line = child_line();
+        log_access(&line);
+        access_via_tracing(&line);
+    }
+
+    /// The child half of `a_batching_thread_writes_whole_lines_in_order`.
+    #[test]
+    fn child_batch() {
+        if std::env::var("ABX_LOGGING_BATCH_CHILD").is_err() {
+            return;
+        }
+        init(LogFormat::Text, Some("info"), "info");
+        batch_this_thread();
+        let long = format!("/long/{}", "x".repeat(2 * BATCH_MAX));
+        let paths: Vec<String> = (0..60)
+            .map(|i| {
+                if i == 30 {
+                    long.clone()
+                } else {
+                    format!("/p/{i}")
+                }
+            })
+            .collect();
+        for (i, path) in paths.iter().enumerate() {
+            let mut line = child_line();
+            line.path = path;
+            log_access(&line);
+            if i == 2 {
+                // Straight to stderr: ahead of the three lines still in the batch.
+                tracing::warn!("marker");
+            }
+        }
+        flush_thread();
+    }
+
+    /// A worker's lines wait in its batch (the marker written meanwhile comes first), go
+    /// out whole and in order, a batch never exceeds `PIPE_BUF`, and a line longer than a
+    /// batch still goes out after the lines before it.
+    #[test]
+    fn a_batching_thread_writes_whole_lines_in_order() {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+        let out = std::process::Command::new(&exe)
+            .args(["--exact", "logging::tests::child_batch"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("ABX_LOGGING_BATCH_CHILD", "1")
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(out.status.success(), "{out:?}");
+        let stderr = String::from_utf8(out.stderr).unwrap_or_else(|e| panic!("{e}"));
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains(ACCESS_TARGET) || l.contains("marker"))
+            .collect();
+        assert!(lines[0].contains("marker"), "{:?}", &lines[..2]);
+        let access: Vec<&str> = lines[1..].to_vec();
+        assert_eq!(access.len(), 60);
+        for (i, line) in access.iter().enumerate() {
+            assert!(
+                line.contains(" INFO abx_proxy::access: method=GET"),
+                "{line}"
+            );
+            let path = line
+                .split(" path=")
+                .nth(1)
+                .and_then(|r| r.split(' ').next());
+            let expected = if i == 30 {
+                format!("/long/{}", "x".repeat(2 * BATCH_MAX))
+            } else {
+                format!("/p/{i}")
+            };
+            assert_eq!(path, Some(expected.as_str()), "line {i}");
+        }
+    }
+
+    /// [`access`] with the fields of `line`.
+    fn log_access(line: &AccessLine<'_>) {
         access(
             line.method,
             line.path,
@@ -991,7 +1115,6 @@ mod tests {
             line.elapsed,
             line.upstream,
         );
-        access_via_tracing(&line);
     }
 
     fn child_line() -> AccessLine<'static> {

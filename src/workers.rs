@@ -54,6 +54,7 @@ impl Workers {
         for i in 1..=n.max(1) {
             let runtime = Builder::new_current_thread()
                 .enable_all()
+                .on_thread_park(crate::logging::flush_thread)
                 .build()
                 .map_err(|e| fail(format!("cannot start a worker runtime: {e}")))?;
             handles.push(runtime.handle().clone());
@@ -61,6 +62,7 @@ impl Workers {
                 .name(format!("abx-worker-{i}"))
                 .spawn(move || {
                     INDEX.with(|c| c.set(i));
+                    crate::logging::batch_this_thread();
                     runtime.block_on(std::future::pending::<()>())
                 })
                 .map_err(|e| fail(format!("cannot start a worker thread: {e}")))?;

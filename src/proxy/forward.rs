@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 
-use super::pool::Upstream;
+use super::pool::{Upstream, UpstreamError};
 use crate::error::Error;
 use crate::upstream::ProxyBody;
 
@@ -41,31 +41,29 @@ pub async fn send(
     timeout: Duration,
     host: &str,
 ) -> Result<Response<ProxyBody>, (Error, Option<FailKind>)> {
-    // Boxed: the exchange's state is kilobytes, and every future that awaits this one would
-    // otherwise carry (and move) a copy of its size.
-    match tokio::time::timeout(timeout, Box::pin(client.request(req))).await {
-        Ok(Ok(resp)) => Ok(resp),
-        // The client's own body broke (a bad chunk, a closed upload): not the upstream's
-        // fault, and not an upstream error in the metrics.
-        Ok(Err(e)) if e.is_client_body() => Err((
-            Error::Refused {
-                reason: "the request body could not be read".into(),
-            },
-            None,
-        )),
-        Ok(Err(e)) => Err((
-            Error::UpstreamUnreachable {
-                reason: e.describe(),
-                host: host.to_string(),
-            },
-            Some(e.kind()),
-        )),
-        Err(_) => Err((
+    match client.request(req, timeout).await {
+        Ok(resp) => Ok(resp),
+        Err(UpstreamError::Timeout) => Err((
             Error::UpstreamTimeout {
                 seconds: timeout.as_secs().max(1),
                 host: host.to_string(),
             },
             Some(FailKind::Timeout),
+        )),
+        // The client's own body broke (a bad chunk, a closed upload): not the upstream's
+        // fault, and not an upstream error in the metrics.
+        Err(e) if e.is_client_body() => Err((
+            Error::Refused {
+                reason: "the request body could not be read".into(),
+            },
+            None,
+        )),
+        Err(e) => Err((
+            Error::UpstreamUnreachable {
+                reason: e.describe(),
+                host: host.to_string(),
+            },
+            Some(e.kind()),
         )),
     }
 }

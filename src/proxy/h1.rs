@@ -15,6 +15,7 @@
 //! anything `httparse` rejects — hyper answers those as it always has (400, 431, …), and
 //! the framing watch sees every byte it is given.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,6 +24,7 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::future::Either;
 use futures_util::FutureExt;
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, EXPECT, TRANSFER_ENCODING, UPGRADE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
@@ -513,13 +515,17 @@ enum Framing {
 }
 
 /// Writes the response; whether the connection can carry another request afterwards.
-async fn write_response(
-    sock: &Sock,
-    activity: &Activity,
+///
+/// Not an `async fn`: the head is built before the future exists, so the future (boxed
+/// per request by the caller, which copies it whole) holds only what streaming the body
+/// needs.
+fn write_response<'a>(
+    sock: &'a Sock,
+    activity: &'a Activity,
     resp: Response<ProxyBody>,
     is_head: bool,
     close: bool,
-) -> bool {
+) -> impl Future<Output = bool> + Send + 'a {
     let (parts, mut body) = resp.into_parts();
     let status = parts.status;
     let bodyless = is_head
@@ -532,7 +538,10 @@ async fn write_response(
         .map(|v| decimal(v.as_bytes()));
     let framing = match (declared, body.size_hint().exact()) {
         // A length that is not a number cannot frame anything: close-delimit instead.
-        (Some(None), _) => return write_close_delimited(sock, activity, parts, body).await,
+        // Boxed: rare, and inline it would double this future's size.
+        (Some(None), _) => {
+            return Either::Left(Box::pin(write_close_delimited(sock, activity, parts, body)))
+        }
         (Some(Some(n)), _) => Framing::Length(n),
         (None, Some(n)) => Framing::Length(n),
         (None, None) => Framing::Chunked,
@@ -557,90 +566,93 @@ async fn write_response(
         field(&mut out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
-    if bodyless {
-        return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
-    }
+    drop(parts);
+    Either::Right(async move {
+        if bodyless {
+            return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+        }
 
-    let mut left = match framing {
-        Framing::Length(n) => n,
-        _ => u64::MAX,
-    };
-    let chunked = framing == Framing::Chunked;
-    loop {
-        // Frames already there join what is queued; the queue goes out when the body has
-        // nothing more right now, so a stream is never held back and a small answer
-        // leaves in one write.
-        let next = match body.frame().now_or_never() {
-            Some(f) => f,
-            None => {
-                if !out.is_empty() {
-                    if write_all(sock, activity, &out, &[]).await.is_err() {
-                        return false;
-                    }
-                    out.clear();
-                }
-                body.frame().await
-            }
+        let mut left = match framing {
+            Framing::Length(n) => n,
+            _ => u64::MAX,
         };
-        let frame = match next {
-            None => break,
-            Some(Ok(f)) => f,
-            Some(Err(_)) => {
-                // The upstream broke mid-answer: what was sent stands, the client sees the
-                // connection close before the end.
-                let _ = write_all(sock, activity, &out, &[]).await;
-                return false;
-            }
-        };
-        let data = match frame.into_data() {
-            Ok(d) => d,
-            Err(frame) => {
-                if let (true, Ok(trailers)) = (chunked, frame.into_trailers()) {
-                    out.extend_from_slice(b"0\r\n");
-                    for (name, value) in &trailers {
-                        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+        let chunked = framing == Framing::Chunked;
+        loop {
+            // Frames already there join what is queued; the queue goes out when the body has
+            // nothing more right now, so a stream is never held back and a small answer
+            // leaves in one write.
+            let next = match body.frame().now_or_never() {
+                Some(f) => f,
+                None => {
+                    if !out.is_empty() {
+                        if write_all(sock, activity, &out, &[]).await.is_err() {
+                            return false;
+                        }
+                        out.clear();
                     }
-                    out.extend_from_slice(b"\r\n");
-                    return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+                    body.frame().await
                 }
+            };
+            let frame = match next {
+                None => break,
+                Some(Ok(f)) => f,
+                Some(Err(_)) => {
+                    // The upstream broke mid-answer: what was sent stands, the client sees the
+                    // connection close before the end.
+                    let _ = write_all(sock, activity, &out, &[]).await;
+                    return false;
+                }
+            };
+            let data = match frame.into_data() {
+                Ok(d) => d,
+                Err(frame) => {
+                    if let (true, Ok(trailers)) = (chunked, frame.into_trailers()) {
+                        out.extend_from_slice(b"0\r\n");
+                        for (name, value) in &trailers {
+                            field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+                        }
+                        out.extend_from_slice(b"\r\n");
+                        return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+                    }
+                    continue;
+                }
+            };
+            if data.is_empty() {
                 continue;
             }
-        };
-        if data.is_empty() {
-            continue;
-        }
-        let data = if chunked {
-            chunk_size(&mut out, data.len());
-            data
-        } else if (data.len() as u64) > left {
-            // More than the declared length: the rest cannot be framed.
-            let cut = data.slice(..left as usize);
-            let _ = write_all(sock, activity, &out, &cut).await;
-            return false;
-        } else {
-            left -= data.len() as u64;
-            data
-        };
-        if data.len() <= 16 * 1024 && out.len() < 64 * 1024 {
-            out.extend_from_slice(&data);
-        } else {
-            if write_all(sock, activity, &out, &data).await.is_err() {
+            let data = if chunked {
+                chunk_size(&mut out, data.len());
+                data
+            } else if (data.len() as u64) > left {
+                // More than the declared length: the rest cannot be framed.
+                let cut = data.slice(..left as usize);
+                let _ = write_all(sock, activity, &out, &cut).await;
                 return false;
+            } else {
+                left -= data.len() as u64;
+                data
+            };
+            if data.len() <= 16 * 1024 && out.len() < 64 * 1024 {
+                out.extend_from_slice(&data);
+            } else {
+                if write_all(sock, activity, &out, &data).await.is_err() {
+                    return false;
+                }
+                out.clear();
             }
-            out.clear();
+            if chunked {
+                out.extend_from_slice(b"\r\n");
+            }
         }
         if chunked {
-            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(b"0\r\n\r\n");
+        } else if left != 0 {
+            // Shorter than declared: the client must not wait for the rest.
+            let _ = write_all(sock, activity, &out, &[]).await;
+            return false;
         }
-    }
-    if chunked {
-        out.extend_from_slice(b"0\r\n\r\n");
-    } else if left != 0 {
-        // Shorter than declared: the client must not wait for the rest.
-        let _ = write_all(sock, activity, &out, &[]).await;
-        return false;
-    }
-    write_all(sock, activity, &out, &[]).await.is_ok() && !close
+        write_all(sock, activity, &out, &[]).await.is_ok() && !close
+    })
 }
 
 /// An answer whose `Content-Length` is unusable: sent without it, ended by the close.

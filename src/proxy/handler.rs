@@ -2,6 +2,7 @@
 //! Each phase is a call in [`Proxy::handle`] or in the plane functions below it.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -51,141 +52,150 @@ fn internal(reason: impl std::fmt::Display) -> Error {
 }
 
 impl Proxy {
-    pub async fn handle(
+    /// Not an `async fn`: that would keep `req` twice in its future (as passed and as
+    /// moved into the body), and the callers box this future for every request, which
+    /// copies it whole. The synchronous start runs here, before the future exists.
+    pub fn handle(
         self: Arc<Self>,
         mut req: Request<ProxyBody>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    ) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> + Send {
         let start = Instant::now();
         let method = req.method().clone();
         let uri = req.uri().clone();
         let upgrade = (req.version() == Version::HTTP_11 && headers::is_upgrade(req.headers()))
             .then(|| hyper::upgrade::on(&mut req));
         let (parts, body) = req.into_parts();
-
-        let (plane, result) = match route::route(&parts, &self.host_policy) {
-            Err(e) => ("api", Err(Failure::from(e))),
-            Ok(route) => {
-                // A provider without envd gets everything on its control plane.
-                let route = match route {
-                    Route::Envd { .. } if self.envd.is_none() => Route::Api,
-                    route => route,
-                };
-                let plane = route.plane();
-                let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
-                let result = match route {
-                    Route::Api => self.api(parts, body, upgrade).await,
-                    // Boxed: with its token look-up and 401 replay the envd plane's state is
-                    // several times the control plane's, and would size every request.
-                    Route::Envd { sandbox_id, port } => {
-                        Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
-                    }
-                };
-                drop(in_flight);
-                (plane, result)
-            }
-        };
-        let (resp, upstream) = match result {
-            Ok(ok) => ok,
-            Err(f) => {
-                if let Some(kind) = f.kind {
-                    self.metrics
-                        .upstream_errors
-                        .with_label_values(&[plane, kind.label()])
-                        .inc();
+        async move {
+            let (plane, result) = match route::route(&parts, &self.host_policy) {
+                Err(e) => ("api", Err(Failure::from(e))),
+                Ok(route) => {
+                    // A provider without envd gets everything on its control plane.
+                    let route = match route {
+                        Route::Envd { .. } if self.envd.is_none() => Route::Api,
+                        route => route,
+                    };
+                    let plane = route.plane();
+                    let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
+                    let result = match route {
+                        Route::Api => self.api(parts, body, upgrade).await,
+                        // Boxed: with its token look-up and 401 replay the envd plane's state is
+                        // several times the control plane's, and would size every request.
+                        Route::Envd { sandbox_id, port } => {
+                            Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
+                        }
+                    };
+                    drop(in_flight);
+                    (plane, result)
                 }
-                let host = match &f.error {
-                    Error::UpstreamUnreachable { host, .. }
-                    | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
-                    _ => Arc::from(""),
-                };
-                (body::error_response(&f.error), host)
-            }
-        };
-        let elapsed = start.elapsed();
-        let status = resp.status().as_u16();
-        self.metrics.request_done(plane, &method, status, elapsed);
-        // Never the query string: signed file URLs carry secrets there.
-        crate::logging::access(&method, uri.path(), plane, status, elapsed, &upstream);
-        Ok(resp)
+            };
+            let (resp, upstream) = match result {
+                Ok(ok) => ok,
+                Err(f) => {
+                    if let Some(kind) = f.kind {
+                        self.metrics
+                            .upstream_errors
+                            .with_label_values(&[plane, kind.label()])
+                            .inc();
+                    }
+                    let host = match &f.error {
+                        Error::UpstreamUnreachable { host, .. }
+                        | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
+                        _ => Arc::from(""),
+                    };
+                    (body::error_response(&f.error), host)
+                }
+            };
+            let elapsed = start.elapsed();
+            let status = resp.status().as_u16();
+            self.metrics.request_done(plane, &method, status, elapsed);
+            // Never the query string: signed file URLs carry secrets there.
+            crate::logging::access(&method, uri.path(), plane, status, elapsed, &upstream);
+            Ok(resp)
+        }
     }
 
     /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
-    async fn api(
+    /// Not an `async fn`, for the reason given at [`Proxy::handle`].
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn api(
         &self,
         mut parts: Parts,
         body: ProxyBody,
         upgrade: Option<OnUpgrade>,
-    ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
-        // authorize
-        let credential = self.credential.load_full();
-        let key = credential.current().await?;
-        let auth_value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
+    ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failure>> + Send + '_ {
+        async move {
+            // authorize
+            let credential = self.credential.load_full();
+            let key = credential.current().await?;
+            let auth_value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
 
-        // rewrite
-        let path = parts.uri.path();
-        let rewrite = match self.compat {
-            CompatMode::Rewrite => compat::plan(&parts.method, path),
-            CompatMode::Pass => Rewrite::None,
-        };
-        let upstream_path = match rewrite {
-            Rewrite::None => path,
-            _ => compat::rewritten_path(path),
-        };
-        let sniff = sniff::plan(&parts.method, upstream_path);
-        let uri = if rewrite == Rewrite::None && self.api_base.path.is_empty() {
-            // The common case: the client's path and query as hyper parsed them, under the
-            // upstream's scheme and authority; no string is built and nothing re-parsed.
-            upstream_uri(&self.api_base, &parts.uri)
-        } else {
-            match parts.uri.query() {
-                Some(q) => self.api_base.join(&format!("{upstream_path}?{q}")),
-                None => self.api_base.join(upstream_path),
-            }
-        }
-        .map_err(internal)?;
-        headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
-        parts.headers.remove(HOST);
-        headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
-        if sniff == Sniff::Learn {
-            // The token is read from the body: ask for it uncompressed.
-            parts.headers.remove(ACCEPT_ENCODING);
-        }
-        let body = if rewrite == Rewrite::Create {
-            parts.headers.remove(CONTENT_LENGTH);
-            match body::read_bounded(body, SNIFF_LIMIT).await {
-                Ok(Bounded::Complete(b)) => body::full(compat::add_secure(b)),
-                Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
-                Err(_) => {
-                    return Err(Error::Refused {
-                        reason: "request body ended early".into(),
-                    }
-                    .into())
+            // rewrite
+            let path = parts.uri.path();
+            let rewrite = match self.compat {
+                CompatMode::Rewrite => compat::plan(&parts.method, path),
+                CompatMode::Pass => Rewrite::None,
+            };
+            let upstream_path = match rewrite {
+                Rewrite::None => path,
+                _ => compat::rewritten_path(path),
+            };
+            let sniff = sniff::plan(&parts.method, upstream_path);
+            let uri = if rewrite == Rewrite::None && self.api_base.path.is_empty() {
+                // The common case: the client's path and query as hyper parsed them, under the
+                // upstream's scheme and authority; no string is built and nothing re-parsed.
+                upstream_uri(&self.api_base, &parts.uri)
+            } else {
+                match parts.uri.query() {
+                    Some(q) => self.api_base.join(&format!("{upstream_path}?{q}")),
+                    None => self.api_base.join(upstream_path),
                 }
             }
-        } else {
-            body
-        };
-        parts.uri = uri;
-        parts.version = Version::HTTP_11;
+            .map_err(internal)?;
+            headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
+            parts.headers.remove(HOST);
+            headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+            if sniff == Sniff::Learn {
+                // The token is read from the body: ask for it uncompressed.
+                parts.headers.remove(ACCEPT_ENCODING);
+            }
+            let body = if rewrite == Rewrite::Create {
+                parts.headers.remove(CONTENT_LENGTH);
+                // Boxed, like the sniff in `respond`: rare, and inline they size every request.
+                match Box::pin(body::read_bounded(body, SNIFF_LIMIT)).await {
+                    Ok(Bounded::Complete(b)) => body::full(compat::add_secure(b)),
+                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    Err(_) => {
+                        return Err(Error::Refused {
+                            reason: "request body ended early".into(),
+                        }
+                        .into())
+                    }
+                }
+            } else {
+                body
+            };
+            parts.uri = uri;
+            parts.version = Version::HTTP_11;
 
-        // forward
-        let host = self.api_host.clone();
-        let client = match upgrade {
-            // HTTP/2 has no Upgrade: a WebSocket goes over the HTTP/1.1 client.
-            Some(_) => &self.envd_client,
-            None => &self.api_client,
-        };
-        let resp = forward::send(
-            client,
-            Request::from_parts(parts, body),
-            self.upstream_timeout,
-            &host,
-        )
-        .await?;
+            // forward
+            let host = self.api_host.clone();
+            let client = match upgrade {
+                // HTTP/2 has no Upgrade: a WebSocket goes over the HTTP/1.1 client.
+                Some(_) => &self.envd_client,
+                None => &self.api_client,
+            };
+            let resp = forward::send(
+                client,
+                Request::from_parts(parts, body),
+                self.upstream_timeout,
+                &host,
+            )
+            .await?;
 
-        // respond
-        let resp = self.respond(resp, sniff, upgrade).await?;
-        Ok((resp, host))
+            // respond
+            let resp = self.respond(resp, sniff, upgrade).await?;
+            Ok((resp, host))
+        }
     }
 
     /// envd: the sandbox's token, routing headers, one refetch on 401.
@@ -339,7 +349,7 @@ impl Proxy {
         match sniff {
             Sniff::Learn if ok => {
                 let (parts, incoming) = resp.into_parts();
-                let body = match body::read_bounded(incoming, SNIFF_LIMIT).await {
+                let body = match Box::pin(body::read_bounded(incoming, SNIFF_LIMIT)).await {
                     Ok(Bounded::Complete(b)) => {
                         if let Some((id, token)) = sniff::learn(&b) {
                             if route::valid_sandbox_id(&id) {

@@ -168,12 +168,17 @@ pub async fn accept_loop(
             };
             let activity = Activity::new();
             let headed = AtomicBool::new(false);
+            // Held until this connection's access lines are out: the drain ends when the
+            // last receiver is gone, and the process with it.
+            let draining = stop.clone();
             let serving = connection(sock, &proxy, &config, &builder, &activity, &headed, stop);
             tokio::select! {
                 _ = serving => {}
                 _ = idle(&activity, config.idle_timeout) => {}
                 _ = first_head(&headed, config.header_timeout) => {}
             }
+            crate::logging::flush_thread();
+            drop(draining);
         };
         workers.spawn(turn, task);
     }

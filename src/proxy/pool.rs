@@ -83,6 +83,9 @@ pub enum UpstreamError {
     Closed,
     #[error("invalid response: {0}")]
     Protocol(&'static str),
+    /// No response head within `--upstream-timeout`.
+    #[error("timed out")]
+    Timeout,
 }
 
 impl UpstreamError {
@@ -113,6 +116,7 @@ impl UpstreamError {
                 _ => FailKind::Protocol,
             },
             UpstreamError::Closed => FailKind::Reset,
+            UpstreamError::Timeout => FailKind::Timeout,
             UpstreamError::ClientBody(_) | UpstreamError::Protocol(_) => FailKind::Protocol,
         }
     }
@@ -143,6 +147,7 @@ impl UpstreamError {
             },
             UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
             UpstreamError::Closed => "connection closed early".into(),
+            UpstreamError::Timeout => "timed out".into(),
             UpstreamError::Protocol(what) => format!("invalid response: {what}"),
         }
     }
@@ -198,25 +203,38 @@ impl Upstream {
         }
     }
 
-    /// Sends `req` (absolute URI) and returns the response head with its streaming body.
-    pub async fn request(
+    /// Sends `req` (absolute URI) and returns the response head with its streaming body,
+    /// or [`UpstreamError::Timeout`] when the head has not come within `timeout`.
+    ///
+    /// Boxed here, once: the exchange's state is a kilobyte, and every future awaiting it
+    /// would otherwise carry (and move) a copy of it.
+    pub fn request(
         &self,
         req: Request<ProxyBody>,
-    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
+        let deadline = Instant::now() + timeout;
         let tls = match req.uri().scheme_str() {
             Some("http") => false,
             Some("https") if !self.negotiate => true,
-            _ => return self.legacy(req).await,
+            _ => return Box::pin(self.legacy(req, deadline)),
         };
         if req.headers().contains_key(UPGRADE) {
-            return self.legacy(req).await;
+            return Box::pin(self.legacy(req, deadline));
         }
-        self.pool.send(req, tls).await
+        let (parts, body) = req.into_parts();
+        Box::pin(self.pool.send(parts, body, tls, deadline))
     }
 
-    async fn legacy(&self, req: Request<ProxyBody>) -> Result<Response<ProxyBody>, UpstreamError> {
-        let resp = self.legacy.request(req).await?;
-        Ok(resp.map(body::boxed))
+    async fn legacy(
+        &self,
+        req: Request<ProxyBody>,
+        deadline: Instant,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        match tokio::time::timeout_at(deadline.into(), self.legacy.request(req)).await {
+            Ok(resp) => Ok(resp?.map(body::boxed)),
+            Err(_) => Err(UpstreamError::Timeout),
+        }
     }
 }
 
@@ -333,6 +351,7 @@ impl Pool {
         tls: bool,
         host: &str,
         port: u16,
+        deadline: Instant,
     ) -> Result<Conn, UpstreamError> {
         let mut tcp = self.tcp.clone();
         poll_fn(|cx| tcp.poll_ready(cx))
@@ -369,38 +388,51 @@ impl Pool {
                 host: host.into(),
             },
             idle_since: Instant::now(),
+            deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         })
     }
 
-    async fn send(
+    /// Not an `async fn`: that keeps its arguments twice in the future (as passed and as
+    /// moved into the body), and [`Upstream::request`] boxes it per request.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn send(
         self: &Arc<Self>,
-        req: Request<ProxyBody>,
+        parts: Parts,
+        mut body: ProxyBody,
         tls: bool,
-    ) -> Result<Response<ProxyBody>, UpstreamError> {
-        let (parts, mut body) = req.into_parts();
-        let Some(authority) = parts.uri.authority() else {
-            return Err(UpstreamError::Protocol("request URI without authority"));
-        };
-        let (host, port, host_header) = authority_parts(authority.as_str(), tls);
-        let mut retried = false;
-        loop {
-            let pooled = if retried {
-                None
-            } else {
-                self.checkout(tls, host, port)
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_ {
+        async move {
+            let Some(authority) = parts.uri.authority() else {
+                return Err(UpstreamError::Protocol("request URI without authority"));
             };
-            let reused = pooled.is_some();
-            let mut conn = match pooled {
-                Some(conn) => conn,
-                None => self.connect(&parts.uri, tls, host, port).await?,
-            };
-            match exchange(&mut conn, &parts, host_header, &mut body).await {
-                Ok((head, sent)) => return Ok(self.response(conn, head, sent)),
-                // The keep-alive race: the server closed the connection as we reused it.
-                // Nothing of the answer came and nothing of the body was taken, so the
-                // request can go again, once, on a new connection (as hyper does).
-                Err(f) if f.retry && reused && !retried => retried = true,
-                Err(f) => return Err(f.error),
+            let (host, port, host_header) = authority_parts(authority.as_str(), tls);
+            let mut retried = false;
+            loop {
+                let pooled = if retried {
+                    None
+                } else {
+                    self.checkout(tls, host, port)
+                };
+                let reused = pooled.is_some();
+                let mut conn = match pooled {
+                    Some(conn) => conn,
+                    None => {
+                        let connect = Box::pin(self.connect(&parts.uri, tls, host, port, deadline));
+                        match tokio::time::timeout_at(deadline.into(), connect).await {
+                            Ok(conn) => conn?,
+                            Err(_) => return Err(UpstreamError::Timeout),
+                        }
+                    }
+                };
+                match exchange(&mut conn, &parts, host_header, &mut body, deadline).await {
+                    Ok((head, sent)) => return Ok(self.response(conn, head, sent)),
+                    // The keep-alive race: the server closed the connection as we reused it.
+                    // Nothing of the answer came and nothing of the body was taken, so the
+                    // request can go again, once, on a new connection (as hyper does).
+                    Err(f) if f.retry && reused && !retried => retried = true,
+                    Err(f) => return Err(f.error),
+                }
             }
         }
     }
@@ -537,6 +569,10 @@ struct Conn {
     read_size: usize,
     origin: Origin,
     idle_since: Instant,
+    /// `--upstream-timeout` for the response head of the exchange under way. One timer for
+    /// the connection's life, moved forward per exchange: a later deadline is one atomic
+    /// store in tokio's timer, where a new timer per request is a wheel insert and removal.
+    deadline: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl Conn {
@@ -582,7 +618,9 @@ async fn exchange(
     parts: &Parts,
     host_header: &str,
     body: &mut ProxyBody,
+    deadline: Instant,
 ) -> Result<(Head, bool), Failed> {
+    conn.deadline.as_mut().reset(deadline.into());
     let (out, length) = if body.is_end_stream() {
         let expects_body = matches!(parts.method, Method::POST | Method::PUT | Method::PATCH);
         (None, expects_body.then_some(0))
@@ -778,7 +816,12 @@ impl Exchange<'_> {
                 }
                 Poll::Ready(Ok(_)) => self.got_bytes = true,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(UpstreamError::Io(e)))),
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if self.conn.deadline.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Err(self.fail(UpstreamError::Timeout)));
+                    }
+                    return Poll::Pending;
+                }
             }
         }
     }
@@ -1349,6 +1392,8 @@ mod tests {
 
     /// Bounds every wait so a broken client fails the test instead of hanging it.
     const GUARD: Duration = Duration::from_secs(20);
+    /// An upstream timeout no test reaches.
+    const LONG: Duration = Duration::from_secs(60);
 
     async fn within<F: Future>(fut: F) -> F::Output {
         tokio::time::timeout(GUARD, fut).await.expect("timed out")
@@ -1512,7 +1557,9 @@ mod tests {
         .await;
         let client = client();
         for path in ["/a", "/big", "/b", "/big", "/c"] {
-            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            let resp = within(client.request(get(&fake.url(path)), LONG))
+                .await
+                .unwrap();
             assert_eq!(resp.status(), 200);
             let body = text(resp).await;
             if path == "/big" {
@@ -1548,11 +1595,55 @@ mod tests {
         })
         .await;
         let client = client();
-        let resp = within(client.request(get(&fake.url("/1")))).await.unwrap();
+        let resp = within(client.request(get(&fake.url("/1")), LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
         within(closed_rx).await.unwrap();
-        let resp = within(client.request(get(&fake.url("/2")))).await.unwrap();
+        let resp = within(client.request(get(&fake.url("/2")), LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 2);
+    }
+
+    /// The deadline lives with the connection and moves per exchange: a kept-alive
+    /// connection whose first exchange had a long deadline still times out the second,
+    /// shorter one, and a timeout on a fresh connection covers the connect too.
+    #[tokio::test]
+    async fn the_upstream_timeout_follows_each_exchange_on_a_reused_connection() {
+        let fake = Fake::start(|mut s, n| async move {
+            // Answers the first request of the first connection only.
+            let mut answer = n == 0;
+            let mut buf = Vec::new();
+            while read_head(&mut s, &mut buf).await.is_some() {
+                if std::mem::take(&mut answer) {
+                    let _ = s.write_all(OK).await;
+                }
+            }
+        })
+        .await;
+        let client = client();
+        let resp = within(client.request(get(&fake.url("/1")), LONG))
+            .await
+            .unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let e = within(client.request(get(&fake.url("/2")), Duration::from_millis(100)))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
+        assert_eq!(e.kind(), FailKind::Timeout);
+        assert_eq!(
+            fake.accepts(),
+            1,
+            "the second exchange reused the connection"
+        );
+        // A timed-out exchange leaves its connection unusable: the next one opens another,
+        // and times out as well.
+        let e = within(client.request(get(&fake.url("/3")), Duration::from_millis(100)))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
         assert_eq!(fake.accepts(), 2);
     }
 
@@ -1580,7 +1671,9 @@ mod tests {
         .await;
         let client = client();
         for path in ["/1", "/2"] {
-            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            let resp = within(client.request(get(&fake.url(path)), LONG))
+                .await
+                .unwrap();
             assert_eq!(text(resp).await, "ok");
         }
         assert_eq!(fake.accepts(), 2, "the retry took a new connection");
@@ -1594,7 +1687,7 @@ mod tests {
 
         // Connection 2 served /2; the POST reuses it and is lost: not sent again.
         let post = with_body("POST", &fake.url("/3"), body::full("data"));
-        let e = within(client.request(post)).await.unwrap_err();
+        let e = within(client.request(post, LONG)).await.unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
         assert_eq!(fake.accepts(), 2, "a body is never sent twice");
@@ -1616,13 +1709,13 @@ mod tests {
         })
         .await;
         let client = client();
-        let e = within(client.request(get(&fake.url("/head"))))
+        let e = within(client.request(get(&fake.url("/head")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
 
-        let resp = within(client.request(get(&fake.url("/body"))))
+        let resp = within(client.request(get(&fake.url("/body")), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -1642,7 +1735,9 @@ mod tests {
         .await;
         let client = client();
         for _ in 0..2 {
-            let resp = within(client.request(get(&fake.url("/")))).await.unwrap();
+            let resp = within(client.request(get(&fake.url("/")), LONG))
+                .await
+                .unwrap();
             let collected = within(resp.into_body().collect()).await.unwrap();
             assert_eq!(collected.trailers().unwrap()["x-trailer"], "yes");
             assert_eq!(collected.to_bytes(), "hello world");
@@ -1717,7 +1812,9 @@ mod tests {
         .await;
         let client = client();
         for _ in 0..2 {
-            let resp = within(client.request(get(&fake.url("/")))).await.unwrap();
+            let resp = within(client.request(get(&fake.url("/")), LONG))
+                .await
+                .unwrap();
             assert_eq!(text(resp).await, "all of it");
         }
         assert_eq!(
@@ -1740,16 +1837,20 @@ mod tests {
         let head = Request::head(fake.url("/head"))
             .body(body::empty())
             .unwrap();
-        let resp = within(client.request(head)).await.unwrap();
+        let resp = within(client.request(head, LONG)).await.unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["content-length"], "1000");
         assert!(resp.body().is_end_stream());
         for path in ["/204", "/304"] {
-            let resp = within(client.request(get(&fake.url(path)))).await.unwrap();
+            let resp = within(client.request(get(&fake.url(path)), LONG))
+                .await
+                .unwrap();
             assert_eq!(resp.status().as_str(), &path[1..]);
             assert_eq!(text(resp).await, "");
         }
-        let resp = within(client.request(get(&fake.url("/ok")))).await.unwrap();
+        let resp = within(client.request(get(&fake.url("/ok")), LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
         assert_eq!(fake.accepts(), 1);
     }
@@ -1764,7 +1865,7 @@ mod tests {
         .await;
         let client = client();
         let post = with_body("POST", &fake.url("/"), body::full("x"));
-        let resp = within(client.request(post)).await.unwrap();
+        let resp = within(client.request(post, LONG)).await.unwrap();
         assert_eq!(resp.status(), 201);
         assert!(resp.headers().get("link").is_none());
         assert_eq!(text(resp).await, "ok");
@@ -1792,7 +1893,7 @@ mod tests {
         .await;
         let client = client();
         for path in ["/cl-te", "/two-cl", "/bad-cl", "/garbage", "/many"] {
-            let e = within(client.request(get(&fake.url(path))))
+            let e = within(client.request(get(&fake.url(path)), LONG))
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), FailKind::Protocol, "{path}: {e:?}");
@@ -1804,7 +1905,9 @@ mod tests {
             "no connection with a bad answer is reused"
         );
         // 128 header lines are fine.
-        let resp = within(client.request(get(&fake.url("/ok")))).await.unwrap();
+        let resp = within(client.request(get(&fake.url("/ok")), LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
     }
 
@@ -1833,13 +1936,13 @@ mod tests {
         tx.send(Ok(Bytes::from_static(b"first part")))
             .await
             .unwrap();
-        let resp = within(client.request(with_body("PUT", &fake.url("/up"), body)))
+        let resp = within(client.request(with_body("PUT", &fake.url("/up"), body), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), 413);
         assert_eq!(text(resp).await, "");
         within(tx.closed()).await;
-        let resp = within(client.request(get(&fake.url("/next"))))
+        let resp = within(client.request(get(&fake.url("/next")), LONG))
             .await
             .unwrap();
         assert_eq!(text(resp).await, "ok");
@@ -1883,7 +1986,7 @@ mod tests {
         tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
         tx.send(Ok(Bytes::from_static(b"second!"))).await.unwrap();
         drop(tx);
-        let resp = within(client.request(with_body("POST", &fake.url("/c?q=1"), body)))
+        let resp = within(client.request(with_body("POST", &fake.url("/c?q=1"), body), LONG))
             .await
             .unwrap();
         assert_eq!(text(resp).await, "ok");
@@ -1901,9 +2004,10 @@ mod tests {
         assert_eq!(sent, b"5\r\nfirst\r\n7\r\nsecond!\r\n0\r\n\r\n");
 
         // Known size: Content-Length, the body right behind the head.
-        let resp = within(client.request(with_body("PUT", &fake.url("/k"), body::full("hello"))))
-            .await
-            .unwrap();
+        let resp =
+            within(client.request(with_body("PUT", &fake.url("/k"), body::full("hello")), LONG))
+                .await
+                .unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, sent) = within(seen.recv()).await.unwrap();
         assert!(head.contains("\r\ncontent-length: 5\r\n"), "{head}");
@@ -1914,14 +2018,14 @@ mod tests {
         let mut req = get(&fake.url("/"));
         req.headers_mut()
             .insert(HOST, HeaderValue::from_static("example.test"));
-        let resp = within(client.request(req)).await.unwrap();
+        let resp = within(client.request(req, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, _) = within(seen.recv()).await.unwrap();
         assert!(!head.contains("content-length"), "{head}");
         assert!(!head.contains("transfer-encoding"), "{head}");
         assert_eq!(head.matches("host: ").count(), 1, "{head}");
         assert!(head.contains("\r\nhost: example.test\r\n"), "{head}");
-        let resp = within(client.request(with_body("POST", &fake.url("/"), body::empty())))
+        let resp = within(client.request(with_body("POST", &fake.url("/"), body::empty()), LONG))
             .await
             .unwrap();
         assert_eq!(text(resp).await, "ok");
@@ -1970,7 +2074,7 @@ mod tests {
         let (tx, body) = channel();
         tx.send(Ok(Bytes::from_static(b"some"))).await.unwrap();
         tx.send(Err("the client went away".into())).await.unwrap();
-        let e = within(client().request(with_body("POST", &fake.url("/"), body)))
+        let e = within(client().request(with_body("POST", &fake.url("/"), body), LONG))
             .await
             .unwrap_err();
         assert!(e.is_client_body(), "{e:?}");
@@ -1983,7 +2087,7 @@ mod tests {
             .unwrap()
             .local_addr()
             .unwrap();
-        let e = within(client().request(get(&format!("http://{addr}/"))))
+        let e = within(client().request(get(&format!("http://{addr}/")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Connect, "{e:?}");
@@ -2064,12 +2168,12 @@ mod tests {
         roots.add(tls.ca.clone()).unwrap();
         let trusting = Upstream::new(config(roots), Versions::Http1, Duration::from_secs(5));
         for _ in 0..2 {
-            let resp = within(trusting.request(get(&url))).await.unwrap();
+            let resp = within(trusting.request(get(&url), LONG)).await.unwrap();
             assert_eq!(text(resp).await, r#"Some("localhost") Some("http/1.1")"#);
         }
         assert_eq!(fake.accepts(), 1, "kept alive over TLS");
 
-        let e = within(client().request(get(&url))).await.unwrap_err();
+        let e = within(client().request(get(&url), LONG)).await.unwrap_err();
         assert_eq!(e.kind(), FailKind::Tls, "{e:?}");
         assert!(e.describe().starts_with("tls: "), "{}", e.describe());
     }
