@@ -10,10 +10,11 @@
 #   1. request rate: wrk (2 threads, `--latency`) at 8, 64 and 256 connections, DUR seconds
 #      a run, ROUNDS rounds, the targets interleaved (order rotated every round);
 #      per run the proxy's peak RSS (VmHWM reset before the run via /proc/PID/clear_refs,
-#      summed over nginx's master and workers; VmRSS polling where clear_refs is refused);
+#      summed over nginx's master and workers; VmRSS polling where clear_refs is refused)
+#      and its CPU time per request (user + system, from /proc/PID/stat);
 #   2. transfers: XFER_BYTES (1 GiB) downloaded and uploaded through every proxy and direct,
-#      with curl to /dev/null and from a generator (`head -c … /dev/zero`): throughput and
-#      the proxy's peak RSS;
+#      with curl to /dev/null and from a generator (`head -c … /dev/zero`), XFER_ROUNDS
+#      rounds interleaved: throughput (median) and the proxy's peak RSS (highest);
 #   3. IDLE_CONNS (10 000) idle keep-alive connections (one request each, then held open)
 #      against abx-proxy (and nginx 1 worker, for reference): the proxy's RSS.
 # and prints Markdown tables: medians per target and connection count, the ratio to the
@@ -25,7 +26,7 @@
 # line per request written to /dev/null (abx-proxy logs every request at info; the others
 # are made to do the same work). The headers each proxy sends are checked before measuring.
 #
-# Knobs (environment): DUR=5 ROUNDS=3 CONNS="8 64 256" XFER_BYTES=1073741824
+# Knobs (environment): DUR=5 ROUNDS=3 CONNS="8 64 256" XFER_BYTES=1073741824 XFER_ROUNDS=3
 #   IDLE_CONNS=10000 BASE_PORT=27100 SKIP_BUILD=1 (use the binaries already built)
 #   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`)
 #   PARTS="rate xfer idle" (which of the three parts to run; the report covers those run).
@@ -38,6 +39,7 @@ DUR=${DUR:-5}
 ROUNDS=${ROUNDS:-3}
 CONNS=${CONNS:-"8 64 256"}
 XFER_BYTES=${XFER_BYTES:-1073741824}
+XFER_ROUNDS=${XFER_ROUNDS:-3}
 IDLE_CONNS=${IDLE_CONNS:-10000}
 BASE_PORT=${BASE_PORT:-27100}
 PARTS=${PARTS:-"rate xfer idle"}
@@ -323,21 +325,37 @@ to_ms() { # wrk latency ("612.00us", "1.23ms", "2.00s") -> ms
 }
 RESULTS="$WORK/results.tsv"
 : >"$RESULTS"
+CLK_TCK=$(getconf CLK_TCK)
+cpu_ticks() { # pids... -> user + system clock ticks, all threads, so far
+    local total=0 p
+    for p in "$@"; do
+        # The process's own line; the command name (field 2) has no spaces for ours.
+        total=$((total + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+    done
+    echo "$total"
+}
 run_wrk() { # target conns round
-    local port out rss
+    local port out rss pids cpu0 cpu1
     port=$(port_of "$1")
     out="$WORK/wrk.out"
+    read -r -a pids <<<"$(pids_of "$1")"
+    cpu0=$(cpu_ticks "${pids[@]}")
     rss=$(with_peak_rss "$1" timeout $((DUR + 20)) wrk -t2 -c"$2" -d"${DUR}s" --timeout 5s --latency \
         -H 'X-API-Key: dummy' "http://127.0.0.1:$port/bench" 3>&1 >"$out" 2>&1) || true
-    local rps p50 p99 errs
+    cpu1=$(cpu_ticks "${pids[@]}")
+    local rps p50 p99 errs n cpu
     rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
+    n=$(awk '/requests in/ {print $1}' "$out")
+    # The target's CPU time (user + system) per request: what it costs the machine, and
+    # steadier between runs than the rate on a machine the load generator shares.
+    cpu=$(awk -v t=$((cpu1 - cpu0)) -v hz="$CLK_TCK" -v n="${n:-0}" 'BEGIN { if (n > 0) printf "%.1f", t * 1e6 / hz / n; else print 0 }')
     p50=$(to_ms "$(awk '$1 == "50%" {print $2}' "$out")")
     p99=$(to_ms "$(awk '$1 == "99%" {print $2}' "$out")")
     errs=$(awk '/Non-2xx/ {e += $NF} /Socket errors/ {gsub(",", ""); e += $4 + $6 + $8 + $10} END {print e + 0}' "$out")
     [[ -n $rps ]] || { rps=0; log "wrk against $1 failed: $(head -c 300 "$out")"; }
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$errs" >>"$RESULTS"
-    log "$(printf '%-10s c=%-4s round %s: %10s req/s  p50 %7s ms  p99 %8s ms  peak %6s kB  errors %s' \
-        "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$errs")"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$errs" "$cpu" >>"$RESULTS"
+    log "$(printf '%-10s c=%-4s round %s: %10s req/s  p50 %7s ms  p99 %8s ms  peak %6s kB  cpu %5s us/req  errors %s' \
+        "$1" "$2" "$3" "$rps" "$p50" "$p99" "$rss" "$cpu" "$errs")"
 }
 
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -378,9 +396,12 @@ transfer() { # target direction
     log "$(printf '%-10s %-4s %6s MiB/s  peak %7s kB' "$1" "$2" "$(tail -1 "$XFER" | cut -f3)" "$rss")"
 }
 if part xfer; then
-    for t in "${TARGETS[@]}"; do
-        transfer "$t" down
-        transfer "$t" up
+    for round in $(seq "$XFER_ROUNDS"); do
+        order=("${TARGETS[@]:$(((round - 1) % ${#TARGETS[@]}))}" "${TARGETS[@]:0:$(((round - 1) % ${#TARGETS[@]}))}")
+        for t in "${order[@]}"; do
+            transfer "$t" down
+            transfer "$t" up
+        done
     done
 fi
 
@@ -437,8 +458,8 @@ from collections import defaultdict
 results, xfer, rounds, dur = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 runs = defaultdict(list)
 for line in open(results):
-    t, c, r, rps, p50, p99, rss, errs = line.split("\t")
-    runs[(t, int(c))].append((float(rps), float(p50), float(p99), int(rss), int(errs)))
+    t, c, r, rps, p50, p99, rss, errs, cpu = line.split("\t")
+    runs[(t, int(c))].append((float(rps), float(p50), float(p99), int(rss), int(errs), float(cpu)))
 med = lambda xs: statistics.median(xs)
 order = ["direct", "nginx-1w", "nginx-2w", "haproxy", "abx-proxy"]
 conns = sorted({c for _, c in runs})
@@ -447,8 +468,8 @@ print("## Request rate (GET, 53-byte body; wrk -t2, ${DUR}s x ${ROUNDS} rounds, 
 print()
 print(f"machine: $(nproc) cores; load average at start {'$LOAD_START'}, at end {'$LOAD_END'}")
 print()
-print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | req/s vs best nginx | p99 vs best nginx | req/s vs haproxy | errors |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | CPU us/req | req/s vs best nginx | p99 vs best nginx | req/s vs haproxy | errors |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 summary = {}
 for c in conns:
     best = max((t for t in ("nginx-1w", "nginx-2w") if (t, c) in runs), key=lambda t: med([x[0] for x in runs[(t, c)]]), default=None)
@@ -460,21 +481,22 @@ for c in conns:
             continue
         xs = runs[(t, c)]
         rps, p50, p99 = med([x[0] for x in xs]), med([x[1] for x in xs]), med([x[2] for x in xs])
-        rss, errs = med([x[3] for x in xs]) / 1024, sum(x[4] for x in xs)
+        rss, errs, cpu = med([x[3] for x in xs]) / 1024, sum(x[4] for x in xs), med([x[5] for x in xs])
         summary[(t, c)] = (rps / brps if brps else 0, p99 / bp99 if bp99 else 0, rps / hrps if hrps else 0, rss)
         ratio = f"{rps / brps:.2f}x" if brps else "-"
         pratio = f"{p99 / bp99:.2f}x" if bp99 else "-"
         hratio = f"{rps / hrps:.2f}x" if hrps else "-"
-        print(f"| {t} | {c} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {rss:.1f} | {ratio} | {pratio} | {hratio} | {errs} |")
+        print(f"| {t} | {c} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {rss:.1f} | {cpu:.1f} | {ratio} | {pratio} | {hratio} | {errs} |")
 print()
-print("(direct = wrk straight to the upstream, for scale; its RSS is the upstream's. best nginx = the faster of 1 and 2 workers at that connection count.)")
+print("(direct = wrk straight to the upstream, for scale; its RSS and CPU are the upstream's. best nginx = the faster of 1 and 2 workers at that connection count. CPU us/req = the target's user + system time over the run divided by the requests served.)")
 print()
-print("## Transfers ($((XFER_BYTES / 1048576)) MiB, curl, one each)")
+print("## Transfers ($((XFER_BYTES / 1048576)) MiB, curl; medians of ${XFER_ROUNDS} interleaved rounds, peak RSS the highest)")
 print()
-x = {}
+xs = defaultdict(list)
 for line in open(xfer):
     t, d, mibs, rss = line.split("\t")
-    x[(t, d)] = (float(mibs), int(rss))
+    xs[(t, d)].append((float(mibs), int(rss)))
+x = {k: (med([m for m, _ in v]), max(r for _, r in v)) for k, v in xs.items()}
 print("| target | download MiB/s | vs direct | peak RSS MiB | upload MiB/s | vs direct | peak RSS MiB |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 dd, du = x.get(("direct", "down"), (0, 0))[0], x.get(("direct", "up"), (0, 0))[0]
