@@ -7,10 +7,18 @@
 mod support;
 
 use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 const BIG: u64 = 256 * 1024 * 1024;
 const SMALL: u64 = 16 * 1024 * 1024;
@@ -169,4 +177,169 @@ async fn one_worker_proxy(url: &str, pki: &Pki) -> ProxyProc {
         .env("TOKIO_WORKER_THREADS", Some("1"))
         .spawn()
         .await
+}
+
+/// A plain-HTTP upstream serving `/files/{len}` (generated, with a Content-Length) and
+/// answering an upload with its length and hash: the cases the proxy splices. Returns its
+/// address and its accepted-connection count.
+async fn plain_files_upstream() -> (SocketAddr, Arc<AtomicUsize>, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let count = conns.clone();
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            let service = service_fn(|req: Request<Incoming>| async move {
+                if req.method() == "PUT" {
+                    let (len, hash) = hash_body(req.into_body()).await;
+                    let text = format!("{len} {}", hex(&hash));
+                    return Ok::<_, std::convert::Infallible>(response(200, text));
+                }
+                let len = req
+                    .uri()
+                    .path()
+                    .strip_prefix("/files/")
+                    .and_then(|l| l.parse().ok())
+                    .unwrap_or(0);
+                let (body, _) = GenBody::new(len, len, true);
+                Ok::<_, std::convert::Infallible>(Response::new(boxed(body)))
+            });
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service),
+            );
+        }
+    });
+    (addr, conns, task)
+}
+
+/// [`plain_files_upstream`] behind a one-worker proxy (see [`one_worker_proxy`]).
+async fn plain_proxy() -> (ProxyProc, Arc<AtomicUsize>, JoinHandle<()>) {
+    let (up, conns, task) = plain_files_upstream().await;
+    let proxy = ProxyCmd::new(&format!("http://{up}"), &Pki::new())
+        .env("TOKIO_WORKER_THREADS", Some("1"))
+        .spawn()
+        .await;
+    (proxy, conns, task)
+}
+
+/// Large sized answers of a plain upstream to a plain client go socket to socket
+/// (splice(2) on Linux): byte-identical, an odd length included, small answers between
+/// them read as usual, and the upstream connection is reused after each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_plain_downloads_arrive_byte_identical_and_keep_the_connection() {
+    let (proxy, conns, _task) = plain_proxy().await;
+    let addr = proxy.addr();
+    for len in [SMALL + 8, 96, 2 * SMALL, 4096] {
+        let path = format!("/files/{len}");
+        let resp = send(addr, request("GET", addr, &path).body(empty()).unwrap()).await;
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        assert_eq!(
+            resp.headers()["content-length"].to_str().unwrap(),
+            len.to_string()
+        );
+        let (got_len, got_hash) = within("the download", hash_body(resp.into_body())).await;
+        let (mut expect, _) = GenBody::new(len, len, true);
+        let (want_len, want_hash) = hash_body(&mut expect).await;
+        assert_eq!(got_len, want_len, "{path}");
+        assert_eq!(hex(&got_hash), hex(&want_hash), "{path} corrupted");
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
+    proxy.finish().await;
+}
+
+/// An upstream that announces 8 MiB and closes after 2: the client sees its download fail,
+/// not a short body that looks complete, and not a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_plain_download_cut_short_fails_for_the_client() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let _task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match s.read(&mut byte).await {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8388608\r\n\r\n")
+                    .await;
+                let _ = s.write_all(&vec![b'x'; 2 << 20]).await;
+            });
+        }
+    });
+    let pki = Pki::new();
+    let proxy = ProxyCmd::new(&format!("http://{up}"), &pki).spawn().await;
+    let addr = proxy.addr();
+    let resp = send(
+        addr,
+        request("GET", addr, "/files/cut").body(empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = 0usize;
+    let outcome = within("the end of the download", async {
+        loop {
+            match body.frame().await {
+                None => break Ok(()),
+                Some(Ok(f)) => got += f.into_data().map_or(0, |d| d.len()),
+                Some(Err(e)) => break Err(e),
+            }
+        }
+    })
+    .await;
+    assert!(
+        outcome.is_err(),
+        "a cut download ended cleanly after {got} bytes"
+    );
+    assert!(got <= 2 << 20, "{got}");
+    proxy.finish().await;
+}
+
+/// A large sized upload from a plain client to a plain upstream: byte-identical, and both
+/// the client's and the upstream's connections carry the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_plain_uploads_arrive_byte_identical_and_keep_both_connections() {
+    let (proxy, conns, _task) = plain_proxy().await;
+    let addr = proxy.addr();
+    let mut client = connect(addr).await;
+    for (seed, len) in [(7u64, SMALL + 8), (8, 2 * SMALL)] {
+        let (body, sent) = GenBody::new(seed, len, true);
+        let req = request("PUT", addr, "/files/upload")
+            .header("content-length", len.to_string())
+            .body(boxed(body))
+            .unwrap();
+        // hyper's client takes the next request only once the last exchange is wound up.
+        within("the client connection", client.ready())
+            .await
+            .unwrap();
+        let resp = within("the upload", client.send_request(req))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let answer = collect(resp.into_body()).await;
+        let (sent_len, sent_hash) = within("the client's hash", sent).await.unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&answer),
+            format!("{sent_len} {}", hex(&sent_hash)),
+            "upload corrupted on the way"
+        );
+        // The same client connection serves the next request.
+        let req = request("GET", addr, "/files/96").body(empty()).unwrap();
+        within("the client connection", client.ready())
+            .await
+            .unwrap();
+        let resp = within("a request after the upload", client.send_request(req))
+            .await
+            .unwrap();
+        assert_eq!(collect(resp.into_body()).await.len(), 96);
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
+    proxy.finish().await;
 }

@@ -38,6 +38,8 @@ use super::body;
 use super::framing;
 use super::headers;
 use super::listener::{Activity, MAX_HEAD, MAX_HEADERS};
+#[cfg(target_os = "linux")]
+use super::pool;
 use super::Proxy;
 use crate::upstream::ProxyBody;
 
@@ -525,7 +527,8 @@ fn write_response<'a>(
     resp: Response<ProxyBody>,
     is_head: bool,
     close: bool,
-) -> impl Future<Output = bool> + Send + 'a {
+) -> Either<Pin<Box<dyn Future<Output = bool> + Send + 'a>>, impl Future<Output = bool> + Send + 'a>
+{
     let (parts, mut body) = resp.into_parts();
     let status = parts.status;
     let bodyless = is_head
@@ -566,6 +569,15 @@ fn write_response<'a>(
         field(&mut out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
+    #[cfg(target_os = "linux")]
+    if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
+        let offered = parts.extensions.get::<pool::Splice>();
+        if let Some(source) = offered.and_then(|o| o.take(n)) {
+            return Either::Left(Box::pin(splice_body(
+                tcp, sock, activity, out, source, close,
+            )));
+        }
+    }
     drop(parts);
     Either::Right(async move {
         if bodyless {
@@ -653,6 +665,25 @@ fn write_response<'a>(
         }
         write_all(sock, activity, &out, &[]).await.is_ok() && !close
     })
+}
+
+/// A large sized answer on a plain TCP upstream connection, to a plain TCP client: the head
+/// and the bytes that came with the upstream's head written, the rest spliced from socket
+/// to socket ([`super::splice`]).
+#[cfg(target_os = "linux")]
+async fn splice_body(
+    tcp: &TcpStream,
+    sock: &Sock,
+    activity: &Activity,
+    head: Vec<u8>,
+    mut source: pool::SpliceSource,
+    close: bool,
+) -> bool {
+    let first = source.buffered();
+    if write_all(sock, activity, &head, &first).await.is_err() {
+        return false;
+    }
+    source.splice_to(tcp, || activity.touch()).await.is_ok() && !close
 }
 
 /// An answer whose `Content-Length` is unusable: sent without it, ended by the close.

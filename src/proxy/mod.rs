@@ -15,6 +15,8 @@ pub mod listener;
 pub mod pool;
 pub mod route;
 pub mod sniff;
+#[cfg(target_os = "linux")]
+mod splice;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

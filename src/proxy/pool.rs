@@ -439,6 +439,8 @@ impl Pool {
 
     fn response(self: &Arc<Self>, mut conn: Conn, head: Head, sent: bool) -> Response<ProxyBody> {
         let reusable = head.keep_alive && sent;
+        #[cfg(target_os = "linux")]
+        let mut offer = None;
         let body = match head.body {
             BodyKind::None => {
                 self.release(conn, reusable);
@@ -460,19 +462,32 @@ impl Pool {
                     BodyKind::Chunked => Decode::Chunk(Chunk::Size),
                     _ => Decode::Eof,
                 };
-                body::boxed(PoolBody {
+                let body = PoolBody {
                     conn: Some(conn),
                     pool: self.clone(),
                     state,
                     reusable: reusable && !matches!(kind, BodyKind::Eof),
                     pending: None,
-                })
+                };
+                #[cfg(target_os = "linux")]
+                let body = {
+                    let (splice, body) = Splice::offer(body);
+                    offer = splice;
+                    body
+                };
+                #[cfg(not(target_os = "linux"))]
+                let body = body::boxed(body);
+                body
             }
         };
         let mut resp = Response::new(body);
         *resp.status_mut() = head.status;
         *resp.version_mut() = head.version;
         *resp.headers_mut() = head.headers;
+        #[cfg(target_os = "linux")]
+        if let Some(offer) = offer {
+            resp.extensions_mut().insert(offer);
+        }
         resp
     }
 
@@ -1374,6 +1389,95 @@ impl Body for PoolBody {
             Decode::Length(n) => SizeHint::with_exact(n),
             Decode::Done if self.pending.is_none() => SizeHint::with_exact(0),
             _ => SizeHint::default(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Splicing a large body
+// ---------------------------------------------------------------------------------------
+
+/// A large sized body on a plain TCP upstream connection, offered (as a response extension)
+/// to whoever writes the response: one writing to a plain TCP client can move the rest with
+/// `splice(2)` instead of reading it (see [`super::splice::Offer`]).
+#[cfg(target_os = "linux")]
+#[derive(Clone)]
+pub struct Splice(super::splice::Offer<PoolBody>);
+
+#[cfg(target_os = "linux")]
+impl Splice {
+    /// The response body for `body`, and an offer when it qualifies: sized, large, on
+    /// plain TCP.
+    fn offer(body: PoolBody) -> (Option<Splice>, ProxyBody) {
+        let plain = matches!(
+            body.conn,
+            Some(Conn {
+                io: Io::Plain(_),
+                ..
+            })
+        );
+        match body.state {
+            Decode::Length(n) if plain && n >= super::splice::MIN => {
+                let (offer, body) = super::splice::Offer::new(body);
+                (Some(Splice(offer)), body::boxed(body))
+            }
+            _ => (None, body::boxed(body)),
+        }
+    }
+
+    /// The body, if nothing has read from it yet and `len` bytes of it are left.
+    pub fn take(&self, len: u64) -> Option<SpliceSource> {
+        let fits = |b: &PoolBody| matches!(b.state, Decode::Length(n) if n == len);
+        self.0.take_if(fits).map(|body| SpliceSource { body })
+    }
+}
+
+/// A taken [`Splice`]: the rest of a sized body and the connection it comes on.
+#[cfg(target_os = "linux")]
+pub struct SpliceSource {
+    body: PoolBody,
+}
+
+#[cfg(target_os = "linux")]
+impl SpliceSource {
+    /// The bytes of the body that arrived with the head: they go out first.
+    pub fn buffered(&mut self) -> Bytes {
+        let (Decode::Length(left), Some(conn)) = (self.body.state, self.body.conn.as_mut()) else {
+            return Bytes::new();
+        };
+        let n = conn
+            .rbuf
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        self.body.state = Decode::Length(left - n as u64);
+        conn.rbuf.split_to(n).freeze()
+    }
+
+    /// Splices the rest of the body (after [`SpliceSource::buffered`]) to `to`; the
+    /// upstream connection goes back to its pool when all of it went and it is clean.
+    pub async fn splice_to(mut self, to: &TcpStream, progress: impl FnMut()) -> io::Result<()> {
+        let left = match self.body.state {
+            Decode::Length(n) => n,
+            _ => 0,
+        };
+        let Some(Conn {
+            io: Io::Plain(from),
+            rbuf,
+            ..
+        }) = self.body.conn.as_ref()
+        else {
+            return Err(io::ErrorKind::InvalidInput.into());
+        };
+        if !rbuf.is_empty() && left > 0 {
+            // `buffered` first: those bytes come before the socket's.
+            return Err(io::ErrorKind::InvalidInput.into());
+        }
+        match super::splice::copy(from, to, left, progress).await {
+            Ok(()) => {
+                self.body.release();
+                Ok(())
+            }
+            Err(super::splice::CopyError::From(e) | super::splice::CopyError::To(e)) => Err(e),
         }
     }
 }
