@@ -31,7 +31,7 @@
 #   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`)
 #   PARTS="rate xfer idle" (which of the three parts to run; the report covers those run).
 # Every run is bounded (wrk -d, curl --max-time, timeouts on every wait), stops by itself
-# and kills what it started on exit. Expect 6 to 8 minutes after the build. Not part of the
+# and kills what it started on exit. Expect 8 to 10 minutes after the build. Not part of the
 # test suite.
 set -euo pipefail
 
