@@ -1609,6 +1609,12 @@ mod tests {
         }
     }
 
+    /// A GET through `client` that must get an answer; the answer's body.
+    async fn get_text(client: &Upstream, url: &str) -> String {
+        let resp = within(client.request(get(url), LONG)).await.unwrap();
+        text(resp).await
+    }
+
     fn get(url: &str) -> Request<ProxyBody> {
         Request::get(url).body(body::empty()).unwrap()
     }
@@ -1699,15 +1705,9 @@ mod tests {
         })
         .await;
         let client = client();
-        let resp = within(client.request(get(&fake.url("/1")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
         within(closed_rx).await.unwrap();
-        let resp = within(client.request(get(&fake.url("/2")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/2")).await, "ok");
         assert_eq!(fake.accepts(), 2);
     }
 
@@ -1728,10 +1728,7 @@ mod tests {
         })
         .await;
         let client = client();
-        let resp = within(client.request(get(&fake.url("/1")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
         let e = within(client.request(get(&fake.url("/2")), Duration::from_millis(100)))
             .await
             .unwrap_err();
@@ -1775,10 +1772,7 @@ mod tests {
         .await;
         let client = client();
         for path in ["/1", "/2"] {
-            let resp = within(client.request(get(&fake.url(path)), LONG))
-                .await
-                .unwrap();
-            assert_eq!(text(resp).await, "ok");
+            assert_eq!(get_text(&client, &fake.url(path)).await, "ok");
         }
         assert_eq!(fake.accepts(), 2, "the retry took a new connection");
         let paths: Vec<String> = heads
@@ -1916,10 +1910,7 @@ mod tests {
         .await;
         let client = client();
         for _ in 0..2 {
-            let resp = within(client.request(get(&fake.url("/")), LONG))
-                .await
-                .unwrap();
-            assert_eq!(text(resp).await, "all of it");
+            assert_eq!(get_text(&client, &fake.url("/")).await, "all of it");
         }
         assert_eq!(
             fake.accepts(),
@@ -1952,10 +1943,7 @@ mod tests {
             assert_eq!(resp.status().as_str(), &path[1..]);
             assert_eq!(text(resp).await, "");
         }
-        let resp = within(client.request(get(&fake.url("/ok")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
         assert_eq!(fake.accepts(), 1);
     }
 
@@ -2009,10 +1997,7 @@ mod tests {
             "no connection with a bad answer is reused"
         );
         // 128 header lines are fine.
-        let resp = within(client.request(get(&fake.url("/ok")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
     }
 
     /// A 413 before the upload ended: the answer is delivered, the upload stops, and the
@@ -2046,10 +2031,7 @@ mod tests {
         assert_eq!(resp.status(), 413);
         assert_eq!(text(resp).await, "");
         within(tx.closed()).await;
-        let resp = within(client.request(get(&fake.url("/next")), LONG))
-            .await
-            .unwrap();
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/next")).await, "ok");
         assert_eq!(fake.accepts(), 2);
     }
 
