@@ -1472,13 +1472,9 @@ impl SpliceSource {
             // `buffered` first: those bytes come before the socket's.
             return Err(io::ErrorKind::InvalidInput.into());
         }
-        match super::splice::copy(from, to, left, progress).await {
-            Ok(()) => {
-                self.body.release();
-                Ok(())
-            }
-            Err(super::splice::CopyError::From(e) | super::splice::CopyError::To(e)) => Err(e),
-        }
+        super::splice::copy(from, to, left, progress).await?;
+        self.body.release();
+        Ok(())
     }
 }
 

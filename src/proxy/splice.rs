@@ -31,15 +31,6 @@ pub const MIN: u64 = 1 << 20;
 /// per byte. Unprivileged processes may go up to 1 MiB (`/proc/sys/fs/pipe-max-size`).
 const PIPE_SIZE: usize = 1 << 20;
 
-/// Which side of a copy failed.
-#[derive(Debug)]
-pub enum CopyError {
-    /// Reading `from`, its early end (`UnexpectedEof`) included.
-    From(io::Error),
-    /// Writing `to`.
-    To(io::Error),
-}
-
 /// A pipe and the bytes in it: the state of one copy, kept between polls.
 struct Pipe {
     out: OwnedFd,
@@ -62,16 +53,16 @@ impl Pipe {
     }
 
     /// Moves bytes from `from` to `to` until `len` (what is still to take from `from`) is
-    /// 0 and the pipe is empty; `given` runs for the bytes written to `to`. Bytes moved
-    /// stay moved whatever fails after.
+    /// 0 and the pipe is empty; `progress` runs after every write to `to`. Fails on an
+    /// early end of `from` (`UnexpectedEof`) or a socket error; bytes moved stay moved.
     fn poll_copy(
         &mut self,
         cx: &mut Context<'_>,
         from: &TcpStream,
         to: &TcpStream,
         len: &mut u64,
-        mut given: impl FnMut(u64),
-    ) -> Poll<Result<(), CopyError>> {
+        mut progress: impl FnMut(),
+    ) -> Poll<io::Result<()>> {
         let flags = SpliceFlags::NONBLOCK | SpliceFlags::MOVE;
         loop {
             if *len == 0 && self.held == 0 {
@@ -86,34 +77,28 @@ impl Pipe {
                 match from.try_io(Interest::READABLE, || {
                     Ok(splice(from, None, &self.inn, None, want, flags)?)
                 }) {
-                    Ok(0) => {
-                        return Poll::Ready(Err(CopyError::From(
-                            io::ErrorKind::UnexpectedEof.into(),
-                        )))
-                    }
+                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into())),
                     Ok(n) => {
                         self.held += n;
                         *len -= n as u64;
                         moved = true;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(CopyError::From(e))),
+                    Err(e) => return Poll::Ready(Err(e)),
                 }
             }
             if self.held > 0 {
                 match to.try_io(Interest::WRITABLE, || {
                     Ok(splice(&self.out, None, to, None, self.held, flags)?)
                 }) {
-                    Ok(0) => {
-                        return Poll::Ready(Err(CopyError::To(io::ErrorKind::WriteZero.into())))
-                    }
+                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                     Ok(n) => {
                         self.held -= n;
-                        given(n as u64);
+                        progress();
                         moved = true;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(CopyError::To(e))),
+                    Err(e) => return Poll::Ready(Err(e)),
                 }
             }
             if moved {
@@ -124,13 +109,13 @@ impl Pipe {
             let mut ready = false;
             if can_take {
                 if let Poll::Ready(r) = from.poll_read_ready(cx) {
-                    r.map_err(CopyError::From)?;
+                    r?;
                     ready = true;
                 }
             }
             if self.held > 0 {
                 if let Poll::Ready(r) = to.poll_write_ready(cx) {
-                    r.map_err(CopyError::To)?;
+                    r?;
                     ready = true;
                 }
             }
@@ -148,9 +133,9 @@ pub async fn copy(
     to: &TcpStream,
     mut len: u64,
     mut progress: impl FnMut(),
-) -> Result<(), CopyError> {
-    let mut pipe = Pipe::new().map_err(CopyError::From)?;
-    poll_fn(|cx| pipe.poll_copy(cx, from, to, &mut len, |_| progress())).await
+) -> io::Result<()> {
+    let mut pipe = Pipe::new()?;
+    poll_fn(|cx| pipe.poll_copy(cx, from, to, &mut len, &mut progress)).await
 }
 
 /// A body offered to whoever ends up writing it: one that writes to a plain TCP socket may
@@ -283,9 +268,7 @@ mod tests {
         let (to, _reader) = pair().await;
         writer.write_all(b"only this").await.unwrap();
         drop(writer);
-        match copy(&from, &to, 100, || {}).await {
-            Err(CopyError::From(e)) => assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
-            other => panic!("{other:?}"),
-        }
+        let e = copy(&from, &to, 100, || {}).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
 }
