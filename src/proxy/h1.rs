@@ -24,7 +24,6 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use futures_util::future::Either;
 use futures_util::FutureExt;
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, EXPECT, TRANSFER_ENCODING, UPGRADE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
@@ -73,11 +72,11 @@ impl Sock {
         })
     }
 
+    /// Waits for readiness through the socket's one reader slot: `readable()` queues a
+    /// waiter on a list per call instead, under a lock, and takes it out again. Only the
+    /// connection's own task reads the socket, so the one slot is enough.
     async fn readable(&self) -> io::Result<()> {
-        match self {
-            Sock::Tcp(s) => s.readable().await,
-            Sock::Unix(s) => s.readable().await,
-        }
+        std::future::poll_fn(|cx| self.poll_read_ready(cx)).await
     }
 
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -165,14 +164,20 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         sock,
         body_left: AtomicU64::new(0),
     });
+    // One drain watch for the connection's life: one made per idle wait registered with
+    // the watch and left it again every request.
+    let mut watcher = stop.clone();
+    let drained = watcher.wait_for(|s| *s);
+    tokio::pin!(drained);
     let mut buf = BytesMut::new();
     loop {
         if buf.is_empty() {
             // Idle between requests: no buffer is held while waiting.
             buf = BytesMut::new();
             tokio::select! {
+                biased;
                 r = shared.sock.readable() => if r.is_err() { return Outcome::Closed },
-                _ = stop.wait_for(|s| *s) => return Outcome::Closed,
+                _ = &mut drained => return Outcome::Closed,
             }
         }
         let head = match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
@@ -226,14 +231,11 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             Err(never) => match never {},
         };
         close |= *stop.borrow();
-        let written = Box::pin(write_response(
-            &shared.sock,
-            ctx.activity,
-            resp,
-            is_head,
-            close,
-        ))
-        .await;
+        let written = match write_response(&shared.sock, ctx.activity, resp, is_head, close) {
+            Write::Done(keep) => keep,
+            Write::Boxed(writing) => writing.await,
+            Write::Streaming(writing) => Box::pin(writing).await,
+        };
         if !written || close || shared.body_left.load(Ordering::Relaxed) != 0 || *stop.borrow() {
             return Outcome::Closed;
         }
@@ -516,18 +518,30 @@ enum Framing {
     Chunked,
 }
 
+/// How a response gets written: already (whether the connection can carry another
+/// request), or by a future.
+enum Write<B, F> {
+    Done(bool),
+    Boxed(B),
+    Streaming(F),
+}
+
+/// Small answers whose body is all here are written before [`write_response`] returns.
+const WRITE_NOW: u64 = 16 * 1024;
+
 /// Writes the response; whether the connection can carry another request afterwards.
 ///
-/// Not an `async fn`: the head is built before the future exists, so the future (boxed
-/// per request by the caller, which copies it whole) holds only what streaming the body
-/// needs.
+/// Not an `async fn`: the head is built before any future exists. Most answers are small
+/// and whole by the time their head is: those are written right here, and no future is
+/// made at all. Otherwise the future (boxed per request by the caller, which copies it
+/// whole) holds only what streaming the body needs.
 fn write_response<'a>(
     sock: &'a Sock,
     activity: &'a Activity,
     resp: Response<ProxyBody>,
     is_head: bool,
     close: bool,
-) -> Either<Pin<Box<dyn Future<Output = bool> + Send + 'a>>, impl Future<Output = bool> + Send + 'a>
+) -> Write<Pin<Box<dyn Future<Output = bool> + Send + 'a>>, impl Future<Output = bool> + Send + 'a>
 {
     let (parts, mut body) = resp.into_parts();
     let status = parts.status;
@@ -543,7 +557,7 @@ fn write_response<'a>(
         // A length that is not a number cannot frame anything: close-delimit instead.
         // Boxed: rare, and inline it would double this future's size.
         (Some(None), _) => {
-            return Either::Left(Box::pin(write_close_delimited(sock, activity, parts, body)))
+            return Write::Boxed(Box::pin(write_close_delimited(sock, activity, parts, body)))
         }
         (Some(Some(n)), _) => Framing::Length(n),
         (None, Some(n)) => Framing::Length(n),
@@ -573,22 +587,40 @@ fn write_response<'a>(
     if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
         let offered = parts.extensions.get::<pool::Splice>();
         if let Some(source) = offered.and_then(|o| o.take(n)) {
-            return Either::Left(Box::pin(splice_body(
+            return Write::Boxed(Box::pin(splice_body(
                 tcp, sock, activity, out, source, close,
             )));
         }
     }
     drop(parts);
-    Either::Right(async move {
-        if bodyless {
-            return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+    let mut left = match framing {
+        Framing::Length(n) => n,
+        _ => u64::MAX,
+    };
+    let chunked = framing == Framing::Chunked;
+    if bodyless || (!chunked && left <= WRITE_NOW) {
+        match take_now(&mut body, &mut out, &mut left, bodyless) {
+            Taken::Whole => {
+                return match write_now(sock, activity, &mut out) {
+                    Ok(true) => Write::Done(!close),
+                    Ok(false) => Write::Boxed(Box::pin(async move {
+                        write_all(sock, activity, &out, &[]).await.is_ok() && !close
+                    })),
+                    Err(_) => Write::Done(false),
+                };
+            }
+            // What came is sent, and the connection ends: the client must not wait for
+            // the rest, nor read past a cut.
+            Taken::Broken => {
+                return Write::Boxed(Box::pin(async move {
+                    let _ = write_all(sock, activity, &out, &[]).await;
+                    false
+                }))
+            }
+            Taken::Later => {}
         }
-
-        let mut left = match framing {
-            Framing::Length(n) => n,
-            _ => u64::MAX,
-        };
-        let chunked = framing == Framing::Chunked;
+    }
+    Write::Streaming(async move {
         loop {
             // Frames already there join what is queued; the queue goes out when the body has
             // nothing more right now, so a stream is never held back and a small answer
@@ -665,6 +697,57 @@ fn write_response<'a>(
         }
         write_all(sock, activity, &out, &[]).await.is_ok() && !close
     })
+}
+
+/// What [`take_now`] found.
+enum Taken {
+    /// The whole body is in `out`.
+    Whole,
+    /// The body failed, was longer than declared, or ended short; `out` holds what may
+    /// still be sent.
+    Broken,
+    /// More is to come; `out` and `left` account for what was taken.
+    Later,
+}
+
+/// Takes the frames of a small sized body that are already here into `out`.
+fn take_now(body: &mut ProxyBody, out: &mut Vec<u8>, left: &mut u64, bodyless: bool) -> Taken {
+    if bodyless {
+        return Taken::Whole;
+    }
+    loop {
+        let frame = match body.frame().now_or_never() {
+            None => return Taken::Later,
+            Some(None) if *left == 0 => return Taken::Whole,
+            Some(None) | Some(Some(Err(_))) => return Taken::Broken,
+            Some(Some(Ok(frame))) => frame,
+        };
+        // Trailers have no place in a sized answer.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.len() as u64 > *left {
+            out.extend_from_slice(&data[..*left as usize]);
+            return Taken::Broken;
+        }
+        *left -= data.len() as u64;
+        out.extend_from_slice(&data);
+    }
+}
+
+/// One write attempt for a whole answer: `Ok(true)` when all of it went, otherwise `out`
+/// keeps what is left.
+fn write_now(sock: &Sock, activity: &Activity, out: &mut Vec<u8>) -> io::Result<bool> {
+    match sock.try_write_vectored(&[io::IoSlice::new(out)]) {
+        Ok(0) => Err(io::ErrorKind::WriteZero.into()),
+        Ok(n) => {
+            activity.touch();
+            out.drain(..n);
+            Ok(out.is_empty())
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// A large sized answer on a plain TCP upstream connection, to a plain TCP client: the head
@@ -966,7 +1049,11 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
         let sock = Sock::Unix(ours);
         let activity = Activity::new();
-        let keep = write_response(&sock, &activity, resp, is_head, close).await;
+        let keep = match write_response(&sock, &activity, resp, is_head, close) {
+            Write::Done(keep) => keep,
+            Write::Boxed(writing) => writing.await,
+            Write::Streaming(writing) => writing.await,
+        };
         drop(sock);
         let mut got = String::new();
         theirs.read_to_string(&mut got).await.expect("read");
@@ -1022,5 +1109,53 @@ mod tests {
         let (keep, wire) = on_the_wire(resp, false, false).await;
         assert!(!keep);
         assert!(wire.ends_with("\r\n\r\nabc"), "{wire}");
+    }
+
+    fn sized(
+        len: &'static str,
+        frames: Vec<Result<Frame<Bytes>, io::Error>>,
+    ) -> Response<ProxyBody> {
+        let stream = StreamBody::new(futures_util::stream::iter(frames));
+        let mut resp = Response::new(body::boxed(stream));
+        resp.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static(len));
+        resp
+    }
+
+    #[tokio::test]
+    async fn a_sized_answer_that_breaks_sends_what_fits_and_closes() {
+        let data = |s: &'static str| Ok(Frame::data(Bytes::from(s)));
+        // Longer than declared: cut at the length.
+        let (keep, wire) =
+            on_the_wire(sized("4", vec![data("ab"), data("cdef")]), false, false).await;
+        assert!(!keep);
+        assert!(wire.ends_with("\r\n\r\nabcd"), "{wire}");
+        // The body fails after a first piece.
+        let failed = Err(io::Error::other("upstream reset"));
+        let (keep, wire) = on_the_wire(sized("6", vec![data("abc"), failed]), false, false).await;
+        assert!(!keep);
+        assert!(wire.ends_with("\r\n\r\nabc"), "{wire}");
+    }
+
+    #[tokio::test]
+    async fn a_sized_answer_whose_rest_comes_later_is_written_whole() {
+        use futures_util::StreamExt;
+        let (tx, rx) = tokio::sync::oneshot::channel::<&'static str>();
+        let first =
+            futures_util::stream::iter([Ok::<_, io::Error>(Frame::data(Bytes::from("head-")))]);
+        let rest = futures_util::stream::once(async move {
+            Ok(Frame::data(Bytes::from(rx.await.unwrap_or("lost"))))
+        });
+        let mut resp = Response::new(body::boxed(StreamBody::new(first.chain(rest))));
+        resp.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("9"));
+        // The rest is sent only once the writer has taken the first piece and waits.
+        let ((keep, wire), _) =
+            tokio::join!(on_the_wire(resp, false, false), async { tx.send("tail") });
+        assert!(keep);
+        assert_eq!(
+            with_date_removed(&wire),
+            "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nhead-tail"
+        );
     }
 }

@@ -174,8 +174,7 @@ pub async fn accept_loop(
             let serving = connection(sock, &proxy, &config, &builder, &activity, &headed, stop);
             tokio::select! {
                 _ = serving => {}
-                _ = idle(&activity, config.idle_timeout) => {}
-                _ = first_head(&headed, config.header_timeout) => {}
+                _ = watchdog(&activity, &headed, &config) => {}
             }
             crate::logging::flush_thread();
             drop(draining);
@@ -343,23 +342,23 @@ impl<T> IdleIo<T> {
     }
 }
 
-/// Resolves when no request head has arrived within `timeout` of the connection's start.
-/// hyper's own header timer starts only once it knows the connection is HTTP/1: a client
-/// that sends nothing, or a bit of the HTTP/2 preface, would otherwise hold its slot of
-/// `--max-connections` until the idle timeout.
-async fn first_head(headed: &AtomicBool, timeout: Duration) {
-    tokio::time::sleep(timeout).await;
-    if headed.load(Ordering::Relaxed) {
-        std::future::pending::<()>().await;
-    }
-}
-
-/// Resolves once the connection has moved no bytes for `timeout`. A connection that still
-/// moves bytes (Connect keepalives every 50 s) is never cut.
-async fn idle(activity: &Activity, timeout: Duration) {
+/// Resolves when the connection is to be cut: it has moved no bytes for `--idle-timeout`,
+/// or no request head has arrived within `--header-timeout` of its start.
+///
+/// The second matters before hyper knows the connection is HTTP/1 (its own header timer
+/// starts only then): a client that sends nothing, or a bit of the HTTP/2 preface, would
+/// otherwise hold its slot of `--max-connections` until the idle timeout.
+///
+/// One timer for both: the connection's task polls every branch of its `select!` each time
+/// it wakes, a few times per request, and a second timer doubled that cost.
+async fn watchdog(activity: &Activity, headed: &AtomicBool, config: &ServeConfig) {
+    let first_head = activity.opened + config.header_timeout;
     loop {
         let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
-        let deadline = activity.opened + last + timeout;
+        let mut deadline = activity.opened + last + config.idle_timeout;
+        if !headed.load(Ordering::Relaxed) {
+            deadline = deadline.min(first_head);
+        }
         if Instant::now() >= deadline {
             return;
         }
