@@ -233,8 +233,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         close |= *stop.borrow();
         let written = match write_response(&shared.sock, ctx.activity, resp, is_head, close) {
             Write::Done(keep) => keep,
-            Write::Boxed(writing) => writing.await,
-            Write::Streaming(writing) => Box::pin(writing).await,
+            Write::Later(writing) => writing.await,
         };
         if !written || close || shared.body_left.load(Ordering::Relaxed) != 0 || *stop.borrow() {
             return Outcome::Closed;
@@ -519,11 +518,12 @@ enum Framing {
 }
 
 /// How a response gets written: already (whether the connection can carry another
-/// request), or by a future.
-enum Write<B, F> {
+/// request), or by a future. The future is boxed here, not by the caller: a `match` on
+/// this value keeps it in the caller's state across the `.await`, and an inline writer
+/// there would grow every idle connection's task by its size.
+enum Write<'a> {
     Done(bool),
-    Boxed(B),
-    Streaming(F),
+    Later(Pin<Box<dyn Future<Output = bool> + Send + 'a>>),
 }
 
 /// Small answers whose body is all here are written before [`write_response`] returns.
@@ -533,16 +533,14 @@ const WRITE_NOW: u64 = 16 * 1024;
 ///
 /// Not an `async fn`: the head is built before any future exists. Most answers are small
 /// and whole by the time their head is: those are written right here, and no future is
-/// made at all. Otherwise the future (boxed per request by the caller, which copies it
-/// whole) holds only what streaming the body needs.
+/// made at all. Otherwise the boxed future holds only what streaming the body needs.
 fn write_response<'a>(
     sock: &'a Sock,
     activity: &'a Activity,
     resp: Response<ProxyBody>,
     is_head: bool,
     close: bool,
-) -> Write<Pin<Box<dyn Future<Output = bool> + Send + 'a>>, impl Future<Output = bool> + Send + 'a>
-{
+) -> Write<'a> {
     let (parts, mut body) = resp.into_parts();
     let status = parts.status;
     let bodyless = is_head
@@ -557,7 +555,7 @@ fn write_response<'a>(
         // A length that is not a number cannot frame anything: close-delimit instead.
         // Boxed: rare, and inline it would double this future's size.
         (Some(None), _) => {
-            return Write::Boxed(Box::pin(write_close_delimited(sock, activity, parts, body)))
+            return Write::Later(Box::pin(write_close_delimited(sock, activity, parts, body)))
         }
         (Some(Some(n)), _) => Framing::Length(n),
         (None, Some(n)) => Framing::Length(n),
@@ -587,7 +585,7 @@ fn write_response<'a>(
     if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
         let offered = parts.extensions.get::<pool::Splice>();
         if let Some(source) = offered.and_then(|o| o.take(n)) {
-            return Write::Boxed(Box::pin(splice_body(
+            return Write::Later(Box::pin(splice_body(
                 tcp, sock, activity, out, source, close,
             )));
         }
@@ -603,7 +601,7 @@ fn write_response<'a>(
             Taken::Whole => {
                 return match write_now(sock, activity, &mut out) {
                     Ok(true) => Write::Done(!close),
-                    Ok(false) => Write::Boxed(Box::pin(async move {
+                    Ok(false) => Write::Later(Box::pin(async move {
                         write_all(sock, activity, &out, &[]).await.is_ok() && !close
                     })),
                     Err(_) => Write::Done(false),
@@ -612,7 +610,7 @@ fn write_response<'a>(
             // What came is sent, and the connection ends: the client must not wait for
             // the rest, nor read past a cut.
             Taken::Broken => {
-                return Write::Boxed(Box::pin(async move {
+                return Write::Later(Box::pin(async move {
                     let _ = write_all(sock, activity, &out, &[]).await;
                     false
                 }))
@@ -620,7 +618,7 @@ fn write_response<'a>(
             Taken::Later => {}
         }
     }
-    Write::Streaming(async move {
+    Write::Later(Box::pin(async move {
         loop {
             // Frames already there join what is queued; the queue goes out when the body has
             // nothing more right now, so a stream is never held back and a small answer
@@ -696,7 +694,7 @@ fn write_response<'a>(
             return false;
         }
         write_all(sock, activity, &out, &[]).await.is_ok() && !close
-    })
+    }))
 }
 
 /// What [`take_now`] found.
@@ -1051,8 +1049,7 @@ mod tests {
         let activity = Activity::new();
         let keep = match write_response(&sock, &activity, resp, is_head, close) {
             Write::Done(keep) => keep,
-            Write::Boxed(writing) => writing.await,
-            Write::Streaming(writing) => writing.await,
+            Write::Later(writing) => writing.await,
         };
         drop(sock);
         let mut got = String::new();
