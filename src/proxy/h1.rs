@@ -180,58 +180,48 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
                 _ = &mut drained => return Outcome::Closed,
             }
         }
-        let head = match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
-            Read::Head(head) => head,
-            Read::Nothing => continue,
-            Read::Closed => return Outcome::Closed,
-            Read::HandOver => {
-                return match Arc::try_unwrap(shared) {
-                    Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
-                    // A body reader of an earlier request is still alive somewhere.
-                    Err(_) => Outcome::Closed,
-                };
-            }
-        };
-        ctx.headed.store(true, Ordering::Relaxed);
-
-        let length = head.content_length;
-        let body = if length == 0 {
-            body::empty()
-        } else {
-            let prefix = buf.split_to(buf.len().min(length as usize)).freeze();
-            let left = length - prefix.len() as u64;
-            shared.body_left.store(left, Ordering::Relaxed);
-            body::boxed(FastBody {
-                shared: shared.clone(),
-                activity: ctx.activity.clone(),
-                prefix: Some(prefix).filter(|p| !p.is_empty()),
-                left,
-                buf: BytesMut::new(),
-            })
-        };
-        let is_head = head.method == Method::HEAD;
-        let mut close = head.close;
-        let req = head.into_request(body);
+        // The head is bound inside the match arm only: a local in scope across the
+        // `.await`s below would be kept in every connection's task state, moved out or not.
+        let (req, length, is_head, mut close) =
+            match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
+                Read::Head(head) => {
+                    ctx.headed.store(true, Ordering::Relaxed);
+                    request(head, &shared, &mut buf, ctx.activity)
+                }
+                Read::Nothing => continue,
+                Read::Closed => return Outcome::Closed,
+                Read::HandOver => {
+                    return match Arc::try_unwrap(shared) {
+                        Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
+                        // A body reader of an earlier request is still alive somewhere.
+                        Err(_) => Outcome::Closed,
+                    };
+                }
+            };
 
         // Boxed, like the write below: only a pointer of it stays in the connection's task,
         // so an idle keep-alive connection does not carry a request's worth of state.
         let handled = Box::pin(ctx.proxy.clone().handle(req));
-        let resp = if length == 0 {
-            // A client that hangs up while waiting takes its request with it (hyper does
-            // the same): the handler is dropped, the upstream exchange cancelled.
-            tokio::select! {
-                r = handled => r,
-                () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+        // `resp` lives in this block only: in scope across the write's `.await` it would be
+        // kept in the task (see the head above).
+        let write = {
+            let resp = if length == 0 {
+                // A client that hangs up while waiting takes its request with it (hyper does
+                // the same): the handler is dropped, the upstream exchange cancelled.
+                tokio::select! {
+                    r = handled => r,
+                    () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+                }
+            } else {
+                handled.await
+            };
+            close |= *stop.borrow();
+            match resp {
+                Ok(resp) => write_response(&shared.sock, ctx.activity, resp, is_head, close),
+                Err(never) => match never {},
             }
-        } else {
-            handled.await
         };
-        let resp = match resp {
-            Ok(resp) => resp,
-            Err(never) => match never {},
-        };
-        close |= *stop.borrow();
-        let written = match write_response(&shared.sock, ctx.activity, resp, is_head, close) {
+        let written = match write {
             Write::Done(keep) => keep,
             Write::Later(writing) => writing.await,
         };
@@ -241,20 +231,49 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
     }
 }
 
+/// The request for a parsed head, with its body reader: the body's first bytes are those
+/// already in `buf`. Also its length, whether it is a HEAD, and whether the client asked
+/// to close.
+fn request(
+    head: Head,
+    shared: &Arc<Shared>,
+    buf: &mut BytesMut,
+    activity: &Activity,
+) -> (Request<ProxyBody>, u64, bool, bool) {
+    let length = head.content_length;
+    let body = if length == 0 {
+        body::empty()
+    } else {
+        let prefix = buf.split_to(buf.len().min(length as usize)).freeze();
+        let left = length - prefix.len() as u64;
+        shared.body_left.store(left, Ordering::Relaxed);
+        body::boxed(FastBody {
+            shared: shared.clone(),
+            activity: activity.clone(),
+            prefix: Some(prefix).filter(|p| !p.is_empty()),
+            left,
+            buf: BytesMut::new(),
+        })
+    };
+    let is_head = head.method == Method::HEAD;
+    let close = head.close;
+    (head.into_request(body), length, is_head, close)
+}
+
 /// Resolves when the client closes its side while a request is being answered. Bytes it
 /// sends meanwhile (a pipelined request) are kept in `buf` and the watch ends there.
+///
+/// Reads straight into `buf`: a probe array here would sit in every connection's task
+/// state, idle or not.
 async fn client_gone(sock: &Sock, buf: &mut BytesMut) {
-    let mut probe = [0u8; 512];
     loop {
         if sock.readable().await.is_err() {
             return;
         }
-        match sock.try_read_buf(&mut &mut probe[..]) {
+        buf.reserve(512);
+        match sock.try_read_buf(buf) {
             Ok(0) => return,
-            Ok(n) => {
-                buf.extend_from_slice(&probe[..n]);
-                return std::future::pending().await;
-            }
+            Ok(_) => return std::future::pending().await,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(_) => return,
         }
@@ -301,7 +320,9 @@ async fn read_head(
                     return Read::Nothing;
                 }
                 let at = *deadline.get_or_insert_with(|| Instant::now() + header_timeout);
-                match tokio::time::timeout_at(at.into(), sock.readable()).await {
+                // Boxed: only a head arriving in pieces gets here, and the timer inline
+                // would size every connection's task.
+                match Box::pin(tokio::time::timeout_at(at.into(), sock.readable())).await {
                     Ok(Ok(())) => {}
                     _ => return Read::Closed,
                 }

@@ -158,6 +158,33 @@ impl Proxy {
     }
 }
 
+/// A proxy with a static key and default settings, for unit tests of the serving code.
+/// Resolved from flags alone (no environment, no files), so the machine's own
+/// configuration cannot leak in.
+#[cfg(test)]
+pub(crate) fn test_proxy() -> Arc<Proxy> {
+    use crate::secret::Secret;
+    use crate::settings::{FlagValue, Inputs, Key, Resolved};
+
+    let empty = tempfile::tempdir().expect("temp dir");
+    let inputs = Inputs {
+        flags: [(
+            Key::SandboxApiKey,
+            FlagValue::Secret(Secret::new("sk-test".to_string())),
+        )]
+        .into(),
+        cwd: empty.path().to_path_buf(),
+        ..Inputs::default()
+    };
+    let settings = Resolved::from_inputs(&inputs)
+        .and_then(|r| r.validate())
+        .expect("settings");
+    let options = Options::default();
+    let metrics = Arc::new(Metrics::new().expect("metrics"));
+    let credential = ApiCredential::start(&settings, &options, &metrics).expect("credential");
+    Arc::new(Proxy::new(&settings, &options, credential, metrics).expect("proxy"))
+}
+
 /// Whoever reaches a non-loopback plaintext port spends the key: that needs consent.
 fn check_exposure(listen: &ListenAddr, options: &Options) -> Result<(), Error> {
     let tls = options.tls_cert.is_some() && options.tls_key.is_some();
