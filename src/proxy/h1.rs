@@ -164,8 +164,8 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         sock,
         body_left: AtomicU64::new(0),
     });
-    // One drain watch for the connection's life: one made per idle wait registered with
-    // the watch and left it again every request.
+    // One drain watch for the connection's whole life: a fresh `wait_for` per idle wait
+    // would register with the watch and leave it again on every request.
     let mut watcher = stop.clone();
     let drained = watcher.wait_for(|s| *s);
     tokio::pin!(drained);

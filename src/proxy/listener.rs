@@ -450,9 +450,9 @@ mod tests {
     /// across an `.await` it is not needed after.
     #[tokio::test]
     async fn a_connection_task_stays_small() {
-        // 1,032 bytes today in release, 1,048 in debug (1,872 before the head, the answer and the probe array of
-        // `h1::serve` stopped being kept across its awaits); the room above it is for small
-        // changes, not for another kilobyte.
+        // 1,032 bytes today in release, 1,048 in debug (1,872 before `h1::serve` stopped
+        // keeping the head, the answer and a probe array across its awaits). The room above
+        // that is for small changes, not for another kilobyte.
         const BUDGET: usize = 1152;
         let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
         let permit = Arc::new(Semaphore::new(1))
