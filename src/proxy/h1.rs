@@ -1156,6 +1156,46 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_small_answer_to_a_full_socket_is_handed_to_the_writer_whole() {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        // The client reads nothing yet: fill the socket until it takes no more.
+        let filler = [b'x'; 64 * 1024];
+        let mut filled = 0;
+        loop {
+            match ours.try_write(&filler) {
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the socket: {e}"),
+            }
+        }
+        let sock = Sock::Unix(ours);
+        let activity = Activity::new();
+        let body = format!("{}END", "y".repeat(WRITE_NOW as usize - 3));
+        let resp = Response::new(body::full(body.clone()));
+        let Write::Later(writing) = write_response(&sock, &activity, resp, false, false) else {
+            panic!("a full socket took the answer at once");
+        };
+        let read = async {
+            let mut got = Vec::new();
+            let mut chunk = vec![0; 64 * 1024];
+            while !got.ends_with(b"END") {
+                let n = theirs.read(&mut chunk).await.expect("read");
+                assert!(n > 0, "the answer stopped after {} bytes", got.len());
+                got.extend_from_slice(&chunk[..n]);
+            }
+            got
+        };
+        let (keep, got) = tokio::join!(writing, read);
+        assert!(keep);
+        assert!(got[..filled].iter().all(|&b| b == b'x'));
+        let answer = String::from_utf8(got[filled..].to_vec()).expect("utf-8");
+        assert_eq!(
+            with_date_removed(&answer),
+            format!("HTTP/1.1 200 OK\r\ncontent-length: 16384\r\n\r\n{body}")
+        );
+    }
+
+    #[tokio::test]
     async fn a_sized_answer_whose_rest_comes_later_is_written_whole() {
         use futures_util::StreamExt;
         let (tx, rx) = tokio::sync::oneshot::channel::<&'static str>();
