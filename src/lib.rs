@@ -13,7 +13,8 @@
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
-//! The binary's commands live in [`serve`], [`commands`] and [`check`].
+//! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP), [`commands`] and
+//! [`check`].
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -26,6 +27,7 @@ pub mod logging;
 pub mod metrics;
 pub mod providers;
 pub mod proxy;
+pub mod reload;
 pub mod secret;
 pub mod serve;
 pub mod settings;

@@ -87,7 +87,14 @@ async fn serve(
         stop_rx,
     ));
     if let Some(hangups) = hangups {
-        let reload = reload_on_hangup(proxy.clone(), hangups, flags, resolved, options.clone());
+        let reload = crate::reload::on_hangup(
+            proxy.clone(),
+            hangups,
+            flags,
+            resolved,
+            settings.clone(),
+            options.clone(),
+        );
         tokio::spawn(reload);
     }
 
@@ -167,48 +174,4 @@ fn options(args: &ServeArgs) -> Result<Options, Error> {
         },
         max_connections: args.max_connections,
     })
-}
-
-/// SIGHUP: re-read the `.env` files and config.toml with the same flags; swap the
-/// credential atomically when it changed. A reload that fails keeps what runs.
-async fn reload_on_hangup(
-    proxy: Arc<Proxy>,
-    mut hangups: tokio::signal::unix::Signal,
-    flags: SettingsArgs,
-    mut current: Resolved,
-    options: Options,
-) {
-    while hangups.recv().await.is_some() {
-        let next = match commands::resolve(&flags).and_then(|r| r.validate().map(|s| (r, s))) {
-            Ok(next) => next,
-            Err(e) => {
-                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
-                continue;
-            }
-        };
-        let (resolved, settings) = next;
-        let changed = crate::settings::changed_keys(&current, &resolved);
-        if changed.is_empty() {
-            tracing::info!("reload: nothing changed");
-            continue;
-        }
-        match ApiCredential::start(&settings, &options, &proxy.metrics) {
-            Ok(credential) => {
-                proxy.credential.store(Arc::new(credential));
-                tracing::info!(changed = %changed.join(","), "reloaded");
-                let restart: Vec<&str> = changed
-                    .iter()
-                    .copied()
-                    .filter(|k| !crate::settings::is_credential_key(k))
-                    .collect();
-                if !restart.is_empty() {
-                    tracing::warn!(keys = %restart.join(","), "these settings apply at the next restart");
-                }
-                current = resolved;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings")
-            }
-        }
-    }
 }

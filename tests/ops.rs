@@ -432,17 +432,21 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
     );
 }
 
+/// A static-key proxy whose key is in `ABX_HOME/.env`, where a reload can change it.
+fn key_in_env_file(upstream: &Upstream, pki: &Pki, key: &str) -> ProxyCmd {
+    ProxyCmd::new(&upstream.url(), pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", &format!("ABX_SANDBOX_API_KEY={key}\n"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     const KEY1: &str = "sk-reload-one-AAAA1111bbbb2222";
     const KEY2: &str = "sk-reload-two-CCCC3333dddd4444";
+    const KEY3: &str = "sk-reload-three-EEEE5555ffff6666";
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .env("ABX_SANDBOX_API_KEY", None)
-        .abx_file(".env", &format!("ABX_SANDBOX_API_KEY={KEY1}\n"))
-        .spawn()
-        .await;
+    let mut proxy = key_in_env_file(&upstream, &pki, KEY1).spawn().await;
     let addr = proxy.addr();
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -464,10 +468,9 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     };
     within("the first request", first_rx).await.expect("client");
 
-    let env = proxy.abx_home().join(".env");
-    std::fs::write(&env, format!("ABX_SANDBOX_API_KEY={KEY2}\n")).expect("rewrite .env");
-    proxy.signal("HUP");
-    let line = proxy.wait_for_line("reloaded").await;
+    let line = proxy
+        .reload_env(&format!("ABX_SANDBOX_API_KEY={KEY2}\n"), "reloaded")
+        .await;
     assert!(
         line.contains("sandbox_api_key"),
         "names what changed: {line}"
@@ -485,9 +488,15 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     .await;
 
     // A broken file: the reload fails, says why, and the running key stays.
-    std::fs::write(&env, "ABX_SANDBOX_API_KEY=\"unterminated\n").expect("break .env");
-    proxy.signal("HUP");
-    proxy.wait_for_line("reload failed").await;
+    proxy
+        .reload_env("ABX_SANDBOX_API_KEY=\"unterminated\n", "reload failed")
+        .await;
+
+    // SPEC §3: a new key whose hosts moved too (here envd's domain) is refused: neither the
+    // new key with the old hosts nor the old key with the new ones; what runs stays.
+    let moved = format!("ABX_SANDBOX_API_KEY={KEY3}\nABX_SANDBOX_DOMAIN=elsewhere.example\n");
+    let line = proxy.reload_env(&moved, "reload refused").await;
+    assert!(line.contains("sandbox_domain"), "{line}");
     stop.store(true, Ordering::SeqCst);
     client.await.expect("client");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
@@ -510,9 +519,69 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
         .count();
     assert!(before > 0, "the first key was used before the reload");
     let stderr = proxy.finish().await;
-    for key in [KEY1, KEY2] {
+    for key in [KEY1, KEY2, KEY3] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
+}
+
+/// SPEC §5 and §7: a reload swaps the credential only when it changed, and a new AK/SK
+/// pair only once it has a key of its own; until then the running temporary key serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let pair = format!(
+        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n"
+    );
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake)
+        .env("ALICLOUD_ACCESS_KEY_ID", None)
+        .env("ALICLOUD_ACCESS_KEY_SECRET", None)
+        .abx_file(".env", &pair)
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let last_bearer = || {
+        upstream
+            .seen()
+            .last()
+            .and_then(|s| s.header("authorization").map(str::to_string))
+    };
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let first = fake.issued_keys();
+    assert_eq!(first.len(), 1);
+    let bearer = Some(format!("Bearer {}", first[0]));
+    assert_eq!(last_bearer(), bearer);
+
+    // Only a setting that waits for a restart changed: no new exchange.
+    let ttl = format!("{pair}ABX_TOKEN_TTL=600\n");
+    let line = proxy.reload_env(&ttl, "apply at the next restart").await;
+    assert!(line.contains("token_ttl"), "{line}");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    assert_eq!(
+        fake.calls(),
+        1,
+        "a reload that kept the pair exchanged again"
+    );
+    assert_eq!(last_bearer(), bearer);
+
+    // A new pair the endpoint refuses: the running key keeps serving.
+    let refused_pair = format!(
+        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET=wrong-secret-0000\n"
+    );
+    proxy
+        .reload_env(
+            &refused_pair,
+            "reload failed; keeping the running credential",
+        )
+        .await;
+    assert_eq!(fake.rejected(), 1);
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(), bearer);
+    assert_eq!(get(admin, "/readyz").await.0, 200);
+    let stderr = proxy.finish().await;
+    assert_no_aksk_secret(&stderr, &first, "the log");
+    assert!(!stderr.contains("wrong-secret-0000"), "a secret in the log");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

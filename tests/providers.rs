@@ -372,3 +372,58 @@ async fn an_upstream_that_is_the_proxy_itself_is_refused() {
     );
     assert!(!stderr.contains(OS_KEY));
 }
+
+/// SPEC §7 for a plugin: SIGHUP rotates the plugin's own key. A reload that would switch
+/// the provider is refused: the running key stays with the upstream it belongs to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
+    const OS_KEY2: &str = "os-key-two-Xy3Za5Bc7De9Fg";
+    let pki = Pki::new();
+    let alicloud = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ali") }).await;
+    let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "os") }).await;
+    let mut proxy = ProxyCmd::new(&alicloud.url(), &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        .abx_file(
+            ".env",
+            &format!("ABX_PROVIDER=opensandbox\nOPEN_SANDBOX_API_KEY={OS_KEY}\n"),
+        )
+        .spawn()
+        .await;
+    // One request; the key the plugin upstream saw on it.
+    let key_sent = |addr| {
+        let opensandbox = &opensandbox;
+        async move {
+            let (status, body) = send_with_client_credentials(addr, "/sandboxes").await;
+            assert_eq!(status, 200, "{body}");
+            opensandbox.seen().last().map(|s| s.all(OS_HEADER))
+        }
+    };
+    assert_eq!(key_sent(proxy.addr()).await, Some(vec![OS_KEY.to_string()]));
+
+    let rotated = format!("ABX_PROVIDER=opensandbox\nOPEN_SANDBOX_API_KEY={OS_KEY2}\n");
+    let line = proxy.reload_env(&rotated, "reloaded").await;
+    assert!(line.contains("opensandbox.api_key"), "{line}");
+    assert_eq!(
+        key_sent(proxy.addr()).await,
+        Some(vec![OS_KEY2.to_string()])
+    );
+
+    // Back to the built-in provider (its key is in the environment): refused.
+    let builtin = format!("OPEN_SANDBOX_API_KEY={OS_KEY2}\n");
+    let line = proxy.reload_env(&builtin, "reload refused").await;
+    assert!(line.contains("provider"), "{line}");
+    assert_eq!(
+        key_sent(proxy.addr()).await,
+        Some(vec![OS_KEY2.to_string()])
+    );
+    let stderr = proxy.finish().await;
+    assert_eq!(
+        alicloud.connections(),
+        0,
+        "the built-in upstream was contacted"
+    );
+    for key in [OS_KEY, OS_KEY2, API_KEY] {
+        assert!(!stderr.contains(key), "a key value in the log");
+    }
+}

@@ -421,7 +421,7 @@ impl Resolved {
 }
 
 /// The credential to attach, as configured.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Credential {
     ApiKey(Secret),
     AccessKey { id: String, secret: Secret },

@@ -830,6 +830,14 @@ impl ProxyProc {
         }
     }
 
+    /// Rewrites `ABX_HOME/.env` with `contents`, sends SIGHUP and waits for the log line
+    /// containing `needle`.
+    pub async fn reload_env(&mut self, contents: &str, needle: &str) -> String {
+        std::fs::write(self.abx_home().join(".env"), contents).expect("rewrite .env");
+        self.signal("HUP");
+        self.wait_for_line(needle).await
+    }
+
     /// Sends a signal by name (`TERM`, `INT`, `HUP`) with kill(1).
     pub fn signal(&self, name: &str) {
         let status = Command::new("kill")

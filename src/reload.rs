@@ -1,0 +1,266 @@
+//! SIGHUP (SPEC §7): re-read the `.env` files and config.toml with the same flags and swap
+//! the credential when it changed. Everything else a reload finds only applies at the next
+//! restart, and is logged as such (names, never values).
+//!
+//! Two rules keep a reload from breaking a proxy that works:
+//! - the credential is swapped only while the provider and every host it is sent to stay
+//!   the same: the running proxy still routes to the hosts it started with, and a key must
+//!   never reach another provider's host (SPEC §3);
+//! - a new AK/SK pair replaces the running key only once its first exchange has answered:
+//!   until then, and if it fails, the old temporary key keeps serving (SPEC §5).
+
+use std::sync::Arc;
+
+use tokio::signal::unix::Signal;
+
+use crate::cli::SettingsArgs;
+use crate::commands;
+use crate::credentials::ApiCredential;
+use crate::proxy::{Options, Proxy};
+use crate::settings::{self, Resolved, Settings};
+
+/// What a reload does with freshly validated settings.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// The credential is unchanged. `restart`: what changed that only a restart applies.
+    Keep { restart: Vec<String> },
+    /// A new credential for the same provider and hosts.
+    Swap { restart: Vec<String> },
+    /// The provider or a host it is sent to changed (`moved`): the running credential stays
+    /// until a restart, with the hosts it belongs to.
+    Refuse { moved: Vec<&'static str> },
+}
+
+/// Compares the settings the proxy runs on with the next ones. `changed` names every key
+/// whose value or source differs.
+pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
+    let moved = destination_changes(running, next);
+    if !moved.is_empty() {
+        return Plan::Refuse { moved };
+    }
+    let restart = changed
+        .iter()
+        .filter(|k| !is_credential(next, k))
+        .cloned()
+        .collect();
+    if running.credential == next.credential {
+        Plan::Keep { restart }
+    } else {
+        Plan::Swap { restart }
+    }
+}
+
+/// The settings that decide where the credential goes and how it is attached.
+fn destination_changes(a: &Settings, b: &Settings) -> Vec<&'static str> {
+    let mut moved = Vec::new();
+    let mut check = |name, same: bool| {
+        if !same {
+            moved.push(name);
+        }
+    };
+    check("provider", a.provider == b.provider);
+    check("auth", a.auth == b.auth);
+    check("region", a.region == b.region);
+    check("sandbox_base_url", a.sandbox_base_url == b.sandbox_base_url);
+    check("sandbox_domain", a.sandbox_domain == b.sandbox_domain);
+    check("sandbox_url", a.sandbox_url == b.sandbox_url);
+    check(
+        "token_exchange_url",
+        a.token_exchange_url == b.token_exchange_url,
+    );
+    check("token_exchange", a.token_exchange == b.token_exchange);
+    moved
+}
+
+/// Keys that feed the credential a reload swaps: the built-in ones, or the selected
+/// plugin provider's `api_key` field (which may inherit `sandbox_api_key`).
+fn is_credential(next: &Settings, key: &str) -> bool {
+    settings::is_credential_key(key)
+        || next
+            .plugin
+            .as_ref()
+            .is_some_and(|p| key == format!("{}.api_key", p.installed.manifest.id))
+}
+
+/// The names of every key whose value or source differs: the built-in table's and the
+/// selected plugin provider's fields.
+fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings) -> Vec<String> {
+    let mut names: Vec<String> = settings::changed_keys(before, after)
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    if let (Some(pa), Some(pb)) = (&a.plugin, &b.plugin) {
+        for fb in &pb.fields {
+            let same = pa
+                .fields
+                .iter()
+                .any(|fa| fa.key == fb.key && fa.value == fb.value && fa.source == fb.source);
+            if !same {
+                names.push(fb.key.clone());
+            }
+        }
+    }
+    names
+}
+
+/// Waits for SIGHUPs and applies each reload's [`Plan`]. A reload that fails, or that is
+/// refused, keeps what runs.
+pub async fn on_hangup(
+    proxy: Arc<Proxy>,
+    mut hangups: Signal,
+    flags: SettingsArgs,
+    mut seen: Resolved,
+    mut running: Settings,
+    options: Options,
+) {
+    while hangups.recv().await.is_some() {
+        let (resolved, next) = match commands::resolve(&flags)
+            .and_then(|r| r.validate().map(|s| (r, s)))
+        {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
+                continue;
+            }
+        };
+        let changed = changed_names(&seen, &resolved, &running, &next);
+        if changed.is_empty() {
+            tracing::info!("reload: nothing changed");
+            continue;
+        }
+        let restart = match plan(&running, &next, &changed) {
+            Plan::Refuse { moved } => {
+                tracing::warn!(
+                    keys = %moved.join(","),
+                    "reload refused: the provider or its hosts changed; the running credential \
+                     stays with the hosts it belongs to until a restart"
+                );
+                continue;
+            }
+            Plan::Keep { restart } => {
+                tracing::info!(changed = %changed.join(","), "reloaded; the credential is unchanged");
+                restart
+            }
+            Plan::Swap { restart } => {
+                let credential = match ApiCredential::start(&next, &options, &proxy.metrics) {
+                    Ok(credential) => credential,
+                    Err(e) => {
+                        tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
+                        continue;
+                    }
+                };
+                // An AK/SK pair: its first exchange must answer before it replaces a key
+                // that works. A static key answers at once.
+                if let Err(e) = credential.current().await {
+                    tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
+                    continue;
+                }
+                proxy.credential.store(Arc::new(credential));
+                tracing::info!(changed = %changed.join(","), "reloaded");
+                running.credential = next.credential.clone();
+                running.plugin = next.plugin.clone();
+                restart
+            }
+        };
+        if !restart.is_empty() {
+            tracing::warn!(keys = %restart.join(","), "these settings apply at the next restart");
+        }
+        seen = resolved;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::secret::Secret;
+    use crate::settings::{Credential, FlagValue, Inputs, Key};
+
+    /// From flags alone: no environment, no files.
+    fn settings(pairs: &[(Key, &str)]) -> Settings {
+        let empty = tempfile::tempdir().expect("temp dir");
+        let flag = |k: Key, v: &str| match k {
+            Key::SandboxApiKey | Key::AccessKeySecret => FlagValue::Secret(Secret::new(v)),
+            _ => FlagValue::Plain(v.to_string()),
+        };
+        let inputs = Inputs {
+            flags: pairs.iter().map(|(k, v)| (*k, flag(*k, v))).collect(),
+            cwd: empty.path().to_path_buf(),
+            ..Inputs::default()
+        };
+        Resolved::from_inputs(&inputs)
+            .and_then(|r| r.validate())
+            .unwrap_or_else(|e| panic!("settings: {}", e.line()))
+    }
+
+    fn names(xs: &[&str]) -> Vec<String> {
+        xs.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_new_key_for_the_same_hosts_is_swapped() {
+        let a = settings(&[(Key::SandboxApiKey, "sk-one")]);
+        let b = settings(&[(Key::SandboxApiKey, "sk-two")]);
+        assert_eq!(
+            plan(&a, &b, &names(&["sandbox_api_key"])),
+            Plan::Swap { restart: vec![] }
+        );
+        let c = settings(&[(Key::SandboxApiKey, "sk-two"), (Key::Listen, "127.0.0.1:1")]);
+        assert_eq!(
+            plan(&a, &c, &names(&["sandbox_api_key", "listen"])),
+            Plan::Swap {
+                restart: names(&["listen"])
+            }
+        );
+    }
+
+    #[test]
+    fn an_unchanged_credential_is_kept_and_the_rest_waits_for_a_restart() {
+        let a = settings(&[(Key::AccessKeyId, "LTAI-id"), (Key::AccessKeySecret, "s")]);
+        let b = settings(&[
+            (Key::AccessKeyId, "LTAI-id"),
+            (Key::AccessKeySecret, "s"),
+            (Key::TokenTtl, "600"),
+        ]);
+        assert!(matches!(a.credential, Credential::AccessKey { .. }));
+        assert_eq!(
+            plan(&a, &b, &names(&["token_ttl"])),
+            Plan::Keep {
+                restart: names(&["token_ttl"])
+            }
+        );
+    }
+
+    #[test]
+    fn a_key_is_never_swapped_towards_other_hosts() {
+        let a = settings(&[(Key::SandboxApiKey, "sk-one")]);
+        for (key, value, name) in [
+            (Key::Region, "cn-shanghai", "region"),
+            (
+                Key::SandboxBaseUrl,
+                "https://elsewhere.example",
+                "sandbox_base_url",
+            ),
+            (Key::SandboxDomain, "elsewhere.example", "sandbox_domain"),
+            (Key::SandboxUrl, "https://elsewhere.example", "sandbox_url"),
+        ] {
+            let b = settings(&[(Key::SandboxApiKey, "sk-two"), (key, value)]);
+            match plan(&a, &b, &names(&["sandbox_api_key", name])) {
+                Plan::Refuse { moved } => assert!(moved.contains(&name), "{name}: {moved:?}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let mut other_provider = settings(&[(Key::SandboxApiKey, "sk-two")]);
+        other_provider.provider = "opensandbox".into();
+        other_provider.credential = Credential::ApiKey(Secret::new("sk-two"));
+        assert_eq!(
+            plan(
+                &a,
+                &other_provider,
+                &names(&["provider", "sandbox_api_key"])
+            ),
+            Plan::Refuse {
+                moved: vec!["provider"]
+            }
+        );
+    }
+}
