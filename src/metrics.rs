@@ -55,6 +55,24 @@ struct Hot {
     requests: Box<[OnceLock<IntCounter>]>,
 }
 
+/// The `method` label: the methods of RFC 9110 and PATCH by name, any other `OTHER`. A
+/// client may send any token as a method, and each label value would be a series kept
+/// for the life of the process.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::CONNECT => "CONNECT",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::PATCH => "PATCH",
+        _ => "OTHER",
+    }
+}
+
 fn plane_index(plane: &str) -> Option<usize> {
     PLANES.iter().position(|p| *p == plane)
 }
@@ -196,7 +214,7 @@ impl Metrics {
 
     fn count_slow(&self, plane: &str, method: &Method, status: u16) {
         self.requests
-            .with_label_values(&[plane, method.as_str(), &status.to_string()])
+            .with_label_values(&[plane, method_label(method), &status.to_string()])
             .inc();
     }
 
@@ -242,15 +260,24 @@ mod tests {
         m.request_done("api", &Method::GET, 200, ms);
         m.request_done("api", &Method::GET, 200, ms);
         m.request_done("envd", &Method::POST, 599, ms);
-        m.request_done("envd", &Method::from_bytes(b"PROPFIND").unwrap(), 207, ms);
+        m.request_done("envd", &Method::TRACE, 405, ms);
+        for other in ["PROPFIND", "X1", "X2"] {
+            m.request_done(
+                "envd",
+                &Method::from_bytes(other.as_bytes()).unwrap(),
+                207,
+                ms,
+            );
+        }
         let t = text(&m);
         assert!(t.contains(r#"abx_proxy_requests_total{code="200",method="GET",plane="api"} 2"#));
         assert!(t.contains(r#"abx_proxy_requests_total{code="599",method="POST",plane="envd"} 1"#));
-        assert!(
-            t.contains(r#"abx_proxy_requests_total{code="207",method="PROPFIND",plane="envd"} 1"#)
-        );
+        assert!(t.contains(r#"abx_proxy_requests_total{code="405",method="TRACE",plane="envd"} 1"#));
+        // Methods a client makes up share one series, however many there are.
+        assert!(t.contains(r#"abx_proxy_requests_total{code="207",method="OTHER",plane="envd"} 3"#));
+        assert!(!t.contains("PROPFIND"));
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="api"} 2"#));
-        assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 2"#));
+        assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 5"#));
         m.in_flight_for("envd").inc();
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
     }
