@@ -182,7 +182,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// A RUST_LOG-style filter (RUST_LOG applies when this is not given).
-    #[arg(long, value_name = "FILTER")]
+    #[arg(long, value_name = "FILTER", value_parser = log_filter)]
     pub log_level: Option<String>,
 }
 
@@ -261,16 +261,30 @@ impl SettingsArgs {
     }
 
     /// `--provider-option FIELD=VALUE` pairs.
-    pub fn provider_options(&self) -> Result<Vec<(String, String)>, String> {
+    /// One without `=` is a bad command line (E8004, exit 2); it is not quoted back, as it
+    /// may be a value typed in the wrong place.
+    pub fn provider_options(&self) -> Result<Vec<(String, String)>, Error> {
         self.provider_option
             .iter()
-            .map(|o| {
+            .enumerate()
+            .map(|(i, o)| {
                 o.split_once('=')
                     .map(|(k, v)| (k.trim().to_string(), v.to_string()))
-                    .ok_or_else(|| format!("--provider-option expects FIELD=VALUE, got {o:?}"))
+                    .ok_or_else(|| Error::ProviderOption {
+                        field: format!("#{}", i + 1),
+                        reason: "expects FIELD=VALUE and has no '='".into(),
+                    })
             })
             .collect()
     }
+}
+
+/// `--log-level`: a filter that does not parse is a bad command line (exit 2), not a
+/// silent fall back to the default.
+fn log_filter(raw: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::try_new(raw)
+        .map(|_| raw.to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline.

@@ -12,12 +12,7 @@ use crate::settings::{Inputs, Resolved, Source, KEYS};
 /// settings does).
 pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
     let mut inputs = Inputs::from_process(args.to_flags()?);
-    inputs.provider_options = args
-        .provider_options()
-        .map_err(|reason| Error::InvalidSetting {
-            key: "provider_option".into(),
-            reason,
-        })?;
+    inputs.provider_options = args.provider_options()?;
     let resolved = Resolved::from_inputs(&inputs)?;
     // A refused --provider-option is a bad command line for every command (exit 2).
     match resolved.plugin() {
@@ -32,7 +27,7 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
         _ => {}
     }
     for w in resolved.all_warnings() {
-        eprintln!("warning: {w}");
+        crate::logging::warning(&w);
     }
     Ok(resolved)
 }

@@ -13,7 +13,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::io::{IsTerminal, Write};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing_subscriber::EnvFilter;
@@ -29,6 +29,20 @@ static FAST_FORMAT: AtomicU8 = AtomicU8::new(FALLBACK);
 const FALLBACK: u8 = 0;
 const TEXT: u8 = 1;
 const JSON: u8 = 2;
+
+/// Whether [`init`] installed the JSON subscriber (see [`warning`]).
+static JSON_LOGS: AtomicBool = AtomicBool::new(false);
+
+/// A settings warning: `warning: …` on stderr, as every command prints them; where the
+/// logs are JSON, an object through the subscriber instead, so that a log pipeline reading
+/// one object per line never meets a bare line.
+pub fn warning(text: &str) {
+    if JSON_LOGS.load(Ordering::Acquire) {
+        tracing::warn!("{text}");
+    } else {
+        eprintln!("warning: {text}");
+    }
+}
 
 pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let filter = level
@@ -50,6 +64,7 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
             .try_init(),
     }
     .is_ok();
+    JSON_LOGS.store(installed && format == LogFormat::Json, Ordering::Release);
     // The hand-written line mirrors exactly this subscriber's plain output; if another
     // subscriber was already installed, or it paints colours, `access` defers to tracing.
     if installed && !ansi {

@@ -588,8 +588,10 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
 async fn json_logs_are_one_object_per_line_without_query_strings() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    // A secret in config.toml is ignored with a warning: that line is JSON too.
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .args(&["--log-format", "json"])
+        .abx_file("config.toml", "sandbox_api_key = \"sk-in-toml-0000\"\n")
         .spawn()
         .await;
     let addr = proxy.addr();
@@ -601,7 +603,8 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
     );
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("SIGNEDURLSECRET"), "query string logged");
-    let mut request_lines = 0;
+    assert!(!stderr.contains("sk-in-toml-0000"), "a secret logged");
+    let (mut request_lines, mut warnings) = (0, 0);
     for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
@@ -609,6 +612,13 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
             v.get("level").is_some() && v.get("timestamp").is_some(),
             "{line}"
         );
+        if v["level"] == "WARN"
+            && v["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("config.toml"))
+        {
+            warnings += 1;
+        }
         if v.get("method").is_some() {
             request_lines += 1;
             assert_eq!(v["method"], "GET");
@@ -620,6 +630,7 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
         }
     }
     assert_eq!(request_lines, 1, "one line per request:\n{stderr}");
+    assert_eq!(warnings, 1, "the config.toml warning:\n{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

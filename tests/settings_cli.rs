@@ -1450,3 +1450,63 @@ fn abx_home_moves_the_directory_but_not_the_source_names() {
         (Some("cn-beijing"), "~/.abx/config.toml")
     );
 }
+
+#[test]
+fn values_out_of_range_and_malformed_flags_are_refused() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    // A token_ttl beyond a year would overflow the expiry date it computes.
+    for (ttl, code) in [
+        ("31536000", 0),
+        ("31536001", 78),
+        ("18446744073709551615", 78),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+            .env("ABX_TOKEN_TTL", ttl);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, code, "token_ttl {ttl}: {}", out.stderr);
+        if code != 0 {
+            assert!(
+                out.stderr.contains("[E1005]") && out.stderr.contains("token_ttl"),
+                "{}",
+                out.stderr
+            );
+        }
+    }
+    // Bad command lines (exit 2): a --provider-option without '=' (not quoted back: it may
+    // be a value typed in the wrong place), and a --log-level that is not a filter.
+    let bad: [(&[&str], &str, Option<&str>); 2] = [
+        (
+            &[
+                "check",
+                "--offline",
+                "--provider-option",
+                "typed-in-the-wrong-place",
+            ],
+            "[E8004]",
+            Some("typed-in-the-wrong-place"),
+        ),
+        (
+            &[
+                "serve",
+                "--log-level",
+                "abx_proxy=loud",
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            "--log-level",
+            None,
+        ),
+    ];
+    for (args, says, never) in bad {
+        let out = c.run(args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+        assert!(
+            never.is_none_or(|n| !out.stderr.contains(n)),
+            "{}",
+            out.stderr
+        );
+    }
+}

@@ -138,6 +138,12 @@ pub struct IssuedKey {
     pub expires_at: SystemTime,
 }
 
+/// `now + token_ttl`; settings bound the TTL, and an overflow that slips past them reads as
+/// an expiry already past (refused below) rather than a panic in the refresher.
+fn ttl_from(now: SystemTime, token_ttl: Duration) -> SystemTime {
+    now.checked_add(token_ttl).unwrap_or(now)
+}
+
 /// Reads an exchange answer. `now` is when the request was made: it anchors the `token_ttl`
 /// fallback and the sanity check of the stated expiry.
 ///
@@ -177,9 +183,9 @@ pub fn parse_response(
             tracing::warn!(
                 "token exchange: unreadable expireTime in the answer; assuming token_ttl"
             );
-            now + token_ttl
+            ttl_from(now, token_ttl)
         }
-        None => now + token_ttl,
+        None => ttl_from(now, token_ttl),
     };
     if expires_at <= now + EXPIRY_MARGIN {
         return Err(Error::TokenExchange {

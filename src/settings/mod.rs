@@ -321,8 +321,12 @@ impl Resolved {
         values::check_region(&region)?;
         let plugin = self.plugin()?;
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
-        if token_ttl.is_zero() {
-            return Err(values::invalid(Key::TokenTtl, "must be at least 1 second"));
+        // The upper bound keeps `now + token_ttl` a date (a larger one overflowed it).
+        if token_ttl.is_zero() || token_ttl > MAX_TOKEN_TTL {
+            return Err(values::invalid(
+                Key::TokenTtl,
+                format!("must be 1 to {} seconds (a year)", MAX_TOKEN_TTL.as_secs()),
+            ));
         }
         let (credential, auth, sandbox_base_url, envd_domain) = match &plugin {
             None => (
@@ -419,6 +423,9 @@ impl Resolved {
         w
     }
 }
+
+/// The longest `token_ttl` accepted: a year.
+pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// The credential to attach, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
