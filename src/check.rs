@@ -1,5 +1,6 @@
 //! `check` without `--offline`: one real token exchange when the credential is an AccessKey
-//! pair, then one authenticated request to the control plane. Reports, never the key.
+//! pair, then one request to the control plane, authenticated the way the provider wants
+//! (its header, as the proxy sends it). Reports, never the key.
 
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use http_body_util::{BodyExt, Empty};
 
 use crate::cli::NetArgs;
 use crate::error::Error;
+use crate::proxy::headers::AuthScheme;
 use crate::secret::Secret;
 use crate::settings::{parse_duration, Credential, Settings};
 use crate::upstream::{self, Versions};
@@ -25,6 +27,11 @@ pub fn online(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
 
 async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
     let connect_timeout = duration("connect_timeout", &net.connect_timeout)?;
+    // A probe, not a sandbox call: without the flag, half a minute is plenty.
+    let upstream_timeout = duration(
+        "upstream_timeout",
+        net.upstream_timeout.as_deref().unwrap_or("30s"),
+    )?;
     let tls = upstream::tls_config(net.upstream_ca.as_deref())?;
     let client = upstream::client(tls.clone(), Versions::Negotiate, connect_timeout);
     let key: Secret = match &settings.credential {
@@ -35,13 +42,14 @@ async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
             key
         }
     };
-    probe(settings, &client, &key).await
+    probe(settings, &client, &key, upstream_timeout).await
 }
 
 async fn probe(
     settings: &Settings,
     client: &upstream::HttpClient,
     key: &Secret,
+    timeout: Duration,
 ) -> Result<i32, Error> {
     let base = &settings.sandbox_base_url;
     let host = base.host().to_string();
@@ -49,17 +57,18 @@ async fn probe(
         key: "sandbox_base_url".into(),
         reason: e.to_string(),
     })?;
+    let scheme = AuthScheme::from(&settings.auth);
+    let value = scheme.value(key).ok_or_else(|| Error::InvalidSetting {
+        key: "sandbox_api_key".into(),
+        reason: "not usable as an HTTP header value".into(),
+    })?;
     let req = http::Request::get(uri)
-        .header(
-            http::header::AUTHORIZATION,
-            format!("Bearer {}", key.expose()),
-        )
+        .header(scheme.header(), value)
         .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())
         .map_err(|e| Error::InvalidSetting {
             key: "sandbox_base_url".into(),
             reason: e.to_string(),
         })?;
-    let timeout = Duration::from_secs(30);
     let resp = match tokio::time::timeout(timeout, client.request(req)).await {
         Err(_) => {
             return Err(Error::UpstreamTimeout {
@@ -78,6 +87,13 @@ async fn probe(
     let status = resp.status().as_u16();
     if status == 401 || status == 403 {
         return Err(Error::CredentialRejected { status, host });
+    }
+    // Reached but not serving: not "ok" (exit 69, like an unreachable one).
+    if status >= 500 {
+        return Err(Error::UpstreamUnreachable {
+            reason: format!("it answered {status}"),
+            host,
+        });
     }
     println!("control plane: {host} answered {status}");
     println!("ok");

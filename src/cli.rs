@@ -143,9 +143,10 @@ pub struct NetArgs {
     /// Upstream TCP+TLS connect timeout.
     #[arg(long, value_name = "DURATION", default_value = "10s")]
     pub connect_timeout: String,
-    /// Time an upstream may take to send response headers.
-    #[arg(long, value_name = "DURATION", default_value = "300s")]
-    pub upstream_timeout: String,
+    /// Time an upstream may take to send response headers [default: 300s for serve, 30s
+    /// for check's probe].
+    #[arg(long, value_name = "DURATION")]
+    pub upstream_timeout: Option<String>,
 }
 
 #[derive(Debug, Args, Clone, Default)]

@@ -160,7 +160,10 @@ fn options(args: &ServeArgs) -> Result<Options, Error> {
         tls_key: args.tls_key.clone(),
         upstream_ca: args.net.upstream_ca.clone(),
         connect_timeout: d("--connect-timeout", &args.net.connect_timeout)?,
-        upstream_timeout: d("--upstream-timeout", &args.net.upstream_timeout)?,
+        upstream_timeout: d(
+            "--upstream-timeout",
+            args.net.upstream_timeout.as_deref().unwrap_or("300s"),
+        )?,
         idle_timeout: d("--idle-timeout", &args.idle_timeout)?,
         shutdown_grace: d("--shutdown-grace", &args.shutdown_grace)?,
         header_timeout: match d("--header-timeout", &args.header_timeout)? {

@@ -427,3 +427,47 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
         assert!(!stderr.contains(key), "a key value in the log");
     }
 }
+
+/// `check` probes a plugin's control plane with the plugin's own header, as the proxy
+/// would send it; a control plane that answers 5xx is not "ok" (exit 69).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
+    let pki = Pki::new();
+    let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "[]") }).await;
+    let failing = Upstream::start(&pki, Proto::Http1, |_r| async { response(503, "busy") }).await;
+    let home = tempfile::tempdir().expect("home");
+    let ca = pki.ca_pem.display().to_string();
+    let run = |base: String| {
+        let (home, ca) = (home.path().to_path_buf(), ca.clone());
+        tokio::task::spawn_blocking(move || {
+            let env = [
+                ("ABX_PROVIDER", "opensandbox"),
+                ("OPEN_SANDBOX_API_KEY", OS_KEY),
+                ("ABX_OPENSANDBOX_BASE_URL", base.as_str()),
+            ];
+            abx(&home, &env, &["check", "--upstream-ca", &ca])
+        })
+    };
+    let install = abx(home.path(), &[], &["provider", "install", OPENSANDBOX]);
+    assert!(install.status.success(), "{}", text(&install));
+
+    let out = run(opensandbox.url()).await.expect("join");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let seen = opensandbox.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].all(OS_HEADER), vec![OS_KEY.to_string()]);
+    assert!(
+        seen[0].header("authorization").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+
+    let out = run(failing.url()).await.expect("join");
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out));
+    assert!(
+        text(&out).contains("[E5001]") && text(&out).contains("503"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains(OS_KEY));
+}
