@@ -240,6 +240,14 @@ impl Manifest {
         if fields.get("base_url").is_some_and(|f| f.secret) {
             return Err(err("base_url", "field base_url cannot be secret".into()));
         }
+        // The key the proxy attaches: as a plain field it would be printed by `config`,
+        // read from config.toml and taken from the command line, where `ps` shows it.
+        if fields.get("api_key").is_some_and(|f| !f.secret) {
+            return Err(err(
+                "[config.fields.api_key]",
+                "field api_key holds the provider's key and must be `secret = true`".into(),
+            ));
+        }
 
         let mut inherit = Vec::new();
         if let Some(core) = sub(&table, "core") {
@@ -384,6 +392,11 @@ inherit = ["sandbox_api_key"]
                 "base_url",
             ),
             (OPEN.replace("[core]", "[core"), 13, "invalid TOML"),
+            (
+                OPEN.replace("secret = true\n", ""),
+                8,
+                "must be `secret = true`",
+            ),
             (
                 OPEN.replace("\"sandbox_api_key\"", "\"access_key_secret\""),
                 14,
