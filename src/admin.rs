@@ -15,23 +15,28 @@ use crate::proxy::listener::Listener;
 use crate::proxy::Proxy;
 use crate::upstream::ProxyBody;
 
+/// Serves until the process exits, on TCP or a unix socket (`curl --unix-socket`).
 pub async fn serve(listener: Listener, proxy: Arc<Proxy>) {
-    let tcp = match listener {
-        Listener::Tcp(ref l) => l,
-        Listener::Unix(..) => return,
-    };
     loop {
-        let Ok((stream, _)) = tcp.accept().await else {
-            continue;
+        // A failed accept (a connection reset before it was taken) ends only that one.
+        let _ = match &listener {
+            Listener::Tcp(l) => l.accept().await.map(|(s, _)| spawn(s, &proxy)),
+            Listener::Unix(l, _) => l.accept().await.map(|(s, _)| spawn(s, &proxy)),
         };
-        let proxy = proxy.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| answer(req, proxy.clone()));
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
     }
+}
+
+fn spawn<S>(stream: S, proxy: &Arc<Proxy>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let proxy = proxy.clone();
+    tokio::spawn(async move {
+        let service = service_fn(move |req| answer(req, proxy.clone()));
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
+    });
 }
 
 async fn answer(

@@ -835,8 +835,10 @@ async fn unix_socket_listener_serves_requests() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("abx.sock");
+    let admin_sock = dir.path().join("admin.sock");
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .listen(&format!("unix:{}", sock.display()))
+        .admin_listen(&format!("unix:{}", admin_sock.display()))
         .spawn()
         .await;
     assert_eq!(proxy.listen, format!("unix:{}", sock.display()));
@@ -862,6 +864,26 @@ async fn unix_socket_listener_serves_requests() {
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(collect(resp.into_body()).await, "via unix");
     assert_authorized(&upstream.next_request().await, &upstream);
+    drop(client);
+
+    // The admin endpoints answer on a unix socket too.
+    let admin = tokio::net::UnixStream::connect(&admin_sock).await.unwrap();
+    let mut client = handshake(admin).await;
+    for (path, status) in [("/healthz", StatusCode::OK), ("/readyz", StatusCode::OK)] {
+        let req = Request::builder()
+            .uri(path)
+            .header("host", "localhost")
+            .body(empty())
+            .unwrap();
+        let resp = within("an admin answer", client.send_request(req))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), status, "{path}");
+        collect(resp.into_body()).await;
+        within("the connection ready again", client.ready())
+            .await
+            .unwrap();
+    }
     drop(client);
     proxy.finish().await;
     assert!(!sock.exists(), "the socket file is removed at exit");

@@ -553,6 +553,7 @@ pub fn response(status: u16, body: impl Into<Bytes>) -> Response<TestBody> {
 /// key, a temporary cwd, debug logging, and the upstream's CA.
 pub struct ProxyCmd {
     listen: String,
+    admin_listen: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
     /// Files written under ABX_HOME before start: (relative path, contents).
@@ -565,6 +566,7 @@ impl ProxyCmd {
     pub fn new(base_url: &str, pki: &Pki) -> ProxyCmd {
         ProxyCmd {
             listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
             args: vec![
                 "--sandbox-base-url".into(),
                 base_url.into(),
@@ -637,6 +639,11 @@ impl ProxyCmd {
         self
     }
 
+    pub fn admin_listen(mut self, addr: &str) -> Self {
+        self.admin_listen = addr.into();
+        self
+    }
+
     pub fn arg(mut self, a: &str) -> Self {
         self.args.push(a.into());
         self
@@ -658,7 +665,12 @@ impl ProxyCmd {
             .env("ABX_HOME", &abx_home)
             .current_dir(&cwd)
             .arg("serve")
-            .args(["--listen", &self.listen, "--admin-listen", "127.0.0.1:0"])
+            .args([
+                "--listen",
+                &self.listen,
+                "--admin-listen",
+                &self.admin_listen,
+            ])
             .args(&self.args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
