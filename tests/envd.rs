@@ -132,7 +132,8 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
     }
 }
 
-/// envd: 401 unless `X-Access-Token` is the sandbox's current token; else says who it is.
+/// envd: 401 unless `X-Access-Token` is the sandbox's current token (an unsecured sandbox,
+/// whose token is "", takes any); else says who it is.
 async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
     let id = header_of(&req, "e2b-sandbox-id");
     let token = header_of(&req, "x-access-token");
@@ -142,7 +143,8 @@ async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Resp
         req.uri().path_and_query().map_or("/", |pq| pq.as_str())
     );
     let body = collect(req.into_body()).await;
-    if cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty() {
+    let unsecured = cloud.token(&id).as_deref() == Some("");
+    if !unsecured && (cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty()) {
         let together = cloud.unauthorized_together.lock().unwrap().clone();
         if let Some(barrier) = together {
             barrier.wait().await;
@@ -527,6 +529,35 @@ async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
     assert!(
         env.lookups("isb-8").is_empty(),
         "the client's token needed no look-up"
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// An unsecured sandbox has no envd token: the look-up learns that, and then no
+/// `X-Access-Token` is sent rather than an empty one, and a client's own token is never
+/// replaced by the empty one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_without_a_token_gets_none_and_a_clients_own_is_kept() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.cloud.exists("isb-open", "");
+    for client_token in [None, Some("client-tok")] {
+        let mut req = request("GET", addr, "/health").header("e2b-sandbox-id", "isb-open");
+        if let Some(t) = client_token {
+            req = req.header("x-access-token", t);
+        }
+        let (status, body) = text(send(addr, req.body(empty()).unwrap()).await).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let seen = env.envd.seen();
+        let last = seen.last().expect("envd was asked");
+        assert_eq!(last.header("x-access-token"), client_token, "{last:?}");
+    }
+    assert_eq!(
+        env.lookups("isb-open").len(),
+        1,
+        "the answer was remembered"
     );
     env.assert_envd_clean();
     proxy.finish().await;

@@ -1,10 +1,16 @@
 //! The envd token store: each sandbox's `envdAccessToken`, learned from control-plane
 //! responses, forgotten on delete, looked up from the control plane on a miss — one look-up
 //! per sandbox however many requests wait for it.
+//!
+//! Bounded: most sandboxes end by timing out, not by a `DELETE` through this proxy, so
+//! without a bound every sandbox ever created would stay. A token older than [`MAX_AGE`]
+//! is dropped, and beyond [`MAX_TOKENS`] the oldest goes. Forgetting costs little: the
+//! SDKs send the token themselves, and without it the next request looks it up again.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use tokio::sync::watch;
@@ -14,11 +20,23 @@ use crate::secret::Secret;
 
 type Lookup = watch::Receiver<Option<Result<Option<Secret>, Error>>>;
 
-#[derive(Default)]
+/// Sandboxes remembered at most (about 1 MiB of tokens).
+pub const MAX_TOKENS: usize = 10_000;
+/// A token is forgotten this long after it was learned: longer than a sandbox runs
+/// without a pause.
+pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+
 pub struct TokenStore {
     // Copy-on-write: reads are a pointer load; writes (one per sandbox created) copy.
-    tokens: ArcSwap<HashMap<Arc<str>, Secret>>,
+    tokens: ArcSwap<HashMap<Arc<str>, (Secret, Instant)>>,
     inflight: Mutex<HashMap<String, Lookup>>,
+    max_tokens: usize,
+}
+
+impl Default for TokenStore {
+    fn default() -> Self {
+        Self::with_max(MAX_TOKENS)
+    }
 }
 
 impl TokenStore {
@@ -26,14 +44,40 @@ impl TokenStore {
         Self::default()
     }
 
+    fn with_max(max_tokens: usize) -> Self {
+        TokenStore {
+            tokens: ArcSwap::default(),
+            inflight: Mutex::default(),
+            max_tokens,
+        }
+    }
+
     pub fn get(&self, sandbox_id: &str) -> Option<Secret> {
-        self.tokens.load().get(sandbox_id).cloned()
+        self.tokens.load().get(sandbox_id).map(|(t, _)| t.clone())
     }
 
     pub fn insert(&self, sandbox_id: &str, token: Secret) {
+        self.insert_at(sandbox_id, token, Instant::now());
+    }
+
+    /// Inserts as learned at `now`, dropping what is too old or one too many.
+    fn insert_at(&self, sandbox_id: &str, token: Secret, now: Instant) {
         self.tokens.rcu(|map| {
-            let mut next = HashMap::clone(map);
-            next.insert(Arc::from(sandbox_id), token.clone());
+            let mut next: HashMap<_, _> = map
+                .iter()
+                .filter(|(_, (_, at))| now.saturating_duration_since(*at) < MAX_AGE)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            if next.len() >= self.max_tokens && !next.contains_key(sandbox_id) {
+                let oldest = next
+                    .iter()
+                    .min_by_key(|(_, (_, at))| *at)
+                    .map(|(k, _)| k.clone());
+                if let Some(oldest) = oldest {
+                    next.remove(&oldest);
+                }
+            }
+            next.insert(Arc::from(sandbox_id), (token.clone(), now));
             next
         });
     }
@@ -51,10 +95,10 @@ impl TokenStore {
     /// Forgets `sandbox_id`'s token only while it is still `stale` (the one envd refused):
     /// a fresher token, fetched after the same 401 by a concurrent request, is kept.
     pub fn remove_stale(&self, sandbox_id: &str, stale: &Secret) {
-        if self.tokens.load().get(sandbox_id) == Some(stale) {
+        if self.get(sandbox_id).as_ref() == Some(stale) {
             self.tokens.rcu(|map| {
                 let mut next = HashMap::clone(map);
-                if next.get(sandbox_id) == Some(stale) {
+                if next.get(sandbox_id).map(|(t, _)| t) == Some(stale) {
                     next.remove(sandbox_id);
                 }
                 next
@@ -81,48 +125,51 @@ impl TokenStore {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Secret>, Error>>,
     {
-        if let Some(t) = self.get(sandbox_id) {
-            return Ok(Some(t));
-        }
-        let (leader, mut rx) = {
-            let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            match inflight.get(sandbox_id) {
-                Some(rx) => (None, rx.clone()),
-                None => {
-                    let (tx, rx) = watch::channel(None);
-                    inflight.insert(sandbox_id.to_string(), rx.clone());
-                    (Some(tx), rx)
-                }
+        // Once more when a waited-for leader was cancelled: a waiter then leads.
+        loop {
+            if let Some(t) = self.get(sandbox_id) {
+                return Ok(Some(t));
             }
-        };
-        match leader {
-            Some(tx) => {
-                // Removes the in-flight entry even if this future is dropped mid-fetch, so a
-                // cancelled leader cannot wedge later callers.
-                let _guard = InflightGuard {
-                    store: self,
-                    id: sandbox_id,
-                };
-                // A token learned while we queued makes the fetch unnecessary.
-                let result = match self.get(sandbox_id) {
-                    Some(t) => Ok(Some(t)),
-                    None => fetch().await,
-                };
-                if let Ok(Some(t)) = &result {
-                    self.insert(sandbox_id, t.clone());
+            let (leader, mut rx) = {
+                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+                match inflight.get(sandbox_id) {
+                    Some(rx) => (None, rx.clone()),
+                    None => {
+                        let (tx, rx) = watch::channel(None);
+                        inflight.insert(sandbox_id.to_string(), rx.clone());
+                        (Some(tx), rx)
+                    }
                 }
-                let _ = tx.send(Some(result.clone()));
-                result
-            }
-            None => loop {
-                if let Some(result) = rx.borrow_and_update().clone() {
+            };
+            match leader {
+                Some(tx) => {
+                    // Removes the in-flight entry even if this future is dropped mid-fetch, so a
+                    // cancelled leader cannot wedge later callers.
+                    let _guard = InflightGuard {
+                        store: self,
+                        id: sandbox_id,
+                    };
+                    // A token learned while we queued makes the fetch unnecessary.
+                    let result = match self.get(sandbox_id) {
+                        Some(t) => Ok(Some(t)),
+                        None => fetch().await,
+                    };
+                    if let Ok(Some(t)) = &result {
+                        self.insert(sandbox_id, t.clone());
+                    }
+                    let _ = tx.send(Some(result.clone()));
                     return result;
                 }
-                if rx.changed().await.is_err() {
-                    // The leader was cancelled before finishing; whatever it learned is stored.
-                    return Ok(self.get(sandbox_id));
-                }
-            },
+                None => loop {
+                    if let Some(result) = rx.borrow_and_update().clone() {
+                        return result;
+                    }
+                    if rx.changed().await.is_err() {
+                        // The leader was cancelled before it had an answer: not "not found".
+                        break;
+                    }
+                },
+            }
         }
     }
 }
@@ -180,6 +227,67 @@ mod tests {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         store.remove("isb-1");
         assert!(store.get("isb-1").is_none());
+    }
+
+    #[test]
+    fn old_tokens_go_and_the_store_stays_bounded() {
+        let store = TokenStore::new();
+        let t0 = Instant::now();
+        store.insert_at("old", Secret::new("a"), t0);
+        store.insert_at("young", Secret::new("b"), t0 + MAX_AGE / 2);
+        store.insert_at("new", Secret::new("c"), t0 + MAX_AGE);
+        assert!(store.get("old").is_none(), "a day-old token stays");
+        assert!(store.get("young").is_some() && store.get("new").is_some());
+
+        // The bound at a size a debug build copies quickly; MAX_TOKENS works the same way.
+        const MAX: usize = 100;
+        let store = TokenStore::with_max(MAX);
+        for i in 0..=MAX {
+            store.insert_at(
+                &format!("isb-{i}"),
+                Secret::new("t"),
+                t0 + Duration::from_millis(i as u64),
+            );
+        }
+        assert_eq!(store.len(), MAX);
+        assert!(store.get("isb-0").is_none(), "the oldest goes first");
+        assert!(store.get(&format!("isb-{MAX}")).is_some());
+        // Learning a known sandbox again evicts nothing.
+        store.insert_at("isb-1", Secret::new("t2"), t0 + MAX_AGE / 2);
+        assert_eq!(store.len(), MAX);
+        assert_eq!(
+            store
+                .get("isb-1")
+                .map(|t| t.expose().to_string())
+                .as_deref(),
+            Some("t2")
+        );
+    }
+
+    /// Polls `fut` once; whether it finished.
+    async fn poll_once<F: Future + Unpin>(fut: &mut F) -> bool {
+        tokio::select! {
+            biased;
+            _ = fut => true,
+            _ = async {} => false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_waiter_takes_over_from_a_cancelled_leader() {
+        let store = TokenStore::new();
+        let mut leader = Box::pin(store.get_or_fetch("isb-1", std::future::pending));
+        assert!(!poll_once(&mut leader).await, "the leader fetches");
+        let mut waiter =
+            Box::pin(store.get_or_fetch("isb-1", || async { Ok(Some(Secret::new("tok"))) }));
+        assert!(
+            !poll_once(&mut waiter).await,
+            "the waiter waits for the leader"
+        );
+        // The client of the leader's request hangs up mid-fetch.
+        drop(leader);
+        let got = waiter.await.unwrap();
+        assert_eq!(got.map(|t| t.expose().to_string()).as_deref(), Some("tok"));
     }
 
     #[test]

@@ -215,6 +215,9 @@ impl Proxy {
             .filter(|v| !v.is_empty())
             .map(Secret::new);
         let token = match (self.tokens.get(sandbox_id), client_token) {
+            // The control plane gave no token for this sandbox (an unsecured one, or an
+            // answer without it): the client's own, when it sent one, is the better guess.
+            (Some(t), Some(c)) if t.expose().is_empty() => c,
             (Some(t), _) => t,
             (None, Some(t)) => t,
             (None, None) => self.lookup_token(sandbox_id).await?,

@@ -240,9 +240,15 @@ pub fn authorize_envd(headers: &mut HeaderMap, token: &Secret, sandbox_id: &str,
         .find(|v| v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic "))
         .cloned();
     headers.insert(header::AUTHORIZATION, basic.unwrap_or(DEFAULT_BASIC));
-    if let Ok(mut v) = HeaderValue::from_str(token.expose()) {
-        v.set_sensitive(true);
-        headers.insert(X_ACCESS_TOKEN, v);
+    // No token known (an unsecured sandbox): none sent, rather than an empty one.
+    match HeaderValue::from_str(token.expose()) {
+        Ok(mut v) if !v.is_empty() => {
+            v.set_sensitive(true);
+            headers.insert(X_ACCESS_TOKEN, v);
+        }
+        _ => {
+            headers.remove(X_ACCESS_TOKEN);
+        }
     }
     if let Ok(v) = HeaderValue::from_str(sandbox_id) {
         headers.insert(E2B_SANDBOX_ID, v);

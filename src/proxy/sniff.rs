@@ -14,8 +14,13 @@ pub enum Sniff {
     Forget(String),
 }
 
-/// `path` is the client's path after the `/v2` rewrite.
+/// `path` is the upstream path: after the `/v2` rewrite, or still `/v2/…` where paths
+/// pass unchanged (`compat_v2_paths = pass`, plugin providers).
 pub fn plan(method: &Method, path: &str) -> Sniff {
+    let path = path
+        .strip_prefix("/v2")
+        .filter(|p| p.starts_with("/sandboxes"))
+        .unwrap_or(path);
     let Some(rest) = path.strip_prefix("/sandboxes") else {
         return Sniff::None;
     };
@@ -71,6 +76,14 @@ mod tests {
             Sniff::Forget("isb-1".into())
         );
         assert_eq!(plan(&Method::GET, "/templates"), Sniff::None);
+        // Paths that pass unchanged (compat pass, plugins) are read all the same.
+        assert_eq!(plan(&Method::POST, "/v2/sandboxes"), Sniff::Learn);
+        assert_eq!(
+            plan(&Method::POST, "/v2/sandboxes/isb-1/connect"),
+            Sniff::Learn
+        );
+        assert_eq!(plan(&Method::GET, "/v2/templates"), Sniff::None);
+        assert_eq!(plan(&Method::POST, "/v2sandboxes"), Sniff::None);
     }
 
     #[test]
