@@ -1455,11 +1455,13 @@ fn abx_home_moves_the_directory_but_not_the_source_names() {
 fn values_out_of_range_and_malformed_flags_are_refused() {
     let mut c = Case::new();
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    // A token_ttl beyond a year would overflow the expiry date it computes.
+    // token_ttl: beyond a year it overflowed the expiry date; under 20 s no key was usable.
     for (ttl, code) in [
         ("31536000", 0),
         ("31536001", 78),
         ("18446744073709551615", 78),
+        ("20", 0),
+        ("19", 78),
     ] {
         let mut c = Case::new();
         c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
@@ -1474,6 +1476,17 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             );
         }
     }
+    // token_refresh_before: under 10 s a refresh began as the key stopped being sent.
+    c.env("ABX_TOKEN_REFRESH_BEFORE", "9");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("token_refresh_before"),
+        "{}",
+        out.stderr
+    );
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
     // Bad command lines (exit 2): a --provider-option without '=' (not quoted back: it may
     // be a value typed in the wrong place), and a --log-level that is not a filter.
     let bad: [(&[&str], &str, Option<&str>); 2] = [

@@ -788,6 +788,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 let delay = backoff(failed_in_row);
                 tracing::warn!(
                     error = %e.line(),
+                    suggestion = e.suggestion().unwrap_or_default(),
                     retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
                     "token exchange failed"
                 );

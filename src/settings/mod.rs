@@ -321,11 +321,28 @@ impl Resolved {
         values::check_region(&region)?;
         let plugin = self.plugin()?;
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
-        // The upper bound keeps `now + token_ttl` a date (a larger one overflowed it).
-        if token_ttl.is_zero() || token_ttl > MAX_TOKEN_TTL {
+        // A key stops being sent 5 s before it expires, and its refresh needs time before
+        // that: shorter values made every key unusable or left a gap at each refresh. The
+        // upper bound keeps `now + token_ttl` a date.
+        if !(MIN_TOKEN_TTL..=MAX_TOKEN_TTL).contains(&token_ttl) {
             return Err(values::invalid(
                 Key::TokenTtl,
-                format!("must be 1 to {} seconds (a year)", MAX_TOKEN_TTL.as_secs()),
+                format!(
+                    "must be {} to {} seconds (a year)",
+                    MIN_TOKEN_TTL.as_secs(),
+                    MAX_TOKEN_TTL.as_secs()
+                ),
+            ));
+        }
+        let token_refresh_before =
+            values::seconds(Key::TokenRefreshBefore, get(Key::TokenRefreshBefore))?;
+        if token_refresh_before < MIN_REFRESH_BEFORE {
+            return Err(values::invalid(
+                Key::TokenRefreshBefore,
+                format!(
+                    "must be at least {} seconds: a key stops being sent 5 s before it expires",
+                    MIN_REFRESH_BEFORE.as_secs()
+                ),
             ));
         }
         let (credential, auth, sandbox_base_url, envd_domain) = match &plugin {
@@ -374,10 +391,7 @@ impl Resolved {
             )?,
             token_exchange: ExchangeScheme::parse(get(Key::TokenExchange))?,
             token_ttl,
-            token_refresh_before: values::seconds(
-                Key::TokenRefreshBefore,
-                get(Key::TokenRefreshBefore),
-            )?,
+            token_refresh_before,
             compat_v2_paths: CompatMode::parse(get(Key::CompatV2Paths))?,
             listen: ListenAddr::parse(Key::Listen, get(Key::Listen))?,
             admin_listen: ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?,
@@ -426,6 +440,10 @@ impl Resolved {
 
 /// The longest `token_ttl` accepted: a year.
 pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The shortest `token_ttl`: four times the 5 s a key is held back before its expiry.
+pub const MIN_TOKEN_TTL: Duration = Duration::from_secs(20);
+/// The shortest `token_refresh_before`: twice that margin.
+pub const MIN_REFRESH_BEFORE: Duration = Duration::from_secs(10);
 
 /// The credential to attach, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
