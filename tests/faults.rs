@@ -731,6 +731,122 @@ async fn smuggling_vectors_never_become_two_requests() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// hyper keeps a connection open after a refused `CONNECT`, after an upgrade request that
+/// got no 101, and after a chunk-size line too long for the framing watch to read. None of
+/// them may leave the connection's later requests unchecked: a smuggling attempt after
+/// them is refused (400 E5003, or the connection is already closed) and never reaches the
+/// upstream, whether it is sent after the first answer or pipelined behind the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_stays_checked_after_connect_upgrade_and_long_chunk_lines() {
+    let pki = Pki::new();
+    let mut upstream = echo_upstream(&pki).await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+    let host = format!("Host: {addr}\r\n");
+    let extension = format!(";ext={}", "x".repeat(80));
+    let smuggles = [
+        "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+        "Transfer-Encoding: gzip, chunked\r\n",
+    ];
+
+    // The long chunk-size line comes after the request was handed to the proxy (the
+    // upstream has its head): its answer keeps the connection, and what follows is refused.
+    for framing in smuggles {
+        let mut s = connect_raw(addr).await;
+        let head = format!("POST /a HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        assert_eq!(upstream.next_request().await.path_and_query(), "/a");
+        let body = format!("5{extension}\r\nhello\r\n0\r\n\r\n");
+        s.write_all(body.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        let resp = read_response(&mut s, &mut buf).await;
+        assert_eq!((resp.status, resp.text().as_str()), (200, "hello"));
+        assert_eq!(resp.header("connection"), None, "{resp:?}");
+        let smuggled = format!("POST /smuggled HTTP/1.1\r\n{host}{framing}\r\n0\r\n\r\n");
+        s.write_all(smuggled.as_bytes()).await.unwrap();
+        let resp = read_response(&mut s, &mut buf).await;
+        sweep.raw("after a long chunk-size line", &resp);
+        assert_proxy_error(&resp, 400, "E5003");
+        assert!(
+            resp.text().contains("could not be followed"),
+            "{}",
+            resp.text()
+        );
+        expect_closed(&mut s, &buf).await;
+    }
+
+    // Each first request, the answer it gets, and whether that answer closes at once.
+    let firsts: [(&str, String, u16, bool); 3] = [
+        ("CONNECT", format!("CONNECT a:1 HTTP/1.1\r\n{host}\r\n"), 400, true),
+        (
+            "refused upgrade",
+            format!("GET /ws HTTP/1.1\r\n{host}Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n"),
+            200,
+            true,
+        ),
+        // Whether the watch lost track before the proxy got the request depends on how the
+        // bytes arrive: the answer closes, or the next request is refused.
+        (
+            "long chunk-size line",
+            format!("POST /a HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n5{extension}\r\nhello\r\n0\r\n\r\n"),
+            200,
+            false,
+        ),
+    ];
+    for (name, first, status, closes) in &firsts {
+        for framing in smuggles {
+            for pipelined in [false, true] {
+                let case = format!("{name}, then {framing:?}, pipelined: {pipelined}");
+                let smuggled = format!("POST /smuggled HTTP/1.1\r\n{host}{framing}\r\n0\r\n\r\n");
+                let mut s = connect_raw(addr).await;
+                let mut leftover = Vec::new();
+                if pipelined {
+                    s.write_all(format!("{first}{smuggled}").as_bytes())
+                        .await
+                        .unwrap();
+                } else {
+                    s.write_all(first.as_bytes()).await.unwrap();
+                }
+                let resp = read_response(&mut s, &mut leftover).await;
+                sweep.raw(&case, &resp);
+                assert_eq!(resp.status, *status, "{case}: {resp:?}");
+                if *closes {
+                    assert_eq!(resp.header("connection"), Some("close"), "{case}: {resp:?}");
+                }
+                if !pipelined {
+                    // The proxy may already have closed: a failed write is an answer too.
+                    let _ = s.write_all(smuggled.as_bytes()).await;
+                }
+                let (resp, rest) = if leftover.is_empty() {
+                    response_or_close(&mut s).await
+                } else {
+                    (Some(read_response(&mut s, &mut leftover).await), leftover)
+                };
+                if let Some(r) = &resp {
+                    sweep.raw(&case, r);
+                    assert_proxy_error(r, 400, "E5003");
+                }
+                expect_closed(&mut s, &rest).await;
+                let seen: Vec<String> = upstream
+                    .seen()
+                    .iter()
+                    .map(|s| s.path_and_query().to_string())
+                    .collect();
+                assert!(
+                    !seen.iter().any(|p| p == "/smuggled"),
+                    "{case}: reached the upstream: {seen:?}"
+                );
+            }
+        }
+    }
+
+    assert_healthy(&proxy, &mut sweep, true).await;
+    sweep.finish(proxy, &settings).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Upstream faults
 // ---------------------------------------------------------------------------------------

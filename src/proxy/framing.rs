@@ -15,9 +15,19 @@
 //! After a refusal the listener closes the connection.
 //!
 //! The watch costs a scan for line ends in heads and chunk-size lines; body bytes are
-//! skipped by count. Whatever it cannot follow (HTTP/2, `CONNECT`, upgrades, malformed
-//! input hyper will reject) switches it off for the connection: hyper's own handling, TE
-//! wins and the connection closes, still applies there.
+//! skipped by count. Whatever it cannot follow (`CONNECT`, upgrades, a chunk-size line
+//! longer than it keeps, malformed input hyper will reject) switches it off, and then the
+//! connection serves no further request: the answer to the request where the watch lost
+//! track closes the connection unless it turns it into a tunnel (101, or 2xx to
+//! `CONNECT`), and a request whose head it did not see is refused ([`Refusal::Unfollowed`]).
+//! hyper keeps a connection open after a refused `CONNECT` or upgrade, so without this the
+//! next request would pass unchecked. HTTP/2 (the `PRI` preface opening a connection) has
+//! framing of its own: the watch stops there and refuses nothing.
+//!
+//! Closing, rather than watching on: whether the bytes after a `CONNECT` or upgrade head
+//! are HTTP is decided by the answer, after hyper may already have read them past the
+//! watch, and following them until then would scan the start of every WebSocket as if it
+//! were requests. A client that reuses a connection after a refused upgrade reconnects.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -39,6 +49,9 @@ pub enum Refusal {
     TransferCoding,
     /// A `Content-Length` or `Transfer-Encoding` line too long to be an honest one.
     LongFramingField,
+    /// A request after the watch lost track of the connection's framing: its head may not
+    /// be where hyper found it.
+    Unfollowed,
 }
 
 impl Refusal {
@@ -49,6 +62,7 @@ impl Refusal {
             Refusal::RepeatedLength => "more than one Content-Length",
             Refusal::TransferCoding => "unsupported Transfer-Encoding (only chunked is accepted)",
             Refusal::LongFramingField => "oversized Content-Length or Transfer-Encoding field",
+            Refusal::Unfollowed => "an earlier request's framing could not be followed",
         }
     }
 
@@ -58,6 +72,7 @@ impl Refusal {
             Refusal::RepeatedLength => 2,
             Refusal::TransferCoding => 3,
             Refusal::LongFramingField => 4,
+            Refusal::Unfollowed => 5,
         }
     }
 
@@ -66,6 +81,7 @@ impl Refusal {
             2 => Refusal::RepeatedLength,
             3 => Refusal::TransferCoding,
             4 => Refusal::LongFramingField,
+            5 => Refusal::Unfollowed,
             _ => Refusal::BothLengths,
         }
     }
@@ -76,7 +92,7 @@ pub(super) const LINE_CAP: usize = 64;
 
 /// The watch and the service's side of it, for one connection.
 pub fn watch() -> (HeadWatch, Verdicts) {
-    let flagged = Arc::new(AtomicU64::new(0));
+    let found = Arc::new(Found::default());
     (
         HeadWatch {
             state: State::Head { first: true },
@@ -85,31 +101,73 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             line_cut: false,
             head: Head::default(),
             heads: 0,
-            flagged: flagged.clone(),
+            found: found.clone(),
         },
         Verdicts {
-            flagged,
+            found,
             served: AtomicU64::new(0),
         },
     )
+}
+
+/// What the watch tells the service.
+#[derive(Debug, Default)]
+struct Found {
+    /// The number (1-based) of the first refused head, shifted left by 8, with the
+    /// [`Refusal`] code in the low byte; 0 while there is none.
+    flagged: AtomicU64,
+    /// The number of the head during which the watch stopped following the framing (in
+    /// the head itself or in its body); 0 while it follows.
+    lost_at: AtomicU64,
+}
+
+/// What the service does with one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Refused, and why; the connection closes after the answer.
+    pub refusal: Option<Refusal>,
+    /// The watch lost track at this request: unless the answer turns the connection into a
+    /// tunnel, it must close after it.
+    pub last: bool,
 }
 
 /// Tells the service which request is the ambiguous one. hyper hands HTTP/1 requests to the
 /// service in the order their heads arrived, and the watch sees each head before hyper
 /// does, so counting requests is enough — even with pipelining, where a later head may
 /// already have been read while an earlier request is served.
+///
+/// Where the watch lost track is known when the service gets that request: its head went
+/// through the watch before hyper parsed it, and `CONNECT` and `Upgrade` are in the head. A
+/// chunk-size line is lost in the body, maybe after the answer went out with the connection
+/// kept: the next request is then refused instead.
 #[derive(Debug)]
 pub struct Verdicts {
-    flagged: Arc<AtomicU64>,
+    found: Arc<Found>,
     served: AtomicU64,
 }
 
 impl Verdicts {
+    /// Called once per request, in order.
+    pub fn next_verdict(&self) -> Verdict {
+        let n = self.served.fetch_add(1, Relaxed) + 1;
+        let flagged = self.found.flagged.load(Relaxed);
+        let lost_at = self.found.lost_at.load(Relaxed);
+        let refusal = if flagged >> 8 == n {
+            Some(Refusal::from_code(flagged & 0xff))
+        } else if lost_at != 0 && n > lost_at {
+            Some(Refusal::Unfollowed)
+        } else {
+            None
+        };
+        Verdict {
+            refusal,
+            last: lost_at == n,
+        }
+    }
+
     /// Called once per request, in order: whether this one's framing is refused, and why.
     pub fn next_refusal(&self) -> Option<Refusal> {
-        let n = self.served.fetch_add(1, Relaxed) + 1;
-        let flagged = self.flagged.load(Relaxed);
-        (flagged >> 8 == n).then(|| Refusal::from_code(flagged & 0xff))
+        self.next_verdict().refusal
     }
 
     /// Called once per request, in order: whether this one's framing is refused.
@@ -157,11 +215,9 @@ pub struct HeadWatch {
     /// The current line is longer than [`LINE_CAP`]: `line` holds its start only.
     line_cut: bool,
     head: Head,
-    /// Heads completed so far.
+    /// Heads begun so far (request lines read).
     heads: u64,
-    /// The number (1-based) of the first refused head, shifted left by 8, with the
-    /// [`Refusal`] code in the low byte; 0 while there is none.
-    flagged: Arc<AtomicU64>,
+    found: Arc<Found>,
 }
 
 impl HeadWatch {
@@ -224,10 +280,14 @@ impl HeadWatch {
             State::Head { first: true } if line.is_empty() => State::Head { first: true },
             State::Head { first: true } => {
                 self.head = Head::default();
+                self.heads += 1;
                 let method = line.split(|&b| b == b' ').next().unwrap_or_default();
-                // CONNECT tunnels, and `PRI` is the HTTP/2 preface: no HTTP/1 framing follows.
-                if method == b"CONNECT" || method == b"PRI" {
+                if method == b"PRI" && self.heads == 1 {
+                    // The HTTP/2 preface: hyper serves HTTP/2, where none of this applies.
                     State::Off
+                } else if method == b"CONNECT" || method == b"PRI" {
+                    // A tunnel may follow (or, for a late preface, hyper's error).
+                    self.lose()
                 } else {
                     State::Head { first: false }
                 }
@@ -238,11 +298,11 @@ impl HeadWatch {
                 State::Head { first: false }
             }
             // A cut size line could hide digits (`000…05` reads as 0): stop following.
-            State::ChunkSize if self.line_cut => State::Off,
+            State::ChunkSize if self.line_cut => self.lose(),
             State::ChunkSize => match chunk_size(line) {
                 Some(0) => State::Trailers,
                 Some(size) => State::ChunkData(size.saturating_add(2)),
-                None => State::Off,
+                None => self.lose(),
             },
             State::Trailers if line.is_empty() => State::Head { first: true },
             other => other,
@@ -281,8 +341,13 @@ impl HeadWatch {
         }
     }
 
+    /// Stops following: see the module's documentation for what becomes of the connection.
+    fn lose(&mut self) -> State {
+        self.found.lost_at.store(self.heads.max(1), Relaxed);
+        State::Off
+    }
+
     fn end_of_head(&mut self) -> State {
-        self.heads += 1;
         let head = self.head;
         let refusal = if head.has_content_length && head.transfer_encoding {
             Some(Refusal::BothLengths)
@@ -298,11 +363,14 @@ impl HeadWatch {
         if let Some(refusal) = refusal {
             // Only the first matters: the connection closes after that request.
             let (this, none) = ((self.heads << 8) | refusal.code(), 0);
-            let _ = self.flagged.compare_exchange(none, this, Relaxed, Relaxed);
+            let _ = self
+                .found
+                .flagged
+                .compare_exchange(none, this, Relaxed, Relaxed);
         }
         if head.upgrade {
             // The bytes after a 101 are not HTTP; whether one comes is not known here.
-            State::Off
+            self.lose()
         } else if head.transfer_encoding {
             // hyper accepts only `chunked` last; anything else ends the connection.
             State::ChunkSize
@@ -313,7 +381,7 @@ impl HeadWatch {
                 Some(0) => State::Head { first: true },
                 Some(n) => State::Sized(n),
                 // A length hyper refuses: the connection ends with its 400.
-                None => State::Off,
+                None => self.lose(),
             }
         }
     }
@@ -384,13 +452,96 @@ mod tests {
         assert_eq!(flagged(te_first, 4096, 1), vec![1]);
     }
 
+    /// Each request's verdict, as the service would get them.
+    fn verdicts(input: &[u8], step: usize, requests: usize) -> Vec<Verdict> {
+        let (mut watch, verdicts) = watch();
+        for piece in input.chunks(step) {
+            watch.scan(piece);
+        }
+        (0..requests).map(|_| verdicts.next_verdict()).collect()
+    }
+
+    const PASS: Verdict = Verdict {
+        refusal: None,
+        last: false,
+    };
+    const LAST: Verdict = Verdict {
+        refusal: None,
+        last: true,
+    };
+    const UNFOLLOWED: Verdict = Verdict {
+        refusal: Some(Refusal::Unfollowed),
+        last: false,
+    };
+
     #[test]
-    fn stops_where_http1_framing_ends() {
+    fn http2_is_left_alone() {
         let h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0Content-Length: 1\r\nTransfer-Encoding: x\r\n\r\n";
-        assert_eq!(flagged(h2, 4096, 2), Vec::<usize>::new());
-        let upgrade = b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n\
-            GET / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
-        assert_eq!(flagged(upgrade, 4096, 2), Vec::<usize>::new());
+        assert_eq!(verdicts(h2, 4096, 3), [PASS; 3]);
+    }
+
+    /// hyper keeps the connection after a refused CONNECT or upgrade: what the watch could
+    /// not follow ends the connection's HTTP/1 use at that request, and whatever comes
+    /// after it is refused, clean or not.
+    #[test]
+    fn what_it_cannot_follow_is_the_last_request_served() {
+        let smuggled =
+            "POST /s HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        let clean = "GET /c HTTP/1.1\r\n\r\n";
+        let long_line = format!("5;{}", "x".repeat(LINE_CAP));
+        let zeros = format!("{}5", "0".repeat(LINE_CAP));
+        let cases: [(&str, String); 7] = [
+            ("CONNECT", "CONNECT a:1 HTTP/1.1\r\nHost: x\r\n\r\n".into()),
+            (
+                "upgrade",
+                "GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n".into(),
+            ),
+            (
+                "upgrade with a body",
+                "POST /ws HTTP/1.1\r\nUpgrade: x\r\nContent-Length: 2\r\n\r\nhi".into(),
+            ),
+            (
+                "long chunk-size line",
+                format!("POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n{long_line}\r\nhello\r\n0\r\n\r\n"),
+            ),
+            (
+                "chunk size hidden by zeros",
+                format!("POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n{zeros}\r\nhello\r\n0\r\n\r\n"),
+            ),
+            (
+                "bad chunk size",
+                "POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n".into(),
+            ),
+            (
+                "a late HTTP/2 preface",
+                "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".into(),
+            ),
+        ];
+        for (name, first) in &cases {
+            for second in [smuggled, clean] {
+                // After a clean request, so that the lost one is not the connection's first.
+                let input = format!("{clean}{first}{second}{clean}");
+                for step in [1, 3, 4096] {
+                    assert_eq!(
+                        verdicts(input.as_bytes(), step, 4),
+                        [PASS, LAST, UNFOLLOWED, UNFOLLOWED],
+                        "{name}, then {second:?}, step {step}"
+                    );
+                }
+            }
+        }
+        // A refusal in the head that was lost wins.
+        let both = "GET /ws HTTP/1.1\r\nUpgrade: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(
+            verdicts(format!("{both}{clean}").as_bytes(), 4096, 2),
+            [
+                Verdict {
+                    refusal: Some(Refusal::BothLengths),
+                    last: true
+                },
+                UNFOLLOWED
+            ]
+        );
     }
 
     /// The refusal of each request (1-based) that has one.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::CONNECTION;
-use http::{HeaderValue, Request};
+use http::{HeaderValue, Method, Request, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -245,19 +245,25 @@ async fn with_hyper(
     let (io, verdicts) = IdleIo::new(io, activity.clone());
     let service = service_fn(move |mut req: Request<Incoming>| {
         headed.store(true, Ordering::Relaxed);
-        let refusal = verdicts.next_refusal();
-        if let Some(why) = refusal {
+        let verdict = verdicts.next_verdict();
+        if let Some(why) = verdict.refusal {
             req.extensions_mut().insert(framing::AmbiguousLength);
             req.extensions_mut().insert(why);
         }
+        let connect = req.method() == Method::CONNECT;
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (3 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
         let handled = Box::pin(proxy.clone().handle(req.map(super::body::boxed)));
         async move {
             let mut resp = handled.await?;
-            if refusal.is_some() {
-                // What follows on this connection was framed by a guess.
+            let status = resp.status();
+            let tunnel =
+                status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success());
+            // A refusal: what follows on this connection was framed by a guess. The last
+            // request the watch followed, answered without a tunnel: hyper would read on,
+            // and the rest would pass unchecked (see `framing`).
+            if verdict.refusal.is_some() || (verdict.last && !tunnel) {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
             }
