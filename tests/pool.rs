@@ -343,3 +343,129 @@ async fn large_plain_uploads_arrive_byte_identical_and_keep_both_connections() {
     assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
     proxy.finish().await;
 }
+
+/// What an upstream read: (connection, request on it, request line), in order.
+type Log = Arc<std::sync::Mutex<Vec<(usize, usize, String)>>>;
+
+/// An upstream on 127.0.0.1 that answers the first request of each connection and keeps it
+/// alive, then reads the second one whole and closes without a word: the server acted on
+/// it (or may have) and died before answering.
+async fn answers_once_then_closes() -> (SocketAddr, Log, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut conn = 0;
+        while let Ok((mut s, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                for n in 0.. {
+                    let Some(line) = read_request(&mut s, &mut buf).await else {
+                        return;
+                    };
+                    log.lock().unwrap().push((conn, n, line));
+                    if n == 1 {
+                        // Everything was read: the close is a FIN, not a reset.
+                        return;
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                    if s.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            conn += 1;
+        }
+    });
+    (addr, seen, task)
+}
+
+/// Reads one request (head, and a `Content-Length` body) off `s`; its request line, or
+/// `None` at EOF.
+async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+    let mut tmp = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match s.read(&mut tmp).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    assert!(
+        !head.to_ascii_lowercase().contains("transfer-encoding"),
+        "{head}"
+    );
+    let length: usize = head
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-length"))
+        .map_or(0, |(_, v)| v.trim().parse().unwrap());
+    while buf.len() < end + length {
+        match s.read(&mut tmp).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+        }
+    }
+    buf.drain(..end + length);
+    head.lines().next().map(str::to_string)
+}
+
+/// A request the upstream read whole on a kept-alive connection, which then closed without
+/// answering, may have been acted on: a POST (`/pause` has no body) is not sent again, and
+/// the client gets 502 E5001; an idempotent GET is sent again on a new connection and
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_lost_to_a_keep_alive_close_is_not_sent_twice_a_get_is_retried() {
+    let (up, seen, _task) = answers_once_then_closes().await;
+    let proxy = ProxyCmd::new(&format!("http://{up}"), &Pki::new())
+        .env("TOKIO_WORKER_THREADS", Some("1"))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let get = |path: &str| request("GET", addr, path).body(empty()).unwrap();
+
+    let resp = send(addr, get("/sandboxes?warm=1")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "ok");
+    let pause = request("POST", addr, "/sandboxes/isb-1/pause")
+        .body(empty())
+        .unwrap();
+    let resp = send(addr, pause).await;
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(resp.headers()["x-abx-error"], "E5001");
+    let body = collect(resp.into_body()).await;
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(json["code"], 502, "{json}");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            (0, 0, "GET /sandboxes?warm=1 HTTP/1.1".to_string()),
+            (0, 1, "POST /sandboxes/isb-1/pause HTTP/1.1".to_string()),
+        ],
+        "the POST went over the kept-alive connection, and only once"
+    );
+
+    // The same with a GET: sent again on a new connection, answered there.
+    seen.lock().unwrap().clear();
+    let resp = send(addr, get("/sandboxes?warm=2")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "ok");
+    let resp = send(addr, get("/sandboxes")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "ok");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            (1, 0, "GET /sandboxes?warm=2 HTTP/1.1".to_string()),
+            (1, 1, "GET /sandboxes HTTP/1.1".to_string()),
+            (2, 0, "GET /sandboxes HTTP/1.1".to_string()),
+        ],
+        "the GET was retried on a new connection"
+    );
+    proxy.finish().await;
+}

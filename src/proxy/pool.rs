@@ -427,9 +427,9 @@ impl Pool {
                 };
                 match exchange(&mut conn, &parts, host_header, &mut body, deadline).await {
                     Ok((head, sent)) => return Ok(self.response(conn, head, sent)),
-                    // The keep-alive race: the server closed the connection as we reused it.
-                    // Nothing of the answer came and nothing of the body was taken, so the
-                    // request can go again, once, on a new connection (as hyper does).
+                    // The keep-alive race: the server closed the connection as we reused it,
+                    // and the request is one that may go again (see `Exchange::fail`): once,
+                    // on a new connection.
                     Err(f) if f.retry && reused && !retried => retried = true,
                     Err(f) => return Err(f.error),
                 }
@@ -654,17 +654,29 @@ async fn exchange(
         conn,
         body,
         head_request: parts.method == Method::HEAD,
+        idempotent: is_idempotent(&parts.method),
         wpos: 0,
         data: Bytes::new(),
         post: b"",
         sent: false,
         write_error: None,
         touched: false,
+        wrote: false,
         got_bytes: false,
     };
     let head = poll_fn(|cx| ex.poll(cx)).await?;
     let sent = ex.sent && ex.write_error.is_none() && !close;
     Ok((head, sent))
+}
+
+/// The idempotent methods of RFC 9110 §9.2.2, spelled out: `Method::is_idempotent` follows
+/// the http crate's version (1.5 added QUERY), and what may be sent twice should not change
+/// with a dependency bump.
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
 }
 
 /// A `Content-Length` the request declares itself, when it is one valid number.
@@ -785,6 +797,8 @@ struct Exchange<'a> {
     body: &'a mut ProxyBody,
     out: Out,
     head_request: bool,
+    /// GET, HEAD, OPTIONS, TRACE, PUT or DELETE (RFC 9110 §9.2.2).
+    idempotent: bool,
     /// Written part of `conn.wbuf`.
     wpos: usize,
     /// The body chunk being written, after `wbuf` and before `post`.
@@ -797,6 +811,8 @@ struct Exchange<'a> {
     write_error: Option<io::Error>,
     /// The body was polled: it cannot be sent again.
     touched: bool,
+    /// The socket took some of the request: the server may have acted on it.
+    wrote: bool,
     /// Something of the response arrived.
     got_bytes: bool,
 }
@@ -842,8 +858,16 @@ impl Exchange<'_> {
     }
 
     fn fail(&self, error: UpstreamError) -> Failed {
+        // A request the server read whole may have been carried out before the connection
+        // closed (a POST /sandboxes/{id}/pause, a create): sending it again could do it
+        // twice. So it goes again only when the server cannot have seen it (none of it
+        // was written: hyper-util's legacy client retries only that case), or when doing
+        // it twice is no different from once (an idempotent method). Either way the body
+        // must not have been polled, as what was taken from it is gone.
+        let resendable = !self.wrote || self.idempotent;
         let retry = !self.got_bytes
             && !self.touched
+            && resendable
             && matches!(error, UpstreamError::Io(_) | UpstreamError::Closed);
         Failed { error, retry }
     }
@@ -894,6 +918,7 @@ impl Exchange<'_> {
                 if n == 0 {
                     return Poll::Ready(Err(SendError::Io(io::ErrorKind::WriteZero.into())));
                 }
+                self.wrote = true;
                 self.advance(n);
                 continue;
             }
@@ -1745,9 +1770,10 @@ mod tests {
     }
 
     /// The server takes the second request on the kept-alive connection and closes without
-    /// a word: a bodiless request goes again on a new connection, one with a body does not.
+    /// a word: a bodiless request with an idempotent method goes again on a new connection;
+    /// one with a body does not, nor a POST, which the server may have carried out.
     #[tokio::test]
-    async fn a_request_lost_to_a_keep_alive_close_is_retried_once_without_a_body() {
+    async fn a_request_lost_to_a_keep_alive_close_is_retried_once_only_if_idempotent() {
         let heads = Arc::new(Mutex::new(Vec::<String>::new()));
         let seen = heads.clone();
         let fake = Fake::start(move |mut s, _| {
@@ -1785,6 +1811,38 @@ mod tests {
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
         assert_eq!(fake.accepts(), 2, "a body is never sent twice");
+
+        // A POST without a body (`/sandboxes/{id}/pause`) is not sent twice either.
+        assert_eq!(get_text(&client, &fake.url("/4")).await, "ok");
+        let pause = with_body("POST", &fake.url("/5"), body::empty());
+        let e = within(client.request(pause, LONG)).await.unwrap_err();
+        assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
+        assert_eq!(fake.accepts(), 3, "a POST is never sent twice");
+
+        // DELETE is idempotent: it goes again.
+        assert_eq!(get_text(&client, &fake.url("/6")).await, "ok");
+        let delete = with_body("DELETE", &fake.url("/7"), body::empty());
+        let resp = within(client.request(delete, LONG)).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 5, "the retry took a new connection");
+        let methods: Vec<String> = heads
+            .lock()
+            .unwrap()
+            .iter()
+            .skip(3)
+            .map(|h| h.split(' ').take(2).collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(
+            methods,
+            [
+                "POST /3",
+                "GET /4",
+                "POST /5",
+                "GET /6",
+                "DELETE /7",
+                "DELETE /7"
+            ]
+        );
     }
 
     #[tokio::test]
