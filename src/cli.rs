@@ -169,7 +169,7 @@ pub struct ServeArgs {
     /// Close a connection that moved no bytes for this long.
     #[arg(long, value_name = "DURATION", default_value = "300s")]
     pub idle_timeout: String,
-    /// How long in-flight requests may run after SIGTERM/SIGINT.
+    /// How long in-flight requests and WebSocket tunnels may run after SIGTERM/SIGINT.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub shutdown_grace: String,
     /// Time a client may take to send a request head; slower connections are closed

@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::json;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -381,32 +382,32 @@ async fn upstream_abort_mid_download_reaches_the_client_as_an_error() {
 // Upgrades
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn websocket_upgrade_tunnels_bytes_both_ways() {
-    let pki = Pki::new();
-    let mut upstream = Upstream::start(&pki, Proto::H2, |mut req| {
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            let Ok(upgraded) = on_upgrade.await else {
-                return;
-            };
-            let mut io = hyper_util::rt::TokioIo::new(upgraded);
-            if io.write_all(b"hello from upstream\n").await.is_err() {
-                return;
-            }
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                match io.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if io.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+/// A WebSocket upstream: it answers an upgrade with 101, greets, then echoes what it gets
+/// until the client's side ends. Any other request is answered with how many of its
+/// tunnels are open (`tunnels=N`).
+async fn websocket_upstream(pki: &Pki) -> Upstream {
+    let tunnels = Arc::new(AtomicUsize::new(0));
+    Upstream::start(pki, Proto::H2, move |mut req| {
+        let upgrade = req.headers().contains_key("upgrade");
+        let open = tunnels.load(Ordering::SeqCst);
+        if upgrade {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            let tunnels = tunnels.clone();
+            tokio::spawn(async move {
+                let Ok(upgraded) = on_upgrade.await else {
+                    return;
+                };
+                tunnels.fetch_add(1, Ordering::SeqCst);
+                let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                echo_until_closed(&mut io).await;
+                // Before the socket closes: whoever sees it closed sees the count without it.
+                tunnels.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
         async move {
+            if !upgrade {
+                return response(200, format!("tunnels={open}"));
+            }
             let mut r = response(101, Bytes::new());
             let h = r.headers_mut();
             h.insert("connection", "Upgrade".parse().unwrap());
@@ -418,18 +419,91 @@ async fn websocket_upgrade_tunnels_bytes_both_ways() {
             r
         }
     })
-    .await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
-    let addr = proxy.addr();
+    .await
+}
 
-    let mut s = connect_raw(addr).await;
-    let req = format!(
+/// The upstream's side of a tunnel: [`GREETING`], then echoes.
+async fn echo_until_closed<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) {
+    if io.write_all(GREETING).await.is_err() {
+        return;
+    }
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match io.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if io.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// What [`websocket_upstream`] sends first through a new tunnel.
+const GREETING: &[u8] = b"hello from upstream\n";
+
+fn websocket_request(addr: std::net::SocketAddr) -> String {
+    format!(
         "GET /ws?x=1 HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
          X-API-Key: dummy\r\n\r\n",
         addr.port()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
+    )
+}
+
+/// Reads the upstream's greeting; `buf` holds what came with the 101.
+async fn read_greeting(s: &mut TcpStream, mut buf: Vec<u8>) {
+    while buf.len() < GREETING.len() {
+        let mut tmp = [0u8; 1024];
+        let n = within("the upstream's greeting", s.read(&mut tmp))
+            .await
+            .unwrap();
+        assert!(n > 0, "tunnel closed");
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    assert_eq!(&buf[..], GREETING);
+}
+
+/// `payload` goes through the tunnel and comes back unchanged.
+async fn echo(s: &mut TcpStream, payload: &[u8]) {
+    let (mut rd, mut wr) = s.split();
+    let write = async {
+        wr.write_all(payload).await.unwrap();
+    };
+    let read = async {
+        let mut echoed = vec![0u8; payload.len()];
+        rd.read_exact(&mut echoed).await.unwrap();
+        echoed
+    };
+    let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
+    assert!(echoed == payload, "echo of {} bytes differs", payload.len());
+}
+
+/// A WebSocket tunnel through the proxy at `addr`, past the 101 and the greeting.
+async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
+    let mut s = connect_raw(addr).await;
+    s.write_all(websocket_request(addr).as_bytes())
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let resp = read_response(&mut s, &mut buf).await;
+    assert_eq!(resp.status, 101, "{resp:?}");
+    read_greeting(&mut s, buf).await;
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_upgrade_tunnels_bytes_both_ways() {
+    let pki = Pki::new();
+    let mut upstream = websocket_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+
+    let mut s = connect_raw(addr).await;
+    s.write_all(websocket_request(addr).as_bytes())
+        .await
+        .unwrap();
     let mut buf = Vec::new();
     let resp = read_response(&mut s, &mut buf).await;
     assert_eq!(resp.status, 101, "{resp:?}");
@@ -460,33 +534,58 @@ async fn websocket_upgrade_tunnels_bytes_both_ways() {
     assert_eq!(seen.path_and_query(), "/ws?x=1");
 
     // Upstream → client first, then echoes of what the client sends, small and large.
-    let greeting = b"hello from upstream\n";
-    while buf.len() < greeting.len() {
-        let mut tmp = [0u8; 1024];
-        let n = within("the upstream's greeting", s.read(&mut tmp))
-            .await
-            .unwrap();
-        assert!(n > 0, "tunnel closed");
-        buf.extend_from_slice(&tmp[..n]);
-    }
-    assert_eq!(&buf[..], greeting);
+    read_greeting(&mut s, buf).await;
     for size in [5usize, 1024 * 1024] {
         let mut payload = vec![0u8; size.next_multiple_of(8)];
         Gen::new(size as u64).fill(&mut payload);
-        let (mut rd, mut wr) = s.split();
-        let write = async {
-            wr.write_all(&payload).await.unwrap();
-        };
-        let read = async {
-            let mut echoed = vec![0u8; payload.len()];
-            rd.read_exact(&mut echoed).await.unwrap();
-            echoed
-        };
-        let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
-        assert!(echoed == payload, "echo of {size} bytes differs");
+        echo(&mut s, &payload).await;
     }
     drop(s);
     proxy.finish().await;
+}
+
+/// A tunnel keeps its connection's place under `--max-connections`: with one allowed, the
+/// next connection waits in the kernel's accept queue while the tunnel is open, and a drain
+/// that begins meanwhile never serves it (the listener's close resets it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_tunnel_holds_its_place_under_max_connections() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "1"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let mut tunnel = open_tunnel(addr).await;
+    let mut next = connect_raw(addr).await;
+    let req = format!(
+        "GET /tunnels HTTP/1.1\r\nHost: localhost:{}\r\nConnection: close\r\n\r\n",
+        addr.port()
+    );
+    next.write_all(req.as_bytes()).await.unwrap();
+
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    // A connection the proxy had accepted would now get its answer (`tunnels=1`).
+    expect_closed(&mut next, &[]).await;
+    echo(&mut tunnel, b"still open").await;
+    tunnel.shutdown().await.unwrap();
+    expect_closed(&mut tunnel, &[]).await;
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    let served = upstream
+        .seen()
+        .iter()
+        .any(|r| r.path_and_query() == "/tunnels");
+    assert!(
+        !served,
+        "the queued connection's request reached the upstream"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -807,6 +906,95 @@ async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
         proxy.stderr()
     );
     assert_no_key(&proxy.stderr(), "the proxy's stderr");
+}
+
+/// An upgraded connection is served by a tunnel after hyper's connection has ended: it must
+/// still count as open, and the drain must wait for it (SPEC §7) instead of the exit
+/// cutting it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drain_waits_for_an_open_websocket_tunnel() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    // A grace far longer than the test may take: the exit must come from the tunnel's end.
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("60s")
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let open_connections =
+        |admin| async move { metric(&scrape(admin).await, "abx_proxy_open_connections") };
+
+    let mut s = open_tunnel(addr).await;
+    echo(&mut s, b"before the signal").await;
+    assert_eq!(
+        open_connections(admin).await,
+        Some(1.0),
+        "the tunnel is an open connection"
+    );
+
+    proxy.signal("TERM");
+    let closed = proxy.wait_for_line("listener closed").await;
+    assert!(
+        closed.contains("open=1"),
+        "the drain waits for the tunnel: {closed}"
+    );
+    echo(&mut s, b"after the drain began").await;
+    assert_eq!(open_connections(admin).await, Some(1.0), "while draining");
+    assert!(!proxy.has_exited(), "the proxy exited with a tunnel open");
+
+    // The client ends the tunnel: the upstream sees the end, closes its side, and the proxy
+    // closes the client's.
+    let closing = std::time::Instant::now();
+    s.shutdown().await.unwrap();
+    expect_closed(&mut s, &[]).await;
+    let status = proxy.wait_exit().await;
+    let waited = closing.elapsed();
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "exit {waited:?} after the tunnel closed, as if the grace had run out"
+    );
+    let stderr = proxy.stderr();
+    assert!(stderr.contains("clean=true"), "stderr:\n{stderr}");
+    assert_no_key(&stderr, "the proxy's stderr");
+}
+
+/// A tunnel still open when `--shutdown-grace` runs out is closed with everything else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_tunnel_left_open_is_closed_when_the_grace_ends() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("1s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+
+    let mut s = open_tunnel(addr).await;
+    echo(&mut s, b"before the signal").await;
+    let signalled = std::time::Instant::now();
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+
+    let status = proxy.wait_exit().await;
+    let waited = signalled.elapsed();
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(1),
+        "exit {waited:?} after SIGTERM, before the 1 s grace ended"
+    );
+    let stderr = proxy.stderr();
+    assert!(stderr.contains("clean=false"), "stderr:\n{stderr}");
+    expect_closed(&mut s, &[]).await;
+    assert_no_key(&stderr, "the proxy's stderr");
 }
 
 /// The moment the listening line is out, SIGHUP must reload and SIGTERM drain: neither may

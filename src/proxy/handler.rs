@@ -18,6 +18,7 @@ use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
+use super::listener::OpenConnection;
 use super::route::{self, Route};
 use super::sniff::{self, Sniff};
 use super::{EnvdTarget, Proxy};
@@ -62,8 +63,10 @@ impl Proxy {
         let start = Instant::now();
         let method = req.method().clone();
         let uri = req.uri().clone();
-        let upgrade = (req.version() == Version::HTTP_11 && headers::is_upgrade(req.headers()))
-            .then(|| hyper::upgrade::on(&mut req));
+        let upgrade = headers::is_upgrade_request(&req).then(|| Upgrade {
+            connection: req.extensions_mut().remove(),
+            client: hyper::upgrade::on(&mut req),
+        });
         let (parts, body) = req.into_parts();
         async move {
             let (plane, result) = match route::route(&parts, &self.host_policy) {
@@ -121,7 +124,7 @@ impl Proxy {
         &self,
         mut parts: Parts,
         body: ProxyBody,
-        upgrade: Option<OnUpgrade>,
+        upgrade: Option<Upgrade>,
     ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failure>> + Send + '_ {
         async move {
             // authorize
@@ -205,7 +208,7 @@ impl Proxy {
         body: ProxyBody,
         sandbox_id: &str,
         port: u16,
-        upgrade: Option<OnUpgrade>,
+        upgrade: Option<Upgrade>,
     ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
         // authorize: the store, else the client's own token, else ask the control plane.
         let client_token = parts
@@ -337,7 +340,7 @@ impl Proxy {
         &self,
         mut resp: Response<ProxyBody>,
         sniff: Sniff,
-        upgrade: Option<OnUpgrade>,
+        upgrade: Option<Upgrade>,
     ) -> Result<Response<ProxyBody>, Failure> {
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {
@@ -408,8 +411,26 @@ fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
     req
 }
 
+/// A client's request to switch protocols.
+struct Upgrade {
+    /// The client's side of the tunnel, once hyper has written the 101.
+    client: OnUpgrade,
+    /// The client connection's place among the open ones, from the listener. `None` only
+    /// for a request that did not come through a listener.
+    connection: Option<Arc<OpenConnection>>,
+}
+
 /// Bytes both ways between an upgraded client connection and the upstream's.
-async fn tunnel(client: OnUpgrade, upstream: OnUpgrade) {
+///
+/// Its own task, as hyper's connection (and the listener's task serving it) ends with the
+/// 101. It keeps the client connection counted until the bytes stop: open, under
+/// `--max-connections`, and waited for by the drain, which gives it the grace period to
+/// end on its own; the process's exit closes it after that, like any connection left over.
+async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade) {
+    let Upgrade {
+        client,
+        connection: _open,
+    } = upgrade;
     let (Ok(client), Ok(upstream)) = tokio::join!(client, upstream) else {
         return;
     };

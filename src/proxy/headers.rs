@@ -34,6 +34,12 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
             .any(|v| connection_tokens(v).any(|t| t.eq_ignore_ascii_case(b"upgrade")))
 }
 
+/// Whether a client's request asks for an upgrade the proxy tunnels: HTTP/1.1 only
+/// (HTTP/2 has no `Upgrade`).
+pub fn is_upgrade_request<B>(req: &http::Request<B>) -> bool {
+    req.version() == http::Version::HTTP_11 && is_upgrade(req.headers())
+}
+
 /// The comma-separated tokens of a `Connection` value, as bytes: a line with obs-text
 /// (bytes >= 0x80, which hyper accepts) still names the fields it lists.
 fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &[u8]> {

@@ -883,6 +883,13 @@ impl ProxyProc {
         status
     }
 
+    /// Whether the process has exited (without waiting); its status stays for
+    /// [`ProxyProc::wait_exit`].
+    pub fn has_exited(&mut self) -> bool {
+        let child = self.child.as_mut().expect("proxy already reaped");
+        !matches!(child.try_wait(), Ok(None))
+    }
+
     /// SIGTERM, a clean exit 0, and no key anywhere in stderr. Returns the stderr (also
     /// printed when `ABX_TEST_SHOW_STDERR` is set, for `--nocapture` debugging).
     pub async fn finish(mut self) -> String {
@@ -1209,6 +1216,14 @@ impl ProxyCmd {
     pub fn log_level(mut self, filter: &str) -> Self {
         if let Some(i) = self.args.iter().position(|a| a == "--log-level") {
             self.args[i + 1] = filter.to_string();
+        }
+        self
+    }
+
+    /// Replaces `--shutdown-grace` (`10s` by default).
+    pub fn shutdown_grace(mut self, grace: &str) -> Self {
+        if let Some(i) = self.args.iter().position(|a| a == "--shutdown-grace") {
+            self.args[i + 1] = grace.to_string();
         }
         self
     }
