@@ -1348,3 +1348,57 @@ async fn a_broken_client_body_is_the_clients_fault_not_the_upstreams() {
     );
     proxy.finish().await;
 }
+
+/// An upstream slower than `--idle-timeout` still gets its 504 at `--upstream-timeout`:
+/// a request waiting for its answer is not an idle connection. Both request paths: the
+/// fast path (a GET) and hyper's (a chunked POST).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", silent.local_addr().expect("addr"));
+    // Takes every connection and never answers; they close when the test ends.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let pki = Pki::new();
+    let proxy = traced(ProxyCmd::new(&url, &pki))
+        .args(&["--idle-timeout", "1s", "--upstream-timeout", "2s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let chunked = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n"
+    );
+    let (fast, hyper) = tokio::join!(
+        get(addr, "/sandboxes"),
+        raw_exchange(addr, chunked.as_bytes())
+    );
+    assert_proxy_error(&fast, 504, "E5002");
+    assert_proxy_error(&hyper, 504, "E5002");
+    proxy.finish().await;
+    holder.abort();
+}
+
+/// An answer given before the request's body was read (here the Host check's 400) says
+/// `Connection: close`: the unread body must not be taken for a next request, and the
+/// client should not pool a connection that is about to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_to_a_request_with_a_body_closes_the_connection() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let mut s = connect_raw(addr).await;
+    let head = "POST /sandboxes HTTP/1.1\r\nHost: evil.example\r\nContent-Length: 10\r\n\r\n";
+    s.write_all(head.as_bytes()).await.expect("write");
+    let (resp, leftover) = response_or_close(&mut s).await;
+    let resp = resp.expect("an answer");
+    assert_proxy_error(&resp, 400, "E5003");
+    assert_eq!(resp.header("connection"), Some("close"), "{resp:?}");
+    expect_closed(&mut s, &leftover).await;
+    assert!(upstream.seen().is_empty());
+    proxy.finish().await;
+}

@@ -205,6 +205,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         // `resp` lives in this block only: in scope across the write's `.await` it would be
         // kept in the task (see the head above).
         let write = {
+            let waiting = ctx.activity.awaiting();
             let resp = if length == 0 {
                 // A client that hangs up while waiting takes its request with it (hyper does
                 // the same): the handler is dropped, the upstream exchange cancelled.
@@ -215,7 +216,11 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             } else {
                 handled.await
             };
+            drop(waiting);
             close |= *stop.borrow();
+            // Body bytes the handler left unread (an early answer: a refusal, a 503) would
+            // be taken for the next request: the connection ends, and the client is told.
+            close |= shared.body_left.load(Ordering::Relaxed) != 0;
             match resp {
                 Ok(resp) => write_response(&shared.sock, ctx.activity, resp, is_head, close),
                 Err(never) => match never {},

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -279,8 +279,10 @@ async fn with_hyper(
         // so an unboxed one (3 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
         let handled = Box::pin(proxy.clone().handle(req.map(super::body::boxed)));
+        let waiting = activity.awaiting();
         async move {
             let mut resp = handled.await?;
+            drop(waiting);
             let status = resp.status();
             let tunnel =
                 status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success());
@@ -343,6 +345,8 @@ async fn accept(listener: &Listener) -> io::Result<Sock> {
 pub struct Activity {
     opened: Instant,
     last: Arc<AtomicU64>,
+    /// Requests waiting for their answer's head (see [`Activity::awaiting`]).
+    waiting: Arc<AtomicU32>,
 }
 
 impl Activity {
@@ -350,12 +354,30 @@ impl Activity {
         Activity {
             opened: Instant::now(),
             last: Arc::new(AtomicU64::new(0)),
+            waiting: Arc::new(AtomicU32::new(0)),
         }
     }
 
     pub fn touch(&self) {
         let ms = self.opened.elapsed().as_millis() as u64;
         self.last.store(ms, Ordering::Relaxed);
+    }
+
+    /// Held while a request waits for the upstream's answer: that wait is bounded by
+    /// `--upstream-timeout` (then 504), not by the idle timeout, which would otherwise cut
+    /// the connection first, or race the 504, and the client would get no answer at all.
+    pub(super) fn awaiting(&self) -> Awaiting {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        Awaiting(self.waiting.clone())
+    }
+}
+
+/// See [`Activity::awaiting`]; dropped with the request, answered or not.
+pub(super) struct Awaiting(Arc<AtomicU32>);
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -403,7 +425,12 @@ async fn watchdog(activity: &Activity, headed: &AtomicBool, config: &ServeConfig
             deadline = deadline.min(first_head);
         }
         if Instant::now() >= deadline {
-            return;
+            if activity.waiting.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            // A request waits for its answer: idle from now on only once it has one.
+            activity.touch();
+            continue;
         }
         tokio::time::sleep_until(deadline.into()).await;
     }
