@@ -286,6 +286,42 @@ async fn more_than_100_headers_is_431() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// HTTP/2 (prior knowledge) is held to the same 100 fields, though its parser counts none:
+/// 101 get the proxy's 431 without the upstream being contacted; 99 pass (the upstream,
+/// also limited to 100, then sees them with Host and the proxy's Authorization).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_heads_are_held_to_100_fields_too() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let tcp = connect_raw(addr).await;
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    for (fields, status) in [(101, 431), (99, 200)] {
+        let mut req =
+            http::Request::get(format!("http://{addr}/sandboxes")).header("x-api-key", "dummy");
+        for i in 1..fields {
+            req = req.header(format!("x-filler-{i}"), i.to_string());
+        }
+        let req = req.body(Full::new(Bytes::new())).expect("request");
+        let resp = within("an HTTP/2 answer", h2.send_request(req))
+            .await
+            .expect("an HTTP/2 answer");
+        assert_eq!(resp.status().as_u16(), status, "{fields} fields");
+        if status == 431 {
+            assert_eq!(upstream.connections(), 0, "the 431 request went upstream");
+        }
+    }
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.finish().await;
+}
+
 /// `--header-timeout 1s` (slowloris): a connection whose request head stops half-way, one
 /// that trickles a head byte by byte (moving bytes, so the idle timeout never fires), one
 /// that says nothing at all, one that stops inside the HTTP/2 preface, and a keep-alive

@@ -18,7 +18,7 @@ use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
-use super::listener::OpenConnection;
+use super::listener::{OpenConnection, MAX_HEADERS};
 use super::route::{self, Route};
 use super::sniff::{self, Sniff};
 use super::{EnvdTarget, Proxy};
@@ -69,8 +69,20 @@ impl Proxy {
         });
         let (parts, body) = req.into_parts();
         async move {
-            let (plane, result) = match route::route(&parts, &self.host_policy) {
-                Err(e) => ("api", Err(Failure::from(e))),
+            // HTTP/1 heads are held to MAX_HEADERS fields by their parser (hyper answers
+            // 431); HTTP/2 limits only a head's size, so the count is checked here.
+            let routed = if parts.headers.len() > MAX_HEADERS {
+                Err(None)
+            } else {
+                route::route(&parts, &self.host_policy).map_err(Some)
+            };
+            let (plane, result) = match routed {
+                Err(None) => {
+                    let mut too_many = Response::new(body::empty());
+                    *too_many.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                    ("api", Ok((too_many, Arc::from(""))))
+                }
+                Err(Some(e)) => ("api", Err(Failure::from(e))),
                 Ok(route) => {
                     // A provider without envd gets everything on its control plane.
                     let route = match route {

@@ -315,10 +315,12 @@ pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
         .max_headers(MAX_HEADERS)
         .max_buf_size(MAX_HEAD)
         .keep_alive(true);
+    // No keep-alive pings: hyper sends them whether or not a stream is open, and the
+    // connection's idle clock counts them as traffic, so an idle HTTP/2 connection would
+    // never reach --idle-timeout. A dead peer is found by that timeout instead.
     b.http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEAD as u32)
-        .keep_alive_interval(Some(Duration::from_secs(30)));
+        .max_header_list_size(MAX_HEAD as u32);
     b
 }
 
