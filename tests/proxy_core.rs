@@ -997,6 +997,22 @@ async fn a_websocket_tunnel_left_open_is_closed_when_the_grace_ends() {
     assert_no_key(&stderr, "the proxy's stderr");
 }
 
+/// A tunnel that moves no bytes for `--idle-timeout` is closed like any idle connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    let mut s = open_tunnel(proxy.addr()).await;
+    echo(&mut s, b"then silence").await;
+    expect_closed(&mut s, &[]).await;
+    let stderr = proxy.finish().await;
+    assert_no_key(&stderr, "the proxy's stderr");
+}
+
 /// The moment the listening line is out, SIGHUP must reload and SIGTERM drain: neither may
 /// fall to its default action (terminate) because a handler is installed a little later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

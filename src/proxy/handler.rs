@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
 use http::request::Parts;
@@ -18,7 +18,7 @@ use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
-use super::listener::{OpenConnection, MAX_HEADERS};
+use super::listener::{self, Activity, IdleIo, OpenConnection, MAX_HEADERS};
 use super::route::{self, Route};
 use super::sniff::{self, Sniff};
 use super::{EnvdTarget, Proxy};
@@ -357,7 +357,7 @@ impl Proxy {
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
-                tokio::spawn(tunnel(client_side, upstream_side));
+                tokio::spawn(tunnel(client_side, upstream_side, self.idle_timeout));
                 headers::strip_hop_by_hop(resp.headers_mut(), true);
                 return Ok(resp.map(|_| body::empty()));
             }
@@ -438,7 +438,10 @@ struct Upgrade {
 /// 101. It keeps the client connection counted until the bytes stop: open, under
 /// `--max-connections`, and waited for by the drain, which gives it the grace period to
 /// end on its own; the process's exit closes it after that, like any connection left over.
-async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade) {
+///
+/// A tunnel that moves no bytes either way for `--idle-timeout` is closed, like any
+/// connection: a client gone without a word would otherwise hold its place forever.
+async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade, idle_timeout: Duration) {
     let Upgrade {
         client,
         connection: _open,
@@ -446,7 +449,12 @@ async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade) {
     let (Ok(client), Ok(upstream)) = tokio::join!(client, upstream) else {
         return;
     };
-    let mut client = TokioIo::new(client);
+    // Every byte, either way, passes the client's side.
+    let activity = Activity::new();
+    let mut client = IdleIo::tunnel(TokioIo::new(client), activity.clone());
     let mut upstream = TokioIo::new(upstream);
-    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
+        () = listener::idle(&activity, idle_timeout) => {}
+    }
 }

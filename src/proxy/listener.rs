@@ -384,11 +384,11 @@ impl Drop for Awaiting {
 }
 
 /// A connection's bytes on their way into hyper: activity recorded, request framing
-/// watched (see [`framing`]).
-struct IdleIo<T> {
+/// watched (see [`framing`]). A tunnel's bytes: activity only.
+pub(super) struct IdleIo<T> {
     inner: T,
     activity: Activity,
-    framing: HeadWatch,
+    framing: Option<HeadWatch>,
 }
 
 impl<T> IdleIo<T> {
@@ -398,10 +398,19 @@ impl<T> IdleIo<T> {
             IdleIo {
                 inner,
                 activity,
-                framing,
+                framing: Some(framing),
             },
             verdicts,
         )
+    }
+
+    /// For bytes that are no longer HTTP (a tunnel): only their movement is recorded.
+    pub(super) fn tunnel(inner: T, activity: Activity) -> Self {
+        IdleIo {
+            inner,
+            activity,
+            framing: None,
+        }
     }
 
     fn touch(&self) {
@@ -448,7 +457,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() != before {
             self.touch();
-            self.framing.scan(&buf.filled()[before..]);
+            let this = &mut *self;
+            if let Some(framing) = &mut this.framing {
+                framing.scan(&buf.filled()[before..]);
+            }
         }
         r
     }
@@ -489,6 +501,18 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Resolves once `activity` has seen no bytes for `timeout` (a tunnel's idle timeout).
+pub(super) async fn idle(activity: &Activity, timeout: Duration) {
+    loop {
+        let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
+        let deadline = activity.opened + last + timeout;
+        if Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep_until(deadline.into()).await;
     }
 }
 

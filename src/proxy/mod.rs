@@ -98,6 +98,8 @@ pub struct Proxy {
     pub(crate) host_policy: HostPolicy,
     pub(crate) compat: CompatMode,
     pub(crate) upstream_timeout: Duration,
+    /// For tunnels, which outlive the connection's own watchdog.
+    pub(crate) idle_timeout: Duration,
     draining: AtomicBool,
 }
 
@@ -144,6 +146,7 @@ impl Proxy {
             host_policy,
             compat,
             upstream_timeout: options.upstream_timeout,
+            idle_timeout: options.idle_timeout,
             draining: AtomicBool::new(false),
         })
     }
