@@ -1385,20 +1385,32 @@ async fn a_broken_client_body_is_the_clients_fault_not_the_upstreams() {
     proxy.finish().await;
 }
 
+/// An upstream that takes every connection and never answers: its URL, a channel that gets
+/// one message per connection accepted, and the task (abort it to close them all).
+async fn silent_upstream() -> (
+    String,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", silent.local_addr().expect("addr"));
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+            let _ = tx.send(());
+        }
+    });
+    (url, rx, holder)
+}
+
 /// An upstream slower than `--idle-timeout` still gets its 504 at `--upstream-timeout`:
 /// a request waiting for its answer is not an idle connection. Both request paths: the
 /// fast path (a GET) and hyper's (a chunked POST).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
-    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", silent.local_addr().expect("addr"));
-    // Takes every connection and never answers; they close when the test ends.
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((s, _)) = silent.accept().await {
-            held.push(s);
-        }
-    });
+    let (url, _accepted, holder) = silent_upstream().await;
     let pki = Pki::new();
     let proxy = traced(ProxyCmd::new(&url, &pki))
         .args(&["--idle-timeout", "1s", "--upstream-timeout", "2s"])
@@ -1437,4 +1449,30 @@ async fn an_early_answer_to_a_request_with_a_body_closes_the_connection() {
     expect_closed(&mut s, &leftover).await;
     assert!(upstream.seen().is_empty());
     proxy.finish().await;
+}
+
+/// A client that hangs up while its request waits for the upstream still gets its request
+/// counted and logged, as 499 (nginx's "client closed request"), and in-flight returns to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
+    let (url, mut accepted, holder) = silent_upstream().await;
+    let pki = Pki::new();
+    let mut proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let mut s = connect_raw(addr).await;
+    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    within("the request upstream", accepted.recv()).await;
+    drop(s);
+    let series = r#"abx_proxy_requests_total{code="499",method="GET",plane="api"}"#;
+    wait_metric_at_least(proxy.admin_addr(), series, 1.0).await;
+    let line = proxy.wait_for_line("499").await;
+    assert!(line.contains("/sandboxes"), "{line}");
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        metric(&text, r#"abx_proxy_in_flight_requests{plane="api"}"#),
+        Some(0.0)
+    );
+    proxy.finish().await;
+    holder.abort();
 }

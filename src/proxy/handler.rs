@@ -69,6 +69,13 @@ impl Proxy {
         });
         let (parts, body) = req.into_parts();
         async move {
+            let mut unanswered = Unanswered {
+                proxy: &self,
+                method: &method,
+                path: uri.path(),
+                plane: "api",
+                start,
+            };
             // HTTP/1 heads are held to MAX_HEADERS fields by their parser (hyper answers
             // 431); HTTP/2 limits only a head's size, so the count is checked here.
             let routed = if parts.headers.len() > MAX_HEADERS {
@@ -90,6 +97,7 @@ impl Proxy {
                         route => route,
                     };
                     let plane = route.plane();
+                    unanswered.plane = plane;
                     let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
                     let result = match route {
                         Route::Api => self.api(parts, body, upgrade).await,
@@ -120,6 +128,7 @@ impl Proxy {
                     (body::error_response(&f.error), host)
                 }
             };
+            std::mem::forget(unanswered);
             let elapsed = start.elapsed();
             let status = resp.status().as_u16();
             self.metrics.request_done(plane, &method, status, elapsed);
@@ -128,7 +137,37 @@ impl Proxy {
             Ok(resp)
         }
     }
+}
 
+/// A request dropped before its answer (the client hung up, or the connection was cut):
+/// counted and logged as 499, nginx's "client closed request", so that every request the
+/// proxy began has its access line and its count. Forgotten once the answer is there.
+struct Unanswered<'a> {
+    proxy: &'a Proxy,
+    method: &'a Method,
+    path: &'a str,
+    plane: &'static str,
+    start: Instant,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        const CLIENT_CLOSED: u16 = 499;
+        let elapsed = self.start.elapsed();
+        let metrics = &self.proxy.metrics;
+        metrics.request_done(self.plane, self.method, CLIENT_CLOSED, elapsed);
+        crate::logging::access(
+            self.method,
+            self.path,
+            self.plane,
+            CLIENT_CLOSED,
+            elapsed,
+            "",
+        );
+    }
+}
+
+impl Proxy {
     /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
     /// Not an `async fn`, for the reason given at [`Proxy::handle`].
     #[allow(clippy::manual_async_fn)] // on purpose: see above
