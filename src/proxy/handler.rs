@@ -151,6 +151,7 @@ struct Unanswered<'a> {
 }
 
 impl Drop for Unanswered<'_> {
+    #[cold]
     fn drop(&mut self) {
         const CLIENT_CLOSED: u16 = 499;
         let elapsed = self.start.elapsed();
