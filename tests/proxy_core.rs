@@ -963,6 +963,36 @@ async fn sigterm_drain_waits_for_an_open_websocket_tunnel() {
     assert_no_key(&stderr, "the proxy's stderr");
 }
 
+/// Half a request head is no request: the drain closes its connection at once rather than
+/// waiting out `--header-timeout` (here far longer than the test may take).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_does_not_wait_for_the_rest_of_a_head() {
+    let pki = Pki::new();
+    let mut proxy = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .shutdown_grace("120s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /sandboxes HT").await.unwrap();
+    // The connection is the proxy's (not still in the accept queue) before the signal.
+    within("the connection accepted", async {
+        while metric(&scrape(admin).await, "abx_proxy_open_connections") != Some(1.0) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    proxy.signal("TERM");
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    expect_closed(&mut s, &[]).await;
+}
+
 /// A tunnel still open when `--shutdown-grace` runs out is closed with everything else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_websocket_tunnel_left_open_is_closed_when_the_grace_ends() {

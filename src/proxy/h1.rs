@@ -182,22 +182,29 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         }
         // The head is bound inside the match arm only: a local in scope across the
         // `.await`s below would be kept in every connection's task state, moved out or not.
-        let (req, length, is_head, mut close) =
-            match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
-                Read::Head(head) => {
-                    ctx.headed.store(true, Ordering::Relaxed);
-                    request(head, &shared, &mut buf, ctx.activity)
-                }
-                Read::Nothing => continue,
-                Read::Closed => return Outcome::Closed,
-                Read::HandOver => {
-                    return match Arc::try_unwrap(shared) {
-                        Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
-                        // A body reader of an earlier request is still alive somewhere.
-                        Err(_) => Outcome::Closed,
-                    };
-                }
-            };
+        let (req, length, is_head, mut close) = match read_head(
+            &shared.sock,
+            &mut buf,
+            ctx.activity,
+            ctx.header_timeout,
+            stop,
+        )
+        .await
+        {
+            Read::Head(head) => {
+                ctx.headed.store(true, Ordering::Relaxed);
+                request(head, &shared, &mut buf, ctx.activity)
+            }
+            Read::Nothing => continue,
+            Read::Closed => return Outcome::Closed,
+            Read::HandOver => {
+                return match Arc::try_unwrap(shared) {
+                    Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
+                    // A body reader of an earlier request is still alive somewhere.
+                    Err(_) => Outcome::Closed,
+                };
+            }
+        };
 
         // Boxed, like the write below: only a pointer of it stays in the connection's task,
         // so an idle keep-alive connection does not carry a request's worth of state.
@@ -303,6 +310,7 @@ async fn read_head(
     buf: &mut BytesMut,
     activity: &Activity,
     header_timeout: Duration,
+    stop: &watch::Receiver<bool>,
 ) -> Read {
     let mut deadline = None;
     loop {
@@ -326,10 +334,20 @@ async fn read_head(
                 }
                 let at = *deadline.get_or_insert_with(|| Instant::now() + header_timeout);
                 // Boxed: only a head arriving in pieces gets here, and the timer inline
-                // would size every connection's task.
-                match Box::pin(tokio::time::timeout_at(at.into(), sock.readable())).await {
-                    Ok(Ok(())) => {}
-                    _ => return Read::Closed,
+                // would size every connection's task. A drain does not wait for the rest
+                // of a head: that is no request yet, and could hold the exit for the
+                // whole header timeout.
+                let mut stop = stop.clone();
+                let more = Box::pin(async move {
+                    tokio::select! {
+                        r = tokio::time::timeout_at(at.into(), sock.readable()) => {
+                            matches!(r, Ok(Ok(())))
+                        }
+                        _ = stop.wait_for(|s| *s) => false,
+                    }
+                });
+                if !more.await {
+                    return Read::Closed;
                 }
             }
             Err(_) => return Read::Closed,
