@@ -3,9 +3,12 @@
 //! per sandbox however many requests wait for it.
 //!
 //! Bounded: most sandboxes end by timing out, not by a `DELETE` through this proxy, so
-//! without a bound every sandbox ever created would stay. A token older than [`MAX_AGE`]
-//! is dropped, and beyond [`MAX_TOKENS`] the oldest goes. Forgetting costs little: the
-//! SDKs send the token themselves, and without it the next request looks it up again.
+//! without a bound every sandbox ever created would stay. Each time a token is learned,
+//! those older than [`MAX_AGE`] are dropped, and beyond [`MAX_TOKENS`] the oldest goes;
+//! reads do not look at the age, so a request pays no clock read for it (an old token
+//! still served is at worst refused by envd, which triggers a fresh look-up). Forgetting
+//! costs little: the SDKs send the token themselves, and without it the next request looks
+//! it up again.
 
 use std::collections::HashMap;
 use std::future::Future;
