@@ -976,13 +976,45 @@ async fn the_drain_does_not_wait_for_the_rest_of_a_head() {
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(b"GET /sandboxes HT").await.unwrap();
-    // The connection is the proxy's (not still in the accept queue) before the signal.
+    until_open_connections(admin, 1.0).await;
+    terminate(&mut proxy).await;
+    expect_closed(&mut s, &[]).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Listener TLS
+// ---------------------------------------------------------------------------------------
+
+/// A proxy serving TLS on its listener with the test CA's server certificate.
+fn tls_listener(cmd: ProxyCmd, pki: &Pki) -> ProxyCmd {
+    let (cert, key) = pki.server_pem_files();
+    cmd.arg("--tls-cert")
+        .arg(&cert.display().to_string())
+        .arg("--tls-key")
+        .arg(&key.display().to_string())
+}
+
+/// The connection is the proxy's (not still in the accept queue).
+async fn until_open_connections(admin: std::net::SocketAddr, n: f64) {
     within("the connection accepted", async {
-        while metric(&scrape(admin).await, "abx_proxy_open_connections") != Some(1.0) {
+        while metric(&scrape(admin).await, "abx_proxy_open_connections") != Some(n) {
             tokio::task::yield_now().await;
         }
     })
     .await;
+}
+
+/// A TLS proxy whose header timeout and grace are far longer than a test may take.
+async fn patient_tls_proxy(pki: &Pki) -> ProxyProc {
+    tls_listener(ProxyCmd::new("https://127.0.0.1:9", pki), pki)
+        .shutdown_grace("120s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await
+}
+
+/// SIGTERM, and exit 0 within [`GUARD`].
+async fn terminate(proxy: &mut ProxyProc) {
     proxy.signal("TERM");
     let status = proxy.wait_exit().await;
     assert!(
@@ -990,7 +1022,134 @@ async fn the_drain_does_not_wait_for_the_rest_of_a_head() {
         "exit {status}; stderr:\n{}",
         proxy.stderr()
     );
+}
+
+/// `--tls-cert`/`--tls-key`: clients reach the proxy over TLS, HTTP/1.1 or HTTP/2 as ALPN
+/// picks, and each request goes upstream with the key as over plain HTTP. Plain HTTP on
+/// the TLS port is no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
+    let pki = Pki::new();
+    let mut upstream =
+        Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "listed") }).await;
+    let proxy = tls_listener(ProxyCmd::new(&upstream.url(), &pki), &pki)
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let get = || {
+        request("GET", addr, "/sandboxes")
+            .header("x-api-key", "dummy")
+            .body(empty())
+            .unwrap()
+    };
+
+    let tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    let mut h1 = handshake(tls).await;
+    for _ in 0..2 {
+        let resp = within("an HTTP/1.1 answer over TLS", h1.send_request(get()))
+            .await
+            .expect("HTTP/1.1 over TLS");
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(collect(resp.into_body()).await, "listed");
+        assert_authorized(&upstream.next_request().await, &upstream);
+    }
+
+    let tls = pki.tls_connect(addr, &[b"h2", b"http/1.1"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let req = Request::builder()
+        .uri(format!("https://{addr}/sandboxes"))
+        .header("x-api-key", "dummy")
+        .body(empty())
+        .unwrap();
+    let resp = within("an HTTP/2 answer over TLS", h2.send_request(req))
+        .await
+        .expect("HTTP/2 over TLS");
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(collect(resp.into_body()).await, "listed");
+    assert_authorized(&upstream.next_request().await, &upstream);
+
+    let mut plain = connect_raw(addr).await;
+    plain
+        .write_all(
+            format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = within(
+        "the proxy to drop a plaintext request",
+        plain.read_to_end(&mut answer),
+    )
+    .await;
+    assert!(
+        !answer.starts_with(b"HTTP/"),
+        "plain HTTP answered on the TLS port: {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(
+        upstream.seen().len(),
+        3,
+        "only the TLS requests went upstream"
+    );
+    proxy.finish().await;
+}
+
+/// A client still in its TLS handshake has sent no request: the drain closes it at once
+/// rather than waiting out `--header-timeout` (here far longer than the test may take).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_does_not_wait_for_a_tls_handshake() {
+    let pki = Pki::new();
+    let mut proxy = patient_tls_proxy(&pki).await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut s = connect_raw(addr).await;
+    // A handshake record's header and one byte of the ClientHello, and no more.
+    s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+        .await
+        .unwrap();
+    until_open_connections(admin, 1.0).await;
+    terminate(&mut proxy).await;
     expect_closed(&mut s, &[]).await;
+}
+
+/// A handshake that stalls is cut at `--header-timeout`, like a slow first head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_tls_handshake_is_cut_at_the_header_timeout() {
+    let pki = Pki::new();
+    let proxy = tls_listener(ProxyCmd::new("https://127.0.0.1:9", &pki), &pki)
+        .args(&["--header-timeout", "1s"])
+        .spawn()
+        .await;
+    let mut s = connect_raw(proxy.addr()).await;
+    s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+        .await
+        .unwrap();
+    expect_closed(&mut s, &[]).await;
+    until_open_connections(proxy.admin_addr(), 0.0).await;
+    proxy.finish().await;
+}
+
+/// Nor for the first request head of a TLS connection, which hyper reads: half a head is
+/// no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_does_not_wait_for_a_first_head_over_tls() {
+    let pki = Pki::new();
+    let mut proxy = patient_tls_proxy(&pki).await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    tls.write_all(b"GET /sandboxes HT").await.unwrap();
+    tls.flush().await.unwrap();
+    until_open_connections(admin, 1.0).await;
+    terminate(&mut proxy).await;
+    expect_closed(&mut tls, &[]).await;
 }
 
 /// A tunnel still open when `--shutdown-grace` runs out is closed with everything else.

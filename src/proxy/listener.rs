@@ -239,10 +239,19 @@ async fn connection(
             }
         }
         Some(acceptor) => {
-            let handshake = acceptor.accept(h1::Rewind::new(sock, Bytes::new()));
-            match Box::pin(tokio::time::timeout(Duration::from_secs(10), handshake)).await {
-                Ok(Ok(tls)) => Box::new(tls),
-                _ => return,
+            // No timer of its own: the watchdog's first-head deadline (`--header-timeout`)
+            // covers the handshake, as nginx's `client_header_timeout` does. A drain does
+            // not wait for it: there is no request yet. Boxed, as the hyper part below.
+            let stop = &mut stop;
+            let handshake = Box::pin(async move {
+                tokio::select! {
+                    tls = acceptor.accept(h1::Rewind::new(sock, Bytes::new())) => tls.ok(),
+                    _ = stop.wait_for(|s| *s) => None,
+                }
+            });
+            match handshake.await {
+                Some(tls) => Box::new(tls),
+                None => return,
             }
         }
     };
@@ -262,8 +271,11 @@ async fn with_hyper(
 ) {
     // A fresh watch: the fast path hands over at the start of a head.
     let (io, verdicts) = IdleIo::new(io, activity.clone());
+    // Whether hyper has begun a request on this connection (see the drain below).
+    let begun = &AtomicBool::new(false);
     let service = service_fn(move |mut req: Request<Incoming>| {
         headed.store(true, Ordering::Relaxed);
+        begun.store(true, Ordering::Relaxed);
         if headers::is_upgrade_request(&req) {
             // Should the upstream switch protocols, the tunnel outlives this task and keeps
             // the connection counted (see [`OpenConnection`]).
@@ -299,8 +311,15 @@ async fn with_hyper(
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(conn);
     tokio::select! {
+        // The connection first: a head already in its buffer is a request to finish.
+        biased;
         _ = conn.as_mut() => return,
         _ = stop.wait_for(|s| *s) => {}
+    }
+    // Nothing begun: no request to finish. hyper's graceful shutdown would wait out the
+    // header timeout for a first head, so the connection just closes.
+    if !begun.load(Ordering::Relaxed) {
+        return;
     }
     // Draining: finish what is in flight, take no new request.
     conn.as_mut().graceful_shutdown();

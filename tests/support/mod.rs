@@ -30,6 +30,7 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -291,42 +292,13 @@ pub struct Pki {
     pub ca_pem: PathBuf,
     chain: Vec<CertificateDer<'static>>,
     key: Vec<u8>,
+    leaf_pem: String,
+    key_pem: String,
 }
 
 impl Pki {
     pub fn new() -> Pki {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-        let ca_key = KeyPair::generate().expect("CA key");
-        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(DnType::CommonName, "abx-proxy test CA");
-        ca.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca_cert = ca.self_signed(&ca_key).expect("CA certificate");
-
-        let leaf_key = KeyPair::generate().expect("server key");
-        let mut leaf =
-            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
-                .expect("server params");
-        leaf.distinguished_name
-            .push(DnType::CommonName, "127.0.0.1");
-        let leaf_cert = leaf
-            .signed_by(&leaf_key, &ca_cert, &ca_key)
-            .expect("server certificate");
-
-        let dir = tempfile::tempdir().expect("pki dir");
-        let ca_pem = dir.path().join("ca.pem");
-        std::fs::write(&ca_pem, ca_cert.pem()).expect("write ca.pem");
-        Pki {
-            dir,
-            ca_pem,
-            chain: vec![leaf_cert.der().clone()],
-            key: leaf_key.serialize_der(),
-        }
+        Pki::with_names(&["127.0.0.1", "localhost"])
     }
 
     /// The server side of the upstream's TLS, offering `alpn`.
@@ -345,6 +317,44 @@ impl Pki {
 
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The server certificate and its key as PEM files, for the proxy's own listener
+    /// (`--tls-cert`, `--tls-key`).
+    pub fn server_pem_files(&self) -> (PathBuf, PathBuf) {
+        let cert = self.dir.path().join("server.pem");
+        let key = self.dir.path().join("server.key");
+        std::fs::write(&cert, &self.leaf_pem).expect("write server.pem");
+        std::fs::write(&key, &self.key_pem).expect("write server.key");
+        (cert, key)
+    }
+
+    /// A TLS client connection to `addr` that trusts only this CA, offering `alpn`.
+    pub async fn tls_connect(
+        &self,
+        addr: SocketAddr,
+        alpn: &[&[u8]],
+    ) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = std::fs::read(&self.ca_pem).expect("read ca.pem");
+        for cert in CertificateDer::pem_slice_iter(&ca) {
+            roots.add(cert.expect("CA PEM")).expect("add the CA");
+        }
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("protocol versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let tcp = within("connect to the proxy", TcpStream::connect(addr))
+            .await
+            .expect("connect to the proxy");
+        let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("server name");
+        within("the TLS handshake", connector.connect(name, tcp))
+            .await
+            .expect("TLS handshake with the proxy")
     }
 }
 
@@ -1097,7 +1107,9 @@ pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> RawResponse {
     read_response(&mut s, &mut buf).await
 }
 
-/// The peer closes: EOF (or a reset) within [`GUARD`], with nothing else before it.
+/// The peer closes: EOF (or a reset) within [`GUARD`], with nothing else before it. Over
+/// TLS a peer that just drops the connection sends no close_notify, which rustls reports
+/// as an unexpected EOF.
 pub async fn expect_closed<S: AsyncRead + Unpin>(s: &mut S, leftover: &[u8]) {
     assert!(
         leftover.is_empty(),
@@ -1111,7 +1123,11 @@ pub async fn expect_closed<S: AsyncRead + Unpin>(s: &mut S, leftover: &[u8]) {
             "expected the connection closed, got {:?}",
             String::from_utf8_lossy(&tmp[..n])
         ),
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+            ) => {}
         Err(e) => panic!("read failed: {e}"),
     }
 }
@@ -1168,6 +1184,8 @@ impl Pki {
             ca_pem,
             chain: vec![leaf_cert.der().clone()],
             key: leaf_key.serialize_der(),
+            leaf_pem: leaf_cert.pem(),
+            key_pem: leaf_key.serialize_pem(),
         }
     }
 }
