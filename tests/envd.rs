@@ -1,9 +1,9 @@
 //! Acceptance tests of the envd plane (SPEC §4, issue 4): the real `abx-proxy` binary between
-//! a client and two in-process TLS upstreams — a scripted control plane that creates, looks
-//! up and deletes sandboxes, and an envd that checks `X-Access-Token` against the sandbox's
-//! current token. Every test asserts on what the upstreams RECEIVED; every envd head is
-//! checked for HTTP/1.1 (the upstream offers h2 in ALPN) and for the absence of the API key
-//! and of the client's `X-API-Key`.
+//! a client and two in-process TLS upstreams — a scripted control plane that creates,
+//! connects, looks up and deletes sandboxes, and an envd that checks `X-Access-Token`
+//! against the sandbox's current token. Every test asserts on what the upstreams RECEIVED;
+//! every envd head is checked for HTTP/1.1 (the upstream offers h2 in ALPN) and for the
+//! absence of the API key and of the client's `X-API-Key`.
 //!
 //! Synchronisation is by events only: responses, request heads seen by the upstreams, the
 //! proxy's admin metrics, and channels. The one timer is the Connect keepalive pacing in
@@ -96,7 +96,8 @@ fn json_response(status: u16, v: &serde_json::Value) -> Response<TestBody> {
     r
 }
 
-/// The control plane: create, look up (held while `lookups_open` is false), delete.
+/// The control plane: create, connect, look up (held while `lookups_open` is false),
+/// delete.
 async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
@@ -116,19 +117,27 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
             cloud.exists(&id, &token);
             json_response(201, &sandbox_json(&id, &token))
         }
+        ("POST", id) if id.ends_with("/connect") => {
+            describe(&cloud, id.trim_end_matches("/connect"))
+        }
         ("GET", id) if !id.is_empty() => {
             let mut open = cloud.lookups_open.subscribe();
             let _ = open.wait_for(|open| *open).await;
-            match cloud.token(id) {
-                Some(token) => json_response(200, &sandbox_json(id, &token)),
-                None => json_response(404, &json!({"code": 404, "message": "sandbox not found"})),
-            }
+            describe(&cloud, id)
         }
         ("DELETE", id) if !id.is_empty() => match cloud.sandboxes.lock().unwrap().remove(id) {
             Some(_) => response(204, ""),
             None => response(404, ""),
         },
         _ => response(404, "no such route"),
+    }
+}
+
+/// The sandbox with its current token (get info, connect), or 404.
+fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
+    match cloud.token(id) {
+        Some(token) => json_response(200, &sandbox_json(id, &token)),
+        None => json_response(404, &json!({"code": 404, "message": "sandbox not found"})),
     }
 }
 
@@ -215,6 +224,21 @@ impl Env {
             .collect()
     }
 
+    /// An envd request naming only `id` reaches envd with `token` and costs no look-up:
+    /// the proxy knew the token already.
+    async fn assert_token_known(&self, proxy: &ProxyProc, id: &str, token: &str) {
+        let addr = proxy.addr();
+        let (status, body) = text(send(addr, envd_request(addr, id, "/health")).await).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let last = self.envd.seen().pop().expect("envd was asked");
+        let host = self.envd.addr.to_string();
+        assert_envd_head(&last, &host, id, ENVD_PORT, token, DEFAULT_BASIC);
+        assert!(
+            self.lookups(id).is_empty(),
+            "{id}: the token was looked up, not learned"
+        );
+    }
+
     /// Every envd head: HTTP/1.1 (SPEC §4), no client `X-API-Key`, no API key anywhere.
     fn assert_envd_clean(&self) {
         let seen = self.envd.seen();
@@ -242,13 +266,8 @@ impl Env {
     /// Creates a sandbox through the proxy as an SDK would (dummy key, `POST /sandboxes`).
     async fn create(&self, proxy: &ProxyProc, id: &str, token: &str) {
         self.cloud.will_create(id, token);
-        let addr = proxy.addr();
-        let req = request("POST", addr, "/sandboxes")
-            .header("x-api-key", "dummy-key")
-            .header("content-type", "application/json")
-            .body(full(r#"{"templateID":"base","timeout":300}"#))
-            .unwrap();
-        let resp = send(addr, req).await;
+        let body = r#"{"templateID":"base","timeout":300}"#;
+        let resp = post_json(proxy.addr(), "/sandboxes", body).await;
         assert_eq!(resp.status(), StatusCode::CREATED);
         let body: serde_json::Value =
             serde_json::from_slice(&collect(resp.into_body()).await).expect("create JSON");
@@ -258,6 +277,16 @@ impl Env {
             "the create response is unchanged"
         );
     }
+}
+
+/// `POST path` with a JSON body through the proxy, as an SDK sends it (dummy key).
+async fn post_json(addr: SocketAddr, path: &str, json: impl Into<Bytes>) -> Response<Incoming> {
+    let req = request("POST", addr, path)
+        .header("x-api-key", "dummy-key")
+        .header("content-type", "application/json")
+        .body(full(json))
+        .unwrap();
+    send(addr, req).await
 }
 
 /// The routing and credential headers one envd head must carry.
@@ -1040,6 +1069,72 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
         "tok-9",
         DEFAULT_BASIC,
     );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. Learning from connect and the /v2 paths
+// ---------------------------------------------------------------------------------------
+
+/// The token is learned from every answer that carries it (SPEC §4): `POST
+/// /sandboxes/{id}/connect`, and the current SDKs' `POST /v2/sandboxes` and `POST
+/// /v2/sandboxes/{id}/connect`, which reach the control plane rewritten. After each, an
+/// envd request naming only the sandbox carries that token and costs no look-up; a connect
+/// answering a new token (a resumed sandbox) replaces the one learned before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_learned_from_connect_and_v2_answers() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.cloud.will_create("isb-c2", "tok-c2");
+
+    let calls = [
+        (
+            "/sandboxes/isb-c1/connect",
+            "/sandboxes/isb-c1/connect",
+            "isb-c1",
+            "tok-c1",
+        ),
+        ("/v2/sandboxes", "/sandboxes", "isb-c2", "tok-c2"),
+        (
+            "/v2/sandboxes/isb-c3/connect",
+            "/sandboxes/isb-c3/connect",
+            "isb-c3",
+            "tok-c3",
+        ),
+        (
+            "/v2/sandboxes/isb-c1/connect",
+            "/sandboxes/isb-c1/connect",
+            "isb-c1",
+            "tok-c1b",
+        ),
+    ];
+    for (path, upstream_path, id, token) in calls {
+        // The sandbox's token in the cloud: the one it answers.
+        env.cloud.exists(id, token);
+        let resp = post_json(addr, path, r#"{"timeout":300}"#).await;
+        let status = resp.status();
+        let body = collect(resp.into_body()).await;
+        assert!(status.is_success(), "{path}: {status}");
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap(),
+            sandbox_json(id, token),
+            "{path}: the answer is unchanged"
+        );
+        let seen = env.api.seen().pop().expect("the control plane was asked");
+        assert_eq!(
+            (seen.method.as_str(), seen.uri.path()),
+            ("POST", upstream_path)
+        );
+        env.assert_token_known(&proxy, id, token).await;
+    }
+    assert_eq!(
+        env.envd.seen().len(),
+        calls.len(),
+        "no envd request was refused"
+    );
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(3.0));
     env.assert_envd_clean();
     proxy.finish().await;
 }
