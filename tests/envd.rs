@@ -38,8 +38,10 @@ const ROOT_BASIC: &str = "Basic cm9vdDo=";
 struct Cloud {
     /// Sandboxes that exist, with their current envd token.
     sandboxes: Mutex<HashMap<String, String>>,
-    /// What the next `POST /sandboxes` creates.
-    next: Mutex<VecDeque<(String, String)>>,
+    /// What the next `POST /sandboxes` creates, and the JSON it answers.
+    next: Mutex<VecDeque<(String, String, serde_json::Value)>>,
+    /// The bodies of the `POST /sandboxes` requests received, in order.
+    create_bodies: Mutex<Vec<Bytes>>,
     /// `GET /sandboxes/{id}` answers only while this is true.
     lookups_open: watch::Sender<bool>,
     /// When set, envd's 401 answers wait here until as many have gathered.
@@ -51,6 +53,7 @@ impl Cloud {
         Arc::new(Cloud {
             sandboxes: Mutex::new(HashMap::new()),
             next: Mutex::new(VecDeque::new()),
+            create_bodies: Mutex::new(Vec::new()),
             lookups_open: watch::channel(true).0,
             unauthorized_together: Mutex::new(None),
         })
@@ -66,10 +69,15 @@ impl Cloud {
 
     /// The next `POST /sandboxes` creates `id` with `token`.
     fn will_create(&self, id: &str, token: &str) {
+        self.will_create_answering(id, token, sandbox_json(id, token));
+    }
+
+    /// Like [`Cloud::will_create`], answering with `answer`.
+    fn will_create_answering(&self, id: &str, token: &str, answer: serde_json::Value) {
         self.next
             .lock()
             .unwrap()
-            .push_back((id.to_string(), token.to_string()));
+            .push_back((id.to_string(), token.to_string(), answer));
     }
 
     fn token(&self, id: &str) -> Option<String> {
@@ -101,21 +109,22 @@ fn json_response(status: u16, v: &serde_json::Value) -> Response<TestBody> {
 async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    collect(req.into_body()).await;
+    let body = collect(req.into_body()).await;
     let Some(rest) = path.strip_prefix("/sandboxes") else {
         return response(404, "no such route");
     };
     let id = rest.strip_prefix('/').unwrap_or("");
     match (method.as_str(), id) {
         ("POST", "") => {
-            let (id, token) = cloud
+            cloud.create_bodies.lock().unwrap().push(body);
+            let (id, token, answer) = cloud
                 .next
                 .lock()
                 .unwrap()
                 .pop_front()
                 .expect("the test announced this create");
             cloud.exists(&id, &token);
-            json_response(201, &sandbox_json(&id, &token))
+            json_response(201, &answer)
         }
         ("POST", id) if id.ends_with("/connect") => {
             describe(&cloud, id.trim_end_matches("/connect"))
@@ -1135,6 +1144,86 @@ async fn tokens_are_learned_from_connect_and_v2_answers() {
         "no envd request was refused"
     );
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(3.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. The 1 MiB bound on bodies the proxy reads
+// ---------------------------------------------------------------------------------------
+
+const MIB: usize = 1024 * 1024;
+
+/// Length and SHA-256 of `bytes`, to compare with [`hash_body`]'s.
+fn digest(bytes: &[u8]) -> (u64, [u8; 32]) {
+    let mut hasher = Sha256::new();
+    hasher.update(bytes);
+    (bytes.len() as u64, hasher.finalize())
+}
+
+/// A create body of exactly `len` bytes: a JSON object without `secure`.
+fn create_body_of(len: usize) -> String {
+    let (head, tail) = (r#"{"templateID":"base","metadata":{"blob":""#, r#""}}"#);
+    format!("{head}{}{tail}", "x".repeat(len - head.len() - tail.len()))
+}
+
+/// The proxy reads a control-plane body itself only up to 1 MiB (SPEC §4) and never loses
+/// or changes a byte past that: a 1.5 MiB create answer reaches the client byte for byte
+/// (its token, past the bound, is looked up instead of learned); a `/v2/sandboxes` create
+/// body of 1 MiB gets `"secure": true`, one of 1.5 MiB reaches the control plane byte for
+/// byte, as the rewrite does not read that far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_past_the_1_mib_bound_pass_unchanged() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+
+    let mut answer = sandbox_json("isb-big", "tok-big");
+    answer["metadata"] = json!({ "blob": "x".repeat(MIB * 3 / 2) });
+    let answer_bytes = answer.to_string();
+    env.cloud
+        .will_create_answering("isb-big", "tok-big", answer);
+    let resp = post_json(addr, "/sandboxes", r#"{"templateID":"base"}"#).await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    assert_eq!(
+        within("the create answer", hash_body(resp.into_body())).await,
+        digest(answer_bytes.as_bytes()),
+        "the 1.5 MiB answer reached the client unchanged"
+    );
+    let (status, body) = text(send(addr, envd_request(addr, "isb-big", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        env.lookups("isb-big").len(),
+        1,
+        "a token past the bound is looked up"
+    );
+
+    for (len, id, token) in [(MIB, "isb-b1", "tok-b1"), (MIB * 3 / 2, "isb-b2", "tok-b2")] {
+        let sent = create_body_of(len);
+        env.cloud.will_create(id, token);
+        let resp = post_json(addr, "/v2/sandboxes", sent.clone()).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        collect(resp.into_body()).await;
+        let received = env.cloud.create_bodies.lock().unwrap().pop().unwrap();
+        // The control plane is told the length of what it gets.
+        let head = env.api.seen().pop().unwrap();
+        let length = received.len().to_string();
+        assert_eq!(head.header("content-length"), Some(length.as_str()));
+        if len <= MIB {
+            let mut expected: serde_json::Value = serde_json::from_str(&sent).unwrap();
+            expected["secure"] = json!(true);
+            let got: serde_json::Value = serde_json::from_slice(&received).unwrap();
+            assert!(got == expected, "a 1 MiB create body gets \"secure\": true");
+        } else {
+            assert_eq!(
+                digest(&received),
+                digest(sent.as_bytes()),
+                "the 1.5 MiB create body reached the control plane unchanged"
+            );
+        }
+        // The answer is small: its token is learned whatever the request's size.
+        env.assert_token_known(&proxy, id, token).await;
+    }
     env.assert_envd_clean();
     proxy.finish().await;
 }
