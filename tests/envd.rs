@@ -1227,3 +1227,46 @@ async fn bodies_past_the_1_mib_bound_pass_unchanged() {
     env.assert_envd_clean();
     proxy.finish().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// 10. What requests_total counts
+// ---------------------------------------------------------------------------------------
+
+/// `abx_proxy_requests_total` (SPEC §7) counts each client request once on its plane: an
+/// envd request answered after a look-up, one retried after envd's 401, one refused with
+/// E2009, a create — and none of the proxy's own `GET /sandboxes/{id}` look-ups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_total_counts_envd_requests_but_not_the_proxys_lookups() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+
+    env.cloud.exists("isb-m", "tok-m1");
+    let (status, _) = text(send(addr, envd_request(addr, "isb-m", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "answered after a look-up");
+    env.cloud.exists("isb-m", "tok-m2");
+    let (status, _) = text(send(addr, envd_request(addr, "isb-m", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "retried after a 401 and a look-up");
+    let (status, _) = text(send(addr, envd_request(addr, "isb-none", "/health")).await).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "E2009 after a look-up");
+    env.create(&proxy, "isb-n", "tok-n").await;
+    assert_eq!(
+        (env.lookups("isb-m").len(), env.lookups("isb-none").len()),
+        (2, 1)
+    );
+    assert_eq!(env.envd.seen().len(), 3);
+
+    let metrics = scrape(proxy.admin_addr()).await;
+    let counted: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("abx_proxy_requests_total"))
+        .collect();
+    assert_eq!(counted.len(), 3, "only the client's requests: {counted:#?}");
+    let series = |labels: &str| metric(&metrics, &format!("abx_proxy_requests_total{{{labels}}}"));
+    assert_eq!(series(r#"plane="envd",method="GET",code="200""#), Some(2.0));
+    assert_eq!(series(r#"plane="envd",method="GET",code="404""#), Some(1.0));
+    assert_eq!(series(r#"plane="api",method="POST",code="201""#), Some(1.0));
+    let envd_timed = r#"abx_proxy_request_duration_seconds_count{plane="envd"}"#;
+    assert_eq!(metric(&metrics, envd_timed), Some(3.0));
+    proxy.finish().await;
+}
