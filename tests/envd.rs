@@ -151,8 +151,9 @@ fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
 }
 
 /// envd: 401 unless `X-Access-Token` is the sandbox's current token (an unsecured sandbox,
-/// whose token is "", takes any); else says who it is.
-async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
+/// whose token is "", takes any); else accepts a WebSocket upgrade (see [`echo_tunnel`]),
+/// or says who it is.
+async fn envd_checking_tokens(cloud: Arc<Cloud>, mut req: Request<Incoming>) -> Response<TestBody> {
     let id = header_of(&req, "e2b-sandbox-id");
     let token = header_of(&req, "x-access-token");
     let what = format!(
@@ -160,6 +161,10 @@ async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Resp
         req.method(),
         req.uri().path_and_query().map_or("/", |pq| pq.as_str())
     );
+    let upgrade = req
+        .headers()
+        .contains_key("upgrade")
+        .then(|| hyper::upgrade::on(&mut req));
     let body = collect(req.into_body()).await;
     let unsecured = cloud.token(&id).as_deref() == Some("");
     if !unsecured && (cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty()) {
@@ -169,7 +174,30 @@ async fn envd_checking_tokens(cloud: Arc<Cloud>, req: Request<Incoming>) -> Resp
         }
         return response(401, "bad access token");
     }
+    if let Some(upgrade) = upgrade {
+        tokio::spawn(echo_tunnel(upgrade));
+        let mut r = response(101, Bytes::new());
+        let h = r.headers_mut();
+        // A hop-by-hop field of envd's own, which the client must not see.
+        h.insert("connection", "Upgrade, X-Envd-Hop".parse().unwrap());
+        h.insert("x-envd-hop", "1".parse().unwrap());
+        h.insert("upgrade", "websocket".parse().unwrap());
+        h.insert("sec-websocket-accept", WS_ACCEPT.parse().unwrap());
+        return r;
+    }
     response(200, format!("envd {id}: {what} ({} bytes)", body.len()))
+}
+
+/// RFC 6455's example `Sec-WebSocket-Key` and the `Sec-WebSocket-Accept` it gets.
+const WS_KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+const WS_ACCEPT: &str = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=";
+
+/// envd's side of a WebSocket tunnel: every byte back, until the client's side ends.
+async fn echo_tunnel(upgrade: hyper::upgrade::OnUpgrade) {
+    if let Ok(upgraded) = upgrade.await {
+        let (mut rd, mut wr) = tokio::io::split(hyper_util::rt::TokioIo::new(upgraded));
+        let _ = tokio::io::copy(&mut rd, &mut wr).await;
+    }
 }
 
 fn header_of<B>(req: &Request<B>, name: &str) -> String {
@@ -1268,5 +1296,72 @@ async fn requests_total_counts_envd_requests_but_not_the_proxys_lookups() {
     assert_eq!(series(r#"plane="api",method="POST",code="201""#), Some(1.0));
     let envd_timed = r#"abx_proxy_request_duration_seconds_count{plane="envd"}"#;
     assert_eq!(metric(&metrics, envd_timed), Some(3.0));
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 11. WebSocket through envd
+// ---------------------------------------------------------------------------------------
+
+/// A WebSocket upgrade routed by the envd headers (SPEC §4: `Upgrade` passes through on
+/// both planes). envd gets it over HTTP/1.1 with the learned token in place of the client's
+/// stale one, the routing headers and the default user, and without the hop-by-hop fields
+/// (also those the client's `Connection` names) or `X-API-Key`; envd's own hop-by-hop field
+/// does not reach the client; after the 101, bytes go both ways. A second upgrade, after
+/// the token rotated, is refused with 401, and sent again with the token looked up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_upgrade_through_envd() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let envd_host = env.envd.addr.to_string();
+    env.create(&proxy, "isb-ws", "tok-ws1").await;
+
+    let upgrade = format!(
+        "GET /ws?room=1 HTTP/1.1\r\nHost: 127.0.0.1:{}\r\n\
+         Connection: keep-alive, Upgrade, X-Hop\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Key: {WS_KEY}\r\nSec-WebSocket-Version: 13\r\n\
+         E2b-Sandbox-Id: isb-ws\r\nE2b-Sandbox-Port: 8080\r\nX-Access-Token: stale\r\n\
+         X-Hop: hop\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\n\
+         X-API-Key: dummy-key\r\n\r\n",
+        addr.port()
+    );
+    let mut payload = vec![0u8; 256 * 1024];
+    Gen::new(11).fill(&mut payload);
+    for token in ["tok-ws1", "tok-ws2"] {
+        env.cloud.exists("isb-ws", token);
+        let (mut s, resp, buf) = raw_open(addr, upgrade.as_bytes()).await;
+        assert_eq!(resp.status, 101, "{resp:?}");
+        assert_eq!(resp.header("upgrade"), Some("websocket"));
+        assert_eq!(resp.header("sec-websocket-accept"), Some(WS_ACCEPT));
+        assert!(!resp.has("x-envd-hop"), "envd's hop-by-hop field: {resp:?}");
+        assert!(buf.is_empty());
+
+        let seen = env.envd.seen().pop().unwrap();
+        assert_envd_head(&seen, &envd_host, "isb-ws", 8080, token, DEFAULT_BASIC);
+        assert_eq!(seen.path_and_query(), "/ws?room=1");
+        assert_eq!(seen.header("upgrade"), Some("websocket"));
+        assert_eq!(seen.header("connection"), Some("upgrade"));
+        assert_eq!(seen.header("sec-websocket-key"), Some(WS_KEY));
+        assert_eq!(seen.header("sec-websocket-version"), Some("13"));
+        for hop in ["x-hop", "keep-alive", "proxy-connection"] {
+            assert!(seen.header(hop).is_none(), "{hop} reached envd: {seen:?}");
+        }
+        echo(&mut s, b"ping").await;
+        echo(&mut s, &payload).await;
+    }
+    let refused: Vec<_> = env
+        .envd
+        .seen()
+        .into_iter()
+        .map(|s| s.header("x-access-token").unwrap().to_string())
+        .collect();
+    assert_eq!(
+        refused,
+        ["tok-ws1", "tok-ws1", "tok-ws2"],
+        "the stale token, then the fresh one"
+    );
+    assert_eq!(env.lookups("isb-ws").len(), 1);
+    env.assert_envd_clean();
     proxy.finish().await;
 }

@@ -465,29 +465,9 @@ async fn read_greeting(s: &mut TcpStream, mut buf: Vec<u8>) {
     assert_eq!(&buf[..], GREETING);
 }
 
-/// `payload` goes through the tunnel and comes back unchanged.
-async fn echo(s: &mut TcpStream, payload: &[u8]) {
-    let (mut rd, mut wr) = s.split();
-    let write = async {
-        wr.write_all(payload).await.unwrap();
-    };
-    let read = async {
-        let mut echoed = vec![0u8; payload.len()];
-        rd.read_exact(&mut echoed).await.unwrap();
-        echoed
-    };
-    let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
-    assert!(echoed == payload, "echo of {} bytes differs", payload.len());
-}
-
 /// A WebSocket tunnel through the proxy at `addr`, past the 101 and the greeting.
 async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
-    let mut s = connect_raw(addr).await;
-    s.write_all(websocket_request(addr).as_bytes())
-        .await
-        .unwrap();
-    let mut buf = Vec::new();
-    let resp = read_response(&mut s, &mut buf).await;
+    let (mut s, resp, buf) = raw_open(addr, websocket_request(addr).as_bytes()).await;
     assert_eq!(resp.status, 101, "{resp:?}");
     read_greeting(&mut s, buf).await;
     s
@@ -500,12 +480,7 @@ async fn websocket_upgrade_tunnels_bytes_both_ways() {
     let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
     let addr = proxy.addr();
 
-    let mut s = connect_raw(addr).await;
-    s.write_all(websocket_request(addr).as_bytes())
-        .await
-        .unwrap();
-    let mut buf = Vec::new();
-    let resp = read_response(&mut s, &mut buf).await;
+    let (mut s, resp, buf) = raw_open(addr, websocket_request(addr).as_bytes()).await;
     assert_eq!(resp.status, 101, "{resp:?}");
     assert_eq!(resp.header("upgrade"), Some("websocket"));
     assert!(resp

@@ -1097,14 +1097,7 @@ pub async fn read_response<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -
 
 /// Writes `bytes` to a fresh connection and reads one response.
 pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> RawResponse {
-    let mut s = within("connect to the proxy", TcpStream::connect(addr))
-        .await
-        .expect("connect to the proxy");
-    within("write the request", s.write_all(bytes))
-        .await
-        .expect("write the request");
-    let mut buf = Vec::new();
-    read_response(&mut s, &mut buf).await
+    raw_open(addr, bytes).await.1
 }
 
 /// The peer closes: EOF (or a reset) within [`GUARD`], with nothing else before it. Over
@@ -1251,4 +1244,38 @@ impl ProxyCmd {
     pub fn env_vars(&self) -> Vec<(String, String)> {
         self.env.clone()
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared by tests/proxy_core.rs and tests/envd.rs: WebSocket tunnels
+// ---------------------------------------------------------------------------------------
+
+/// Writes `bytes` to a fresh connection and reads one response; the connection stays open
+/// (an upgrade's tunnel), with what came after the response.
+pub async fn raw_open(addr: SocketAddr, bytes: &[u8]) -> (TcpStream, RawResponse, Vec<u8>) {
+    let mut s = within("connect to the proxy", TcpStream::connect(addr))
+        .await
+        .expect("connect to the proxy");
+    within("write the request", s.write_all(bytes))
+        .await
+        .expect("write the request");
+    let mut buf = Vec::new();
+    let resp = read_response(&mut s, &mut buf).await;
+    (s, resp, buf)
+}
+
+/// `payload` goes through the tunnel and comes back unchanged (written and read at once,
+/// so a payload larger than the socket buffers cannot stall).
+pub async fn echo(s: &mut TcpStream, payload: &[u8]) {
+    let (mut rd, mut wr) = s.split();
+    let write = async {
+        wr.write_all(payload).await.unwrap();
+    };
+    let read = async {
+        let mut echoed = vec![0u8; payload.len()];
+        rd.read_exact(&mut echoed).await.unwrap();
+        echoed
+    };
+    let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
+    assert!(echoed == payload, "echo of {} bytes differs", payload.len());
 }
