@@ -104,17 +104,25 @@ fn json_response(status: u16, v: &serde_json::Value) -> Response<TestBody> {
     r
 }
 
-/// The control plane: create, connect, look up (held while `lookups_open` is false),
-/// delete.
+/// The path prefix of `--sandbox-base-url` in `path_prefixes_are_kept_on_both_planes`.
+const API_PREFIX: &str = "/api";
+
+/// The control plane, at the root and under [`API_PREFIX`]: list, create, connect, look up
+/// (held while `lookups_open` is false), delete.
 async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<TestBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let body = collect(req.into_body()).await;
+    let path = path.strip_prefix(API_PREFIX).unwrap_or(&path);
     let Some(rest) = path.strip_prefix("/sandboxes") else {
         return response(404, "no such route");
     };
     let id = rest.strip_prefix('/').unwrap_or("");
     match (method.as_str(), id) {
+        ("GET", "") => {
+            let ids: Vec<String> = cloud.sandboxes.lock().unwrap().keys().cloned().collect();
+            json_response(200, &json!(ids))
+        }
         ("POST", "") => {
             cloud.create_bodies.lock().unwrap().push(body);
             let (id, token, answer) = cloud
@@ -251,13 +259,17 @@ impl Env {
             .await
     }
 
-    /// `GET /sandboxes/{id}` requests the control plane received (the proxy's look-ups).
+    /// `GET /sandboxes/{id}` requests the control plane received (the proxy's look-ups),
+    /// also under [`API_PREFIX`].
     fn lookups(&self, id: &str) -> Vec<Seen> {
         let path = format!("/sandboxes/{id}");
         self.api
             .seen()
             .into_iter()
-            .filter(|s| s.method == "GET" && s.uri.path() == path)
+            .filter(|s| {
+                let p = s.uri.path();
+                s.method == "GET" && p.strip_prefix(API_PREFIX).unwrap_or(p) == path
+            })
             .collect()
     }
 
@@ -1362,6 +1374,69 @@ async fn websocket_upgrade_through_envd() {
         "the stale token, then the fresh one"
     );
     assert_eq!(env.lookups("isb-ws").len(), 1);
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 12. Path prefixes
+// ---------------------------------------------------------------------------------------
+
+/// A base URL with a path prefix (SPEC §3: the client's path is appended to the base
+/// URL's): with `--sandbox-base-url …/api`, `GET /sandboxes?x=1` reaches
+/// `/api/sandboxes?x=1`, the SDK's `/v2/sandboxes` create `/api/sandboxes`, and the
+/// proxy's own look-up `/api/sandboxes/{id}`. With `--sandbox-url …/prefix`, envd requests
+/// keep that prefix, as the SDKs' `E2B_SANDBOX_URL` is a base URL too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_prefixes_are_kept_on_both_planes() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = ProxyCmd::new(&format!("{}{API_PREFIX}", env.api.url()), &env.pki)
+        .args(&["--sandbox-url", &format!("{}/prefix", env.envd.url())])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let envd_host = env.envd.addr.to_string();
+
+    let req = request("GET", addr, "/sandboxes?x=1")
+        .header("x-api-key", "dummy-key")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "[]"));
+    env.cloud.will_create("isb-p1", "tok-p1");
+    let resp = post_json(addr, "/v2/sandboxes", r#"{"templateID":"base"}"#).await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    collect(resp.into_body()).await;
+    let api: Vec<_> = env
+        .api
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect();
+    assert_eq!(api, ["/api/sandboxes?x=1", "/api/sandboxes"]);
+
+    env.cloud.exists("isb-p2", "tok-p2");
+    for (id, token) in [("isb-p1", "tok-p1"), ("isb-p2", "tok-p2")] {
+        let (status, body) =
+            text(send(addr, envd_request(addr, id, "/files?path=%2Fa")).await).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            body,
+            format!("envd {id}: GET /prefix/files?path=%2Fa (0 bytes)")
+        );
+        let seen = env.envd.seen().pop().unwrap();
+        assert_envd_head(&seen, &envd_host, id, ENVD_PORT, token, DEFAULT_BASIC);
+    }
+    let lookups: Vec<_> = env
+        .lookups("isb-p2")
+        .iter()
+        .map(|s| s.uri.path().to_string())
+        .collect();
+    assert_eq!(lookups, ["/api/sandboxes/isb-p2"]);
+    assert!(
+        env.lookups("isb-p1").is_empty(),
+        "the create's token was learned"
+    );
     env.assert_envd_clean();
     proxy.finish().await;
 }
