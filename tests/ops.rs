@@ -694,3 +694,61 @@ async fn a_client_hanging_up_mid_request_gives_its_in_flight_count_back() {
     .await;
     proxy.finish().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// The AK/SK exchange through the binary: cold start, expiry, schemes, clock skew, reload
+// ---------------------------------------------------------------------------------------
+
+/// The `Authorization` of every request the upstream has seen, in order.
+fn bearers(upstream: &Upstream) -> Vec<String> {
+    upstream
+        .seen()
+        .iter()
+        .map(|s| s.header("authorization").unwrap_or("").to_string())
+        .collect()
+}
+
+/// SPEC §5: requests that arrive while the first exchange (started at startup) is still
+/// out wait for it, then go upstream with the key it issued; however many wait, the
+/// endpoint is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_before_the_first_exchange_wait_for_it_and_share_one_exchange() {
+    const WAITERS: usize = 20;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.hold();
+    let proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    fake.until_calls(1).await;
+
+    let waiters: Vec<_> = (0..WAITERS)
+        .map(|_| tokio::spawn(async move { get(addr, "/sandboxes").await.0 }))
+        .collect();
+    // All of them are inside the proxy, waiting for the key (none has been answered).
+    let in_flight = |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
+    within("every request to be in flight", async {
+        while in_flight(&scrape(admin).await) != Some(WAITERS as f64) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(
+        upstream.seen().is_empty(),
+        "a request went up without a key"
+    );
+
+    fake.release();
+    for waiter in waiters {
+        let status = within("a waiting request", waiter).await.expect("join");
+        assert_eq!(status, 200);
+    }
+    assert_eq!(fake.calls(), 1, "one exchange for every waiter");
+    let issued = fake.issued_keys();
+    assert_eq!(
+        bearers(&upstream),
+        vec![format!("Bearer {}", issued[0]); WAITERS]
+    );
+    let stderr = proxy.finish().await;
+    assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
+}
