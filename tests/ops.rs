@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use abx_proxy::credentials::exchange::SystemClock;
 use bytes::Bytes;
-use fake_exchange::{FakeExchange, ACCESS_KEY_ID, ACCESS_KEY_SECRET};
+use fake_exchange::{FakeExchange, Mode, ACCESS_KEY_ID, ACCESS_KEY_SECRET};
 use http_body_util::BodyExt;
 use support::*;
 use tokio::sync::{oneshot, watch};
@@ -699,6 +699,15 @@ async fn a_client_hanging_up_mid_request_gives_its_in_flight_count_back() {
 // The AK/SK exchange through the binary: cold start, expiry, schemes, clock skew, reload
 // ---------------------------------------------------------------------------------------
 
+/// `GET path` on a fresh connection, read raw (for [`assert_proxy_error`]).
+async fn raw_get(addr: SocketAddr, path: &str) -> RawResponse {
+    raw_exchange(
+        addr,
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes(),
+    )
+    .await
+}
+
 /// The `Authorization` of every request the upstream has seen, in order.
 fn bearers(upstream: &Upstream) -> Vec<String> {
     upstream
@@ -749,6 +758,82 @@ async fn requests_before_the_first_exchange_wait_for_it_and_share_one_exchange()
         bearers(&upstream),
         vec![format!("Bearer {}", issued[0]); WAITERS]
     );
+    let stderr = proxy.finish().await;
+    assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
+}
+
+/// SPEC §5 and §7: a temporary key is not sent in its last 5 s. The fake issues a key that
+/// lives 10 s, so its refresh falls due (`min(refresh_before, lifetime / 2)` before expiry,
+/// never later than those 5 s) exactly when it stops being handed out: once the refresh call
+/// arrives, the key is unusable, whatever the machine's speed. That refresh is held, then
+/// fails. Meanwhile `/readyz` is 503 and requests get 503 E1004 without reaching the
+/// upstream; once the endpoint answers again, the retry's key is in use and `/readyz` is 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succeeds() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.set_ttl(Some(Duration::from_secs(10)));
+    fake.hold();
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+
+    // Let the first exchange through and hold everything after it. `accepted` counts the
+    // answer before it is sent, so the hold is in place before the proxy has a key to refresh.
+    fake.until_calls(1).await;
+    fake.release();
+    within("the first key to be issued", async {
+        while fake.accepted() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    fake.hold();
+    proxy.wait_for_line("token exchange succeeded").await;
+    assert_eq!(
+        get(addr, "/sandboxes").await.0,
+        200,
+        "the first key, well before expiry"
+    );
+    let first = format!("Bearer {}", fake.issued_keys()[0]);
+    assert_eq!(bearers(&upstream), [first.clone()]);
+
+    // The refresh arrives when the key is 5 s from expiry: no longer handed out.
+    fake.until_calls(2).await;
+    assert_eq!(
+        get(admin, "/readyz").await.0,
+        503,
+        "ready with a key in its last 5 s"
+    );
+    assert_proxy_error(&raw_get(addr, "/sandboxes").await, 503, "E1004");
+
+    // The refresh fails: requests name the endpoint's answer.
+    fake.set_ttl(Some(Duration::from_secs(3600)));
+    fake.set_mode(Mode::Fail500);
+    fake.release();
+    proxy.wait_for_line("token exchange failed").await;
+    let resp = raw_get(addr, "/sandboxes").await;
+    assert_proxy_error(&resp, 503, "E1004");
+    assert!(resp.text().contains("HTTP 500"), "{}", resp.text());
+    assert_eq!(get(admin, "/readyz").await.0, 503);
+    assert_eq!(
+        bearers(&upstream),
+        [first.clone()],
+        "a request went upstream"
+    );
+
+    // The endpoint recovers: the next retry's key serves.
+    fake.set_mode(Mode::Ok);
+    proxy.wait_for_line("token exchange succeeded").await;
+    assert_eq!(get(admin, "/readyz").await.0, 200);
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let issued = fake.issued_keys();
+    assert_eq!(
+        issued.len(),
+        2,
+        "one key at startup, one from the recovered refresh"
+    );
+    assert_eq!(bearers(&upstream), [first, format!("Bearer {}", issued[1])]);
     let stderr = proxy.finish().await;
     assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
 }
