@@ -9,6 +9,8 @@ mod support;
 mod fake_exchange;
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -357,14 +359,21 @@ async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
     assert_no_aksk_secret(&stderr, &fake.issued_keys(), "the proxy's stderr");
 }
 
-/// `abx-proxy <args>` with only an AccessKey pair in a cleared environment.
-fn run_check(home: &std::path::Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
-        .env_clear()
+/// `abx-proxy`, run from `home` (so `home/.abx` is `~/.abx`) with only an AccessKey pair in
+/// a cleared environment.
+fn aksk_command(home: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+    cmd.env_clear()
         .env("HOME", home)
         .env("ALICLOUD_ACCESS_KEY_ID", ACCESS_KEY_ID)
         .env("ALICLOUD_ACCESS_KEY_SECRET", ACCESS_KEY_SECRET)
-        .current_dir(home)
+        .current_dir(home);
+    cmd
+}
+
+/// `abx-proxy <args>` with only an AccessKey pair in a cleared environment.
+fn run_check(home: &Path, args: &[&str]) -> Output {
+    aksk_command(home)
         .args(args)
         .output()
         .expect("run abx-proxy check")
@@ -836,4 +845,114 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     assert_eq!(bearers(&upstream), [first, format!("Bearer {}", issued[1])]);
     let stderr = proxy.finish().await;
     assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
+}
+
+/// `abx-proxy check` (see [`aksk_command`]) against `fake` and `upstream`.
+fn check_command(home: &Path, fake: &FakeExchange, upstream: &Upstream, pki: &Pki) -> Command {
+    let mut cmd = aksk_command(home);
+    cmd.arg("check").args([
+        "--token-exchange-url",
+        &fake.url,
+        "--sandbox-base-url",
+        &upstream.url(),
+        "--upstream-ca",
+        &pki.ca_pem.display().to_string(),
+    ]);
+    cmd
+}
+
+/// Runs `cmd` off the runtime (the fake and the upstream are served from it), bounded.
+async fn output(mut cmd: Command) -> Output {
+    within(
+        "abx-proxy to exit",
+        tokio::task::spawn_blocking(move || cmd.output()),
+    )
+    .await
+    .expect("join")
+    .expect("run abx-proxy")
+}
+
+/// One way to choose the exchange's signature scheme (SPEC §2), and the scheme it gives.
+struct SchemeChoice {
+    how: &'static str,
+    flags: &'static [&'static str],
+    env: Option<(&'static str, &'static str)>,
+    config_toml: Option<&'static str>,
+    want: &'static str,
+}
+
+const SCHEME_CHOICES: [SchemeChoice; 4] = [
+    SchemeChoice {
+        how: "nothing set",
+        flags: &[],
+        env: None,
+        config_toml: None,
+        want: "rpc-v1",
+    },
+    SchemeChoice {
+        how: "--token-exchange acs3",
+        flags: &["--token-exchange", "acs3"],
+        env: None,
+        config_toml: None,
+        want: "acs3",
+    },
+    SchemeChoice {
+        how: "ABX_TOKEN_EXCHANGE=acs3",
+        flags: &[],
+        env: Some(("ABX_TOKEN_EXCHANGE", "acs3")),
+        config_toml: None,
+        want: "acs3",
+    },
+    SchemeChoice {
+        how: "[auth] token_exchange in config.toml",
+        flags: &[],
+        env: None,
+        config_toml: Some("[auth]\ntoken_exchange = \"acs3\"\n"),
+        want: "acs3",
+    },
+];
+
+/// SPEC §2 and §5: `token_exchange = acs3`, given as a flag, in the environment or under
+/// `[auth]` in `~/.abx/config.toml`, makes both `serve` and `check` sign their exchange with
+/// ACS3; with none of them both use RPC V1. The fake verifies each scheme on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_and_check_sign_the_exchange_with_the_configured_scheme() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "[]") }).await;
+    for choice in &SCHEME_CHOICES {
+        let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+        let home = tempfile::tempdir().expect("home for check");
+        let mut serve = aksk_proxy(&upstream, &pki, &fake).args(choice.flags);
+        let mut check = check_command(home.path(), &fake, &upstream, &pki);
+        check.args(choice.flags);
+        if let Some((name, value)) = choice.env {
+            serve = serve.env(name, Some(value));
+            check.env(name, value);
+        }
+        if let Some(toml) = choice.config_toml {
+            serve = serve.abx_file("config.toml", toml);
+            std::fs::create_dir_all(home.path().join(".abx")).expect("~/.abx");
+            std::fs::write(home.path().join(".abx/config.toml"), toml).expect("config.toml");
+        }
+
+        let proxy = serve.spawn().await;
+        assert_eq!(
+            get(proxy.addr(), "/sandboxes").await.0,
+            200,
+            "{}",
+            choice.how
+        );
+        assert_eq!(fake.schemes(), [choice.want], "serve, {}", choice.how);
+        proxy.finish().await;
+
+        let out = output(check).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "check, {}: {stderr}",
+            choice.how
+        );
+        assert_eq!(fake.schemes(), [choice.want; 2], "check, {}", choice.how);
+    }
 }
