@@ -956,3 +956,49 @@ async fn serve_and_check_sign_the_exchange_with_the_configured_scheme() {
         assert_eq!(fake.schemes(), [choice.want; 2], "check, {}", choice.how);
     }
 }
+
+/// What E1002's suggestion says (SPEC §5: a clock-skew answer is E1002 with its suggestion).
+const CLOCK_SUGGESTION: &str = "Synchronise the system clock";
+
+/// SPEC §1 and §5: an endpoint that rejects the request time is E1002, not a generic
+/// exchange failure. `check` prints `[E1002]` with its suggestion and exits 78 (a credential
+/// error; the endpoint was reached, so not 69) without probing the upstream. `serve` logs it
+/// with the suggestion, stays unready, and answers requests 503 `E1002` in the E2B error
+/// shape — the code that tells an SDK user to look at their clock — sending nothing upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_skew_is_e1002_with_its_suggestion_in_check_and_serve() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "[]") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.set_mode(Mode::ClockSkew);
+
+    let home = tempfile::tempdir().expect("home for check");
+    let out = output(check_command(home.path(), &fake, &upstream, &pki)).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("[E1002] clock skew"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("Suggestion: {CLOCK_SUGGESTION}")),
+        "{stderr}"
+    );
+
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let line = proxy.wait_for_line("token exchange failed").await;
+    assert!(
+        line.contains("[E1002]") && line.contains(CLOCK_SUGGESTION),
+        "{line}"
+    );
+    let resp = raw_get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 503, "E1002");
+    assert!(
+        resp.text().contains("InvalidTimeStamp.Expired"),
+        "{}",
+        resp.text()
+    );
+    assert_eq!(get(proxy.admin_addr(), "/readyz").await.0, 503);
+    assert!(
+        upstream.seen().is_empty(),
+        "a request went upstream without a key"
+    );
+    proxy.finish().await;
+}
