@@ -1002,3 +1002,61 @@ async fn clock_skew_is_e1002_with_its_suggestion_in_check_and_serve() {
     );
     proxy.finish().await;
 }
+
+/// SPEC §2 and §7: SIGHUP re-reads the working directory's `./.env` (not only `~/.abx/.env`)
+/// and `~/.abx/config.toml`. A key put in `./.env` beats the one in `~/.abx/.env`; then an
+/// AccessKey pair whose id is only in config.toml and whose secret is only in `./.env`
+/// replaces the API key: once "reloaded" is logged, the upstream sees the temporary key the
+/// endpoint issued for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_rereads_the_cwd_env_and_config_toml_and_a_new_pair_replaces_the_key() {
+    const HOME_KEY: &str = "sk-reload-home-GGGG7777hhhh8888";
+    const CWD_KEY: &str = "sk-reload-cwd-IIII9999jjjj0000";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let mut proxy = key_in_env_file(&upstream, &pki, HOME_KEY)
+        .args(&["--token-exchange-url", &fake.url])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (cwd_env, home_env) = (proxy.cwd().join(".env"), proxy.abx_home().join(".env"));
+    let config_toml = proxy.abx_home().join("config.toml");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+
+    let line = proxy
+        .reload_files(
+            &[(cwd_env.clone(), &format!("ABX_SANDBOX_API_KEY={CWD_KEY}\n"))],
+            "reloaded",
+        )
+        .await;
+    assert!(line.contains("sandbox_api_key"), "{line}");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+
+    let secret = format!("ALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n");
+    let id = format!("[auth]\naccess_key_id = \"{ACCESS_KEY_ID}\"\n");
+    let line = proxy
+        .reload_files(
+            &[(cwd_env, &secret), (home_env, ""), (config_toml, &id)],
+            "reloaded",
+        )
+        .await;
+    assert!(line.contains("access_key_id"), "{line}");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let issued = fake.issued_keys();
+    assert_eq!(issued.len(), 1, "one exchange, for the reload");
+    assert_eq!(
+        bearers(&upstream),
+        [
+            format!("Bearer {HOME_KEY}"),
+            format!("Bearer {CWD_KEY}"),
+            format!("Bearer {}", issued[0]),
+        ]
+    );
+    assert_eq!(get(proxy.admin_addr(), "/readyz").await.0, 200);
+    let stderr = proxy.finish().await;
+    assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
+    for key in [HOME_KEY, CWD_KEY] {
+        assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
+    }
+}

@@ -1279,3 +1279,27 @@ pub async fn echo(s: &mut TcpStream, payload: &[u8]) {
     let ((), echoed) = within("the echo", async { tokio::join!(write, read) }).await;
     assert!(echoed == payload, "echo of {} bytes differs", payload.len());
 }
+
+// ---------------------------------------------------------------------------------------
+// Added for tests/ops.rs: SIGHUP with the working directory's `.env` and config.toml
+// ---------------------------------------------------------------------------------------
+
+impl ProxyProc {
+    /// The proxy's working directory, where its `./.env` is read from.
+    pub fn cwd(&self) -> PathBuf {
+        self._home.path().join("cwd")
+    }
+
+    /// Writes each `(path, contents)` (mode 600, as `.env` files are meant to be), sends
+    /// SIGHUP and waits for the log line containing `needle`.
+    pub async fn reload_files(&mut self, files: &[(PathBuf, &str)], needle: &str) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        for (path, contents) in files {
+            std::fs::write(path, contents).expect("write a file for the reload");
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .expect("chmod 600");
+        }
+        self.signal("HUP");
+        self.wait_for_line(needle).await
+    }
+}
