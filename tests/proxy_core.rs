@@ -740,17 +740,83 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         "a refused request reached the upstream"
     );
 
-    // The loopback names that must pass.
+    // The loopback names that must pass: all of 127.0.0.0/8, and any name under
+    // `localhost` (browsers and the SDKs' `<port>-<id>.localhost` resolve them locally).
+    let port = addr.port();
     for host in [
         local.clone(),
-        format!("localhost:{}", addr.port()),
+        format!("localhost:{port}"),
         "[::1]".into(),
+        format!("127.1.2.3:{port}"),
+        "foo.localhost".into(),
+        format!("foo.localhost:{port}"),
     ] {
-        let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
-        let resp = raw_exchange(addr, req.as_bytes()).await;
+        let resp = with_host(addr, &host, "/sandboxes").await;
         assert_eq!(resp.status, 200, "Host {host}: {:?}", resp.text());
     }
     proxy.finish().await;
+}
+
+/// `GET path` with `Host: host` on a fresh connection that closes after the answer.
+async fn with_host(addr: std::net::SocketAddr, host: &str, path: &str) -> RawResponse {
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    raw_exchange(addr, req.as_bytes()).await
+}
+
+/// `--allow-remote` lifts the loopback-only Host check, also on a loopback listener (SPEC
+/// §4, e.g. behind a reverse proxy that keeps the client's Host): without `--allowed-host`
+/// any Host is served; with `--allowed-host proxy.internal` that name is served (with a
+/// port, in any case) and so are the local names, which no DNS-rebinding page can send,
+/// while any other Host gets 400 E5003 without the upstream being asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let any = ProxyCmd::new(&upstream.url(), &pki)
+        .arg("--allow-remote")
+        .spawn()
+        .await;
+    let listed = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--allow-remote", "--allowed-host", "proxy.internal"])
+        .spawn()
+        .await;
+
+    for host in ["evil.example", "10.0.0.1:8080", "proxy.internal"] {
+        let resp = with_host(any.addr(), host, "/served").await;
+        assert_eq!(resp.status, 200, "any Host: {host}: {:?}", resp.text());
+    }
+
+    let port = listed.addr().port();
+    for host in [
+        "proxy.internal".to_string(),
+        format!("proxy.internal:{port}"),
+        "PROXY.Internal".into(),
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        "foo.localhost".into(),
+    ] {
+        let resp = with_host(listed.addr(), &host, "/served").await;
+        assert_eq!(resp.status, 200, "listed: Host {host}: {:?}", resp.text());
+    }
+    for host in [
+        "evil.example".to_string(),
+        format!("evil.example:{port}"),
+        "proxy.internal.evil.example".into(),
+        "internal".into(),
+        "10.0.0.1".into(),
+    ] {
+        let resp = with_host(listed.addr(), &host, "/refused").await;
+        assert_proxy_error(&resp, 400, "E5003");
+    }
+    assert!(
+        upstream
+            .seen()
+            .iter()
+            .all(|r| r.path_and_query() != "/refused"),
+        "a refused Host reached the upstream"
+    );
+    any.finish().await;
+    listed.finish().await;
 }
 
 // ---------------------------------------------------------------------------------------
