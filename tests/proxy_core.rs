@@ -888,8 +888,23 @@ async fn silent_upstream_is_504_e5002() {
 // Signals
 // ---------------------------------------------------------------------------------------
 
+/// SIGTERM (SPEC §7): the listener stops accepting, `/readyz` turns 503, the request in
+/// flight still gets its answer, and the exit is 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
+    drains_in_flight_requests_on("TERM").await;
+}
+
+/// SIGINT (Ctrl-C in a terminal, `docker stop` of an image whose STOPSIGNAL is SIGINT)
+/// drains exactly like SIGTERM (SPEC §7) instead of killing the request in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_drains_in_flight_requests_like_sigterm() {
+    drains_in_flight_requests_on("INT").await;
+}
+
+/// A request is held upstream while `signal` arrives: new connections are refused and
+/// `/readyz` is 503 while it runs; it then completes, and the proxy exits 0.
+async fn drains_in_flight_requests_on(signal: &str) {
     let pki = Pki::new();
     let (release_tx, release_rx) = oneshot::channel::<()>();
     let release_rx = Arc::new(tokio::sync::Mutex::new(Some(release_rx)));
@@ -925,7 +940,7 @@ async fn sigterm_drains_in_flight_requests_and_refuses_new_ones() {
     ));
     upstream.next_request().await;
 
-    proxy.signal("TERM");
+    proxy.signal(signal);
     proxy.wait_for_line("listener closed").await;
     let refused = TcpStream::connect(addr).await;
     assert_eq!(
