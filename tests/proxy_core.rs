@@ -1313,26 +1313,10 @@ async fn unix_socket_listener_serves_requests() {
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o660, "socket mode");
 
-    let stream = within(
-        "connect to the socket",
-        tokio::net::UnixStream::connect(&sock),
-    )
-    .await
-    .unwrap();
-    let mut client = handshake(stream).await;
-    let req = Request::builder()
-        .uri("/sandboxes")
-        .header("host", "localhost")
-        .header("x-api-key", "dummy")
-        .body(empty())
-        .unwrap();
-    let resp = within("the response", client.send_request(req))
-        .await
-        .unwrap();
+    let resp = send_unix(&sock, "/sandboxes").await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(collect(resp.into_body()).await, "via unix");
     assert_authorized(&upstream.next_request().await, &upstream);
-    drop(client);
 
     // The admin endpoints answer on a unix socket too.
     let admin = tokio::net::UnixStream::connect(&admin_sock).await.unwrap();
@@ -1355,6 +1339,81 @@ async fn unix_socket_listener_serves_requests() {
     drop(client);
     proxy.finish().await;
     assert!(!sock.exists(), "the socket file is removed at exit");
+}
+
+/// `GET path` (with a dummy client key) on a fresh connection to the unix socket `sock`.
+async fn send_unix(sock: &std::path::Path, path: &str) -> Response<hyper::body::Incoming> {
+    let stream = within(
+        "connect to the socket",
+        tokio::net::UnixStream::connect(sock),
+    )
+    .await
+    .unwrap();
+    let mut client = handshake(stream).await;
+    let req = Request::builder()
+        .uri(path)
+        .header("host", "localhost")
+        .header("x-api-key", "dummy")
+        .body(empty())
+        .unwrap();
+    within("the response", client.send_request(req))
+        .await
+        .unwrap()
+}
+
+/// A proxy listening on the unix socket `sock`, its upstream a closed port.
+fn unix_proxy(pki: &Pki, sock: &std::path::Path) -> ProxyCmd {
+    ProxyCmd::new("https://127.0.0.1:9", pki).listen(&format!("unix:{}", sock.display()))
+}
+
+/// A socket file left behind by a listener that is gone (a crash, `kill -9`) is replaced
+/// (SPEC §7): the proxy starts on that path and answers there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_unix_socket_file_is_replaced() {
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("abx.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    assert!(sock.exists(), "the dead listener's file stays");
+
+    let proxy = unix_proxy(&pki, &sock).spawn().await;
+    // The proxy's own answer (its upstream is down) over the socket.
+    let resp = send_unix(&sock, "/sandboxes").await;
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(resp.headers()["x-abx-error"], "E5001");
+    proxy.finish().await;
+}
+
+/// Only a stale socket is replaced: on a socket another process still listens on, or on a
+/// path that is no socket at all (a mistyped `--listen unix:` naming someone's file), the
+/// proxy exits 78 with E1008 naming the path, and leaves what is there alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_unix_socket_or_another_file_is_not_replaced() {
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let live = dir.path().join("live.sock");
+    let owner = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "keep me").unwrap();
+
+    for path in [&live, &file] {
+        let (status, stderr) = unix_proxy(&pki, path).run_to_exit().await;
+        assert_eq!(
+            status.code(),
+            Some(78),
+            "{}: stderr:\n{stderr}",
+            path.display()
+        );
+        assert!(
+            stderr.contains("[E1008]") && stderr.contains(&path.display().to_string()),
+            "stderr:\n{stderr}"
+        );
+    }
+    // The owner still has its socket (had the proxy replaced it, its exit would have
+    // removed the file), and the file is untouched.
+    std::os::unix::net::UnixStream::connect(&live).expect("the owner's socket is still there");
+    drop(owner);
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,8 +85,19 @@ impl Drop for Listener {
 /// A socket file nobody listens on is left over from a crash: replace it. One somebody
 /// answers on is in use.
 async fn remove_stale_socket(path: &Path) -> io::Result<()> {
-    if !path.exists() {
-        return Ok(());
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    // Only a socket can be stale. A connect to any other file fails as it does to a dead
+    // socket, so a mistyped `--listen unix:~/notes.txt` used to delete the user's file.
+    if !meta.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket",
+        ));
     }
     match tokio::net::UnixStream::connect(path).await {
         Ok(_) => Err(io::Error::new(io::ErrorKind::AddrInUse, "socket in use")),
