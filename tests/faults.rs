@@ -16,6 +16,7 @@ mod support;
 #[path = "support/fake_exchange.rs"]
 mod fake_exchange;
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::Command;
@@ -999,12 +1000,50 @@ impl Drop for FaultUpstream {
     }
 }
 
+/// The control plane's `abx_proxy_upstream_errors_total` by `kind`, every kind of SPEC §7
+/// (0 for a series not yet there; all 0 for an empty `text`).
+fn upstream_errors_by_kind(text: &str) -> BTreeMap<&'static str, f64> {
+    ["connect", "tls", "timeout", "reset", "protocol"]
+        .into_iter()
+        .map(|kind| {
+            let series =
+                format!("abx_proxy_upstream_errors_total{{plane=\"api\",kind=\"{kind}\"}}");
+            (kind, metric(text, &series).unwrap_or(0.0))
+        })
+        .collect()
+}
+
+/// Sends `GET /sandboxes` while `fault` is set: the proxy's own 502 E5001, counted once
+/// under `kind` and under no other; `counted` is what was counted before, and is updated.
+async fn assert_fault_counted(
+    proxy: &ProxyProc,
+    upstream: &FaultUpstream,
+    sweep: &mut Sweep,
+    (fault, kind): (Fault, &'static str),
+    counted: &mut BTreeMap<&'static str, f64>,
+) {
+    upstream.set(fault);
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    sweep.raw(&format!("{fault:?}"), &resp);
+    assert_proxy_error(&resp, 502, "E5001");
+    *counted.entry(kind).or_default() += 1.0;
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        &upstream_errors_by_kind(&text),
+        counted,
+        "{fault:?}, answered {}: {text}",
+        resp.text()
+    );
+}
+
 /// Each fault (reset on accept, reset after the request, garbage instead of HTTP, a bad
 /// status line, a bad header name, conflicting lengths, 150 headers, half a head; then a
 /// reset and garbage during TLS) gets the proxy's own 502 E5001 (JSON, `X-Abx-Error`) and
-/// one upstream-error count; a body cut short reaches the client as a stream that ends
-/// mid-body. After every fault a normal request succeeds, `/healthz` is 200 and `/readyz`
-/// stays 200.
+/// one upstream-error count under its `kind` label (SPEC §7: `reset` for a connection
+/// the upstream resets or ends mid-head, whenever the reset comes, `protocol` for an
+/// answer that is no valid HTTP, `tls` for garbage instead of TLS); a body cut short
+/// reaches the client as a stream that ends mid-body. After every fault a normal request
+/// succeeds, `/healthz` is 200 and `/readyz` stays 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     let pki = Pki::new();
@@ -1017,20 +1056,18 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     let mut sweep = Sweep::new(&[]);
 
     let faults = [
-        Fault::ResetOnAccept,
-        Fault::ResetAfterRequest,
-        Fault::Garbage,
-        Fault::BadStatusLine,
-        Fault::BadHeaderName,
-        Fault::ConflictingLengths,
-        Fault::TooManyHeaders,
-        Fault::HalfHead,
+        (Fault::ResetOnAccept, "reset"),
+        (Fault::ResetAfterRequest, "reset"),
+        (Fault::Garbage, "protocol"),
+        (Fault::BadStatusLine, "protocol"),
+        (Fault::BadHeaderName, "protocol"),
+        (Fault::ConflictingLengths, "protocol"),
+        (Fault::TooManyHeaders, "protocol"),
+        (Fault::HalfHead, "reset"),
     ];
+    let mut counted = upstream_errors_by_kind("");
     for fault in faults {
-        upstream.set(fault);
-        let resp = get(addr, "/sandboxes").await;
-        sweep.raw(&format!("{fault:?}"), &resp);
-        assert_proxy_error(&resp, 502, "E5001");
+        assert_fault_counted(&proxy, &upstream, &mut sweep, fault, &mut counted).await;
         upstream.set(Fault::Ok);
         assert_healthy(&proxy, &mut sweep, true).await;
     }
@@ -1080,11 +1117,12 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     let settings = Settings::of(&cmd, &["--sandbox-base-url", &tls_url]);
     let proxy = cmd.spawn().await;
     let mut sweep = Sweep::new(&[]);
-    for fault in [Fault::ResetOnAccept, Fault::GarbageFirst] {
-        upstream.set(fault);
-        let resp = get(proxy.addr(), "/sandboxes").await;
-        sweep.raw(&format!("TLS {fault:?}"), &resp);
-        assert_proxy_error(&resp, 502, "E5001");
+    let mut counted = upstream_errors_by_kind("");
+    for fault in [
+        (Fault::ResetOnAccept, "reset"),
+        (Fault::GarbageFirst, "tls"),
+    ] {
+        assert_fault_counted(&proxy, &upstream, &mut sweep, fault, &mut counted).await;
         assert_eq!(get(proxy.admin_addr(), "/healthz").await.status, 200);
         assert_eq!(get(proxy.admin_addr(), "/readyz").await.status, 200);
     }

@@ -841,6 +841,8 @@ async fn upstream_down_is_502_e5001() {
     proxy.finish().await;
 }
 
+/// An upstream that never completes TLS, and one that never answers, get 504 E5002 at
+/// `--upstream-timeout`, each counted as an upstream error of kind `timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_upstream_is_504_e5002() {
     let pki = Pki::new();
@@ -875,6 +877,12 @@ async fn silent_upstream_is_504_e5002() {
     let (r1, r2) = tokio::join!(get(p1.addr()), get(p2.addr()));
     assert_proxy_error(&r1, 504, "E5002");
     assert_proxy_error(&r2, 504, "E5002");
+    // Counted as what they are (SPEC §7), whether the TLS or the answer never came.
+    for p in [&p1, &p2] {
+        let text = scrape(p.admin_addr()).await;
+        let timeouts = "abx_proxy_upstream_errors_total{plane=\"api\",kind=\"timeout\"}";
+        assert_eq!(metric(&text, timeouts), Some(1.0), "{text}");
+    }
     assert_eq!(
         tls_silent.next_request().await.path_and_query(),
         "/sandboxes"

@@ -93,7 +93,21 @@ fn inside_io(io: &std::io::Error) -> Option<&rustls::Error> {
 }
 
 pub(crate) fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
-    chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(|io| io.kind()))
+    chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(innermost_kind))
+}
+
+/// hyper-rustls wraps a failed handshake's `io::Error` in `io::Error::other` (and, as for
+/// [`inside_io`], `get_ref` is not `source`): the kind that says what happened is the
+/// innermost one. Without this, an upstream resetting its TLS handshake was reported as
+/// "connect failed: other error".
+fn innermost_kind(io: &std::io::Error) -> std::io::ErrorKind {
+    match io
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<std::io::Error>())
+    {
+        Some(inner) => innermost_kind(inner),
+        None => io.kind(),
+    }
 }
 
 /// hyper marks an error of the request body stream as the user's.
@@ -110,15 +124,26 @@ pub fn classify(e: &hyper_util::client::legacy::Error) -> FailKind {
         return FailKind::Tls;
     }
     if e.is_connect() {
-        return match find_io(e) {
-            Some(TimedOut) => FailKind::Timeout,
-            _ => FailKind::Connect,
-        };
+        return connect_kind(find_io(e));
     }
     match find_io(e) {
         Some(ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof) => FailKind::Reset,
         Some(TimedOut) => FailKind::Timeout,
         _ => FailKind::Protocol,
+    }
+}
+
+/// The kind of a failed connection set-up (TCP connect, TLS handshake), from the I/O error
+/// in it. A reset there means the peer accepted the connection and then reset it: that is
+/// `reset`, as it is when the reset comes a moment later, once the request is written.
+/// Counted as `connect` before, an upstream that resets what it accepts got either label
+/// depending on whether the reset beat the connector's check of the new socket.
+pub(crate) fn connect_kind(io: Option<std::io::ErrorKind>) -> FailKind {
+    use std::io::ErrorKind::*;
+    match io {
+        Some(TimedOut) => FailKind::Timeout,
+        Some(ConnectionReset | ConnectionAborted) => FailKind::Reset,
+        _ => FailKind::Connect,
     }
 }
 

@@ -103,12 +103,12 @@ impl UpstreamError {
         use io::ErrorKind::*;
         match self {
             UpstreamError::Legacy(e) => forward::classify(e),
-            UpstreamError::Connect(e) => match forward::find_io(e.as_ref()) {
-                Some(TimedOut) => FailKind::Timeout,
-                _ => FailKind::Connect,
-            },
-            // A handshake cut short is a failure to connect, as the legacy client counts it.
-            UpstreamError::Tls(e) if forward::find_rustls(e).is_none() => FailKind::Connect,
+            UpstreamError::Connect(e) => forward::connect_kind(forward::find_io(e.as_ref())),
+            // A handshake cut short is a failure to connect (a reset: the peer's doing), as
+            // the legacy client counts it.
+            UpstreamError::Tls(e) if forward::find_rustls(e).is_none() => {
+                forward::connect_kind(forward::find_io(e))
+            }
             UpstreamError::Tls(_) => FailKind::Tls,
             UpstreamError::Io(e) => match e.kind() {
                 ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => FailKind::Reset,
