@@ -642,6 +642,69 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
     assert_eq!(warnings, 1, "the config.toml warning:\n{stderr}");
 }
 
+/// In the default text format (SPEC §7) a request's line names `path=/files` and never
+/// the query string, where signed file URLs carry their signature; nothing else at
+/// `trace` (dependencies included) prints it either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_logs_name_the_path_never_the_query_string() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .log_level("trace")
+        .spawn()
+        .await;
+    let (status, _) = get(proxy.addr(), "/files?path=%2Ftmp%2Fx&signature=SECRET123").await;
+    assert_eq!(status, 200);
+    let stderr = proxy.finish().await;
+    assert!(
+        !stderr.contains("SECRET123") && !stderr.contains("signature="),
+        "query string logged:\n{stderr}"
+    );
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("method=GET"))
+        .unwrap_or_else(|| panic!("no request line:\n{stderr}"));
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    for field in [
+        "path=/files",
+        "plane=\"api\"",
+        "status=200",
+        "upstream=127.0.0.1",
+    ] {
+        assert!(fields.contains(&field), "{field} in {line}");
+    }
+}
+
+/// `RUST_LOG` applies when `--log-level` is not given (SPEC §7): `RUST_LOG=debug` shows
+/// the DEBUG lines the default (`info`) would not. A `--log-level` that is given wins
+/// over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_log_applies_when_log_level_is_not_given() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let with_rust_log = |cmd: ProxyCmd| cmd.env("RUST_LOG", Some("debug")).spawn();
+    let env_only = with_rust_log(ProxyCmd::new(&upstream.url(), &pki).without_log_level()).await;
+    let flag_too = with_rust_log(ProxyCmd::new(&upstream.url(), &pki).log_level("info")).await;
+    for proxy in [&env_only, &flag_too] {
+        assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    }
+    let debug_lines = |stderr: &str| stderr.lines().filter(|l| l.contains(" DEBUG ")).count();
+
+    let stderr = env_only.finish().await;
+    assert!(
+        debug_lines(&stderr) > 0,
+        "RUST_LOG=debug ignored:\n{stderr}"
+    );
+    assert!(stderr.contains("path=/sandboxes"), "{stderr}");
+    let stderr = flag_too.finish().await;
+    assert_eq!(
+        debug_lines(&stderr),
+        0,
+        "--log-level info lost to RUST_LOG:\n{stderr}"
+    );
+    assert!(stderr.contains("path=/sandboxes"), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     // The upstream's certificate is from a CA the proxy was not given.

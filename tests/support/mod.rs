@@ -1303,3 +1303,17 @@ impl ProxyProc {
         self.wait_for_line(needle).await
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Added for the logging tests of tests/ops.rs
+// ---------------------------------------------------------------------------------------
+
+impl ProxyCmd {
+    /// Drops `--log-level` (given as `debug` by default), so that `RUST_LOG` applies.
+    pub fn without_log_level(mut self) -> Self {
+        if let Some(i) = self.args.iter().position(|a| a == "--log-level") {
+            self.args.drain(i..i + 2);
+        }
+        self
+    }
+}
