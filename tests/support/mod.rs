@@ -570,6 +570,8 @@ pub struct ProxyCmd {
     files: Vec<(String, String)>,
     /// `abx-proxy` commands run with the same environment before `serve`.
     setup: Vec<Vec<String>>,
+    /// Default arguments left off the command line (see [`ProxyCmd::omit`]).
+    omit: Vec<String>,
 }
 
 impl ProxyCmd {
@@ -590,6 +592,7 @@ impl ProxyCmd {
             env: vec![("ABX_SANDBOX_API_KEY".into(), API_KEY.into())],
             files: Vec::new(),
             setup: Vec::new(),
+            omit: Vec::new(),
         }
     }
 
@@ -674,14 +677,7 @@ impl ProxyCmd {
             .env("HOME", home)
             .env("ABX_HOME", &abx_home)
             .current_dir(&cwd)
-            .arg("serve")
-            .args([
-                "--listen",
-                &self.listen,
-                "--admin-listen",
-                &self.admin_listen,
-            ])
-            .args(&self.args)
+            .args(self.argv())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -1315,5 +1311,45 @@ impl ProxyCmd {
             self.args.drain(i..i + 2);
         }
         self
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Added for tests/serve_settings.rs: arguments left off the command line
+// ---------------------------------------------------------------------------------------
+
+impl ProxyCmd {
+    /// Leaves default arguments off the command line: `serve` (the subcommand) or a flag
+    /// given with its value (`--listen`, `--admin-listen`, `--sandbox-base-url`, …), so the
+    /// setting comes from the environment, a `.env` file or config.toml instead.
+    pub fn omit(mut self, args: &[&str]) -> Self {
+        self.omit.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// `serve`, the listen flags and the test's arguments, less those [`ProxyCmd::omit`]s.
+    fn argv(&self) -> Vec<String> {
+        let listen = [
+            "--listen",
+            &self.listen,
+            "--admin-listen",
+            &self.admin_listen,
+        ];
+        let all = std::iter::once("serve")
+            .chain(listen)
+            .chain(self.args.iter().map(String::as_str));
+        let mut argv = Vec::new();
+        let mut skip_value = false;
+        for a in all {
+            if std::mem::take(&mut skip_value) {
+                continue;
+            }
+            if self.omit.iter().any(|o| o == a) {
+                skip_value = a.starts_with("--");
+                continue;
+            }
+            argv.push(a.to_string());
+        }
+        argv
     }
 }
