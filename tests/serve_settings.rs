@@ -1,12 +1,29 @@
-//! `serve` as the command line promises it (SPEC §1), through the real binary: no
-//! subcommand serves, `--version` and `--help`.
+//! `serve` as the command line and the settings chain promise it (SPEC §1–§2), through the
+//! real binary: no subcommand serves, `--version` and `--help`, settings that come from
+//! the environment and the files rather than flags.
 
 mod support;
 
+use std::path::Path;
 use std::process::Command;
 
-use http::StatusCode;
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
 use support::*;
+
+/// One request over the unix socket at `sock`; the response head within [`GUARD`].
+async fn send_unix(sock: &Path, req: Request<TestBody>) -> Response<Incoming> {
+    let stream = within(
+        "connect to the socket",
+        tokio::net::UnixStream::connect(sock),
+    )
+    .await
+    .expect("connect to the socket");
+    let mut client = handshake(stream).await;
+    within("the proxy's response", client.send_request(req))
+        .await
+        .expect("request through the proxy")
+}
 
 /// SPEC §1: `abx-proxy` with no subcommand is `serve`: it takes the serve flags, binds,
 /// and forwards a real request with the key attached in place of the client's dummy.
@@ -61,4 +78,56 @@ fn version_and_help_exit_0() {
     for command in ["serve", "config", "check", "provider"] {
         assert!(help.contains(command), "--help lacks {command}:\n{help}");
     }
+}
+
+/// SPEC §2: `serve` takes its non-flag settings from the same layers as `config list`.
+/// With no `--listen`, `--admin-listen` or `--sandbox-base-url`: the listen address (a unix
+/// socket) comes from config.toml, the control plane from `./.env`, `compat_v2_paths =
+/// pass` from the environment, the admin address from `~/.abx/.env`. Serve binds and
+/// forwards accordingly, and `config list` shows the same values from the same sources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reads_settings_from_the_same_layers_as_config_list() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let sock = dir.path().join("abx.sock");
+    let listen = format!("unix:{}", sock.display());
+    let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .omit(&["--listen", "--admin-listen", "--sandbox-base-url"])
+        .abx_file("config.toml", &format!("[proxy]\nlisten = \"{listen}\"\n"))
+        .cwd_dotenv(&format!("ABX_SANDBOX_BASE_URL={}\n", upstream.url()))
+        .abx_file(".env", "ABX_PROXY_ADMIN_LISTEN=127.0.0.1:0\n")
+        .env("ABX_COMPAT_V2_PATHS", Some("pass"));
+    let env = cmd.env_vars();
+    let proxy = cmd.spawn().await;
+    assert_eq!(proxy.listen, listen);
+    assert_ne!(proxy.admin_addr().port(), 9464, "the default admin port");
+
+    // `pass`: the SDK's `/v2/sandboxes` reaches the upstream as sent.
+    let req = Request::post("/v2/sandboxes")
+        .header("host", "localhost")
+        .body(full("{}"))
+        .expect("request");
+    let resp = send_unix(&sock, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let config = proxy.config_list(&env).await;
+    proxy.finish().await;
+
+    let expected = [
+        ("listen", listen.as_str(), "~/.abx/config.toml"),
+        ("sandbox_base_url", &upstream.url(), "./.env"),
+        ("compat_v2_paths", "pass", "env"),
+        ("admin_listen", "127.0.0.1:0", "~/.abx/.env"),
+    ];
+    for (key, value, source) in expected {
+        assert_eq!(config[key]["value"], value, "{key}");
+        assert_eq!(config[key]["source"], source, "{key}");
+    }
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].path_and_query(), "/v2/sandboxes");
+    assert_eq!(
+        seen[0].all("authorization"),
+        vec![format!("Bearer {API_KEY}")]
+    );
 }

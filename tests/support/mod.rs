@@ -1315,7 +1315,8 @@ impl ProxyCmd {
 }
 
 // ---------------------------------------------------------------------------------------
-// Added for tests/serve_settings.rs: arguments left off the command line
+// Added for tests/serve_settings.rs: settings from the layers instead of flags, and
+// `config list` beside a running proxy
 // ---------------------------------------------------------------------------------------
 
 impl ProxyCmd {
@@ -1325,6 +1326,12 @@ impl ProxyCmd {
     pub fn omit(mut self, args: &[&str]) -> Self {
         self.omit.extend(args.iter().map(|a| a.to_string()));
         self
+    }
+
+    /// Writes `contents` to `./.env` in the proxy's working directory (mode 600).
+    pub fn cwd_dotenv(self, contents: &str) -> Self {
+        // The working directory is `cwd` beside ABX_HOME (see `ProxyCmd::command`).
+        self.abx_file("../cwd/.env", contents)
     }
 
     /// `serve`, the listen flags and the test's arguments, less those [`ProxyCmd::omit`]s.
@@ -1351,5 +1358,48 @@ impl ProxyCmd {
             argv.push(a.to_string());
         }
         argv
+    }
+}
+
+impl ProxyProc {
+    /// `abx-proxy <args>` in this proxy's HOME, ABX_HOME and working directory, with `env`
+    /// (e.g. [`ProxyCmd::env_vars`]): `config list` sees the same layers as `serve`.
+    pub async fn run(&self, env: &[(String, String)], args: &[&str]) -> std::process::Output {
+        let home = self._home.path();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        cmd.env_clear()
+            .env("HOME", home)
+            .env("ABX_HOME", self.abx_home())
+            .current_dir(home.join("cwd"))
+            .args(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        within(
+            "abx-proxy to exit",
+            tokio::task::spawn_blocking(move || cmd.output()),
+        )
+        .await
+        .expect("join")
+        .expect("run abx-proxy")
+    }
+
+    /// `config list --json` in this proxy's world, as rows by key: what it says `serve` uses.
+    pub async fn config_list(
+        &self,
+        env: &[(String, String)],
+    ) -> std::collections::BTreeMap<String, serde_json::Value> {
+        let out = self.run(env, &["config", "list", "--json"]).await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "config list failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_no_key(&stdout, "config list");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("config JSON");
+        rows.into_iter()
+            .map(|r| (r["key"].as_str().expect("key").to_string(), r))
+            .collect()
     }
 }
