@@ -14,6 +14,10 @@ const OPENSANDBOX: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/deploy/providers/opensandbox/abx-provider.toml"
 );
+const E2B: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/deploy/providers/e2b/abx-provider.toml"
+);
 const OS_KEY: &str = "os-key-Hq7Lm2Np9Rs4Tv6W";
 const OS_HEADER: &str = "open-sandbox-api-key";
 
@@ -31,6 +35,28 @@ secret = true
 [core]
 inherit = ["sandbox_api_key"]
 "#;
+
+/// A manifest for `auth.scheme = "bearer"`: the plugin's key as `Authorization: Bearer`.
+const BEARER: &str = r#"manifest_version = 1
+[provider]
+id = "bearerco"
+[endpoint]
+base_url = "http://localhost:9"
+auth.scheme = "bearer"
+[config.fields.api_key]
+secret = true
+[config.fields.base_url]
+"#;
+const BEARER_KEY: &str = "bearer-key-Jk4Lm6Np8Qr2St5V";
+
+/// `text` written to a temporary `abx-provider.toml`: the directory (keep it) and the path.
+fn manifest_file(text: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("abx-provider.toml");
+    std::fs::write(&path, text).expect("manifest");
+    let path = path.display().to_string();
+    (dir, path)
+}
 
 /// `abx-proxy <args>` in a cleared environment with `ABX_HOME=<home>/.abx`.
 fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
@@ -71,17 +97,6 @@ async fn send_with_client_credentials(addr: std::net::SocketAddr, path: &str) ->
     (status, String::from_utf8_lossy(&body).to_string())
 }
 
-fn assert_no_value(seen: &[Seen], value: &str, what: &str) {
-    for s in seen {
-        for (name, v) in s.headers.iter() {
-            assert!(
-                !v.to_str().unwrap_or("").contains(value),
-                "{what} reached the wrong upstream in {name}"
-            );
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_key_reaches_only_its_own_provider() {
     let pki = Pki::new();
@@ -110,7 +125,7 @@ async fn each_key_reaches_only_its_own_provider() {
         // No /v2 rewrite for a plugin, and no envd plane: the path is the client's.
         assert!(["/v1/sandboxes", "/v2/sandboxes", "/envd/files"].contains(&s.path_and_query()));
     }
-    assert_no_value(&seen, API_KEY, "the built-in key");
+    assert_not_sent(&seen, API_KEY, "the built-in key");
     assert_eq!(
         alicloud.connections(),
         0,
@@ -140,7 +155,7 @@ async fn each_key_reaches_only_its_own_provider() {
     );
     // The client's own dummy in that header is its business; the real key never goes.
     assert_eq!(seen[0].all(OS_HEADER), vec!["dummy".to_string()]);
-    assert_no_value(&seen, OS_KEY, "the opensandbox key");
+    assert_not_sent(&seen, OS_KEY, "the opensandbox key");
     assert_eq!(
         opensandbox.seen().len(),
         3,
@@ -152,10 +167,7 @@ async fn each_key_reaches_only_its_own_provider() {
 async fn inherit_needs_consent_for_that_exact_manifest() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
-    let dir = tempfile::tempdir().expect("dir");
-    let manifest = dir.path().join("abx-provider.toml");
-    std::fs::write(&manifest, INHERITING).expect("manifest");
-    let manifest = manifest.display().to_string();
+    let (_dir, manifest) = manifest_file(INHERITING);
     let base = ("ABX_BORROWER_BASE_URL", upstream.url());
 
     // Installed without consent: no key for the plugin, so serve refuses to start.
@@ -470,4 +482,142 @@ async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
         text(&out)
     );
     assert!(!text(&out).contains(OS_KEY));
+}
+
+/// SPEC §2–§3: `[core] provider` in config.toml selects a plugin and `[providers.<id>]`
+/// sets its non-secret fields, for `serve` and `config list` alike; a manifest with
+/// `auth.scheme = "bearer"` sends `Authorization: Bearer <its key>`, once, in place of
+/// every client credential, and the built-in key goes nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bearer_plugin_chosen_in_config_toml_gets_its_key_and_base_url() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let (_dir, manifest) = manifest_file(BEARER);
+    let toml = format!(
+        "[core]\nprovider = \"bearerco\"\n\n[providers.bearerco]\nbase_url = \"{}\"\n",
+        upstream.url()
+    );
+    let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .setup(&["provider", "install", &manifest])
+        .env("ABX_BEARERCO_API_KEY", Some(BEARER_KEY))
+        .abx_file("config.toml", &toml);
+    let env = cmd.env_vars();
+    let proxy = cmd.spawn().await;
+    let (status, body) = send_with_client_credentials(proxy.addr(), "/sandboxes").await;
+    assert_eq!(status, 200, "{body}");
+    let config = proxy.config_list(&env).await;
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(BEARER_KEY), "the plugin key in the log");
+
+    for (key, value) in [
+        ("provider", "bearerco".into()),
+        ("bearerco.base_url", upstream.url()),
+    ] {
+        assert_eq!(config[key]["value"], value, "{key}");
+        assert_eq!(config[key]["source"], "~/.abx/config.toml", "{key}");
+    }
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].all("authorization"),
+        vec![format!("Bearer {BEARER_KEY}")]
+    );
+    assert!(
+        seen[0].header("x-api-key").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+    assert_not_sent(&seen, API_KEY, "the built-in key");
+}
+
+/// SPEC §3: a plugin allowed to inherit the built-in key (consent given) that has an
+/// `api_key` of its own uses its own, even from a lower level (`~/.abx/.env`) than the
+/// built-in key (the environment), in `serve` and in `config list`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_own_key_beats_the_inherited_one() {
+    const OWN_KEY: &str = "borrower-own-key-Pq3Rs5Tu7W";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let (_dir, manifest) = manifest_file(INHERITING);
+    let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .setup(&["provider", "install", &manifest, "--consent"])
+        .env("ABX_PROVIDER", Some("borrower"))
+        .env("ABX_BORROWER_BASE_URL", Some(&upstream.url()))
+        .abx_file(".env", &format!("ABX_BORROWER_API_KEY={OWN_KEY}\n"));
+    let env = cmd.env_vars();
+    let proxy = cmd.spawn().await;
+    assert_eq!(
+        send_with_client_credentials(proxy.addr(), "/x").await.0,
+        200
+    );
+    let config = proxy.config_list(&env).await;
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(OWN_KEY), "the plugin key in the log");
+
+    let row = &config["borrower.api_key"];
+    assert_eq!(
+        row["value"],
+        format!("****{}", &OWN_KEY[OWN_KEY.len() - 4..])
+    );
+    assert_eq!(row["source"], "~/.abx/.env");
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].all("x-borrower-key"), vec![OWN_KEY.to_string()]);
+    assert_not_sent(&seen, API_KEY, "the inherited built-in key");
+}
+
+/// SPEC §3–§4 with the shipped `deploy/providers/e2b` manifest, installed and selected as
+/// its comment says: the SDK's dummy `X-API-Key` (and any `Authorization`) is replaced by
+/// the real key as exactly one `X-API-Key` on the control plane, also on the proxy's own
+/// envd-token look-up; envd gets the sandbox's token and never the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_e2b_manifest_sends_the_key_as_one_x_api_key() {
+    const E2B_KEY: &str = "e2b_4f6a8c0e2b4d6f8a0c2e4a6c";
+    // One upstream plays both planes: the control plane at 127.0.0.1, envd at
+    // `49983-isb-1.localhost` (the manifest's envd_domain moved there by its field).
+    let pki = Pki::with_names(&["127.0.0.1", "49983-isb-1.localhost"]);
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.uri().path() {
+            "/sandboxes/isb-1" => {
+                let sandbox = serde_json::json!({"sandboxID": "isb-1", "envdAccessToken": "tok-1"});
+                response(200, sandbox.to_string())
+            }
+            _ => response(200, "ok"),
+        }
+    })
+    .await;
+    let envd_domain = format!("localhost:{}", upstream.addr.port());
+    let proxy = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .setup(&["provider", "install", E2B])
+        .env("ABX_PROVIDER", Some("e2b"))
+        .env("ABX_E2B_API_KEY", Some(E2B_KEY))
+        // A shell set up for the SDK has its dummy here; the manifest never reads it.
+        .env("E2B_API_KEY", Some("e2b_dummy"))
+        .env("ABX_E2B_BASE_URL", Some(&upstream.url()))
+        .env("ABX_E2B_ENVD_DOMAIN", Some(&envd_domain))
+        .spawn()
+        .await;
+    for path in ["/sandboxes", "/envd/health"] {
+        let (status, body) = send_with_client_credentials(proxy.addr(), path).await;
+        assert_eq!(status, 200, "{path}: {body}");
+    }
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(E2B_KEY), "the plugin key in the log");
+
+    let all = upstream.seen();
+    assert_not_sent(&all, API_KEY, "the built-in key");
+    let (envd, api): (Vec<Seen>, Vec<Seen>) = all
+        .into_iter()
+        .partition(|s| s.host().starts_with("49983-isb-1.localhost"));
+    // The client's request, then the proxy's token look-up for the envd one.
+    let paths: Vec<&str> = api.iter().map(Seen::path_and_query).collect();
+    assert_eq!(paths, ["/sandboxes", "/sandboxes/isb-1"]);
+    for s in &api {
+        assert_eq!(s.all("x-api-key"), vec![E2B_KEY.to_string()], "{s:?}");
+        assert!(s.header("authorization").is_none(), "{s:?}");
+    }
+    assert_eq!(envd.len(), 1);
+    assert_eq!(envd[0].header("x-access-token"), Some("tok-1"));
+    assert!(envd[0].header("x-api-key").is_none(), "{:?}", envd[0]);
+    assert_not_sent(&envd, E2B_KEY, "the e2b key");
 }

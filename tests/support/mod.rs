@@ -1315,8 +1315,8 @@ impl ProxyCmd {
 }
 
 // ---------------------------------------------------------------------------------------
-// Added for tests/serve_settings.rs: settings from the layers instead of flags, and
-// `config list` beside a running proxy
+// Added for tests/serve_settings.rs and tests/providers.rs: settings from the layers
+// instead of flags, `config list` beside a running proxy, values never sent upstream
 // ---------------------------------------------------------------------------------------
 
 impl ProxyCmd {
@@ -1401,5 +1401,19 @@ impl ProxyProc {
         rows.into_iter()
             .map(|r| (r["key"].as_str().expect("key").to_string(), r))
             .collect()
+    }
+}
+
+/// No header of any request head in `seen` contains `value` (`what` names it).
+pub fn assert_not_sent(seen: &[Seen], value: &str, what: &str) {
+    for s in seen {
+        for (name, v) in s.headers.iter() {
+            assert!(
+                !String::from_utf8_lossy(v.as_bytes()).contains(value),
+                "{what} was sent upstream in {name} ({} {})",
+                s.method,
+                s.path_and_query()
+            );
+        }
     }
 }
