@@ -1,6 +1,7 @@
 //! `serve` as the command line and the settings chain promise it (SPEC §1–§2), through the
 //! real binary: no subcommand serves, `--version` and `--help`, settings that come from
-//! the environment and the files rather than flags.
+//! the environment and the files rather than flags, and `github_token`, which is resolved
+//! but never sent anywhere.
 
 mod support;
 
@@ -10,6 +11,8 @@ use std::process::Command;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use support::*;
+
+const GH_TOKEN: &str = "ghp_9Zt4Kq7Wm2Xc5Vb8Nr3Ls6Hd1GITH";
 
 /// One request over the unix socket at `sock`; the response head within [`GUARD`].
 async fn send_unix(sock: &Path, req: Request<TestBody>) -> Response<Incoming> {
@@ -23,6 +26,12 @@ async fn send_unix(sock: &Path, req: Request<TestBody>) -> Response<Incoming> {
     within("the proxy's response", client.send_request(req))
         .await
         .expect("request through the proxy")
+}
+
+/// The upstream's answer for a sandbox: what teaches the proxy its envd token.
+fn sandbox(status: u16, id: &str, token: &str) -> Response<TestBody> {
+    let body = serde_json::json!({"sandboxID": id, "envdAccessToken": token});
+    response(status, body.to_string())
 }
 
 /// SPEC §1: `abx-proxy` with no subcommand is `serve`: it takes the serve flags, binds,
@@ -130,4 +139,64 @@ async fn serve_reads_settings_from_the_same_layers_as_config_list() {
         seen[0].all("authorization"),
         vec![format!("Bearer {API_KEY}")]
     );
+}
+
+/// SPEC §2: `github_token` is resolved and listed, never attached. With `GITHUB_TOKEN`
+/// set, no header the upstream receives carries it: control-plane requests, envd requests
+/// for a sandbox the proxy knows and one it must look up, and that look-up itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn github_token_is_never_sent_upstream() {
+    let pki = Pki::new();
+    // One upstream for both planes (`--sandbox-url`).
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match (req.method().as_str(), req.uri().path()) {
+            ("POST", "/sandboxes") => sandbox(201, "isb-1", "tok-1"),
+            ("GET", "/sandboxes/isb-2") => sandbox(200, "isb-2", "tok-2"),
+            _ => response(200, "ok"),
+        }
+    })
+    .await;
+    let cmd = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--sandbox-url", &upstream.url()])
+        .env("GITHUB_TOKEN", Some(GH_TOKEN));
+    let env = cmd.env_vars();
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let requests = [
+        ("POST", "/sandboxes", None),
+        ("GET", "/sandboxes", None),
+        ("GET", "/health", Some("isb-1")),
+        ("GET", "/health", Some("isb-2")),
+    ];
+    for (method, path, sandbox_id) in requests {
+        let mut req = request(method, addr, path).header("x-api-key", "dummy");
+        if let Some(id) = sandbox_id {
+            req = req.header("e2b-sandbox-id", id);
+        }
+        let resp = send(addr, req.body(empty()).expect("request")).await;
+        assert!(resp.status().is_success(), "{method} {path}: {resp:?}");
+        collect(resp.into_body()).await;
+    }
+    let config = proxy.config_list(&env).await;
+    let stderr = proxy.finish().await;
+
+    assert_eq!(
+        config["github_token"]["source"], "env",
+        "resolved and listed"
+    );
+    let seen = upstream.seen();
+    let envd_tokens: Vec<Vec<String>> = seen.iter().map(|s| s.all("x-access-token")).collect();
+    assert_eq!(
+        envd_tokens,
+        [
+            vec![],
+            vec![],
+            vec!["tok-1".to_string()],
+            vec![],
+            vec!["tok-2".to_string()]
+        ],
+        "the two control-plane requests, envd, the look-up, envd"
+    );
+    assert_not_sent(&seen, GH_TOKEN, "GITHUB_TOKEN");
+    assert!(!stderr.contains(GH_TOKEN), "GITHUB_TOKEN in the log");
 }
