@@ -140,13 +140,7 @@ impl Settings {
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
-        let out = within(
-            "config list",
-            tokio::task::spawn_blocking(move || cmd.output()),
-        )
-        .await
-        .expect("join")
-        .expect("run config list");
+        let out = output_within(cmd, "config list").await;
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),

@@ -683,7 +683,7 @@ async fn rust_log_applies_when_log_level_is_not_given() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let with_rust_log = |cmd: ProxyCmd| cmd.env("RUST_LOG", Some("debug")).spawn();
-    let env_only = with_rust_log(ProxyCmd::new(&upstream.url(), &pki).without_log_level()).await;
+    let env_only = with_rust_log(ProxyCmd::new(&upstream.url(), &pki).omit(&["--log-level"])).await;
     let flag_too = with_rust_log(ProxyCmd::new(&upstream.url(), &pki).log_level("info")).await;
     for proxy in [&env_only, &flag_too] {
         assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
@@ -868,7 +868,7 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
         "the first key, well before expiry"
     );
     let first = format!("Bearer {}", fake.issued_keys()[0]);
-    assert_eq!(bearers(&upstream), [first.clone()]);
+    assert_eq!(bearers(&upstream), std::slice::from_ref(&first));
 
     // The refresh arrives when the key is 5 s from expiry: no longer handed out.
     fake.until_calls(2).await;
@@ -890,7 +890,7 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     assert_eq!(get(admin, "/readyz").await.0, 503);
     assert_eq!(
         bearers(&upstream),
-        [first.clone()],
+        std::slice::from_ref(&first),
         "a request went upstream"
     );
 
@@ -925,14 +925,8 @@ fn check_command(home: &Path, fake: &FakeExchange, upstream: &Upstream, pki: &Pk
 }
 
 /// Runs `cmd` off the runtime (the fake and the upstream are served from it), bounded.
-async fn output(mut cmd: Command) -> Output {
-    within(
-        "abx-proxy to exit",
-        tokio::task::spawn_blocking(move || cmd.output()),
-    )
-    .await
-    .expect("join")
-    .expect("run abx-proxy")
+async fn output(cmd: Command) -> Output {
+    output_within(cmd, "abx-proxy to exit").await
 }
 
 /// One way to choose the exchange's signature scheme (SPEC §2), and the scheme it gives.

@@ -61,6 +61,32 @@ pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
     }
 }
 
+/// Runs `cmd` to its exit off the runtime (which may be serving its fakes), with its
+/// stdout and stderr. Bounded by [`GUARD`]: a process still running then (a proxy that
+/// started where it should have refused) is killed, not left behind the test.
+pub async fn output_within(mut cmd: Command, what: &str) -> std::process::Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn abx-proxy");
+    let pid = child.id();
+    let waited = tokio::time::timeout(
+        GUARD,
+        tokio::task::spawn_blocking(move || child.wait_with_output()),
+    )
+    .await;
+    match waited {
+        Ok(joined) => joined.expect("join").expect("wait for abx-proxy"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("timed out after {GUARD:?}: {what}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Bodies
 // ---------------------------------------------------------------------------------------
@@ -734,16 +760,7 @@ impl ProxyCmd {
         let home = tempfile::tempdir().expect("home");
         let cmd = self.command(home.path());
         self.prepare(home.path());
-        let out = within(
-            "abx-proxy to exit",
-            tokio::task::spawn_blocking(move || {
-                let mut cmd = cmd;
-                cmd.output()
-            }),
-        )
-        .await
-        .expect("join")
-        .expect("run abx-proxy");
+        let out = output_within(cmd, "abx-proxy to exit").await;
         let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
         assert_no_key(&stderr, "stderr");
         (out.status, stderr)
@@ -1301,20 +1318,6 @@ impl ProxyProc {
 }
 
 // ---------------------------------------------------------------------------------------
-// Added for the logging tests of tests/ops.rs
-// ---------------------------------------------------------------------------------------
-
-impl ProxyCmd {
-    /// Drops `--log-level` (given as `debug` by default), so that `RUST_LOG` applies.
-    pub fn without_log_level(mut self) -> Self {
-        if let Some(i) = self.args.iter().position(|a| a == "--log-level") {
-            self.args.drain(i..i + 2);
-        }
-        self
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // Added for tests/serve_settings.rs and tests/providers.rs: settings from the layers
 // instead of flags, `config list` beside a running proxy, values never sent upstream
 // ---------------------------------------------------------------------------------------
@@ -1375,13 +1378,7 @@ impl ProxyProc {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        within(
-            "abx-proxy to exit",
-            tokio::task::spawn_blocking(move || cmd.output()),
-        )
-        .await
-        .expect("join")
-        .expect("run abx-proxy")
+        output_within(cmd, "abx-proxy to exit").await
     }
 
     /// `config list --json` in this proxy's world, as rows by key: what it says `serve` uses.
