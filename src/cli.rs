@@ -158,7 +158,8 @@ pub struct ServeArgs {
     /// Accept connections on a non-loopback address without listener TLS.
     #[arg(long)]
     pub allow_remote: bool,
-    /// With --allow-remote: a Host name to accept (repeatable); without it any Host is accepted.
+    /// A Host name to accept (repeatable), besides the local ones. Without it, a loopback
+    /// listener accepts local names only, and --allow-remote any Host.
     #[arg(long, value_name = "NAME")]
     pub allowed_host: Vec<String>,
     /// Serve TLS on the listener with this certificate chain (PEM).

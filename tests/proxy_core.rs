@@ -767,7 +767,8 @@ async fn with_host(addr: std::net::SocketAddr, host: &str, path: &str) -> RawRes
 /// §4, e.g. behind a reverse proxy that keeps the client's Host): without `--allowed-host`
 /// any Host is served; with `--allowed-host proxy.internal` that name is served (with a
 /// port, in any case) and so are the local names, which no DNS-rebinding page can send,
-/// while any other Host gets 400 E5003 without the upstream being asked.
+/// while any other Host gets 400 E5003 without the upstream being asked. `--allowed-host`
+/// on a loopback listener without `--allow-remote` accepts the same names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
     let pki = Pki::new();
@@ -780,33 +781,41 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         .args(&["--allow-remote", "--allowed-host", "proxy.internal"])
         .spawn()
         .await;
+    // On loopback without --allow-remote the list adds to the local names (an alias in
+    // /etc/hosts, a TLS certificate's name), rather than being ignored.
+    let listed_local = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--allowed-host", "proxy.internal"])
+        .spawn()
+        .await;
 
     for host in ["evil.example", "10.0.0.1:8080", "proxy.internal"] {
         let resp = with_host(any.addr(), host, "/served").await;
         assert_eq!(resp.status, 200, "any Host: {host}: {:?}", resp.text());
     }
 
-    let port = listed.addr().port();
-    for host in [
-        "proxy.internal".to_string(),
-        format!("proxy.internal:{port}"),
-        "PROXY.Internal".into(),
-        format!("localhost:{port}"),
-        format!("127.0.0.1:{port}"),
-        "foo.localhost".into(),
-    ] {
-        let resp = with_host(listed.addr(), &host, "/served").await;
-        assert_eq!(resp.status, 200, "listed: Host {host}: {:?}", resp.text());
-    }
-    for host in [
-        "evil.example".to_string(),
-        format!("evil.example:{port}"),
-        "proxy.internal.evil.example".into(),
-        "internal".into(),
-        "10.0.0.1".into(),
-    ] {
-        let resp = with_host(listed.addr(), &host, "/refused").await;
-        assert_proxy_error(&resp, 400, "E5003");
+    for proxy in [&listed, &listed_local] {
+        let port = proxy.addr().port();
+        for host in [
+            "proxy.internal".to_string(),
+            format!("proxy.internal:{port}"),
+            "PROXY.Internal".into(),
+            format!("localhost:{port}"),
+            format!("127.0.0.1:{port}"),
+            "foo.localhost".into(),
+        ] {
+            let resp = with_host(proxy.addr(), &host, "/served").await;
+            assert_eq!(resp.status, 200, "listed: Host {host}: {:?}", resp.text());
+        }
+        for host in [
+            "evil.example".to_string(),
+            format!("evil.example:{port}"),
+            "proxy.internal.evil.example".into(),
+            "internal".into(),
+            "10.0.0.1".into(),
+        ] {
+            let resp = with_host(proxy.addr(), &host, "/refused").await;
+            assert_proxy_error(&resp, 400, "E5003");
+        }
     }
     assert!(
         upstream
@@ -817,6 +826,7 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
     );
     any.finish().await;
     listed.finish().await;
+    listed_local.finish().await;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -114,8 +114,14 @@ impl Proxy {
         let tls = upstream::tls_config(options.upstream_ca.as_deref())?;
         let host_policy = match &settings.listen {
             ListenAddr::Unix(_) => HostPolicy::Any,
+            // Names given on loopback add to the local ones (an /etc/hosts alias, the name
+            // on the listener's certificate); ignoring them silently refused those Hosts.
             ListenAddr::Tcp(a) if a.ip().is_loopback() && !options.allow_remote => {
-                HostPolicy::Loopback
+                if options.allowed_hosts.is_empty() {
+                    HostPolicy::Loopback
+                } else {
+                    HostPolicy::Listed(options.allowed_hosts.clone())
+                }
             }
             _ if options.allowed_hosts.is_empty() => HostPolicy::Any,
             _ => HostPolicy::Listed(options.allowed_hosts.clone()),

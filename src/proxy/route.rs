@@ -33,7 +33,7 @@ impl Route {
 pub enum HostPolicy {
     /// Loopback TCP listener: loopback literals, `localhost`, `*.localhost` only.
     Loopback,
-    /// `--allow-remote` with `--allowed-host`: these names (and the loopback ones).
+    /// `--allowed-host`: these names (and the loopback ones).
     Listed(Vec<String>),
     /// A unix socket, or `--allow-remote` without a list: any Host.
     Any,
