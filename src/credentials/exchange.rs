@@ -786,15 +786,18 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
             Err(e) => {
                 let e = as_credential_error(e);
                 let delay = backoff(failed_in_row);
-                tracing::warn!(
-                    error = %e.line(),
-                    suggestion = e.suggestion().unwrap_or_default(),
-                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                    "token exchange failed"
-                );
+                let (line, suggestion) = (e.line(), e.suggestion().unwrap_or_default());
                 shared.last_error.store(Some(Arc::new(e)));
                 shared.failures.fetch_add(1, Ordering::Relaxed);
                 shared.notify(ExchangeEvent::Failure);
+                // Logged once the failure is recorded, like a success: whoever reads this
+                // line and asks finds this reason in the 503 (not the previous state's).
+                tracing::warn!(
+                    error = %line,
+                    suggestion,
+                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "token exchange failed"
+                );
                 shared.attempts.send_modify(|n| *n += 1);
                 failed_in_row = failed_in_row.saturating_add(1);
                 shared.clock.sleep(delay).await;
