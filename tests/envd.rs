@@ -1440,3 +1440,22 @@ async fn path_prefixes_are_kept_on_both_planes() {
     env.assert_envd_clean();
     proxy.finish().await;
 }
+
+/// An envd download the sandbox cuts short reaches the client as an error and is counted
+/// as an upstream `reset` on the envd plane, not the control plane's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envd_download_cut_short_is_an_envd_reset() {
+    let pki = Pki::new();
+    let (envd, cut) = cutting_upstream(&pki, Proto::Http1).await;
+    let env = Env::with_envd(pki, Cloud::new(), envd).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-cut", "tok-cut").await;
+
+    let resp = send(addr, envd_request(addr, "isb-cut", "/files")).await;
+    let (got, failed) = read_cut_download(resp, cut).await;
+    assert!(failed, "a cut download ended cleanly: {got:?}");
+    let text = scrape(proxy.admin_addr()).await;
+    assert_one_upstream_error(&text, "envd", "reset");
+    proxy.finish().await;
+}

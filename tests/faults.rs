@@ -898,7 +898,12 @@ enum Fault {
     TooManyHeaders,
     HalfHead,
     TruncatedBody,
+    /// [`TRUNCATED_LARGE`] bytes announced, a third of them sent: a body the proxy splices.
+    TruncatedLargeBody,
 }
+
+/// Over the size from which abx-proxy splices a body from socket to socket (1 MiB).
+const TRUNCATED_LARGE: usize = 3 << 20;
 
 /// A plain-TCP upstream (`http://`) that breaks HTTP on purpose, per connection.
 struct FaultUpstream {
@@ -982,6 +987,12 @@ impl FaultUpstream {
             Fault::TruncatedBody => {
                 b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly twenty-one bytes".to_vec()
             }
+            Fault::TruncatedLargeBody => {
+                let mut r = format!("HTTP/1.1 200 OK\r\nContent-Length: {TRUNCATED_LARGE}\r\n\r\n")
+                    .into_bytes();
+                r.resize(r.len() + TRUNCATED_LARGE / 3, b'x');
+                r
+            }
         };
         let _ = s.write_all(&reply).await;
         let _ = s.shutdown().await;
@@ -1035,8 +1046,9 @@ async fn assert_fault_counted(
 /// reset and garbage during TLS) gets the proxy's own 502 E5001 (JSON, `X-Abx-Error`) and
 /// one upstream-error count under its `kind` label (SPEC §7: `reset` for a connection
 /// the upstream resets or ends mid-head, whenever the reset comes, `protocol` for an
-/// answer that is no valid HTTP, `tls` for garbage instead of TLS); a body cut short
-/// reaches the client as a stream that ends mid-body. After every fault a normal request
+/// answer that is no valid HTTP, `tls` for garbage instead of TLS); a body cut short, small
+/// (copied) or large (spliced), reaches the client as a stream that ends mid-body and is
+/// counted as `reset` once it breaks. After every fault a normal request
 /// succeeds, `/healthz` is 200 and `/readyz` stays 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
@@ -1067,31 +1079,45 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     }
 
     // The head arrives and is passed on; the body stops short: the client sees the stream
-    // end early, not a clean end.
-    upstream.set(Fault::TruncatedBody);
-    let mut s = connect_raw(addr).await;
-    let req = format!("GET /download HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut got = Vec::new();
-    within("the cut download", s.read_to_end(&mut got))
-        .await
-        .ok();
-    let got = String::from_utf8_lossy(&got).into_owned();
-    sweep.text("TruncatedBody", got.clone());
-    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
-    let (head, body) = got.split_once("\r\n\r\n").expect("a head");
-    assert!(
-        head.to_ascii_lowercase().contains("content-length: 100"),
-        "{head}"
-    );
-    assert!(body.len() < 100, "a 100-byte body arrived whole: {body:?}");
+    // end early, not a clean end, and the upstream's failure is counted as it happens, after
+    // the head was answered (`reset`). A small body is copied, a large one spliced: both.
+    for (fault, len) in [
+        (Fault::TruncatedBody, 100),
+        (Fault::TruncatedLargeBody, TRUNCATED_LARGE),
+    ] {
+        upstream.set(fault);
+        let mut s = connect_raw(addr).await;
+        let req = format!("GET /download HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        within("the cut download", s.read_to_end(&mut got))
+            .await
+            .ok();
+        let end = got
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head");
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        sweep.text(format!("{fault:?}"), head.clone());
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains(&format!("content-length: {len}")), "{head}");
+        let body = got.len() - end - 4;
+        assert!(body < len, "{fault:?}: a {len}-byte body arrived whole");
+        *counted.entry("reset").or_default() += 1.0;
+        let text = scrape(proxy.admin_addr()).await;
+        assert_eq!(
+            &upstream_errors_by_kind(&text),
+            &counted,
+            "{fault:?}: {text}"
+        );
+    }
     upstream.set(Fault::Ok);
     assert_healthy(&proxy, &mut sweep, true).await;
 
     let text = scrape(proxy.admin_addr()).await;
     assert_eq!(
         family_sum(&text, "abx_proxy_upstream_errors_total"),
-        faults.len() as f64,
+        faults.len() as f64 + 2.0,
         "{text}"
     );
     assert_eq!(
@@ -1389,6 +1415,57 @@ async fn envd_token_lookup_failure_is_502_then_recovers() {
     assert_eq!(lookups, 2, "one failed look-up, one good one");
     assert_eq!(envd.seen().len(), 1);
     sweep.finish(proxy, &settings).await;
+}
+
+/// The envd token look-up is the proxy's own request, but its upstream failures are
+/// counted like any other, on the control plane's `api` label: an unreachable control
+/// plane is one `connect` error (and the envd request a 502 naming the control plane). An
+/// answer over the 1 MiB look-up bound is a 502 that says so, not an "unreadable" one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_token_lookup_failures_are_counted_on_the_api_plane() {
+    let pki = Pki::new();
+    let envd = Upstream::start(&pki, Proto::Http1, |_req| async move {
+        response(200, "envd ok")
+    })
+    .await;
+    let huge = Upstream::start(&pki, Proto::Http1, |_req| async move {
+        response(200, vec![b' '; 2 << 20])
+    })
+    .await;
+    for (control, kind, says) in [
+        (
+            "http://127.0.0.1:9".to_string(),
+            Some("connect"),
+            "127.0.0.1",
+        ),
+        (huge.url(), None, "over 1 MiB"),
+    ] {
+        let proxy = traced(ProxyCmd::new(&control, &pki))
+            .args(&["--sandbox-url", &envd.url()])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        let get = format!(
+            "GET /files HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: isb-lookup-1\r\nConnection: close\r\n\r\n"
+        );
+        let resp = raw_exchange(addr, get.as_bytes()).await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert!(resp.text().contains(says), "{}", resp.text());
+        let text = scrape(proxy.admin_addr()).await;
+        let want = kind.map_or(0.0, |_| 1.0);
+        assert_eq!(
+            family_sum(&text, "abx_proxy_upstream_errors_total"),
+            want,
+            "{text}"
+        );
+        if let Some(kind) = kind {
+            let series =
+                format!("abx_proxy_upstream_errors_total{{plane=\"api\",kind=\"{kind}\"}}");
+            assert_eq!(metric(&text, &series), Some(1.0), "{text}");
+        }
+        proxy.finish().await;
+    }
+    assert!(envd.seen().is_empty(), "envd was called without a token");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

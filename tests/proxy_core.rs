@@ -325,22 +325,19 @@ async fn client_abort_mid_upload_reaches_upstream_as_an_error() {
     proxy.finish().await;
 }
 
-/// An upstream that dies mid-download must not look like a complete body to the client.
+/// An upstream that dies mid-download must not look like a complete body to the client, and
+/// is counted as an upstream `reset` once the head was answered: over HTTP/1.1 (the body
+/// cut short) and HTTP/2 (the stream reset).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_abort_mid_download_reaches_the_client_as_an_error() {
+    for proto in [Proto::Http1, Proto::H2] {
+        abort_mid_download(proto).await;
+    }
+}
+
+async fn abort_mid_download(proto: Proto) {
     let pki = Pki::new();
-    let (die_tx, die_rx) = oneshot::channel::<()>();
-    let die_rx = Arc::new(Mutex::new(Some(die_rx)));
-    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
-        let die = die_rx.lock().unwrap().take().expect("one download");
-        async move {
-            Response::new(boxed(AbortingBody {
-                first: Some(Bytes::from_static(b"partial")),
-                die,
-            }))
-        }
-    })
-    .await;
+    let (upstream, cut) = cutting_upstream(&pki, proto).await;
     let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
     let addr = proxy.addr();
 
@@ -349,32 +346,14 @@ async fn upstream_abort_mid_download_reaches_the_client_as_an_error() {
         request("GET", addr, "/files/big").body(empty()).unwrap(),
     )
     .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut body = resp.into_body();
-    let mut got = Vec::new();
-    while got.len() < b"partial".len() {
-        let frame = within("the first bytes", body.frame())
-            .await
-            .unwrap()
-            .unwrap();
-        got.extend_from_slice(&frame.into_data().unwrap_or_default());
-    }
-    drop(die_tx);
-    let outcome = within("the end of the body", async {
-        loop {
-            match body.frame().await {
-                None => break Ok(()),
-                Some(Ok(f)) => got.extend_from_slice(&f.into_data().unwrap_or_default()),
-                Some(Err(e)) => break Err(e),
-            }
-        }
-    })
-    .await;
+    let (got, failed) = read_cut_download(resp, cut).await;
     assert!(
-        outcome.is_err(),
-        "a truncated download ended cleanly: {:?}",
+        failed,
+        "{proto:?}: a truncated download ended cleanly: {:?}",
         String::from_utf8_lossy(&got)
     );
+    let text = scrape(proxy.admin_addr()).await;
+    assert_one_upstream_error(&text, "api", "reset");
     proxy.finish().await;
 }
 

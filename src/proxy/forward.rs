@@ -37,11 +37,12 @@ impl FailKind {
 
 pub async fn send(
     client: &Upstream,
+    plane: &'static str,
     req: Request<ProxyBody>,
     timeout: Duration,
     host: &str,
 ) -> Result<Response<ProxyBody>, (Error, Option<FailKind>)> {
-    match client.request(req, timeout).await {
+    match client.request(plane, req, timeout).await {
         Ok(resp) => Ok(resp),
         Err(UpstreamError::Timeout) => Err((
             Error::UpstreamTimeout {
@@ -119,17 +120,45 @@ pub(crate) fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool 
 }
 
 pub fn classify(e: &hyper_util::client::legacy::Error) -> FailKind {
-    use std::io::ErrorKind::*;
     if find_rustls(e).is_some() {
         return FailKind::Tls;
     }
     if e.is_connect() {
         return connect_kind(find_io(e));
     }
-    match find_io(e) {
-        Some(ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof) => FailKind::Reset,
-        Some(TimedOut) => FailKind::Timeout,
+    find_io(e).map_or(FailKind::Protocol, io_kind)
+}
+
+/// The kind of an I/O failure on an upstream connection that was set up.
+pub(crate) fn io_kind(kind: std::io::ErrorKind) -> FailKind {
+    use std::io::ErrorKind::*;
+    match kind {
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => FailKind::Reset,
+        TimedOut => FailKind::Timeout,
         _ => FailKind::Protocol,
+    }
+}
+
+/// The kind of a response body's failure in hyper's client: an HTTP/1.1 body cut short
+/// and an HTTP/2 stream or connection the upstream reset are `reset`, like a reset socket.
+pub(crate) fn body_kind(e: &hyper::Error) -> FailKind {
+    if e.is_timeout() {
+        return FailKind::Timeout;
+    }
+    if e.is_incomplete_message() {
+        return FailKind::Reset;
+    }
+    if let Some(io) = find_io(e) {
+        return io_kind(io);
+    }
+    let reset = chain(e).any(|e| {
+        e.downcast_ref::<h2::Error>()
+            .is_some_and(|h2| h2.is_reset() || h2.is_go_away())
+    });
+    if reset {
+        FailKind::Reset
+    } else {
+        FailKind::Protocol
     }
 }
 

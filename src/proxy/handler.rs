@@ -241,6 +241,7 @@ impl Proxy {
             };
             let resp = forward::send(
                 client,
+                "api",
                 Request::from_parts(parts, body),
                 self.upstream_timeout,
                 &host,
@@ -298,7 +299,8 @@ impl Proxy {
 
         // forward
         let req = Request::from_parts(parts, body);
-        let mut resp = forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
+        let mut resp =
+            forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host).await?;
         if resp.status() == StatusCode::UNAUTHORIZED {
             // The token may have been rotated: fetch it again, once. Only the refused token
             // is dropped, so concurrent 401s share one look-up instead of each discarding
@@ -309,7 +311,8 @@ impl Proxy {
                     headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
                     let req = rebuild(method, uri, headers);
                     resp =
-                        forward::send(&self.envd_client, req, self.upstream_timeout, &host).await?;
+                        forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)
+                            .await?;
                 }
             }
         }
@@ -363,9 +366,18 @@ impl Proxy {
         headers.insert(self.auth.header(), value);
         let req = rebuild(Method::GET, uri, headers);
         let host = self.api_base.host().to_string();
-        let resp = forward::send(&self.api_client, req, self.upstream_timeout, &host)
+        // The control plane failing a look-up is counted like any other upstream failure.
+        let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
             .await
-            .map_err(|(e, _)| e)?;
+            .map_err(|(e, kind)| {
+                if let Some(kind) = kind {
+                    self.metrics
+                        .upstream_errors
+                        .with_label_values(&["api", kind.label()])
+                        .inc();
+                }
+                e
+            })?;
         let status = resp.status();
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -376,15 +388,20 @@ impl Proxy {
                 host,
             });
         }
-        match body::read_bounded(resp.into_body(), SNIFF_LIMIT).await {
-            Ok(Bounded::Complete(b)) => Ok(Some(
-                sniff::learn(&b).map_or_else(|| Secret::new(""), |(_, t)| t),
-            )),
-            _ => Err(Error::UpstreamUnreachable {
-                reason: "envd token look-up: unreadable answer".into(),
-                host,
-            }),
-        }
+        // A body that breaks has counted itself.
+        let reason = match body::read_bounded(resp.into_body(), SNIFF_LIMIT).await {
+            Ok(Bounded::Complete(b)) => {
+                return Ok(Some(
+                    sniff::learn(&b).map_or_else(|| Secret::new(""), |(_, t)| t),
+                ))
+            }
+            Ok(Bounded::Partial(..)) => "envd token look-up: answer over 1 MiB",
+            Err(_) => "envd token look-up: connection closed mid-answer",
+        };
+        Err(Error::UpstreamUnreachable {
+            reason: reason.into(),
+            host,
+        })
     }
 
     /// Phase 5, respond: hop-by-hop out, tunnels for upgrades, token learning.
@@ -418,14 +435,13 @@ impl Proxy {
                         body::full(b)
                     }
                     Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    // Not counted here: the body counted itself as it broke.
                     Err(_) => {
-                        return Err(Failure {
-                            error: Error::UpstreamUnreachable {
-                                reason: "connection closed mid-response".into(),
-                                host: self.api_base.host().to_string(),
-                            },
-                            kind: Some(FailKind::Reset),
-                        })
+                        return Err(Error::UpstreamUnreachable {
+                            reason: "connection closed mid-response".into(),
+                            host: self.api_base.host().to_string(),
+                        }
+                        .into())
                     }
                 };
                 Ok(Response::from_parts(parts, body))

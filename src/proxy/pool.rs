@@ -27,6 +27,7 @@ use http::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING, UPGRADE}
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
@@ -100,7 +101,6 @@ impl UpstreamError {
 
     /// The `abx_proxy_upstream_errors_total{kind}` label.
     pub fn kind(&self) -> FailKind {
-        use io::ErrorKind::*;
         match self {
             UpstreamError::Legacy(e) => forward::classify(e),
             UpstreamError::Connect(e) => forward::connect_kind(forward::find_io(e.as_ref())),
@@ -110,11 +110,7 @@ impl UpstreamError {
                 forward::connect_kind(forward::find_io(e))
             }
             UpstreamError::Tls(_) => FailKind::Tls,
-            UpstreamError::Io(e) => match e.kind() {
-                ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => FailKind::Reset,
-                TimedOut => FailKind::Timeout,
-                _ => FailKind::Protocol,
-            },
+            UpstreamError::Io(e) => forward::io_kind(e.kind()),
             UpstreamError::Closed => FailKind::Reset,
             UpstreamError::Timeout => FailKind::Timeout,
             UpstreamError::ClientBody(_) | UpstreamError::Protocol(_) => FailKind::Protocol,
@@ -173,6 +169,12 @@ struct Failed {
 // The client
 // ---------------------------------------------------------------------------------------
 
+/// Where a response body that breaks after its head counts itself:
+/// `abx_proxy_upstream_errors_total{plane, kind}`. By then the handler has answered with the
+/// head and logged its status; only the body can tell that the upstream failed. `None` in
+/// unit tests.
+pub type BrokenBodies = Option<prometheus::IntCounterVec>;
+
 /// The client behind `Proxy::api_client` and `Proxy::envd_client`.
 pub struct Upstream {
     legacy: HttpClient,
@@ -182,7 +184,12 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn new(tls: rustls::ClientConfig, versions: Versions, connect_timeout: Duration) -> Self {
+    pub fn new(
+        tls: rustls::ClientConfig,
+        versions: Versions,
+        connect_timeout: Duration,
+        broken: BrokenBodies,
+    ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
         Upstream {
@@ -199,17 +206,20 @@ impl Upstream {
                     .collect(),
                 tcp: upstream::connector(connect_timeout),
                 tls: TlsConnector::from(Arc::new(h1)),
+                broken,
             }),
         }
     }
 
     /// Sends `req` (absolute URI) and returns the response head with its streaming body,
-    /// or [`UpstreamError::Timeout`] when the head has not come within `timeout`.
+    /// or [`UpstreamError::Timeout`] when the head has not come within `timeout`. A body
+    /// that breaks later is counted under `plane`.
     ///
     /// Boxed here, once: the exchange's state is a kilobyte, and every future awaiting it
     /// would otherwise carry (and move) a copy of it.
     pub fn request(
         &self,
+        plane: &'static str,
         req: Request<ProxyBody>,
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
@@ -217,22 +227,31 @@ impl Upstream {
         let tls = match req.uri().scheme_str() {
             Some("http") => false,
             Some("https") if !self.negotiate => true,
-            _ => return Box::pin(self.legacy(req, deadline)),
+            _ => return Box::pin(self.legacy(plane, req, deadline)),
         };
         if req.headers().contains_key(UPGRADE) {
-            return Box::pin(self.legacy(req, deadline));
+            return Box::pin(self.legacy(plane, req, deadline));
         }
         let (parts, body) = req.into_parts();
-        Box::pin(self.pool.send(parts, body, tls, deadline))
+        Box::pin(self.pool.send(plane, parts, body, tls, deadline))
     }
 
     async fn legacy(
         &self,
+        plane: &'static str,
         req: Request<ProxyBody>,
         deadline: Instant,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         match tokio::time::timeout_at(deadline.into(), self.legacy.request(req)).await {
-            Ok(resp) => Ok(resp?.map(body::boxed)),
+            Ok(resp) => {
+                let pool = self.pool.clone();
+                Ok(resp?.map(|incoming| {
+                    body::boxed(incoming.map_err(move |e| {
+                        pool.count_broken(plane, forward::body_kind(&e));
+                        e
+                    }))
+                }))
+            }
             Err(_) => Err(UpstreamError::Timeout),
         }
     }
@@ -260,6 +279,7 @@ struct Pool {
     idle: Box<[Mutex<Idle>]>,
     tcp: HttpConnector<LocalResolver>,
     tls: TlsConnector,
+    broken: BrokenBodies,
 }
 
 /// Idle connections by origin. There are a handful of origins (the control plane, envd or
@@ -276,6 +296,13 @@ struct OriginIdle {
 }
 
 impl Pool {
+    #[cold]
+    fn count_broken(&self, plane: &'static str, kind: FailKind) {
+        if let Some(counter) = &self.broken {
+            counter.with_label_values(&[plane, kind.label()]).inc();
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Idle> {
         self.idle[crate::workers::index() % self.idle.len()]
             .lock()
@@ -397,6 +424,7 @@ impl Pool {
     #[allow(clippy::manual_async_fn)] // on purpose: see above
     fn send(
         self: &Arc<Self>,
+        plane: &'static str,
         parts: Parts,
         mut body: ProxyBody,
         tls: bool,
@@ -426,7 +454,7 @@ impl Pool {
                     }
                 };
                 match exchange(&mut conn, &parts, host_header, &mut body, deadline).await {
-                    Ok((head, sent)) => return Ok(self.response(conn, head, sent)),
+                    Ok((head, sent)) => return Ok(self.response(plane, conn, head, sent)),
                     // The keep-alive race: the server closed the connection as we reused it,
                     // and the request is one that may go again (see `Exchange::fail`): once,
                     // on a new connection.
@@ -437,7 +465,13 @@ impl Pool {
         }
     }
 
-    fn response(self: &Arc<Self>, mut conn: Conn, head: Head, sent: bool) -> Response<ProxyBody> {
+    fn response(
+        self: &Arc<Self>,
+        plane: &'static str,
+        mut conn: Conn,
+        head: Head,
+        sent: bool,
+    ) -> Response<ProxyBody> {
         let reusable = head.keep_alive && sent;
         #[cfg(target_os = "linux")]
         let mut offer = None;
@@ -465,6 +499,7 @@ impl Pool {
                 let body = PoolBody {
                     conn: Some(conn),
                     pool: self.clone(),
+                    plane,
                     state,
                     reusable: reusable && !matches!(kind, BodyKind::Eof),
                     pending: None,
@@ -1321,6 +1356,8 @@ struct PoolBody {
     /// `None` once the body ended or failed.
     conn: Option<Conn>,
     pool: Arc<Pool>,
+    /// Where a failure of this body is counted.
+    plane: &'static str,
     state: Decode,
     reusable: bool,
     pending: Option<Deferred>,
@@ -1335,6 +1372,7 @@ impl PoolBody {
     }
 
     fn fail(&mut self, e: UpstreamError) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        self.pool.count_broken(self.plane, e.kind());
         self.conn = None;
         self.state = Decode::Done;
         Poll::Ready(Some(Err(e)))
@@ -1497,9 +1535,19 @@ impl SpliceSource {
             // `buffered` first: those bytes come before the socket's.
             return Err(io::ErrorKind::InvalidInput.into());
         }
-        super::splice::copy(from, to, left, progress).await?;
-        self.body.release();
-        Ok(())
+        match super::splice::copy(from, to, left, progress).await {
+            Ok(()) => {
+                self.body.release();
+                Ok(())
+            }
+            Err(super::splice::Broken::Source(e)) => {
+                self.body
+                    .pool
+                    .count_broken(self.body.plane, forward::io_kind(e.kind()));
+                Err(e)
+            }
+            Err(super::splice::Broken::Sink(e)) => Err(e),
+        }
     }
 }
 
@@ -1539,6 +1587,7 @@ mod tests {
             config(rustls::RootCertStore::empty()),
             Versions::Http1,
             Duration::from_secs(5),
+            None,
         )
     }
 
@@ -1632,7 +1681,7 @@ mod tests {
 
     /// A GET through `client` that must get an answer; the answer's body.
     async fn get_text(client: &Upstream, url: &str) -> String {
-        let resp = within(client.request(get(url), LONG)).await.unwrap();
+        let resp = within(client.request("api", get(url), LONG)).await.unwrap();
         text(resp).await
     }
 
@@ -1688,7 +1737,7 @@ mod tests {
         .await;
         let client = client();
         for path in ["/a", "/big", "/b", "/big", "/c"] {
-            let resp = within(client.request(get(&fake.url(path)), LONG))
+            let resp = within(client.request("api", get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
             assert_eq!(resp.status(), 200);
@@ -1750,7 +1799,7 @@ mod tests {
         .await;
         let client = client();
         assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
-        let e = within(client.request(get(&fake.url("/2")), Duration::from_millis(100)))
+        let e = within(client.request("api", get(&fake.url("/2")), Duration::from_millis(100)))
             .await
             .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
@@ -1762,7 +1811,7 @@ mod tests {
         );
         // A timed-out exchange leaves its connection unusable: the next one opens another,
         // and times out as well.
-        let e = within(client.request(get(&fake.url("/3")), Duration::from_millis(100)))
+        let e = within(client.request("api", get(&fake.url("/3")), Duration::from_millis(100)))
             .await
             .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
@@ -1807,7 +1856,7 @@ mod tests {
 
         // Connection 2 served /2; the POST reuses it and is lost: not sent again.
         let post = with_body("POST", &fake.url("/3"), body::full("data"));
-        let e = within(client.request(post, LONG)).await.unwrap_err();
+        let e = within(client.request("api", post, LONG)).await.unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
         assert_eq!(fake.accepts(), 2, "a body is never sent twice");
@@ -1815,14 +1864,16 @@ mod tests {
         // A POST without a body (`/sandboxes/{id}/pause`) is not sent twice either.
         assert_eq!(get_text(&client, &fake.url("/4")).await, "ok");
         let pause = with_body("POST", &fake.url("/5"), body::empty());
-        let e = within(client.request(pause, LONG)).await.unwrap_err();
+        let e = within(client.request("api", pause, LONG))
+            .await
+            .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(fake.accepts(), 3, "a POST is never sent twice");
 
         // DELETE is idempotent: it goes again.
         assert_eq!(get_text(&client, &fake.url("/6")).await, "ok");
         let delete = with_body("DELETE", &fake.url("/7"), body::empty());
-        let resp = within(client.request(delete, LONG)).await.unwrap();
+        let resp = within(client.request("api", delete, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         assert_eq!(fake.accepts(), 5, "the retry took a new connection");
         let methods: Vec<String> = heads
@@ -1861,13 +1912,13 @@ mod tests {
         })
         .await;
         let client = client();
-        let e = within(client.request(get(&fake.url("/head")), LONG))
+        let e = within(client.request("api", get(&fake.url("/head")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
 
-        let resp = within(client.request(get(&fake.url("/body")), LONG))
+        let resp = within(client.request("api", get(&fake.url("/body")), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -1887,7 +1938,7 @@ mod tests {
         .await;
         let client = client();
         for _ in 0..2 {
-            let resp = within(client.request(get(&fake.url("/")), LONG))
+            let resp = within(client.request("api", get(&fake.url("/")), LONG))
                 .await
                 .unwrap();
             let collected = within(resp.into_body().collect()).await.unwrap();
@@ -1986,12 +2037,12 @@ mod tests {
         let head = Request::head(fake.url("/head"))
             .body(body::empty())
             .unwrap();
-        let resp = within(client.request(head, LONG)).await.unwrap();
+        let resp = within(client.request("api", head, LONG)).await.unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["content-length"], "1000");
         assert!(resp.body().is_end_stream());
         for path in ["/204", "/304"] {
-            let resp = within(client.request(get(&fake.url(path)), LONG))
+            let resp = within(client.request("api", get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
             assert_eq!(resp.status().as_str(), &path[1..]);
@@ -2011,7 +2062,7 @@ mod tests {
         .await;
         let client = client();
         let post = with_body("POST", &fake.url("/"), body::full("x"));
-        let resp = within(client.request(post, LONG)).await.unwrap();
+        let resp = within(client.request("api", post, LONG)).await.unwrap();
         assert_eq!(resp.status(), 201);
         assert!(resp.headers().get("link").is_none());
         assert_eq!(text(resp).await, "ok");
@@ -2039,7 +2090,7 @@ mod tests {
         .await;
         let client = client();
         for path in ["/cl-te", "/two-cl", "/bad-cl", "/garbage", "/many"] {
-            let e = within(client.request(get(&fake.url(path)), LONG))
+            let e = within(client.request("api", get(&fake.url(path)), LONG))
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), FailKind::Protocol, "{path}: {e:?}");
@@ -2079,7 +2130,7 @@ mod tests {
         tx.send(Ok(Bytes::from_static(b"first part")))
             .await
             .unwrap();
-        let resp = within(client.request(with_body("PUT", &fake.url("/up"), body), LONG))
+        let resp = within(client.request("api", with_body("PUT", &fake.url("/up"), body), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), 413);
@@ -2126,9 +2177,10 @@ mod tests {
         tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
         tx.send(Ok(Bytes::from_static(b"second!"))).await.unwrap();
         drop(tx);
-        let resp = within(client.request(with_body("POST", &fake.url("/c?q=1"), body), LONG))
-            .await
-            .unwrap();
+        let resp =
+            within(client.request("api", with_body("POST", &fake.url("/c?q=1"), body), LONG))
+                .await
+                .unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, sent) = within(seen.recv()).await.unwrap();
         assert!(head.starts_with("POST /c?q=1 HTTP/1.1\r\n"), "{head}");
@@ -2144,10 +2196,13 @@ mod tests {
         assert_eq!(sent, b"5\r\nfirst\r\n7\r\nsecond!\r\n0\r\n\r\n");
 
         // Known size: Content-Length, the body right behind the head.
-        let resp =
-            within(client.request(with_body("PUT", &fake.url("/k"), body::full("hello")), LONG))
-                .await
-                .unwrap();
+        let resp = within(client.request(
+            "api",
+            with_body("PUT", &fake.url("/k"), body::full("hello")),
+            LONG,
+        ))
+        .await
+        .unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, sent) = within(seen.recv()).await.unwrap();
         assert!(head.contains("\r\ncontent-length: 5\r\n"), "{head}");
@@ -2158,16 +2213,20 @@ mod tests {
         let mut req = get(&fake.url("/"));
         req.headers_mut()
             .insert(HOST, HeaderValue::from_static("example.test"));
-        let resp = within(client.request(req, LONG)).await.unwrap();
+        let resp = within(client.request("api", req, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, _) = within(seen.recv()).await.unwrap();
         assert!(!head.contains("content-length"), "{head}");
         assert!(!head.contains("transfer-encoding"), "{head}");
         assert_eq!(head.matches("host: ").count(), 1, "{head}");
         assert!(head.contains("\r\nhost: example.test\r\n"), "{head}");
-        let resp = within(client.request(with_body("POST", &fake.url("/"), body::empty()), LONG))
-            .await
-            .unwrap();
+        let resp = within(client.request(
+            "api",
+            with_body("POST", &fake.url("/"), body::empty()),
+            LONG,
+        ))
+        .await
+        .unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, _) = within(seen.recv()).await.unwrap();
         assert!(head.contains("\r\ncontent-length: 0\r\n"), "{head}");
@@ -2214,7 +2273,7 @@ mod tests {
         let (tx, body) = channel();
         tx.send(Ok(Bytes::from_static(b"some"))).await.unwrap();
         tx.send(Err("the client went away".into())).await.unwrap();
-        let e = within(client().request(with_body("POST", &fake.url("/"), body), LONG))
+        let e = within(client().request("api", with_body("POST", &fake.url("/"), body), LONG))
             .await
             .unwrap_err();
         assert!(e.is_client_body(), "{e:?}");
@@ -2227,7 +2286,7 @@ mod tests {
             .unwrap()
             .local_addr()
             .unwrap();
-        let e = within(client().request(get(&format!("http://{addr}/")), LONG))
+        let e = within(client().request("api", get(&format!("http://{addr}/")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Connect, "{e:?}");
@@ -2306,14 +2365,18 @@ mod tests {
 
         let mut roots = rustls::RootCertStore::empty();
         roots.add(tls.ca.clone()).unwrap();
-        let trusting = Upstream::new(config(roots), Versions::Http1, Duration::from_secs(5));
+        let trusting = Upstream::new(config(roots), Versions::Http1, Duration::from_secs(5), None);
         for _ in 0..2 {
-            let resp = within(trusting.request(get(&url), LONG)).await.unwrap();
+            let resp = within(trusting.request("api", get(&url), LONG))
+                .await
+                .unwrap();
             assert_eq!(text(resp).await, r#"Some("localhost") Some("http/1.1")"#);
         }
         assert_eq!(fake.accepts(), 1, "kept alive over TLS");
 
-        let e = within(client().request(get(&url), LONG)).await.unwrap_err();
+        let e = within(client().request("api", get(&url), LONG))
+            .await
+            .unwrap_err();
         assert_eq!(e.kind(), FailKind::Tls, "{e:?}");
         assert!(e.describe().starts_with("tls: "), "{}", e.describe());
     }

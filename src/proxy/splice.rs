@@ -31,6 +31,22 @@ pub const MIN: u64 = 1 << 20;
 /// per byte. Unprivileged processes may go up to 1 MiB (`/proc/sys/fs/pipe-max-size`).
 const PIPE_SIZE: usize = 1 << 20;
 
+/// A copy that failed, by the side that failed it: the source (the upstream, whose failure
+/// is counted) or the sink (the client, who may just have gone).
+#[derive(Debug)]
+pub enum Broken {
+    Source(io::Error),
+    Sink(io::Error),
+}
+
+impl From<Broken> for io::Error {
+    fn from(b: Broken) -> io::Error {
+        match b {
+            Broken::Source(e) | Broken::Sink(e) => e,
+        }
+    }
+}
+
 /// A pipe and the bytes in it: the state of one copy, kept between polls.
 struct Pipe {
     out: OwnedFd,
@@ -62,7 +78,7 @@ impl Pipe {
         to: &TcpStream,
         len: &mut u64,
         mut progress: impl FnMut(),
-    ) -> Poll<io::Result<()>> {
+    ) -> Poll<Result<(), Broken>> {
         let flags = SpliceFlags::NONBLOCK | SpliceFlags::MOVE;
         loop {
             if *len == 0 && self.held == 0 {
@@ -77,28 +93,33 @@ impl Pipe {
                 match from.try_io(Interest::READABLE, || {
                     Ok(splice(from, None, &self.inn, None, want, flags)?)
                 }) {
-                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into())),
+                    Ok(0) => {
+                        let eof = io::ErrorKind::UnexpectedEof.into();
+                        return Poll::Ready(Err(Broken::Source(eof)));
+                    }
                     Ok(n) => {
                         self.held += n;
                         *len -= n as u64;
                         moved = true;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(Broken::Source(e))),
                 }
             }
             if self.held > 0 {
                 match to.try_io(Interest::WRITABLE, || {
                     Ok(splice(&self.out, None, to, None, self.held, flags)?)
                 }) {
-                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Ok(0) => {
+                        return Poll::Ready(Err(Broken::Sink(io::ErrorKind::WriteZero.into())))
+                    }
                     Ok(n) => {
                         self.held -= n;
                         progress();
                         moved = true;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(Broken::Sink(e))),
                 }
             }
             if moved {
@@ -109,13 +130,13 @@ impl Pipe {
             let mut ready = false;
             if can_take {
                 if let Poll::Ready(r) = from.poll_read_ready(cx) {
-                    r?;
+                    r.map_err(Broken::Source)?;
                     ready = true;
                 }
             }
             if self.held > 0 {
                 if let Poll::Ready(r) = to.poll_write_ready(cx) {
-                    r?;
+                    r.map_err(Broken::Sink)?;
                     ready = true;
                 }
             }
@@ -133,8 +154,9 @@ pub async fn copy(
     to: &TcpStream,
     mut len: u64,
     mut progress: impl FnMut(),
-) -> io::Result<()> {
-    let mut pipe = Pipe::new()?;
+) -> Result<(), Broken> {
+    // No pipe is nobody's fault but ours; the client's side is where it surfaces.
+    let mut pipe = Pipe::new().map_err(Broken::Sink)?;
     poll_fn(|cx| pipe.poll_copy(cx, from, to, &mut len, &mut progress)).await
 }
 
@@ -268,7 +290,9 @@ mod tests {
         let (to, _reader) = pair().await;
         writer.write_all(b"only this").await.unwrap();
         drop(writer);
-        let e = copy(&from, &to, 100, || {}).await.unwrap_err();
+        let Err(Broken::Source(e)) = copy(&from, &to, 100, || {}).await else {
+            panic!("an early end of the source is the source's failure");
+        };
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
 }

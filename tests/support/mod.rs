@@ -195,6 +195,68 @@ impl Body for AbortingBody {
     }
 }
 
+/// An upstream whose one answer is 200 with `partial`, then a failure once the returned
+/// sender fires or is dropped: a download the upstream cuts short.
+pub async fn cutting_upstream(pki: &Pki, proto: Proto) -> (Upstream, oneshot::Sender<()>) {
+    let (cut, die) = oneshot::channel::<()>();
+    let die = Arc::new(Mutex::new(Some(die)));
+    let upstream = Upstream::start(pki, proto, move |_req| {
+        let die = die.lock().unwrap().take().expect("one download");
+        async move {
+            Response::new(boxed(AbortingBody {
+                first: Some(Bytes::from_static(b"partial")),
+                die,
+            }))
+        }
+    })
+    .await;
+    (upstream, cut)
+}
+
+/// Reads a [`cutting_upstream`]'s download as it reaches the client: `partial` first, then
+/// (after `cut`) to its end. What arrived, and whether the end was an error.
+pub async fn read_cut_download(
+    resp: Response<Incoming>,
+    cut: oneshot::Sender<()>,
+) -> (Vec<u8>, bool) {
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while got.len() < b"partial".len() {
+        let frame = within("the first bytes", body.frame())
+            .await
+            .expect("the first bytes")
+            .expect("the first bytes");
+        got.extend_from_slice(&frame.into_data().unwrap_or_default());
+    }
+    drop(cut);
+    let failed = within("the end of the body", async {
+        loop {
+            match body.frame().await {
+                None => break false,
+                Some(Ok(f)) => got.extend_from_slice(&f.into_data().unwrap_or_default()),
+                Some(Err(_)) => break true,
+            }
+        }
+    })
+    .await;
+    (got, failed)
+}
+
+/// The one `abx_proxy_upstream_errors_total` series in `text` is `{plane, kind}` at 1.
+pub fn assert_one_upstream_error(text: &str, plane: &str, kind: &str) {
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("abx_proxy_upstream_errors_total{"))
+        .count();
+    let want = format!("abx_proxy_upstream_errors_total{{plane=\"{plane}\",kind=\"{kind}\"}}");
+    assert_eq!(
+        (series, metric(text, &want)),
+        (1, Some(1.0)),
+        "{want}: {text}"
+    );
+}
+
 /// A seeded pseudo-random byte stream (splitmix64): the same seed gives the same bytes.
 pub struct Gen(u64);
 
