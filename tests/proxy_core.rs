@@ -1100,6 +1100,10 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     let mut h1 = handshake(tls).await;
     for _ in 0..2 {
+        // hyper's client takes the next request only once the last exchange is wound up.
+        within("the client connection", h1.ready())
+            .await
+            .expect("the connection ready again");
         let resp = within("an HTTP/1.1 answer over TLS", h1.send_request(get()))
             .await
             .expect("HTTP/1.1 over TLS");
