@@ -180,8 +180,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     proxy.finish().await;
 
     // Nothing listening upstream: counted as an upstream error of kind connect.
-    let closed = closed_port().await;
-    let proxy = ProxyCmd::new(&format!("https://{closed}"), &pki)
+    let proxy = ProxyCmd::new(&format!("https://{}", refused_addr().await), &pki)
         .spawn()
         .await;
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 502);
@@ -419,7 +418,7 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
 
     // The endpoint unreachable: exit 69.
     drop(fake);
-    let closed = closed_port().await;
+    let closed = refused_addr().await;
     let out = tokio::task::spawn_blocking(move || {
         run(&[
             "check",

@@ -815,8 +815,7 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_down_is_502_e5001() {
     let pki = Pki::new();
-    let port = closed_port().await;
-    let proxy = ProxyCmd::new(&format!("https://{port}"), &pki)
+    let proxy = ProxyCmd::new(&format!("https://{}", refused_addr().await), &pki)
         .spawn()
         .await;
     let addr = proxy.addr();

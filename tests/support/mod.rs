@@ -631,10 +631,17 @@ impl Drop for SilentUpstream {
     }
 }
 
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-pub async fn closed_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    l.local_addr().expect("addr")
+/// An address that refuses connections for the whole test: 127.0.0.1:9 (discard), the one
+/// the other tests use for "nothing there". A port bound and released instead can be handed
+/// to a concurrent test's listener in between, turning "refused" into a timeout or an
+/// answer. Tests bind port 0, which never gives a port below 1024. Checked, so a machine
+/// that does serve discard fails here rather than at a confusing assertion.
+pub async fn refused_addr() -> SocketAddr {
+    let addr = SocketAddr::from(([127, 0, 0, 1], 9));
+    match within("a connect to 127.0.0.1:9", TcpStream::connect(addr)).await {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => addr,
+        other => panic!("127.0.0.1:9 must refuse connections for this test: {other:?}"),
+    }
 }
 
 pub fn response(status: u16, body: impl Into<Bytes>) -> Response<TestBody> {
