@@ -313,14 +313,7 @@ async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
             }
         }));
     }
-    fake.until_calls(2).await;
-    let second = loop {
-        let keys = fake.issued_keys();
-        if keys.len() >= 2 {
-            break format!("Bearer {}", keys[1]);
-        }
-        fake.until_calls(keys.len() + 1).await;
-    };
+    let second = format!("Bearer {}", fake.until_issued(2).await[1]);
     within("the upstream to see the rotated key", async {
         loop {
             if upstream

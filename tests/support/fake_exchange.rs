@@ -188,7 +188,8 @@ struct State {
     accepted: AtomicUsize,
     rejected: AtomicUsize,
     rejections: Mutex<Vec<String>>,
-    issued: Mutex<Vec<String>>,
+    /// Every key issued, in order; a watch so that a test can wait for the n-th.
+    issued: watch::Sender<Vec<String>>,
     nonces: Mutex<HashSet<String>>,
     schemes: Mutex<Vec<&'static str>>,
 }
@@ -255,7 +256,7 @@ impl FakeExchange {
             accepted: AtomicUsize::new(0),
             rejected: AtomicUsize::new(0),
             rejections: Mutex::new(Vec::new()),
-            issued: Mutex::new(Vec::new()),
+            issued: watch::channel(Vec::new()).0,
             nonces: Mutex::new(HashSet::new()),
             schemes: Mutex::new(Vec::new()),
         });
@@ -335,7 +336,26 @@ impl FakeExchange {
 
     /// Every key issued so far, in order.
     pub fn issued_keys(&self) -> Vec<String> {
-        lock(&self.state.issued).clone()
+        self.state.issued.borrow().clone()
+    }
+
+    /// Waits (in real time, bounded by [`GUARD`]) until `n` keys have been issued. A call
+    /// is counted on arrival, its key only once it is verified: [`FakeExchange::until_calls`]
+    /// can return while the key of the last call counted is still to come.
+    pub async fn until_issued(&self, n: usize) -> Vec<String> {
+        let mut rx = self.state.issued.subscribe();
+        let issued = tokio::time::timeout(GUARD, rx.wait_for(|keys| keys.len() >= n)).await;
+        if !matches!(issued, Ok(Ok(_))) {
+            panic!(
+                "expected {n} keys issued by the fake exchange, got {} (calls {}, rejections {:?})",
+                self.issued_keys().len(),
+                self.calls(),
+                self.rejections()
+            );
+        }
+        // Its `Ref` holds the channel's lock, which `issued_keys` takes again.
+        drop(issued);
+        self.issued_keys()
     }
 
     /// The signature scheme of every accepted request (`"rpc-v1"` or `"acs3"`).
@@ -436,9 +456,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
         );
     }
 
-    let n = lock(&state.issued).len() + 1;
-    let key = format!("tmpkey-{n}-{:016x}", fastrand::u64(..));
-    lock(&state.issued).push(key.clone());
+    let (mut n, mut key) = (0, String::new());
+    state.issued.send_modify(|keys| {
+        n = keys.len() + 1;
+        key = format!("tmpkey-{n}-{:016x}", fastrand::u64(..));
+        keys.push(key.clone());
+    });
     lock(&state.schemes).push(scheme);
     state.accepted.fetch_add(1, Ordering::SeqCst);
     let expiry = lock(&state.ttl).map(|ttl| now + ttl);
