@@ -832,6 +832,11 @@ async fn requests_before_the_first_exchange_wait_for_it_and_share_one_exchange()
 /// arrives, the key is unusable, whatever the machine's speed. That refresh is held, then
 /// fails. Meanwhile `/readyz` is 503 and requests get 503 E1004 without reaching the
 /// upstream; once the endpoint answers again, the retry's key is in use and `/readyz` is 200.
+///
+/// The 10 s cannot grow: `refresh_before` is at least 10 s, so with a longer lifetime the
+/// refresh would come while the key is still served. The first request therefore waits
+/// inside the proxy before the key exists, and takes it the moment it is stored; sent after
+/// the success line, it had to be read from the log, connect and arrive within those 5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succeeds() {
     let pki = Pki::new();
@@ -842,23 +847,29 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     let mut proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
 
-    // Let the first exchange through and hold everything after it. `accepted` counts the
-    // answer before it is sent, so the hold is in place before the proxy has a key to refresh.
     fake.until_calls(1).await;
-    fake.release();
-    within("the first key to be issued", async {
-        while fake.accepted() == 0 {
+    let first_request = tokio::spawn(async move { get(addr, "/sandboxes").await.0 });
+    within("the first request to wait for the key", async {
+        let in_flight =
+            |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
+        while in_flight(&scrape(admin).await) != Some(1.0) {
             tokio::task::yield_now().await;
         }
     })
     .await;
+    // Let the first exchange through and hold everything after it. The fake records a key
+    // before it answers, so the hold is in place before the proxy has a key to refresh.
+    fake.release();
+    fake.until_issued(1).await;
     fake.hold();
-    proxy.wait_for_line("token exchange succeeded").await;
     assert_eq!(
-        get(addr, "/sandboxes").await.0,
+        within("the first request", first_request)
+            .await
+            .expect("join"),
         200,
         "the first key, well before expiry"
     );
+    proxy.wait_for_line("token exchange succeeded").await;
     let first = format!("Bearer {}", fake.issued_keys()[0]);
     assert_eq!(bearers(&upstream), std::slice::from_ref(&first));
 
