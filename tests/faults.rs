@@ -1575,8 +1575,13 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
     drop(s);
     let series = r#"abx_proxy_requests_total{code="499",method="GET",plane="api"}"#;
     wait_metric_at_least(proxy.admin_addr(), series, 1.0).await;
-    let line = proxy.wait_for_line("499").await;
-    assert!(line.contains("/sandboxes"), "{line}");
+    // The text access line's field: at trace level, a bare "499" can be part of a
+    // timestamp or a port on an unrelated line.
+    let line = proxy.wait_for_line(" status=499 ").await;
+    assert!(
+        line.contains("abx_proxy::access") && line.contains(" path=/sandboxes "),
+        "{line}"
+    );
     let text = scrape(proxy.admin_addr()).await;
     assert_eq!(
         metric(&text, r#"abx_proxy_in_flight_requests{plane="api"}"#),
