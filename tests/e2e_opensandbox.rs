@@ -15,7 +15,6 @@
 #[path = "support/e2e.rs"]
 mod e2e;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -30,6 +29,8 @@ const BUILTIN_KEY: &str = "abx-builtin-key-e2e-8d2b6e0f4a17";
 const DUMMY_KEY: &str = "dummy";
 
 const DRIVER_TIMEOUT: Duration = Duration::from_secs(120);
+/// `provider install` copies a file: anything near this is a hang.
+const INSTALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How the proxy is told where OpenSandbox is.
 #[derive(Clone, Copy, Debug)]
@@ -67,20 +68,12 @@ impl Rig {
     /// `abx-proxy provider install deploy/providers/opensandbox/abx-provider.toml`.
     fn install_provider(&mut self) {
         let manifest = repo().join("deploy/providers/opensandbox/abx-provider.toml");
-        let out = e2e::abx(self.dir.path())
-            .args(["provider", "install"])
-            .arg(&manifest)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run abx-proxy provider install");
-        self.install_log = format!(
-            "---- abx-proxy provider install ({}) ----\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let mut cmd = e2e::abx(self.dir.path());
+        cmd.args(["provider", "install"]).arg(&manifest);
+        let (ok, log) = Proc::run_without_input("abx-proxy provider install", cmd, INSTALL_TIMEOUT);
+        self.install_log = log;
         assert!(
-            out.status.success(),
+            ok,
             "abx-proxy provider install failed:\n{}",
             self.install_log
         );

@@ -68,22 +68,15 @@ fn requests_total(text: &str, method: &str, code: &str) -> f64 {
     .unwrap_or(0.0)
 }
 
-fn promtool_check(text: &str) {
-    use std::io::Write;
-    let mut child = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian package prometheus; scripts/deps.sh installs it)");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write metrics");
-    let out = child.wait_with_output().expect("promtool");
+async fn promtool_check(text: &str) {
+    let mut cmd = Command::new("promtool");
+    cmd.args(["check", "metrics"]);
+    let out = output_within_input(
+        cmd,
+        text.as_bytes().to_vec(),
+        "promtool check metrics (Debian package prometheus; scripts/deps.sh installs it)",
+    )
+    .await;
     assert!(
         out.status.success(),
         "promtool check metrics failed:\n{}{}\n--- metrics ---\n{text}",
@@ -107,7 +100,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
 
     assert_metrics_content_type(admin).await;
     let before = scrape(admin).await;
-    promtool_check(&before);
+    promtool_check(&before).await;
     // Fixed label sets exist from startup, at 0.
     for result in ["success", "failure"] {
         assert_eq!(
@@ -156,7 +149,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     assert_eq!(refused.status, 400);
 
     let after = scrape(admin).await;
-    promtool_check(&after);
+    promtool_check(&after).await;
     assert_eq!(requests_total(&after, "GET", "200"), 5.0, "{after}");
     assert_eq!(requests_total(&after, "POST", "201"), 2.0, "{after}");
     assert_eq!(requests_total(&after, "GET", "400"), 1.0, "{after}");
@@ -185,7 +178,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         .await;
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 502);
     let down = scrape(proxy.admin_addr()).await;
-    promtool_check(&down);
+    promtool_check(&down).await;
     assert_eq!(
         series(
             &down,
@@ -364,11 +357,10 @@ fn aksk_command(home: &Path) -> Command {
 }
 
 /// `abx-proxy <args>` with only an AccessKey pair in a cleared environment.
-fn run_check(home: &Path, args: &[&str]) -> Output {
-    aksk_command(home)
-        .args(args)
-        .output()
-        .expect("run abx-proxy check")
+async fn run_check(home: &Path, args: &[&str]) -> Output {
+    let mut cmd = aksk_command(home);
+    cmd.args(args);
+    output(cmd).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -377,26 +369,25 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "[]") }).await;
     let fake = FakeExchange::start(Arc::new(SystemClock)).await;
     let home = tempfile::tempdir().expect("home");
-    let home_path = home.path().to_path_buf();
-    let run = move |args: &[&str]| run_check(&home_path, args);
     let ca = pki.ca_pem.display().to_string();
     let url = upstream.url();
-    let out = tokio::task::spawn_blocking({
-        let (fake_url, ca, url, run) = (fake.url.clone(), ca.clone(), url.clone(), run.clone());
-        move || {
-            run(&[
-                "check",
-                "--token-exchange-url",
-                &fake_url,
-                "--sandbox-base-url",
-                &url,
-                "--upstream-ca",
-                &ca,
-            ])
+    let check = |exchange_url: String| {
+        let args = [
+            "check".to_string(),
+            "--token-exchange-url".into(),
+            exchange_url,
+            "--sandbox-base-url".into(),
+            url.clone(),
+            "--upstream-ca".into(),
+            ca.clone(),
+        ];
+        let home = home.path().to_path_buf();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_check(&home, &args).await
         }
-    })
-    .await
-    .expect("join");
+    };
+    let out = check(fake.url.clone()).await;
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
@@ -411,20 +402,7 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
 
     // The endpoint unreachable: exit 69.
     drop(fake);
-    let closed = refused_addr().await;
-    let out = tokio::task::spawn_blocking(move || {
-        run(&[
-            "check",
-            "--token-exchange-url",
-            &format!("http://{closed}"),
-            "--sandbox-base-url",
-            &url,
-            "--upstream-ca",
-            &ca,
-        ])
-    })
-    .await
-    .expect("join");
+    let out = check(format!("http://{}", refused_addr().await)).await;
     assert_eq!(
         out.status.code(),
         Some(69),

@@ -59,7 +59,7 @@ fn manifest_file(text: &str) -> (tempfile::TempDir, String) {
 }
 
 /// `abx-proxy <args>` in a cleared environment with `ABX_HOME=<home>/.abx`.
-fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+async fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
     cmd.env_clear()
         .env("HOME", home)
@@ -69,7 +69,7 @@ fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().expect("run abx-proxy")
+    output_within(cmd, "abx-proxy to exit").await
 }
 
 fn text(out: &Output) -> String {
@@ -211,7 +211,8 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
             ("ABX_PROVIDER", "borrower"),
         ],
         &["check", "--offline"],
-    );
+    )
+    .await;
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
     assert!(text(&out).contains("api_key is not set"));
     proxy.finish().await;
@@ -221,11 +222,11 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
     assert!(seen[0].header("authorization").is_none());
 }
 
-#[test]
-fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     let home = tempfile::tempdir().expect("home");
     let h = home.path();
-    let out = abx(h, &[], &["provider", "install", OPENSANDBOX]);
+    let out = abx(h, &[], &["provider", "install", OPENSANDBOX]).await;
     assert!(out.status.success(), "{}", text(&out));
     let listing = text(&out);
     for needed in [
@@ -257,7 +258,8 @@ fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
             "--provider-option",
             "base_url=127.0.0.1:9999",
         ],
-    );
+    )
+    .await;
     assert!(out.status.success(), "{}", text(&out));
     let all = text(&out);
     assert!(
@@ -291,19 +293,20 @@ fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
             "--provider-option",
             "api_key=sneaky-value-123",
         ],
-    );
+    )
+    .await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(!text(&out).contains("sneaky-value-123"));
 
-    let out = abx(h, &[], &["provider", "info", "opensandbox"]);
+    let out = abx(h, &[], &["provider", "info", "opensandbox"]).await;
     assert!(out.status.success());
     assert!(text(&out).contains("Inherits:"), "{}", text(&out));
-    let out = abx(h, &[], &["provider", "list"]);
+    let out = abx(h, &[], &["provider", "list"]).await;
     assert!(text(&out).contains("alicloud-express") && text(&out).contains("opensandbox"));
 }
 
-#[test]
-fn malformed_manifests_are_refused_naming_file_and_line() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_manifests_are_refused_naming_file_and_line() {
     let home = tempfile::tempdir().expect("home");
     let good = std::fs::read_to_string(OPENSANDBOX).expect("shipped manifest");
     let line_of = |text: &str, needle: &str| {
@@ -341,7 +344,8 @@ fn malformed_manifests_are_refused_naming_file_and_line() {
             home.path(),
             &[],
             &["provider", "install", &path.display().to_string()],
-        );
+        )
+        .await;
         let all = text(&out);
         assert_eq!(out.status.code(), Some(78), "case {i}: {all}");
         let expected = format!(
@@ -451,19 +455,19 @@ async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
     let ca = pki.ca_pem.display().to_string();
     let run = |base: String| {
         let (home, ca) = (home.path().to_path_buf(), ca.clone());
-        tokio::task::spawn_blocking(move || {
+        async move {
             let env = [
                 ("ABX_PROVIDER", "opensandbox"),
                 ("OPEN_SANDBOX_API_KEY", OS_KEY),
                 ("ABX_OPENSANDBOX_BASE_URL", base.as_str()),
             ];
-            abx(&home, &env, &["check", "--upstream-ca", &ca])
-        })
+            abx(&home, &env, &["check", "--upstream-ca", &ca]).await
+        }
     };
-    let install = abx(home.path(), &[], &["provider", "install", OPENSANDBOX]);
+    let install = abx(home.path(), &[], &["provider", "install", OPENSANDBOX]).await;
     assert!(install.status.success(), "{}", text(&install));
 
-    let out = run(opensandbox.url()).await.expect("join");
+    let out = run(opensandbox.url()).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let seen = opensandbox.seen();
     assert_eq!(seen.len(), 1);
@@ -474,7 +478,7 @@ async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
         seen[0].headers
     );
 
-    let out = run(failing.url()).await.expect("join");
+    let out = run(failing.url()).await;
     assert_eq!(out.status.code(), Some(69), "{}", text(&out));
     assert!(
         text(&out).contains("[E5001]") && text(&out).contains("503"),

@@ -65,25 +65,26 @@ async fn no_subcommand_serves() {
 
 /// SPEC §1: `--version` exits 0 and prints the package version; `--help` exits 0 and
 /// names every command.
-#[test]
-fn version_and_help_exit_0() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_and_help_exit_0() {
     let dir = tempfile::tempdir().expect("dir");
-    let run = |flag: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
-            .env_clear()
+    let run = |flag: &'static str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        cmd.env_clear()
             .env("HOME", dir.path())
             .current_dir(dir.path())
-            .arg(flag)
-            .output()
-            .expect("run abx-proxy");
-        assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
-        String::from_utf8(out.stdout).expect("text")
+            .arg(flag);
+        async move {
+            let out = output_within(cmd, "abx-proxy to exit").await;
+            assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
+            String::from_utf8(out.stdout).expect("text")
+        }
     };
     assert_eq!(
-        run("--version").trim(),
+        run("--version").await.trim(),
         format!("abx-proxy {}", env!("CARGO_PKG_VERSION"))
     );
-    let help = run("--help");
+    let help = run("--help").await;
     for command in ["serve", "config", "check", "provider"] {
         assert!(help.contains(command), "--help lacks {command}:\n{help}");
     }

@@ -26,6 +26,8 @@ use serde_json::Value;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bounds reading what an exited process left in its pipes.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bounds `scripts/e2e-deps.sh` (a first run downloads the SDKs) and the build of a fake.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// `target/<profile>` of this test binary (`target/debug/deps/e2e_sdk-…` → `target/debug`).
 pub fn profile_dir() -> PathBuf {
@@ -51,21 +53,12 @@ pub fn e2e_dir() -> PathBuf {
 pub fn deps() {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     let r = DONE.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo().join("scripts/e2e-deps.sh"))
-            .env("ABX_E2E_DIR", e2e_dir())
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run scripts/e2e-deps.sh: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "scripts/e2e-deps.sh failed ({}):\n{}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ))
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo().join("scripts/e2e-deps.sh"))
+            .env("ABX_E2E_DIR", e2e_dir());
+        match Proc::run_without_input("scripts/e2e-deps.sh", cmd, SETUP_TIMEOUT) {
+            (true, _) => Ok(()),
+            (false, output) => Err(format!("scripts/e2e-deps.sh failed:\n{output}")),
         }
     });
     if let Err(e) = r {
@@ -82,12 +75,11 @@ pub fn fake_bin(name: &str) -> PathBuf {
     let bin = profile_dir().join("examples").join(name);
     if !bin.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = Command::new(cargo)
-            .args(["build", "--example", name])
-            .current_dir(repo())
-            .status()
-            .unwrap_or_else(|e| panic!("run cargo build --example {name}: {e}"));
-        assert!(st.success(), "cargo build --example {name} failed");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--example", name]).current_dir(repo());
+        let what = format!("cargo build --example {name}");
+        let (ok, output) = Proc::run_without_input(&what, cmd, SETUP_TIMEOUT);
+        assert!(ok, "{what} failed:\n{output}");
     }
     assert!(bin.exists(), "{} missing", bin.display());
     bin
@@ -325,15 +317,26 @@ impl Proc {
 
     /// Runs `cmd` to its end (killed after `limit`); whether it succeeded, and its output.
     pub fn run(name: &str, cmd: Command, limit: Duration) -> (bool, String) {
+        Proc::spawn(name, cmd).run_to_end(limit)
+    }
+
+    /// [`Proc::run`] for a command given no input: its stdin is closed at once, as with
+    /// `Command::output`, so a read gets end-of-file instead of waiting out `limit`.
+    pub fn run_without_input(name: &str, cmd: Command, limit: Duration) -> (bool, String) {
         let mut p = Proc::spawn(name, cmd);
-        let ok = match p.wait(limit) {
+        p._stdin = None;
+        p.run_to_end(limit)
+    }
+
+    fn run_to_end(mut self, limit: Duration) -> (bool, String) {
+        let ok = match self.wait(limit) {
             Ok(st) => st.success(),
             Err(e) => {
                 println!("{e}");
                 false
             }
         };
-        (ok, p.output())
+        (ok, self.output())
     }
 
     pub fn output(&self) -> String {

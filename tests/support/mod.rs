@@ -64,20 +64,48 @@ pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
 /// Runs `cmd` to its exit off the runtime (which may be serving its fakes), with its
 /// stdout and stderr. Bounded by [`GUARD`]: a process still running then (a proxy that
 /// started where it should have refused) is killed, not left behind the test.
-pub async fn output_within(mut cmd: Command, what: &str) -> std::process::Output {
-    let child = cmd
+pub async fn output_within(cmd: Command, what: &str) -> std::process::Output {
+    run_within(cmd, None, what).await
+}
+
+/// [`output_within`], with `input` as the process's whole stdin.
+pub async fn output_within_input(cmd: Command, input: Vec<u8>, what: &str) -> std::process::Output {
+    run_within(cmd, Some(input), what).await
+}
+
+async fn run_within(mut cmd: Command, input: Option<Vec<u8>>, what: &str) -> std::process::Output {
+    // As with `Command::output`, no stdin unless given: a child reading the test
+    // runner's stdin could wait on a terminal until the guard.
+    let stdin = if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
+    let mut child = cmd
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn abx-proxy");
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
     let pid = child.id();
+    if let (Some(mut pipe), Some(input)) = (child.stdin.take(), input) {
+        // Its own thread: a child that writes a lot before it has read everything would
+        // otherwise block on its stdout while this blocks on its stdin. The write fails,
+        // ending the thread, once the child exits.
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let _ = pipe.write_all(&input);
+        });
+    }
     let waited = tokio::time::timeout(
         GUARD,
         tokio::task::spawn_blocking(move || child.wait_with_output()),
     )
     .await;
     match waited {
-        Ok(joined) => joined.expect("join").expect("wait for abx-proxy"),
+        Ok(joined) => joined
+            .expect("join")
+            .unwrap_or_else(|e| panic!("wait for {what}: {e}")),
         Err(_) => {
             let _ = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
@@ -713,7 +741,7 @@ impl ProxyCmd {
         self
     }
 
-    fn prepare(&self, home: &Path) {
+    async fn prepare(&self, home: &Path) {
         use std::os::unix::fs::PermissionsExt;
         let abx_home = home.join(".abx");
         for (rel, contents) in &self.files {
@@ -733,7 +761,7 @@ impl ProxyCmd {
             for (k, v) in &self.env {
                 cmd.env(k, v);
             }
-            let out = cmd.output().expect("run abx-proxy setup");
+            let out = output_within(cmd, "an abx-proxy setup command").await;
             assert!(
                 out.status.success(),
                 "abx-proxy {args:?} failed: {}",
@@ -786,7 +814,7 @@ impl ProxyCmd {
     pub async fn spawn(self) -> ProxyProc {
         let home = tempfile::tempdir().expect("home");
         let mut command = self.command(home.path());
-        self.prepare(home.path());
+        self.prepare(home.path()).await;
         let mut child = command.spawn().expect("spawn abx-proxy");
         let pid = child.id();
         let stderr = child.stderr.take().expect("stderr piped");
@@ -828,7 +856,7 @@ impl ProxyCmd {
     pub async fn run_to_exit(self) -> (ExitStatus, String) {
         let home = tempfile::tempdir().expect("home");
         let cmd = self.command(home.path());
-        self.prepare(home.path());
+        self.prepare(home.path()).await;
         let out = output_within(cmd, "abx-proxy to exit").await;
         let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
         assert_no_key(&stderr, "stderr");
