@@ -281,6 +281,41 @@ async fn more_than_100_headers_is_431() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// Heads that hyper refuses before they become requests (no valid request line: 400; over
+/// 100 fields: 431) get an access line (`path=-`) and a count in `requests_total`, like
+/// every answer the proxy gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_hyper_refuses_are_logged_and_counted() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let mut too_many = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n");
+    for i in 0..120 {
+        too_many.push_str(&format!("X-Filler-{i}: {i}\r\n"));
+    }
+    too_many.push_str("\r\n");
+    for (head, status) in [
+        ("GET /sandboxes HTTP/1.1 extra\r\n\r\n".to_string(), 400),
+        (too_many, 431),
+    ] {
+        let mut s = connect_raw(addr).await;
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        let resp = read_response(&mut s, &mut buf).await;
+        assert_eq!(resp.status, status, "{resp:?}");
+        expect_closed(&mut s, &buf).await;
+        let line = proxy.wait_for_line(&format!(" status={status} ")).await;
+        assert!(line.contains("path=-"), "{line}");
+        let text = scrape(proxy.admin_addr()).await;
+        let series =
+            format!("abx_proxy_requests_total{{plane=\"api\",method=\"OTHER\",code=\"{status}\"}}");
+        assert_eq!(metric(&text, &series), Some(1.0), "{text}");
+    }
+    assert!(upstream.seen().is_empty(), "a refused head went upstream");
+    proxy.finish().await;
+}
+
 /// HTTP/2 (prior knowledge) is held to the same 100 fields, though its parser counts none:
 /// 101 get the proxy's 431 without the upstream being contacted; 99 pass (the upstream,
 /// also limited to 100, then sees them with Host and the proxy's Authorization).

@@ -324,7 +324,7 @@ async fn with_hyper(
     tokio::select! {
         // The connection first: a head already in its buffer is a request to finish.
         biased;
-        _ = conn.as_mut() => return,
+        done = conn.as_mut() => return refused_by_hyper(proxy, done),
         _ = stop.wait_for(|s| *s) => {}
     }
     // Nothing begun: no request to finish. hyper's graceful shutdown would wait out the
@@ -335,6 +335,31 @@ async fn with_hyper(
     // Draining: finish what is in flight, take no new request.
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
+}
+
+/// A head hyper refused before it became a request (one it cannot parse, or over the size
+/// or field limits): hyper answered 400 or 431 itself and the handler never saw it. It gets
+/// its access line and its count all the same (`method` and `path` unknown: `-`), as nginx
+/// logs its 400s; otherwise a client told "400" finds no trace of it in the proxy.
+#[cold]
+fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + Send + Sync>>) {
+    let Some(e) = done.err() else { return };
+    let Some(e) = e.downcast_ref::<hyper::Error>() else {
+        return;
+    };
+    let status = if e.is_parse_too_large() {
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+    } else if e.is_parse() {
+        StatusCode::BAD_REQUEST
+    } else {
+        return;
+    };
+    let unknown = Method::from_bytes(b"-").unwrap_or_default();
+    let (plane, status) = ("api", status.as_u16());
+    proxy
+        .metrics
+        .request_done(plane, &unknown, status, Duration::ZERO);
+    crate::logging::access(&unknown, "-", plane, status, Duration::ZERO, "");
 }
 
 pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
