@@ -457,9 +457,11 @@ import statistics, sys
 from collections import defaultdict
 results, xfer, rounds, dur = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 runs = defaultdict(list)
+by_round = defaultdict(dict)
 for line in open(results):
     t, c, r, rps, p50, p99, rss, errs, cpu = line.split("\t")
     runs[(t, int(c))].append((float(rps), float(p50), float(p99), int(rss), int(errs), float(cpu)))
+    by_round[(t, int(c))][r] = float(rps)
 med = lambda xs: statistics.median(xs)
 order = ["direct", "nginx-1w", "nginx-2w", "haproxy", "abx-proxy"]
 conns = sorted({c for _, c in runs})
@@ -471,8 +473,10 @@ print()
 print("| target | conns | req/s | p50 ms | p99 ms | peak RSS MiB | CPU us/req | req/s vs best nginx | p99 vs best nginx | req/s vs haproxy | errors |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 summary = {}
+best_nginx = {}
 for c in conns:
     best = max((t for t in ("nginx-1w", "nginx-2w") if (t, c) in runs), key=lambda t: med([x[0] for x in runs[(t, c)]]), default=None)
+    best_nginx[c] = best
     brps = med([x[0] for x in runs[(best, c)]]) if best else 0
     bp99 = med([x[2] for x in runs[(best, c)]]) if best else 0
     hrps = med([x[0] for x in runs[("haproxy", c)]]) if ("haproxy", c) in runs else 0
@@ -492,7 +496,7 @@ print("(direct = wrk straight to the upstream, for scale; its RSS and CPU are th
 print()
 print("## Transfers ($((XFER_BYTES / 1048576)) MiB, curl; medians of ${XFER_ROUNDS} interleaved rounds, peak RSS the highest)")
 print()
-xs = defaultdict(list)
+xs = defaultdict(list)  # in round order: the n-th of each target is its n-th round
 for line in open(xfer):
     t, d, mibs, rss = line.split("\t")
     xs[(t, d)].append((float(mibs), int(rss)))
@@ -543,4 +547,24 @@ if ("abx-proxy", "down") in x and dd and du:
 n_idle = int("$ABX_IDLE_N")
 if idle_ran:
     check(f"{n_idle} idle keep-alive connections: RSS <= 64 MiB", n_idle >= 10000 and int("$ABX_IDLE_AFTER") / 1024 <= 64, f"{int('$ABX_IDLE_AFTER') / 1024:.1f} MiB")
+print()
+print("## Paired rounds (for reading the medians above; not a target)")
+print()
+print("The machine's speed can drift between rounds; targets that ran back to back in the same")
+print("round saw the same machine. Median of abx-proxy's per-round ratio, and the rounds it was ahead in:")
+print()
+def paired(what, ours, theirs, count_ahead=True):
+    ratios = [a / b for a, b in zip(ours, theirs) if a > 0 and b > 0]
+    if ratios:
+        ahead = sum(r >= 1 for r in ratios)
+        tail = f", ahead in {ahead} of {len(ratios)} rounds" if count_ahead else f" ({len(ratios)} rounds)"
+        print(f"- {what}: {med(ratios):.2f}x{tail}")
+for c in conns:
+    ours = by_round.get(("abx-proxy", c), {})
+    for ref in (best_nginx.get(c), "haproxy"):
+        theirs = by_round.get((ref, c), {})
+        common = sorted(set(ours) & set(theirs), key=int)
+        paired(f"req/s at {c} vs {ref}", [ours[r] for r in common], [theirs[r] for r in common])
+for d in ("down", "up"):
+    paired(f"$((XFER_BYTES / 1048576)) MiB {d}load vs direct", [m for m, _ in xs.get(("abx-proxy", d), [])], [m for m, _ in xs.get(("direct", d), [])], False)
 EOF
