@@ -140,7 +140,8 @@ pub(crate) fn io_kind(kind: std::io::ErrorKind) -> FailKind {
 }
 
 /// The kind of a response body's failure in hyper's client: an HTTP/1.1 body cut short
-/// and an HTTP/2 stream or connection the upstream reset are `reset`, like a reset socket.
+/// and an HTTP/2 stream or connection the upstream reset are `reset`, like a reset socket;
+/// one that h2 itself reset, over frames it could not accept, is `protocol`.
 pub(crate) fn body_kind(e: &hyper::Error) -> FailKind {
     if e.is_timeout() {
         return FailKind::Timeout;
@@ -153,7 +154,7 @@ pub(crate) fn body_kind(e: &hyper::Error) -> FailKind {
     }
     let reset = chain(e).any(|e| {
         e.downcast_ref::<h2::Error>()
-            .is_some_and(|h2| h2.is_reset() || h2.is_go_away())
+            .is_some_and(h2::Error::is_remote)
     });
     if reset {
         FailKind::Reset
