@@ -182,6 +182,12 @@ impl Metrics {
         }
     }
 
+    /// Counts one upstream failure: `kind` is a `FailKind` label.
+    #[cold]
+    pub fn upstream_error(&self, plane: &str, kind: &str) {
+        self.upstream_errors.with_label_values(&[plane, kind]).inc();
+    }
+
     /// Counts an answered request and observes its duration (to response headers).
     pub fn request_done(&self, plane: &str, method: &Method, status: u16, elapsed: Duration) {
         let secs = elapsed.as_secs_f64();

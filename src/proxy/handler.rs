@@ -115,10 +115,7 @@ impl Proxy {
                 Ok(ok) => ok,
                 Err(f) => {
                     if let Some(kind) = f.kind {
-                        self.metrics
-                            .upstream_errors
-                            .with_label_values(&[plane, kind.label()])
-                            .inc();
+                        self.metrics.upstream_error(plane, kind.label());
                     }
                     let host = match &f.error {
                         Error::UpstreamUnreachable { host, .. }
@@ -371,10 +368,7 @@ impl Proxy {
             .await
             .map_err(|(e, kind)| {
                 if let Some(kind) = kind {
-                    self.metrics
-                        .upstream_errors
-                        .with_label_values(&["api", kind.label()])
-                        .inc();
+                    self.metrics.upstream_error("api", kind.label());
                 }
                 e
             })?;
