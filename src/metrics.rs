@@ -1,5 +1,6 @@
 //! The Prometheus registry and the handles the proxy updates (SPEC §7 names).
-//! Label sets that are fixed (`result`) are created at startup so the series exist at 0.
+//! Label sets that are fixed (`result`, `plane`, `kind`) are created at startup so the
+//! series exist at 0.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -28,6 +29,9 @@ pub struct Metrics {
 /// The plane label values.
 pub const PLANES: [&str; 2] = ["api", "envd"];
 
+/// The `kind` label values of `abx_proxy_upstream_errors_total` (SPEC §7).
+pub const UPSTREAM_ERROR_KINDS: [&str; 5] = ["connect", "tls", "timeout", "reset", "protocol"];
+
 /// Methods and status codes common enough to get a cached series; others take the
 /// `with_label_values` path.
 const HOT_METHODS: [Method; 7] = [
@@ -46,11 +50,11 @@ const HOT_CODES: [u16; 24] = [
 
 /// The series every request touches. `with_label_values` hashes the label strings and
 /// takes a lock on each call — three times per request; here each series is looked up
-/// once, on its first use (so no series appears before its first request, as before), and
-/// after that is an index and an atomic load.
+/// once (the request counters on their first use, so that no method/code series appears
+/// before its first request), and after that is an index and an atomic load.
 struct Hot {
     in_flight: [IntGauge; 2],
-    duration: [OnceLock<Histogram>; 2],
+    duration: [Histogram; 2],
     /// plane × method × code, flattened.
     requests: Box<[OnceLock<IntCounter>]>,
 }
@@ -137,8 +141,14 @@ impl Metrics {
         for result in ["success", "failure"] {
             token_exchanges.with_label_values(&[result]);
         }
+        // Every fixed label set exists from the start at 0, so that `rate()` sees the first
+        // error and a dashboard shows 0 rather than no data.
         for plane in PLANES {
             in_flight.with_label_values(&[plane]);
+            duration.with_label_values(&[plane]);
+            for kind in UPSTREAM_ERROR_KINDS {
+                upstream_errors.with_label_values(&[plane, kind]);
+            }
         }
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -155,7 +165,7 @@ impl Metrics {
         ))?;
         let hot = Hot {
             in_flight: PLANES.map(|p| in_flight.with_label_values(&[p])),
-            duration: Default::default(),
+            duration: PLANES.map(|p| duration.with_label_values(&[p])),
             requests: (0..PLANES.len() * HOT_METHODS.len() * HOT_CODES.len())
                 .map(|_| OnceLock::new())
                 .collect(),
@@ -196,9 +206,7 @@ impl Metrics {
             self.duration.with_label_values(&[plane]).observe(secs);
             return;
         };
-        self.hot.duration[p]
-            .get_or_init(|| self.duration.with_label_values(&[plane]))
-            .observe(secs);
+        self.hot.duration[p].observe(secs);
         let m = HOT_METHODS.iter().position(|m| m == method);
         let c = HOT_CODES.binary_search(&status).ok();
         match (m, c) {
@@ -261,7 +269,19 @@ mod tests {
     #[test]
     fn cached_and_uncached_series_read_the_same() {
         let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
-        assert!(!text(&m).contains("abx_proxy_requests_total{"));
+        let fresh = text(&m);
+        assert!(!fresh.contains("abx_proxy_requests_total{"));
+        // The fixed label sets exist before anything happens.
+        for plane in PLANES {
+            let count = format!("abx_proxy_request_duration_seconds_count{{plane=\"{plane}\"}} 0");
+            assert!(fresh.contains(&count), "{count}");
+            for kind in UPSTREAM_ERROR_KINDS {
+                let series = format!(
+                    "abx_proxy_upstream_errors_total{{kind=\"{kind}\",plane=\"{plane}\"}} 0"
+                );
+                assert!(fresh.contains(&series), "{series}");
+            }
+        }
         let ms = Duration::from_millis(3);
         m.request_done("api", &Method::GET, 200, ms);
         m.request_done("api", &Method::GET, 200, ms);

@@ -113,6 +113,16 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
             "{before}"
         );
     }
+    for plane in ["api", "envd"] {
+        for kind in ["connect", "tls", "timeout", "reset", "protocol"] {
+            let labels = [("plane", plane), ("kind", kind)];
+            let errors = series(&before, "abx_proxy_upstream_errors_total", &labels);
+            assert_eq!(errors, Some(0.0), "{plane} {kind}: {before}");
+        }
+        let labels = [("plane", plane)];
+        let timed = series(&before, "abx_proxy_request_duration_seconds_count", &labels);
+        assert_eq!(timed, Some(0.0), "{plane}: {before}");
+    }
     assert_eq!(
         series(
             &before,
@@ -558,8 +568,22 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(), bearer);
     assert_eq!(get(admin, "/readyz").await.0, 200);
+    let expiry = "abx_proxy_token_expiry_timestamp_seconds";
+    assert!(series(&scrape(admin).await, expiry, &[]) > Some(0.0));
+
+    const STATIC_KEY: &str = "sk-reload-static-CCCC3333dddd4444";
+    // An API key instead of the pair: no temporary key is in use any more, and the expiry
+    // gauge says so (left at the old key's expiry, it would set off the expiry alert).
+    let line = proxy
+        .reload_env(&format!("ABX_SANDBOX_API_KEY={STATIC_KEY}\n"), "reloaded")
+        .await;
+    assert!(line.contains("sandbox_api_key"), "{line}");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(), Some(format!("Bearer {STATIC_KEY}")));
+    assert_eq!(series(&scrape(admin).await, expiry, &[]), Some(0.0));
     let stderr = proxy.finish().await;
     assert_no_aksk_secret(&stderr, &first, "the log");
+    assert!(!stderr.contains(STATIC_KEY), "a key in the log");
     assert!(!stderr.contains("wrong-secret-0000"), "a secret in the log");
 }
 

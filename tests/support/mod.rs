@@ -271,11 +271,12 @@ pub async fn read_cut_download(
     (got, failed)
 }
 
-/// The one `abx_proxy_upstream_errors_total` series in `text` is `{plane, kind}` at 1.
+/// The one `abx_proxy_upstream_errors_total` series above 0 in `text` is `{plane, kind}`,
+/// at 1 (the others exist from startup, at 0).
 pub fn assert_one_upstream_error(text: &str, plane: &str, kind: &str) {
     let series = text
         .lines()
-        .filter(|l| l.starts_with("abx_proxy_upstream_errors_total{"))
+        .filter(|l| l.starts_with("abx_proxy_upstream_errors_total{") && !l.ends_with(" 0"))
         .count();
     let want = format!("abx_proxy_upstream_errors_total{{plane=\"{plane}\",kind=\"{kind}\"}}");
     assert_eq!(
