@@ -120,11 +120,24 @@ pub struct SettingsArgs {
     // with `-` is still taken as the value: otherwise clap reports it as an unknown flag
     // and quotes it back on stderr.
     #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
-    pub sandbox_api_key: Option<Option<String>>,
+    pub sandbox_api_key: Option<Option<Refused>>,
     #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
-    pub access_key_secret: Option<Option<String>>,
+    pub access_key_secret: Option<Option<Refused>>,
     #[arg(long, hide = true, num_args = 0..=1, allow_hyphen_values = true, value_name = "REFUSED")]
-    pub github_token: Option<Option<String>>,
+    pub github_token: Option<Option<Refused>>,
+}
+
+/// A secret given on the command line, refused: the value is dropped as it is parsed, so
+/// it is in no field that `Debug` (or anything else) could print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused;
+
+impl std::str::FromStr for Refused {
+    type Err = std::convert::Infallible;
+
+    fn from_str(_: &str) -> Result<Self, Self::Err> {
+        Ok(Refused)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -300,4 +313,34 @@ fn read_secret_file(path: &Path) -> Result<Secret, Error> {
         .or_else(|| text.strip_suffix('\n'))
         .unwrap_or(&text);
     Ok(Secret::new(trimmed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A secret passed as a flag is refused, and its value is not kept anywhere `Debug`
+    /// could show it.
+    #[test]
+    fn a_refused_secret_flag_keeps_no_value() {
+        for (flag, value) in [
+            ("--sandbox-api-key", "sk-cli-secret-1234"),
+            ("--access-key-secret", "ak-cli-secret-5678"),
+            ("--github-token", "-ghp-cli-secret"),
+        ] {
+            for args in [
+                vec!["abx-proxy", flag, value],
+                vec!["abx-proxy", "check", &format!("{flag}={value}")],
+            ] {
+                let cli = Cli::try_parse_from(&args).unwrap();
+                let settings = match &cli.command {
+                    Some(Command::Check(c)) => &c.settings,
+                    _ => &cli.serve.settings,
+                };
+                assert_eq!(settings.refused_secret().map(|r| r.0), Some(flag));
+                let shown = format!("{cli:?}");
+                assert!(!shown.contains("cli-secret"), "{shown}");
+            }
+        }
+    }
 }

@@ -72,6 +72,14 @@ async fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     output_within(cmd, "abx-proxy to exit").await
 }
 
+/// The `config list --json` row of `key`.
+fn row_of(rows: &[serde_json::Value], key: &str) -> serde_json::Value {
+    rows.iter()
+        .find(|r| r["key"] == key)
+        .unwrap_or_else(|| panic!("no row {key}"))
+        .clone()
+}
+
 fn text(out: &Output) -> String {
     format!(
         "{}{}",
@@ -103,9 +111,11 @@ async fn each_key_reaches_only_its_own_provider() {
     let alicloud = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ali") }).await;
     let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "os") }).await;
 
-    // The plugin selected: its header and key, nothing else, and only to its upstream.
+    // The plugin selected: its header and key, nothing else, and only to its upstream;
+    // the built-in provider's envd address, left set, is not the plugin's.
     let proxy = ProxyCmd::new(&alicloud.url(), &pki)
         .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_SANDBOX_URL", Some(&alicloud.url()))
         .env("ABX_PROVIDER", Some("opensandbox"))
         .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
         .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
@@ -267,12 +277,7 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
         "a raw key in the output"
     );
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
-    let row = |key: &str| {
-        rows.iter()
-            .find(|r| r["key"] == key)
-            .unwrap_or_else(|| panic!("no row {key}"))
-            .clone()
-    };
+    let row = |key: &str| row_of(&rows, key);
     let api_key = row("opensandbox.api_key");
     assert_eq!(api_key["value"], "****WXYZ", "the canonical name wins");
     assert_eq!(api_key["source"], "env");
@@ -282,6 +287,41 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     assert_eq!(base["value"], "127.0.0.1:9999");
     assert_eq!(base["source"], "flag");
     assert_eq!(row("credential")["value"], "api_key");
+
+    // The SDK's variables exported for the SDK (pointing it at the proxy, with a dummy
+    // key) do not replace the canonical ones kept in ~/.abx/.env or config.toml.
+    std::fs::write(
+        h.join(".abx/.env"),
+        format!("ABX_PROVIDER=opensandbox\nABX_OPENSANDBOX_API_KEY={canonical}\n"),
+    )
+    .expect("write .env");
+    std::fs::write(
+        h.join(".abx/config.toml"),
+        "[providers.opensandbox]\nbase_url = \"127.0.0.1:8082\"\n",
+    )
+    .expect("write config.toml");
+    let sdk_env = [
+        ("OPEN_SANDBOX_API_KEY", "dummy"),
+        ("OPEN_SANDBOX_DOMAIN", "127.0.0.1:49982"),
+    ];
+    let out = abx(h, &sdk_env, &["config", "list", "--json"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    let row = |key: &str| row_of(&rows, key);
+    let api_key = row("opensandbox.api_key");
+    assert_eq!(
+        (api_key["value"].as_str(), api_key["source"].as_str()),
+        (Some("****WXYZ"), Some("~/.abx/.env"))
+    );
+    let base = row("opensandbox.base_url");
+    assert_eq!(
+        (base["value"].as_str(), base["source"].as_str()),
+        (Some("127.0.0.1:8082"), Some("~/.abx/config.toml"))
+    );
+    // With nothing canonical anywhere, the alias is what there is.
+    std::fs::remove_file(h.join(".abx/config.toml")).expect("remove config.toml");
+    let out = abx(h, &sdk_env, &["config", "get", "opensandbox.base_url"]).await;
+    assert!(text(&out).contains("127.0.0.1:49982"), "{}", text(&out));
 
     // A secret field as --provider-option: refused, exit 2, the value not repeated.
     let out = abx(

@@ -736,6 +736,61 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
     proxy.finish().await;
 }
 
+/// A web page can make a browser send requests to the proxy with a local Host (the page
+/// names `http://127.0.0.1:49982` itself; no DNS rebinding needed): a cross-origin `fetch`,
+/// a form post, a preflight, an `<img>`. Each is refused before the upstream is asked,
+/// whatever the method; a page served from a local origin (a dev server on localhost) is
+/// served, as are the SDKs, which send no `Origin`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_from_another_sites_pages_are_refused() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let host = format!("127.0.0.1:{}", addr.port());
+    let browser = |method: &str, extra: &str| {
+        format!(
+            "{method} /refused HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+    };
+    for req in [
+        browser(
+            "GET",
+            "Origin: https://evil.example\r\nSec-Fetch-Mode: cors\r\n",
+        ),
+        browser(
+            "POST",
+            "Origin: https://evil.example\r\nContent-Type: text/plain\r\n",
+        ),
+        browser(
+            "OPTIONS",
+            "Origin: https://evil.example\r\nAccess-Control-Request-Method: DELETE\r\n",
+        ),
+        browser("POST", "Origin: null\r\n"),
+        browser(
+            "GET",
+            "Sec-Fetch-Site: cross-site\r\nSec-Fetch-Mode: no-cors\r\n",
+        ),
+    ] {
+        let resp = raw_exchange(addr, req.as_bytes()).await;
+        assert_proxy_error(&resp, 400, "E5003");
+    }
+    assert_not_reached(&upstream, "/refused", "a cross-site request");
+    let local = browser(
+        "GET",
+        "Origin: http://localhost:3000\r\nSec-Fetch-Site: cross-site\r\nSec-Fetch-Mode: cors\r\n",
+    )
+    .replace("/refused", "/served");
+    assert_eq!(raw_exchange(addr, local.as_bytes()).await.status, 200);
+    proxy.finish().await;
+}
+
+/// No request for `path` reached `upstream`.
+fn assert_not_reached(upstream: &Upstream, path: &str, what: &str) {
+    let reached = upstream.seen().iter().any(|r| r.path_and_query() == path);
+    assert!(!reached, "{what} reached the upstream");
+}
+
 /// `GET path` with `Host: host` on a fresh connection that closes after the answer.
 async fn with_host(addr: std::net::SocketAddr, host: &str, path: &str) -> RawResponse {
     let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
@@ -771,6 +826,15 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         let resp = with_host(any.addr(), host, "/served").await;
         assert_eq!(resp.status, 200, "any Host: {host}: {:?}", resp.text());
     }
+    // Any Host, but still not a forward proxy: an absolute-form target must name the
+    // proxy itself (here, a local name).
+    let forward =
+        "GET http://example.com/refused HTTP/1.1\r\nHost: example.com\r\nConnection: close\r\n\r\n";
+    assert_proxy_error(
+        &raw_exchange(any.addr(), forward.as_bytes()).await,
+        400,
+        "E5003",
+    );
 
     for proxy in [&listed, &listed_local] {
         let port = proxy.addr().port();
@@ -796,13 +860,7 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
             assert_proxy_error(&resp, 400, "E5003");
         }
     }
-    assert!(
-        upstream
-            .seen()
-            .iter()
-            .all(|r| r.path_and_query() != "/refused"),
-        "a refused Host reached the upstream"
-    );
+    assert_not_reached(&upstream, "/refused", "a refused Host");
     any.finish().await;
     listed.finish().await;
     listed_local.finish().await;

@@ -47,9 +47,7 @@ pub struct Manifest {
 impl Manifest {
     /// The canonical env name of a field: `ABX_<PROVIDER_ID>_<FIELD>`.
     pub fn canonical_env(&self, field: &str) -> String {
-        format!("ABX_{}_{}", self.id, field)
-            .to_ascii_uppercase()
-            .replace('-', "_")
+        canonical_env(&self.id, field)
     }
 
     pub fn load(path: &Path) -> Result<Self, Error> {
@@ -194,6 +192,12 @@ impl Manifest {
                     }
                 };
                 for alias in &aliases {
+                    if let Some(spec) = built_in_env(alias) {
+                        return Err(err(alias, format!(
+                            "env alias {alias:?} is reserved: it is the built-in setting {}'s variable, and a plugin never reads the built-in settings",
+                            spec.name
+                        )));
+                    }
                     if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
                         return Err(err(alias, format!(
                             "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
@@ -235,6 +239,21 @@ impl Manifest {
                         default,
                     },
                 );
+            }
+        }
+        // `ABX_<ID>_<FIELD>` can spell a built-in variable (`sandbox` + `api_key` is
+        // `ABX_SANDBOX_API_KEY`): that field would be handed the built-in key, with no
+        // consent asked, and send it to the plugin's hosts.
+        for name in fields.keys() {
+            let env = canonical_env(&id, name);
+            if let Some(spec) = built_in_env(&env) {
+                return Err(err(
+                    name,
+                    format!(
+                        "field {name}: its variable {env} is the built-in setting {}'s; choose another provider id or field name",
+                        spec.name
+                    ),
+                ));
             }
         }
         if fields.get("base_url").is_some_and(|f| f.secret) {
@@ -287,6 +306,17 @@ impl Manifest {
             inherit,
         })
     }
+}
+
+fn canonical_env(id: &str, field: &str) -> String {
+    format!("ABX_{id}_{field}")
+        .to_ascii_uppercase()
+        .replace('-', "_")
+}
+
+/// The built-in setting (SPEC §2) read from the variable `env`, if any.
+fn built_in_env(env: &str) -> Option<&'static crate::settings::keys::KeySpec> {
+    crate::settings::keys::KEYS.iter().find(|k| k.env == env)
 }
 
 fn sub<'a>(t: &'a toml::Table, key: &str) -> Option<&'a toml::Table> {
@@ -365,6 +395,24 @@ inherit = ["sandbox_api_key"]
                 OPEN.replace("OPEN_SANDBOX_API_KEY", "E2B_API_KEY"),
                 10,
                 "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY\"", "GITHUB_TOKEN\""),
+                10,
+                "built-in setting github_token",
+            ),
+            // `ABX_SANDBOX_API_KEY` spelled by the canonical name, not an alias.
+            (
+                OPEN.replace("\"opensandbox\"", "\"sandbox\""),
+                8,
+                "ABX_SANDBOX_API_KEY is the built-in setting sandbox_api_key's",
+            ),
+            (
+                OPEN.replace("\"opensandbox\"", "\"sandbox\"")
+                    .replace("api_key]", "key]")
+                    .replace("id = \"sandbox\"", "id = \"sandbox-api\""),
+                8,
+                "ABX_SANDBOX_API_KEY is the built-in setting",
             ),
             (
                 OPEN.replace("OPEN_SANDBOX_DOMAIN", "ALICLOUD_ACCESS_KEY_ID"),

@@ -241,12 +241,18 @@ pub fn resolve(
                 m.id, field.name
             ));
         }
-        let mut envs: Vec<&str> = vec![&canonical];
-        envs.extend(field.aliases.iter().map(String::as_str));
+        // The canonical name (and the config.toml key) in any layer before an alias in
+        // any layer: a user points the vendor's SDK at the proxy through the vendor's
+        // variables (`OPEN_SANDBOX_DOMAIN=localhost:49982`, `OPEN_SANDBOX_API_KEY=dummy`)
+        // and keeps the real values under `ABX_*` in ~/.abx/.env; the exported aliases
+        // must not take their place.
+        let aliases: Vec<&str> = field.aliases.iter().map(String::as_str).collect();
         let toml_key = (!field.secret).then_some(key.as_str());
         let found = match option {
             Some(v) => Some((v, Source::Flag)),
-            None => layers.lookup(&envs, toml_key),
+            None => layers
+                .lookup(&[canonical.as_str()], toml_key)
+                .or_else(|| layers.lookup(&aliases, None)),
         };
         let (value, source) = match found {
             Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),

@@ -40,6 +40,16 @@ pub enum HostPolicy {
 }
 
 impl HostPolicy {
+    /// An absolute-form target names where a forward proxy would go. Whatever Host names
+    /// the listener accepts, only its own (local or listed) names pass here: this is not a
+    /// forward proxy, and a client configured to use it as one must hear so.
+    fn accepts_target(&self, host: &str) -> bool {
+        match self {
+            HostPolicy::Any => is_local_name(host),
+            _ => self.accepts(host),
+        }
+    }
+
     fn accepts(&self, host: &str) -> bool {
         match self {
             HostPolicy::Any => true,
@@ -49,6 +59,58 @@ impl HostPolicy {
             }
         }
     }
+}
+
+/// A browser's cross-site request passes the Host check (the page names the proxy's own
+/// address), so the Host check alone does not keep a web page from spending the key: a
+/// `fetch` from any site to `http://127.0.0.1:49982/sandboxes` would go out with it, and
+/// the upstream's CORS answer could even let the page read the result. Browsers say where a
+/// request comes from; a page's origin must be one the listener would accept as Host.
+/// Clients outside browsers (the SDKs, curl) send neither field.
+fn check_origin(parts: &Parts, policy: &HostPolicy) -> Result<(), Error> {
+    if matches!(policy, HostPolicy::Any) {
+        return Ok(());
+    }
+    // One pass over the few fields a request has: two look-ups, mostly for absent names,
+    // hashed both names on every request.
+    let (mut origin, mut site) = (None, None);
+    for (name, value) in &parts.headers {
+        if name == http::header::ORIGIN {
+            origin = origin.or(Some(value));
+        } else if name == SEC_FETCH_SITE {
+            site = site.or(Some(value));
+        }
+    }
+    if let Some(origin) = origin {
+        let host = origin.to_str().ok().and_then(origin_host);
+        return match host {
+            Some(h) if policy.accepts(h) => Ok(()),
+            _ => Err(refused(format!(
+                "cross-origin request from {}",
+                String::from_utf8_lossy(origin.as_bytes())
+            ))),
+        };
+    }
+    // No `Origin`: a navigation, or a `no-cors` GET (`<img>`, `<script>`). Browsers mark
+    // those from another site; a local page's own requests carry `Origin`.
+    match site {
+        Some(site) if site.as_bytes().eq_ignore_ascii_case(b"cross-site") => Err(refused(
+            "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
+        )),
+        _ => Ok(()),
+    }
+}
+
+const SEC_FETCH_SITE: http::HeaderName = http::HeaderName::from_static("sec-fetch-site");
+
+/// The host of a serialized origin (`scheme://host[:port]`); `None` for `null` (sandboxed
+/// frames, `file:` pages) and anything else that names no host.
+fn origin_host(origin: &str) -> Option<&str> {
+    let (scheme, rest) = origin.split_once("://")?;
+    if scheme.is_empty() || rest.is_empty() || rest.contains(['/', '@', '?', '#']) {
+        return None;
+    }
+    Some(strip_port(rest))
 }
 
 /// `127.0.0.0/8`, `[::1]`, `localhost`, `*.localhost` (host without port).
@@ -123,16 +185,20 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
         },
     };
     let hostname = strip_port(host);
+    let absolute_form = parts.uri.scheme().is_some() && parts.version < http::Version::HTTP_2;
+    if absolute_form && !policy.accepts_target(hostname) {
+        return Err(refused(format!(
+            "absolute-form request to another host: {hostname}"
+        )));
+    }
     if !host.is_empty() && !policy.accepts(hostname) {
-        let what = if parts.uri.scheme().is_some() && parts.version < http::Version::HTTP_2 {
-            "absolute-form request to another host"
-        } else {
-            "Host not allowed on this listener"
-        };
-        return Err(refused(format!("{what}: {hostname}")));
+        return Err(refused(format!(
+            "Host not allowed on this listener: {hostname}"
+        )));
     } else if host.is_empty() && !matches!(policy, HostPolicy::Any) {
         return Err(refused("missing Host header"));
     }
+    check_origin(parts, policy)?;
 
     // The constants, not strings: a `&str` key is parsed into a name on every call.
     if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
@@ -255,6 +321,85 @@ mod tests {
         let listed = HostPolicy::Listed(vec!["proxy.internal".into()]);
         assert!(route(&parts("/", &[("host", "proxy.internal:49982")]), &listed).is_ok());
         assert!(route(&parts("/", &[("host", "other")]), &listed).is_err());
+    }
+
+    #[test]
+    fn absolute_form_to_a_foreign_host_is_refused_whatever_hosts_are_served() {
+        for p in [
+            HostPolicy::Any,
+            HostPolicy::Loopback,
+            HostPolicy::Listed(vec!["proxy.internal".into()]),
+        ] {
+            let e = route(
+                &parts("http://example.com/x", &[("host", "example.com")]),
+                &p,
+            )
+            .unwrap_err();
+            assert_eq!(e.code(), "E5003", "{p:?}");
+            assert!(e.to_string().contains("absolute-form"), "{e}");
+            assert!(route(&parts("http://localhost:49982/x", &[("host", "x")]), &p).is_ok());
+        }
+        let listed = HostPolicy::Listed(vec!["proxy.internal".into()]);
+        assert!(route(&parts("http://proxy.internal/x", &[]), &listed).is_ok());
+        // Any Host is still served on such a listener, in origin-form.
+        assert!(route(&parts("/x", &[("host", "example.com")]), &HostPolicy::Any).is_ok());
+    }
+
+    #[test]
+    fn a_page_from_another_origin_cannot_use_the_proxy() {
+        let host = ("host", "127.0.0.1:49982");
+        let listed = HostPolicy::Listed(vec!["proxy.internal".into()]);
+        for p in [HostPolicy::Loopback, listed.clone()] {
+            for bad in [
+                "https://evil.example",
+                "http://127.0.0.1.evil.example:49982",
+                "null",
+                "file://",
+                "garbage",
+                "http://localhost@evil.example",
+            ] {
+                let e = route(&parts("/sandboxes", &[host, ("origin", bad)]), &p).unwrap_err();
+                assert_eq!(e.code(), "E5003", "{bad}");
+                assert!(e.to_string().contains("cross-origin request"), "{e}");
+            }
+            for ok in [
+                "http://localhost:3000",
+                "http://127.0.0.1:49982",
+                "https://app.localhost",
+                "http://[::1]:8080",
+            ] {
+                assert!(route(&parts("/sandboxes", &[host, ("origin", ok)]), &p).is_ok());
+            }
+            let e = route(
+                &parts("/sandboxes", &[host, ("sec-fetch-site", "cross-site")]),
+                &p,
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains("cross-site"), "{e}");
+            // A local page's request is cross-site too (localhost vs 127.0.0.1), but names
+            // its origin; a typed URL or a same-site page is fine.
+            let local = [
+                host,
+                ("sec-fetch-site", "cross-site"),
+                ("origin", "http://localhost:3000"),
+            ];
+            assert!(route(&parts("/sandboxes", &local), &p).is_ok());
+            for site in ["none", "same-site", "same-origin"] {
+                let r = route(&parts("/", &[host, ("sec-fetch-site", site)]), &p);
+                assert!(r.is_ok(), "{site}");
+            }
+        }
+        let ok = route(
+            &parts("/x", &[host, ("origin", "http://proxy.internal:3000")]),
+            &listed,
+        );
+        assert!(ok.is_ok());
+        // `--allow-remote` with any Host: whoever can reach it may use it.
+        let any = route(
+            &parts("/x", &[host, ("origin", "https://evil.example")]),
+            &HostPolicy::Any,
+        );
+        assert!(any.is_ok());
     }
 
     #[test]

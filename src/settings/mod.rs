@@ -23,7 +23,7 @@ use crate::secret::Secret;
 
 /// What the chain is resolved from. `flags` is the highest level: command-line flags, or
 /// code parameters for the library (see [`Builder`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Inputs {
     pub flags: HashMap<Key, FlagValue>,
     /// `--provider-option FIELD=VALUE` pairs, for plugin providers.
@@ -32,6 +32,32 @@ pub struct Inputs {
     pub cwd: PathBuf,
     /// `~/.abx` (or `$ABX_HOME`); `None` when neither HOME nor ABX_HOME is set.
     pub abx_home: Option<PathBuf>,
+}
+
+/// The environment holds secrets (`ABX_SANDBOX_API_KEY`, …): only its names are shown.
+impl std::fmt::Debug for Inputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inputs")
+            .field("flags", &self.flags)
+            .field("provider_options", &option_names(&self.provider_options))
+            .field("env", &names(&self.env))
+            .field("cwd", &self.cwd)
+            .field("abx_home", &self.abx_home)
+            .finish()
+    }
+}
+
+/// A raw layer's variable names, sorted, without their values.
+fn names(map: &HashMap<String, String>) -> Vec<&str> {
+    let mut names: Vec<&str> = map.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    names
+}
+
+/// `--provider-option` fields without their values: a secret one is refused, but only
+/// after it was read.
+fn option_names(options: &[(String, String)]) -> Vec<&str> {
+    options.iter().map(|(field, _)| field.as_str()).collect()
 }
 
 /// A flag's value; secrets arrive only through `--*-file` flags or code parameters.
@@ -142,7 +168,7 @@ pub struct Resolved {
 }
 
 /// The layers as read, by env name (env, `.env` files) or key (toml, flags).
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RawLayers {
     pub flags: HashMap<Key, FlagValue>,
     pub provider_options: Vec<(String, String)>,
@@ -150,6 +176,21 @@ pub struct RawLayers {
     pub dotenv_cwd: HashMap<String, String>,
     pub dotenv_home: HashMap<String, String>,
     pub toml: HashMap<String, String>,
+}
+
+/// The env and `.env` layers hold secrets as read: only their names are shown. (Plugin
+/// fields in config.toml may be secrets too, ignored with a warning but still read.)
+impl std::fmt::Debug for RawLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawLayers")
+            .field("flags", &self.flags)
+            .field("provider_options", &option_names(&self.provider_options))
+            .field("env", &names(&self.env))
+            .field("dotenv_cwd", &names(&self.dotenv_cwd))
+            .field("dotenv_home", &names(&self.dotenv_home))
+            .field("toml", &names(&self.toml))
+            .finish()
+    }
 }
 
 fn nonblank(v: &str) -> Option<&str> {
@@ -381,10 +422,15 @@ impl Resolved {
             provider: get(Key::Provider).to_string(),
             sandbox_base_url,
             sandbox_domain: envd_domain,
-            sandbox_url: self
-                .plain(Key::SandboxUrl)
-                .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
-                .transpose()?,
+            // `sandbox_url` is the built-in provider's envd address (SPEC §2): a plugin's
+            // envd tokens must not follow a variable left set for another provider.
+            sandbox_url: match &plugin {
+                None => self
+                    .plain(Key::SandboxUrl)
+                    .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
+                    .transpose()?,
+                Some(_) => None,
+            },
             token_exchange_url: UpstreamUrl::parse(
                 Key::TokenExchangeUrl,
                 get(Key::TokenExchangeUrl),
@@ -494,4 +540,49 @@ pub fn is_credential_key(name: &str) -> bool {
         name,
         "sandbox_api_key" | "access_key_id" | "access_key_secret"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The raw layers hold every variable as read, secrets included; their `Debug` (a
+    /// library user's `{:?}`, an `unwrap` on a containing `Result`) shows names only.
+    #[test]
+    fn debug_output_never_shows_a_raw_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("abx");
+        std::fs::create_dir(&home).unwrap();
+        std::fs::write(
+            home.join(".env"),
+            "ALICLOUD_ACCESS_KEY_SECRET=sk-dotenv-secret-4242\n",
+        )
+        .unwrap();
+        let env: HashMap<String, String> = [
+            ("ABX_SANDBOX_API_KEY", "sk-env-secret-1234"),
+            ("GITHUB_TOKEN", "ghp-env-secret-5678"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let inputs = Inputs {
+            flags: HashMap::new(),
+            provider_options: vec![("api_key".into(), "sk-option-secret-9999".into())],
+            env,
+            cwd: dir.path().to_path_buf(),
+            abx_home: Some(home),
+        };
+        let resolved = Resolved::from_inputs(&inputs).unwrap();
+        let shown = format!("{inputs:?} {resolved:?} {:#?}", resolved.layers);
+        for secret in ["sk-env", "ghp-env", "sk-dotenv", "sk-option"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        for name in [
+            "ABX_SANDBOX_API_KEY",
+            "ALICLOUD_ACCESS_KEY_SECRET",
+            "api_key",
+        ] {
+            assert!(shown.contains(name), "{name} missing from {shown}");
+        }
+    }
 }
