@@ -7,6 +7,7 @@ mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -936,6 +937,96 @@ async fn silent_upstream_is_504_e5002() {
     drop(hold_tx);
     p1.finish().await;
     p2.finish().await;
+}
+
+/// `--upstream-timeout` is the upstream's time to answer, not the client's time to upload:
+/// an upload that takes longer than the timeout in all but keeps moving gets its answer
+/// (envd answers a file upload only once it has all of it), through both upstream clients
+/// (the control plane's and envd's). One that stops moving gets its 504 no sooner than a
+/// timeout after its last bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.into_body().collect().await {
+            Ok(body) => response(200, format!("got {}", body.to_bytes().len())),
+            Err(_) => response(400, "cut"),
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let upload = |envd: bool| {
+        let routing = if envd {
+            "E2b-Sandbox-Id: isb-1\r\nX-Access-Token: t\r\n"
+        } else {
+            ""
+        };
+        format!(
+            "POST /files HTTP/1.1\r\nHost: {addr}\r\n{routing}Content-Length: 8\r\nConnection: close\r\n\r\n"
+        )
+    };
+    for envd in [false, true] {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(upload(envd).as_bytes()).await.expect("head");
+        // 8 bytes, a quarter of the timeout apart: twice the timeout in all.
+        for _ in 0..8 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            s.write_all(b"x").await.expect("body");
+        }
+        let resp = read_response(&mut s, &mut Vec::new()).await;
+        assert_eq!(
+            (resp.status, resp.text()),
+            (200, "got 8".into()),
+            "envd: {envd}"
+        );
+
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(upload(envd).as_bytes()).await.expect("head");
+        s.write_all(b"xx").await.expect("body");
+        let last = Instant::now();
+        let resp = read_response(&mut s, &mut Vec::new()).await;
+        assert_proxy_error(&resp, 504, "E5002");
+        assert!(
+            last.elapsed() >= Duration::from_secs(1),
+            "{:?}",
+            last.elapsed()
+        );
+    }
+    proxy.finish().await;
+}
+
+/// A chunked request's trailers never reach the upstream: they could carry `X-API-Key` or
+/// `Authorization` past the rewrite of the head. HTTP/2 upstreams would take them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_trailers_are_not_passed_upstream() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::H2, |req| async move {
+        match req.into_body().collect().await {
+            Ok(body) => {
+                let trailers = body.trailers().map_or(0, |t| t.len());
+                let data = body.to_bytes();
+                response(200, format!("{} bytes, {trailers} trailers", data.len()))
+            }
+            Err(_) => response(400, "cut"),
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let req = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\nTrailer: X-API-Key\r\nConnection: close\r\n\r\n3\r\nabc\r\n0\r\nX-API-Key: dummy\r\nAuthorization: Bearer dummy\r\n\r\n"
+    );
+    let resp = raw_exchange(addr, req.as_bytes()).await;
+    assert_eq!(
+        (resp.status, resp.text()),
+        (200, "3 bytes, 0 trailers".into())
+    );
+    proxy.finish().await;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 //! Body helpers: boxing, bounded reads that never lose bytes, and the proxy's own answers.
 
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Response, StatusCode};
@@ -115,5 +118,80 @@ where
             hint.set_upper(u + extra);
         }
         hint
+    }
+}
+
+/// When a request body's bytes last moved upstream: written by [`Uploading`], read by the
+/// upstream timeout.
+#[derive(Clone)]
+pub struct Moved {
+    since: Instant,
+    /// Nanoseconds after `since`; 0 before any bytes moved.
+    at: Arc<AtomicU64>,
+}
+
+impl Default for Moved {
+    fn default() -> Self {
+        Moved {
+            since: Instant::now(),
+            at: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Moved {
+    fn mark(&self) {
+        let nanos = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.at.store(nanos.max(1), Ordering::Relaxed);
+    }
+
+    pub fn last(&self) -> Option<Instant> {
+        match self.at.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(self.since + Duration::from_nanos(n)),
+        }
+    }
+}
+
+/// A request body on its way to an upstream client that pulls it: each data frame taken
+/// marks [`Moved`] (the client takes the next one once the last is written), and trailers
+/// are dropped.
+pub struct Uploading {
+    inner: ProxyBody,
+    moved: Moved,
+}
+
+impl Uploading {
+    pub fn new(inner: ProxyBody, moved: Moved) -> Self {
+        Uploading { inner, moved }
+    }
+}
+
+impl Body for Uploading {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        loop {
+            match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+                Some(Ok(frame)) if frame.is_data() => {
+                    self.moved.mark();
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Some(Ok(_trailers)) => {}
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }

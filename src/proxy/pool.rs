@@ -223,37 +223,52 @@ impl Upstream {
         req: Request<ProxyBody>,
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
-        let deadline = Instant::now() + timeout;
         let tls = match req.uri().scheme_str() {
             Some("http") => false,
             Some("https") if !self.negotiate => true,
-            _ => return Box::pin(self.legacy(plane, req, deadline)),
+            _ => return Box::pin(self.legacy(plane, req, timeout)),
         };
         if req.headers().contains_key(UPGRADE) {
-            return Box::pin(self.legacy(plane, req, deadline));
+            return Box::pin(self.legacy(plane, req, timeout));
         }
         let (parts, body) = req.into_parts();
-        Box::pin(self.pool.send(plane, parts, body, tls, deadline))
+        Box::pin(self.pool.send(plane, parts, body, tls, timeout))
     }
 
     async fn legacy(
         &self,
         plane: &'static str,
         req: Request<ProxyBody>,
-        deadline: Instant,
+        timeout: Duration,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
-        match tokio::time::timeout_at(deadline.into(), self.legacy.request(req)).await {
-            Ok(resp) => {
-                let pool = self.pool.clone();
-                Ok(resp?.map(|incoming| {
-                    body::boxed(incoming.map_err(move |e| {
-                        pool.count_broken(plane, forward::body_kind(&e));
-                        e
-                    }))
-                }))
+        let mut deadline = Instant::now() + timeout;
+        let moved = body::Moved::default();
+        // Trailers are dropped as on the pool's connections (nothing an SDK sends has
+        // them, and a client's could carry credential fields past the head's rewrite).
+        let req = if req.body().is_end_stream() {
+            req
+        } else {
+            req.map(|b| body::boxed(body::Uploading::new(b, moved.clone())))
+        };
+        let mut response = pin!(self.legacy.request(req));
+        let resp = loop {
+            match tokio::time::timeout_at(deadline.into(), response.as_mut()).await {
+                Ok(resp) => break resp?,
+                // An upload still moving is not an upstream gone quiet: the wait counts
+                // from its last bytes (as nginx's proxy_send_timeout does).
+                Err(_) => match moved.last().map(|t| t + timeout) {
+                    Some(later) if later > Instant::now() => deadline = later,
+                    _ => return Err(UpstreamError::Timeout),
+                },
             }
-            Err(_) => Err(UpstreamError::Timeout),
-        }
+        };
+        let pool = self.pool.clone();
+        Ok(resp.map(|incoming| {
+            body::boxed(incoming.map_err(move |e| {
+                pool.count_broken(plane, forward::body_kind(&e));
+                e
+            }))
+        }))
     }
 }
 
@@ -428,9 +443,10 @@ impl Pool {
         parts: Parts,
         mut body: ProxyBody,
         tls: bool,
-        deadline: Instant,
+        timeout: Duration,
     ) -> impl Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_ {
         async move {
+            let deadline = Instant::now() + timeout;
             let Some(authority) = parts.uri.authority() else {
                 return Err(UpstreamError::Protocol("request URI without authority"));
             };
@@ -453,7 +469,8 @@ impl Pool {
                         }
                     }
                 };
-                match exchange(&mut conn, &parts, host_header, &mut body, deadline).await {
+                let wait = Wait { deadline, timeout };
+                match exchange(&mut conn, &parts, host_header, &mut body, wait).await {
                     Ok((head, sent)) => return Ok(self.response(plane, conn, head, sent)),
                     // The keep-alive race: the server closed the connection as we reused it,
                     // and the request is one that may go again (see `Exchange::fail`): once,
@@ -662,15 +679,23 @@ enum Out {
     Chunked,
 }
 
+/// `--upstream-timeout` for one exchange: the response head is due by `deadline`, or
+/// within `timeout` of the request body's last bytes, whichever is later.
+#[derive(Clone, Copy)]
+struct Wait {
+    deadline: Instant,
+    timeout: Duration,
+}
+
 /// The request on `conn`; the response head, and whether the request was sent whole.
 async fn exchange(
     conn: &mut Conn,
     parts: &Parts,
     host_header: &str,
     body: &mut ProxyBody,
-    deadline: Instant,
+    wait: Wait,
 ) -> Result<(Head, bool), Failed> {
-    conn.deadline.as_mut().reset(deadline.into());
+    conn.deadline.as_mut().reset(wait.deadline.into());
     let (out, length) = if body.is_end_stream() {
         let expects_body = matches!(parts.method, Method::POST | Method::PUT | Method::PATCH);
         (None, expects_body.then_some(0))
@@ -698,6 +723,8 @@ async fn exchange(
         touched: false,
         wrote: false,
         got_bytes: false,
+        timeout: wait.timeout,
+        body_moved: None,
     };
     let head = poll_fn(|cx| ex.poll(cx)).await?;
     let sent = ex.sent && ex.write_error.is_none() && !close;
@@ -850,6 +877,11 @@ struct Exchange<'a> {
     wrote: bool,
     /// Something of the response arrived.
     got_bytes: bool,
+    /// `--upstream-timeout`, and when request body bytes last went out: an upload still
+    /// moving holds the deadline off (a 1 GiB file over a slow link takes longer than the
+    /// timeout, and envd answers only once it has all of it).
+    timeout: Duration,
+    body_moved: Option<Instant>,
 }
 
 impl Exchange<'_> {
@@ -884,7 +916,13 @@ impl Exchange<'_> {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(UpstreamError::Io(e)))),
                 Poll::Pending => {
                     if self.conn.deadline.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(Err(self.fail(UpstreamError::Timeout)));
+                        match self.body_moved.map(|t| t + self.timeout) {
+                            Some(later) if later > Instant::now() => {
+                                self.conn.deadline.as_mut().reset(later.into());
+                                continue;
+                            }
+                            _ => return Poll::Ready(Err(self.fail(UpstreamError::Timeout))),
+                        }
                     }
                     return Poll::Pending;
                 }
@@ -954,6 +992,9 @@ impl Exchange<'_> {
                     return Poll::Ready(Err(SendError::Io(io::ErrorKind::WriteZero.into())));
                 }
                 self.wrote = true;
+                if self.touched {
+                    self.body_moved = Some(Instant::now());
+                }
                 self.advance(n);
                 continue;
             }
