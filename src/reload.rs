@@ -155,13 +155,15 @@ pub async fn on_hangup(
                     tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
                     continue;
                 }
-                let exchanged = matches!(credential, ApiCredential::Exchanged(_));
-                proxy.credential.store(Arc::new(credential));
-                if !exchanged {
-                    // The temporary key's expiry no longer applies: left as it was, the
-                    // gauge would pass that time and look like a key about to expire.
-                    proxy.metrics.token_expiry.set(0.0);
-                }
+                let expiry = credential.expiry_unix();
+                proxy.credential.swap(Arc::new(credential)).retire();
+                // The running key's expiry, whatever the replaced refresher reported last
+                // (0 for a static key: left at an old temporary key's expiry, the gauge
+                // would pass that time and look like a key about to expire).
+                proxy
+                    .metrics
+                    .token_expiry
+                    .set(expiry.map_or(0.0, |t| t as f64));
                 tracing::info!(changed = %changed.join(","), "reloaded");
                 running.credential = next.credential.clone();
                 running.plugin = next.plugin.clone();

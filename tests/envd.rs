@@ -637,6 +637,19 @@ async fn a_sandbox_without_a_token_gets_none_and_a_clients_own_is_kept() {
         1,
         "the answer was remembered"
     );
+    // The answer without a token is out of date: envd refuses the client's token, the
+    // empty entry it stood in for goes with it, and the token is fetched again (SPEC §4:
+    // on a 401 the token is fetched again once) for the retry.
+    env.cloud.exists("isb-open", "tok-open");
+    let req = request("GET", addr, "/health")
+        .header("e2b-sandbox-id", "isb-open")
+        .header("x-access-token", "client-stale");
+    let (status, body) = text(send(addr, req.body(empty()).unwrap()).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(env.lookups("isb-open").len(), 2);
+    let seen = env.envd.seen();
+    let retried = seen.last().expect("envd was asked");
+    assert_eq!(retried.header("x-access-token"), Some("tok-open"));
     env.assert_envd_clean();
     proxy.finish().await;
 }
@@ -1457,5 +1470,56 @@ async fn an_envd_download_cut_short_is_an_envd_reset() {
     assert!(failed, "a cut download ended cleanly: {got:?}");
     let text = scrape(proxy.admin_addr()).await;
     assert_one_upstream_error(&text, "envd", "reset");
+    proxy.finish().await;
+}
+
+/// A control-plane answer the proxy reads itself (the envd token look-up, a create it learns
+/// the token from) that stalls after its head is a 504 E5002 at `--upstream-timeout`,
+/// counted as a timeout, rather than a wait without end: every request for that sandbox
+/// waits on the look-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_answer_stalled_after_its_head_is_a_timeout() {
+    let pki = Pki::new();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let hold = held.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let (keep, stall) = tokio::sync::oneshot::channel::<()>();
+        hold.lock().unwrap().push(keep);
+        async move {
+            Response::new(boxed(AbortingBody {
+                first: Some(Bytes::from_static(b"{\"sandboxID\":")),
+                die: stall,
+            }))
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    for (what, req) in [
+        ("the look-up", envd_request(addr, "isb-stall", "/health")),
+        (
+            "the create",
+            request("POST", addr, "/sandboxes")
+                .body(full("{}"))
+                .unwrap(),
+        ),
+    ] {
+        let resp = send(addr, req).await;
+        let status = resp.status();
+        let code = resp.headers().get("x-abx-error").cloned();
+        assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{what}");
+        assert_eq!(
+            code.as_ref().map(|v| v.as_bytes()),
+            Some(&b"E5002"[..]),
+            "{what}"
+        );
+    }
+    let text = scrape(proxy.admin_addr()).await;
+    let timeouts = r#"abx_proxy_upstream_errors_total{plane="api",kind="timeout"}"#;
+    assert_eq!(metric(&text, timeouts), Some(2.0), "{text}");
+    assert_eq!(held.lock().unwrap().len(), 2, "both reached the upstream");
     proxy.finish().await;
 }

@@ -677,11 +677,19 @@ impl ExchangedKey {
                     });
                 }
             }
-            if let Some(key) = shared.usable_key(shared.clock.now()) {
-                return Ok(key);
-            }
         }
-        Err(shared.unusable())
+        // Also when no wait was needed: the first key may have been stored between the
+        // look at `token` above and the look at `attempts`.
+        match shared.usable_key(shared.clock.now()) {
+            Some(key) => Ok(key),
+            None => Err(shared.unusable()),
+        }
+    }
+
+    /// Stops the refresher: a reload replaced this key source. Requests still holding it
+    /// keep the key they took; no new exchange is made with a pair the user replaced.
+    pub fn retire(&self) {
+        self.task.abort();
     }
 
     /// Whether a key could be attached right now (for `/readyz`); never waits.

@@ -73,6 +73,23 @@ impl ApiCredential {
         }
     }
 
+    /// Unix seconds of the temporary key's expiry; `None` for a static key.
+    pub fn expiry_unix(&self) -> Option<i64> {
+        match self {
+            ApiCredential::Static(_) => None,
+            ApiCredential::Exchanged(source) => source.expiry_unix(),
+        }
+    }
+
+    /// A reload replaced this credential: an AK/SK pair's refresher stops now, not when
+    /// the last request holding the credential ends (until then it would go on minting
+    /// keys with the replaced pair and reporting them in the metrics).
+    pub fn retire(&self) {
+        if let ApiCredential::Exchanged(source) = self {
+            source.retire();
+        }
+    }
+
     /// Whether a key could be attached right now without waiting (`/readyz`).
     pub fn ready(&self) -> bool {
         match self {

@@ -267,11 +267,12 @@ impl Proxy {
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map(Secret::new);
-        let token = match (self.tokens.get(sandbox_id), client_token) {
+        let stored = self.tokens.get(sandbox_id);
+        let token = match (&stored, client_token) {
             // The control plane gave no token for this sandbox (an unsecured one, or an
             // answer without it): the client's own, when it sent one, is the better guess.
             (Some(t), Some(c)) if t.expose().is_empty() => c,
-            (Some(t), _) => t,
+            (Some(t), _) => t.clone(),
             (None, Some(t)) => t,
             (None, None) => self.lookup_token(sandbox_id).await?,
         };
@@ -302,7 +303,9 @@ impl Proxy {
             // The token may have been rotated: fetch it again, once. Only the refused token
             // is dropped, so concurrent 401s share one look-up instead of each discarding
             // the token the previous one just fetched.
-            self.tokens.remove_stale(sandbox_id, &token);
+            // That is the token sent, or the empty one the client's stood in for.
+            self.tokens
+                .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
             if let Ok(fresh) = self.lookup_token(sandbox_id).await {
                 if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
                     headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
@@ -382,8 +385,15 @@ impl Proxy {
                 host,
             });
         }
-        // A body that breaks has counted itself.
-        let reason = match body::read_bounded(resp.into_body(), SNIFF_LIMIT).await {
+        // A body that breaks has counted itself; one that stalls is a timeout, as a head
+        // would be (every request for this sandbox waits on this look-up).
+        let read = body::read_bounded(resp.into_body(), SNIFF_LIMIT);
+        let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
+            let (error, kind) = self.body_timeout();
+            self.metrics.upstream_error("api", kind.label());
+            return Err(error);
+        };
+        let reason = match read {
             Ok(Bounded::Complete(b)) => {
                 return Ok(Some(
                     sniff::learn(&b).map_or_else(|| Secret::new(""), |(_, t)| t),
@@ -396,6 +406,15 @@ impl Proxy {
             reason: reason.into(),
             host,
         })
+    }
+
+    /// A control-plane answer whose body the proxy reads itself stalled after its head.
+    fn body_timeout(&self) -> (Error, FailKind) {
+        let error = Error::UpstreamTimeout {
+            seconds: self.upstream_timeout.as_secs().max(1),
+            host: self.api_base.host().to_string(),
+        };
+        (error, FailKind::Timeout)
     }
 
     /// Phase 5, respond: hop-by-hop out, tunnels for upgrades, token learning.
@@ -418,7 +437,14 @@ impl Proxy {
         match sniff {
             Sniff::Learn if ok => {
                 let (parts, incoming) = resp.into_parts();
-                let body = match Box::pin(body::read_bounded(incoming, SNIFF_LIMIT)).await {
+                // Bounded in time too: the head came, and `--upstream-timeout` covers a body
+                // that then stalls as it would the head (the client sees nothing until then).
+                let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT));
+                let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
+                    let (error, kind) = self.body_timeout();
+                    return Err((error, Some(kind)).into());
+                };
+                let body = match read {
                     Ok(Bounded::Complete(b)) => {
                         if let Some((id, token)) = sniff::learn(&b) {
                             if route::valid_sandbox_id(&id) {
