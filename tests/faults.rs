@@ -1576,7 +1576,8 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
 
 /// An answer given before the request's body was read (here the Host check's 400) says
 /// `Connection: close`: the unread body must not be taken for a next request, and the
-/// client should not pool a connection that is about to end.
+/// client should not pool a connection that is about to end. The proxy reads the rest of
+/// the body before it closes (see the next test), then closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_early_answer_to_a_request_with_a_body_closes_the_connection() {
     let pki = Pki::new();
@@ -1590,7 +1591,46 @@ async fn an_early_answer_to_a_request_with_a_body_closes_the_connection() {
     let resp = resp.expect("an answer");
     assert_proxy_error(&resp, 400, "E5003");
     assert_eq!(resp.header("connection"), Some("close"), "{resp:?}");
+    s.write_all(b"0123456789").await.expect("the body");
     expect_closed(&mut s, &leftover).await;
+    assert!(upstream.seen().is_empty());
+    proxy.finish().await;
+}
+
+/// A client still sending a large body when the proxy answers early is not reset: the
+/// proxy reads the rest and drops it (nginx's lingering close), so the upload completes
+/// and the answer is there to read. Closing at once, with the body still arriving, made
+/// the kernel reset the connection under the client's writes (RFC 9112 §9.6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_uploading_after_an_early_answer_is_not_reset() {
+    const BODY: usize = 64 * 1024 * 1024;
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let s = connect_raw(addr).await;
+    let (mut rd, mut wr) = s.into_split();
+    let uploading = tokio::spawn(async move {
+        let head = format!(
+            "POST /sandboxes HTTP/1.1\r\nHost: evil.example\r\nContent-Length: {BODY}\r\n\r\n"
+        );
+        wr.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'x'; 1024 * 1024];
+        for _ in 0..BODY / chunk.len() {
+            wr.write_all(&chunk).await?;
+        }
+        Ok::<_, std::io::Error>(wr)
+    });
+    let wr = within("the upload", uploading)
+        .await
+        .expect("join")
+        .expect("the whole body was taken, without a reset");
+    let resp = read_response(&mut rd, &mut Vec::new()).await;
+    assert_proxy_error(&resp, 400, "E5003");
+    let mut rest = Vec::new();
+    let closed = within("the close", rd.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
+    drop(wr);
     assert!(upstream.seen().is_empty());
     proxy.finish().await;
 }

@@ -704,6 +704,8 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         "GET /sandboxes HTTP/1.1\r\nHost: localhost.evil.example\r\nConnection: close\r\n\r\n".to_string(),
         "GET /sandboxes HTTP/1.1\r\nHost: 10.0.0.1\r\nConnection: close\r\n\r\n".to_string(),
         "GET /sandboxes HTTP/1.1\r\nConnection: close\r\n\r\n".to_string(),
+        // two Hosts: a peer routing on the other one would see a different request
+        format!("GET /sandboxes HTTP/1.1\r\nHost: {local}\r\nHost: evil.example\r\nConnection: close\r\n\r\n"),
     ];
     for req in &refused {
         let resp = raw_exchange(addr, req.as_bytes()).await;

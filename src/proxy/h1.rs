@@ -234,11 +234,54 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             }
         };
         let written = match write {
-            Write::Done(keep) => keep,
+            Write::Done(written) => written,
             Write::Later(writing) => writing.await,
         };
-        if !written || close || shared.body_left.load(Ordering::Relaxed) != 0 || *stop.borrow() {
+        let unread = shared.body_left.load(Ordering::Relaxed);
+        if written && unread != 0 {
+            // Boxed: rare, and inline its timers would grow every connection's task.
+            Box::pin(linger(&shared.sock, unread, &mut buf, stop)).await;
             return Outcome::Closed;
+        }
+        if !written || close || *stop.borrow() {
+            return Outcome::Closed;
+        }
+    }
+}
+
+/// How long an answered connection is read and discarded before it closes, in all and
+/// without a byte (nginx's `lingering_time` and `lingering_timeout`).
+const LINGER_TOTAL: Duration = Duration::from_secs(30);
+const LINGER_IDLE: Duration = Duration::from_secs(5);
+
+/// nginx's lingering close, after an answer that left `unread` body bytes unread (a
+/// refusal, a 503, the upstream's early 413 or 401): closing at once, with the client's
+/// bytes still arriving, makes the kernel reset the connection, and a client still sending
+/// its body gets that reset, or loses the answer with it (RFC 9112 §9.6). Reading the rest
+/// of the body and dropping it lets the client finish and read the answer.
+async fn linger(
+    sock: &Sock,
+    mut unread: u64,
+    buf: &mut BytesMut,
+    stop: &mut watch::Receiver<bool>,
+) {
+    let until = tokio::time::Instant::now() + LINGER_TOTAL;
+    loop {
+        let idle = tokio::time::Instant::now() + LINGER_IDLE;
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            () = tokio::time::sleep_until(idle.min(until)) => return,
+            r = sock.readable() => if r.is_err() { return },
+        }
+        buf.clear();
+        buf.reserve(BODY_READ);
+        match sock.try_read_buf(buf) {
+            Ok(0) => return,
+            Ok(n) if n as u64 >= unread => return,
+            Ok(n) => unread -= n as u64,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
         }
     }
 }
@@ -561,8 +604,9 @@ enum Framing {
     Chunked,
 }
 
-/// How a response gets written: already (whether the connection can carry another
-/// request), or by a future. The future is boxed here, not by the caller: a `match` on
+/// How a response gets written: already, or by a future; either way, whether it went out
+/// whole and framed so that the connection could carry another request (a failed write,
+/// a cut body or a close-delimited answer end it; `close` is the caller's to add). The future is boxed here, not by the caller: a `match` on
 /// this value keeps it in the caller's state across the `.await`, and an inline writer
 /// there would grow every idle connection's task by its size.
 enum Write<'a> {
@@ -573,7 +617,7 @@ enum Write<'a> {
 /// Small answers whose body is all here are written before [`write_response`] returns.
 const WRITE_NOW: u64 = 16 * 1024;
 
-/// Writes the response; whether the connection can carry another request afterwards.
+/// Writes the response (see [`Write`] for what it returns).
 ///
 /// Not an `async fn`: the head is built before any future exists. Most answers are small
 /// and whole by the time their head is: those are written right here, and no future is
@@ -614,8 +658,12 @@ fn write_response<'a>(
     if !parts.headers.contains_key(DATE) {
         with_date(|d| field(&mut out, b"date", d));
     }
+    // Without a length from the upstream, an empty answer to HEAD, a 204 or a 304 says
+    // none (as hyper's server does): `content-length: 0` would misstate a HEAD's resource
+    // and a 304's, and a 204 must not carry one (RFC 9110 §8.6).
+    let implied = |n: u64| bodyless && (n == 0 || status == StatusCode::NO_CONTENT);
     match framing {
-        Framing::Length(n) if declared.is_none() => {
+        Framing::Length(n) if declared.is_none() && !implied(n) => {
             field(&mut out, b"content-length", itoa(n).as_bytes());
         }
         Framing::Chunked if !bodyless => field(&mut out, b"transfer-encoding", b"chunked"),
@@ -629,9 +677,7 @@ fn write_response<'a>(
     if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
         let offered = parts.extensions.get::<pool::Splice>();
         if let Some(source) = offered.and_then(|o| o.take(n)) {
-            return Write::Later(Box::pin(splice_body(
-                tcp, sock, activity, out, source, close,
-            )));
+            return Write::Later(Box::pin(splice_body(tcp, sock, activity, out, source)));
         }
     }
     drop(parts);
@@ -644,9 +690,9 @@ fn write_response<'a>(
         match take_now(&mut body, &mut out, &mut left, bodyless) {
             Taken::Whole => {
                 return match write_now(sock, activity, &mut out) {
-                    Ok(true) => Write::Done(!close),
+                    Ok(true) => Write::Done(true),
                     Ok(false) => Write::Later(Box::pin(async move {
-                        write_all(sock, activity, &out, &[]).await.is_ok() && !close
+                        write_all(sock, activity, &out, &[]).await.is_ok()
                     })),
                     Err(_) => Write::Done(false),
                 };
@@ -698,7 +744,7 @@ fn write_response<'a>(
                             field(&mut out, name.as_str().as_bytes(), value.as_bytes());
                         }
                         out.extend_from_slice(b"\r\n");
-                        return write_all(sock, activity, &out, &[]).await.is_ok() && !close;
+                        return write_all(sock, activity, &out, &[]).await.is_ok();
                     }
                     continue;
                 }
@@ -737,7 +783,7 @@ fn write_response<'a>(
             let _ = write_all(sock, activity, &out, &[]).await;
             return false;
         }
-        write_all(sock, activity, &out, &[]).await.is_ok() && !close
+        write_all(sock, activity, &out, &[]).await.is_ok()
     }))
 }
 
@@ -802,13 +848,12 @@ async fn splice_body(
     activity: &Activity,
     head: Vec<u8>,
     mut source: pool::SpliceSource,
-    close: bool,
 ) -> bool {
     let first = source.buffered();
     if write_all(sock, activity, &head, &first).await.is_err() {
         return false;
     }
-    source.splice_to(tcp, || activity.touch()).await.is_ok() && !close
+    source.splice_to(tcp, || activity.touch()).await.is_ok()
 }
 
 /// An answer whose `Content-Length` is unusable: sent without it, ended by the close.
@@ -1091,10 +1136,11 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
         let sock = Sock::Unix(ours);
         let activity = Activity::new();
-        let keep = match write_response(&sock, &activity, resp, is_head, close) {
-            Write::Done(keep) => keep,
+        let written = match write_response(&sock, &activity, resp, is_head, close) {
+            Write::Done(written) => written,
             Write::Later(writing) => writing.await,
         };
+        let keep = written && !close;
         drop(sock);
         let mut got = String::new();
         theirs.read_to_string(&mut got).await.expect("read");
@@ -1127,6 +1173,27 @@ mod tests {
             with_date_removed(&wire),
             "HTTP/1.1 200 OK\r\ncontent-length: 42\r\nconnection: close\r\n\r\n"
         );
+    }
+
+    #[tokio::test]
+    async fn bodiless_answers_state_no_length_the_upstream_did_not_give() {
+        let answer = |status: u16, b: ProxyBody| {
+            let mut resp = Response::new(b);
+            *resp.status_mut() = StatusCode::from_u16(status).unwrap();
+            resp
+        };
+        for (status, is_head) in [(200, true), (204, false), (304, false), (304, true)] {
+            let (_, wire) = on_the_wire(answer(status, body::empty()), is_head, false).await;
+            assert!(!wire.contains("content-length"), "{status}: {wire}");
+            assert!(!wire.contains("transfer-encoding"), "{status}: {wire}");
+        }
+        // A HEAD answer the proxy wrote itself states the length its GET would have.
+        let (_, wire) = on_the_wire(answer(503, body::full("{}")), true, false).await;
+        assert!(wire.contains("content-length: 2\r\n"), "{wire}");
+        assert!(wire.ends_with("\r\n\r\n"), "no body: {wire}");
+        // An empty GET answer is `content-length: 0`, as before.
+        let (_, wire) = on_the_wire(answer(200, body::empty()), false, false).await;
+        assert!(wire.contains("content-length: 0\r\n"), "{wire}");
     }
 
     #[tokio::test]

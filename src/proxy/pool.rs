@@ -1096,7 +1096,10 @@ enum BodyKind {
 struct Framing {
     length: Option<u64>,
     bad_length: bool,
+    /// More than one `Content-Length` line, or a list: the client gets one plain value.
+    odd_length: bool,
     te: bool,
+    /// `Transfer-Encoding` is `chunked` and nothing else.
     chunked: bool,
     close: bool,
     keep_alive: bool,
@@ -1105,17 +1108,22 @@ struct Framing {
 impl Framing {
     fn note(&mut self, name: &str, value: &[u8]) {
         if name.eq_ignore_ascii_case("content-length") {
+            self.odd_length |= self.length.is_some() || value.contains(&b',');
             match parse_length(value) {
                 Some(n) if !matches!(self.length, Some(m) if m != n) => self.length = Some(n),
                 _ => self.bad_length = true,
             }
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            self.te = true;
-            // Only the final coding of the last field decides.
-            self.chunked = value
-                .rsplit(|b| *b == b',')
+            // Any other coding (`gzip, chunked`) would reach the client decoded of its
+            // chunks but still compressed, with the field that says so removed as
+            // hop-by-hop: nginx answers 502 to those too.
+            let mut codings = value.split(|b| *b == b',').map(<[u8]>::trim_ascii);
+            let only_chunked = codings
                 .next()
-                .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked"))
+                && codings.next().is_none();
+            self.chunked = only_chunked && !self.te;
+            self.te = true;
         } else if name.eq_ignore_ascii_case("connection") {
             self.close |= has_token(value, b"close");
             self.keep_alive |= has_token(value, b"keep-alive");
@@ -1181,17 +1189,18 @@ fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, Upstr
                 "both Content-Length and Transfer-Encoding",
             ));
         }
+        if framing.te && !framing.chunked {
+            return Err(UpstreamError::Protocol(
+                "a transfer coding other than chunked",
+            ));
+        }
         let body = if head_request
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
         {
             BodyKind::None
         } else if framing.te {
-            if framing.chunked {
-                BodyKind::Chunked
-            } else {
-                BodyKind::Eof
-            }
+            BodyKind::Chunked
         } else {
             framing.length.map_or(BodyKind::Eof, BodyKind::Length)
         };
@@ -1211,6 +1220,11 @@ fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, Upstr
             let value = HeaderValue::from_maybe_shared(value)
                 .map_err(|_| UpstreamError::Protocol("invalid header value"))?;
             headers.append(name, value);
+        }
+        if let (true, Some(n)) = (framing.odd_length, framing.length) {
+            // The client-facing writers take one plain number; `5, 5` made the fast path
+            // fall back to a close-delimited answer, where a cut looks like the end.
+            headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
         }
         return Ok(Some(Head {
             status,
@@ -2116,6 +2130,10 @@ mod tests {
                 "/cl-te" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
                 "/two-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok!".to_vec(),
                 "/bad-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok".to_vec(),
+                "/gzip" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n".to_vec(),
+                "/gzip-eof" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nxx".to_vec(),
+                "/twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+                "/same-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
                 "/garbage" => b"\x00\x01 not http\r\n\r\n".to_vec(),
                 "/many" => {
                     let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
@@ -2130,7 +2148,16 @@ mod tests {
         }))
         .await;
         let client = client();
-        for path in ["/cl-te", "/two-cl", "/bad-cl", "/garbage", "/many"] {
+        for path in [
+            "/cl-te",
+            "/two-cl",
+            "/bad-cl",
+            "/garbage",
+            "/many",
+            "/gzip",
+            "/gzip-eof",
+            "/twice",
+        ] {
             let e = within(client.request("api", get(&fake.url(path)), LONG))
                 .await
                 .unwrap_err();
@@ -2139,9 +2166,16 @@ mod tests {
         }
         assert_eq!(
             fake.accepts(),
-            5,
+            8,
             "no connection with a bad answer is reused"
         );
+        // Equal lengths, listed and repeated, are one length, and the client gets it plain.
+        let resp = within(client.request("api", get(&fake.url("/same-cl")), LONG))
+            .await
+            .unwrap();
+        let lengths: Vec<_> = resp.headers().get_all(CONTENT_LENGTH).iter().collect();
+        assert_eq!(lengths, ["2"]);
+        assert_eq!(text(resp).await, "ok");
         // 128 header lines are fine.
         assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
     }

@@ -67,21 +67,11 @@ impl HostPolicy {
 /// the upstream's CORS answer could even let the page read the result. Browsers say where a
 /// request comes from; a page's origin must be one the listener would accept as Host.
 /// Clients outside browsers (the SDKs, curl) send neither field.
-fn check_origin(parts: &Parts, policy: &HostPolicy) -> Result<(), Error> {
+fn check_origin(fields: &Fields<'_>, policy: &HostPolicy) -> Result<(), Error> {
     if matches!(policy, HostPolicy::Any) {
         return Ok(());
     }
-    // One pass over the few fields a request has: two look-ups, mostly for absent names,
-    // hashed both names on every request.
-    let (mut origin, mut site) = (None, None);
-    for (name, value) in &parts.headers {
-        if name == http::header::ORIGIN {
-            origin = origin.or(Some(value));
-        } else if name == SEC_FETCH_SITE {
-            site = site.or(Some(value));
-        }
-    }
-    if let Some(origin) = origin {
+    if let Some(origin) = fields.origin {
         let host = origin.to_str().ok().and_then(origin_host);
         return match host {
             Some(h) if policy.accepts(h) => Ok(()),
@@ -93,11 +83,40 @@ fn check_origin(parts: &Parts, policy: &HostPolicy) -> Result<(), Error> {
     }
     // No `Origin`: a navigation, or a `no-cors` GET (`<img>`, `<script>`). Browsers mark
     // those from another site; a local page's own requests carry `Origin`.
-    match site {
+    match fields.site {
         Some(site) if site.as_bytes().eq_ignore_ascii_case(b"cross-site") => Err(refused(
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
         )),
         _ => Ok(()),
+    }
+}
+
+/// The fields the route phase decides on besides the routing headers, found in one pass
+/// over the few a request has: separate look-ups, mostly for absent names, hashed each
+/// name on every request.
+struct Fields<'a> {
+    hosts: usize,
+    origin: Option<&'a HeaderValue>,
+    site: Option<&'a HeaderValue>,
+}
+
+impl<'a> Fields<'a> {
+    fn of(headers: &'a http::HeaderMap) -> Self {
+        let mut fields = Fields {
+            hosts: 0,
+            origin: None,
+            site: None,
+        };
+        for (name, value) in headers {
+            if name == http::header::HOST {
+                fields.hosts += 1;
+            } else if name == http::header::ORIGIN {
+                fields.origin = fields.origin.or(Some(value));
+            } else if name == SEC_FETCH_SITE {
+                fields.site = fields.site.or(Some(value));
+            }
+        }
+        fields
     }
 }
 
@@ -169,6 +188,11 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             "CONNECT is not supported: this is not a forward proxy",
         ));
     }
+    let fields = Fields::of(&parts.headers);
+    if fields.hosts > 1 {
+        // RFC 9112 §3.2: which one a peer on the path reads is anyone's guess.
+        return Err(refused("more than one Host header"));
+    }
     // HTTP/2 carries the target in :authority; HTTP/1.1 absolute-form too. Either way the
     // named host is the one checked, so `GET http://example.com/` cannot pass as local.
     let host = match parts.uri.authority() {
@@ -198,7 +222,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     } else if host.is_empty() && !matches!(policy, HostPolicy::Any) {
         return Err(refused("missing Host header"));
     }
-    check_origin(parts, policy)?;
+    check_origin(&fields, policy)?;
 
     // The constants, not strings: a `&str` key is parsed into a name on every call.
     if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
@@ -318,6 +342,11 @@ mod tests {
         }
         let e = route(&parts("http://example.com/x", &[("host", "127.0.0.1")]), &p).unwrap_err();
         assert_eq!(e.code(), "E5003");
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            let two = [("host", "localhost"), ("host", "evil.example")];
+            let e = route(&parts("/", &two), &p).unwrap_err();
+            assert!(e.to_string().contains("more than one Host"), "{e}");
+        }
         let listed = HostPolicy::Listed(vec!["proxy.internal".into()]);
         assert!(route(&parts("/", &[("host", "proxy.internal:49982")]), &listed).is_ok());
         assert!(route(&parts("/", &[("host", "other")]), &listed).is_err());
