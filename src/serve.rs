@@ -58,7 +58,7 @@ async fn serve(
 
     // Handlers before the listening line: from then on SIGTERM must drain and SIGHUP
     // reload, not take their default action (terminate) as they would a moment later.
-    let terminated = signals::terminate();
+    let mut terminate = signals::Terminate::install();
     let hangups = signals::hangups();
     let listener = Listener::bind(&settings.listen).await?;
     refuse_self_loop(&settings, &listener)?;
@@ -98,7 +98,7 @@ async fn serve(
         tokio::spawn(reload);
     }
 
-    terminated.await;
+    terminate.next().await;
     tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
     proxy.start_draining();
     let _ = stop_tx.send(true);
@@ -109,7 +109,13 @@ async fn serve(
     })?;
     // From here a connect is refused: operators (and tests) can tell the drain has begun.
     tracing::info!(open = stop_tx.receiver_count(), "listener closed");
-    let clean = listener::drain(&stop_tx, options.shutdown_grace).await;
+    let clean = tokio::select! {
+        clean = listener::drain(&stop_tx, options.shutdown_grace) => clean,
+        () = terminate.next() => {
+            tracing::warn!("second signal: closing what is left now");
+            false
+        }
+    };
     tracing::info!(clean, "stopped");
     Ok(())
 }

@@ -1111,6 +1111,57 @@ async fn drains_in_flight_requests_on(signal: &str) {
     assert_no_key(&proxy.stderr(), "the proxy's stderr");
 }
 
+/// A second SIGTERM or SIGINT during the drain (Ctrl-C pressed again) ends it at once:
+/// what is left is closed and the exit is 0, instead of waiting out `--shutdown-grace`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_ends_the_drain_at_once() {
+    let pki = Pki::new();
+    let (_release, held) = oneshot::channel::<()>();
+    let held = Arc::new(tokio::sync::Mutex::new(Some(held)));
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let held = held.clone();
+        async move {
+            if let Some(rx) = held.lock().await.take() {
+                let _ = rx.await;
+            }
+            response(200, "too late")
+        }
+    })
+    .await;
+    // A grace far longer than the test may take: the exit must come from the signal.
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("300s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let in_flight = tokio::spawn(send_raw_get(addr));
+    upstream.next_request().await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    proxy.signal("INT");
+    proxy.wait_for_line("second signal").await;
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+    let got = within("the cut request", in_flight).await.expect("join");
+    assert!(got.is_empty(), "the held request was answered: {got:?}");
+}
+
+/// `GET /sandboxes` on its own connection: what came back before the connection closed.
+async fn send_raw_get(addr: std::net::SocketAddr) -> Vec<u8> {
+    let mut buf = Vec::new();
+    if let Ok(mut s) = TcpStream::connect(addr).await {
+        let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        if s.write_all(req.as_bytes()).await.is_ok() {
+            let _ = s.read_to_end(&mut buf).await;
+        }
+    }
+    buf
+}
+
 /// An upgraded connection is served by a tunnel after hyper's connection has ended: it must
 /// still count as open, and the drain must wait for it (SPEC §7) instead of the exit
 /// cutting it at once.
