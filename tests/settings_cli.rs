@@ -655,6 +655,35 @@ fn dotenv_expansion_from_an_earlier_line_with_the_secret() {
     );
 }
 
+/// `./.env` is whatever directory the proxy starts in: one that names an upstream while the
+/// key comes from elsewhere (a checkout's file, the user's key in ~/.abx/.env) is said, with
+/// where the key would go. A project whose `./.env` holds both is the user's own: no word.
+#[test]
+fn a_cwd_env_that_moves_the_upstream_of_a_key_kept_elsewhere_is_warned_about() {
+    let c = Case::new();
+    c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}\n"));
+    c.cwd_dotenv("ABX_SANDBOX_BASE_URL=https://elsewhere.example\n");
+    for args in [&["config", "list"][..], &["check", "--offline"][..]] {
+        let out = c.run(args);
+        let warning = out
+            .stderr
+            .lines()
+            .find(|l| l.contains("ABX_SANDBOX_BASE_URL"))
+            .unwrap_or_else(|| panic!("{args:?}: no warning:\n{}", out.stderr));
+        assert!(warning.starts_with("warning: "), "{warning}");
+        assert!(warning.contains("https://elsewhere.example"), "{warning}");
+        assert!(warning.contains("~/.abx/.env"), "{warning}");
+    }
+    c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_CWD}\n"));
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        !out.stderr.contains("ABX_SANDBOX_BASE_URL"),
+        "{}",
+        out.stderr
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Secrets: config.toml, the command line, files, masking
 

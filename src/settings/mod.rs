@@ -471,10 +471,28 @@ impl Resolved {
     pub fn all_warnings(&self) -> Vec<String> {
         let mut w = self.warnings.clone();
         match self.plugin() {
-            Ok(Some(p)) => w.extend(p.warnings),
+            Ok(Some(p)) => {
+                let key_from = p.fields.iter().find(|f| f.field == "api_key");
+                let hosts = p
+                    .fields
+                    .iter()
+                    .filter(|f| f.field == "base_url" || f.field == "envd_domain");
+                for field in hosts {
+                    if let (Some(Value::Plain(v)), Some(k)) = (&field.value, key_from) {
+                        w.extend(redirected(&field.env, v, field.source, k.source));
+                    }
+                }
+                w.extend(p.warnings);
+            }
             Ok(None) => {
-                if let Ok((_, _, Some(extra))) = self.credential() {
-                    w.push(extra);
+                if let Ok((_, key_from, extra)) = self.credential() {
+                    w.extend(extra);
+                    for key in UPSTREAM_KEYS {
+                        let e = self.entry(key);
+                        if let Some(Value::Plain(v)) = &e.value {
+                            w.extend(redirected(e.spec.env, v, e.source, key_from));
+                        }
+                    }
                 }
             }
             // The error itself is reported by whoever validates.
@@ -482,6 +500,26 @@ impl Resolved {
         }
         w
     }
+}
+
+/// The settings that say where the credential goes.
+const UPSTREAM_KEYS: [Key; 4] = [
+    Key::SandboxBaseUrl,
+    Key::SandboxDomain,
+    Key::SandboxUrl,
+    Key::TokenExchangeUrl,
+];
+
+/// `./.env` is read from wherever the proxy starts: a file in a checkout that names an
+/// upstream would send a key kept elsewhere (the environment, ~/.abx/.env) to its host.
+/// Said rather than refused: in the user's own projects the layer is theirs.
+fn redirected(env: &str, value: &str, source: Source, key_from: Source) -> Option<String> {
+    (source == Source::DotEnvCwd && key_from != Source::DotEnvCwd).then(|| {
+        format!(
+            "./.env in this directory sets {env}={value}: the credential from {} goes there",
+            key_from.label()
+        )
+    })
 }
 
 /// The longest `token_ttl` accepted: a year.
