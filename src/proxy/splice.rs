@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 
 use http_body::{Body, Frame, SizeHint};
+use rustix::io::Errno;
 use rustix::pipe::{fcntl_setpipe_size, pipe_with, splice, PipeFlags, SpliceFlags};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -86,18 +87,29 @@ impl Pipe {
             }
             let can_take = *len > 0 && self.held < self.capacity;
             let mut moved = false;
+            // A pipe has a slot per segment spliced in, so after small segments it is full
+            // with far fewer bytes than its size, and the splice fails with EAGAIN though the
+            // socket has bytes. `try_io` must not take that for the socket's "not ready" and
+            // clear its readiness: when the upstream has sent all it will, no edge would come
+            // to set it again. Only an empty pipe's EAGAIN speaks for the socket.
+            let mut maybe_full = false;
             if can_take {
                 let want = usize::try_from(*len)
                     .unwrap_or(usize::MAX)
                     .min(self.capacity - self.held);
+                let held = self.held;
                 match from.try_io(Interest::READABLE, || {
-                    Ok(splice(from, None, &self.inn, None, want, flags)?)
+                    match splice(from, None, &self.inn, None, want, flags) {
+                        Err(Errno::AGAIN) if held > 0 => Ok(None),
+                        r => Ok(Some(r?)),
+                    }
                 }) {
-                    Ok(0) => {
+                    Ok(None) => maybe_full = true,
+                    Ok(Some(0)) => {
                         let eof = io::ErrorKind::UnexpectedEof.into();
                         return Poll::Ready(Err(Broken::Source(eof)));
                     }
-                    Ok(n) => {
+                    Ok(Some(n)) => {
                         self.held += n;
                         *len -= n as u64;
                         moved = true;
@@ -126,9 +138,11 @@ impl Pipe {
                 continue;
             }
             // Neither side could move: `try_io` cleared the readiness it found wanting,
-            // so these register for the next edge of whichever side can move next.
+            // so these register for the next edge of whichever side can move next. After
+            // `maybe_full` the socket's readiness is still set and waiting on it would spin;
+            // the pipe holds bytes then, and `to` taking them wakes the copy.
             let mut ready = false;
-            if can_take {
+            if can_take && !maybe_full {
                 if let Poll::Ready(r) = from.poll_read_ready(cx) {
                     r.map_err(Broken::Source)?;
                     ready = true;
@@ -237,8 +251,12 @@ impl<B: Body + Unpin> Body for OfferedBody<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustix::io::ioctl_fionread;
+    use std::os::fd::AsFd;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpListener;
+    use tokio::net::{TcpListener, TcpSocket};
+    use tokio::time::timeout;
 
     /// Two connected sockets: (ours, the peer's).
     async fn pair() -> (TcpStream, TcpStream) {
@@ -281,6 +299,86 @@ mod tests {
             rest.to_vec(),
             (len..len + 5).map(pattern).collect::<Vec<_>>()
         );
+    }
+
+    /// Two connected sockets for a slow client: ours sends through a small buffer and the
+    /// peer's receives into one, so a few KiB fill them and the pipe has to hold the rest.
+    async fn narrow_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpSocket::new_v4().unwrap();
+        listener.set_recv_buffer_size(4096).unwrap();
+        listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = listener.listen(1).unwrap();
+        let ours = TcpSocket::new_v4().unwrap();
+        ours.set_send_buffer_size(4096).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (connected, accepted) = tokio::join!(ours.connect(addr), listener.accept());
+        (connected.unwrap(), accepted.unwrap().0)
+    }
+
+    /// A body that arrives in segments smaller than a page fills the pipe's slots (one per
+    /// segment) while its bytes are far below the pipe's size. The upstream has sent it all
+    /// before the client reads; nothing more arrives to wake the copy, which must still take
+    /// the rest from the socket once the client drained the pipe.
+    #[tokio::test]
+    async fn a_pipe_full_of_small_segments_still_takes_the_rest() {
+        let (from, mut writer) = pair().await;
+        let (to, mut reader) = narrow_pair().await;
+        writer.set_nodelay(true).unwrap();
+        // Our own registration of the source socket: waiting on `from`'s readiness would
+        // share (and could consume) the copy's.
+        let arrivals = from.as_fd().try_clone_to_owned().unwrap();
+        let arrivals = TcpStream::from_std(std::net::TcpStream::from(arrivals)).unwrap();
+        let mut pipe = Pipe::new().unwrap();
+        // Four slots instead of 256: the same limit, reached in four segments rather than
+        // 256, so what waits in the socket meanwhile fits its receive buffer.
+        pipe.capacity = fcntl_setpipe_size(&pipe.inn, 4 * 4096).unwrap();
+        let len = 32 << 10;
+        let pattern = |i: usize| (i % 251) as u8;
+        let data: Vec<u8> = (0..len).map(pattern).collect();
+        let mut left = len as u64;
+        let upstream = async {
+            let mut written = 0;
+            // One segment per write, and the copy looks at each before the next is written:
+            // on loopback, segments that arrive while others wait in the receive queue merge
+            // with them, and a merged run takes one slot. The copy looks once the runtime has
+            // seen the arrival (here: `arrivals` woke), as in the proxy, where that wakes it.
+            for piece in data.chunks(1024) {
+                writer.write_all(piece).await.unwrap();
+                written += piece.len();
+                loop {
+                    arrivals.readable().await.unwrap();
+                    arrivals
+                        .try_io(Interest::READABLE, || {
+                            Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                        })
+                        .unwrap_err();
+                    let queued = ioctl_fionread(&from).unwrap() as usize;
+                    if len - left as usize + queued >= written {
+                        break;
+                    }
+                }
+                let step =
+                    poll_fn(|cx| Poll::Ready(pipe.poll_copy(cx, &from, &to, &mut left, || {})));
+                assert!(step.await.is_pending(), "the client has not read yet");
+            }
+        };
+        let limit = Duration::from_secs(5);
+        timeout(limit, upstream)
+            .await
+            .expect("the upstream's bytes arrive");
+        // Only now the client reads, and the upstream sends nothing more.
+        let queued = ioctl_fionread(&from).unwrap();
+        let read = async {
+            let mut got = vec![0u8; len];
+            reader.read_exact(&mut got).await.unwrap();
+            got
+        };
+        let copy = poll_fn(|cx| pipe.poll_copy(cx, &from, &to, &mut left, || {}));
+        let Ok((copied, got)) = timeout(limit, async { tokio::join!(copy, read) }).await else {
+            panic!("the copy stalled: {queued} bytes were in the source socket, {left} left");
+        };
+        copied.unwrap();
+        assert!(got == data);
     }
 
     /// The source ends before `len`: an error, not a short success.
