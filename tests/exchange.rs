@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use abx_proxy::credentials::exchange::{
-    Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, HttpExchanger, RefreshOptions,
+    Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, HttpExchanger, RefreshOptions, REFUSAL_GAP,
 };
 use abx_proxy::settings::{ExchangeScheme, UpstreamUrl};
 use abx_proxy::upstream::{self, HttpClient, Versions};
@@ -277,6 +277,51 @@ async fn refresh_happens_before_expiry_without_errors() {
     ));
     assert_eq!(h.fake.calls(), 3);
     assert_eq!(h.source.failures(), 0);
+}
+
+/// The control plane refusing the key in use (revoked, or judged by a local clock behind
+/// the endpoint's, so expired by the server's before ours) brings its refresh forward: the
+/// next callers get a new key. A late refusal of a replaced key asks nothing, and a refused
+/// new key waits for the gap, so 401s that are not about the key cost one exchange.
+#[tokio::test]
+async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let first = h.key().await;
+    assert!(h.source.refused(&Secret::new(first.as_str())));
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let second = h.key().await;
+    assert_ne!(second, first);
+    assert_eq!(h.fake.calls(), 2);
+
+    assert!(
+        !h.source.refused(&Secret::new(first.as_str())),
+        "a replaced key"
+    );
+    assert!(
+        !h.source.refused(&Secret::new(second.as_str())),
+        "within the gap"
+    );
+    h.clock.advance(REFUSAL_GAP);
+    assert!(
+        h.source.refused(&Secret::new(second.as_str())),
+        "after the gap"
+    );
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert_ne!(h.key().await, second);
+    assert_eq!(h.fake.calls(), 3);
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use abx_proxy::credentials::exchange::SystemClock;
@@ -511,6 +511,46 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     for key in [KEY1, KEY2, KEY3] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
+}
+
+/// A temporary key the control plane refuses (401) is replaced before its planned
+/// refresh: the 401 reaches the client, the next request carries a new key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_temporary_key_the_control_plane_refuses_is_replaced() {
+    let pki = Pki::new();
+    let refused = Arc::new(Mutex::new(None::<String>));
+    let first_seen = refused.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let bearer = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let mut first = first_seen.lock().unwrap();
+        let status = match first.get_or_insert_with(|| bearer.clone()) {
+            f if *f == bearer => 401,
+            _ => 200,
+        };
+        async move { response(status, "") }
+    })
+    .await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let addr = proxy.addr();
+    assert_eq!(get(addr, "/sandboxes").await.0, 401);
+    let issued = fake.until_issued(2).await;
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let seen = upstream.seen();
+    let bearers: Vec<_> = seen.iter().map(|s| s.header("authorization")).collect();
+    let want = issued
+        .iter()
+        .map(|k| format!("Bearer {k}"))
+        .collect::<Vec<_>>();
+    assert_eq!(bearers, [Some(want[0].as_str()), Some(want[1].as_str())]);
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains("refused the temporary key"), "{stderr}");
+    assert_no_aksk_secret(&stderr, &issued, "the log");
 }
 
 /// SPEC §5 and §7: a reload swaps the credential only when it changed, and a new AK/SK

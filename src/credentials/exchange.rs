@@ -14,7 +14,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwapOption;
@@ -49,6 +49,8 @@ const MAX_RESPONSE_BYTES: usize = 64 * 1024;
 /// The refresher re-reads the wall clock at least this often, so a suspended laptop
 /// refreshes soon after waking instead of when the monotonic timer finally fires.
 const RECHECK_EVERY: Duration = Duration::from_secs(30);
+/// The least time between two refreshes brought forward by the control plane's 401s.
+pub const REFUSAL_GAP: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------------------
 // Time
@@ -585,6 +587,8 @@ struct Shared {
     failures: AtomicU64,
     /// Unix seconds of the current key's expiry, 0 when there is none.
     expiry_unix: AtomicI64,
+    /// When a refusal last brought a refresh forward (see [`ExchangedKey::refused`]).
+    refused_at: std::sync::Mutex<Option<SystemTime>>,
 }
 
 impl Shared {
@@ -640,6 +644,7 @@ impl ExchangedKey {
             successes: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             expiry_unix: AtomicI64::new(0),
+            refused_at: std::sync::Mutex::new(None),
         });
         let task = tokio::spawn(refresher(
             Arc::clone(&shared),
@@ -684,6 +689,47 @@ impl ExchangedKey {
             Some(key) => Ok(key),
             None => Err(shared.unusable()),
         }
+    }
+
+    /// The control plane answered 401 to `key`. A temporary key can stop working before
+    /// the expiry it came with: revoked, or judged by a local clock behind the endpoint's
+    /// (the expiry is compared with ours). While `key` is still the one handed out, its
+    /// refresh is brought forward to now; at most once per [`REFUSAL_GAP`], so that 401s
+    /// that are not about the key cost one exchange, not one per request. Whether a
+    /// refresh was asked for.
+    pub fn refused(&self, key: &Secret) -> bool {
+        let shared = &*self.shared;
+        let now = shared.clock.now();
+        let current = shared.token.load_full();
+        let Some(t) = current
+            .as_ref()
+            .filter(|t| t.key == *key && now < t.refresh_at)
+        else {
+            // Another key by now, or the refresh is already due.
+            return false;
+        };
+        {
+            let mut last = shared
+                .refused_at
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let recent = last.and_then(|at| now.duration_since(at).ok());
+            if recent.is_some_and(|since| since < REFUSAL_GAP) {
+                return false;
+            }
+            *last = Some(now);
+        }
+        let due = Token {
+            key: t.key.clone(),
+            expires_at: t.expires_at,
+            usable_until: t.usable_until,
+            refresh_at: now,
+        };
+        // Only over the key that was refused: a refresh that landed meanwhile stays.
+        shared.token.compare_and_swap(&current, Some(Arc::new(due)));
+        shared.kick.notify_one();
+        tracing::warn!("the control plane refused the temporary key; exchanging for a new one");
+        true
     }
 
     /// Stops the refresher: a reload replaced this key source. Requests still holding it

@@ -81,6 +81,14 @@ impl ApiCredential {
         }
     }
 
+    /// The control plane answered 401 to `key`: a temporary key is replaced early (see
+    /// [`exchange::ExchangedKey::refused`]); a static key is what the user gave.
+    pub fn refused(&self, key: &Secret) {
+        if let ApiCredential::Exchanged(source) = self {
+            source.refused(key);
+        }
+    }
+
     /// A reload replaced this credential: an AK/SK pair's refresher stops now, not when
     /// the last request holding the credential ends (until then it would go on minting
     /// keys with the replaced pair and reporting them in the metrics).

@@ -244,6 +244,9 @@ impl Proxy {
                 &host,
             )
             .await?;
+            if resp.status() == StatusCode::UNAUTHORIZED {
+                credential.refused(&key);
+            }
 
             // respond
             let resp = self.respond(resp, sniff, upgrade).await?;
@@ -356,7 +359,8 @@ impl Proxy {
     }
 
     async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
-        let key = self.credential.load_full().current().await?;
+        let credential = self.credential.load_full();
+        let key = credential.current().await?;
         let value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
         let uri = self
             .api_base
@@ -378,6 +382,9 @@ impl Proxy {
         let status = resp.status();
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            credential.refused(&key);
         }
         if !status.is_success() {
             return Err(Error::UpstreamUnreachable {
