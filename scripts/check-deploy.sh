@@ -70,6 +70,25 @@ assert side["livenessProbe"]["httpGet"]["path"] == "/healthz"
 assert side["readinessProbe"]["httpGet"]["path"] == "/readyz"
 assert "resources" in side and "limits" in side["resources"]
 assert not any(e.get("name") == "ABX_SANDBOX_API_KEY" for e in side.get("env", [])), "no key in env"
+# The key file is root's: the sidecar's user reads it through the mode, or fsGroup.
+uid = side.get("securityContext", {}).get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
+fs_group = pod.get("securityContext", {}).get("fsGroup")
+mounts = {m["name"] for m in side.get("volumeMounts", [])}
+for vol in pod["volumes"]:
+    if "secret" in vol and vol["name"] in mounts:
+        mode = vol["secret"].get("defaultMode", 0o644)
+        readable = uid == 0 or mode & 0o004 or (fs_group is not None and mode & 0o040)
+        assert readable, f"secret {vol['name']} mode {mode:o}: unreadable by uid {uid}"
+PY
+check "grafana: seconds to expiry, not the expiry date" python3 - <<'PY'
+import json
+dash = json.load(open("deploy/grafana/abx-proxy-dashboard.json"))
+for panel in dash["panels"]:
+    for t in panel.get("targets", []):
+        e = t["expr"]
+        # `a > 0 and a - time()` is `a` (and binds loosest): the date, not the time left.
+        if "time()" in e and " and " in e:
+            assert e.index("time()") < e.index(" and "), e
 PY
 check "hadolint deploy/Dockerfile" "$venv/bin/hadolint" --ignore DL3018 deploy/Dockerfile
 check "Dockerfile builds with the README's command" bash -c \
