@@ -70,7 +70,11 @@ async fn serve(
         upstream = %settings.sandbox_base_url,
         "abx-proxy listening"
     );
-    tokio::spawn(crate::admin::serve(admin, proxy.clone()));
+    tokio::spawn(crate::admin::serve(
+        admin,
+        proxy.clone(),
+        options.header_timeout,
+    ));
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let config = ServeConfig {

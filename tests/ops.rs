@@ -513,6 +513,43 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     }
 }
 
+/// The admin listener, bound beyond loopback in the shipped deployments, holds no
+/// connection that sends nothing (or half a head) past `--header-timeout`, and still
+/// answers scrapes meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_cuts_connections_that_send_no_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--header-timeout", "1s"])
+        .spawn()
+        .await;
+    let admin = proxy.admin_addr();
+    let mut silent = tokio::net::TcpStream::connect(admin)
+        .await
+        .expect("connect");
+    let mut half = tokio::net::TcpStream::connect(admin)
+        .await
+        .expect("connect");
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("half a head");
+    assert_eq!(get(admin, "/healthz").await.0, 200);
+    for (what, s) in [("silent", &mut silent), ("half a head", &mut half)] {
+        let mut rest = Vec::new();
+        let read = within("the admin to close", s.read_to_end(&mut rest)).await;
+        assert!(read.is_ok(), "{what}: {read:?}");
+        // hyper may answer a timed-out head with 408 before it closes; never with data.
+        let text = String::from_utf8_lossy(&rest);
+        assert!(
+            rest.is_empty() || text.starts_with("HTTP/1.1 408"),
+            "{what}: {text}"
+        );
+    }
+    proxy.finish().await;
+}
+
 /// A temporary key the control plane refuses (401) is replaced before its planned
 /// refresh: the 401 reaches the client, the next request carries a new key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
