@@ -11,7 +11,7 @@ use crate::cli::NetArgs;
 use crate::error::Error;
 use crate::proxy::headers::AuthScheme;
 use crate::secret::Secret;
-use crate::settings::{parse_duration, Credential, Settings};
+use crate::settings::{Credential, Settings};
 use crate::upstream::{self, Versions};
 
 pub fn online(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
@@ -26,12 +26,9 @@ pub fn online(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
 }
 
 async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
-    let connect_timeout = duration("connect_timeout", &net.connect_timeout)?;
+    let connect_timeout = net.connect_timeout;
     // A probe, not a sandbox call: without the flag, half a minute is plenty.
-    let upstream_timeout = duration(
-        "upstream_timeout",
-        net.upstream_timeout.as_deref().unwrap_or("30s"),
-    )?;
+    let upstream_timeout = net.upstream_timeout.unwrap_or(Duration::from_secs(30));
     let tls = upstream::tls_config(net.upstream_ca.as_deref())?;
     let client = upstream::client(tls.clone(), Versions::Negotiate, connect_timeout);
     let key: Secret = match &settings.credential {
@@ -98,11 +95,4 @@ async fn probe(
     println!("control plane: {host} answered {status}");
     println!("ok");
     Ok(0)
-}
-
-fn duration(name: &str, raw: &str) -> Result<Duration, Error> {
-    parse_duration(raw).map_err(|reason| Error::InvalidSetting {
-        key: name.to_string(),
-        reason,
-    })
 }

@@ -2,12 +2,13 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::error::Error;
 use crate::secret::Secret;
-use crate::settings::{FlagValue, Key};
+use crate::settings::{parse_duration, FlagValue, Key};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -154,12 +155,12 @@ pub struct NetArgs {
     #[arg(long, value_name = "FILE")]
     pub upstream_ca: Option<PathBuf>,
     /// Upstream TCP+TLS connect timeout.
-    #[arg(long, value_name = "DURATION", default_value = "10s")]
-    pub connect_timeout: String,
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout)]
+    pub connect_timeout: Duration,
     /// Time an upstream may take to send response headers [default: 300s for serve, 30s
     /// for check's probe].
-    #[arg(long, value_name = "DURATION")]
-    pub upstream_timeout: Option<String>,
+    #[arg(long, value_name = "DURATION", value_parser = timeout)]
+    pub upstream_timeout: Option<Duration>,
 }
 
 #[derive(Debug, Args, Clone, Default)]
@@ -181,18 +182,20 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
     /// Close a connection that moved no bytes for this long.
-    #[arg(long, value_name = "DURATION", default_value = "300s")]
-    pub idle_timeout: String,
-    /// How long in-flight requests and WebSocket tunnels may run after SIGTERM/SIGINT.
-    #[arg(long, value_name = "DURATION", default_value = "30s")]
-    pub shutdown_grace: String,
+    #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = timeout)]
+    pub idle_timeout: Duration,
+    /// How long in-flight requests and WebSocket tunnels may run after SIGTERM/SIGINT
+    /// (0: close them at once).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
     /// Time a client may take to send a request head; slower connections are closed
     /// (slowloris).
-    #[arg(long, value_name = "DURATION", default_value = "30s")]
-    pub header_timeout: String,
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = timeout)]
+    pub header_timeout: Duration,
     /// Most client connections served at once; beyond it new connections wait in the
     /// kernel's accept queue.
-    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    #[arg(long, value_name = "N", default_value_t = 10_000,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_connections: usize,
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -210,6 +213,16 @@ pub struct CheckArgs {
     /// Resolve and validate only; no network.
     #[arg(long)]
     pub offline: bool,
+}
+
+/// A timeout flag: a duration (SPEC §7: a bare number is seconds) above 0. A zero timeout
+/// would not mean "none": every connection, connect or answer would fail at once while
+/// the proxy looked ready. A bad value is a bad command line (exit 2), like any flag's.
+fn timeout(raw: &str) -> Result<Duration, String> {
+    match parse_duration(raw)? {
+        d if d.is_zero() => Err("must be more than 0".into()),
+        d => Ok(d),
+    }
 }
 
 /// A refused command-line secret: the message names the flag and the alternatives.

@@ -1,6 +1,7 @@
 //! `abx-proxy serve`, as a narrative: settings → credential → listeners → signal → drain.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -11,7 +12,7 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
-use crate::settings::{parse_duration, Resolved, Settings};
+use crate::settings::{Resolved, Settings};
 use crate::signals;
 use crate::workers::{self, Workers};
 
@@ -19,7 +20,7 @@ use crate::workers::{self, Workers};
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let resolved = commands::resolve(&args.settings)?;
     let settings = resolved.validate()?;
-    let options = options(args)?;
+    let options = options(args);
     let tls = match (&options.tls_cert, &options.tls_key) {
         (Some(cert), Some(key)) => Some(listener::tls_acceptor(cert, key)?),
         _ => None,
@@ -156,35 +157,22 @@ fn refuse_self_loop(settings: &Settings, listener: &Listener) -> Result<(), Erro
     Ok(())
 }
 
-fn options(args: &ServeArgs) -> Result<Options, Error> {
-    let d = |name: &str, raw: &str| {
-        parse_duration(raw).map_err(|reason| Error::InvalidSetting {
-            key: name.to_string(),
-            reason,
-        })
-    };
-    Ok(Options {
+fn options(args: &ServeArgs) -> Options {
+    // The durations were checked as the command line was parsed.
+    Options {
         allow_remote: args.allow_remote,
         allowed_hosts: args.allowed_host.clone(),
         tls_cert: args.tls_cert.clone(),
         tls_key: args.tls_key.clone(),
         upstream_ca: args.net.upstream_ca.clone(),
-        connect_timeout: d("--connect-timeout", &args.net.connect_timeout)?,
-        upstream_timeout: d(
-            "--upstream-timeout",
-            args.net.upstream_timeout.as_deref().unwrap_or("300s"),
-        )?,
-        idle_timeout: d("--idle-timeout", &args.idle_timeout)?,
-        shutdown_grace: d("--shutdown-grace", &args.shutdown_grace)?,
-        header_timeout: match d("--header-timeout", &args.header_timeout)? {
-            t if t.is_zero() => {
-                return Err(Error::InvalidSetting {
-                    key: "--header-timeout".into(),
-                    reason: "must be more than 0".into(),
-                })
-            }
-            t => t,
-        },
+        connect_timeout: args.net.connect_timeout,
+        upstream_timeout: args
+            .net
+            .upstream_timeout
+            .unwrap_or(Duration::from_secs(300)),
+        idle_timeout: args.idle_timeout,
+        shutdown_grace: args.shutdown_grace,
+        header_timeout: args.header_timeout,
         max_connections: args.max_connections,
-    })
+    }
 }

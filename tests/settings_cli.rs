@@ -1551,4 +1551,42 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             out.stderr
         );
     }
+    // Timeouts and limits are command-line flags too: malformed is exit 2, and so is 0,
+    // which would not mean "none" but fail every connection, connect or answer at once
+    // while the proxy looked ready.
+    for (flag, value) in [
+        ("--idle-timeout", "0"),
+        ("--idle-timeout", "soon"),
+        ("--header-timeout", "0s"),
+        ("--connect-timeout", "0"),
+        ("--upstream-timeout", "0ms"),
+        ("--shutdown-grace", "later"),
+        ("--max-connections", "0"),
+    ] {
+        for sub in ["serve", "check"] {
+            let check_only = ["--connect-timeout", "--upstream-timeout"];
+            if sub == "check" && !check_only.contains(&flag) {
+                continue;
+            }
+            let args = [sub, flag, value, "--listen", "127.0.0.1:0"];
+            let args = if sub == "check" {
+                &args[..3]
+            } else {
+                &args[..]
+            };
+            let out = c.run(args);
+            assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+            assert!(out.stderr.contains(flag), "{args:?}: {}", out.stderr);
+        }
+    }
+    // `--shutdown-grace 0` is a choice: close what is left at once.
+    let out = c.run(&[
+        "serve",
+        "--shutdown-grace",
+        "0",
+        "--listen",
+        "not-an-address",
+    ]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(!out.stderr.contains("--shutdown-grace"), "{}", out.stderr);
 }
