@@ -1618,6 +1618,58 @@ async fn a_live_unix_socket_or_another_file_is_not_replaced() {
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
 }
 
+/// A live listener whose accept queue is full answers a connect with EAGAIN, not
+/// "refused": it is busy, not stale, and keeps its socket (at `--max-connections` the
+/// proxy itself leaves connections waiting in that queue).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_unix_socket_is_not_taken_for_a_stale_one() {
+    use std::os::unix::fs::MetadataExt;
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let busy = dir.path().join("busy.sock");
+    let socket = tokio::net::UnixSocket::new_stream().unwrap();
+    socket.bind(&busy).unwrap();
+    // A short queue: std's listeners ask for the system's largest.
+    let owner = socket.listen(1).unwrap();
+    let ino = std::fs::metadata(&busy).unwrap().ino();
+    let mut queued = Vec::new();
+    loop {
+        match tokio::net::UnixStream::connect(&busy).await {
+            Ok(s) => queued.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("connect: {e}"),
+        }
+        assert!(queued.len() < 100, "the accept queue never filled");
+    }
+    let (status, stderr) = unix_proxy(&pki, &busy).run_to_exit().await;
+    assert_eq!(status.code(), Some(78), "stderr:\n{stderr}");
+    assert!(stderr.contains("[E1008]"), "stderr:\n{stderr}");
+    let named = std::fs::metadata(&busy).map(|m| m.ino());
+    assert_eq!(
+        named.ok(),
+        Some(ino),
+        "the path no longer names the owner's socket"
+    );
+    drop((queued, owner));
+}
+
+/// The path is removed at exit only while it still names the proxy's socket: one another
+/// process put there meanwhile keeps its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_path_taken_over_is_left_to_its_new_owner() {
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("abx.sock");
+    let mut proxy = unix_proxy(&pki, &sock).spawn().await;
+    std::fs::remove_file(&sock).unwrap();
+    let newcomer = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    proxy.signal("TERM");
+    let status = proxy.wait_exit().await;
+    assert!(status.success(), "exit {status}");
+    std::os::unix::net::UnixStream::connect(&sock).expect("the newcomer's socket is still named");
+    drop(newcomer);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_loopback_listen_needs_allow_remote() {
     let pki = Pki::new();

@@ -43,7 +43,40 @@ pub const MAX_HEADERS: usize = 100;
 
 pub enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, SocketFile),
+}
+
+/// The path a unix listener made, and which file it was: the path is removed when the
+/// listener goes only while it still names that file (another process may have replaced
+/// it meanwhile, and its socket must not lose its name).
+pub struct SocketFile {
+    path: PathBuf,
+    id: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    fn new(path: &Path) -> Self {
+        SocketFile {
+            path: path.to_path_buf(),
+            id: file_id(path),
+        }
+    }
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if self.id.is_some() && file_id(&self.path) == self.id {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Device and inode of what `path` names now.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 impl Listener {
@@ -60,7 +93,7 @@ impl Listener {
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
                     .map_err(fail)?;
-                Ok(Listener::Unix(l, path.clone()))
+                Ok(Listener::Unix(l, SocketFile::new(path)))
             }
         }
     }
@@ -69,15 +102,7 @@ impl Listener {
     pub fn local_addr(&self) -> String {
         match self {
             Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-            Listener::Unix(_, p) => format!("unix:{}", p.display()),
-        }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
+            Listener::Unix(_, f) => format!("unix:{}", f.path.display()),
         }
     }
 }
@@ -101,7 +126,15 @@ async fn remove_stale_socket(path: &Path) -> io::Result<()> {
     }
     match tokio::net::UnixStream::connect(path).await {
         Ok(_) => Err(io::Error::new(io::ErrorKind::AddrInUse, "socket in use")),
-        Err(_) => std::fs::remove_file(path),
+        // Nobody listens: left over from a crash.
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        // EAGAIN is a live listener with a full accept queue (this proxy leaves excess
+        // connections there at --max-connections); EACCES, one we may not use.
+        Err(e) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("socket may be in use ({e})"),
+        )),
     }
 }
 
