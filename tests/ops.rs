@@ -410,6 +410,17 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
         vec![format!("Bearer {}", issued[0])]
     );
 
+    // The endpoint reached but failing (5xx): unavailable, exit 69 as when unreachable;
+    // the configuration (78) may well be right.
+    fake.set_mode(Mode::Fail500);
+    let out = check(fake.url.clone()).await;
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(
+        stderr.contains("[E5001]") && stderr.contains("500"),
+        "{stderr}"
+    );
+
     // The endpoint unreachable: exit 69.
     drop(fake);
     let out = check(format!("http://{}", refused_addr().await)).await;

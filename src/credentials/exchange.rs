@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwapOption;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use serde_json::Value;
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
@@ -360,8 +360,10 @@ impl HttpExchanger {
         }
     }
 
-    /// One exchange, bounded by [`CALL_TIMEOUT`]. An endpoint that cannot be reached is
-    /// E5001/E5002 (so `check` exits 69); everything else is E1004 or E1002.
+    /// One exchange, bounded by [`CALL_TIMEOUT`]. An endpoint that cannot be reached, or
+    /// answers 5xx or breaks off its answer, is E5001/E5002 (so `check` exits 69: the
+    /// endpoint is unavailable, the configuration may be fine); everything else is E1004
+    /// or E1002.
     pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
         let host = self.config.url.host().to_string();
         let request = self.request(now)?;
@@ -375,14 +377,24 @@ impl HttpExchanger {
                         host: host.clone(),
                     })?;
             let status = response.status().as_u16();
+            let unavailable = |reason: String| Error::UpstreamUnreachable {
+                reason,
+                host: host.clone(),
+            };
             let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
                 .collect()
                 .await
-                .map_err(|e| Error::TokenExchange {
-                    reason: format!("HTTP {status}: reading the answer failed: {e}"),
+                .map_err(|e| match e.downcast::<LengthLimitError>() {
+                    Ok(_) => Error::TokenExchange {
+                        reason: format!("HTTP {status}: the answer is over 64 KiB"),
+                    },
+                    Err(e) => unavailable(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
-            parse_response(status, &body, now, self.config.token_ttl)
+            parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
+                Error::TokenExchange { reason } if status >= 500 => unavailable(reason),
+                e => e,
+            })
         };
         match tokio::time::timeout(CALL_TIMEOUT, call).await {
             Ok(result) => result,
