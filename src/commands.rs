@@ -181,6 +181,10 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
         println!("token exchange: {} ({scheme})", settings.token_exchange_url);
     }
     if args.offline {
+        // Read offline too: `serve` with the same file would stop at it.
+        if let Some(ca) = &args.net.upstream_ca {
+            crate::upstream::tls_config(Some(ca))?;
+        }
         println!("ok (offline: nothing was contacted)");
         return Ok(0);
     }

@@ -1579,6 +1579,18 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             assert!(out.stderr.contains(flag), "{args:?}: {}", out.stderr);
         }
     }
+    // `check --offline` reads what `serve` would: an unreadable `--upstream-ca` stops both.
+    let missing = c.file("ca.pem", "");
+    std::fs::remove_file(&missing).expect("remove ca.pem");
+    let out = c.run(&[
+        "check",
+        "--offline",
+        "--upstream-ca",
+        missing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(out.stderr.contains("ca.pem"), "{}", out.stderr);
+
     // `--shutdown-grace 0` is a choice: close what is left at once.
     let out = c.run(&[
         "serve",
