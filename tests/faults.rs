@@ -83,27 +83,6 @@ fn family_sum(text: &str, family: &str) -> f64 {
         .sum()
 }
 
-/// Scrapes `/metrics` until `series` is at least `min` (bounded by [`GUARD`]). Each round
-/// is a full request to the proxy: the wait is on the proxy's state.
-async fn wait_metric_at_least(admin: SocketAddr, series: &str, min: f64) -> f64 {
-    let mut last = None;
-    let reached = tokio::time::timeout(GUARD, async {
-        loop {
-            last = metric(&scrape(admin).await, series);
-            if last.is_some_and(|v| v >= min) {
-                return;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    assert!(
-        reached.is_ok(),
-        "{series} did not reach {min} within {GUARD:?}; last {last:?}"
-    );
-    last.unwrap_or_default()
-}
-
 const EXCHANGE_FAILURES: &str = "abx_proxy_token_exchanges_total{result=\"failure\"}";
 const EXCHANGE_SUCCESSES: &str = "abx_proxy_token_exchanges_total{result=\"success\"}";
 

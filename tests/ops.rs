@@ -587,7 +587,10 @@ async fn a_temporary_key_the_control_plane_refuses_is_replaced() {
     let proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
     let addr = proxy.addr();
     assert_eq!(get(addr, "/sandboxes").await.0, 401);
-    let issued = fake.until_issued(2).await;
+    // Counted once the new key is in place (the fake has issued it a moment before).
+    let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
+    wait_metric_at_least(proxy.admin_addr(), successes, 2.0).await;
+    let issued = fake.issued_keys();
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let seen = upstream.seen();
     let bearers: Vec<_> = seen.iter().map(|s| s.header("authorization")).collect();

@@ -1305,6 +1305,27 @@ pub async fn scrape(admin: SocketAddr) -> String {
     String::from_utf8(collect(resp.into_body()).await.to_vec()).expect("metrics are text")
 }
 
+/// Scrapes `/metrics` until `series` is at least `min` (bounded by [`GUARD`]). Each round
+/// is a full request to the proxy: the wait is on the proxy's state.
+pub async fn wait_metric_at_least(admin: SocketAddr, series: &str, min: f64) -> f64 {
+    let mut last = None;
+    let reached = tokio::time::timeout(GUARD, async {
+        loop {
+            last = metric(&scrape(admin).await, series);
+            if last.is_some_and(|v| v >= min) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "{series} did not reach {min} within {GUARD:?}; last {last:?}"
+    );
+    last.unwrap_or_default()
+}
+
 /// The value of one series in Prometheus text: `abx_proxy_envd_tokens`, or with labels
 /// in any order, `abx_proxy_in_flight_requests{plane="envd"}`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
