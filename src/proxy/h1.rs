@@ -606,9 +606,11 @@ enum Framing {
 
 /// How a response gets written: already, or by a future; either way, whether it went out
 /// whole and framed so that the connection could carry another request (a failed write,
-/// a cut body or a close-delimited answer end it; `close` is the caller's to add). The future is boxed here, not by the caller: a `match` on
-/// this value keeps it in the caller's state across the `.await`, and an inline writer
-/// there would grow every idle connection's task by its size.
+/// a cut body or a close-delimited answer end it; `close` is the caller's to add).
+///
+/// The future is boxed here, not by the caller: a `match` on this value keeps it in the
+/// caller's state across the `.await`, and an inline writer there would grow every idle
+/// connection's task by its size.
 enum Write<'a> {
     Done(bool),
     Later(Pin<Box<dyn Future<Output = bool> + Send + 'a>>),

@@ -256,9 +256,9 @@ impl Upstream {
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
-                Err(_) => match moved.last().map(|t| t + timeout) {
-                    Some(later) if later > Instant::now() => deadline = later,
-                    _ => return Err(UpstreamError::Timeout),
+                Err(_) => match held_off(moved.last(), timeout) {
+                    Some(later) => deadline = later,
+                    None => return Err(UpstreamError::Timeout),
                 },
             }
         };
@@ -679,6 +679,14 @@ enum Out {
     Chunked,
 }
 
+/// When the upstream timeout has run out: the later deadline an upload still moving holds
+/// it off to (`timeout` after its last bytes went up), or `None`: time is up.
+fn held_off(body_moved: Option<Instant>, timeout: Duration) -> Option<Instant> {
+    body_moved
+        .map(|t| t + timeout)
+        .filter(|later| *later > Instant::now())
+}
+
 /// `--upstream-timeout` for one exchange: the response head is due by `deadline`, or
 /// within `timeout` of the request body's last bytes, whichever is later.
 #[derive(Clone, Copy)]
@@ -916,12 +924,12 @@ impl Exchange<'_> {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(UpstreamError::Io(e)))),
                 Poll::Pending => {
                     if self.conn.deadline.as_mut().poll(cx).is_ready() {
-                        match self.body_moved.map(|t| t + self.timeout) {
-                            Some(later) if later > Instant::now() => {
+                        match held_off(self.body_moved, self.timeout) {
+                            Some(later) => {
                                 self.conn.deadline.as_mut().reset(later.into());
                                 continue;
                             }
-                            _ => return Poll::Ready(Err(self.fail(UpstreamError::Timeout))),
+                            None => return Poll::Ready(Err(self.fail(UpstreamError::Timeout))),
                         }
                     }
                     return Poll::Pending;
