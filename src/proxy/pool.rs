@@ -242,13 +242,13 @@ impl Upstream {
         timeout: Duration,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let mut deadline = Instant::now() + timeout;
-        let moved = body::Moved::default();
-        // Trailers are dropped as on the pool's connections (nothing an SDK sends has
-        // them, and a client's could carry credential fields past the head's rewrite).
-        let req = if req.body().is_end_stream() {
-            req
-        } else {
-            req.map(|b| body::boxed(body::Uploading::new(b, moved.clone())))
+        // Only a request with a body is watched (no allocation for a GET). Its trailers
+        // are dropped as on the pool's connections (nothing an SDK sends has them, and a
+        // client's could carry credential fields past the head's rewrite).
+        let moved = (!req.body().is_end_stream()).then(body::Moved::default);
+        let req = match &moved {
+            Some(m) => req.map(|b| body::boxed(body::Uploading::new(b, m.clone()))),
+            None => req,
         };
         let mut response = pin!(self.legacy.request(req));
         let resp = loop {
@@ -256,7 +256,7 @@ impl Upstream {
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
-                Err(_) => match held_off(moved.last(), timeout) {
+                Err(_) => match held_off(moved.as_ref().and_then(body::Moved::last), timeout) {
                     Some(later) => deadline = later,
                     None => return Err(UpstreamError::Timeout),
                 },
