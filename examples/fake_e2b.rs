@@ -520,6 +520,7 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
 fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body> {
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let ev = state.args.envd_version.as_str();
+    let v2 = segs.first() == Some(&"v2");
     let segs: Vec<&str> = match segs.as_slice() {
         ["v2", "sandboxes", rest @ ..] => std::iter::once("sandboxes")
             .chain(rest.iter().copied())
@@ -577,17 +578,18 @@ fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body
             }
         }
         (&Method::POST, ["sandboxes", id, "connect"]) => {
-            match inner.sandboxes.get_mut(*id).filter(|s| s.alive) {
-                Some(sb) => {
-                    if let Some(t) = serde_json::from_slice::<Value>(body)
-                        .ok()
-                        .and_then(|v| v.get("timeout").and_then(Value::as_u64))
-                    {
-                        sb.timeout = sb.timeout.max(t);
-                    }
+            // The v1 schema (`ConnectSandbox`) requires the timeout; `/v2` defaults it to 300.
+            let t = serde_json::from_slice::<Value>(body)
+                .ok()
+                .and_then(|v| v.get("timeout").and_then(Value::as_u64))
+                .or(v2.then_some(300));
+            match (inner.sandboxes.get_mut(*id).filter(|s| s.alive), t) {
+                (Some(sb), Some(t)) => {
+                    sb.timeout = sb.timeout.max(t);
                     json_response(StatusCode::OK, &sandbox_json(id, sb, ev))
                 }
-                None => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+                (Some(_), None) => error(StatusCode::BAD_REQUEST, "body needs a numeric timeout"),
+                (None, _) => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
             }
         }
         _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),

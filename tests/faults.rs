@@ -1169,6 +1169,107 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// The E2B SDKs send a request answered 429/502/503/504 again unless the answer says
+/// `Should-Retry: false` (Python SDK 2.63: up to three times, a `POST` included). When the
+/// proxy answers after the upstream may have received a request that is not safe to
+/// repeat, it says so: a create sent again makes a second sandbox. Requests safe to repeat
+/// (an idempotent method, an `Idempotency-Key`) and failures before any connection was
+/// made leave the SDK's own rule alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
+    let pki = Pki::new();
+    let upstream = FaultUpstream::start().await;
+    let url = format!("http://{}", upstream.addr);
+    let cmd = traced(ProxyCmd::new(&url, &pki));
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &url]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+    let post = |addr: SocketAddr, path: &str, extra: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}\
+             Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+        )
+    };
+    let should_retry = |resp: &RawResponse| resp.header("should-retry").map(str::to_string);
+
+    // The upstream reads the request and resets: it may have carried it out.
+    upstream.set(Fault::ResetAfterRequest);
+    for path in ["/sandboxes", "/v2/sandboxes", "/v2/sandboxes/x/connect"] {
+        let resp = raw_exchange(addr, post(addr, path, "").as_bytes()).await;
+        sweep.raw(path, &resp);
+        assert_proxy_error(&resp, 502, "E5001");
+        assert_eq!(should_retry(&resp).as_deref(), Some("false"), "{path}");
+    }
+    let keyed = post(addr, "/sandboxes", "Idempotency-Key: create-1\r\n");
+    let resp = raw_exchange(addr, keyed.as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(should_retry(&resp), None, "a keyed create may go again");
+    let resp = get(addr, "/sandboxes/x").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(should_retry(&resp), None, "a GET may go again");
+
+    // The create's answer breaks off after its head: the sandbox exists.
+    upstream.set(Fault::TruncatedBody);
+    let resp = raw_exchange(addr, post(addr, "/sandboxes", "").as_bytes()).await;
+    sweep.raw("truncated create", &resp);
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(should_retry(&resp).as_deref(), Some("false"));
+    upstream.set(Fault::Ok);
+    sweep.finish(proxy, &settings).await;
+
+    // No connection was ever made: nothing can have been carried out.
+    let refused = format!("http://{}", refused_addr().await);
+    let proxy = traced(ProxyCmd::new(&refused, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let resp = raw_exchange(addr, post(addr, "/sandboxes", "").as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(should_retry(&resp), None);
+    proxy.finish().await;
+}
+
+/// A create or connect body is read whole before it goes upstream (the `/v2` rewrite adds a
+/// field). One that stops arriving is answered when `--upstream-timeout` ends, on both
+/// request paths (a length: the proxy's own HTTP/1.1 path; chunked: hyper's), instead of
+/// holding the request, and its connection's place, until the client goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_body_that_stalls_is_answered_at_the_upstream_timeout() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .args(&["--upstream-timeout", "1s", "--idle-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    for (framing, start) in [
+        ("length", "Content-Length: 100\r\n\r\n{\"te"),
+        (
+            "chunked",
+            "Transfer-Encoding: chunked\r\n\r\n4\r\n{\"te\r\n",
+        ),
+    ] {
+        for path in ["/v2/sandboxes", "/v2/sandboxes/x/connect"] {
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{start}"
+            );
+            let began = Instant::now();
+            let (_s, resp, _) = raw_open(addr, head.as_bytes()).await;
+            assert_proxy_error(&resp, 400, "E5003");
+            assert!(
+                resp.text().contains("request body not received within 1s"),
+                "{framing} {path}: {}",
+                resp.text()
+            );
+            assert!(
+                began.elapsed() >= Duration::from_secs(1),
+                "{framing} {path}"
+            );
+        }
+    }
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. Credential faults
 // ---------------------------------------------------------------------------------------

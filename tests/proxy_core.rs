@@ -563,7 +563,7 @@ async fn recording_upstream(pki: &Pki) -> (Upstream, mpsc::UnboundedReceiver<(St
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn v2_paths_are_rewritten_and_create_made_secure() {
+async fn v2_paths_are_rewritten_with_the_fields_v1_expects() {
     let pki = Pki::new();
     let (upstream, mut bodies) = recording_upstream(&pki).await;
     let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
@@ -592,8 +592,19 @@ async fn v2_paths_are_rewritten_and_create_made_secure() {
     assert_eq!(path, "/sandboxes/x/connect");
     assert_eq!(&body[..], br#"{"timeout":60}"#);
 
+    // SDKs 2.51+ connect with `{}`; `/v2` defaults the timeout to 300, the v1 path needs it.
+    let req = request("POST", addr, "/v2/sandboxes/x/connect")
+        .header("content-type", "application/json")
+        .body(full("{}"))
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+    let (path, body) = within("the connect", bodies.recv()).await.unwrap();
+    assert_eq!(path, "/sandboxes/x/connect");
+    assert_eq!(&body[..], br#"{"timeout":300}"#);
+
     let seen = upstream.seen();
-    assert_eq!(seen.len(), 2);
+    assert_eq!(seen.len(), 3);
+    assert_eq!(seen[2].header("content-length"), Some("15"));
     assert_eq!(
         seen[0].header("content-length"),
         Some(body_len(&sent).as_str()),

@@ -1,7 +1,9 @@
 //! The `/v2` compatibility rewrite (SPEC §4): E2B SDKs 2.51+ create and connect through
 //! `POST /v2/sandboxes` and `POST /v2/sandboxes/{id}/connect`; Alibaba Cloud Agent Sandbox
-//! serves `/sandboxes` and `/sandboxes/{id}/connect`. A rewritten create gets
-//! `"secure": true` when the body lacks it, as the older SDKs send.
+//! serves `/sandboxes` and `/sandboxes/{id}/connect`. A rewritten request gets what the
+//! older SDKs send on those paths when its body lacks it: `"secure": true` in a create, and
+//! `"timeout": 300` in a connect (`/v2` makes it optional with that default, the v1 schema
+//! requires it; SDKs 2.51+ send `{}`).
 
 use bytes::Bytes;
 use http::Method;
@@ -13,7 +15,8 @@ pub enum Rewrite {
     None,
     /// `POST /v2/sandboxes` → `/sandboxes`, body gains `"secure": true`.
     Create,
-    /// `POST /v2/sandboxes/{id}/connect` → `/sandboxes/{id}/connect`.
+    /// `POST /v2/sandboxes/{id}/connect` → `/sandboxes/{id}/connect`, body gains
+    /// `"timeout": 300`.
     Connect,
 }
 
@@ -39,12 +42,21 @@ pub fn rewritten_path(path: &str) -> &str {
     path.strip_prefix("/v2").unwrap_or(path)
 }
 
-/// The create body with `"secure": true` added when absent; anything that is not a JSON
-/// object is passed on unchanged for the upstream to judge.
-pub fn add_secure(body: Bytes) -> Bytes {
+/// The `/v2` connect's default sandbox timeout, in seconds (E2B's OpenAPI `ConnectSandboxV2`).
+const CONNECT_TIMEOUT: u64 = 300;
+
+/// The body of a rewritten request with the field the v1 path expects added when absent
+/// (see the module doc); anything that is not a JSON object is passed on unchanged for the
+/// upstream to judge.
+pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
+    let (field, value) = match rewrite {
+        Rewrite::None => return body,
+        Rewrite::Create => ("secure", serde_json::Value::Bool(true)),
+        Rewrite::Connect => ("timeout", serde_json::Value::from(CONNECT_TIMEOUT)),
+    };
     match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(serde_json::Value::Object(mut obj)) if !obj.contains_key("secure") => {
-            obj.insert("secure".into(), serde_json::Value::Bool(true));
+        Ok(serde_json::Value::Object(mut obj)) if !obj.contains_key(field) => {
+            obj.insert(field.into(), value);
             serde_json::to_vec(&obj).map(Bytes::from).unwrap_or(body)
         }
         _ => body,
@@ -76,12 +88,28 @@ mod tests {
 
     #[test]
     fn secure_added_once() {
-        let b = add_secure(Bytes::from_static(br#"{"templateID":"base"}"#));
+        let add_secure = |b: &'static [u8]| complete_body(&Rewrite::Create, Bytes::from_static(b));
+        let b = add_secure(br#"{"templateID":"base"}"#);
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["secure"], true);
         assert_eq!(v["templateID"], "base");
-        let b = add_secure(Bytes::from_static(br#"{"secure":false}"#));
+        let b = add_secure(br#"{"secure":false}"#);
         assert_eq!(&b[..], br#"{"secure":false}"#);
-        assert_eq!(&add_secure(Bytes::from_static(b"nope"))[..], b"nope");
+        assert_eq!(&add_secure(b"nope")[..], b"nope");
+    }
+
+    #[test]
+    fn connect_gets_the_v2_default_timeout_once() {
+        let connect = |b: &'static [u8]| complete_body(&Rewrite::Connect, Bytes::from_static(b));
+        assert_eq!(&connect(b"{}")[..], br#"{"timeout":300}"#);
+        let b = connect(br#"{"memory":false}"#);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v, serde_json::json!({"memory": false, "timeout": 300}));
+        assert_eq!(&connect(br#"{"timeout":60}"#)[..], br#"{"timeout":60}"#);
+        assert_eq!(&connect(b"")[..], b"");
+        assert_eq!(
+            &complete_body(&Rewrite::None, Bytes::from_static(b"{}"))[..],
+            b"{}"
+        );
     }
 }

@@ -35,38 +35,57 @@ impl FailKind {
     }
 }
 
+/// A forward that failed: the proxy's answer, its metric kind (none when the client's own
+/// body broke), and whether the upstream may have received the request.
+#[derive(Debug)]
+pub struct Failed {
+    pub error: Error,
+    pub kind: Option<FailKind>,
+    /// False only when no connection was set up: the request cannot have been carried out.
+    pub reached: bool,
+}
+
 pub async fn send(
     client: &Upstream,
     plane: &'static str,
     req: Request<ProxyBody>,
     timeout: Duration,
     host: &str,
-) -> Result<Response<ProxyBody>, (Error, Option<FailKind>)> {
-    match client.request(plane, req, timeout).await {
-        Ok(resp) => Ok(resp),
-        Err(UpstreamError::Timeout) => Err((
+) -> Result<Response<ProxyBody>, Failed> {
+    let e = match client.request(plane, req, timeout).await {
+        Ok(resp) => return Ok(resp),
+        Err(e) => e,
+    };
+    let reached = e.reached_upstream();
+    let (error, kind) = match e {
+        UpstreamError::Timeout => (
             Error::UpstreamTimeout {
                 seconds: timeout.as_secs().max(1),
                 host: host.to_string(),
             },
             Some(FailKind::Timeout),
-        )),
+        ),
         // The client's own body broke (a bad chunk, a closed upload): not the upstream's
         // fault, and not an upstream error in the metrics.
-        Err(e) if e.is_client_body() => Err((
+        e if e.is_client_body() => (
             Error::Refused {
                 reason: "the request body could not be read".into(),
             },
             None,
-        )),
-        Err(e) => Err((
+        ),
+        e => (
             Error::UpstreamUnreachable {
                 reason: e.describe(),
                 host: host.to_string(),
             },
             Some(e.kind()),
-        )),
-    }
+        ),
+    };
+    Err(Failed {
+        error,
+        kind,
+        reached,
+    })
 }
 
 fn chain<'a>(

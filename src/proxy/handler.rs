@@ -28,23 +28,40 @@ use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
 use crate::upstream::ProxyBody;
 
-/// A failed request: the error answered, and the upstream failure kind when there was one.
+/// A failed request: the error answered, the upstream failure kind when there was one, and
+/// whether the upstream may have received (and carried out) the request.
 struct Failure {
     error: Error,
     kind: Option<FailKind>,
+    reached: bool,
 }
 
 impl From<Error> for Failure {
     fn from(error: Error) -> Self {
-        Failure { error, kind: None }
+        Failure {
+            error,
+            kind: None,
+            reached: false,
+        }
     }
 }
 
-impl From<(Error, Option<FailKind>)> for Failure {
-    fn from((error, kind): (Error, Option<FailKind>)) -> Self {
-        Failure { error, kind }
+impl From<forward::Failed> for Failure {
+    fn from(f: forward::Failed) -> Self {
+        Failure {
+            error: f.error,
+            kind: f.kind,
+            reached: f.reached,
+        }
     }
 }
+
+/// The header with which the E2B SDKs let a server say whether a 429/502/503/504 may be sent
+/// again; without it they send the request again, a `POST` included (Python SDK 2.63: three
+/// times).
+const SHOULD_RETRY: http::HeaderName = http::HeaderName::from_static("should-retry");
+/// A client's promise that the upstream carries out a request with the same key once.
+const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
 fn internal(reason: impl std::fmt::Display) -> Error {
     Error::Refused {
@@ -68,6 +85,8 @@ impl Proxy {
             client: hyper::upgrade::on(&mut req),
         });
         let (parts, body) = req.into_parts();
+        // Only a non-idempotent method looks for the header: none of the hot path's GETs.
+        let repeatable = method.is_idempotent() || parts.headers.contains_key(IDEMPOTENCY_KEY);
         async move {
             let mut unanswered = Unanswered {
                 proxy: &self,
@@ -122,7 +141,14 @@ impl Proxy {
                         | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
                         _ => Arc::from(""),
                     };
-                    (body::error_response(&f.error), host)
+                    let mut resp = body::error_response(&f.error);
+                    // The upstream may have created the sandbox whose answer failed: sent
+                    // again, the request could create a second one.
+                    if f.reached && !repeatable {
+                        resp.headers_mut()
+                            .insert(SHOULD_RETRY, http::HeaderValue::from_static("false"));
+                    }
+                    (resp, host)
                 }
             };
             std::mem::forget(unanswered);
@@ -210,11 +236,23 @@ impl Proxy {
                 // The token is read from the body: ask for it uncompressed.
                 parts.headers.remove(ACCEPT_ENCODING);
             }
-            let body = if rewrite == Rewrite::Create {
+            let body = if rewrite != Rewrite::None {
                 parts.headers.remove(CONTENT_LENGTH);
                 // Boxed, like the sniff in `respond`: rare, and inline they size every request.
-                match Box::pin(body::read_bounded(body, SNIFF_LIMIT)).await {
-                    Ok(Bounded::Complete(b)) => body::full(compat::add_secure(b)),
+                // Bounded in time: while the handler has the request, no idle timeout runs
+                // on its connection, and the upstream's timeout has not begun.
+                let read = Box::pin(body::read_bounded(body, SNIFF_LIMIT));
+                let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
+                    return Err(Error::Refused {
+                        reason: format!(
+                            "request body not received within {}s",
+                            self.upstream_timeout.as_secs().max(1)
+                        ),
+                    }
+                    .into());
+                };
+                match read {
+                    Ok(Bounded::Complete(b)) => body::full(compat::complete_body(&rewrite, b)),
                     Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
                     Err(_) => {
                         return Err(Error::Refused {
@@ -373,11 +411,11 @@ impl Proxy {
         // The control plane failing a look-up is counted like any other upstream failure.
         let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
             .await
-            .map_err(|(e, kind)| {
-                if let Some(kind) = kind {
+            .map_err(|f| {
+                if let Some(kind) = f.kind {
                     self.metrics.upstream_error("api", kind.label());
                 }
-                e
+                f.error
             })?;
         let status = resp.status();
         if status == StatusCode::NOT_FOUND {
@@ -449,7 +487,11 @@ impl Proxy {
                 let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT));
                 let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
                     let (error, kind) = self.body_timeout();
-                    return Err((error, Some(kind)).into());
+                    return Err(Failure {
+                        error,
+                        kind: Some(kind),
+                        reached: true,
+                    });
                 };
                 let body = match read {
                     Ok(Bounded::Complete(b)) => {
@@ -464,11 +506,14 @@ impl Proxy {
                     Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
                     // Not counted here: the body counted itself as it broke.
                     Err(_) => {
-                        return Err(Error::UpstreamUnreachable {
-                            reason: "connection closed mid-response".into(),
-                            host: self.api_base.host().to_string(),
-                        }
-                        .into())
+                        return Err(Failure {
+                            error: Error::UpstreamUnreachable {
+                                reason: "connection closed mid-response".into(),
+                                host: self.api_base.host().to_string(),
+                            },
+                            kind: None,
+                            reached: true,
+                        })
                     }
                 };
                 Ok(Response::from_parts(parts, body))

@@ -99,6 +99,21 @@ impl UpstreamError {
         }
     }
 
+    /// Whether the upstream may have received the request: false only when the connection
+    /// failed to be set up (resolve, connect, TLS handshake). A timeout counts as received,
+    /// as the pool's deadline covers the connect and the exchange alike.
+    pub fn reached_upstream(&self) -> bool {
+        match self {
+            UpstreamError::Legacy(e) => !e.is_connect(),
+            UpstreamError::Connect(_) | UpstreamError::Tls(_) => false,
+            UpstreamError::ClientBody(_)
+            | UpstreamError::Io(_)
+            | UpstreamError::Closed
+            | UpstreamError::Protocol(_)
+            | UpstreamError::Timeout => true,
+        }
+    }
+
     /// The `abx_proxy_upstream_errors_total{kind}` label.
     pub fn kind(&self) -> FailKind {
         match self {
