@@ -34,13 +34,18 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
             addr: settings.listen.to_string(),
             reason: format!("cannot start the runtime: {e}"),
         })?;
-    runtime.block_on(serve(
+    let served = runtime.block_on(serve(
         settings,
         resolved,
         options,
         tls,
         args.settings.clone(),
-    ))
+    ));
+    // Dropping the runtime would wait for its blocking threads, and a name look-up of the
+    // token exchange (getaddrinfo cannot be cancelled) can hold one for as long as the
+    // resolver takes: well past the drain, with no signal handled any more.
+    runtime.shutdown_background();
+    served
 }
 
 async fn serve(
