@@ -28,9 +28,13 @@ pub const MAX_TOKENS: usize = 10_000;
 /// A token is forgotten this long after it was learned: longer than a sandbox runs
 /// without a pause.
 pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+/// The same token learned again within this long is left as it is: SDKs poll
+/// `GET /sandboxes/{id}` and connect again and again, and each write copies the store.
+const RELEARN_AFTER: Duration = Duration::from_secs(3600);
 
 pub struct TokenStore {
-    // Copy-on-write: reads are a pointer load; writes (one per sandbox created) copy.
+    // Copy-on-write: reads are a pointer load; writes (one per sandbox created, and one an
+    // hour per sandbox still in use) copy.
     tokens: ArcSwap<HashMap<Arc<str>, (Secret, Instant)>>,
     inflight: Mutex<HashMap<String, Lookup>>,
     max_tokens: usize,
@@ -65,6 +69,12 @@ impl TokenStore {
 
     /// Inserts as learned at `now`, dropping what is too old or one too many.
     fn insert_at(&self, sandbox_id: &str, token: Secret, now: Instant) {
+        let known = self.tokens.load().get(sandbox_id).is_some_and(|(t, at)| {
+            *t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
+        });
+        if known {
+            return;
+        }
         self.tokens.rcu(|map| {
             let mut next: HashMap<_, _> = map
                 .iter()
@@ -203,6 +213,29 @@ impl std::fmt::Debug for TokenStore {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// SDKs poll `GET /sandboxes/{id}` and connect again: the same token learned again is
+    /// not a copy of the store each time; after [`RELEARN_AFTER`] it is, so a sandbox in use
+    /// keeps its token past [`MAX_AGE`]; a new token is stored at once.
+    #[test]
+    fn the_same_token_learned_again_leaves_the_store_alone() {
+        let store = TokenStore::new();
+        let t0 = Instant::now();
+        store.insert_at("isb-1", Secret::new("tok"), t0);
+        let before = store.tokens.load_full();
+        store.insert_at("isb-1", Secret::new("tok"), t0 + Duration::from_secs(60));
+        assert!(Arc::ptr_eq(&before, &store.tokens.load_full()), "copied");
+
+        store.insert_at("isb-1", Secret::new("tok"), t0 + RELEARN_AFTER);
+        assert!(!Arc::ptr_eq(&before, &store.tokens.load_full()));
+        let learned = store.tokens.load().get("isb-1").map(|(_, at)| *at);
+        assert_eq!(learned, Some(t0 + RELEARN_AFTER));
+
+        let before = store.tokens.load_full();
+        store.insert_at("isb-1", Secret::new("new"), t0 + RELEARN_AFTER);
+        assert!(!Arc::ptr_eq(&before, &store.tokens.load_full()));
+        assert_eq!(store.get("isb-1").unwrap().expose(), "new");
+    }
 
     #[tokio::test]
     async fn concurrent_misses_fetch_once() {
