@@ -679,7 +679,12 @@ async fn host_names_route_to_envd() {
         sandbox_json("isb-2", "tok-2")
     );
 
-    for (port, path) in [(ENVD_PORT, "/health"), (8080u16, "/app?x=1")] {
+    let signed = "/files?path=%2Fhome%2Fuser%2Fa.txt&signature=v1_sig";
+    for (port, path) in [
+        (ENVD_PORT, "/health"),
+        (8080u16, "/app?x=1"),
+        (ENVD_PORT, signed),
+    ] {
         let raw = format!(
             "GET {path} HTTP/1.1\r\nHost: {port}-isb-2.localhost:{}\r\nX-API-Key: dummy-key\r\n\r\n",
             addr.port()
@@ -688,8 +693,21 @@ async fn host_names_route_to_envd() {
         assert_eq!(resp.status, 200, "{}", resp.text());
         assert_eq!(resp.text(), format!("envd isb-2: GET {path} (0 bytes)"));
     }
+    // The signed URL an SDK builds while E2B_SANDBOX_URL points at the proxy names no
+    // sandbox: refused, with the way to name it, instead of going to the control plane.
+    let raw = format!("GET {signed} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let resp = raw_exchange(addr, raw.as_bytes()).await;
+    assert_proxy_error(&resp, 400, "E5003");
+    assert!(
+        resp.text().contains("49983-<sandboxID>.localhost"),
+        "{}",
+        resp.text()
+    );
+    let files_on_api = env.api.seen().iter().any(|s| s.uri.path() == "/files");
+    assert!(!files_on_api, "/files reached the control plane");
+
     let seen = env.envd.seen();
-    assert_eq!(seen.len(), 2);
+    assert_eq!(seen.len(), 3);
     let envd_host = env.envd.addr.to_string();
     assert_envd_head(
         &seen[0],

@@ -34,6 +34,18 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, Bytes) {
     (status, body)
 }
 
+/// A signed file URL as envd gets it: `GET /files?…&signature=…` for sandbox `isb-1`, with
+/// the client's own token (no look-up). The signature is a secret in the query string.
+async fn get_signed(addr: SocketAddr, secret: &str) -> u16 {
+    let path = format!("/files?path=%2Ftmp%2Fx&signature={secret}");
+    let req = request("GET", addr, &path)
+        .header("e2b-sandbox-id", "isb-1")
+        .header("x-access-token", "t")
+        .body(empty())
+        .expect("request");
+    send(addr, req).await.status().as_u16()
+}
+
 /// `/metrics` must be served as the Prometheus text format, version 0.0.4.
 async fn assert_metrics_content_type(admin: SocketAddr) {
     let resp = send(
@@ -684,17 +696,12 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     // A secret in config.toml is ignored with a warning: that line is JSON too.
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
         .args(&["--log-format", "json"])
         .abx_file("config.toml", "sandbox_api_key = \"sk-in-toml-0000\"\n")
         .spawn()
         .await;
-    let addr = proxy.addr();
-    assert_eq!(
-        get(addr, "/files?path=%2Ftmp%2Fx&signature=SIGNEDURLSECRET")
-            .await
-            .0,
-        200
-    );
+    assert_eq!(get_signed(proxy.addr(), "SIGNEDURLSECRET").await, 200);
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("SIGNEDURLSECRET"), "query string logged");
     assert!(!stderr.contains("sk-in-toml-0000"), "a secret logged");
@@ -717,7 +724,7 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
             request_lines += 1;
             assert_eq!(v["method"], "GET");
             assert_eq!(v["path"], "/files");
-            assert_eq!(v["plane"], "api");
+            assert_eq!(v["plane"], "envd");
             assert_eq!(v["status"], 200);
             assert!(v["duration_ms"].as_f64().is_some(), "{line}");
             assert_eq!(v["upstream"], "127.0.0.1");
@@ -735,11 +742,11 @@ async fn text_logs_name_the_path_never_the_query_string() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
         .log_level("trace")
         .spawn()
         .await;
-    let (status, _) = get(proxy.addr(), "/files?path=%2Ftmp%2Fx&signature=SECRET123").await;
-    assert_eq!(status, 200);
+    assert_eq!(get_signed(proxy.addr(), "SECRET123").await, 200);
     let stderr = proxy.finish().await;
     assert!(
         !stderr.contains("SECRET123") && !stderr.contains("signature="),
@@ -752,7 +759,7 @@ async fn text_logs_name_the_path_never_the_query_string() {
     let fields: Vec<&str> = line.split_whitespace().collect();
     for field in [
         "path=/files",
-        "plane=\"api\"",
+        "plane=\"envd\"",
         "status=200",
         "upstream=127.0.0.1",
     ] {

@@ -980,7 +980,7 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
             ""
         };
         format!(
-            "POST /files HTTP/1.1\r\nHost: {addr}\r\n{routing}Content-Length: 8\r\nConnection: close\r\n\r\n"
+            "POST /upload HTTP/1.1\r\nHost: {addr}\r\n{routing}Content-Length: 8\r\nConnection: close\r\n\r\n"
         )
     };
     for envd in [false, true] {

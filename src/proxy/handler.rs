@@ -202,6 +202,18 @@ impl Proxy {
         upgrade: Option<Upgrade>,
     ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failure>> + Send + '_ {
         async move {
+            // envd's file API has no place on the control plane: a signed file URL the SDK
+            // builds while E2B_SANDBOX_URL points here names no sandbox, and sent on it
+            // would come back as the control plane's bare 404.
+            if self.envd.is_some() && parts.uri.path() == "/files" {
+                return Err(Error::Refused {
+                    reason: "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or \
+                             the host 49983-<sandboxID>.localhost)"
+                        .into(),
+                }
+                .into());
+            }
+
             // authorize
             let credential = self.credential.load_full();
             let key = credential.current().await?;
