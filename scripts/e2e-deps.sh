@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end SDK tests (tests/e2e_sdk.rs) run, idempotently:
-#   $E2E_DIR/py-latest   Python venv with the latest `e2b`
+#   $E2E_DIR/py-latest   Python venv with the newest `e2b` the tests were checked against
 #   $E2E_DIR/py250       Python venv with `e2b==2.50.0` (the pre-/v2 paths)
 #   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b latest + 2.50.0)
 # E2E_DIR is $ABX_E2E_DIR, else <repo>/target/e2e. Uses the machine's python3 and npm.
@@ -50,7 +50,10 @@ venv() {
     printf '%s' "$spec" >"$marker"
 }
 
-venv py-latest e2b
+# Pinned, so a new release cannot turn CI red with no change here: 2.63.0 is the release the
+# captured wire traffic comes from. Raise it on purpose (the marker makes every machine
+# reinstall), as tests/e2e/package.json does for the JS SDK.
+venv py-latest e2b==2.63.0
 venv py250 e2b==2.50.0
 
 # JS: reinstall when package.json or the lockfile changed since the last install.
