@@ -34,7 +34,7 @@ use crate::error::Error;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body type of every upstream request and every response the proxy sends.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
-pub type HttpClient = Client<HttpsConnector<HttpConnector<LocalResolver>>, ProxyBody>;
+pub type HttpClient = Client<TimedConnect<HttpsConnector<HttpConnector<LocalResolver>>>, ProxyBody>;
 
 /// DNS for the upstream connector: `localhost` and `*.localhost` (any case, with or without
 /// the root dot) are 127.0.0.1 then ::1, answered here (RFC 6761 §6.3); everything else is
@@ -166,7 +166,54 @@ pub fn client(
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .timer(hyper_util::rt::TokioTimer::new())
-        .build(https)
+        .build(TimedConnect {
+            inner: https,
+            timeout: connect_timeout,
+        })
+}
+
+/// The error of a connection set-up that took longer than `--connect-timeout`.
+pub fn connect_timed_out() -> BoxError {
+    Box::new(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "connect timed out",
+    ))
+}
+
+/// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
+/// TLS handshake. `HttpConnector`'s own timeout covers only the TCP connect, so an
+/// upstream that accepted and then never answered the ClientHello held a request until
+/// `--upstream-timeout`.
+#[derive(Clone)]
+pub struct TimedConnect<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connect = self.inner.call(uri);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connect).await {
+                Ok(conn) => conn.map_err(Into::into),
+                Err(_) => Err(connect_timed_out()),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

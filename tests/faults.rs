@@ -583,6 +583,88 @@ async fn upstream_connect_timeout_is_a_502_not_a_hang() {
     drop((fillers, blackhole));
 }
 
+/// `--connect-timeout` covers the TLS handshake too (README: "TCP + TLS connect"): an
+/// upstream that accepts and never answers the ClientHello is 502 E5001 "connect timed
+/// out" at the connect timeout, not 504 at `--upstream-timeout`, on both upstream clients
+/// (the control plane's, which may negotiate HTTP/2, and envd's HTTP/1.1 pool). Nothing
+/// can have been carried out, so a create keeps the SDK's retry: no `Should-Retry`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_handshake_that_never_answers_is_a_connect_timeout() {
+    let silent = SilentUpstream::start().await;
+    let pki = Pki::new();
+    let url = format!("https://{}", silent.addr);
+    let proxy = traced(ProxyCmd::new(&url, &pki))
+        .args(&["--sandbox-url", &url])
+        .args(&["--connect-timeout", "1s", "--upstream-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let create = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+    );
+    let envd = format!(
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: isb-1\r\nX-Access-Token: t\r\n\
+         Connection: close\r\n\r\n"
+    );
+    for (plane, raw) in [("api", create), ("envd", envd)] {
+        let start = Instant::now();
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert!(
+            resp.text().contains("connect timed out"),
+            "{plane}: {}",
+            resp.text()
+        );
+        assert_eq!(resp.header("should-retry"), None, "{plane}");
+        assert!(start.elapsed() >= Duration::from_secs(1), "{plane}");
+        let text = scrape(proxy.admin_addr()).await;
+        let series =
+            format!("abx_proxy_upstream_errors_total{{plane=\"{plane}\",kind=\"timeout\"}}");
+        assert_eq!(metric(&text, &series), Some(1.0), "{text}");
+    }
+    proxy.finish().await;
+}
+
+/// An `https` control plane (hyper's client, which may negotiate HTTP/2) that ends the
+/// connection in the middle of its answer's head is `reset`, "connection closed early", as
+/// the same fault is over plain HTTP (the proxy's own client) and mid-body on either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_upstream_closing_mid_head_is_a_reset() {
+    let pki = Pki::new();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"http/1.1"]));
+    let server = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let Ok(mut s) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let mut head = Vec::new();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let mut tmp = [0u8; 4096];
+                match s.read(&mut tmp).await {
+                    Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
+                    _ => break,
+                }
+            }
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Le").await;
+            let _ = s.shutdown().await;
+        }
+    });
+    let url = format!("https://{upstream}");
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(
+        resp.text().contains("connection closed early"),
+        "{}",
+        resp.text()
+    );
+    assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "reset");
+    proxy.finish().await;
+    server.abort();
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Request smuggling
 // ---------------------------------------------------------------------------------------

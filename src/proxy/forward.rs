@@ -145,7 +145,23 @@ pub fn classify(e: &hyper_util::client::legacy::Error) -> FailKind {
     if e.is_connect() {
         return connect_kind(find_io(e));
     }
+    if closed_early(e) {
+        return FailKind::Reset;
+    }
     find_io(e).map_or(FailKind::Protocol, io_kind)
+}
+
+/// The upstream ended the exchange before its answer was whole: hyper's "connection closed
+/// before message completed" (no I/O error inside), or an HTTP/2 stream or connection the
+/// upstream reset. `reset`, as the proxy's own pool counts a connection that ends mid-head
+/// and as [`body_kind`] counts one that ends mid-body.
+fn closed_early(e: &(dyn std::error::Error + 'static)) -> bool {
+    chain(e).any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+            || e.downcast_ref::<h2::Error>()
+                .is_some_and(h2::Error::is_remote)
+    })
 }
 
 /// The kind of an I/O failure on an upstream connection that was set up.
@@ -165,17 +181,10 @@ pub(crate) fn body_kind(e: &hyper::Error) -> FailKind {
     if e.is_timeout() {
         return FailKind::Timeout;
     }
-    if e.is_incomplete_message() {
-        return FailKind::Reset;
-    }
     if let Some(io) = find_io(e) {
         return io_kind(io);
     }
-    let reset = chain(e).any(|e| {
-        e.downcast_ref::<h2::Error>()
-            .is_some_and(h2::Error::is_remote)
-    });
-    if reset {
+    if closed_early(e) {
         FailKind::Reset
     } else {
         FailKind::Protocol
@@ -207,6 +216,7 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
         Some(TimedOut) => "connect timed out".into(),
         Some(ConnectionReset) => "connection reset".into(),
         Some(UnexpectedEof) => "connection closed early".into(),
+        _ if closed_early(e) => "connection closed early".into(),
         Some(kind) if e.is_connect() => format!("connect failed: {kind}"),
         _ if e.is_connect() => {
             // DNS failures surface as a plain message from the resolver.

@@ -18,7 +18,7 @@ use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice, Write as _};
 use std::mem::MaybeUninit;
 use std::pin::{pin, Pin};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -54,8 +54,8 @@ const FIRST_READ: usize = 8 * 1024;
 const MAX_READ: usize = 256 * 1024;
 const MAX_IDLE_PER_ORIGIN: usize = 256;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-/// How often a connection going idle also clears out expired ones of every origin (so
-/// origins no longer asked for, e.g. deleted sandboxes, do not hold sockets forever).
+/// How often a worker with idle connections drops those expired or closed by the upstream
+/// (see [`sweep`]).
 const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------------------
@@ -215,11 +215,12 @@ impl Upstream {
                     .map(|_| {
                         Mutex::new(Idle {
                             origins: Vec::new(),
-                            last_sweep: Instant::now(),
+                            sweeping: false,
                         })
                     })
                     .collect(),
                 tcp: upstream::connector(connect_timeout),
+                connect_timeout,
                 tls: TlsConnector::from(Arc::new(h1)),
                 broken,
             }),
@@ -308,6 +309,8 @@ const SHARDS: usize = 64;
 struct Pool {
     idle: Box<[Mutex<Idle>]>,
     tcp: HttpConnector<LocalResolver>,
+    /// For the whole set-up (resolve, TCP, TLS): `tcp`'s own covers only the TCP connect.
+    connect_timeout: Duration,
     tls: TlsConnector,
     broken: BrokenBodies,
 }
@@ -316,7 +319,8 @@ struct Pool {
 /// a few sandboxes), so a list scanned in order beats hashing.
 struct Idle {
     origins: Vec<OriginIdle>,
-    last_sweep: Instant,
+    /// A [`sweep`] task runs for this list.
+    sweeping: bool,
 }
 
 struct OriginIdle {
@@ -365,22 +369,20 @@ impl Pool {
         }
     }
 
-    fn put(&self, mut conn: Conn) {
-        let now = Instant::now();
-        conn.idle_since = now;
+    fn put(self: &Arc<Self>, mut conn: Conn) {
+        conn.idle_since = Instant::now();
         if conn.rbuf.capacity() > 2 * MAX_READ {
             // Do not keep a large download's buffer for an idle socket.
             conn.rbuf = BytesMut::new();
         }
         conn.read_size = FIRST_READ;
         let mut idle = self.lock();
-        if now.saturating_duration_since(idle.last_sweep) >= SWEEP_EVERY {
-            idle.last_sweep = now;
-            for o in &mut idle.origins {
-                o.conns
-                    .retain(|c| now.saturating_duration_since(c.idle_since) < IDLE_TIMEOUT);
+        if !idle.sweeping {
+            // On this worker's runtime, like the connections it looks after.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                idle.sweeping = true;
+                runtime.spawn(sweep(Arc::downgrade(self)));
             }
-            idle.origins.retain(|o| !o.conns.is_empty());
         }
         let overflow = match idle.origins.iter_mut().find(|o| o.key == conn.origin) {
             Some(o) if o.conns.len() < MAX_IDLE_PER_ORIGIN => {
@@ -410,29 +412,10 @@ impl Pool {
         port: u16,
         deadline: Instant,
     ) -> Result<Conn, UpstreamError> {
-        let mut tcp = self.tcp.clone();
-        poll_fn(|cx| tcp.poll_ready(cx))
+        let io = tokio::time::timeout(self.connect_timeout, self.open(uri, tls, host));
+        let io = io
             .await
-            .map_err(|e| UpstreamError::Connect(e.into()))?;
-        let stream = tcp
-            .call(uri.clone())
-            .await
-            .map_err(|e| UpstreamError::Connect(e.into()))?
-            .into_inner();
-        let io = if tls {
-            let name = host.trim_start_matches('[').trim_end_matches(']');
-            let name = ServerName::try_from(name)
-                .map_err(|_| UpstreamError::Connect("invalid server name".into()))?
-                .to_owned();
-            let stream = self
-                .tls
-                .connect(name, stream)
-                .await
-                .map_err(UpstreamError::Tls)?;
-            Io::Tls(Box::new(stream))
-        } else {
-            Io::Plain(stream)
-        };
+            .map_err(|_| UpstreamError::Connect(upstream::connect_timed_out()))??;
         Ok(Conn {
             io,
             rbuf: BytesMut::with_capacity(FIRST_READ),
@@ -447,6 +430,32 @@ impl Pool {
             idle_since: Instant::now(),
             deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         })
+    }
+
+    /// Resolves, connects and, for `https`, shakes hands.
+    async fn open(&self, uri: &http::Uri, tls: bool, host: &str) -> Result<Io, UpstreamError> {
+        let mut tcp = self.tcp.clone();
+        poll_fn(|cx| tcp.poll_ready(cx))
+            .await
+            .map_err(|e| UpstreamError::Connect(e.into()))?;
+        let stream = tcp
+            .call(uri.clone())
+            .await
+            .map_err(|e| UpstreamError::Connect(e.into()))?
+            .into_inner();
+        if !tls {
+            return Ok(Io::Plain(stream));
+        }
+        let name = host.trim_start_matches('[').trim_end_matches(']');
+        let name = ServerName::try_from(name)
+            .map_err(|_| UpstreamError::Connect("invalid server name".into()))?
+            .to_owned();
+        let stream = self
+            .tls
+            .connect(name, stream)
+            .await
+            .map_err(UpstreamError::Tls)?;
+        Ok(Io::Tls(Box::new(stream)))
     }
 
     /// Not an `async fn`: that keeps its arguments twice in the future (as passed and as
@@ -559,9 +568,43 @@ impl Pool {
     }
 
     /// Back to the idle list when the exchange left the connection clean.
-    fn release(&self, conn: Conn, reusable: bool) {
+    fn release(self: &Arc<Self>, conn: Conn, reusable: bool) {
         if reusable && conn.rbuf.is_empty() {
             self.put(conn);
+        }
+    }
+}
+
+/// Every [`SWEEP_EVERY`] while this worker keeps idle connections: drops those expired and
+/// those the upstream closed or wrote to. Without it a connection the upstream closed stays
+/// in CLOSE-WAIT, its descriptor held, until a request for the same origin comes, which
+/// for a sandbox's own origin may be never. Ends when the list is empty (an idle proxy
+/// wakes for nothing), or with the pool.
+async fn sweep(pool: Weak<Pool>) {
+    loop {
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let Some(pool) = pool.upgrade() else { return };
+        let now = Instant::now();
+        let mut gone = Vec::new();
+        let mut idle = pool.lock();
+        for o in &mut idle.origins {
+            for mut c in std::mem::take(&mut o.conns) {
+                let fresh = now.saturating_duration_since(c.idle_since) < IDLE_TIMEOUT;
+                if fresh && c.looks_open() {
+                    o.conns.push(c);
+                } else {
+                    gone.push(c);
+                }
+            }
+        }
+        idle.origins.retain(|o| !o.conns.is_empty());
+        let done = idle.origins.is_empty();
+        idle.sweeping = !done;
+        drop(idle);
+        // Closing sockets is syscalls: not under the lock.
+        drop(gone);
+        if done {
+            return;
         }
     }
 }
@@ -1857,6 +1900,71 @@ mod tests {
         within(closed_rx).await.unwrap();
         assert_eq!(get_text(&client, &fake.url("/2")).await, "ok");
         assert_eq!(fake.accepts(), 2);
+    }
+
+    /// Idle connections the upstream closed are dropped by the sweep, with no request for
+    /// their origin, while one still open stays; the sweep ends with the last connection.
+    #[tokio::test]
+    async fn the_sweep_drops_idle_connections_the_upstream_closed() {
+        let (close_tx, close_rx) = oneshot::channel::<()>();
+        let (closed_tx, closed_rx) = oneshot::channel::<()>();
+        let signals = Arc::new(Mutex::new(Some((close_rx, closed_tx))));
+        // Answers one request, then closes once told to.
+        let closing = Fake::start(move |mut s, _| {
+            let signals = signals.clone();
+            async move {
+                let mut buf = Vec::new();
+                read_head(&mut s, &mut buf).await;
+                let _ = s.write_all(OK).await;
+                let Some((close, closed)) = signals.lock().unwrap().take() else {
+                    return;
+                };
+                let _ = close.await;
+                drop(s);
+                let _ = closed.send(());
+            }
+        })
+        .await;
+        let staying = Fake::start(keep_alive(|_| OK.to_vec())).await;
+        let client = client();
+        assert_eq!(get_text(&client, &closing.url("/1")).await, "ok");
+        assert_eq!(get_text(&client, &staying.url("/1")).await, "ok");
+        let pooled = |client: &Upstream| -> Vec<u16> {
+            let idle = client.pool.lock();
+            idle.origins.iter().map(|o| o.key.port).collect()
+        };
+        assert_eq!(pooled(&client).len(), 2);
+
+        close_tx.send(()).unwrap();
+        within(closed_rx).await.unwrap();
+        tokio::time::pause();
+        // A little past the period: timers round their deadlines up to the millisecond.
+        let period = SWEEP_EVERY + Duration::from_millis(10);
+        tokio::time::advance(period).await;
+        // The sweep's timer has fired: it runs once this task lets it.
+        for _ in 0..100 {
+            if pooled(&client).len() == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(pooled(&client), [staying.addr.port()]);
+        assert!(client.pool.lock().sweeping);
+
+        drop(staying);
+        let conn = client.pool.lock().origins[0].conns.pop().unwrap();
+        drop(conn);
+        tokio::time::advance(period).await;
+        for _ in 0..100 {
+            if !client.pool.lock().sweeping {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            !client.pool.lock().sweeping,
+            "the sweep ends with the last connection"
+        );
     }
 
     /// The deadline lives with the connection and moves per exchange: a kept-alive
