@@ -5,10 +5,18 @@
 //!
 //! ```text
 //! fake_e2b [--api-port 0] [--envd-port 0] [--expect-key KEY] [--dummy-key dummy-key]
-//!          [--no-auth-check] [--envd-version 0.5.7] [--stdin-lifeline]
+//!          [--no-auth-check] [--envd-version 0.5.7] [--tls-ca-out PATH] [--stdin-lifeline]
 //! ```
 //!
 //! On startup it prints one JSON line, `{"api":"http://127.0.0.1:X","envd":"http://127.0.0.1:Y"}`.
+//!
+//! With `--tls-ca-out PATH` both listeners also take TLS (as the real cloud does: the
+//! control plane offering HTTP/2, envd as `https://{port}-{id}.{domain}`), with a
+//! certificate for `127.0.0.1` and `*.sandbox.localhost` from a CA written to PATH; the
+//! start-up line adds `"tls_api":"https://127.0.0.1:X"` and
+//! `"sandbox_domain":"sandbox.localhost:Y"` (`*.localhost` is loopback: RFC 6761), each
+//! log entry says whether its request came over TLS, and envd also accepts the Host
+//! `{port}-{id}.sandbox.localhost:Y`.
 //! Every request is checked; a violation is recorded and answered with an error so the SDK
 //! fails too. `GET /__fake/report` on the api port returns
 //! `{"requests": N, "routes": {"api POST /sandboxes": 1, …}, "violations": […], "log": […]}`.
@@ -46,12 +54,13 @@ struct Args {
     envd_port: u16,
     dummy_key: String,
     envd_version: String,
+    tls_ca_out: Option<String>,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: fake_e2b [--api-port N] [--envd-port N] [--expect-key KEY] [--dummy-key KEY] \
-         [--no-auth-check] [--envd-version V] [--stdin-lifeline]"
+         [--no-auth-check] [--envd-version V] [--tls-ca-out PATH] [--stdin-lifeline]"
     );
     std::process::exit(2)
 }
@@ -60,12 +69,14 @@ fn parse_args() -> Args {
     let (mut api_port, mut envd_port) = (0, 0);
     let mut dummy_key = "dummy-key".to_string();
     let mut envd_version = "0.5.7".to_string();
+    let mut tls_ca_out = None;
     let common = support::Options::parse("fake_e2b", usage, |name, opts| {
         match name {
             "--api-port" => api_port = opts.port(),
             "--envd-port" => envd_port = opts.port(),
             "--dummy-key" => dummy_key = opts.value(),
             "--envd-version" => envd_version = opts.value(),
+            "--tls-ca-out" => tls_ca_out = Some(opts.value()),
             _ => return false,
         }
         true
@@ -76,8 +87,13 @@ fn parse_args() -> Args {
         envd_port,
         dummy_key,
         envd_version,
+        tls_ca_out,
     }
 }
+
+/// The sandbox domain of TLS mode: two labels, as webpki (like browsers) honours a
+/// wildcard only above two labels, so `*.sandbox.localhost` covers every sandbox host.
+const SANDBOX_DOMAIN: &str = "sandbox.localhost";
 
 #[derive(Debug)]
 struct Sandbox {
@@ -127,6 +143,15 @@ async fn run(args: Args) -> std::io::Result<()> {
     let envd = TcpListener::bind(("127.0.0.1", args.envd_port)).await?;
     let api_addr = api.local_addr()?;
     let envd_addr = envd.local_addr()?;
+    let tls = match &args.tls_ca_out {
+        Some(path) => {
+            let names = ["127.0.0.1".to_string(), format!("*.{SANDBOX_DOMAIN}")];
+            let (acceptor, ca) = support::tls_acceptor(&names).map_err(std::io::Error::other)?;
+            std::fs::write(path, ca)?;
+            Some(acceptor)
+        }
+        None => None,
+    };
     let state = Arc::new(State {
         api_authority: api_addr.to_string(),
         envd_authority: envd_addr.to_string(),
@@ -136,19 +161,27 @@ async fn run(args: Args) -> std::io::Result<()> {
             ..Inner::default()
         }),
     });
-    support::started(
-        &json!({"api": format!("http://{api_addr}"), "envd": format!("http://{envd_addr}")}),
-        args.common.stdin_lifeline,
-    )?;
-    let a = tokio::spawn(serve(api, Plane::Api, state.clone()));
-    let e = tokio::spawn(serve(envd, Plane::Envd, state));
+    let mut started =
+        json!({"api": format!("http://{api_addr}"), "envd": format!("http://{envd_addr}")});
+    if tls.is_some() {
+        started["tls_api"] = json!(format!("https://{api_addr}"));
+        started["sandbox_domain"] = json!(format!("{SANDBOX_DOMAIN}:{}", envd_addr.port()));
+    }
+    support::started(&started, args.common.stdin_lifeline)?;
+    let a = tokio::spawn(serve(api, Plane::Api, tls.clone(), state.clone()));
+    let e = tokio::spawn(serve(envd, Plane::Envd, tls, state));
     let _ = tokio::join!(a, e);
     Ok(())
 }
 
-async fn serve(listener: TcpListener, plane: Plane, state: Arc<State>) {
+async fn serve(
+    listener: TcpListener,
+    plane: Plane,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    state: Arc<State>,
+) {
     let what = format!("fake_e2b: {}", plane.name());
-    support::serve(listener, &what, move |req| {
+    support::serve(listener, &what, tls, move |req| {
         let state = state.clone();
         async move { handle(req, plane, &state).await }
     })
@@ -356,6 +389,7 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
         "route": route,
         "status": resp.status().as_u16(),
         "version": format!("{:?}", parts.version),
+        "tls": parts.extensions.get::<support::OverTls>().is_some(),
     });
     if route.ends_with("POST /sandboxes") || route.ends_with("POST /v2/sandboxes") {
         let secure = serde_json::from_slice::<Value>(&body)
@@ -397,10 +431,22 @@ fn check_common(plane: Plane, uri: &hyper::Uri, h: &HeaderMap, state: &State) ->
         Plane::Api => &state.api_authority,
         Plane::Envd => &state.envd_authority,
     };
+    // `sandbox_domain` mode names the sandbox in the host, as the real envd is reached.
+    let named = match (
+        plane,
+        header(h, "e2b-sandbox-id"),
+        header(h, "e2b-sandbox-port"),
+    ) {
+        (Plane::Envd, Some(id), Some(port)) if state.args.tls_ca_out.is_some() => {
+            let own_port = own.rsplit(':').next().unwrap_or_default();
+            Some(format!("{port}-{id}.{SANDBOX_DOMAIN}:{own_port}"))
+        }
+        _ => None,
+    };
     let mut v = Vec::new();
     // HTTP/2 carries the authority in the URI instead of a Host header.
     match header(h, "host").or_else(|| uri.authority().map(|a| a.as_str())) {
-        Some(host) if host == own => {}
+        Some(host) if host == own || Some(host) == named.as_deref() => {}
         other => v.push(format!(
             "{}: Host is {other:?}, expected the upstream's own {own:?}",
             plane.name()

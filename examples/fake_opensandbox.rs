@@ -153,7 +153,7 @@ async fn run(args: Args) -> std::io::Result<()> {
         &json!({"url": format!("http://{addr}")}),
         args.common.stdin_lifeline,
     )?;
-    support::serve(listener, "fake_opensandbox", move |req| {
+    support::serve(listener, "fake_opensandbox", None, move |req| {
         let state = state.clone();
         async move { handle(req, &state).await }
     })

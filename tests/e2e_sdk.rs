@@ -21,6 +21,16 @@ const REAL_KEY: &str = "real-key-e2e-0123456789abcdef";
 const DUMMY_KEY: &str = "dummy-key";
 const DRIVER_TIMEOUT: Duration = Duration::from_secs(180);
 
+/// How abx-proxy reaches the fake.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Upstreams {
+    /// Plain HTTP, envd through one `--sandbox-url`.
+    Plain,
+    /// As in production: an `https` control plane (HTTP/2 offered) and envd at
+    /// `https://{port}-{id}.{sandbox_domain}`, certificates from the fake's own CA.
+    Tls,
+}
+
 /// The fake E2B cloud and, optionally, abx-proxy in front of it.
 struct Rig {
     dir: tempfile::TempDir,
@@ -32,15 +42,37 @@ struct Rig {
 }
 
 impl Rig {
-    /// Starts the fake; with `with_proxy`, also abx-proxy in front of it.
-    fn start(with_proxy: bool) -> Rig {
+    /// Starts the fake; with `proxy`, also abx-proxy in front of it.
+    fn start(proxy: Option<Upstreams>) -> Rig {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (fake, ports) = start_fake("fake_e2b", REAL_KEY, &["--dummy-key", DUMMY_KEY]);
+        let ca = dir.path().join("fake-ca.pem").display().to_string();
+        let mut fake_args = vec!["--dummy-key", DUMMY_KEY];
+        if proxy == Some(Upstreams::Tls) {
+            fake_args.extend(["--tls-ca-out", &ca]);
+        }
+        let (fake, ports) = start_fake("fake_e2b", REAL_KEY, &fake_args);
         let url = |k: &str| {
             let u = ports[k].as_str().map(str::to_string);
             u.unwrap_or_else(|| panic!("no {k} URL in {ports}\n{}", fake.output()))
         };
         let (api, envd) = (url("api"), url("envd"));
+        let upstream_args = match proxy {
+            None => Vec::new(),
+            Some(Upstreams::Plain) => vec![
+                "--sandbox-base-url".to_string(),
+                api.clone(),
+                "--sandbox-url".to_string(),
+                envd.clone(),
+            ],
+            Some(Upstreams::Tls) => vec![
+                "--sandbox-base-url".to_string(),
+                url("tls_api"),
+                "--sandbox-domain".to_string(),
+                url("sandbox_domain"),
+                "--upstream-ca".to_string(),
+                ca.clone(),
+            ],
+        };
         let mut rig = Rig {
             dir,
             fake,
@@ -49,11 +81,11 @@ impl Rig {
             envd,
             proxy_url: String::new(),
         };
-        if with_proxy {
+        if proxy.is_some() {
             let mut cmd = e2e::abx(rig.dir.path());
             cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default())
                 .env("ABX_SANDBOX_API_KEY", REAL_KEY);
-            let args = ["--sandbox-base-url", &rig.api, "--sandbox-url", &rig.envd];
+            let args: Vec<&str> = upstream_args.iter().map(String::as_str).collect();
             let (proxy, addr) = e2e::serve(cmd, &args).unwrap_or_else(|e| panic!("{e}"));
             rig.proxy_url = format!("http://{addr}");
             rig.proxy = Some(proxy);
@@ -106,10 +138,12 @@ fn run_driver(rig: &Rig, sdk: &Sdk, api_url: &str, sandbox_url: &str) -> (bool, 
 }
 
 /// One SDK through the proxy: the driver passes, the fake saw no violation, and exactly
-/// the requests the driver makes arrived, on the paths the proxy is meant to use.
-fn sdk_through_proxy(sdk: Sdk) {
+/// the requests the driver makes arrived, on the paths the proxy is meant to use, over
+/// TLS where the upstreams are `https` (the control plane over HTTP/2, which it offers;
+/// envd over HTTP/1.1, as SPEC §4 has it).
+fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
     deps();
-    let rig = Rig::start(true);
+    let rig = Rig::start(Some(upstreams));
     let run = run_driver(&rig, &sdk, &rig.proxy_url, &rig.proxy_url);
     let run = Outcome::new(run, rig.report(), rig.logs());
 
@@ -146,27 +180,49 @@ fn sdk_through_proxy(sdk: Sdk) {
                 "envd request without Authorization: Basic (the proxy adds `Basic dXNlcjo=`): {entry}\n{dump}"
             );
         }
+        let tls = upstreams == Upstreams::Tls;
+        let version = match (tls, entry["plane"].as_str()) {
+            (true, Some("api")) => "HTTP/2.0",
+            _ => "HTTP/1.1",
+        };
+        assert_eq!(
+            (entry["tls"].as_bool(), entry["version"].as_str()),
+            (Some(tls), Some(version)),
+            "{entry}\n{dump}"
+        );
     }
 }
 
 #[test]
 fn python_sdk_latest_through_proxy() {
-    sdk_through_proxy(Sdk::Python("py-latest"));
+    sdk_through_proxy(Sdk::Python("py-latest"), Upstreams::Plain);
 }
 
 #[test]
 fn python_sdk_2_50_through_proxy() {
-    sdk_through_proxy(Sdk::Python("py250"));
+    sdk_through_proxy(Sdk::Python("py250"), Upstreams::Plain);
 }
 
 #[test]
 fn js_sdk_latest_through_proxy() {
-    sdk_through_proxy(Sdk::Js("e2b"));
+    sdk_through_proxy(Sdk::Js("e2b"), Upstreams::Plain);
 }
 
 #[test]
 fn js_sdk_2_50_through_proxy() {
-    sdk_through_proxy(Sdk::Js("e2b-250"));
+    sdk_through_proxy(Sdk::Js("e2b-250"), Upstreams::Plain);
+}
+
+/// Production's shape: the latest SDKs with the proxy reaching an `https` control plane
+/// and `https://{port}-{id}.{sandbox_domain}` envd.
+#[test]
+fn python_sdk_latest_through_proxy_to_tls_upstreams() {
+    sdk_through_proxy(Sdk::Python("py-latest"), Upstreams::Tls);
+}
+
+#[test]
+fn js_sdk_latest_through_proxy_to_tls_upstreams() {
+    sdk_through_proxy(Sdk::Js("e2b"), Upstreams::Tls);
 }
 
 /// The fake has teeth: the SDK talking to it directly (dummy key as X-API-Key, no Bearer)
@@ -174,7 +230,7 @@ fn js_sdk_2_50_through_proxy() {
 #[test]
 fn fake_refuses_the_sdk_without_the_proxy() {
     deps();
-    let rig = Rig::start(false);
+    let rig = Rig::start(None);
     let run = run_driver(&rig, &Sdk::Python("py-latest"), &rig.api, &rig.envd);
     Outcome::new(run, rig.report(), rig.logs()).assert_refused("X-API-Key");
 }

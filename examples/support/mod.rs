@@ -1,6 +1,7 @@
 //! What the fake upstreams of the end-to-end tests (`fake_e2b`, `fake_opensandbox`) share:
-//! their option parsing, runtime, start-up line, stdin lifeline, plain-HTTP accept loop,
-//! response helpers, and the request tally that `GET /__fake/report` returns.
+//! their option parsing, runtime, start-up line, stdin lifeline, accept loop (plain HTTP,
+//! and TLS on the same port when given a certificate), response helpers, and the request
+//! tally that `GET /__fake/report` returns.
 //!
 //! Include it with `#[path = "support/mod.rs"] mod support;` (this directory has no
 //! `main.rs`, so it is no example of its own).
@@ -9,7 +10,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io::{Read, Write};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -19,6 +20,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -150,8 +152,10 @@ pub fn started(addresses: &Value, lifeline: bool) -> std::io::Result<()> {
 }
 
 /// Serves each connection `listener` accepts with `handle`, over HTTP/1.1 or cleartext
-/// HTTP/2 (prior knowledge), as a real server offers.
-pub async fn serve<H, F>(listener: TcpListener, what: &str, handle: H)
+/// HTTP/2 (prior knowledge), as a real server offers. With `tls`, a connection that opens
+/// with a TLS handshake is served over TLS (ALPN `h2` or `http/1.1`) and its requests carry
+/// the [`OverTls`] extension; plain ones (the tests' report requests) still work.
+pub async fn serve<H, F>(listener: TcpListener, what: &str, tls: Option<TlsAcceptor>, handle: H)
 where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
@@ -164,16 +168,73 @@ where
                 continue;
             }
         };
-        let handle = handle.clone();
+        let (handle, tls) = (handle.clone(), tls.clone());
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
+            // A TLS ClientHello starts with the handshake record type, 0x16.
+            let mut first = [0u8; 1];
+            let over_tls = match &tls {
+                Some(_) => matches!(stream.peek(&mut first).await, Ok(1) if first[0] == 0x16),
+                None => false,
+            };
+            let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                if over_tls {
+                    req.extensions_mut().insert(OverTls);
+                }
                 let answer = handle(req);
                 async move { Ok::<_, Infallible>(answer.await) }
             });
             let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+            match tls {
+                Some(acceptor) if over_tls => {
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+                    }
+                }
+                _ => {
+                    let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+                }
+            }
         });
     }
+}
+
+/// Marks a request that came over TLS.
+#[derive(Clone, Copy, Debug)]
+pub struct OverTls;
+
+/// A throwaway CA and a server certificate it signed for `names`: the acceptor (offering
+/// `h2` and `http/1.1`) and the CA certificate as PEM, for the client to trust.
+#[allow(dead_code)] // fake_e2b's: fake_opensandbox has no TLS mode
+pub fn tls_acceptor(names: &[String]) -> Result<(TlsAcceptor, String), String> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let fail = |e: &dyn std::fmt::Display| format!("test certificate: {e}");
+    let ca_key = KeyPair::generate().map_err(|e| fail(&e))?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(|e| fail(&e))?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "abx-proxy e2e fake CA");
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_cert = ca.self_signed(&ca_key).map_err(|e| fail(&e))?;
+    let leaf_key = KeyPair::generate().map_err(|e| fail(&e))?;
+    let leaf = CertificateParams::new(names.to_vec()).map_err(|e| fail(&e))?;
+    let leaf_cert = leaf
+        .signed_by(&leaf_key, &ca_cert, &ca_key)
+        .map_err(|e| fail(&e))?;
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+        leaf_key.serialize_der(),
+    ));
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail(&e))?
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf_cert.der().clone()], key)
+        .map_err(|e| fail(&e))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok((TlsAcceptor::from(Arc::new(config)), ca_cert.pem()))
 }
 
 pub fn full(b: impl Into<Bytes>) -> Body {
