@@ -1000,8 +1000,9 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
 
         let mut s = TcpStream::connect(addr).await.expect("connect");
         s.write_all(upload(envd).as_bytes()).await.expect("head");
-        s.write_all(b"xx").await.expect("body");
+        // Before the write: the proxy's timer can start before this task reads the clock.
         let last = Instant::now();
+        s.write_all(b"xx").await.expect("body");
         let resp = read_response(&mut s, &mut Vec::new()).await;
         assert_proxy_error(&resp, 504, "E5002");
         assert!(
@@ -1209,20 +1210,15 @@ async fn sigterm_drain_waits_for_an_open_websocket_tunnel() {
 
     // The client ends the tunnel: the upstream sees the end, closes its side, and the proxy
     // closes the client's.
-    let closing = std::time::Instant::now();
     s.shutdown().await.unwrap();
     expect_closed(&mut s, &[]).await;
     let status = proxy.wait_exit().await;
-    let waited = closing.elapsed();
     assert!(
         status.success(),
         "exit {status}; stderr:\n{}",
         proxy.stderr()
     );
-    assert!(
-        waited < std::time::Duration::from_secs(10),
-        "exit {waited:?} after the tunnel closed, as if the grace had run out"
-    );
+    // Not `clean=false`: the drain ended with the tunnel, not with the grace.
     let stderr = proxy.stderr();
     assert!(stderr.contains("clean=true"), "stderr:\n{stderr}");
     assert_no_key(&stderr, "the proxy's stderr");
