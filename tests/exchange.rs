@@ -3,6 +3,8 @@
 //! sockets and a paused Tokio clock do not mix (the paused clock jumps to the next timer,
 //! the per-call timeout, whenever the runtime waits on I/O).
 
+mod support;
+
 #[path = "support/fake_exchange.rs"]
 mod fake_exchange;
 
@@ -185,9 +187,7 @@ async fn acs3_over_tls_with_a_custom_ca() {
 
 #[tokio::test]
 async fn unreachable_endpoint_is_e5001_for_check() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    drop(listener);
+    let url = format!("http://{}", support::refused_addr().await);
     let ex = HttpExchanger::new(
         config(&url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
         client(),

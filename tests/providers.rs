@@ -409,24 +409,34 @@ async fn an_upstream_that_is_the_proxy_itself_is_refused() {
     // A shell set up for the OpenSandbox SDK points OPEN_SANDBOX_DOMAIN at the proxy; the
     // proxy reads the same variable as its upstream and would call itself forever.
     let pki = Pki::new();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-        l.local_addr().expect("addr").port()
-    };
-    let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
-        .listen(&format!("127.0.0.1:{port}"))
-        .setup(&["provider", "install", OPENSANDBOX])
-        .env("ABX_PROVIDER", Some("opensandbox"))
-        .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
-        .env("OPEN_SANDBOX_DOMAIN", Some(&format!("127.0.0.1:{port}")))
-        .run_to_exit()
-        .await;
-    assert_eq!(status.code(), Some(78), "{stderr}");
-    assert!(
-        stderr.contains("[E1005]") && stderr.contains("own listener"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains(OS_KEY));
+    // The port is known before the proxy starts only as one bound and released, which a
+    // concurrent test's listener can take in between: then the proxy cannot listen (E1008)
+    // and never gets to the comparison, and another port is tried.
+    for _ in 0..5 {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+            l.local_addr().expect("addr").port()
+        };
+        let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
+            .listen(&format!("127.0.0.1:{port}"))
+            .setup(&["provider", "install", OPENSANDBOX])
+            .env("ABX_PROVIDER", Some("opensandbox"))
+            .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
+            .env("OPEN_SANDBOX_DOMAIN", Some(&format!("127.0.0.1:{port}")))
+            .run_to_exit()
+            .await;
+        if stderr.contains("[E1008]") {
+            continue;
+        }
+        assert_eq!(status.code(), Some(78), "{stderr}");
+        assert!(
+            stderr.contains("[E1005]") && stderr.contains("own listener"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains(OS_KEY));
+        return;
+    }
+    panic!("five released ports were all taken before the proxy could listen");
 }
 
 /// SPEC §7 for a plugin: SIGHUP rotates the plugin's own key. A reload that would switch
