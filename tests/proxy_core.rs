@@ -1682,8 +1682,10 @@ async fn a_socket_path_taken_over_is_left_to_its_new_owner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_loopback_listen_needs_allow_remote() {
     let pki = Pki::new();
+    // TEST-NET-1, on no interface: a proxy that skipped the refusal fails to bind rather
+    // than listen on every interface with the key.
     let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
-        .listen("0.0.0.0:0")
+        .listen("192.0.2.1:0")
         .run_to_exit()
         .await;
     assert_eq!(status.code(), Some(78), "stderr:\n{stderr}");

@@ -62,6 +62,16 @@ const AK_ID: &str = "LTAI5tAccessKeyIdExample";
 
 const E1001: &str = "[E1001] API key cannot be empty\n  Suggestion: Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.\n";
 
+/// `serve` for the runs meant to stop before they listen: should one listen after all, it
+/// takes ports of its own, not the default ones a proxy in use on this machine may hold.
+const SERVE: &[&str] = &[
+    "serve",
+    "--listen",
+    "127.0.0.1:0",
+    "--admin-listen",
+    "127.0.0.1:0",
+];
+
 /// A child that runs longer than this is killed and the test fails (nothing here should
 /// take more than a fraction of a second; a `serve` that starts by mistake would not end).
 const WATCHDOG: Duration = Duration::from_secs(60);
@@ -722,7 +732,7 @@ fn secret_in_config_toml_is_ignored_with_a_warning() {
     );
 
     // With only the half pair left, check and serve stop with E1003 (after the warnings).
-    for args in [&["check", "--offline"][..], &["serve"][..]] {
+    for args in [&["check", "--offline"][..], SERVE] {
         let out = c.run(args);
         assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
         assert!(out.stderr.contains("sandbox_api_key"), "{}", out.stderr);
@@ -733,8 +743,9 @@ fn secret_in_config_toml_is_ignored_with_a_warning() {
 #[test]
 fn secret_flags_are_refused_without_echoing_the_value() {
     let commands: &[&[&str]] = &[
-        &[],
-        &["serve"],
+        // No subcommand: serve, with its flags.
+        &SERVE[1..],
+        SERVE,
         &["check", "--offline"],
         &["config", "list"],
         &["config", "get", "region"],
@@ -828,11 +839,7 @@ fn malformed_files_name_the_file_and_line_but_not_the_content() {
             "~/.abx/.env" => c.home_dotenv(text),
             _ => c.toml(text),
         };
-        for cmd in [
-            &["config", "list"][..],
-            &["check", "--offline"][..],
-            &["serve"][..],
-        ] {
+        for cmd in [&["config", "list"][..], &["check", "--offline"][..], SERVE] {
             let out = c.run(cmd);
             assert_eq!(out.code, 78, "{label} {cmd:?}: {}", out.stderr);
             let first = out.stderr.lines().next().unwrap_or_default();
@@ -1186,7 +1193,7 @@ fn group_or_world_readable_dotenv_files_get_a_warning() {
                 &["config", "list"],
                 &["config", "get", "region"],
                 &["check", "--offline"],
-                &["serve"],
+                SERVE,
             ];
             for cmd in commands {
                 let out = c.run(cmd);
@@ -1536,6 +1543,8 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
                 "abx_proxy=loud",
                 "--listen",
                 "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
             ],
             "--log-level",
             None,
@@ -1568,7 +1577,15 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             if sub == "check" && !check_only.contains(&flag) {
                 continue;
             }
-            let args = [sub, flag, value, "--listen", "127.0.0.1:0"];
+            let args = [
+                sub,
+                flag,
+                value,
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ];
             let args = if sub == "check" {
                 &args[..3]
             } else {
@@ -1598,6 +1615,8 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
         "0",
         "--listen",
         "not-an-address",
+        "--admin-listen",
+        "127.0.0.1:0",
     ]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(!out.stderr.contains("--shutdown-grace"), "{}", out.stderr);
