@@ -411,7 +411,7 @@ async fn create(req: Request<Incoming>, state: &State) -> Result<Response<Body>,
         ));
     }
     let entrypoint = body.get("entrypoint").cloned().unwrap_or(Value::Null);
-    if !entrypoint.as_array().is_some_and(|a| !a.is_empty()) {
+    if entrypoint.as_array().is_none_or(|a| a.is_empty()) {
         return Err(bad_request(
             state,
             WHAT,

@@ -237,7 +237,7 @@ impl<B: Body + Unpin> Body for OfferedBody<B> {
     }
 
     fn is_end_stream(&self) -> bool {
-        lock(&self.0).body.as_ref().map_or(true, B::is_end_stream)
+        lock(&self.0).body.as_ref().is_none_or(B::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
