@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond the Rust toolchain, idempotently:
-# Debian's prometheus (promtool, for the /metrics format check) and the rustfmt/clippy
-# components; the Python/JS E2B SDKs are installed by scripts/e2e-deps.sh when the e2e test
-# first runs. Quiet when everything is already there.
+# Debian's prometheus (promtool, for the /metrics format check), systemd (systemd-analyze,
+# for the unit in deploy/), python3-venv (the venvs of scripts/e2e-deps.sh and
+# scripts/check-deploy.sh) and the rustfmt/clippy components; the Python/JS E2B SDKs are
+# installed by scripts/e2e-deps.sh when the e2e test first runs, with the machine's npm
+# (Node.js 20.18.1 or newer, newer than Debian 12 has). Quiet when everything is already
+# there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
+# `python3 -m venv` needs ensurepip, which Debian ships apart from python3.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need_apt[*]}"
   SUDO=""
