@@ -68,7 +68,7 @@ struct Every {
 }
 
 fn hits(n: u64, every: u64) -> bool {
-    every != 0 && n % every == 0
+    every != 0 && n.is_multiple_of(every)
 }
 
 /// The TLS stream; when `reset` is set, dropping it resets the TCP connection.
