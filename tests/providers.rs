@@ -232,6 +232,60 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
     assert!(seen[0].header("authorization").is_none());
 }
 
+/// A provider id names a directory under `providers/`, never a path: a checkout's ./.env
+/// must not be able to load a manifest (and a receipt of consent to the built-in key) kept
+/// in the checkout itself. A manifest moved to another id's directory is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_id_is_a_name_not_a_path() {
+    let home = tempfile::tempdir().expect("home");
+    let (_dir, manifest) = manifest_file(INHERITING);
+    let env = [("ABX_SANDBOX_API_KEY", API_KEY)];
+    let out = abx(
+        home.path(),
+        &env,
+        &["provider", "install", &manifest, "--consent"],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let installed = home.path().join(".abx/providers/borrower");
+    let check = |provider: String| {
+        let home = home.path().to_path_buf();
+        async move {
+            let env = [
+                ("ABX_SANDBOX_API_KEY", API_KEY),
+                ("ABX_PROVIDER", &provider),
+            ];
+            abx(&home, &env, &["check", "--offline"]).await
+        }
+    };
+    assert!(check("borrower".into()).await.status.success());
+
+    // The same files, consent receipt and all, outside providers/.
+    let elsewhere = home.path().join("checkout-plugin");
+    std::fs::create_dir(&elsewhere).expect("mkdir");
+    for file in ["abx-provider.toml", ".abx-install.json"] {
+        std::fs::copy(installed.join(file), elsewhere.join(file)).expect("copy");
+    }
+    for id in [
+        elsewhere.display().to_string(),
+        "../../checkout-plugin".to_string(),
+    ] {
+        let out = check(id.clone()).await;
+        assert_eq!(out.status.code(), Some(78), "{id}: {}", text(&out));
+        assert!(text(&out).contains("[E8002]"), "{id}: {}", text(&out));
+    }
+
+    // Installed as one id, declaring another.
+    std::fs::rename(&installed, installed.with_file_name("other")).expect("rename");
+    let out = check("other".into()).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("declares id `borrower` but is installed as `other`"),
+        "{}",
+        text(&out)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     let home = tempfile::tempdir().expect("home");
@@ -376,6 +430,14 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
             good.replace("secret = true", "secret = true\ndefault = \"k\""),
             "[config.fields.api_key]",
         ),
+        // User info would move envd's connections to another host.
+        (
+            good.replace(
+                "base_url = \"http://localhost:8080\"",
+                "base_url = \"http://localhost:8080\"\nenvd_domain = \"sbx.example@127.0.0.1:1\"",
+            ),
+            "envd_domain",
+        ),
     ];
     for (i, (text_, needle)) in cases.iter().enumerate() {
         let path = home.path().join(format!("bad{i}.toml"));
@@ -401,6 +463,22 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
     assert!(
         !home.path().join(".abx/providers/opensandbox").exists(),
         "a refused manifest was installed"
+    );
+
+    // The same rule for the field that overrides it.
+    let out = abx(home.path(), &[], &["provider", "install", E2B]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let env = [
+        ("ABX_PROVIDER", "e2b"),
+        ("ABX_E2B_API_KEY", "e2b-key"),
+        ("ABX_E2B_ENVD_DOMAIN", "e2b.app@127.0.0.1:1"),
+    ];
+    let out = abx(home.path(), &env, &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("[E1005] invalid value for e2b.envd_domain"),
+        "{}",
+        text(&out)
     );
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::error::Error;
+use crate::settings::values;
 
 /// The only manifest format this build reads.
 pub const MANIFEST_VERSION: i64 = 1;
@@ -117,6 +118,12 @@ impl Manifest {
         let base_url = string(endpoint, "base_url")
             .ok_or_else(|| err("[endpoint]", "missing endpoint.base_url".into()))?;
         let envd_domain = string(endpoint, "envd_domain");
+        if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
+            return Err(err(
+                "envd_domain",
+                format!("endpoint.envd_domain {d:?}: {}", values::DOMAIN_EXPECTED),
+            ));
+        }
         let auth = sub(endpoint, "auth")
             .ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
         let auth = match string(auth, "scheme").as_deref() {
@@ -327,7 +334,7 @@ fn string(t: &toml::Table, key: &str) -> Option<String> {
     t.get(key).and_then(toml::Value::as_str).map(str::to_string)
 }
 
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && id.starts_with(|c: char| c.is_ascii_lowercase())

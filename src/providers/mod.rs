@@ -94,6 +94,12 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
 
 /// The installed plugin `id`, if any. Consent counts only for the manifest it was given to.
 pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
+    // The id names a directory under providers/. As a path (absolute, or with `..`) it
+    // would load a manifest, and a receipt of consent to the built-in key, from anywhere:
+    // a checkout's ./.env could name one of its own.
+    if !manifest::valid_id(id) {
+        return Ok(None);
+    }
     let dir = providers_dir(abx_home).join(id);
     let path = dir.join(MANIFEST_FILE);
     let text = match std::fs::read(&path) {
@@ -107,6 +113,16 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
         }
     };
     let manifest = Manifest::parse(&String::from_utf8_lossy(&text), &path.display().to_string())?;
+    if manifest.id != id {
+        return Err(Error::Manifest {
+            path: path.display().to_string(),
+            line: 0,
+            reason: format!(
+                "declares id `{}` but is installed as `{id}`; install it again",
+                manifest.id
+            ),
+        });
+    }
     let receipt: Option<Receipt> = std::fs::read(dir.join(RECEIPT_FILE))
         .ok()
         .and_then(|r| serde_json::from_slice(&r).ok());
@@ -176,11 +192,16 @@ impl PluginSettings {
         }
     }
 
-    /// envd's domain (`envd_domain` field, else the manifest's); `None`: no envd plane.
-    pub fn envd_domain(&self) -> Option<String> {
+    /// envd's domain (`envd_domain` field, else the manifest's, checked when it was
+    /// parsed); `None`: no envd plane.
+    pub fn envd_domain(&self) -> Result<Option<String>, Error> {
         match self.field("envd_domain").and_then(|f| f.value.as_ref()) {
-            Some(v) => Some(v.shown()),
-            None => self.installed.manifest.envd_domain.clone(),
+            Some(v) if crate::settings::values::is_domain(&v.shown()) => Ok(Some(v.shown())),
+            Some(_) => Err(Error::InvalidSetting {
+                key: format!("{}.envd_domain", self.installed.manifest.id),
+                reason: crate::settings::values::DOMAIN_EXPECTED.into(),
+            }),
+            None => Ok(self.installed.manifest.envd_domain.clone()),
         }
     }
 

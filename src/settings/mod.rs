@@ -7,7 +7,7 @@
 
 pub mod keys;
 pub mod layers;
-mod values;
+pub(crate) mod values;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -414,7 +414,7 @@ impl Resolved {
                     Credential::ApiKey(key),
                     m.auth.clone(),
                     p.base_url()?,
-                    p.envd_domain(),
+                    p.envd_domain()?,
                 )
             }
         };

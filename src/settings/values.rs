@@ -197,15 +197,21 @@ pub(crate) fn check_region(region: &str) -> Result<(), Error> {
 
 /// `sandbox_domain`: a host name, optionally with a port; no scheme, no path.
 pub(crate) fn domain(raw: &str) -> Result<String, Error> {
-    let ok = raw.parse::<Authority>().is_ok() && !raw.contains('@');
-    if ok {
+    if is_domain(raw) {
         Ok(raw.to_string())
     } else {
-        Err(invalid(
-            Key::SandboxDomain,
-            "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com",
-        ))
+        Err(invalid(Key::SandboxDomain, DOMAIN_EXPECTED))
     }
+}
+
+pub(crate) const DOMAIN_EXPECTED: &str =
+    "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com";
+
+/// A host name with an optional port, and nothing else: envd is reached at
+/// `https://{port}-{id}.{domain}`, where user info (`…@host`) would move the connection to
+/// another host and a path would break every URL.
+pub(crate) fn is_domain(raw: &str) -> bool {
+    raw.parse::<Authority>().is_ok() && !raw.contains('@')
 }
 
 /// `30s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
