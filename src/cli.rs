@@ -75,6 +75,10 @@ pub enum ProviderCommand {
     },
 }
 
+/// `--max-connections` at most: far beyond any descriptor limit, and within what the
+/// connection semaphore can count (a larger number made the accept loop panic).
+const MAX_CONNECTIONS: u64 = 1 << 20;
+
 /// The settings flags shared by `serve`, `check` and `config`: one per non-secret key,
 /// and `-file` flags for the secrets.
 #[derive(Debug, Args, Clone, Default)]
@@ -114,7 +118,7 @@ pub struct SettingsArgs {
     pub access_key_secret_file: Option<PathBuf>,
     /// A plugin provider's non-secret field.
     #[arg(long, value_name = "FIELD=VALUE")]
-    pub provider_option: Vec<String>,
+    pub provider_option: Vec<ProviderOption>,
 
     // Secrets on the command line leak through `ps` and shell history. These exist only to
     // refuse them with a clear message that does not repeat the value. A value starting
@@ -195,7 +199,7 @@ pub struct ServeArgs {
     /// Most client connections served at once; beyond it new connections wait in the
     /// kernel's accept queue.
     #[arg(long, value_name = "N", default_value_t = 10_000,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_CONNECTIONS))]
     pub max_connections: usize,
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -296,7 +300,7 @@ impl SettingsArgs {
             .iter()
             .enumerate()
             .map(|(i, o)| {
-                o.split_once('=')
+                o.0.split_once('=')
                     .map(|(k, v)| (k.trim().to_string(), v.to_string()))
                     .ok_or_else(|| Error::ProviderOption {
                         field: format!("#{}", i + 1),
@@ -304,6 +308,28 @@ impl SettingsArgs {
                     })
             })
             .collect()
+    }
+}
+
+/// One `--provider-option FIELD=VALUE`. Its `Debug` shows the field only: a secret given
+/// there by mistake is refused (E8004), but the parsed arguments live on for SIGHUP.
+#[derive(Clone, Default)]
+pub struct ProviderOption(pub String);
+
+impl std::str::FromStr for ProviderOption {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(ProviderOption(s.to_string()))
+    }
+}
+
+impl std::fmt::Debug for ProviderOption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.split_once('=') {
+            Some((field, _)) => write!(f, "{field}=…"),
+            None => f.write_str("…"),
+        }
     }
 }
 
@@ -355,5 +381,24 @@ mod tests {
                 assert!(!shown.contains("cli-secret"), "{shown}");
             }
         }
+    }
+
+    /// A `--provider-option` may carry a secret by mistake (refused later, E8004): its
+    /// `Debug` shows the field only.
+    #[test]
+    fn provider_options_show_their_fields_only() {
+        let args = [
+            "abx-proxy",
+            "--provider-option",
+            "api_key=sk-option-zq91",
+            "--provider-option",
+            "no-equals-zq92",
+        ];
+        let cli = Cli::try_parse_from(args).unwrap();
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("zq9"), "{shown}");
+        assert!(shown.contains("api_key=…"), "{shown}");
+        let options = cli.serve.settings.provider_options();
+        assert!(options.is_err(), "the one without '=' is refused");
     }
 }

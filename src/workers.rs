@@ -26,14 +26,22 @@ pub fn index() -> usize {
     INDEX.with(Cell::get)
 }
 
+/// Workers at most, whatever `TOKIO_WORKER_THREADS` says: each is a thread with its own
+/// runtime, and a huge number overflowed the allocation for their handles.
+const MAX_WORKERS: usize = 1024;
+
 /// How many workers: `TOKIO_WORKER_THREADS` when set (tokio's own knob), else the CPUs this
-/// process may use (cgroup quotas included).
+/// process may use (cgroup quotas included); at most [`MAX_WORKERS`].
 pub fn count() -> usize {
-    std::env::var("TOKIO_WORKER_THREADS")
-        .ok()
+    count_from(std::env::var("TOKIO_WORKER_THREADS").ok().as_deref())
+}
+
+fn count_from(setting: Option<&str>) -> usize {
+    setting
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|n| *n > 0)
         .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()))
+        .min(MAX_WORKERS)
 }
 
 /// The running workers. They run until the process ends: the main thread decides when
@@ -76,5 +84,21 @@ impl Workers {
         F: Future<Output = ()> + Send + 'static,
     {
         drop(self.handles[n % self.handles.len()].spawn(task));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_count_is_bounded() {
+        assert_eq!(count_from(Some("3")), 3);
+        assert_eq!(count_from(Some(" 2 ")), 2);
+        assert_eq!(count_from(Some("18446744073709551615")), MAX_WORKERS);
+        let cpus = count_from(None);
+        assert!((1..=MAX_WORKERS).contains(&cpus));
+        assert_eq!(count_from(Some("0")), cpus);
+        assert_eq!(count_from(Some("many")), cpus);
     }
 }
