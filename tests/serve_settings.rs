@@ -63,6 +63,26 @@ async fn no_subcommand_serves() {
     assert!(seen[0].header("x-api-key").is_none(), "{:?}", seen[0]);
 }
 
+/// A key that cannot be a header value (a control character pasted with it) is a
+/// configuration error at start (E1005, exit 78), not a 503 "API key cannot be empty" on
+/// every request while `/readyz` says 200. The key itself is not printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_cannot_be_a_header_value_is_refused_at_start() {
+    let pki = Pki::new();
+    let (status, stderr) = ProxyCmd::new("http://127.0.0.1:9", &pki)
+        .env("ABX_SANDBOX_API_KEY", Some("sk-pasted-zq81\u{7f}"))
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains(
+            "[E1005] invalid value for sandbox_api_key: not usable as an HTTP header value"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("zq81"), "{stderr}");
+}
+
 /// SPEC §1: `--version` exits 0 and prints the package version; `--help` exits 0 and
 /// names every command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,7 +36,20 @@ impl ApiCredential {
     ) -> Result<Self, Error> {
         let Some(config) = exchange::ExchangeConfig::from_settings(settings) else {
             return match &settings.credential {
-                Credential::ApiKey(key) => Ok(ApiCredential::Static(key.clone())),
+                Credential::ApiKey(key) => {
+                    // Refused now, not by a 503 on every request while /readyz says 200.
+                    let scheme = crate::proxy::headers::AuthScheme::from(&settings.auth);
+                    if scheme.value(key).is_none() {
+                        return Err(Error::InvalidSetting {
+                            key: match &settings.plugin {
+                                Some(p) => format!("{}.api_key", p.installed.manifest.id),
+                                None => "sandbox_api_key".into(),
+                            },
+                            reason: "not usable as an HTTP header value".into(),
+                        });
+                    }
+                    Ok(ApiCredential::Static(key.clone()))
+                }
                 Credential::AccessKey { .. } => Err(Error::MissingCredential),
             };
         };

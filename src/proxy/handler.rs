@@ -63,6 +63,14 @@ const SHOULD_RETRY: http::HeaderName = http::HeaderName::from_static("should-ret
 /// A client's promise that the upstream carries out a request with the same key once.
 const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
+/// A key that cannot be sent as a header value. A static key is refused at start, so this
+/// is a temporary key from the exchange.
+fn unusable_key() -> Error {
+    Error::TokenExchange {
+        reason: "the temporary key is not usable as an HTTP header value".into(),
+    }
+}
+
 fn internal(reason: impl std::fmt::Display) -> Error {
     Error::Refused {
         reason: format!("cannot build the upstream request: {reason}"),
@@ -217,7 +225,7 @@ impl Proxy {
             // authorize
             let credential = self.credential.load_full();
             let key = credential.current().await?;
-            let auth_value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
+            let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
 
             // rewrite
             let path = parts.uri.path();
@@ -411,7 +419,7 @@ impl Proxy {
     async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
         let credential = self.credential.load_full();
         let key = credential.current().await?;
-        let value = self.auth.value(&key).ok_or(Error::MissingCredential)?;
+        let value = self.auth.value(&key).ok_or_else(unusable_key)?;
         let uri = self
             .api_base
             .join(&format!("/sandboxes/{sandbox_id}"))
