@@ -669,6 +669,62 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
     server.abort();
 }
 
+/// An HTTP/1.0 upstream (`python -m http.server` in a sandbox) is answered to the client
+/// as HTTP/1.1, the proxy's own version, on both request paths: the fast path and hyper's
+/// (a chunked request), where the upstream's "HTTP/1.0" status line went through and told
+/// the client to drop the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_upstream_is_answered_as_http_1_1() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut tmp = [0u8; 4096];
+                    match s.read(&mut tmp).await {
+                        Ok(n) if n > 0 => req.extend_from_slice(&tmp[..n]),
+                        _ => return,
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+                    .await;
+            });
+        }
+    });
+    let pki = Pki::new();
+    let proxy = traced(ProxyCmd::new(&format!("http://{upstream}"), &pki))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    for (path, extra) in [
+        ("fast", "Content-Length: 0\r\n"),
+        ("hyper", "Transfer-Encoding: chunked\r\n"),
+    ] {
+        let body = if path == "hyper" { "0\r\n\r\n" } else { "" };
+        let raw = format!("POST /x HTTP/1.1\r\nHost: {addr}\r\n{extra}\r\n{body}");
+        let mut s = connect_raw(addr).await;
+        s.write_all(raw.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        while !got.ends_with(b"hello") {
+            let mut tmp = [0u8; 4096];
+            match within("the answer", s.read(&mut tmp)).await {
+                Ok(n) if n > 0 => got.extend_from_slice(&tmp[..n]),
+                other => panic!(
+                    "{path}: {other:?} after {:?}",
+                    String::from_utf8_lossy(&got)
+                ),
+            }
+        }
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{path}: {got}");
+    }
+    proxy.finish().await;
+    server.abort();
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Request smuggling
 // ---------------------------------------------------------------------------------------

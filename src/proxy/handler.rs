@@ -489,6 +489,9 @@ impl Proxy {
         sniff: Sniff,
         upgrade: Option<Upgrade>,
     ) -> Result<Response<ProxyBody>, Failure> {
+        // An intermediary answers in its own version (RFC 9110 §6.2): an HTTP/1.0 upstream's
+        // "HTTP/1.0" status line, written by hyper's server, told 1.1 clients to close.
+        *resp.version_mut() = Version::HTTP_11;
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
