@@ -1857,6 +1857,147 @@ async fn a_client_still_uploading_after_an_early_answer_is_not_reset() {
     proxy.finish().await;
 }
 
+/// The same when the upstream itself answers early over TLS, through hyper's client, whose
+/// own task reads the request body from the client's socket: that reader is ended once the
+/// answer is out, then the rest of the body is read and dropped, and the connection closes
+/// with the body's last byte. Two readers shared the socket before: the lingering count
+/// missed what the other took, so the close waited for the 5 s idle limit (or, with the
+/// wake-ups lost, never came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_early_answer_over_tls_still_ends_the_connection() {
+    const BODY: usize = 4 * 1024 * 1024;
+    const PIECE: usize = 64 * 1024;
+    let pki = Pki::new();
+    // Answers after the head, and goes on reading the body (as a server refusing an upload
+    // can) until the connection ends.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"http/1.1"]));
+    let server = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let Ok(mut s) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let mut head = Vec::new();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let mut tmp = [0u8; 4096];
+                match s.read(&mut tmp).await {
+                    Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
+                    _ => break,
+                }
+            }
+            let answer = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig";
+            let _ = s.write_all(answer).await;
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink).await;
+        }
+    });
+    let proxy = traced(ProxyCmd::new(&format!("https://{upstream}"), &pki))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut rd, mut wr) = connect_raw(addr).await.into_split();
+    let head = format!("POST /upload HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {BODY}\r\n\r\n");
+    wr.write_all(head.as_bytes()).await.expect("head");
+    wr.write_all(&[b'x'; PIECE]).await.expect("a first piece");
+    let resp = read_response(&mut rd, &mut Vec::new()).await;
+    assert_eq!(resp.status, 413, "{}", resp.text());
+    assert_eq!(resp.header("connection"), Some("close"));
+    let uploading = tokio::spawn(async move {
+        let piece = vec![b'x'; PIECE];
+        for _ in 1..BODY / PIECE {
+            wr.write_all(&piece).await?;
+        }
+        Ok::<_, std::io::Error>((wr, Instant::now()))
+    });
+    let (wr, sent) = within("the rest of the upload", uploading)
+        .await
+        .expect("join")
+        .expect("the rest of the body was taken");
+    let mut rest = Vec::new();
+    let closed = within("the close", rd.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
+    // Not a speed target: with one reader the close needs no timer at all (here it takes
+    // milliseconds); the broken count waited out the 5 s idle limit.
+    let waited = sent.elapsed();
+    assert!(
+        waited < Duration::from_secs(4),
+        "closed {waited:?} after the body"
+    );
+    drop(wr);
+    proxy.finish().await;
+    server.abort();
+}
+
+/// A client that goes away while its answer streams (a Connect stream, a download) ends
+/// the upstream exchange at once on the proxy's own HTTP/1.1 path too, as on hyper's: the
+/// upstream connection closes, instead of at the next write that fails or the idle timeout.
+/// Also for a request with a body (Connect streams are POSTs), once the body is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_a_streamed_answer_ends_the_upstream_exchange() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream = listener.local_addr().expect("addr");
+    let (closed_tx, mut closed_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    // A head and one chunk, then nothing, until the proxy closes the connection.
+    let server = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let closed_tx = closed_tx.clone();
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut tmp = [0u8; 4096];
+                    match s.read(&mut tmp).await {
+                        Ok(n) if n > 0 => req.extend_from_slice(&tmp[..n]),
+                        _ => return,
+                    }
+                }
+                let head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n";
+                if s.write_all(head).await.is_err() {
+                    return;
+                }
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+                let _ = closed_tx.send(());
+            });
+        }
+    });
+    let pki = Pki::new();
+    let proxy = traced(ProxyCmd::new(&format!("http://{upstream}"), &pki))
+        .args(&["--idle-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    for (what, extra) in [
+        ("a GET", String::new()),
+        (
+            "a POST with a body",
+            "Content-Length: 2\r\n\r\n{}".to_string(),
+        ),
+    ] {
+        let (method, extra) = match extra.is_empty() {
+            true => ("GET", "\r\n".to_string()),
+            false => ("POST", extra),
+        };
+        let raw = format!("{method} /stream HTTP/1.1\r\nHost: {addr}\r\n{extra}");
+        let mut s = connect_raw(addr).await;
+        s.write_all(raw.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        while !got.windows(5).any(|w| w == b"hello") {
+            let mut tmp = [0u8; 4096];
+            match within("the first chunk", s.read(&mut tmp)).await {
+                Ok(n) if n > 0 => got.extend_from_slice(&tmp[..n]),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        drop(s);
+        within("the upstream connection to close", closed_rx.recv())
+            .await
+            .unwrap_or_else(|| panic!("{what}"));
+    }
+    proxy.finish().await;
+    server.abort();
+}
+
 /// A client that hangs up while its request waits for the upstream still gets its request
 /// counted and logged, as 499 (nginx's "client closed request"), and in-flight returns to 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

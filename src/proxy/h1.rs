@@ -24,6 +24,7 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures_util::task::AtomicWaker;
 use futures_util::FutureExt;
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, EXPECT, TRANSFER_ENCODING, UPGRADE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
@@ -31,7 +32,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use super::body;
 use super::framing;
@@ -73,8 +74,10 @@ impl Sock {
     }
 
     /// Waits for readiness through the socket's one reader slot: `readable()` queues a
-    /// waiter on a list per call instead, under a lock, and takes it out again. Only the
-    /// connection's own task reads the socket, so the one slot is enough.
+    /// waiter on a list per call instead, under a lock, and takes it out again. One reader
+    /// at a time is enough: the connection's task, or a request body's reader, which may
+    /// be polled in another task (hyper's client); the connection reads again only once
+    /// that reader is gone (see [`Shared`]).
     async fn readable(&self) -> io::Result<()> {
         std::future::poll_fn(|cx| self.poll_read_ready(cx)).await
     }
@@ -155,6 +158,22 @@ struct Shared {
     /// Bytes of the current request body not yet read; the connection can carry another
     /// request only once this is 0.
     body_left: AtomicU64,
+    /// Set once the answer went out with the body unread: the body's reader ends instead of
+    /// reading on, so that the connection can read (and drop) the rest itself.
+    abandoned: AtomicBool,
+    /// The body reader's waker while it waits, to end it at once when abandoned.
+    reader: AtomicWaker,
+    /// Notified when the body's reader is dropped.
+    released: Notify,
+}
+
+impl Shared {
+    /// The request body's reader is gone: nobody but the connection reads the socket.
+    async fn reader_released(self: &Arc<Self>) {
+        while Arc::strong_count(self) > 1 {
+            self.released.notified().await;
+        }
+    }
 }
 
 /// Serves requests until the client closes, a timeout or the drain ends the connection,
@@ -163,6 +182,9 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
     let shared = Arc::new(Shared {
         sock,
         body_left: AtomicU64::new(0),
+        abandoned: AtomicBool::new(false),
+        reader: AtomicWaker::new(),
+        released: Notify::new(),
     });
     // One drain watch for the connection's whole life: a fresh `wait_for` per idle wait
     // would register with the watch and leave it again on every request.
@@ -213,15 +235,21 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         // kept in the task (see the head above).
         let write = {
             let waiting = ctx.activity.awaiting();
-            let resp = if length == 0 {
-                // A client that hangs up while waiting takes its request with it (hyper does
-                // the same): the handler is dropped, the upstream exchange cancelled.
-                tokio::select! {
-                    r = handled => r,
-                    () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+            // A client that hangs up while waiting takes its request with it (hyper does the
+            // same): the handler is dropped, the upstream exchange cancelled. With a body,
+            // watched once the body is read and its reader gone: until then it reads.
+            let gone = async {
+                if length != 0 {
+                    shared.reader_released().await;
+                    if shared.body_left.load(Ordering::Relaxed) != 0 {
+                        return std::future::pending().await;
+                    }
                 }
-            } else {
-                handled.await
+                client_gone(&shared.sock, &mut buf).await
+            };
+            let resp = tokio::select! {
+                r = handled => r,
+                () = gone => return Outcome::Closed,
             };
             drop(waiting);
             close |= *stop.borrow();
@@ -235,17 +263,50 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         };
         let written = match write {
             Write::Done(written) => written,
+            // A streamed answer (a Connect stream, a download) stops when the client goes,
+            // rather than at the next write that fails, or the idle timeout.
+            Write::Later(writing)
+                if Arc::strong_count(&shared) == 1
+                    && shared.body_left.load(Ordering::Relaxed) == 0 =>
+            {
+                tokio::select! {
+                    w = writing => w,
+                    () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+                }
+            }
             Write::Later(writing) => writing.await,
         };
-        let unread = shared.body_left.load(Ordering::Relaxed);
-        if written && unread != 0 {
+        if written && shared.body_left.load(Ordering::Relaxed) != 0 {
             // Boxed: rare, and inline its timers would grow every connection's task.
-            Box::pin(linger(&shared.sock, unread, &mut buf, stop)).await;
+            Box::pin(after_early_answer(&shared, &mut buf, stop)).await;
             return Outcome::Closed;
         }
         if !written || close || *stop.borrow() {
             return Outcome::Closed;
         }
+    }
+}
+
+/// The answer went out with the body unread. Its reader may live on in another task
+/// (hyper's client polls the body it sends upstream): it is ended first, as two readers
+/// cannot share the socket, then the rest of the body is read and dropped.
+async fn after_early_answer(
+    shared: &Arc<Shared>,
+    buf: &mut BytesMut,
+    stop: &mut watch::Receiver<bool>,
+) {
+    if Arc::strong_count(shared) > 1 {
+        shared.abandoned.store(true, Ordering::Release);
+        shared.reader.wake();
+        let released = tokio::time::timeout(LINGER_IDLE, shared.reader_released()).await;
+        if released.is_err() {
+            // Still held somewhere: it will not read again, and the socket closes with it.
+            return;
+        }
+    }
+    let unread = shared.body_left.load(Ordering::Relaxed);
+    if unread != 0 {
+        linger(&shared.sock, unread, buf, stop).await;
     }
 }
 
@@ -555,6 +616,12 @@ impl Body for FastBody {
         }
         let this = &mut *self;
         loop {
+            if this.shared.abandoned.load(Ordering::Acquire) {
+                return Poll::Ready(Some(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "answered before the body was read",
+                ))));
+            }
             let want = this.left.min(BODY_READ as u64) as usize;
             // The last piece has usually gone upstream by now: take its memory back
             // rather than allocate (and, at this size, map) a new one.
@@ -581,6 +648,10 @@ impl Body for FastBody {
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    this.shared.reader.register(cx.waker());
+                    if this.shared.abandoned.load(Ordering::Acquire) {
+                        continue;
+                    }
                     ready!(this.shared.sock.poll_read_ready(cx))?;
                 }
                 Err(e) => return Poll::Ready(Some(Err(e))),
@@ -594,6 +665,13 @@ impl Body for FastBody {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(self.left + self.prefix.as_ref().map_or(0, |p| p.len() as u64))
+    }
+}
+
+impl Drop for FastBody {
+    fn drop(&mut self) {
+        // Stores a permit when nobody waits yet: `reader_released` cannot miss it.
+        self.shared.released.notify_one();
     }
 }
 
