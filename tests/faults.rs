@@ -629,14 +629,20 @@ async fn a_tls_handshake_that_never_answers_is_a_connect_timeout() {
     proxy.finish().await;
 }
 
-/// An `https` control plane (hyper's client, which may negotiate HTTP/2) that ends the
-/// connection in the middle of its answer's head is `reset`, "connection closed early", as
-/// the same fault is over plain HTTP (the proxy's own client) and mid-body on either.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tls_upstream_closing_mid_head_is_a_reset() {
-    let pki = Pki::new();
+/// What a [`tls_upstream`] does once a request head has arrived.
+#[derive(Clone, Copy)]
+enum AfterHead {
+    /// Writes these bytes and closes (close_notify, then FIN).
+    WriteAndClose(&'static [u8]),
+    /// Writes these bytes, then reads (and drops) whatever comes until the client closes.
+    WriteAndRead(&'static [u8]),
+}
+
+/// A raw HTTP/1.1-over-TLS upstream (`https://` URL, trusted by `pki`) that answers each
+/// connection's first request head as `after` says: for answers hyper would not give.
+async fn tls_upstream(pki: &Pki, after: AfterHead) -> (String, tokio::task::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = listener.local_addr().expect("addr");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
     let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"http/1.1"]));
     let server = tokio::spawn(async move {
         while let Ok((tcp, _)) = listener.accept().await {
@@ -651,11 +657,29 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
                     _ => break,
                 }
             }
-            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Le").await;
-            let _ = s.shutdown().await;
+            match after {
+                AfterHead::WriteAndClose(bytes) => {
+                    let _ = s.write_all(bytes).await;
+                    let _ = s.shutdown().await;
+                }
+                AfterHead::WriteAndRead(bytes) => {
+                    let _ = s.write_all(bytes).await;
+                    let _ = s.read_to_end(&mut Vec::new()).await;
+                }
+            }
         }
     });
-    let url = format!("https://{upstream}");
+    (url, server)
+}
+
+/// An `https` control plane (hyper's client, which may negotiate HTTP/2) that ends the
+/// connection in the middle of its answer's head is `reset`, "connection closed early", as
+/// the same fault is over plain HTTP (the proxy's own client) and mid-body on either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_upstream_closing_mid_head_is_a_reset() {
+    let pki = Pki::new();
+    let half_head = AfterHead::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Le");
+    let (url, server) = tls_upstream(&pki, half_head).await;
     let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
     let resp = get(proxy.addr(), "/sandboxes").await;
     assert_proxy_error(&resp, 502, "E5001");
@@ -1870,31 +1894,9 @@ async fn an_upstreams_early_answer_over_tls_still_ends_the_connection() {
     let pki = Pki::new();
     // Answers after the head, and goes on reading the body (as a server refusing an upload
     // can) until the connection ends.
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = listener.local_addr().expect("addr");
-    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"http/1.1"]));
-    let server = tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let Ok(mut s) = acceptor.accept(tcp).await else {
-                continue;
-            };
-            let mut head = Vec::new();
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                let mut tmp = [0u8; 4096];
-                match s.read(&mut tmp).await {
-                    Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
-                    _ => break,
-                }
-            }
-            let answer = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig";
-            let _ = s.write_all(answer).await;
-            let mut sink = Vec::new();
-            let _ = s.read_to_end(&mut sink).await;
-        }
-    });
-    let proxy = traced(ProxyCmd::new(&format!("https://{upstream}"), &pki))
-        .spawn()
-        .await;
+    let too_large = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig";
+    let (url, server) = tls_upstream(&pki, AfterHead::WriteAndRead(too_large)).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
     let addr = proxy.addr();
     let (mut rd, mut wr) = connect_raw(addr).await.into_split();
     let head = format!("POST /upload HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {BODY}\r\n\r\n");

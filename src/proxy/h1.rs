@@ -236,20 +236,25 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         let write = {
             let waiting = ctx.activity.awaiting();
             // A client that hangs up while waiting takes its request with it (hyper does the
-            // same): the handler is dropped, the upstream exchange cancelled. With a body,
-            // watched once the body is read and its reader gone: until then it reads.
-            let gone = async {
-                if length != 0 {
+            // same): the handler is dropped, the upstream exchange cancelled.
+            let resp = if length == 0 {
+                tokio::select! {
+                    r = handled => r,
+                    () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
+                }
+            } else {
+                // With a body, once it is read and its reader gone: until then that reads.
+                let gone = async {
                     shared.reader_released().await;
                     if shared.body_left.load(Ordering::Relaxed) != 0 {
                         return std::future::pending().await;
                     }
+                    client_gone(&shared.sock, &mut buf).await
+                };
+                tokio::select! {
+                    r = handled => r,
+                    () = gone => return Outcome::Closed,
                 }
-                client_gone(&shared.sock, &mut buf).await
-            };
-            let resp = tokio::select! {
-                r = handled => r,
-                () = gone => return Outcome::Closed,
             };
             drop(waiting);
             close |= *stop.borrow();
