@@ -629,47 +629,84 @@ async fn a_tls_handshake_that_never_answers_is_a_connect_timeout() {
     proxy.finish().await;
 }
 
-/// What a [`tls_upstream`] does once a request head has arrived.
+/// What a [`RawUpstream`] does once a request head has arrived.
 #[derive(Clone, Copy)]
 enum AfterHead {
-    /// Writes these bytes and closes (close_notify, then FIN).
+    /// Writes these bytes and closes (over TLS: close_notify, then FIN).
     WriteAndClose(&'static [u8]),
-    /// Writes these bytes, then reads (and drops) whatever comes until the client closes.
+    /// Writes these bytes, then reads (and drops) whatever comes until the proxy closes.
     WriteAndRead(&'static [u8]),
 }
 
-/// A raw HTTP/1.1-over-TLS upstream (`https://` URL, trusted by `pki`) that answers each
-/// connection's first request head as `after` says: for answers hyper would not give.
-async fn tls_upstream(pki: &Pki, after: AfterHead) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("https://{}", listener.local_addr().expect("addr"));
-    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"http/1.1"]));
-    let server = tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let Ok(mut s) = acceptor.accept(tcp).await else {
-                continue;
-            };
-            let mut head = Vec::new();
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                let mut tmp = [0u8; 4096];
-                match s.read(&mut tmp).await {
-                    Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
-                    _ => break,
-                }
+/// A raw HTTP/1.1 upstream, over TLS trusted by `pki` when given, that answers each
+/// connection's first request head as `after` says: answers hyper would not give.
+struct RawUpstream {
+    url: String,
+    /// One message per connection that has ended.
+    closed: tokio::sync::mpsc::UnboundedReceiver<()>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl RawUpstream {
+    async fn start(pki: Option<&Pki>, after: AfterHead) -> RawUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let scheme = if pki.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", listener.local_addr().expect("addr"));
+        let acceptor =
+            pki.map(|p| tokio_rustls::TlsAcceptor::from(p.server_config(&[b"http/1.1"])));
+        let (ended, closed) = tokio::sync::mpsc::unbounded_channel();
+        let server = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, ended) = (acceptor.clone(), ended.clone());
+                tokio::spawn(async move {
+                    match acceptor {
+                        Some(a) => {
+                            if let Ok(tls) = a.accept(tcp).await {
+                                Self::answer(tls, after).await;
+                            }
+                        }
+                        None => Self::answer(tcp, after).await,
+                    }
+                    let _ = ended.send(());
+                });
             }
-            match after {
-                AfterHead::WriteAndClose(bytes) => {
-                    let _ = s.write_all(bytes).await;
-                    let _ = s.shutdown().await;
-                }
-                AfterHead::WriteAndRead(bytes) => {
-                    let _ = s.write_all(bytes).await;
-                    let _ = s.read_to_end(&mut Vec::new()).await;
-                }
+        });
+        RawUpstream {
+            url,
+            closed,
+            server,
+        }
+    }
+
+    async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+        mut s: S,
+        after: AfterHead,
+    ) {
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
+                _ => return,
             }
         }
-    });
-    (url, server)
+        match after {
+            AfterHead::WriteAndClose(bytes) => {
+                let _ = s.write_all(bytes).await;
+                let _ = s.shutdown().await;
+            }
+            AfterHead::WriteAndRead(bytes) => {
+                let _ = s.write_all(bytes).await;
+                let _ = s.read_to_end(&mut Vec::new()).await;
+            }
+        }
+    }
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
 }
 
 /// An `https` control plane (hyper's client, which may negotiate HTTP/2) that ends the
@@ -679,8 +716,8 @@ async fn tls_upstream(pki: &Pki, after: AfterHead) -> (String, tokio::task::Join
 async fn a_tls_upstream_closing_mid_head_is_a_reset() {
     let pki = Pki::new();
     let half_head = AfterHead::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Le");
-    let (url, server) = tls_upstream(&pki, half_head).await;
-    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let upstream = RawUpstream::start(Some(&pki), half_head).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
     let resp = get(proxy.addr(), "/sandboxes").await;
     assert_proxy_error(&resp, 502, "E5001");
     assert!(
@@ -690,7 +727,6 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
     );
     assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "reset");
     proxy.finish().await;
-    server.abort();
 }
 
 /// An HTTP/1.0 upstream (`python -m http.server` in a sandbox) is answered to the client
@@ -699,29 +735,10 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
 /// the client to drop the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_1_0_upstream_is_answered_as_http_1_1() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = listener.local_addr().expect("addr");
-    let server = tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut req = Vec::new();
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut tmp = [0u8; 4096];
-                    match s.read(&mut tmp).await {
-                        Ok(n) if n > 0 => req.extend_from_slice(&tmp[..n]),
-                        _ => return,
-                    }
-                }
-                let _ = s
-                    .write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello")
-                    .await;
-            });
-        }
-    });
+    let http10 = b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello";
+    let upstream = RawUpstream::start(None, AfterHead::WriteAndClose(http10)).await;
     let pki = Pki::new();
-    let proxy = traced(ProxyCmd::new(&format!("http://{upstream}"), &pki))
-        .spawn()
-        .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
     let addr = proxy.addr();
     for (path, extra) in [
         ("fast", "Content-Length: 0\r\n"),
@@ -746,7 +763,6 @@ async fn an_http_1_0_upstream_is_answered_as_http_1_1() {
         assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{path}: {got}");
     }
     proxy.finish().await;
-    server.abort();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1895,8 +1911,8 @@ async fn an_upstreams_early_answer_over_tls_still_ends_the_connection() {
     // Answers after the head, and goes on reading the body (as a server refusing an upload
     // can) until the connection ends.
     let too_large = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig";
-    let (url, server) = tls_upstream(&pki, AfterHead::WriteAndRead(too_large)).await;
-    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let upstream = RawUpstream::start(Some(&pki), AfterHead::WriteAndRead(too_large)).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
     let addr = proxy.addr();
     let (mut rd, mut wr) = connect_raw(addr).await.into_split();
     let head = format!("POST /upload HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {BODY}\r\n\r\n");
@@ -1928,7 +1944,6 @@ async fn an_upstreams_early_answer_over_tls_still_ends_the_connection() {
     );
     drop(wr);
     proxy.finish().await;
-    server.abort();
 }
 
 /// A client that goes away while its answer streams (a Connect stream, a download) ends
@@ -1937,34 +1952,11 @@ async fn an_upstreams_early_answer_over_tls_still_ends_the_connection() {
 /// Also for a request with a body (Connect streams are POSTs), once the body is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_a_streamed_answer_ends_the_upstream_exchange() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let upstream = listener.local_addr().expect("addr");
-    let (closed_tx, mut closed_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     // A head and one chunk, then nothing, until the proxy closes the connection.
-    let server = tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let closed_tx = closed_tx.clone();
-            tokio::spawn(async move {
-                let mut req = Vec::new();
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut tmp = [0u8; 4096];
-                    match s.read(&mut tmp).await {
-                        Ok(n) if n > 0 => req.extend_from_slice(&tmp[..n]),
-                        _ => return,
-                    }
-                }
-                let head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n";
-                if s.write_all(head).await.is_err() {
-                    return;
-                }
-                let mut sink = Vec::new();
-                let _ = s.read_to_end(&mut sink).await;
-                let _ = closed_tx.send(());
-            });
-        }
-    });
+    let stream = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n";
+    let mut upstream = RawUpstream::start(None, AfterHead::WriteAndRead(stream)).await;
     let pki = Pki::new();
-    let proxy = traced(ProxyCmd::new(&format!("http://{upstream}"), &pki))
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki))
         .args(&["--idle-timeout", "120s"])
         .spawn()
         .await;
@@ -1992,12 +1984,11 @@ async fn a_client_leaving_a_streamed_answer_ends_the_upstream_exchange() {
             }
         }
         drop(s);
-        within("the upstream connection to close", closed_rx.recv())
+        within("the upstream connection to close", upstream.closed.recv())
             .await
             .unwrap_or_else(|| panic!("{what}"));
     }
     proxy.finish().await;
-    server.abort();
 }
 
 /// A client that hangs up while its request waits for the upstream still gets its request
