@@ -40,8 +40,15 @@ pub fn warning(text: &str) {
     if JSON_LOGS.load(Ordering::Acquire) {
         tracing::warn!("{text}");
     } else {
-        eprintln!("warning: {text}");
+        stderr_line(&format!("warning: {text}"));
     }
+}
+
+/// One line on stderr, or nothing when stderr is gone: `eprintln!` panics then, and a
+/// terminal closed under a running proxy (SIGHUP, which reloads) must not turn every log
+/// line into a panic, nor the exit code of a failed start into 101.
+pub fn stderr_line(text: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{text}");
 }
 
 pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
@@ -51,10 +58,13 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .unwrap_or_else(|| EnvFilter::new(default));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
+    // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
+    // which panics when stderr is what failed (see `stderr_line`).
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     let installed = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder

@@ -30,10 +30,10 @@ fn main() -> ExitCode {
         Command::Provider { .. } => None,
     };
     if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
-        eprintln!(
+        logging::stderr_line(&format!(
             "error: {} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
             refused.0, refused.1
-        );
+        ));
         return ExitCode::from(EXIT_USAGE as u8);
     }
     let result: Result<i32, Error> = match &command {
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("{}", e.render());
+            logging::stderr_line(&e.render());
             ExitCode::from(e.exit_code() as u8)
         }
     }

@@ -108,8 +108,12 @@ async fn serve(
         tokio::spawn(reload);
     }
 
-    terminate.next().await;
-    tracing::info!(grace_s = options.shutdown_grace.as_secs_f64(), "draining");
+    let first = terminate.next().await;
+    tracing::info!(
+        signal = first.name(),
+        grace_s = options.shutdown_grace.as_secs_f64(),
+        "draining"
+    );
     proxy.start_draining();
     let _ = stop_tx.send(true);
     // The accept loop returns after dropping the listener: new connections are refused.
@@ -121,7 +125,7 @@ async fn serve(
     tracing::info!(open = stop_tx.receiver_count(), "listener closed");
     let clean = tokio::select! {
         clean = listener::drain(&stop_tx, options.shutdown_grace) => clean,
-        () = terminate.next() => {
+        () = terminate.again(first) => {
             tracing::warn!("second signal: closing what is left now");
             false
         }

@@ -1,5 +1,5 @@
-//! Signals: SIGTERM/SIGINT start the drain, and a second one ends it; SIGHUP asks for a
-//! reload.
+//! Signals: SIGTERM/SIGINT start the drain, and a second one of the same kind ends it;
+//! SIGHUP asks for a reload.
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
@@ -23,15 +23,47 @@ impl Terminate {
         Terminate { signals }
     }
 
-    /// Resolves at the next SIGTERM or SIGINT: the first starts the drain; a second one
-    /// (Ctrl-C pressed again) cuts the grace period short.
-    pub async fn next(&mut self) {
+    /// Resolves at the next SIGTERM or SIGINT, saying which.
+    pub async fn next(&mut self) -> Stop {
         let Some((term, int)) = &mut self.signals else {
             return std::future::pending().await;
         };
         tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+            _ = term.recv() => Stop::Term,
+            _ = int.recv() => Stop::Int,
+        }
+    }
+
+    /// Resolves at the next signal of the kind that started the drain (`first`): Ctrl-C
+    /// pressed again, or a second SIGTERM. The other kind does not count: Ctrl-C reaches a
+    /// supervisor's whole process group as SIGINT, and the supervisor then sends its own
+    /// SIGTERM, which must not cut the grace period the first one began.
+    pub async fn again(&mut self, first: Stop) {
+        loop {
+            let next = self.next().await;
+            if next == first {
+                return;
+            }
+            tracing::info!(
+                signal = next.name(),
+                "not the signal that started the drain: the drain goes on"
+            );
+        }
+    }
+}
+
+/// Which stop signal came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    Term,
+    Int,
+}
+
+impl Stop {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stop::Term => "SIGTERM",
+            Stop::Int => "SIGINT",
         }
     }
 }

@@ -1125,10 +1125,12 @@ async fn drains_in_flight_requests_on(signal: &str) {
     assert_no_key(&proxy.stderr(), "the proxy's stderr");
 }
 
-/// A second SIGTERM or SIGINT during the drain (Ctrl-C pressed again) ends it at once:
-/// what is left is closed and the exit is 0, instead of waiting out `--shutdown-grace`.
+/// A second signal of the kind that started the drain (Ctrl-C pressed again, a second
+/// SIGTERM) ends it at once: what is left is closed and the exit is 0, instead of waiting
+/// out `--shutdown-grace`. The other kind does not: Ctrl-C under a supervisor sends SIGINT
+/// to the group, then the supervisor its SIGTERM, and that must not cut the drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_signal_ends_the_drain_at_once() {
+async fn a_second_signal_of_the_same_kind_ends_the_drain_at_once() {
     let pki = Pki::new();
     let (_release, held) = oneshot::channel::<()>();
     let held = Arc::new(tokio::sync::Mutex::new(Some(held)));
@@ -1150,8 +1152,14 @@ async fn a_second_signal_ends_the_drain_at_once() {
     let addr = proxy.addr();
     let in_flight = tokio::spawn(send_raw_get(addr));
     upstream.next_request().await;
-    proxy.signal("TERM");
+    proxy.signal("INT");
     proxy.wait_for_line("listener closed").await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("the drain goes on").await;
+    assert!(
+        !proxy.has_exited(),
+        "the other kind of signal ended the drain"
+    );
     proxy.signal("INT");
     proxy.wait_for_line("second signal").await;
     let status = proxy.wait_exit().await;
@@ -1550,6 +1558,87 @@ async fn unix_socket_listener_serves_requests() {
     drop(client);
     proxy.finish().await;
     assert!(!sock.exists(), "the socket file is removed at exit");
+}
+
+/// A stderr that cannot be written (the terminal closed under a running proxy, a full disk,
+/// a pipe whose reader left) stops nothing: the lines are dropped, requests are answered,
+/// SIGTERM ends it with 0, and a start that fails still exits with its own code (78), not a
+/// panic's 101. Every log line panicked before (`eprintln!` in tracing's error report).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stderr_that_cannot_be_written_stops_nothing() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("abx.sock");
+    let full = || {
+        let f = std::fs::OpenOptions::new().write(true).open("/dev/full");
+        std::process::Stdio::from(f.expect("/dev/full"))
+    };
+    let abx = |key: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        cmd.env_clear()
+            .env("HOME", dir.path())
+            .env("ABX_HOME", dir.path().join(".abx"))
+            .current_dir(dir.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(full());
+        if let Some(key) = key {
+            cmd.env("ABX_SANDBOX_API_KEY", key);
+        }
+        cmd
+    };
+
+    let mut cmd = abx(Some(API_KEY));
+    let listen = format!("unix:{}", sock.display());
+    let ca = pki.ca_pem.display().to_string();
+    cmd.args([
+        "serve",
+        "--listen",
+        &listen,
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .args(["--sandbox-base-url", &upstream.url(), "--upstream-ca", &ca])
+    .args(["--log-level", "debug"]);
+    let mut child = cmd.spawn().expect("spawn");
+    // No line on stderr to wait for: the socket taking connections is the sign.
+    within("the proxy to listen", async {
+        while tokio::net::UnixStream::connect(&sock).await.is_err() {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                panic!("the proxy exited: {status}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(
+            send_unix(&sock, "/sandboxes").await.status(),
+            StatusCode::OK
+        );
+    }
+    let pid = child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    assert!(killed.expect("kill").success());
+    let status = within("the exit", async {
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(status.code(), Some(0));
+
+    let out = abx(None)
+        .args(["check", "--offline"])
+        .status()
+        .expect("check");
+    assert_eq!(out.code(), Some(78), "no key: E1001's exit code");
 }
 
 /// `GET path` (with a dummy client key) on a fresh connection to the unix socket `sock`.
