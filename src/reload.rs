@@ -50,6 +50,17 @@ pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
     }
 }
 
+/// The running settings with `next`'s credential: only the credential is swapped, so the
+/// settings logged as applying at the next restart (`token_ttl`, `token_refresh_before`)
+/// do not come into force with the new key's refresher meanwhile.
+fn with_credential_of(running: &Settings, next: &Settings) -> Settings {
+    Settings {
+        credential: next.credential.clone(),
+        plugin: next.plugin.clone(),
+        ..running.clone()
+    }
+}
+
 /// The settings that decide where the credential goes and how it is attached.
 fn destination_changes(a: &Settings, b: &Settings) -> Vec<&'static str> {
     let mut moved = Vec::new();
@@ -142,7 +153,8 @@ pub async fn on_hangup(
                 restart
             }
             Plan::Swap { restart } => {
-                let credential = match ApiCredential::start(&next, &options, &proxy.metrics) {
+                let swapped = with_credential_of(&running, &next);
+                let credential = match ApiCredential::start(&swapped, &options, &proxy.metrics) {
                     Ok(credential) => credential,
                     Err(e) => {
                         tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
@@ -236,6 +248,26 @@ mod tests {
                 restart: names(&["token_ttl"])
             }
         );
+    }
+
+    /// A new AK/SK pair with a new `token_ttl` in the same reload: the pair is swapped, the
+    /// TTL (logged as applying at the next restart) is not, for the new refresher either.
+    #[test]
+    fn a_swap_takes_the_credential_only() {
+        let a = settings(&[(Key::AccessKeyId, "LTAI-one"), (Key::AccessKeySecret, "s1")]);
+        let b = settings(&[
+            (Key::AccessKeyId, "LTAI-two"),
+            (Key::AccessKeySecret, "s2"),
+            (Key::TokenTtl, "600"),
+            (Key::TokenRefreshBefore, "60"),
+        ]);
+        let changed = names(&["access_key_id", "access_key_secret", "token_ttl"]);
+        assert!(matches!(plan(&a, &b, &changed), Plan::Swap { .. }));
+        let swapped = with_credential_of(&a, &b);
+        assert_eq!(swapped.credential, b.credential);
+        assert_eq!(swapped.token_ttl, a.token_ttl);
+        assert_eq!(swapped.token_refresh_before, a.token_refresh_before);
+        assert_ne!(a.token_ttl, b.token_ttl);
     }
 
     #[test]
