@@ -52,9 +52,10 @@ pub fn stderr_line(text: &str) {
 }
 
 pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
+    let mut refused = None;
     let filter = level
         .and_then(|l| EnvFilter::try_new(l).ok())
-        .or_else(|| EnvFilter::try_from_default_env().ok())
+        .or_else(|| rust_log(&mut refused))
         .unwrap_or_else(|| EnvFilter::new(default));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
@@ -84,6 +85,23 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         };
         FAST_FORMAT.store(fast, Ordering::Release);
     }
+    if let Some(why) = refused {
+        warning(&format!(
+            "RUST_LOG is not a filter ({why}); logging at {default:?}"
+        ));
+    }
+}
+
+/// `RUST_LOG`, when set to something: blank is unset, as for every setting (SPEC §2; a
+/// `RUST_LOG=${RUST_LOG}` in a manifest would otherwise turn every line off), and a filter
+/// that does not parse is said so in `refused`, not dropped without a word.
+fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
+    let raw = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())?;
+    EnvFilter::try_new(&raw)
+        .map_err(|e| *refused = Some(e.to_string()))
+        .ok()
 }
 
 /// The fields of one access line (SPEC §7), in the order they are printed.
@@ -107,6 +125,13 @@ pub fn access(
     elapsed: Duration,
     upstream: &str,
 ) {
+    let escaped;
+    let path = if path.is_ascii() {
+        path
+    } else {
+        escaped = escape_non_ascii(path);
+        &escaped
+    };
     let line = AccessLine {
         method,
         path,
@@ -121,6 +146,21 @@ pub fn access(
         _ => return access_via_tracing(&line),
     };
     access_with(format, &line, emit);
+}
+
+/// A path's non-ASCII bytes percent-encoded, as a client would have sent them: hyper and
+/// httparse accept raw UTF-8 in a target, and written as is, U+2028 or U+0085 end the line
+/// for a Unicode-aware reader and U+202E turns its display around.
+fn escape_non_ascii(path: &str) -> String {
+    let mut out = String::with_capacity(path.len() * 3);
+    for b in path.bytes() {
+        if b.is_ascii() {
+            out.push(char::from(b));
+        } else {
+            let _ = std::fmt::Write::write_fmt(&mut out, format_args!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Up to this many bytes of access lines go out in one `write`: `PIPE_BUF`, below which a
@@ -1066,7 +1106,12 @@ mod tests {
         );
         let line = child_line();
         log_access(&line);
-        access_via_tracing(&line);
+        // `access` gives the path's non-ASCII bytes percent-encoded: tracing gets the same.
+        let escaped = escape_non_ascii(line.path);
+        access_via_tracing(&AccessLine {
+            path: &escaped,
+            ..line
+        });
     }
 
     /// The child half of `a_batching_thread_writes_whole_lines_in_order`.
@@ -1218,7 +1263,12 @@ mod tests {
                 } else {
                     LogFormat::Text
                 };
-                expected.push_str(&ours(format, UNIX_EPOCH, &child_line()));
+                let escaped = escape_non_ascii(child_line().path);
+                let line = AccessLine {
+                    path: &escaped,
+                    ..child_line()
+                };
+                expected.push_str(&ours(format, UNIX_EPOCH, &line));
                 assert_eq!(fast[skip..], expected[skip..], "{spec}");
             }
         }

@@ -122,7 +122,9 @@ async fn serve(
         reason: e.to_string(),
     })?;
     // From here a connect is refused: operators (and tests) can tell the drain has begun.
-    tracing::info!(open = stop_tx.receiver_count(), "listener closed");
+    // The gauge, not the drain watch's receivers: a connection holds several of those.
+    let open = proxy.metrics.open_connections.get();
+    tracing::info!(open, "listener closed");
     let clean = tokio::select! {
         clean = listener::drain(&stop_tx, options.shutdown_grace) => clean,
         () = terminate.again(first) => {

@@ -183,6 +183,15 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         ),
         Some(8.0)
     );
+    // The buckets reach the default --upstream-timeout: a 504 after 300 s is not just +Inf.
+    assert_eq!(
+        series(
+            &after,
+            "abx_proxy_request_duration_seconds_bucket",
+            &[("plane", "api"), ("le", "300")]
+        ),
+        Some(8.0)
+    );
     assert_eq!(
         series(&after, "abx_proxy_in_flight_requests", &[("plane", "api")]),
         Some(0.0)
@@ -767,6 +776,37 @@ async fn text_logs_name_the_path_never_the_query_string() {
     }
 }
 
+/// A target may carry raw UTF-8 (hyper and httparse accept it): its access line gives the
+/// path percent-encoded, so that U+2028 / U+0085 cannot split the line for a Unicode-aware
+/// reader nor U+202E turn its display around. In both formats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_lines_percent_encode_raw_utf8_in_paths() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    for json in [false, true] {
+        let mut cmd = ProxyCmd::new(&upstream.url(), &pki);
+        if json {
+            cmd = cmd.args(&["--log-format", "json"]);
+        }
+        let proxy = cmd.spawn().await;
+        let addr = proxy.addr();
+        let mut raw =
+            b"GET /u/\xc3\xa9/\xe2\x80\xa8/\xe2\x80\xae/\xc2\x85/x HTTP/1.1\r\nHost: ".to_vec();
+        raw.extend_from_slice(format!("{addr}\r\n\r\n").as_bytes());
+        assert_eq!(raw_exchange(addr, &raw).await.status, 200);
+        let stderr = proxy.finish().await;
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("/u/"))
+            .unwrap_or_else(|| panic!("no access line:\n{stderr}"));
+        assert!(
+            line.contains("/u/%C3%A9/%E2%80%A8/%E2%80%AE/%C2%85/x"),
+            "json {json}: {line}"
+        );
+        assert!(line.is_ascii(), "json {json}: {line}");
+    }
+}
+
 /// `RUST_LOG` applies when `--log-level` is not given (SPEC §7): `RUST_LOG=debug` shows
 /// the DEBUG lines the default (`info`) would not. A `--log-level` that is given wins
 /// over it.
@@ -795,6 +835,24 @@ async fn rust_log_applies_when_log_level_is_not_given() {
         "--log-level info lost to RUST_LOG:\n{stderr}"
     );
     assert!(stderr.contains("path=/sandboxes"), "{stderr}");
+
+    // Blank is unset (a `RUST_LOG=${RUST_LOG}` in a manifest), and a filter that does not
+    // parse is said so: either way the default level, access lines included.
+    for (value, warned) in [("", false), ("warn,abx_proxy=verbose", true)] {
+        let proxy = ProxyCmd::new(&upstream.url(), &pki)
+            .omit(&["--log-level"])
+            .env("RUST_LOG", Some(value))
+            .spawn()
+            .await;
+        assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+        let stderr = proxy.finish().await;
+        assert!(stderr.contains("path=/sandboxes"), "{value:?}:\n{stderr}");
+        assert_eq!(
+            stderr.contains("warning: RUST_LOG is not a filter"),
+            warned,
+            "{value:?}:\n{stderr}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
