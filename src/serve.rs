@@ -16,6 +16,9 @@ use crate::settings::{Resolved, Settings};
 use crate::signals;
 use crate::workers::{self, Workers};
 
+/// How long connections cut at the end of the drain get to log themselves before exit.
+const ABORT_WAIT: Duration = Duration::from_secs(1);
+
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let resolved = commands::resolve(&args.settings)?;
@@ -132,6 +135,12 @@ async fn serve(
             false
         }
     };
+    if !clean {
+        // What is left is closed by its own task, which logs a cut request as 499 and
+        // flushes its worker's lines: a moment for that, not another grace period.
+        proxy.abort();
+        let _ = tokio::time::timeout(ABORT_WAIT, stop_tx.closed()).await;
+    }
     tracing::info!(clean, "stopped");
     Ok(())
 }

@@ -2021,3 +2021,43 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
     proxy.finish().await;
     holder.abort();
 }
+
+/// A request still in flight when `--shutdown-grace` runs out is cut, and still has its
+/// access line, as 499, before the exit (on the fast path and on hyper's): the cut
+/// connection's own task ends, writing its line, rather than vanishing with the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
+    let (url, mut accepted, holder) = silent_upstream().await;
+    let pki = Pki::new();
+    let mut proxy = traced(ProxyCmd::new(&url, &pki))
+        .shutdown_grace("1s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut held = Vec::new();
+    for (path, framing) in [
+        ("/fast", "Content-Length: 0"),
+        ("/hyper", "Transfer-Encoding: chunked"),
+    ] {
+        let mut s = connect_raw(addr).await;
+        let body = if path == "/hyper" { "0\r\n\r\n" } else { "" };
+        let req = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\n{framing}\r\n\r\n{body}");
+        s.write_all(req.as_bytes()).await.expect("write");
+        within("the request upstream", accepted.recv()).await;
+        held.push(s);
+    }
+    proxy.signal("TERM");
+    let status = proxy.wait_exit().await;
+    assert!(status.success(), "exit {status}");
+    let stderr = proxy.stderr();
+    for path in ["/fast", "/hyper"] {
+        let logged = stderr.lines().any(|l| {
+            l.contains("abx_proxy::access")
+                && l.contains(&format!(" path={path} "))
+                && l.contains(" status=499 ")
+        });
+        assert!(logged, "no 499 line for {path}:\n{stderr}");
+    }
+    drop(held);
+    holder.abort();
+}

@@ -249,9 +249,16 @@ async fn connection_task(
     let activity = Activity::new();
     let headed = AtomicBool::new(false);
     let serving = connection(sock, &proxy, &config, &builder, &activity, &headed, &open);
+    // The end of the drain's grace (see `Proxy::abort`). Boxed: inline, its state would
+    // add a fifth to every connection's task, idle or not.
+    let mut aborting = proxy.aborting.subscribe();
+    let aborted = Box::pin(async move {
+        let _ = aborting.wait_for(|a| *a).await;
+    });
     tokio::select! {
         _ = serving => {}
         _ = watchdog(&activity, &headed, &config) => {}
+        () = aborted => {}
     }
     crate::logging::flush_thread();
     drop(open);

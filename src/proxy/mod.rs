@@ -101,6 +101,8 @@ pub struct Proxy {
     /// For tunnels, which outlive the connection's own watchdog.
     pub(crate) idle_timeout: Duration,
     draining: AtomicBool,
+    /// Set when the drain's grace is over: every connection ends now (see [`Proxy::abort`]).
+    pub(crate) aborting: tokio::sync::watch::Sender<bool>,
 }
 
 impl Proxy {
@@ -164,6 +166,7 @@ impl Proxy {
             upstream_timeout: options.upstream_timeout,
             idle_timeout: options.idle_timeout,
             draining: AtomicBool::new(false),
+            aborting: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -174,6 +177,13 @@ impl Proxy {
 
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Ends every connection still open when the drain's grace is over (or a second
+    /// signal came): each drops what it serves, so a request cut there is logged and
+    /// counted as 499 like any other, and its worker's batched lines go out, before exit.
+    pub fn abort(&self) {
+        self.aborting.send_replace(true);
     }
 }
 
