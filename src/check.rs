@@ -55,10 +55,7 @@ async fn probe(
         reason: e.to_string(),
     })?;
     let scheme = AuthScheme::from(&settings.auth);
-    let value = scheme.value(key).ok_or_else(|| Error::InvalidSetting {
-        key: "sandbox_api_key".into(),
-        reason: "not usable as an HTTP header value".into(),
-    })?;
+    let value = crate::credentials::header_value(settings, key)?;
     let req = http::Request::get(uri)
         .header(scheme.header(), value)
         .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())

@@ -19,6 +19,19 @@ use crate::metrics::Metrics;
 use crate::secret::Secret;
 use crate::settings::{Credential, Settings};
 
+/// `key` as the provider's auth header sends it, or the error naming the setting it came
+/// from (a key pasted with a control character cannot be a header value).
+pub fn header_value(settings: &Settings, key: &Secret) -> Result<http::HeaderValue, Error> {
+    let scheme = crate::proxy::headers::AuthScheme::from(&settings.auth);
+    scheme.value(key).ok_or_else(|| Error::InvalidSetting {
+        key: match &settings.plugin {
+            Some(p) => format!("{}.api_key", p.installed.manifest.id),
+            None => "sandbox_api_key".into(),
+        },
+        reason: "not usable as an HTTP header value".into(),
+    })
+}
+
 /// The control-plane credential in use.
 pub enum ApiCredential {
     Static(Secret),
@@ -38,16 +51,7 @@ impl ApiCredential {
             return match &settings.credential {
                 Credential::ApiKey(key) => {
                     // Refused now, not by a 503 on every request while /readyz says 200.
-                    let scheme = crate::proxy::headers::AuthScheme::from(&settings.auth);
-                    if scheme.value(key).is_none() {
-                        return Err(Error::InvalidSetting {
-                            key: match &settings.plugin {
-                                Some(p) => format!("{}.api_key", p.installed.manifest.id),
-                                None => "sandbox_api_key".into(),
-                            },
-                            reason: "not usable as an HTTP header value".into(),
-                        });
-                    }
+                    header_value(settings, key)?;
                     Ok(ApiCredential::Static(key.clone()))
                 }
                 Credential::AccessKey { .. } => Err(Error::MissingCredential),
