@@ -93,6 +93,9 @@ async fn answer(
     }
     Ok(match req.uri().path() {
         "/metrics" => {
+            // Read at scrape time: set after each change, two concurrent changes could
+            // leave the count of the one that read the store first.
+            proxy.metrics.envd_tokens.set(proxy.tokens.len() as i64);
             let mut r = Response::new(body::full(proxy.metrics.render()));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -409,8 +409,6 @@ impl Proxy {
             .tokens
             .get_or_fetch(sandbox_id, || self.fetch_token(sandbox_id))
             .await;
-        // Also after a failed look-up: a 401 may have dropped the token just before.
-        self.metrics.envd_tokens.set(self.tokens.len() as i64);
         found?.ok_or_else(|| Error::SandboxNotFound {
             sandbox_id: sandbox_id.to_string(),
         })
@@ -521,7 +519,6 @@ impl Proxy {
                         if let Some((id, token)) = sniff::learn(&b) {
                             if route::valid_sandbox_id(&id) {
                                 self.tokens.insert(&id, token);
-                                self.metrics.envd_tokens.set(self.tokens.len() as i64);
                             }
                         }
                         body::full(b)
@@ -543,7 +540,6 @@ impl Proxy {
             }
             Sniff::Forget(id) if ok || resp.status() == StatusCode::NOT_FOUND => {
                 self.tokens.remove(&id);
-                self.metrics.envd_tokens.set(self.tokens.len() as i64);
                 Ok(resp)
             }
             _ => Ok(resp),
