@@ -17,7 +17,7 @@ use crate::cli::SettingsArgs;
 use crate::commands;
 use crate::credentials::ApiCredential;
 use crate::proxy::{Options, Proxy};
-use crate::settings::{self, Resolved, Settings};
+use crate::settings::{self, Resolved, Settings, Source};
 
 /// What a reload does with freshly validated settings.
 #[derive(Debug, PartialEq, Eq)]
@@ -114,6 +114,44 @@ fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings
     names
 }
 
+/// Credential keys a `.env` file changed while the process environment or a flag still
+/// decides them. A reload cannot change either, so the key rotated in the file is not the
+/// one in use (systemd's `Environment=` beside a rotated `~/.abx/.env`), and "nothing
+/// changed" alone would hide it. Each as `key in file (source wins)`.
+fn shadowed(before: &Resolved, after: &Resolved) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in &after.entries {
+        if !settings::is_credential_key(e.spec.name)
+            || !matches!(e.source, Source::Env | Source::Flag)
+        {
+            continue;
+        }
+        let files = [
+            (
+                Source::DotEnvCwd,
+                &before.layers.dotenv_cwd,
+                &after.layers.dotenv_cwd,
+            ),
+            (
+                Source::DotEnvHome,
+                &before.layers.dotenv_home,
+                &after.layers.dotenv_home,
+            ),
+        ];
+        for (file, was, is) in files {
+            if was.get(e.spec.env) != is.get(e.spec.env) {
+                found.push(format!(
+                    "{} in {} ({} wins)",
+                    e.spec.name,
+                    file.label(),
+                    e.source.label()
+                ));
+            }
+        }
+    }
+    found
+}
+
 /// Waits for SIGHUPs and applies each reload's [`Plan`]. A reload that fails, or that is
 /// refused, keeps what runs.
 pub async fn on_hangup(
@@ -135,6 +173,14 @@ pub async fn on_hangup(
             }
         };
         let changed = changed_names(&seen, &resolved, &running, &next);
+        let shadowed = shadowed(&seen, &resolved);
+        if !shadowed.is_empty() {
+            tracing::warn!(
+                keys = %shadowed.join(","),
+                "reload: a .env file changed a credential that a higher level still decides; \
+                 the file's value is not used (unset the variable or flag and restart)"
+            );
+        }
         if changed.is_empty() {
             tracing::info!("reload: nothing changed");
             continue;

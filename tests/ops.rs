@@ -545,6 +545,41 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     }
 }
 
+/// A key rotated in `~/.abx/.env` while the process environment sets one (systemd's
+/// `Environment=`): the environment still wins, as SPEC §2 says, and the reload says so
+/// instead of a bare "nothing changed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
+    const ENV_KEY: &str = "sk-from-the-environment-GGGG7777";
+    const FILE_KEY: &str = "sk-rotated-in-the-file-HHHH8888";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", Some(ENV_KEY))
+        .abx_file(".env", "ABX_SANDBOX_API_KEY=sk-old-file-key-IIII9999\n")
+        .spawn()
+        .await;
+    let line = proxy
+        .reload_env(&format!("ABX_SANDBOX_API_KEY={FILE_KEY}\n"), "higher level")
+        .await;
+    assert!(
+        line.contains("sandbox_api_key in ~/.abx/.env (env wins)"),
+        "names the key, the file and what wins: {line}"
+    );
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(
+        upstream
+            .seen()
+            .last()
+            .and_then(|s| s.header("authorization").map(str::to_string)),
+        Some(format!("Bearer {ENV_KEY}"))
+    );
+    let stderr = proxy.finish().await;
+    for key in [ENV_KEY, FILE_KEY] {
+        assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
+    }
+}
+
 /// The admin listener, bound beyond loopback in the shipped deployments, holds no
 /// connection that sends nothing (or half a head) past `--header-timeout`, and still
 /// answers scrapes meanwhile.
