@@ -580,6 +580,53 @@ async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
     }
 }
 
+/// The soft open-file limit of a process, from `/proc/<pid>/limits`.
+fn soft_nofile(pid: u32) -> u64 {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files");
+    line.split_whitespace()
+        .nth(3)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("soft limit in {line:?}"))
+}
+
+/// systemd starts services with a soft open-file limit of 1024 (and a high hard one): past
+/// it every accept fails. The proxy raises the soft limit to what `--max-connections`
+/// needs (two descriptors each, plus 256), as far as the hard limit allows, and warns when
+/// that is not enough. Hard limits here stay under what an unprivileged process may set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_file_limit_is_raised_for_max_connections() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", "--nofile=256:3000", "--"])
+        .args(&["--max-connections", "1000"])
+        .spawn()
+        .await;
+    assert_eq!(soft_nofile(proxy.pid), 2 * 1000 + 256);
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("open-file limit is below"), "{stderr}");
+
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", "--nofile=256:512", "--"])
+        .spawn()
+        .await;
+    assert_eq!(
+        soft_nofile(proxy.pid),
+        512,
+        "as far as the hard limit allows"
+    );
+    let stderr = proxy.finish().await;
+    assert!(
+        stderr.contains("open-file limit is below what --max-connections needs"),
+        "{stderr}"
+    );
+}
+
 /// The admin listener, bound beyond loopback in the shipped deployments, holds no
 /// connection that sends nothing (or half a head) past `--header-timeout`, and still
 /// answers scrapes meanwhile.

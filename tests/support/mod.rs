@@ -696,6 +696,8 @@ pub struct ProxyCmd {
     setup: Vec<Vec<String>>,
     /// Default arguments left off the command line (see [`ProxyCmd::omit`]).
     omit: Vec<String>,
+    /// A program that runs the proxy (`prlimit … --`), empty for none.
+    launcher: Vec<String>,
 }
 
 impl ProxyCmd {
@@ -717,7 +719,15 @@ impl ProxyCmd {
             files: Vec::new(),
             setup: Vec::new(),
             omit: Vec::new(),
+            launcher: Vec::new(),
         }
+    }
+
+    /// Runs the proxy through `program` (which must exec it as its last argument: its pid
+    /// is the proxy's), e.g. `prlimit --nofile=… --`.
+    pub fn launcher(mut self, program: &[&str]) -> Self {
+        self.launcher = program.iter().map(|a| a.to_string()).collect();
+        self
     }
 
     /// Sets (or, with `None`, removes) an environment variable of the proxy.
@@ -796,7 +806,14 @@ impl ProxyCmd {
         let cwd = home.join("cwd");
         std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
         std::fs::create_dir_all(&cwd).expect("cwd");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+        let mut cmd = match self.launcher.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(env!("CARGO_BIN_EXE_abx-proxy"));
+                cmd
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_abx-proxy")),
+        };
         cmd.env_clear()
             .env("HOME", home)
             .env("ABX_HOME", &abx_home)
