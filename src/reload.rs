@@ -2,6 +2,10 @@
 //! the credential when it changed. Everything else a reload finds only applies at the next
 //! restart, and is logged as such (names, never values).
 //!
+//! A changed `--sandbox-api-key-file` / `--access-key-secret-file` reloads too, without a
+//! signal: Kubernetes updates a mounted Secret's file in place, but nothing in the pod can
+//! send the proxy a SIGHUP (the image has no shell, the agent runs as another user).
+//!
 //! Two rules keep a reload from breaking a proxy that works:
 //! - the credential is swapped only while the provider and every host it is sent to stay
 //!   the same: the running proxy still routes to the hosts it started with, and a key must
@@ -9,8 +13,11 @@
 //! - a new AK/SK pair replaces the running key only once its first exchange has answered:
 //!   until then, and if it fails, the old temporary key keeps serving (SPEC §5).
 
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
+use sha2::{Digest, Sha256};
 use tokio::signal::unix::Signal;
 
 use crate::cli::SettingsArgs;
@@ -152,17 +159,91 @@ fn shadowed(before: &Resolved, after: &Resolved) -> Vec<String> {
     found
 }
 
-/// Waits for SIGHUPs and applies each reload's [`Plan`]. A reload that fails, or that is
-/// refused, keeps what runs.
+/// How often the secret files are read. A change reloads once two reads in a row agree,
+/// so a file caught half rewritten (`echo key > file` is not atomic) is never swapped in.
+const FILE_POLL: Duration = Duration::from_secs(5);
+
+/// The `--*-file` secrets' contents, hashed: a copy of a secret is not kept to compare.
+/// `None` for a file that cannot be read now (reported by the reload it triggers).
+#[derive(Clone, PartialEq, Eq)]
+struct FileSnapshot(Vec<Option<[u8; 32]>>);
+
+impl FileSnapshot {
+    fn take(paths: &[PathBuf]) -> Self {
+        FileSnapshot(
+            paths
+                .iter()
+                .map(|p| std::fs::read(p).ok().map(|b| Sha256::digest(&b).into()))
+                .collect(),
+        )
+    }
+}
+
+/// Watches the secret files: resolves when one has changed and read the same twice.
+struct FileWatch {
+    paths: Vec<PathBuf>,
+    applied: FileSnapshot,
+    pending: Option<FileSnapshot>,
+}
+
+impl FileWatch {
+    fn new(paths: Vec<PathBuf>) -> Self {
+        let applied = FileSnapshot::take(&paths);
+        FileWatch {
+            paths,
+            applied,
+            pending: None,
+        }
+    }
+
+    async fn changed(&mut self) {
+        if self.paths.is_empty() {
+            return std::future::pending().await;
+        }
+        loop {
+            tokio::time::sleep(FILE_POLL).await;
+            let now = FileSnapshot::take(&self.paths);
+            if now == self.applied {
+                self.pending = None;
+            } else if self.pending.as_ref() == Some(&now) {
+                return;
+            } else {
+                self.pending = Some(now);
+            }
+        }
+    }
+
+    /// What a reload has just read counts as applied, whatever woke it.
+    fn reloaded(&mut self) {
+        self.applied = FileSnapshot::take(&self.paths);
+        self.pending = None;
+    }
+}
+
+/// Waits for SIGHUPs (and changed secret files) and applies each reload's [`Plan`]. A
+/// reload that fails, or that is refused, keeps what runs.
 pub async fn on_hangup(
     proxy: Arc<Proxy>,
-    mut hangups: Signal,
+    mut hangups: Option<Signal>,
     flags: SettingsArgs,
     mut seen: Resolved,
     mut running: Settings,
     options: Options,
 ) {
-    while hangups.recv().await.is_some() {
+    let secret_files = [&flags.sandbox_api_key_file, &flags.access_key_secret_file];
+    let mut files = FileWatch::new(secret_files.into_iter().flatten().cloned().collect());
+    loop {
+        let hangup = async {
+            match &mut hangups {
+                Some(h) => h.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            got = hangup => if got.is_none() { return },
+            () = files.changed() => tracing::info!("a secret file changed: reloading"),
+        }
+        files.reloaded();
         let (resolved, next) = match commands::resolve(&flags)
             .and_then(|r| r.validate().map(|s| (r, s)))
         {
@@ -260,6 +341,44 @@ mod tests {
 
     fn names(xs: &[&str]) -> Vec<String> {
         xs.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A file caught half rewritten is never swapped in: a change counts once two reads
+    /// in a row agree.
+    #[tokio::test(start_paused = true)]
+    async fn a_secret_file_change_counts_once_two_reads_agree() {
+        use tokio::time::timeout;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("key");
+        std::fs::write(&path, "sk-one").expect("write");
+        let mut watch = FileWatch::new(vec![path.clone()]);
+        let poll = FILE_POLL + Duration::from_millis(1);
+        assert!(
+            timeout(poll * 10, watch.changed()).await.is_err(),
+            "unchanged"
+        );
+        std::fs::write(&path, "sk-tw").expect("half written");
+        assert!(timeout(poll, watch.changed()).await.is_err(), "one read");
+        std::fs::write(&path, "sk-two").expect("written");
+        assert!(
+            timeout(poll, watch.changed()).await.is_err(),
+            "reads differ"
+        );
+        assert!(
+            timeout(poll, watch.changed()).await.is_ok(),
+            "two reads agree"
+        );
+        watch.reloaded();
+        assert!(
+            timeout(poll * 10, watch.changed()).await.is_err(),
+            "applied"
+        );
+        assert!(
+            timeout(poll * 10, FileWatch::new(vec![]).changed())
+                .await
+                .is_err(),
+            "no file, no wake"
+        );
     }
 
     #[test]

@@ -104,17 +104,15 @@ async fn serve(
         workers,
         stop_rx,
     ));
-    if let Some(hangups) = hangups {
-        let reload = crate::reload::on_hangup(
-            proxy.clone(),
-            hangups,
-            flags,
-            resolved,
-            settings.clone(),
-            options.clone(),
-        );
-        tokio::spawn(reload);
-    }
+    let reload = crate::reload::on_hangup(
+        proxy.clone(),
+        hangups,
+        flags,
+        resolved,
+        settings.clone(),
+        options.clone(),
+    );
+    tokio::spawn(reload);
 
     let first = terminate.next().await;
     tracing::info!(

@@ -545,6 +545,56 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     }
 }
 
+/// Kubernetes rotates a Secret by updating its mounted file (swapping the volume's `..data`
+/// link), and nothing in the pod can send the proxy a SIGHUP. A changed
+/// `--sandbox-api-key-file` reloads on its own: the file is polled every few seconds and a
+/// change applies once two reads agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_key_file_reloads_without_a_signal() {
+    use std::os::unix::fs::symlink;
+    const KEY1: &str = "sk-mounted-one-JJJJ1111kkkk2222";
+    const KEY2: &str = "sk-mounted-two-LLLL3333mmmm4444";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    // The kubelet's layout: key -> ..data/key, ..data -> ..<version>.
+    let volume = tempfile::tempdir().expect("volume");
+    let version = |name: &str, key: &str| {
+        let dir = volume.path().join(name);
+        std::fs::create_dir(&dir).expect("version dir");
+        std::fs::write(dir.join("key"), format!("{key}\n")).expect("key");
+        let tmp = volume.path().join("..data_tmp");
+        symlink(name, &tmp).expect("link");
+        std::fs::rename(&tmp, volume.path().join("..data")).expect("swap ..data");
+    };
+    version("..v1", KEY1);
+    symlink("..data/key", volume.path().join("key")).expect("key link");
+    let key_file = volume.path().join("key").display().to_string();
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .args(&["--sandbox-api-key-file", &key_file])
+        .spawn()
+        .await;
+    let bearer = |upstream: &Upstream| {
+        upstream
+            .seen()
+            .last()
+            .and_then(|s| s.header("authorization").map(str::to_string))
+    };
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(bearer(&upstream), Some(format!("Bearer {KEY1}")));
+
+    version("..v2", KEY2);
+    proxy.wait_for_line("a secret file changed").await;
+    let line = proxy.wait_for_line("reloaded").await;
+    assert!(line.contains("sandbox_api_key"), "{line}");
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(bearer(&upstream), Some(format!("Bearer {KEY2}")));
+    let stderr = proxy.finish().await;
+    for key in [KEY1, KEY2] {
+        assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
+    }
+}
+
 /// A key rotated in `~/.abx/.env` while the process environment sets one (systemd's
 /// `Environment=`): the environment still wins, as SPEC §2 says, and the reload says so
 /// instead of a bare "nothing changed".
