@@ -13,8 +13,8 @@
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
-//! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP), [`commands`] and
-//! [`check`].
+//! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and [`notify`] for
+//! systemd's readiness), [`commands`] and [`check`].
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -25,6 +25,7 @@ pub mod credentials;
 pub mod error;
 pub mod logging;
 pub mod metrics;
+pub mod notify;
 pub mod providers;
 pub mod proxy;
 pub mod reload;

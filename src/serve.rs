@@ -84,6 +84,7 @@ async fn serve(
         upstream = %settings.sandbox_base_url,
         "abx-proxy listening"
     );
+    crate::notify::ready();
     tokio::spawn(crate::admin::serve(
         admin,
         proxy.clone(),
@@ -120,6 +121,7 @@ async fn serve(
         grace_s = options.shutdown_grace.as_secs_f64(),
         "draining"
     );
+    crate::notify::stopping();
     proxy.start_draining();
     let _ = stop_tx.send(true);
     // The accept loop returns after dropping the listener: new connections are refused.
