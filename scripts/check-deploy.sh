@@ -69,6 +69,9 @@ assert any(a.startswith("--sandbox-api-key-file=") for a in side["args"]), "key 
 assert side["livenessProbe"]["httpGet"]["path"] == "/healthz"
 assert side["readinessProbe"]["httpGet"]["path"] == "/readyz"
 assert "resources" in side and "limits" in side["resources"]
+# Without a CPU limit the proxy would start a worker per node CPU, each with its own memory.
+env = {e["name"]: e.get("value") for e in side.get("env", [])}
+assert "cpu" in side["resources"]["limits"] or env.get("TOKIO_WORKER_THREADS"), "worker count unbounded"
 assert not any(e.get("name") == "ABX_SANDBOX_API_KEY" for e in side.get("env", [])), "no key in env"
 # The key file is root's: the sidecar's user reads it through the mode, or fsGroup.
 uid = side.get("securityContext", {}).get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
