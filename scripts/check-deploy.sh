@@ -43,7 +43,7 @@ check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 # systemd-analyze verify insists the ExecStart binary exists: point it at the built one.
 unit_dir=$(mktemp -d)
 trap 'rm -rf "$unit_dir"' EXIT
-bin=$(pwd)/target/debug/abx-proxy
+bin=$(realpath -m "${CARGO_TARGET_DIR:-target}")/debug/abx-proxy
 [ -x "$bin" ] || cargo build --quiet --bin abx-proxy
 sed "s#/usr/local/bin/abx-proxy#$bin#" deploy/systemd/abx-proxy.service > "$unit_dir/abx-proxy.service"
 check "systemd-analyze verify" bash -c "out=\$(systemd-analyze verify '$unit_dir/abx-proxy.service' 2>&1); rc=\$?; echo \"\$out\"; [ \$rc -eq 0 ] && ! echo \"\$out\" | grep -q 'abx-proxy.service:'"
