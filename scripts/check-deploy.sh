@@ -96,6 +96,24 @@ PY
 check "hadolint deploy/Dockerfile" "$venv/bin/hadolint" --ignore DL3018 deploy/Dockerfile
 check "Dockerfile builds with the README's command" bash -c \
   'cmd=$(sed -n "s/^RUN \(cargo build .*\)/\1/p" deploy/Dockerfile); [ -n "$cmd" ] && grep -qF -- "$cmd" README.md'
+check ".dockerignore keeps target/ and .git out, and everything the Dockerfile copies in" python3 - <<'PY'
+import fnmatch, re
+pats = [l.strip().rstrip("/") for l in open(".dockerignore") if l.strip() and not l.startswith("#")]
+def ignored(path):
+    parts = path.rstrip("/").split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) for p in prefixes for pat in pats)
+for path in ["target", ".git", "fuzz/target", "tests/e2e/node_modules"]:
+    assert ignored(path), f"{path} is sent to the builder"
+copied = []
+for line in open("deploy/Dockerfile"):
+    m = re.match(r"COPY (?!--from)(.+)", line)
+    if m:
+        copied += m.group(1).split()[:-1]
+assert copied, "no COPY found"
+for src in copied:
+    assert not ignored(src), f"the Dockerfile copies {src}, which .dockerignore leaves out"
+PY
 
 echo "deploy: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
