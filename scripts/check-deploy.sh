@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks the deploy/ kit offline: YAML and JSON parse and lint, Prometheus config and rules
-# (promtool), the systemd unit (systemd-analyze verify), the Kubernetes manifests against
-# the API schema (kubernetes-validate), the Dockerfile (hadolint), and that the Dockerfile
-# builds with the same command the README documents. Prints one line per check and a
+# (promtool, and the alerts' unit tests), the systemd unit (systemd-analyze verify), the
+# Kubernetes manifests against the API schema (kubernetes-validate), the Dockerfile
+# (hadolint) and its .dockerignore, and that the Dockerfile builds with the same command the
+# README documents. Prints one line per check and a
 # closing 'N passed, N failed' line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ check "dashboard and alerts use only exported metrics" python3 - <<'PY'
 import re, sys, pathlib
 exported = set(re.findall(r'"(abx_proxy_[a-z_]+)"', pathlib.Path("src/metrics.rs").read_text()))
 used = set()
-for f in ["deploy/grafana/abx-proxy-dashboard.json", "deploy/prometheus/alerts.yml"]:
+for f in ["deploy/grafana/abx-proxy-dashboard.json", "deploy/prometheus/alerts.yml",
+          "deploy/prometheus/alerts.test.yml"]:
     used |= set(re.findall(r"abx_proxy_[a-z_]+", pathlib.Path(f).read_text()))
 base = {re.sub(r"_(bucket|sum|count)$", "", u) for u in used}
 missing = sorted(b for b in base if b not in exported)
@@ -39,6 +41,7 @@ if missing:
 PY
 check "promtool check config" promtool check config deploy/prometheus/prometheus.yml
 check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
+check "promtool test rules (alert unit tests)" promtool test rules deploy/prometheus/alerts.test.yml
 
 # systemd-analyze verify insists the ExecStart binary exists: point it at the built one.
 unit_dir=$(mktemp -d)
