@@ -18,7 +18,8 @@ use crate::workers::{self, Workers};
 
 /// How long connections cut at the end of the drain get to log themselves before exit.
 const ABORT_WAIT: Duration = Duration::from_secs(1);
-/// Descriptors one client connection may hold: its own and a pooled upstream's.
+/// Descriptors one client connection may hold: its own and a pooled upstream's. (An
+/// HTTP/2 client may hold one upstream per stream, up to 100; the SDKs speak HTTP/1.1.)
 const FDS_PER_CONNECTION: u64 = 2;
 /// Listeners, admin connections, the token exchange, the runtime's own.
 const FDS_RESERVED: u64 = 256;

@@ -2061,3 +2061,122 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
     drop(held);
     holder.abort();
 }
+
+/// An upstream that takes every request and never answers.
+async fn hanging_upstream(pki: &Pki) -> Upstream {
+    Upstream::start(pki, Proto::Http1, |_req| async {
+        std::future::pending::<()>().await;
+        http::Response::new(empty())
+    })
+    .await
+}
+
+/// An HTTP/2 (prior knowledge) client connection to the proxy, and whether it is still
+/// open.
+async fn h2_client(
+    addr: SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    watch::Receiver<bool>,
+) {
+    let tcp = connect_raw(addr).await;
+    let (h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .expect("h2 handshake");
+    let (open_tx, open) = watch::channel(true);
+    tokio::spawn(async move {
+        let _ = conn.await;
+        let _ = open_tx.send(false);
+    });
+    (h2, open)
+}
+
+fn h2_get(addr: SocketAddr) -> http::Request<Full<Bytes>> {
+    http::Request::get(format!("http://{addr}/sandboxes"))
+        .header("x-api-key", "dummy")
+        .body(Full::new(Bytes::new()))
+        .expect("request")
+}
+
+/// HTTP/2 rapid reset (CVE-2023-44487), paced: each stream is cancelled once the proxy has
+/// sent its request upstream, one at a time, so h2's own limit on resets it has not yet
+/// handed over never trips. The proxy closes the connection after 100 cancelled requests
+/// (more than half of its requests) instead of opening upstream exchanges, the key
+/// attached, at the client's rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_that_cancel_every_request_are_cut_off() {
+    let pki = Pki::new();
+    let mut upstream = hanging_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let (mut h2, mut open) = h2_client(addr).await;
+    let mut sent = 0;
+    while *open.borrow() && sent < 150 {
+        if within("the connection ready", h2.ready()).await.is_err() {
+            break;
+        }
+        let answer = h2.send_request(h2_get(addr));
+        tokio::pin!(answer);
+        tokio::select! {
+            // The proxy closed the connection as this stream opened.
+            a = &mut answer => {
+                assert!(a.is_err(), "the hanging upstream answered: {a:?}");
+                break;
+            }
+            _ = upstream.next_request() => sent += 1,
+        }
+        // Dropping the answer's future resets the stream (CANCEL).
+    }
+    within("the proxy to close the connection", open.wait_for(|o| !*o))
+        .await
+        .expect("connection state");
+    assert!(
+        (100..=101).contains(&sent),
+        "closed after {sent} cancelled requests"
+    );
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains("rapid reset"), "{stderr}");
+}
+
+/// An HTTP/2 client gets at most 100 streams at once (hyper's default was 200, each with
+/// up to 400 KiB of answer buffered and an upstream connection of its own): the 101st
+/// request waits until one ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_get_100_streams_at_once() {
+    let pki = Pki::new();
+    let mut upstream = hanging_upstream(&pki).await;
+    // The 100 hanging requests are cut at the end of a short drain.
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("1s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (h2, _open) = h2_client(addr).await;
+    let mut pending = Vec::new();
+    for _ in 0..120 {
+        let mut h2 = h2.clone();
+        pending.push(tokio::spawn(
+            async move { h2.send_request(h2_get(addr)).await },
+        ));
+    }
+    for _ in 0..100 {
+        upstream.next_request().await;
+    }
+    // The client queues the rest: the proxy's SETTINGS said 100. A request that reached
+    // the upstream anyway would be there by the time this one round trip is answered.
+    let (mut probe, _probe_open) = h2_client(addr).await;
+    let probe_answer = probe.send_request(h2_get(addr));
+    tokio::pin!(probe_answer);
+    tokio::select! {
+        a = &mut probe_answer => panic!("the hanging upstream answered: {a:?}"),
+        _ = upstream.next_request() => {}
+    }
+    assert_eq!(upstream.seen().len(), 101, "100 streams and the probe");
+    for p in pending {
+        p.abort();
+    }
+    proxy.finish().await;
+}

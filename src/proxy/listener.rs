@@ -22,7 +22,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use super::framing::{self, HeadWatch, Verdicts};
@@ -324,9 +324,12 @@ async fn with_hyper(
     let (io, verdicts) = IdleIo::new(io, activity.clone());
     // Whether hyper has begun a request on this connection (see the drain below).
     let begun = &AtomicBool::new(false);
+    let cancels = Arc::new(Cancels::default());
+    let watched = cancels.clone();
     let service = service_fn(move |mut req: Request<Incoming>| {
         headed.store(true, Ordering::Relaxed);
         begun.store(true, Ordering::Relaxed);
+        let unanswered = Cancels::begin(&watched);
         if headers::is_upgrade_request(&req) {
             // Should the upstream switch protocols, the tunnel outlives this task and keeps
             // the connection counted (see [`OpenConnection`]).
@@ -345,6 +348,7 @@ async fn with_hyper(
         let waiting = activity.awaiting();
         async move {
             let mut resp = handled.await?;
+            unanswered.answered();
             drop(waiting);
             let status = resp.status();
             let tunnel =
@@ -366,6 +370,13 @@ async fn with_hyper(
         biased;
         done = conn.as_mut() => return refused_by_hyper(proxy, done),
         _ = stop.wait_for(|s| *s) => {}
+        () = cancels.abusive.notified() => {
+            tracing::warn!(
+                cancelled = MAX_CANCELLED,
+                "closing a connection whose client cancelled most of its requests before their answer (HTTP/2 rapid reset)"
+            );
+            return;
+        }
     }
     // Nothing begun: no request to finish. hyper's graceful shutdown would wait out the
     // header timeout for a first head, so the connection just closes.
@@ -375,6 +386,47 @@ async fn with_hyper(
     // Draining: finish what is in flight, take no new request.
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
+}
+
+/// Requests a client may cancel before their answer on one connection, when they are at
+/// least half of its requests, before the connection is closed. HTTP/2's rapid reset
+/// (CVE-2023-44487), paced to stay under h2's own limit on resets it has not yet handed
+/// over, makes the proxy begin one upstream exchange per cancelled stream, the key
+/// attached, at the client's rate; envoy closes such connections likewise.
+const MAX_CANCELLED: u32 = 100;
+
+/// A connection's requests on hyper's path, and those dropped before their answer.
+#[derive(Default)]
+struct Cancels {
+    begun: AtomicU32,
+    cancelled: AtomicU32,
+    abusive: Notify,
+}
+
+impl Cancels {
+    fn begin(this: &Arc<Cancels>) -> Unanswered {
+        this.begun.fetch_add(1, Ordering::Relaxed);
+        Unanswered(Some(this.clone()))
+    }
+}
+
+/// Counts its request as cancelled unless [`Unanswered::answered`] is called first.
+struct Unanswered(Option<Arc<Cancels>>);
+
+impl Unanswered {
+    fn answered(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(c) = self.0.take() else { return };
+        let cancelled = c.cancelled.fetch_add(1, Ordering::Relaxed) + 1;
+        if cancelled >= MAX_CANCELLED && cancelled * 2 >= c.begun.load(Ordering::Relaxed) {
+            c.abusive.notify_one();
+        }
+    }
 }
 
 /// A head hyper refused before it became a request (one it cannot parse, or over the size
@@ -413,11 +465,22 @@ pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
     // No keep-alive pings: hyper sends them whether or not a stream is open, and the
     // connection's idle clock counts them as traffic, so an idle HTTP/2 connection would
     // never reach --idle-timeout. A dead peer is found by that timeout instead.
+    // hyper's defaults allow 200 streams with 400 KiB of answer buffered for each: a
+    // client that opens them all and reads nothing held ~160 MiB per connection (each
+    // stream also holds an upstream connection). 100 streams (envoy's and nginx's
+    // figure) with 64 KiB each bound it to a few MiB.
     b.http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEAD as u32);
+        .max_header_list_size(MAX_HEAD as u32)
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .max_send_buf_size(H2_SEND_BUF);
     b
 }
+
+/// Streams one HTTP/2 client connection may have open at once.
+const H2_MAX_STREAMS: u32 = 100;
+/// Answer bytes buffered per HTTP/2 stream for a client that does not read them.
+const H2_SEND_BUF: usize = 64 * 1024;
 
 trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
