@@ -192,12 +192,12 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
 }
 
 fn abx_home() -> Result<std::path::PathBuf, Error> {
-    Inputs::from_process(Default::default())
-        .abx_home
-        .ok_or_else(|| Error::InvalidSetting {
+    crate::settings::layers::abx_home(|name| std::env::var_os(name)).ok_or_else(|| {
+        Error::InvalidSetting {
             key: "ABX_HOME".into(),
             reason: "neither ABX_HOME nor HOME is set".into(),
-        })
+        }
+    })
 }
 
 pub fn provider_list() -> Result<i32, Error> {

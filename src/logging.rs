@@ -96,9 +96,15 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
 /// `RUST_LOG=${RUST_LOG}` in a manifest would otherwise turn every line off), and a filter
 /// that does not parse is said so in `refused`, not dropped without a word.
 fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
-    let raw = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|v| !v.trim().is_empty())?;
+    let raw = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => v,
+        // Said, like any other filter that does not parse, rather than dropped silently.
+        Err(std::env::VarError::NotUnicode(_)) => {
+            *refused = Some("not valid UTF-8".into());
+            return None;
+        }
+        _ => return None,
+    };
     EnvFilter::try_new(&raw)
         .map_err(|e| *refused = Some(e.to_string()))
         .ok()

@@ -6,7 +6,9 @@
 //! machine running the tests leaks in. Every run goes through [`Case::run`], which asserts
 //! that no raw secret of this file ([`SECRETS`]) appears in stdout or stderr.
 
+use std::ffi::OsStr;
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -84,6 +86,8 @@ struct Case {
     abx_home: Option<PathBuf>,
     cwd: PathBuf,
     vars: Vec<(String, String)>,
+    /// Variables whose value is not UTF-8.
+    raw_vars: Vec<(String, Vec<u8>)>,
     flags: Vec<String>,
 }
 
@@ -119,6 +123,7 @@ impl Case {
             abx_home: Some(abx_home),
             cwd,
             vars: Vec::new(),
+            raw_vars: Vec::new(),
             flags: Vec::new(),
         }
     }
@@ -140,6 +145,12 @@ impl Case {
 
     fn env(&mut self, k: &str, v: &str) -> &mut Self {
         self.vars.push((k.to_string(), v.to_string()));
+        self
+    }
+
+    /// A variable whose value is any bytes (not UTF-8, for one).
+    fn env_bytes(&mut self, k: &str, v: &[u8]) -> &mut Self {
+        self.raw_vars.push((k.to_string(), v.to_vec()));
         self
     }
 
@@ -191,6 +202,9 @@ impl Case {
         }
         for (k, v) in &self.vars {
             cmd.env(k, v);
+        }
+        for (k, v) in &self.raw_vars {
+            cmd.env(k, OsStr::from_bytes(v));
         }
         let child = cmd.spawn().expect("spawn abx-proxy");
         let pid = child.id();
@@ -1622,4 +1636,67 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
     ]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(!out.stderr.contains("--shutdown-grace"), "{}", out.stderr);
+}
+
+/// `std::env::vars` panics on a value that is not UTF-8 and prints it: every settings
+/// command crashed (exit 101) on any such variable, with the key in the message when it
+/// was the key. Now a variable no setting reads is ignored, and one that is read is E1005
+/// naming the variable, never its value.
+#[test]
+fn environment_values_that_are_not_utf8_are_ignored_unless_read() {
+    let not_utf8 = |s: &str| [s.as_bytes(), b"\xff"].concat();
+
+    // Unrelated: every command works as if it were not there.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+        .env_bytes("JUNK", b"caf\xe9");
+    for args in [
+        &["config", "list"][..],
+        &["config", "get", "region"],
+        &["check", "--offline"],
+        &["provider", "list"],
+        &["provider", "info", "alicloud-express"],
+    ] {
+        let out = c.run(args);
+        assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    }
+
+    // Read: E1005 naming the variable; the value (a key) is not printed, not even a part.
+    for (name, value) in [
+        ("ABX_SANDBOX_API_KEY", not_utf8(KEY_ENV)),
+        ("ALIBABA_CLOUD_REGION_ID", not_utf8("cn-beijing")),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_CWD)
+            .env_bytes(name, &value);
+        if name == "ABX_SANDBOX_API_KEY" {
+            c.vars.clear();
+        }
+        for args in [&["config", "list"][..], &["check", "--offline"], SERVE] {
+            let out = c.run(args);
+            assert_eq!(out.code, 78, "{name} {args:?}: {}", out.stderr);
+            let first = out.stderr.lines().next().unwrap_or_default();
+            assert!(
+                first.starts_with("[E1005]") && first.contains(name),
+                "{name} {args:?}: {}",
+                out.stderr
+            );
+            assert!(!out.stderr.contains("5f1e2d3c"), "{}", out.stderr);
+            assert!(!out.stderr.contains("cn-beijing"), "{}", out.stderr);
+        }
+    }
+
+    // A flag above it: the variable is not read, so it is no error.
+    let mut c = Case::new();
+    let p = c.file("api-key", KEY_FLAG);
+    c.env_bytes("ABX_SANDBOX_API_KEY", &not_utf8(KEY_ENV))
+        .flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("credential: api_key (flag)"),
+        "{}",
+        out.stdout
+    );
 }

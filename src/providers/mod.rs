@@ -271,9 +271,10 @@ pub fn resolve(
         let toml_key = (!field.secret).then_some(key.as_str());
         let found = match option {
             Some(v) => Some((v, Source::Flag)),
-            None => layers
-                .lookup(&[canonical.as_str()], toml_key)
-                .or_else(|| layers.lookup(&aliases, None)),
+            None => match layers.lookup(&key, &[canonical.as_str()], toml_key)? {
+                Some(found) => Some(found),
+                None => layers.lookup(&key, &aliases, None)?,
+            },
         };
         let (value, source) = match found {
             Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),

@@ -6,6 +6,7 @@
 //! which do the parsing and touch no file system (the fuzz targets call them directly).
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use super::keys::KEYS;
@@ -228,9 +229,10 @@ fn config_label(path: &Path) -> String {
     format!("~/.abx/config.toml ({})", path.display())
 }
 
-/// `$ABX_HOME`, else `$HOME/.abx`.
-pub fn abx_home(env: &HashMap<String, String>) -> Option<PathBuf> {
-    let nonblank = |k: &str| env.get(k).filter(|v| !v.trim().is_empty()).cloned();
+/// `$ABX_HOME`, else `$HOME/.abx`, from `var` (the process environment's `var_os`). A
+/// path need not be UTF-8 on Unix: such a home directory is used as it is.
+pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let nonblank = |k: &str| var(k).filter(|v| !v.to_str().is_some_and(|s| s.trim().is_empty()));
     nonblank("ABX_HOME")
         .map(PathBuf::from)
         .or_else(|| nonblank("HOME").map(|h| Path::new(&h).join(".abx")))

@@ -9,7 +9,7 @@ pub mod keys;
 pub mod layers;
 pub(crate) mod values;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -29,6 +29,9 @@ pub struct Inputs {
     /// `--provider-option FIELD=VALUE` pairs, for plugin providers.
     pub provider_options: Vec<(String, String)>,
     pub env: HashMap<String, String>,
+    /// Names of environment variables whose value is not UTF-8. Only an error when a
+    /// setting reads one: a stray variable of another program must not stop the proxy.
+    pub env_not_unicode: BTreeSet<String>,
     pub cwd: PathBuf,
     /// `~/.abx` (or `$ABX_HOME`); `None` when neither HOME nor ABX_HOME is set.
     pub abx_home: Option<PathBuf>,
@@ -41,6 +44,7 @@ impl std::fmt::Debug for Inputs {
             .field("flags", &self.flags)
             .field("provider_options", &option_names(&self.provider_options))
             .field("env", &names(&self.env))
+            .field("env_not_unicode", &self.env_not_unicode)
             .field("cwd", &self.cwd)
             .field("abx_home", &self.abx_home)
             .finish()
@@ -69,13 +73,31 @@ pub enum FlagValue {
 
 impl Inputs {
     /// The process environment and current directory, with the given flag-level values.
+    /// `std::env::vars` would panic on a value that is not UTF-8 (and print it, key or
+    /// not); such values are set aside by name and refused only if a setting reads them.
     pub fn from_process(flags: HashMap<Key, FlagValue>) -> Self {
-        let env: HashMap<String, String> = std::env::vars().collect();
+        let mut env = HashMap::new();
+        let mut env_not_unicode = BTreeSet::new();
+        for (name, value) in std::env::vars_os() {
+            // Every name this crate reads is ASCII: a name that is not UTF-8 is not one.
+            let Ok(name) = name.into_string() else {
+                continue;
+            };
+            match value.into_string() {
+                Ok(v) => {
+                    env.insert(name, v);
+                }
+                Err(_) => {
+                    env_not_unicode.insert(name);
+                }
+            }
+        }
         Inputs {
-            abx_home: layers::abx_home(&env),
+            abx_home: layers::abx_home(|name| std::env::var_os(name)),
             flags,
             provider_options: Vec::new(),
             env,
+            env_not_unicode,
             cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from(".")),
         }
     }
@@ -173,6 +195,8 @@ pub struct RawLayers {
     pub flags: HashMap<Key, FlagValue>,
     pub provider_options: Vec<(String, String)>,
     pub env: HashMap<String, String>,
+    /// See [`Inputs::env_not_unicode`].
+    pub env_not_unicode: BTreeSet<String>,
     pub dotenv_cwd: HashMap<String, String>,
     pub dotenv_home: HashMap<String, String>,
     pub toml: HashMap<String, String>,
@@ -186,6 +210,7 @@ impl std::fmt::Debug for RawLayers {
             .field("flags", &self.flags)
             .field("provider_options", &option_names(&self.provider_options))
             .field("env", &names(&self.env))
+            .field("env_not_unicode", &self.env_not_unicode)
             .field("dotenv_cwd", &names(&self.dotenv_cwd))
             .field("dotenv_home", &names(&self.dotenv_home))
             .field("toml", &names(&self.toml))
@@ -200,22 +225,44 @@ fn nonblank(v: &str) -> Option<&str> {
 
 impl RawLayers {
     /// The highest non-blank value for these env names / toml key, with its source. For a
-    /// secret, config.toml was already stripped when read.
-    pub fn lookup(&self, envs: &[&str], toml_key: Option<&str>) -> Option<(String, Source)> {
+    /// secret, config.toml was already stripped when read. `key` names the setting in the
+    /// error for an environment variable that would be read but is not UTF-8 (E1005: its
+    /// value is never shown, it may be a secret).
+    pub fn lookup(
+        &self,
+        key: &str,
+        envs: &[&str],
+        toml_key: Option<&str>,
+    ) -> Result<Option<(String, Source)>, Error> {
+        let mut from_env = None;
+        for name in envs {
+            if let Some(v) = self.env.get(*name).and_then(|v| nonblank(v)) {
+                from_env = Some(v.to_string());
+                break;
+            }
+            if self.env_not_unicode.contains(*name) {
+                return Err(Error::InvalidSetting {
+                    key: key.to_string(),
+                    reason: format!("{name} in the environment is not valid UTF-8"),
+                });
+            }
+        }
+        if let Some(v) = from_env {
+            return Ok(Some((v, Source::Env)));
+        }
         let by_env = |map: &HashMap<String, String>| {
             envs.iter()
                 .find_map(|e| map.get(*e).and_then(|v| nonblank(v)).map(str::to_string))
         };
-        by_env(&self.env)
-            .map(|v| (v, Source::Env))
-            .or_else(|| by_env(&self.dotenv_cwd).map(|v| (v, Source::DotEnvCwd)))
+        Ok(by_env(&self.dotenv_cwd)
+            .map(|v| (v, Source::DotEnvCwd))
             .or_else(|| by_env(&self.dotenv_home).map(|v| (v, Source::DotEnvHome)))
             .or_else(|| {
                 toml_key
                     .and_then(|k| self.toml.get(k))
                     .and_then(|v| nonblank(v))
                     .map(|v| (v.to_string(), Source::ConfigToml))
-            })
+            }))
     }
 }
 
@@ -234,6 +281,7 @@ impl Resolved {
             flags: inputs.flags.clone(),
             provider_options: inputs.provider_options.clone(),
             env: inputs.env.clone(),
+            env_not_unicode: inputs.env_not_unicode.clone(),
             dotenv_cwd,
             dotenv_home,
             toml,
@@ -252,7 +300,7 @@ impl Resolved {
                     Some(v) => (Some(v), Source::Flag),
                     None => {
                         let toml_key = (!spec.secret).then_some(spec.name);
-                        match layers.lookup(&[spec.env], toml_key) {
+                        match layers.lookup(spec.name, &[spec.env], toml_key)? {
                             Some((v, src)) if spec.secret => {
                                 (Some(Value::Secret(Secret::new(v))), src)
                             }
@@ -261,13 +309,13 @@ impl Resolved {
                         }
                     }
                 };
-                Entry {
+                Ok(Entry {
                     spec,
                     value,
                     source,
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, Error>>()?;
 
         // Defaults last: some derive from the effective region.
         let region = entries[Key::Region as usize]
@@ -607,6 +655,7 @@ mod tests {
             flags: HashMap::new(),
             provider_options: vec![("api_key".into(), "sk-option-secret-9999".into())],
             env,
+            env_not_unicode: BTreeSet::new(),
             cwd: dir.path().to_path_buf(),
             abx_home: Some(home),
         };
