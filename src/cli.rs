@@ -167,12 +167,11 @@ pub struct NetArgs {
     pub upstream_timeout: Option<Duration>,
 }
 
+/// The flags that decide whether `serve` may listen where `listen` says. `check` takes
+/// them too: a serve command line with `serve` changed to `check` must be accepted, and
+/// judged by the same rule.
 #[derive(Debug, Args, Clone, Default)]
-pub struct ServeArgs {
-    #[command(flatten)]
-    pub settings: SettingsArgs,
-    #[command(flatten)]
-    pub net: NetArgs,
+pub struct ExposureArgs {
     /// Accept connections on a non-loopback address without listener TLS.
     #[arg(long)]
     pub allow_remote: bool,
@@ -185,6 +184,22 @@ pub struct ServeArgs {
     pub tls_cert: Option<PathBuf>,
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+}
+
+impl ExposureArgs {
+    pub fn tls(&self) -> bool {
+        self.tls_cert.is_some() && self.tls_key.is_some()
+    }
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub settings: SettingsArgs,
+    #[command(flatten)]
+    pub net: NetArgs,
+    #[command(flatten)]
+    pub exposure: ExposureArgs,
     /// Close a connection that moved no bytes for this long.
     #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = timeout)]
     pub idle_timeout: Duration,
@@ -214,6 +229,8 @@ pub struct CheckArgs {
     pub settings: SettingsArgs,
     #[command(flatten)]
     pub net: NetArgs,
+    #[command(flatten)]
+    pub exposure: ExposureArgs,
     /// Resolve and validate only; no network.
     #[arg(long)]
     pub offline: bool,

@@ -156,6 +156,12 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
 pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let resolved = resolve(&args.settings)?;
     let settings = resolved.validate()?;
+    // What serve checks before it binds, from the same flags: check's ok means serve starts.
+    let exposure = &args.exposure;
+    crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;
+    if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
+        crate::proxy::listener::tls_acceptor(cert, key)?;
+    }
     let (kind, source) = credential_in_use(&resolved)?;
     println!("credential: {kind} ({})", source.label());
     println!("provider: {}", settings.provider);

@@ -208,10 +208,10 @@ fn refuse_self_loop(settings: &Settings, listener: &Listener) -> Result<(), Erro
 fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.
     Options {
-        allow_remote: args.allow_remote,
-        allowed_hosts: args.allowed_host.clone(),
-        tls_cert: args.tls_cert.clone(),
-        tls_key: args.tls_key.clone(),
+        allow_remote: args.exposure.allow_remote,
+        allowed_hosts: args.exposure.allowed_host.clone(),
+        tls_cert: args.exposure.tls_cert.clone(),
+        tls_key: args.exposure.tls_key.clone(),
         upstream_ca: args.net.upstream_ca.clone(),
         connect_timeout: args.net.connect_timeout,
         upstream_timeout: args

@@ -1700,3 +1700,74 @@ fn environment_values_that_are_not_utf8_are_ignored_unless_read() {
         out.stdout
     );
 }
+
+/// `check --offline` said ok for settings `serve` refuses at start: a key that cannot be a
+/// header value (a control character pasted with it, a key file of two lines) and a
+/// non-loopback listener without `--allow-remote`. Both now give the same answer, and
+/// `check` takes the flags that decide it, so a serve command line runs as a check.
+#[test]
+fn check_refuses_what_serve_refuses() {
+    let header = "not usable as an HTTP header value";
+    let mut pasted = Case::new();
+    pasted.env("ABX_SANDBOX_API_KEY", &format!("{KEY_ENV}\u{7f}"));
+    let mut two_lines = Case::new();
+    let p = two_lines.file("api-key", &format!("{KEY_FLAG}\n{KEY_FLAG}\n"));
+    two_lines.flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+    for (what, c) in [("control character", &pasted), ("two lines", &two_lines)] {
+        for args in [&["check", "--offline"][..], SERVE] {
+            let out = c.run(args);
+            assert_eq!(out.code, 78, "{what} {args:?}: {}", out.stderr);
+            assert!(
+                out.stderr
+                    .starts_with("[E1005] invalid value for sandbox_api_key")
+                    && out.stderr.contains(header),
+                "{what} {args:?}: {}",
+                out.stderr
+            );
+        }
+    }
+
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+        .env("ABX_PROXY_ADMIN_LISTEN", "127.0.0.1:0")
+        .flag("--listen", "0.0.0.0:0");
+    for args in [&["check", "--offline"][..], &["serve"]] {
+        let out = c.run(args);
+        assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+        assert!(
+            // serve may warn first (the open-file limit).
+            out.stderr.lines().any(|l| l.starts_with("[E1007]"))
+                && out.stderr.contains("--allow-remote"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    let out = c.run(&[
+        "check",
+        "--offline",
+        "--allow-remote",
+        "--allowed-host",
+        "h",
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("listen: 0.0.0.0:0"), "{}", out.stdout);
+
+    // Listener TLS stands in for --allow-remote; check reads the files as serve does.
+    let missing = c.cwd.join("no-such-cert.pem");
+    let missing = missing.to_str().expect("utf-8");
+    for args in [&["check", "--offline"][..], &["serve"]] {
+        let args: Vec<&str> = args
+            .iter()
+            .copied()
+            .chain(["--tls-cert", missing, "--tls-key", missing])
+            .collect();
+        let out = c.run(&args);
+        assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.lines().any(|l| l.starts_with("[E1006]"))
+                && out.stderr.contains("no-such-cert.pem"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+}

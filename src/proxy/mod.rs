@@ -112,7 +112,8 @@ impl Proxy {
         credential: ApiCredential,
         metrics: Arc<Metrics>,
     ) -> Result<Self, Error> {
-        check_exposure(&settings.listen, options)?;
+        let tls = options.tls_cert.is_some() && options.tls_key.is_some();
+        check_exposure(&settings.listen, tls, options.allow_remote)?;
         let tls = upstream::tls_config(options.upstream_ca.as_deref())?;
         let host_policy = match &settings.listen {
             ListenAddr::Unix(_) => HostPolicy::Any,
@@ -215,10 +216,10 @@ pub(crate) fn test_proxy() -> Arc<Proxy> {
 }
 
 /// Whoever reaches a non-loopback plaintext port spends the key: that needs consent.
-fn check_exposure(listen: &ListenAddr, options: &Options) -> Result<(), Error> {
-    let tls = options.tls_cert.is_some() && options.tls_key.is_some();
+/// `check` applies it too, so that it says ok only for what `serve` would start with.
+pub fn check_exposure(listen: &ListenAddr, tls: bool, allow_remote: bool) -> Result<(), Error> {
     match listen {
-        ListenAddr::Tcp(addr) if !addr.ip().is_loopback() && !tls && !options.allow_remote => {
+        ListenAddr::Tcp(addr) if !addr.ip().is_loopback() && !tls && !allow_remote => {
             Err(Error::RemoteListen {
                 addr: addr.to_string(),
             })

@@ -466,7 +466,7 @@ impl Resolved {
                 )
             }
         };
-        Ok(Settings {
+        let settings = Settings {
             provider: get(Key::Provider).to_string(),
             sandbox_base_url,
             sandbox_domain: envd_domain,
@@ -494,7 +494,13 @@ impl Resolved {
             credential,
             auth,
             plugin,
-        })
+        };
+        // Here rather than when serve attaches it, so that check refuses what serve would:
+        // a key pasted with a control character, or a key file of more than one line.
+        if let Credential::ApiKey(key) = &settings.credential {
+            crate::credentials::header_value(&settings, key)?;
+        }
+        Ok(settings)
     }
 
     fn builtin_credential(&self) -> Result<Credential, Error> {
