@@ -83,8 +83,7 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => {
-            let line = text()
-                .and_then(|text| text.find(entry.as_str()).map(|start| line_of(&text, start)));
+            let line = text().and_then(|text| entry_line(&text, entry));
             match line {
                 Some(n) => format!("syntax error at line {n}"),
                 None => format!("syntax error at byte {idx} of an entry"),
@@ -97,6 +96,38 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>
         path: shown.to_string(),
         reason,
     }
+}
+
+/// The 1-based line where dotenvy's failing `entry` starts. dotenvy gives either whole
+/// physical lines (leading blanks included) or, for an error in
+/// a value, the value from where it starts after `KEY=`. A search for that text anywhere
+/// found it in a comment or another line first and named the wrong line; only these two
+/// places on a line that is not a comment can be the entry. The first match is the one:
+/// an earlier line that matched would have failed first.
+fn entry_line(text: &str, entry: &str) -> Option<usize> {
+    if entry.is_empty() {
+        return None;
+    }
+    // Line 1 with and without a byte-order mark (some readers strip it, some do not).
+    let bom = text.starts_with('\u{feff}').then_some(3);
+    std::iter::once(0)
+        .chain(bom)
+        .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+        .find(|&start| entry_starts_at(&text[start..], entry))
+        .map(|start| line_of(text, start))
+}
+
+fn entry_starts_at(rest: &str, entry: &str) -> bool {
+    if rest.trim_start().starts_with('#') {
+        return false;
+    }
+    let line = rest.split('\n').next().unwrap_or_default();
+    rest.starts_with(entry)
+        || line.find('=').is_some_and(|eq| {
+            rest[eq + 1..]
+                .trim_start_matches([' ', '\t'])
+                .starts_with(entry)
+        })
 }
 
 /// `.env` files hold secrets and are meant to be mode 600.
@@ -241,6 +272,30 @@ pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text of a failing entry may also appear earlier, in a comment or inside another
+    /// line: only a match at a line start is the entry.
+    #[test]
+    fn a_syntax_error_names_the_line_of_the_entry() {
+        let text = "# ABX_SANDBOX_BASE_URL=http://x y\nA=1\nABX_SANDBOX_BASE_URL=http://x y\n";
+        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot read ./.env: syntax error at line 3"
+        );
+        let text = "B=\"a=x\n y\"\n  a = x y\n";
+        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot read ./.env: syntax error at line 3"
+        );
+        let text = "\u{feff}a=x y\n";
+        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot read ./.env: syntax error at line 1"
+        );
+    }
 
     #[test]
     fn line_numbers_count_newlines() {
