@@ -70,7 +70,9 @@ impl Manifest {
             path: path.to_string(),
             line: e
                 .span()
-                .map(|s| text[..s.start.min(text.len())].lines().count().max(1))
+                // Counting `lines()` before the offset put an error at the start of a
+                // line on the line above.
+                .map(|s| crate::settings::layers::line_of(text, s.start))
                 .unwrap_or(0),
             reason: "invalid TOML".into(),
         })?;
@@ -447,6 +449,17 @@ inherit = ["sandbox_api_key"]
                 "base_url",
             ),
             (OPEN.replace("[core]", "[core"), 13, "invalid TOML"),
+            // The span starts at the start of the line.
+            (
+                OPEN.replace("[core]\n", "[core]\n= 1\n"),
+                14,
+                "invalid TOML",
+            ),
+            (
+                OPEN.replace("manifest_version", "\"manifest_version"),
+                1,
+                "invalid TOML",
+            ),
             (
                 OPEN.replace("secret = true\n", ""),
                 8,

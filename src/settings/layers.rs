@@ -247,7 +247,7 @@ fn scalar(v: &toml::Value) -> Option<String> {
 
 /// The 1-based line of a byte offset (counting newlines: `str::lines` would put an offset
 /// at the start of a line on the line before).
-fn line_of(text: &str, offset: usize) -> usize {
+pub(crate) fn line_of(text: &str, offset: usize) -> usize {
     let end = offset.min(text.len());
     text.as_bytes()[..end]
         .iter()
