@@ -1,6 +1,7 @@
 //! The command line (clap definitions only) and its translation into settings inputs.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -110,12 +111,14 @@ pub struct SettingsArgs {
     pub listen: Option<String>,
     #[arg(long, value_name = "ADDR")]
     pub admin_listen: Option<String>,
+    // OsString, not PathBuf: clap refuses an empty PathBuf (exit 2), and SPEC §2 skips a
+    // flag given an empty or blank value like any blank value.
     /// Read the API key from a file (a Kubernetes secret volume); trailing newline trimmed.
     #[arg(long, value_name = "PATH")]
-    pub sandbox_api_key_file: Option<PathBuf>,
+    pub sandbox_api_key_file: Option<OsString>,
     /// Read the AccessKey secret from a file; trailing newline trimmed.
     #[arg(long, value_name = "PATH")]
-    pub access_key_secret_file: Option<PathBuf>,
+    pub access_key_secret_file: Option<OsString>,
     /// A plugin provider's non-secret field.
     #[arg(long, value_name = "FIELD=VALUE")]
     pub provider_option: Vec<ProviderOption>,
@@ -297,16 +300,24 @@ impl SettingsArgs {
                 flags.insert(key, FlagValue::Plain(v.clone()));
             }
         }
-        let files = [
-            (Key::SandboxApiKey, &self.sandbox_api_key_file),
-            (Key::AccessKeySecret, &self.access_key_secret_file),
-        ];
-        for (key, path) in files {
-            if let Some(path) = path {
-                flags.insert(key, FlagValue::Secret(read_secret_file(path)?));
-            }
+        for (key, path) in self.secret_files() {
+            flags.insert(key, FlagValue::Secret(read_secret_file(&path)?));
         }
         Ok(flags)
+    }
+
+    /// The `-file` flags given a path, by the key each reads; an empty or blank one is
+    /// skipped like any blank value.
+    pub fn secret_files(&self) -> Vec<(Key, PathBuf)> {
+        [
+            (Key::SandboxApiKey, &self.sandbox_api_key_file),
+            (Key::AccessKeySecret, &self.access_key_secret_file),
+        ]
+        .into_iter()
+        .filter_map(|(key, path)| Some((key, path.as_ref()?)))
+        .filter(|(_, path)| !path.to_str().is_some_and(|p| p.trim().is_empty()))
+        .map(|(key, path)| (key, PathBuf::from(path)))
+        .collect()
     }
 
     /// `--provider-option FIELD=VALUE` pairs.

@@ -230,8 +230,7 @@ pub async fn on_hangup(
     mut running: Settings,
     options: Options,
 ) {
-    let secret_files = [&flags.sandbox_api_key_file, &flags.access_key_secret_file];
-    let mut files = FileWatch::new(secret_files.into_iter().flatten().cloned().collect());
+    let mut files = FileWatch::new(flags.secret_files().into_iter().map(|(_, p)| p).collect());
     loop {
         let hangup = async {
             match &mut hangups {

@@ -1771,3 +1771,23 @@ fn check_refuses_what_serve_refuses() {
         );
     }
 }
+
+/// SPEC §2: a flag given an empty or blank value is skipped like any blank value; the
+/// `-file` flags refused "" with a clap error (exit 2) and tried to read " " (E1006).
+#[test]
+fn blank_secret_file_flags_are_skipped() {
+    for flag in ["--sandbox-api-key-file", "--access-key-secret-file"] {
+        for blank in ["", " ", "\t"] {
+            let mut c = Case::new();
+            c.env("ABX_SANDBOX_API_KEY", KEY_ENV).flag(flag, blank);
+            let k = c.row("sandbox_api_key");
+            assert_eq!(
+                (k.value, k.source.as_str()),
+                (Some(masked(KEY_ENV)), "env"),
+                "{flag} {blank:?}"
+            );
+            let out = c.run(&["check", "--offline"]);
+            assert_eq!(out.code, 0, "{flag} {blank:?}: {}", out.stderr);
+        }
+    }
+}
