@@ -301,7 +301,11 @@ impl SettingsArgs {
             }
         }
         for (key, path) in self.secret_files() {
-            flags.insert(key, FlagValue::Secret(read_secret_file(&path)?));
+            let flag = match key {
+                Key::SandboxApiKey => "--sandbox-api-key-file",
+                _ => "--access-key-secret-file",
+            };
+            flags.insert(key, FlagValue::Secret(read_secret_file(flag, &path)?));
         }
         Ok(flags)
     }
@@ -370,10 +374,26 @@ fn log_filter(raw: &str) -> Result<String, String> {
 }
 
 /// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline.
-fn read_secret_file(path: &Path) -> Result<Secret, Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::ReadFile {
-        path: path.display().to_string(),
-        reason: e.kind().to_string(),
+///
+/// The path is named in the error only when something exists there: a value that names
+/// nothing may well be the key itself, pasted in place of its path, and errors end up in
+/// logs. Whoever typed a wrong path still has it in their command line.
+fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        if std::fs::symlink_metadata(path).is_ok() {
+            Error::ReadFile {
+                path: path.display().to_string(),
+                reason: e.kind().to_string(),
+            }
+        } else {
+            Error::ReadFile {
+                path: format!("the file given to {flag}"),
+                reason: format!(
+                    "{} (the value is not repeated: it may be a secret pasted in place of a path)",
+                    e.kind()
+                ),
+            }
+        }
     })?;
     let trimmed = text
         .strip_suffix("\r\n")

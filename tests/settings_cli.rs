@@ -921,13 +921,34 @@ fn secret_files_trim_one_trailing_newline_and_count_as_flags() {
         (Some("access_key"), "flag")
     );
 
-    // A missing file is a configuration error that names the flag's file.
+    // A missing file is a configuration error that names the flag, not the value: that
+    // may be the key itself, pasted in place of its path.
+    for (flag, value) in [
+        ("--sandbox-api-key-file", "/nonexistent/abx-key"),
+        ("--sandbox-api-key-file", KEY_FLAG),
+        ("--access-key-secret-file", AK_SECRET_FILE),
+    ] {
+        let mut c = Case::new();
+        c.flag(flag, value);
+        let out = c.run(&["config", "list"]);
+        assert_eq!(out.code, 78, "{}", out.stderr);
+        assert!(
+            out.stderr
+                .starts_with(&format!("[E1006] cannot read the file given to {flag}: ")),
+            "{}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(&value[5..]), "{}", out.stderr);
+    }
+    // Something there that cannot be read (a directory): that is a path, and is named.
     let mut c = Case::new();
-    c.flag("--sandbox-api-key-file", "/nonexistent/abx-key");
+    let dir = c.cwd.to_str().expect("utf-8").to_string();
+    c.flag("--sandbox-api-key-file", &dir);
     let out = c.run(&["config", "list"]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(
-        out.stderr.contains("/nonexistent/abx-key"),
+        out.stderr
+            .starts_with(&format!("[E1006] cannot read {dir}: ")),
         "{}",
         out.stderr
     );
