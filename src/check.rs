@@ -35,7 +35,7 @@ async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
         Credential::ApiKey(k) => k.clone(),
         Credential::AccessKey { .. } => {
             let (key, expires_at) = crate::credentials::exchange_once(settings, &client).await?;
-            println!("token exchange: ok, temporary key expires at {expires_at}");
+            outln!("token exchange: ok, temporary key expires at {expires_at}");
             key
         }
     };
@@ -89,7 +89,7 @@ async fn probe(
             host,
         });
     }
-    println!("control plane: {host} answered {status}");
-    println!("ok");
+    outln!("control plane: {host} answered {status}");
+    outln!("ok");
     Ok(0)
 }

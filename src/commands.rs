@@ -32,6 +32,34 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
     Ok(resolved)
 }
 
+/// Exit status when stdout's reader has gone: what a shell reports for a program ended by
+/// SIGPIPE (128 + 13), as `cat`, `ls` or `git` end there. Not 0: a `check` cut short did
+/// not pass.
+pub const EXIT_BROKEN_PIPE: i32 = 141;
+/// EX_IOERR: stdout failed otherwise (a full disk).
+const EXIT_IOERR: i32 = 74;
+
+/// One line of a command's output (see `outln!`). A reader that went away ends the process
+/// quietly: nobody is left to read the rest, and the panic `println!` gave was noise on
+/// stderr. Any other write failure ends it with a one-line error rather than a panic.
+pub fn stdout_line(args: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            std::process::exit(EXIT_BROKEN_PIPE)
+        }
+        Err(e) => {
+            crate::logging::stderr_line(&format!("error: cannot write to stdout: {e}"));
+            std::process::exit(EXIT_IOERR)
+        }
+    }
+}
+
 struct Row {
     key: String,
     value: Option<String>,
@@ -100,7 +128,6 @@ fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Erro
 pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
     let resolved = resolve(args)?;
     let rows = rows(&resolved);
-    let mut out = std::io::stdout().lock();
     if json {
         let arr: Vec<serde_json::Value> = rows
             .iter()
@@ -111,7 +138,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
                 })
             })
             .collect();
-        let _ = writeln!(out, "{}", serde_json::Value::Array(arr));
+        outln!("{}", serde_json::Value::Array(arr));
     } else {
         let width = |f: fn(&Row) -> usize| rows.iter().map(f).max().unwrap_or(0);
         let (wk, wv, ws) = (
@@ -127,7 +154,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
                 r.source,
                 r.env.as_deref().unwrap_or("-"),
             );
-            let _ = writeln!(out, "{}", line.trim_end());
+            outln!("{}", line.trim_end());
         }
     }
     Ok(0)
@@ -138,7 +165,7 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     match rows(&resolved).into_iter().find(|r| r.key == key) {
         Some(row) => {
             if let Some(v) = row.value {
-                println!("{v}");
+                outln!("{v}");
             }
             Ok(0)
         }
@@ -163,17 +190,18 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
         crate::proxy::listener::tls_acceptor(cert, key)?;
     }
     let (kind, source) = credential_in_use(&resolved)?;
-    println!("credential: {kind} ({})", source.label());
-    println!("provider: {}", settings.provider);
-    println!("control plane: {}", settings.sandbox_base_url);
+    outln!("credential: {kind} ({})", source.label());
+    outln!("provider: {}", settings.provider);
+    outln!("control plane: {}", settings.sandbox_base_url);
     match (&settings.sandbox_url, &settings.sandbox_domain) {
-        (Some(u), _) => println!("envd: {u} (routed by E2b-Sandbox-* headers)"),
-        (None, Some(d)) => println!("envd: https://{{port}}-{{sandboxId}}.{d}"),
-        (None, None) => println!("envd: none (this provider has no envd plane)"),
+        (Some(u), _) => outln!("envd: {u} (routed by E2b-Sandbox-* headers)"),
+        (None, Some(d)) => outln!("envd: https://{{port}}-{{sandboxId}}.{d}"),
+        (None, None) => outln!("envd: none (this provider has no envd plane)"),
     }
-    println!(
+    outln!(
         "listen: {}  admin: {}",
-        settings.listen, settings.admin_listen
+        settings.listen,
+        settings.admin_listen
     );
     if matches!(
         settings.credential,
@@ -184,14 +212,14 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
             crate::settings::ExchangeScheme::RpcV1 => "rpc-v1",
             crate::settings::ExchangeScheme::Acs3 => "acs3",
         };
-        println!("token exchange: {} ({scheme})", settings.token_exchange_url);
+        outln!("token exchange: {} ({scheme})", settings.token_exchange_url);
     }
     if args.offline {
         // Read offline too: `serve` with the same file would stop at it.
         if let Some(ca) = &args.net.upstream_ca {
             crate::upstream::tls_config(Some(ca))?;
         }
-        println!("ok (offline: nothing was contacted)");
+        outln!("ok (offline: nothing was contacted)");
         return Ok(0);
     }
     crate::check::online(&settings, &args.net)
@@ -207,15 +235,15 @@ fn abx_home() -> Result<std::path::PathBuf, Error> {
 }
 
 pub fn provider_list() -> Result<i32, Error> {
-    println!("{:18} {:10} description", "id", "kind");
-    println!(
+    outln!("{:18} {:10} description", "id", "kind");
+    outln!(
         "{:18} {:10} Alibaba Cloud Agent Sandbox (E2B API, Authorization: Bearer)",
         providers::BUILTIN,
         "built-in"
     );
     for entry in providers::list(&abx_home()?) {
         match entry {
-            Ok(p) => println!(
+            Ok(p) => outln!(
                 "{:18} {:10} {}",
                 p.manifest.id,
                 "installed",
@@ -229,20 +257,20 @@ pub fn provider_list() -> Result<i32, Error> {
 
 pub fn provider_info(id: &str) -> Result<i32, Error> {
     if id == providers::BUILTIN {
-        println!("id: {id} (built-in)");
-        println!("base_url: https://api.{{region}}.e2b.fc.aliyuncs.com");
-        println!("auth: Authorization: Bearer <key>");
-        println!("envd: https://{{port}}-{{sandboxId}}.{{region}}.e2b.fc.aliyuncs.com");
-        println!("fields:");
+        outln!("id: {id} (built-in)");
+        outln!("base_url: https://api.{{region}}.e2b.fc.aliyuncs.com");
+        outln!("auth: Authorization: Bearer <key>");
+        outln!("envd: https://{{port}}-{{sandboxId}}.{{region}}.e2b.fc.aliyuncs.com");
+        outln!("fields:");
         for k in KEYS {
-            println!(
+            outln!(
                 "  {:22} {:28}{}",
                 k.name,
                 k.env,
                 if k.secret { " secret" } else { "" }
             );
         }
-        println!("Inherits: (none)");
+        outln!("Inherits: (none)");
         return Ok(0);
     }
     let installed = providers::load(&abx_home()?, id)?
@@ -253,24 +281,24 @@ pub fn provider_info(id: &str) -> Result<i32, Error> {
 
 fn print_provider(p: &providers::Installed) {
     let m = &p.manifest;
-    println!("id: {}", m.id);
+    outln!("id: {}", m.id);
     if let Some(d) = &m.description {
-        println!("description: {d}");
+        outln!("description: {d}");
     }
-    println!("base_url: {}", m.base_url);
+    outln!("base_url: {}", m.base_url);
     match &m.auth {
-        providers::AuthKind::Bearer => println!("auth: Authorization: Bearer <key>"),
-        providers::AuthKind::Header(h) => println!("auth: {h}: <key>"),
+        providers::AuthKind::Bearer => outln!("auth: Authorization: Bearer <key>"),
+        providers::AuthKind::Header(h) => outln!("auth: {h}: <key>"),
     }
     match &m.envd_domain {
-        Some(d) => println!("envd: https://{{port}}-{{sandboxId}}.{d}"),
-        None => println!("envd: none"),
+        Some(d) => outln!("envd: https://{{port}}-{{sandboxId}}.{d}"),
+        None => outln!("envd: none"),
     }
-    println!("fields:");
+    outln!("fields:");
     for f in m.fields.values() {
         let mut envs = vec![m.canonical_env(&f.name)];
         envs.extend(f.aliases.iter().cloned());
-        println!(
+        outln!(
             "  {:14} {}{}",
             f.name,
             envs.join(", "),
@@ -281,9 +309,9 @@ fn print_provider(p: &providers::Installed) {
             }
         );
     }
-    println!("Inherits:");
+    outln!("Inherits:");
     if m.inherit.is_empty() {
-        println!("  (none)");
+        outln!("  (none)");
     }
     for key in &m.inherit {
         let state = if p.consented.contains(key) {
@@ -291,20 +319,20 @@ fn print_provider(p: &providers::Installed) {
         } else {
             "NOT consented: reinstall with --consent to allow"
         };
-        println!("  {key} ({state})");
+        outln!("  {key} ({state})");
     }
 }
 
 pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Error> {
     let installed = providers::install(&abx_home()?, file, consent)?;
-    println!(
+    outln!(
         "installed {} in {}",
         installed.manifest.id,
         installed.dir.display()
     );
     print_provider(&installed);
     if !installed.manifest.inherit.is_empty() && !consent {
-        println!(
+        outln!(
             "note: this provider asks to inherit {}; it was not granted. Run `abx-proxy provider install {} --consent` to allow.",
             installed.manifest.inherit.join(", "),
             file.display()

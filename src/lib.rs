@@ -17,6 +17,15 @@
 //! systemd's readiness), [`commands`] and [`check`].
 #![forbid(unsafe_code)]
 
+/// `println!` for the commands' output. `println!` panics (exit 101 and a panic message)
+/// when the reader has gone, as in `abx-proxy config list | head -1`; this ends quietly
+/// instead (see [`commands::stdout_line`]). Defined before the modules that use it.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::commands::stdout_line(format_args!($($arg)*))
+    };
+}
+
 pub mod admin;
 pub mod check;
 pub mod cli;

@@ -184,6 +184,22 @@ impl Case {
 
     /// Runs the binary; asserts that no raw secret reached stdout or stderr.
     fn run(&self, args: &[&str]) -> Out {
+        let mut cmd = self.command(args);
+        cmd.stdout(Stdio::piped());
+        self.finish(cmd, args)
+    }
+
+    /// Runs the binary with a stdout nobody reads: the read end of its pipe is closed
+    /// before it starts, so its first write fails with EPIPE (`abx-proxy … | true`).
+    fn run_with_reader_gone(&self, args: &[&str]) -> Out {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let mut cmd = self.command(args);
+        cmd.stdout(writer);
+        self.finish(cmd, args)
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(BIN);
         cmd.args(args)
             .args(&self.flags)
@@ -195,7 +211,6 @@ impl Case {
             .env("HOME", &self.home)
             .current_dir(&self.cwd)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(h) = &self.abx_home {
             cmd.env("ABX_HOME", h);
@@ -206,7 +221,13 @@ impl Case {
         for (k, v) in &self.raw_vars {
             cmd.env(k, OsStr::from_bytes(v));
         }
+        cmd
+    }
+
+    fn finish(&self, mut cmd: Command, args: &[&str]) -> Out {
         let child = cmd.spawn().expect("spawn abx-proxy");
+        // The parent's copy of a pipe's write end must go, or the reader never sees EOF.
+        drop(cmd);
         let pid = child.id();
         let (done, watch) = mpsc::channel::<()>();
         let watchdog = std::thread::spawn(move || {
@@ -1810,5 +1831,27 @@ fn blank_secret_file_flags_are_skipped() {
             let out = c.run(&["check", "--offline"]);
             assert_eq!(out.code, 0, "{flag} {blank:?}: {}", out.stderr);
         }
+    }
+}
+
+/// `abx-proxy check --offline | true`: `println!` panicked on the closed pipe (exit 101 and
+/// a panic message). The output commands now end quietly with 141, what a shell reports
+/// for a program ended by SIGPIPE (as `cat` or `git` end there); not 0, since a `check`
+/// cut short did not pass.
+#[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    for args in [
+        &["check", "--offline"][..],
+        &["config", "list"],
+        &["config", "list", "--json"],
+        &["config", "get", "region"],
+        &["provider", "list"],
+        &["provider", "info", "alicloud-express"],
+    ] {
+        let out = c.run_with_reader_gone(args);
+        assert_eq!(out.code, 141, "{args:?}: {}", out.stderr);
+        assert_eq!(out.stderr, "", "{args:?}");
     }
 }
