@@ -76,7 +76,7 @@ async fn a_key_that_cannot_be_a_header_value_is_refused_at_start() {
     assert_eq!(status.code(), Some(78), "{stderr}");
     assert!(
         stderr.contains(
-            "[E1005] invalid value for sandbox_api_key: not usable as an HTTP header value"
+            "[E1005] invalid value for sandbox_api_key (ABX_SANDBOX_API_KEY from env): not usable as an HTTP header value"
         ),
         "{stderr}"
     );

@@ -1855,3 +1855,65 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
         assert_eq!(out.stderr, "", "{args:?}");
     }
 }
+
+/// An invalid value said "invalid value for token_ttl" without where it came from, though
+/// the key may be set at five levels. The error names the flag, or the variable and its
+/// layer, with the literal source names; never a secret's value.
+#[test]
+fn an_invalid_value_names_where_it_came_from() {
+    type SetUp = fn(&mut Case);
+    let cases: [(SetUp, &str); 6] = [
+        (
+            |c| {
+                c.flag("--token-ttl", "abc");
+            },
+            "token_ttl (--token-ttl)",
+        ),
+        (
+            |c| {
+                c.env("ABX_TOKEN_TTL", "abc");
+            },
+            "token_ttl (ABX_TOKEN_TTL from env)",
+        ),
+        (
+            |c| {
+                c.cwd_dotenv("ABX_TOKEN_TTL=abc");
+            },
+            "token_ttl (ABX_TOKEN_TTL from ./.env)",
+        ),
+        (
+            |c| {
+                c.home_dotenv("ABX_COMPAT_V2_PATHS=sometimes");
+            },
+            "compat_v2_paths (ABX_COMPAT_V2_PATHS from ~/.abx/.env)",
+        ),
+        (
+            |c| {
+                c.toml("[auth]\ntoken_exchange = \"rpc-v9\"");
+            },
+            "token_exchange (token_exchange from ~/.abx/config.toml)",
+        ),
+        (
+            |c| {
+                c.env("ABX_SANDBOX_API_KEY", &format!("{KEY_ENV}\u{7f}"));
+                c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_CWD}"));
+            },
+            "sandbox_api_key (ABX_SANDBOX_API_KEY from env)",
+        ),
+    ];
+    for (set, says) in cases {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_HOME);
+        set(&mut c);
+        for args in [&["check", "--offline"][..], SERVE] {
+            let out = c.run(args);
+            assert_eq!(out.code, 78, "{says} {args:?}: {}", out.stderr);
+            assert!(
+                out.stderr
+                    .starts_with(&format!("[E1005] invalid value for {says}: ")),
+                "{says} {args:?}: {}",
+                out.stderr
+            );
+        }
+    }
+}

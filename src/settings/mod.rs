@@ -403,8 +403,57 @@ impl Resolved {
         providers::resolve(installed, &self.layers, core_key).map(Some)
     }
 
-    /// Validates every key into typed settings; the first problem is the error.
+    /// Validates every key into typed settings; the first problem is the error, saying
+    /// where the value came from (the same key may be set at five levels).
     pub fn validate(&self) -> Result<Settings, Error> {
+        self.validate_values().map_err(|e| self.locate(e))
+    }
+
+    /// An E1005 about a key, with where its value came from added to the key's name: the
+    /// flag, or the variable and its layer. Only names and labels, never the value.
+    fn locate(&self, e: Error) -> Error {
+        let Error::InvalidSetting { key, reason } = e else {
+            return e;
+        };
+        let builtin = KEYS
+            .iter()
+            .find(|spec| spec.name == key)
+            .map(|spec| self.entry(spec.key))
+            .map(|entry| (entry.source, Some(entry.spec.env)));
+        // A plugin field may have come from its canonical name or a vendor alias, and only
+        // the layer is kept: that is all it says.
+        let found = builtin.or_else(|| {
+            let plugin = self.plugin().ok().flatten()?;
+            let field = plugin.fields.iter().find(|f| f.key == key)?;
+            Some((field.source, None))
+        });
+        let origin = match found {
+            Some((Source::Flag, _)) => Some(match Key::by_name(&key) {
+                Some(k) if k.spec().secret => format!("--{}-file", key.replace('_', "-")),
+                Some(_) => format!("--{}", key.replace('_', "-")),
+                None => "--provider-option".to_string(),
+            }),
+            Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), Some(env))) => {
+                Some(format!("{env} from {}", src.label()))
+            }
+            Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), None)) => {
+                Some(format!("from {}", src.label()))
+            }
+            Some((Source::ConfigToml, _)) => {
+                Some(format!("{key} from {}", Source::ConfigToml.label()))
+            }
+            _ => None,
+        };
+        Error::InvalidSetting {
+            key: match origin {
+                Some(o) => format!("{key} ({o})"),
+                None => key,
+            },
+            reason,
+        }
+    }
+
+    fn validate_values(&self) -> Result<Settings, Error> {
         let get = |k: Key| self.plain(k).unwrap_or_default();
         let region = get(Key::Region).to_string();
         values::check_region(&region)?;
