@@ -1917,3 +1917,44 @@ fn an_invalid_value_names_where_it_came_from() {
         }
     }
 }
+
+/// Alibaba's own CLI and SDKs name the pair `ALIBABA_CLOUD_ACCESS_KEY_*`. abx-proxy does not
+/// read those (SPEC §2 names `ALICLOUD_*`), but when no credential resolves and they are
+/// set, the E1001 comes with a warning that names the variables to set instead.
+#[test]
+fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
+    let mut in_env = Case::new();
+    in_env
+        .env("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID)
+        .env("ALIBABA_CLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+    let in_dotenv = Case::new();
+    in_dotenv.cwd_dotenv(&format!(
+        "ALIBABA_CLOUD_ACCESS_KEY_ID={AK_ID}\nALIBABA_CLOUD_ACCESS_KEY_SECRET={AK_SECRET_CWD}"
+    ));
+    for (c, layer) in [(&in_env, "env"), (&in_dotenv, "./.env")] {
+        for args in [&["check", "--offline"][..], SERVE] {
+            let out = c.run(args);
+            assert_eq!(out.code, 78, "{layer} {args:?}: {}", out.stderr);
+            assert!(out.stderr.ends_with(E1001), "{}", out.stderr);
+            assert!(
+                out.stderr.contains(&format!(
+                    "ALIBABA_CLOUD_ACCESS_KEY_ID ({layer}), ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
+                )),
+                "{layer} {args:?}: {}",
+                out.stderr
+            );
+            assert!(!out.stderr.contains(AK_ID), "{}", out.stderr);
+        }
+        let rows = c.list();
+        assert_eq!(find(&rows, "access_key_id").source, "unset");
+        assert_eq!(find(&rows, "access_key_secret").source, "unset");
+        assert_eq!(find(&rows, "credential").value, None);
+    }
+    // With a credential, nothing to say.
+    let mut c = Case::new();
+    c.env("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID)
+        .env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!out.stderr.contains("ALIBABA_CLOUD"), "{}", out.stderr);
+}

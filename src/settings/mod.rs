@@ -587,8 +587,8 @@ impl Resolved {
                 }
                 w.extend(p.warnings);
             }
-            Ok(None) => {
-                if let Ok((_, key_from, extra)) = self.credential() {
+            Ok(None) => match self.credential() {
+                Ok((_, key_from, extra)) => {
                     w.extend(extra);
                     for key in UPSTREAM_KEYS {
                         let e = self.entry(key);
@@ -597,13 +597,50 @@ impl Resolved {
                         }
                     }
                 }
-            }
+                Err(_) => w.extend(self.vendor_pair_hint()),
+            },
             // The error itself is reported by whoever validates.
             Err(_) => {}
         }
         w
     }
 }
+
+impl Resolved {
+    /// Alibaba's own CLI and SDKs name the pair `ALIBABA_CLOUD_ACCESS_KEY_*`; abx-proxy reads
+    /// the `ALICLOUD_*` names of SPEC §2 only (an alias would take a pair meant for other
+    /// tools without the user choosing it). When no credential resolves and those names are
+    /// set, say so beside the error, naming the variables and layers, never their values.
+    fn vendor_pair_hint(&self) -> Option<String> {
+        let layers = [
+            (&self.layers.env, Source::Env),
+            (&self.layers.dotenv_cwd, Source::DotEnvCwd),
+            (&self.layers.dotenv_home, Source::DotEnvHome),
+        ];
+        let found: Vec<String> = VENDOR_PAIR
+            .iter()
+            .flat_map(|name| {
+                layers.iter().filter_map(move |(map, src)| {
+                    map.get(*name)
+                        .and_then(|v| nonblank(v))
+                        .map(|_| format!("{name} ({})", src.label()))
+                })
+            })
+            .collect();
+        (!found.is_empty()).then(|| {
+            format!(
+                "{} is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET: set those (e.g. ALICLOUD_ACCESS_KEY_ID=$ALIBABA_CLOUD_ACCESS_KEY_ID)",
+                found.join(", ")
+            )
+        })
+    }
+}
+
+/// The names Alibaba's own tools give the AccessKey pair.
+const VENDOR_PAIR: [&str; 2] = [
+    "ALIBABA_CLOUD_ACCESS_KEY_ID",
+    "ALIBABA_CLOUD_ACCESS_KEY_SECRET",
+];
 
 /// The settings that say where the credential goes.
 const UPSTREAM_KEYS: [Key; 4] = [
