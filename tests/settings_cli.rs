@@ -1958,3 +1958,160 @@ fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!out.stderr.contains("ALIBABA_CLOUD"), "{}", out.stderr);
 }
+
+/// SPEC §2: `ABX_SANDBOX_API_KEY` is the only env name for the key. `E2B_API_KEY` (which
+/// clients pointed at the proxy set to a dummy) is never read as the key.
+#[test]
+fn e2b_api_key_is_never_read_as_the_key() {
+    let mut c = Case::new();
+    c.env("E2B_API_KEY", "dummy");
+    c.cwd_dotenv("E2B_API_KEY=dummy-cwd");
+    c.home_dotenv("E2B_API_KEY=dummy-home");
+    let rows = c.list();
+    let k = find(&rows, "sandbox_api_key");
+    assert_eq!((k.value, k.source.as_str()), (None, "unset"));
+    assert_eq!(find(&rows, "credential").value, None);
+    for args in [&["check", "--offline"][..], SERVE] {
+        let out = c.run(args);
+        assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.ends_with(E1001), "{args:?}: {}", out.stderr);
+    }
+    // Beside the real key it changes nothing either.
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let k = c.row("sandbox_api_key");
+    assert_eq!((k.value, k.source.as_str()), (Some(masked(KEY_ENV)), "env"));
+}
+
+/// SPEC §2: every non-secret key has a flag named after it, and a flag is the highest
+/// level: each shows in `config list --json` as its own key with source `flag`, above the
+/// same key set in the environment.
+#[test]
+fn every_non_secret_flag_sets_its_own_key() {
+    let flags = [
+        (
+            "--access-key-id",
+            "access_key_id",
+            "ALICLOUD_ACCESS_KEY_ID",
+            AK_ID,
+        ),
+        (
+            "--region",
+            "region",
+            "ALIBABA_CLOUD_REGION_ID",
+            "cn-shanghai",
+        ),
+        ("--provider", "provider", "ABX_PROVIDER", "alicloud-express"),
+        (
+            "--sandbox-base-url",
+            "sandbox_base_url",
+            "ABX_SANDBOX_BASE_URL",
+            "http://127.0.0.1:1",
+        ),
+        (
+            "--sandbox-domain",
+            "sandbox_domain",
+            "ABX_SANDBOX_DOMAIN",
+            "sb.example",
+        ),
+        (
+            "--sandbox-url",
+            "sandbox_url",
+            "ABX_SANDBOX_URL",
+            "http://127.0.0.1:2",
+        ),
+        (
+            "--token-exchange-url",
+            "token_exchange_url",
+            "ABX_TOKEN_EXCHANGE_URL",
+            "http://127.0.0.1:3",
+        ),
+        (
+            "--token-exchange",
+            "token_exchange",
+            "ABX_TOKEN_EXCHANGE",
+            "acs3",
+        ),
+        ("--token-ttl", "token_ttl", "ABX_TOKEN_TTL", "1234"),
+        (
+            "--token-refresh-before",
+            "token_refresh_before",
+            "ABX_TOKEN_REFRESH_BEFORE",
+            "123",
+        ),
+        (
+            "--compat-v2-paths",
+            "compat_v2_paths",
+            "ABX_COMPAT_V2_PATHS",
+            "pass",
+        ),
+        ("--listen", "listen", "ABX_PROXY_LISTEN", "127.0.0.1:4"),
+        (
+            "--admin-listen",
+            "admin_listen",
+            "ABX_PROXY_ADMIN_LISTEN",
+            "127.0.0.1:5",
+        ),
+    ];
+    // The table covers every non-secret key.
+    let baseline = Case::new().list();
+    let non_secret: Vec<&str> = baseline
+        .iter()
+        .filter(|r| !r.secret && r.key != "credential")
+        .map(|r| r.key.as_str())
+        .collect();
+    let mut covered: Vec<&str> = flags.iter().map(|f| f.1).collect();
+    covered.sort_unstable();
+    let mut expected = non_secret.clone();
+    expected.sort_unstable();
+    assert_eq!(covered, expected);
+    for (flag, key, env, value) in flags {
+        let mut c = Case::new();
+        c.env(env, "from-the-environment").flag(flag, value);
+        let rows = c.list();
+        let row = find(&rows, key);
+        assert_eq!(
+            (row.value.as_deref(), row.source.as_str()),
+            (Some(value), "flag"),
+            "{flag}"
+        );
+        // Its own key only: every other key is as without the flag.
+        for (before, after) in baseline.iter().zip(&rows) {
+            if after.key != key
+                && after.key != "credential"
+                && !(key == "region" && after.source == "default")
+            {
+                assert_eq!(after.source, before.source, "{flag} moved {}", after.key);
+            }
+        }
+    }
+}
+
+/// A settings flag given twice is a bad command line (exit 2), not "the last one wins".
+#[test]
+fn a_flag_given_twice_is_a_usage_error() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    for args in [
+        &[
+            "check",
+            "--offline",
+            "--region",
+            "cn-beijing",
+            "--region",
+            "cn-shanghai",
+        ][..],
+        &[
+            "config",
+            "list",
+            "--listen",
+            "127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:2",
+        ],
+        &["serve", "--token-ttl", "60", "--token-ttl", "70"],
+    ] {
+        let out = c.run(args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
+    }
+}
