@@ -1920,3 +1920,77 @@ async fn ambiguous_framing_is_400_and_closes() {
     assert_eq!(paths, ["/a", "/b"]);
     proxy.finish().await;
 }
+
+/// Writes `bytes` at once, then reads every answer until the proxy closes the connection.
+async fn answers_until_close<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    bytes: &[u8],
+) -> Vec<RawResponse> {
+    within("write the requests", s.write_all(bytes))
+        .await
+        .expect("write the requests");
+    let (mut answers, mut buf) = (Vec::new(), Vec::new());
+    loop {
+        if buf.is_empty() {
+            let mut tmp = [0u8; 16 * 1024];
+            match within("an answer or a close", s.read(&mut tmp)).await {
+                Ok(0) | Err(_) => return answers,
+                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+        answers.push(read_response(s, &mut buf).await);
+    }
+}
+
+/// The upstream's request paths, in order.
+fn seen_paths(upstream: &Upstream) -> Vec<String> {
+    upstream
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect()
+}
+
+/// A request with the method `PRI` is no HTTP/2 preface: hyper-util serves HTTP/2 only on
+/// the exact 24 bytes `PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`, and serves `PRI /x HTTP/1.1` as
+/// an HTTP/1 request like any other. What follows it on the connection is checked as after
+/// any other request: a smuggling attempt gets 400 E5003 and the connection closes, over
+/// plain TCP (the chunked `PRI` head makes the fast path hand the connection to hyper) and
+/// over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_stays_checked_after_a_pri_request() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let plain = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let tls = tls_listener(ProxyCmd::new(&upstream.url(), &pki), &pki)
+        .spawn()
+        .await;
+    let host = "Host: 127.0.0.1\r\n";
+    let pri = format!("PRI /x HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n");
+    let smuggles = [
+        "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        "Transfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        "Content-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    ];
+    for smuggle in smuggles {
+        // A clean request last, closing: without the fix every one is answered, and the
+        // connection still ends.
+        let bytes = format!(
+            "{pri}POST /smuggled HTTP/1.1\r\n{host}{smuggle}\
+             GET /after HTTP/1.1\r\n{host}Connection: close\r\n\r\n"
+        );
+        let mut tcp = connect_raw(plain.addr()).await;
+        let over_tcp = answers_until_close(&mut tcp, bytes.as_bytes()).await;
+        let mut tls = pki.tls_connect(tls.addr(), &[b"http/1.1"]).await;
+        let over_tls = answers_until_close(&mut tls, bytes.as_bytes()).await;
+        for (over, answers) in [("TCP", over_tcp), ("TLS", over_tls)] {
+            let statuses: Vec<u16> = answers.iter().map(|r| r.status).collect();
+            assert_eq!(statuses, [200, 400], "{smuggle:?} over {over}");
+            assert_proxy_error(&answers[1], 400, "E5003");
+        }
+    }
+    assert_eq!(seen_paths(&upstream), ["/x"; 6]);
+    assert!(upstream.seen().iter().all(|s| s.method == "PRI"));
+    plain.finish().await;
+    tls.finish().await;
+}

@@ -21,8 +21,9 @@
 //! track closes the connection unless it turns it into a tunnel (101, or 2xx to
 //! `CONNECT`), and a request whose head it did not see is refused ([`Refusal::Unfollowed`]).
 //! hyper keeps a connection open after a refused `CONNECT` or upgrade, so without this the
-//! next request would pass unchecked. HTTP/2 (the `PRI` preface opening a connection) has
-//! framing of its own: the watch stops there and refuses nothing.
+//! next request would pass unchecked. HTTP/2 (the exact preface opening a connection) has
+//! framing of its own: the watch stops there and refuses nothing. Only the exact preface:
+//! a head that merely starts with `PRI` is HTTP/1 to hyper, and followed as such.
 //!
 //! Closing, rather than watching on: whether the bytes after a `CONNECT` or upgrade head
 //! are HTTP is decided by the answer, after hyper may already have read them past the
@@ -95,7 +96,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
     let found = Arc::new(Found::default());
     (
         HeadWatch {
-            state: State::Head { first: true },
+            state: State::Preface(0),
             line: [0; LINE_CAP],
             line_len: 0,
             line_cut: false,
@@ -176,8 +177,16 @@ impl Verdicts {
     }
 }
 
+/// What makes hyper-util's server serve HTTP/2: these exact bytes opening the connection
+/// (it compares the first 24 bytes, nothing else). Anything else is HTTP/1, whatever its
+/// method: `PRI /x HTTP/1.1` is an ordinary request to hyper.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
+    /// The connection's first bytes, as long as they are the start of [`H2_PREFACE`]: how
+    /// many of it have been seen.
+    Preface(usize),
     /// The lines of a head; `first` until the request line has been read.
     Head { first: bool },
     /// A sized body: bytes still to pass.
@@ -225,6 +234,24 @@ impl HeadWatch {
         while !data.is_empty() {
             match self.state {
                 State::Off => return,
+                State::Preface(seen) => {
+                    let rest = &H2_PREFACE[seen..];
+                    let n = rest.len().min(data.len());
+                    if data[..n] != rest[..n] {
+                        // HTTP/1 after all, as hyper-util decides: the bytes that matched
+                        // so far open its first head.
+                        self.state = State::Head { first: true };
+                        self.scan(&H2_PREFACE[..seen]);
+                        continue;
+                    }
+                    data = &data[n..];
+                    self.state = if seen + n == H2_PREFACE.len() {
+                        // HTTP/2 has framing of its own, where none of this applies.
+                        State::Off
+                    } else {
+                        State::Preface(seen + n)
+                    };
+                }
                 State::Sized(left) | State::ChunkData(left) => {
                     let take = left.min(data.len() as u64);
                     data = &data[take as usize..];
@@ -282,10 +309,10 @@ impl HeadWatch {
                 self.head = Head::default();
                 self.heads += 1;
                 let method = line.split(|&b| b == b' ').next().unwrap_or_default();
-                if method == b"PRI" && self.heads == 1 {
-                    // The HTTP/2 preface: hyper serves HTTP/2, where none of this applies.
-                    State::Off
-                } else if method == b"CONNECT" || method == b"PRI" {
+                // A preface that is not the connection's first bytes (or is not all of them)
+                // is HTTP/1 to hyper, which refuses its version and ends the connection: not
+                // followed, should that change. Any other `PRI` head is an ordinary request.
+                if method == b"CONNECT" || line == b"PRI * HTTP/2.0" {
                     // A tunnel may follow (or, for a late preface, hyper's error).
                     self.lose()
                 } else {
@@ -478,6 +505,64 @@ mod tests {
     fn http2_is_left_alone() {
         let h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0Content-Length: 1\r\nTransfer-Encoding: x\r\n\r\n";
         assert_eq!(verdicts(h2, 4096, 3), [PASS; 3]);
+    }
+
+    /// hyper-util serves HTTP/2 only when the connection opens with the exact preface; a
+    /// head with the method `PRI` is an ordinary HTTP/1 request to hyper, and so it is to
+    /// the watch: its own framing and that of the requests after it are checked.
+    #[test]
+    fn only_the_exact_preface_is_http2() {
+        let pri = "PRI /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        let after: [(&str, Refusal); 3] = [
+            (
+                "POST /s HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                Refusal::BothLengths,
+            ),
+            (
+                "POST /g HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                Refusal::TransferCoding,
+            ),
+            (
+                "POST /d HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+                Refusal::RepeatedLength,
+            ),
+        ];
+        // Heads that start as the preface does, up to a point.
+        for first in [pri, "PRI * HTTP/1.1\r\nHost: x\r\n\r\n"] {
+            for (second, want) in after {
+                let input = format!("{first}{second}");
+                for step in [1, 5, 23, 24, 4096] {
+                    assert_eq!(
+                        refusals(input.as_bytes(), step, 2),
+                        vec![(2, want)],
+                        "{first:?} then {second:?}, step {step}"
+                    );
+                }
+            }
+        }
+        // The `PRI` head's own framing is checked too.
+        let both =
+            "PRI /x HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        assert_eq!(
+            refusals(both.as_bytes(), 4096, 1),
+            vec![(1, Refusal::BothLengths)]
+        );
+        // All of the preface's request line and less than the rest: hyper reads HTTP/1 and
+        // refuses the version; the watch follows nothing after it.
+        let almost = "PRI * HTTP/2.0\r\n\r\nSX\r\n\r\n";
+        let input = format!("{almost}{}", after[0].0);
+        for step in [1, 20, 4096] {
+            assert_eq!(
+                verdicts(input.as_bytes(), step, 2),
+                [LAST, UNFOLLOWED],
+                "step {step}"
+            );
+        }
+        // The exact preface, however it arrives, is HTTP/2.
+        for step in [1, 2, 23, 4096] {
+            let h2 = [H2_PREFACE, after[0].0.as_bytes()].concat();
+            assert_eq!(verdicts(&h2, step, 2), [PASS; 2], "step {step}");
+        }
     }
 
     /// hyper keeps the connection after a refused CONNECT or upgrade: what the watch could
