@@ -1994,3 +1994,46 @@ async fn framing_stays_checked_after_a_pri_request() {
     plain.finish().await;
     tls.finish().await;
 }
+
+/// hyper ends a chunked body's trailer section only at CRLF CRLF: a bare LF is an ordinary
+/// byte of a trailer to it. A client must not be able to make the framing watch end the
+/// trailers early, read hyper's trailers as a head with a length, and skip the next
+/// request unchecked: the request with the bare LF is the connection's last one served,
+/// whatever follows it is refused, and nothing after it reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_stays_checked_after_a_bare_lf_in_chunked_trailers() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let host = "Host: 127.0.0.1\r\n";
+    let smuggled = format!(
+        "POST /smuggled HTTP/1.1\r\n{host}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n\
+         3\r\nabc\r\n0\r\n\r\n"
+    );
+    // After the bare LF, a head whose length covers the smuggled request exactly.
+    let cover = format!(
+        "POST /cover HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        smuggled.len()
+    );
+    for end in ["0\r\nX: a\r\n\n", "1\r\nx\r\n0\r\n\n"] {
+        let before = upstream.seen().len();
+        let bytes = format!(
+            "POST /a HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n{end}{cover}{smuggled}\
+             GET /after HTTP/1.1\r\n{host}Connection: close\r\n\r\n"
+        );
+        let mut s = connect_raw(proxy.addr()).await;
+        let answers = answers_until_close(&mut s, bytes.as_bytes()).await;
+        let seen = &seen_paths(&upstream)[before..];
+        assert_eq!(seen, ["/a"], "{end:?}: reached the upstream");
+        // `/a` is served; the connection closes after it, or refuses the next request.
+        assert!(
+            !answers.is_empty() && answers.len() <= 2,
+            "{end:?}: {answers:?}"
+        );
+        assert_eq!(answers[0].status, 200, "{end:?}: {answers:?}");
+        if let Some(next) = answers.get(1) {
+            assert_proxy_error(next, 400, "E5003");
+        }
+    }
+    proxy.finish().await;
+}

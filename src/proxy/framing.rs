@@ -16,7 +16,8 @@
 //!
 //! The watch costs a scan for line ends in heads and chunk-size lines; body bytes are
 //! skipped by count. Whatever it cannot follow (`CONNECT`, upgrades, a chunk-size line
-//! longer than it keeps, malformed input hyper will reject) switches it off, and then the
+//! longer than it keeps, a chunk-size or trailer line that ends in a bare LF, malformed
+//! input hyper will reject) switches it off, and then the
 //! connection serves no further request: the answer to the request where the watch lost
 //! track closes the connection unless it turns it into a tunnel (101, or 2xx to
 //! `CONNECT`), and a request whose head it did not see is refused ([`Refusal::Unfollowed`]).
@@ -100,6 +101,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             line: [0; LINE_CAP],
             line_len: 0,
             line_cut: false,
+            cr: false,
             head: Head::default(),
             heads: 0,
             found: found.clone(),
@@ -223,6 +225,8 @@ pub struct HeadWatch {
     line_len: usize,
     /// The current line is longer than [`LINE_CAP`]: `line` holds its start only.
     line_cut: bool,
+    /// The last byte of the current line so far is a CR (it may lie past `line`'s end).
+    cr: bool,
     head: Head,
     /// Heads begun so far (request lines read).
     heads: u64,
@@ -271,6 +275,7 @@ impl HeadWatch {
                             let line = &data[..end];
                             data = &data[end + 1..];
                             self.line_cut = line.len() > LINE_CAP;
+                            self.cr = line.last() == Some(&b'\r');
                             self.end_of_line(&line[..line.len().min(LINE_CAP)]);
                         }
                         Some(end) => {
@@ -294,15 +299,23 @@ impl HeadWatch {
         self.line[self.line_len..self.line_len + n].copy_from_slice(&bytes[..n]);
         self.line_len += n;
         self.line_cut |= n < bytes.len();
+        if let Some(&last) = bytes.last() {
+            self.cr = last == b'\r';
+        }
     }
 
     /// `line`: the line without its `\n`, at most [`LINE_CAP`] bytes of it (`line_cut`
-    /// says whether there was more).
+    /// says whether there was more, `cr` whether it ended in CRLF).
     fn end_of_line(&mut self, mut line: &[u8]) {
         if let Some(l) = line.strip_suffix(b"\r") {
             line = l;
         }
         self.state = match self.state {
+            // hyper ends a chunk-size or trailer line only at CRLF: a bare LF is an error in
+            // the one and an ordinary byte in the other, so the trailers would end where
+            // hyper does not end them (`0\r\n\n` and what follows is still its trailer
+            // section) and the next head be looked for in the wrong place.
+            State::ChunkSize | State::Trailers if !self.cr => self.lose(),
             // Empty lines before a request line are tolerated (RFC 9112 §2.2).
             State::Head { first: true } if line.is_empty() => State::Head { first: true },
             State::Head { first: true } => {
@@ -336,6 +349,7 @@ impl HeadWatch {
         };
         self.line_len = 0;
         self.line_cut = false;
+        self.cr = false;
     }
 
     fn header_line(&mut self, line: &[u8]) {
@@ -575,7 +589,8 @@ mod tests {
         let clean = "GET /c HTTP/1.1\r\n\r\n";
         let long_line = format!("5;{}", "x".repeat(LINE_CAP));
         let zeros = format!("{}5", "0".repeat(LINE_CAP));
-        let cases: [(&str, String); 7] = [
+        let chunked = "POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let cases: [(&str, String); 11] = [
             ("CONNECT", "CONNECT a:1 HTTP/1.1\r\nHost: x\r\n\r\n".into()),
             (
                 "upgrade",
@@ -600,6 +615,23 @@ mod tests {
             (
                 "a late HTTP/2 preface",
                 "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".into(),
+            ),
+            // hyper's trailer section goes on past these, up to a CRLF CRLF.
+            (
+                "bare LF ending the trailers",
+                format!("{chunked}0\r\nX: a\r\n\n"),
+            ),
+            (
+                "bare LF right after the last chunk",
+                format!("{chunked}1\r\nx\r\n0\r\n\n"),
+            ),
+            (
+                "bare LF ending a trailer line",
+                format!("{chunked}0\r\nX: a\n\r\n"),
+            ),
+            (
+                "bare LF ending a chunk-size line",
+                format!("{chunked}5\nhello\r\n0\r\n\r\n"),
             ),
         ];
         for (name, first) in &cases {
