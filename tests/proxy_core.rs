@@ -2037,3 +2037,36 @@ async fn framing_stays_checked_after_a_bare_lf_in_chunked_trailers() {
     }
     proxy.finish().await;
 }
+
+/// The authority form (`GET 127.0.0.1:80 HTTP/1.1`) is only for CONNECT (RFC 9112
+/// §3.2.3): for any other method it is refused with 400 E5003 and never reaches the
+/// upstream, on the fast path and on hyper's (a chunked body makes the fast path hand the
+/// request over). Its authority must not stand in for the Host check either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authority_form_targets_are_refused() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    for target in ["127.0.0.1:80", &addr.to_string(), "localhost:49982"] {
+        for host in ["evil.example", "127.0.0.1"] {
+            for (path, framing) in [
+                ("fast path", ""),
+                ("hyper", "Transfer-Encoding: chunked\r\n\r\n0\r\n"),
+            ] {
+                let req = format!(
+                    "GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{framing}\r\n"
+                );
+                let resp = raw_exchange(addr, req.as_bytes()).await;
+                assert_proxy_error(&resp, 400, "E5003");
+                assert!(
+                    resp.text().contains("authority-form"),
+                    "{target}, Host {host}, {path}: {}",
+                    resp.text()
+                );
+            }
+        }
+    }
+    assert_eq!(seen_paths(&upstream), Vec::<String>::new());
+    proxy.finish().await;
+}

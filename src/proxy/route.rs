@@ -189,6 +189,16 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             "CONNECT is not supported: this is not a forward proxy",
         ));
     }
+    // The authority form (`GET 127.0.0.1:80`) is CONNECT's alone (RFC 9112 §3.2.3), yet
+    // hyper and the fast path parse it for any method. Served, its authority would stand
+    // in for Host below (a `Host: evil.example` beside it unchecked), and it would go
+    // upstream as `GET /` with the key. HTTP/2 always names a scheme beside :authority.
+    if parts.uri.authority().is_some() && parts.uri.scheme().is_none() {
+        return Err(refused(
+            "authority-form request target: only CONNECT names a bare host:port, \
+             and this is not a forward proxy",
+        ));
+    }
     let fields = Fields::of(&parts.headers);
     if fields.hosts > 1 {
         // RFC 9112 §3.2: which one a peer on the path reads is anyone's guess.
@@ -373,6 +383,31 @@ mod tests {
         assert!(route(&parts("http://proxy.internal/x", &[]), &listed).is_ok());
         // Any Host is still served on such a listener, in origin-form.
         assert!(route(&parts("/x", &[("host", "example.com")]), &HostPolicy::Any).is_ok());
+    }
+
+    #[test]
+    fn authority_form_is_refused_for_every_method() {
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            for (method, target) in [
+                ("GET", "127.0.0.1:80"),
+                ("POST", "localhost:49982"),
+                ("OPTIONS", "example.com:443"),
+            ] {
+                let mut req = parts(target, &[("host", "evil.example")]);
+                req.method = method.parse().unwrap();
+                let e = route(&req, &p).unwrap_err();
+                assert_eq!(e.code(), "E5003", "{method} {target}");
+                assert!(e.to_string().contains("authority-form"), "{e}");
+            }
+        }
+        // The other forms still pass: origin, absolute (to a local name), asterisk.
+        let p = HostPolicy::Loopback;
+        for target in ["/x", "http://127.0.0.1:49982/x", "*"] {
+            assert!(
+                route(&parts(target, &[("host", "localhost")]), &p).is_ok(),
+                "{target}"
+            );
+        }
     }
 
     #[test]
