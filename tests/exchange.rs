@@ -324,6 +324,91 @@ async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
     assert_eq!(h.fake.calls(), 3);
 }
 
+impl Harness {
+    /// Refuses `key`; when that asks for a refresh, waits for it and returns the new key.
+    async fn refuse(&mut self, key: &str) -> Option<String> {
+        if !self.source.refused(&Secret::new(key)) {
+            return None;
+        }
+        let ExchangeEvent::Success { .. } = self.next_event().await else {
+            panic!("early refresh failed: {:?}", self.fake.rejections());
+        };
+        let new = self.key().await;
+        assert_ne!(new, key);
+        Some(new)
+    }
+}
+
+/// A control plane that refuses every key (a region mismatch, a RAM policy denial) must not
+/// have a key minted every 30 s: each exchange is a `CreateApiKey` nobody deletes. Early
+/// refreshes in a row wait 30 s, 60 s, … up to an hour; a refresh on the key's own schedule
+/// or a non-401 answer to the key in use ends the run.
+#[tokio::test]
+async fn refusals_in_a_row_back_off_until_a_scheduled_refresh_or_an_accepted_key() {
+    const TTL: u64 = 86_400;
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(TTL)))
+    })
+    .await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let first = h.key().await;
+    let mut key = h
+        .refuse(&first)
+        .await
+        .expect("the first refusal refreshes at once");
+    let mut calls = 2;
+    for gap in [30u64, 60, 120, 240, 480, 960, 1920, 3600, 3600] {
+        let last = h.now();
+        h.clock.advance_to(last + Duration::from_secs(gap - 1));
+        assert_eq!(h.refuse(&key).await, None, "refused again within {gap}s");
+        h.clock.advance_to(last + Duration::from_secs(gap));
+        key = h
+            .refuse(&key)
+            .await
+            .unwrap_or_else(|| panic!("no refresh after {gap}s"));
+        calls += 1;
+        assert_eq!(h.fake.calls(), calls);
+    }
+
+    // The key's own refresh point: the run is over, the next refusals start at 30 s again.
+    let issued_at = h.now();
+    h.clock
+        .advance_to(issued_at + Duration::from_secs(TTL - 300));
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    key = h.key().await;
+    key = h
+        .refuse(&key)
+        .await
+        .expect("first refusal after the scheduled refresh");
+    h.clock.advance(REFUSAL_GAP);
+    let replaced = key.clone();
+    key = h
+        .refuse(&key)
+        .await
+        .expect("the gap after a scheduled refresh is 30 s");
+
+    // Two in a row again, so the next gap is 60 s. An answer to a replaced key tells
+    // nothing; a non-401 answer to the key in use ends the run.
+    h.source.accepted(&Secret::new(replaced.as_str()));
+    h.clock.advance(REFUSAL_GAP);
+    assert_eq!(
+        h.refuse(&key).await,
+        None,
+        "a replaced key working proves nothing"
+    );
+    h.source.accepted(&Secret::new(key.as_str()));
+    assert!(
+        h.refuse(&key).await.is_some(),
+        "the key in use worked: the next refusal waits only 30 s"
+    );
+}
+
 #[tokio::test]
 async fn failing_refresh_serves_the_old_key_until_5s_before_expiry_then_recovers() {
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(10), |f| {

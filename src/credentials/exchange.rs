@@ -13,7 +13,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -50,7 +50,12 @@ const MAX_RESPONSE_BYTES: usize = 64 * 1024;
 /// refreshes soon after waking instead of when the monotonic timer finally fires.
 const RECHECK_EVERY: Duration = Duration::from_secs(30);
 /// The least time between two refreshes brought forward by the control plane's 401s.
+/// Each early refresh is a `CreateApiKey` (a key nobody deletes), so while the refusals go
+/// on in a row the gap doubles, up to [`REFUSAL_GAP_MAX`].
 pub const REFUSAL_GAP: Duration = Duration::from_secs(30);
+/// The longest gap between early refreshes: a control plane that refuses every key (a
+/// region mismatch, a RAM policy denial) costs a key an hour, not 120.
+pub const REFUSAL_GAP_MAX: Duration = Duration::from_secs(3600);
 
 // ---------------------------------------------------------------------------------------
 // Time
@@ -562,6 +567,9 @@ struct Token {
     /// `expires_at - EXPIRY_MARGIN`: not handed out from here on.
     usable_until: SystemTime,
     refresh_at: SystemTime,
+    /// `refresh_at` was brought forward by a refusal: the exchange it causes does not end
+    /// a run of refusals the way a refresh on the key's own schedule does.
+    early: bool,
 }
 
 impl Token {
@@ -580,6 +588,7 @@ impl Token {
             expires_at,
             usable_until,
             refresh_at,
+            early: false,
         }
     }
 }
@@ -599,8 +608,30 @@ struct Shared {
     failures: AtomicU64,
     /// Unix seconds of the current key's expiry, 0 when there is none.
     expiry_unix: AtomicI64,
-    /// When a refusal last brought a refresh forward (see [`ExchangedKey::refused`]).
-    refused_at: std::sync::Mutex<Option<SystemTime>>,
+    /// Refusals that brought a refresh forward (see [`ExchangedKey::refused`]).
+    refusals: std::sync::Mutex<Refusals>,
+    /// `refusals.in_row > 0`, readable without the lock: every answered request asks.
+    refusal_streak: AtomicBool,
+}
+
+/// The early refreshes of a run of 401s.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// When a refusal last brought a refresh forward.
+    last: Option<SystemTime>,
+    /// Early refreshes since the key last worked or was refreshed on schedule.
+    in_row: u32,
+}
+
+/// The gap an early refresh must keep from the previous one after `in_row` early refreshes
+/// in a row: 30 s, 30 s, 60 s, 120 s … up to [`REFUSAL_GAP_MAX`]. The first refusal after a
+/// reset still keeps [`REFUSAL_GAP`] from the last one, so 401s that are not about the key
+/// never cost more than one exchange per gap.
+fn refusal_gap(in_row: u32) -> Duration {
+    let doublings = in_row.saturating_sub(1).min(16);
+    REFUSAL_GAP
+        .saturating_mul(1u32 << doublings)
+        .min(REFUSAL_GAP_MAX)
 }
 
 impl Shared {
@@ -618,6 +649,16 @@ impl Shared {
             Some(t) if now < t.usable_until => Some(t.key.clone()),
             _ => None,
         }
+    }
+
+    /// Ends a run of refusals: the next early refresh waits only [`REFUSAL_GAP`].
+    fn reset_refusals(&self) -> bool {
+        if !self.refusal_streak.swap(false, Ordering::Relaxed) {
+            return false;
+        }
+        let mut r = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
+        r.in_row = 0;
+        true
     }
 
     fn notify(&self, event: ExchangeEvent) {
@@ -656,7 +697,8 @@ impl ExchangedKey {
             successes: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             expiry_unix: AtomicI64::new(0),
-            refused_at: std::sync::Mutex::new(None),
+            refusals: std::sync::Mutex::new(Refusals::default()),
+            refusal_streak: AtomicBool::new(false),
         });
         let task = tokio::spawn(refresher(
             Arc::clone(&shared),
@@ -707,8 +749,10 @@ impl ExchangedKey {
     /// the expiry it came with: revoked, or judged by a local clock behind the endpoint's
     /// (the expiry is compared with ours). While `key` is still the one handed out, its
     /// refresh is brought forward to now; at most once per [`REFUSAL_GAP`], so that 401s
-    /// that are not about the key cost one exchange, not one per request. Whether a
-    /// refresh was asked for.
+    /// that are not about the key cost one exchange, not one per request, and with a gap
+    /// that doubles while the refusals go on (see [`refusal_gap`]): a control plane that
+    /// refuses every key must not have a new one minted every 30 s. Whether a refresh was
+    /// asked for.
     pub fn refused(&self, key: &Secret) -> bool {
         let shared = &*self.shared;
         let now = shared.clock.now();
@@ -720,28 +764,57 @@ impl ExchangedKey {
             // Another key by now, or the refresh is already due.
             return false;
         };
-        {
-            let mut last = shared
-                .refused_at
+        let (in_row, next_gap) = {
+            let mut r = shared
+                .refusals
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let recent = last.and_then(|at| now.duration_since(at).ok());
-            if recent.is_some_and(|since| since < REFUSAL_GAP) {
+            let recent = r.last.and_then(|at| now.duration_since(at).ok());
+            if recent.is_some_and(|since| since < refusal_gap(r.in_row)) {
                 return false;
             }
-            *last = Some(now);
-        }
+            r.last = Some(now);
+            r.in_row = r.in_row.saturating_add(1);
+            shared.refusal_streak.store(true, Ordering::Relaxed);
+            (r.in_row, refusal_gap(r.in_row))
+        };
         let due = Token {
             key: t.key.clone(),
             expires_at: t.expires_at,
             usable_until: t.usable_until,
             refresh_at: now,
+            early: true,
         };
         // Only over the key that was refused: a refresh that landed meanwhile stays.
         shared.token.compare_and_swap(&current, Some(Arc::new(due)));
         shared.kick.notify_one();
-        tracing::warn!("the control plane refused the temporary key; exchanging for a new one");
+        if in_row > 1 {
+            tracing::warn!(
+                refusals_in_row = in_row,
+                next_early_refresh_after_s = next_gap.as_secs(),
+                "the control plane refused the temporary key again; exchanging for a new one \
+                 and backing off further early refreshes"
+            );
+        } else {
+            tracing::warn!("the control plane refused the temporary key; exchanging for a new one");
+        }
         true
+    }
+
+    /// The control plane answered `key` with something other than 401: while it is the key
+    /// handed out, it works, and a run of refusals is over.
+    pub fn accepted(&self, key: &Secret) {
+        let shared = &*self.shared;
+        // The hot path: one relaxed load when no refusals are being backed off.
+        if !shared.refusal_streak.load(Ordering::Relaxed) {
+            return;
+        }
+        let current = shared.token.load();
+        if current.as_ref().is_some_and(|t| t.key == *key) && shared.reset_refusals() {
+            tracing::info!(
+                "the control plane accepted the temporary key; refusals no longer back off"
+            );
+        }
     }
 
     /// Stops the refresher: a reload replaced this key source. Requests still holding it
@@ -816,6 +889,12 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
     loop {
         if failed_in_row == 0 {
             wait_until_due(&shared).await;
+            // A refresh on the key's own schedule starts afresh: a run of refusals before it
+            // does not make the next key wait out their backoff.
+            let scheduled = shared.token.load().as_ref().is_some_and(|t| !t.early);
+            if scheduled {
+                shared.reset_refusals();
+            }
         }
         let started = shared.clock.now();
         let outcome = tokio::select! {
@@ -1044,6 +1123,14 @@ mod tests {
         let t = Token::new(issued(60), now(), Duration::ZERO);
         assert_eq!(t.refresh_at, now() + Duration::from_secs(55));
         assert_eq!(t.usable_until, now() + Duration::from_secs(55));
+    }
+
+    #[test]
+    fn refusal_gap_doubles_to_an_hour() {
+        for (in_row, secs) in [(0, 30), (1, 30), (2, 60), (3, 120), (7, 1920), (8, 3600)] {
+            assert_eq!(refusal_gap(in_row), Duration::from_secs(secs), "{in_row}");
+        }
+        assert_eq!(refusal_gap(u32::MAX), REFUSAL_GAP_MAX);
     }
 
     #[test]

@@ -106,6 +106,14 @@ impl ApiCredential {
         }
     }
 
+    /// The control plane answered `key` with something other than 401: a run of refusals
+    /// of a temporary key is over (see [`exchange::ExchangedKey::accepted`]).
+    pub fn accepted(&self, key: &Secret) {
+        if let ApiCredential::Exchanged(source) = self {
+            source.accepted(key);
+        }
+    }
+
     /// A reload replaced this credential: an AK/SK pair's refresher stops now, not when
     /// the last request holding the credential ends (until then it would go on minting
     /// keys with the replaced pair and reporting them in the metrics).

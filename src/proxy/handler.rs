@@ -302,8 +302,12 @@ impl Proxy {
                 &host,
             )
             .await?;
+            // A 5xx may come from a gateway that never looked at the key: it neither
+            // refuses the key nor shows that it works.
             if resp.status() == StatusCode::UNAUTHORIZED {
                 credential.refused(&key);
+            } else if !resp.status().is_server_error() {
+                credential.accepted(&key);
             }
 
             // respond
@@ -436,11 +440,13 @@ impl Proxy {
                 f.error
             })?;
         let status = resp.status();
-        if status == StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
         if status == StatusCode::UNAUTHORIZED {
             credential.refused(&key);
+        } else if !status.is_server_error() {
+            credential.accepted(&key);
+        }
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
         }
         if !status.is_success() {
             return Err(Error::UpstreamUnreachable {
