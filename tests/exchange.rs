@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use abx_proxy::credentials::exchange::{
     Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, HttpExchanger, RefreshOptions, REFUSAL_GAP,
 };
+use abx_proxy::proxy::headers::AuthScheme;
 use abx_proxy::settings::{ExchangeScheme, UpstreamUrl};
 use abx_proxy::upstream::{self, HttpClient, Versions};
 use abx_proxy::{Error, Secret};
@@ -36,6 +37,7 @@ fn config(url: &str, scheme: ExchangeScheme, secret: &str) -> ExchangeConfig {
         access_key_secret: Secret::new(secret),
         token_ttl: Duration::from_secs(3600),
         refresh_before: Duration::from_secs(300),
+        auth: AuthScheme::Bearer,
     }
 }
 
@@ -572,4 +574,47 @@ async fn secrets_and_keys_never_show_in_debug_or_errors() {
             assert!(!text.contains(secret.as_str()), "{text} leaks {secret}");
         }
     }
+}
+
+/// A key no HTTP header can carry is a failed exchange, not a success that makes /readyz
+/// say 200 while every request gets a 503 until the next refresh; the value is never echoed.
+#[tokio::test]
+async fn a_key_that_cannot_be_a_header_value_is_a_failed_exchange() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    fake.set_mode(Mode::BadKey);
+    let ex = HttpExchanger::new(
+        config(&fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
+        client(),
+    );
+    let e = ex.exchange_at(clock.now()).await.expect_err("unusable key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert_eq!(e.exit_code(), 78);
+    assert!(e.to_string().contains("header value"), "{}", e.line());
+
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::BadKey)
+    })
+    .await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    assert!(!h.source.ready());
+    assert_eq!(h.source.failures(), 1);
+    let e = h.source.current().await.expect_err("no usable key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    for text in [e.line(), e.render(), e.json_body(), format!("{e:?}")] {
+        assert!(
+            !text.contains("tmpkey") && !text.contains("abcdef"),
+            "{text}"
+        );
+    }
+
+    // Retried with backoff: once the endpoint issues a usable key, it is served.
+    h.fake.set_mode(Mode::Ok);
+    h.clock.advance_to_next_sleeper().await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert!(h.source.ready());
+    assert_eq!(h.key().await, h.fake.issued_keys()[0]);
 }

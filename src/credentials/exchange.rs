@@ -25,6 +25,7 @@ use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 
 use crate::error::Error;
+use crate::proxy::headers::AuthScheme;
 use crate::secret::Secret;
 use crate::settings::{Credential, ExchangeScheme, Settings, UpstreamUrl};
 use crate::signing::{self, acs3, rpc_v1};
@@ -114,6 +115,9 @@ pub struct ExchangeConfig {
     /// Lifetime asked for (ACS3) and assumed when the answer states no expiry.
     pub token_ttl: Duration,
     pub refresh_before: Duration,
+    /// How the provider sends the key: an issued key must fit this header, by the rule
+    /// [`crate::credentials::header_value`] applies to a configured key.
+    pub auth: AuthScheme,
 }
 
 impl ExchangeConfig {
@@ -129,6 +133,7 @@ impl ExchangeConfig {
                 access_key_secret: secret.clone(),
                 token_ttl: settings.token_ttl,
                 refresh_before: settings.token_refresh_before,
+                auth: AuthScheme::from(&settings.auth),
             }),
         }
     }
@@ -396,10 +401,22 @@ impl HttpExchanger {
                     Err(e) => unavailable(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
-            parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
-                Error::TokenExchange { reason } if status >= 500 => unavailable(reason),
-                e => e,
-            })
+            let issued =
+                parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
+                    Error::TokenExchange { reason } if status >= 500 => unavailable(reason),
+                    e => e,
+                })?;
+            // Stored, such a key would make /readyz say 200 while every request got a 503,
+            // until the next refresh an hour later; as a failure it is retried with backoff.
+            // The reason never quotes the value: it is the key.
+            if self.config.auth.value(&issued.key).is_none() {
+                return Err(Error::TokenExchange {
+                    reason: format!(
+                        "HTTP {status}: the endpoint issued a key that cannot be sent as an HTTP header value"
+                    ),
+                });
+            }
+            Ok(issued)
         };
         match tokio::time::timeout(CALL_TIMEOUT, call).await {
             Ok(result) => result,

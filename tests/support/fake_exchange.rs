@@ -175,6 +175,8 @@ pub enum Mode {
     Hang,
     /// 400 `InvalidTimeStamp.Expired`.
     ClockSkew,
+    /// 200 with a key that holds a line break (no HTTP header can carry it).
+    BadKey,
 }
 
 struct State {
@@ -416,6 +418,21 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
                 "InvalidTimeStamp.Expired",
                 "Specified time stamp or date value is expired.",
             )
+        }
+        Mode::BadKey => {
+            let expiry = state.clock.now() + Duration::from_secs(3600);
+            let ms = expiry
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or(0);
+            return answer(
+                200,
+                json!({"RequestId": "FAKE-REQUEST", "ApiKey": {
+                    "ApiKeyName": "fake-bad",
+                    "ApiKeyValue": "tmpkey-1\nabcdef",
+                    "ExpireTime": u64::try_from(ms).unwrap_or(u64::MAX),
+                }}),
+            );
         }
         Mode::Ok => {}
     }
