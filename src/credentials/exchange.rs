@@ -187,17 +187,25 @@ pub fn parse_response(
     };
     let stated = holder
         .and_then(expiry_field)
-        .or_else(|| expiry_field(&json))
-        .map(|v| parse_expiry(v).ok_or(v));
+        .or_else(|| expiry_field(&json));
     let expires_at = match stated {
-        Some(Ok(t)) => t,
-        Some(Err(_)) => {
-            tracing::warn!(
-                "token exchange: unreadable expireTime in the answer; assuming token_ttl"
-            );
-            ttl_from(now, token_ttl)
-        }
         None => ttl_from(now, token_ttl),
+        Some((field, value)) => match parse_expiry(value) {
+            Some(t) => t,
+            None => {
+                // token_ttl, not a shorter guess: an expiry we cannot read is far likelier
+                // a format we do not know than a short one (ACS3 asks for token_ttl), and
+                // every exchange mints a key nobody deletes, so a short guess would cost
+                // keys on every cycle. A key that dies early anyway is caught by the
+                // control plane's 401, which brings the refresh forward.
+                // The field is named, never the value beside the key or the key.
+                tracing::warn!(
+                    field,
+                    "token exchange: the answer's expiry is in a form this proxy cannot read; assuming token_ttl"
+                );
+                ttl_from(now, token_ttl)
+            }
+        },
     };
     if expires_at <= now + EXPIRY_MARGIN {
         return Err(Error::TokenExchange {
@@ -233,15 +241,18 @@ fn find_key(json: &Value) -> Option<(&str, Option<&Value>)> {
     None
 }
 
-fn expiry_field(obj: &Value) -> Option<&Value> {
+/// The expiry beside the key and the name it came under.
+fn expiry_field(obj: &Value) -> Option<(&'static str, &Value)> {
     ["expireTime", "ExpireTime"]
-        .iter()
-        .find_map(|name| obj.get(*name))
-        .filter(|v| !v.is_null())
+        .into_iter()
+        .find_map(|name| obj.get(name).map(|v| (name, v)))
+        .filter(|(_, v)| !v.is_null())
 }
 
-/// ISO-8601, or epoch seconds, or epoch milliseconds (above 10^11, which as seconds would be
-/// the year 5138), as a number or a numeric string.
+/// ISO-8601 (also with spaces: `2025-01-01 01:00:00 +0000`), the HTTP date form
+/// (`Wed, 01 Jan 2025 01:00:00 GMT`, or RFC 2822 with a numeric zone), or epoch seconds, or
+/// epoch milliseconds (above 10^11, which as seconds would be the year 5138), as a number or
+/// a numeric string.
 pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
     // An expiry past the year 9999 is nonsense; treat it as absent (token_ttl applies).
     let t = match value {
@@ -273,7 +284,7 @@ fn from_epoch(n: i64) -> Option<SystemTime> {
 }
 
 fn parse_iso8601(s: &str) -> Option<SystemTime> {
-    use time::format_description::well_known::{Iso8601, Rfc3339};
+    use time::format_description::well_known::{Iso8601, Rfc2822, Rfc3339};
     use time::macros::format_description;
     use time::PrimitiveDateTime;
 
@@ -281,6 +292,25 @@ fn parse_iso8601(s: &str) -> Option<SystemTime> {
         return Some(t.into());
     }
     if let Ok(t) = OffsetDateTime::parse(s, &Iso8601::DEFAULT) {
+        return Some(t.into());
+    }
+    // What `Date`-style formatters write: a space before the time and before the offset.
+    let spaced: [&[time::format_description::BorrowedFormatItem<'_>]; 2] = [
+        format_description!(
+            "[year]-[month]-[day] [hour]:[minute]:[second] [offset_hour sign:mandatory][offset_minute]"
+        ),
+        format_description!(
+            "[year]-[month]-[day] [hour]:[minute]:[second] [offset_hour sign:mandatory]:[offset_minute]"
+        ),
+    ];
+    if let Some(t) = spaced.iter().find_map(|f| OffsetDateTime::parse(s, f).ok()) {
+        return Some(t.into());
+    }
+    // The HTTP date (`GMT`), then RFC 2822's numeric zones (`+0800`).
+    if let Ok(t) = httpdate::parse_http_date(s) {
+        return Some(t);
+    }
+    if let Ok(t) = OffsetDateTime::parse(s, &Rfc2822) {
         return Some(t.into());
     }
     // Alibaba also writes minute precision (`2025-01-01T00:00Z`) and zone-less UTC times.
@@ -1029,6 +1059,11 @@ mod tests {
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00Z"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00:00.000Z"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00 +0000"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 09:00:00 +08:00"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2024-12-31 20:00:00 -0500"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "Wed, 01 Jan 2025 01:00:00 GMT"}}),
+            json!({"ApiKey": {"ApiKeyValue": "k", "ExpireTime": "Wed, 01 Jan 2025 09:00:00 +0800"}}),
             json!({"ApiKey": {"ApiKeyValue": "k", "ExpireTime": exp}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": exp * 1000}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": exp.to_string()}}),
@@ -1036,7 +1071,9 @@ mod tests {
             json!({"apiKey": "k", "expireTime": exp}),
             json!({"apiKey": {"apiKeyValue": "k"}, "ExpireTime": "2025-01-01T01:00:00Z"}),
         ] {
-            let k = parse(200, body.clone()).unwrap_or_else(|e| panic!("{body}: {e}"));
+            // A TTL of two hours: a form read as unreadable cannot pass for the stated hour.
+            let k = parse_response(200, body.to_string().as_bytes(), now(), 2 * TTL)
+                .unwrap_or_else(|e| panic!("{body}: {e}"));
             assert_eq!(k.expires_at, at(exp), "{body}");
         }
     }
@@ -1052,6 +1089,47 @@ mod tests {
                 Some(now() + TTL)
             );
         }
+    }
+
+    /// A shared buffer the test subscriber writes log lines into.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn unreadable_expiry_is_logged_once_naming_the_field() {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let key = "tmpkey-secret-value";
+        let issued = tracing::subscriber::with_default(subscriber, || {
+            parse(
+                200,
+                json!({"ApiKey": {"ApiKeyValue": key, "ExpireTime": "next Tuesday"}}),
+            )
+        });
+        assert_eq!(issued.map(|k| k.expires_at).ok(), Some(now() + TTL));
+        let text = String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(PoisonError::into_inner))
+            .into_owned();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        assert!(lines[0].contains("field=\"ExpireTime\""), "{text}");
+        assert!(!text.contains(key) && !text.contains("Tuesday"), "{text}");
     }
 
     #[test]
