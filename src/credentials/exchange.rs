@@ -344,11 +344,14 @@ fn sanitize_code(code: &str) -> String {
         .collect()
 }
 
-/// `InvalidTimeStamp.Expired`, `RequestTimeTooSkewed` and their kin. `SignatureDoesNotMatch`
-/// is not among them: a wrong secret must not send the user to fix their clock.
+/// Codes that say the signed time is too far from the endpoint's: `InvalidTimeStamp.Expired`
+/// (the POP gateway), `RequestTimeTooSkewed` and other `…Skew…` codes. Not every code that
+/// names the timestamp: `InvalidTimeStamp.Format` or a missing one is this proxy's own
+/// request at fault, and like `SignatureDoesNotMatch` (a wrong secret) it must not send the
+/// user to fix their clock.
 fn is_clock_skew(code: &str) -> bool {
     let c = code.to_ascii_lowercase();
-    c.contains("timestamp") || c.contains("skew")
+    c.contains("skew") || (c.contains("timestamp") && c.ends_with(".expired"))
 }
 
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
@@ -1185,13 +1188,26 @@ mod tests {
     fn clock_skew_codes() {
         for code in [
             "InvalidTimeStamp.Expired",
-            "InvalidTimeStamp.Format",
+            "InvalidTimestamp.Expired",
             "RequestTimeTooSkewed",
+            "ClockSkew",
         ] {
             let e = parse(400, json!({"Code": code, "Message": "m"}));
             assert!(matches!(e, Err(Error::ClockSkew { .. })), "{code}: {e:?}");
         }
-        assert!(!is_clock_skew("SignatureDoesNotMatch"));
+        // The proxy's own request at fault, or a wrong secret: no "sync the clock".
+        for code in [
+            "InvalidTimeStamp.Format",
+            "MissingTimestamp",
+            "InvalidTimeStamp",
+            "SignatureDoesNotMatch",
+        ] {
+            let e = parse(400, json!({"Code": code, "Message": "m"}));
+            assert!(
+                matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains(code)),
+                "{code}: {e:?}"
+            );
+        }
     }
 
     #[test]
