@@ -618,3 +618,45 @@ async fn a_key_that_cannot_be_a_header_value_is_a_failed_exchange() {
     assert!(h.source.ready());
     assert_eq!(h.key().await, h.fake.issued_keys()[0]);
 }
+
+/// Throttling is the endpoint saying "not now": `check` exits 69 as for a 5xx, not 78 as
+/// for a configuration error, and the refresher retries with the same backoff.
+#[tokio::test]
+async fn throttling_is_unavailable_not_a_configuration_error() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    fake.set_mode(Mode::Throttle);
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+        let e = ex.exchange_at(clock.now()).await.expect_err("throttled");
+        assert_eq!(e.code(), "E5001", "{scheme:?}: {}", e.line());
+        assert_eq!(e.exit_code(), 69, "{scheme:?}");
+        assert!(e.to_string().contains("HTTP 429"), "{}", e.line());
+        assert!(e.to_string().contains("Throttling.User"), "{}", e.line());
+    }
+
+    let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::Throttle)
+    })
+    .await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    let e = h.source.current().await.expect_err("throttled");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert_eq!(e.http_status(), 503);
+    let mut last = h.now();
+    for step in [1u64, 2] {
+        h.clock.advance_to_next_sleeper().await;
+        assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+        let waited = h.now().duration_since(last).expect("forward");
+        let step = Duration::from_secs(step);
+        assert!(waited >= step / 2 && waited <= step, "waited {waited:?}");
+        last = h.now();
+    }
+    h.fake.set_mode(Mode::Ok);
+    h.clock.advance_to_next_sleeper().await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert!(h.source.ready());
+}

@@ -354,6 +354,19 @@ fn is_clock_skew(code: &str) -> bool {
     c.contains("skew") || (c.contains("timestamp") && c.ends_with(".expired"))
 }
 
+/// An answer that says "not now" rather than "not this configuration": 5xx, 429, and the
+/// `Throttling…` codes Alibaba also sends with other statuses. `check` exits 69 on these,
+/// not 78, and they are retried like any failed exchange.
+fn is_temporary(status: u16, body: &[u8]) -> bool {
+    status >= 500
+        || status == 429
+        || serde_json::from_slice::<Value>(body)
+            .ok()
+            .as_ref()
+            .and_then(error_code)
+            .is_some_and(|c| c.starts_with("Throttling"))
+}
+
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
     let code = code.map(sanitize_code).filter(|c| !c.is_empty());
     match code {
@@ -404,9 +417,9 @@ impl HttpExchanger {
     }
 
     /// One exchange, bounded by [`CALL_TIMEOUT`]. An endpoint that cannot be reached, or
-    /// answers 5xx or breaks off its answer, is E5001/E5002 (so `check` exits 69: the
-    /// endpoint is unavailable, the configuration may be fine); everything else is E1004
-    /// or E1002.
+    /// answers 5xx or throttles (see [`is_temporary`]) or breaks off its answer, is
+    /// E5001/E5002 (so `check` exits 69: the endpoint is unavailable, the configuration may
+    /// be fine); everything else is E1004 or E1002.
     pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
         let host = self.config.url.host().to_string();
         let request = self.request(now)?;
@@ -436,7 +449,9 @@ impl HttpExchanger {
                 .to_bytes();
             let issued =
                 parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
-                    Error::TokenExchange { reason } if status >= 500 => unavailable(reason),
+                    Error::TokenExchange { reason } if is_temporary(status, &body) => {
+                        unavailable(reason)
+                    }
                     e => e,
                 })?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,
@@ -1208,6 +1223,20 @@ mod tests {
                 "{code}: {e:?}"
             );
         }
+    }
+
+    #[test]
+    fn throttling_is_temporary() {
+        let body = |code: &str| json!({"Code": code, "Message": "m"}).to_string();
+        assert!(is_temporary(429, b""));
+        assert!(is_temporary(503, b"<html>"));
+        assert!(is_temporary(400, body("Throttling.User").as_bytes()));
+        assert!(is_temporary(200, body("Throttling").as_bytes()));
+        assert!(!is_temporary(403, body("Forbidden.RAM").as_bytes()));
+        assert!(!is_temporary(
+            400,
+            body("InvalidThrottlingConfig").as_bytes()
+        ));
     }
 
     #[test]

@@ -177,6 +177,8 @@ pub enum Mode {
     ClockSkew,
     /// 200 with a key that holds a line break (no HTTP header can carry it).
     BadKey,
+    /// 429 `Throttling.User`.
+    Throttle,
 }
 
 struct State {
@@ -417,6 +419,13 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
                 400,
                 "InvalidTimeStamp.Expired",
                 "Specified time stamp or date value is expired.",
+            )
+        }
+        Mode::Throttle => {
+            return alibaba_error(
+                429,
+                "Throttling.User",
+                "Request was denied due to user flow control.",
             )
         }
         Mode::BadKey => {
