@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use abx_proxy::credentials::exchange::{
-    Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, HttpExchanger, RefreshOptions, REFUSAL_GAP,
+    BoxFuture, Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, Exchanger, HttpExchanger,
+    IssuedKey, RefreshOptions, REFUSAL_GAP,
 };
 use abx_proxy::proxy::headers::AuthScheme;
 use abx_proxy::settings::{ExchangeScheme, UpstreamUrl};
@@ -659,4 +660,67 @@ async fn throttling_is_unavailable_not_a_configuration_error() {
         ExchangeEvent::Success { .. }
     ));
     assert!(h.source.ready());
+}
+
+/// An exchanger with a bug: the first call panics before its future exists, the second
+/// inside it; later calls go to the real exchange.
+struct PanicsTwice {
+    inner: HttpExchanger,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Exchanger for PanicsTwice {
+    fn exchange(&self, now: SystemTime) -> BoxFuture<'_, Result<IssuedKey, Error>> {
+        match self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => panic!("test: exchanger bug before the future"),
+            1 => Box::pin(async { panic!("test: exchanger bug inside the future") }),
+            _ => self.inner.exchange(now),
+        }
+    }
+}
+
+async fn next(events: &mut mpsc::UnboundedReceiver<ExchangeEvent>) -> ExchangeEvent {
+    tokio::time::timeout(GUARD, events.recv())
+        .await
+        .ok()
+        .flatten()
+        .expect("an exchange event")
+}
+
+/// A panic in one attempt is a failed exchange, retried with backoff: nothing watches the
+/// refresher, and a task that died would stop refreshing silently.
+#[tokio::test]
+async fn a_panicking_attempt_is_a_failed_exchange_and_is_retried() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let options = RefreshOptions::new(Duration::from_secs(300))
+        .with_clock(clock.clone())
+        .with_observer(Arc::new(move |e| {
+            let _ = tx.send(e);
+        }));
+    let exchanger = PanicsTwice {
+        inner: HttpExchanger::new(
+            config(&fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
+            client(),
+        ),
+        calls: Default::default(),
+    };
+    let source = ExchangedKey::with_exchanger(Arc::new(exchanger), options);
+    assert_eq!(next(&mut events).await, ExchangeEvent::Failure);
+    let e = source.current().await.expect_err("no key yet");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(!source.ready());
+
+    clock.advance_to_next_sleeper().await;
+    assert_eq!(next(&mut events).await, ExchangeEvent::Failure);
+    clock.advance_to_next_sleeper().await;
+    assert!(matches!(
+        next(&mut events).await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert!(source.ready());
+    assert_eq!(source.failures(), 2);
+    assert_eq!(source.successes(), 1);
+    assert_eq!(fake.accepted(), 1);
 }

@@ -12,6 +12,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
@@ -19,6 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwapOption;
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use serde_json::Value;
 use time::OffsetDateTime;
@@ -961,24 +963,41 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 shared.reset_refusals();
             }
         }
-        let started = shared.clock.now();
-        let outcome = tokio::select! {
-            r = exchanger.exchange(started) => r,
-            _ = shared.clock.sleep(CALL_TIMEOUT) => Err(Error::TokenExchange {
-                reason: format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
-            }),
+        let attempt = async {
+            let started = shared.clock.now();
+            let outcome = tokio::select! {
+                r = exchanger.exchange(started) => r,
+                _ = shared.clock.sleep(CALL_TIMEOUT) => Err(Error::TokenExchange {
+                    reason: format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
+                }),
+            };
+            let now = shared.clock.now();
+            outcome.and_then(|issued| {
+                let token = Token::new(issued, now, refresh_before);
+                if token.usable_until > now {
+                    Ok(token)
+                } else {
+                    Err(Error::TokenExchange {
+                        reason: "the issued key expired before it could be used".into(),
+                    })
+                }
+            })
         };
-        let now = shared.clock.now();
-        let outcome = outcome.and_then(|issued| {
-            let token = Token::new(issued, now, refresh_before);
-            if token.usable_until > now {
-                Ok(token)
-            } else {
+        // Nothing watches this task: a panic in one attempt (in the exchanger, the HTTP
+        // stack, the reading of the answer) would end the refreshing silently while the
+        // last key runs out. It counts as a failed exchange and is retried with the
+        // backoff. The attempt shares nothing it could leave half-changed (the key and
+        // the counters are only touched below), so unwinding through it is sound. The
+        // payload is not logged: it may quote anything, the key included.
+        let outcome = match AssertUnwindSafe(attempt).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(_panic) => {
+                tracing::error!("token exchange attempt panicked; counted as a failed exchange");
                 Err(Error::TokenExchange {
-                    reason: "the issued key expired before it could be used".into(),
+                    reason: "internal error: the exchange attempt panicked".into(),
                 })
             }
-        });
+        };
         match outcome {
             Ok(token) => {
                 let expiry_unix = unix_seconds(token.expires_at);
