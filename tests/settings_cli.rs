@@ -846,6 +846,29 @@ fn command_line_errors_around_a_refused_secret_do_not_echo_it() {
     }
 }
 
+/// A project's `./.env` shared with other tools may hold lines python-dotenv accepts and
+/// dotenvy does not: they are skipped with a warning naming the line (never its text)
+/// when they set nothing abx-proxy reads, and the rest of the file still counts.
+#[test]
+fn other_tools_lines_in_the_cwd_env_are_skipped_with_a_warning() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("GREETING=hello world\nALIBABA_CLOUD_REGION_ID=cn-shanghai\n");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "cn-shanghai\n"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("./.env") && out.stderr.contains("line 1 skipped"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("hello"), "{}", out.stderr);
+}
+
 #[test]
 fn malformed_files_name_the_file_and_line_but_not_the_content() {
     let cases: &[(&str, &str, &str)] = &[

@@ -22,15 +22,33 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn dotenv(text: &str) {
-    let Err(e) = parse_dotenv_str(text, "fuzz.env") else {
-        return;
-    };
+    let lines = text.bytes().filter(|&b| b == b'\n').count() + 1;
+    // Read as a shared `./.env`: a skipped line is warned about by number, never by text.
+    let mut warnings = Vec::new();
+    let shared = parse_dotenv_str(text, "fuzz.env", Some(&mut warnings));
+    for w in &warnings {
+        let n = w
+            .strip_prefix("fuzz.env: line ")
+            .and_then(|r| r.split_once(" skipped: "))
+            .and_then(|(n, _)| n.parse::<usize>().ok())
+            .unwrap_or_else(|| panic!("unexpected warning shape: {w:?}"));
+        assert!(n <= lines, "warning names line {n} of {lines}");
+    }
+    if let Err(e) = shared {
+        check_error(&e, lines);
+    }
+    // As abx-proxy's own file: strict.
+    if let Err(e) = parse_dotenv_str(text, "fuzz.env", None) {
+        check_error(&e, lines);
+    }
+}
+
+fn check_error(e: &abx_proxy::Error, lines: usize) {
     assert_eq!(e.code(), "E1006");
     let msg = e.to_string();
     let reason = msg
         .strip_prefix("cannot read fuzz.env: ")
         .unwrap_or_else(|| panic!("unexpected error shape: {msg:?}"));
-    let lines = text.bytes().filter(|&b| b == b'\n').count() + 1;
     let ok = reason == "unreadable"
         || common::is_numbered(reason, "syntax error at byte ", " of an entry")
         || (common::is_numbered(reason, "syntax error at line ", "")

@@ -39,9 +39,11 @@ impl Source {
 }
 
 /// A `.env` file's variables, in file order (later duplicates win, as in a shell).
+/// `shared`: the file is read by other tools too (`./.env`), see [`collect_dotenv`].
 pub fn read_dotenv(
     path: &Path,
     label: &str,
+    shared: bool,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
     if !path.is_file() {
@@ -51,31 +53,80 @@ pub fn read_dotenv(
     let shown = format!("{label} ({})", path.display());
     let text = || std::fs::read_to_string(path).ok();
     let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text))?;
-    collect_dotenv(iter, &shown, &text)
+    collect_dotenv(iter, &shown, &text, shared.then_some(warnings))
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
 /// `label` standing where the file reader names the file. No permission warning (there is
 /// no file to check).
-pub fn parse_dotenv_str(text: &str, label: &str) -> Result<HashMap<String, String>, Error> {
+pub fn parse_dotenv_str(
+    text: &str,
+    label: &str,
+    shared: Option<&mut Vec<String>>,
+) -> Result<HashMap<String, String>, Error> {
     let iter = dotenvy::from_read_iter(text.as_bytes());
-    collect_dotenv(iter, label, &|| Some(text.to_string()))
+    collect_dotenv(iter, label, &|| Some(text.to_string()), shared)
 }
 
 /// `text` gives the whole input again, only to turn a syntax error into a line number.
+///
+/// A `./.env` is often a project's, read by other tools too, and python-dotenv (what E2B's
+/// Python users load it with) accepts lines dotenvy does not (`GREETING=hello world`,
+/// a bare `export NAME`, `NAME-WITH-DASH=1`). In such a `shared` file (warnings go
+/// there) a line is skipped with a warning when it sets nothing abx-proxy reads; one that
+/// may, or whose line is unknown, fails the file as before, so a broken key line never
+/// falls through silently to a lower level. `~/.abx/.env` is abx-proxy's own: strict.
 fn collect_dotenv<R: std::io::Read>(
     iter: dotenvy::Iter<R>,
     shown: &str,
     text: &dyn Fn() -> Option<String>,
+    mut shared: Option<&mut Vec<String>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
     for item in iter {
-        // The dotenvy error names the line and byte offset only, never the value.
-        let (k, v) = item.map_err(|e| read_error(shown, &e, text))?;
-        out.insert(k, v);
+        match item {
+            Ok((k, v)) => {
+                out.insert(k, v);
+            }
+            Err(e) => match (skippable_line(&e, text), shared.as_deref_mut()) {
+                (Some(line), Some(warnings)) => warnings.push(format!(
+                    "{shown}: line {line} skipped: not dotenv syntax, and it sets no setting abx-proxy reads"
+                )),
+                // The dotenvy error names the line and byte offset only, never the value.
+                _ => return Err(read_error(shown, &e, text)),
+            },
+        }
     }
     Ok(out)
 }
+
+/// The line of a syntax error that concerns no setting abx-proxy reads. The failing entry
+/// may run over several lines (an unterminated quote runs to the end of the file): it
+/// counts as ours if any of it names one of ours.
+fn skippable_line(e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Option<usize> {
+    let dotenvy::Error::LineParse(entry, _) = e else {
+        return None;
+    };
+    if OURS.iter().any(|name| entry.contains(name)) {
+        return None;
+    }
+    let text = text()?;
+    let line = entry_line(&text, entry)?;
+    let first = text.lines().nth(line - 1)?;
+    let first = first.trim_start_matches('\u{feff}').trim_start();
+    // A line without `=` is skipped only as a bare `export NAME`: anything else may be a
+    // key pasted without its name.
+    let name = match first.split_once('=') {
+        Some((name, _)) => name.trim_start_matches("export ").trim(),
+        None => first.strip_prefix("export ")?.trim(),
+    };
+    let ours = OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name);
+    (!ours).then_some(line)
+}
+
+/// Names, or the starts of names, of the variables abx-proxy reads (plugin providers'
+/// canonical names are `ABX_<ID>_…`).
+const OURS: [&str; 4] = ["ABX_", "ALICLOUD_", "ALIBABA_CLOUD_", "GITHUB_TOKEN"];
 
 fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Error {
     let reason = match e {
@@ -273,24 +324,68 @@ pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 mod tests {
     use super::*;
 
+    /// A project's `./.env` with lines python-dotenv accepts and dotenvy does not: they are
+    /// skipped with a warning naming the line when they set nothing abx-proxy reads, and
+    /// the file's other lines still count. A broken line that is, or may swallow, one of
+    /// ours still fails the file.
+    #[test]
+    fn broken_lines_of_other_tools_are_skipped_with_a_warning() {
+        let text =
+            "GREETING=hello world\nexport LONELY\nNAME-WITH-DASH=1\nABX_REGION=cn-shanghai\n";
+        let mut warnings = Vec::new();
+        let vars = parse_dotenv_str(text, "./.env", Some(&mut warnings)).expect("skipped");
+        assert_eq!(
+            vars.get("ABX_REGION").map(String::as_str),
+            Some("cn-shanghai")
+        );
+        assert_eq!(vars.len(), 1, "{vars:?}");
+        let lines: Vec<_> = warnings
+            .iter()
+            .map(|w| w.split(" skipped").next().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            lines,
+            ["./.env: line 1", "./.env: line 2", "./.env: line 3"]
+        );
+        assert!(
+            !warnings.iter().any(|w| w.contains("hello")),
+            "{warnings:?}"
+        );
+        assert!(
+            parse_dotenv_str(text, "~/.abx/.env", None).is_err(),
+            "abx-proxy's own file stays strict"
+        );
+
+        for fatal in [
+            "ABX_SANDBOX_API_KEY=sk one\n",
+            "export ALICLOUD_ACCESS_KEY_ID\n",
+            "NOTE=\"unterminated\nABX_SANDBOX_API_KEY=sk-after-it\n",
+            "GITHUB_TOKEN=a b\n",
+            "sk-a-key-pasted-without-its-name\n",
+        ] {
+            let err = parse_dotenv_str(fatal, "./.env", Some(&mut Vec::new()));
+            assert!(err.is_err(), "{fatal:?} was skipped");
+        }
+    }
+
     /// The text of a failing entry may also appear earlier, in a comment or inside another
     /// line: only a match at a line start is the entry.
     #[test]
     fn a_syntax_error_names_the_line_of_the_entry() {
         let text = "# ABX_SANDBOX_BASE_URL=http://x y\nA=1\nABX_SANDBOX_BASE_URL=http://x y\n";
-        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        let err = parse_dotenv_str(text, "./.env", None).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot read ./.env: syntax error at line 3"
         );
-        let text = "B=\"a=x\n y\"\n  a = x y\n";
-        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        let text = "B=\"ABX_REGION=x\n y\"\n  ABX_REGION = x y\n";
+        let err = parse_dotenv_str(text, "./.env", None).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot read ./.env: syntax error at line 3"
         );
-        let text = "\u{feff}a=x y\n";
-        let err = parse_dotenv_str(text, "./.env").unwrap_err();
+        let text = "\u{feff}ABX_REGION=x y\n";
+        let err = parse_dotenv_str(text, "./.env", None).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot read ./.env: syntax error at line 1"

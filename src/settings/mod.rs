@@ -269,10 +269,11 @@ impl RawLayers {
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
-        let dotenv_cwd = layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", &mut warnings)?;
+        let dotenv_cwd =
+            layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", true, &mut warnings)?;
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
-                layers::read_dotenv(&home.join(".env"), "~/.abx/.env", &mut warnings)?,
+                layers::read_dotenv(&home.join(".env"), "~/.abx/.env", false, &mut warnings)?,
                 layers::read_config_toml(&home.join("config.toml"), &mut warnings)?,
             ),
             None => Default::default(),
