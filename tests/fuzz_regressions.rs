@@ -94,3 +94,17 @@ fn exchange_answer_with_an_expiry_past_year_9999_does_not_panic() {
         }
     }
 }
+
+/// `manifest`: `"e=[\n[\n"`, a TOML error at the very end of a text ending in a newline.
+/// Manifest errors counted newlines before the error's offset and named line 3 of a
+/// two-line file; the end of such a text is its last line.
+#[test]
+fn a_manifest_error_at_the_end_names_the_last_line() {
+    let text = "e=[\n[\n";
+    let Err(abx_proxy::Error::Manifest { line, .. }) =
+        abx_proxy::providers::Manifest::parse(text, "abx-provider.toml")
+    else {
+        panic!("not a manifest error");
+    };
+    assert_eq!(line, 2);
+}

@@ -299,7 +299,12 @@ fn scalar(v: &toml::Value) -> Option<String> {
 /// The 1-based line of a byte offset (counting newlines: `str::lines` would put an offset
 /// at the start of a line on the line before).
 pub(crate) fn line_of(text: &str, offset: usize) -> usize {
-    let end = offset.min(text.len());
+    let mut end = offset.min(text.len());
+    // An error at the very end of a text ending in a newline (a TOML parser's "expected
+    // more") is about its last line: there is none after it to look at.
+    if end == text.len() && text.ends_with('\n') {
+        end -= 1;
+    }
     text.as_bytes()[..end]
         .iter()
         .filter(|&&b| b == b'\n')
@@ -400,5 +405,7 @@ mod tests {
         assert_eq!(line_of(text, 4), 2);
         assert_eq!(line_of(text, 9), 4);
         assert_eq!(line_of(text, 99), 4);
+        assert_eq!(line_of("a=1\nb=[\n", 8), 2, "the end names the last line");
+        assert_eq!(line_of("a=1\r\n", 5), 1);
     }
 }
