@@ -2180,3 +2180,51 @@ async fn http2_clients_get_100_streams_at_once() {
     }
     proxy.finish().await;
 }
+
+/// RFC 9113 §3.3: the HTTP/2 preface (prior knowledge) opens a connection; after an HTTP/1.1
+/// request it is not a protocol switch. The fast path closed such a connection only after
+/// handing it to hyper, which answered with HTTP/2's SETTINGS and served it as HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_preface_after_an_http1_request_closes_the_connection() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let mut s = connect_raw(addr).await;
+    s.write_all(format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .expect("request");
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut b = [0u8; 4096];
+        let n = within("the first answer", s.read(&mut b))
+            .await
+            .expect("read");
+        assert!(n > 0, "closed before the first answer");
+        head.extend_from_slice(&b[..n]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let body_len: usize = String::from_utf8_lossy(&head)
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length: ")
+                .map(str::to_string)
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .expect("content-length");
+    let already = head.len() - (head.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0) + 4);
+    let mut rest = vec![0u8; body_len.saturating_sub(already)];
+    s.read_exact(&mut rest).await.expect("the first body");
+
+    // The preface and an empty SETTINGS frame.
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .expect("preface");
+    let mut after = Vec::new();
+    // A close with the SETTINGS frame unread may come as a reset: either way, no answer.
+    let _ = within("the proxy to close", s.read_to_end(&mut after)).await;
+    assert!(after.is_empty(), "answered after the preface: {after:?}");
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.finish().await;
+}

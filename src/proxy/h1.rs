@@ -219,6 +219,13 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             }
             Read::Nothing => continue,
             Read::Closed => return Outcome::Closed,
+            // RFC 9113 §3.3: the HTTP/2 preface (prior knowledge) only opens a connection.
+            // After a request, hyper would switch this connection to HTTP/2 all the same.
+            Read::HandOver
+                if ctx.headed.load(Ordering::Relaxed) && buf.starts_with(H2_PREFACE_LINE) =>
+            {
+                return Outcome::Closed;
+            }
             Read::HandOver => {
                 return match Arc::try_unwrap(shared) {
                     Ok(s) => Outcome::HandOver(s.sock, buf.freeze()),
@@ -483,6 +490,9 @@ impl Head {
         req
     }
 }
+
+/// The HTTP/2 connection preface's request line (what the fast path has of it when it hands over).
+const H2_PREFACE_LINE: &[u8] = b"PRI * HTTP/2.0\r\n";
 
 #[allow(clippy::large_enum_variant)]
 enum Parsed {
