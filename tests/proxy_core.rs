@@ -455,6 +455,29 @@ async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
     s
 }
 
+/// Only WebSocket is tunnelled, as nginx and envoy do: another `Upgrade` (curl's `h2c`
+/// over plain HTTP) goes no further than the proxy, and the request is answered as itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrades_other_than_websocket_are_not_passed_on() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let req = format!(
+        "GET /h2c HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+         Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\nX-API-Key: dummy\r\n\r\n",
+        addr.port()
+    );
+    let (_s, resp, _) = raw_open(addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{resp:?}");
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    for name in ["upgrade", "connection", "http2-settings"] {
+        assert_eq!(seen[0].header(name), None, "{name} went upstream");
+    }
+    proxy.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn websocket_upgrade_tunnels_bytes_both_ways() {
     let pki = Pki::new();

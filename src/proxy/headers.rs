@@ -34,10 +34,23 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
             .any(|v| connection_tokens(v).any(|t| t.eq_ignore_ascii_case(b"upgrade")))
 }
 
-/// Whether a client's request asks for an upgrade the proxy tunnels: HTTP/1.1 only
-/// (HTTP/2 has no `Upgrade`).
+/// Whether a client's request asks for an upgrade the proxy tunnels: WebSocket over
+/// HTTP/1.1 (HTTP/2 has no `Upgrade`). Another protocol (curl's `h2c`, `TLS/1.0`) is not
+/// tunnelled: its `Upgrade` is dropped as the hop-by-hop field it is and the request is
+/// answered as itself, as nginx and envoy do. A tunnel to it would carry requests past
+/// every check the proxy makes.
 pub fn is_upgrade_request<B>(req: &http::Request<B>) -> bool {
-    req.version() == http::Version::HTTP_11 && is_upgrade(req.headers())
+    req.version() == http::Version::HTTP_11
+        && is_upgrade(req.headers())
+        && req
+            .headers()
+            .get_all(header::UPGRADE)
+            .iter()
+            .flat_map(connection_tokens)
+            .any(|p| {
+                let name = p.split(|b| *b == b'/').next().unwrap_or_default();
+                name.eq_ignore_ascii_case(b"websocket")
+            })
 }
 
 /// The comma-separated tokens of a `Connection` value, as bytes: a line with obs-text
