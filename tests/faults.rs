@@ -2228,3 +2228,26 @@ async fn an_http2_preface_after_an_http1_request_closes_the_connection() {
     assert_eq!(upstream.seen().len(), 1);
     proxy.finish().await;
 }
+
+/// RFC 9113 §8.3.1: an HTTP/2 request whose Host names another host than its :authority is
+/// malformed. The Host check reads :authority; a peer further on may read Host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_host_and_authority_must_agree() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let (mut h2, _open) = h2_client(addr).await;
+    let authority = addr.to_string();
+    for (host, status) in [("evil.example", 400), (authority.as_str(), 200)] {
+        let mut req = h2_get(addr);
+        req.headers_mut()
+            .insert("host", host.parse().expect("host value"));
+        let resp = within("an HTTP/2 answer", h2.send_request(req))
+            .await
+            .expect("an HTTP/2 answer");
+        assert_eq!(resp.status().as_u16(), status, "Host: {host}");
+    }
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.finish().await;
+}

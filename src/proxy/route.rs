@@ -97,6 +97,7 @@ fn check_origin(fields: &Fields<'_>, policy: &HostPolicy) -> Result<(), Error> {
 /// name on every request.
 struct Fields<'a> {
     hosts: usize,
+    host: Option<&'a HeaderValue>,
     origin: Option<&'a HeaderValue>,
     site: Option<&'a HeaderValue>,
 }
@@ -105,12 +106,14 @@ impl<'a> Fields<'a> {
     fn of(headers: &'a http::HeaderMap) -> Self {
         let mut fields = Fields {
             hosts: 0,
+            host: None,
             origin: None,
             site: None,
         };
         for (name, value) in headers {
             if name == http::header::HOST {
                 fields.hosts += 1;
+                fields.host = Some(value);
             } else if name == http::header::ORIGIN {
                 fields.origin = fields.origin.or(Some(value));
             } else if name == SEC_FETCH_SITE {
@@ -203,6 +206,18 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     if fields.hosts > 1 {
         // RFC 9112 §3.2: which one a peer on the path reads is anyone's guess.
         return Err(refused("more than one Host header"));
+    }
+    // RFC 9113 §8.3.1: an HTTP/2 Host naming another host than :authority is malformed.
+    // The check below reads :authority; a peer further on may read Host.
+    if parts.version == http::Version::HTTP_2 {
+        if let (Some(authority), Some(host)) = (parts.uri.authority(), fields.host) {
+            if !host
+                .as_bytes()
+                .eq_ignore_ascii_case(authority.as_str().as_bytes())
+            {
+                return Err(refused("Host differs from :authority"));
+            }
+        }
     }
     // HTTP/2 carries the target in :authority; HTTP/1.1 absolute-form too. Either way the
     // named host is the one checked, so `GET http://example.com/` cannot pass as local.
