@@ -183,6 +183,9 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
 pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let resolved = resolve(&args.settings)?;
     let settings = resolved.validate()?;
+    for w in settings.cleartext_upstreams() {
+        crate::logging::warning(&w);
+    }
     // What serve checks before it binds, from the same flags: check's ok means serve starts.
     let exposure = &args.exposure;
     crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;

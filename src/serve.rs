@@ -28,6 +28,9 @@ const FDS_RESERVED: u64 = 256;
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let resolved = commands::resolve(&args.settings)?;
     let settings = resolved.validate()?;
+    for w in settings.cleartext_upstreams() {
+        tracing::warn!("{w}");
+    }
     let options = options(args);
     raise_open_file_limit(options.max_connections);
     let tls = match (&options.tls_cert, &options.tls_key) {

@@ -869,6 +869,32 @@ fn other_tools_lines_in_the_cwd_env_are_skipped_with_a_warning() {
     assert!(!out.stderr.contains("hello"), "{}", out.stderr);
 }
 
+/// A credential sent over plain `http://` beyond this machine crosses the network in
+/// clear: `check` and `serve` say so (a warning: self-hosted OpenSandbox inside a cluster
+/// is often plain HTTP). Loopback and https upstreams get no warning.
+#[test]
+fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
+    for (url, warned) in [
+        ("http://sandbox.example:8080", true),
+        ("http://127.0.0.1:8080", false),
+        ("http://localhost:8080", false),
+        ("https://sandbox.example", false),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        c.flag("--sandbox-base-url", url);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 0, "{url}: {}", out.stderr);
+        assert_eq!(
+            out.stderr.contains("crosses the network unencrypted"),
+            warned,
+            "{url}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+    }
+}
+
 #[test]
 fn malformed_files_name_the_file_and_line_but_not_the_content() {
     let cases: &[(&str, &str, &str)] = &[

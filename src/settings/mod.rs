@@ -701,6 +701,27 @@ pub struct Settings {
     pub plugin: Option<PluginSettings>,
 }
 
+impl Settings {
+    /// Upstreams reached over plain `http://` beyond this machine, where the credential
+    /// (or, from the token exchange, a temporary key) crosses the network unencrypted. A
+    /// warning, not a refusal: a self-hosted OpenSandbox inside a cluster's network is
+    /// commonly plain HTTP, and tests use plain loopback upstreams.
+    pub fn cleartext_upstreams(&self) -> Vec<String> {
+        let exchange = matches!(self.credential, Credential::AccessKey { .. })
+            .then_some(&self.token_exchange_url);
+        [Some(&self.sandbox_base_url), self.sandbox_url.as_ref(), exchange]
+            .into_iter()
+            .flatten()
+            .filter(|u| !u.is_https() && !crate::proxy::route::is_local_name(u.host()))
+            .map(|u| {
+                format!(
+                    "{u} is plain http:// beyond this machine: the credential crosses the network unencrypted"
+                )
+            })
+            .collect()
+    }
+}
+
 /// The keys whose value or source differ between two resolutions (for reload logs: names
 /// only, never values).
 pub fn changed_keys(before: &Resolved, after: &Resolved) -> Vec<&'static str> {
