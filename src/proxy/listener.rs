@@ -329,7 +329,7 @@ async fn with_hyper(
     let service = service_fn(move |mut req: Request<Incoming>| {
         headed.store(true, Ordering::Relaxed);
         begun.store(true, Ordering::Relaxed);
-        let unanswered = Cancels::begin(&watched);
+        let guard = Cancels::begin(&watched);
         if headers::is_upgrade_request(&req) {
             // Should the upstream switch protocols, the tunnel outlives this task and keeps
             // the connection counted (see [`OpenConnection`]).
@@ -348,7 +348,7 @@ async fn with_hyper(
         let waiting = activity.awaiting();
         async move {
             let mut resp = handled.await?;
-            unanswered.answered();
+            guard.answered();
             drop(waiting);
             let status = resp.status();
             let tunnel =
@@ -404,22 +404,23 @@ struct Cancels {
 }
 
 impl Cancels {
-    fn begin(this: &Arc<Cancels>) -> Unanswered {
+    fn begin(this: &Arc<Cancels>) -> CancelGuard {
         this.begun.fetch_add(1, Ordering::Relaxed);
-        Unanswered(Some(this.clone()))
+        CancelGuard(Some(this.clone()))
     }
 }
 
-/// Counts its request as cancelled unless [`Unanswered::answered`] is called first.
-struct Unanswered(Option<Arc<Cancels>>);
+/// Counts its request as cancelled unless [`CancelGuard::answered`] is called first (the
+/// handler's own `Unanswered` logs the same event as 499).
+struct CancelGuard(Option<Arc<Cancels>>);
 
-impl Unanswered {
+impl CancelGuard {
     fn answered(mut self) {
         self.0 = None;
     }
 }
 
-impl Drop for Unanswered {
+impl Drop for CancelGuard {
     fn drop(&mut self) {
         let Some(c) = self.0.take() else { return };
         let cancelled = c.cancelled.fetch_add(1, Ordering::Relaxed) + 1;
