@@ -895,6 +895,32 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     }
 }
 
+/// A `.env` that is there but cannot be read as a file (a link to a file that is gone, a
+/// directory) is skipped like an absent one, with a warning naming it: otherwise the key it
+/// was meant to hold comes from another layer, or is missing, without a word.
+#[test]
+fn a_dotenv_that_is_not_a_file_is_named() {
+    let c = Case::new();
+    std::os::unix::fs::symlink(c.cwd.join("gone"), c.abx_dir().join(".env")).expect("link");
+    std::fs::create_dir(c.cwd.join(".env")).expect("dir");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "cn-hangzhou\n"),
+        "{}",
+        out.stderr
+    );
+    for label in ["~/.abx/.env", "./.env"] {
+        assert!(
+            out.stderr
+                .lines()
+                .any(|l| l.contains(label) && l.contains("not a readable file")),
+            "{label}: {}",
+            out.stderr
+        );
+    }
+}
+
 #[test]
 fn malformed_files_name_the_file_and_line_but_not_the_content() {
     let cases: &[(&str, &str, &str)] = &[

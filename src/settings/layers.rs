@@ -47,6 +47,15 @@ pub fn read_dotenv(
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
     if !path.is_file() {
+        // Something is there, but not a file to read: a link to a file that is gone (a
+        // Secret volume's link after a bad mount), or a directory. Skipped as absent, but
+        // said, or the key it was meant to hold comes from elsewhere without a word.
+        if path.symlink_metadata().is_ok() {
+            warnings.push(format!(
+                "{label} ({}) is not a readable file (a dangling link or a directory); skipped",
+                path.display()
+            ));
+        }
         return Ok(HashMap::new());
     }
     warn_if_shared(path, label, warnings);
