@@ -150,7 +150,9 @@ async fn serve(
         proxy.abort();
         let _ = tokio::time::timeout(ABORT_WAIT, stop_tx.closed()).await;
     }
-    tracing::info!(clean, "stopped");
+    // Connections still open now are closed by the exit, without their log lines.
+    let left = proxy.metrics.open_connections.get();
+    tracing::info!(clean, left, "stopped");
     Ok(())
 }
 

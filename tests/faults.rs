@@ -2058,6 +2058,11 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
         });
         assert!(logged, "no 499 line for {path}:\n{stderr}");
     }
+    let stopped = stderr.lines().find(|l| l.contains(" stopped"));
+    assert!(
+        stopped.is_some_and(|l| l.contains("left=0")),
+        "connections left to the exit:\n{stderr}"
+    );
     drop(held);
     holder.abort();
 }

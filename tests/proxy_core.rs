@@ -1466,7 +1466,7 @@ async fn a_bare_number_of_shutdown_grace_is_seconds() {
 
 /// A WebSocket tunnel is open when SIGTERM comes and stays open: the proxy exits 0 once a
 /// `grace` of one second is over, not before, reports an unclean drain, and the tunnel is
-/// closed.
+/// closed, by the proxy itself before it says "stopped".
 async fn tunnel_cut_when_the_grace_ends(grace: &str) {
     let pki = Pki::new();
     let upstream = websocket_upstream(&pki).await;
@@ -1487,6 +1487,8 @@ async fn tunnel_cut_when_the_grace_ends(grace: &str) {
     );
     let stopped = proxy.wait_for_line("stopped").await;
     assert!(stopped.contains("clean=false"), "{stopped}");
+    // Closed by the proxy at the end of the grace, not left to the exit.
+    assert!(stopped.contains("left=0"), "{stopped}");
 
     let status = proxy.wait_exit().await;
     let waited = signalled.elapsed();

@@ -499,7 +499,13 @@ impl Proxy {
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
-                tokio::spawn(tunnel(client_side, upstream_side, self.idle_timeout));
+                let aborting = self.aborting.subscribe();
+                tokio::spawn(tunnel(
+                    client_side,
+                    upstream_side,
+                    self.idle_timeout,
+                    aborting,
+                ));
                 headers::strip_hop_by_hop(resp.headers_mut(), true);
                 return Ok(resp.map(|_| body::empty()));
             }
@@ -590,11 +596,17 @@ struct Upgrade {
 /// Its own task, as hyper's connection (and the listener's task serving it) ends with the
 /// 101. It keeps the client connection counted until the bytes stop: open, under
 /// `--max-connections`, and waited for by the drain, which gives it the grace period to
-/// end on its own; the process's exit closes it after that, like any connection left over.
+/// end on its own; when that is over it is closed with every other connection left
+/// (`aborting`, see `Proxy::abort`).
 ///
 /// A tunnel that moves no bytes either way for `--idle-timeout` is closed, like any
 /// connection: a client gone without a word would otherwise hold its place forever.
-async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade, idle_timeout: Duration) {
+async fn tunnel(
+    upgrade: Upgrade,
+    upstream: OnUpgrade,
+    idle_timeout: Duration,
+    mut aborting: tokio::sync::watch::Receiver<bool>,
+) {
     let Upgrade {
         client,
         connection: _open,
@@ -609,5 +621,6 @@ async fn tunnel(upgrade: Upgrade, upstream: OnUpgrade, idle_timeout: Duration) {
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
         () = listener::idle(&activity, idle_timeout) => {}
+        _ = aborting.wait_for(|a| *a) => {}
     }
 }
