@@ -727,6 +727,56 @@ async fn host_names_route_to_envd() {
     proxy.finish().await;
 }
 
+/// A page an app in sandbox A serves through the proxy (`3000-isb-a.localhost`) is a local
+/// origin, but not the user's: a form it posts to another sandbox's envd or to the control
+/// plane is refused before anything goes out (the form would carry sandbox B's token, or
+/// the key); a same-origin GET naming sandbox B in `E2b-Sandbox-Id` too. Its own origin is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_served_from_a_sandbox_reaches_nothing_but_its_own_origin() {
+    let env = Env::start(Pki::new()).await;
+    env.cloud.exists("isb-a", "tok-a");
+    env.cloud.exists("isb-b", "tok-b");
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let port = addr.port();
+    let origin = format!("Origin: http://3000-isb-a.localhost:{port}\r\n");
+    let form = |path: &str, host: &str, extra: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: text/plain\r\n\
+             Content-Length: 2\r\nConnection: close\r\n\r\nhi"
+        )
+    };
+    for req in [
+        form(
+            "/files?path=/x",
+            &format!("49983-isb-b.localhost:{port}"),
+            &origin,
+        ),
+        form("/sandboxes", &format!("127.0.0.1:{port}"), &origin),
+        form("/sandboxes", &format!("localhost:{port}"), &origin),
+        format!(
+            "GET /files?path=/x HTTP/1.1\r\nHost: 3000-isb-a.localhost:{port}\r\n\
+             E2b-Sandbox-Id: isb-b\r\nSec-Fetch-Site: same-origin\r\nConnection: close\r\n\r\n"
+        ),
+    ] {
+        let resp = raw_exchange(addr, req.as_bytes()).await;
+        assert_proxy_error(&resp, 400, "E5003");
+    }
+    assert!(env.envd.seen().is_empty(), "a sandbox's page reached envd");
+    assert!(
+        env.api.seen().is_empty(),
+        "a sandbox's page reached the control plane"
+    );
+
+    let own = form("/app", &format!("3000-isb-a.localhost:{port}"), &origin);
+    let resp = raw_exchange(addr, own.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.text(), "envd isb-a: POST /app (2 bytes)");
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. Forgetting on delete
 // ---------------------------------------------------------------------------------------

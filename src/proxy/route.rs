@@ -67,14 +67,24 @@ impl HostPolicy {
 /// the upstream's CORS answer could even let the page read the result. Browsers say where a
 /// request comes from; a page's origin must be one the listener would accept as Host.
 /// Clients outside browsers (the SDKs, curl) send neither field.
-fn check_origin(fields: &Fields<'_>, policy: &HostPolicy) -> Result<(), Error> {
+///
+/// One kind of local origin is not the user's: `<port>-<id>.localhost` is a sandbox's own
+/// port, served through this proxy, and what it serves (an app the agent wrote) may be
+/// anything. Its pages reach their own origin only (`own`, the sandbox the Host names): a
+/// form posted to `localhost:49982/sandboxes` or to another sandbox's envd would go out
+/// with the key or that sandbox's token.
+fn check_origin(
+    fields: &Fields<'_>,
+    policy: &HostPolicy,
+    own: Option<(u16, &str)>,
+) -> Result<(), Error> {
     if matches!(policy, HostPolicy::Any) {
         return Ok(());
     }
     if let Some(origin) = fields.origin {
         let host = origin.to_str().ok().and_then(origin_host);
         return match host {
-            Some(h) if policy.accepts(h) => Ok(()),
+            Some(h) if policy.accepts(h) && same_sandbox(sandbox_host(h), own) => Ok(()),
             // The page's origin, as much of it as names one (the field can be long).
             _ => Err(refused(format!(
                 "cross-origin request from {}",
@@ -89,6 +99,16 @@ fn check_origin(fields: &Fields<'_>, policy: &HostPolicy) -> Result<(), Error> {
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
         )),
         _ => Ok(()),
+    }
+}
+
+/// Whether a page's origin may reach the request's Host: any origin that is not a
+/// sandbox's, and a sandbox's only to the same sandbox and port.
+fn same_sandbox(origin: Option<(u16, &str)>, own: Option<(u16, &str)>) -> bool {
+    match (origin, own) {
+        (None, _) => true,
+        (Some((op, oid)), Some((p, id))) => op == p && oid.eq_ignore_ascii_case(id),
+        (Some(_), None) => false,
     }
 }
 
@@ -248,7 +268,8 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     } else if host.is_empty() && !matches!(policy, HostPolicy::Any) {
         return Err(refused("missing Host header"));
     }
-    check_origin(&fields, policy)?;
+    let named = sandbox_host(hostname);
+    check_origin(&fields, policy, named)?;
 
     // The constants, not strings: a `&str` key is parsed into a name on every call.
     if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
@@ -266,12 +287,20 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
                 .filter(|p| *p != 0)
                 .ok_or_else(|| refused("invalid E2b-Sandbox-Port"))?,
         };
+        // A Host that names a sandbox and headers that name another: which one a client
+        // meant is unknowable, and a page served from the Host's sandbox could otherwise
+        // send its own origin's requests (no `Origin` on a same-origin GET) to another.
+        if named.is_some_and(|n| !same_sandbox(Some(n), Some((port, id)))) {
+            return Err(refused(
+                "E2b-Sandbox-Id/E2b-Sandbox-Port name another sandbox or port than Host",
+            ));
+        }
         return Ok(Route::Envd {
             sandbox_id: id.to_string(),
             port,
         });
     }
-    if let Some((port, id)) = sandbox_host(hostname) {
+    if let Some((port, id)) = named {
         return Ok(Route::Envd {
             sandbox_id: id.to_string(),
             port,
@@ -423,6 +452,80 @@ mod tests {
                 "{target}"
             );
         }
+    }
+
+    /// `<port>-<id>.localhost` is a local name, but what it serves is a sandbox's app: its
+    /// pages reach their own sandbox port only, never the control plane (the key) nor
+    /// another sandbox or port (that sandbox's token).
+    #[test]
+    fn a_page_served_from_a_sandbox_reaches_its_own_origin_only() {
+        let page = ("origin", "http://3000-isb-a.localhost:49982");
+        for p in [HostPolicy::Loopback, HostPolicy::Listed(vec!["x".into()])] {
+            for (target, host, extra) in [
+                ("/sandboxes", "127.0.0.1:49982", None),
+                ("/sandboxes", "localhost:49982", None),
+                ("/files", "49983-isb-b.localhost:49982", None),
+                ("/files", "49983-isb-a.localhost:49982", None),
+                ("/", "3000-isb-b.localhost:49982", None),
+                (
+                    "/files",
+                    "127.0.0.1:49982",
+                    Some(("e2b-sandbox-id", "isb-b")),
+                ),
+            ] {
+                let mut headers = vec![("host", host), page];
+                headers.extend(extra);
+                let e = route(&parts(target, &headers), &p).unwrap_err();
+                assert_eq!(e.code(), "E5003", "{host} {extra:?}");
+                assert!(e.to_string().contains("cross-origin request"), "{e}");
+            }
+            let own = [("host", "3000-ISB-A.localhost:49982"), page];
+            assert_eq!(
+                route(&parts("/app", &own), &p).unwrap(),
+                Route::Envd {
+                    sandbox_id: "ISB-A".into(),
+                    port: 3000
+                }
+            );
+        }
+        // Any page may still reach a sandbox's port through the proxy: the restriction is
+        // on what a sandbox's page reaches.
+        let dev = [
+            ("host", "3000-isb-a.localhost"),
+            ("origin", "http://localhost:5173"),
+        ];
+        assert!(route(&parts("/", &dev), &HostPolicy::Loopback).is_ok());
+    }
+
+    /// A Host naming one sandbox port and routing headers naming another are refused,
+    /// whoever sends them (a same-origin GET from a sandbox's page carries no `Origin`);
+    /// headers that agree with the Host are what an SDK sends.
+    #[test]
+    fn routing_headers_must_agree_with_a_sandbox_host() {
+        let p = HostPolicy::Loopback;
+        let host = ("host", "3000-isb-a.localhost:49982");
+        for extra in [
+            vec![("e2b-sandbox-id", "isb-b")],
+            vec![("e2b-sandbox-id", "isb-a")],
+            vec![("e2b-sandbox-id", "isb-a"), ("e2b-sandbox-port", "49983")],
+        ] {
+            let mut headers = vec![host];
+            headers.extend(extra.iter().copied());
+            let e = route(&parts("/files", &headers), &p).unwrap_err();
+            assert_eq!(e.code(), "E5003", "{extra:?}");
+            assert!(e.to_string().contains("another sandbox or port"), "{e}");
+        }
+        let sdk = [
+            ("host", "49983-isb-a.localhost:49982"),
+            ("e2b-sandbox-id", "isb-a"),
+        ];
+        let envd = Route::Envd {
+            sandbox_id: "isb-a".into(),
+            port: 49983,
+        };
+        assert_eq!(route(&parts("/files", &sdk), &p).unwrap(), envd);
+        let both = [sdk[0], sdk[1], ("e2b-sandbox-port", "49983")];
+        assert_eq!(route(&parts("/files", &both), &p).unwrap(), envd);
     }
 
     #[test]
