@@ -212,6 +212,14 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             "CONNECT is not supported: this is not a forward proxy",
         ));
     }
+    // TRACE asks the server to echo the request back, credential and all (RFC 9110
+    // §9.3.8): a client that may only spend the key through the proxy would get a copy.
+    // nginx refuses it too.
+    if parts.method == Method::TRACE {
+        return Err(refused(
+            "TRACE is not forwarded: the answer would echo the credential",
+        ));
+    }
     // The authority form (`GET 127.0.0.1:80`) is CONNECT's alone (RFC 9112 §3.2.3), yet
     // hyper and the fast path parse it for any method. Served, its authority would stand
     // in for Host below (a `Host: evil.example` beside it unchecked), and it would go
@@ -526,6 +534,25 @@ mod tests {
         assert_eq!(route(&parts("/files", &sdk), &p).unwrap(), envd);
         let both = [sdk[0], sdk[1], ("e2b-sandbox-port", "49983")];
         assert_eq!(route(&parts("/files", &both), &p).unwrap(), envd);
+    }
+
+    /// TRACE would have the upstream echo the request, the credential the proxy attached
+    /// included, back to the client.
+    #[test]
+    fn trace_is_refused_on_both_planes() {
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            for headers in [
+                vec![("host", "127.0.0.1")],
+                vec![("host", "127.0.0.1"), ("e2b-sandbox-id", "isb-a")],
+                vec![("host", "49983-isb-a.localhost")],
+            ] {
+                let mut req = parts("/sandboxes", &headers);
+                req.method = Method::TRACE;
+                let e = route(&req, &p).unwrap_err();
+                assert_eq!(e.code(), "E5003", "{headers:?}");
+                assert!(e.to_string().contains("TRACE"), "{e}");
+            }
+        }
     }
 
     #[test]
