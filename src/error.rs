@@ -44,7 +44,8 @@ pub enum Error {
     /// E1008: a listener could not be bound.
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
-    /// E1009: the upstream answered `check` with 401/403.
+    /// E1009: the upstream answered 401/403 to the credential (`check`, or the envd token
+    /// look-up the proxy makes for a request).
     #[error("the upstream rejected the credential ({status} from {host})")]
     CredentialRejected { status: u16, host: String },
     /// E2009: the control plane does not know the sandbox.

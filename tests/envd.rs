@@ -333,6 +333,7 @@ async fn post_json(addr: SocketAddr, path: &str, json: impl Into<Bytes>) -> Resp
     let req = request("POST", addr, path)
         .header("x-api-key", "dummy-key")
         .header("content-type", "application/json")
+        .header("accept-encoding", "gzip, deflate, br, zstd")
         .body(full(json))
         .unwrap();
     send(addr, req).await
@@ -423,6 +424,9 @@ async fn learned_token_and_routing_headers_reach_envd_without_the_key() {
         vec![format!("Bearer {API_KEY}")]
     );
     assert!(create.header("x-api-key").is_none());
+    // The proxy reads the token from this answer: asked for uncompressed, whatever the
+    // client accepts.
+    assert_eq!(create.all("accept-encoding"), vec!["identity"]);
 
     // curl -H 'E2b-Sandbox-Id: isb-1' -H 'X-API-Key: dummy-key' …
     let raw = format!(

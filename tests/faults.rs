@@ -1714,6 +1714,45 @@ async fn envd_token_lookup_failure_is_502_then_recovers() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// The control plane turns the key away on the envd token look-up (401, 403): the envd
+/// request gets 503 E1009 naming the status, not a 502 "unreachable" that sends the user
+/// looking for a network fault (and that the SDKs retry). The look-up asks for an
+/// uncompressed answer, whose JSON the proxy reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_refused_on_the_envd_token_look_up_is_a_credential_error() {
+    let pki = Pki::new();
+    let envd = Upstream::start(&pki, Proto::Http1, |_req| async move {
+        response(200, "envd ok")
+    })
+    .await;
+    for status in [401u16, 403] {
+        let control = Upstream::start(&pki, Proto::Http1, move |_req| async move {
+            response(status, r#"{"code":401,"message":"invalid api key"}"#)
+        })
+        .await;
+        let proxy = traced(ProxyCmd::new(&control.url(), &pki))
+            .args(&["--sandbox-url", &envd.url()])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        let get = format!(
+            "GET /files HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: isb-refused-1\r\nConnection: close\r\n\r\n"
+        );
+        let resp = raw_exchange(addr, get.as_bytes()).await;
+        assert_proxy_error(&resp, 503, "E1009");
+        assert!(
+            resp.text().contains(&format!("{status} from 127.0.0.1")),
+            "{}",
+            resp.text()
+        );
+        let lookup = control.seen();
+        assert_eq!(lookup.len(), 1);
+        assert_eq!(lookup[0].header("accept-encoding"), Some("identity"));
+        proxy.finish().await;
+    }
+    assert!(envd.seen().is_empty(), "envd was called without a token");
+}
+
 /// The envd token look-up is the proxy's own request, but its upstream failures are
 /// counted like any other, on the control plane's `api` label: an unreachable control
 /// plane is one `connect` error (and the envd request a 502 naming the control plane). An

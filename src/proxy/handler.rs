@@ -62,6 +62,8 @@ impl From<forward::Failed> for Failure {
 const SHOULD_RETRY: http::HeaderName = http::HeaderName::from_static("should-retry");
 /// A client's promise that the upstream carries out a request with the same key once.
 const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
+/// Asked for on the answers the proxy reads itself (the envd token is in their JSON).
+const IDENTITY: http::HeaderValue = http::HeaderValue::from_static("identity");
 
 /// A key that cannot be sent as a header value. A static key is refused at start, so this
 /// is a temporary key from the exchange.
@@ -253,8 +255,9 @@ impl Proxy {
             parts.headers.remove(HOST);
             headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
             if sniff == Sniff::Learn {
-                // The token is read from the body: ask for it uncompressed.
-                parts.headers.remove(ACCEPT_ENCODING);
+                // The token is read from the body: ask for it uncompressed. Saying so, as
+                // no field at all means any coding will do (RFC 9110 §12.5.3).
+                parts.headers.insert(ACCEPT_ENCODING, IDENTITY);
             }
             let body = if rewrite != Rewrite::None {
                 parts.headers.remove(CONTENT_LENGTH);
@@ -428,6 +431,7 @@ impl Proxy {
             .map_err(internal)?;
         let mut headers = HeaderMap::new();
         headers.insert(self.auth.header(), value);
+        headers.insert(ACCEPT_ENCODING, IDENTITY);
         let req = rebuild(Method::GET, uri, headers);
         let host = self.api_base.host().to_string();
         // The control plane failing a look-up is counted like any other upstream failure.
@@ -447,6 +451,14 @@ impl Proxy {
         }
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
+        }
+        if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+            // The key itself was turned away: no network fault, and no retry will help
+            // until the key changes (SPEC §6: 503 when no valid credential can be attached).
+            return Err(Error::CredentialRejected {
+                status: status.as_u16(),
+                host,
+            });
         }
         if !status.is_success() {
             return Err(Error::UpstreamUnreachable {
