@@ -88,7 +88,7 @@ fn header_rewrite(c: &mut Criterion) {
             |h| {
                 headers::strip_hop_by_hop(h, false);
                 h.remove(http::header::HOST);
-                headers::authorize_envd(h, &token, "isb-fake0001", 49983);
+                headers::authorize_envd(h, &AuthScheme::Bearer, &token, "isb-fake0001", 49983);
             },
             criterion::BatchSize::SmallInput,
         )

@@ -5,7 +5,7 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use abx_proxy::credentials::exchange::{iso8601, parse_response, unix_seconds};
-use abx_proxy::proxy::headers::{authorize_envd, strip_hop_by_hop};
+use abx_proxy::proxy::headers::{authorize_envd, strip_hop_by_hop, AuthScheme};
 use abx_proxy::Secret;
 use http::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONNECTION};
 
@@ -54,7 +54,13 @@ fn envd_gets_one_basic_authorization_even_when_the_client_sends_several() {
         h.append(AUTHORIZATION, HeaderValue::from_static("Basic cm9vdDo="));
         h.append(AUTHORIZATION, HeaderValue::from_str(second).unwrap());
 
-        authorize_envd(&mut h, &Secret::new("envd-token"), "isb-1", 49983);
+        authorize_envd(
+            &mut h,
+            &AuthScheme::Bearer,
+            &Secret::new("envd-token"),
+            "isb-1",
+            49983,
+        );
 
         let sent: Vec<_> = h.get_all(AUTHORIZATION).iter().collect();
         assert_eq!(

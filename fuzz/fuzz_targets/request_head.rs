@@ -205,7 +205,13 @@ fn check_rewrite(parts: &Parts) {
 
     // envd.
     let mut envd = h.clone();
-    authorize_envd(&mut envd, &Secret::new(ENVD_TOKEN), "isb-fuzz-1", 49983);
+    authorize_envd(
+        &mut envd,
+        &AuthScheme::Bearer,
+        &Secret::new(ENVD_TOKEN),
+        "isb-fuzz-1",
+        49983,
+    );
     let tokens: Vec<_> = envd.get_all(X_ACCESS_TOKEN).iter().collect();
     assert_eq!(tokens, [ENVD_TOKEN], "X-Access-Token after authorize_envd");
     assert!(

@@ -351,7 +351,13 @@ impl Proxy {
         let host: Arc<str> = Arc::from(host);
         headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
         parts.headers.remove(HOST);
-        headers::authorize_envd(&mut parts.headers, &token, sandbox_id, port);
+        headers::authorize_envd(
+            &mut parts.headers,
+            self.auth.scheme(),
+            &token,
+            sandbox_id,
+            port,
+        );
         parts.uri = uri;
         parts.version = Version::HTTP_11;
         // A request without a body can be sent again after a 401.
@@ -376,7 +382,13 @@ impl Proxy {
                 .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
             if let Ok(fresh) = self.lookup_token(sandbox_id).await {
                 if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
-                    headers::authorize_envd(&mut headers, &fresh, sandbox_id, port);
+                    headers::authorize_envd(
+                        &mut headers,
+                        self.auth.scheme(),
+                        &fresh,
+                        sandbox_id,
+                        port,
+                    );
                     let req = rebuild(method, uri, headers);
                     resp =
                         forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)

@@ -249,9 +249,20 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
 }
 
 /// envd: the sandbox's token and routing headers; the client's `Authorization: Basic …`
-/// (which selects the sandbox user) is kept, anything else becomes the default user.
-pub fn authorize_envd(headers: &mut HeaderMap, token: &Secret, sandbox_id: &str, port: u16) {
+/// (which selects the sandbox user) is kept, anything else becomes the default user. The
+/// client's credential for the control plane (`X-API-Key`, or a plugin's own header, under
+/// `scheme`) is not envd's business either.
+pub fn authorize_envd(
+    headers: &mut HeaderMap,
+    scheme: &AuthScheme,
+    token: &Secret,
+    sandbox_id: &str,
+    port: u16,
+) {
     headers.remove(X_API_KEY);
+    if let AuthScheme::Header(name) = scheme {
+        headers.remove(name);
+    }
     // Exactly one Authorization goes to envd: the client's first Basic, or the default user.
     let basic = headers
         .get_all(header::AUTHORIZATION)
@@ -395,13 +406,25 @@ mod tests {
     fn envd_basic_kept_or_defaulted() {
         let t = Secret::new("tok");
         let mut h = map(&[("authorization", "Basic cm9vdDo="), ("x-api-key", "d")]);
-        authorize_envd(&mut h, &t, "isb-1", 49983);
+        authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 49983);
         assert_eq!(h["authorization"], "Basic cm9vdDo=");
         assert!(!h.contains_key("x-api-key"));
         assert_eq!(h["x-access-token"], "tok");
         assert_eq!(h["e2b-sandbox-port"], "49983");
         let mut h = map(&[("authorization", "Bearer dummy")]);
-        authorize_envd(&mut h, &t, "isb-1", 8080);
+        authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
         assert_eq!(h["authorization"], "Basic dXNlcjo=");
+    }
+
+    /// A plugin's own auth header carries the client's (dummy) control-plane key: it goes
+    /// to envd no more than `X-API-Key` does.
+    #[test]
+    fn envd_gets_no_plugin_auth_header() {
+        let scheme = AuthScheme::Header(HeaderName::from_static("open-sandbox-api-key"));
+        let mut h = map(&[("open-sandbox-api-key", "dummy"), ("x-other", "1")]);
+        authorize_envd(&mut h, &scheme, &Secret::new("tok"), "isb-1", 49983);
+        assert!(!h.contains_key("open-sandbox-api-key"));
+        assert_eq!(h["x-other"], "1");
+        assert_eq!(h["x-access-token"], "tok");
     }
 }
