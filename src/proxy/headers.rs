@@ -47,10 +47,13 @@ pub fn is_upgrade_request<B>(req: &http::Request<B>) -> bool {
             .get_all(header::UPGRADE)
             .iter()
             .flat_map(connection_tokens)
-            .any(|p| {
-                let name = p.split(|b| *b == b'/').next().unwrap_or_default();
-                name.eq_ignore_ascii_case(b"websocket")
-            })
+            .any(is_websocket)
+}
+
+/// Whether an `Upgrade` protocol token (`websocket`, `WebSocket/13`) names WebSocket.
+fn is_websocket(protocol: &[u8]) -> bool {
+    let name = protocol.split(|b| *b == b'/').next().unwrap_or_default();
+    name.eq_ignore_ascii_case(b"websocket")
 }
 
 /// The comma-separated tokens of a `Connection` value, as bytes: a line with obs-text
@@ -72,7 +75,9 @@ pub fn has_token(value: &[u8], token: &[u8]) -> bool {
 }
 
 /// Removes hop-by-hop headers and those named in `Connection`. With `upgrade`, the
-/// `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end).
+/// `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end),
+/// `Upgrade` naming WebSocket alone: another protocol offered beside it (`h2c, websocket`)
+/// is not one the proxy tunnels.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     // One pass over the names present decides what to do, so the map is hashed only for
     // fields that are there. (Removing all nine names unconditionally cost nine hash
@@ -119,7 +124,21 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
         headers.remove(name);
     }
     if upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        let websocket = headers
+            .get_all(header::UPGRADE)
+            .iter()
+            .flat_map(connection_tokens)
+            .find(|p| is_websocket(p))
+            .and_then(|p| HeaderValue::from_bytes(p).ok());
+        match websocket {
+            Some(protocol) => {
+                headers.insert(header::UPGRADE, protocol);
+                headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            }
+            None => {
+                headers.remove(header::UPGRADE);
+            }
+        }
     }
 }
 
@@ -414,6 +433,26 @@ mod tests {
         let mut h = map(&[("authorization", "Bearer dummy")]);
         authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
         assert_eq!(h["authorization"], "Basic dXNlcjo=");
+    }
+
+    /// Only the WebSocket offer goes on with an upgrade: `h2c` beside it would let the
+    /// upstream switch to a protocol the proxy does not check.
+    #[test]
+    fn an_upgrade_keeps_websocket_alone() {
+        for offered in [
+            vec!["h2c, websocket"],
+            vec!["h2c", "WebSocket"],
+            vec!["websocket, TLS/1.0"],
+        ] {
+            let mut pairs = vec![("connection", "Upgrade, HTTP2-Settings")];
+            pairs.extend(offered.iter().map(|o| ("upgrade", *o)));
+            let mut h = map(&pairs);
+            strip_hop_by_hop(&mut h, true);
+            let upgrade: Vec<_> = h.get_all("upgrade").iter().collect();
+            assert_eq!(upgrade.len(), 1, "{offered:?}");
+            assert!(upgrade[0].as_bytes().eq_ignore_ascii_case(b"websocket"));
+            assert_eq!(h["connection"], "upgrade");
+        }
     }
 
     /// A plugin's own auth header carries the client's (dummy) control-plane key: it goes
