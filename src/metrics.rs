@@ -111,7 +111,13 @@ impl Metrics {
             &["plane", "kind"],
         )?;
         let in_flight = IntGaugeVec::new(
-            Opts::new("abx_proxy_in_flight_requests", "Requests being served."),
+            // To the response head, like the duration histogram (SPEC §7): a body that
+            // then streams for hours (a Connect stream, a download) counts in
+            // open_connections only.
+            Opts::new(
+                "abx_proxy_in_flight_requests",
+                "Requests waiting for their response head.",
+            ),
             &["plane"],
         )?;
         let open_connections = IntGauge::new(
