@@ -19,7 +19,9 @@ use crate::workers::{self, Workers};
 /// How long connections cut at the end of the drain get to log themselves before exit.
 const ABORT_WAIT: Duration = Duration::from_secs(1);
 /// Descriptors one client connection may hold: its own and a pooled upstream's. (An
-/// HTTP/2 client may hold one upstream per stream, up to 100; the SDKs speak HTTP/1.1.)
+/// HTTP/2 client may hold one upstream per stream, up to 100; the SDKs speak HTTP/1.1. A
+/// large download spliced socket to socket holds a pipe's two more while it lasts; without
+/// them it is copied as usual.)
 const FDS_PER_CONNECTION: u64 = 2;
 /// Listeners, admin connections, the token exchange, the runtime's own.
 const FDS_RESERVED: u64 = 256;

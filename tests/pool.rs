@@ -251,6 +251,94 @@ async fn large_plain_downloads_arrive_byte_identical_and_keep_the_connection() {
     proxy.finish().await;
 }
 
+/// A large download when the proxy has no descriptor left for splice's pipe (near the
+/// open-file limit, where each connection already holds two): copied as usual, whole. The
+/// pipe used to be made after the head went out, and its failure cut the body there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_download_without_a_descriptor_for_a_pipe_arrives_whole() {
+    let (proxy, conns, _task) = plain_proxy().await;
+    let addr = proxy.addr();
+    let len = 2 * SMALL;
+    let (mut expect, _) = GenBody::new(len, len, true);
+    let want = hash_body(&mut expect).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let get = format!("GET /files/{len} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let mut limited = None;
+    for round in ["spliced", "copied"] {
+        if round == "copied" {
+            // Both connections are open and pooled already: the answer needs nothing
+            // but the pipe.
+            limited = Some(leave_one_descriptor(proxy.pid));
+        }
+        s.write_all(get.as_bytes()).await.unwrap();
+        let body = within("the download", read_sized_answer(&mut s)).await;
+        let got = hash_body(http_body_util::Full::new(bytes::Bytes::from(body))).await;
+        assert_eq!((got.0, hex(&got.1)), (want.0, hex(&want.1)), "{round}");
+    }
+    if let Some(soft) = limited {
+        set_soft_nofile(proxy.pid, soft);
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
+    proxy.finish().await;
+}
+
+/// Lowers `pid`'s soft open-file limit so that one descriptor number is free below it;
+/// returns the soft limit it had.
+fn leave_one_descriptor(pid: u32) -> u64 {
+    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let mut free = (0..).filter(|n| !open.contains(n));
+    let (_first, second) = (free.next().unwrap(), free.next().unwrap());
+    set_soft_nofile(pid, second)
+}
+
+/// Sets `pid`'s soft open-file limit; returns the one it had.
+fn set_soft_nofile(pid: u32, soft: u64) -> u64 {
+    let (mut old, mut hard) = (0, 0);
+    let pid = pid as i32;
+    rlimit::prlimit(
+        pid,
+        rlimit::Resource::NOFILE,
+        None,
+        Some((&mut old, &mut hard)),
+    )
+    .unwrap();
+    rlimit::prlimit(pid, rlimit::Resource::NOFILE, Some((soft, hard)), None).unwrap();
+    old
+}
+
+/// One answer with a `Content-Length` read off `s`: its body, or as much of it as came
+/// before the connection closed.
+async fn read_sized_answer(s: &mut tokio::net::TcpStream) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed before the head");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("a content-length");
+    let mut body = buf.split_off(end);
+    while body.len() < len {
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
+        }
+    }
+    body
+}
+
 /// An upstream that announces 8 MiB and closes after 2: the client sees its download fail,
 /// not a short body that looks complete, and not a hang.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

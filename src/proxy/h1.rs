@@ -776,9 +776,15 @@ fn write_response<'a>(
     out.extend_from_slice(b"\r\n");
     #[cfg(target_os = "linux")]
     if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
-        let offered = parts.extensions.get::<pool::Splice>();
-        if let Some(source) = offered.and_then(|o| o.take(n)) {
-            return Write::Later(Box::pin(splice_body(tcp, sock, activity, out, source)));
+        if let Some(offered) = parts.extensions.get::<pool::Splice>() {
+            // The pipe before the body is taken: without one (the process is out of
+            // descriptors) the answer is copied as usual rather than cut after its head.
+            if let Ok(pipe) = super::splice::Pipe::new() {
+                if let Some(source) = offered.take(n) {
+                    let splicing = splice_body(tcp, sock, activity, out, source, pipe);
+                    return Write::Later(Box::pin(splicing));
+                }
+            }
         }
     }
     drop(parts);
@@ -949,12 +955,16 @@ async fn splice_body(
     activity: &Activity,
     head: Vec<u8>,
     mut source: pool::SpliceSource,
+    pipe: super::splice::Pipe,
 ) -> bool {
     let first = source.buffered();
     if write_all(sock, activity, &head, &first).await.is_err() {
         return false;
     }
-    source.splice_to(tcp, || activity.touch()).await.is_ok()
+    source
+        .splice_to(pipe, tcp, || activity.touch())
+        .await
+        .is_ok()
 }
 
 /// An answer whose `Content-Length` is unusable: sent without it, ended by the close.

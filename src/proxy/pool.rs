@@ -1639,7 +1639,12 @@ impl SpliceSource {
 
     /// Splices the rest of the body (after [`SpliceSource::buffered`]) to `to`; the
     /// upstream connection goes back to its pool when all of it went and it is clean.
-    pub async fn splice_to(mut self, to: &TcpStream, progress: impl FnMut()) -> io::Result<()> {
+    pub async fn splice_to(
+        mut self,
+        pipe: super::splice::Pipe,
+        to: &TcpStream,
+        progress: impl FnMut(),
+    ) -> io::Result<()> {
         let left = match self.body.state {
             Decode::Length(n) => n,
             _ => 0,
@@ -1656,7 +1661,7 @@ impl SpliceSource {
             // `buffered` first: those bytes come before the socket's.
             return Err(io::ErrorKind::InvalidInput.into());
         }
-        match super::splice::copy(from, to, left, progress).await {
+        match super::splice::copy(pipe, from, to, left, progress).await {
             Ok(()) => {
                 self.body.release();
                 Ok(())

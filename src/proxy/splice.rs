@@ -49,7 +49,7 @@ impl From<Broken> for io::Error {
 }
 
 /// A pipe and the bytes in it: the state of one copy, kept between polls.
-struct Pipe {
+pub struct Pipe {
     out: OwnedFd,
     inn: OwnedFd,
     capacity: usize,
@@ -57,7 +57,9 @@ struct Pipe {
 }
 
 impl Pipe {
-    fn new() -> io::Result<Pipe> {
+    /// Made before a body is taken to be spliced: without one (no descriptor left) the
+    /// body is copied as usual, not cut after its head.
+    pub fn new() -> io::Result<Pipe> {
         let (out, inn) = pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
         // Where the limit is lower, the default size still works, in more calls.
         let capacity = fcntl_setpipe_size(&inn, PIPE_SIZE).unwrap_or(64 * 1024);
@@ -161,16 +163,15 @@ impl Pipe {
     }
 }
 
-/// Moves exactly `len` bytes from `from` to `to`; `progress` runs after every write, for
-/// the idle clock.
+/// Moves exactly `len` bytes from `from` to `to` through `pipe`; `progress` runs after
+/// every write, for the idle clock.
 pub async fn copy(
+    mut pipe: Pipe,
     from: &TcpStream,
     to: &TcpStream,
     mut len: u64,
     mut progress: impl FnMut(),
 ) -> Result<(), Broken> {
-    // No pipe is nobody's fault but ours; the client's side is where it surfaces.
-    let mut pipe = Pipe::new().map_err(Broken::Sink)?;
     poll_fn(|cx| pipe.poll_copy(cx, from, to, &mut len, &mut progress)).await
 }
 
@@ -287,7 +288,9 @@ mod tests {
             got
         });
         let mut calls = 0;
-        copy(&from, &to, len as u64, || calls += 1).await.unwrap();
+        copy(Pipe::new().unwrap(), &from, &to, len as u64, || calls += 1)
+            .await
+            .unwrap();
         let got = read.await.unwrap();
         assert!(got.iter().enumerate().all(|(i, b)| *b == pattern(i)));
         assert!(calls > 0);
@@ -388,7 +391,8 @@ mod tests {
         let (to, _reader) = pair().await;
         writer.write_all(b"only this").await.unwrap();
         drop(writer);
-        let Err(Broken::Source(e)) = copy(&from, &to, 100, || {}).await else {
+        let Err(Broken::Source(e)) = copy(Pipe::new().unwrap(), &from, &to, 100, || {}).await
+        else {
             panic!("an early end of the source is the source's failure");
         };
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
