@@ -1410,3 +1410,45 @@ async fn sighup_rereads_the_cwd_env_and_config_toml_and_a_new_pair_replaces_the_
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
 }
+
+/// Out of descriptors, every accept fails (the proxy retries every 50 ms) until one is
+/// freed: one warning says so and what to do, the failures after it are debug lines
+/// (they were one warning each, 20 a second), and the end of the run is said. The client
+/// that waited in the kernel's queue meanwhile is then served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_failures_warn_once_and_the_waiting_client_is_then_served() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .log_level("debug")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let free = free_descriptor_numbers(proxy.pid, 1);
+    let soft = set_soft_nofile(proxy.pid, free[0]);
+    let mut waiting = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let warning = proxy.wait_for_line("accept failed").await;
+    assert!(warning.contains("WARN"), "{warning}");
+    assert!(warning.contains("open-file limit"), "{warning}");
+    for _ in 0..2 {
+        let again = proxy.wait_for_line("accept failed").await;
+        assert!(
+            again.contains("DEBUG") && again.contains("again"),
+            "{again}"
+        );
+    }
+    set_soft_nofile(proxy.pid, soft);
+    proxy.wait_for_line("accepting connections again").await;
+    let req = format!("GET /after HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(&mut waiting, req.as_bytes())
+        .await
+        .expect("send");
+    let resp = read_response(&mut waiting, &mut Vec::new()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let stderr = proxy.finish().await;
+    let warnings = stderr
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("accept failed"))
+        .count();
+    assert_eq!(warnings, 1, "{stderr}");
+}

@@ -266,9 +266,11 @@ async fn a_large_download_without_a_descriptor_for_a_pipe_arrives_whole() {
     let mut limited = None;
     for round in ["spliced", "copied"] {
         if round == "copied" {
-            // Both connections are open and pooled already: the answer needs nothing
-            // but the pipe.
-            limited = Some(leave_one_descriptor(proxy.pid));
+            // Both connections are open and pooled already: the answer needs no
+            // descriptor but the pipe's.
+            // One descriptor number free below the limit: a pipe takes two.
+            let free = free_descriptor_numbers(proxy.pid, 2);
+            limited = Some(set_soft_nofile(proxy.pid, free[1]));
         }
         s.write_all(get.as_bytes()).await.unwrap();
         let body = within("the download", read_sized_answer(&mut s)).await;
@@ -280,33 +282,6 @@ async fn a_large_download_without_a_descriptor_for_a_pipe_arrives_whole() {
     }
     assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
     proxy.finish().await;
-}
-
-/// Lowers `pid`'s soft open-file limit so that one descriptor number is free below it;
-/// returns the soft limit it had.
-fn leave_one_descriptor(pid: u32) -> u64 {
-    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
-    let mut free = (0..).filter(|n| !open.contains(n));
-    let (_first, second) = (free.next().unwrap(), free.next().unwrap());
-    set_soft_nofile(pid, second)
-}
-
-/// Sets `pid`'s soft open-file limit; returns the one it had.
-fn set_soft_nofile(pid: u32, soft: u64) -> u64 {
-    let (mut old, mut hard) = (0, 0);
-    let pid = pid as i32;
-    rlimit::prlimit(
-        pid,
-        rlimit::Resource::NOFILE,
-        None,
-        Some((&mut old, &mut hard)),
-    )
-    .unwrap();
-    rlimit::prlimit(pid, rlimit::Resource::NOFILE, Some((soft, hard)), None).unwrap();
-    old
 }
 
 /// One answer with a `Content-Length` read off `s`: its body, or as much of it as came

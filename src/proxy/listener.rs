@@ -181,6 +181,7 @@ pub async fn accept_loop(
     let builder = Arc::new(http_builder(config.header_timeout));
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let config = Arc::new(config);
+    let mut failing = AcceptFailures::default();
     for turn in 0.. {
         // Beyond the limit new connections wait in the kernel's accept queue.
         let permit = tokio::select! {
@@ -193,10 +194,13 @@ pub async fn accept_loop(
         };
         // Unregistered from this thread's runtime, registered with the worker's below.
         let sock = match accepted.and_then(Sock::into_std) {
-            Ok(s) => s,
+            Ok(s) => {
+                failing.recovered();
+                s
+            }
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
+                failing.failed(&e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -210,6 +214,51 @@ pub async fn accept_loop(
             stop.clone(),
         );
         workers.spawn(turn, task);
+    }
+}
+
+/// Failed accepts in a row. Out of descriptors, every accept fails until one is freed,
+/// and one warning per try (20 a second) buried everything else: the first failure of a
+/// run is a warning that says what to do, then one a minute while it lasts, and the end
+/// of the run is said too.
+#[derive(Default)]
+struct AcceptFailures {
+    /// The start of the current run, and failures since the last warning.
+    run: Option<(Instant, u64)>,
+    warned: Option<Instant>,
+}
+
+impl AcceptFailures {
+    const EVERY: Duration = Duration::from_secs(60);
+
+    fn failed(&mut self, e: &io::Error) {
+        let now = Instant::now();
+        let (_, since_warning) = self.run.get_or_insert((now, 0));
+        let due = self.warned.is_none_or(|w| now - w >= Self::EVERY);
+        if !due {
+            *since_warning += 1;
+            tracing::debug!(error = %e, "accept failed again");
+            return;
+        }
+        tracing::warn!(
+            error = %e,
+            failed_since_last_warning = *since_warning,
+            "accept failed: new connections wait in the kernel's queue; if the process is out \
+             of descriptors, raise its open-file limit (LimitNOFILE=, ulimit -n) or lower \
+             --max-connections"
+        );
+        *since_warning = 0;
+        self.warned = Some(now);
+    }
+
+    fn recovered(&mut self) {
+        if let Some((since, _)) = self.run.take() {
+            self.warned = None;
+            tracing::info!(
+                failing_s = since.elapsed().as_secs_f64(),
+                "accepting connections again"
+            );
+        }
     }
 }
 

@@ -1550,3 +1550,22 @@ pub fn assert_not_sent(seen: &[Seen], value: &str, what: &str) {
         }
     }
 }
+
+/// `pid`'s `n` lowest descriptor numbers not in use: a new descriptor takes the lowest.
+pub fn free_descriptor_numbers(pid: u32, n: usize) -> Vec<u64> {
+    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("list the proxy's descriptors")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    (0..).filter(|d| !open.contains(d)).take(n).collect()
+}
+
+/// Sets `pid`'s soft open-file limit (no descriptor numbered at or above it can be made);
+/// returns the one it had.
+pub fn set_soft_nofile(pid: u32, soft: u64) -> u64 {
+    let (mut old, mut hard) = (0, 0);
+    let (pid, nofile) = (pid as i32, rlimit::Resource::NOFILE);
+    rlimit::prlimit(pid, nofile, None, Some((&mut old, &mut hard))).expect("read the limit");
+    rlimit::prlimit(pid, nofile, Some((soft, hard)), None).expect("set the limit");
+    old
+}
