@@ -30,7 +30,12 @@ async fn run(settings: &Settings, net: &NetArgs) -> Result<i32, Error> {
     // A probe, not a sandbox call: without the flag, half a minute is plenty.
     let upstream_timeout = net.upstream_timeout.unwrap_or(Duration::from_secs(30));
     let tls = upstream::tls_config(net.upstream_ca.as_deref())?;
-    let client = upstream::client(tls.clone(), Versions::Negotiate, connect_timeout);
+    let client = upstream::client(
+        tls.clone(),
+        Versions::Negotiate,
+        connect_timeout,
+        upstream_timeout,
+    );
     let key: Secret = match &settings.credential {
         Credential::ApiKey(k) => k.clone(),
         Credential::AccessKey { .. } => {

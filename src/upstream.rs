@@ -148,11 +148,29 @@ pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
     http
 }
 
-/// A pooled client over `tls`.
+/// The longest wait between HTTP/2 keep-alive pings, and for their answer.
+const MAX_PING_INTERVAL: Duration = Duration::from_secs(20);
+
+/// The interval of HTTP/2 keep-alive pings, and how long one may go unanswered, for a
+/// client whose requests wait `request_timeout` for an answer: half of it, so that a
+/// connection that went silent is closed about when the request on it times out, and the
+/// next one opens a new connection.
+fn ping_interval(request_timeout: Duration) -> Duration {
+    (request_timeout / 2).clamp(Duration::from_millis(1), MAX_PING_INTERVAL)
+}
+
+/// A pooled client over `tls`, for requests that wait `request_timeout` for an answer.
+///
+/// An HTTP/2 connection with requests open is pinged (see [`ping_interval`]): one that
+/// stopped answering without closing (a stalled load balancer, a half-open NAT mapping)
+/// was otherwise kept and reused, and every request on it timed out, for as long as the
+/// proxy ran. An idle connection is not pinged (servers may take pings without requests
+/// for abuse, and an idle proxy stays asleep): the next request finds a dead one out.
 pub fn client(
     tls: rustls::ClientConfig,
     versions: Versions,
     connect_timeout: Duration,
+    request_timeout: Duration,
 ) -> HttpClient {
     let http = connector(connect_timeout);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
@@ -166,6 +184,8 @@ pub fn client(
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .timer(hyper_util::rt::TokioTimer::new())
+        .http2_keep_alive_interval(ping_interval(request_timeout))
+        .http2_keep_alive_timeout(ping_interval(request_timeout))
         .build(TimedConnect {
             inner: https,
             timeout: connect_timeout,

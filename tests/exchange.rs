@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use abx_proxy::credentials::exchange::{
     BoxFuture, Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, Exchanger, HttpExchanger,
-    IssuedKey, RefreshOptions, REFUSAL_GAP,
+    IssuedKey, RefreshOptions, CALL_TIMEOUT, REFUSAL_GAP,
 };
 use abx_proxy::proxy::headers::AuthScheme;
 use abx_proxy::settings::{ExchangeScheme, UpstreamUrl};
@@ -26,7 +26,12 @@ const SCHEMES: [ExchangeScheme; 2] = [ExchangeScheme::RpcV1, ExchangeScheme::Acs
 
 fn client() -> HttpClient {
     let tls = upstream::tls_config(None).expect("tls config");
-    upstream::client(tls, Versions::Negotiate, Duration::from_secs(5))
+    upstream::client(
+        tls,
+        Versions::Negotiate,
+        Duration::from_secs(5),
+        CALL_TIMEOUT,
+    )
 }
 
 fn config(url: &str, scheme: ExchangeScheme, secret: &str) -> ExchangeConfig {
@@ -170,7 +175,12 @@ async fn acs3_over_tls_with_a_custom_ca() {
     let ca = dir.path().join("ca.pem");
     std::fs::write(&ca, fake.ca_pem.as_deref().expect("pem")).expect("write ca");
     let tls = upstream::tls_config(Some(&ca)).expect("tls config with CA");
-    let client = upstream::client(tls, Versions::Negotiate, Duration::from_secs(5));
+    let client = upstream::client(
+        tls,
+        Versions::Negotiate,
+        Duration::from_secs(5),
+        CALL_TIMEOUT,
+    );
     for scheme in SCHEMES {
         let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client.clone());
         ex.exchange_at(clock.now())

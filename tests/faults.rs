@@ -1875,6 +1875,117 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
     holder.abort();
 }
 
+/// A TCP relay on 127.0.0.1 to an upstream whose first connection, once told to, goes
+/// silent without closing: it forwards nothing more either way and holds both sockets, as
+/// a stalled load balancer or a lost NAT mapping does. Later connections are relayed as
+/// they are.
+struct StallingRelay {
+    addr: SocketAddr,
+    stall: watch::Sender<bool>,
+    /// Owns every connection's task: dropped with the relay.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallingRelay {
+    async fn start(to: SocketAddr) -> StallingRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+        let addr = listener.local_addr().expect("relay addr");
+        let (stall, stalled) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            let mut first = true;
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = TcpStream::connect(to).await else {
+                    continue;
+                };
+                // Only the first connection listens for the stall.
+                let stalled = if std::mem::take(&mut first) {
+                    stalled.clone()
+                } else {
+                    watch::channel(false).1
+                };
+                let (from_client, to_client) = client.into_split();
+                let (from_upstream, to_upstream) = upstream.into_split();
+                conns.spawn(Self::pump(from_client, to_upstream, stalled.clone()));
+                conns.spawn(Self::pump(from_upstream, to_client, stalled));
+            }
+        });
+        StallingRelay { addr, stall, task }
+    }
+
+    /// Copies one way until EOF; once stalled, drops what comes and holds both halves.
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        stalled: watch::Receiver<bool>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if *stalled.borrow() {
+                break;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+        std::future::pending::<()>().await;
+        drop((from, to));
+    }
+
+    fn url(&self) -> String {
+        format!("https://{}", self.addr)
+    }
+
+    fn stall(&self) {
+        self.stall.send_replace(true);
+    }
+}
+
+impl Drop for StallingRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An HTTP/2 control plane whose connection goes silent without closing is dropped once a
+/// keep-alive ping (paced by `--upstream-timeout`) goes unanswered, and a later request is
+/// answered over a new connection. Without pings the proxy kept the dead connection: every
+/// request waited `--upstream-timeout` on it and got 504, for as long as it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_http2_control_plane_connection_is_dropped_and_replaced() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::H2, |_| async { response(200, "ok") }).await;
+    let relay = StallingRelay::start(upstream.addr).await;
+    let proxy = traced(ProxyCmd::new(&relay.url(), &pki))
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    assert_eq!(get(addr, "/sandboxes").await.status, 200);
+    assert_eq!(upstream.seen()[0].version, http::Version::HTTP_2);
+    relay.stall();
+    // The request on the silent connection times out (504) or is cut by the unanswered
+    // ping (502); one of the next few goes over a new connection.
+    let mut statuses = Vec::new();
+    while statuses.last() != Some(&200) {
+        assert!(statuses.len() < 10, "never a new connection: {statuses:?}");
+        let resp = get(addr, "/sandboxes").await;
+        assert!(
+            [200, 502, 504].contains(&resp.status),
+            "{}: {}",
+            resp.status,
+            resp.text()
+        );
+        statuses.push(resp.status);
+    }
+    assert_eq!(upstream.connections(), 2, "{statuses:?}");
+    proxy.finish().await;
+}
+
 /// An answer given before the request's body was read (here the Host check's 400) says
 /// `Connection: close`: the unread body must not be taken for a next request, and the
 /// client should not pool a connection that is about to end. The proxy reads the rest of

@@ -62,6 +62,7 @@ impl ApiCredential {
             tls,
             crate::upstream::Versions::Negotiate,
             options.connect_timeout,
+            exchange::CALL_TIMEOUT,
         );
         let (success, failure, expiry) = (
             metrics.token_exchanges.with_label_values(&["success"]),

@@ -199,16 +199,19 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// `upstream_timeout` is the `timeout` requests will pass to [`Upstream::request`]: the
+    /// legacy client's HTTP/2 pings keep pace with it (see [`upstream::client`]).
     pub fn new(
         tls: rustls::ClientConfig,
         versions: Versions,
         connect_timeout: Duration,
+        upstream_timeout: Duration,
         broken: BrokenBodies,
     ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
         Upstream {
-            legacy: upstream::client(tls, versions, connect_timeout),
+            legacy: upstream::client(tls, versions, connect_timeout, upstream_timeout),
             negotiate: versions == Versions::Negotiate,
             pool: Arc::new(Pool {
                 idle: (0..SHARDS)
@@ -1713,6 +1716,7 @@ mod tests {
             config(rustls::RootCertStore::empty()),
             Versions::Http1,
             Duration::from_secs(5),
+            LONG,
             None,
         )
     }
@@ -2584,7 +2588,13 @@ mod tests {
 
         let mut roots = rustls::RootCertStore::empty();
         roots.add(tls.ca.clone()).unwrap();
-        let trusting = Upstream::new(config(roots), Versions::Http1, Duration::from_secs(5), None);
+        let trusting = Upstream::new(
+            config(roots),
+            Versions::Http1,
+            Duration::from_secs(5),
+            LONG,
+            None,
+        );
         for _ in 0..2 {
             let resp = within(trusting.request("api", get(&url), LONG))
                 .await
