@@ -729,6 +729,43 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
     proxy.finish().await;
 }
 
+/// An `https` control plane (hyper's client) held to the framing rules of the proxy's own
+/// client: an answer framed both ways, or in a coding other than chunked, is 502 E5001
+/// (it reached the client cut at its length yet looking complete, or still compressed
+/// without the field that said so), and a repeated length reaches the client as one
+/// number (the list made its answer close-delimited, where a cut looks like the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_control_plane_is_held_to_the_same_framing_rules() {
+    let pki = Pki::new();
+    for (answer, reason) in [
+        (
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n\
+               5\r\nhello\r\n0\r\n\r\n"[..],
+            "both Content-Length and Transfer-Encoding",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            "a transfer coding other than chunked",
+        ),
+    ] {
+        let upstream = RawUpstream::start(Some(&pki), AfterHead::WriteAndRead(answer)).await;
+        let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+        let resp = get(proxy.addr(), "/sandboxes").await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert!(resp.text().contains(reason), "{}", resp.text());
+        assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "protocol");
+        proxy.finish().await;
+    }
+    let listed = AfterHead::WriteAndRead(b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok");
+    let upstream = RawUpstream::start(Some(&pki), listed).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.header("content-length"), Some("2"));
+    assert_eq!(resp.text(), "ok");
+    proxy.finish().await;
+}
+
 /// An HTTP/1.0 upstream (`python -m http.server` in a sandbox) is answered to the client
 /// as HTTP/1.1, the proxy's own version, on both request paths: the fast path and hyper's
 /// (a chunked request), where the upstream's "HTTP/1.0" status line went through and told

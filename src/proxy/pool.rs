@@ -28,7 +28,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{capture_connection, HttpConnector};
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -265,12 +265,15 @@ impl Upstream {
         // are dropped as on the pool's connections (nothing an SDK sends has them, and a
         // client's could carry credential fields past the head's rewrite).
         let moved = (!req.body().is_end_stream()).then(body::Moved::default);
-        let req = match &moved {
+        let mut req = match &moved {
             Some(m) => req.map(|b| body::boxed(body::Uploading::new(b, m.clone()))),
             None => req,
         };
+        // To poison the connection of an answer refused below: hyper would reuse it, though
+        // an upstream framing its answers that way may have more bytes of it to come.
+        let conn = capture_connection(&mut req);
         let mut response = pin!(self.legacy.request(req));
-        let resp = loop {
+        let mut resp = loop {
             match tokio::time::timeout_at(deadline.into(), response.as_mut()).await {
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
@@ -281,6 +284,12 @@ impl Upstream {
                 },
             }
         };
+        if let Err(e) = admit(&mut resp) {
+            if let Some(conn) = &*conn.connection_metadata() {
+                conn.poison();
+            }
+            return Err(e);
+        }
         let pool = self.pool.clone();
         Ok(resp.map(|incoming| {
             body::boxed(incoming.map_err(move |e| {
@@ -1198,6 +1207,53 @@ impl Framing {
             self.keep_alive |= has_token(value, b"keep-alive");
         }
     }
+
+    /// The framing of a head another parser (hyper's) has read.
+    fn of(headers: &HeaderMap) -> Framing {
+        let mut framing = Framing::default();
+        for (name, value) in headers {
+            framing.note(name.as_str(), value.as_bytes());
+        }
+        framing
+    }
+
+    /// The framing a final response may have: one length or chunked, not both (RFC 9112
+    /// §6.3: an answer with both may be a smuggling attempt, and no length is to be
+    /// trusted), nothing else.
+    fn check(&self) -> Result<(), UpstreamError> {
+        if self.bad_length {
+            return Err(UpstreamError::Protocol("invalid Content-Length"));
+        }
+        if self.te && self.length.is_some() {
+            return Err(UpstreamError::Protocol(
+                "both Content-Length and Transfer-Encoding",
+            ));
+        }
+        if self.te && !self.chunked {
+            return Err(UpstreamError::Protocol(
+                "a transfer coding other than chunked",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The client-facing writers take one plain number; `5, 5` made the fast path fall
+    /// back to a close-delimited answer, where a cut looks like the end.
+    fn normalise(&self, headers: &mut HeaderMap) {
+        if let (true, Some(n)) = (self.odd_length, self.length) {
+            headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+        }
+    }
+}
+
+/// Holds an answer of hyper's client to the pool's rules: hyper passes on framing that
+/// nginx and the pool refuse. The client then gets what the pool would have given it, or
+/// the same 502.
+fn admit<B>(resp: &mut Response<B>) -> Result<(), UpstreamError> {
+    let framing = Framing::of(resp.headers());
+    framing.check()?;
+    framing.normalise(resp.headers_mut());
+    Ok(())
 }
 
 /// The final response head at the front of `conn.rbuf`, once it is all there; interim
@@ -1250,19 +1306,7 @@ fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, Upstr
             conn.rbuf.advance(len);
             continue;
         }
-        if framing.bad_length {
-            return Err(UpstreamError::Protocol("invalid Content-Length"));
-        }
-        if framing.te && framing.length.is_some() {
-            return Err(UpstreamError::Protocol(
-                "both Content-Length and Transfer-Encoding",
-            ));
-        }
-        if framing.te && !framing.chunked {
-            return Err(UpstreamError::Protocol(
-                "a transfer coding other than chunked",
-            ));
-        }
+        framing.check()?;
         let body = if head_request
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
@@ -1290,11 +1334,7 @@ fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, Upstr
                 .map_err(|_| UpstreamError::Protocol("invalid header value"))?;
             headers.append(name, value);
         }
-        if let (true, Some(n)) = (framing.odd_length, framing.length) {
-            // The client-facing writers take one plain number; `5, 5` made the fast path
-            // fall back to a close-delimited answer, where a cut looks like the end.
-            headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
-        }
+        framing.normalise(&mut headers);
         return Ok(Some(Head {
             status,
             version,
@@ -1797,15 +1837,16 @@ mod tests {
     fn keep_alive(
         answer: fn(&str) -> Vec<u8>,
     ) -> impl Fn(TcpStream, usize) -> Pin<Box<dyn Future<Output = ()> + Send>> {
-        move |mut s, _| {
-            Box::pin(async move {
-                let mut buf = Vec::new();
-                while let Some(head) = read_head(&mut s, &mut buf).await {
-                    if s.write_all(&answer(&head)).await.is_err() {
-                        return;
-                    }
-                }
-            })
+        move |s, _| Box::pin(answer_each(s, answer))
+    }
+
+    /// Answers each request head on `s` with `answer(head)` until the client closes.
+    async fn answer_each<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, answer: fn(&str) -> Vec<u8>) {
+        let mut buf = Vec::new();
+        while let Some(head) = read_head(&mut s, &mut buf).await {
+            if s.write_all(&answer(&head)).await.is_err() {
+                return;
+            }
         }
     }
 
@@ -2272,32 +2313,34 @@ mod tests {
         assert_eq!(text(resp).await, "ok");
     }
 
+    /// Answers whose framing a proxy must not pass on, by the path asked for.
+    fn ambiguous(head: &str) -> Vec<u8> {
+        match head.split(' ').nth(1).unwrap() {
+            "/cl-te" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+            "/two-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok!".to_vec(),
+            "/bad-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok".to_vec(),
+            "/gzip" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n".to_vec(),
+            "/gzip-eof" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nxx".to_vec(),
+            "/twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+            "/same-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/garbage" => b"\x00\x01 not http\r\n\r\n".to_vec(),
+            "/many" => {
+                let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
+                for i in 0..150 {
+                    r.extend_from_slice(format!("x-h{i}: {i}\r\n").as_bytes());
+                }
+                r.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+                r
+            }
+            _ => OK.to_vec(),
+        }
+    }
+
     #[tokio::test]
     async fn ambiguous_response_framing_is_a_protocol_error() {
-        let fake = Fake::start(keep_alive(|head| {
-            match head.split(' ').nth(1).unwrap() {
-                "/cl-te" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
-                "/two-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok!".to_vec(),
-                "/bad-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok".to_vec(),
-                "/gzip" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n".to_vec(),
-                "/gzip-eof" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nxx".to_vec(),
-                "/twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
-                "/same-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
-                "/garbage" => b"\x00\x01 not http\r\n\r\n".to_vec(),
-                "/many" => {
-                    let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
-                    for i in 0..150 {
-                        r.extend_from_slice(format!("x-h{i}: {i}\r\n").as_bytes());
-                    }
-                    r.extend_from_slice(b"Content-Length: 0\r\n\r\n");
-                    r
-                }
-                _ => OK.to_vec(),
-            }
-        }))
-        .await;
+        let fake = Fake::start(keep_alive(ambiguous)).await;
         let client = client();
-        for path in [
+        let paths = [
             "/cl-te",
             "/two-cl",
             "/bad-cl",
@@ -2306,8 +2349,22 @@ mod tests {
             "/gzip",
             "/gzip-eof",
             "/twice",
-        ] {
-            let e = within(client.request("api", get(&fake.url(path)), LONG))
+        ];
+        assert_refused(&client, &fake, |path| fake.url(path), &paths).await;
+        assert_plain_length(&client, &fake.url("/same-cl")).await;
+        // 128 header lines are fine.
+        assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
+    }
+
+    /// Each of `paths` is a protocol error, and no connection that carried one is reused.
+    async fn assert_refused(
+        client: &Upstream,
+        fake: &Fake,
+        url: impl Fn(&str) -> String,
+        paths: &[&str],
+    ) {
+        for path in paths {
+            let e = within(client.request("api", get(&url(path)), LONG))
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), FailKind::Protocol, "{path}: {e:?}");
@@ -2315,18 +2372,34 @@ mod tests {
         }
         assert_eq!(
             fake.accepts(),
-            8,
+            paths.len(),
             "no connection with a bad answer is reused"
         );
-        // Equal lengths, listed and repeated, are one length, and the client gets it plain.
-        let resp = within(client.request("api", get(&fake.url("/same-cl")), LONG))
-            .await
-            .unwrap();
+    }
+
+    /// Equal lengths, listed and repeated, are one length, and the client gets it plain.
+    async fn assert_plain_length(client: &Upstream, url: &str) {
+        let resp = within(client.request("api", get(url), LONG)).await.unwrap();
         let lengths: Vec<_> = resp.headers().get_all(CONTENT_LENGTH).iter().collect();
         assert_eq!(lengths, ["2"]);
         assert_eq!(text(resp).await, "ok");
-        // 128 header lines are fine.
-        assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
+    }
+
+    /// The same answers from an `https` origin that may negotiate HTTP/2 and chose
+    /// HTTP/1.1 (hyper's client reads them): hyper decoded `gzip, chunked` of its chunks
+    /// and passed on `Content-Length` beside `Transfer-Encoding`, and the client got a
+    /// body still compressed with the field that said so removed, or cut at the length
+    /// yet looking complete.
+    #[tokio::test]
+    async fn ambiguous_response_framing_is_a_protocol_error_on_hypers_client_too() {
+        let tls = tls_pair();
+        let fake = tls_answering(&tls, ambiguous).await;
+        let client = negotiating(&tls);
+        let url = |path: &str| format!("https://localhost:{}{path}", fake.addr.port());
+        let paths = ["/cl-te", "/gzip", "/gzip-eof", "/twice"];
+        assert_refused(&client, &fake, url, &paths).await;
+        assert_plain_length(&client, &url("/same-cl")).await;
+        assert_eq!(get_text(&client, &url("/ok")).await, "ok");
     }
 
     /// A 413 before the upload ended: the answer is delivered, the upload stops, and the
@@ -2578,6 +2651,35 @@ mod tests {
             }
         })
         .await
+    }
+
+    /// An HTTP/1.1-only TLS server answering each request head with `answer(head)`.
+    async fn tls_answering(tls: &Tls, answer: fn(&str) -> Vec<u8>) -> Fake {
+        let mut server = (*tls.server).clone();
+        server.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        Fake::start(move |s, _| {
+            let acceptor = acceptor.clone();
+            async move {
+                if let Ok(s) = acceptor.accept(s).await {
+                    answer_each(s, answer).await;
+                }
+            }
+        })
+        .await
+    }
+
+    /// A client trusting `tls`'s CA whose `https` requests go to hyper's client.
+    fn negotiating(tls: &Tls) -> Upstream {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(tls.ca.clone()).unwrap();
+        Upstream::new(
+            config(roots),
+            Versions::Negotiate,
+            Duration::from_secs(5),
+            LONG,
+            None,
+        )
     }
 
     #[tokio::test]
