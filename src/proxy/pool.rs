@@ -269,6 +269,7 @@ impl Upstream {
             Some(m) => req.map(|b| body::boxed(body::Uploading::new(b, m.clone()))),
             None => req,
         };
+        let upgrade = req.headers().contains_key(UPGRADE);
         // To poison the connection of an answer refused below: hyper would reuse it, though
         // an upstream framing its answers that way may have more bytes of it to come.
         let conn = capture_connection(&mut req);
@@ -284,7 +285,7 @@ impl Upstream {
                 },
             }
         };
-        if let Err(e) = admit(&mut resp) {
+        if let Err(e) = admit(upgrade, &mut resp) {
             if let Some(conn) = &*conn.connection_metadata() {
                 conn.poison();
             }
@@ -1246,13 +1247,42 @@ impl Framing {
     }
 }
 
-/// Holds an answer of hyper's client to the pool's rules: hyper passes on framing that
-/// nginx and the pool refuse. The client then gets what the pool would have given it, or
-/// the same 502.
-fn admit<B>(resp: &mut Response<B>) -> Result<(), UpstreamError> {
+/// Holds an answer of hyper's client to the pool's rules: hyper takes any 101 for an
+/// upgrade, and passes on framing that nginx and the pool refuse. The client then gets
+/// what the pool would have given it, or the same 502.
+fn admit<B>(upgrade: bool, resp: &mut Response<B>) -> Result<(), UpstreamError> {
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        return switched(upgrade, resp.headers());
+    }
     let framing = Framing::of(resp.headers());
     framing.check()?;
     framing.normalise(resp.headers_mut());
+    Ok(())
+}
+
+/// Whether a 101 may be tunnelled: only one to a request that asked for an upgrade (the
+/// handler lets only WebSocket's through), switching to WebSocket. Another 101 would
+/// reach the client as a final answer with nothing after it, or tunnel a protocol the
+/// proxy never agreed to (`h2c`) past every check it makes.
+fn switched(requested: bool, headers: &HeaderMap) -> Result<(), UpstreamError> {
+    if !requested {
+        return Err(UpstreamError::Protocol(
+            "unexpected 101 Switching Protocols",
+        ));
+    }
+    let websocket = headers
+        .get_all(UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|p| {
+            let name = p.trim_ascii().split(|b| *b == b'/').next();
+            name.is_some_and(|n| n.eq_ignore_ascii_case(b"websocket"))
+        });
+    if !websocket {
+        return Err(UpstreamError::Protocol(
+            "101 Switching Protocols to another protocol than WebSocket",
+        ));
+    }
     Ok(())
 }
 
@@ -2323,6 +2353,8 @@ mod tests {
             "/gzip-eof" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nxx".to_vec(),
             "/twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
             "/same-cl" => b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/101" => b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n".to_vec(),
+            "/h2c" => b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n".to_vec(),
             "/garbage" => b"\x00\x01 not http\r\n\r\n".to_vec(),
             "/many" => {
                 let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
@@ -2349,6 +2381,7 @@ mod tests {
             "/gzip",
             "/gzip-eof",
             "/twice",
+            "/101",
         ];
         assert_refused(&client, &fake, |path| fake.url(path), &paths).await;
         assert_plain_length(&client, &fake.url("/same-cl")).await;
@@ -2400,6 +2433,45 @@ mod tests {
         assert_refused(&client, &fake, url, &paths).await;
         assert_plain_length(&client, &url("/same-cl")).await;
         assert_eq!(get_text(&client, &url("/ok")).await, "ok");
+    }
+
+    /// A WebSocket upgrade is answered with its 101 (the handler tunnels it). A 101 to a
+    /// request that asked for none was passed on as the final answer, and the client
+    /// waited for what came after it until its idle timeout; one that switched to another
+    /// protocol was tunnelled.
+    #[tokio::test]
+    async fn only_a_websocket_upgrade_gets_its_101() {
+        let tls = tls_pair();
+        let fake = tls_answering(&tls, ambiguous).await;
+        let client = negotiating(&tls);
+        let url = format!("https://localhost:{}", fake.addr.port());
+        let e = within(client.request("api", get(&format!("{url}/101")), LONG))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FailKind::Protocol, "{e:?}");
+        assert_eq!(
+            e.describe(),
+            "invalid response: unexpected 101 Switching Protocols"
+        );
+        let upgrade = |path: &str| {
+            Request::get(format!("{url}{path}"))
+                .header(CONNECTION, "upgrade")
+                .header(UPGRADE, "websocket")
+                .body(body::empty())
+                .unwrap()
+        };
+        let resp = within(client.request("api", upgrade("/101"), LONG))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+        let e = within(client.request("api", upgrade("/h2c"), LONG))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FailKind::Protocol, "{e:?}");
+        assert_eq!(
+            e.describe(),
+            "invalid response: 101 Switching Protocols to another protocol than WebSocket"
+        );
     }
 
     /// A 413 before the upload ended: the answer is delivered, the upload stops, and the
