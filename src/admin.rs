@@ -3,17 +3,19 @@
 //! proxy drains, answering 503 on `/readyz` until exit.
 
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::time::Duration;
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
 
 use crate::proxy::body;
-use crate::proxy::listener::Listener;
+use crate::proxy::listener::{Io, Listener};
 use crate::proxy::Proxy;
 use crate::upstream::ProxyBody;
 
@@ -22,63 +24,182 @@ use crate::upstream::ProxyBody;
 /// connections (and memory, and descriptors the proxy needs) without end.
 const MAX_CONNECTIONS: usize = 64;
 
-/// Serves until the process exits, on TCP or a unix socket (`curl --unix-socket`). A
-/// connection gets `header_timeout` for each request head, the wait for the next one on a
-/// kept-alive connection included.
+/// A connection lives for `--header-timeout` (its head) and this (its answer) at most: a
+/// client that reads the answer slowly, or not at all, holds its slot no longer (nginx's
+/// `send_timeout`, for the same reason). The largest answer, `/metrics`, is tens of KiB.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves until the process exits, on TCP or a unix socket (`curl --unix-socket`).
+///
+/// One request per connection, as the kubelet's probes ask anyway (they turn keep-alive
+/// off). Prometheus would keep its connection between scrapes; it dials once per scrape
+/// interval instead, a connection every 15 s or more. A kept-alive connection holds its
+/// slot between requests: 64 clients sending a request now and then held every slot for
+/// good.
+///
+/// When all slots are taken, a new connection closes the one that has waited longest for
+/// its request head (nginx reuses its connections likewise), or, when every one has its
+/// request, the one that has been answering longest: the probe that just came in is
+/// served, not left in the kernel's accept queue.
 pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Duration) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let table = Arc::new(Table::new());
     let mut builder = hyper::server::conn::http1::Builder::new();
     // Without a timer hyper turns its header timeout off.
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        .keep_alive(false);
+    let builder = Arc::new(builder);
+    let lifetime = header_timeout + ANSWER_TIMEOUT;
     loop {
-        // Beyond the limit, new connections wait in the kernel's accept queue.
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
+        let stream = match accept(&listener).await {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: the listener stays readable, so back off instead of
+                // spinning on the thread that also runs the signals and the drain.
+                tracing::warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
         };
-        let accepted = match &listener {
-            Listener::Tcp(l) => l
-                .accept()
-                .await
-                .map(|(s, _)| spawn(s, &proxy, &builder, slot)),
-            Listener::Unix(l, _) => l
-                .accept()
-                .await
-                .map(|(s, _)| spawn(s, &proxy, &builder, slot)),
-        };
-        if let Err(e) = accepted {
-            // EMFILE and friends: the listener stays readable, so back off instead of
-            // spinning on the thread that also runs the signals and the drain.
-            tracing::warn!(error = %e, "admin accept failed");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let slot = table.claim().await;
+        let index = slot.index;
+        let proxy = proxy.clone();
+        let builder = builder.clone();
+        let task = tokio::spawn(async move {
+            let slot = &slot;
+            let service = service_fn(move |req| {
+                slot.answering();
+                let mut resp = answer(&req, &proxy);
+                // A server that keeps no connection must say so (RFC 9112 §9.6); hyper
+                // only closes it.
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                std::future::ready(Ok::<_, Infallible>(resp))
+            });
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(lifetime, connection).await;
+        });
+        table.attach(index, task.abort_handle());
+    }
+}
+
+async fn accept(listener: &Listener) -> io::Result<Box<dyn Io>> {
+    Ok(match listener {
+        Listener::Tcp(l) => Box::new(l.accept().await?.0),
+        Listener::Unix(l, _) => Box::new(l.accept().await?.0),
+    })
+}
+
+/// The open connections, one entry per slot: what it takes to choose one to close.
+struct Table {
+    slots: Mutex<[Option<Entry>; MAX_CONNECTIONS]>,
+    /// Woken when a slot is given back.
+    freed: Notify,
+}
+
+struct Entry {
+    /// When the connection was accepted, or its request head arrived.
+    since: Instant,
+    /// Its head has arrived: the answer is being made or written.
+    answering: bool,
+    /// Its task, to end it (none once told to, or before it runs).
+    task: Option<AbortHandle>,
+}
+
+/// A connection's slot, given back when the connection's task ends or is aborted.
+struct Slot {
+    table: Arc<Table>,
+    index: usize,
+}
+
+impl Table {
+    fn new() -> Self {
+        Table {
+            slots: Mutex::new(std::array::from_fn(|_| None)),
+            freed: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, [Option<Entry>; MAX_CONNECTIONS]> {
+        self.slots
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A free slot, once there is one: while all are taken, one connection is told to
+    /// close (see [`Table::evict`]).
+    async fn claim(self: &Arc<Self>) -> Slot {
+        loop {
+            // Registered before the look: a slot given back in between still wakes it.
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(index) = self.take_free() {
+                return Slot {
+                    table: self.clone(),
+                    index,
+                };
+            }
+            self.evict();
+            freed.await;
+        }
+    }
+
+    fn take_free(&self) -> Option<usize> {
+        let mut slots = self.lock();
+        let index = slots.iter().position(Option::is_none)?;
+        slots[index] = Some(Entry {
+            since: Instant::now(),
+            answering: false,
+            task: None,
+        });
+        Some(index)
+    }
+
+    fn attach(&self, index: usize, task: AbortHandle) {
+        if let Some(entry) = self.lock()[index].as_mut() {
+            entry.task = Some(task);
+        }
+    }
+
+    /// Ends the connection still waiting for its head the longest, else the one answering
+    /// the longest. One already told to end is not told again: its slot is on its way.
+    fn evict(&self) {
+        let victim = self
+            .lock()
+            .iter_mut()
+            .flatten()
+            .filter(|e| e.task.is_some())
+            .min_by_key(|e| (e.answering, e.since))
+            .and_then(|e| e.task.take());
+        if let Some(task) = victim {
+            tracing::debug!(
+                connections = MAX_CONNECTIONS,
+                "admin listener full: closing its longest-waiting connection for a new one"
+            );
+            task.abort();
         }
     }
 }
 
-fn spawn<S>(
-    stream: S,
-    proxy: &Arc<Proxy>,
-    builder: &hyper::server::conn::http1::Builder,
-    slot: OwnedSemaphorePermit,
-) where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-{
-    let proxy = proxy.clone();
-    let connection = builder.serve_connection(
-        TokioIo::new(stream),
-        service_fn(move |req| answer(req, proxy.clone())),
-    );
-    tokio::spawn(async move {
-        let _ = connection.await;
-        drop(slot);
-    });
+impl Slot {
+    fn answering(&self) {
+        if let Some(entry) = self.table.lock()[self.index].as_mut() {
+            entry.answering = true;
+            entry.since = Instant::now();
+        }
+    }
 }
 
-async fn answer(
-    req: Request<Incoming>,
-    proxy: Arc<Proxy>,
-) -> Result<Response<ProxyBody>, Infallible> {
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.table.lock()[self.index] = None;
+        self.table.freed.notify_waiters();
+    }
+}
+
+fn answer(req: &Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
     let text = |status: StatusCode, body: &'static str| {
         let mut r = Response::new(body::full(body));
         *r.status_mut() = status;
@@ -89,9 +210,9 @@ async fn answer(
         r
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return Ok(text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n"));
+        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
     }
-    Ok(match req.uri().path() {
+    match req.uri().path() {
         "/metrics" => {
             // Read at scrape time: set after each change, two concurrent changes could
             // leave the count of the one that read the store first.
@@ -107,5 +228,64 @@ async fn answer(
         "/readyz" if proxy.ready() => text(StatusCode::OK, "ready\n"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
-    })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::task::JoinHandle;
+
+    /// Takes every slot of `table` for connections that never end on their own, the
+    /// `i`th one answering when `answering(i)`.
+    async fn fill(table: &Arc<Table>, answering: impl Fn(usize) -> bool) -> Vec<JoinHandle<()>> {
+        let mut tasks = Vec::new();
+        for i in 0..MAX_CONNECTIONS {
+            let slot = table.claim().await;
+            if answering(i) {
+                slot.answering();
+            }
+            let index = slot.index;
+            let task = tokio::spawn(async move {
+                let _held = slot;
+                std::future::pending::<()>().await
+            });
+            table.attach(index, task.abort_handle());
+            tasks.push(task);
+        }
+        tasks
+    }
+
+    /// A new connection on the full `table` gets the slot of the connection at `index`,
+    /// which is closed, and of no other.
+    async fn one_more_closes(table: &Arc<Table>, mut tasks: Vec<JoinHandle<()>>, index: usize) {
+        let slot = tokio::time::timeout(Duration::from_secs(10), table.claim())
+            .await
+            .expect("a slot for a new connection");
+        assert_eq!(slot.index, index);
+        let closed = tasks.swap_remove(index).await;
+        assert!(
+            closed.as_ref().is_err_and(|e| e.is_cancelled()),
+            "{closed:?}"
+        );
+        assert!(
+            tasks.iter().all(|t| !t.is_finished()),
+            "one closed, no more"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_new_connection_beyond_the_limit_closes_the_one_waiting_longest_for_its_head() {
+        let table = Arc::new(Table::new());
+        // The first (oldest) is answering: it is not the one to go.
+        let tasks = fill(&table, |i| i % 2 == 0).await;
+        one_more_closes(&table, tasks, 1).await;
+    }
+
+    #[tokio::test]
+    async fn a_connection_being_answered_is_closed_only_when_every_one_is() {
+        let table = Arc::new(Table::new());
+        let tasks = fill(&table, |_| true).await;
+        one_more_closes(&table, tasks, 0).await;
+    }
 }

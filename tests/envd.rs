@@ -366,20 +366,14 @@ async fn text(resp: Response<Incoming>) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// Scrapes `/metrics` on one admin connection until `series` equals `want`. Each round is
-/// a full request to the proxy: the wait is on the proxy's state, bounded by [`GUARD`].
+/// Scrapes `/metrics` until `series` equals `want`. Each round is a full request to the
+/// proxy (the admin listener answers one per connection): the wait is on the proxy's
+/// state, bounded by [`GUARD`].
 async fn wait_for_metric(admin: SocketAddr, series: &str, want: f64) {
-    let mut client = connect(admin).await;
     let mut last = None;
     let reached = tokio::time::timeout(GUARD, async {
         loop {
-            client.ready().await.expect("admin connection");
-            let resp = client
-                .send_request(request("GET", admin, "/metrics").body(empty()).unwrap())
-                .await
-                .expect("GET /metrics");
-            let body = collect(resp.into_body()).await;
-            last = metric(&String::from_utf8_lossy(&body), series);
+            last = metric(&scrape(admin).await, series);
             if last == Some(want) {
                 return;
             }

@@ -677,18 +677,25 @@ async fn the_open_file_limit_is_raised_for_max_connections() {
     );
 }
 
+/// A proxy started with `args`, for tests of its admin listener alone; the upstream and
+/// the PKI are returned to live as long as it.
+async fn admin_proxy(args: &[&str]) -> (ProxyProc, Upstream, Pki) {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(args)
+        .spawn()
+        .await;
+    (proxy, upstream, pki)
+}
+
 /// The admin listener, bound beyond loopback in the shipped deployments, holds no
 /// connection that sends nothing (or half a head) past `--header-timeout`, and still
 /// answers scrapes meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_cuts_connections_that_send_no_request() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let pki = Pki::new();
-    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--header-timeout", "1s"])
-        .spawn()
-        .await;
+    let (proxy, _upstream, _pki) = admin_proxy(&["--header-timeout", "1s"]).await;
     let admin = proxy.admin_addr();
     let mut silent = tokio::net::TcpStream::connect(admin)
         .await
@@ -711,6 +718,111 @@ async fn the_admin_listener_cuts_connections_that_send_no_request() {
             "{what}: {text}"
         );
     }
+    proxy.finish().await;
+}
+
+/// The admin listener's connection limit.
+const ADMIN_CONNECTIONS: usize = 64;
+
+/// A probe's wait for its answer: the kubelet's is 1 s; this is only the bound that makes
+/// a listener that does not answer fail the test instead of hanging it.
+const PROBE_GUARD: Duration = Duration::from_secs(10);
+
+/// `GET /healthz` on a fresh connection, bounded by [`PROBE_GUARD`].
+async fn probe(admin: SocketAddr) -> u16 {
+    match tokio::time::timeout(PROBE_GUARD, get(admin, "/healthz")).await {
+        Ok((status, _)) => status,
+        Err(_) => panic!("no answer to a fresh GET /healthz within {PROBE_GUARD:?}"),
+    }
+}
+
+/// 64 clients (the admin listener's limit) that each keep a connection and send
+/// `GET /healthz` on it again and again, as an attacker in the cluster could, do not lock
+/// the listener: a probe on a fresh connection is answered while they go on. (They used
+/// to hold every slot, and the probe waited in the accept queue; in a pod the kubelet
+/// restarted the sidecar.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_is_answered_while_64_clients_keep_using_their_admin_connections() {
+    let (proxy, _upstream, _pki) = admin_proxy(&[]).await;
+    let admin = proxy.admin_addr();
+    let (stop, stopped) = watch::channel(false);
+    let (holders, first_answers): (Vec<_>, Vec<_>) = (0..ADMIN_CONNECTIONS)
+        .map(|_| {
+            let stopped = stopped.clone();
+            let (answered, first_answer) = oneshot::channel();
+            let mut answered = Some(answered);
+            let holder = tokio::spawn(async move {
+                // A connection the listener closes is replaced: the holder wants one.
+                while !*stopped.borrow() {
+                    let mut client = connect(admin).await;
+                    while !*stopped.borrow() && client.ready().await.is_ok() {
+                        let req = request("GET", admin, "/healthz").body(empty());
+                        let Ok(resp) = client.send_request(req.expect("request")).await else {
+                            break;
+                        };
+                        if resp.into_body().collect().await.is_err() {
+                            break;
+                        }
+                        if let Some(answered) = answered.take() {
+                            let _ = answered.send(());
+                        }
+                    }
+                }
+            });
+            (holder, first_answer)
+        })
+        .unzip();
+    // Each holder has had an answer: all 64 have (or had) a connection of their own.
+    for first in first_answers {
+        let answered = within("a holder's first answer", first).await;
+        assert!(answered.is_ok(), "a holder ended");
+    }
+    let status = tokio::spawn(probe(admin)).await;
+    stop.send_replace(true);
+    for h in holders {
+        within("a holder to stop", h).await.expect("holder");
+    }
+    assert_eq!(status.expect("probe"), 200);
+    proxy.finish().await;
+}
+
+/// When its 64 connections are all taken, a new one makes the admin listener close the
+/// connection that has waited longest for a request head (as nginx reuses its
+/// connections), instead of waiting in the accept queue until one of them times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_admin_listener_closes_its_longest_silent_connection_for_a_probe() {
+    let (proxy, _upstream, _pki) = admin_proxy(&["--header-timeout", "300s"]).await;
+    let admin = proxy.admin_addr();
+    let mut silent = Vec::new();
+    for _ in 0..ADMIN_CONNECTIONS {
+        let s = within("connect", tokio::net::TcpStream::connect(admin)).await;
+        silent.push(s.expect("connect"));
+    }
+    assert_eq!(probe(admin).await, 200);
+    // The first accepted has waited longest.
+    expect_closed(&mut silent[0], &[]).await;
+    proxy.finish().await;
+}
+
+/// 64 connections that each send a run of pipelined `GET /metrics` and never read the
+/// answers do not keep a probe out: the admin listener answers one request per connection
+/// and closes it. (Kept alive, they held every slot for about twice `--header-timeout`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_scrapes_nobody_reads_do_not_keep_a_probe_out() {
+    use tokio::io::AsyncWriteExt;
+    let (proxy, _upstream, _pki) = admin_proxy(&[]).await;
+    let admin = proxy.admin_addr();
+    let scrapes = format!("GET /metrics HTTP/1.1\r\nHost: {admin}\r\n\r\n").repeat(100);
+    let mut unread = Vec::new();
+    for _ in 0..ADMIN_CONNECTIONS {
+        let s = within("connect", tokio::net::TcpStream::connect(admin)).await;
+        let mut s = s.expect("connect");
+        let written = within("pipelined scrapes", s.write_all(scrapes.as_bytes())).await;
+        written.expect("pipelined scrapes");
+        unread.push(s);
+    }
+    assert_eq!(probe(admin).await, 200);
+    drop(unread);
     proxy.finish().await;
 }
 

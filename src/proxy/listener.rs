@@ -532,7 +532,7 @@ const H2_MAX_STREAMS: u32 = 100;
 /// Answer bytes buffered per HTTP/2 stream for a client that does not read them.
 const H2_SEND_BUF: usize = 64 * 1024;
 
-trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+pub(crate) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
 
 async fn accept(listener: &Listener) -> io::Result<Sock> {
