@@ -51,9 +51,11 @@ pub fn stderr_line(text: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{text}");
 }
 
+/// `level` is `--log-level`; blank, it is not given (as a blank `RUST_LOG` is unset).
 pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let mut refused = None;
     let filter = level
+        .filter(|l| !l.trim().is_empty())
         .and_then(|l| EnvFilter::try_new(l).ok())
         .or_else(|| rust_log(&mut refused))
         .unwrap_or_else(|| EnvFilter::new(default));

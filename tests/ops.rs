@@ -1099,6 +1099,36 @@ async fn rust_log_applies_when_log_level_is_not_given() {
     }
 }
 
+/// A blank `--log-level` is skipped like any blank flag (SPEC §2): the default level
+/// applies, or `RUST_LOG`. (`--log-level ""` was an empty filter that let almost nothing
+/// through, the listening line and the access lines included; `" "` was refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blank_log_level_is_skipped_like_any_blank_flag() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    for blank in ["", " "] {
+        for rust_log in [None, Some("debug")] {
+            let case = format!("--log-level {blank:?}, RUST_LOG {rust_log:?}");
+            // Waits for the listening line.
+            let proxy = ProxyCmd::new(&upstream.url(), &pki)
+                .log_level(blank)
+                .env("RUST_LOG", rust_log)
+                .spawn()
+                .await;
+            assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+            let stderr = proxy.finish().await;
+            let listening = stderr.lines().find(|l| l.contains("abx-proxy listening"));
+            assert!(
+                listening.is_some_and(|l| l.contains(" INFO ")),
+                "{case}:\n{stderr}"
+            );
+            assert!(stderr.contains("path=/sandboxes"), "{case}:\n{stderr}");
+            let debug = stderr.contains(" DEBUG ");
+            assert_eq!(debug, rust_log.is_some(), "{case}:\n{stderr}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     // The upstream's certificate is from a CA the proxy was not given.
