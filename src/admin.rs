@@ -210,7 +210,11 @@ fn answer(req: &Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
         r
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
+        // A 405 must name the methods that would do (RFC 9110 §15.5.6).
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
     match req.uri().path() {
         "/metrics" => {

@@ -736,6 +736,32 @@ async fn probe(admin: SocketAddr) -> u16 {
     }
 }
 
+/// The admin listener serves `GET` and `HEAD` on three paths: another method is 405
+/// naming the two in `Allow` (RFC 9110 §15.5.6 requires it), another path 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_refuses_other_methods_with_allow_and_other_paths_with_404() {
+    let (proxy, _upstream, _pki) = admin_proxy(&[]).await;
+    let admin = proxy.admin_addr();
+    for method in ["POST", "OPTIONS", "DELETE"] {
+        let req = request(method, admin, "/metrics").body(empty());
+        let resp = send(admin, req.expect("request")).await;
+        assert_eq!(resp.status(), 405, "{method}");
+        let allow = resp
+            .headers()
+            .get("allow")
+            .map(|v| v.to_str().expect("text"));
+        let methods: Vec<&str> = allow
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .collect();
+        assert_eq!(methods, ["GET", "HEAD"], "{method}: Allow {allow:?}");
+    }
+    assert_eq!(get(admin, "/nope").await.0, 404);
+    assert_eq!(get(admin, "/metrics/").await.0, 404);
+    proxy.finish().await;
+}
+
 /// 64 clients (the admin listener's limit) that each keep a connection and send
 /// `GET /healthz` on it again and again, as an attacker in the cluster could, do not lock
 /// the listener: a probe on a fresh connection is answered while they go on. (They used
