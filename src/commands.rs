@@ -6,6 +6,7 @@ use std::io::Write;
 use crate::cli::{CheckArgs, SettingsArgs};
 use crate::error::{Error, EXIT_USAGE};
 use crate::providers;
+use crate::providers::manifest::printable;
 use crate::settings::{Inputs, Resolved, Source, KEYS};
 
 /// Resolves the chain for these flags and prints the warnings (every command that resolves
@@ -250,7 +251,7 @@ pub fn provider_list() -> Result<i32, Error> {
                 "{:18} {:10} {}",
                 p.manifest.id,
                 "installed",
-                p.manifest.description.as_deref().unwrap_or("")
+                printable(p.manifest.description.as_deref().unwrap_or(""))
             ),
             Err(e) => eprintln!("warning: {}", e.line()),
         }
@@ -283,38 +284,47 @@ pub fn provider_info(id: &str) -> Result<i32, Error> {
 }
 
 fn print_provider(p: &providers::Installed) {
+    for line in provider_lines(p) {
+        outln!("{line}");
+    }
+}
+
+/// What `provider install` and `provider info` show, the user's basis for consent. Every
+/// manifest string goes through [`printable`]: one a terminal acts on could hide the lines
+/// after it, the inherit list among them.
+fn provider_lines(p: &providers::Installed) -> Vec<String> {
     let m = &p.manifest;
-    outln!("id: {}", m.id);
+    let mut lines = vec![format!("id: {}", printable(&m.id))];
     if let Some(d) = &m.description {
-        outln!("description: {d}");
+        lines.push(format!("description: {}", printable(d)));
     }
-    outln!("base_url: {}", m.base_url);
-    match &m.auth {
-        providers::AuthKind::Bearer => outln!("auth: Authorization: Bearer <key>"),
-        providers::AuthKind::Header(h) => outln!("auth: {h}: <key>"),
-    }
-    match &m.envd_domain {
-        Some(d) => outln!("envd: https://{{port}}-{{sandboxId}}.{d}"),
-        None => outln!("envd: none"),
-    }
-    outln!("fields:");
+    lines.push(format!("base_url: {}", printable(&m.base_url)));
+    lines.push(match &m.auth {
+        providers::AuthKind::Bearer => "auth: Authorization: Bearer <key>".to_string(),
+        providers::AuthKind::Header(h) => format!("auth: {}: <key>", printable(h)),
+    });
+    lines.push(match &m.envd_domain {
+        Some(d) => format!("envd: https://{{port}}-{{sandboxId}}.{}", printable(d)),
+        None => "envd: none".to_string(),
+    });
+    lines.push("fields:".to_string());
     for f in m.fields.values() {
         let mut envs = vec![m.canonical_env(&f.name)];
         envs.extend(f.aliases.iter().cloned());
-        outln!(
+        lines.push(format!(
             "  {:14} {}{}",
-            f.name,
-            envs.join(", "),
+            printable(&f.name),
+            printable(&envs.join(", ")),
             if f.secret {
                 "  (secret: environment or .env only)"
             } else {
                 ""
             }
-        );
+        ));
     }
-    outln!("Inherits:");
+    lines.push("Inherits:".to_string());
     if m.inherit.is_empty() {
-        outln!("  (none)");
+        lines.push("  (none)".to_string());
     }
     for key in &m.inherit {
         let state = if p.consented.contains(key) {
@@ -322,8 +332,9 @@ fn print_provider(p: &providers::Installed) {
         } else {
             "NOT consented: reinstall with --consent to allow"
         };
-        outln!("  {key} ({state})");
+        lines.push(format!("  {} ({state})", printable(key)));
     }
+    lines
 }
 
 pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Error> {
@@ -342,4 +353,43 @@ pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Er
         );
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_provider_printout_escapes_what_a_terminal_would_act_on() {
+        // As an older build may have installed it: the parser now refuses these strings.
+        let mut manifest = providers::Manifest::parse(
+            "manifest_version = 1\n[provider]\nid = \"p\"\n[endpoint]\nbase_url = \"http://h\"\nauth.scheme = \"bearer\"\n[config.fields.api_key]\nsecret = true\n[core]\ninherit = [\"sandbox_api_key\"]\n",
+            "m.toml",
+        )
+        .unwrap();
+        manifest.description = Some("P\u{1b}[8m".into());
+        manifest.base_url = "http://h/\u{85}\n".into();
+        let p = providers::Installed {
+            manifest,
+            dir: std::path::PathBuf::from("d"),
+            consented: Vec::new(),
+        };
+        let lines = provider_lines(&p);
+        assert!(
+            !lines.iter().any(|l| l.chars().any(char::is_control)),
+            "{lines:?}"
+        );
+        assert!(
+            lines.contains(&"description: P\\u{1b}[8m".to_string()),
+            "{lines:?}"
+        );
+        assert!(
+            lines.contains(&"base_url: http://h/\\u{85}\\u{a}".to_string()),
+            "{lines:?}"
+        );
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some("  sandbox_api_key (NOT consented: reinstall with --consent to allow)")
+        );
+    }
 }

@@ -232,6 +232,39 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
     assert!(seen[0].header("authorization").is_none());
 }
 
+/// `provider install` prints the manifest for the user to consent on. A description ending
+/// in SGR conceal (`ESC [8m`) would hide the inherit list and the consent note after it on
+/// xterm and VTE terminals: such a manifest is refused, with or without `--consent`, and
+/// nothing of it reaches the terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_that_would_hide_its_inherit_list_from_the_terminal_is_refused() {
+    let home = tempfile::tempdir().expect("home");
+    let (_dir, manifest) = manifest_file(&INHERITING.replace(
+        "id = \"borrower\"\n",
+        "id = \"borrower\"\ndescription = \"Borrower\\u001b[8m\"\n",
+    ));
+    for consent in [false, true] {
+        let mut args = vec!["provider", "install", &manifest];
+        if consent {
+            args.push("--consent");
+        }
+        let out = abx(home.path(), &[], &args).await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(78), "{all}");
+        assert!(
+            all.contains(&format!(
+                "[E8001] invalid provider manifest {manifest}:4: provider.description: control characters are not accepted"
+            )),
+            "{all}"
+        );
+        assert!(!all.contains('\u{1b}'), "{all:?}");
+        assert!(
+            !home.path().join(".abx/providers/borrower").exists(),
+            "a refused manifest was installed"
+        );
+    }
+}
+
 /// A provider id names a directory under `providers/`, never a path: a checkout's ./.env
 /// must not be able to load a manifest (and a receipt of consent to the built-in key) kept
 /// in the checkout itself. A manifest moved to another id's directory is refused too.

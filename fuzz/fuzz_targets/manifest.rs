@@ -2,7 +2,8 @@
 //!
 //! Invariants: no panic; every error is an E8001 naming the file and a line within the text;
 //! an accepted manifest satisfies every rule the parser promises (valid id, no reserved env
-//! alias, only inheritable core keys, no secret default, a valid auth header name).
+//! alias, only inheritable core keys, no secret default, a valid auth header name, no control
+//! character in a string `provider install` prints).
 #![no_main]
 
 use abx_proxy::providers::manifest::INHERITABLE;
@@ -43,6 +44,9 @@ fuzz_target!(|data: &[u8]| {
                 m.id
             );
             assert_ne!(m.id, "alicloud-express");
+            for s in m.description.iter().chain([&m.base_url]) {
+                assert!(!s.chars().any(char::is_control), "{s:?}");
+            }
             if let AuthKind::Header(h) = &m.auth {
                 assert!(http::HeaderName::from_bytes(h.as_bytes()).is_ok(), "{h:?}");
             }

@@ -1,6 +1,7 @@
 //! Plugin provider manifests (`abx-provider.toml`): the subset SPEC §3 reads, checked
 //! strictly. Every problem is an E8001 naming the file and the line.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -76,6 +77,22 @@ impl Manifest {
                 .unwrap_or(0),
             reason: "invalid TOML".into(),
         })?;
+        // `provider install` prints the manifest for the user to consent on: an escape
+        // sequence in a string (`\u001b[8m` conceals the rest of the screen) would hide
+        // the inherit list being consented to, a newline would forge lines of its own.
+        if let Some(key) = control_character(&table) {
+            return Err(Error::Manifest {
+                path: path.to_string(),
+                // A key spelled with escapes is not in the text as is: its table's line.
+                line: key
+                    .iter()
+                    .rev()
+                    .map(|k| key_line(text, k))
+                    .find(|l| *l != 0)
+                    .unwrap_or(0),
+                reason: format!("{}: control characters are not accepted", key.join(".")),
+            });
+        }
 
         match table.get("manifest_version") {
             Some(toml::Value::Integer(MANIFEST_VERSION)) => {}
@@ -336,6 +353,52 @@ fn string(t: &toml::Table, key: &str) -> Option<String> {
     t.get(key).and_then(toml::Value::as_str).map(str::to_string)
 }
 
+/// The key (its segments, made printable) of the first key or string holding a control
+/// character: C0, DEL or C1.
+fn control_character(table: &toml::Table) -> Option<Vec<String>> {
+    table.iter().find_map(|(key, value)| {
+        let inner = if key.chars().any(char::is_control) {
+            Some(Vec::new())
+        } else {
+            value_control_character(value)
+        };
+        inner.map(|mut inner| {
+            inner.insert(0, printable(key).into_owned());
+            inner
+        })
+    })
+}
+
+fn value_control_character(value: &toml::Value) -> Option<Vec<String>> {
+    match value {
+        toml::Value::String(s) => s.chars().any(char::is_control).then(Vec::new),
+        toml::Value::Array(a) => a.iter().find_map(value_control_character),
+        toml::Value::Table(t) => control_character(t),
+        _ => None,
+    }
+}
+
+/// `s` with what a terminal would act on rather than show written as `\u{..}`: control
+/// characters, and the bidirectional overrides and isolates that reorder a line. Manifest
+/// strings are printed for the user to decide on; the parser refuses control characters,
+/// and this keeps one that got through (a manifest installed by an older build) inert.
+pub fn printable(s: &str) -> Cow<'_, str> {
+    let hidden =
+        |c: char| c.is_control() || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}');
+    if !s.chars().any(hidden) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if hidden(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
 pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
@@ -354,6 +417,19 @@ fn line_of(text: &str, needle: &str) -> usize {
     text.lines()
         .position(|l| l.contains(needle))
         .map_or(0, |i| i + 1)
+}
+
+/// The line of the first `key = ` (also dotted, `auth.key = `, or quoted); failing that,
+/// of the first mention of `key`.
+fn key_line(text: &str, key: &str) -> usize {
+    text.lines()
+        .position(|l| {
+            l.split_once('=').is_some_and(|(k, _)| {
+                let k = k.trim().trim_matches(['"', '\'']);
+                !key.is_empty() && k.ends_with(key)
+            })
+        })
+        .map_or_else(|| line_of(text, key), |i| i + 1)
 }
 
 #[cfg(test)]
@@ -376,6 +452,19 @@ env = ["OPEN_SANDBOX_DOMAIN"]
 inherit = ["sandbox_api_key"]
 "#;
 
+    /// `text` refused as an E8001 naming the file: the line and the reason.
+    fn refused(text: &str) -> (usize, String) {
+        let e = Manifest::parse(text, "m.toml").expect_err("refused");
+        assert_eq!(e.code(), "E8001", "{e}");
+        match e {
+            Error::Manifest { path, line, reason } => {
+                assert_eq!(path, "m.toml");
+                (line, reason)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn reads_the_spec_example() {
         let m = Manifest::parse(OPEN, "m.toml").unwrap();
@@ -385,6 +474,73 @@ inherit = ["sandbox_api_key"]
         assert_eq!(m.fields["base_url"].aliases, vec!["OPEN_SANDBOX_DOMAIN"]);
         assert_eq!(m.inherit, vec!["sandbox_api_key"]);
         assert_eq!(m.canonical_env("api_key"), "ABX_OPENSANDBOX_API_KEY");
+    }
+
+    #[test]
+    fn refuses_control_characters_in_every_string_naming_the_key() {
+        let cases = [
+            // SGR conceal: the terminal hides what follows, the inherit list included.
+            (
+                OPEN.replace(
+                    "id = \"opensandbox\"\n",
+                    "id = \"opensandbox\"\ndescription = \"OpenSandbox\\u001b[8m\"\n",
+                ),
+                4,
+                "provider.description",
+            ),
+            (
+                OPEN.replace("localhost:8080", "localhost:8080/\\u0007"),
+                5,
+                "endpoint.base_url",
+            ),
+            // C1 (NEL) and DEL.
+            (
+                OPEN.replace("localhost:8080", "localhost:8080/\\u0085"),
+                5,
+                "endpoint.base_url",
+            ),
+            (
+                OPEN.replace(
+                    "secret = true\n",
+                    "secret = true\ndescription = \"k\\u007f\"\n",
+                ),
+                10,
+                "config.fields.api_key.description",
+            ),
+            // A newline forges a line of its own.
+            (
+                OPEN.replace(
+                    "[config.fields.base_url]\n",
+                    "[config.fields.base_url]\ndefault = \"\"\"h\nInherits: (none)\"\"\"\n",
+                ),
+                12,
+                "config.fields.base_url.default",
+            ),
+            (
+                OPEN.replace("[core]", "[core]\n\"a\\tb\" = 1"),
+                13,
+                "core.a\\u{9}b",
+            ),
+        ];
+        for (text, line, what) in cases {
+            let (l, reason) = refused(&text);
+            assert_eq!(
+                reason,
+                format!("{what}: control characters are not accepted")
+            );
+            assert_eq!(l, line, "{reason}");
+            assert!(!reason.chars().any(char::is_control), "{reason:?}");
+        }
+    }
+
+    #[test]
+    fn printable_escapes_what_a_terminal_would_act_on() {
+        assert_eq!(printable("OpenSandbox server"), "OpenSandbox server");
+        assert!(matches!(printable("Sandbox (日本)"), Cow::Borrowed(_)));
+        assert_eq!(
+            printable("a\u{1b}[8mb\nc\u{7f}\u{85}\u{202e}d"),
+            "a\\u{1b}[8mb\\u{a}c\\u{7f}\\u{85}\\u{202e}d"
+        );
     }
 
     #[test]
@@ -472,22 +628,9 @@ inherit = ["sandbox_api_key"]
             ),
         ];
         for (text, line, what) in cases {
-            let e = Manifest::parse(&text, "m.toml").unwrap_err();
-            let Error::Manifest {
-                path,
-                line: l,
-                reason,
-            } = &e
-            else {
-                panic!("{e:?}")
-            };
-            assert_eq!(path, "m.toml");
-            assert!(
-                reason.contains(what) || e.to_string().contains(what),
-                "{what}: {e}"
-            );
-            assert_eq!(*l, line, "{what}: {e}");
-            assert_eq!(e.code(), "E8001");
+            let (l, reason) = refused(&text);
+            assert!(reason.contains(what), "{what}: {reason}");
+            assert_eq!(l, line, "{what}: {reason}");
         }
     }
 }
