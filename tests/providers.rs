@@ -265,6 +265,35 @@ async fn a_manifest_that_would_hide_its_inherit_list_from_the_terminal_is_refuse
     }
 }
 
+/// A manifest without `[config.fields.api_key]` has no variable read as its key, and its
+/// consented inherit nothing to stand in for: it used to install, "(consented)" and all,
+/// and then never start. It is refused at install.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_without_an_api_key_field_is_not_installed_even_with_consent() {
+    let home = tempfile::tempdir().expect("home");
+    let without = INHERITING.replace("[config.fields.api_key]\nsecret = true\n", "");
+    let (_dir, manifest) = manifest_file(&without);
+    let out = abx(
+        home.path(),
+        &[],
+        &["provider", "install", &manifest, "--consent"],
+    )
+    .await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(78), "{all}");
+    assert!(
+        all.contains(&format!(
+            "[E8001] invalid provider manifest {manifest}:8: missing [config.fields.api_key]"
+        )),
+        "{all}"
+    );
+    assert!(!all.contains("consented"), "{all}");
+    assert!(
+        !home.path().join(".abx/providers/borrower").exists(),
+        "a refused manifest was installed"
+    );
+}
+
 /// A provider id names a directory under `providers/`, never a path: a checkout's ./.env
 /// must not be able to load a manifest (and a receipt of consent to the built-in key) kept
 /// in the checkout itself. A manifest moved to another id's directory is refused too.

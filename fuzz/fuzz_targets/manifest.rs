@@ -3,7 +3,7 @@
 //! Invariants: no panic; every error is an E8001 naming the file and a line within the text;
 //! an accepted manifest satisfies every rule the parser promises (valid id, no reserved env
 //! alias, only inheritable core keys, no secret default, a valid auth header name, no control
-//! character in a string `provider install` prints).
+//! character in a string `provider install` prints, a secret `api_key` field).
 #![no_main]
 
 use abx_proxy::providers::manifest::INHERITABLE;
@@ -73,6 +73,7 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             assert!(!m.fields.get("base_url").is_some_and(|f| f.secret));
+            assert!(m.fields.get("api_key").is_some_and(|f| f.secret));
         }
     }
 });

@@ -287,11 +287,22 @@ impl Manifest {
         }
         // The key the proxy attaches: as a plain field it would be printed by `config`,
         // read from config.toml and taken from the command line, where `ps` shows it.
-        if fields.get("api_key").is_some_and(|f| !f.secret) {
-            return Err(err(
-                "[config.fields.api_key]",
-                "field api_key holds the provider's key and must be `secret = true`".into(),
-            ));
+        match fields.get("api_key") {
+            Some(f) if !f.secret => {
+                return Err(err(
+                    "[config.fields.api_key]",
+                    "field api_key holds the provider's key and must be `secret = true`".into(),
+                ))
+            }
+            Some(_) => {}
+            // Without it nothing is read as the key (nor the inherited one, which stands in
+            // for it): the provider would install, consent included, and never start.
+            None => {
+                return Err(err(
+                    if text.contains("[config") { "[config" } else { "" },
+                    "missing [config.fields.api_key] (`secret = true`): the provider's key, which the proxy attaches to every request".into(),
+                ))
+            }
         }
 
         let mut inherit = Vec::new();
@@ -530,6 +541,38 @@ inherit = ["sandbox_api_key"]
             );
             assert_eq!(l, line, "{reason}");
             assert!(!reason.chars().any(char::is_control), "{reason:?}");
+        }
+    }
+
+    /// Without an `api_key` field no variable is read as the key and the consented inherit
+    /// has nothing to stand in for: such a provider would install and never start.
+    #[test]
+    fn a_provider_without_an_api_key_field_is_refused() {
+        let without = OPEN.replace(
+            "[config.fields.api_key]\nsecret = true\nenv = [\"OPEN_SANDBOX_API_KEY\"]\n",
+            "",
+        );
+        let (line, reason) = refused(&without);
+        assert_eq!(line, 8, "{reason}");
+        assert!(
+            reason.starts_with("missing [config.fields.api_key] (`secret = true`)"),
+            "{reason}"
+        );
+        // No [config] at all: the first line.
+        let bare = "manifest_version = 1\n[provider]\nid = \"p\"\n[endpoint]\nbase_url = \"http://h\"\nauth.scheme = \"bearer\"\n";
+        let (line, reason) = refused(bare);
+        assert_eq!(line, 1, "{reason}");
+        assert!(
+            reason.starts_with("missing [config.fields.api_key]"),
+            "{reason}"
+        );
+        // The shipped manifests have one.
+        for shipped in [
+            include_str!("../../deploy/providers/opensandbox/abx-provider.toml"),
+            include_str!("../../deploy/providers/e2b/abx-provider.toml"),
+        ] {
+            let m = Manifest::parse(shipped, "abx-provider.toml").unwrap();
+            assert!(m.fields["api_key"].secret, "{}", m.id);
         }
     }
 
