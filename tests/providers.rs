@@ -492,6 +492,11 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
             good.replace("secret = true", "secret = true\ndefault = \"k\""),
             "[config.fields.api_key]",
         ),
+        // The key as `Host` chose the upstream's virtual host.
+        (
+            good.replace("\"OPEN-SANDBOX-API-KEY\"", "\"Host\""),
+            "auth.header",
+        ),
         // User info would move envd's connections to another host.
         (
             good.replace(

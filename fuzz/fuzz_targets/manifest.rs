@@ -2,8 +2,9 @@
 //!
 //! Invariants: no panic; every error is an E8001 naming the file and a line within the text;
 //! an accepted manifest satisfies every rule the parser promises (valid id, no reserved env
-//! alias, only inheritable core keys, no secret default, a valid auth header name, no control
-//! character in a string `provider install` prints, a secret `api_key` field).
+//! alias, only inheritable core keys, no secret default, a valid auth header name the key
+//! may be sent as, no control character in a string `provider install` prints, a secret
+//! `api_key` field).
 #![no_main]
 
 use abx_proxy::providers::manifest::INHERITABLE;
@@ -48,7 +49,11 @@ fuzz_target!(|data: &[u8]| {
                 assert!(!s.chars().any(char::is_control), "{s:?}");
             }
             if let AuthKind::Header(h) = &m.auth {
-                assert!(http::HeaderName::from_bytes(h.as_bytes()).is_ok(), "{h:?}");
+                let name = http::HeaderName::from_bytes(h.as_bytes());
+                assert!(
+                    name.is_ok_and(|n| abx_proxy::providers::manifest::auth_header_allowed(&n)),
+                    "{h:?}"
+                );
             }
             for key in &m.inherit {
                 assert!(INHERITABLE.contains(&key.as_str()), "{key:?}");

@@ -154,10 +154,18 @@ impl Manifest {
                         "auth.scheme = \"header\" needs auth.header".into(),
                     )
                 })?;
-                if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                let Ok(name) = http::HeaderName::from_bytes(header.as_bytes()) else {
                     return Err(err(
                         "auth.header",
                         format!("auth.header {header:?} is not a valid header name"),
+                    ));
+                };
+                if !auth_header_allowed(&name) {
+                    return Err(err(
+                        "auth.header",
+                        format!(
+                            "auth.header {header:?}: the key cannot be sent as a header that frames or routes the request (host, content-length, transfer-encoding, connection, proxy-*, …) or that the proxy sets for envd"
+                        ),
                     ));
                 }
                 AuthKind::Header(header)
@@ -343,6 +351,32 @@ impl Manifest {
             inherit,
         })
     }
+}
+
+/// Whether the key may be sent as `name`. Not as a field that frames the message (the key
+/// as `Content-Length` or `Transfer-Encoding` would desync the connection), routes it (as
+/// `Host` it picked the upstream's virtual host and left the real one out), is hop-by-hop
+/// (stripped, or read by the next hop rather than the provider), or carries envd's token
+/// and routing, which the proxy sets itself. `Cookie` holds `name=value` pairs, never a
+/// bare key, and replacing it would drop the client's cookies.
+pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
+    const REFUSED: &[&str] = &[
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "cookie",
+        "x-access-token",
+        "e2b-sandbox-id",
+        "e2b-sandbox-port",
+    ];
+    let name = name.as_str();
+    !REFUSED.contains(&name) && !name.starts_with("proxy-")
 }
 
 fn canonical_env(id: &str, field: &str) -> String {
@@ -573,6 +607,46 @@ inherit = ["sandbox_api_key"]
         ] {
             let m = Manifest::parse(shipped, "abx-provider.toml").unwrap();
             assert!(m.fields["api_key"].secret, "{}", m.id);
+        }
+    }
+
+    #[test]
+    fn the_key_is_never_sent_as_a_header_that_frames_or_routes_the_request() {
+        for refused_name in [
+            "Host",
+            "content-length",
+            "Transfer-Encoding",
+            "connection",
+            "TE",
+            "upgrade",
+            "keep-alive",
+            "proxy-authorization",
+            "Proxy-Connection",
+            "proxy-anything",
+            "trailer",
+            "expect",
+            "cookie",
+            "X-Access-Token",
+            "e2b-sandbox-id",
+            "E2B-Sandbox-Port",
+        ] {
+            let text = OPEN.replace("OPEN-SANDBOX-API-KEY", refused_name);
+            let (line, reason) = refused(&text);
+            assert_eq!(line, 7, "{refused_name}: {reason}");
+            assert!(
+                reason.starts_with(&format!("auth.header {refused_name:?}: the key cannot")),
+                "{reason}"
+            );
+        }
+        for allowed in [
+            "X-API-Key",
+            "authorization",
+            "open-sandbox-api-key",
+            "x-borrower-key",
+        ] {
+            let text = OPEN.replace("OPEN-SANDBOX-API-KEY", allowed);
+            let m = Manifest::parse(&text, "m.toml").unwrap();
+            assert_eq!(m.auth, AuthKind::Header(allowed.into()));
         }
     }
 
