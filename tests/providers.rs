@@ -492,6 +492,24 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
             good.replace("secret = true", "secret = true\ndefault = \"k\""),
             "[config.fields.api_key]",
         ),
+        // A misspelt key left the provider without an envd plane, silently.
+        (
+            good.replace(
+                "base_url = \"http://localhost:8080\"",
+                "base_url = \"http://localhost:8080\"\nenvd_domainn = \"sbx.example\"",
+            ),
+            "envd_domainn",
+        ),
+        // Checked as serve checks it, not first found when serve starts.
+        (
+            good.replace("http://localhost:8080", "ftp://localhost:8080"),
+            "ftp://",
+        ),
+        // Its masked value failed the domain check, confusingly.
+        (
+            format!("{good}\n[config.fields.envd_domain]\nsecret = true\n"),
+            "[config.fields.envd_domain]",
+        ),
         // The key as `Host` chose the upstream's virtual host.
         (
             good.replace("\"OPEN-SANDBOX-API-KEY\"", "\"Host\""),

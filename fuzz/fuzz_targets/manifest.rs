@@ -4,7 +4,7 @@
 //! an accepted manifest satisfies every rule the parser promises (valid id, no reserved env
 //! alias, only inheritable core keys, no secret default, a valid auth header name the key
 //! may be sent as, no control character in a string `provider install` prints, a secret
-//! `api_key` field).
+//! `api_key` field, a plain `envd_domain` field, a `base_url` `serve` accepts).
 #![no_main]
 
 use abx_proxy::providers::manifest::INHERITABLE;
@@ -79,6 +79,12 @@ fuzz_target!(|data: &[u8]| {
             }
             assert!(!m.fields.get("base_url").is_some_and(|f| f.secret));
             assert!(m.fields.get("api_key").is_some_and(|f| f.secret));
+            assert!(!m.fields.get("envd_domain").is_some_and(|f| f.secret));
+            assert!(
+                abx_proxy::providers::manifest::upstream_url(&m.id, &m.base_url).is_ok(),
+                "{:?}",
+                m.base_url
+            );
         }
     }
 });

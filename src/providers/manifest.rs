@@ -1,12 +1,13 @@
 //! Plugin provider manifests (`abx-provider.toml`): the subset SPEC §3 reads, checked
-//! strictly. Every problem is an E8001 naming the file and the line.
+//! strictly: a key no table knows, a value of the wrong type and a value `serve` would
+//! refuse are all errors at install. Every problem is an E8001 naming the file and the line.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::error::Error;
-use crate::settings::values;
+use crate::settings::{values, UpstreamUrl};
 
 /// The only manifest format this build reads.
 pub const MANIFEST_VERSION: i64 = 1;
@@ -67,6 +68,12 @@ impl Manifest {
             line: line_of(text, needle),
             reason,
         };
+        // For errors about a key: the line that sets it, not the first that mentions it.
+        let err_key = |key: &str, reason: String| Error::Manifest {
+            path: path.to_string(),
+            line: key_line(text, key),
+            reason,
+        };
         let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Manifest {
             path: path.to_string(),
             line: e
@@ -114,9 +121,12 @@ impl Manifest {
             }
         }
 
-        let provider =
-            sub(&table, "provider").ok_or_else(|| err("", "missing [provider]".into()))?;
-        let id = string(provider, "id")
+        // A key misspelt, or of the wrong type, is refused rather than read as absent:
+        // `envd_domainn` would leave the provider without an envd plane, unnoticed.
+        let provider = table_at(&table, "provider", "provider", &err_key)?
+            .ok_or_else(|| err("", "missing [provider]".into()))?;
+        known_keys(provider, "provider", &["id", "description"], &err_key)?;
+        let id = string(provider, "id", "provider.id", &err_key)?
             .ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
         if !valid_id(&id) {
             return Err(err(
@@ -130,25 +140,52 @@ impl Manifest {
                 "provider id alicloud-express is built in".into(),
             ));
         }
-        let description = string(provider, "description");
+        let description = string(provider, "description", "provider.description", &err_key)?;
 
-        let endpoint =
-            sub(&table, "endpoint").ok_or_else(|| err("", "missing [endpoint]".into()))?;
-        let base_url = string(endpoint, "base_url")
+        let endpoint = table_at(&table, "endpoint", "endpoint", &err_key)?
+            .ok_or_else(|| err("", "missing [endpoint]".into()))?;
+        known_keys(
+            endpoint,
+            "endpoint",
+            &["base_url", "envd_domain", "auth"],
+            &err_key,
+        )?;
+        let base_url = string(endpoint, "base_url", "endpoint.base_url", &err_key)?
             .ok_or_else(|| err("[endpoint]", "missing endpoint.base_url".into()))?;
-        let envd_domain = string(endpoint, "envd_domain");
+        // The check `serve` makes, here: a bad value installed fine and failed only there.
+        if let Err(e) = upstream_url(&id, &base_url) {
+            let reason = match e {
+                Error::InvalidSetting { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return Err(err_key(
+                "base_url",
+                format!("endpoint.base_url {base_url:?}: {reason}"),
+            ));
+        }
+        let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", &err_key)?;
         if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
             return Err(err(
                 "envd_domain",
                 format!("endpoint.envd_domain {d:?}: {}", values::DOMAIN_EXPECTED),
             ));
         }
-        let auth = sub(endpoint, "auth")
+        let auth = table_at(endpoint, "auth", "endpoint.auth", &err_key)?
             .ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
-        let auth = match string(auth, "scheme").as_deref() {
-            Some("bearer") => AuthKind::Bearer,
+        known_keys(auth, "endpoint.auth", &["scheme", "header"], &err_key)?;
+        let header = string(auth, "header", "auth.header", &err_key)?;
+        let auth = match string(auth, "scheme", "auth.scheme", &err_key)?.as_deref() {
+            Some("bearer") => {
+                if header.is_some() {
+                    return Err(err_key(
+                        "header",
+                        "auth.header is for auth.scheme = \"header\"; \"bearer\" sends Authorization".into(),
+                    ));
+                }
+                AuthKind::Bearer
+            }
             Some("header") => {
-                let header = string(auth, "header").ok_or_else(|| {
+                let header = header.ok_or_else(|| {
                     err(
                         "scheme",
                         "auth.scheme = \"header\" needs auth.header".into(),
@@ -180,9 +217,10 @@ impl Manifest {
         };
 
         let mut fields = BTreeMap::new();
-        if let Some(config) = sub(&table, "config") {
+        if let Some(config) = table_at(&table, "config", "config", &err_key)? {
+            known_keys(config, "config", &["fields"], &err_key)?;
             let empty = toml::Table::new();
-            let defs = sub(config, "fields").unwrap_or(&empty);
+            let defs = table_at(config, "fields", "config.fields", &err_key)?.unwrap_or(&empty);
             for (name, def) in defs {
                 let toml::Value::Table(def) = def else {
                     return Err(err(name, format!("config.fields.{name} must be a table")));
@@ -256,14 +294,27 @@ impl Manifest {
                         format!("secret field {name} cannot have a default"),
                     ));
                 }
-                for key in def.keys() {
-                    if !["secret", "env", "default", "description"].contains(&key.as_str()) {
-                        return Err(err(
-                            key,
-                            format!("config.fields.{name}: unknown key {key:?}"),
-                        ));
-                    }
+                // Their default is `[endpoint]`'s; one here would be silently ignored.
+                if default.is_some() && ["base_url", "envd_domain"].contains(&name.as_str()) {
+                    return Err(err_key(
+                        "default",
+                        format!(
+                            "field {name} cannot have a default: it defaults to endpoint.{name}"
+                        ),
+                    ));
                 }
+                known_keys(
+                    def,
+                    &format!("config.fields.{name}"),
+                    &["secret", "env", "default", "description"],
+                    &err_key,
+                )?;
+                string(
+                    def,
+                    "description",
+                    &format!("config.fields.{name}.description"),
+                    &err_key,
+                )?;
                 fields.insert(
                     name.clone(),
                     Field {
@@ -293,6 +344,13 @@ impl Manifest {
         if fields.get("base_url").is_some_and(|f| f.secret) {
             return Err(err("base_url", "field base_url cannot be secret".into()));
         }
+        // A secret is shown masked, and the masked value then failed the domain check.
+        if fields.get("envd_domain").is_some_and(|f| f.secret) {
+            return Err(err(
+                "fields.envd_domain",
+                "field envd_domain cannot be secret".into(),
+            ));
+        }
         // The key the proxy attaches: as a plain field it would be printed by `config`,
         // read from config.toml and taken from the command line, where `ps` shows it.
         match fields.get("api_key") {
@@ -314,7 +372,8 @@ impl Manifest {
         }
 
         let mut inherit = Vec::new();
-        if let Some(core) = sub(&table, "core") {
+        if let Some(core) = table_at(&table, "core", "core", &err_key)? {
+            known_keys(core, "core", &["inherit"], &err_key)?;
             if let Some(list) = core.get("inherit") {
                 let list = list
                     .as_array()
@@ -390,12 +449,62 @@ fn built_in_env(env: &str) -> Option<&'static crate::settings::keys::KeySpec> {
     crate::settings::keys::KEYS.iter().find(|k| k.env == env)
 }
 
-fn sub<'a>(t: &'a toml::Table, key: &str) -> Option<&'a toml::Table> {
-    t.get(key).and_then(toml::Value::as_table)
+/// A provider's control-plane upstream from a `base_url`, the manifest's or the field's:
+/// one without a scheme, as `OPEN_SANDBOX_DOMAIN` is (`localhost:8080`), gets `http://`.
+pub fn upstream_url(id: &str, raw: &str) -> Result<UpstreamUrl, Error> {
+    let named = format!("{id}.base_url");
+    if raw.contains("://") {
+        UpstreamUrl::parse_named(&named, raw)
+    } else {
+        UpstreamUrl::parse_named(&named, &format!("http://{raw}"))
+    }
 }
 
-fn string(t: &toml::Table, key: &str) -> Option<String> {
-    t.get(key).and_then(toml::Value::as_str).map(str::to_string)
+/// The table `t[key]`, if there; `what` names it when it is something else.
+fn table_at<'a>(
+    t: &'a toml::Table,
+    key: &str,
+    what: &str,
+    err: &impl Fn(&str, String) -> Error,
+) -> Result<Option<&'a toml::Table>, Error> {
+    match t.get(key) {
+        None => Ok(None),
+        Some(toml::Value::Table(t)) => Ok(Some(t)),
+        Some(_) => Err(err(key, format!("{what} must be a table"))),
+    }
+}
+
+/// The string `t[key]`, if there; `what` names it when it is something else.
+fn string(
+    t: &toml::Table,
+    key: &str,
+    what: &str,
+    err: &impl Fn(&str, String) -> Error,
+) -> Result<Option<String>, Error> {
+    match t.get(key) {
+        None => Ok(None),
+        Some(toml::Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(err(key, format!("{what} must be a string"))),
+    }
+}
+
+/// Refuses a key of `t` not in `allowed`; `what` names the table.
+fn known_keys(
+    t: &toml::Table,
+    what: &str,
+    allowed: &[&str],
+    err: &impl Fn(&str, String) -> Error,
+) -> Result<(), Error> {
+    match t.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(key) => Err(err(
+            key,
+            format!(
+                "{what}: unknown key {key:?} (expected {})",
+                allowed.join(", ")
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The key (its segments, made printable) of the first key or string holding a control
@@ -464,15 +573,19 @@ fn line_of(text: &str, needle: &str) -> usize {
         .map_or(0, |i| i + 1)
 }
 
-/// The line of the first `key = ` (also dotted, `auth.key = `, or quoted); failing that,
-/// of the first mention of `key`.
+/// The line of the first `key = ` (also dotted, `auth.key = `, or quoted) or table header
+/// naming `key` (`[config.key.x]`); failing that, of the first mention of `key`.
 fn key_line(text: &str, key: &str) -> usize {
+    let is_key = |k: &str| !key.is_empty() && k.trim().trim_matches(['"', '\'']) == key;
     text.lines()
         .position(|l| {
-            l.split_once('=').is_some_and(|(k, _)| {
-                let k = k.trim().trim_matches(['"', '\'']);
-                !key.is_empty() && k.ends_with(key)
-            })
+            let l = l.trim();
+            if l.starts_with('[') {
+                l.trim_matches(['[', ']']).split('.').any(is_key)
+            } else {
+                l.split_once('=')
+                    .is_some_and(|(k, _)| is_key(k.rsplit('.').next().unwrap_or(k)))
+            }
         })
         .map_or_else(|| line_of(text, key), |i| i + 1)
 }
@@ -650,6 +763,76 @@ inherit = ["sandbox_api_key"]
         }
     }
 
+    /// `base_url` gets the check `serve` gives it, at install: a bad one used to install and
+    /// fail only when the proxy started.
+    #[test]
+    fn base_url_is_checked_as_serve_checks_it() {
+        for (bad, why) in [
+            ("ftp://localhost:8080", "scheme must be https or http"),
+            ("http://user@localhost:8080", "credentials in the URL"),
+            ("http://localhost:8080/?a=b", "a query string"),
+            ("http://localhost:8080/a b", "not a URL"),
+            ("", "not a URL"),
+        ] {
+            let text = OPEN.replace("http://localhost:8080", bad);
+            let (line, reason) = refused(&text);
+            assert_eq!(line, 5, "{reason}");
+            assert!(
+                reason.starts_with(&format!("endpoint.base_url {bad:?}: ")) && reason.contains(why),
+                "{bad}: {reason}"
+            );
+        }
+        // Without a scheme, as OPEN_SANDBOX_DOMAIN is written: http://.
+        let m = Manifest::parse(
+            &OPEN.replace("http://localhost:8080", "localhost:8080"),
+            "m",
+        )
+        .unwrap();
+        assert_eq!(
+            upstream_url(&m.id, &m.base_url).unwrap().to_string(),
+            "http://localhost:8080"
+        );
+    }
+
+    #[test]
+    fn envd_domain_and_base_url_fields_are_plain_and_default_to_the_endpoint() {
+        let e2b = include_str!("../../deploy/providers/e2b/abx-provider.toml");
+        let cases = [
+            (
+                e2b.replace(
+                    "[config.fields.envd_domain]\n",
+                    "[config.fields.envd_domain]\nsecret = true\n",
+                ),
+                "field envd_domain cannot be secret",
+            ),
+            (
+                e2b.replace(
+                    "[config.fields.envd_domain]\n",
+                    "[config.fields.envd_domain]\ndefault = \"e2b.dev\"\n",
+                ),
+                "field envd_domain cannot have a default: it defaults to endpoint.envd_domain",
+            ),
+            (
+                e2b.replace(
+                    "[config.fields.base_url]\n",
+                    "[config.fields.base_url]\ndefault = \"https://api.e2b.dev\"\n",
+                ),
+                "field base_url cannot have a default: it defaults to endpoint.base_url",
+            ),
+        ];
+        for (text, what) in cases {
+            let (line, reason) = refused(&text);
+            assert_eq!(reason, what);
+            let expected = if what.contains("secret") {
+                text.lines()
+                    .position(|l| l == "[config.fields.envd_domain]")
+            } else {
+                text.lines().position(|l| l.starts_with("default ="))
+            };
+            assert_eq!(Some(line), expected.map(|i| i + 1), "{reason}");
+        }
+    }
+
     #[test]
     fn printable_escapes_what_a_terminal_would_act_on() {
         assert_eq!(printable("OpenSandbox server"), "OpenSandbox server");
@@ -742,6 +925,65 @@ inherit = ["sandbox_api_key"]
                 OPEN.replace("\"sandbox_api_key\"", "\"access_key_secret\""),
                 14,
                 "cannot be inherited",
+            ),
+            // A misspelt or mistyped key, in any table, used to be read as absent:
+            // `envd_domainn` left the provider without an envd plane, and nothing said so.
+            (
+                OPEN.replace("auth.scheme", "envd_domainn = \"sbx.example\"\nauth.scheme"),
+                6,
+                "endpoint: unknown key \"envd_domainn\" (expected base_url, envd_domain, auth)",
+            ),
+            (
+                OPEN.replace("inherit =", "inherits ="),
+                14,
+                "core: unknown key \"inherits\" (expected inherit)",
+            ),
+            (
+                OPEN.replace("[endpoint]", "name = \"o\"\n[endpoint]"),
+                4,
+                "provider: unknown key \"name\" (expected id, description)",
+            ),
+            (
+                // A prefix the author expected before the key, silently not sent.
+                OPEN.replacen("[config", "auth.prefix = \"Token \"\n[config", 1),
+                8,
+                "endpoint.auth: unknown key \"prefix\" (expected scheme, header)",
+            ),
+            (
+                OPEN.replace("[core]", "[config.field.api_keyy]\nsecret = true\n[core]"),
+                13,
+                "config: unknown key \"field\" (expected fields)",
+            ),
+            (
+                OPEN.replace("secret = true\n", "secret = true\nsecrett = true\n"),
+                10,
+                "config.fields.api_key: unknown key \"secrett\"",
+            ),
+            (
+                OPEN.replace("[endpoint]", "description = 5\n[endpoint]"),
+                4,
+                "provider.description must be a string",
+            ),
+            (
+                OPEN.replace("auth.scheme", "envd_domain = 1\nauth.scheme"),
+                6,
+                "endpoint.envd_domain must be a string",
+            ),
+            (
+                OPEN.replace("[core]\ninherit = [\"sandbox_api_key\"]\n", "")
+                    .replace("manifest_version = 1\n", "manifest_version = 1\ncore = 1\n"),
+                2,
+                "core must be a table",
+            ),
+            (
+                OPEN.replace("secret = true\n", "secret = true\ndescription = 1\n"),
+                10,
+                "config.fields.api_key.description must be a string",
+            ),
+            (
+                OPEN.replace("\"header\"\nauth.header", "\"bearer\"\nauth.header"),
+                7,
+                "auth.header is for auth.scheme = \"header\"",
             ),
         ];
         for (text, line, what) in cases {

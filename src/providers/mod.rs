@@ -211,13 +211,7 @@ impl PluginSettings {
             Some(v) => v.shown(),
             None => self.installed.manifest.base_url.clone(),
         };
-        // OPEN_SANDBOX_DOMAIN is `host:port` without a scheme.
-        let raw = if raw.contains("://") {
-            raw
-        } else {
-            format!("http://{raw}")
-        };
-        UpstreamUrl::parse_named(&format!("{}.base_url", self.installed.manifest.id), &raw)
+        manifest::upstream_url(&self.installed.manifest.id, &raw)
     }
 }
 
