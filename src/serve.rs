@@ -81,7 +81,10 @@ async fn serve(
     let mut terminate = signals::Terminate::install();
     let hangups = signals::hangups();
     let listener = Listener::bind(&settings.listen).await?;
-    refuse_self_loop(&settings, &listener)?;
+    // Validation checked the configured port; `--listen 127.0.0.1:0` is known only now.
+    if let Ok(bound) = listener.local_addr().parse() {
+        settings.refuse_self_loop(bound)?;
+    }
     let admin = Listener::bind(&settings.admin_listen).await?;
     let workers = Workers::start(workers::count(), &listener.local_addr())?;
     tracing::info!(
@@ -178,38 +181,6 @@ fn raise_open_file_limit(max_connections: usize) {
         ),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
-}
-
-/// An upstream that is this proxy's own listener would make every request call itself
-/// until something runs out. It happens easily: the OpenSandbox SDK and the proxy both read
-/// `OPEN_SANDBOX_DOMAIN`, and a shell set up for the SDK points it at the proxy.
-fn refuse_self_loop(settings: &Settings, listener: &Listener) -> Result<(), Error> {
-    let Ok(bound) = listener.local_addr().parse::<std::net::SocketAddr>() else {
-        return Ok(());
-    };
-    let upstreams = [
-        ("sandbox_base_url", Some(&settings.sandbox_base_url)),
-        ("sandbox_url", settings.sandbox_url.as_ref()),
-    ];
-    for (key, url) in upstreams {
-        let Some(url) = url else { continue };
-        let default_port = if url.is_https() { 443 } else { 80 };
-        let port = url.authority.port_u16().unwrap_or(default_port);
-        let local = crate::proxy::route::is_local_name(url.host())
-            || url
-                .host()
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip == bound.ip() || ip.is_unspecified());
-        if local && port == bound.port() {
-            return Err(Error::InvalidSetting {
-                key: key.to_string(),
-                reason: format!(
-                    "{url} is this proxy's own listener ({bound}); check OPEN_SANDBOX_DOMAIN, ABX_SANDBOX_BASE_URL and friends"
-                ),
-            });
-        }
-    }
-    Ok(())
 }
 
 fn options(args: &ServeArgs) -> Options {

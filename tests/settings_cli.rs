@@ -895,6 +895,58 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     }
 }
 
+/// `check` refuses what `serve` refuses before it binds: an upstream that is the proxy's
+/// own listener (it would call itself forever), and the admin listener on the proxy's own
+/// address (the second bind fails, blaming "another process"). Both said ok.
+#[test]
+fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() {
+    for (flags, named) in [
+        (
+            &["--sandbox-base-url", "http://127.0.0.1:49982"][..],
+            "sandbox_base_url",
+        ),
+        (
+            &[
+                "--sandbox-base-url",
+                "http://localhost:8080",
+                "--listen",
+                "127.0.0.1:8080",
+            ][..],
+            "sandbox_base_url",
+        ),
+        (&["--sandbox-url", "http://[::1]:49982"][..], "sandbox_url"),
+        (&["--listen", "127.0.0.1:9464"][..], "admin_listen"),
+        (
+            &[
+                "--listen",
+                "0.0.0.0:7000",
+                "--admin-listen",
+                "127.0.0.1:7000",
+                "--allow-remote",
+            ][..],
+            "admin_listen",
+        ),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        c.flags.extend(flags.iter().map(|f| f.to_string()));
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 78, "{flags:?}: {}", out.stderr);
+        assert!(
+            out.stderr
+                .contains(&format!("[E1005] invalid value for {named}")),
+            "{flags:?}: {}",
+            out.stderr
+        );
+    }
+    // Another port on the same host is another server.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.flag("--sandbox-base-url", "http://127.0.0.1:49983");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 /// A `.env` that is there but cannot be read as a file (a link to a file that is gone, a
 /// directory) is skipped like an absent one, with a warning naming it: otherwise the key it
 /// was meant to hold comes from another layer, or is missing, without a word.

@@ -550,6 +550,12 @@ impl Resolved {
         if let Credential::ApiKey(key) = &settings.credential {
             crate::credentials::header_value(&settings, key)?;
         }
+        settings.refuse_shared_listen()?;
+        if let ListenAddr::Tcp(addr) = settings.listen {
+            if addr.port() != 0 {
+                settings.refuse_self_loop(addr)?;
+            }
+        }
         Ok(settings)
     }
 
@@ -702,6 +708,69 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// An upstream that is this proxy's own listener (`bound`) would make every request
+    /// call itself until something runs out. It happens easily: the OpenSandbox SDK and the
+    /// proxy both read `OPEN_SANDBOX_DOMAIN`, and a shell set up for the SDK points it at
+    /// the proxy.
+    pub fn refuse_self_loop(&self, bound: std::net::SocketAddr) -> Result<(), Error> {
+        let base = match &self.plugin {
+            Some(p) => format!("{}.base_url", p.installed.manifest.id),
+            None => Key::SandboxBaseUrl.name().to_string(),
+        };
+        let upstreams = [
+            (base, Some(&self.sandbox_base_url)),
+            (
+                Key::SandboxUrl.name().to_string(),
+                self.sandbox_url.as_ref(),
+            ),
+        ];
+        for (key, url) in upstreams {
+            let Some(url) = url else { continue };
+            let default_port = if url.is_https() { 443 } else { 80 };
+            let port = url.authority.port_u16().unwrap_or(default_port);
+            let local = crate::proxy::route::is_local_name(url.host())
+                || url
+                    .host()
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip == bound.ip() || ip.is_unspecified());
+            if local && port == bound.port() {
+                return Err(Error::InvalidSetting {
+                    key,
+                    reason: format!(
+                        "{url} is this proxy's own listener ({bound}): the upstream must be \
+                         the sandbox cloud (a variable set for the SDK, such as \
+                         OPEN_SANDBOX_DOMAIN, may have been read as the upstream)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The proxy's listener and the admin listener on one address: the second bind would
+    /// fail, and the error would blame another process.
+    fn refuse_shared_listen(&self) -> Result<(), Error> {
+        let shared = match (&self.listen, &self.admin_listen) {
+            (ListenAddr::Tcp(a), ListenAddr::Tcp(b)) => {
+                a.port() == b.port()
+                    && a.port() != 0
+                    && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+            }
+            (ListenAddr::Unix(a), ListenAddr::Unix(b)) => a == b,
+            _ => false,
+        };
+        if shared {
+            return Err(Error::InvalidSetting {
+                key: Key::AdminListen.name().to_string(),
+                reason: format!(
+                    "{} is also the proxy's listen address: give them different ports",
+                    self.admin_listen
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Upstreams reached over plain `http://` beyond this machine, where the credential
     /// (or, from the token exchange, a temporary key) crosses the network unencrypted. A
     /// warning, not a refusal: a self-hosted OpenSandbox inside a cluster's network is
