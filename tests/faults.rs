@@ -2293,6 +2293,82 @@ fn h2_get(addr: SocketAddr) -> http::Request<Full<Bytes>> {
         .expect("request")
 }
 
+/// An HTTP/2 client that aborts its upload with `RST_STREAM(NO_ERROR)` (Node's
+/// `http2stream.close()`): hyper reads that as the body's end, and the proxy sent the
+/// upstream a complete, shorter chunked upload (its last chunk included: a truncated file
+/// written into the sandbox). The upstream must see a message cut short, never its end;
+/// and the same upload ended with END_STREAM arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upload_reset_with_no_error_never_reaches_the_upstream_complete() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let up = listener.local_addr().expect("addr");
+    let (got_tx, mut got) = tokio::sync::mpsc::unbounded_channel::<(Vec<u8>, bool)>();
+    let (first_tx, mut first_chunk) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let _upstream = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (got_tx, first_tx) = (got_tx.clone(), first_tx.clone());
+            tokio::spawn(async move {
+                // Everything that arrives: up to the chunked body's end (answered), or to
+                // the connection's end.
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                let mut told = false;
+                let ended = loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break false,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                    if !told && seen.windows(12).any(|w| w == b"\r\n0123456789") {
+                        told = true;
+                        let _ = first_tx.send(());
+                    }
+                    if seen.ends_with(b"\r\n0\r\n\r\n") {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                            .await;
+                        break true;
+                    }
+                };
+                let _ = got_tx.send((seen, ended));
+            });
+        }
+    });
+    let pki = Pki::new();
+    let proxy = ProxyCmd::new(&format!("http://{up}"), &pki).spawn().await;
+    let addr = proxy.addr();
+    for reset in [true, false] {
+        let tcp = connect_raw(addr).await;
+        let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(conn);
+        let mut client = within("h2 ready", client.ready()).await.expect("ready");
+        let req = http::Request::post(format!("http://{addr}/upload"))
+            .header("x-api-key", "dummy")
+            .body(())
+            .expect("request");
+        let (answer, mut stream) = client.send_request(req, false).expect("send");
+        stream
+            .send_data(Bytes::from_static(b"0123456789"), false)
+            .expect("data");
+        within("the first chunk upstream", first_chunk.recv()).await;
+        if reset {
+            stream.send_reset(h2::Reason::NO_ERROR);
+        } else {
+            stream
+                .send_data(Bytes::from_static(b"abc"), true)
+                .expect("end");
+            let status = within("the answer", answer).await.expect("answer").status();
+            assert_eq!(status, 200);
+        }
+        let (seen, ended) = within("the upstream's side", got.recv())
+            .await
+            .expect("a connection");
+        let seen = String::from_utf8_lossy(&seen).to_string();
+        assert!(seen.contains("transfer-encoding: chunked"), "{seen}");
+        assert_eq!(ended, !reset, "reset: {reset}; the upstream got:\n{seen}");
+    }
+    proxy.finish().await;
+}
+
 /// HTTP/2 rapid reset (CVE-2023-44487), paced: each stream is cancelled once the proxy has
 /// sent its request upstream, one at a time, so h2's own limit on resets it has not yet
 /// handed over never trips. The proxy closes the connection after 100 cancelled requests

@@ -121,6 +121,51 @@ where
     }
 }
 
+/// An HTTP/2 client's request body, which ends only with the client's END_STREAM.
+///
+/// hyper reads a client's `RST_STREAM(NO_ERROR)` as the end of the body: RFC 9113 §8.1 lets
+/// a server stop a request that way, but from a client it is an abort (Node's
+/// `http2stream.close()` sends it). Taken for the end, an upload cut short went upstream as
+/// a complete, shorter one (a chunked body got its last chunk: a truncated file written
+/// into the sandbox). Only a received END_STREAM leaves the body at its end, so a body
+/// that stops without it is an error, which cuts the upstream message as any broken body.
+pub struct EndStreamed<B>(B);
+
+impl<B> EndStreamed<B> {
+    pub fn new(body: B) -> Self {
+        EndStreamed(body)
+    }
+}
+
+impl<B> Body for EndStreamed<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match ready!(Pin::new(&mut self.0).poll_frame(cx)) {
+            None if !self.0.is_end_stream() => Poll::Ready(Some(Err(
+                "the client reset the stream before the end of its body".into(),
+            ))),
+            other => Poll::Ready(other.map(|r| r.map_err(Into::into))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.0.size_hint()
+    }
+}
+
 /// When a request body's bytes last moved upstream: written by [`Uploading`], read by the
 /// upstream timeout.
 #[derive(Clone)]

@@ -393,7 +393,12 @@ async fn with_hyper(
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (3 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
-        let handled = Box::pin(proxy.clone().handle(req.map(super::body::boxed)));
+        let req = if req.version() == http::Version::HTTP_2 {
+            req.map(|b| super::body::boxed(super::body::EndStreamed::new(b)))
+        } else {
+            req.map(super::body::boxed)
+        };
+        let handled = Box::pin(proxy.clone().handle(req));
         let waiting = activity.awaiting();
         async move {
             let mut resp = handled.await?;
