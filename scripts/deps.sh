@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond the Rust toolchain, idempotently:
 # Debian's prometheus (promtool, for the /metrics format check), systemd (systemd-analyze,
-# for the unit in deploy/), python3-venv (the venvs of scripts/e2e-deps.sh and
+# for the unit in deploy/), procps (kill), python3-venv (the venvs of scripts/e2e-deps.sh and
 # scripts/check-deploy.sh) and the rustfmt/clippy components; the Python/JS E2B SDKs are
 # installed by scripts/e2e-deps.sh when the e2e test first runs, with the machine's npm
 # (Node.js 20.18.1 or newer, newer than Debian 12 has). Quiet when everything is already
@@ -14,12 +14,21 @@ command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 # `python3 -m venv` needs ensurepip, which Debian ships apart from python3.
 python3 -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
+# The tests signal the proxy with kill(1), which slim images leave out (`command -v kill`
+# finds the shell's builtin).
+[ -x /bin/kill ] || [ -x /usr/bin/kill ] || need_apt+=(procps)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need_apt[*]}"
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # The package is here for promtool; on a machine run by systemd it also starts a
+  # Prometheus server listening on every interface, which the tests do not want.
+  if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+    echo "== prometheus was installed for promtool only: its service is stopped and disabled"
+  fi
 fi
 for comp in rustfmt clippy; do
   rustup component list --installed 2>/dev/null | grep -q "^$comp" || rustup component add "$comp"

@@ -112,12 +112,12 @@ impl Error {
             Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
             Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
             Error::Bind { .. } => "Is another process using the address? Choose another with --listen / --admin-listen.",
-            Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check ABX_SANDBOX_API_KEY or the AccessKey pair.",
-            Error::UpstreamUnreachable { .. } => "Check network access to the upstream, sandbox_base_url and --upstream-ca.",
+            Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
+            Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
             Error::UpstreamTimeout { .. } => "The upstream is slow or unreachable; retry, or raise --upstream-timeout.",
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
-            Error::ProviderOption { .. } => "Secret fields are read only from the environment or a .env file; `abx-proxy provider info ID` lists the fields.",
+            Error::ProviderOption { .. } => "Give FIELD=VALUE for a non-secret field of the selected plugin (secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
             Error::SandboxNotFound { .. } | Error::Refused { .. } | Error::Provider { .. } => {
                 return None
             }
