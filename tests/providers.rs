@@ -72,6 +72,13 @@ async fn abx(home: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     output_within(cmd, "abx-proxy to exit").await
 }
 
+/// `provider install <manifest>` into `home`, which must succeed: its output.
+async fn install(home: &Path, manifest: &str) -> Output {
+    let out = abx(home, &[], &["provider", "install", manifest]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    out
+}
+
 /// The `config list --json` row of `key`.
 fn row_of(rows: &[serde_json::Value], key: &str) -> serde_json::Value {
     rows.iter()
@@ -352,9 +359,7 @@ async fn a_provider_id_is_a_name_not_a_path() {
 async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     let home = tempfile::tempdir().expect("home");
     let h = home.path();
-    let out = abx(h, &[], &["provider", "install", OPENSANDBOX]).await;
-    assert!(out.status.success(), "{}", text(&out));
-    let listing = text(&out);
+    let listing = text(&install(h, OPENSANDBOX).await);
     for needed in [
         "ABX_OPENSANDBOX_API_KEY",
         "OPEN_SANDBOX_API_KEY",
@@ -461,6 +466,61 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     assert!(text(&out).contains("alicloud-express") && text(&out).contains("opensandbox"));
 }
 
+/// A project's `./.env` line dotenvy cannot parse (`OPEN_SANDBOX_API_KEY=my key`, which
+/// python-dotenv accepts) that sets a variable the selected plugin reads stops with the
+/// E1006 a broken `ABX_` line gets, naming the file and line: skipped as another tool's, it
+/// was followed by "api_key is not set: set … or OPEN_SANDBOX_API_KEY", hiding the real
+/// problem. Another tool's broken line is still skipped with a warning, and with the
+/// built-in provider the plugin's alias is another tool's variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_cwd_env_line_setting_a_plugins_variable_stops_naming_its_line() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    install(h, OPENSANDBOX).await;
+    let plugin = [("ABX_PROVIDER", "opensandbox")];
+    for dotenv in [
+        "OPEN_SANDBOX_API_KEY=my key\n",
+        "export OPEN_SANDBOX_DOMAIN\n",
+        // The quote runs on: dotenvy's entry swallows the next line, which sets the alias.
+        "NOTE=\"unterminated\nOPEN_SANDBOX_API_KEY=my-key\n",
+    ] {
+        std::fs::write(h.join(".env"), dotenv).expect("write ./.env");
+        let out = abx(h, &plugin, &["check", "--offline"]).await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(78), "{dotenv:?}: {all}");
+        assert!(
+            all.contains("[E1006] cannot read ./.env") && all.contains("syntax error at line 1"),
+            "{dotenv:?}: {all}"
+        );
+        assert!(
+            !all.contains("skipped") && !all.contains("E8003"),
+            "{dotenv:?}: {all}"
+        );
+        assert!(!all.contains("my key") && !all.contains("my-key"), "{all}");
+    }
+
+    std::fs::write(
+        h.join(".env"),
+        format!("GREETING=hello world\nOPEN_SANDBOX_API_KEY={OS_KEY}\n"),
+    )
+    .expect("write ./.env");
+    let out = abx(h, &plugin, &["check", "--offline"]).await;
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("./.env") && all.contains("line 1 skipped"),
+        "{all}"
+    );
+    assert!(!all.contains("hello") && !all.contains(OS_KEY), "{all}");
+
+    std::fs::write(h.join(".env"), "OPEN_SANDBOX_API_KEY=my key\n").expect("write ./.env");
+    let builtin = [("ABX_SANDBOX_API_KEY", API_KEY)];
+    let out = abx(h, &builtin, &["check", "--offline"]).await;
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("line 1 skipped"), "{all}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_manifests_are_refused_naming_file_and_line() {
     let home = tempfile::tempdir().expect("home");
@@ -551,8 +611,7 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
     );
 
     // The same rule for the field that overrides it.
-    let out = abx(home.path(), &[], &["provider", "install", E2B]).await;
-    assert!(out.status.success(), "{}", text(&out));
+    install(home.path(), E2B).await;
     let env = [
         ("ABX_PROVIDER", "e2b"),
         ("ABX_E2B_API_KEY", "e2b-key"),
@@ -677,8 +736,7 @@ async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
             abx(&home, &env, &["check", "--upstream-ca", &ca]).await
         }
     };
-    let install = abx(home.path(), &[], &["provider", "install", OPENSANDBOX]).await;
-    assert!(install.status.success(), "{}", text(&install));
+    install(home.path(), OPENSANDBOX).await;
 
     let out = run(opensandbox.url()).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));

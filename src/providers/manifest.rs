@@ -53,6 +53,13 @@ impl Manifest {
         canonical_env(&self.id, field)
     }
 
+    /// Every variable this provider's fields are read from: canonical names and aliases.
+    pub fn env_names(&self) -> impl Iterator<Item = String> + '_ {
+        self.fields.values().flat_map(|f| {
+            std::iter::once(self.canonical_env(&f.name)).chain(f.aliases.iter().cloned())
+        })
+    }
+
     pub fn load(path: &Path) -> Result<Self, Error> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::Manifest {
             path: path.display().to_string(),

@@ -39,11 +39,13 @@ impl Source {
 }
 
 /// A `.env` file's variables, in file order (later duplicates win, as in a shell).
-/// `shared`: the file is read by other tools too (`./.env`), see [`collect_dotenv`].
+/// `skipped`: the file is read by other tools too (`./.env`), and lines it cannot parse
+/// that set none of abx-proxy's own variables go there rather than failing the file (see
+/// [`collect_dotenv`]); without it, as for `~/.abx/.env`, every such line fails.
 pub fn read_dotenv(
     path: &Path,
     label: &str,
-    shared: bool,
+    skipped: Option<&mut Vec<SkippedLine>>,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
     if !path.is_file() {
@@ -62,34 +64,79 @@ pub fn read_dotenv(
     let shown = format!("{label} ({})", path.display());
     let text = || std::fs::read_to_string(path).ok();
     let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text))?;
-    collect_dotenv(iter, &shown, &text, shared.then_some(warnings))
+    collect_dotenv(iter, &shown, &text, skipped)
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
 /// `label` standing where the file reader names the file. No permission warning (there is
-/// no file to check).
+/// no file to check). A `shared` file's skipped lines are warned about as they are with the
+/// built-in provider selected: this reader knows no plugin's variables.
 pub fn parse_dotenv_str(
     text: &str,
     label: &str,
     shared: Option<&mut Vec<String>>,
 ) -> Result<HashMap<String, String>, Error> {
     let iter = dotenvy::from_read_iter(text.as_bytes());
-    collect_dotenv(iter, label, &|| Some(text.to_string()), shared)
+    let mut skipped = Vec::new();
+    let vars = collect_dotenv(
+        iter,
+        label,
+        &|| Some(text.to_string()),
+        shared.is_some().then_some(&mut skipped),
+    )?;
+    if let Some(warnings) = shared {
+        warnings.extend(skipped.iter().map(SkippedLine::warning));
+    }
+    Ok(vars)
+}
+
+/// A line of a shared `./.env` that dotenvy cannot parse and that sets none of the
+/// variables abx-proxy always reads. Whether it is skipped waits until the provider is
+/// known: a selected plugin's vendor aliases (`OPEN_SANDBOX_API_KEY`) are abx-proxy's too,
+/// and a broken line setting one is the user's real problem, not another tool's line.
+///
+/// No `Debug`: `names` is the text before a `=` on each line of the entry, and a line
+/// inside an unterminated quote may be part of a value.
+pub struct SkippedLine {
+    shown: String,
+    line: usize,
+    names: Vec<String>,
+}
+
+impl SkippedLine {
+    /// Whether the line sets (or, as a bare `export`, names) one of `env`.
+    pub fn sets_any(&self, env: &[String]) -> bool {
+        self.names.iter().any(|n| env.contains(n))
+    }
+
+    /// Names the file and the line, never the text.
+    pub fn warning(&self) -> String {
+        format!(
+            "{}: line {} skipped: not dotenv syntax, and it sets no setting abx-proxy reads",
+            self.shown, self.line
+        )
+    }
+
+    /// The error a broken line of abx-proxy's own gets.
+    pub fn into_error(self) -> Error {
+        syntax_error(&self.shown, self.line)
+    }
 }
 
 /// `text` gives the whole input again, only to turn a syntax error into a line number.
 ///
 /// A `./.env` is often a project's, read by other tools too, and python-dotenv (what E2B's
 /// Python users load it with) accepts lines dotenvy does not (`GREETING=hello world`,
-/// a bare `export NAME`, `NAME-WITH-DASH=1`). In such a `shared` file (warnings go
-/// there) a line is skipped with a warning when it sets nothing abx-proxy reads; one that
-/// may, or whose line is unknown, fails the file as before, so a broken key line never
-/// falls through silently to a lower level. `~/.abx/.env` is abx-proxy's own: strict.
+/// a bare `export NAME`, `NAME-WITH-DASH=1`). In such a `shared` file a line is set aside
+/// in `skipped` when it sets nothing abx-proxy always reads (the caller decides, once the
+/// provider is known, whether it is skipped with a warning); one that may, or whose line is
+/// unknown, fails the file as before, so a broken key line never falls through silently to
+/// a lower level. `~/.abx/.env` is abx-proxy's own: strict.
 fn collect_dotenv<R: std::io::Read>(
     iter: dotenvy::Iter<R>,
     shown: &str,
     text: &dyn Fn() -> Option<String>,
-    mut shared: Option<&mut Vec<String>>,
+    mut skipped: Option<&mut Vec<SkippedLine>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
     for item in iter {
@@ -97,10 +144,12 @@ fn collect_dotenv<R: std::io::Read>(
             Ok((k, v)) => {
                 out.insert(k, v);
             }
-            Err(e) => match (skippable_line(&e, text), shared.as_deref_mut()) {
-                (Some(line), Some(warnings)) => warnings.push(format!(
-                    "{shown}: line {line} skipped: not dotenv syntax, and it sets no setting abx-proxy reads"
-                )),
+            Err(e) => match (skippable_line(&e, text), skipped.as_deref_mut()) {
+                (Some((line, names)), Some(skipped)) => skipped.push(SkippedLine {
+                    shown: shown.to_string(),
+                    line,
+                    names,
+                }),
                 // The dotenvy error names the line and byte offset only, never the value.
                 _ => return Err(read_error(shown, &e, text)),
             },
@@ -109,10 +158,14 @@ fn collect_dotenv<R: std::io::Read>(
     Ok(out)
 }
 
-/// The line of a syntax error that concerns no setting abx-proxy reads. The failing entry
-/// may run over several lines (an unterminated quote runs to the end of the file): it
-/// counts as ours if any of it names one of ours.
-fn skippable_line(e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Option<usize> {
+/// The line of a syntax error that concerns no setting abx-proxy always reads, with the
+/// names its entry sets. The failing entry may run over several lines (an unterminated
+/// quote runs to the end of the file): it counts as ours if any of it names one of ours,
+/// and each of its lines that reads as `NAME=…` gives a name.
+fn skippable_line(
+    e: &dotenvy::Error,
+    text: &dyn Fn() -> Option<String>,
+) -> Option<(usize, Vec<String>)> {
     let dotenvy::Error::LineParse(entry, _) = e else {
         return None;
     };
@@ -121,20 +174,29 @@ fn skippable_line(e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Opti
     }
     let text = text()?;
     let line = entry_line(&text, entry)?;
-    let first = text.lines().nth(line - 1)?;
-    let first = first.trim_start_matches('\u{feff}').trim_start();
-    // A line without `=` is skipped only as a bare `export NAME`: anything else may be a
-    // key pasted without its name.
-    let name = match first.split_once('=') {
-        Some((name, _)) => name.trim_start_matches("export ").trim(),
-        None => first.strip_prefix("export ")?.trim(),
-    };
+    // A first line without `=` is skipped only as a bare `export NAME`: anything else may
+    // be a key pasted without its name.
+    let name = line_name(text.lines().nth(line - 1)?)?;
     let ours = OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name);
-    (!ours).then_some(line)
+    let names = std::iter::once(name)
+        .chain(entry.split('\n').skip(1).filter_map(line_name))
+        .map(str::to_string)
+        .collect();
+    (!ours).then_some((line, names))
 }
 
-/// Names, or the starts of names, of the variables abx-proxy reads (plugin providers'
-/// canonical names are `ABX_<ID>_…`).
+/// The variable a `.env` line sets, or the one a bare `export NAME` names.
+fn line_name(line: &str) -> Option<&str> {
+    let line = line.trim_start_matches('\u{feff}').trim_start();
+    match line.split_once('=') {
+        Some((name, _)) => Some(name.trim_start_matches("export ").trim()),
+        None => Some(line.strip_prefix("export ")?.trim()),
+    }
+}
+
+/// Names, or the starts of names, of the variables abx-proxy reads whatever the provider
+/// (plugin providers' canonical names are `ABX_<ID>_…`; a selected plugin's aliases are
+/// known only later, see [`SkippedLine`]).
 const OURS: [&str; 4] = ["ABX_", "ALICLOUD_", "ALIBABA_CLOUD_", "GITHUB_TOKEN"];
 
 fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Error {
@@ -143,9 +205,8 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => {
-            let line = text().and_then(|text| entry_line(&text, entry));
-            match line {
-                Some(n) => format!("syntax error at line {n}"),
+            match text().and_then(|text| entry_line(&text, entry)) {
+                Some(n) => return syntax_error(shown, n),
                 None => format!("syntax error at byte {idx} of an entry"),
             }
         }
@@ -155,6 +216,13 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>
     Error::ReadFile {
         path: shown.to_string(),
         reason,
+    }
+}
+
+fn syntax_error(shown: &str, line: usize) -> Error {
+    Error::ReadFile {
+        path: shown.to_string(),
+        reason: format!("syntax error at line {line}"),
     }
 }
 

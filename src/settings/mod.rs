@@ -269,11 +269,17 @@ impl RawLayers {
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
-        let dotenv_cwd =
-            layers::read_dotenv(&inputs.cwd.join(".env"), "./.env", true, &mut warnings)?;
+        let mut skipped = Vec::new();
+        let dotenv_cwd = layers::read_dotenv(
+            &inputs.cwd.join(".env"),
+            "./.env",
+            Some(&mut skipped),
+            &mut warnings,
+        )?;
+        let skipped_at = warnings.len();
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
-                layers::read_dotenv(&home.join(".env"), "~/.abx/.env", false, &mut warnings)?,
+                layers::read_dotenv(&home.join(".env"), "~/.abx/.env", None, &mut warnings)?,
                 layers::read_config_toml(&home.join("config.toml"), &mut warnings)?,
             ),
             None => Default::default(),
@@ -330,12 +336,47 @@ impl Resolved {
                 e.source = Source::Default;
             }
         }
-        Ok(Resolved {
+        let mut resolved = Resolved {
             entries,
             abx_home: inputs.abx_home.clone(),
             layers,
             warnings,
-        })
+        };
+        resolved.settle_skipped(skipped, skipped_at)?;
+        Ok(resolved)
+    }
+
+    /// The lines of `./.env` set aside when it was read (see [`layers::SkippedLine`]), now
+    /// that the provider is known: one setting a variable the selected plugin reads fails
+    /// as a broken line of abx-proxy's own does (skipping it contradicted the "not set"
+    /// error that followed and hid the syntax error); the others are warnings, where the
+    /// reader put them before. A plugin that does not load reads nothing here: its error
+    /// is reported when it is resolved.
+    fn settle_skipped(
+        &mut self,
+        skipped: Vec<layers::SkippedLine>,
+        at: usize,
+    ) -> Result<(), Error> {
+        if skipped.is_empty() {
+            return Ok(());
+        }
+        let id = self.plain(Key::Provider).unwrap_or(providers::BUILTIN);
+        let plugin_env: Vec<String> = match &self.abx_home {
+            Some(home) if id != providers::BUILTIN => providers::load(home, id)
+                .ok()
+                .flatten()
+                .map(|p| p.manifest.env_names().collect())
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let (ours, others): (Vec<_>, Vec<_>) =
+            skipped.into_iter().partition(|l| l.sets_any(&plugin_env));
+        if let Some(first) = ours.into_iter().next() {
+            return Err(first.into_error());
+        }
+        let lines = others.iter().map(layers::SkippedLine::warning);
+        self.warnings.splice(at..at, lines);
+        Ok(())
     }
 
     pub fn entry(&self, key: Key) -> &Entry {
