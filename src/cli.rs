@@ -48,6 +48,7 @@ pub enum Command {
 pub enum ConfigCommand {
     /// Every key: effective value (secrets masked), source, env name.
     List {
+        /// Print the rows as a JSON array of objects.
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -55,6 +56,7 @@ pub enum ConfigCommand {
     },
     /// One key's effective value (secrets masked).
     Get {
+        /// A key as `config list` names it, e.g. region.
         key: String,
         #[command(flatten)]
         settings: SettingsArgs,
@@ -66,9 +68,13 @@ pub enum ProviderCommand {
     /// Providers known, built-in and installed.
     List,
     /// One provider's fields, env names and inherits.
-    Info { id: String },
+    Info {
+        /// A provider id, as `provider list` shows it.
+        id: String,
+    },
     /// Install a plugin manifest.
     Install {
+        /// The plugin manifest (abx-provider.toml).
         file: PathBuf,
         /// Consent to the manifest's `[core] inherit` list.
         #[arg(long)]
@@ -82,44 +88,60 @@ const MAX_CONNECTIONS: u64 = 1 << 20;
 
 /// The settings flags shared by `serve`, `check` and `config`: one per non-secret key,
 /// and `-file` flags for the secrets.
+///
+/// Their env names and defaults are in the help text, not in clap's `env`/`default_value`:
+/// the settings chain resolves those itself, and a flag clap filled in would hide every
+/// lower level (`./.env`, `~/.abx`). The help repeats the key table (settings::keys).
 #[derive(Debug, Args, Clone, Default)]
 pub struct SettingsArgs {
+    /// AccessKey ID, exchanged for a temporary API key [env ALICLOUD_ACCESS_KEY_ID]
     #[arg(long, value_name = "ID")]
     pub access_key_id: Option<String>,
+    /// Alibaba Cloud region [env ALIBABA_CLOUD_REGION_ID] [default: cn-hangzhou]
     #[arg(long)]
     pub region: Option<String>,
-    #[arg(long)]
+    /// Provider id (provider list) [env ABX_PROVIDER] [default: alicloud-express]
+    #[arg(long, value_name = "ID")]
     pub provider: Option<String>,
+    /// Control-plane upstream [env ABX_SANDBOX_BASE_URL] [default: from region]
     #[arg(long, value_name = "URL")]
     pub sandbox_base_url: Option<String>,
+    /// envd upstream: PORT-ID.DOMAIN [env ABX_SANDBOX_DOMAIN] [default: from region]
     #[arg(long, value_name = "DOMAIN")]
     pub sandbox_domain: Option<String>,
+    /// Send all envd traffic to this one URL [env ABX_SANDBOX_URL]
     #[arg(long, value_name = "URL")]
     pub sandbox_url: Option<String>,
+    /// AK/SK exchange endpoint [env ABX_TOKEN_EXCHANGE_URL] [default: from region]
     #[arg(long, value_name = "URL")]
     pub token_exchange_url: Option<String>,
+    /// AK/SK exchange signature [env ABX_TOKEN_EXCHANGE] [default: rpc-v1]
     #[arg(long, value_name = "rpc-v1|acs3")]
     pub token_exchange: Option<String>,
+    /// Key lifetime if the exchange gives none [env ABX_TOKEN_TTL] [default: 3600]
     #[arg(long, value_name = "SECONDS")]
     pub token_ttl: Option<String>,
+    /// Refresh this long before expiry [env ABX_TOKEN_REFRESH_BEFORE] [default: 300]
     #[arg(long, value_name = "SECONDS")]
     pub token_refresh_before: Option<String>,
+    /// Map /v2/sandboxes to /sandboxes [env ABX_COMPAT_V2_PATHS] [default: rewrite]
     #[arg(long, value_name = "rewrite|pass")]
     pub compat_v2_paths: Option<String>,
-    /// HOST:PORT or unix:/path
+    /// HOST:PORT or unix:/path [env ABX_PROXY_LISTEN] [default: 127.0.0.1:49982]
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
+    /// Metrics and health [env ABX_PROXY_ADMIN_LISTEN] [default: 127.0.0.1:9464]
     #[arg(long, value_name = "ADDR")]
     pub admin_listen: Option<String>,
     // OsString, not PathBuf: clap refuses an empty PathBuf (exit 2), and SPEC §2 skips a
     // flag given an empty or blank value like any blank value.
-    /// Read the API key from a file (a Kubernetes secret volume); trailing newline trimmed.
+    /// Read the API key from a file (a Kubernetes secret); trailing newline trimmed.
     #[arg(long, value_name = "PATH")]
     pub sandbox_api_key_file: Option<OsString>,
     /// Read the AccessKey secret from a file; trailing newline trimmed.
     #[arg(long, value_name = "PATH")]
     pub access_key_secret_file: Option<OsString>,
-    /// A plugin provider's non-secret field.
+    /// A plugin provider's non-secret field (repeatable).
     #[arg(long, value_name = "FIELD=VALUE")]
     pub provider_option: Vec<ProviderOption>,
 
@@ -158,14 +180,13 @@ pub enum LogFormat {
 /// Network flags shared by `serve` and `check`.
 #[derive(Debug, Args, Clone, Default)]
 pub struct NetArgs {
-    /// Extra CA certificates (PEM) to trust for upstream TLS, beside the system and Mozilla roots.
+    /// Also trust these CA certificates (PEM) for upstream TLS.
     #[arg(long, value_name = "FILE")]
     pub upstream_ca: Option<PathBuf>,
     /// Upstream TCP+TLS connect timeout.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout)]
     pub connect_timeout: Duration,
-    /// Time an upstream may take to send response headers [default: 300s for serve, 30s
-    /// for check's probe].
+    /// Time an upstream may take to send response headers [default: 300s; check: 30s]
     #[arg(long, value_name = "DURATION", value_parser = timeout)]
     pub upstream_timeout: Option<Duration>,
 }
@@ -178,13 +199,13 @@ pub struct ExposureArgs {
     /// Accept connections on a non-loopback address without listener TLS.
     #[arg(long)]
     pub allow_remote: bool,
-    /// A Host name to accept (repeatable), besides the local ones. Without it, a loopback
-    /// listener accepts local names only, and --allow-remote any Host.
+    /// Extra Host to accept (repeatable); unset: any unless loopback w/o --allow-remote
     #[arg(long, value_name = "NAME")]
     pub allowed_host: Vec<String>,
     /// Serve TLS on the listener with this certificate chain (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 }
@@ -206,19 +227,17 @@ pub struct ServeArgs {
     /// Close a connection that moved no bytes for this long.
     #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = timeout)]
     pub idle_timeout: Duration,
-    /// How long in-flight requests and WebSocket tunnels may run after SIGTERM/SIGINT
-    /// (0: close them at once).
+    /// Drain time for requests and tunnels on SIGTERM/SIGINT (0: none).
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
-    /// Time a client may take to send a request head; slower connections are closed
-    /// (slowloris).
+    /// Time a client may take to send a request head (slowloris).
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = timeout)]
     pub header_timeout: Duration,
-    /// Most client connections served at once; beyond it new connections wait in the
-    /// kernel's accept queue.
+    /// Connections served at once; more wait in the accept queue.
     #[arg(long, value_name = "N", default_value_t = 10_000,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_CONNECTIONS))]
     pub max_connections: usize,
+    /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// A RUST_LOG-style filter (RUST_LOG applies when this is not given).

@@ -2242,3 +2242,112 @@ fn a_flag_given_twice_is_a_usage_error() {
         assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
     }
 }
+
+/// The widest line `--help` may print: the help column starts at about 40, and these are
+/// read in a terminal.
+const HELP_WIDTH: usize = 120;
+
+/// The option and argument lines of a `--help` output, as (flag, description): every
+/// line that starts with spaces and `--`, `-x,` or `<ARG>`, its flag and value names
+/// taken off. Asserts that each has a description of its own (not only clap's
+/// `[default: …]`), and that no line is wider than [`HELP_WIDTH`].
+fn help_entries(args: &[&str]) -> Vec<(String, String)> {
+    let out = Case::new().run(args);
+    assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
+    let mut entries = Vec::new();
+    for line in out.stdout.lines() {
+        let trimmed = line.trim_start();
+        let entry = line.starts_with(' ')
+            && (trimmed.starts_with("--")
+                || trimmed.starts_with('<')
+                || trimmed.as_bytes().get(2) == Some(&b',') && trimmed.starts_with('-'));
+        if !entry {
+            continue;
+        }
+        assert!(
+            line.chars().count() <= HELP_WIDTH,
+            "{args:?}: wider than {HELP_WIDTH} columns:\n{line}"
+        );
+        let mut words = trimmed.split_whitespace().peekable();
+        let mut flag = words.next().unwrap_or_default();
+        if flag.ends_with(',') {
+            flag = words.next().unwrap_or_default();
+        }
+        while words
+            .peek()
+            .is_some_and(|w| w.starts_with('<') || w.starts_with("[<"))
+        {
+            words.next();
+        }
+        let description = words.collect::<Vec<_>>().join(" ");
+        assert!(
+            !description.is_empty() && !description.starts_with('['),
+            "{args:?}: {flag} has no description:\n{line}"
+        );
+        entries.push((flag.to_string(), description));
+    }
+    entries
+}
+
+/// Every flag and argument of every command says what it is for: a bare flag name told a
+/// user nothing about what it sets, where else it can come from, or what applies without it.
+#[test]
+fn every_flag_of_every_command_has_a_one_line_description() {
+    for args in [
+        &["--help"][..],
+        &["serve", "--help"],
+        &["check", "--help"],
+        &["config", "list", "--help"],
+        &["config", "get", "--help"],
+        &["provider", "list", "--help"],
+        &["provider", "info", "--help"],
+        &["provider", "install", "--help"],
+    ] {
+        let entries = help_entries(args);
+        assert!(
+            entries.iter().any(|(flag, _)| flag == "--help"),
+            "{args:?}: no option lines parsed: {entries:?}"
+        );
+    }
+    let serve: Vec<String> = help_entries(&["serve", "--help"])
+        .into_iter()
+        .map(|e| e.0)
+        .collect();
+    for flag in ["--region", "--admin-listen", "--allowed-host", "--tls-key"] {
+        assert!(serve.iter().any(|f| f == flag), "{flag} not in {serve:?}");
+    }
+    let check = help_entries(&["check", "--help"]);
+    assert!(check.iter().any(|(f, _)| f == "--offline"), "{check:?}");
+}
+
+/// The help of each settings flag names the key's environment variable and its default
+/// (SPEC §2), as the settings chain resolves them; a key without a default claims none.
+#[test]
+fn every_settings_flag_names_its_env_variable_and_default() {
+    for command in [&["serve", "--help"][..], &["config", "list", "--help"]] {
+        let entries = help_entries(command);
+        for (key, env, secret, default) in TABLE {
+            if *secret {
+                continue;
+            }
+            let flag = format!("--{}", key.replace('_', "-"));
+            let (_, help) = entries
+                .iter()
+                .find(|(f, _)| *f == flag)
+                .unwrap_or_else(|| panic!("{command:?}: no {flag} in {entries:?}"));
+            assert!(help.contains(&format!("[env {env}]")), "{flag}: {help}");
+            let want = match default {
+                // Derived from the effective region, wherever that comes from.
+                Some(d) if *key != "region" && d.contains("cn-hangzhou") => {
+                    Some("[default: from region]".to_string())
+                }
+                Some(d) => Some(format!("[default: {d}]")),
+                None => None,
+            };
+            match want {
+                Some(want) => assert!(help.contains(&want), "{flag}: {help}, want {want}"),
+                None => assert!(!help.contains("[default:"), "{flag}: {help}"),
+            }
+        }
+    }
+}
