@@ -168,8 +168,20 @@ fn check_rewrite(parts: &Parts) {
         );
     }
     if upgrade {
+        // WebSocket alone goes on; with no WebSocket offered, no upgrade at all.
         let conn: Vec<_> = h.get_all(header::CONNECTION).iter().collect();
-        assert_eq!(conn, [HeaderValue::from_static("upgrade")], "{h:?}");
+        let offered: Vec<_> = h.get_all(header::UPGRADE).iter().collect();
+        if offered.is_empty() {
+            assert!(conn.is_empty(), "{h:?}");
+        } else {
+            assert_eq!(conn, [HeaderValue::from_static("upgrade")], "{h:?}");
+            assert_eq!(offered.len(), 1, "{h:?}");
+            let name = offered[0].as_bytes().split(|b| *b == b'/').next();
+            assert!(
+                name.is_some_and(|n| n.eq_ignore_ascii_case(b"websocket")),
+                "{h:?}"
+            );
+        }
     }
     let te: Vec<_> = h.get_all(header::TE).iter().collect();
     assert!(

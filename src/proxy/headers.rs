@@ -453,6 +453,13 @@ mod tests {
             assert!(upgrade[0].as_bytes().eq_ignore_ascii_case(b"websocket"));
             assert_eq!(h["connection"], "upgrade");
         }
+        // Nothing to tunnel: neither field goes on.
+        let mut h = map(&[("connection", "upgrade"), ("upgrade", "we")]);
+        strip_hop_by_hop(&mut h, true);
+        assert!(
+            !h.contains_key("upgrade") && !h.contains_key("connection"),
+            "{h:?}"
+        );
     }
 
     /// A plugin's own auth header carries the client's (dummy) control-plane key: it goes
