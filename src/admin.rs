@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::proxy::body;
-use crate::proxy::listener::{Io, Listener};
+use crate::proxy::listener::{AcceptFailures, Io, Listener};
 use crate::proxy::Proxy;
 use crate::upstream::ProxyBody;
 
@@ -51,13 +51,17 @@ pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Durati
         .keep_alive(false);
     let builder = Arc::new(builder);
     let lifetime = header_timeout + ANSWER_TIMEOUT;
+    let mut failing = AcceptFailures::new("admin");
     loop {
         let stream = match accept(&listener).await {
-            Ok(s) => s,
+            Ok(s) => {
+                failing.recovered();
+                s
+            }
             Err(e) => {
                 // EMFILE and friends: the listener stays readable, so back off instead of
                 // spinning on the thread that also runs the signals and the drain.
-                tracing::warn!(error = %e, "admin accept failed");
+                failing.failed(&e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }

@@ -42,12 +42,17 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
 pub fn is_upgrade_request<B>(req: &http::Request<B>) -> bool {
     req.version() == http::Version::HTTP_11
         && is_upgrade(req.headers())
-        && req
-            .headers()
-            .get_all(header::UPGRADE)
-            .iter()
-            .flat_map(connection_tokens)
-            .any(is_websocket)
+        && offers_websocket(req.headers())
+}
+
+/// Whether an `Upgrade` field names WebSocket among its protocols (a request's offer, or
+/// the protocol a 101 switches to).
+pub fn offers_websocket(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(connection_tokens)
+        .any(is_websocket)
 }
 
 /// Whether an `Upgrade` protocol token (`websocket`, `WebSocket/13`) names WebSocket.

@@ -181,7 +181,7 @@ pub async fn accept_loop(
     let builder = Arc::new(http_builder(config.header_timeout));
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let config = Arc::new(config);
-    let mut failing = AcceptFailures::default();
+    let mut failing = AcceptFailures::new("proxy");
     for turn in 0.. {
         // Beyond the limit new connections wait in the kernel's accept queue.
         let permit = tokio::select! {
@@ -221,8 +221,9 @@ pub async fn accept_loop(
 /// and one warning per try (20 a second) buried everything else: the first failure of a
 /// run is a warning that says what to do, then one a minute while it lasts, and the end
 /// of the run is said too.
-#[derive(Default)]
-struct AcceptFailures {
+pub(crate) struct AcceptFailures {
+    /// Which listener, for the log lines: `proxy` or `admin`.
+    listener: &'static str,
     /// The start of the current run, and failures since the last warning.
     run: Option<(Instant, u64)>,
     warned: Option<Instant>,
@@ -231,16 +232,25 @@ struct AcceptFailures {
 impl AcceptFailures {
     const EVERY: Duration = Duration::from_secs(60);
 
-    fn failed(&mut self, e: &io::Error) {
+    pub(crate) fn new(listener: &'static str) -> Self {
+        AcceptFailures {
+            listener,
+            run: None,
+            warned: None,
+        }
+    }
+
+    pub(crate) fn failed(&mut self, e: &io::Error) {
         let now = Instant::now();
         let (_, since_warning) = self.run.get_or_insert((now, 0));
         let due = self.warned.is_none_or(|w| now - w >= Self::EVERY);
         if !due {
             *since_warning += 1;
-            tracing::debug!(error = %e, "accept failed again");
+            tracing::debug!(listener = self.listener, error = %e, "accept failed again");
             return;
         }
         tracing::warn!(
+            listener = self.listener,
             error = %e,
             failed_since_last_warning = *since_warning,
             "accept failed: new connections wait in the kernel's queue; if the process is out \
@@ -251,10 +261,11 @@ impl AcceptFailures {
         self.warned = Some(now);
     }
 
-    fn recovered(&mut self) {
+    pub(crate) fn recovered(&mut self) {
         if let Some((since, _)) = self.run.take() {
             self.warned = None;
             tracing::info!(
+                listener = self.listener,
                 failing_s = since.elapsed().as_secs_f64(),
                 "accepting connections again"
             );

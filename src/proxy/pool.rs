@@ -1270,15 +1270,7 @@ fn switched(requested: bool, headers: &HeaderMap) -> Result<(), UpstreamError> {
             "unexpected 101 Switching Protocols",
         ));
     }
-    let websocket = headers
-        .get_all(UPGRADE)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .any(|p| {
-            let name = p.trim_ascii().split(|b| *b == b'/').next();
-            name.is_some_and(|n| n.eq_ignore_ascii_case(b"websocket"))
-        });
-    if !websocket {
+    if !super::headers::offers_websocket(headers) {
         return Err(UpstreamError::Protocol(
             "101 Switching Protocols to another protocol than WebSocket",
         ));
