@@ -59,10 +59,8 @@ pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Durati
                 s
             }
             Err(e) => {
-                // EMFILE and friends: the listener stays readable, so back off instead of
-                // spinning on the thread that also runs the signals and the drain.
-                failing.failed(&e);
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Backing off: this thread also runs the signals and the drain.
+                failing.failed(&e).await;
                 continue;
             }
         };

@@ -199,9 +199,7 @@ pub async fn accept_loop(
                 s
             }
             Err(e) => {
-                // EMFILE and friends: back off briefly instead of spinning.
-                failing.failed(&e);
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                failing.failed(&e).await;
                 continue;
             }
         };
@@ -240,7 +238,14 @@ impl AcceptFailures {
         }
     }
 
-    pub(crate) fn failed(&mut self, e: &io::Error) {
+    /// Logs as said above, then waits a moment: EMFILE and friends leave the listener
+    /// readable, and the next accept would fail at once, spinning.
+    pub(crate) async fn failed(&mut self, e: &io::Error) {
+        self.log(e);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    fn log(&mut self, e: &io::Error) {
         let now = Instant::now();
         let (_, since_warning) = self.run.get_or_insert((now, 0));
         let due = self.warned.is_none_or(|w| now - w >= Self::EVERY);
