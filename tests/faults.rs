@@ -1912,6 +1912,111 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
     holder.abort();
 }
 
+/// An idle HTTP/2 connection is closed with GOAWAY (RFC 9113 §6.8), as nginx closes one
+/// at its keep-alive timeout: a client that opens a stream just then learns it was not
+/// processed and may send it again. The socket used to close without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_with_goaway() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (tcp, received) = Recorded::new(connect_raw(addr).await);
+    let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let mut client = within("h2 ready", client.ready()).await.expect("ready");
+    let req = http::Request::get(format!("http://{addr}/sandboxes"))
+        .header("x-api-key", "dummy")
+        .body(())
+        .expect("request");
+    let (answer, _) = client.send_request(req, true).expect("send");
+    let answer = within("the answer", answer).await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    while let Some(chunk) = within("the body", body.data()).await {
+        chunk.expect("the body");
+    }
+    drop(client);
+    let _ = within("the proxy closing the idle connection", conn).await;
+    let types = frame_types(&received.lock().expect("lock"));
+    const GOAWAY: u8 = 0x7;
+    assert!(
+        types.contains(&GOAWAY),
+        "the proxy's frames (types): {types:?}"
+    );
+    proxy.finish().await;
+}
+
+/// A connection that keeps a copy of every byte it reads.
+struct Recorded {
+    inner: TcpStream,
+    received: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Recorded {
+    fn new(inner: TcpStream) -> (Self, Arc<Mutex<Vec<u8>>>) {
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let io = Recorded {
+            inner,
+            received: received.clone(),
+        };
+        (io, received)
+    }
+}
+
+impl tokio::io::AsyncRead for Recorded {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Ok(mut received) = self.received.lock() {
+            received.extend_from_slice(&buf.filled()[before..]);
+        }
+        r
+    }
+}
+
+impl tokio::io::AsyncWrite for Recorded {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// The types of the HTTP/2 frames a server sent, in order (RFC 9113 §4.1).
+fn frame_types(mut bytes: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    while bytes.len() >= 9 {
+        let len = usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+        types.push(bytes[3]);
+        bytes = bytes.get(9 + len..).unwrap_or_default();
+    }
+    types
+}
+
 /// A TCP relay on 127.0.0.1 to an upstream whose first connection, once told to, goes
 /// silent without closing: it forwards nothing more either way and holds both sockets, as
 /// a stalled load balancer or a lost NAT mapping does. Later connections are relayed as
