@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tokio::signal::unix::Signal;
+use tokio::time::Instant;
 
 use crate::cli::SettingsArgs;
 use crate::commands;
@@ -163,6 +164,14 @@ fn shadowed(before: &Resolved, after: &Resolved) -> Vec<String> {
 /// so a file caught half rewritten (`echo key > file` is not atomic) is never swapped in.
 const FILE_POLL: Duration = Duration::from_secs(5);
 
+/// The first wait before a changed secret file whose reload failed is tried again; it
+/// doubles with each failure, to [`RETRY_MAX`]. A new AccessKey pair whose first exchange
+/// met a passing 5xx, or a key rotated while `~/.abx/.env` was being edited, would
+/// otherwise wait for the next rotation: nothing else reloads a pod's proxy.
+const RETRY_FIRST: Duration = Duration::from_secs(5);
+/// At most this between two tries (a wrong new pair is an exchange call each time).
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
 /// The `--*-file` secrets' contents, hashed: a copy of a secret is not kept to compare.
 /// `None` for a file that cannot be read now (reported by the reload it triggers).
 #[derive(Clone, PartialEq, Eq)]
@@ -179,24 +188,42 @@ impl FileSnapshot {
     }
 }
 
-/// Watches the secret files: resolves when one has changed and read the same twice.
-struct FileWatch {
+/// Why the secret files ask for a reload.
+#[derive(Debug, PartialEq, Eq)]
+enum FileEvent {
+    Changed,
+    /// Unchanged since a reload of them failed: another try.
+    Retry,
+}
+
+/// Watches the secret files: resolves when one has changed and read the same twice, or
+/// when a change whose reload failed is due another try.
+pub struct FileWatch {
     paths: Vec<PathBuf>,
+    /// The contents the running credential was read from.
     applied: FileSnapshot,
+    /// A change read once, waiting for a second read to agree.
     pending: Option<FileSnapshot>,
+    /// Contents a reload failed to apply, and when to try them again.
+    failed: Option<(FileSnapshot, Instant)>,
+    retry_in: Duration,
 }
 
 impl FileWatch {
-    fn new(paths: Vec<PathBuf>) -> Self {
+    /// Taken before the settings are first read, so that a rotation while the proxy
+    /// starts is seen as a change.
+    pub fn new(paths: Vec<PathBuf>) -> Self {
         let applied = FileSnapshot::take(&paths);
         FileWatch {
             paths,
             applied,
             pending: None,
+            failed: None,
+            retry_in: RETRY_FIRST,
         }
     }
 
-    async fn changed(&mut self) {
+    async fn changed(&mut self) -> FileEvent {
         if self.paths.is_empty() {
             return std::future::pending().await;
         }
@@ -204,20 +231,55 @@ impl FileWatch {
             tokio::time::sleep(FILE_POLL).await;
             let now = FileSnapshot::take(&self.paths);
             if now == self.applied {
+                // Back to what runs: nothing to apply, nothing to retry.
                 self.pending = None;
+                self.failed = None;
+                self.retry_in = RETRY_FIRST;
+            } else if let Some((_, due)) = self.failed.as_ref().filter(|(f, _)| *f == now) {
+                if Instant::now() >= *due {
+                    return FileEvent::Retry;
+                }
             } else if self.pending.as_ref() == Some(&now) {
-                return;
+                return FileEvent::Changed;
             } else {
                 self.pending = Some(now);
             }
         }
     }
 
-    /// What a reload has just read counts as applied, whatever woke it.
-    fn reloaded(&mut self) {
-        self.applied = FileSnapshot::take(&self.paths);
+    /// What a reload is about to read, whatever woke it.
+    fn reading(&mut self) -> FileSnapshot {
         self.pending = None;
+        FileSnapshot::take(&self.paths)
     }
+
+    /// The reload of `read` took effect.
+    fn applied(&mut self, read: FileSnapshot) {
+        self.applied = read;
+        self.failed = None;
+        self.retry_in = RETRY_FIRST;
+    }
+
+    /// The reload of `read` did not take effect: if the files differ from what runs, they
+    /// are tried again later. (A SIGHUP's failure with the files unchanged is the
+    /// operator's to retry.)
+    fn failed(&mut self, read: FileSnapshot) {
+        if read == self.applied {
+            return;
+        }
+        self.failed = Some((read, Instant::now() + self.retry_in));
+        self.retry_in = (self.retry_in * 2).min(RETRY_MAX);
+    }
+}
+
+/// What a running proxy reloads, and what it runs on.
+struct Running {
+    proxy: Arc<Proxy>,
+    flags: SettingsArgs,
+    options: Options,
+    /// The settings as last read (with sources), to name what a reload changes.
+    seen: Resolved,
+    settings: Settings,
 }
 
 /// Waits for SIGHUPs (and changed secret files) and applies each reload's [`Plan`]. A
@@ -226,11 +288,18 @@ pub async fn on_hangup(
     proxy: Arc<Proxy>,
     mut hangups: Option<Signal>,
     flags: SettingsArgs,
-    mut seen: Resolved,
-    mut running: Settings,
+    mut files: FileWatch,
+    seen: Resolved,
+    running: Settings,
     options: Options,
 ) {
-    let mut files = FileWatch::new(flags.secret_files().into_iter().map(|(_, p)| p).collect());
+    let mut running = Running {
+        proxy,
+        flags,
+        options,
+        seen,
+        settings: running,
+    };
     loop {
         let hangup = async {
             match &mut hangups {
@@ -240,20 +309,34 @@ pub async fn on_hangup(
         };
         tokio::select! {
             got = hangup => if got.is_none() { return },
-            () = files.changed() => tracing::info!("a secret file changed: reloading"),
+            event = files.changed() => match event {
+                FileEvent::Changed => tracing::info!("a secret file changed: reloading"),
+                FileEvent::Retry => tracing::info!("a changed secret file: trying its reload again"),
+            },
         }
-        files.reloaded();
-        let (resolved, next) = match commands::resolve(&flags)
+        let read = files.reading();
+        if running.reload().await {
+            files.applied(read);
+        } else {
+            files.failed(read);
+        }
+    }
+}
+
+impl Running {
+    /// One reload; `false` when what was read did not take effect (failed or refused).
+    async fn reload(&mut self) -> bool {
+        let (resolved, next) = match commands::resolve(&self.flags)
             .and_then(|r| r.validate().map(|s| (r, s)))
         {
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
-                continue;
+                return false;
             }
         };
-        let changed = changed_names(&seen, &resolved, &running, &next);
-        let shadowed = shadowed(&seen, &resolved);
+        let changed = changed_names(&self.seen, &resolved, &self.settings, &next);
+        let shadowed = shadowed(&self.seen, &resolved);
         if !shadowed.is_empty() {
             tracing::warn!(
                 keys = %shadowed.join(","),
@@ -263,55 +346,54 @@ pub async fn on_hangup(
         }
         if changed.is_empty() {
             tracing::info!("reload: nothing changed");
-            continue;
+            return true;
         }
-        let restart = match plan(&running, &next, &changed) {
+        let restart = match plan(&self.settings, &next, &changed) {
             Plan::Refuse { moved } => {
                 tracing::warn!(
                     keys = %moved.join(","),
                     "reload refused: the provider or its hosts changed; the running credential \
                      stays with the hosts it belongs to until a restart"
                 );
-                continue;
+                return false;
             }
             Plan::Keep { restart } => {
                 tracing::info!(changed = %changed.join(","), "reloaded; the credential is unchanged");
                 restart
             }
             Plan::Swap { restart } => {
-                let swapped = with_credential_of(&running, &next);
-                let credential = match ApiCredential::start(&swapped, &options, &proxy.metrics) {
+                let swapped = with_credential_of(&self.settings, &next);
+                let metrics = &self.proxy.metrics;
+                let credential = match ApiCredential::start(&swapped, &self.options, metrics) {
                     Ok(credential) => credential,
                     Err(e) => {
                         tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
-                        continue;
+                        return false;
                     }
                 };
                 // An AK/SK pair: its first exchange must answer before it replaces a key
                 // that works. A static key answers at once.
                 if let Err(e) = credential.current().await {
                     tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
-                    continue;
+                    return false;
                 }
                 let expiry = credential.expiry_unix();
-                proxy.credential.swap(Arc::new(credential)).retire();
+                self.proxy.credential.swap(Arc::new(credential)).retire();
                 // The running key's expiry, whatever the replaced refresher reported last
                 // (0 for a static key: left at an old temporary key's expiry, the gauge
                 // would pass that time and look like a key about to expire).
-                proxy
-                    .metrics
-                    .token_expiry
-                    .set(expiry.map_or(0.0, |t| t as f64));
+                metrics.token_expiry.set(expiry.map_or(0.0, |t| t as f64));
                 tracing::info!(changed = %changed.join(","), "reloaded");
-                running.credential = next.credential.clone();
-                running.plugin = next.plugin.clone();
+                self.settings.credential = next.credential.clone();
+                self.settings.plugin = next.plugin.clone();
                 restart
             }
         };
         if !restart.is_empty() {
             tracing::warn!(keys = %restart.join(","), "these settings apply at the next restart");
         }
-        seen = resolved;
+        self.seen = resolved;
+        true
     }
 }
 
@@ -342,15 +424,21 @@ mod tests {
         xs.iter().map(|s| s.to_string()).collect()
     }
 
+    /// A key file holding `sk-one`, watched.
+    fn watched_key_file() -> (tempfile::TempDir, PathBuf, FileWatch) {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("key");
+        std::fs::write(&path, "sk-one").expect("write");
+        let watch = FileWatch::new(vec![path.clone()]);
+        (dir, path, watch)
+    }
+
     /// A file caught half rewritten is never swapped in: a change counts once two reads
     /// in a row agree.
     #[tokio::test(start_paused = true)]
     async fn a_secret_file_change_counts_once_two_reads_agree() {
         use tokio::time::timeout;
-        let dir = tempfile::tempdir().expect("dir");
-        let path = dir.path().join("key");
-        std::fs::write(&path, "sk-one").expect("write");
-        let mut watch = FileWatch::new(vec![path.clone()]);
+        let (_dir, path, mut watch) = watched_key_file();
         let poll = FILE_POLL + Duration::from_millis(1);
         assert!(
             timeout(poll * 10, watch.changed()).await.is_err(),
@@ -367,7 +455,8 @@ mod tests {
             timeout(poll, watch.changed()).await.is_ok(),
             "two reads agree"
         );
-        watch.reloaded();
+        let read = watch.reading();
+        watch.applied(read);
         assert!(
             timeout(poll * 10, watch.changed()).await.is_err(),
             "applied"
@@ -378,6 +467,60 @@ mod tests {
                 .is_err(),
             "no file, no wake"
         );
+    }
+
+    /// A change whose reload failed (a broken `.env` beside it, a new pair's first
+    /// exchange meeting a 5xx) is tried again, later each time, until it takes effect or
+    /// the file changes back; nothing else would apply it before the next rotation.
+    #[tokio::test(start_paused = true)]
+    async fn a_secret_file_change_that_failed_to_apply_is_tried_again() {
+        use tokio::time::timeout;
+        let (_dir, path, mut watch) = watched_key_file();
+        std::fs::write(&path, "sk-two").expect("rotate");
+        let event = timeout(FILE_POLL * 3, watch.changed()).await;
+        assert_eq!(event.ok(), Some(FileEvent::Changed));
+
+        // Each failure waits longer before the next try: 5 s, 10 s, 20 s, …
+        for retry_in in [RETRY_FIRST, RETRY_FIRST * 2, RETRY_FIRST * 4] {
+            let read = watch.reading();
+            watch.failed(read);
+            let started = Instant::now();
+            let event = timeout(retry_in + FILE_POLL * 2, watch.changed()).await;
+            assert_eq!(event.ok(), Some(FileEvent::Retry), "after {retry_in:?}");
+            assert!(started.elapsed() >= retry_in, "{:?}", started.elapsed());
+        }
+        let read = watch.reading();
+        watch.failed(read);
+        let started = Instant::now();
+        for _ in 0..8 {
+            let read = watch.reading();
+            watch.failed(read);
+        }
+        let event = timeout(RETRY_MAX + FILE_POLL * 2, watch.changed()).await;
+        assert_eq!(event.ok(), Some(FileEvent::Retry), "at most {RETRY_MAX:?}");
+        assert!(started.elapsed() <= RETRY_MAX + FILE_POLL);
+
+        // Applied at last: no more tries, and the next failure starts from the first wait.
+        let read = watch.reading();
+        watch.applied(read);
+        assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
+        std::fs::write(&path, "sk-three").expect("rotate");
+        assert_eq!(watch.changed().await, FileEvent::Changed);
+        let read = watch.reading();
+        watch.failed(read);
+        let started = Instant::now();
+        assert_eq!(watch.changed().await, FileEvent::Retry);
+        assert!(started.elapsed() <= RETRY_FIRST + FILE_POLL);
+
+        // No retry once a failed change is undone, nor for a failure with the files as
+        // they run (a SIGHUP with a broken `.env`: the operator's to send again).
+        let read = watch.reading();
+        watch.failed(read);
+        std::fs::write(&path, "sk-two").expect("back");
+        assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
+        let read = watch.reading();
+        watch.failed(read);
+        assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
+use crate::reload::FileWatch;
 use crate::settings::{Resolved, Settings};
 use crate::signals;
 use crate::workers::{self, Workers};
@@ -28,6 +29,14 @@ const FDS_RESERVED: u64 = 256;
 
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
+    // Before the first read: a secret rotated while the proxy starts is a change to apply.
+    let files = FileWatch::new(
+        args.settings
+            .secret_files()
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect(),
+    );
     let resolved = commands::resolve(&args.settings)?;
     let settings = resolved.validate()?;
     for w in settings.cleartext_upstreams() {
@@ -54,6 +63,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         options,
         tls,
         args.settings.clone(),
+        files,
     ));
     // Dropping the runtime would wait for its blocking threads, and a name look-up of the
     // token exchange (getaddrinfo cannot be cancelled) can hold one for as long as the
@@ -68,6 +78,7 @@ async fn serve(
     options: Options,
     tls: Option<tokio_rustls::TlsAcceptor>,
     flags: SettingsArgs,
+    files: FileWatch,
 ) -> Result<(), Error> {
     let metrics = Arc::new(Metrics::new().map_err(|e| Error::Bind {
         addr: settings.admin_listen.to_string(),
@@ -118,6 +129,7 @@ async fn serve(
         proxy.clone(),
         hangups,
         flags,
+        files,
         resolved,
         settings.clone(),
         options.clone(),

@@ -521,13 +521,7 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     stop.store(true, Ordering::SeqCst);
     client.await.expect("client");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
-    assert_eq!(
-        upstream
-            .seen()
-            .last()
-            .and_then(|s| s.header("authorization").map(str::to_string)),
-        Some(bearer2.clone())
-    );
+    assert_eq!(last_bearer(&upstream), Some(bearer2.clone()));
     assert_eq!(
         failed.load(Ordering::SeqCst),
         0,
@@ -574,21 +568,54 @@ async fn a_rotated_key_file_reloads_without_a_signal() {
         .args(&["--sandbox-api-key-file", &key_file])
         .spawn()
         .await;
-    let bearer = |upstream: &Upstream| {
-        upstream
-            .seen()
-            .last()
-            .and_then(|s| s.header("authorization").map(str::to_string))
-    };
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
-    assert_eq!(bearer(&upstream), Some(format!("Bearer {KEY1}")));
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY1}")));
 
     version("..v2", KEY2);
     proxy.wait_for_line("a secret file changed").await;
     let line = proxy.wait_for_line("reloaded").await;
     assert!(line.contains("sandbox_api_key"), "{line}");
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
-    assert_eq!(bearer(&upstream), Some(format!("Bearer {KEY2}")));
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY2}")));
+    let stderr = proxy.finish().await;
+    for key in [KEY1, KEY2] {
+        assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
+    }
+}
+
+/// A rotated key file whose reload fails (here `~/.abx/.env` is broken at that moment; in
+/// production, a new AccessKey pair's first exchange meeting a 5xx) is tried again until it
+/// applies: it was marked as read, and the key stayed the old one until the next rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_key_file_that_failed_to_reload_is_tried_again() {
+    const KEY1: &str = "sk-mounted-one-NNNN5555oooo6666";
+    const KEY2: &str = "sk-mounted-two-PPPP7777qqqq8888";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let volume = tempfile::tempdir().expect("volume");
+    let key_file = volume.path().join("key");
+    std::fs::write(&key_file, format!("{KEY1}\n")).expect("key");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", "ABX_REGION=cn-hangzhou\n")
+        .args(&["--sandbox-api-key-file", &key_file.display().to_string()])
+        .spawn()
+        .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY1}")));
+
+    let dotenv = proxy.abx_home().join(".env");
+    std::fs::write(&dotenv, "ABX_REGION=\"cn-hangzhou\n").expect("break .env");
+    std::fs::write(&key_file, format!("{KEY2}\n")).expect("rotate");
+    proxy.wait_for_line("a secret file changed").await;
+    let failed = proxy.wait_for_line("reload failed").await;
+    assert!(failed.contains("E1006"), "{failed}");
+    std::fs::write(&dotenv, "ABX_REGION=cn-hangzhou\n").expect("mend .env");
+    proxy.wait_for_line("trying its reload again").await;
+    let line = proxy.wait_for_line("reloaded").await;
+    assert!(line.contains("sandbox_api_key"), "{line}");
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY2}")));
     let stderr = proxy.finish().await;
     for key in [KEY1, KEY2] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
@@ -617,17 +644,19 @@ async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
         "names the key, the file and what wins: {line}"
     );
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
-    assert_eq!(
-        upstream
-            .seen()
-            .last()
-            .and_then(|s| s.header("authorization").map(str::to_string)),
-        Some(format!("Bearer {ENV_KEY}"))
-    );
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {ENV_KEY}")));
     let stderr = proxy.finish().await;
     for key in [ENV_KEY, FILE_KEY] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
+}
+
+/// The `Authorization` the upstream saw last.
+fn last_bearer(upstream: &Upstream) -> Option<String> {
+    upstream
+        .seen()
+        .last()
+        .and_then(|s| s.header("authorization").map(str::to_string))
 }
 
 /// The soft open-file limit of a process, from `/proc/<pid>/limits`.
@@ -912,17 +941,11 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         .spawn()
         .await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
-    let last_bearer = || {
-        upstream
-            .seen()
-            .last()
-            .and_then(|s| s.header("authorization").map(str::to_string))
-    };
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let first = fake.issued_keys();
     assert_eq!(first.len(), 1);
     let bearer = Some(format!("Bearer {}", first[0]));
-    assert_eq!(last_bearer(), bearer);
+    assert_eq!(last_bearer(&upstream), bearer);
 
     // Only a setting that waits for a restart changed: no new exchange.
     let ttl = format!("{pair}ABX_TOKEN_TTL=600\n");
@@ -934,7 +957,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         1,
         "a reload that kept the pair exchanged again"
     );
-    assert_eq!(last_bearer(), bearer);
+    assert_eq!(last_bearer(&upstream), bearer);
 
     // A new pair the endpoint refuses: the running key keeps serving.
     let refused_pair = format!(
@@ -948,7 +971,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         .await;
     assert_eq!(fake.rejected(), 1);
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
-    assert_eq!(last_bearer(), bearer);
+    assert_eq!(last_bearer(&upstream), bearer);
     assert_eq!(get(admin, "/readyz").await.0, 200);
     let expiry = "abx_proxy_token_expiry_timestamp_seconds";
     assert!(series(&scrape(admin).await, expiry, &[]) > Some(0.0));
@@ -961,7 +984,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         .await;
     assert!(line.contains("sandbox_api_key"), "{line}");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
-    assert_eq!(last_bearer(), Some(format!("Bearer {STATIC_KEY}")));
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {STATIC_KEY}")));
     assert_eq!(series(&scrape(admin).await, expiry, &[]), Some(0.0));
     let stderr = proxy.finish().await;
     assert_no_aksk_secret(&stderr, &first, "the log");
