@@ -7,7 +7,7 @@ use crate::cli::{CheckArgs, SettingsArgs};
 use crate::error::{Error, EXIT_USAGE};
 use crate::providers;
 use crate::providers::manifest::printable;
-use crate::settings::{Inputs, Resolved, Source, KEYS};
+use crate::settings::{FlagValue, Inputs, Resolved, Source, KEYS};
 
 /// Resolves the chain for these flags and prints the warnings (every command that resolves
 /// settings does).
@@ -30,7 +30,36 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
     for w in resolved.all_warnings() {
         crate::logging::warning(&w);
     }
+    for w in empty_secret_files(args, &inputs, &resolved) {
+        crate::logging::warning(&w);
+    }
     Ok(resolved)
+}
+
+/// A key file read empty is a blank value, skipped like any (SPEC §2), but hardly what
+/// whoever pointed the proxy at it meant (a Secret created empty, a rotation caught half
+/// done): without a word the key would come from a lower level, an old `.env` key.
+fn empty_secret_files(args: &SettingsArgs, inputs: &Inputs, resolved: &Resolved) -> Vec<String> {
+    let mut found = Vec::new();
+    for (key, path) in args.secret_files() {
+        let blank = match inputs.flags.get(&key) {
+            Some(FlagValue::Secret(s)) => s.expose().trim().is_empty(),
+            _ => false,
+        };
+        if !blank {
+            continue;
+        }
+        let entry = resolved.entry(key);
+        let instead = match (&entry.value, entry.source) {
+            (Some(_), source) => format!("{} comes from {}", entry.spec.name, source.label()),
+            (None, _) => format!("{} is not set", entry.spec.name),
+        };
+        found.push(format!(
+            "{} is empty: skipped as a blank value; {instead}",
+            path.display()
+        ));
+    }
+    found
 }
 
 /// Exit status when stdout's reader has gone: what a shell reports for a program ended by

@@ -1941,6 +1941,48 @@ fn check_refuses_what_serve_refuses() {
     }
 }
 
+/// An empty key file is a blank value, skipped like any (SPEC §2), but not silently: the
+/// key quietly came from a lower level (an old `~/.abx/.env` key) although the proxy was
+/// pointed at a file. A warning names the file and where the key comes from instead.
+#[test]
+fn an_empty_secret_file_is_skipped_with_a_warning() {
+    for (flag, key) in [
+        ("--sandbox-api-key-file", "sandbox_api_key"),
+        ("--access-key-secret-file", "access_key_secret"),
+    ] {
+        for empty in ["", "\n", "\r\n", " \n"] {
+            let mut c = Case::new();
+            let p = c.file("empty-key", empty);
+            let path = p.to_str().expect("utf-8").to_string();
+            c.home_dotenv(&format!(
+                "ABX_SANDBOX_API_KEY={KEY_HOME}\nALICLOUD_ACCESS_KEY_SECRET={AK_SECRET_ENV}"
+            ));
+            c.flag(flag, &path);
+            let out = c.run(&["config", "list"]);
+            assert_eq!(out.code, 0, "{flag} {empty:?}: {}", out.stderr);
+            let warning =
+                format!("{path} is empty: skipped as a blank value; {key} comes from ~/.abx/.env");
+            assert!(
+                out.stderr.contains(&warning),
+                "{flag} {empty:?}: {}",
+                out.stderr
+            );
+        }
+    }
+    // Nothing below it: the usual error, after the warning.
+    let mut c = Case::new();
+    let p = c.file("empty-key", "");
+    c.flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("is empty: skipped as a blank value; sandbox_api_key is not set"),
+        "{}",
+        out.stderr
+    );
+}
+
 /// SPEC §2: a flag given an empty or blank value is skipped like any blank value; the
 /// `-file` flags refused "" with a clap error (exit 2) and tried to read " " (E1006).
 #[test]
