@@ -1950,6 +1950,73 @@ async fn an_idle_http2_connection_is_closed_with_goaway() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at
+/// `--idle-timeout` like the same answer on HTTP/1.1, although the client's other streams
+/// keep the connection busy: they kept its one idle clock going, and the stalled stream
+/// held its upstream connection and a stream slot for as long as they came (nginx's
+/// `proxy_read_timeout` is per request too). The connection itself stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
+    let pki = Pki::new();
+    let senders = Arc::new(Mutex::new(Vec::new()));
+    let held = senders.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let held = held.clone();
+        async move {
+            if req.uri().path() != "/stall" {
+                return response(200, "ok");
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let _ = tx.try_send(Bytes::from_static(b"first"));
+            // Kept open and silent: the body never ends.
+            held.lock().expect("lock").push(tx);
+            Response::new(boxed(ChannelBody(rx)))
+        }
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut h2, open) = h2_client(addr).await;
+    let mut stall = h2_get(addr);
+    *stall.uri_mut() = format!("http://{addr}/stall").parse().expect("uri");
+    let answer = within("the stalled answer's head", h2.send_request(stall))
+        .await
+        .expect("head");
+    let mut body = answer.into_body();
+    let first = within("the first chunk", body.frame()).await;
+    assert!(matches!(first, Some(Ok(_))), "{first:?}");
+    let rest = body.frame();
+    tokio::pin!(rest);
+    // Other streams, one every 200 ms (the behaviour under test, not a wait): the
+    // connection is never idle for the 1 s of --idle-timeout.
+    let mut others = 0;
+    let ended = loop {
+        tokio::select! {
+            end = &mut rest => break end,
+            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+        assert!(
+            others < 50,
+            "the stalled stream outlived 10 s of traffic beside it"
+        );
+        let resp = within("another stream", h2.send_request(h2_get(addr)))
+            .await
+            .expect("another stream");
+        assert_eq!(resp.status(), 200);
+        others += 1;
+    };
+    assert!(matches!(ended, Some(Err(_))), "{ended:?}");
+    assert!(*open.borrow(), "the connection itself stays open");
+    let resp = within("a stream after the cut", h2.send_request(h2_get(addr)))
+        .await
+        .expect("a stream after the cut");
+    assert_eq!(resp.status(), 200);
+    proxy.finish().await;
+}
+
 /// A connection that keeps a copy of every byte it reads.
 struct Recorded {
     inner: TcpStream,

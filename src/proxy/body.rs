@@ -1,5 +1,6 @@
 //! Body helpers: boxing, bounded reads that never lose bytes, and the proxy's own answers.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -238,5 +239,70 @@ impl Body for Uploading {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// An answer's body to an HTTP/2 client, ended with an error once no frame has come for
+/// the idle timeout.
+///
+/// On HTTP/1.1 the connection's idle timeout ends an answer whose upstream went silent.
+/// An HTTP/2 connection's other streams keep that clock going, so such a stream (a dead
+/// envd's) held its upstream connection and one of the client's stream slots for as long
+/// as they did. nginx's `proxy_read_timeout` is per request likewise. The timer is reset
+/// lazily: a frame costs a clock read, not a timer-wheel update.
+pub struct IdleLimited<B> {
+    body: B,
+    timeout: Duration,
+    last: Instant,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> IdleLimited<B> {
+    pub fn new(body: B, timeout: Duration) -> Self {
+        let last = Instant::now();
+        IdleLimited {
+            body,
+            timeout,
+            last,
+            timer: Box::pin(tokio::time::sleep_until((last + timeout).into())),
+        }
+    }
+}
+
+impl<B> Body for IdleLimited<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+            this.last = Instant::now();
+            return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
+        }
+        loop {
+            ready!(this.timer.as_mut().poll(cx));
+            let due = this.last + this.timeout;
+            if Instant::now() >= due {
+                return Poll::Ready(Some(Err(
+                    "the upstream sent nothing more for the idle timeout".into(),
+                )));
+            }
+            this.timer.as_mut().reset(due.into());
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }

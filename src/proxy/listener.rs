@@ -421,10 +421,12 @@ async fn with_hyper(
             req.extensions_mut().insert(why);
         }
         let connect = req.method() == Method::CONNECT;
+        let http2 = req.version() == http::Version::HTTP_2;
+        let idle = proxy.idle_timeout;
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (3 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
-        let req = if req.version() == http::Version::HTTP_2 {
+        let req = if http2 {
             told.http2.store(true, Ordering::Relaxed);
             req.map(|b| super::body::boxed(super::body::EndStreamed::new(b)))
         } else {
@@ -445,6 +447,10 @@ async fn with_hyper(
             if verdict.refusal.is_some() || (verdict.last && !tunnel) {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
+            if http2 && !http_body::Body::is_end_stream(resp.body()) {
+                resp = resp.map(|b| super::body::boxed(super::body::IdleLimited::new(b, idle)));
             }
             Ok::<_, Infallible>(resp)
         }
