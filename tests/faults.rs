@@ -644,6 +644,8 @@ struct RawUpstream {
     url: String,
     /// One message per connection that has ended.
     closed: tokio::sync::mpsc::UnboundedReceiver<()>,
+    /// One message per request head received.
+    heads: tokio::sync::mpsc::UnboundedReceiver<()>,
     server: tokio::task::JoinHandle<()>,
 }
 
@@ -655,17 +657,18 @@ impl RawUpstream {
         let acceptor =
             pki.map(|p| tokio_rustls::TlsAcceptor::from(p.server_config(&[b"http/1.1"])));
         let (ended, closed) = tokio::sync::mpsc::unbounded_channel();
+        let (headed, heads) = tokio::sync::mpsc::unbounded_channel();
         let server = tokio::spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, ended) = (acceptor.clone(), ended.clone());
+                let (acceptor, ended, headed) = (acceptor.clone(), ended.clone(), headed.clone());
                 tokio::spawn(async move {
                     match acceptor {
                         Some(a) => {
                             if let Ok(tls) = a.accept(tcp).await {
-                                Self::answer(tls, after).await;
+                                Self::answer(tls, after, headed).await;
                             }
                         }
-                        None => Self::answer(tcp, after).await,
+                        None => Self::answer(tcp, after, headed).await,
                     }
                     let _ = ended.send(());
                 });
@@ -674,6 +677,7 @@ impl RawUpstream {
         RawUpstream {
             url,
             closed,
+            heads,
             server,
         }
     }
@@ -681,6 +685,7 @@ impl RawUpstream {
     async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
         mut s: S,
         after: AfterHead,
+        headed: tokio::sync::mpsc::UnboundedSender<()>,
     ) {
         let mut head = Vec::new();
         while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -690,6 +695,7 @@ impl RawUpstream {
                 _ => return,
             }
         }
+        let _ = headed.send(());
         match after {
             AfterHead::WriteAndClose(bytes) => {
                 let _ = s.write_all(bytes).await;
@@ -2347,6 +2353,47 @@ async fn a_client_leaving_a_streamed_answer_ends_the_upstream_exchange() {
             .await
             .unwrap_or_else(|| panic!("{what}"));
     }
+    proxy.finish().await;
+}
+
+/// A client that hangs up after its whole `Content-Length` body, while its answer is still
+/// to come, ends the upstream exchange at once, as one without a body does: the upstream
+/// connection closes and the request is logged as 499. The proxy's own upstream client
+/// kept the finished body until the answer's head, and the client's going was noticed
+/// only then: at `--upstream-timeout`, or the end of a drain (the JS SDK's `Process/Start`,
+/// the Python SDK's unary calls and `files.write`). The body with the head, and after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_after_its_body_ends_the_upstream_exchange() {
+    // Reads the request, never answers, and reports the connection's end.
+    let mut upstream = RawUpstream::start(None, AfterHead::WriteAndRead(b"")).await;
+    let pki = Pki::new();
+    let mut proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    for (path, with_head) in [("/with-head", true), ("/after-head", false)] {
+        let head = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 2\r\n\r\n");
+        let mut s = connect_raw(addr).await;
+        if with_head {
+            s.write_all(format!("{head}{{}}").as_bytes())
+                .await
+                .expect("request");
+            within("the request upstream", upstream.heads.recv()).await;
+        } else {
+            s.write_all(head.as_bytes()).await.expect("head");
+            within("the head upstream", upstream.heads.recv()).await;
+            s.write_all(b"{}").await.expect("body");
+        }
+        drop(s);
+        within("the upstream connection to close", upstream.closed.recv())
+            .await
+            .unwrap_or_else(|| panic!("{path}"));
+        let line = proxy.wait_for_line(" status=499 ").await;
+        assert!(line.contains(&format!(" path={path} ")), "{line}");
+    }
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        metric(&text, r#"abx_proxy_in_flight_requests{plane="api"}"#),
+        Some(0.0)
+    );
     proxy.finish().await;
 }
 

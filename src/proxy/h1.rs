@@ -163,7 +163,7 @@ struct Shared {
     abandoned: AtomicBool,
     /// The body reader's waker while it waits, to end it at once when abandoned.
     reader: AtomicWaker,
-    /// Notified when the body's reader is dropped.
+    /// Notified when the body's reader is dropped, and when it has read the body's end.
     released: Notify,
 }
 
@@ -171,6 +171,15 @@ impl Shared {
     /// The request body's reader is gone: nobody but the connection reads the socket.
     async fn reader_released(self: &Arc<Self>) {
         while Arc::strong_count(self) > 1 {
+            self.released.notified().await;
+        }
+    }
+
+    /// The request body is read whole, or its reader is gone. A reader at the body's end
+    /// never reads the socket again, though it may live on: the proxy's own upstream
+    /// client keeps the request's body until the answer's head.
+    async fn body_read(self: &Arc<Self>) {
+        while Arc::strong_count(self) > 1 && self.body_left.load(Ordering::Relaxed) != 0 {
             self.released.notified().await;
         }
     }
@@ -250,9 +259,12 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
                     () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
                 }
             } else {
-                // With a body, once it is read and its reader gone: until then that reads.
+                // With a body, once it is all read (until then its reader reads), gone or
+                // not: a finished body may be kept until the answer's head, and a client
+                // that left meanwhile held its upstream exchange, its connection slot and
+                // a drain until then.
                 let gone = async {
-                    shared.reader_released().await;
+                    shared.body_read().await;
                     if shared.body_left.load(Ordering::Relaxed) != 0 {
                         return std::future::pending().await;
                     }
@@ -665,6 +677,10 @@ impl Body for FastBody {
                     this.activity.touch();
                     this.left -= n as u64;
                     this.shared.body_left.store(this.left, Ordering::Relaxed);
+                    if this.left == 0 {
+                        // The socket is the connection's again (see `Shared::body_read`).
+                        this.shared.released.notify_one();
+                    }
                     let data = this.buf.split().freeze();
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
