@@ -130,6 +130,52 @@ async fn key_attached_client_credentials_and_hop_by_hop_removed() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 client's cookies split over several `cookie` fields (browsers send them so,
+/// to a sandbox's web app on the TLS listener) reach an HTTP/1.1 upstream as one field,
+/// joined with "; " (RFC 9113 §8.2.3), on both planes. They went as one line each, and a
+/// server reading one `Cookie` line saw the first cookie only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_http2_cookies_reach_an_http1_upstream_as_one_field() {
+    let pki = Pki::new();
+    let mut upstream =
+        Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(connect_raw(addr).await),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    for envd in [false, true] {
+        let mut req = Request::builder()
+            .uri(format!("http://{addr}/sandboxes"))
+            .header("x-api-key", "dummy")
+            .header("cookie", "a=1")
+            .header("cookie", "b=2");
+        if envd {
+            req = req
+                .header("e2b-sandbox-id", "isb-1")
+                .header("x-access-token", "t");
+        }
+        let resp = within(
+            "an HTTP/2 answer",
+            h2.send_request(req.body(empty()).unwrap()),
+        )
+        .await
+        .expect("HTTP/2");
+        assert_eq!(resp.status(), StatusCode::OK, "envd: {envd}");
+        let seen = upstream.next_request().await;
+        assert_eq!(seen.version, http::Version::HTTP_11);
+        assert_eq!(seen.all("cookie"), ["a=1; b=2"], "envd: {envd}");
+    }
+    proxy.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_upstream_gets_the_key_and_its_authority() {
     let pki = Pki::new();

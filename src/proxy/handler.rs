@@ -288,6 +288,9 @@ impl Proxy {
                 body
             };
             parts.uri = uri;
+            if parts.version == Version::HTTP_2 {
+                headers::join_cookies(&mut parts.headers);
+            }
             parts.version = Version::HTTP_11;
 
             // forward
@@ -359,6 +362,9 @@ impl Proxy {
             port,
         );
         parts.uri = uri;
+        if parts.version == Version::HTTP_2 {
+            headers::join_cookies(&mut parts.headers);
+        }
         parts.version = Version::HTTP_11;
         // A request without a body can be sent again after a 401.
         let replay = body.is_end_stream().then(|| {

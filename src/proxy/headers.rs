@@ -147,6 +147,34 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
+/// RFC 9113 §8.2.3: an HTTP/2 client may send its cookies as several `Cookie` fields
+/// (browsers do, so that each pair compresses on its own), and they must be one field,
+/// joined with "; ", before they go on over HTTP/1.1, where a server may read one line
+/// only. Left as they are if the joined value is not a valid field value.
+pub fn join_cookies(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(header::COOKIE).iter();
+    if values.next().is_none() || values.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    let mut sensitive = false;
+    for v in headers.get_all(header::COOKIE) {
+        if v.is_empty() {
+            continue;
+        }
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+        sensitive |= v.is_sensitive();
+    }
+    if let Ok(mut v) = HeaderValue::from_bytes(&joined) {
+        v.set_sensitive(sensitive);
+        // `insert` replaces every field of the name.
+        headers.insert(header::COOKIE, v);
+    }
+}
+
 /// Bit `i` stands for `HOP_BY_HOP[i]`; `TE` has the next one.
 const CONNECTION_BIT: u16 = 1;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
@@ -385,6 +413,18 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn split_cookies_become_one_field() {
+        let mut h = map(&[("cookie", "a=1"), ("x-kept", "1"), ("cookie", "b=2")]);
+        join_cookies(&mut h);
+        let cookies: Vec<_> = h.get_all("cookie").iter().collect();
+        assert_eq!(cookies, ["a=1; b=2"]);
+        assert_eq!(h["x-kept"], "1");
+        let mut h = map(&[("cookie", "a=1")]);
+        join_cookies(&mut h);
+        assert_eq!(h["cookie"], "a=1");
     }
 
     #[test]
