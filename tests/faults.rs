@@ -735,6 +735,159 @@ async fn a_tls_upstream_closing_mid_head_is_a_reset() {
     proxy.finish().await;
 }
 
+/// An HTTP/2-only TLS upstream that answers each request with `answer`: HTTP/2 frames for
+/// the request's stream, written in one go. Raw frames, because h2's server drops a stream's frames still queued
+/// when it resets the stream: it cannot put a reset right behind END_STREAM.
+struct RawH2Upstream {
+    url: String,
+    server: tokio::task::JoinHandle<()>,
+}
+
+/// HTTP/2 frame types and flags (RFC 9113 §6).
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const ACK: u8 = 0x1;
+
+/// One HTTP/2 frame on `stream`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len())
+        .expect("a small frame")
+        .to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// `:status: 200` without a length, `partial`, then `RST_STREAM(NO_ERROR)`; the data
+/// frame says END_STREAM when `ended`.
+fn reset_after_partial(stream: u32, ended: bool) -> Vec<u8> {
+    // HPACK: index 8 of the static table is `:status: 200`.
+    let mut frames = h2_frame(HEADERS, END_HEADERS, stream, &[0x88]);
+    let flags = if ended { END_STREAM } else { 0 };
+    frames.extend(h2_frame(DATA, flags, stream, b"partial"));
+    frames.extend(h2_frame(RST_STREAM, 0, stream, &0u32.to_be_bytes()));
+    frames
+}
+
+impl RawH2Upstream {
+    async fn start(pki: &Pki, answer: fn(u32) -> Vec<u8>) -> RawH2Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("https://{}", listener.local_addr().expect("addr"));
+        let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+        let server = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(tcp).await {
+                        Self::answer(tls, answer).await;
+                    }
+                });
+            }
+        });
+        RawH2Upstream { url, server }
+    }
+
+    async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+        mut s: S,
+        answer: fn(u32) -> Vec<u8>,
+    ) {
+        const PREFACE: usize = 24;
+        if s.write_all(&h2_frame(SETTINGS, 0, 0, &[])).await.is_err() {
+            return;
+        }
+        let mut got = Vec::new();
+        let mut at = PREFACE;
+        loop {
+            // Every whole frame received so far: its SETTINGS acknowledged, each HEADERS
+            // (a request) answered.
+            while let Some(head) = got.get(at..at + 9) {
+                let len =
+                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+                if got.len() < at + 9 + len {
+                    break;
+                }
+                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+                let reply = match (head[3], head[4] & ACK) {
+                    (SETTINGS, 0) => h2_frame(SETTINGS, ACK, 0, &[]),
+                    (HEADERS, _) => answer(stream),
+                    _ => Vec::new(),
+                };
+                at += 9 + len;
+                if s.write_all(&reply).await.is_err() {
+                    return;
+                }
+            }
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp).await {
+                Ok(n) if n > 0 => got.extend_from_slice(&tmp[..n]),
+                _ => return,
+            }
+        }
+    }
+}
+
+impl Drop for RawH2Upstream {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// `GET /sandboxes` over HTTP/1.1, answered 200: its body as it reaches the client, and
+/// whether its end was an error.
+async fn get_200_body(addr: SocketAddr) -> (Vec<u8>, bool) {
+    let req = request("GET", addr, "/sandboxes").body(empty());
+    let resp = send(addr, req.expect("request")).await;
+    assert_eq!(resp.status(), 200);
+    read_to_end(resp.into_body()).await
+}
+
+/// An HTTP/2 control plane (an `https` one may negotiate it) that stops an answer without
+/// a length with `RST_STREAM(NO_ERROR)` has cut it short: hyper reads that reset as the
+/// body's end, and the cut answer reached HTTP/1.1 clients with its last chunk and HTTP/2
+/// clients with END_STREAM, uncounted (the proxy's own look-ups took it for whole). Each
+/// client must see its body end in an error, counted as `reset`. The same reset after
+/// END_STREAM (a server stopping the rest of a request, RFC 9113 §8.1) ends cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstream_reset_with_no_error_mid_body_reaches_the_client_as_an_error() {
+    let pki = Pki::new();
+    let cut = RawH2Upstream::start(&pki, |stream| reset_after_partial(stream, false)).await;
+    let proxy = traced(ProxyCmd::new(&cut.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let (got, failed) = get_200_body(addr).await;
+    assert_eq!(got, b"partial");
+    assert!(failed, "HTTP/1.1: the cut answer ended cleanly");
+    assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "reset");
+    let (mut h2, _open) = h2_client(addr).await;
+    // The proxy's reset may overtake its HEADERS (h2 drops a stream's frames not yet
+    // written when it resets it): an error either way, never a clean end.
+    if let Ok(resp) = within("the answer", h2.send_request(h2_get(addr))).await {
+        assert_eq!(resp.status(), 200);
+        let (got, failed) = read_to_end(resp.into_body()).await;
+        assert!(failed, "HTTP/2: the cut answer ended cleanly: {got:?}");
+    }
+    let text = scrape(proxy.admin_addr()).await;
+    let series = "abx_proxy_upstream_errors_total{plane=\"api\",kind=\"reset\"}";
+    assert_eq!(metric(&text, series), Some(2.0), "{text}");
+    proxy.finish().await;
+
+    let whole = RawH2Upstream::start(&pki, |stream| reset_after_partial(stream, true)).await;
+    let proxy = traced(ProxyCmd::new(&whole.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    assert_eq!(get_200_body(addr).await, (b"partial".to_vec(), false));
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        0.0,
+        "{text}"
+    );
+    proxy.finish().await;
+}
+
 /// An `https` control plane (hyper's client) held to the framing rules of the proxy's own
 /// client: an answer framed both ways, or in a coding other than chunked, is 502 E5001
 /// (it reached the client cut at its length yet looking complete, or still compressed

@@ -122,19 +122,38 @@ where
     }
 }
 
-/// An HTTP/2 client's request body, which ends only with the client's END_STREAM.
+/// An HTTP/2 body, which ends only with its sender's END_STREAM.
 ///
-/// hyper reads a client's `RST_STREAM(NO_ERROR)` as the end of the body: RFC 9113 §8.1 lets
-/// a server stop a request that way, but from a client it is an abort (Node's
-/// `http2stream.close()` sends it). Taken for the end, an upload cut short went upstream as
-/// a complete, shorter one (a chunked body got its last chunk: a truncated file written
-/// into the sandbox). Only a received END_STREAM leaves the body at its end, so a body
-/// that stops without it is an error, which cuts the upstream message as any broken body.
-pub struct EndStreamed<B>(B);
+/// hyper reads a received `RST_STREAM(NO_ERROR)` as the end of the body. RFC 9113 §8.1
+/// lets a server stop a request that way once its answer is complete, but before the end
+/// it is an abort: from a client (Node's `http2stream.close()` sends it) an upload cut
+/// short went upstream as a complete, shorter one (a chunked body got its last chunk: a
+/// truncated file written into the sandbox); from an upstream, an answer without a length
+/// cut that way reached the client with a clean end and was read as whole by the proxy's
+/// own look-ups. Only a received END_STREAM leaves the body at its end (h2 keeps saying so
+/// after a reset that follows it), so a body that stops without it is an error, which cuts
+/// the message passed on as any broken body.
+pub struct EndStreamed<B> {
+    body: B,
+    /// Who sent the body, for the error: "the client", "the upstream".
+    sender: &'static str,
+}
 
 impl<B> EndStreamed<B> {
-    pub fn new(body: B) -> Self {
-        EndStreamed(body)
+    /// A client's request body.
+    pub fn request(body: B) -> Self {
+        EndStreamed {
+            body,
+            sender: "the client",
+        }
+    }
+
+    /// An upstream's response body.
+    pub fn response(body: B) -> Self {
+        EndStreamed {
+            body,
+            sender: "the upstream",
+        }
     }
 }
 
@@ -150,20 +169,22 @@ where
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match ready!(Pin::new(&mut self.0).poll_frame(cx)) {
-            None if !self.0.is_end_stream() => Poll::Ready(Some(Err(
-                "the client reset the stream before the end of its body".into(),
-            ))),
+        match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+            None if !self.body.is_end_stream() => Poll::Ready(Some(Err(format!(
+                "{} reset the stream before the end of its body",
+                self.sender
+            )
+            .into()))),
             other => Poll::Ready(other.map(|r| r.map_err(Into::into))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.0.is_end_stream()
+        self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.0.size_hint()
+        self.body.size_hint()
     }
 }
 

@@ -428,7 +428,7 @@ async fn with_hyper(
         // idle keep-alive connection; boxed, it lives only while a request does.
         let req = if http2 {
             told.http2.store(true, Ordering::Relaxed);
-            req.map(|b| super::body::boxed(super::body::EndStreamed::new(b)))
+            req.map(|b| super::body::boxed(super::body::EndStreamed::request(b)))
         } else {
             req.map(super::body::boxed)
         };

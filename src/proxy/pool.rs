@@ -292,11 +292,23 @@ impl Upstream {
             return Err(e);
         }
         let pool = self.pool.clone();
+        let count = move |e: BoxError| {
+            // The one error that is not hyper's: a stream reset before its END_STREAM.
+            let kind = e
+                .downcast_ref::<hyper::Error>()
+                .map_or(FailKind::Reset, forward::body_kind);
+            pool.count_broken(plane, kind);
+            e
+        };
+        // Not for HTTP/1: hyper never says a chunked body is at its end, and a connection
+        // cut mid-body is hyper's own error there.
+        let h2 = resp.version() == Version::HTTP_2;
         Ok(resp.map(|incoming| {
-            body::boxed(incoming.map_err(move |e| {
-                pool.count_broken(plane, forward::body_kind(&e));
-                e
-            }))
+            if h2 {
+                body::boxed(body::EndStreamed::response(incoming).map_err(count))
+            } else {
+                body::boxed(incoming.map_err(BoxError::from).map_err(count))
+            }
         }))
     }
 }

@@ -258,6 +258,15 @@ pub async fn read_cut_download(
         got.extend_from_slice(&frame.into_data().unwrap_or_default());
     }
     drop(cut);
+    let (rest, failed) = read_to_end(body).await;
+    got.extend(rest);
+    (got, failed)
+}
+
+/// A body read to its end as it reaches the client: what arrived, and whether the end was
+/// an error.
+pub async fn read_to_end(mut body: Incoming) -> (Vec<u8>, bool) {
+    let mut got = Vec::new();
     let failed = within("the end of the body", async {
         loop {
             match body.frame().await {
