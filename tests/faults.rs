@@ -925,6 +925,42 @@ async fn an_https_control_plane_is_held_to_the_same_framing_rules() {
     proxy.finish().await;
 }
 
+/// `GET path` on a fresh connection that closes after the answer, read to the close: the
+/// answer's head (lowercase) and how many bytes came after it.
+async fn get_to_close(addr: SocketAddr, path: &str) -> (String, usize) {
+    let mut s = connect_raw(addr).await;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("request");
+    let mut got = Vec::new();
+    within("the answer", s.read_to_end(&mut got)).await.ok();
+    let end = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head");
+    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+    (head, got.len() - end - 4)
+}
+
+/// A length written with leading zeros past 18 digits frames the upstream's answer as
+/// that number, and the client is told the same number, written plainly: the fast path's
+/// writer took no more than 18 digits and sent such an answer without a length, to the
+/// connection's end, where a body cut short looks complete. Over plain HTTP (the proxy's
+/// own client) and over TLS (hyper's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_length_with_leading_zeros_reaches_the_client_as_a_plain_number() {
+    let pki = Pki::new();
+    let zeros = b"HTTP/1.1 200 OK\r\nContent-Length: 0000000000000000010\r\n\r\nhello";
+    for tls in [None, Some(&pki)] {
+        let upstream = RawUpstream::start(tls, AfterHead::WriteAndClose(zeros)).await;
+        let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+        let (head, body) = get_to_close(proxy.addr(), "/sandboxes").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("\r\ncontent-length: 10\r\n"), "{head}");
+        assert_eq!(body, 5, "{head}");
+        proxy.finish().await;
+    }
+}
+
 /// An HTTP/1.0 upstream (`python -m http.server` in a sandbox) is answered to the client
 /// as HTTP/1.1, the proxy's own version, on both request paths: the fast path and hyper's
 /// (a chunked request), where the upstream's "HTTP/1.0" status line went through and told
@@ -1478,22 +1514,10 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
         (Fault::TruncatedLargeBody, TRUNCATED_LARGE),
     ] {
         upstream.set(fault);
-        let mut s = connect_raw(addr).await;
-        let req = format!("GET /download HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        s.write_all(req.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        within("the cut download", s.read_to_end(&mut got))
-            .await
-            .ok();
-        let end = got
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a head");
-        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let (head, body) = get_to_close(addr, "/download").await;
         sweep.text(format!("{fault:?}"), head.clone());
         assert!(head.starts_with("http/1.1 200"), "{head}");
         assert!(head.contains(&format!("content-length: {len}")), "{head}");
-        let body = got.len() - end - 4;
         assert!(body < len, "{fault:?}: a {len}-byte body arrived whole");
         *counted.entry("reset").or_default() += 1.0;
         let text = scrape(proxy.admin_addr()).await;

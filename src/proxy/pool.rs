@@ -940,6 +940,12 @@ fn parse_length(value: &[u8]) -> Option<u64> {
     found
 }
 
+/// Digits without a leading zero (but `0`): a length as the client-facing writers
+/// write it.
+fn plain_number(value: &[u8]) -> bool {
+    matches!(value, [b'0'] | [b'1'..=b'9', ..]) && value.iter().all(u8::is_ascii_digit)
+}
+
 enum SendError {
     Io(io::Error),
     Body(BoxError),
@@ -1187,7 +1193,8 @@ enum BodyKind {
 struct Framing {
     length: Option<u64>,
     bad_length: bool,
-    /// More than one `Content-Length` line, or a list: the client gets one plain value.
+    /// More than one `Content-Length` line, a list, or a number not written plainly
+    /// (leading zeros, spaces): the client gets one plain value.
     odd_length: bool,
     te: bool,
     /// `Transfer-Encoding` is `chunked` and nothing else.
@@ -1199,7 +1206,7 @@ struct Framing {
 impl Framing {
     fn note(&mut self, name: &str, value: &[u8]) {
         if name.eq_ignore_ascii_case("content-length") {
-            self.odd_length |= self.length.is_some() || value.contains(&b',');
+            self.odd_length |= self.length.is_some() || !plain_number(value);
             match parse_length(value) {
                 Some(n) if !matches!(self.length, Some(m) if m != n) => self.length = Some(n),
                 _ => self.bad_length = true,
@@ -1250,8 +1257,9 @@ impl Framing {
         Ok(())
     }
 
-    /// The client-facing writers take one plain number; `5, 5` made the fast path fall
-    /// back to a close-delimited answer, where a cut looks like the end.
+    /// The client-facing writers take one plain number of at most 18 digits; `5, 5` or
+    /// `0000000000000000010` made the fast path fall back to a close-delimited answer,
+    /// where a cut looks like the end.
     fn normalise(&self, headers: &mut HeaderMap) {
         if let (true, Some(n)) = (self.odd_length, self.length) {
             headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
