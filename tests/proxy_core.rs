@@ -1114,6 +1114,58 @@ async fn request_trailers_are_not_passed_upstream() {
     proxy.finish().await;
 }
 
+/// An upstream's trailers reach a client that asks for them (`TE: trailers`) on both
+/// request paths: the fast path (a GET) and hyper's (a chunked POST). `Trailer`, end to
+/// end (RFC 9110 §6.6.2), was dropped as hop-by-hop, and hyper's server sends a response's
+/// trailers only when that field declares them: on hyper's path they never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_trailers_reach_a_client_that_asks_for_them() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::H2, |_req| async {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-sum", http::HeaderValue::from_static("abc"));
+        // Of no known length (`map_frame` hides it): the proxy answers chunked, the
+        // HTTP/1.1 framing that carries trailers.
+        let body = full("hello")
+            .map_frame(|f| f)
+            .with_trailers(std::future::ready(Some(Ok(trailers))));
+        let mut r = Response::new(boxed(body));
+        r.headers_mut()
+            .insert("trailer", http::HeaderValue::from_static("x-sum"));
+        r
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    for (path, method, framing, body) in [
+        ("fast", "GET", "", ""),
+        (
+            "hyper",
+            "POST",
+            "Transfer-Encoding: chunked\r\n",
+            "0\r\n\r\n",
+        ),
+    ] {
+        let mut s = connect_raw(addr).await;
+        let req = format!(
+            "{method} /sums HTTP/1.1\r\nHost: {addr}\r\nTE: trailers\r\n{framing}\
+             Connection: close\r\n\r\n{body}"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        within("the answer", s.read_to_end(&mut got)).await.unwrap();
+        let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
+        assert!(got.starts_with("http/1.1 200"), "{path}: {got}");
+        assert!(got.contains("\r\ntrailer: x-sum\r\n"), "{path}: {got}");
+        assert!(got.contains("\r\nhello\r\n"), "{path}: {got}");
+        assert!(
+            got.ends_with("\r\n0\r\nx-sum: abc\r\n\r\n"),
+            "{path}: {got}"
+        );
+    }
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // Signals
 // ---------------------------------------------------------------------------------------

@@ -536,11 +536,11 @@ impl Proxy {
                     self.idle_timeout,
                     aborting,
                 ));
-                headers::strip_hop_by_hop(resp.headers_mut(), true);
+                headers::strip_response_hop_by_hop(resp.headers_mut(), true);
                 return Ok(resp.map(|_| body::empty()));
             }
         }
-        headers::strip_hop_by_hop(resp.headers_mut(), false);
+        headers::strip_response_hop_by_hop(resp.headers_mut(), false);
         let ok = resp.status().is_success();
         match sniff {
             Sniff::Learn if ok => {

@@ -5,7 +5,10 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::secret::Secret;
 
-/// RFC 9110 §7.6.1 hop-by-hop fields, plus the de-facto ones.
+/// RFC 9110 §7.6.1 hop-by-hop fields, plus the de-facto ones, and `Trailer`: end to end
+/// (§6.6.2), but a request's trailers are dropped on the way upstream, so its `Trailer`
+/// announces fields that never come (a response keeps it, see
+/// [`strip_response_hop_by_hop`]).
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -79,11 +82,23 @@ pub fn has_token(value: &[u8], token: &[u8]) -> bool {
     tokens(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
-/// Removes hop-by-hop headers and those named in `Connection`. With `upgrade`, the
-/// `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end),
+/// Removes a request's hop-by-hop headers and those named in `Connection`. With `upgrade`,
+/// the `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end),
 /// `Upgrade` naming WebSocket alone: another protocol offered beside it (`h2c, websocket`)
 /// is not one the proxy tunnels.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    strip(headers, upgrade, 0);
+}
+
+/// [`strip_hop_by_hop`] for a response, which keeps `Trailer`: hyper's HTTP/1.1 server sends
+/// a response's trailers only when it declares them there, and the client asked for them
+/// with `TE: trailers`.
+pub fn strip_response_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    strip(headers, upgrade, TRAILER_BIT);
+}
+
+/// Removes the hop-by-hop fields but those of `keep` (bits of [`hop_by_hop_bit`]).
+fn strip(headers: &mut HeaderMap, upgrade: bool, keep: u16) {
     // One pass over the names present decides what to do, so the map is hashed only for
     // fields that are there. (Removing all nine names unconditionally cost nine hash
     // probes per message, twice per request, nearly all of them for absent fields.)
@@ -122,8 +137,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
     }
+    let remove = present & !keep;
     for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) == 0 || (upgrade && name == header::UPGRADE) {
+        if remove & (1 << i) == 0 || (upgrade && name == header::UPGRADE) {
             continue;
         }
         headers.remove(name);
@@ -177,6 +193,7 @@ pub fn join_cookies(headers: &mut HeaderMap) {
 
 /// Bit `i` stands for `HOP_BY_HOP[i]`; `TE` has the next one.
 const CONNECTION_BIT: u16 = 1;
+const TRAILER_BIT: u16 = 1 << 5;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
 
 /// Which hop-by-hop field `name` is, as a bit (0 for none).
@@ -377,6 +394,7 @@ mod tests {
             assert_eq!(hop_by_hop_bit(name), 1 << i, "{name}");
         }
         assert_eq!(hop_by_hop_bit(&header::TE), TE_BIT);
+        assert_eq!(hop_by_hop_bit(&header::TRAILER), TRAILER_BIT);
         for other in [
             "host",
             "user-agent",
