@@ -734,3 +734,97 @@ async fn a_panicking_attempt_is_a_failed_exchange_and_is_retried() {
     assert_eq!(source.successes(), 1);
     assert_eq!(fake.accepted(), 1);
 }
+
+/// SPEC §5: a temporary key is never sent later than 5 s before its expiry. The control
+/// plane took the key before reading a rewritten request's body (`POST /v2/sandboxes`,
+/// which may take up to --upstream-timeout): a client slow to send it, or a laptop asleep
+/// meanwhile, had the key go upstream after its expiry. The key is taken once the body is
+/// in: a fresh one, or 503 while there is none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_taken_after_a_rewritten_body_so_it_never_goes_out_expired() {
+    use abx_proxy::credentials::ApiCredential;
+    use abx_proxy::metrics::Metrics;
+    use abx_proxy::proxy::{body, Options, Proxy};
+    use abx_proxy::settings::{FlagValue, Inputs, Key, Resolved};
+    use bytes::Bytes;
+    use support::{response, within, ChannelBody, Pki, Proto, Upstream};
+
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    fake.set_ttl(Some(Duration::from_secs(3600)));
+    let options = RefreshOptions::new(Duration::from_secs(300)).with_clock(clock.clone());
+    let exchanger = HttpExchanger::new(
+        config(&fake.url, ExchangeScheme::Acs3, ACCESS_KEY_SECRET),
+        client(),
+    );
+    let key = ExchangedKey::with_exchanger(Arc::new(exchanger), options);
+    let first = match key.current().await {
+        Ok(k) => k.expose().to_string(),
+        Err(e) => panic!("the first key: {}", e.line()),
+    };
+
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "{}") }).await;
+    let cwd = tempfile::tempdir().expect("cwd");
+    let inputs = Inputs {
+        flags: [
+            (
+                Key::SandboxApiKey,
+                FlagValue::Secret(Secret::new("sk-unused")),
+            ),
+            (Key::SandboxBaseUrl, FlagValue::Plain(upstream.url())),
+        ]
+        .into(),
+        cwd: cwd.path().to_path_buf(),
+        ..Inputs::default()
+    };
+    let settings = Resolved::from_inputs(&inputs)
+        .and_then(|r| r.validate())
+        .unwrap_or_else(|e| panic!("settings: {}", e.line()));
+    let options = Options {
+        upstream_ca: Some(pki.ca_pem.clone()),
+        ..Options::default()
+    };
+    let metrics = Arc::new(Metrics::new().expect("metrics"));
+    let credential = ApiCredential::Exchanged(key);
+    let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics).expect("proxy"));
+
+    let (tx, rx) = mpsc::channel(1);
+    let req = http::Request::post("/v2/sandboxes")
+        .header("host", "127.0.0.1:49982")
+        .header("content-type", "application/json")
+        .body(body::boxed(ChannelBody(rx)))
+        .expect("request");
+    let handled = tokio::spawn(proxy.clone().handle(req));
+    tx.send(Bytes::from_static(b"{\"templateID\":"))
+        .await
+        .expect("first half");
+    // Once the proxy has taken the first half, the client stalls (or the laptop sleeps)
+    // past the key's hour, then sends the rest.
+    let rest = within("the proxy reading the body", tx.reserve())
+        .await
+        .expect("the proxy reads on");
+    clock.advance(Duration::from_secs(2 * 3600));
+    rest.send(Bytes::from_static(b"\"base\"}"));
+    drop(tx);
+    let resp = match within("the answer", handled).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(never)) => match never {},
+        Err(e) => panic!("the handler panicked: {e}"),
+    };
+    let sent: Vec<String> = upstream
+        .seen()
+        .iter()
+        .filter_map(|s| s.header("authorization").map(str::to_string))
+        .collect();
+    assert!(
+        !sent.contains(&format!("Bearer {first}")),
+        "the expired key went upstream; answered {}",
+        resp.status()
+    );
+    assert!(
+        resp.status() == 200 || resp.status() == 503,
+        "{}",
+        resp.status()
+    );
+}

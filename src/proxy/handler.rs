@@ -1,5 +1,7 @@
 //! One request through the phases: route → authorize → rewrite → forward → respond → log.
-//! Each phase is a call in [`Proxy::handle`] or in the plane functions below it.
+//! Each phase is a call in [`Proxy::handle`] or in the plane functions below it. The
+//! control plane authorizes after its rewrite, which may wait for the request's body: its
+//! temporary key is taken as late as possible, so that it never goes out expired.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -224,11 +226,6 @@ impl Proxy {
                 .into());
             }
 
-            // authorize
-            let credential = self.credential.load_full();
-            let key = credential.current().await?;
-            let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
-
             // rewrite
             let path = parts.uri.path();
             let rewrite = match self.compat {
@@ -253,7 +250,6 @@ impl Proxy {
             .map_err(internal)?;
             headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
             parts.headers.remove(HOST);
-            headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
             if sniff == Sniff::Learn {
                 // The token is read from the body: ask for it uncompressed. Saying so, as
                 // no field at all means any coding will do (RFC 9110 §12.5.3).
@@ -292,6 +288,14 @@ impl Proxy {
                 headers::join_cookies(&mut parts.headers);
             }
             parts.version = Version::HTTP_11;
+
+            // authorize: once the body is in. A rewritten one may take up to the upstream
+            // timeout to arrive, and a key taken before it could go out expired (SPEC §5:
+            // never later than 5 s before its expiry).
+            let credential = self.credential.load_full();
+            let key = credential.current().await?;
+            let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
+            headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
 
             // forward
             let host = self.api_host.clone();
