@@ -209,7 +209,7 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     }
 }
 
-/// `check --offline`: everything but the network.
+/// `check`: the offline checks, then, unless `--offline`, [`crate::check::online`].
 pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let resolved = resolve(&args.settings)?;
     let settings = resolved.validate()?;

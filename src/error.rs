@@ -51,7 +51,8 @@ pub enum Error {
     /// E2009: the control plane does not know the sandbox.
     #[error("sandbox not found: {sandbox_id}")]
     SandboxNotFound { sandbox_id: String },
-    /// E5001: connect or TLS failure towards the upstream.
+    /// E5001: the upstream could not be reached or gave no usable answer (connect, TLS,
+    /// reset, broken framing, a look-up or exchange answer it cannot use).
     #[error("upstream unreachable: {reason} ({host})")]
     UpstreamUnreachable { reason: String, host: String },
     /// E5002: the upstream did not answer in time.

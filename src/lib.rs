@@ -13,8 +13,10 @@
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
-//! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and [`notify`] for
-//! systemd's readiness), [`commands`] and [`check`].
+//! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and changed secret
+//! files, [`signals`], and [`notify`] for systemd's readiness), [`commands`] and [`check`],
+//! parsed by [`cli`]; [`logging`] writes the access log and the rest of stderr, and
+//! [`providers`] holds the built-in provider and installed plugin ones.
 #![forbid(unsafe_code)]
 
 /// `println!` for the commands' output. `println!` panics (exit 101 and a panic message)

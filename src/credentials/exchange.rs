@@ -608,11 +608,14 @@ impl RefreshOptions {
         }
     }
 
+    /// A clock other than the system's: the tests' manual one.
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
     }
 
+    /// Told of every exchange's outcome: the tests wait on it (`ExchangedKey::new` sets
+    /// the metrics' observer itself).
     pub fn with_observer(mut self, observer: Observer) -> Self {
         self.observer = Some(observer);
         self

@@ -1,4 +1,7 @@
-//! Body helpers: boxing, bounded reads that never lose bytes, and the proxy's own answers.
+//! Body helpers: boxing, bounded reads that never lose bytes, the proxy's own answers, and
+//! the wrappers that watch a body on its way: [`EndStreamed`] (an HTTP/2 body ends only with
+//! END_STREAM), [`Uploading`] (when an upload last moved, for the upstream timeout) and
+//! [`IdleLimited`] (an HTTP/2 answer that stalls).
 
 use std::future::Future;
 use std::pin::Pin;

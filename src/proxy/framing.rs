@@ -169,11 +169,14 @@ impl Verdicts {
     }
 
     /// Called once per request, in order: whether this one's framing is refused, and why.
+    /// (The listener takes [`Verdicts::next_verdict`]; this is the tests' and the fuzz
+    /// target's view.)
     pub fn next_refusal(&self) -> Option<Refusal> {
         self.next_verdict().refusal
     }
 
     /// Called once per request, in order: whether this one's framing is refused.
+    #[cfg(test)]
     pub fn next_is_ambiguous(&self) -> bool {
         self.next_refusal().is_some()
     }

@@ -1,8 +1,10 @@
-//! The proxy: its shared state, and `run` — bind, serve until a signal, drain.
+//! The proxy: its shared state ([`Proxy`], [`Options`]) and the listen-exposure check;
+//! [`crate::serve::run`] binds it, serves until a signal and drains.
 //!
 //! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
 //! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
-//! `framing`, `body`). `handler` strings the phases together.
+//! `h1` the HTTP/1.1 fast path, `framing`, `body`, `pool` the upstream client, `splice`).
+//! `handler` strings the phases together.
 
 pub mod body;
 pub mod compat;
@@ -91,7 +93,8 @@ pub struct Proxy {
     pub(crate) api_client: Upstream,
     pub(crate) envd_client: Upstream,
     pub(crate) auth: CachedAuth,
-    /// Swapped whole on SIGHUP; requests in flight keep the one they loaded.
+    /// Swapped whole on SIGHUP or a changed secret file; requests in flight keep the one
+    /// they loaded.
     pub credential: ArcSwap<ApiCredential>,
     pub tokens: TokenStore,
     pub metrics: Arc<Metrics>,

@@ -35,7 +35,8 @@ pub enum HostPolicy {
     Loopback,
     /// `--allowed-host`: these names (and the loopback ones).
     Listed(Vec<String>),
-    /// A unix socket, or `--allow-remote` without a list: any Host.
+    /// A unix socket, or without `--allowed-host` a TCP listener that is not loopback or
+    /// has `--allow-remote`: any Host.
     Any,
 }
 

@@ -40,11 +40,6 @@ pub fn timestamp(at: OffsetDateTime) -> String {
     )
 }
 
-/// [`timestamp`] of the current time.
-pub fn now_timestamp() -> String {
-    timestamp(OffsetDateTime::now_utc())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
