@@ -1359,7 +1359,12 @@ fn parse_head(conn: &mut Conn, head_request: bool) -> Result<Option<Head>, Upstr
             framing.length.map_or(BodyKind::Eof, BodyKind::Length)
         };
         let (version, keep_alive) = if version == 0 {
-            (Version::HTTP_10, framing.keep_alive && !framing.close)
+            // RFC 9112 §6.1: Transfer-Encoding from an HTTP/1.0 sender is faulty framing;
+            // the message is read, and its connection ends.
+            (
+                Version::HTTP_10,
+                framing.keep_alive && !framing.close && !framing.te,
+            )
         } else {
             (Version::HTTP_11, !framing.close)
         };
@@ -1888,6 +1893,29 @@ mod tests {
             if s.write_all(&answer(&head)).await.is_err() {
                 return;
             }
+        }
+    }
+
+    /// RFC 9112 §6.1: an HTTP/1.0 answer with Transfer-Encoding has faulty framing. Its
+    /// body is read as chunked, but its connection is not used again, whatever
+    /// `Connection: keep-alive` says; an HTTP/1.0 keep-alive answer with a length is.
+    #[tokio::test]
+    async fn an_http_1_0_answer_with_transfer_encoding_ends_its_connection() {
+        fn chunked(_: &str) -> Vec<u8> {
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n\
+              2\r\nok\r\n0\r\n\r\n"
+                .to_vec()
+        }
+        fn length(_: &str) -> Vec<u8> {
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok".to_vec()
+        }
+        for (answer, accepts) in [(chunked as fn(&str) -> Vec<u8>, 2), (length, 1)] {
+            let fake = Fake::start(keep_alive(answer)).await;
+            let client = client();
+            for path in ["/1", "/2"] {
+                assert_eq!(get_text(&client, &fake.url(path)).await, "ok");
+            }
+            assert_eq!(fake.accepts(), accepts);
         }
     }
 
