@@ -385,6 +385,16 @@ impl HeadWatch {
         }
     }
 
+    /// Whether the bytes so far end inside a request body (its trailers included): the
+    /// client is still sending one. Never once the watch has stopped (HTTP/2, an upgrade or
+    /// `CONNECT`, whose bytes may be a tunnel's, framing it could not follow).
+    pub fn in_body(&self) -> bool {
+        matches!(
+            self.state,
+            State::Sized(_) | State::ChunkSize | State::ChunkData(_) | State::Trailers
+        )
+    }
+
     /// Stops following: see the module's documentation for what becomes of the connection.
     fn lose(&mut self) -> State {
         self.found.lost_at.store(self.heads.max(1), Relaxed);

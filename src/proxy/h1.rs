@@ -336,8 +336,8 @@ async fn after_early_answer(
 
 /// How long an answered connection is read and discarded before it closes, in all and
 /// without a byte (nginx's `lingering_time` and `lingering_timeout`).
-const LINGER_TOTAL: Duration = Duration::from_secs(30);
-const LINGER_IDLE: Duration = Duration::from_secs(5);
+pub(super) const LINGER_TOTAL: Duration = Duration::from_secs(30);
+pub(super) const LINGER_IDLE: Duration = Duration::from_secs(5);
 
 /// nginx's lingering close, after an answer that left `unread` body bytes unread (a
 /// refusal, a 503, the upstream's early 413 or 401): closing at once, with the client's

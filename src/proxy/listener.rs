@@ -3,6 +3,7 @@
 //! drain.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -642,7 +643,20 @@ pub(super) struct IdleIo<T> {
     inner: T,
     activity: Activity,
     framing: Option<HeadWatch>,
+    /// Set once hyper closes the connection (see [`IdleIo::poll_linger`]).
+    linger: Option<Linger>,
 }
+
+/// A closed connection's lingering: until when, in all, and the timer for the current
+/// wait, reset by every read.
+struct Linger {
+    until: tokio::time::Instant,
+    idle: Pin<Box<tokio::time::Sleep>>,
+}
+
+/// Reads one lingering close may do in one poll before it lets the worker's other
+/// connections run.
+const LINGER_READS: usize = 16;
 
 impl<T> IdleIo<T> {
     fn new(inner: T, activity: Activity) -> (Self, Verdicts) {
@@ -652,6 +666,7 @@ impl<T> IdleIo<T> {
                 inner,
                 activity,
                 framing: Some(framing),
+                linger: None,
             },
             verdicts,
         )
@@ -663,6 +678,7 @@ impl<T> IdleIo<T> {
             inner,
             activity,
             framing: None,
+            linger: None,
         }
     }
 
@@ -728,7 +744,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -761,8 +777,62 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
+    /// hyper closes the connection: shut the write side, then, if the client is still
+    /// sending a request body, linger (see [`IdleIo::poll_linger`]). Between requests it
+    /// just closes (an idle keep-alive client need not answer the close for a drain to
+    /// end), and a tunnel's bytes are left alone: its other direction may still read them.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        let this = &mut *self;
+        let sending = this.framing.as_ref().is_some_and(HeadWatch::in_body);
+        if this.linger.is_none() && !sending {
+            return Pin::new(&mut this.inner).poll_shutdown(cx);
+        }
+        if this.linger.is_none() {
+            std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+            let now = tokio::time::Instant::now();
+            this.linger = Some(Linger {
+                until: now + h1::LINGER_TOTAL,
+                idle: Box::pin(tokio::time::sleep_until(now + h1::LINGER_IDLE)),
+            });
+        }
+        this.poll_linger(cx)
+    }
+}
+
+impl<T: AsyncRead + Unpin> IdleIo<T> {
+    /// nginx's lingering close, as the fast path's (`h1::linger`): a client still sending
+    /// a body when hyper closes (an early answer: a refusal, a 503, the upstream's 413)
+    /// would have the kernel reset the connection under its writes and maybe lose the
+    /// answer (RFC 9112 §9.6). What it sends is read and dropped until it closes, for at
+    /// most [`h1::LINGER_IDLE`] without a byte and [`h1::LINGER_TOTAL`] in all.
+    fn poll_linger(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let Some(linger) = self.linger.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        let mut scratch = [0u8; 4096];
+        for _ in 0..LINGER_READS {
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.inner).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                    let now = tokio::time::Instant::now();
+                    if now >= linger.until {
+                        return Poll::Ready(Ok(()));
+                    }
+                    let next = (now + h1::LINGER_IDLE).min(linger.until);
+                    linger.idle.as_mut().reset(next);
+                }
+                // The client closed, or the connection failed: done either way.
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => {
+                    return match linger.idle.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Ok(())),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
