@@ -735,6 +735,53 @@ async fn a_panicking_attempt_is_a_failed_exchange_and_is_retried() {
     assert_eq!(fake.accepted(), 1);
 }
 
+/// A laptop that slept past its key's expiry: the wall clock moved on, the refresher's
+/// timers did not run. A request then found the key expired and got 503 E1004 at once,
+/// until the refresh it had just asked for landed. With no failed refresh behind the
+/// expiry it now waits for that refresh (bounded, as a request at startup waits for the
+/// first exchange); after a failed one, 503 at once as before.
+#[tokio::test]
+async fn a_key_that_ran_out_while_the_machine_slept_waits_for_its_refresh() {
+    let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    let first = h.key().await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    h.fake.hold();
+    h.clock.advance(Duration::from_secs(5 * 3600));
+    // The refresher woke and its exchange is at the fake, held: the request must wait.
+    h.fake.until_calls(2).await;
+    let waiting = {
+        let source = h.source.clone();
+        tokio::spawn(async move { source.current().await })
+    };
+    h.fake.release();
+    let key = match tokio::time::timeout(GUARD, waiting).await {
+        Ok(Ok(Ok(key))) => key.expose().to_string(),
+        Ok(Ok(Err(e))) => panic!("a request after the sleep: {}", e.line()),
+        other => panic!("a request after the sleep: {other:?}"),
+    };
+    assert_ne!(key, first);
+    assert_eq!(h.fake.issued_keys(), [first.clone(), key.clone()]);
+
+    // A refresh that failed: 503 at once, the endpoint's reason named.
+    h.fake.set_mode(Mode::Fail500);
+    h.clock.advance(Duration::from_secs(5 * 3600));
+    loop {
+        if let ExchangeEvent::Failure = h.next_event().await {
+            break;
+        }
+    }
+    match h.source.current().await {
+        Ok(_) => panic!("an expired key was handed out"),
+        Err(e) => assert!(e.line().contains("E1004"), "{}", e.line()),
+    }
+}
+
 /// SPEC §5: a temporary key is never sent later than 5 s before its expiry. The control
 /// plane took the key before reading a rewritten request's body (`POST /v2/sandboxes`,
 /// which may take up to --upstream-timeout): a client slow to send it, or a laptop asleep

@@ -714,6 +714,23 @@ impl Shared {
         }
     }
 
+    /// The key of the next exchange attempt, waited for up to [`CALL_TIMEOUT`] (the bound
+    /// of the attempt itself); the reason there is none otherwise.
+    async fn refreshed(&self) -> Result<Secret, Error> {
+        let seen = *self.attempts.borrow();
+        // Also when it landed between the caller's look and `seen`.
+        if let Some(key) = self.usable_key(self.clock.now()) {
+            return Ok(key);
+        }
+        let mut attempts = self.attempts.subscribe();
+        tokio::select! {
+            _ = attempts.wait_for(|n| *n > seen) => {}
+            _ = self.clock.sleep(CALL_TIMEOUT) => {}
+        }
+        self.usable_key(self.clock.now())
+            .ok_or_else(|| self.unusable())
+    }
+
     fn usable_key(&self, now: SystemTime) -> Option<Secret> {
         match &*self.token.load() {
             Some(t) if now < t.usable_until => Some(t.key.clone()),
@@ -779,8 +796,9 @@ impl ExchangedKey {
     }
 
     /// The key to attach now. Lock-free while a usable key is cached; before the first
-    /// exchange has answered, waits for it up to [`STARTUP_WAIT`]. E1004 (or E1002 after a
-    /// clock-skew answer) when there is no usable key.
+    /// exchange has answered, waits for it up to [`STARTUP_WAIT`]; after a key ran out with
+    /// no failed refresh behind it, waits for the refresh up to [`CALL_TIMEOUT`]. E1004 (or
+    /// E1002 after a clock-skew answer) when there is no usable key.
     pub async fn current(&self) -> Result<Secret, Error> {
         let shared = &*self.shared;
         let now = shared.clock.now();
@@ -791,7 +809,14 @@ impl ExchangedKey {
             if now < t.usable_until {
                 return Ok(t.key.clone());
             }
-            return Err(shared.unusable());
+            if shared.last_error.load().is_some() {
+                return Err(shared.unusable());
+            }
+            // Ran out with no failed refresh behind it: the refresher is late, not failing.
+            // A laptop that slept past the key's expiry: the wall clock moved on, the
+            // refresher's timers did not run. The refresh just asked for is waited for, as
+            // the first exchange is, rather than a 503 until it lands.
+            return shared.refreshed().await;
         }
         if *shared.attempts.borrow() == 0 {
             let mut first = shared.attempts.subscribe();
