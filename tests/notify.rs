@@ -5,10 +5,14 @@
 
 mod support;
 
+use std::os::fd::OwnedFd;
 use std::path::Path;
+use std::process::Stdio;
 
 use support::*;
-use tokio::net::UnixDatagram;
+use tokio::io::AsyncReadExt;
+use tokio::net::unix::pipe;
+use tokio::net::{UnixDatagram, UnixStream};
 
 /// The next datagram on `sock`, as text.
 async fn next_state(sock: &UnixDatagram, what: &str) -> String {
@@ -33,36 +37,165 @@ fn assert_drained(sock: &UnixDatagram) {
 
 /// Runs a proxy told to notify `target`, and checks the whole conversation on `sock`:
 /// READY=1 only once both listeners accept, STOPPING=1 at SIGTERM, then a clean exit.
+///
+/// READY=1 is checked without the "listening" line, which is logged after the binds and
+/// would make any connect after it succeed. Instead the proxy's stderr is a pipe the test
+/// filled, and only the notify module may log: the proxy's first write is the
+/// "sd_notify sent" line right after READY=1, and it blocks until the test reads. So the
+/// proxy is held still from READY=1 until both connects are done, and a READY=1 sent
+/// before the binds finds no listener, however the two processes are scheduled.
 async fn ready_then_stopping(sock: UnixDatagram, target: &str) {
-    let pki = Pki::new();
-    let mut proxy = ProxyCmd::new("https://127.0.0.1:9", &pki)
-        .env("NOTIFY_SOCKET", Some(target))
-        .spawn()
-        .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listen = dir.path().join("proxy.sock");
+    let admin = dir.path().join("admin.sock");
+    let (held, stderr) = held_stderr();
+    let mut proxy = Running::spawn(
+        dir.path(),
+        &[
+            "--listen",
+            &format!("unix:{}", path_str(&listen)),
+            "--admin-listen",
+            &format!("unix:{}", path_str(&admin)),
+        ],
+        target,
+        held,
+    );
 
+    // A proxy that refuses to start says why on the held stderr, so it cannot: it is then
+    // this wait that fails.
     assert_eq!(next_state(&sock, "READY=1").await, "READY=1");
     // Ready means accepting: systemd starts the units ordered after this one now.
-    for addr in [proxy.addr(), proxy.admin_addr()] {
-        within("connect after READY", tokio::net::TcpStream::connect(addr))
-            .await
-            .expect("the listener accepts once READY=1 is sent");
-    }
+    let (proxy_conn, admin_conn) = within("connect after READY", async {
+        tokio::join!(UnixStream::connect(&listen), UnixStream::connect(&admin))
+    })
+    .await;
+    proxy_conn.expect("the proxy listener accepts once READY=1 is sent");
+    admin_conn.expect("the admin listener accepts once READY=1 is sent");
     assert_drained(&sock);
 
+    let stderr = tokio::spawn(read_log(stderr));
     proxy.signal("TERM");
     assert_eq!(next_state(&sock, "STOPPING=1").await, "STOPPING=1");
     let status = proxy.wait_exit().await;
-    assert!(
-        status.success(),
-        "exit {status}; stderr:\n{}",
-        proxy.stderr()
-    );
+    let stderr = within("the proxy's stderr to close", stderr)
+        .await
+        .expect("the stderr reader panicked")
+        .expect("read the proxy's stderr");
+    assert!(status.success(), "exit {status}; stderr:\n{stderr}");
     assert_drained(&sock);
-    let stderr = proxy.stderr();
+    // Without this line nothing held the proxy still, and the check above proved nothing.
+    assert!(
+        stderr.contains("sd_notify sent state=\"READY=1\""),
+        "the line that holds the proxy after READY=1 is missing:\n{stderr}"
+    );
     assert!(
         !stderr.contains("sd_notify failed"),
         "no warning expected:\n{stderr}"
     );
+}
+
+/// A pipe for the proxy's stderr with no room left, and its read end: the proxy's first
+/// log line waits for the test to read.
+fn held_stderr() -> (OwnedFd, pipe::Receiver) {
+    use rustix::pipe::PipeFlags;
+    // Raw writes, not tokio's: its `try_write` says WouldBlock without writing until the
+    // runtime has seen the pipe writable, which would leave the pipe empty.
+    let (rx, tx) =
+        rustix::pipe::pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK).expect("a pipe");
+    for chunk in [&[b'\n'; 4096][..], &b"\n"[..]] {
+        // Small writes after large ones: a page only partly filled would still take a line.
+        loop {
+            match rustix::io::write(&tx, chunk) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => panic!("filling the stderr pipe: {e}"),
+            }
+        }
+    }
+    // A non-blocking stderr would make the proxy drop the line instead of waiting.
+    rustix::io::ioctl_fionbio(&tx, false).expect("a blocking write end");
+    let rx = pipe::Receiver::from_owned_fd(rx).expect("the read end to tokio");
+    (tx, rx)
+}
+
+/// Everything the proxy wrote, without the blank lines that filled the pipe.
+async fn read_log(mut rx: pipe::Receiver) -> std::io::Result<String> {
+    let mut raw = Vec::new();
+    rx.read_to_end(&mut raw).await?;
+    Ok(strip_ansi(
+        String::from_utf8_lossy(&raw).trim_start_matches('\n'),
+    ))
+}
+
+/// `abx-proxy serve` started directly rather than through `ProxyCmd`, which would need
+/// the "listening" line and a stderr it reads all along. Dropping it kills the process.
+struct Running {
+    child: Option<std::process::Child>,
+    pid: u32,
+    _home: tempfile::TempDir,
+}
+
+impl Running {
+    fn spawn(dir: &Path, listen: &[&str], notify_socket: &str, stderr: OwnedFd) -> Running {
+        let home = tempfile::tempdir_in(dir).expect("home");
+        let abx_home = home.path().join(".abx");
+        std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
+            .env_clear()
+            .env("HOME", home.path())
+            .env("ABX_HOME", &abx_home)
+            .env("ABX_SANDBOX_API_KEY", API_KEY)
+            .env("NOTIFY_SOCKET", notify_socket)
+            .current_dir(home.path())
+            .arg("serve")
+            .args(listen)
+            .args(["--sandbox-base-url", "https://127.0.0.1:9"])
+            .args(["--log-level", "off,abx_proxy::notify=debug"])
+            .args(["--shutdown-grace", "10s"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            // The command, and with it the test's copy of the write end, is gone after
+            // this statement, so the reader sees end of file once the proxy exits.
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .expect("spawn abx-proxy");
+        Running {
+            pid: child.id(),
+            child: Some(child),
+            _home: home,
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} {} failed", self.pid);
+    }
+
+    async fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("proxy already reaped");
+        let waited =
+            tokio::time::timeout(GUARD, tokio::task::spawn_blocking(move || child.wait())).await;
+        match waited {
+            Ok(joined) => joined.expect("join").expect("wait abx-proxy"),
+            Err(_) => {
+                self.signal("KILL");
+                panic!("abx-proxy did not exit within {GUARD:?}");
+            }
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// `NOTIFY_SOCKET` as a path, as systemd sets it (`/run/systemd/notify`).
