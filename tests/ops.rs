@@ -726,6 +726,9 @@ async fn the_admin_listener_cuts_connections_that_send_no_request() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (proxy, _upstream, _pki) = admin_proxy(&["--header-timeout", "1s"]).await;
     let admin = proxy.admin_addr();
+    // Well under the 30 s default (and GUARD): an admin listener that ignored the flag
+    // would close these connections too, only later, and must fail here.
+    let cut_by = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut silent = tokio::net::TcpStream::connect(admin)
         .await
         .expect("connect");
@@ -738,7 +741,9 @@ async fn the_admin_listener_cuts_connections_that_send_no_request() {
     assert_eq!(get(admin, "/healthz").await.0, 200);
     for (what, s) in [("silent", &mut silent), ("half a head", &mut half)] {
         let mut rest = Vec::new();
-        let read = within("the admin to close", s.read_to_end(&mut rest)).await;
+        let read = tokio::time::timeout_at(cut_by, s.read_to_end(&mut rest))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: still open 20 s after connecting"));
         assert!(read.is_ok(), "{what}: {read:?}");
         // hyper may answer a timed-out head with 408 before it closes; never with data.
         let text = String::from_utf8_lossy(&rest);
