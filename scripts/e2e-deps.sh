@@ -5,7 +5,8 @@
 #   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b latest + 2.50.0)
 # E2E_DIR is $ABX_E2E_DIR, else <repo>/target/e2e. Uses the machine's python3 and npm.
 # Quiet on success; fast when already installed (marker files); on failure prints the
-# installer's log and exits non-zero. Safe to run concurrently (flock).
+# installer's log and exits non-zero. Every install is bounded (`timeout`), so a registry
+# that stops answering fails the run instead of hanging it. Safe to run concurrently (flock).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,8 +45,8 @@ venv() {
     rm -rf "$dir"
     : >"$LOG"
     python3 -m venv "$dir" >>"$LOG" 2>&1 || fail "python3 -m venv $dir failed"
-    "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
-        >>"$LOG" 2>&1 || fail "pip install $spec failed"
+    timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
+        >>"$LOG" 2>&1 || fail "pip install $spec failed (or took over 600 s)"
     "$dir/bin/python" -c 'import e2b' >>"$LOG" 2>&1 || fail "e2b does not import in $dir"
     printf '%s' "$spec" >"$marker"
 }
@@ -64,8 +65,8 @@ marker="$JS_DIR/node_modules/.abx-e2e-installed"
 if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$want" ] \
     || [ ! -f "$JS_DIR/node_modules/e2b/package.json" ]; then
     : >"$LOG"
-    (cd "$JS_DIR" && npm ci --no-audit --no-fund --loglevel=error) >>"$LOG" 2>&1 \
-        || fail "npm ci in $JS_DIR failed"
+    (cd "$JS_DIR" && timeout -k 10 600 npm ci --no-audit --no-fund --loglevel=error) >>"$LOG" 2>&1 \
+        || fail "npm ci in $JS_DIR failed (or took over 600 s)"
     printf '%s' "$want" >"$marker"
 fi
 
@@ -87,8 +88,8 @@ opensandbox_venv() {
     rm -rf "$dir"
     : >"$LOG"
     python3 -m venv "$dir" >>"$LOG" 2>&1 || fail "python3 -m venv $dir failed"
-    "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
-        >>"$LOG" 2>&1 || fail "pip install $spec failed"
+    timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
+        >>"$LOG" 2>&1 || fail "pip install $spec failed (or took over 600 s)"
     "$dir/bin/python" -c 'import opensandbox.sync.sandbox' >>"$LOG" 2>&1 \
         || fail "opensandbox does not import in $dir"
     printf '%s' "$spec" >"$marker"

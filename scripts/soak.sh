@@ -68,8 +68,9 @@ log() { echo "soak: $*" >&2; }
 # ---- tools and binaries -------------------------------------------------------------------
 if ! command -v wrk >/dev/null; then
     log "installing wrk"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
+    # Bounded: a mirror that never answers fails the soak instead of hanging it.
+    timeout -k 10 300 apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive timeout -k 10 600 apt-get install -y -qq wrk >/dev/null
 fi
 for tool in curl timeout; do
     command -v "$tool" >/dev/null || { log "$tool is required"; exit 1; }
