@@ -40,6 +40,8 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Requests that arrive before the first exchange has answered wait this long for it.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
+/// A refresh that began this long after its time was late (the machine slept), not slow.
+const LATE: Duration = Duration::from_secs(1);
 /// A key is never handed out later than this before its expiry: a request still has to
 /// reach the upstream and be checked there.
 pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
@@ -669,6 +671,9 @@ struct Shared {
     last_error: ArcSwapOption<Error>,
     /// Completed exchanges (either outcome): waiters for the first answer watch it.
     attempts: watch::Sender<u64>,
+    /// When the exchange in flight began, in milliseconds since the epoch by [`Clock`];
+    /// 0 while none is.
+    attempt_started_ms: AtomicU64,
     /// Requests that see a key past its refresh time nudge the refresher (after a suspend
     /// the timer may lag the wall clock).
     kick: Notify,
@@ -711,6 +716,13 @@ impl Shared {
             None => Error::TokenExchange {
                 reason: "the temporary key has expired and no new one has been obtained yet".into(),
             },
+        }
+    }
+
+    fn attempt_started(&self) -> Option<SystemTime> {
+        match self.attempt_started_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(UNIX_EPOCH + Duration::from_millis(ms)),
         }
     }
 
@@ -778,6 +790,7 @@ impl ExchangedKey {
             token: ArcSwapOption::empty(),
             last_error: ArcSwapOption::empty(),
             attempts,
+            attempt_started_ms: AtomicU64::new(0),
             kick: Notify::new(),
             clock: options.clock,
             observer: options.observer,
@@ -809,13 +822,17 @@ impl ExchangedKey {
             if now < t.usable_until {
                 return Ok(t.key.clone());
             }
-            if shared.last_error.load().is_some() {
+            // Ran out with no failed refresh behind it and none begun on time: the
+            // refresher is late, not failing or slow. A laptop that slept past the key's
+            // expiry: the wall clock moved on, the refresher's timers did not run. The
+            // refresh just asked for is waited for, as the first exchange is, rather than
+            // a 503 until it lands.
+            let late = shared
+                .attempt_started()
+                .is_none_or(|started| started > t.refresh_at + LATE);
+            if shared.last_error.load().is_some() || !late {
                 return Err(shared.unusable());
             }
-            // Ran out with no failed refresh behind it: the refresher is late, not failing.
-            // A laptop that slept past the key's expiry: the wall clock moved on, the
-            // refresher's timers did not run. The refresh just asked for is waited for, as
-            // the first exchange is, rather than a 503 until it lands.
             return shared.refreshed().await;
         }
         if *shared.attempts.borrow() == 0 {
@@ -993,6 +1010,12 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
         }
         let attempt = async {
             let started = shared.clock.now();
+            let ms = started
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            shared
+                .attempt_started_ms
+                .store(ms.max(1), Ordering::Relaxed);
             let outcome = tokio::select! {
                 r = exchanger.exchange(started) => r,
                 _ = shared.clock.sleep(CALL_TIMEOUT) => Err(Error::TokenExchange {
@@ -1026,6 +1049,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 })
             }
         };
+        shared.attempt_started_ms.store(0, Ordering::Relaxed);
         match outcome {
             Ok(token) => {
                 let expiry_unix = unix_seconds(token.expires_at);
