@@ -366,24 +366,9 @@ async fn text(resp: Response<Incoming>) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// Scrapes `/metrics` until `series` equals `want`. Each round is a full request to the
-/// proxy (the admin listener answers one per connection): the wait is on the proxy's
-/// state, bounded by [`GUARD`].
+/// Scrapes `/metrics` until `series` equals `want` (bounded by [`GUARD`]).
 async fn wait_for_metric(admin: SocketAddr, series: &str, want: f64) {
-    let mut last = None;
-    let reached = tokio::time::timeout(GUARD, async {
-        loop {
-            last = metric(&scrape(admin).await, series);
-            if last == Some(want) {
-                return;
-            }
-        }
-    })
-    .await;
-    assert!(
-        reached.is_ok(),
-        "{series} did not reach {want} within {GUARD:?}; last {last:?}"
-    );
+    wait_metric(admin, series, &want.to_string(), |v| v == Some(want)).await;
 }
 
 async fn gauge(proxy: &ProxyProc, series: &str) -> Option<f64> {
@@ -1082,12 +1067,16 @@ const START: &str =
     r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","sleep 3; echo hi"]},"stdin":false}"#;
 const STARTED: &str = r#"{"event":{"start":{"pid":4242}}}"#;
 const KEEPALIVE: &str = r#"{"event":{"keepalive":{}}}"#;
-const KEEPALIVES: usize = 4;
+/// 750 ms apart, 4.5 s of keepalives: past the 3 s `--idle-timeout` below.
+const KEEPALIVES: usize = 6;
 
 /// `/process.Process/Start` through envd: the first event reaches the client before envd
 /// sends anything else (streaming, no buffering), then keepalives every 750 ms carry the
-/// stream past the 2 s `--idle-timeout` (a connection that moves bytes is never cut), then
+/// stream past the 3 s `--idle-timeout` (a connection that moves bytes is never cut), then
 /// the end-of-stream frame. The chunked request envelope arrives intact.
+///
+/// The timeout is four gaps between keepalives, not two: a loaded machine that stalls the
+/// upstream's timer for a second must not make the stream look idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_server_stream_outlives_the_idle_timeout() {
     let pki = Pki::new();
@@ -1125,7 +1114,7 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
     })
     .await;
     let env = Env::with_envd(pki, cloud, envd).await;
-    let proxy = env.proxy_with(&["--idle-timeout", "2s"]).await;
+    let proxy = env.proxy_with(&["--idle-timeout", "3s"]).await;
     let addr = proxy.addr();
     env.create(&proxy, "isb-9", "tok-9").await;
 

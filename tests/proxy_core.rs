@@ -1038,9 +1038,14 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
         }
     })
     .await;
+    // Twelve times the 250 ms pace below: a stall of seconds on a loaded machine between
+    // two bytes must not pass for an upload that stopped.
+    const TIMEOUT: Duration = Duration::from_secs(3);
+    // 250 ms apart, 4 s in all: past the timeout.
+    const BYTES: usize = 16;
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .env("ABX_SANDBOX_URL", Some(&upstream.url()))
-        .args(&["--upstream-timeout", "1s"])
+        .args(&["--upstream-timeout", &format!("{}s", TIMEOUT.as_secs())])
         .spawn()
         .await;
     let addr = proxy.addr();
@@ -1051,24 +1056,27 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
             ""
         };
         format!(
-            "POST /upload HTTP/1.1\r\nHost: {addr}\r\n{routing}Content-Length: 8\r\nConnection: close\r\n\r\n"
+            "POST /upload HTTP/1.1\r\nHost: {addr}\r\n{routing}Content-Length: {BYTES}\r\nConnection: close\r\n\r\n"
         )
     };
-    for envd in [false, true] {
+    let moving = |envd: bool| async move {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         s.write_all(upload(envd).as_bytes()).await.expect("head");
-        // 8 bytes, a quarter of the timeout apart: twice the timeout in all.
-        for _ in 0..8 {
-            tokio::time::sleep(Duration::from_millis(250)).await;
+        // Pacing the upload (the behaviour under test), not synchronisation.
+        let mut every = tokio::time::interval(Duration::from_millis(250));
+        every.tick().await;
+        for _ in 0..BYTES {
+            every.tick().await;
             s.write_all(b"x").await.expect("body");
         }
         let resp = read_response(&mut s, &mut Vec::new()).await;
         assert_eq!(
             (resp.status, resp.text()),
-            (200, "got 8".into()),
+            (200, format!("got {BYTES}")),
             "envd: {envd}"
         );
-
+    };
+    let stopped = |envd: bool| async move {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         s.write_all(upload(envd).as_bytes()).await.expect("head");
         // Before the write: the proxy's timer can start before this task reads the clock.
@@ -1077,11 +1085,13 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
         let resp = read_response(&mut s, &mut Vec::new()).await;
         assert_proxy_error(&resp, 504, "E5002");
         assert!(
-            last.elapsed() >= Duration::from_secs(1),
-            "{:?}",
+            last.elapsed() >= TIMEOUT,
+            "envd: {envd}: {:?}",
             last.elapsed()
         );
-    }
+    };
+    // All at once: each is a few seconds of waiting, not of work.
+    tokio::join!(moving(false), moving(true), stopped(false), stopped(true));
     proxy.finish().await;
 }
 
@@ -1388,12 +1398,8 @@ fn tls_listener(cmd: ProxyCmd, pki: &Pki) -> ProxyCmd {
 
 /// The connection is the proxy's (not still in the accept queue).
 async fn until_open_connections(admin: std::net::SocketAddr, n: f64) {
-    within("the connection accepted", async {
-        while metric(&scrape(admin).await, "abx_proxy_open_connections") != Some(n) {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let series = "abx_proxy_open_connections";
+    wait_metric(admin, series, &n.to_string(), |v| v == Some(n)).await;
 }
 
 /// A TLS proxy whose header timeout and grace are far longer than a test may take.
@@ -1721,14 +1727,18 @@ async fn a_stderr_that_cannot_be_written_stops_nothing() {
     ])
     .args(["--sandbox-base-url", &upstream.url(), "--upstream-ca", &ca])
     .args(["--log-level", "debug"]);
-    let mut child = cmd.spawn().expect("spawn");
+    let mut proxy = Spawned::spawn(&mut cmd, "abx-proxy serve");
     // No line on stderr to wait for: the socket taking connections is the sign.
     within("the proxy to listen", async {
-        while tokio::net::UnixStream::connect(&sock).await.is_err() {
-            if let Some(status) = child.try_wait().expect("try_wait") {
+        let mut every = poll_ticker();
+        loop {
+            every.tick().await;
+            if tokio::net::UnixStream::connect(&sock).await.is_ok() {
+                break;
+            }
+            if let Some(status) = proxy.exited() {
                 panic!("the proxy exited: {status}");
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await;
@@ -1738,27 +1748,18 @@ async fn a_stderr_that_cannot_be_written_stops_nothing() {
             StatusCode::OK
         );
     }
-    let pid = child.id().to_string();
     let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
+        .args(["-TERM", &proxy.pid.to_string()])
         .status();
     assert!(killed.expect("kill").success());
-    let status = within("the exit", async {
-        loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                return status;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    let status = proxy.exit("the proxy to exit after SIGTERM").await;
     assert_eq!(status.code(), Some(0));
 
-    let out = abx(None)
-        .args(["check", "--offline"])
-        .status()
-        .expect("check");
-    assert_eq!(out.code(), Some(78), "no key: E1001's exit code");
+    let mut check = abx(None);
+    let status = Spawned::spawn(check.args(["check", "--offline"]), "abx-proxy check")
+        .exit("abx-proxy check to exit")
+        .await;
+    assert_eq!(status.code(), Some(78), "no key: E1001's exit code");
 }
 
 /// `GET path` (with a dummy client key) on a fresh connection to the unix socket `sock`.
@@ -1905,11 +1906,13 @@ async fn non_loopback_listen_needs_allow_remote() {
     );
 }
 
-/// `--idle-timeout 1s`: a stream moving a few bytes every 200 ms runs past several idle
-/// periods untouched; a connection that moves nothing is closed.
+/// `--idle-timeout 3s`: a stream moving a few bytes every 200 ms runs past the idle
+/// timeout untouched; a connection that moves nothing is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_timeout_cuts_only_connections_that_move_nothing() {
-    const TICKS: usize = 12;
+    // 200 ms apart, 4 s in all: past the 3 s timeout, which is fifteen times the pace so
+    // that a loaded machine stalling the upstream for a second or two cuts nothing.
+    const TICKS: usize = 20;
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
         let (tx, rx) = mpsc::channel(1);
@@ -1929,7 +1932,7 @@ async fn idle_timeout_cuts_only_connections_that_move_nothing() {
     // The header timer also closes a connection that never sends a head; past GUARD, so
     // that within it only the idle timer can close the silent one.
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--idle-timeout", "1s", "--header-timeout", "120s"])
+        .args(&["--idle-timeout", "3s", "--header-timeout", "120s"])
         .spawn()
         .await;
     let addr = proxy.addr();

@@ -325,13 +325,18 @@ async fn after_early_answer(
         let released = tokio::time::timeout(LINGER_IDLE, shared.reader_released()).await;
         if released.is_err() {
             // Still held somewhere: it will not read again, and the socket closes with it.
+            tracing::trace!(end = "reader held", "lingering close over");
             return;
         }
     }
     let unread = shared.body_left.load(Ordering::Relaxed);
-    if unread != 0 {
-        linger(&shared.sock, unread, buf, stop).await;
-    }
+    let end = match unread {
+        0 => "body",
+        _ => linger(&shared.sock, unread, buf, stop).await,
+    };
+    // What ended it tells a body miscounted (it ends on the timer) from one read whole,
+    // which the time the close took cannot tell on a loaded machine.
+    tracing::trace!(end, "lingering close over");
 }
 
 /// How long an answered connection is read and discarded before it closes, in all and
@@ -344,29 +349,31 @@ pub(super) const LINGER_IDLE: Duration = Duration::from_secs(5);
 /// bytes still arriving, makes the kernel reset the connection, and a client still sending
 /// its body gets that reset, or loses the answer with it (RFC 9112 §9.6). Reading the rest
 /// of the body and dropping it lets the client finish and read the answer.
+///
+/// Returns what ended it: `body`, `drain`, `timer`, `eof` or `error`.
 async fn linger(
     sock: &Sock,
     mut unread: u64,
     buf: &mut BytesMut,
     stop: &mut watch::Receiver<bool>,
-) {
+) -> &'static str {
     let until = tokio::time::Instant::now() + LINGER_TOTAL;
     loop {
         let idle = tokio::time::Instant::now() + LINGER_IDLE;
         tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => return,
-            () = tokio::time::sleep_until(idle.min(until)) => return,
-            r = sock.readable() => if r.is_err() { return },
+            _ = stop.wait_for(|s| *s) => return "drain",
+            () = tokio::time::sleep_until(idle.min(until)) => return "timer",
+            r = sock.readable() => if r.is_err() { return "error" },
         }
         buf.clear();
         buf.reserve(BODY_READ);
         match sock.try_read_buf(buf) {
-            Ok(0) => return,
-            Ok(n) if n as u64 >= unread => return,
+            Ok(0) => return "eof",
+            Ok(n) if n as u64 >= unread => return "body",
             Ok(n) => unread -= n as u64,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(_) => return,
+            Err(_) => return "error",
         }
     }
 }

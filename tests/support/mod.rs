@@ -40,6 +40,22 @@ use tokio::task::JoinHandle;
 /// The longest any single wait may take before the test fails.
 pub const GUARD: Duration = Duration::from_secs(30);
 
+/// The bound on what a setting far below its default should cause (a close at a 1 s
+/// `--header-timeout`): well above the setting, for a loaded machine, and below the 30 s
+/// defaults, which [`GUARD`], as long, would let through, so a flag going unapplied fails.
+pub const BOUND: Duration = Duration::from_secs(20);
+
+/// The pause between two looks at state that no event announces (a gauge, a socket
+/// queue): short against any wait, and the poller leaves the CPU to the proxy it watches.
+pub const POLL: Duration = Duration::from_millis(10);
+
+/// A [`POLL`] ticker; its first tick is at once.
+pub fn poll_ticker() -> tokio::time::Interval {
+    let mut every = tokio::time::interval(POLL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every
+}
+
 /// The real key the proxy attaches. Distinctive, so a leak into a log or a body is found.
 pub const API_KEY: &str = "sk-abx-live-7Q4mZ2xK9pW3rT8vB5nL1cY6";
 
@@ -111,6 +127,66 @@ async fn run_within(mut cmd: Command, input: Option<Vec<u8>>, what: &str) -> std
                 .args(["-KILL", &pid.to_string()])
                 .status();
             panic!("timed out after {GUARD:?}: {what}");
+        }
+    }
+}
+
+/// `child`'s exit, waited for off the runtime. `None` past [`GUARD`], the child killed
+/// then rather than left behind the test.
+async fn exit_within(mut child: Child) -> Option<ExitStatus> {
+    let pid = child.id();
+    let waited =
+        tokio::time::timeout(GUARD, tokio::task::spawn_blocking(move || child.wait())).await;
+    match waited {
+        Ok(joined) => Some(joined.expect("join").expect("wait for a child process")),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            None
+        }
+    }
+}
+
+/// A process a test started with its own stdio: killed and reaped when dropped, so a test
+/// that fails half-way leaves nothing running.
+pub struct Spawned {
+    child: Option<Child>,
+    pub pid: u32,
+}
+
+impl Spawned {
+    pub fn spawn(cmd: &mut Command, what: &str) -> Spawned {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+        let pid = child.id();
+        Spawned {
+            child: Some(child),
+            pid,
+        }
+    }
+
+    /// Its exit status if it has exited, without waiting.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut().expect("already reaped");
+        child.try_wait().expect("try_wait")
+    }
+
+    /// Its exit within [`GUARD`], or a test failure naming `what`.
+    pub async fn exit(&mut self, what: &str) -> ExitStatus {
+        let child = self.child.take().expect("already reaped");
+        exit_within(child)
+            .await
+            .unwrap_or_else(|| panic!("timed out after {GUARD:?}: {what}"))
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }
@@ -1009,20 +1085,12 @@ impl ProxyProc {
 
     /// Waits for the process to exit (bounded), then for its stderr to be complete.
     pub async fn wait_exit(&mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("proxy already reaped");
-        let waited =
-            tokio::time::timeout(GUARD, tokio::task::spawn_blocking(move || child.wait())).await;
-        let status = match waited {
-            Ok(joined) => joined.expect("join").expect("wait abx-proxy"),
-            Err(_) => {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &self.pid.to_string()])
-                    .status();
-                panic!(
-                    "abx-proxy did not exit within {GUARD:?}; stderr:\n{}",
-                    self.stderr()
-                );
-            }
+        let child = self.child.take().expect("proxy already reaped");
+        let Some(status) = exit_within(child).await else {
+            panic!(
+                "abx-proxy did not exit within {GUARD:?}; stderr:\n{}",
+                self.stderr()
+            );
         };
         if let Some(reader) = self.reader.take() {
             let _ = tokio::task::spawn_blocking(move || reader.join()).await;
@@ -1237,9 +1305,14 @@ pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> RawResponse {
     raw_open(addr, bytes).await.1
 }
 
-/// The peer closes: EOF (or a reset) within [`GUARD`], with nothing else before it. Over
+/// The peer closes: EOF (or a reset) within [`BOUND`], with nothing else before it. Over
 /// TLS a peer that just drops the connection sends no close_notify, which rustls reports
 /// as an unexpected EOF.
+///
+/// Not [`GUARD`]: every close a test waits for comes at once or at a setting of a second
+/// or two, while `--header-timeout`'s 30 s default (which also ends a keep-alive
+/// connection waiting for its next head) would close it within GUARD too, and so pass a
+/// test whose flag, or whose close after an error, went missing.
 pub async fn expect_closed<S: AsyncRead + Unpin>(s: &mut S, leftover: &[u8]) {
     assert!(
         leftover.is_empty(),
@@ -1247,7 +1320,10 @@ pub async fn expect_closed<S: AsyncRead + Unpin>(s: &mut S, leftover: &[u8]) {
         String::from_utf8_lossy(leftover)
     );
     let mut tmp = [0u8; 1024];
-    match within("the proxy to close the connection", s.read(&mut tmp)).await {
+    let Ok(read) = tokio::time::timeout(BOUND, s.read(&mut tmp)).await else {
+        panic!("the proxy did not close the connection within {BOUND:?}");
+    };
+    match read {
         Ok(0) => {}
         Ok(n) => panic!(
             "expected the connection closed, got {:?}",
@@ -1331,25 +1407,39 @@ pub async fn scrape(admin: SocketAddr) -> String {
     String::from_utf8(collect(resp.into_body()).await.to_vec()).expect("metrics are text")
 }
 
-/// Scrapes `/metrics` until `series` is at least `min` (bounded by [`GUARD`]). Each round
-/// is a full request to the proxy: the wait is on the proxy's state.
+/// Scrapes `/metrics` until `series` is at least `min` (bounded by [`GUARD`]).
 pub async fn wait_metric_at_least(admin: SocketAddr, series: &str, min: f64) -> f64 {
+    let want = format!("at least {min}");
+    let last = wait_metric(admin, series, &want, |v| v.is_some_and(|v| v >= min)).await;
+    last.unwrap_or_default()
+}
+
+/// Scrapes `/metrics` until `series` satisfies `done` (`want` says how, for the failure),
+/// [`POLL`] apart and bounded by [`GUARD`]; its value then. Each round is a full request
+/// to the proxy: the wait is on the proxy's state.
+pub async fn wait_metric(
+    admin: SocketAddr,
+    series: &str,
+    want: &str,
+    done: impl Fn(Option<f64>) -> bool,
+) -> Option<f64> {
     let mut last = None;
+    let mut every = poll_ticker();
     let reached = tokio::time::timeout(GUARD, async {
         loop {
+            every.tick().await;
             last = metric(&scrape(admin).await, series);
-            if last.is_some_and(|v| v >= min) {
+            if done(last) {
                 return;
             }
-            tokio::task::yield_now().await;
         }
     })
     .await;
     assert!(
         reached.is_ok(),
-        "{series} did not reach {min} within {GUARD:?}; last {last:?}"
+        "{series} did not reach {want} within {GUARD:?}; last {last:?}"
     );
-    last.unwrap_or_default()
+    last
 }
 
 /// The value of one series in Prometheus text: `abx_proxy_envd_tokens`, or with labels
