@@ -339,6 +339,7 @@ async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
     }
     let second = format!("Bearer {}", fake.until_issued(2).await[1]);
     within("the upstream to see the rotated key", async {
+        let mut every = poll_ticker();
         loop {
             if upstream
                 .seen()
@@ -347,10 +348,10 @@ async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
             {
                 break;
             }
-            tokio::task::yield_now().await;
+            every.tick().await;
             let before = sent.load(Ordering::SeqCst);
             while sent.load(Ordering::SeqCst) == before {
-                tokio::task::yield_now().await;
+                every.tick().await;
             }
         }
     })
@@ -498,12 +499,13 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     );
     let bearer2 = format!("Bearer {KEY2}");
     within("a request with the new key", async {
+        let mut every = poll_ticker();
         while !upstream
             .seen()
             .iter()
             .any(|s| s.header("authorization") == Some(bearer2.as_str()))
         {
-            tokio::task::yield_now().await;
+            every.tick().await;
         }
     })
     .await;
@@ -1258,8 +1260,9 @@ async fn a_client_hanging_up_mid_request_gives_its_in_flight_count_back() {
     assert_eq!(in_flight(&scrape(admin).await), Some(1.0));
     drop(stream);
     within("the in-flight gauge to return to 0", async {
+        let mut every = poll_ticker();
         while in_flight(&scrape(admin).await) != Some(0.0) {
-            tokio::task::yield_now().await;
+            every.tick().await;
         }
     })
     .await;
@@ -1308,8 +1311,9 @@ async fn requests_before_the_first_exchange_wait_for_it_and_share_one_exchange()
     // All of them are inside the proxy, waiting for the key (none has been answered).
     let in_flight = |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
     within("every request to be in flight", async {
+        let mut every = poll_ticker();
         while in_flight(&scrape(admin).await) != Some(WAITERS as f64) {
-            tokio::task::yield_now().await;
+            every.tick().await;
         }
     })
     .await;
@@ -1357,10 +1361,11 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     fake.until_calls(1).await;
     let first_request = tokio::spawn(async move { get(addr, "/sandboxes").await.0 });
     within("the first request to wait for the key", async {
+        let mut every = poll_ticker();
         let in_flight =
             |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
         while in_flight(&scrape(admin).await) != Some(1.0) {
-            tokio::task::yield_now().await;
+            every.tick().await;
         }
     })
     .await;
