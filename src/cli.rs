@@ -224,7 +224,7 @@ pub struct ServeArgs {
     pub net: NetArgs,
     #[command(flatten)]
     pub exposure: ExposureArgs,
-    /// Close a connection that moved no bytes for this long.
+    /// Close a connection, or reset an HTTP/2 answer, idle this long.
     #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = timeout)]
     pub idle_timeout: Duration,
     /// Drain time for requests and tunnels on SIGTERM/SIGINT (0: none).
