@@ -49,7 +49,7 @@ async fn ready_then_stopping(sock: UnixDatagram, target: &str) {
     let listen = dir.path().join("proxy.sock");
     let admin = dir.path().join("admin.sock");
     let (held, stderr) = held_stderr();
-    let mut proxy = Running::spawn(
+    let (mut proxy, _home) = spawn_proxy(
         dir.path(),
         &[
             "--listen",
@@ -76,7 +76,7 @@ async fn ready_then_stopping(sock: UnixDatagram, target: &str) {
     let stderr = tokio::spawn(read_log(stderr));
     proxy.signal("TERM");
     assert_eq!(next_state(&sock, "STOPPING=1").await, "STOPPING=1");
-    let status = proxy.wait_exit().await;
+    let status = proxy.exit("abx-proxy to exit after SIGTERM").await;
     let stderr = within("the proxy's stderr to close", stderr)
         .await
         .expect("the stderr reader panicked")
@@ -128,74 +128,37 @@ async fn read_log(mut rx: pipe::Receiver) -> std::io::Result<String> {
 }
 
 /// `abx-proxy serve` started directly rather than through `ProxyCmd`, which would need
-/// the "listening" line and a stderr it reads all along. Dropping it kills the process.
-struct Running {
-    child: Option<std::process::Child>,
-    pid: u32,
-    _home: tempfile::TempDir,
-}
-
-impl Running {
-    fn spawn(dir: &Path, listen: &[&str], notify_socket: &str, stderr: OwnedFd) -> Running {
-        let home = tempfile::tempdir_in(dir).expect("home");
-        let abx_home = home.path().join(".abx");
-        std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
-            .env_clear()
-            .env("HOME", home.path())
-            .env("ABX_HOME", &abx_home)
-            .env("ABX_SANDBOX_API_KEY", API_KEY)
-            .env("NOTIFY_SOCKET", notify_socket)
-            .current_dir(home.path())
-            .arg("serve")
-            .args(listen)
-            .args(["--sandbox-base-url", "https://127.0.0.1:9"])
-            .args(["--log-level", "off,abx_proxy::notify=debug"])
-            .args(["--shutdown-grace", "10s"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            // The command, and with it the test's copy of the write end, is gone after
-            // this statement, so the reader sees end of file once the proxy exits.
-            .stderr(Stdio::from(stderr))
-            .spawn()
-            .expect("spawn abx-proxy");
-        Running {
-            pid: child.id(),
-            child: Some(child),
-            _home: home,
-        }
-    }
-
-    fn signal(&self, name: &str) {
-        let status = std::process::Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{name} {} failed", self.pid);
-    }
-
-    async fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("proxy already reaped");
-        let waited =
-            tokio::time::timeout(GUARD, tokio::task::spawn_blocking(move || child.wait())).await;
-        match waited {
-            Ok(joined) => joined.expect("join").expect("wait abx-proxy"),
-            Err(_) => {
-                self.signal("KILL");
-                panic!("abx-proxy did not exit within {GUARD:?}");
-            }
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+/// the "listening" line and a stderr it reads all along; killed if the test fails. Its
+/// home directory lives as long as the returned one.
+fn spawn_proxy(
+    dir: &Path,
+    listen: &[&str],
+    notify_socket: &str,
+    stderr: OwnedFd,
+) -> (Spawned, tempfile::TempDir) {
+    let home = tempfile::tempdir_in(dir).expect("home");
+    let abx_home = home.path().join(".abx");
+    std::fs::create_dir_all(&abx_home).expect("ABX_HOME");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+    cmd.env_clear()
+        .env("HOME", home.path())
+        .env("ABX_HOME", &abx_home)
+        .env("ABX_SANDBOX_API_KEY", API_KEY)
+        .env("NOTIFY_SOCKET", notify_socket)
+        .current_dir(home.path())
+        .arg("serve")
+        .args(listen)
+        .args(["--sandbox-base-url", "https://127.0.0.1:9"])
+        .args(["--log-level", "off,abx_proxy::notify=debug"])
+        .args(["--shutdown-grace", "10s"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(stderr));
+    let proxy = Spawned::spawn(&mut cmd, "abx-proxy");
+    // The command, and with it the test's copy of the write end, goes now, so the reader
+    // sees end of file once the proxy exits.
+    drop(cmd);
+    (proxy, home)
 }
 
 /// `NOTIFY_SOCKET` as a path, as systemd sets it (`/run/systemd/notify`).

@@ -131,6 +131,16 @@ async fn run_within(mut cmd: Command, input: Option<Vec<u8>>, what: &str) -> std
     }
 }
 
+/// Sends process `pid` a signal by name (`TERM`, `INT`, `HUP`) with kill(1).
+pub fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{name} {pid} failed");
+}
+
 /// `child`'s exit, waited for off the runtime. `None` past [`GUARD`], the child killed
 /// then rather than left behind the test.
 async fn exit_within(mut child: Child) -> Option<ExitStatus> {
@@ -165,6 +175,11 @@ impl Spawned {
             child: Some(child),
             pid,
         }
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`, `HUP`) with kill(1).
+    pub fn signal(&self, name: &str) {
+        signal(self.pid, name);
     }
 
     /// Its exit status if it has exited, without waiting.
@@ -1075,12 +1090,7 @@ impl ProxyProc {
 
     /// Sends a signal by name (`TERM`, `INT`, `HUP`) with kill(1).
     pub fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{name} {} failed", self.pid);
+        signal(self.pid, name);
     }
 
     /// Waits for the process to exit (bounded), then for its stderr to be complete.
