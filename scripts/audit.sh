@@ -17,7 +17,8 @@ cd "$ROOT" || exit 1
 
 if ! cargo audit --version >/dev/null 2>&1; then
     echo "installing cargo-audit ..." >&2
-    cargo install --locked cargo-audit || exit 1
+    # Bounded: a registry that stops answering fails the script instead of hanging it.
+    timeout -k 10 1800 cargo install --locked cargo-audit || exit 1
 fi
 
 db_args=()

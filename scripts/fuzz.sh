@@ -35,7 +35,8 @@ cd "$ROOT" || exit 1
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing cargo-fuzz ..." >&2
-    cargo install --locked cargo-fuzz || exit 1
+    # Bounded: a registry that stops answering fails the script instead of hanging it.
+    timeout -k 10 1800 cargo install --locked cargo-fuzz || exit 1
 fi
 
 SANITIZER=(-s none)
