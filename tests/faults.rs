@@ -2493,13 +2493,7 @@ async fn a_client_still_uploading_chunks_after_an_early_answer_is_not_reset() {
     for tls in [false, true] {
         let mut cmd = traced(ProxyCmd::new(&upstream.url(), &pki));
         if tls {
-            let (cert, key) = pki.server_pem_files();
-            cmd = cmd.args(&[
-                "--tls-cert",
-                &cert.display().to_string(),
-                "--tls-key",
-                &key.display().to_string(),
-            ]);
+            cmd = cmd.tls_listener(&pki);
         }
         let proxy = cmd.spawn().await;
         let addr = proxy.addr();

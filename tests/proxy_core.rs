@@ -1387,15 +1387,6 @@ async fn the_drain_does_not_wait_for_the_rest_of_a_head() {
 // Listener TLS
 // ---------------------------------------------------------------------------------------
 
-/// A proxy serving TLS on its listener with the test CA's server certificate.
-fn tls_listener(cmd: ProxyCmd, pki: &Pki) -> ProxyCmd {
-    let (cert, key) = pki.server_pem_files();
-    cmd.arg("--tls-cert")
-        .arg(&cert.display().to_string())
-        .arg("--tls-key")
-        .arg(&key.display().to_string())
-}
-
 /// The connection is the proxy's (not still in the accept queue).
 async fn until_open_connections(admin: std::net::SocketAddr, n: f64) {
     let series = "abx_proxy_open_connections";
@@ -1404,7 +1395,8 @@ async fn until_open_connections(admin: std::net::SocketAddr, n: f64) {
 
 /// A TLS proxy whose header timeout and grace are far longer than a test may take.
 async fn patient_tls_proxy(pki: &Pki) -> ProxyProc {
-    tls_listener(ProxyCmd::new("https://127.0.0.1:9", pki), pki)
+    ProxyCmd::new("https://127.0.0.1:9", pki)
+        .tls_listener(pki)
         .shutdown_grace("120s")
         .args(&["--header-timeout", "120s"])
         .spawn()
@@ -1430,7 +1422,8 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
     let pki = Pki::new();
     let mut upstream =
         Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "listed") }).await;
-    let proxy = tls_listener(ProxyCmd::new(&upstream.url(), &pki), &pki)
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
         .spawn()
         .await;
     let addr = proxy.addr();
@@ -1526,7 +1519,8 @@ async fn the_drain_does_not_wait_for_a_tls_handshake() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_tls_handshake_is_cut_at_the_header_timeout() {
     let pki = Pki::new();
-    let proxy = tls_listener(ProxyCmd::new("https://127.0.0.1:9", &pki), &pki)
+    let proxy = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .tls_listener(&pki)
         .args(&["--header-timeout", "1s"])
         .spawn()
         .await;
@@ -2085,7 +2079,8 @@ async fn framing_stays_checked_after_a_pri_request() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let plain = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
-    let tls = tls_listener(ProxyCmd::new(&upstream.url(), &pki), &pki)
+    let tls = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
         .spawn()
         .await;
     let host = "Host: 127.0.0.1\r\n";

@@ -896,6 +896,15 @@ impl ProxyCmd {
         self
     }
 
+    /// Listener TLS with the test CA's server certificate (`--tls-cert`, `--tls-key`).
+    pub fn tls_listener(self, pki: &Pki) -> Self {
+        let (cert, key) = pki.server_pem_files();
+        self.arg("--tls-cert")
+            .arg(&cert.display().to_string())
+            .arg("--tls-key")
+            .arg(&key.display().to_string())
+    }
+
     pub fn args(mut self, args: &[&str]) -> Self {
         self.args.extend(args.iter().map(|a| a.to_string()));
         self
