@@ -2518,6 +2518,31 @@ async fn a_client_still_uploading_chunks_after_an_early_answer_is_not_reset() {
     }
 }
 
+/// The same for plain HTTP sent to the TLS listener, refused with a 400 before its body is
+/// read: the body is taken and dropped, and the client reads the 400 instead of a reset.
+/// Far more than the sockets' buffers hold: a smaller body fits in them whole, and a close
+/// without the lingering would pass unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_with_a_body_sent_to_the_tls_listener_still_gets_its_400() {
+    const BODY: usize = 64 * 1024 * 1024;
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .tls_listener(&pki)
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let upload = Upload {
+        head: format!("POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {BODY}\r\n\r\n"),
+        chunk: vec![b'x'; 1024 * 1024],
+        count: BODY / (1024 * 1024),
+        end: b"",
+    };
+    upload_after_early_answer(connect_raw(addr).await, upload).await;
+    assert!(upstream.seen().is_empty());
+    proxy.finish().await;
+}
+
 /// A request the proxy refuses at its head (a Host it does not serve), with a large body.
 struct Upload {
     head: String,

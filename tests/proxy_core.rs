@@ -1415,8 +1415,7 @@ async fn terminate(proxy: &mut ProxyProc) {
 }
 
 /// `--tls-cert`/`--tls-key`: clients reach the proxy over TLS, HTTP/1.1 or HTTP/2 as ALPN
-/// picks, and each request goes upstream with the key as over plain HTTP. Plain HTTP on
-/// the TLS port is no request.
+/// picks, and each request goes upstream with the key as over plain HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
     let pki = Pki::new();
@@ -1470,30 +1469,37 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(collect(resp.into_body()).await, "listed");
     assert_authorized(&upstream.next_request().await, &upstream);
+    proxy.finish().await;
+}
 
+/// Plain HTTP sent to the TLS listener (an `http://` URL where `https://` was meant) gets
+/// a 400 E5003 that says to use https://, then the close, where it got a TLS alert that
+/// curl showed as an empty reply and the SDKs as a bare connection error. It goes nowhere
+/// upstream, and is counted and logged as the proxy's own refusals are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_sent_to_the_tls_listener_gets_a_400_that_says_to_use_https() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .spawn()
+        .await;
+    let addr = proxy.addr();
     let mut plain = connect_raw(addr).await;
-    plain
-        .write_all(
-            format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    let _ = within(
-        "the proxy to drop a plaintext request",
-        plain.read_to_end(&mut answer),
-    )
-    .await;
-    assert!(
-        !answer.starts_with(b"HTTP/"),
-        "plain HTTP answered on the TLS port: {:?}",
-        String::from_utf8_lossy(&answer)
-    );
+    let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    plain.write_all(req.as_bytes()).await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut plain, &mut leftover).await;
+    assert_proxy_error(&resp, 400, "E5003");
+    let message = resp.json()["message"].to_string();
+    assert!(message.contains("use https://"), "{message}");
+    assert_eq!(resp.header("connection"), Some("close"));
+    expect_closed(&mut plain, &leftover).await;
+    assert_not_reached(&upstream, "/health", "plain HTTP on the TLS port");
+    let refused = "abx_proxy_requests_total{plane=\"api\",method=\"GET\",code=\"400\"}";
     assert_eq!(
-        upstream.seen().len(),
-        3,
-        "only the TLS requests went upstream"
+        metric(&scrape(proxy.admin_addr()).await, refused),
+        Some(1.0)
     );
     proxy.finish().await;
 }

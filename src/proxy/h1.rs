@@ -1106,6 +1106,22 @@ async fn write_all(sock: &Sock, activity: &Activity, a: &[u8], b: &[u8]) -> io::
     Ok(())
 }
 
+/// The first byte a client sends (`None`: it closed or failed first), which tells a TLS
+/// handshake from plain HTTP on the TLS listener. Read, not peeked (a unix socket cannot
+/// peek): the caller gives it back with [`Rewind`].
+pub(super) async fn first_byte(sock: &Sock) -> Option<u8> {
+    let mut byte = [0u8; 1];
+    loop {
+        sock.readable().await.ok()?;
+        match sock.try_read_buf(&mut &mut byte[..]) {
+            Ok(0) => return None,
+            Ok(_) => return Some(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return None,
+        }
+    }
+}
+
 /// Bytes already read from a connection, served before the rest of it: how a connection
 /// the fast path started goes on under hyper.
 pub struct Rewind {

@@ -29,6 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use super::framing::{self, HeadWatch, Verdicts};
 use super::h1::{self, Sock, StdSock};
 use super::headers;
+use super::route::PlainOnTls;
 use super::Proxy;
 use crate::error::Error;
 use crate::metrics::GaugeGuard;
@@ -357,6 +358,8 @@ async fn connection(
     open: &Arc<OpenConnection>,
 ) {
     let mut stop = open.stop.clone();
+    // Set for plain HTTP on the TLS listener: every request on it is refused.
+    let mut plain = None;
     let io: Box<dyn Io> = match &config.tls {
         None => {
             let ctx = h1::Ctx {
@@ -377,17 +380,42 @@ async fn connection(
             let stop = &mut stop;
             let handshake = Box::pin(async move {
                 tokio::select! {
-                    tls = acceptor.accept(h1::Rewind::new(sock, Bytes::new())) => tls.ok(),
+                    io = tls_or_plain(acceptor, sock) => io,
                     _ = stop.wait_for(|s| *s) => None,
                 }
             });
             match handshake.await {
-                Some(tls) => Box::new(tls),
+                Some((io, refused)) => {
+                    plain = refused;
+                    io
+                }
                 None => return,
             }
         }
     };
-    Box::pin(with_hyper(io, proxy, builder, activity, told, open, stop)).await
+    // with_hyper watches the drain with its own receiver: this one would stay in the
+    // task's state for the connection's life.
+    drop(stop);
+    Box::pin(with_hyper(io, proxy, builder, activity, told, open, plain)).await
+}
+
+/// The TLS listener's connection, marked when it is plain HTTP instead. TLS opens with a
+/// handshake record (0x16); a request method's capital letter is an `http://` URL for this
+/// listener, whose requests hyper reads so that each is refused with what to change (as
+/// nginx answers "The plain HTTP request was sent to HTTPS port"): rustls would answer an
+/// alert, which curl shows as an empty reply or HTTP/0.9 and the SDKs as a bare connection
+/// error. Any other byte goes to rustls, which refuses it.
+async fn tls_or_plain(
+    acceptor: &TlsAcceptor,
+    sock: Sock,
+) -> Option<(Box<dyn Io>, Option<PlainOnTls>)> {
+    let first = h1::first_byte(&sock).await?;
+    let sock = h1::Rewind::new(sock, Bytes::copy_from_slice(&[first]));
+    if first.is_ascii_uppercase() {
+        return Some((Box::new(sock), Some(PlainOnTls)));
+    }
+    let tls = acceptor.accept(sock).await.ok()?;
+    Some((Box::new(tls), None))
 }
 
 /// hyper serves the rest of the connection. Boxed by the caller: its state is kilobytes,
@@ -399,8 +427,9 @@ async fn with_hyper(
     activity: &Activity,
     told: &Told,
     open: &Arc<OpenConnection>,
-    mut stop: watch::Receiver<bool>,
+    plain: Option<PlainOnTls>,
 ) {
+    let mut stop = open.stop.clone();
     // A fresh watch: the fast path hands over at the start of a head.
     let (io, verdicts) = IdleIo::new(io, activity.clone());
     // Whether hyper has begun a request on this connection (see the drain below).
@@ -415,6 +444,9 @@ async fn with_hyper(
             // Should the upstream switch protocols, the tunnel outlives this task and keeps
             // the connection counted (see [`OpenConnection`]).
             req.extensions_mut().insert(open.clone());
+        }
+        if let Some(plain) = plain {
+            req.extensions_mut().insert(plain);
         }
         let verdict = verdicts.next_verdict();
         if let Some(why) = verdict.refusal {
@@ -444,8 +476,9 @@ async fn with_hyper(
                 status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success());
             // A refusal: what follows on this connection was framed by a guess. The last
             // request the watch followed, answered without a tunnel: hyper would read on,
-            // and the rest would pass unchecked (see `framing`).
-            if verdict.refusal.is_some() || (verdict.last && !tunnel) {
+            // and the rest would pass unchecked (see `framing`). Plain HTTP on the TLS
+            // listener: nothing on it will be served.
+            if verdict.refusal.is_some() || plain.is_some() || (verdict.last && !tunnel) {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
             }

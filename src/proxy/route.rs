@@ -1,5 +1,6 @@
 //! Phase 1, route: which plane a request belongs to, and whether it may be served at all
-//! (Host check against DNS rebinding, no forward-proxying, no ambiguous framing).
+//! (Host check against DNS rebinding, no forward-proxying, no ambiguous framing, no plain
+//! HTTP on the TLS listener).
 
 use http::request::Parts;
 use http::{HeaderValue, Method};
@@ -202,7 +203,18 @@ fn refused(reason: impl Into<String>) -> Error {
     }
 }
 
+/// Marks a request that came as plain HTTP to the TLS listener (an `http://` URL where
+/// `https://` was meant, the commonest TLS mistake): it is answered with what to change,
+/// where a TLS alert would reach the client as an empty reply or garbage.
+#[derive(Clone, Copy)]
+pub struct PlainOnTls;
+
 pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
+    if parts.extensions.get::<PlainOnTls>().is_some() {
+        return Err(refused(
+            "plain HTTP sent to the TLS listener: use https:// to reach this proxy",
+        ));
+    }
     if parts.extensions.get::<AmbiguousLength>().is_some() {
         // Some peer on the path may have framed this differently: request smuggling.
         let why = parts.extensions.get::<Refusal>().copied();
