@@ -202,7 +202,7 @@ pub struct ExposureArgs {
     /// Extra Host to accept (repeatable); unset: any unless loopback w/o --allow-remote
     #[arg(long, value_name = "NAME")]
     pub allowed_host: Vec<String>,
-    /// Serve TLS on the listener with this certificate chain (PEM).
+    /// Serve TLS with this certificate chain (PEM); re-read on SIGHUP and on change
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.

@@ -220,7 +220,7 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let exposure = &args.exposure;
     crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;
     if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
-        crate::proxy::listener::tls_acceptor(cert, key)?;
+        crate::proxy::certs::ListenerCert::load(cert, key)?;
     }
     let (kind, source) = credential_in_use(&resolved)?;
     outln!("credential: {kind} ({})", source.label());

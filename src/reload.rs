@@ -6,6 +6,11 @@
 //! signal: Kubernetes updates a mounted Secret's file in place, but nothing in the pod can
 //! send the proxy a SIGHUP (the image has no shell, the agent runs as another user).
 //!
+//! The listener's `--tls-cert` / `--tls-key` are re-read by the same signal and the same
+//! file watch (cert-manager renews them in place), apart from the settings: a pair that is
+//! not valid as a whole keeps the one in use (see [`crate::proxy::certs`]), and the
+//! settings' outcome does not depend on it.
+//!
 //! Two rules keep a reload from breaking a proxy that works:
 //! - the credential is swapped only while the provider and every host it is sent to stay
 //!   the same: the running proxy still routes to the hosts it started with, and a key must
@@ -24,6 +29,7 @@ use tokio::time::Instant;
 use crate::cli::SettingsArgs;
 use crate::commands;
 use crate::credentials::ApiCredential;
+use crate::proxy::certs::{ListenerCert, Reloaded};
 use crate::proxy::{Options, Proxy};
 use crate::settings::{self, Resolved, Settings, Source};
 
@@ -160,7 +166,7 @@ fn shadowed(before: &Resolved, after: &Resolved) -> Vec<String> {
     found
 }
 
-/// How often the secret files are read. A change reloads once two reads in a row agree,
+/// How often the watched files are read. A change reloads once two reads in a row agree,
 /// so a file caught half rewritten (`echo key > file` is not atomic) is never swapped in.
 const FILE_POLL: Duration = Duration::from_secs(5);
 
@@ -172,8 +178,9 @@ const RETRY_FIRST: Duration = Duration::from_secs(5);
 /// At most this between two tries (a wrong new pair is an exchange call each time).
 const RETRY_MAX: Duration = Duration::from_secs(300);
 
-/// The `--*-file` secrets' contents, hashed: a copy of a secret is not kept to compare.
-/// `None` for a file that cannot be read now (reported by the reload it triggers).
+/// The watched files' contents (the `--*-file` secrets, the listener's pair), hashed: a
+/// copy of a secret is not kept to compare. `None` for a file that cannot be read now
+/// (reported by the reload it triggers).
 #[derive(Clone, PartialEq, Eq)]
 struct FileSnapshot(Vec<Option<[u8; 32]>>);
 
@@ -188,7 +195,7 @@ impl FileSnapshot {
     }
 }
 
-/// Why the secret files ask for a reload.
+/// Why the watched files ask for a reload.
 #[derive(Debug, PartialEq, Eq)]
 enum FileEvent {
     Changed,
@@ -196,8 +203,8 @@ enum FileEvent {
     Retry,
 }
 
-/// Watches the secret files: resolves when one has changed and read the same twice, or
-/// when a change whose reload failed is due another try.
+/// Watches the secret files and the listener's pair: resolves when one has changed and
+/// read the same twice, or when a change whose reload failed is due another try.
 pub struct FileWatch {
     paths: Vec<PathBuf>,
     /// The contents the running credential was read from.
@@ -273,33 +280,20 @@ impl FileWatch {
 }
 
 /// What a running proxy reloads, and what it runs on.
-struct Running {
-    proxy: Arc<Proxy>,
-    flags: SettingsArgs,
-    options: Options,
+pub struct Running {
+    pub proxy: Arc<Proxy>,
+    pub flags: SettingsArgs,
+    pub options: Options,
     /// The settings as last read (with sources), to name what a reload changes.
-    seen: Resolved,
-    settings: Settings,
+    pub seen: Resolved,
+    pub settings: Settings,
+    /// The listener's pair, when it serves TLS.
+    pub tls: Option<ListenerCert>,
 }
 
-/// Waits for SIGHUPs (and changed secret files) and applies each reload's [`Plan`]. A
-/// reload that fails, or that is refused, keeps what runs.
-pub async fn on_hangup(
-    proxy: Arc<Proxy>,
-    mut hangups: Option<Signal>,
-    flags: SettingsArgs,
-    mut files: FileWatch,
-    seen: Resolved,
-    running: Settings,
-    options: Options,
-) {
-    let mut running = Running {
-        proxy,
-        flags,
-        options,
-        seen,
-        settings: running,
-    };
+/// Waits for SIGHUPs (and changed watched files), re-reads the listener's pair and applies
+/// each settings reload's [`Plan`]. A reload that fails, or that is refused, keeps what runs.
+pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut files: FileWatch) {
     loop {
         let hangup = async {
             match &mut hangups {
@@ -326,6 +320,40 @@ pub async fn on_hangup(
 impl Running {
     /// One reload; `false` when what was read did not take effect (failed or refused).
     async fn reload(&mut self) -> bool {
+        // Both, whatever the other's outcome: a broken `.env` must not hold back a renewed
+        // certificate, nor a half-rotated pair a new key.
+        let tls = self.reload_tls();
+        let settings = self.reload_settings().await;
+        tls && settings
+    }
+
+    /// The listener's pair; `false` when a new one was read and not applied.
+    fn reload_tls(&mut self) -> bool {
+        let Some(tls) = &mut self.tls else {
+            return true;
+        };
+        match tls.reload() {
+            Ok(Reloaded::Unchanged) => true,
+            Ok(Reloaded::Swapped) => {
+                let (cert, key) = tls.paths();
+                tracing::info!(
+                    cert = %cert.display(),
+                    key = %key.display(),
+                    "listener certificate reloaded; new connections get it"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e.line(),
+                    "listener certificate reload failed; the one in use keeps serving"
+                );
+                false
+            }
+        }
+    }
+
+    async fn reload_settings(&mut self) -> bool {
         let (resolved, next) = match commands::resolve(&self.flags)
             .and_then(|r| r.validate().map(|s| (r, s)))
         {

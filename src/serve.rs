@@ -10,9 +10,10 @@ use crate::commands;
 use crate::credentials::ApiCredential;
 use crate::error::Error;
 use crate::metrics::Metrics;
+use crate::proxy::certs::ListenerCert;
 use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
-use crate::reload::FileWatch;
+use crate::reload::{FileWatch, Running};
 use crate::settings::{Resolved, Settings};
 use crate::signals;
 use crate::workers::{self, Workers};
@@ -30,11 +31,15 @@ const FDS_RESERVED: u64 = 256;
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // Before the first read: a secret rotated while the proxy starts is a change to apply.
+    // The listener's pair too: cert-manager renews it in place, as the kubelet rotates a
+    // Secret, and nothing in the pod can send a SIGHUP.
     let files = FileWatch::new(
         args.settings
             .secret_files()
             .into_iter()
             .map(|(_, p)| p)
+            .chain(args.exposure.tls_cert.iter().cloned())
+            .chain(args.exposure.tls_key.iter().cloned())
             .collect(),
     );
     let resolved = commands::resolve(&args.settings)?;
@@ -45,7 +50,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let options = options(args);
     raise_open_file_limit(options.max_connections);
     let tls = match (&options.tls_cert, &options.tls_key) {
-        (Some(cert), Some(key)) => Some(listener::tls_acceptor(cert, key)?),
+        (Some(cert), Some(key)) => Some(ListenerCert::load(cert, key)?),
         _ => None,
     };
     // The main thread's runtime: signals, admin, refresher, drain. Connections are served by
@@ -76,7 +81,7 @@ async fn serve(
     settings: Settings,
     resolved: Resolved,
     options: Options,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<ListenerCert>,
     flags: SettingsArgs,
     files: FileWatch,
 ) -> Result<(), Error> {
@@ -113,7 +118,7 @@ async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let config = ServeConfig {
-        tls,
+        tls: tls.as_ref().map(ListenerCert::acceptor),
         idle_timeout: options.idle_timeout,
         header_timeout: options.header_timeout,
         max_connections: options.max_connections,
@@ -125,16 +130,15 @@ async fn serve(
         workers,
         stop_rx,
     ));
-    let reload = crate::reload::on_hangup(
-        proxy.clone(),
-        hangups,
+    let running = Running {
+        proxy: proxy.clone(),
         flags,
-        files,
-        resolved,
-        settings.clone(),
-        options.clone(),
-    );
-    tokio::spawn(reload);
+        options: options.clone(),
+        seen: resolved,
+        settings: settings.clone(),
+        tls,
+    };
+    tokio::spawn(crate::reload::on_hangup(running, hangups, files));
 
     let first = terminate.next().await;
     tracing::info!(

@@ -19,8 +19,6 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
@@ -138,28 +136,6 @@ async fn remove_stale_socket(path: &Path) -> io::Result<()> {
             format!("socket may be in use ({e})"),
         )),
     }
-}
-
-/// The listener's TLS, from `--tls-cert` and `--tls-key`.
-pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, Error> {
-    let read_err = |path: &Path, reason: String| Error::ReadFile {
-        path: path.display().to_string(),
-        reason,
-    };
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| read_err(cert, e.to_string()))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| read_err(cert, e.to_string()))?;
-    // The key's own parse errors could quote key material; keep the reason generic.
-    let key_der = PrivateKeyDer::from_pem_file(key)
-        .map_err(|_| read_err(key, "no readable PEM private key".into()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key_der))
-        .map_err(|e| read_err(cert, e.to_string()))?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
 /// How connections are served.

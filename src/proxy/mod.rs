@@ -3,10 +3,11 @@
 //!
 //! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
 //! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
-//! `h1` the HTTP/1.1 fast path, `framing`, `body`, `pool` the upstream client, `splice`).
-//! `handler` strings the phases together.
+//! `certs` its TLS certificate, `h1` the HTTP/1.1 fast path, `framing`, `body`, `pool` the
+//! upstream client, `splice`). `handler` strings the phases together.
 
 pub mod body;
+pub mod certs;
 pub mod compat;
 pub mod forward;
 pub mod framing;

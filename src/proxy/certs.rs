@@ -1,0 +1,226 @@
+//! The listener's certificate and key (`--tls-cert`, `--tls-key`): read and checked as a
+//! pair, and handed to each new TLS handshake by a resolver whose pair a reload swaps.
+//!
+//! cert-manager renews a certificate by rewriting the mounted files in place, and a user
+//! who renews one by hand expects SIGHUP to apply it, as nginx does; a restart would cut
+//! every open connection. A new pair is swapped in only when it is valid as a whole: a
+//! rotation caught between its two files, or a file caught half written, keeps the pair in
+//! use until the next try. Connections already open keep the pair they shook hands with.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::{Digest, Sha256};
+use tokio_rustls::TlsAcceptor;
+
+use crate::error::Error;
+
+/// The listener's pair, the files it comes from, and the TLS settings that serve it.
+pub struct ListenerCert {
+    cert: PathBuf,
+    key: PathBuf,
+    current: Arc<Current>,
+    /// The two files' contents the pair in use was read from, hashed (no copy of the key
+    /// is kept): a reload that finds nothing new swaps nothing and logs nothing, so that
+    /// a SIGHUP or a rotated API key file does not claim a certificate reload.
+    read: [u8; 32],
+    config: Arc<rustls::ServerConfig>,
+}
+
+/// What a reload did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The files hold the pair in use.
+    Unchanged,
+    /// New handshakes get the new pair.
+    Swapped,
+}
+
+impl ListenerCert {
+    /// Reads and checks the pair, for `serve` and `check` at startup: any fault is E1006.
+    pub fn load(cert: &Path, key: &Path) -> Result<Self, Error> {
+        let (pair, read) = read_pair(cert, key)?;
+        let current = Arc::new(Current(ArcSwap::from_pointee(pair)));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| read_err(cert, e.to_string()))?
+            .with_no_client_auth()
+            .with_cert_resolver(current.clone());
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(ListenerCert {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            current,
+            read,
+            config: Arc::new(config),
+        })
+    }
+
+    /// The listener's TLS; its handshakes follow every later [`ListenerCert::reload`].
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.config.clone())
+    }
+
+    /// The certificate and key files, as given.
+    pub fn paths(&self) -> (&Path, &Path) {
+        (&self.cert, &self.key)
+    }
+
+    /// Reads the files again and swaps in their pair if it is new and valid. On an error
+    /// the pair in use keeps serving, and the same files are read afresh next time.
+    pub fn reload(&mut self) -> Result<Reloaded, Error> {
+        let (cert_pem, key_pem) = read_files(&self.cert, &self.key)?;
+        let read = digest(&cert_pem, &key_pem);
+        if read == self.read {
+            return Ok(Reloaded::Unchanged);
+        }
+        let pair = parse_pair(&self.cert, &cert_pem, &self.key, &key_pem)?;
+        self.current.0.store(Arc::new(pair));
+        self.read = read;
+        Ok(Reloaded::Swapped)
+    }
+}
+
+/// Hands every handshake the pair in use. (One load per handshake: no lock is held.)
+struct Current(ArcSwap<CertifiedKey>);
+
+impl ResolvesServerCert for Current {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.load_full())
+    }
+}
+
+// rustls requires Debug of a resolver; the pair's own would reach the signing key.
+impl fmt::Debug for Current {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Current(listener certificate)")
+    }
+}
+
+fn read_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::ReadFile {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Both files' bytes, read once each: what is hashed is what is parsed.
+fn read_files(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), Error> {
+    let cert_pem = std::fs::read(cert).map_err(|e| read_err(cert, e.to_string()))?;
+    let key_pem = std::fs::read(key).map_err(|e| read_err(key, e.to_string()))?;
+    Ok((cert_pem, key_pem))
+}
+
+fn read_pair(cert: &Path, key: &Path) -> Result<(CertifiedKey, [u8; 32]), Error> {
+    let (cert_pem, key_pem) = read_files(cert, key)?;
+    let pair = parse_pair(cert, &cert_pem, key, &key_pem)?;
+    Ok((pair, digest(&cert_pem, &key_pem)))
+}
+
+fn digest(cert_pem: &[u8], key_pem: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    // The length first, so that bytes moving from one file to the other are a change.
+    h.update((cert_pem.len() as u64).to_be_bytes());
+    h.update(cert_pem);
+    h.update(key_pem);
+    h.finalize().into()
+}
+
+/// The pair, valid as a whole: a chain, a key rustls can sign with, and the key the leaf
+/// certificate names.
+fn parse_pair(
+    cert: &Path,
+    cert_pem: &[u8],
+    key: &Path,
+    key_pem: &[u8],
+) -> Result<CertifiedKey, Error> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| read_err(cert, e.to_string()))?;
+    if chain.is_empty() {
+        return Err(read_err(cert, "no PEM certificate in the file"));
+    }
+    // The key's own parse errors could quote key material; keep the reasons generic.
+    let key_der = PrivateKeyDer::from_pem_slice(key_pem)
+        .map_err(|_| read_err(key, "no readable PEM private key"))?;
+    let signer = rustls::crypto::ring::default_provider()
+        .key_provider
+        .load_private_key(key_der)
+        .map_err(|_| read_err(key, "not a usable RSA, ECDSA or Ed25519 private key"))?;
+    let pair = CertifiedKey::new(chain, signer);
+    match pair.keys_match() {
+        // As rustls' own `with_single_cert`: a key that cannot tell its public half is
+        // not refused.
+        Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {
+            Ok(pair)
+        }
+        Err(rustls::Error::InconsistentKeys(_)) => Err(read_err(
+            key,
+            format!(
+                "the private key does not belong to the certificate in {}",
+                cert.display()
+            ),
+        )),
+        Err(e) => Err(read_err(cert, e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A self-signed certificate and its key, as PEM.
+    fn pair(name: &str) -> (String, String) {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("params");
+        let cert = params.self_signed(&key).expect("certificate");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// The files' pair, or the error's line; never the key's bytes.
+    fn load(cert: &str, key: &str) -> Result<ListenerCert, String> {
+        let dir = tempfile::tempdir().expect("dir");
+        let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert_path, cert).expect("cert");
+        std::fs::write(&key_path, key).expect("key");
+        ListenerCert::load(&cert_path, &key_path).map_err(|e| e.line())
+    }
+
+    /// Each part of a pair that cannot serve is refused with the file it is in, in words
+    /// that quote nothing of the key.
+    #[test]
+    fn a_pair_is_accepted_only_when_valid_as_a_whole() {
+        let (cert_a, key_a) = pair("a.localhost");
+        let (_, key_b) = pair("b.localhost");
+        assert!(load(&cert_a, &key_a).is_ok());
+        let half_key = &key_a[..key_a.len() / 2];
+        for (cert, key, file, reason) in [
+            (
+                &cert_a[..],
+                &key_b[..],
+                "tls.key",
+                "does not belong to the certificate",
+            ),
+            ("", &key_a[..], "tls.crt", "no PEM certificate"),
+            (
+                &cert_a[..],
+                half_key,
+                "tls.key",
+                "no readable PEM private key",
+            ),
+            (&cert_a[..], "", "tls.key", "no readable PEM private key"),
+        ] {
+            let line = load(cert, key).err().expect("refused");
+            assert!(line.starts_with("[E1006]"), "{line}");
+            assert!(line.contains(file) && line.contains(reason), "{line}");
+            assert!(!line.contains("PRIVATE KEY"), "{line}");
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The listener's certificate (`--tls-cert`, `--tls-key`) renewed under a running proxy:
+//! re-read on SIGHUP and when its files change, swapped only as a valid pair, and never
+//! at the expense of connections already open. Two test CAs stand for the old and the
+//! renewed certificate: a client trusting only one of them tells which the proxy serves.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use http::StatusCode;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use support::*;
+use tokio::net::TcpStream;
+
+type TlsStream = tokio_rustls::client::TlsStream<TcpStream>;
+
+/// `pki`'s server certificate and key, as PEM text.
+fn pem_pair(pki: &Pki) -> (String, String) {
+    let (cert, key) = pki.server_pem_files();
+    let read = |p: &Path| std::fs::read_to_string(p).expect("read a PEM file");
+    (read(&cert), read(&key))
+}
+
+/// A TLS connection to the proxy, after checking that it served `pki`'s certificate.
+async fn served_by(pki: &Pki, addr: SocketAddr) -> TlsStream {
+    let tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let expected = CertificateDer::from_pem_file(pki.server_pem_files().0).expect("leaf");
+    let served = tls.get_ref().1.peer_certificates().expect("a certificate");
+    assert_eq!(served.first(), Some(&expected), "another leaf certificate");
+    tls
+}
+
+/// A proxy whose listener serves the pair in `cert` and `key`.
+async fn tls_proxy(upstream: &Upstream, pki: &Pki, cert: &Path, key: &Path) -> ProxyProc {
+    ProxyCmd::new(&upstream.url(), pki)
+        .args(&["--tls-cert", &cert.display().to_string()])
+        .args(&["--tls-key", &key.display().to_string()])
+        .spawn()
+        .await
+}
+
+/// One request on an open connection: its status.
+async fn status_on(
+    client: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    addr: SocketAddr,
+) -> StatusCode {
+    within("the connection ready", client.ready())
+        .await
+        .expect("the connection open");
+    let req = request("GET", addr, "/sandboxes")
+        .header("x-api-key", "dummy")
+        .body(empty())
+        .expect("request");
+    within("the proxy's answer", client.send_request(req))
+        .await
+        .expect("an answer")
+        .status()
+}
+
+/// Neither key's PEM body is in the log, whatever was refused.
+fn assert_no_key_bytes(stderr: &str, keys: &[&str]) {
+    for key in keys {
+        for line in key.lines().filter(|l| !l.starts_with("-----")) {
+            assert!(!stderr.contains(line), "key bytes in the log:\n{stderr}");
+        }
+    }
+}
+
+/// An old and a renewed certificate, the files a proxy reads (the old pair at first), and
+/// the upstream it forwards to.
+struct Renewal {
+    old: Pki,
+    new: Pki,
+    old_key: String,
+    new_cert: String,
+    new_key: String,
+    cert: PathBuf,
+    key: PathBuf,
+    _dir: tempfile::TempDir,
+    _upstream: Upstream,
+}
+
+impl Renewal {
+    /// The files with the old pair, and a proxy serving it.
+    async fn start() -> (Renewal, ProxyProc) {
+        let (old, new) = (Pki::new(), Pki::new());
+        let upstream =
+            Upstream::start(&old, Proto::Http1, |_req| async { response(200, "ok") }).await;
+        let dir = tempfile::tempdir().expect("dir");
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        let ((old_cert, old_key), (new_cert, new_key)) = (pem_pair(&old), pem_pair(&new));
+        std::fs::write(&cert, &old_cert).expect("cert");
+        std::fs::write(&key, &old_key).expect("key");
+        let proxy = tls_proxy(&upstream, &old, &cert, &key).await;
+        let renewal = Renewal {
+            old,
+            new,
+            old_key,
+            new_cert,
+            new_key,
+            cert,
+            key,
+            _dir: dir,
+            _upstream: upstream,
+        };
+        (renewal, proxy)
+    }
+}
+
+/// `systemctl reload` after a renewal: new connections get the new certificate, and a
+/// connection opened before it keeps being served (a restart would have cut it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_certificate_is_served_after_sighup_and_open_connections_keep_theirs() {
+    let (r, mut proxy) = Renewal::start().await;
+    let mut before = handshake(served_by(&r.old, proxy.addr()).await).await;
+    assert_eq!(status_on(&mut before, proxy.addr()).await, StatusCode::OK);
+
+    std::fs::write(&r.cert, &r.new_cert).expect("renew cert");
+    std::fs::write(&r.key, &r.new_key).expect("renew key");
+    let line = proxy
+        .reload_files(&[], "listener certificate reloaded")
+        .await;
+    assert!(
+        line.contains("tls.crt") && line.contains("tls.key"),
+        "{line}"
+    );
+    let mut after = handshake(served_by(&r.new, proxy.addr()).await).await;
+    assert_eq!(status_on(&mut after, proxy.addr()).await, StatusCode::OK);
+    assert_eq!(status_on(&mut before, proxy.addr()).await, StatusCode::OK);
+    let stderr = proxy.finish().await;
+    assert_no_key_bytes(&stderr, &[&r.old_key, &r.new_key]);
+}
+
+/// cert-manager renews the mounted Secret as the kubelet writes it (a new `..data`
+/// directory, swapped in by a link), and nothing in the pod sends a SIGHUP: the file
+/// watch picks the pair up once two reads agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_certificate_is_picked_up_from_its_files_without_a_signal() {
+    use std::os::unix::fs::symlink;
+    let (old, new) = (Pki::new(), Pki::new());
+    let upstream = Upstream::start(&old, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let volume = tempfile::tempdir().expect("volume");
+    let version = |name: &str, pki: &Pki| {
+        let dir = volume.path().join(name);
+        std::fs::create_dir(&dir).expect("version dir");
+        let (cert, key) = pem_pair(pki);
+        std::fs::write(dir.join("tls.crt"), cert).expect("cert");
+        std::fs::write(dir.join("tls.key"), key).expect("key");
+        let tmp = volume.path().join("..data_tmp");
+        symlink(name, &tmp).expect("link");
+        std::fs::rename(&tmp, volume.path().join("..data")).expect("swap ..data");
+    };
+    version("..v1", &old);
+    let link = |file: &str| -> PathBuf {
+        let path = volume.path().join(file);
+        symlink(format!("..data/{file}"), &path).expect("file link");
+        path
+    };
+    let (cert, key) = (link("tls.crt"), link("tls.key"));
+    let mut proxy = tls_proxy(&upstream, &old, &cert, &key).await;
+    served_by(&old, proxy.addr()).await;
+
+    version("..v2", &new);
+    proxy.wait_for_line("a secret file changed").await;
+    proxy.wait_for_line("listener certificate reloaded").await;
+    let mut client = handshake(served_by(&new, proxy.addr()).await).await;
+    assert_eq!(status_on(&mut client, proxy.addr()).await, StatusCode::OK);
+    proxy.finish().await;
+}
+
+/// A rotation that writes the certificate before the key, or a key caught half written,
+/// is no pair: the certificate in use keeps serving, the warning names the file and why
+/// (never the key), and the next reload with a valid pair applies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_that_does_not_fit_keeps_the_certificate_in_use_until_a_valid_one_comes() {
+    let (r, mut proxy) = Renewal::start().await;
+
+    // The certificate renewed before its key, then the new key caught half written.
+    let half_key = &r.new_key[..r.new_key.len() / 2];
+    for (key_pem, reason) in [
+        (&r.old_key[..], "does not belong"),
+        (half_key, "no readable PEM private key"),
+    ] {
+        let files = [(r.cert.clone(), &r.new_cert[..]), (r.key.clone(), key_pem)];
+        let line = proxy
+            .reload_files(&files, "listener certificate reload failed")
+            .await;
+        assert!(line.contains("tls.key") && line.contains(reason), "{line}");
+        served_by(&r.old, proxy.addr()).await;
+    }
+
+    let files = [(r.key.clone(), &r.new_key[..])];
+    proxy
+        .reload_files(&files, "listener certificate reloaded")
+        .await;
+    served_by(&r.new, proxy.addr()).await;
+    let stderr = proxy.finish().await;
+    assert_no_key_bytes(&stderr, &[&r.old_key, &r.new_key]);
+}
