@@ -1606,21 +1606,38 @@ async fn tunnel_cut_when_the_grace_ends(grace: &str) {
         "exit {waited:?} after SIGTERM, before the 1 s grace ended"
     );
     expect_closed(&mut s, &[]).await;
+    assert!(
+        proxy
+            .stderr()
+            .lines()
+            .any(|l| l.contains("tunnel cut") && l.contains("end=\"drain\"")),
+        "no line for the tunnel the drain cut:\n{}",
+        proxy.stderr()
+    );
     assert_no_key(&proxy.stderr(), "the proxy's stderr");
 }
 
-/// A tunnel that moves no bytes for `--idle-timeout` is closed like any idle connection.
+/// A tunnel that moves no bytes for `--idle-timeout` is closed like any idle connection,
+/// and the log says the proxy cut it, and what had gone through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
     let pki = Pki::new();
     let upstream = websocket_upstream(&pki).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
         .args(&["--idle-timeout", "1s"])
         .spawn()
         .await;
     let mut s = open_tunnel(proxy.addr()).await;
-    echo(&mut s, b"then silence").await;
+    let said = b"then silence";
+    echo(&mut s, said).await;
     expect_closed(&mut s, &[]).await;
+    let cut = proxy.wait_for_line("tunnel cut").await;
+    let up = format!("bytes_up={}", said.len());
+    let down = format!("bytes_down={}", GREETING.len() + said.len());
+    for field in ["end=\"idle\"", "path=/ws", &up, &down] {
+        assert!(cut.contains(field), "{field} not in: {cut}");
+    }
+    assert!(!cut.contains("x=1"), "the query reached the log: {cut}");
     let stderr = proxy.finish().await;
     assert_no_key(&stderr, "the proxy's stderr");
 }

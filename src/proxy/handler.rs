@@ -6,23 +6,22 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
 use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
-use hyper::upgrade::OnUpgrade;
-use hyper_util::rt::TokioIo;
 
 use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
-use super::listener::{self, Activity, IdleIo, OpenConnection, MAX_HEADERS};
+use super::listener::MAX_HEADERS;
 use super::route::{self, Route};
 use super::sniff::{self, Sniff};
+use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
 use crate::error::Error;
 use crate::metrics::GaugeGuard;
@@ -92,10 +91,7 @@ impl Proxy {
         let start = Instant::now();
         let method = req.method().clone();
         let uri = req.uri().clone();
-        let upgrade = headers::is_upgrade_request(&req).then(|| Upgrade {
-            connection: req.extensions_mut().remove(),
-            client: hyper::upgrade::on(&mut req),
-        });
+        let upgrade = headers::is_upgrade_request(&req).then(|| Upgrade::of(&mut req));
         let (parts, body) = req.into_parts();
         // Only a non-idempotent method looks for the header: none of the hot path's GETs.
         let repeatable = method.is_idempotent() || parts.headers.contains_key(IDEMPOTENCY_KEY);
@@ -534,7 +530,7 @@ impl Proxy {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
                 let aborting = self.aborting.subscribe();
-                tokio::spawn(tunnel(
+                tokio::spawn(tunnel::run(
                     client_side,
                     upstream_side,
                     self.idle_timeout,
@@ -614,47 +610,4 @@ fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     req
-}
-
-/// A client's request to switch protocols.
-struct Upgrade {
-    /// The client's side of the tunnel, once hyper has written the 101.
-    client: OnUpgrade,
-    /// The client connection's place among the open ones, from the listener. `None` only
-    /// for a request that did not come through a listener.
-    connection: Option<Arc<OpenConnection>>,
-}
-
-/// Bytes both ways between an upgraded client connection and the upstream's.
-///
-/// Its own task, as hyper's connection (and the listener's task serving it) ends with the
-/// 101. It keeps the client connection counted until the bytes stop: open, under
-/// `--max-connections`, and waited for by the drain, which gives it the grace period to
-/// end on its own; when that is over it is closed with every other connection left
-/// (`aborting`, see `Proxy::abort`).
-///
-/// A tunnel that moves no bytes either way for `--idle-timeout` is closed, like any
-/// connection: a client gone without a word would otherwise hold its place forever.
-async fn tunnel(
-    upgrade: Upgrade,
-    upstream: OnUpgrade,
-    idle_timeout: Duration,
-    mut aborting: tokio::sync::watch::Receiver<bool>,
-) {
-    let Upgrade {
-        client,
-        connection: _open,
-    } = upgrade;
-    let (Ok(client), Ok(upstream)) = tokio::join!(client, upstream) else {
-        return;
-    };
-    // Every byte, either way, passes the client's side.
-    let activity = Activity::new();
-    let mut client = IdleIo::tunnel(TokioIo::new(client), activity.clone());
-    let mut upstream = TokioIo::new(upstream);
-    tokio::select! {
-        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
-        () = listener::idle(&activity, idle_timeout) => {}
-        _ = aborting.wait_for(|a| *a) => {}
-    }
 }

@@ -20,6 +20,7 @@ pub mod route;
 pub mod sniff;
 #[cfg(target_os = "linux")]
 mod splice;
+mod tunnel;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
