@@ -729,6 +729,34 @@ fn a_cwd_env_that_moves_the_upstream_of_a_key_kept_elsewhere_is_warned_about() {
     );
 }
 
+/// The same warning names where the key goes, never a password or a signature that the
+/// value carries in its user info or query string (E1005 refuses such a URL, but the
+/// warning comes first, and `serve` logs it).
+#[test]
+fn a_cwd_env_upstream_warning_shows_no_password_or_query_string() {
+    let c = Case::new();
+    c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}\n"));
+    c.cwd_dotenv(
+        "ABX_SANDBOX_BASE_URL=https://bob:pw-zq71@elsewhere.example/api?sig=zq72#zq73\n\
+         ABX_SANDBOX_DOMAIN=eve:pw-zq74@domain.example\n",
+    );
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(!out.stderr.contains("zq7"), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("ABX_SANDBOX_BASE_URL=https://elsewhere.example/api: the credential"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("ABX_SANDBOX_DOMAIN=domain.example: the credential"),
+        "{}",
+        out.stderr
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Secrets: config.toml, the command line, files, masking
 

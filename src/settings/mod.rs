@@ -704,10 +704,30 @@ const UPSTREAM_KEYS: [Key; 4] = [
 fn redirected(env: &str, value: &str, source: Source, key_from: Source) -> Option<String> {
     (source == Source::DotEnvCwd && key_from != Source::DotEnvCwd).then(|| {
         format!(
-            "./.env in this directory sets {env}={value}: the credential from {} goes there",
+            "./.env in this directory sets {env}={}: the credential from {} goes there",
+            where_to(value),
             key_from.label()
         )
     })
+}
+
+/// An upstream value as a warning may show it: scheme, host and path. The warning comes
+/// before validation refuses user info or a query string, and either may be a password or
+/// a signature; where the credential goes is the host.
+fn where_to(value: &str) -> String {
+    let value = value.split(['?', '#']).next().unwrap_or_default();
+    let (scheme, rest) = match value.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, value),
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    match scheme {
+        Some(scheme) => format!("{scheme}://{host}{path}"),
+        None => format!("{host}{path}"),
+    }
 }
 
 /// The longest `token_ttl` accepted: a year.
