@@ -115,7 +115,13 @@ impl Error {
             Error::Bind { .. } => "Is another process using the address? Choose another with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
-            Error::UpstreamTimeout { .. } => "The upstream is slow or unreachable; retry, or raise --upstream-timeout.",
+            // The exchange's own bound is fixed: the flag alone would not change its answer.
+            Error::UpstreamTimeout { .. } => {
+                return Some(format!(
+                    "The upstream is slow or unreachable; retry, or raise --upstream-timeout (the token exchange endpoint always gets {}s).",
+                    crate::credentials::exchange::CALL_TIMEOUT.as_secs()
+                ))
+            }
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
             Error::ProviderOption { .. } => "Give FIELD=VALUE for a non-secret field of the selected plugin (secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
@@ -177,6 +183,21 @@ mod tests {
             "[E1001] API key cannot be empty\n  Suggestion: Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file."
         );
         assert_eq!(Error::MissingCredential.exit_code(), 78);
+    }
+
+    /// `check` against a stalled exchange endpoint said to raise `--upstream-timeout`,
+    /// which does not bound the exchange: the suggestion says what does.
+    #[test]
+    fn a_timeout_suggestion_says_the_exchange_limit_is_fixed() {
+        let e = Error::UpstreamTimeout {
+            seconds: crate::credentials::exchange::CALL_TIMEOUT.as_secs(),
+            host: "fcsandbox.example".into(),
+        };
+        assert_eq!(
+            e.render(),
+            "[E5002] upstream timeout: no response within 10s (fcsandbox.example)\n  Suggestion: The upstream is slow or unreachable; retry, or raise --upstream-timeout (the token exchange endpoint always gets 10s)."
+        );
+        assert_eq!(e.exit_code(), 69);
     }
 
     #[test]
