@@ -798,6 +798,13 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
             resp.text()
         );
     }
+    // A name the user reaches the proxy by is one flag away, and the refusal says which.
+    let resp = raw_exchange(addr, refused[4].as_bytes()).await;
+    assert!(
+        resp.text().contains("--allowed-host evil.example"),
+        "{:?}",
+        resp.text()
+    );
     assert_eq!(
         upstream.connections(),
         0,

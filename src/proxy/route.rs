@@ -283,8 +283,11 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
         )));
     }
     if !host.is_empty() && !policy.accepts(hostname) {
+        // A user who reaches the proxy by another name (an /etc/hosts alias, the name on
+        // the listener's certificate) reads this in the SDK's error: the flag is the fix.
         return Err(refused(format!(
-            "Host not allowed on this listener: {hostname}"
+            "Host not allowed on this listener: {hostname} (start the proxy with \
+             --allowed-host {hostname} to accept it)"
         )));
     } else if host.is_empty() && !matches!(policy, HostPolicy::Any) {
         return Err(refused("missing Host header"));
