@@ -304,8 +304,8 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
         tokio::select! {
             got = hangup => if got.is_none() { return },
             event = files.changed() => match event {
-                FileEvent::Changed => tracing::info!("a secret file changed: reloading"),
-                FileEvent::Retry => tracing::info!("a changed secret file: trying its reload again"),
+                FileEvent::Changed => tracing::info!("a watched file changed: reloading"),
+                FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),
             },
         }
         let read = files.reading();

@@ -163,7 +163,7 @@ async fn a_renewed_certificate_is_picked_up_from_its_files_without_a_signal() {
     served_by(&old, proxy.addr()).await;
 
     version("..v2", &new);
-    proxy.wait_for_line("a secret file changed").await;
+    proxy.wait_for_line("a watched file changed").await;
     proxy.wait_for_line("listener certificate reloaded").await;
     let mut client = handshake(served_by(&new, proxy.addr()).await).await;
     assert_eq!(status_on(&mut client, proxy.addr()).await, StatusCode::OK);

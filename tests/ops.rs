@@ -574,7 +574,7 @@ async fn a_rotated_key_file_reloads_without_a_signal() {
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY1}")));
 
     version("..v2", KEY2);
-    proxy.wait_for_line("a secret file changed").await;
+    proxy.wait_for_line("a watched file changed").await;
     let line = proxy.wait_for_line("reloaded").await;
     assert!(line.contains("sandbox_api_key"), "{line}");
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
@@ -609,7 +609,7 @@ async fn a_rotated_key_file_that_failed_to_reload_is_tried_again() {
     let dotenv = proxy.abx_home().join(".env");
     std::fs::write(&dotenv, "ABX_REGION=\"cn-hangzhou\n").expect("break .env");
     std::fs::write(&key_file, format!("{KEY2}\n")).expect("rotate");
-    proxy.wait_for_line("a secret file changed").await;
+    proxy.wait_for_line("a watched file changed").await;
     let failed = proxy.wait_for_line("reload failed").await;
     assert!(failed.contains("E1006"), "{failed}");
     std::fs::write(&dotenv, "ABX_REGION=cn-hangzhou\n").expect("mend .env");
