@@ -394,11 +394,12 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         expect_closed(&mut s, &[]).await;
         start.elapsed()
     };
-    // hyper's timer also runs between requests on a keep-alive connection, from the end
-    // of the previous response: a stalled second head (or plain idleness) is cut alike.
+    // A keep-alive connection's second head is timed from its first byte, as the first
+    // head is (idleness before it is the idle timeout's).
     let second = async {
-        // Before the first request: the timer starts as its answer goes out, and this
-        // task may read that answer much later on a loaded machine.
+        // Before the first request: the timer starts only once the second head's first
+        // byte is read, and this task may read the first answer much later on a loaded
+        // machine.
         let start = Instant::now();
         let mut s = connect_raw(addr).await;
         let first = format!("GET /first HTTP/1.1\r\nHost: {addr}\r\n\r\n");

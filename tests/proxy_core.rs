@@ -1410,6 +1410,40 @@ async fn patient_tls_proxy(pki: &Pki) -> ProxyProc {
         .await
 }
 
+/// A GET of the sandbox list with the client's stand-in key, which the proxy replaces.
+fn list_sandboxes(addr: std::net::SocketAddr) -> Request<TestBody> {
+    request("GET", addr, "/sandboxes")
+        .header("x-api-key", "dummy")
+        .body(empty())
+        .unwrap()
+}
+
+/// A TLS proxy (`cmd` applied to it) in front of an upstream that answers 200 to all.
+async fn tls_proxy_to_ok(
+    pki: &Pki,
+    cmd: impl FnOnce(ProxyCmd) -> ProxyCmd,
+) -> (Upstream, ProxyProc) {
+    let upstream = Upstream::start(pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = cmd(ProxyCmd::new(&upstream.url(), pki).tls_listener(pki))
+        .spawn()
+        .await;
+    (upstream, proxy)
+}
+
+/// [`list_sandboxes`] on a kept HTTP/1.1 connection, which must still be open.
+async fn list_sandboxes_on(
+    h1: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    addr: std::net::SocketAddr,
+) -> Response<hyper::body::Incoming> {
+    // hyper's client takes the next request only once the last exchange is wound up.
+    within("the client connection", h1.ready())
+        .await
+        .expect("the connection still open");
+    within("an HTTP/1.1 answer", h1.send_request(list_sandboxes(addr)))
+        .await
+        .expect("an HTTP/1.1 answer")
+}
+
 /// SIGTERM, and exit 0 within [`GUARD`].
 async fn terminate(proxy: &mut ProxyProc) {
     proxy.signal("TERM");
@@ -1433,24 +1467,12 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
         .spawn()
         .await;
     let addr = proxy.addr();
-    let get = || {
-        request("GET", addr, "/sandboxes")
-            .header("x-api-key", "dummy")
-            .body(empty())
-            .unwrap()
-    };
 
     let tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     let mut h1 = handshake(tls).await;
     for _ in 0..2 {
-        // hyper's client takes the next request only once the last exchange is wound up.
-        within("the client connection", h1.ready())
-            .await
-            .expect("the connection ready again");
-        let resp = within("an HTTP/1.1 answer over TLS", h1.send_request(get()))
-            .await
-            .expect("HTTP/1.1 over TLS");
+        let resp = list_sandboxes_on(&mut h1, addr).await;
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(collect(resp.into_body()).await, "listed");
         assert_authorized(&upstream.next_request().await, &upstream);
@@ -1486,11 +1508,7 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_http_sent_to_the_tls_listener_gets_a_400_that_says_to_use_https() {
     let pki = Pki::new();
-    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .tls_listener(&pki)
-        .spawn()
-        .await;
+    let (upstream, proxy) = tls_proxy_to_ok(&pki, |cmd| cmd).await;
     let addr = proxy.addr();
     let mut plain = connect_raw(addr).await;
     let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
@@ -1559,6 +1577,67 @@ async fn the_drain_does_not_wait_for_a_first_head_over_tls() {
     until_open_connections(admin, 1.0).await;
     terminate(&mut proxy).await;
     expect_closed(&mut tls, &[]).await;
+}
+
+/// Nor for a keep-alive connection over TLS idle between requests, which only the
+/// `--idle-timeout` would close (here far longer than the test may take, with the header
+/// timeout and the grace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_does_not_wait_for_an_idle_keep_alive_connection_over_tls() {
+    let pki = Pki::new();
+    let (_upstream, mut proxy) = tls_proxy_to_ok(&pki, |cmd| {
+        cmd.shutdown_grace("120s")
+            .args(&["--header-timeout", "120s"])
+    })
+    .await;
+    let addr = proxy.addr();
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut tls, &mut leftover).await;
+    assert_eq!((resp.status, resp.header("connection")), (200, None));
+    terminate(&mut proxy).await;
+    expect_closed(&mut tls, &leftover).await;
+}
+
+/// Over TLS, where hyper reads the heads, `--header-timeout` runs from a head's first byte
+/// and not while a keep-alive connection waits for its next request, as on the plain
+/// listener: a second head that stops after one byte is cut, and a connection idle since
+/// before that byte, so for longer than the header timeout, still takes a request. hyper's
+/// own timer ran between requests too and closed such connections: a client whose pool
+/// kept one longer (Go's keeps them 90 s) sent its next request into the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_connection() {
+    let pki = Pki::new();
+    let (upstream, proxy) =
+        tls_proxy_to_ok(&pki, |cmd| cmd.args(&["--header-timeout", "1s"])).await;
+    let addr = proxy.addr();
+    let mut idle = handshake(pki.tls_connect(addr, &[b"http/1.1"]).await).await;
+    let resp = list_sandboxes_on(&mut idle, addr).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    collect(resp.into_body()).await;
+
+    // The clock: the slow head's first byte comes after the idle connection's answer, and
+    // its cut at least the header timeout after that byte.
+    let mut slow = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let first = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    slow.write_all(first.as_bytes()).await.unwrap();
+    let mut leftover = Vec::new();
+    assert_eq!(read_response(&mut slow, &mut leftover).await.status, 200);
+    slow.write_all(b"G").await.unwrap();
+    slow.flush().await.unwrap();
+    // Within BOUND: the idle timeout (300 s) cannot be what cuts it.
+    expect_closed(&mut slow, &leftover).await;
+
+    let resp = list_sandboxes_on(&mut idle, addr).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        upstream.seen().len(),
+        3,
+        "the slow head reached the upstream"
+    );
+    proxy.finish().await;
 }
 
 /// A tunnel still open when `--shutdown-grace` runs out is closed with everything else.

@@ -7,6 +7,8 @@
 //! (request smuggling). So the connection's bytes are watched on their way into hyper:
 //! [`HeadWatch`] follows HTTP/1 framing (heads, sized and chunked bodies) and records which
 //! request head carried both fields; [`Verdicts`] tells the service, request by request.
+//! It also tells whether the bytes so far end inside a head ([`HeadWatch::in_head`]): the
+//! listener's header timeout runs from a head's first byte, not while a connection idles.
 //!
 //! The same watch refuses the other framings hyper accepts but a peer could read
 //! differently ([`Refusal`]): a repeated `Content-Length` (hyper keeps one when they agree)
@@ -192,6 +194,8 @@ enum State {
     /// The connection's first bytes, as long as they are the start of [`H2_PREFACE`]: how
     /// many of it have been seen.
     Preface(usize),
+    /// A message has ended and no byte of the next head has come: the connection is idle.
+    Between,
     /// The lines of a head; `first` until the request line has been read.
     Head { first: bool },
     /// A sized body: bytes still to pass.
@@ -259,12 +263,14 @@ impl HeadWatch {
                         State::Preface(seen + n)
                     };
                 }
+                // Bytes, so the next head has begun (an empty line before it included).
+                State::Between => self.state = State::Head { first: true },
                 State::Sized(left) | State::ChunkData(left) => {
                     let take = left.min(data.len() as u64);
                     data = &data[take as usize..];
                     let left = left - take;
                     self.state = match (self.state, left) {
-                        (State::Sized(_), 0) => State::Head { first: true },
+                        (State::Sized(_), 0) => State::Between,
                         (State::Sized(_), _) => State::Sized(left),
                         (_, 0) => State::ChunkSize,
                         _ => State::ChunkData(left),
@@ -347,7 +353,7 @@ impl HeadWatch {
                 Some(size) => State::ChunkData(size.saturating_add(2)),
                 None => self.lose(),
             },
-            State::Trailers if line.is_empty() => State::Head { first: true },
+            State::Trailers if line.is_empty() => State::Between,
             other => other,
         };
         self.line_len = 0;
@@ -395,6 +401,13 @@ impl HeadWatch {
         )
     }
 
+    /// Whether the bytes so far end inside a request head: from its first byte (an empty
+    /// line before its request line included) until its empty line. Never once the watch
+    /// has stopped, nor inside HTTP/2's preface.
+    pub fn in_head(&self) -> bool {
+        matches!(self.state, State::Head { .. })
+    }
+
     /// Stops following: see the module's documentation for what becomes of the connection.
     fn lose(&mut self) -> State {
         self.found.lost_at.store(self.heads.max(1), Relaxed);
@@ -429,10 +442,10 @@ impl HeadWatch {
             // hyper accepts only `chunked` last; anything else ends the connection.
             State::ChunkSize
         } else if !head.has_content_length {
-            State::Head { first: true }
+            State::Between
         } else {
             match head.content_length {
-                Some(0) => State::Head { first: true },
+                Some(0) => State::Between,
                 Some(n) => State::Sized(n),
                 // A length hyper refuses: the connection ends with its 400.
                 None => self.lose(),
@@ -726,6 +739,34 @@ mod tests {
             POST /b HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello";
         for step in [1, 7, 4096] {
             assert_eq!(refusals(input, step, 2), vec![(2, Refusal::RepeatedLength)]);
+        }
+    }
+
+    /// The listener times a head from its first byte to its empty line, and an idle
+    /// connection not at all: after each read the watch says which it is in.
+    #[test]
+    fn a_head_is_in_progress_from_its_first_byte_to_its_empty_line() {
+        let (mut watch, _verdicts) = watch();
+        let reads: [(&str, bool); 9] = [
+            ("G", true),
+            ("ET / HTTP/1.1\r\nHost: x\r\n", true),
+            ("\r\n", false),
+            // An empty line before a request line is part of the next head's time.
+            ("\r\n", true),
+            ("POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n", false),
+            ("h", false),
+            // The body's end and the next head's first byte in one read.
+            ("iP", true),
+            (
+                "UT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                false,
+            ),
+            // Not followed any further: not timed by the watch.
+            ("CONNECT a:1 HTTP/1.1\r\nHost: x", false),
+        ];
+        for (read, in_head) in reads {
+            watch.scan(read.as_bytes());
+            assert_eq!(watch.in_head(), in_head, "after {read:?}");
         }
     }
 

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http::header::CONNECTION;
 use http::{HeaderValue, Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -156,7 +157,7 @@ pub async fn accept_loop(
     workers: Workers,
     mut stop: watch::Receiver<bool>,
 ) {
-    let builder = Arc::new(http_builder(config.header_timeout));
+    let builder = Arc::new(http_builder(&config));
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let config = Arc::new(config);
     let mut failing = AcceptFailures::new("proxy");
@@ -481,8 +482,8 @@ async fn with_hyper(
             return;
         }
     }
-    // Nothing begun: no request to finish. hyper's graceful shutdown would wait out the
-    // header timeout for a first head, so the connection just closes.
+    // Nothing begun: no request to finish. hyper's graceful shutdown would wait for a
+    // first head, up to the watchdog's deadline, so the connection just closes.
     if !begun.load(Ordering::Relaxed) {
         return;
     }
@@ -559,11 +560,18 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     crate::logging::access(&unknown, "-", plane, status, Duration::ZERO, "");
 }
 
-pub fn http_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
+pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
+    // hyper's header timer starts when it begins to wait for a head, idle or not: at
+    // --header-timeout it closed keep-alive connections idle between requests long before
+    // --idle-timeout, and a client whose pool kept one longer raced the close and lost the
+    // request it sent just then. The watchdog times heads from their first byte instead;
+    // hyper's timer is left only for a head the framing watch no longer follows (after a
+    // refused CONNECT or upgrade), and cannot fire before the watchdog would.
+    let backstop = config.header_timeout.max(config.idle_timeout);
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        .header_read_timeout(backstop)
         .max_headers(MAX_HEADERS)
         .max_buf_size(MAX_HEAD)
         .keep_alive(true);
@@ -604,45 +612,95 @@ async fn accept(listener: &Listener) -> io::Result<Sock> {
     }
 }
 
-/// When a connection's bytes last moved, in milliseconds since it opened: the idle
-/// timeout's clock, shared by the fast path, [`IdleIo`] and [`idle`].
+/// A connection's clocks, shared by the fast path, [`IdleIo`], [`idle`] and the
+/// [`watchdog`].
 #[derive(Clone)]
 pub struct Activity {
     opened: Instant,
-    last: Arc<AtomicU64>,
+    clocks: Arc<Clocks>,
+}
+
+/// What [`Activity`] shares, in one allocation; times in milliseconds since the connection
+/// opened.
+#[derive(Default)]
+struct Clocks {
+    /// When the connection's bytes last moved: the idle timeout's clock.
+    last: AtomicU64,
     /// Requests waiting for their answer's head (see [`Activity::awaiting`]).
-    waiting: Arc<AtomicU32>,
+    waiting: AtomicU32,
+    /// When the request head hyper is reading began, plus one; 0 while none is (see
+    /// [`Activity::heading`]).
+    head: AtomicU64,
+    /// The watchdog's task, woken when a head begins: its deadline may now come sooner.
+    watchdog: AtomicWaker,
 }
 
 impl Activity {
     pub(super) fn new() -> Self {
         Activity {
             opened: Instant::now(),
-            last: Arc::new(AtomicU64::new(0)),
-            waiting: Arc::new(AtomicU32::new(0)),
+            clocks: Arc::default(),
         }
     }
 
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
     pub fn touch(&self) {
-        let ms = self.opened.elapsed().as_millis() as u64;
-        self.last.store(ms, Ordering::Relaxed);
+        self.clocks.last.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    fn last_moved(&self) -> Instant {
+        self.opened + Duration::from_millis(self.clocks.last.load(Ordering::Relaxed))
     }
 
     /// Held while a request waits for the upstream's answer: that wait is bounded by
     /// `--upstream-timeout` (then 504), not by the idle timeout, which would otherwise cut
     /// the connection first, or race the 504, and the client would get no answer at all.
     pub(super) fn awaiting(&self) -> Awaiting {
-        self.waiting.fetch_add(1, Ordering::Relaxed);
-        Awaiting(self.waiting.clone())
+        self.clocks.waiting.fetch_add(1, Ordering::Relaxed);
+        Awaiting(self.clocks.clone())
+    }
+
+    /// After each read hyper makes: whether the bytes so far end inside a request head
+    /// (see [`HeadWatch::in_head`]). `--header-timeout` runs from a head's first byte, as
+    /// on the fast path, and not while a keep-alive connection is idle between requests:
+    /// that is `--idle-timeout`'s.
+    fn heading(&self, in_head: bool) {
+        let began = self.clocks.head.load(Ordering::Relaxed);
+        if in_head && began == 0 {
+            self.clocks.head.store(self.now_ms() + 1, Ordering::Relaxed);
+            self.clocks.watchdog.wake();
+        } else if !in_head && began != 0 {
+            self.clocks.head.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The proxy still owes the client an answer (it is writing one, or waiting for the
+    /// upstream's): a head the client sent on behind its request (pipelined) is not the
+    /// client's to finish yet, so its time starts again from now.
+    fn restart_head(&self) {
+        if self.clocks.head.load(Ordering::Relaxed) != 0 {
+            self.clocks.head.store(self.now_ms() + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// When the head in progress began (see [`Activity::heading`]).
+    fn head_began(&self) -> Option<Instant> {
+        match self.clocks.head.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.opened + Duration::from_millis(ms - 1)),
+        }
     }
 }
 
 /// See [`Activity::awaiting`]; dropped with the request, answered or not.
-pub(super) struct Awaiting(Arc<AtomicU32>);
+pub(super) struct Awaiting(Arc<Clocks>);
 
 impl Drop for Awaiting {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -694,16 +752,28 @@ impl<T> IdleIo<T> {
     fn touch(&self) {
         self.activity.touch();
     }
+
+    /// Bytes of an answer went out: see [`Activity::restart_head`]. Not a tunnel's: its
+    /// connection has no head to time.
+    fn wrote(&self) {
+        self.activity.touch();
+        if self.framing.is_some() {
+            self.activity.restart_head();
+        }
+    }
 }
 
 /// Resolves when the connection is to be cut: it has moved no bytes for `--idle-timeout`,
-/// or no request head has arrived within `--header-timeout` of its start.
+/// no request head has arrived within `--header-timeout` of its start, or a head hyper
+/// reads has not ended `--header-timeout` after its first byte.
 ///
-/// The second matters before hyper knows the connection is HTTP/1 (its own header timer
-/// starts only then): a client that sends nothing, or a bit of the HTTP/2 preface, would
-/// otherwise hold its slot of `--max-connections` until the idle timeout.
+/// The second matters before hyper knows the connection is HTTP/1: a client that sends
+/// nothing, or a bit of the HTTP/2 preface, would otherwise hold its slot of
+/// `--max-connections` until the idle timeout. The third is hyper's header timeout, but
+/// from the head's first byte: hyper's own timer starts when it begins to wait for a head,
+/// so it also cut keep-alive connections idle between requests (see [`http_builder`]).
 ///
-/// One timer for both: the connection's task polls every branch of its `select!` each time
+/// One timer for all: the connection's task polls every branch of its `select!` each time
 /// it wakes, a few times per request, and a second timer doubled that cost.
 ///
 /// An idle HTTP/2 connection says GOAWAY before it closes (RFC 9113 §6.8): a client
@@ -713,24 +783,56 @@ impl<T> IdleIo<T> {
 async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     loop {
-        let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
-        let mut deadline = activity.opened + last + config.idle_timeout;
+        let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) {
             deadline = deadline.min(first_head);
         }
+        let head = HeadBegins::new(activity);
+        if let Some(began) = activity.head_began() {
+            deadline = deadline.min(began + config.header_timeout);
+        }
         if Instant::now() >= deadline {
-            if activity.waiting.load(Ordering::Relaxed) == 0 {
+            if activity.clocks.waiting.load(Ordering::Relaxed) == 0 {
                 break;
             }
             // A request waits for its answer: idle from now on only once it has one.
             activity.touch();
+            activity.restart_head();
             continue;
         }
-        tokio::time::sleep_until(deadline.into()).await;
+        let _ = tokio::time::timeout_at(deadline.into(), head).await;
     }
     if told.http2.load(Ordering::Relaxed) {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
+    }
+}
+
+/// Resolves once the head clock has moved since it was made: a head began (see
+/// [`Activity::heading`]), and the watchdog's deadline may come sooner.
+struct HeadBegins<'a> {
+    clocks: &'a Clocks,
+    seen: u64,
+}
+
+impl<'a> HeadBegins<'a> {
+    fn new(activity: &'a Activity) -> Self {
+        let clocks = &*activity.clocks;
+        let seen = clocks.head.load(Ordering::Relaxed);
+        HeadBegins { clocks, seen }
+    }
+}
+
+impl Future for HeadBegins<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        // Registered before the look: a head that begins after it wakes this task.
+        self.clocks.watchdog.register(cx.waker());
+        if self.clocks.head.load(Ordering::Relaxed) == self.seen {
+            return Poll::Pending;
+        }
+        Poll::Ready(())
     }
 }
 
@@ -747,6 +849,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
             let this = &mut *self;
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
+                this.activity.heading(framing.in_head());
             }
         }
         r
@@ -761,7 +864,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
+            self.wrote();
         }
         r
     }
@@ -773,7 +876,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.touch();
+            self.wrote();
         }
         r
     }
@@ -848,8 +951,7 @@ impl<T: AsyncRead + Unpin> IdleIo<T> {
 /// Resolves once `activity` has seen no bytes for `timeout` (a tunnel's idle timeout).
 pub(super) async fn idle(activity: &Activity, timeout: Duration) {
     loop {
-        let last = Duration::from_millis(activity.last.load(Ordering::Relaxed));
-        let deadline = activity.opened + last + timeout;
+        let deadline = activity.last_moved() + timeout;
         if Instant::now() >= deadline {
             return;
         }
@@ -874,8 +976,9 @@ mod tests {
     /// across an `.await` it is not needed after.
     #[tokio::test]
     async fn a_connection_task_stays_small() {
-        // 1,104 bytes today in debug: 32 of them the idle HTTP/2 connection's GOAWAY
-        // signal, 72 the end of the drain's grace; 1,048 in debug and 1,032 in release before the guards
+        // 1,112 bytes today in debug: 32 of them the idle HTTP/2 connection's GOAWAY
+        // signal, 72 the end of the drain's grace, 8 the watchdog's wait for a head to
+        // begin; 1,048 in debug and 1,032 in release before the guards
         // moved into one shared `OpenConnection` (1,872 before `h1::serve` stopped keeping
         // the head, the answer and a probe array across its awaits). The room above that is
         // for small changes, not for another kilobyte.
@@ -896,7 +999,7 @@ mod tests {
             StdSock::Unix(ours),
             permit,
             super::super::test_proxy(),
-            Arc::new(http_builder(config.header_timeout)),
+            Arc::new(http_builder(&config)),
             Arc::new(config),
             stopped,
         );
