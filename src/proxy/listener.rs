@@ -6,14 +6,13 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::task::AtomicWaker;
 use http::header::CONNECTION;
 use http::{HeaderValue, Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -631,8 +630,6 @@ struct Clocks {
     /// When the request head hyper is reading began, plus one; 0 while none is (see
     /// [`Activity::heading`]).
     head: AtomicU64,
-    /// The watchdog's task, woken when a head begins: its deadline may now come sooner.
-    watchdog: AtomicWaker,
 }
 
 impl Activity {
@@ -667,11 +664,16 @@ impl Activity {
     /// (see [`HeadWatch::in_head`]). `--header-timeout` runs from a head's first byte, as
     /// on the fast path, and not while a keep-alive connection is idle between requests:
     /// that is `--idle-timeout`'s.
-    fn heading(&self, in_head: bool) {
+    ///
+    /// When a head begins, `task` (the connection's own, which runs the [`watchdog`] too)
+    /// is woken: the watchdog's deadline may now come sooner. The read happens in that
+    /// task, so no waker needs registering, which the fast path would pay for on every
+    /// poll of a connection that never reaches here.
+    fn heading(&self, in_head: bool, task: &std::task::Waker) {
         let began = self.clocks.head.load(Ordering::Relaxed);
         if in_head && began == 0 {
             self.clocks.head.store(self.now_ms() + 1, Ordering::Relaxed);
-            self.clocks.watchdog.wake();
+            task.wake_by_ref();
         } else if !in_head && began != 0 {
             self.clocks.head.store(0, Ordering::Relaxed);
         }
@@ -787,7 +789,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         if !told.headed.load(Ordering::Relaxed) {
             deadline = deadline.min(first_head);
         }
-        let head = HeadBegins::new(activity);
+        let head = activity.clocks.head.load(Ordering::Relaxed);
         if let Some(began) = activity.head_began() {
             deadline = deadline.min(began + config.header_timeout);
         }
@@ -800,39 +802,21 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             activity.restart_head();
             continue;
         }
-        let _ = tokio::time::timeout_at(deadline.into(), head).await;
+        // A head that begins (or ends) cuts the wait short: the deadline moves. The read
+        // that begins one wakes this task (see `Activity::heading`), so there is nothing
+        // to register: a connection the fast path serves pays one load per poll.
+        let mut sleep = pin!(tokio::time::sleep_until(deadline.into()));
+        std::future::poll_fn(|cx| {
+            if activity.clocks.head.load(Ordering::Relaxed) != head {
+                return Poll::Ready(());
+            }
+            sleep.as_mut().poll(cx)
+        })
+        .await;
     }
     if told.http2.load(Ordering::Relaxed) {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
-    }
-}
-
-/// Resolves once the head clock has moved since it was made: a head began (see
-/// [`Activity::heading`]), and the watchdog's deadline may come sooner.
-struct HeadBegins<'a> {
-    clocks: &'a Clocks,
-    seen: u64,
-}
-
-impl<'a> HeadBegins<'a> {
-    fn new(activity: &'a Activity) -> Self {
-        let clocks = &*activity.clocks;
-        let seen = clocks.head.load(Ordering::Relaxed);
-        HeadBegins { clocks, seen }
-    }
-}
-
-impl Future for HeadBegins<'_> {
-    type Output = ();
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        // Registered before the look: a head that begins after it wakes this task.
-        self.clocks.watchdog.register(cx.waker());
-        if self.clocks.head.load(Ordering::Relaxed) == self.seen {
-            return Poll::Pending;
-        }
-        Poll::Ready(())
     }
 }
 
@@ -849,7 +833,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
             let this = &mut *self;
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
-                this.activity.heading(framing.in_head());
+                this.activity.heading(framing.in_head(), cx.waker());
             }
         }
         r
