@@ -412,8 +412,24 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         expect_closed(&mut s, &buf).await;
         start.elapsed()
     };
-    let (stalled, (trickled, sent), silent, preface, second) =
-        tokio::join!(stalled, trickled, silent, preface, second);
+    // The same on a connection hyper serves (a chunked request hands it over): there the
+    // proxy's watchdog times the head, woken by the read that begins it.
+    let handed = async {
+        let start = Instant::now();
+        let mut s = connect_raw(addr).await;
+        let first = format!(
+            "POST /handed HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n\
+             2\r\nhi\r\n0\r\n\r\n"
+        );
+        s.write_all(first.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
+        s.write_all(b"G").await.unwrap();
+        expect_closed(&mut s, &buf).await;
+        start.elapsed()
+    };
+    let (stalled, (trickled, sent), silent, preface, second, handed) =
+        tokio::join!(stalled, trickled, silent, preface, second, handed);
     // Both bounds hold however loaded the machine: every clock starts before the proxy's
     // timer can, so a stall only lengthens what is measured, and that has 19 s before it
     // reaches BOUND, which the 30 s default cannot get under.
@@ -423,6 +439,10 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         ("nothing", silent),
         ("half an HTTP/2 preface", preface),
         ("half a second head on a keep-alive connection", second),
+        (
+            "a second head's first byte on a connection hyper serves",
+            handed,
+        ),
     ] {
         assert!(
             took >= Duration::from_millis(900) && took < BOUND,
@@ -430,12 +450,17 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         );
     }
     assert!(sent >= 5, "the trickle moved only {sent} bytes");
-    let paths: Vec<String> = upstream
+    let mut paths: Vec<String> = upstream
         .seen()
         .iter()
         .map(|s| s.path_and_query().to_string())
         .collect();
-    assert_eq!(paths, ["/first"], "a slow head reached the upstream");
+    paths.sort();
+    assert_eq!(
+        paths,
+        ["/first", "/handed"],
+        "a slow head reached the upstream"
+    );
 
     // A client that is merely a little slow still gets through: a head in two parts.
     let mut s = connect_raw(addr).await;
