@@ -2490,19 +2490,10 @@ async fn an_early_answer_to_a_request_with_a_body_closes_the_connection() {
 /// the kernel reset the connection under the client's writes (RFC 9112 §9.6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_still_uploading_after_an_early_answer_is_not_reset() {
-    const BODY: usize = 64 * 1024 * 1024;
     let pki = Pki::new();
     let upstream = echo_upstream(&pki).await;
     let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
-    let head =
-        format!("POST /sandboxes HTTP/1.1\r\nHost: evil.example\r\nContent-Length: {BODY}\r\n\r\n");
-    let chunk = vec![b'x'; 1024 * 1024];
-    let upload = Upload {
-        head,
-        chunk,
-        count: BODY / (1024 * 1024),
-        end: b"",
-    };
+    let upload = Upload::sized("evil.example");
     upload_after_early_answer(connect_raw(proxy.addr()).await, upload).await;
     assert!(upstream.seen().is_empty());
     proxy.finish().await;
@@ -2550,7 +2541,6 @@ async fn a_client_still_uploading_chunks_after_an_early_answer_is_not_reset() {
 /// without the lingering would pass unseen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_http_with_a_body_sent_to_the_tls_listener_still_gets_its_400() {
-    const BODY: usize = 64 * 1024 * 1024;
     let pki = Pki::new();
     let upstream = echo_upstream(&pki).await;
     let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
@@ -2558,12 +2548,7 @@ async fn plain_http_with_a_body_sent_to_the_tls_listener_still_gets_its_400() {
         .spawn()
         .await;
     let addr = proxy.addr();
-    let upload = Upload {
-        head: format!("POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {BODY}\r\n\r\n"),
-        chunk: vec![b'x'; 1024 * 1024],
-        count: BODY / (1024 * 1024),
-        end: b"",
-    };
+    let upload = Upload::sized(&addr.to_string());
     upload_after_early_answer(connect_raw(addr).await, upload).await;
     assert!(upstream.seen().is_empty());
     proxy.finish().await;
@@ -2576,6 +2561,22 @@ struct Upload {
     chunk: Vec<u8>,
     count: usize,
     end: &'static [u8],
+}
+
+impl Upload {
+    /// A 64 MiB body with a `Content-Length`, to `Host: host`: far more than the sockets'
+    /// buffers hold, so that a close without the lingering cannot pass unseen.
+    fn sized(host: &str) -> Upload {
+        const BODY: usize = 64 * 1024 * 1024;
+        Upload {
+            head: format!(
+                "POST /sandboxes HTTP/1.1\r\nHost: {host}\r\nContent-Length: {BODY}\r\n\r\n"
+            ),
+            chunk: vec![b'x'; 1024 * 1024],
+            count: BODY / (1024 * 1024),
+            end: b"",
+        }
+    }
 }
 
 /// Sends `upload` while the refusal comes: the whole body must be taken, then the
