@@ -200,7 +200,8 @@ async fn acs3_over_tls_with_a_custom_ca() {
 
 #[tokio::test]
 async fn unreachable_endpoint_is_e5001_for_check() {
-    let url = format!("http://{}", support::refused_addr().await);
+    let addr = support::refused_addr().await;
+    let url = format!("http://{addr}");
     let ex = HttpExchanger::new(
         config(&url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
         client(),
@@ -211,6 +212,8 @@ async fn unreachable_endpoint_is_e5001_for_check() {
         .expect_err("refused");
     assert_eq!(e.code(), "E5001", "{}", e.line());
     assert_eq!(e.exit_code(), 69);
+    // The port too: the host alone does not say which of a machine's services is down.
+    assert!(e.line().contains(&format!("({addr})")), "{}", e.line());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

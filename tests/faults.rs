@@ -647,6 +647,11 @@ async fn upstream_connect_timeout_is_a_502_not_a_hang() {
     sweep.raw("connect timeout", &resp);
     assert_proxy_error(&resp, 502, "E5001");
     assert!(resp.text().contains("timed out"), "{}", resp.text());
+    assert!(
+        resp.text().contains(&format!("({hole})")),
+        "{}",
+        resp.text()
+    );
     // The 10 s default, which GUARD would let through, answers no sooner than this: the
     // bound catches the flag going unapplied. Safe under load: the 1 s asked for leaves
     // 9 s of stall before it. Nothing the client sees names the timeout that fired.

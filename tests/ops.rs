@@ -1057,7 +1057,8 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
             assert_eq!(v["plane"], "envd");
             assert_eq!(v["status"], 200);
             assert!(v["duration_ms"].as_f64().is_some(), "{line}");
-            assert_eq!(v["upstream"], "127.0.0.1");
+            // The port too: two local upstreams on one address are told apart.
+            assert_eq!(v["upstream"], upstream.addr.to_string());
         }
     }
     assert_eq!(request_lines, 1, "one line per request:\n{stderr}");
@@ -1087,11 +1088,12 @@ async fn text_logs_name_the_path_never_the_query_string() {
         .find(|l| l.contains("method=GET"))
         .unwrap_or_else(|| panic!("no request line:\n{stderr}"));
     let fields: Vec<&str> = line.split_whitespace().collect();
+    let upstream_field = format!("upstream={}", upstream.addr);
     for field in [
         "path=/files",
         "plane=\"envd\"",
         "status=200",
-        "upstream=127.0.0.1",
+        &upstream_field,
     ] {
         assert!(fields.contains(&field), "{field} in {line}");
     }

@@ -425,7 +425,7 @@ impl HttpExchanger {
     /// E5001/E5002 (so `check` exits 69: the endpoint is unavailable, the configuration may
     /// be fine); everything else is E1004 or E1002.
     pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
-        let host = self.config.url.host().to_string();
+        let host = self.config.url.authority().to_string();
         let request = self.request(now)?;
         let call = async {
             let response =

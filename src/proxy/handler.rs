@@ -412,7 +412,7 @@ impl Proxy {
         match &self.envd {
             None => Err(internal("this provider has no envd plane")),
             Some(EnvdTarget::Url(url)) => {
-                Ok((url.join(pq).map_err(internal)?, url.host().to_string()))
+                Ok((url.join(pq).map_err(internal)?, url.authority().to_string()))
             }
             Some(EnvdTarget::Domain { scheme, domain }) => {
                 let host = format!("{port}-{sandbox_id}.{domain}");
@@ -451,7 +451,7 @@ impl Proxy {
         headers.insert(self.auth.header(), value);
         headers.insert(ACCEPT_ENCODING, IDENTITY);
         let req = rebuild(Method::GET, uri, headers);
-        let host = self.api_base.host().to_string();
+        let host = self.api_base.authority().to_string();
         // The control plane failing a look-up is counted like any other upstream failure.
         let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
             .await
@@ -511,7 +511,7 @@ impl Proxy {
     fn body_timeout(&self) -> (Error, FailKind) {
         let error = Error::UpstreamTimeout {
             seconds: self.upstream_timeout.as_secs().max(1),
-            host: self.api_base.host().to_string(),
+            host: self.api_base.authority().to_string(),
         };
         (error, FailKind::Timeout)
     }
@@ -571,7 +571,7 @@ impl Proxy {
                         return Err(Failure {
                             error: Error::UpstreamUnreachable {
                                 reason: "connection closed mid-response".into(),
-                                host: self.api_base.host().to_string(),
+                                host: self.api_base.authority().to_string(),
                             },
                             kind: None,
                             reached: true,

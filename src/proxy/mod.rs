@@ -88,7 +88,7 @@ pub enum EnvdTarget {
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
     pub(crate) api_base: UpstreamUrl,
-    /// `api_base`'s host, for log lines and errors without re-parsing it per request.
+    /// `api_base`'s host and port, for log lines and errors without re-parsing it per request.
     pub(crate) api_host: Arc<str>,
     /// `None` for a provider without an envd plane: everything goes to the control plane.
     pub(crate) envd: Option<EnvdTarget>,
@@ -149,7 +149,7 @@ impl Proxy {
         };
         Ok(Proxy {
             api_base: settings.sandbox_base_url.clone(),
-            api_host: Arc::from(settings.sandbox_base_url.host()),
+            api_host: Arc::from(settings.sandbox_base_url.authority()),
             envd,
             api_client: Upstream::new(
                 tls.clone(),

@@ -68,6 +68,12 @@ impl UpstreamUrl {
         self.authority.host()
     }
 
+    /// The host with the port when the URL names one: what errors and the log name, so
+    /// that two local upstreams on one address (an OpenSandbox and its envd) are told apart.
+    pub fn authority(&self) -> &str {
+        self.authority.as_str()
+    }
+
     pub fn is_https(&self) -> bool {
         self.scheme == Scheme::HTTPS
     }
