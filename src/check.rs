@@ -54,7 +54,7 @@ async fn probe(
     timeout: Duration,
 ) -> Result<i32, Error> {
     let base = &settings.sandbox_base_url;
-    let host = base.authority().to_string();
+    let host = settings.shown(&base.authority());
     let uri = base.join("/sandboxes").map_err(|e| Error::InvalidSetting {
         key: "sandbox_base_url".into(),
         reason: e.to_string(),

@@ -99,13 +99,14 @@ struct Row {
 }
 
 fn rows(resolved: &Resolved) -> Vec<Row> {
+    let secrets = resolved.secrets();
     let mut rows: Vec<Row> = KEYS
         .iter()
         .map(|spec| {
             let e = resolved.entry(spec.key);
             Row {
                 key: spec.name.to_string(),
-                value: e.value.as_ref().map(|v| v.shown()),
+                value: e.value.as_ref().map(|v| v.printed(&secrets)),
                 source: e.source.label(),
                 env: Some(spec.env.to_string()),
                 secret: spec.secret,
@@ -117,7 +118,7 @@ fn rows(resolved: &Resolved) -> Vec<Row> {
     match resolved.plugin() {
         Ok(Some(plugin)) => rows.extend(plugin.fields.iter().map(|f| Row {
             key: f.key.clone(),
-            value: f.value.as_ref().map(|v| v.shown()),
+            value: f.value.as_ref().map(|v| v.printed(&secrets)),
             source: f.source.label(),
             env: Some(f.env.clone()),
             secret: f.secret,
@@ -225,16 +226,22 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let (kind, source) = credential_in_use(&resolved)?;
     outln!("credential: {kind} ({})", source.label());
     outln!("provider: {}", settings.provider);
-    outln!("control plane: {}", settings.sandbox_base_url);
+    outln!(
+        "control plane: {}",
+        settings.shown(&settings.sandbox_base_url)
+    );
     match (&settings.sandbox_url, &settings.sandbox_domain) {
-        (Some(u), _) => outln!("envd: {u} (routed by E2b-Sandbox-* headers)"),
-        (None, Some(d)) => outln!("envd: https://{{port}}-{{sandboxId}}.{d}"),
+        (Some(u), _) => outln!(
+            "envd: {} (routed by E2b-Sandbox-* headers)",
+            settings.shown(u)
+        ),
+        (None, Some(d)) => outln!("envd: https://{{port}}-{{sandboxId}}.{}", settings.shown(d)),
         (None, None) => outln!("envd: none (this provider has no envd plane)"),
     }
     outln!(
         "listen: {}  admin: {}",
-        settings.listen,
-        settings.admin_listen
+        settings.shown(&settings.listen),
+        settings.shown(&settings.admin_listen)
     );
     if matches!(
         settings.credential,
@@ -245,7 +252,10 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
             crate::settings::ExchangeScheme::RpcV1 => "rpc-v1",
             crate::settings::ExchangeScheme::Acs3 => "acs3",
         };
-        outln!("token exchange: {} ({scheme})", settings.token_exchange_url);
+        outln!(
+            "token exchange: {} ({scheme})",
+            settings.shown(&settings.token_exchange_url)
+        );
     }
     if args.offline {
         // Read offline too: `serve` with the same file would stop at it.

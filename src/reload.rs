@@ -71,6 +71,7 @@ fn with_credential_of(running: &Settings, next: &Settings) -> Settings {
     Settings {
         credential: next.credential.clone(),
         plugin: next.plugin.clone(),
+        secrets: next.secrets.clone(),
         ..running.clone()
     }
 }
@@ -414,6 +415,7 @@ impl Running {
                 tracing::info!(changed = %changed.join(","), "reloaded");
                 self.settings.credential = next.credential.clone();
                 self.settings.plugin = next.plugin.clone();
+                self.settings.secrets = next.secrets.clone();
                 restart
             }
         };

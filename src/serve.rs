@@ -104,9 +104,9 @@ async fn serve(
     let admin = Listener::bind(&settings.admin_listen).await?;
     let workers = Workers::start(workers::count(), &listener.local_addr())?;
     tracing::info!(
-        listen = %listener.local_addr(),
-        admin = %admin.local_addr(),
-        upstream = %settings.sandbox_base_url,
+        listen = %settings.shown(&listener.local_addr()),
+        admin = %settings.shown(&admin.local_addr()),
+        upstream = %settings.shown(&settings.sandbox_base_url),
         "abx-proxy listening"
     );
     crate::notify::ready();

@@ -466,6 +466,36 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     assert!(text(&out).contains("alicloud-express") && text(&out).contains("opensandbox"));
 }
 
+/// A plugin's URL field printed by `config list|get` hid neither a password, nor a query
+/// value, nor the plugin's own secret field put into it by `${VAR}` in a `.env` file.
+#[tokio::test]
+async fn a_plugins_url_field_is_printed_without_its_password_query_values_or_secret() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    let (_dir, manifest) = manifest_file(BEARER);
+    install(h, &manifest).await;
+    std::fs::write(
+        h.join(".env"),
+        format!(
+            "ABX_PROVIDER=bearerco\nABX_BEARERCO_API_KEY={BEARER_KEY}\n\
+             ABX_BEARERCO_BASE_URL=https://bob:pw-pk71@h.example/${{ABX_BEARERCO_API_KEY}}?sig=pk72\n"
+        ),
+    )
+    .expect("write .env");
+    let shown = "https://bob:****@h.example/****?sig=****";
+    let out = abx(h, &[], &["config", "list", "--json"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(row_of(&rows, "bearerco.base_url")["value"], shown);
+    let out = abx(h, &[], &["config", "get", "bearerco.base_url"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{shown}\n"));
+    for args in [&["config", "list"][..], &["config", "list", "--json"][..]] {
+        let out = abx(h, &[], args).await;
+        let all = text(&out);
+        assert!(!all.contains(BEARER_KEY) && !all.contains("pk7"), "{all}");
+    }
+}
+
 /// A project's `./.env` line dotenvy cannot parse (`OPEN_SANDBOX_API_KEY=my key`, which
 /// python-dotenv accepts) that sets a variable the selected plugin reads stops with the
 /// E1006 a broken `ABX_` line gets, naming the file and line: skipped as another tool's, it

@@ -731,30 +731,27 @@ fn a_cwd_env_that_moves_the_upstream_of_a_key_kept_elsewhere_is_warned_about() {
 
 /// The same warning names where the key goes, never a password or a signature that the
 /// value carries in its user info or query string (E1005 refuses such a URL, but the
-/// warning comes first, and `serve` logs it).
+/// warning comes first, and `serve` logs it), nor a secret a `${VAR}` put in the value.
 #[test]
-fn a_cwd_env_upstream_warning_shows_no_password_or_query_string() {
-    let c = Case::new();
+fn a_cwd_env_upstream_warning_shows_no_password_query_string_or_embedded_secret() {
+    let mut c = Case::new();
+    c.env("GITHUB_TOKEN", GH_TOKEN);
     c.home_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_HOME}\n"));
     c.cwd_dotenv(
         "ABX_SANDBOX_BASE_URL=https://bob:pw-zq71@elsewhere.example/api?sig=zq72#zq73\n\
-         ABX_SANDBOX_DOMAIN=eve:pw-zq74@domain.example\n",
+         ABX_SANDBOX_DOMAIN=eve:pw-zq74@domain.example\n\
+         ABX_SANDBOX_URL=https://envd.example/${GITHUB_TOKEN}/\n",
     );
     let out = c.run(&["check", "--offline"]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(!out.stderr.contains("zq7"), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("ABX_SANDBOX_BASE_URL=https://elsewhere.example/api: the credential"),
-        "{}",
-        out.stderr
-    );
-    assert!(
-        out.stderr
-            .contains("ABX_SANDBOX_DOMAIN=domain.example: the credential"),
-        "{}",
-        out.stderr
-    );
+    for shown in [
+        "ABX_SANDBOX_BASE_URL=https://bob:****@elsewhere.example/api?sig=****#****: the credential",
+        "ABX_SANDBOX_DOMAIN=eve:****@domain.example: the credential",
+        "ABX_SANDBOX_URL=https://envd.example/****/: the credential",
+    ] {
+        assert!(out.stderr.contains(shown), "{shown}\n{}", out.stderr);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1163,6 +1160,101 @@ fn secrets_are_masked() {
             .find(|l| l.starts_with("sandbox_api_key "))
             .expect("sandbox_api_key line");
         assert_eq!(line.split_whitespace().nth(1), Some(shown.as_str()));
+    }
+}
+
+/// A URL setting's value shown as given also showed its password and a signed query
+/// string, and a `.env` file's `${VAR}` could put a secret into any plain value. `config
+/// list` (text and JSON) and `config get` show the user name, host, port and path as
+/// written, the password and each query value as `****`, and `****` for a resolved secret.
+#[test]
+fn config_list_and_get_mask_a_urls_password_and_query_values_and_an_embedded_secret() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.env(
+        "ABX_SANDBOX_BASE_URL",
+        "https://bob:pw-mk71@api.example:8443/v1?sig=mk72&expires=mk73",
+    );
+    c.cwd_dotenv(&format!(
+        "GITHUB_TOKEN={GH_TOKEN}\n\
+         ABX_SANDBOX_URL=https://alice:pw-mk74@envd.example/e?t=${{ABX_SANDBOX_API_KEY}}\n\
+         ABX_SANDBOX_DOMAIN=${{GITHUB_TOKEN}}.x.example\n\
+         ABX_TOKEN_EXCHANGE_URL=https://fc.example/${{ABX_SANDBOX_API_KEY}}/x\n"
+    ));
+    let want = [
+        (
+            "sandbox_base_url",
+            "https://bob:****@api.example:8443/v1?sig=****&expires=****",
+        ),
+        ("sandbox_url", "https://alice:****@envd.example/e?t=****"),
+        ("sandbox_domain", "****.x.example"),
+        ("token_exchange_url", "https://fc.example/****/x"),
+    ];
+    let rows = c.list();
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for (key, shown) in want {
+        assert_eq!(find(&rows, key).value.as_deref(), Some(shown), "{key}");
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{key} ")))
+            .unwrap_or_else(|| panic!("no {key} line:\n{}", out.stdout));
+        assert_eq!(line.split_whitespace().nth(1), Some(shown), "{line}");
+        let got = c.run(&["config", "get", key]);
+        assert_eq!(
+            (got.code, got.stdout.as_str()),
+            (0, format!("{shown}\n").as_str()),
+            "{key}: {}",
+            got.stderr
+        );
+        assert!(!got.stdout.contains("mk7"), "{}", got.stdout);
+    }
+    assert!(!out.stdout.contains("mk7"), "{}", out.stdout);
+}
+
+/// `check` prints the upstreams it will use, and an error quotes the upstream that is the
+/// proxy's own listener: a secret a `${VAR}` put in one is `****` there too.
+#[test]
+fn check_output_and_its_errors_mask_a_secret_embedded_in_an_upstream() {
+    let c = Case::new();
+    c.cwd_dotenv(&format!(
+        "ABX_SANDBOX_API_KEY={KEY_CWD}\nGITHUB_TOKEN={GH_TOKEN}\n\
+         ABX_SANDBOX_BASE_URL=https://api.example/${{ABX_SANDBOX_API_KEY}}\n\
+         ABX_SANDBOX_DOMAIN=${{GITHUB_TOKEN}}.x.example\n"
+    ));
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for line in [
+        "control plane: https://api.example/****",
+        "envd: https://{port}-{sandboxId}.****.x.example",
+    ] {
+        assert!(
+            out.stdout.lines().any(|l| l == line),
+            "{line}\n{}",
+            out.stdout
+        );
+    }
+
+    let c = Case::new();
+    c.cwd_dotenv(&format!(
+        "ABX_SANDBOX_API_KEY={KEY_CWD}\n\
+         ABX_SANDBOX_BASE_URL=http://127.0.0.1:49982/${{ABX_SANDBOX_API_KEY}}\n"
+    ));
+    for args in [
+        &["check", "--offline"][..],
+        &["serve", "--admin-listen", "127.0.0.1:0"][..],
+    ] {
+        let out = c.run(args);
+        assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.starts_with(
+                "[E1005] invalid value for sandbox_base_url (ABX_SANDBOX_BASE_URL from ./.env): \
+                 http://127.0.0.1:49982/**** is this proxy's own listener"
+            ),
+            "{args:?}: {}",
+            out.stderr
+        );
     }
 }
 

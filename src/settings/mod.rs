@@ -7,6 +7,7 @@
 
 pub mod keys;
 pub mod layers;
+pub mod shown;
 pub(crate) mod values;
 
 use std::collections::{BTreeSet, HashMap};
@@ -15,6 +16,7 @@ use std::time::Duration;
 
 pub use keys::{Key, KeySpec, KEYS};
 pub use layers::Source;
+pub use shown::shown;
 pub use values::{parse_duration, CompatMode, ExchangeScheme, ListenAddr, UpstreamUrl};
 
 use crate::error::Error;
@@ -153,10 +155,20 @@ pub enum Value {
 }
 
 impl Value {
-    /// The value as `config list` shows it: secrets masked.
+    /// The value itself, a secret masked. Not for printing: a plain value may carry a
+    /// secret (see [`Value::printed`]).
     pub fn shown(&self) -> String {
         match self {
             Value::Plain(s) => s.clone(),
+            Value::Secret(s) => s.masked(),
+        }
+    }
+
+    /// The value as `config list` prints it: a secret masked, a plain value through
+    /// [`shown()`] with the resolved `secrets`.
+    pub fn printed(&self, secrets: &[Secret]) -> String {
+        match self {
+            Value::Plain(s) => shown(s, secrets),
             Value::Secret(s) => s.masked(),
         }
     }
@@ -397,6 +409,22 @@ impl Resolved {
         }
     }
 
+    /// Every secret that resolved, the selected plugin's secret fields included: what
+    /// [`shown()`] hides in the values printed.
+    pub fn secrets(&self) -> Vec<Secret> {
+        let plugin = self.plugin().ok().flatten();
+        let fields = plugin.iter().flat_map(|p| &p.fields).map(|f| &f.value);
+        self.entries
+            .iter()
+            .map(|e| &e.value)
+            .chain(fields)
+            .filter_map(|v| match v {
+                Some(Value::Secret(s)) => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The credential rule of SPEC §2: the highest level decides, a pair counts at the level
     /// of its lower half, a tie goes to the API key. Also the warning for a stray half pair.
     pub fn credential(&self) -> Result<(CredentialKind, Source, Option<String>), Error> {
@@ -581,6 +609,7 @@ impl Resolved {
             listen: ListenAddr::parse(Key::Listen, get(Key::Listen))?,
             admin_listen: ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?,
             github_token: self.secret(Key::GithubToken).cloned(),
+            secrets: self.secrets(),
             region,
             credential,
             auth,
@@ -621,6 +650,7 @@ impl Resolved {
     /// Warnings from reading the layers plus those of the credential rule.
     pub fn all_warnings(&self) -> Vec<String> {
         let mut w = self.warnings.clone();
+        let secrets = self.secrets();
         match self.plugin() {
             Ok(Some(p)) => {
                 let key_from = p.fields.iter().find(|f| f.field == "api_key");
@@ -630,7 +660,7 @@ impl Resolved {
                     .filter(|f| f.field == "base_url" || f.field == "envd_domain");
                 for field in hosts {
                     if let (Some(Value::Plain(v)), Some(k)) = (&field.value, key_from) {
-                        w.extend(redirected(&field.env, v, field.source, k.source));
+                        w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
                     }
                 }
                 w.extend(p.warnings);
@@ -641,7 +671,7 @@ impl Resolved {
                     for key in UPSTREAM_KEYS {
                         let e = self.entry(key);
                         if let Some(Value::Plain(v)) = &e.value {
-                            w.extend(redirected(e.spec.env, v, e.source, key_from));
+                            w.extend(redirected(e.spec.env, v, e.source, key_from, &secrets));
                         }
                     }
                 }
@@ -700,34 +730,22 @@ const UPSTREAM_KEYS: [Key; 4] = [
 
 /// `./.env` is read from wherever the proxy starts: a file in a checkout that names an
 /// upstream would send a key kept elsewhere (the environment, ~/.abx/.env) to its host.
-/// Said rather than refused: in the user's own projects the layer is theirs.
-fn redirected(env: &str, value: &str, source: Source, key_from: Source) -> Option<String> {
+/// Said rather than refused: in the user's own projects the layer is theirs. The warning
+/// comes before validation refuses a password or a query string, and `serve` logs it.
+fn redirected(
+    env: &str,
+    value: &str,
+    source: Source,
+    key_from: Source,
+    secrets: &[Secret],
+) -> Option<String> {
     (source == Source::DotEnvCwd && key_from != Source::DotEnvCwd).then(|| {
         format!(
             "./.env in this directory sets {env}={}: the credential from {} goes there",
-            where_to(value),
+            shown(value, secrets),
             key_from.label()
         )
     })
-}
-
-/// An upstream value as a warning may show it: scheme, host and path. The warning comes
-/// before validation refuses user info or a query string, and either may be a password or
-/// a signature; where the credential goes is the host.
-fn where_to(value: &str) -> String {
-    let value = value.split(['?', '#']).next().unwrap_or_default();
-    let (scheme, rest) = match value.split_once("://") {
-        Some((scheme, rest)) => (Some(scheme), rest),
-        None => (None, value),
-    };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let host = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    match scheme {
-        Some(scheme) => format!("{scheme}://{host}{path}"),
-        None => format!("{host}{path}"),
-    }
 }
 
 /// The longest `token_ttl` accepted: a year.
@@ -762,6 +780,9 @@ pub struct Settings {
     pub admin_listen: ListenAddr,
     pub credential: Credential,
     pub github_token: Option<Secret>,
+    /// Every resolved secret (see [`Resolved::secrets`]), only to hide them in the values
+    /// printed; never sent.
+    pub secrets: Vec<Secret>,
     /// How the provider wants its key attached.
     pub auth: AuthKind,
     /// The selected plugin provider; `None` for the built-in one.
@@ -769,6 +790,11 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// A setting's value as printed: [`shown()`] with every resolved secret.
+    pub fn shown(&self, value: &impl std::fmt::Display) -> String {
+        shown(&value.to_string(), &self.secrets)
+    }
+
     /// An upstream that is this proxy's own listener (`bound`) would make every request
     /// call itself until something runs out. It happens easily: the OpenSandbox SDK and the
     /// proxy both read `OPEN_SANDBOX_DOMAIN`, and a shell set up for the SDK points it at
@@ -798,9 +824,10 @@ impl Settings {
                 return Err(Error::InvalidSetting {
                     key,
                     reason: format!(
-                        "{url} is this proxy's own listener ({bound}): the upstream must be \
+                        "{} is this proxy's own listener ({bound}): the upstream must be \
                          the sandbox cloud (a variable set for the SDK, such as \
-                         OPEN_SANDBOX_DOMAIN, may have been read as the upstream)"
+                         OPEN_SANDBOX_DOMAIN, may have been read as the upstream)",
+                        self.shown(url)
                     ),
                 });
             }
@@ -825,7 +852,7 @@ impl Settings {
                 key: Key::AdminListen.name().to_string(),
                 reason: format!(
                     "{} is also the proxy's listen address: give them different ports",
-                    self.admin_listen
+                    self.shown(&self.admin_listen)
                 ),
             });
         }
@@ -845,7 +872,8 @@ impl Settings {
             .filter(|u| !u.is_https() && !crate::proxy::route::is_local_name(u.host()))
             .map(|u| {
                 format!(
-                    "{u} is plain http:// beyond this machine: the credential crosses the network unencrypted"
+                    "{} is plain http:// beyond this machine: the credential crosses the network unencrypted",
+                    self.shown(u)
                 )
             })
             .collect()

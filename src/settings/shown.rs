@@ -1,0 +1,173 @@
+//! What the user is shown of a non-secret setting's value: `config list|get`, `check`,
+//! warnings, log lines and the errors that quote a value all print it through [`shown`].
+//! Only the display changes; what is sent upstream is the value as resolved.
+//!
+//! A non-secret value can still carry a secret: a URL's password or a signed query string
+//! (`?sig=…`), or a secret itself, through a `.env` file's `${VAR}` expansion
+//! (`ABX_SANDBOX_URL=https://h/?t=${ABX_SANDBOX_API_KEY}`).
+
+use crate::secret::Secret;
+
+/// Shorter secrets are not looked for: they would mask ordinary words of other values.
+pub const MIN_EMBEDDED: usize = 8;
+
+const MASK: &str = "****";
+
+/// `value` as printed: each of `secrets` (the resolved ones, plugin fields included) it
+/// contains verbatim as `****`, then, read as a URL, the password of its user info and the
+/// value of each query parameter as `****` (`https://bob:****@host/api?sig=****`); the
+/// scheme, user name, host, port and path as written.
+pub fn shown(value: &str, secrets: &[Secret]) -> String {
+    let mut embedded: Vec<&str> = secrets
+        .iter()
+        .map(Secret::expose)
+        .filter(|s| s.chars().count() >= MIN_EMBEDDED)
+        .collect();
+    // The longer first: a secret that contains another is masked whole.
+    embedded.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    let mut value = value.to_string();
+    for secret in embedded {
+        value = value.replace(secret, MASK);
+    }
+    url_masked(&value)
+}
+
+/// The URL rule of [`shown`]. A value is read as a URL when it has a scheme, or when it
+/// starts with user info (`eve:pw@domain.example`: a host-only value, as `sandbox_domain`
+/// or a plugin's `base_url` without a scheme take); anything else (`single # quoted`, a
+/// unix path, a region) comes back as it is. The authority ends where the settings' URL
+/// parser ends it, at the first `/`, `?` or `#`.
+fn url_masked(value: &str) -> String {
+    let (scheme, rest) = match value.split_once("://") {
+        Some((scheme, rest)) if is_scheme(scheme) => (Some(scheme), rest),
+        _ => (None, value),
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    if scheme.is_none() && !authority.contains('@') {
+        return value.to_string();
+    }
+    let (tail, fragment) = match tail.split_once('#') {
+        Some((tail, fragment)) => (tail, Some(fragment)),
+        None => (tail, None),
+    };
+    let (path, query) = match tail.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (tail, None),
+    };
+    let mut out = String::with_capacity(value.len());
+    if let Some(scheme) = scheme {
+        out.push_str(scheme);
+        out.push_str("://");
+    }
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            match userinfo.split_once(':') {
+                Some((user, _password)) => {
+                    out.push_str(user);
+                    out.push(':');
+                    out.push_str(MASK);
+                }
+                None => out.push_str(userinfo),
+            }
+            out.push('@');
+            out.push_str(host);
+        }
+        None => out.push_str(authority),
+    }
+    out.push_str(path);
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query.split('&').map(masked_param).collect();
+        out.push_str(&params.join("&"));
+    }
+    // Never sent (the parser drops it), but it may hold a token all the same.
+    if let Some(fragment) = fragment {
+        out.push('#');
+        if !fragment.is_empty() {
+            out.push_str(MASK);
+        }
+    }
+    out
+}
+
+/// RFC 3986: a letter, then letters, digits, `+`, `-` or `.`.
+fn is_scheme(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_alphabetic())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+/// `name=****`; a parameter without `=` may be a bare token, and is masked whole.
+fn masked_param(param: &str) -> String {
+    match param.split_once('=') {
+        Some((name, _)) => format!("{name}={MASK}"),
+        None if param.is_empty() => String::new(),
+        None => MASK.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_keeps_its_user_name_host_and_path_and_loses_its_password_and_query_values() {
+        let cases = [
+            (
+                "https://bob:s3cret@host.example:8443/api/v1?sig=abc&token=&x",
+                "https://bob:****@host.example:8443/api/v1?sig=****&token=****&****",
+            ),
+            ("https://bob@host/", "https://bob@host/"),
+            ("http://host/p#frag", "http://host/p#****"),
+            ("eve:pw@domain.example", "eve:****@domain.example"),
+            ("bob:pw@h:1?k=v", "bob:****@h:1?k=****"),
+            (
+                "https://api.cn-hangzhou.e2b.fc.aliyuncs.com",
+                "https://api.cn-hangzhou.e2b.fc.aliyuncs.com",
+            ),
+            ("127.0.0.1:49982", "127.0.0.1:49982"),
+            ("unix:/run/abx/proxy.sock", "unix:/run/abx/proxy.sock"),
+            ("cn-hangzhou", "cn-hangzhou"),
+            ("single # quoted", "single # quoted"),
+            ("a?b=c", "a?b=c"),
+            ("", ""),
+        ];
+        for (raw, want) in cases {
+            assert_eq!(shown(raw, &[]), want, "{raw}");
+        }
+    }
+
+    /// What is masked is what validation refuses (user info, a query string) or drops (a
+    /// fragment): the rest is the upstream as used.
+    #[test]
+    fn what_is_masked_is_what_validation_refuses_or_drops() {
+        use crate::settings::{Key, UpstreamUrl};
+        let parse = |raw| UpstreamUrl::parse(Key::SandboxBaseUrl, raw);
+        assert!(parse("https://bob:pw@h/").is_err());
+        assert!(parse("https://h/?sig=x").is_err());
+        let url = parse("https://h:8443/api#frag").expect("a fragment is accepted");
+        assert_eq!(url.to_string(), "https://h:8443/api");
+        assert_eq!(shown(&url.to_string(), &[]), url.to_string());
+    }
+
+    #[test]
+    fn a_resolved_secret_inside_a_value_is_masked_and_a_short_one_is_not_looked_for() {
+        let secrets = [
+            Secret::new("ghp_embedded0001"),
+            Secret::new("ghp_embedded0001XYZ"),
+            Secret::new("short7x"),
+        ];
+        assert_eq!(
+            shown("ghp_embedded0001XYZ.x.example", &secrets),
+            "****.x.example"
+        );
+        assert_eq!(
+            shown("https://h/ghp_embedded0001/short7x", &secrets),
+            "https://h/****/short7x"
+        );
+        assert_eq!(
+            shown("https://u:ghp_embedded0001@h/", &secrets),
+            "https://u:****@h/"
+        );
+    }
+}
