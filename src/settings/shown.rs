@@ -14,9 +14,10 @@ pub const MIN_EMBEDDED: usize = 8;
 const MASK: &str = "****";
 
 /// `value` as printed: each of `secrets` (the resolved ones, plugin fields included) it
-/// contains verbatim as `****`, then, read as a URL, the password of its user info and the
-/// value of each query parameter as `****` (`https://bob:****@host/api?sig=****`); the
-/// scheme, user name, host, port and path as written.
+/// contains verbatim as `****`, then, read as a URL, the password of its user info (the
+/// whole user info when it has no password) and the value of each query parameter as
+/// `****` (`https://bob:****@host/api?sig=****`); the scheme, a user name before a
+/// password, host, port and path as written.
 pub fn shown(value: &str, secrets: &[Secret]) -> String {
     let mut embedded: Vec<&str> = secrets
         .iter()
@@ -67,7 +68,8 @@ fn url_masked(value: &str) -> String {
                     out.push(':');
                     out.push_str(MASK);
                 }
-                None => out.push_str(userinfo),
+                // A lone user info is as often a token (`https://<token>@host/`) as a name.
+                None => out.push_str(MASK),
             }
             out.push('@');
             out.push_str(host);
@@ -117,7 +119,7 @@ mod tests {
                 "https://bob:s3cret@host.example:8443/api/v1?sig=abc&token=&x",
                 "https://bob:****@host.example:8443/api/v1?sig=****&token=****&****",
             ),
-            ("https://bob@host/", "https://bob@host/"),
+            ("https://bob@host/", "https://****@host/"),
             ("http://host/p#frag", "http://host/p#****"),
             ("eve:pw@domain.example", "eve:****@domain.example"),
             ("bob:pw@h:1?k=v", "bob:****@h:1?k=****"),
