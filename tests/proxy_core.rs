@@ -1885,6 +1885,74 @@ async fn send_unix(sock: &std::path::Path, path: &str) -> Response<hyper::body::
         .unwrap()
 }
 
+/// A unix socket can be connected to by its owner and group only, from the moment it has
+/// its name (SPEC §7), even under umask 000 (a container's, on a volume shared with the
+/// agent's): watched with inotify, each listener's socket appears at its path by a rename
+/// (IN_MOVED_TO), never by a bind there (IN_CREATE), its mode is not changed after that
+/// (no IN_ATTRIB), it is 0660, and the private directory it was bound in is gone. Bound in
+/// place and then chmodded, it was anyone's to connect to in between.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_is_0660_from_the_moment_it_has_its_name() {
+    use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
+    use std::os::unix::fs::PermissionsExt;
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("abx.sock");
+    let admin_sock = dir.path().join("admin.sock");
+    let watch = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK).unwrap();
+    let what = WatchFlags::CREATE | WatchFlags::MOVED_TO | WatchFlags::ATTRIB;
+    inotify::add_watch(&watch, dir.path(), what).unwrap();
+
+    let proxy = unix_proxy(&pki, &sock)
+        .admin_listen(&format!("unix:{}", admin_sock.display()))
+        // `exec`: the proxy keeps the shell's pid.
+        .launcher(&["sh", "-c", "umask 000 && exec \"$@\"", "sh"])
+        .spawn()
+        .await;
+    // Both sockets were bound before the listening line: their events are queued.
+    let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+    let mut events = inotify::Reader::new(&watch, &mut buf);
+    let mut seen = Vec::new();
+    loop {
+        match events.next() {
+            Ok(e) => {
+                let name = e.file_name().map(|n| n.to_string_lossy().into_owned());
+                seen.push((name.unwrap_or_default(), e.events()));
+            }
+            Err(rustix::io::Errno::AGAIN) => break,
+            Err(e) => panic!("reading the inotify events: {e}"),
+        }
+    }
+    for path in [&sock, &admin_sock] {
+        let name = path.file_name().unwrap().to_string_lossy();
+        let of: Vec<ReadFlags> = seen
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, e)| *e)
+            .collect();
+        assert_eq!(of, [ReadFlags::MOVED_TO], "{name}; every event: {seen:?}");
+        let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660, "{name}'s mode");
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["abx.sock", "admin.sock"],
+        "a private directory was left"
+    );
+    assert_eq!(
+        send_unix(&sock, "/sandboxes").await.status(),
+        StatusCode::BAD_GATEWAY,
+        "the proxy's own answer: its upstream is down"
+    );
+    proxy.finish().await;
+}
+
 /// A proxy listening on the unix socket `sock`, its upstream a closed port.
 fn unix_proxy(pki: &Pki, sock: &std::path::Path) -> ProxyCmd {
     ProxyCmd::new("https://127.0.0.1:9", pki).listen(&format!("unix:{}", sock.display()))

@@ -89,10 +89,8 @@ impl Listener {
             ListenAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await.map_err(fail)?)),
             ListenAddr::Unix(path) => {
                 remove_stale_socket(path).await.map_err(fail)?;
-                let l = UnixListener::bind(path).map_err(fail)?;
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-                    .map_err(fail)?;
+                let l = bind_unix(path).map_err(fail)?;
+                // A rename keeps the inode: this is the file that was bound.
                 Ok(Listener::Unix(l, SocketFile::new(path)))
             }
         }
@@ -104,6 +102,110 @@ impl Listener {
             Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
             Listener::Unix(_, f) => format!("unix:{}", f.path.display()),
         }
+    }
+}
+
+/// Binds a unix socket at `path` that is mode 0660 from its first moment there (SPEC §7).
+/// Bound in place, the file is 0777 less the umask until a chmod: under umask 000 (common
+/// in containers, on a volume shared with the agent's) anyone could connect in between,
+/// spend the key, and keep the connection open. The umask is the process's, shared by its
+/// threads, so it is not changed: the socket is bound in a private directory beside the
+/// path, made 0660 there, and renamed onto the path.
+fn bind_unix(path: &Path) -> io::Result<UnixListener> {
+    #[cfg(target_os = "linux")]
+    {
+        if let Some(private) = PrivateDir::beside(path)? {
+            return private.bind_onto(path);
+        }
+    }
+    bind_in_place(path)
+}
+
+/// Where there is no private directory to bind in (see [`PrivateDir::beside`]), and off
+/// Linux: the socket is connectable before its chmod.
+fn bind_in_place(path: &Path) -> io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(l)
+}
+
+/// `sun_path`'s size: a socket's path must be shorter (it ends with a NUL).
+#[cfg(target_os = "linux")]
+const SUN_PATH: usize = 108;
+
+/// A directory (mode 0700) in the socket path's own directory, so that the rename stays on
+/// one filesystem; only its owner can reach a socket in it. Removed on drop, with the
+/// socket's name in it if that was not renamed away, whether the bind succeeded or not.
+#[cfg(target_os = "linux")]
+struct PrivateDir {
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+#[cfg(target_os = "linux")]
+impl PrivateDir {
+    /// `None` when the socket's path in the directory would not fit in `sun_path`: the
+    /// directory's name is short (`.abx-` and six letters, then `/s`), but a path near the
+    /// limit may fit only where it is. Such a path is bound in place, as before; so is one
+    /// too long for a bind anywhere, which must fail as it did, not be renamed into place.
+    fn beside(path: &Path) -> io::Result<Option<Self>> {
+        use std::os::unix::fs::DirBuilderExt;
+        let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
+            return Ok(None);
+        };
+        if path.as_os_str().len() >= SUN_PATH {
+            return Ok(None);
+        }
+        for _ in 0..8 {
+            let name: String = std::iter::repeat_with(fastrand::alphanumeric)
+                .take(6)
+                .collect();
+            let dir = parent.join(format!(".abx-{name}"));
+            let socket = dir.join("s");
+            if socket.as_os_str().len() >= SUN_PATH {
+                return Ok(None);
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => return Ok(Some(PrivateDir { dir, socket })),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "no free name for a private directory beside the socket",
+        ))
+    }
+
+    /// Binds here, chmods, and renames the socket onto `path`, never over a file there: one
+    /// another process bound since the stale check keeps its name, and the bind fails as a
+    /// bind in place would have.
+    fn bind_onto(self, path: &Path) -> io::Result<UnixListener> {
+        use rustix::fs::{renameat_with, RenameFlags, CWD};
+        use rustix::io::Errno;
+        use std::os::unix::fs::PermissionsExt;
+        let l = UnixListener::bind(&self.socket)?;
+        std::fs::set_permissions(&self.socket, std::fs::Permissions::from_mode(0o660))?;
+        let moved = match renameat_with(CWD, &self.socket, CWD, path, RenameFlags::NOREPLACE) {
+            // A filesystem (or kernel) without RENAME_NOREPLACE: link(2) does not replace
+            // either, and the private name goes with the directory.
+            Err(Errno::INVAL | Errno::NOSYS) => std::fs::hard_link(&self.socket, path),
+            moved => moved.map_err(io::Error::from),
+        };
+        match moved {
+            Ok(()) => Ok(l),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(Errno::ADDRINUSE.into()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
@@ -952,6 +1054,73 @@ pub async fn drain(stop: &watch::Sender<bool>, grace: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a directory holds, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("read the directory")
+            .map(|e| {
+                e.expect("an entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A socket another process binds at the path after the stale check (`bind_unix` is
+    /// what comes after it) keeps its name: the rename onto the path refuses to replace
+    /// it, the bind fails as a bind in place would (address in use), and the private
+    /// directory is gone.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_socket_bound_at_the_path_meanwhile_keeps_it() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("abx.sock");
+        let owner = std::os::unix::net::UnixListener::bind(&path).expect("the owner's bind");
+        let ino = std::fs::metadata(&path).expect("the owner's socket").ino();
+
+        let refused = bind_unix(&path)
+            .map(drop)
+            .expect_err("bound over the owner's socket");
+        assert_eq!(refused.kind(), io::ErrorKind::AddrInUse, "{refused}");
+        assert_eq!(std::fs::metadata(&path).expect("still named").ino(), ino);
+        std::os::unix::net::UnixStream::connect(&path).expect("the owner still answers");
+        assert_eq!(
+            names(dir.path()),
+            ["abx.sock"],
+            "a private directory was left"
+        );
+        drop(owner);
+    }
+
+    /// A path that fits in `sun_path` while the private directory's would not is bound in
+    /// place, 0660 as ever, rather than refused.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_path_near_the_length_limit_is_bound_in_place() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let base = dir.path().as_os_str().len();
+        // The socket's path is 107 bytes, the longest that fits.
+        let deep = dir.path().join("d".repeat(SUN_PATH - base - 4));
+        std::fs::create_dir(&deep).expect("mkdir");
+        let path = deep.join("s");
+        assert_eq!(path.as_os_str().len(), SUN_PATH - 1);
+
+        let listener = bind_unix(&path).expect("bound in place");
+        let mode = std::fs::metadata(&path)
+            .expect("the socket")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o660);
+        std::os::unix::net::UnixStream::connect(&path).expect("it answers");
+        assert_eq!(names(&deep), ["s"]);
+        drop(listener);
+    }
 
     /// The state of a connection's task stays allocated for as long as the connection is
     /// open, idle or not: 10 000 idle keep-alive connections pay it 10 000 times (the
