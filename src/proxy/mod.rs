@@ -120,19 +120,19 @@ impl Proxy {
         let tls = options.tls_cert.is_some() && options.tls_key.is_some();
         check_exposure(&settings.listen, tls, options.allow_remote)?;
         let tls = upstream::tls_config(options.upstream_ca.as_deref())?;
-        let host_policy = match &settings.listen {
-            ListenAddr::Unix(_) => HostPolicy::Any,
-            // Names given on loopback add to the local ones (an /etc/hosts alias, the name
-            // on the listener's certificate); ignoring them silently refused those Hosts.
-            ListenAddr::Tcp(a) if a.ip().is_loopback() && !options.allow_remote => {
-                if options.allowed_hosts.is_empty() {
-                    HostPolicy::Loopback
-                } else {
-                    HostPolicy::Listed(options.allowed_hosts.clone())
-                }
-            }
-            _ if options.allowed_hosts.is_empty() => HostPolicy::Any,
-            _ => HostPolicy::Listed(options.allowed_hosts.clone()),
+        // Names given add to the local ones on every listener, a unix socket too: on
+        // loopback an /etc/hosts alias or the listener certificate's name (ignoring them
+        // silently refused those Hosts), elsewhere the only names to accept (ignoring them
+        // silently left a user who asked for the restriction without it). Without them a
+        // unix socket, where access is by file permission, accepts any Host.
+        let local_only = matches!(&settings.listen,
+            ListenAddr::Tcp(a) if a.ip().is_loopback() && !options.allow_remote);
+        let host_policy = if !options.allowed_hosts.is_empty() {
+            HostPolicy::Listed(options.allowed_hosts.clone())
+        } else if local_only {
+            HostPolicy::Loopback
+        } else {
+            HostPolicy::Any
         };
         let envd = match (&settings.sandbox_url, &settings.sandbox_domain) {
             (Some(url), _) => Some(EnvdTarget::Url(url.clone())),

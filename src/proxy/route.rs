@@ -36,7 +36,7 @@ pub enum HostPolicy {
     Loopback,
     /// `--allowed-host`: these names (and the loopback ones).
     Listed(Vec<String>),
-    /// A unix socket, or without `--allowed-host` a TCP listener that is not loopback or
+    /// Without `--allowed-host`, a unix socket or a TCP listener that is not loopback or
     /// has `--allow-remote`: any Host.
     Any,
 }
