@@ -196,7 +196,7 @@ impl PluginSettings {
     /// parsed); `None`: no envd plane.
     pub fn envd_domain(&self) -> Result<Option<String>, Error> {
         match self.field("envd_domain").and_then(|f| f.value.as_ref()) {
-            Some(v) if crate::settings::values::is_domain(&v.shown()) => Ok(Some(v.shown())),
+            Some(v) if crate::settings::values::is_domain(&v.text()) => Ok(Some(v.text())),
             Some(_) => Err(Error::InvalidSetting {
                 key: format!("{}.envd_domain", self.installed.manifest.id),
                 reason: crate::settings::values::DOMAIN_EXPECTED.into(),
@@ -208,7 +208,7 @@ impl PluginSettings {
     /// The control-plane upstream: the `base_url` field, else the manifest's.
     pub fn base_url(&self) -> Result<UpstreamUrl, Error> {
         let raw = match self.field("base_url").and_then(|f| f.value.as_ref()) {
-            Some(v) => v.shown(),
+            Some(v) => v.text(),
             None => self.installed.manifest.base_url.clone(),
         };
         manifest::upstream_url(&self.installed.manifest.id, &raw)

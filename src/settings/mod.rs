@@ -155,9 +155,9 @@ pub enum Value {
 }
 
 impl Value {
-    /// The value itself, a secret masked. Not for printing: a plain value may carry a
-    /// secret (see [`Value::printed`]).
-    pub fn shown(&self) -> String {
+    /// A plain value as it is, a secret masked: what the non-secret settings are read
+    /// from. Not for printing: a plain value may carry a secret (see [`Value::printed`]).
+    pub fn text(&self) -> String {
         match self {
             Value::Plain(s) => s.clone(),
             Value::Secret(s) => s.masked(),
@@ -340,7 +340,7 @@ impl Resolved {
         let region = entries[Key::Region as usize]
             .value
             .as_ref()
-            .map(Value::shown)
+            .map(Value::text)
             .unwrap_or_else(|| keys::DEFAULT_REGION.to_string());
         for e in entries.iter_mut().filter(|e| e.value.is_none()) {
             if let Some(d) = e.spec.key.default_value(&region) {
