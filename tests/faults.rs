@@ -477,6 +477,72 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// `--header-timeout 1s`, and a head pipelined behind a request whose answer takes longer
+/// than that: its time runs from when the proxy owes the client nothing, not from its first
+/// byte, which arrived while the client could only wait. Half of it is sent with the first
+/// request, the rest after two seconds; both are answered. On the fast path and on a
+/// connection hyper serves (a chunked request hands it over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_pipelined_behind_a_slow_answer_is_not_cut() {
+    let pki = Pki::new();
+    let (release, released) = watch::channel(false);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let mut released = released.clone();
+        async move {
+            if req.uri().path().starts_with("/held") {
+                let _ = released.wait_for(|r| *r).await;
+            }
+            response(200, req.uri().path().to_string())
+        }
+    })
+    .await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--header-timeout", "1s"]);
+    let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let mut sweep = Sweep::new(&[]);
+
+    let fast = format!("GET /held/fast HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let handed = format!(
+        "POST /held/handed HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n\
+         2\r\nhi\r\n0\r\n\r\n"
+    );
+    let mut conns = Vec::new();
+    for first in [fast, handed] {
+        let mut s = connect_raw(addr).await;
+        s.write_all(format!("{first}GET /next HTTP/1.1\r\n").as_bytes())
+            .await
+            .unwrap();
+        conns.push(s);
+    }
+    for _ in 0..2 {
+        let seen = upstream.next_request().await;
+        assert!(seen.uri.path().starts_with("/held"), "{}", seen.uri);
+    }
+    // Twice the header timeout with the second heads half sent (the condition under test,
+    // not synchronisation).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for s in &mut conns {
+        let rest = format!("Host: {addr}\r\nConnection: close\r\n\r\n");
+        s.write_all(rest.as_bytes()).await.unwrap();
+    }
+    release.send_replace(true);
+    for (s, first) in conns.iter_mut().zip(["/held/fast", "/held/handed"]) {
+        let mut buf = Vec::new();
+        let a = read_response(s, &mut buf).await;
+        sweep.raw("the slow answer", &a);
+        assert_eq!((a.status, a.text().as_str()), (200, first));
+        let b = read_response(s, &mut buf).await;
+        sweep.raw("the pipelined request", &b);
+        assert_eq!(
+            (b.status, b.text().as_str()),
+            (200, "/next"),
+            "behind {first}"
+        );
+    }
+    sweep.finish(proxy, &settings).await;
+}
+
 /// `--max-connections 2`: with two connections busy, a third connection's request is not
 /// served; once one of the two closes, it is. Proved by order: the upstream answers the
 /// third request with how many held requests had been released when it arrived.
