@@ -63,7 +63,7 @@ pub fn read_dotenv(
     warn_if_shared(path, label, warnings);
     let shown = format!("{label} ({})", path.display());
     let text = || std::fs::read_to_string(path).ok();
-    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text))?;
+    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text, 0))?;
     collect_dotenv(iter, &shown, &text, skipped)
 }
 
@@ -139,19 +139,25 @@ fn collect_dotenv<R: std::io::Read>(
     mut skipped: Option<&mut Vec<SkippedLine>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
+    // The last line a failing entry was found on: dotenvy reports them in file order, so
+    // the next one lies past it.
+    let mut failed_at = 0;
     for item in iter {
         match item {
             Ok((k, v)) => {
                 out.insert(k, v);
             }
-            Err(e) => match (skippable_line(&e, text), skipped.as_deref_mut()) {
-                (Some((line, names)), Some(skipped)) => skipped.push(SkippedLine {
-                    shown: shown.to_string(),
-                    line,
-                    names,
-                }),
+            Err(e) => match (skippable_line(&e, text, failed_at), skipped.as_deref_mut()) {
+                (Some((line, names)), Some(skipped)) => {
+                    failed_at = line;
+                    skipped.push(SkippedLine {
+                        shown: shown.to_string(),
+                        line,
+                        names,
+                    })
+                }
                 // The dotenvy error names the line and byte offset only, never the value.
-                _ => return Err(read_error(shown, &e, text)),
+                _ => return Err(read_error(shown, &e, text, failed_at)),
             },
         }
     }
@@ -165,6 +171,7 @@ fn collect_dotenv<R: std::io::Read>(
 fn skippable_line(
     e: &dotenvy::Error,
     text: &dyn Fn() -> Option<String>,
+    after: usize,
 ) -> Option<(usize, Vec<String>)> {
     let dotenvy::Error::LineParse(entry, _) = e else {
         return None;
@@ -173,7 +180,7 @@ fn skippable_line(
         return None;
     }
     let text = text()?;
-    let line = entry_line(&text, entry)?;
+    let line = entry_line(&text, entry, after)?;
     // A first line without `=` is skipped only as a bare `export NAME`: anything else may
     // be a key pasted without its name.
     let name = line_name(text.lines().nth(line - 1)?)?;
@@ -199,13 +206,18 @@ fn line_name(line: &str) -> Option<&str> {
 /// known only later, see [`SkippedLine`]).
 const OURS: [&str; 4] = ["ABX_", "ALICLOUD_", "ALIBABA_CLOUD_", "GITHUB_TOKEN"];
 
-fn read_error(shown: &str, e: &dotenvy::Error, text: &dyn Fn() -> Option<String>) -> Error {
+fn read_error(
+    shown: &str,
+    e: &dotenvy::Error,
+    text: &dyn Fn() -> Option<String>,
+    after: usize,
+) -> Error {
     let reason = match e {
         // dotenvy gives the offending entry's text and an offset into it, no line number.
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => {
-            match text().and_then(|text| entry_line(&text, entry)) {
+            match text().and_then(|text| entry_line(&text, entry, after)) {
                 Some(n) => return syntax_error(shown, n),
                 None => format!("syntax error at byte {idx} of an entry"),
             }
@@ -230,9 +242,10 @@ fn syntax_error(shown: &str, line: usize) -> Error {
 /// physical lines (leading blanks included) or, for an error in
 /// a value, the value from where it starts after `KEY=`. A search for that text anywhere
 /// found it in a comment or another line first and named the wrong line; only these two
-/// places on a line that is not a comment can be the entry. The first match is the one:
-/// an earlier line that matched would have failed first.
-fn entry_line(text: &str, entry: &str) -> Option<usize> {
+/// places on a line that is not a comment can be the entry. The first match past line
+/// `after` (the previous failing entry's) is the one: an earlier line that matched would
+/// have failed first, unless it did (two lines with the same broken value).
+fn entry_line(text: &str, entry: &str, after: usize) -> Option<usize> {
     if entry.is_empty() {
         return None;
     }
@@ -241,8 +254,9 @@ fn entry_line(text: &str, entry: &str) -> Option<usize> {
     std::iter::once(0)
         .chain(bom)
         .chain(text.match_indices('\n').map(|(i, _)| i + 1))
-        .find(|&start| entry_starts_at(&text[start..], entry))
-        .map(|start| line_of(text, start))
+        .map(|start| (start, line_of(text, start)))
+        .find(|&(start, line)| line > after && entry_starts_at(&text[start..], entry))
+        .map(|(_, line)| line)
 }
 
 fn entry_starts_at(rest: &str, entry: &str) -> bool {
@@ -448,6 +462,28 @@ mod tests {
             let err = parse_dotenv_str(fatal, "./.env", Some(&mut Vec::new()));
             assert!(err.is_err(), "{fatal:?} was skipped");
         }
+    }
+
+    /// Two broken lines with the same value: the second is its own entry, not the first
+    /// found again. Named after the first, a broken line of ours was skipped as another
+    /// tool's and the setting fell through to a lower level without a word.
+    #[test]
+    fn a_broken_line_like_a_skipped_one_is_judged_on_its_own() {
+        let text = "GREETING=hello world\nALIBABA_CLOUD_REGION_ID=hello world\n";
+        let err = parse_dotenv_str(text, "./.env", Some(&mut Vec::new())).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot read ./.env: syntax error at line 2"
+        );
+        let text = "GREETING=hello world\nFAREWELL=hello world\nABX_REGION=cn-shanghai\n";
+        let mut warnings = Vec::new();
+        let vars = parse_dotenv_str(text, "./.env", Some(&mut warnings)).expect("skipped");
+        assert_eq!(vars.len(), 1, "{vars:?}");
+        let lines: Vec<_> = warnings
+            .iter()
+            .map(|w| w.split(" skipped").next().unwrap_or_default())
+            .collect();
+        assert_eq!(lines, ["./.env: line 1", "./.env: line 2"]);
     }
 
     /// The text of a failing entry may also appear earlier, in a comment or inside another
