@@ -300,29 +300,45 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
 /// also limited to 100, then sees them with Host and the proxy's Authorization).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_heads_are_held_to_100_fields_too() {
+    h2_heads_get(&[(101, 431), (99, 200)], |mut req, fields| {
+        for i in 1..fields {
+            req = req.header(format!("x-filler-{i}"), i.to_string());
+        }
+        req
+    })
+    .await;
+}
+
+/// HTTP/2 (prior knowledge) is held to the same 64 KiB head: a head over it gets 431 without
+/// the upstream being contacted, and one just under it is served, on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_heads_over_64_kib_get_431_too() {
+    h2_heads_get(&[(70 * 1024, 431), (60 * 1024, 200)], |req, size| {
+        req.header("x-big", "a".repeat(size))
+    })
+    .await;
+}
+
+/// Sends one head per case, made by `head` from the case's number, on one HTTP/2 connection
+/// to a proxy, each expecting the case's status: a 431 reaches no upstream, and of the rest
+/// exactly one does.
+async fn h2_heads_get(
+    cases: &[(usize, u16)],
+    head: impl Fn(http::request::Builder, usize) -> http::request::Builder,
+) {
     let pki = Pki::new();
     let upstream = echo_upstream(&pki).await;
     let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
     let addr = proxy.addr();
-    let tcp = connect_raw(addr).await;
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(tcp),
-    )
-    .await
-    .expect("h2 handshake");
-    tokio::spawn(conn);
-    for (fields, status) in [(101, 431), (99, 200)] {
-        let mut req =
+    let (mut h2, _open) = h2_client(addr).await;
+    for &(n, status) in cases {
+        let req =
             http::Request::get(format!("http://{addr}/sandboxes")).header("x-api-key", "dummy");
-        for i in 1..fields {
-            req = req.header(format!("x-filler-{i}"), i.to_string());
-        }
-        let req = req.body(Full::new(Bytes::new())).expect("request");
+        let req = head(req, n).body(Full::new(Bytes::new())).expect("request");
         let resp = within("an HTTP/2 answer", h2.send_request(req))
             .await
             .expect("an HTTP/2 answer");
-        assert_eq!(resp.status().as_u16(), status, "{fields} fields");
+        assert_eq!(resp.status().as_u16(), status, "case {n}");
         if status == 431 {
             assert_eq!(upstream.connections(), 0, "the 431 request went upstream");
         }
@@ -2847,10 +2863,34 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
 /// connection's own task ends, writing its line, rather than vanishing with the process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
+    let (stderr, _) = requests_cut_by_a_drain("1s").await;
+    let stopped = stderr.lines().find(|l| l.contains(" stopped"));
+    assert!(
+        stopped.is_some_and(|l| l.contains("left=0")),
+        "connections left to the exit:\n{stderr}"
+    );
+}
+
+/// `--shutdown-grace 0` gives what is in flight no time: requests waiting for their
+/// upstream when SIGTERM comes are cut at once, logged as 499, and the proxy exits 0 well
+/// before the 300 s upstream timeout could answer them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_grace_of_0_cuts_what_is_in_flight_at_once() {
+    let (_, took) = requests_cut_by_a_drain("0").await;
+    assert!(
+        took < Duration::from_secs(5),
+        "exited {took:?} after SIGTERM"
+    );
+}
+
+/// Two requests (one on the fast path, one on hyper's) held by a silent upstream, then
+/// SIGTERM to a proxy with `--shutdown-grace grace`: it exits 0, each request has its 499
+/// line. Returns the proxy's stderr and the time from the signal to the exit.
+async fn requests_cut_by_a_drain(grace: &str) -> (String, Duration) {
     let (url, mut accepted, holder) = silent_upstream().await;
     let pki = Pki::new();
     let mut proxy = traced(ProxyCmd::new(&url, &pki))
-        .shutdown_grace("1s")
+        .shutdown_grace(grace)
         .spawn()
         .await;
     let addr = proxy.addr();
@@ -2866,8 +2906,10 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
         within("the request upstream", accepted.recv()).await;
         held.push(s);
     }
+    let signalled = Instant::now();
     proxy.signal("TERM");
     let status = proxy.wait_exit().await;
+    let took = signalled.elapsed();
     assert!(status.success(), "exit {status}");
     let stderr = proxy.stderr();
     for path in ["/fast", "/hyper"] {
@@ -2878,13 +2920,9 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
         });
         assert!(logged, "no 499 line for {path}:\n{stderr}");
     }
-    let stopped = stderr.lines().find(|l| l.contains(" stopped"));
-    assert!(
-        stopped.is_some_and(|l| l.contains("left=0")),
-        "connections left to the exit:\n{stderr}"
-    );
     drop(held);
     holder.abort();
+    (stderr, took)
 }
 
 /// An upstream that takes every request and never answers.
