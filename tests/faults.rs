@@ -2872,15 +2872,12 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
 }
 
 /// `--shutdown-grace 0` gives what is in flight no time: requests waiting for their
-/// upstream when SIGTERM comes are cut at once, logged as 499, and the proxy exits 0 well
-/// before the 300 s upstream timeout could answer them.
+/// upstream when SIGTERM comes are cut at once, logged as 499, and the proxy exits 0 long
+/// before the 30 s default grace (or the 300 s upstream timeout) would have let it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_grace_of_0_cuts_what_is_in_flight_at_once() {
     let (_, took) = requests_cut_by_a_drain("0").await;
-    assert!(
-        took < Duration::from_secs(5),
-        "exited {took:?} after SIGTERM"
-    );
+    assert!(took < BOUND, "exited {took:?} after SIGTERM");
 }
 
 /// Two requests (one on the fast path, one on hyper's) held by a silent upstream, then
