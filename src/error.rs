@@ -200,6 +200,97 @@ mod tests {
         assert_eq!(e.exit_code(), 69);
     }
 
+    /// SPEC §1 exit statuses and §6 HTTP statuses, code by code: scripts branch on the
+    /// exit status (78 configuration, 69 unreachable, 2 command line) and clients on the
+    /// status and `[Ennnn] message` of the proxy's own answers.
+    #[test]
+    fn every_code_has_the_spec_exit_status_http_status_and_message() {
+        let s = String::from;
+        let cases = [
+            (
+                Error::MissingCredential,
+                78,
+                503,
+                "[E1001] API key cannot be empty",
+            ),
+            (
+                Error::ClockSkew { reason: s("r") },
+                78,
+                503,
+                "[E1002] clock skew",
+            ),
+            (
+                Error::IncompletePair {
+                    present: "ALICLOUD_ACCESS_KEY_ID",
+                    missing: "ALICLOUD_ACCESS_KEY_SECRET",
+                },
+                78,
+                503,
+                "[E1003] ",
+            ),
+            (
+                Error::TokenExchange { reason: s("r") },
+                78,
+                503,
+                "[E1004] token exchange failed: r",
+            ),
+            (
+                Error::RemoteListen {
+                    addr: s("0.0.0.0:1"),
+                },
+                78,
+                503,
+                "[E1007] ",
+            ),
+            (
+                Error::SandboxNotFound {
+                    sandbox_id: s("isb-1"),
+                },
+                78,
+                404,
+                "[E2009] sandbox not found",
+            ),
+            (
+                Error::UpstreamUnreachable {
+                    reason: s("connect refused"),
+                    host: s("h"),
+                },
+                69,
+                502,
+                "[E5001] upstream unreachable: connect refused (h)",
+            ),
+            (
+                Error::UpstreamTimeout {
+                    seconds: 1,
+                    host: s("h"),
+                },
+                69,
+                504,
+                "[E5002] ",
+            ),
+            (Error::Refused { reason: s("r") }, 78, 400, "[E5003] "),
+            (Error::UnknownProvider { id: s("x") }, 78, 503, "[E8002] "),
+            // §3: a secret given as --provider-option is a bad command line.
+            (
+                Error::ProviderOption {
+                    field: s("api_key"),
+                    reason: s("r"),
+                },
+                2,
+                503,
+                "[E8004] ",
+            ),
+        ];
+        for (e, exit, status, line) in cases {
+            assert_eq!(e.exit_code(), exit, "{}", e.line());
+            assert_eq!(e.http_status(), status, "{}", e.line());
+            assert!(e.line().starts_with(line), "{} vs {line}", e.line());
+            let v: serde_json::Value = serde_json::from_str(&e.json_body()).unwrap();
+            assert_eq!(v["code"], status, "{v}");
+            assert_eq!(v["message"], e.line().as_str(), "{v}");
+        }
+    }
+
     #[test]
     fn json_shape() {
         let e = Error::UpstreamUnreachable {

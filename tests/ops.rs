@@ -134,6 +134,8 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         let labels = [("plane", plane)];
         let timed = series(&before, "abx_proxy_request_duration_seconds_count", &labels);
         assert_eq!(timed, Some(0.0), "{plane}: {before}");
+        let in_flight = series(&before, "abx_proxy_in_flight_requests", &labels);
+        assert_eq!(in_flight, Some(0.0), "{plane}: {before}");
     }
     assert_eq!(
         series(
@@ -1052,6 +1054,7 @@ async fn json_logs_are_one_object_per_line_without_query_strings() {
         }
         if v.get("method").is_some() {
             request_lines += 1;
+            assert_eq!(v["level"], "INFO", "{line}");
             assert_eq!(v["method"], "GET");
             assert_eq!(v["path"], "/files");
             assert_eq!(v["plane"], "envd");

@@ -1672,6 +1672,76 @@ fn config_list_json_has_every_key_and_the_credential_row() {
     }
 }
 
+/// SPEC §2: the config.toml table of every non-secret key, with a value unlike its default
+/// (but `provider`, whose only other values need a plugin installed).
+const TOML_TABLES: &[(&str, &str, &str)] = &[
+    ("access_key_id", "auth", "AKIDTOML"),
+    ("region", "transport", "cn-beijing"),
+    ("provider", "core", "alicloud-express"),
+    ("sandbox_base_url", "transport", "https://api.toml.example"),
+    ("sandbox_domain", "transport", "toml.example"),
+    ("sandbox_url", "transport", "https://envd.toml.example"),
+    (
+        "token_exchange_url",
+        "auth",
+        "https://exchange.toml.example",
+    ),
+    ("token_exchange", "auth", "acs3"),
+    ("token_ttl", "auth", "1200"),
+    ("token_refresh_before", "auth", "100"),
+    ("compat_v2_paths", "proxy", "pass"),
+    ("listen", "proxy", "127.0.0.1:5000"),
+    ("admin_listen", "proxy", "127.0.0.1:5001"),
+];
+
+/// A config.toml written by the table of SPEC §2 sets every key, each from
+/// `~/.abx/config.toml`, and a key put in another table is ignored with a warning saying
+/// where it belongs: users copy these table names from the SPEC into their files.
+#[test]
+fn every_non_secret_key_is_read_from_its_config_toml_table() {
+    let table_keys: Vec<&str> = TOML_TABLES.iter().map(|t| t.0).collect();
+    let spec_keys: Vec<&str> = TABLE.iter().filter(|t| !t.2).map(|t| t.0).collect();
+    assert_eq!(table_keys, spec_keys, "every non-secret key has a table");
+
+    let mut toml = String::new();
+    for table in ["core", "auth", "transport", "proxy"] {
+        toml.push_str(&format!("[{table}]\n"));
+        for (key, _, value) in TOML_TABLES.iter().filter(|t| t.1 == table) {
+            toml.push_str(&format!("{key} = \"{value}\"\n"));
+        }
+    }
+    let c = Case::new();
+    c.toml(&toml);
+    let out = c.run(&["config", "list", "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!out.stderr.contains("ignored"), "{}", out.stderr);
+    let rows = parse_rows(&out.stdout);
+    for (key, table, value) in TOML_TABLES {
+        let r = find(&rows, key);
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some(*value), "~/.abx/config.toml"),
+            "{key} in [{table}]"
+        );
+    }
+
+    let c = Case::new();
+    c.toml("[auth]\nregion = \"cn-beijing\"");
+    let out = c.run(&["config", "list", "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let r = find(&parse_rows(&out.stdout), "region");
+    assert_eq!(
+        (r.value.as_deref(), r.source.as_str()),
+        (Some("cn-hangzhou"), "default")
+    );
+    assert!(
+        out.stderr
+            .contains("[auth] region ignored; region belongs in [transport]"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn config_list_text_has_one_row_per_key_and_the_credential_row() {
     let mut c = Case::new();
@@ -2480,6 +2550,36 @@ fn every_flag_of_every_command_has_a_one_line_description() {
     }
     let check = help_entries(&["check", "--help"]);
     assert!(check.iter().any(|(f, _)| f == "--offline"), "{check:?}");
+}
+
+/// SPEC §7's serve flags exist under their names, with the defaults it fixes: a drain of
+/// 30 s (container stop timeouts are sized by it), an idle timeout of 300 s (beyond the
+/// SDKs' 50 s Connect pings), and text logs unless `json` is asked for.
+#[test]
+fn serve_flags_of_section_7_have_the_spec_defaults() {
+    let serve = help_entries(&["serve", "--help"]);
+    for (flag, want) in [
+        ("--shutdown-grace", Some("[default: 30s]")),
+        ("--idle-timeout", Some("[default: 300s]")),
+        (
+            "--log-format",
+            Some("[default: text] [possible values: text, json]"),
+        ),
+        ("--log-level", None),
+        ("--allow-remote", None),
+        ("--allowed-host", None),
+        ("--tls-cert", None),
+        ("--tls-key", None),
+        ("--upstream-ca", None),
+    ] {
+        let (_, help) = serve
+            .iter()
+            .find(|(f, _)| f == flag)
+            .unwrap_or_else(|| panic!("no {flag} in {serve:?}"));
+        if let Some(want) = want {
+            assert!(help.ends_with(want), "{flag}: {help}, want {want}");
+        }
+    }
 }
 
 /// The help of each settings flag names the key's environment variable and its default
