@@ -296,8 +296,9 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
 }
 
 /// HTTP/2 (prior knowledge) is held to the same 100 fields, though its parser counts none:
-/// 101 get the proxy's 431 without the upstream being contacted; 99 pass (the upstream,
-/// also limited to 100, then sees them with Host and the proxy's Authorization).
+/// 101 get the proxy's 431 without the upstream being contacted, logged and counted as
+/// HTTP/1's (`method=-`, `OTHER`); 99 pass (the upstream, also limited to 100, then sees
+/// them with Host and the proxy's Authorization).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_heads_are_held_to_100_fields_too() {
     h2_heads_get(&[(101, 431), (99, 200)], |mut req, fields| {
@@ -311,24 +312,25 @@ async fn http2_heads_are_held_to_100_fields_too() {
 
 /// HTTP/2 (prior knowledge) is held to the same 64 KiB head: a head over it gets 431 without
 /// the upstream being contacted, and one just under it is served, on the same connection.
+/// Each 431 is logged and counted as HTTP/1's is (`method=-`, `OTHER`): the HTTP/2 layer
+/// answered those itself, and they reached neither the log nor `/metrics`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_heads_over_64_kib_get_431_too() {
-    h2_heads_get(&[(70 * 1024, 431), (60 * 1024, 200)], |req, size| {
-        req.header("x-big", "a".repeat(size))
-    })
-    .await;
+    let cases = [(70 * 1024, 431), (200 * 1024, 431), (60 * 1024, 200)];
+    h2_heads_get(&cases, |req, size| req.header("x-big", "a".repeat(size))).await;
 }
 
 /// Sends one head per case, made by `head` from the case's number, on one HTTP/2 connection
 /// to a proxy, each expecting the case's status: a 431 reaches no upstream, and of the rest
-/// exactly one does.
+/// exactly one does. Each 431 has one access line (`method=- path=-`) and one count under
+/// `method="OTHER"`.
 async fn h2_heads_get(
     cases: &[(usize, u16)],
     head: impl Fn(http::request::Builder, usize) -> http::request::Builder,
 ) {
     let pki = Pki::new();
     let upstream = echo_upstream(&pki).await;
-    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
     let addr = proxy.addr();
     let (mut h2, _open) = h2_client(addr).await;
     for &(n, status) in cases {
@@ -341,10 +343,21 @@ async fn h2_heads_get(
         assert_eq!(resp.status().as_u16(), status, "case {n}");
         if status == 431 {
             assert_eq!(upstream.connections(), 0, "the 431 request went upstream");
+            let line = proxy.wait_for_line(" status=431 ").await;
+            assert!(line.contains(" method=- path=- "), "case {n}: {line}");
         }
     }
     assert_eq!(upstream.seen().len(), 1);
-    proxy.finish().await;
+    let refused = cases.iter().filter(|(_, status)| *status == 431).count();
+    let text = scrape(proxy.admin_addr()).await;
+    let series = r#"abx_proxy_requests_total{plane="api",method="OTHER",code="431"}"#;
+    assert_eq!(metric(&text, series), Some(refused as f64), "{text}");
+    let stderr = proxy.finish().await;
+    let lines = stderr
+        .lines()
+        .filter(|l| l.contains(" status=431 "))
+        .count();
+    assert_eq!(lines, refused, "{stderr}");
 }
 
 /// `--header-timeout 1s` (slowloris): a connection whose request head stops half-way, one

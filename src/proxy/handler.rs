@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
 use http::request::Parts;
@@ -18,7 +18,7 @@ use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
-use super::listener::MAX_HEADERS;
+use super::listener::{MAX_HEAD, MAX_HEADERS};
 use super::route::{self, Route};
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
@@ -93,9 +93,21 @@ impl Proxy {
         let uri = req.uri().clone();
         let upgrade = headers::is_upgrade_request(&req).then(|| Upgrade::of(&mut req));
         let (parts, body) = req.into_parts();
+        // HTTP/1 heads are held to the limits by their parser (hyper answers 431). HTTP/2
+        // counts no fields, and its layer's own size limit is set above ours (see
+        // `listener::H2_MAX_HEAD_LIST`): its 431 would reach no log and no count.
+        let oversized = parts.headers.len() > MAX_HEADERS
+            || (parts.version == Version::HTTP_2 && h2_head_size(&parts) > MAX_HEAD);
         // Only a non-idempotent method looks for the header: none of the hot path's GETs.
         let repeatable = method.is_idempotent() || parts.headers.contains_key(IDEMPOTENCY_KEY);
         async move {
+            if oversized {
+                let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                self.head_refused(status, start.elapsed());
+                let mut too_large = Response::new(body::empty());
+                *too_large.status_mut() = status;
+                return Ok(too_large);
+            }
             let mut unanswered = Unanswered {
                 proxy: &self,
                 method: &method,
@@ -103,20 +115,8 @@ impl Proxy {
                 plane: "api",
                 start,
             };
-            // HTTP/1 heads are held to MAX_HEADERS fields by their parser (hyper answers
-            // 431); HTTP/2 limits only a head's size, so the count is checked here.
-            let routed = if parts.headers.len() > MAX_HEADERS {
-                Err(None)
-            } else {
-                route::route(&parts, &self.host_policy).map_err(Some)
-            };
-            let (plane, result) = match routed {
-                Err(None) => {
-                    let mut too_many = Response::new(body::empty());
-                    *too_many.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                    ("api", Ok((too_many, Arc::from(""))))
-                }
-                Err(Some(e)) => ("api", Err(Failure::from(e))),
+            let (plane, result) = match route::route(&parts, &self.host_policy) {
+                Err(e) => ("api", Err(Failure::from(e))),
                 Ok(route) => {
                     // A provider without envd gets everything on its control plane.
                     let route = match route {
@@ -168,6 +168,40 @@ impl Proxy {
             Ok(resp)
         }
     }
+}
+
+impl Proxy {
+    /// A head refused for what it is, before it became a request (one hyper cannot parse,
+    /// or over the field or size limits, on any path): logged and counted as nginx logs
+    /// its 400s, with `method` and `path` unknown (`-`; counted as `OTHER`). Not by its
+    /// parts: the path alone may be most of a head over the limit.
+    #[cold]
+    pub(super) fn head_refused(&self, status: StatusCode, elapsed: Duration) {
+        let unknown = Method::from_bytes(b"-").unwrap_or_default();
+        let (plane, status) = ("api", status.as_u16());
+        self.metrics.request_done(plane, &unknown, status, elapsed);
+        crate::logging::access(&unknown, "-", plane, status, elapsed, "");
+    }
+}
+
+/// An HTTP/2 head's size as HTTP/2 measures it (RFC 9113 §6.5.2,
+/// `SETTINGS_MAX_HEADER_LIST_SIZE`): each field's name and value plus 32, pseudo-fields
+/// included. A sum over what hyper already decoded, without allocating.
+fn h2_head_size(parts: &Parts) -> usize {
+    const PER_FIELD: usize = 32;
+    let field = |name: &str, value: &str| name.len() + value.len() + PER_FIELD;
+    let uri = &parts.uri;
+    let pseudo = field(":method", parts.method.as_str())
+        + uri.scheme_str().map_or(0, |s| field(":scheme", s))
+        + uri
+            .authority()
+            .map_or(0, |a| field(":authority", a.as_str()))
+        + uri
+            .path_and_query()
+            .map_or(0, |p| field(":path", p.as_str()));
+    parts.headers.iter().fold(pseudo, |size, (name, value)| {
+        size + name.as_str().len() + value.len() + PER_FIELD
+    })
 }
 
 /// A request dropped before its answer (the client hung up, or the connection was cut):

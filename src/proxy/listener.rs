@@ -653,12 +653,7 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     } else {
         return;
     };
-    let unknown = Method::from_bytes(b"-").unwrap_or_default();
-    let (plane, status) = ("api", status.as_u16());
-    proxy
-        .metrics
-        .request_done(plane, &unknown, status, Duration::ZERO);
-    crate::logging::access(&unknown, "-", plane, status, Duration::ZERO, "");
+    proxy.head_refused(status, Duration::ZERO);
 }
 
 pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
@@ -685,11 +680,17 @@ pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
     // figure) with 64 KiB each bound it to a few MiB.
     b.http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEAD as u32)
+        .max_header_list_size(H2_MAX_HEAD_LIST as u32)
         .max_concurrent_streams(H2_MAX_STREAMS)
         .max_send_buf_size(H2_SEND_BUF);
     b
 }
+
+/// The HTTP/2 layer's own limit on a request head. Over [`MAX_HEAD`] the handler answers
+/// 431 itself, logged and counted as HTTP/1's is; the layer's 431 reaches neither, so its
+/// limit is set above ours, bounded all the same: a head up to it is decoded whole before
+/// it is refused (h2 ends the connection over four times it).
+const H2_MAX_HEAD_LIST: usize = 4 * MAX_HEAD;
 
 /// Streams one HTTP/2 client connection may have open at once.
 const H2_MAX_STREAMS: u32 = 100;
