@@ -3166,7 +3166,14 @@ async fn an_http2_preface_after_an_http1_request_closes_the_connection() {
     let mut rest = vec![0u8; body_len.saturating_sub(already)];
     s.read_exact(&mut rest).await.expect("the first body");
 
-    // The preface and an empty SETTINGS frame.
+    preface_gets_only_the_close(&mut s).await;
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.finish().await;
+}
+
+/// Sends the HTTP/2 preface and an empty SETTINGS frame on a connection that has carried
+/// an HTTP/1 request: the proxy closes it without a byte of answer.
+async fn preface_gets_only_the_close(s: &mut TcpStream) {
     s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         .await
         .expect("preface");
@@ -3174,8 +3181,42 @@ async fn an_http2_preface_after_an_http1_request_closes_the_connection() {
     // A close with the SETTINGS frame unread may come as a reset: either way, no answer.
     let _ = within("the proxy to close", s.read_to_end(&mut after)).await;
     assert!(after.is_empty(), "answered after the preface: {after:?}");
-    assert_eq!(upstream.seen().len(), 1);
-    proxy.finish().await;
+}
+
+/// The HTTP/2 preface after a request hyper served (a chunked one, which the fast path
+/// hands over) gets no answer, only the close, as on the fast path. hyper reports it as a
+/// parse error, and it was logged and counted as a 400 that no client was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_preface_after_a_request_hyper_served_is_not_logged_as_a_400() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut s = connect_raw(addr).await;
+    let req = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n\
+         2\r\n{{}}\r\n0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.expect("request");
+    let mut buf = Vec::new();
+    let resp = read_response(&mut s, &mut buf).await;
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert!(buf.is_empty(), "more than one answer: {buf:?}");
+    preface_gets_only_the_close(&mut s).await;
+    // The connection leaves the gauge only after its task has counted and logged what
+    // hyper refused.
+    let open = "abx_proxy_open_connections";
+    wait_metric(admin, open, "0", |v| v == Some(0.0)).await;
+    let text = scrape(admin).await;
+    let series = r#"abx_proxy_requests_total{plane="api",method="OTHER",code="400"}"#;
+    assert_eq!(metric(&text, series), None, "{text}");
+    let stderr = proxy.finish().await;
+    let lines: Vec<_> = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains(" status=200 "), "{stderr}");
 }
 
 /// RFC 9113 §8.3.1: an HTTP/2 request whose Host names another host than its :authority is

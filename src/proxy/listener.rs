@@ -648,6 +648,10 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     };
     let status = if e.is_parse_too_large() {
         StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+    } else if e.is_parse_version_h2() {
+        // The HTTP/2 preface after an HTTP/1 request: hyper closes without an answer, and
+        // a line would tell of a 400 that no client was sent.
+        return;
     } else if e.is_parse() {
         StatusCode::BAD_REQUEST
     } else {
