@@ -295,6 +295,150 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
     proxy.finish().await;
 }
 
+/// Every kind of 400 E5003 refusal, on each of the three paths a request can take (the
+/// HTTP/1.1 fast path, hyper's HTTP/1 server, hyper's HTTP/2 server), has exactly one
+/// access line, with its method and path, and one count in `requests_total` under the
+/// same plane, method and code: the log and `/metrics` tell the same story.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_logged_and_counted_once_on_every_path() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    // Method, path and the head's fields after the request line: each refused for another
+    // reason. A chunked body (ended at once) hands the request to hyper's HTTP/1 server.
+    let h1_cases = [
+        ("GET", "/bad-host", "Host: evil.example\r\n".to_string()),
+        (
+            "GET",
+            "/two-hosts",
+            format!("Host: {addr}\r\nHost: {addr}\r\n"),
+        ),
+        (
+            "POST",
+            "/cross-origin",
+            format!("Host: {addr}\r\nOrigin: http://evil.example\r\n"),
+        ),
+        (
+            "GET",
+            "/cross-site",
+            format!("Host: {addr}\r\nSec-Fetch-Site: cross-site\r\n"),
+        ),
+        ("TRACE", "/trace", format!("Host: {addr}\r\n")),
+        (
+            "GET",
+            "http://evil.example/absolute",
+            "Host: evil.example\r\n".to_string(),
+        ),
+        (
+            "PURGE",
+            "/other-method",
+            "Host: evil.example\r\n".to_string(),
+        ),
+    ];
+    let mut refused = 0;
+    for chunked in [false, true] {
+        for (method, target, fields) in &h1_cases {
+            let body = if chunked {
+                "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            } else {
+                "\r\n"
+            };
+            let head = format!("{method} {target} HTTP/1.1\r\n{fields}{body}");
+            let resp = raw_exchange(addr, head.as_bytes()).await;
+            assert_proxy_error(&resp, 400, "E5003");
+            refused += 1;
+        }
+    }
+    // CONNECT is never the fast path's.
+    let connect = format!("CONNECT {addr} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    assert_proxy_error(&raw_exchange(addr, connect.as_bytes()).await, 400, "E5003");
+    refused += 1;
+
+    let (mut h2, _open) = h2_client(addr).await;
+    // Method, path and extra fields.
+    type H2Case = (
+        &'static str,
+        &'static str,
+        &'static [(&'static str, &'static str)],
+    );
+    let h2_cases: [H2Case; 5] = [
+        (
+            "GET",
+            "/h2-cross-origin",
+            &[("origin", "http://evil.example")],
+        ),
+        ("GET", "/h2-cross-site", &[("sec-fetch-site", "cross-site")]),
+        ("GET", "/h2-host-not-authority", &[("host", "evil.example")]),
+        ("TRACE", "/h2-trace", &[]),
+        ("PURGE", "/h2-other-method", &[("origin", "null")]),
+    ];
+    for (method, path, fields) in h2_cases {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{path}"));
+        for (name, value) in fields {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Full::new(Bytes::new())).expect("request");
+        let resp = within("an HTTP/2 answer", h2.send_request(req))
+            .await
+            .expect("an HTTP/2 answer");
+        assert_eq!(resp.status().as_u16(), 400, "{method} {path}");
+        assert_eq!(resp.headers()["x-abx-error"], "E5003", "{method} {path}");
+        refused += 1;
+    }
+    let in_lines = |text: &str| {
+        let mut paths = BTreeMap::<String, usize>::new();
+        for line in text.lines().filter(|l| l.contains("abx_proxy::access")) {
+            let field = |name: &str| {
+                line.split(' ')
+                    .find_map(|f| f.strip_prefix(name))
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            assert_eq!(field("status="), "400", "{line}");
+            *paths.entry(field("path=")).or_default() += 1;
+        }
+        paths
+    };
+    let total = r#"abx_proxy_request_duration_seconds_count{plane="api"}"#;
+    wait_metric_at_least(proxy.admin_addr(), total, refused as f64).await;
+    let text = scrape(proxy.admin_addr()).await;
+    assert!(
+        upstream.seen().is_empty(),
+        "a refused request went upstream"
+    );
+    assert_eq!(metric(&text, total), Some(refused as f64), "{text}");
+    let counted = |method: &str| {
+        let series =
+            format!("abx_proxy_requests_total{{plane=\"api\",method=\"{method}\",code=\"400\"}}");
+        metric(&text, &series).unwrap_or_default()
+    };
+    // Per path: the fast path's and hyper's HTTP/1 case, or the one HTTP/2 case.
+    assert_eq!(counted("GET"), 2.0 * 4.0 + 3.0, "{text}");
+    assert_eq!(counted("POST"), 2.0, "{text}");
+    assert_eq!(counted("TRACE"), 3.0, "{text}");
+    assert_eq!(counted("CONNECT"), 1.0, "{text}");
+    assert_eq!(counted("OTHER"), 3.0, "{text}");
+    let family: f64 = ["GET", "POST", "TRACE", "CONNECT", "OTHER"]
+        .into_iter()
+        .map(counted)
+        .sum();
+    assert_eq!(family, refused as f64, "{text}");
+
+    let stderr = proxy.finish().await;
+    let paths = in_lines(&stderr);
+    assert_eq!(paths.values().sum::<usize>(), refused, "{stderr}");
+    for (_, target, _) in &h1_cases {
+        let path = target.trim_start_matches("http://evil.example");
+        assert_eq!(paths.get(path), Some(&2), "{path}: {stderr}");
+    }
+    for (_, path, _) in h2_cases {
+        assert_eq!(paths.get(path), Some(&1), "{path}: {stderr}");
+    }
+}
+
 /// HTTP/2 (prior knowledge) is held to the same 100 fields, though its parser counts none:
 /// 101 get the proxy's 431 without the upstream being contacted, logged and counted as
 /// HTTP/1's (`method=-`, `OTHER`); 99 pass (the upstream, also limited to 100, then sees
