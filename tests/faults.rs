@@ -163,8 +163,8 @@ impl Sweep {
     }
 
     /// Adds `/metrics` and `config list [--json]`, stops the proxy (exit 0, key-free stderr,
-    /// see [`ProxyProc::finish`]) and searches all of it.
-    async fn finish(mut self, proxy: ProxyProc, settings: &Settings) {
+    /// see [`ProxyProc::finish`]) and searches all of it. Returns the proxy's stderr.
+    async fn finish(mut self, proxy: ProxyProc, settings: &Settings) -> String {
         let metrics = scrape(proxy.admin_addr()).await;
         self.text("/metrics", metrics);
         self.text("config list", settings.config_list(false).await);
@@ -178,7 +178,7 @@ impl Sweep {
             stderr.contains(" TRACE "),
             "trace logging is off:\n{stderr}"
         );
-        self.text("the proxy's stderr", stderr);
+        self.text("the proxy's stderr", stderr.clone());
         for (what, text) in &self.seen {
             assert_no_key(text, what);
             for secret in &self.secrets {
@@ -189,6 +189,7 @@ impl Sweep {
                 );
             }
         }
+        stderr
     }
 }
 
@@ -274,8 +275,15 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
         too_many.push_str(&format!("X-Filler-{i}: {i}\r\n"));
     }
     too_many.push_str("\r\n");
+    // Lengths that differ: the fast path hands the request over, and hyper refuses it.
+    let lengths = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 5\r\n\
+         Content-Length: 7\r\n\r\nhello"
+    );
+    let mut counted = BTreeMap::<u16, f64>::new();
     for (head, status) in [
         ("GET /sandboxes HTTP/1.1 extra\r\n\r\n".to_string(), 400),
+        (lengths, 400),
         (too_many, 431),
     ] {
         let mut s = connect_raw(addr).await;
@@ -285,14 +293,22 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
         assert_eq!(resp.status, status, "{resp:?}");
         expect_closed(&mut s, &buf).await;
         let line = proxy.wait_for_line(&format!(" status={status} ")).await;
-        assert!(line.contains("path=-"), "{line}");
+        assert!(line.contains("method=- path=-"), "{line}");
         let text = scrape(proxy.admin_addr()).await;
         let series =
             format!("abx_proxy_requests_total{{plane=\"api\",method=\"OTHER\",code=\"{status}\"}}");
-        assert_eq!(metric(&text, &series), Some(1.0), "{text}");
+        let counted = counted.entry(status).or_default();
+        *counted += 1.0;
+        assert_eq!(metric(&text, &series), Some(*counted), "{text}");
     }
     assert!(upstream.seen().is_empty(), "a refused head went upstream");
-    proxy.finish().await;
+    // Each once: no second line for any of them came later.
+    let stderr = proxy.finish().await;
+    let lines = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access: method=- path=-"))
+        .count();
+    assert_eq!(lines, 3, "{stderr}");
 }
 
 /// Every kind of 400 E5003 refusal, on each of the three paths a request can take (the
@@ -354,6 +370,30 @@ async fn refusals_are_logged_and_counted_once_on_every_path() {
     let connect = format!("CONNECT {addr} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
     assert_proxy_error(&raw_exchange(addr, connect.as_bytes()).await, 400, "E5003");
     refused += 1;
+    // Framing hyper accepts and SPEC §4 refuses: the fast path hands it to hyper's HTTP/1
+    // server, where the proxy's framing watch refuses it (never HTTP/2's, whose frames
+    // carry no such fields). Lengths that differ hyper refuses itself (see
+    // `heads_hyper_refuses_are_logged_and_counted`). Path, then the fields and the body.
+    let framing_cases = [
+        (
+            "/repeated-length",
+            "Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
+        ),
+        (
+            "/length-and-chunked",
+            "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "/gzip-then-chunked",
+            "Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        ),
+    ];
+    for (path, rest) in framing_cases {
+        let head = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\n{rest}");
+        let resp = raw_exchange(addr, head.as_bytes()).await;
+        assert_proxy_error(&resp, 400, "E5003");
+        refused += 1;
+    }
 
     let (mut h2, _open) = h2_client(addr).await;
     // Method, path and extra fields.
@@ -417,7 +457,7 @@ async fn refusals_are_logged_and_counted_once_on_every_path() {
     };
     // Per path: the fast path's and hyper's HTTP/1 case, or the one HTTP/2 case.
     assert_eq!(counted("GET"), 2.0 * 4.0 + 3.0, "{text}");
-    assert_eq!(counted("POST"), 2.0, "{text}");
+    assert_eq!(counted("POST"), 2.0 + framing_cases.len() as f64, "{text}");
     assert_eq!(counted("TRACE"), 3.0, "{text}");
     assert_eq!(counted("CONNECT"), 1.0, "{text}");
     assert_eq!(counted("OTHER"), 3.0, "{text}");
@@ -434,7 +474,11 @@ async fn refusals_are_logged_and_counted_once_on_every_path() {
         let path = target.trim_start_matches("http://evil.example");
         assert_eq!(paths.get(path), Some(&2), "{path}: {stderr}");
     }
-    for (_, path, _) in h2_cases {
+    for path in h2_cases
+        .iter()
+        .map(|c| c.1)
+        .chain(framing_cases.map(|c| c.0))
+    {
         assert_eq!(paths.get(path), Some(&1), "{path}: {stderr}");
     }
 }
@@ -1651,6 +1695,10 @@ enum Fault {
     TooManyHeaders,
     HalfHead,
     TruncatedBody,
+    /// 101 to WebSocket, whatever was asked for.
+    Switched,
+    /// 101 to `h2c`, whatever was asked for.
+    SwitchedToH2c,
     /// [`TRUNCATED_LARGE`] bytes announced, a third of them sent: a body the proxy splices.
     TruncatedLargeBody,
 }
@@ -1737,6 +1785,12 @@ impl FaultUpstream {
                 r
             }
             Fault::HalfHead => b"HTTP/1.1 200 OK\r\nContent-Le".to_vec(),
+            Fault::Switched => {
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n".to_vec()
+            }
+            Fault::SwitchedToH2c => {
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n".to_vec()
+            }
             Fault::TruncatedBody => {
                 b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly twenty-one bytes".to_vec()
             }
@@ -1792,6 +1846,106 @@ async fn assert_fault_counted(
         "{fault:?}, answered {}: {text}",
         resp.text()
     );
+}
+
+/// The same answer on each of the three paths a request can take, sent at once: `GET
+/// {prefix}-fast` (the fast path), `POST {prefix}-hyper` (a chunked body hands it to
+/// hyper's HTTP/1 server) and `GET {prefix}-h2` (hyper's HTTP/2 server) each get `status`
+/// with `X-Abx-Error: code`. Returns each request's method and path, and the fast path's
+/// answer.
+async fn on_every_path(
+    addr: SocketAddr,
+    prefix: &str,
+    status: u16,
+    code: &str,
+) -> ([(&'static str, String); 3], RawResponse) {
+    let path = |on: &str| format!("{prefix}-{on}");
+    let fast_path = path("fast");
+    let chunked = format!(
+        "POST {} HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\
+         Connection: close\r\n\r\n0\r\n\r\n",
+        path("hyper")
+    );
+    let h2 = async {
+        let (mut h2, _open) = h2_client(addr).await;
+        let req = http::Request::get(format!("http://{addr}{}", path("h2")))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        within("an HTTP/2 answer", h2.send_request(req))
+            .await
+            .expect("an HTTP/2 answer")
+    };
+    let (fast, hyper, h2) = tokio::join!(
+        get(addr, &fast_path),
+        raw_exchange(addr, chunked.as_bytes()),
+        h2
+    );
+    assert_proxy_error(&fast, status, code);
+    assert_proxy_error(&hyper, status, code);
+    assert_eq!(h2.status().as_u16(), status, "over HTTP/2");
+    assert_eq!(h2.headers()["x-abx-error"], code, "over HTTP/2");
+    let sent = [
+        ("GET", fast_path),
+        ("POST", path("hyper")),
+        ("GET", path("h2")),
+    ];
+    (sent, fast)
+}
+
+/// What [`on_every_path`] sent, as the answers SPEC §7 records: `status` on the control
+/// plane, naming `upstream`.
+fn answered<'a>(
+    sent: &'a [(&'static str, String)],
+    status: u16,
+    upstream: &'a str,
+) -> Vec<Answer<'a>> {
+    sent.iter()
+        .map(|(method, path)| Answer {
+            method,
+            path,
+            plane: "api",
+            status,
+            upstream,
+        })
+        .collect()
+}
+
+/// A 101 the proxy will not tunnel is its own 502 E5001, with one access line naming the
+/// upstream and one count, like any other answer: a 101 to a request that asked for no
+/// upgrade (on the fast path, hyper's HTTP/1 and HTTP/2), and a WebSocket upgrade switched
+/// to another protocol (hyper's HTTP/1 only: upgrades are never the fast path's, and
+/// HTTP/2 has none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_upgrades_are_logged_and_counted_once() {
+    let pki = Pki::new();
+    let upstream = FaultUpstream::start().await;
+    let proxy = traced(ProxyCmd::new(&format!("http://{}", upstream.addr), &pki))
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let before = scrape(admin).await;
+
+    upstream.set(Fault::Switched);
+    let (unasked, _) = on_every_path(addr, "/unasked", 502, "E5001").await;
+    upstream.set(Fault::SwitchedToH2c);
+    let ws = format!(
+        "GET /switched-to-h2c HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\n\
+         Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Sec-WebSocket-Version: 13\r\n\r\n"
+    );
+    assert_proxy_error(&raw_exchange(addr, ws.as_bytes()).await, 502, "E5001");
+
+    let host = upstream.addr.to_string();
+    let mut answers = answered(&unasked, 502, &host);
+    answers.push(Answer {
+        method: "GET",
+        path: "/switched-to-h2c",
+        plane: "api",
+        status: 502,
+        upstream: &host,
+    });
+    assert_counted_once(admin, &before, &answers).await;
+    assert_logged_once(&proxy.finish().await, &answers);
 }
 
 /// Each fault (reset on accept, reset after the request, garbage instead of HTTP, a bad
@@ -2046,10 +2200,13 @@ async fn token_endpoint_hanging_then_failing_then_recovering() {
     proxy.wait_for_line("token exchange failed").await;
     wait_metric_at_least(admin, EXCHANGE_FAILURES, 1.0).await;
     assert_eq!(get(admin, "/readyz").await.status, 503);
-    let resp = get(proxy.addr(), "/sandboxes").await;
+    // No key on any path: each is refused once, counted and logged, naming no upstream.
+    let before = scrape(admin).await;
+    let (sent, resp) = on_every_path(proxy.addr(), "/no-key", 503, "E1004").await;
     sweep.raw("no key yet", &resp);
-    assert_proxy_error(&resp, 503, "E1004");
     assert!(resp.text().contains("500"), "{}", resp.text());
+    let no_key = answered(&sent, 503, "");
+    assert_counted_once(admin, &before, &no_key).await;
     // The retry loop is alive: another failure is counted.
     wait_metric_at_least(admin, EXCHANGE_FAILURES, 2.0).await;
     assert_eq!(get(admin, "/healthz").await.status, 200);
@@ -2070,7 +2227,7 @@ async fn token_endpoint_hanging_then_failing_then_recovering() {
     for k in fake.issued_keys() {
         sweep.secret(k);
     }
-    sweep.finish(proxy, &settings).await;
+    assert_logged_once(&sweep.finish(proxy, &settings).await, &no_key);
 }
 
 /// A token endpoint that answers 200 with bodies that are not a usable answer, then (after
@@ -2396,8 +2553,9 @@ async fn silent_upstream() -> (
 }
 
 /// An upstream slower than `--idle-timeout` still gets its 504 at `--upstream-timeout`:
-/// a request waiting for its answer is not an idle connection. Both request paths: the
-/// fast path (a GET) and hyper's (a chunked POST).
+/// a request waiting for its answer is not an idle connection. Every request path: the
+/// fast path, hyper's HTTP/1 and HTTP/2; each 504 has one access line naming the silent
+/// upstream and one count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
     let (url, _accepted, holder) = silent_upstream().await;
@@ -2406,17 +2564,13 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
         .args(&["--idle-timeout", "1s", "--upstream-timeout", "2s"])
         .spawn()
         .await;
-    let addr = proxy.addr();
-    let chunked = format!(
-        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n"
-    );
-    let (fast, hyper) = tokio::join!(
-        get(addr, "/sandboxes"),
-        raw_exchange(addr, chunked.as_bytes())
-    );
-    assert_proxy_error(&fast, 504, "E5002");
-    assert_proxy_error(&hyper, 504, "E5002");
-    proxy.finish().await;
+    let admin = proxy.admin_addr();
+    let before = scrape(admin).await;
+    let (sent, _) = on_every_path(proxy.addr(), "/silent", 504, "E5002").await;
+    let host = url.trim_start_matches("http://");
+    let timed_out = answered(&sent, 504, host);
+    assert_counted_once(admin, &before, &timed_out).await;
+    assert_logged_once(&proxy.finish().await, &timed_out);
     holder.abort();
 }
 
@@ -2985,33 +3139,62 @@ async fn a_client_hanging_up_after_its_body_ends_the_upstream_exchange() {
 }
 
 /// A client that hangs up while its request waits for the upstream still gets its request
-/// counted and logged, as 499 (nginx's "client closed request"), and in-flight returns to 0.
+/// counted and logged, as 499 (nginx's "client closed request"), and in-flight returns to 0:
+/// on the fast path and hyper's HTTP/1 (the connection closes), and over HTTP/2, where the
+/// client resets the stream and keeps the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
     let (url, mut accepted, holder) = silent_upstream().await;
     let pki = Pki::new();
-    let mut proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
-    let addr = proxy.addr();
-    let mut s = connect_raw(addr).await;
-    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
-    s.write_all(req.as_bytes()).await.expect("write");
-    within("the request upstream", accepted.recv()).await;
-    drop(s);
-    let series = r#"abx_proxy_requests_total{code="499",method="GET",plane="api"}"#;
-    wait_metric_at_least(proxy.admin_addr(), series, 1.0).await;
-    // The text access line's field: at trace level, a bare "499" can be part of a
-    // timestamp or a port on an unrelated line.
-    let line = proxy.wait_for_line(" status=499 ").await;
-    assert!(
-        line.contains("abx_proxy::access") && line.contains(" path=/sandboxes "),
-        "{line}"
-    );
-    let text = scrape(proxy.admin_addr()).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let before = scrape(admin).await;
+    for head in [
+        format!("GET /gone-fast HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+        // A chunked body hands the request to hyper's HTTP/1 server.
+        format!(
+            "POST /gone-hyper HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        ),
+    ] {
+        let mut s = connect_raw(addr).await;
+        s.write_all(head.as_bytes()).await.expect("write");
+        within("the request upstream", accepted.recv()).await;
+        drop(s);
+    }
+    // The connection stays open: only the stream is given up.
+    let (mut h2, _open) = h2_client(addr).await;
+    {
+        let req = http::Request::get(format!("http://{addr}/gone-h2"))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let answer = h2.send_request(req);
+        tokio::pin!(answer);
+        tokio::select! {
+            a = &mut answer => panic!("the silent upstream answered: {a:?}"),
+            _ = within("the request upstream", accepted.recv()) => {}
+        }
+        // Dropping the answer's future resets the stream (CANCEL).
+    }
+    let gone = [
+        ("GET", "/gone-fast"),
+        ("POST", "/gone-hyper"),
+        ("GET", "/gone-h2"),
+    ]
+    .map(|(method, path)| Answer {
+        method,
+        path,
+        plane: "api",
+        status: 499,
+        upstream: "",
+    });
+    assert_counted_once(admin, &before, &gone).await;
+    let text = scrape(admin).await;
     assert_eq!(
         metric(&text, r#"abx_proxy_in_flight_requests{plane="api"}"#),
         Some(0.0)
     );
-    proxy.finish().await;
+    assert_logged_once(&proxy.finish().await, &gone);
+    drop(h2);
     holder.abort();
 }
 

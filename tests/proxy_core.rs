@@ -1510,6 +1510,7 @@ async fn plain_http_sent_to_the_tls_listener_gets_a_400_that_says_to_use_https()
     let pki = Pki::new();
     let (upstream, proxy) = tls_proxy_to_ok(&pki, |cmd| cmd).await;
     let addr = proxy.addr();
+    let before = scrape(proxy.admin_addr()).await;
     let mut plain = connect_raw(addr).await;
     let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
     plain.write_all(req.as_bytes()).await.unwrap();
@@ -1521,12 +1522,15 @@ async fn plain_http_sent_to_the_tls_listener_gets_a_400_that_says_to_use_https()
     assert_eq!(resp.header("connection"), Some("close"));
     expect_closed(&mut plain, &leftover).await;
     assert_not_reached(&upstream, "/health", "plain HTTP on the TLS port");
-    let refused = "abx_proxy_requests_total{plane=\"api\",method=\"GET\",code=\"400\"}";
-    assert_eq!(
-        metric(&scrape(proxy.admin_addr()).await, refused),
-        Some(1.0)
-    );
-    proxy.finish().await;
+    let refused = [Answer {
+        method: "GET",
+        path: "/health",
+        plane: "api",
+        status: 400,
+        upstream: "",
+    }];
+    assert_counted_once(proxy.admin_addr(), &before, &refused).await;
+    assert_logged_once(&proxy.finish().await, &refused);
 }
 
 /// A client still in its TLS handshake has sent no request: the drain closes it at once

@@ -1687,3 +1687,95 @@ pub fn set_soft_nofile(pid: u32, soft: u64) -> u64 {
     rlimit::prlimit(pid, nofile, Some((soft, hard)), None).expect("set the limit");
     old
 }
+
+// ---------------------------------------------------------------------------------------
+// Added for the proxy's own answers: one access line and one count for each
+// ---------------------------------------------------------------------------------------
+
+/// One answer as SPEC §7 records it: the fields of its access line, which are also the
+/// labels of its count in `abx_proxy_requests_total` (`-` is counted as `OTHER`).
+#[derive(Debug, Clone, Copy)]
+pub struct Answer<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub plane: &'a str,
+    pub status: u16,
+    /// The upstream named on the line: its host for an answer about the upstream, empty
+    /// for one the proxy gave without asking it.
+    pub upstream: &'a str,
+}
+
+impl Answer<'_> {
+    fn series(&self) -> String {
+        let method = if self.method == "-" {
+            "OTHER"
+        } else {
+            self.method
+        };
+        format!(
+            "abx_proxy_requests_total{{plane=\"{}\",method=\"{method}\",code=\"{}\"}}",
+            self.plane, self.status
+        )
+    }
+}
+
+/// Waits until `requests_total` has counted each of `answers` (a bounded wait on the
+/// proxy's state), then asserts it counted each exactly once: every label set has as many
+/// as `answers` name with it, no more. `before` is the scrape taken before they were sent.
+pub async fn assert_counted_once(admin: SocketAddr, before: &str, answers: &[Answer<'_>]) {
+    let mut want = std::collections::BTreeMap::<String, f64>::new();
+    for a in answers {
+        *want
+            .entry(a.series())
+            .or_insert(metric(before, &a.series()).unwrap_or(0.0)) += 1.0;
+    }
+    for (series, n) in &want {
+        wait_metric_at_least(admin, series, *n).await;
+    }
+    let text = scrape(admin).await;
+    for (series, n) in &want {
+        assert_eq!(metric(&text, series), Some(*n), "{series}:\n{text}");
+    }
+}
+
+/// The fields of an access line (text format): `name=value` after the target.
+fn access_fields(line: &str) -> Option<std::collections::BTreeMap<&str, &str>> {
+    let (_, fields) = line.split_once("abx_proxy::access: ")?;
+    Some(
+        fields
+            .split(' ')
+            .filter_map(|f| f.split_once('='))
+            .collect(),
+    )
+}
+
+/// In the whole stderr of a stopped proxy (every line written), each of `answers` has
+/// exactly one access line for its path, and that line has the answer's method, plane,
+/// status, upstream and a duration.
+pub fn assert_logged_once(stderr: &str, answers: &[Answer<'_>]) {
+    for a in answers {
+        let lines: Vec<_> = stderr
+            .lines()
+            .filter_map(access_fields)
+            .filter(|f| f.get("path") == Some(&a.path))
+            .collect();
+        assert_eq!(lines.len(), 1, "access lines for {a:?}:\n{stderr}");
+        let f = &lines[0];
+        let plane = format!("{:?}", a.plane);
+        let status = a.status.to_string();
+        let want = [
+            ("method", a.method),
+            ("plane", &plane),
+            ("status", &status),
+            ("upstream", a.upstream),
+        ];
+        for (name, value) in want {
+            assert_eq!(f.get(name).copied(), Some(value), "{name} of {a:?}: {f:?}");
+        }
+        let ms = f.get("duration_ms").and_then(|d| d.parse::<f64>().ok());
+        assert!(
+            ms.is_some_and(|ms| ms >= 0.0),
+            "duration_ms of {a:?}: {f:?}"
+        );
+    }
+}
