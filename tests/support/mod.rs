@@ -1689,7 +1689,7 @@ pub fn set_soft_nofile(pid: u32, soft: u64) -> u64 {
 }
 
 // ---------------------------------------------------------------------------------------
-// Added for the proxy's own answers: one access line and one count for each
+// Access lines and counts: each answer logged once and counted once
 // ---------------------------------------------------------------------------------------
 
 /// One answer as SPEC §7 records it: the fields of its access line, which are also the
