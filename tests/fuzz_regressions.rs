@@ -114,3 +114,33 @@ fn a_manifest_error_at_the_end_names_the_last_line() {
     };
     assert_eq!(line, 2);
 }
+
+/// `response`: a chunked answer whose trailer section ends in a bare LF,
+/// `…0\r\n\n0\r\nx-t: 1\r\n\r\n`. The pool read the trailers with httparse, which ends a
+/// line at a bare LF, and so ended the answer after `0\r\n\n`; hyper ends trailer lines
+/// only at CRLF and reads on. Had the rest come in a later read, the connection would have
+/// gone back to the pool clean, and the next request on it been answered with the tail of
+/// this one.
+#[test]
+fn a_trailer_section_ended_by_a_bare_lf_is_refused() {
+    use abx_proxy::proxy::pool::replay::read;
+    let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n".to_vec();
+    for tail in [
+        &b"0\r\n\n"[..],
+        b"0\r\n\n0\r\nx-t: 1\r\n\r\n",
+        b"0\r\nx-t: 1\n\r\n",
+    ] {
+        let wire = [&head[..], tail].concat();
+        let read = read(&[&wire], false);
+        assert!(
+            read.is_err(),
+            "{:?}: {read:?}",
+            String::from_utf8_lossy(tail)
+        );
+    }
+    // The same answer with CRLFs is read, trailers and all.
+    let wire = [&head[..], b"0\r\nx-t: 1\r\n\r\n"].concat();
+    let read = read(&[&wire], false).expect("a well-formed answer");
+    assert_eq!((read.body.as_slice(), read.rest.len()), (&b"hello"[..], 0));
+    assert_eq!(read.trailers, [("x-t".to_owned(), b"1".to_vec())]);
+}

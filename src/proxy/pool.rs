@@ -39,6 +39,8 @@ use tokio_rustls::TlsConnector;
 use tower_service::Service;
 
 mod codec;
+#[doc(hidden)]
+pub use codec::replay;
 
 use codec::{
     admit, declared_length, encode_head, parse_head, step, BodyKind, Chunk, Decode, Head, Out,
