@@ -611,6 +611,30 @@ pub mod replay {
 mod tests {
     use super::*;
 
+    /// A list of equal lengths is one length, unequal ones none; the trailer section may
+    /// grow to just under [`MAX_HEAD`] and no further. (Cases a mutation run let through.)
+    #[test]
+    fn length_lists_and_the_trailer_limit() {
+        assert_eq!(parse_length(b"5"), Some(5));
+        assert_eq!(parse_length(b"5, 5"), Some(5));
+        for bad in [&b"5, 6"[..], b"5,", b"", b"+5", b"18446744073709551616"] {
+            assert_eq!(
+                parse_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+
+        let mut rbuf = BytesMut::from(&[b'a'; MAX_HEAD - 1][..]);
+        assert!(
+            matches!(trailers(&mut rbuf), Ok(None)),
+            "waits under the limit"
+        );
+        rbuf.extend_from_slice(b"a");
+        assert!(trailers(&mut rbuf).is_err(), "refused at the limit");
+    }
+
     /// The decoder fed one byte at a time: every state survives a partial read.
     #[test]
     fn chunked_decoding_byte_by_byte() {
@@ -637,6 +661,7 @@ mod tests {
         for bad in [
             &b"zz\r\n"[..],
             b"5\nhello\r\n",
+            b"10\nhello\r\n",
             b"-5\r\n",
             b"0x5\r\n",
             b"5 5\r\n",
