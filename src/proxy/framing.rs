@@ -700,7 +700,7 @@ mod tests {
 
     #[test]
     fn other_framings_hyper_accepts_are_refused() {
-        let cases: [(&[u8], Refusal); 5] = [
+        let cases: [(&[u8], Refusal); 6] = [
             (
                 b"POST / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\nhello",
                 Refusal::RepeatedLength,
@@ -715,6 +715,11 @@ mod tests {
             ),
             (
                 b"POST / HTTP/1.1\r\nTransfer-Encoding:                                             chunked\r\n\r\n0\r\n\r\n",
+                Refusal::LongFramingField,
+            ),
+            // Cut at the line cap, the digits kept would read 0.
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 00000000000000000000000000000000000000000000000000000005\r\n\r\nhello",
                 Refusal::LongFramingField,
             ),
             (
