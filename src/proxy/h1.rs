@@ -917,6 +917,25 @@ fn write_response<'a>(
     }))
 }
 
+/// [`write_response`] on a socket of the caller's, the fast path's writer as the connection
+/// drives it: whether the connection may serve another request (unless `close`). For the
+/// `response_writer` fuzz target, which holds what it writes to hyper's client.
+#[doc(hidden)]
+pub async fn write_one(
+    sock: UnixStream,
+    resp: Response<ProxyBody>,
+    is_head: bool,
+    close: bool,
+) -> bool {
+    let sock = Sock::Unix(sock);
+    let activity = Activity::new();
+    let written = match write_response(&sock, &activity, resp, is_head, close) {
+        Write::Done(written) => written,
+        Write::Later(writing) => writing.await,
+    };
+    written
+}
+
 /// What [`take_now`] found.
 enum Taken {
     /// The whole body is in `out`.
@@ -1314,14 +1333,7 @@ mod tests {
     /// Writes `resp` through a real socket and returns what the client reads.
     async fn on_the_wire(resp: Response<ProxyBody>, is_head: bool, close: bool) -> (bool, String) {
         let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
-        let sock = Sock::Unix(ours);
-        let activity = Activity::new();
-        let written = match write_response(&sock, &activity, resp, is_head, close) {
-            Write::Done(written) => written,
-            Write::Later(writing) => writing.await,
-        };
-        let keep = written && !close;
-        drop(sock);
+        let keep = write_one(ours, resp, is_head, close).await && !close;
         let mut got = String::new();
         theirs.read_to_string(&mut got).await.expect("read");
         (keep, got)

@@ -22,6 +22,9 @@ pub mod sniff;
 mod splice;
 mod tunnel;
 
+#[doc(hidden)]
+pub use h1::write_one;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
