@@ -443,6 +443,53 @@ mod tests {
         let mut h = map(&[("cookie", "a=1")]);
         join_cookies(&mut h);
         assert_eq!(h["cookie"], "a=1");
+        // A part HPACK was told never to index keeps the joined field out of the table too.
+        let mut h = map(&[("cookie", "a=1"), ("cookie", "session=s")]);
+        let mut secret = HeaderValue::from_static("session=s");
+        secret.set_sensitive(true);
+        h.append("cookie", secret);
+        join_cookies(&mut h);
+        assert_eq!(h["cookie"], "a=1; session=s; session=s");
+        assert!(h["cookie"].is_sensitive());
+    }
+
+    /// An upgrade takes both fields (RFC 9110 §7.8: `Upgrade` is listed in `Connection`), and
+    /// a WebSocket offer, over HTTP/1.1: anything less is answered as a plain request.
+    #[test]
+    fn an_upgrade_needs_both_fields_websocket_and_http_1_1() {
+        let upgrade = [
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "websocket"),
+        ];
+        assert!(is_upgrade(&map(&upgrade)));
+        assert!(!is_upgrade(&map(&[("upgrade", "websocket")])));
+        assert!(!is_upgrade(&map(&[
+            ("connection", "keep-alive"),
+            ("upgrade", "websocket")
+        ])));
+        assert!(!is_upgrade(&map(&[("connection", "upgrade")])));
+
+        let request = |version, pairs: &[(&str, &str)]| {
+            let mut req = http::Request::new(());
+            *req.version_mut() = version;
+            *req.headers_mut() = map(pairs);
+            req
+        };
+        assert!(is_upgrade_request(&request(
+            http::Version::HTTP_11,
+            &upgrade
+        )));
+        assert!(!is_upgrade_request(&request(
+            http::Version::HTTP_10,
+            &upgrade
+        )));
+        let h2c = [("connection", "upgrade"), ("upgrade", "h2c")];
+        assert!(!is_upgrade_request(&request(http::Version::HTTP_11, &h2c)));
+        let offer_only = [("upgrade", "websocket")];
+        assert!(!is_upgrade_request(&request(
+            http::Version::HTTP_11,
+            &offer_only
+        )));
     }
 
     #[test]
@@ -469,6 +516,18 @@ mod tests {
         );
         assert_eq!(h.len(), 1);
         assert_eq!(h["authorization"], "Bearer real");
+
+        // A provider with a header of its own gets no `Authorization` from the client either.
+        let scheme = AuthScheme::Header(HeaderName::from_static("open-sandbox-api-key"));
+        let mut h = map(&[
+            ("authorization", "Bearer dummy"),
+            ("open-sandbox-api-key", "dummy"),
+            ("x-kept", "1"),
+        ]);
+        authorize_api(&mut h, &scheme, scheme.value(&key).unwrap());
+        assert!(!h.contains_key("authorization"), "{h:?}");
+        assert_eq!(h["open-sandbox-api-key"], "real");
+        assert_eq!(h["x-kept"], "1");
     }
 
     #[test]
@@ -481,7 +540,12 @@ mod tests {
         assert_eq!(auth.value(&Secret::new("key-b")).unwrap(), "Bearer key-b");
         assert_eq!(auth.value(&Secret::new("key-a")).unwrap(), "Bearer key-a");
         assert!(auth.value(&Secret::new("bad\nkey")).is_none());
-        assert!(!format!("{auth:?}").contains("key-a"));
+        let shown = format!("{auth:?}");
+        assert!(!shown.contains("key-a"), "{shown}");
+        assert!(
+            shown.starts_with("CachedAuth") && shown.contains("Bearer"),
+            "{shown}"
+        );
     }
 
     #[test]
@@ -493,9 +557,12 @@ mod tests {
         assert!(!h.contains_key("x-api-key"));
         assert_eq!(h["x-access-token"], "tok");
         assert_eq!(h["e2b-sandbox-port"], "49983");
-        let mut h = map(&[("authorization", "Bearer dummy")]);
-        authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
-        assert_eq!(h["authorization"], "Basic dXNlcjo=");
+        // Not a Basic credential, or one without credentials: the default user.
+        for client in ["Bearer dummy", "Basic "] {
+            let mut h = map(&[("authorization", client)]);
+            authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
+            assert_eq!(h["authorization"], "Basic dXNlcjo=", "{client:?}");
+        }
     }
 
     /// Only the WebSocket offer goes on with an upgrade: `h2c` beside it would let the
