@@ -454,6 +454,102 @@ mod tests {
     }
 
     #[test]
+    fn planes_are_named_as_in_metrics() {
+        assert_eq!(Route::Api.plane(), "api");
+        let envd = Route::Envd {
+            sandbox_id: "isb-1".into(),
+            port: 49983,
+        };
+        assert_eq!(envd.plane(), "envd");
+    }
+
+    fn versioned(version: http::Version, uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut p = parts(uri, headers);
+        p.version = version;
+        p
+    }
+
+    /// Only HTTP/1.0 may leave Host out (RFC 9112 §3.2), and then only on a listener that
+    /// serves any Host: a loopback one cannot tell such a request from a rebinding attack.
+    #[test]
+    fn only_http_1_0_may_omit_host_and_only_where_any_host_is_served() {
+        use http::Version;
+        let bare = versioned(Version::HTTP_10, "/x", &[]);
+        assert_eq!(route(&bare, &HostPolicy::Any).unwrap(), Route::Api);
+        for p in [
+            HostPolicy::Loopback,
+            HostPolicy::Listed(vec!["proxy.internal".into()]),
+        ] {
+            let e = route(&bare, &p).unwrap_err();
+            assert!(e.to_string().contains("missing Host"), "{p:?}: {e}");
+        }
+        for p in [HostPolicy::Any, HostPolicy::Loopback] {
+            let e = route(&versioned(Version::HTTP_11, "/x", &[]), &p).unwrap_err();
+            assert!(e.to_string().contains("missing Host"), "{p:?}: {e}");
+        }
+    }
+
+    /// HTTP/2 names the target in :authority, with a scheme, on every request: that is not
+    /// the absolute form, so any host passes where any Host is served. A Host field beside
+    /// it must name the same.
+    #[test]
+    fn http_2_authority_is_the_host_and_host_must_agree() {
+        use http::Version;
+        let h2 = |uri, headers| versioned(Version::HTTP_2, uri, headers);
+        let own = h2("https://proxy.example/x", &[]);
+        assert_eq!(route(&own, &HostPolicy::Any).unwrap(), Route::Api);
+        let abs = versioned(Version::HTTP_11, "https://proxy.example/x", &[]);
+        assert!(route(&abs, &HostPolicy::Any).is_err());
+
+        let same = h2("https://localhost:49982/x", &[("host", "LOCALHOST:49982")]);
+        assert!(route(&same, &HostPolicy::Loopback).is_ok());
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            let other = h2("https://localhost:49982/x", &[("host", "evil.example")]);
+            let e = route(&other, &p).unwrap_err();
+            assert!(e.to_string().contains("Host differs"), "{p:?}: {e}");
+        }
+    }
+
+    /// An `Origin` is `scheme://host[:port]` and nothing else; anything more or less names
+    /// no host a page could be on.
+    #[test]
+    fn an_origin_names_a_host_only_in_its_own_shape() {
+        assert_eq!(origin_host("http://localhost:3000"), Some("localhost"));
+        assert_eq!(origin_host("https://[::1]:8443"), Some("[::1]"));
+        for bad in [
+            "://localhost",
+            "http://",
+            "http://evil.example/.localhost",
+            "http://evil.example?.localhost",
+            "http://evil.example#.localhost",
+            "http://u@localhost",
+            "null",
+        ] {
+            assert_eq!(origin_host(bad), None, "{bad}");
+        }
+        let p = HostPolicy::Loopback;
+        let from = |origin| parts("/x", &[("host", "localhost"), ("origin", origin)]);
+        assert!(route(&from("http://localhost:3000"), &p).is_ok());
+        for bad in ["://localhost", "http://evil.example/.localhost"] {
+            let e = route(&from(bad), &p).unwrap_err();
+            assert!(e.to_string().contains("cross-origin"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_port_is_digits_and_suffixes_compare_whole_characters() {
+        assert_eq!(strip_port("localhost:49982"), "localhost");
+        assert_eq!(strip_port("localhost:"), "localhost");
+        assert_eq!(strip_port("localhost:x1"), "localhost:x1");
+        assert_eq!(strip_port("[::1]:80"), "[::1]");
+        assert!(ends_with_ignore_case("a.LocalHost", ".localhost"));
+        assert!(!ends_with_ignore_case("localhost", ".localhost"));
+        // The suffix would start inside a character: no match (and no panic).
+        assert!(!ends_with_ignore_case("\u{e9}", "x"));
+        assert!(!ends_with_ignore_case("ab\u{e9}", "x"));
+    }
+
+    #[test]
     fn authority_form_is_refused_for_every_method() {
         for p in [HostPolicy::Loopback, HostPolicy::Any] {
             for (method, target) in [
