@@ -13,7 +13,8 @@
 //! per line), the body's data frames and, with bit 3, the trailer lines.
 //!
 //! Invariants, on what the writer puts on the socket:
-//! - hyper reads its head: the same status and the same fields (less the framing ones);
+//! - hyper reads its head: the same status and the same fields (less the framing ones),
+//!   and a `Date`;
 //! - an answer the writer calls complete, hyper reads whole from these bytes, with the
 //!   same body and (when chunked) the same trailers, and not from one byte less (the next
 //!   answer on the connection starts where both think it does);
@@ -125,6 +126,9 @@ fuzz_target!(|data: &[u8]| {
         (Err(e), true) => panic!("hyper refused an answer written whole ({e}): {wire:?}"),
     };
     assert_eq!(h.status, status.as_u16(), "status");
+    // RFC 9110 §6.6.1: a proxy dates an answer that came without a date.
+    let dates = h.headers.iter().filter(|(n, _)| n == "date").count();
+    assert!(dates >= 1, "an answer without a Date: {wire:?}");
     assert_eq!(
         without_framing(&h.headers, &fields),
         pairs(&fields),

@@ -1022,6 +1022,9 @@ async fn write_close_delimited(
     for (name, value) in &parts.headers {
         field(&mut out, name.as_str().as_bytes(), value.as_bytes());
     }
+    if !parts.headers.contains_key(DATE) {
+        with_date(|d| field(&mut out, b"date", d));
+    }
     out.extend_from_slice(b"connection: close\r\n\r\n");
     if write_all(sock, activity, &out, &[]).await.is_err() {
         return false;
@@ -1420,6 +1423,24 @@ mod tests {
         resp.headers_mut()
             .insert(CONTENT_LENGTH, HeaderValue::from_static(len));
         resp
+    }
+
+    /// A `Content-Length` that is not one number frames nothing: the answer goes without
+    /// it, dated like every other, and ends with the connection.
+    #[tokio::test]
+    async fn an_answer_with_an_unusable_length_is_ended_by_the_close() {
+        let data = |s: &'static str| Ok(Frame::data(Bytes::from(s)));
+        for len in ["5, 5", "x"] {
+            let (keep, wire) =
+                on_the_wire(sized(len, vec![data("hel"), data("lo")]), false, false).await;
+            assert!(!keep);
+            assert!(!wire.contains("content-length"), "{wire}");
+            assert!(wire.contains("\r\ndate: "), "{wire}");
+            assert!(
+                wire.ends_with("\r\nconnection: close\r\n\r\nhello"),
+                "{wire}"
+            );
+        }
     }
 
     #[tokio::test]
