@@ -775,13 +775,7 @@ fn write_response<'a>(
     };
 
     let mut out = Vec::with_capacity(512);
-    status_line(&mut out, status);
-    for (name, value) in &parts.headers {
-        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
-    }
-    if !parts.headers.contains_key(DATE) {
-        with_date(|d| field(&mut out, b"date", d));
-    }
+    head(&mut out, status, &parts.headers);
     // Without a length from the upstream, an empty answer to HEAD, a 204 or a 304 says
     // none (as hyper's server does): `content-length: 0` would misstate a HEAD's resource
     // and a 304's, and a 204 must not carry one (RFC 9110 §8.6).
@@ -929,6 +923,7 @@ pub async fn write_one(
 ) -> bool {
     let sock = Sock::Unix(sock);
     let activity = Activity::new();
+    // Bound before returning: the writing future borrows `sock` and `activity`.
     let written = match write_response(&sock, &activity, resp, is_head, close) {
         Write::Done(written) => written,
         Write::Later(writing) => writing.await,
@@ -1018,13 +1013,7 @@ async fn write_close_delimited(
 ) -> bool {
     parts.headers.remove(CONTENT_LENGTH);
     let mut out = Vec::with_capacity(512);
-    status_line(&mut out, parts.status);
-    for (name, value) in &parts.headers {
-        field(&mut out, name.as_str().as_bytes(), value.as_bytes());
-    }
-    if !parts.headers.contains_key(DATE) {
-        with_date(|d| field(&mut out, b"date", d));
-    }
+    head(&mut out, parts.status, &parts.headers);
     out.extend_from_slice(b"connection: close\r\n\r\n");
     if write_all(sock, activity, &out, &[]).await.is_err() {
         return false;
@@ -1037,6 +1026,18 @@ async fn write_close_delimited(
         }
     }
     false
+}
+
+/// The status line and the answer's fields, with a `Date` if it came without one (RFC 9110
+/// §6.6.1: a recipient with a clock that forwards an undated answer dates it).
+fn head(out: &mut Vec<u8>, status: StatusCode, headers: &HeaderMap) {
+    status_line(out, status);
+    for (name, value) in headers {
+        field(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if !headers.contains_key(DATE) {
+        with_date(|d| field(out, b"date", d));
+    }
 }
 
 fn status_line(out: &mut Vec<u8>, status: StatusCode) {
