@@ -2089,6 +2089,22 @@ mod tests {
         assert!(!head.contains("transfer-encoding"), "{head}");
         assert_eq!(sent, b"hello");
 
+        // A size the body cannot tell but the request declares: that Content-Length (a
+        // server that takes no chunked upload, an S3-style PUT, still gets it whole).
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
+        tx.send(Ok(Bytes::from_static(b"second"))).await.unwrap();
+        drop(tx);
+        let mut req = with_body("PUT", &fake.url("/d"), body);
+        req.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("11"));
+        let resp = within(client.request("api", req, LONG)).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, sent) = within(seen.recv()).await.unwrap();
+        assert_eq!(head.matches("content-length: 11\r\n").count(), 1, "{head}");
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        assert_eq!(sent, b"firstsecond");
+
         // No body: nothing for GET, a zero length for POST; a Host of the caller's own.
         let mut req = get(&fake.url("/"));
         req.headers_mut()

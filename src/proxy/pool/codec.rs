@@ -635,6 +635,159 @@ mod tests {
         assert!(trailers(&mut rbuf).is_err(), "refused at the limit");
     }
 
+    /// The framing upstream is the pool's own: a client's `Content-Length` or
+    /// `Transfer-Encoding` is never copied beside it (two lengths, or a length and
+    /// chunked, would be a smuggling vector). Only `Connection: close` asks to close.
+    #[test]
+    fn the_request_head_states_its_own_framing() {
+        let parts = |fields: &[(&str, &str)]| {
+            let mut req = http::Request::builder().method("POST").uri("/x");
+            for (name, value) in fields {
+                req = req.header(*name, *value);
+            }
+            req.body(()).map(|r| r.into_parts().0)
+        };
+        let mut buf = Vec::new();
+        let client = parts(&[("content-length", "7"), ("transfer-encoding", "chunked")]);
+        let close = encode_head(
+            &mut buf,
+            &client.expect("head"),
+            "up.example",
+            Some(Out::Length(5)),
+            Some(5),
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&buf),
+            "POST /x HTTP/1.1\r\nhost: up.example\r\ncontent-length: 5\r\n\r\n"
+        );
+        assert!(!close);
+
+        for (fields, asks) in [
+            (&[("connection", "close")][..], true),
+            (&[("connection", "keep-alive")], false),
+            (&[("x-mode", "close")], false),
+            (&[("x-mode", "close"), ("connection", "keep-alive")], false),
+        ] {
+            let p = parts(fields).expect("head");
+            let close = encode_head(&mut buf, &p, "up.example", Some(Out::Chunked), None);
+            assert_eq!(close, asks, "{fields:?}");
+            assert!(String::from_utf8_lossy(&buf).ends_with("transfer-encoding: chunked\r\n\r\n"));
+        }
+    }
+
+    /// A length said oddly (leading zeros, a list, twice) reaches the client-facing
+    /// writers as one plain number, which they can frame the answer by; a plain one is
+    /// left as it came.
+    #[test]
+    fn an_odd_content_length_becomes_one_plain_number() {
+        for (fields, want) in [
+            ("content-length: 005\r\n", "5"),
+            ("content-length: 5, 5\r\n", "5"),
+            ("content-length: 5\r\ncontent-length: 5\r\n", "5"),
+            ("content-length: 0\r\n", "0"),
+            ("content-length: 00\r\n", "0"),
+            ("content-length: 12\r\n", "12"),
+        ] {
+            let mut rbuf = BytesMut::from(format!("HTTP/1.1 200 OK\r\n{fields}\r\n").as_bytes());
+            let head = parse_head(&mut rbuf, &mut Vec::new(), false);
+            let Ok(Some(head)) = head else {
+                panic!("{fields:?}: {:?}", head.map(|h| h.map(|h| h.status)));
+            };
+            let lengths: Vec<_> = head.headers.get_all(CONTENT_LENGTH).iter().collect();
+            assert_eq!(lengths, [want], "{fields:?}");
+        }
+    }
+
+    /// Whether the connection may carry the next request, as RFC 9112 §9.3 has it: HTTP/1.1
+    /// unless `close` is among the `Connection` tokens, HTTP/1.0 only with `keep-alive`
+    /// and without chunked framing, and never after a body read to the close.
+    #[test]
+    fn keep_alive_follows_the_version_and_the_connection_tokens() {
+        for (head, keep) in [
+            ("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", true),
+            (
+                "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nconnection: x, Close\r\ncontent-length: 0\r\n\r\n",
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n",
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nx-mode: close\r\ncontent-length: 0\r\n\r\n",
+                true,
+            ),
+            ("HTTP/1.1 200 OK\r\n\r\n", false),
+            ("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n", false),
+            (
+                "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n",
+                true,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\nconnection: keep-alive, close\r\ncontent-length: 0\r\n\r\n",
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n",
+                false,
+            ),
+        ] {
+            let mut rbuf = BytesMut::from(head.as_bytes());
+            let parsed = parse_head(&mut rbuf, &mut Vec::new(), false);
+            assert!(
+                matches!(parsed, Ok(Some(ref h)) if h.keep_alive == keep),
+                "{head:?}"
+            );
+        }
+    }
+
+    /// The limits in bytes, not just relative to themselves: a response head of 64 KiB (a
+    /// large `Set-Cookie`, a CSP) is read, one byte more is refused, and an unfinished one
+    /// is waited for only while it can still end within that; a chunk-size line with
+    /// extensions of nearly 4 KiB is read, one without its end by then is refused.
+    #[test]
+    fn response_heads_and_chunk_lines_are_bounded_where_documented() {
+        let head = |len: usize| {
+            let start = "HTTP/1.1 200 OK\r\nx-big: ";
+            let end = "\r\ncontent-length: 0\r\n\r\n";
+            let fill = "a".repeat(len - start.len() - end.len());
+            BytesMut::from(format!("{start}{fill}{end}").as_bytes())
+        };
+        let mut spans = Vec::new();
+        let ok = parse_head(&mut head(64 * 1024), &mut spans, false);
+        assert!(
+            matches!(ok, Ok(Some(ref h)) if h.status == 200),
+            "64 KiB head"
+        );
+        let over = parse_head(&mut head(64 * 1024 + 1), &mut spans, false);
+        let too_large = |r: &Result<Option<Head>, UpstreamError>| {
+            matches!(r, Err(UpstreamError::Protocol("response head too large")))
+        };
+        assert!(too_large(&over), "a head over 64 KiB");
+        // Unfinished: waited for while it could still end within the limit, no longer.
+        let mut partial = BytesMut::from(&b"HTTP/1.1 200 OK\r\nx-big: "[..]);
+        partial.resize(64 * 1024 - 1, b'a');
+        let wait = parse_head(&mut partial, &mut spans, false);
+        assert!(matches!(wait, Ok(None)), "an unfinished head under 64 KiB");
+        partial.extend_from_slice(b"a");
+        let cut = parse_head(&mut partial, &mut spans, false);
+        assert!(too_large(&cut), "an unfinished head of 64 KiB");
+
+        let line = |ext: usize| {
+            let mut l = b"5;".to_vec();
+            l.extend(std::iter::repeat_n(b'e', ext));
+            l.extend_from_slice(b"\r\nhello\r\n");
+            l
+        };
+        assert!(matches!(chunk_size(&line(4000)), Ok(Some((4004, 5)))));
+        let long = line(4 * 1024);
+        assert!(chunk_size(&long).is_err(), "no line end within 4 KiB");
+    }
+
     /// The decoder fed one byte at a time: every state survives a partial read.
     #[test]
     fn chunked_decoding_byte_by_byte() {
@@ -700,5 +853,17 @@ mod tests {
             step(&mut state, &mut rbuf, true).is_err(),
             "data longer than its size"
         );
+
+        // A chunk's CRLF is taken as soon as both bytes are there: a stream that pauses
+        // after a chunk leaves nothing half-read behind it.
+        let mut state = Decode::Chunk(Chunk::Size);
+        let mut rbuf = BytesMut::from(&b"5\r\nhello\r\n"[..]);
+        assert!(matches!(
+            step(&mut state, &mut rbuf, true),
+            Ok(Step::Data(_))
+        ));
+        assert!(matches!(step(&mut state, &mut rbuf, false), Ok(Step::More)));
+        assert_eq!(state, Decode::Chunk(Chunk::Size));
+        assert!(rbuf.is_empty());
     }
 }
