@@ -2929,7 +2929,13 @@ async fn a_client_still_uploading_chunks_after_an_early_answer_is_not_reset() {
             upload_after_early_answer(connect_raw(addr).await, upload).await;
         }
         assert!(upstream.seen().is_empty());
-        proxy.finish().await;
+        let stderr = proxy.finish().await;
+        // Said on this path too: the drain test that finds no such line means something.
+        assert_eq!(
+            stderr.matches("lingering close over").count(),
+            1,
+            "tls {tls}"
+        );
     }
 }
 

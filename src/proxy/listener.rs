@@ -1019,16 +1019,17 @@ impl<T: AsyncRead + Unpin> IdleIo<T> {
                 Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
                     let now = tokio::time::Instant::now();
                     if now >= linger.until {
-                        return Poll::Ready(Ok(()));
+                        return lingered("timer");
                     }
                     let next = (now + h1::LINGER_IDLE).min(linger.until);
                     linger.idle.as_mut().reset(next);
                 }
                 // The client closed, or the connection failed: done either way.
-                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => return lingered("eof"),
+                Poll::Ready(Err(_)) => return lingered("error"),
                 Poll::Pending => {
                     return match linger.idle.as_mut().poll(cx) {
-                        Poll::Ready(()) => Poll::Ready(Ok(())),
+                        Poll::Ready(()) => lingered("timer"),
                         Poll::Pending => Poll::Pending,
                     };
                 }
@@ -1037,6 +1038,12 @@ impl<T: AsyncRead + Unpin> IdleIo<T> {
         cx.waker().wake_by_ref();
         Poll::Pending
     }
+}
+
+/// The end of a lingering close, said as the fast path says it (`h1::after_early_answer`).
+fn lingered(end: &'static str) -> Poll<io::Result<()>> {
+    tracing::trace!(end, "lingering close over");
+    Poll::Ready(Ok(()))
 }
 
 /// Resolves once `activity` has seen no bytes for `timeout` (a tunnel's idle timeout).
