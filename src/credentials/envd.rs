@@ -265,6 +265,15 @@ mod tests {
         assert!(store.get("isb-1").is_none());
     }
 
+    /// `Debug` says how many, never which sandbox or what token.
+    #[test]
+    fn debug_shows_the_count_only() {
+        let store = TokenStore::new();
+        store.insert("isb-debug", Secret::new("envd-token-value"));
+        let shown = format!("{store:?}");
+        assert_eq!(shown, "TokenStore(1 sandboxes)");
+    }
+
     #[test]
     fn old_tokens_go_and_the_store_stays_bounded() {
         let store = TokenStore::new();
@@ -274,6 +283,14 @@ mod tests {
         store.insert_at("new", Secret::new("c"), t0 + MAX_AGE);
         assert!(store.get("old").is_none(), "a day-old token stays");
         assert!(store.get("young").is_some() && store.get("new").is_some());
+        // The README's promise in hours: a sandbox running all day keeps its token.
+        let hour = Duration::from_secs(3600);
+        let store = TokenStore::new();
+        store.insert_at("all-day", Secret::new("a"), t0);
+        store.insert_at("other", Secret::new("b"), t0 + 23 * hour);
+        assert!(store.get("all-day").is_some(), "gone before 24 hours");
+        store.insert_at("other", Secret::new("c"), t0 + 24 * hour);
+        assert!(store.get("all-day").is_none(), "kept past 24 hours");
 
         // The bound at a size a debug build copies quickly; MAX_TOKENS works the same way.
         const MAX: usize = 100;
