@@ -1734,6 +1734,79 @@ mod tests {
         );
     }
 
+    /// One poll of a request, with this task's waker.
+    async fn poll_once<T>(request: &mut Pin<Box<dyn Future<Output = T> + Send + '_>>) -> Poll<T> {
+        poll_fn(|cx| Poll::Ready(request.as_mut().poll(cx))).await
+    }
+
+    /// Shuts the writing half of the pooled idle connection, so the next request on it
+    /// fails at its first write, with nothing written, while the read side still looks
+    /// open to the checkout.
+    fn shut_the_idle_connections_writing_half(client: &Upstream) {
+        let mut conn = client.pool.lock().origins[0].conns.pop().unwrap();
+        let Io::Plain(tcp) = conn.io else {
+            panic!("plain upstream")
+        };
+        let tcp = tcp.into_std().unwrap();
+        tcp.shutdown(std::net::Shutdown::Write).unwrap();
+        conn.io = Io::Plain(TcpStream::from_std(tcp).unwrap());
+        client.pool.lock().origins[0].conns.push(conn);
+    }
+
+    /// A request none of which reached the server goes again on a new connection, a POST
+    /// too, since the server cannot have acted on it; one whose body was already taken
+    /// does not, as what was taken is gone.
+    #[tokio::test]
+    async fn a_request_none_of_which_was_written_is_sent_again_unless_its_body_was_taken() {
+        let heads = Arc::new(Mutex::new(Vec::<(usize, String)>::new()));
+        let seen = heads.clone();
+        // A connection closes only when the test says: after its request's write failed.
+        let close = Arc::new(tokio::sync::Semaphore::new(0));
+        let closing = close.clone();
+        let fake = Fake::start(move |mut s, n| {
+            let (seen, closing) = (seen.clone(), closing.clone());
+            async move {
+                let mut buf = Vec::new();
+                while let Some(head) = read_head(&mut s, &mut buf).await {
+                    seen.lock().unwrap().push((n, head));
+                    let _ = s.write_all(OK).await;
+                }
+                closing.acquire().await.unwrap().forget();
+            }
+        })
+        .await;
+        let client = client();
+        assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
+
+        shut_the_idle_connections_writing_half(&client);
+        let pause = with_body("POST", &fake.url("/2"), body::empty());
+        let mut request = client.request("api", pause, LONG);
+        // The first poll takes the pooled connection and fails to write; the answer waits
+        // for the server's close, which tells a dead connection from a slow one.
+        assert!(poll_once(&mut request).await.is_pending());
+        close.add_permits(1);
+        let resp = within(request).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fake.accepts(), 2, "the POST went again on a new connection");
+
+        shut_the_idle_connections_writing_half(&client);
+        let upload = with_body("POST", &fake.url("/3"), body::full("data"));
+        let mut request = client.request("api", upload, LONG);
+        assert!(poll_once(&mut request).await.is_pending());
+        close.add_permits(1);
+        let e = within(request).await.unwrap_err();
+        assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
+        assert_eq!(fake.accepts(), 2, "a body once taken is never sent again");
+
+        let seen: Vec<(usize, String)> = heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, h)| (*n, h.split(' ').take(2).collect::<Vec<_>>().join(" ")))
+            .collect();
+        assert_eq!(seen, [(0, "GET /1".into()), (1, "POST /2".into())]);
+    }
+
     #[tokio::test]
     async fn a_server_closing_mid_response_is_a_reset() {
         // One answer per connection, cut short, then the connection closes.
