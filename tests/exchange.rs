@@ -9,7 +9,7 @@ mod support;
 mod fake_exchange;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use abx_proxy::credentials::exchange::{
     BoxFuture, Clock, ExchangeConfig, ExchangeEvent, ExchangedKey, Exchanger, HttpExchanger,
@@ -130,6 +130,28 @@ async fn both_schemes_are_accepted_by_the_verifying_fake() {
         ex.exchange_at(now).await.expect("second exchange");
         assert_eq!(fake.accepted(), 2);
     }
+}
+
+/// An endpoint below a path (a gateway's): ACS3 signs the whole path the server sees, the
+/// prefix once.
+#[tokio::test]
+async fn acs3_below_a_path_prefix() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    fake.set_path_prefix("/gateway/v1");
+    for url in [
+        format!("{}/gateway/v1", fake.url),
+        format!("{}/gateway/v1/", fake.url),
+    ] {
+        let ex = HttpExchanger::new(
+            config(&url, ExchangeScheme::Acs3, ACCESS_KEY_SECRET),
+            client(),
+        );
+        ex.exchange_at(clock.now())
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {} {:?}", e.line(), fake.rejections()));
+    }
+    assert_eq!(fake.accepted(), 2);
 }
 
 #[tokio::test]
@@ -329,15 +351,111 @@ async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
     );
     h.clock.advance(REFUSAL_GAP);
     assert!(
+        !h.source.refused(&Secret::new(first.as_str())),
+        "a replaced key, after the gap too"
+    );
+    assert!(
         h.source.refused(&Secret::new(second.as_str())),
         "after the gap"
     );
+    let ExchangeEvent::Success { expiry_unix } = h.next_event().await else {
+        panic!("early refresh failed: {:?}", h.fake.rejections());
+    };
+    let third = h.key().await;
+    assert_ne!(third, second);
+    assert_eq!(h.fake.calls(), 3);
+
+    // At its refresh point a key's refresh is due anyway: a refusal asks for nothing more.
+    let expiry = UNIX_EPOCH + Duration::from_secs(u64::try_from(expiry_unix).unwrap());
+    h.clock.advance_to(expiry - Duration::from_secs(300));
+    assert!(
+        !h.source.refused(&Secret::new(third.as_str())),
+        "at the refresh point"
+    );
+}
+
+/// A key whose last usable second (5 s before its expiry) has come by the time its answer
+/// is read is a failed exchange, retried, never a key handed out.
+#[tokio::test]
+async fn a_key_that_ran_out_on_the_way_is_a_failed_exchange() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        // Fresh enough when asked for (6 s from the request's time), used up on arrival.
+        f.set_ttl(Some(Duration::from_secs(5)));
+        f.hold();
+    })
+    .await;
+    h.fake.until_calls(1).await;
+    h.clock.advance(Duration::from_secs(1));
+    h.fake.release();
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    assert!(!h.source.ready());
+    let e = h.source.current().await.expect_err("no usable key");
+    assert!(
+        e.line().contains("expired before it could be used"),
+        "{}",
+        e.line()
+    );
+}
+
+/// A retired source (a reload replaced the pair) or a dropped one stops refreshing: its
+/// refresher is gone, and no exchange is made with the pair however far time moves.
+#[tokio::test]
+async fn a_retired_or_dropped_source_makes_no_more_exchanges() {
+    for retire in [true, false] {
+        let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+            f.set_ttl(Some(Duration::from_secs(3600)))
+        })
+        .await;
+        assert!(matches!(
+            h.next_event().await,
+            ExchangeEvent::Success { .. }
+        ));
+        h.clock.until_sleepers(1).await;
+        if retire {
+            h.source.retire();
+        } else {
+            drop(h.source);
+        }
+        let gone = async {
+            while h.clock.live_sleepers() > 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(GUARD, gone)
+            .await
+            .unwrap_or_else(|_| panic!("retire {retire}: the refresher still sleeps"));
+        h.clock.advance(Duration::from_secs(2 * 3600));
+        tokio::task::yield_now().await;
+        assert_eq!(h.fake.calls(), 1, "retire {retire}");
+        assert!(h.events.try_recv().is_err(), "retire {retire}: an exchange");
+    }
+}
+
+/// A request that finds its key's refresh due wakes the refresher: after a suspend the
+/// refresher's timer has not fired (it re-reads the clock only every 30 s), and the key
+/// still works for a while, so nothing else would ask for the refresh in time.
+#[tokio::test]
+async fn a_request_past_the_refresh_point_wakes_the_refresher() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
     assert!(matches!(
         h.next_event().await,
         ExchangeEvent::Success { .. }
     ));
-    assert_ne!(h.key().await, second);
-    assert_eq!(h.fake.calls(), 3);
+    // No request before the jump: any earlier wake-up could carry the refresher over it.
+    let first = h.fake.issued_keys()[0].clone();
+    h.clock.until_sleepers(1).await;
+    // Past the refresh point (5 min before expiry), still 4 min from the key's end.
+    h.clock.jump(Duration::from_secs(3600 - 240));
+    assert_eq!(h.key().await, first, "the key still works");
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert_ne!(h.key().await, first);
+    assert_eq!(h.fake.calls(), 2);
 }
 
 impl Harness {
@@ -494,6 +612,31 @@ async fn retries_back_off_exponentially() {
     }
 }
 
+/// An answer with more in it than the key is read whole up to 64 KiB; a larger one is
+/// refused as no answer this proxy can use, without reading on.
+#[tokio::test]
+async fn answers_are_read_up_to_64_kib() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    let ex = HttpExchanger::new(
+        config(&fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
+        client(),
+    );
+    fake.set_padding(60 * 1024);
+    let issued = ex.exchange_at(clock.now()).await.expect("a 60 KiB answer");
+    assert_eq!(issued.key.expose(), fake.issued_keys()[0]);
+
+    fake.set_padding(64 * 1024);
+    let e = ex.exchange_at(clock.now()).await.expect_err("over 64 KiB");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(
+        e.to_string()
+            .ends_with("HTTP 200: the answer is over 64 KiB"),
+        "{}",
+        e.line()
+    );
+}
+
 #[tokio::test]
 async fn no_key_ever_obtained_is_e1004() {
     let h = harness(ExchangeScheme::Acs3, Duration::from_secs(300), |f| {
@@ -588,6 +731,14 @@ async fn secrets_and_keys_never_show_in_debug_or_errors() {
             assert!(!text.contains(secret.as_str()), "{text} leaks {secret}");
         }
     }
+    // And they still say what is there, the secret aside.
+    assert!(texts[0].contains("successes: 1"), "{}", texts[0]);
+    for text in &texts[1..3] {
+        assert!(text.contains(ACCESS_KEY_ID), "{text}");
+    }
+    assert!(texts[2].contains("hostname: \""), "{}", texts[2]);
+    let options = format!("{:?}", RefreshOptions::new(Duration::from_secs(300)));
+    assert!(options.contains("refresh_before: 300s"), "{options}");
 }
 
 /// A key no HTTP header can carry is a failed exchange, not a success that makes /readyz
@@ -783,6 +934,44 @@ async fn a_key_that_ran_out_while_the_machine_slept_waits_for_its_refresh() {
         Ok(_) => panic!("an expired key was handed out"),
         Err(e) => assert!(e.line().contains("E1004"), "{}", e.line()),
     }
+}
+
+/// The other side of the wait above: a refresh that began on time and is still under way
+/// when the key stops being handed out is slow, not late. A request then gets 503 E1004
+/// at once rather than waiting up to 10 s with the endpoint; the refresh, when it lands,
+/// serves the next one.
+#[tokio::test]
+async fn a_key_that_ran_out_during_a_slow_refresh_begun_on_time_is_refused_at_once() {
+    let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(6), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    let ExchangeEvent::Success { expiry_unix } = h.next_event().await else {
+        panic!("first exchange failed: {:?}", h.fake.rejections());
+    };
+    let first = h.key().await;
+    let expiry = UNIX_EPOCH + Duration::from_secs(u64::try_from(expiry_unix).unwrap());
+    h.fake.hold();
+    // The refresh point (6 s before expiry): the refresh starts on time and is held.
+    h.clock.advance_to(expiry - Duration::from_secs(6));
+    h.fake.until_calls(2).await;
+    // 4 s before expiry: past the 5 s margin, the refresh still under way.
+    h.clock.advance(Duration::from_secs(2));
+    match tokio::time::timeout(GUARD, h.source.current()).await {
+        Ok(Err(e)) => {
+            assert_eq!(e.code(), "E1004", "{}", e.line());
+            assert!(e.line().contains("has expired"), "{}", e.line());
+        }
+        Ok(Ok(_)) => panic!("a key within 5 s of its expiry was handed out"),
+        Err(_) => panic!("the request waited for a refresh begun on time"),
+    }
+    h.fake.release();
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let second = h.key().await;
+    assert_ne!(second, first);
 }
 
 /// SPEC §5: a temporary key is never sent later than 5 s before its expiry. The control

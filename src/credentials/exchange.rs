@@ -557,11 +557,14 @@ pub async fn exchange_once(
     Ok((issued.key, iso8601(issued.expires_at)))
 }
 
-/// The machine's name as it goes into `apiKeyName`: letters, digits, `-` and `.` only.
+/// The machine's name as it goes into `apiKeyName`.
 fn local_hostname() -> String {
-    let raw = gethostname::gethostname();
+    host_label(&gethostname::gethostname().to_string_lossy())
+}
+
+/// Letters, digits, `-` and `.` only, at most 63 of them; `unknown` for no name.
+fn host_label(raw: &str) -> String {
     let name: String = raw
-        .to_string_lossy()
         .chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
@@ -1167,6 +1170,21 @@ mod tests {
         }
     }
 
+    /// Epoch numbers: 0 or less is no expiry; above 10^11 is milliseconds, 10^11 itself
+    /// still seconds.
+    #[test]
+    fn epoch_bounds() {
+        for none in [json!(0), json!(-5), json!("0")] {
+            assert_eq!(parse_expiry(&none), None, "{none}");
+        }
+        let t = 100_000_000_000;
+        assert_eq!(parse_expiry(&json!(t)), Some(at(t)));
+        assert_eq!(
+            parse_expiry(&json!(t + 1)),
+            Some(UNIX_EPOCH + Duration::from_millis(t + 1))
+        );
+    }
+
     /// A shared buffer the test subscriber writes log lines into.
     #[derive(Clone, Default)]
     struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
@@ -1218,10 +1236,26 @@ mod tests {
         }
     }
 
+    /// A key past its expiry, or within the 5 s margin of it, is refused, naming the
+    /// expiry; one just beyond the margin is taken.
     #[test]
-    fn past_expiry_is_an_error() {
-        let e = parse(200, json!({"apiKey": "k", "expireTime": 1_000_000_000}));
-        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+    fn past_or_nearly_past_expiry_is_an_error() {
+        let start = 1_735_689_600;
+        for (exp, shown) in [
+            (1_000_000_000, "2001-09-09T01:46:40Z"),
+            (start + 3, "2025-01-01T00:00:03Z"),
+            (start + 5, "2025-01-01T00:00:05Z"),
+        ] {
+            match parse(200, json!({"apiKey": "k", "expireTime": exp})) {
+                Err(Error::TokenExchange { reason }) => assert!(
+                    reason.contains(&format!("expires at {shown}, already (nearly) past")),
+                    "{reason}"
+                ),
+                other => panic!("{exp}: {other:?}"),
+            }
+        }
+        let k = parse(200, json!({"apiKey": "k", "expireTime": start + 6})).unwrap();
+        assert_eq!(k.expires_at, at(start + 6));
     }
 
     #[test]
@@ -1261,8 +1295,19 @@ mod tests {
             matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains("Throttling.User")),
             "{e:?}"
         );
-        let e = parse(200, json!({"apiKey": {"apiKeyValue": ""}}));
-        assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+        for blank in [
+            json!({"apiKey": {"apiKeyValue": " "}}),
+            json!({"apiKey": " "}),
+        ] {
+            let e = parse(200, blank.clone());
+            assert!(
+                matches!(e, Err(Error::TokenExchange { .. })),
+                "{blank}: {e:?}"
+            );
+        }
+        // A blank key is no key: the other spelling is still looked at.
+        let k = parse(200, json!({"apiKey": " ", "ApiKey": "k2"})).unwrap();
+        assert_eq!(k.key.expose(), "k2");
         let e = parse_response(200, b"not json", now(), TTL);
         assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
     }
@@ -1307,11 +1352,30 @@ mod tests {
         ));
     }
 
+    /// A numeric code is named like a text one; a blank `Code` is no code, and `code` is
+    /// looked at next.
+    #[test]
+    fn numeric_and_blank_codes() {
+        let e = parse(400, json!({"Code": 4001, "Message": "m"}));
+        let text = e.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.ends_with("HTTP 400, 4001"), "{text}");
+        let body = json!({"Code": "", "code": "Throttling.User"}).to_string();
+        assert!(is_temporary(400, body.as_bytes()));
+    }
+
     #[test]
     fn odd_codes_are_sanitized() {
         let e = parse(400, json!({"Code": "Bad Code\n<script>", "Message": "m"}));
         let text = e.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.ends_with("HTTP 400, BadCodescript"), "{text}");
+    }
+
+    #[test]
+    fn host_labels() {
+        assert_eq!(host_label("box-1.example"), "box-1.example");
+        assert_eq!(host_label("My_Box ä/x"), "My-Box---x");
+        assert_eq!(host_label(""), "unknown");
+        assert_eq!(host_label(&"a".repeat(100)), "a".repeat(63));
     }
 
     #[test]

@@ -90,6 +90,12 @@ impl ManualClock {
         }
     }
 
+    /// Moves time without waking anyone: a machine that was suspended, whose wall clock
+    /// moved on while its timers did not run.
+    pub fn jump(&self, by: Duration) {
+        lock(&self.state).now += by;
+    }
+
     /// Sleepers whose future is still alive.
     pub fn live_sleepers(&self) -> usize {
         let mut st = lock(&self.state);
@@ -186,6 +192,10 @@ struct State {
     mode: Mutex<Mode>,
     /// Lifetime of issued keys; `None` leaves `expireTime` out of the answer.
     ttl: Mutex<Option<Duration>>,
+    /// Bytes of an extra field in each issued key's answer.
+    padding: Mutex<usize>,
+    /// Where the endpoint sits below the host (`""`, or `/gateway`).
+    prefix: Mutex<String>,
     /// While false, requests are counted and then held until it turns true.
     open: watch::Sender<bool>,
     calls: watch::Sender<usize>,
@@ -255,6 +265,8 @@ impl FakeExchange {
             clock,
             mode: Mutex::new(Mode::Ok),
             ttl: Mutex::new(Some(Duration::from_secs(3600))),
+            padding: Mutex::new(0),
+            prefix: Mutex::new(String::new()),
             open: watch::channel(true).0,
             calls: watch::channel(0).0,
             accepted: AtomicUsize::new(0),
@@ -307,6 +319,17 @@ impl FakeExchange {
 
     pub fn set_ttl(&self, ttl: Option<Duration>) {
         *lock(&self.state.ttl) = ttl;
+    }
+
+    /// Serves ACS3's `CreateApiKey` below `prefix` (a gateway path), not at the root.
+    pub fn set_path_prefix(&self, prefix: &str) {
+        *lock(&self.state.prefix) = prefix.to_string();
+    }
+
+    /// Pads each answer that issues a key with a field of `bytes` bytes (real answers
+    /// carry request ids and key metadata the proxy skips).
+    pub fn set_padding(&self, bytes: usize) {
+        *lock(&self.state.padding) = bytes;
     }
 
     /// Holds every answer (requests are still counted) until [`FakeExchange::release`].
@@ -492,7 +515,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
     state.accepted.fetch_add(1, Ordering::SeqCst);
     let expiry = lock(&state.ttl).map(|ttl| now + ttl);
     // The two schemes answer in different shapes, so both parsing paths run end to end.
-    let body = if scheme == "rpc-v1" {
+    let mut body = if scheme == "rpc-v1" {
         let mut k = json!({"ApiKeyName": format!("fake-{n}"), "ApiKeyValue": key});
         if let Some(t) = expiry {
             let ms = t
@@ -509,6 +532,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
         }
         json!({"requestId": "FAKE-REQUEST", "apiKey": k})
     };
+    let padding = *lock(&state.padding);
+    if padding > 0 {
+        body["Padding"] = json!("x".repeat(padding));
+    }
     answer(200, body)
 }
 
@@ -659,7 +686,8 @@ fn verify_acs3(
     if sorted != signed {
         return Err(reject("InvalidAuthorization", "SignedHeaders not sorted"));
     }
-    if parts.method != http::Method::POST || parts.uri.path() != "/pop/2026-05-09/api-keys" {
+    let want = format!("{}/pop/2026-05-09/api-keys", lock(&state.prefix));
+    if parts.method != http::Method::POST || parts.uri.path() != want {
         return Err(reject("InvalidAction.NotFound", "wrong method or path"));
     }
     if one("x-acs-action") != "CreateApiKey" || one("x-acs-version") != "2026-05-09" {
