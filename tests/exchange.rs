@@ -375,7 +375,7 @@ async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
 }
 
 /// A key whose last usable second (5 s before its expiry) has come by the time its answer
-/// is read is a failed exchange, retried, never a key handed out.
+/// is read is a failed exchange, never a key handed out.
 #[tokio::test]
 async fn a_key_that_ran_out_on_the_way_is_a_failed_exchange() {
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
@@ -613,7 +613,7 @@ async fn retries_back_off_exponentially() {
 }
 
 /// An answer with more in it than the key is read whole up to 64 KiB; a larger one is
-/// refused as no answer this proxy can use, without reading on.
+/// refused as no answer this proxy can use.
 #[tokio::test]
 async fn answers_are_read_up_to_64_kib() {
     let clock = ManualClock::new();
