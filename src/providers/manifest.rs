@@ -285,8 +285,9 @@ impl Manifest {
                     if alias.is_empty()
                         || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
                     {
+                        // An empty needle is line 1: point at the field instead.
                         return Err(err(
-                            alias,
+                            if alias.is_empty() { name } else { alias },
                             format!("env alias {alias:?} is not a valid variable name"),
                         ));
                     }
@@ -681,6 +682,15 @@ inherit = ["sandbox_api_key"]
                 12,
                 "config.fields.base_url.default",
             ),
+            // In a list: an alias is checked as a variable name only after this.
+            (
+                OPEN.replace(
+                    "\"OPEN_SANDBOX_API_KEY\"",
+                    "\"OPEN_SANDBOX_API_KEY\\u001b\"",
+                ),
+                10,
+                "config.fields.api_key.env",
+            ),
             (
                 OPEN.replace("[core]", "[core]\n\"a\\tb\" = 1"),
                 13,
@@ -905,6 +915,21 @@ inherit = ["sandbox_api_key"]
                 OPEN.replace("id = \"opensandbox\"", "id = \"Open Sandbox\""),
                 3,
                 "provider id",
+            ),
+            (
+                OPEN.replace("id = \"opensandbox\"", "id = \"9sandbox\""),
+                3,
+                "provider id \"9sandbox\": lower-case letters",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY\"", "OPEN.SANDBOX_API_KEY\""),
+                10,
+                "env alias \"OPEN.SANDBOX_API_KEY\" is not a valid variable name",
+            ),
+            (
+                OPEN.replace("\"OPEN_SANDBOX_API_KEY\"", "\"\""),
+                8,
+                "env alias \"\" is not a valid variable name",
             ),
             (
                 OPEN.replace("base_url = \"http://localhost:8080\"\n", ""),
