@@ -538,6 +538,12 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
         .count();
     assert!(before > 0, "the first key was used before the reload");
     let stderr = proxy.finish().await;
+    // The file decides the key here: nothing shadows it, and no warning says so.
+    let shadowed: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("higher level still decides"))
+        .collect();
+    assert!(shadowed.is_empty(), "{shadowed:?}");
     for key in [KEY1, KEY2, KEY3] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }

@@ -741,6 +741,12 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
         0,
         "the built-in upstream was contacted"
     );
+    // The plugin's key is its credential: swapped, never listed as waiting for a restart.
+    let restart: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("next restart"))
+        .collect();
+    assert!(restart.is_empty(), "{restart:?}");
     for key in [OS_KEY, OS_KEY2, API_KEY] {
         assert!(!stderr.contains(key), "a key value in the log");
     }
