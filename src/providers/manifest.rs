@@ -682,7 +682,8 @@ inherit = ["sandbox_api_key"]
                 12,
                 "config.fields.base_url.default",
             ),
-            // In a list: an alias is checked as a variable name only after this.
+            // In a list (an env alias): refused as a control character, before the
+            // alias is checked as a variable name.
             (
                 OPEN.replace(
                     "\"OPEN_SANDBOX_API_KEY\"",
