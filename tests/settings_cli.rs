@@ -925,6 +925,12 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
 /// address (the second bind fails, blaming "another process"). Both said ok.
 #[test]
 fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() {
+    let check_offline = |flags: &[&str]| {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        c.flags.extend(flags.iter().map(|f| f.to_string()));
+        c.run(&["check", "--offline"])
+    };
     for (flags, named) in [
         (
             &["--sandbox-base-url", "http://127.0.0.1:49982"][..],
@@ -940,7 +946,52 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             "sandbox_base_url",
         ),
         (&["--sandbox-url", "http://[::1]:49982"][..], "sandbox_url"),
+        // Connecting to the unspecified address reaches this host.
+        (
+            &["--sandbox-base-url", "http://0.0.0.0:49982"][..],
+            "sandbox_base_url",
+        ),
+        // The listener's own address, not a loopback one, bracketed or not.
+        (
+            &[
+                "--sandbox-base-url",
+                "http://10.0.0.5:7000",
+                "--listen",
+                "10.0.0.5:7000",
+                "--allow-remote",
+            ][..],
+            "sandbox_base_url",
+        ),
+        (
+            &[
+                "--sandbox-url",
+                "http://[2001:db8::5]:7000",
+                "--listen",
+                "[2001:db8::5]:7000",
+                "--allow-remote",
+            ][..],
+            "sandbox_url",
+        ),
+        (
+            &[
+                "--sandbox-base-url",
+                "http://[::]:7000",
+                "--listen",
+                "[::]:7000",
+                "--allow-remote",
+            ][..],
+            "sandbox_base_url",
+        ),
         (&["--listen", "127.0.0.1:9464"][..], "admin_listen"),
+        (
+            &[
+                "--listen",
+                "unix:/run/abx/proxy.sock",
+                "--admin-listen",
+                "unix:/run/abx/proxy.sock",
+            ][..],
+            "admin_listen",
+        ),
         (
             &[
                 "--listen",
@@ -952,10 +1003,7 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             "admin_listen",
         ),
     ] {
-        let mut c = Case::new();
-        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-        c.flags.extend(flags.iter().map(|f| f.to_string()));
-        let out = c.run(&["check", "--offline"]);
+        let out = check_offline(flags);
         assert_eq!(out.code, 78, "{flags:?}: {}", out.stderr);
         assert!(
             out.stderr
@@ -964,12 +1012,27 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             out.stderr
         );
     }
-    // Another port on the same host is another server.
-    let mut c = Case::new();
-    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    c.flag("--sandbox-base-url", "http://127.0.0.1:49983");
-    let out = c.run(&["check", "--offline"]);
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    // Another port on the same host is another server, another address another host,
+    // another path another socket.
+    for flags in [
+        &["--sandbox-base-url", "http://127.0.0.1:49983"][..],
+        &[
+            "--sandbox-base-url",
+            "http://10.0.0.6:7000",
+            "--listen",
+            "10.0.0.5:7000",
+            "--allow-remote",
+        ][..],
+        &[
+            "--listen",
+            "unix:/run/abx/proxy.sock",
+            "--admin-listen",
+            "unix:/run/abx/admin.sock",
+        ][..],
+    ] {
+        let out = check_offline(flags);
+        assert_eq!(out.code, 0, "{flags:?}: {}", out.stderr);
+    }
 }
 
 /// A `.env` that is there but cannot be read as a file (a link to a file that is gone, a

@@ -815,9 +815,14 @@ impl Settings {
             let Some(url) = url else { continue };
             let default_port = if url.is_https() { 443 } else { 80 };
             let port = url.authority.port_u16().unwrap_or(default_port);
-            let local = crate::proxy::route::is_local_name(url.host())
-                || url
-                    .host()
+            // An IPv6 host comes bracketed (`[::]`), which no address parser takes.
+            let host = url.host();
+            let literal = host
+                .strip_prefix('[')
+                .and_then(|h| h.strip_suffix(']'))
+                .unwrap_or(host);
+            let local = crate::proxy::route::is_local_name(host)
+                || literal
                     .parse::<std::net::IpAddr>()
                     .is_ok_and(|ip| ip == bound.ip() || ip.is_unspecified());
             if local && port == bound.port() {
@@ -848,10 +853,14 @@ impl Settings {
             _ => false,
         };
         if shared {
+            let differ = match self.admin_listen {
+                ListenAddr::Tcp(_) => "ports",
+                ListenAddr::Unix(_) => "socket paths",
+            };
             return Err(Error::InvalidSetting {
                 key: Key::AdminListen.name().to_string(),
                 reason: format!(
-                    "{} is also the proxy's listen address: give them different ports",
+                    "{} is also the proxy's listen address: give them different {differ}",
                     self.shown(&self.admin_listen)
                 ),
             });
