@@ -33,15 +33,17 @@ pub fn shown(value: &str, secrets: &[Secret]) -> String {
     url_masked(&value)
 }
 
-/// The URL rule of [`shown`]. A value is read as a URL when it has a scheme, or when it
+/// The URL rule of [`shown`]. A value is read as a URL when it has a `://`, or when it
 /// starts with user info (`eve:pw@domain.example`: a host-only value, as `sandbox_domain`
 /// or a plugin's `base_url` without a scheme take); anything else (`single # quoted`, a
-/// unix path, a region) comes back as it is. The authority ends where the settings' URL
-/// parser ends it, at the first `/`, `?` or `#`.
+/// unix path, a region) comes back as it is. What comes before the `://` need not be a
+/// valid scheme: `config list` prints a mistyped URL (`h ttps://`, `9p://`) too, and its
+/// password is no less a password. The authority ends where the settings' URL parser ends
+/// it, at the first `/`, `?` or `#`.
 fn url_masked(value: &str) -> String {
     let (scheme, rest) = match value.split_once("://") {
-        Some((scheme, rest)) if is_scheme(scheme) => (Some(scheme), rest),
-        _ => (None, value),
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, value),
     };
     let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
     if scheme.is_none() && !authority.contains('@') {
@@ -92,13 +94,6 @@ fn url_masked(value: &str) -> String {
     out
 }
 
-/// RFC 3986: a letter, then letters, digits, `+`, `-` or `.`.
-fn is_scheme(s: &str) -> bool {
-    s.starts_with(|c: char| c.is_ascii_alphabetic())
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
-}
-
 /// `name=****`; a parameter without `=` may be a bare token, and is masked whole.
 fn masked_param(param: &str) -> String {
     match param.split_once('=') {
@@ -132,6 +127,11 @@ mod tests {
             ("cn-hangzhou", "cn-hangzhou"),
             ("single # quoted", "single # quoted"),
             ("a?b=c", "a?b=c"),
+            // Not a scheme, still a URL as far as its password goes.
+            ("9p://bob:pw@h/", "9p://bob:****@h/"),
+            // An empty parameter stays empty.
+            ("https://h/?a=1&&b", "https://h/?a=****&&****"),
+            ("h ttps://bob:pw@h/?sig=x", "h ttps://bob:****@h/?sig=****"),
             ("", ""),
         ];
         for (raw, want) in cases {
