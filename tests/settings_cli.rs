@@ -1061,6 +1061,60 @@ fn a_dotenv_that_is_not_a_file_is_named() {
     }
 }
 
+/// `~/.abx/config.toml` is abx-proxy's own file: when it is there but cannot be read, the
+/// settings it holds are not quietly replaced by the defaults. An absent one is none, and
+/// a link to a file that is gone is skipped as absent, but said, as for a `.env`.
+#[test]
+fn a_config_toml_that_cannot_be_read_stops_the_command() {
+    let c = Case::new();
+    std::fs::create_dir(c.abx_dir().join("config.toml")).expect("dir");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("[E1006] cannot read ~/.abx/config.toml"),
+        "{}",
+        out.stderr
+    );
+
+    let c = Case::new();
+    let toml = c.abx_dir().join("config.toml");
+    std::os::unix::fs::symlink(c.cwd.join("gone"), &toml).expect("link");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "cn-hangzhou\n"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.lines().any(|l| l.contains("~/.abx/config.toml")
+            && l.contains("not a readable file (a dangling link)")),
+        "{}",
+        out.stderr
+    );
+    std::fs::remove_file(&toml).expect("unlink");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!((out.code, out.stderr.as_str()), (0, ""));
+}
+
+/// A `.env` that is not UTF-8 (saved in a legacy code page) fails naming the file and the
+/// reason, as python-dotenv fails on it; the bytes themselves are never printed.
+#[test]
+fn a_dotenv_that_is_not_utf8_says_so() {
+    let c = Case::new();
+    std::fs::write(c.cwd.join(".env"), b"GREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\n").expect("write");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("[E1006] cannot read ./.env")
+            && out.stderr.contains("did not contain valid UTF-8"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("sk-cwd"), "{}", out.stderr);
+}
+
 #[test]
 fn malformed_files_name_the_file_and_line_but_not_the_content() {
     let cases: &[(&str, &str, &str)] = &[
@@ -1803,6 +1857,56 @@ fn every_non_secret_key_is_read_from_its_config_toml_table() {
         "{}",
         out.stderr
     );
+}
+
+/// TOML has numbers: `token_ttl = 1200` is what a user writes, and it reads as the string
+/// would. A value no setting can take (an array, a table, a date) is ignored with a
+/// warning naming the key, as an unknown key is, not silently.
+#[test]
+fn config_toml_numbers_are_read_and_other_types_are_named() {
+    let c = Case::new();
+    c.toml(
+        "[auth]\ntoken_ttl = 1200\ntoken_refresh_before = 100.0\n\
+         [transport]\nregion = [\"cn-beijing\"]\nsandbox_domain = 1979-05-27\n\
+         [proxy]\ncompat_v2_paths = true\n\
+         [providers]\nopen-sandbox = 1\n[providers.e2b-cloud]\nbase_url = { host = \"h\" }\n",
+    );
+    let out = c.run(&["config", "list", "--json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let rows = parse_rows(&out.stdout);
+    for (key, value, source) in [
+        ("token_ttl", "1200", "~/.abx/config.toml"),
+        ("token_refresh_before", "100", "~/.abx/config.toml"),
+        // Read as text, and only then refused, by `check`, as the string would be.
+        ("compat_v2_paths", "true", "~/.abx/config.toml"),
+        ("region", "cn-hangzhou", "default"),
+        (
+            "sandbox_domain",
+            "cn-hangzhou.e2b.fc.aliyuncs.com",
+            "default",
+        ),
+    ] {
+        let r = find(&rows, key);
+        assert_eq!(
+            (r.value.as_deref(), r.source.as_str()),
+            (Some(value), source),
+            "{key}"
+        );
+    }
+    for warning in [
+        "[transport] region ignored; expected a string, number or boolean",
+        "[transport] sandbox_domain ignored; expected a string, number or boolean",
+        "[providers] open-sandbox ignored; a provider's fields go in [providers.open-sandbox]",
+        "[providers.e2b-cloud] base_url ignored; expected a string, number or boolean",
+    ] {
+        assert!(
+            out.stderr
+                .lines()
+                .any(|l| l.contains("~/.abx/config.toml") && l.contains(warning)),
+            "{warning}: {}",
+            out.stderr
+        );
+    }
 }
 
 #[test]

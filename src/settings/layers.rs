@@ -294,7 +294,17 @@ pub fn read_config_toml(
 ) -> Result<HashMap<String, String>, Error> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // As for a `.env`: a link whose file is gone (a ConfigMap volume's link after a
+            // bad mount) leaves every setting it held at its default, so say so.
+            if path.symlink_metadata().is_ok() {
+                warnings.push(format!(
+                    "{} is not a readable file (a dangling link); skipped",
+                    config_label(path)
+                ));
+            }
+            return Ok(HashMap::new());
+        }
         Err(e) => {
             return Err(Error::ReadFile {
                 path: config_label(path),
@@ -326,11 +336,20 @@ pub fn parse_config_toml_str(
         match value {
             toml::Value::Table(section) if name == "providers" => {
                 for (id, fields) in section {
-                    if let toml::Value::Table(fields) = fields {
-                        for (field, v) in fields {
-                            if let Some(v) = scalar(v) {
+                    let toml::Value::Table(fields) = fields else {
+                        warnings.push(format!(
+                            "{}: [providers] {id} ignored; a provider's fields go in [providers.{id}]",
+                            config_label(path)
+                        ));
+                        continue;
+                    };
+                    for (field, v) in fields {
+                        match scalar(v) {
+                            Some(v) => {
                                 out.insert(format!("{id}.{field}"), v);
                             }
+                            None => warnings
+                                .push(not_scalar(path, &format!("[providers.{id}] {field}"))),
                         }
                     }
                 }
@@ -363,11 +382,12 @@ fn take(
             "{}: secret key {shown} ignored; secrets are read only from the environment or a .env file",
             config_label(path)
         )),
-        Some(spec) if section.is_none() || spec.section == section => {
-            if let Some(v) = scalar(value) {
+        Some(spec) if section.is_none() || spec.section == section => match scalar(value) {
+            Some(v) => {
                 out.insert(key.to_string(), v);
             }
-        }
+            None => warnings.push(not_scalar(path, &shown)),
+        },
         Some(spec) => warnings.push(format!(
             "{}: {shown} ignored; {key} belongs in [{}]",
             config_label(path),
@@ -377,6 +397,16 @@ fn take(
     }
 }
 
+/// An array, table or date where a setting's value goes: ignored, as an unknown key is,
+/// rather than silently.
+fn not_scalar(path: &Path, shown: &str) -> String {
+    format!(
+        "{}: {shown} ignored; expected a string, number or boolean",
+        config_label(path)
+    )
+}
+
+/// TOML's own types for what the settings read as text: `token_ttl = 1200` is `"1200"`.
 fn scalar(v: &toml::Value) -> Option<String> {
     match v {
         toml::Value::String(s) => Some(s.clone()),
