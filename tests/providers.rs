@@ -656,6 +656,49 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
     );
 }
 
+/// The built-in provider's `./.env` rule for a plugin: a `./.env` that moves the plugin's
+/// upstream while its key is kept elsewhere is said, naming the variable and where the key
+/// comes from. And an invalid plugin field names the layer its value came from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_upstream_moved_by_the_cwd_env_is_warned_about_and_errors_name_the_layer() {
+    use std::os::unix::fs::PermissionsExt;
+    let home = tempfile::tempdir().expect("home");
+    install(home.path(), E2B).await;
+    let home_env = home.path().join(".abx/.env");
+    std::fs::write(
+        &home_env,
+        "ABX_PROVIDER=e2b\nABX_E2B_API_KEY=e2b-key-in-home-7Qw\n",
+    )
+    .expect("write");
+    std::fs::set_permissions(&home_env, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    std::fs::write(
+        home.path().join(".env"),
+        "ABX_E2B_BASE_URL=https://elsewhere.example\nABX_E2B_ENVD_DOMAIN=elsewhere.example\n",
+    )
+    .expect("write");
+    let out = abx(home.path(), &[], &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    for moved in [
+        "ABX_E2B_BASE_URL=https://elsewhere.example",
+        "ABX_E2B_ENVD_DOMAIN=elsewhere.example",
+    ] {
+        let said = format!(
+            "./.env in this directory sets {moved}: the credential from ~/.abx/.env goes there"
+        );
+        assert!(text(&out).contains(&said), "{said}: {}", text(&out));
+    }
+    assert!(!text(&out).contains("e2b-key-in-home"), "{}", text(&out));
+
+    let env = [("ABX_E2B_ENVD_DOMAIN", "e2b.app@127.0.0.1:1")];
+    let out = abx(home.path(), &env, &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("[E1005] invalid value for e2b.envd_domain (from env)"),
+        "{}",
+        text(&out)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_is_the_proxy_itself_is_refused() {
     // A shell set up for the OpenSandbox SDK points OPEN_SANDBOX_DOMAIN at the proxy; the

@@ -2029,8 +2029,6 @@ fn abx_home_moves_the_directory_but_not_the_source_names() {
 
 #[test]
 fn values_out_of_range_and_malformed_flags_are_refused() {
-    let mut c = Case::new();
-    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
     // token_ttl: beyond a year it overflowed the expiry date; under 20 s no key was usable.
     for (ttl, code) in [
         ("31536000", 0),
@@ -2053,14 +2051,24 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
         }
     }
     // token_refresh_before: under 10 s a refresh began as the key stopped being sent.
-    c.env("ABX_TOKEN_REFRESH_BEFORE", "9");
-    let out = c.run(&["check", "--offline"]);
-    assert_eq!(out.code, 78, "{}", out.stderr);
-    assert!(
-        out.stderr.contains("token_refresh_before"),
-        "{}",
-        out.stderr
-    );
+    for (before, code) in [("9", 78), ("10", 0)] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+            .env("ABX_TOKEN_REFRESH_BEFORE", before);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(
+            out.code, code,
+            "token_refresh_before {before}: {}",
+            out.stderr
+        );
+        if code != 0 {
+            assert!(
+                out.stderr.contains("token_refresh_before"),
+                "{}",
+                out.stderr
+            );
+        }
+    }
     let mut c = Case::new();
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
     // Bad command lines (exit 2): a --provider-option without '=' (not quoted back: it may
@@ -2388,7 +2396,7 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
 #[test]
 fn an_invalid_value_names_where_it_came_from() {
     type SetUp = fn(&mut Case);
-    let cases: [(SetUp, &str); 6] = [
+    let cases: [(SetUp, &str); 7] = [
         (
             |c| {
                 c.flag("--token-ttl", "abc");
@@ -2425,6 +2433,13 @@ fn an_invalid_value_names_where_it_came_from() {
                 c.cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={KEY_CWD}"));
             },
             "sandbox_api_key (ABX_SANDBOX_API_KEY from env)",
+        ),
+        (
+            |c| {
+                let p = c.file("key", &format!("{KEY_ENV}\u{7f}"));
+                c.flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+            },
+            "sandbox_api_key (--sandbox-api-key-file)",
         ),
     ];
     for (set, says) in cases {

@@ -945,12 +945,56 @@ mod tests {
         for secret in ["sk-env", "ghp-env", "sk-dotenv", "sk-option"] {
             assert!(!shown.contains(secret), "{secret} in {shown}");
         }
+        // Each still names what it holds: a masked-out `Debug` would help no one.
+        let inputs_shown = format!("{inputs:?}");
+        for name in ["ABX_SANDBOX_API_KEY", "GITHUB_TOKEN", "api_key"] {
+            assert!(
+                inputs_shown.contains(name),
+                "{name} missing from {inputs_shown}"
+            );
+        }
+        let layers_shown = format!("{:?}", resolved.layers);
         for name in [
             "ABX_SANDBOX_API_KEY",
+            "GITHUB_TOKEN",
             "ALICLOUD_ACCESS_KEY_SECRET",
             "api_key",
         ] {
-            assert!(shown.contains(name), "{name} missing from {shown}");
+            assert!(
+                layers_shown.contains(name),
+                "{name} missing from {layers_shown}"
+            );
         }
+    }
+
+    /// The library's way in: a secret key set through the builder is held as a secret, a
+    /// plain one as plain, and both rank as command-line flags.
+    #[test]
+    fn builder_values_resolve_at_flag_level() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Builder::new()
+            .set(Key::Region, "cn-shanghai")
+            .set(Key::GithubToken, "ghp-builder-1234")
+            .sandbox_api_key(Secret::new("sk-builder-5678"));
+        assert!(matches!(b.flags[&Key::Region], FlagValue::Plain(_)));
+        assert!(matches!(b.flags[&Key::GithubToken], FlagValue::Secret(_)));
+        let env = [("ALIBABA_CLOUD_REGION_ID", "cn-beijing")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let inputs = Inputs {
+            flags: b.flags,
+            provider_options: Vec::new(),
+            env,
+            env_not_unicode: BTreeSet::new(),
+            cwd: dir.path().to_path_buf(),
+            abx_home: None,
+        };
+        let resolved = Resolved::from_inputs(&inputs).unwrap();
+        assert_eq!(resolved.plain(Key::Region), Some("cn-shanghai"));
+        assert_eq!(resolved.entry(Key::Region).source, Source::Flag);
+        let key = resolved.secret(Key::SandboxApiKey).map(Secret::expose);
+        assert_eq!(key, Some("sk-builder-5678"));
+        assert_eq!(resolved.entry(Key::SandboxApiKey).source, Source::Flag);
     }
 }

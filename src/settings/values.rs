@@ -254,8 +254,50 @@ mod tests {
         assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("3d").is_err());
+    }
+
+    /// The region goes into host names (`api.{region}.…`): nothing that would change
+    /// which host that is, or make it no host at all.
+    #[test]
+    fn regions_are_what_alibaba_names_them() {
+        for ok in ["cn-hangzhou", "ap-southeast-1", "us-west-1"] {
+            assert!(check_region(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "CN-Hangzhou",
+            "cn_hangzhou",
+            "cn.evil.example",
+            "cn-hangzhou/x",
+        ] {
+            assert!(check_region(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// `sandbox_domain` is a host and an optional port: user info would move every envd
+    /// connection to another host, and a scheme or path would break each URL built on it.
+    #[test]
+    fn a_domain_is_a_host_and_a_port() {
+        for ok in [
+            "cn-hangzhou.e2b.fc.aliyuncs.com",
+            "envd.local:8443",
+            "127.0.0.1:9000",
+        ] {
+            assert_eq!(domain(ok).ok().as_deref(), Some(ok));
+        }
+        for bad in [
+            "",
+            "user@evil.example",
+            "https://e2b.example",
+            "e2b.example/path",
+            "e2b example",
+        ] {
+            assert!(domain(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
