@@ -142,6 +142,8 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
             let _ = open.wait_for(|open| *open).await;
             describe(&cloud, id)
         }
+        // A control plane too busy to delete: the sandbox (and its token) lives on.
+        ("DELETE", id) if id.starts_with(BUSY_TO_DELETE) => response(503, "busy"),
         ("DELETE", id) if !id.is_empty() => match cloud.sandboxes.lock().unwrap().remove(id) {
             Some(_) => response(204, ""),
             None => response(404, ""),
@@ -149,6 +151,9 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
         _ => response(404, "no such route"),
     }
 }
+
+/// Sandboxes whose id starts so are answered 503 on `DELETE`.
+const BUSY_TO_DELETE: &str = "isb-busy";
 
 /// The sandbox with its current token (get info, connect), or 404.
 fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
@@ -765,7 +770,8 @@ async fn a_page_served_from_a_sandbox_reaches_nothing_but_its_own_origin() {
 // ---------------------------------------------------------------------------------------
 
 /// `DELETE /sandboxes/{id}` through the proxy forgets the token: the next envd request for
-/// it asks the control plane again. `abx_proxy_envd_tokens` follows creates and deletes.
+/// it asks the control plane again, and so does a 404 (deleted elsewhere); a failed delete
+/// keeps it. `abx_proxy_envd_tokens` follows creates and deletes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_forgets_the_token() {
     let env = Env::start(Pki::new()).await;
@@ -820,6 +826,22 @@ async fn delete_forgets_the_token() {
     env.cloud.exists("isb-6", "tok-6");
     let (status, _) = text(send(addr, envd_request(addr, "isb-6", "/health")).await).await;
     assert_eq!(status, StatusCode::OK);
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
+
+    // Gone already (deleted elsewhere): the 404 forgets the token all the same. A delete
+    // that failed (503) keeps it: the sandbox is still there.
+    let delete = |id: &str| {
+        request("DELETE", addr, &format!("/sandboxes/{id}"))
+            .header("x-api-key", "dummy-key")
+            .body(empty())
+            .unwrap()
+    };
+    env.cloud.sandboxes.lock().unwrap().remove("isb-6");
+    assert_eq!(send(addr, delete("isb-6")).await.status(), 404);
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
+    env.create(&proxy, "isb-busy-7", "tok-7").await;
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
+    assert_eq!(send(addr, delete("isb-busy-7")).await.status(), 503);
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
     env.assert_envd_clean();
     proxy.finish().await;

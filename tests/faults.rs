@@ -508,6 +508,28 @@ async fn http2_heads_over_64_kib_get_431_too() {
     h2_heads_get(&cases, |req, size| req.header("x-big", "a".repeat(size))).await;
 }
 
+/// The 64 KiB is HTTP/2's own measure (RFC 9113 §6.5.2: every field's name and value plus
+/// 32, the pseudo-fields `:method`, `:scheme`, `:authority` and `:path` included), and a
+/// limit, not a ceiling: a head of exactly 65 536 is served, one of 65 537 gets 431.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_head_of_exactly_64_kib_passes_and_one_byte_more_is_431() {
+    const FIELD: usize = 32;
+    let cases = [(64 * 1024 + 1, 431), (64 * 1024, 200)];
+    h2_heads_get(&cases, |req, total| {
+        let uri = req.uri_ref().expect("a URI").clone();
+        let field = |name: &str, value: &str| name.len() + value.len() + FIELD;
+        let authority = uri.authority().expect("an authority").as_str();
+        let known = field(":method", "GET")
+            + field(":scheme", "http")
+            + field(":authority", authority)
+            + field(":path", uri.path())
+            + field("x-api-key", "dummy")
+            + field("x-big", "");
+        req.header("x-big", "a".repeat(total - known))
+    })
+    .await;
+}
+
 /// Sends one head per case, made by `head` from the case's number, on one HTTP/2 connection
 /// to a proxy, each expecting the case's status: a 431 reaches no upstream, and of the rest
 /// exactly one does. Each 431 has one access line (`method=- path=-`) and one count under

@@ -960,6 +960,64 @@ async fn a_temporary_key_the_control_plane_refuses_is_replaced() {
     assert_no_aksk_secret(&stderr, &issued, "the log");
 }
 
+/// A run of refusals ends when the control plane answers the key in use with anything but
+/// a 401 or a 5xx, whether to a proxied request or to an envd token look-up: the log says
+/// so (and the refusals after it back off from 30 s again, as the exchange tests show).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_to_the_key_in_use_ends_a_run_of_refusals() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.uri().path() {
+            "/refuse" => response(401, ""),
+            "/sandboxes/isb-1" => response(200, r#"{"sandboxID":"isb-1","envdAccessToken":"t"}"#),
+            _ => response(200, ""),
+        }
+    })
+    .await;
+    let envd_request = |addr| {
+        request("GET", addr, "/health")
+            .header("e2b-sandbox-id", "isb-1")
+            .body(empty())
+            .expect("request")
+    };
+    // First the envd request's token look-up, then a proxied request, each the first answer
+    // to the key that replaced a refused one.
+    for look_up in [true, false] {
+        let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+        let proxy = aksk_proxy(&upstream, &pki, &fake)
+            .args(&["--sandbox-url", &upstream.url()])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        assert_eq!(get(addr, "/refuse").await.0, 401);
+        let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
+        wait_metric_at_least(proxy.admin_addr(), successes, 2.0).await;
+        let status = match look_up {
+            true => send(addr, envd_request(addr)).await.status().as_u16(),
+            false => get(addr, "/sandboxes").await.0,
+        };
+        assert_eq!(status, 200, "look-up: {look_up}");
+        let issued = fake.issued_keys();
+        let last = upstream.seen().pop().expect("a request");
+        let path = if look_up { "/health" } else { "/sandboxes" };
+        assert_eq!(last.path_and_query(), path);
+        let stderr = proxy.finish().await;
+        let accepted = "the control plane accepted the temporary key";
+        assert_eq!(
+            stderr.matches(accepted).count(),
+            1,
+            "look-up: {look_up}: {stderr}"
+        );
+        assert_no_aksk_secret(&stderr, &issued, "the log");
+    }
+    let looked_up = upstream
+        .seen()
+        .into_iter()
+        .filter(|s| s.path_and_query() == "/sandboxes/isb-1")
+        .count();
+    assert_eq!(looked_up, 1);
+}
+
 /// SPEC §5 and §7: a reload swaps the credential only when it changed, and a new AK/SK
 /// pair only once it has a key of its own; until then the running temporary key serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

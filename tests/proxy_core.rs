@@ -691,32 +691,36 @@ fn body_len(v: &serde_json::Value) -> String {
     serde_json::to_vec(v).unwrap().len().to_string()
 }
 
+/// `--compat-v2-paths pass`: the client's `/v2` paths, bodies untouched, also under an
+/// upstream URL with a path of its own (the path is joined, never stripped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v2_paths_pass_through_with_compat_pass() {
     let pki = Pki::new();
     let (upstream, mut bodies) = recording_upstream(&pki).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--compat-v2-paths", "pass"])
-        .spawn()
-        .await;
-    let addr = proxy.addr();
+    for prefix in ["", "/api"] {
+        let proxy = ProxyCmd::new(&format!("{}{prefix}", upstream.url()), &pki)
+            .args(&["--compat-v2-paths", "pass"])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
 
-    let create = r#"{"templateID":"base"}"#;
-    let req = request("POST", addr, "/v2/sandboxes")
-        .body(full(create))
-        .unwrap();
-    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
-    let (path, body) = within("the create", bodies.recv()).await.unwrap();
-    assert_eq!(path, "/v2/sandboxes");
-    assert_eq!(&body[..], create.as_bytes(), "body untouched");
+        let create = r#"{"templateID":"base"}"#;
+        let req = request("POST", addr, "/v2/sandboxes")
+            .body(full(create))
+            .unwrap();
+        assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+        let (path, body) = within("the create", bodies.recv()).await.unwrap();
+        assert_eq!(path, format!("{prefix}/v2/sandboxes"));
+        assert_eq!(&body[..], create.as_bytes(), "body untouched");
 
-    let req = request("POST", addr, "/v2/sandboxes/x/connect")
-        .body(empty())
-        .unwrap();
-    assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
-    let (path, _) = within("the connect", bodies.recv()).await.unwrap();
-    assert_eq!(path, "/v2/sandboxes/x/connect");
-    proxy.finish().await;
+        let req = request("POST", addr, "/v2/sandboxes/x/connect")
+            .body(empty())
+            .unwrap();
+        assert_eq!(send(addr, req).await.status(), StatusCode::CREATED);
+        let (path, _) = within("the connect", bodies.recv()).await.unwrap();
+        assert_eq!(path, format!("{prefix}/v2/sandboxes/x/connect"));
+        proxy.finish().await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------
