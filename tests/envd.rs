@@ -134,6 +134,12 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
             cloud.exists(&id, &token);
             json_response(201, &answer)
         }
+        // Busy: a 503 whose body still describes the sandbox, as a cached one might.
+        ("POST", id) if id.ends_with("/connect") && id.starts_with(BUSY) => {
+            let mut answer = describe(&cloud, id.trim_end_matches("/connect"));
+            *answer.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            answer
+        }
         ("POST", id) if id.ends_with("/connect") => {
             describe(&cloud, id.trim_end_matches("/connect"))
         }
@@ -143,7 +149,7 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
             describe(&cloud, id)
         }
         // A control plane too busy to delete: the sandbox (and its token) lives on.
-        ("DELETE", id) if id.starts_with(BUSY_TO_DELETE) => response(503, "busy"),
+        ("DELETE", id) if id.starts_with(BUSY) => response(503, "busy"),
         ("DELETE", id) if !id.is_empty() => match cloud.sandboxes.lock().unwrap().remove(id) {
             Some(_) => response(204, ""),
             None => response(404, ""),
@@ -152,8 +158,8 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
     }
 }
 
-/// Sandboxes whose id starts so are answered 503 on `DELETE`.
-const BUSY_TO_DELETE: &str = "isb-busy";
+/// Sandboxes whose id starts so are answered 503 on `DELETE` and on connect.
+const BUSY: &str = "isb-busy";
 
 /// The sandbox with its current token (get info, connect), or 404.
 fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
@@ -1220,7 +1226,8 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
 /// /sandboxes/{id}/connect`, and the current SDKs' `POST /v2/sandboxes` and `POST
 /// /v2/sandboxes/{id}/connect`, which reach the control plane rewritten. After each, an
 /// envd request naming only the sandbox carries that token and costs no look-up; a connect
-/// answering a new token (a resumed sandbox) replaces the one learned before.
+/// answering a new token (a resumed sandbox) replaces the one learned before. An error
+/// answer teaches nothing, even one carrying a token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_learned_from_connect_and_v2_answers() {
     let env = Env::start(Pki::new()).await;
@@ -1273,6 +1280,13 @@ async fn tokens_are_learned_from_connect_and_v2_answers() {
         calls.len(),
         "no envd request was refused"
     );
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(3.0));
+
+    // Only a successful answer teaches a token: a 503 carrying one does not.
+    env.cloud.exists("isb-busy-9", "tok-9");
+    let resp = post_json(addr, "/sandboxes/isb-busy-9/connect", "{}").await;
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(collect(resp.into_body()).await.ends_with(b"}"));
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(3.0));
     env.assert_envd_clean();
     proxy.finish().await;
