@@ -2248,6 +2248,63 @@ mod tests {
         assert!(e.is_client_body(), "{e:?}");
     }
 
+    /// hyper's client (an upgrade goes through it) fails as the pool does, and its failures
+    /// are described and counted the same way: refused, reset, closed before the answer,
+    /// and an answer that is not HTTP.
+    #[tokio::test]
+    async fn hypers_client_failures_are_described_and_counted_like_the_pools_own() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            let Some(head) = read_head(&mut s, &mut buf).await else {
+                return;
+            };
+            if head.starts_with("GET /reset ") {
+                let _ = s.set_zero_linger();
+            } else if head.starts_with("GET /garbage ") {
+                let _ = s.write_all(b"SMTP ready\r\n\r\n").await;
+                let _ = s.shutdown().await;
+            }
+            // `/close`: closed with no answer.
+        })
+        .await;
+        let upgrade = |url: &str| {
+            Request::get(url)
+                .header(CONNECTION, "upgrade")
+                .header(UPGRADE, "websocket")
+                .body(body::empty())
+                .unwrap()
+        };
+        let cases = [
+            (
+                "http://127.0.0.1:9/".to_string(),
+                FailKind::Connect,
+                "connect refused",
+            ),
+            (fake.url("/reset"), FailKind::Reset, "connection reset"),
+            (
+                fake.url("/close"),
+                FailKind::Reset,
+                "connection closed early",
+            ),
+            (
+                fake.url("/garbage"),
+                FailKind::Protocol,
+                "upstream connection failed: ",
+            ),
+        ];
+        let client = client();
+        for (url, kind, reason) in cases {
+            let e = within(client.request("api", upgrade(&url), LONG))
+                .await
+                .unwrap_err();
+            assert!(matches!(e, UpstreamError::Legacy(_)), "{url}: {e:?}");
+            assert_eq!(e.kind(), kind, "{url}: {e:?}");
+            assert!(e.describe().starts_with(reason), "{url}: {}", e.describe());
+        }
+        // A connection that was set up and then timed out (keep-alive probes unanswered).
+        assert_eq!(forward::io_kind(io::ErrorKind::TimedOut), FailKind::Timeout);
+    }
+
     #[tokio::test]
     async fn connection_refused_is_a_connect_error() {
         // The discard port, which nothing serves, as the integration tests'

@@ -71,6 +71,10 @@ mod tests {
             Sniff::Learn
         );
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/timeout"), Sniff::None);
+        // Only a DELETE forgets: any other method on the sandbox itself leaves its token.
+        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1"), Sniff::None);
+        assert_eq!(plan(&Method::PATCH, "/sandboxes/isb-1"), Sniff::None);
+        assert_eq!(plan(&Method::GET, "/sandboxes/isb-1/connect"), Sniff::None);
         assert_eq!(
             plan(&Method::DELETE, "/sandboxes/isb-1"),
             Sniff::Forget("isb-1".into())
