@@ -168,3 +168,50 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+
+    use super::*;
+
+    const GUARD: Duration = Duration::from_secs(10);
+
+    /// Counts what each read added, also into a buffer that already held bytes (as a copy
+    /// whose writer is behind reads into the rest of its buffer).
+    #[tokio::test]
+    async fn counts_each_reads_own_bytes() {
+        let mut counted = Counted::new(&b"hello"[..]);
+        let mut storage = [0u8; 16];
+        let mut buf = ReadBuf::new(&mut storage);
+        buf.put_slice(b"held");
+        std::future::poll_fn(|cx| Pin::new(&mut counted).poll_read(cx, &mut buf))
+            .await
+            .expect("read");
+        assert_eq!(buf.filled(), b"heldhello");
+        assert_eq!(counted.read, 5);
+    }
+
+    /// A flush and a shutdown reach the side beneath: what it buffered goes out, and the
+    /// peer sees the end (the half-close a tunnel passes on when one side is done).
+    #[tokio::test]
+    async fn flush_and_shutdown_reach_the_side_beneath() {
+        let (near, mut far) = tokio::io::duplex(64);
+        let mut counted = Counted::new(BufWriter::new(near));
+        counted.write_all(b"ping").await.expect("write");
+        counted.flush().await.expect("flush");
+        // Bounded: a flush that stopped at `Counted` would leave the read waiting forever.
+        let mut got = [0u8; 4];
+        let read = tokio::time::timeout(GUARD, far.read_exact(&mut got)).await;
+        read.expect("the flushed bytes in time")
+            .expect("the flushed bytes");
+        assert_eq!(&got, b"ping");
+        counted.write_all(b"bye").await.expect("write");
+        counted.shutdown().await.expect("shutdown");
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(GUARD, far.read_to_end(&mut rest)).await;
+        read.expect("the end in time").expect("the end");
+        assert_eq!(rest, b"bye");
+        assert_eq!(counted.written, 7);
+    }
+}
