@@ -992,14 +992,15 @@ async fn an_answer_to_the_key_in_use_ends_a_run_of_refusals() {
         assert_eq!(get(addr, "/refuse").await.0, 401);
         let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
         wait_metric_at_least(proxy.admin_addr(), successes, 2.0).await;
-        let status = match look_up {
-            true => send(addr, envd_request(addr)).await.status().as_u16(),
-            false => get(addr, "/sandboxes").await.0,
+        let (status, path) = if look_up {
+            let status = send(addr, envd_request(addr)).await.status().as_u16();
+            (status, "/health")
+        } else {
+            (get(addr, "/sandboxes").await.0, "/sandboxes")
         };
         assert_eq!(status, 200, "look-up: {look_up}");
         let issued = fake.issued_keys();
         let last = upstream.seen().pop().expect("a request");
-        let path = if look_up { "/health" } else { "/sandboxes" };
         assert_eq!(last.path_and_query(), path);
         let stderr = proxy.finish().await;
         let accepted = "the control plane accepted the temporary key";
