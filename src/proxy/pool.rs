@@ -1453,6 +1453,15 @@ mod tests {
         Request::get(url).body(body::empty()).unwrap()
     }
 
+    /// A WebSocket upgrade request: it goes through hyper's client.
+    fn upgrade(url: &str) -> Request<ProxyBody> {
+        Request::get(url)
+            .header(CONNECTION, "upgrade")
+            .header(UPGRADE, "websocket")
+            .body(body::empty())
+            .unwrap()
+    }
+
     fn with_body(method: &str, url: &str, b: ProxyBody) -> Request<ProxyBody> {
         Request::builder().method(method).uri(url).body(b).unwrap()
     }
@@ -2037,18 +2046,11 @@ mod tests {
             e.describe(),
             "invalid response: unexpected 101 Switching Protocols"
         );
-        let upgrade = |path: &str| {
-            Request::get(format!("{url}{path}"))
-                .header(CONNECTION, "upgrade")
-                .header(UPGRADE, "websocket")
-                .body(body::empty())
-                .unwrap()
-        };
-        let resp = within(client.request("api", upgrade("/101"), LONG))
+        let resp = within(client.request("api", upgrade(&format!("{url}/101")), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-        let e = within(client.request("api", upgrade("/h2c"), LONG))
+        let e = within(client.request("api", upgrade(&format!("{url}/h2c")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Protocol, "{e:?}");
@@ -2267,13 +2269,6 @@ mod tests {
             // `/close`: closed with no answer.
         })
         .await;
-        let upgrade = |url: &str| {
-            Request::get(url)
-                .header(CONNECTION, "upgrade")
-                .header(UPGRADE, "websocket")
-                .body(body::empty())
-                .unwrap()
-        };
         let cases = [
             (
                 "http://127.0.0.1:9/".to_string(),
