@@ -273,22 +273,23 @@ impl Body for Uploading {
 /// An HTTP/2 connection's other streams keep that clock going, so such a stream (a dead
 /// envd's) held its upstream connection and one of the client's stream slots for as long
 /// as they did. nginx's `proxy_read_timeout` is per request likewise. The timer is reset
-/// lazily: a frame costs a clock read, not a timer-wheel update.
+/// lazily: a frame costs a clock read, not a timer-wheel update. The clock is tokio's (the
+/// system's outside tests), so a paused test clock drives the timer and the reading alike.
 pub struct IdleLimited<B> {
     body: B,
     timeout: Duration,
-    last: Instant,
+    last: tokio::time::Instant,
     timer: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl<B> IdleLimited<B> {
     pub fn new(body: B, timeout: Duration) -> Self {
-        let last = Instant::now();
+        let last = tokio::time::Instant::now();
         IdleLimited {
             body,
             timeout,
             last,
-            timer: Box::pin(tokio::time::sleep_until((last + timeout).into())),
+            timer: Box::pin(tokio::time::sleep_until(last + timeout)),
         }
     }
 }
@@ -307,18 +308,18 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            this.last = Instant::now();
+            this.last = tokio::time::Instant::now();
             return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
         }
         loop {
             ready!(this.timer.as_mut().poll(cx));
             let due = this.last + this.timeout;
-            if Instant::now() >= due {
+            if tokio::time::Instant::now() >= due {
                 return Poll::Ready(Some(Err(
                     "the upstream sent nothing more for the idle timeout".into(),
                 )));
             }
-            this.timer.as_mut().reset(due.into());
+            this.timer.as_mut().reset(due);
         }
     }
 
@@ -328,5 +329,182 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::stream;
+    use http::HeaderMap;
+    use http_body_util::StreamBody;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    type Step = Result<Frame<Bytes>, BoxError>;
+
+    fn data(s: &'static str) -> Step {
+        Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+    }
+
+    fn trailers() -> Step {
+        Ok(Frame::trailers(HeaderMap::new()))
+    }
+
+    /// A body of these frames whose end is not known until it comes (`is_end_stream` stays
+    /// false, as a stream's does when it stops without END_STREAM).
+    fn frames(steps: Vec<Step>) -> StreamBody<stream::Iter<std::vec::IntoIter<Step>>> {
+        StreamBody::new(stream::iter(steps))
+    }
+
+    /// The data frames left in `body`, and whether it ended cleanly.
+    async fn rest<B>(mut body: B) -> (Vec<Bytes>, bool)
+    where
+        B: Body<Data = Bytes> + Unpin,
+    {
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => out.extend(f.into_data().ok()),
+                Err(_) => return (out, false),
+            }
+        }
+        (out, true)
+    }
+
+    fn exact(hint: SizeHint) -> (u64, Option<u64>) {
+        (hint.lower(), hint.upper())
+    }
+
+    #[tokio::test]
+    async fn a_body_of_exactly_the_limit_is_read_whole_and_trailers_are_skipped() {
+        let body = frames(vec![data("abc"), data("de"), trailers()]);
+        match read_bounded(body, 5).await {
+            Ok(Bounded::Complete(b)) => assert_eq!(b, "abcde"),
+            _ => panic!("five bytes within a limit of five are complete"),
+        }
+    }
+
+    /// Past the limit the read stops, and what it read plus the rest is the whole body.
+    #[tokio::test]
+    async fn a_body_over_the_limit_keeps_its_rest() {
+        let body = frames(vec![data("abc"), data("de"), data("fg"), data("h")]);
+        let Ok(Bounded::Partial(read, body)) = read_bounded(body, 4).await else {
+            panic!("five bytes over a limit of four are partial");
+        };
+        assert_eq!(
+            read, "abcde",
+            "the read stops at the frame that crossed the limit"
+        );
+        assert_eq!(
+            rest(body).await,
+            (vec![Bytes::from("fg"), Bytes::from("h")], true)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_prefix_comes_first_and_counts_in_the_size() {
+        let body = Prefixed::new(Bytes::from("ab"), Full::new(Bytes::from("cde")));
+        assert!(!body.is_end_stream(), "the prefix is still to come");
+        assert_eq!(exact(body.size_hint()), (5, Some(5)));
+        assert_eq!(
+            rest(body).await,
+            (vec![Bytes::from("ab"), Bytes::from("cde")], true)
+        );
+
+        // Over an empty rest, the body ends once the prefix is taken; an empty prefix is none.
+        let mut body = Prefixed::new(Bytes::from("ab"), Empty::<Bytes>::new());
+        assert!(!body.is_end_stream());
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().ok(), Some(Bytes::from("ab")));
+        assert!(body.is_end_stream());
+        assert!(Prefixed::new(Bytes::new(), Empty::<Bytes>::new()).is_end_stream());
+    }
+
+    /// A body whose stream stops without END_STREAM is an error naming who stopped it; one
+    /// that reached its end passes through as it is.
+    #[tokio::test]
+    async fn a_stream_that_stops_before_its_end_is_an_error() {
+        let mut cut = EndStreamed::request(frames(vec![data("abc")]));
+        assert!(!cut.is_end_stream());
+        let first = cut.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().ok(), Some(Bytes::from("abc")));
+        let err = cut.frame().await.expect("an end").expect_err("cut short");
+        assert_eq!(
+            err.to_string(),
+            "the client reset the stream before the end of its body"
+        );
+        let mut cut = EndStreamed::response(frames(vec![]));
+        let err = cut.frame().await.expect("an end").expect_err("cut short");
+        assert_eq!(
+            err.to_string(),
+            "the upstream reset the stream before the end of its body"
+        );
+
+        let whole = EndStreamed::response(Full::new(Bytes::from("abc")));
+        assert!(!whole.is_end_stream());
+        assert_eq!(exact(whole.size_hint()), (3, Some(3)));
+        assert_eq!(rest(whole).await, (vec![Bytes::from("abc")], true));
+        assert!(EndStreamed::request(Empty::<Bytes>::new()).is_end_stream());
+    }
+
+    /// Each data frame marks the upload as moving; trailers are dropped.
+    #[tokio::test]
+    async fn an_upload_marks_each_frame_and_drops_trailers() {
+        let moved = Moved::default();
+        let before = std::time::Instant::now();
+        let mut up = Uploading::new(
+            boxed(frames(vec![data("a"), trailers(), data("b")])),
+            moved.clone(),
+        );
+        assert_eq!(moved.last(), None, "nothing has moved yet");
+        assert!(!up.is_end_stream());
+        let first = up.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().ok(), Some(Bytes::from("a")));
+        let at = moved.last().expect("the frame marked the upload");
+        assert!(before <= at && at <= std::time::Instant::now());
+        assert_eq!(rest(up).await, (vec![Bytes::from("b")], true));
+
+        let whole = Uploading::new(full("abc"), Moved::default());
+        assert_eq!(exact(whole.size_hint()), (3, Some(3)));
+        assert!(Uploading::new(empty(), Moved::default()).is_end_stream());
+    }
+
+    /// The idle clock runs from the last frame, not from the start: a frame at 8 s of a
+    /// 10 s limit moves the failure to 18 s.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_fails_the_idle_timeout_after_its_last_frame() {
+        let (tx, rx) = mpsc::channel::<Step>(1);
+        let feed = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
+        let start = tokio::time::Instant::now();
+        let mut body = IdleLimited::new(StreamBody::new(Box::pin(feed)), Duration::from_secs(10));
+        assert!(!body.is_end_stream());
+        assert_eq!(exact(body.size_hint()), (0, None));
+
+        tokio::time::advance(Duration::from_secs(8)).await;
+        tx.send(data("a")).await.expect("the body is listening");
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().ok(), Some(Bytes::from("a")));
+
+        let err = body
+            .frame()
+            .await
+            .expect("an end")
+            .expect_err("silent too long");
+        assert_eq!(
+            err.to_string(),
+            "the upstream sent nothing more for the idle timeout"
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(18));
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn an_idle_limited_body_says_what_its_inner_says() {
+        let body = IdleLimited::new(Full::new(Bytes::from("abc")), Duration::from_secs(1));
+        assert_eq!(exact(body.size_hint()), (3, Some(3)));
+        assert!(!body.is_end_stream());
+        let body = IdleLimited::new(Empty::<Bytes>::new(), Duration::from_secs(1));
+        assert!(body.is_end_stream());
     }
 }
