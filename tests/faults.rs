@@ -3445,6 +3445,29 @@ async fn http2_clients_that_cancel_every_request_are_cut_off() {
     assert!(stderr.contains("rapid reset"), "{stderr}");
 }
 
+/// What counts against a connection is requests cancelled before their answer: a client
+/// whose 150 requests are all answered on one HTTP/2 connection keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_whose_requests_are_answered_keep_their_connection() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let (mut h2, open) = h2_client(addr).await;
+    for i in 0..150 {
+        within("the connection ready", h2.ready())
+            .await
+            .unwrap_or_else(|e| panic!("the connection closed before request {i}: {e}"));
+        let resp = within("the answer", h2.send_request(h2_get(addr)))
+            .await
+            .unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert_eq!(resp.status(), 200, "request {i}");
+    }
+    assert!(*open.borrow(), "the connection closed");
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("rapid reset"), "{stderr}");
+}
+
 /// An HTTP/2 client gets at most 100 streams at once (hyper's default was 200, each with
 /// up to 400 KiB of answer buffered and an upstream connection of its own): the 101st
 /// request waits until one ends.

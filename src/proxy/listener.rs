@@ -321,12 +321,11 @@ impl AcceptFailures {
     /// Logs as said above, then waits a moment: EMFILE and friends leave the listener
     /// readable, and the next accept would fail at once, spinning.
     pub(crate) async fn failed(&mut self, e: &io::Error) {
-        self.log(e);
+        self.log(e, Instant::now());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    fn log(&mut self, e: &io::Error) {
-        let now = Instant::now();
+    fn log(&mut self, e: &io::Error, now: Instant) {
         let (_, since_warning) = self.run.get_or_insert((now, 0));
         let due = self.warned.is_none_or(|w| now - w >= Self::EVERY);
         if !due {
@@ -1132,6 +1131,174 @@ mod tests {
         std::os::unix::net::UnixStream::connect(&path).expect("it answers");
         assert_eq!(names(&deep), ["s"]);
         drop(listener);
+    }
+
+    /// A private directory's name already taken (by a crashed run's leftover, or another
+    /// proxy binding beside it) is passed over for the next, and left alone.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_private_directory_name_taken_is_passed_over() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("abx.sock");
+        fastrand::seed(7);
+        let first: String = std::iter::repeat_with(fastrand::alphanumeric)
+            .take(6)
+            .collect();
+        let taken = format!(".abx-{first}");
+        std::fs::create_dir(dir.path().join(&taken)).expect("mkdir");
+
+        fastrand::seed(7);
+        let listener = bind_unix(&path).expect("bound under the next name");
+        std::os::unix::net::UnixStream::connect(&path).expect("it answers");
+        assert_eq!(names(dir.path()), [taken.as_str(), "abx.sock"]);
+        drop(listener);
+    }
+
+    /// A socket path in a directory that does not exist fails as a bind there would, not
+    /// with a story about private directories.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_socket_in_a_missing_directory_fails_as_its_bind_would() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("missing").join("abx.sock");
+        let e = bind_unix(&path).map(drop).expect_err("bound nowhere");
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+    }
+
+    /// One warning starts a run of failed accepts, the failures after it are counted until
+    /// the next warning a minute later (which reports them and starts counting again), and
+    /// the end of the run clears it all.
+    #[test]
+    fn failed_accepts_warn_once_a_minute_with_the_count_between() {
+        let e = io::Error::from(io::ErrorKind::OutOfMemory);
+        let t0 = Instant::now();
+        let mut failing = AcceptFailures::new("proxy");
+        failing.log(&e, t0);
+        assert_eq!((failing.run, failing.warned), (Some((t0, 0)), Some(t0)));
+        for s in [1, 2, 59] {
+            failing.log(&e, t0 + Duration::from_secs(s));
+        }
+        assert_eq!((failing.run, failing.warned), (Some((t0, 3)), Some(t0)));
+        let t60 = t0 + AcceptFailures::EVERY;
+        failing.log(&e, t60);
+        assert_eq!((failing.run, failing.warned), (Some((t0, 0)), Some(t60)));
+        failing.recovered();
+        assert_eq!((failing.run, failing.warned), (None, None));
+    }
+
+    /// A connection is cut off at 100 requests cancelled before their answer, once they are
+    /// at least half of its requests: neither a few cancels nor many among far more answers.
+    #[test]
+    fn cancelled_requests_count_at_100_and_half() {
+        use futures_util::FutureExt;
+        let cancel = |c: &Arc<Cancels>, n: usize| (0..n).for_each(|_| drop(Cancels::begin(c)));
+        let answer = |c: &Arc<Cancels>, n: usize| (0..n).for_each(|_| Cancels::begin(c).answered());
+        let fired = |c: &Cancels| c.abusive.notified().now_or_never().is_some();
+
+        let few = Arc::new(Cancels::default());
+        cancel(&few, 1);
+        assert!(!fired(&few), "one cancel of one request");
+
+        let half = Arc::new(Cancels::default());
+        answer(&half, 100);
+        cancel(&half, 99);
+        assert!(!fired(&half), "99 cancelled");
+        cancel(&half, 1);
+        assert!(fired(&half), "100 cancelled of 200");
+
+        let among_more = Arc::new(Cancels::default());
+        answer(&among_more, 300);
+        cancel(&among_more, 100);
+        assert!(!fired(&among_more), "100 cancelled of 400");
+    }
+
+    /// A head's clock starts at its first byte, once (the connection's task is woken then,
+    /// for the watchdog's sooner deadline), and stops at its end; bytes between requests
+    /// start nothing. The clock counts milliseconds from the connection's opening, plus
+    /// one: a head begun in its first millisecond is timed too.
+    #[test]
+    fn a_head_is_timed_from_its_first_byte_to_its_end() {
+        struct Wakes(AtomicU32);
+        impl std::task::Wake for Wakes {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref();
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let wakes = Arc::new(Wakes(AtomicU32::new(0)));
+        let task = std::task::Waker::from(wakes.clone());
+        let woken = || wakes.0.load(Ordering::Relaxed);
+        let activity = Activity::new();
+
+        activity.heading(false, &task);
+        assert_eq!((activity.head_began(), woken()), (None, 0));
+        activity.heading(true, &task);
+        let began = activity.head_began().expect("a head began");
+        assert!(activity.opened <= began && began <= Instant::now());
+        assert_eq!(woken(), 1);
+        activity.heading(true, &task);
+        assert_eq!((activity.head_began(), woken()), (Some(began), 1));
+        // An answer going out restarts a pipelined head's clock, and starts none.
+        activity.restart_head();
+        let again = activity.head_began().expect("still a head");
+        assert!(began <= again && again <= Instant::now());
+        activity.heading(false, &task);
+        assert_eq!((activity.head_began(), woken()), (None, 1));
+        activity.restart_head();
+        assert_eq!(activity.head_began(), None);
+    }
+
+    /// Bytes moving either way are the connection's activity (the idle timeout's clock): an
+    /// upload the client sends, a download it reads.
+    #[tokio::test]
+    async fn bytes_either_way_are_activity() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const STALE: u64 = u64::MAX;
+        let (near, mut far) = tokio::io::duplex(64);
+        let activity = Activity::new();
+        // Buffered beneath: the write reaches the far side only with the flush passed on.
+        let mut io = IdleIo::tunnel(tokio::io::BufWriter::new(near), activity.clone());
+        let last = || activity.clocks.last.load(Ordering::Relaxed);
+
+        activity.clocks.last.store(STALE, Ordering::Relaxed);
+        far.write_all(b"up").await.expect("send");
+        let mut two = [0u8; 2];
+        io.read_exact(&mut two).await.expect("read");
+        assert_ne!(last(), STALE, "a read moved nothing");
+
+        activity.clocks.last.store(STALE, Ordering::Relaxed);
+        io.write_all(b"down").await.expect("write");
+        assert_ne!(last(), STALE, "a write moved nothing");
+        io.flush().await.expect("flush");
+        let mut four = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), far.read_exact(&mut four))
+            .await
+            .expect("the flush reached the far side")
+            .expect("the far side reads");
+        assert_eq!(&four, b"down");
+    }
+
+    /// hyper closing the connection while the client still sends a request body (after an
+    /// early answer) reads and drops what comes, until the client has been silent for
+    /// `LINGER_IDLE`: the close does not reset the connection under its writes.
+    #[tokio::test(start_paused = true)]
+    async fn a_close_during_an_upload_lingers_until_the_client_is_silent() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (near, mut far) = tokio::io::duplex(1024);
+        let (mut io, _verdicts) = IdleIo::new(near, Activity::new());
+        let head = b"POST /f HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc";
+        far.write_all(head).await.expect("send");
+        let mut buf = [0u8; 128];
+        let n = io.read(&mut buf).await.expect("read");
+        assert_eq!(n, head.len());
+
+        let start = tokio::time::Instant::now();
+        io.shutdown().await.expect("closed");
+        assert_eq!(start.elapsed(), h1::LINGER_IDLE);
+        drop(far);
     }
 
     /// The state of a connection's task stays allocated for as long as the connection is
