@@ -1041,6 +1041,56 @@ mod tests {
         }
     }
 
+    /// The thread's line buffer keeps what ordinary lines grew it to (no allocation per
+    /// line), but not what one huge path did.
+    #[test]
+    fn the_line_buffer_is_kept_unless_huge() {
+        let capacity = || LINE_BUF.with(|b| b.borrow().capacity());
+        let long = format!("/long/{}", "x".repeat(2048));
+        let huge = format!("/huge/{}", "x".repeat(4 * MAX_KEPT_BUF));
+        let mut written = Vec::new();
+        tracing_output(LogFormat::Text, "info", Fixed(UNIX_EPOCH), || {
+            for path in [&long, &huge] {
+                let line = AccessLine {
+                    path,
+                    ..child_line()
+                };
+                access_with(LogFormat::Text, &line, |b| written.push(b.len()));
+                written.push(capacity());
+            }
+        });
+        let [long_line, after_long, huge_line, after_huge] = written[..] else {
+            panic!("two lines written: {written:?}");
+        };
+        assert!(long_line > 2048 && after_long >= long_line, "{written:?}");
+        assert!(
+            huge_line > MAX_KEPT_BUF && after_huge <= MAX_KEPT_BUF,
+            "{written:?}"
+        );
+    }
+
+    /// The count [`write_debug_f64`] decides by, on values whose binary expansion is known.
+    #[test]
+    fn fractional_bits_counts_binary_digits_after_the_point() {
+        for (v, bits) in [
+            (1.0, 0),
+            (3.0, 0),
+            ((1u64 << 40) as f64, 0),
+            (1.5, 1),
+            (0.75, 2),
+            // Powers of two: the mantissa's stored bits are all zero, only the implicit one set.
+            (0.5, 1),
+            (2f64.powi(-30), 30),
+            (5.125, 3),
+            (1.0 + 2f64.powi(-40), 40),
+            // 0x3FB999999999999A: 2^-4 times a mantissa with one trailing zero bit.
+            (0.1, 55),
+            (1e-4, 66),
+        ] {
+            assert_eq!(fractional_bits(v), bits, "{v}");
+        }
+    }
+
     /// The fast path prints the same bytes the subscriber would, honours its filter, and
     /// leaves lines inside a span to the subscriber.
     #[test]
@@ -1101,16 +1151,24 @@ mod tests {
             return;
         };
         let (format, level) = spec.split_once(':').unwrap_or((&spec, ""));
+        // `taken`: another subscriber was installed first, and keeps every line.
+        let taken = format == "taken";
+        if taken {
+            tracing_subscriber::fmt()
+                .json()
+                .with_writer(std::io::stderr)
+                .init();
+        }
         let format = if format == "json" {
             LogFormat::Json
         } else {
             LogFormat::Text
         };
         init(format, Some(level).filter(|l| !l.is_empty()), "info");
-        assert_ne!(
-            FAST_FORMAT.load(Ordering::Acquire),
-            FALLBACK,
-            "fast path off"
+        assert_eq!(
+            FAST_FORMAT.load(Ordering::Acquire) == FALLBACK,
+            taken,
+            "fast path on only over init's own subscriber"
         );
         let line = child_line();
         log_access(&line);
@@ -1155,21 +1213,60 @@ mod tests {
     }
 
     /// A worker's lines wait in its batch (the marker written meanwhile comes first), go
-    /// out whole and in order, a batch never exceeds `PIPE_BUF`, and a line longer than a
-    /// batch still goes out after the lines before it.
+    /// out whole and in order, several to a write but never more than `PIPE_BUF` bytes to
+    /// one, and a line longer than a batch still goes out, alone, after the lines before it.
     #[test]
     fn a_batching_thread_writes_whole_lines_in_order() {
+        // The child's stderr is a datagram socket: each `write` arrives as one datagram,
+        // so the test sees what went out in which call.
+        let (ours, theirs) =
+            std::os::unix::net::UnixDatagram::pair().unwrap_or_else(|e| panic!("{e}"));
+        let after_child = theirs.try_clone().unwrap_or_else(|e| panic!("{e}"));
+        const END: &[u8] = b"\0end of the child's writes";
+        let reader = std::thread::spawn(move || {
+            let mut writes = Vec::new();
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                let n = ours.recv(&mut buf).unwrap_or_else(|e| panic!("{e}"));
+                if &buf[..n] == END {
+                    return writes;
+                }
+                writes.push(String::from_utf8(buf[..n].to_vec()).unwrap_or_else(|e| panic!("{e}")));
+            }
+        });
         let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
         let out = std::process::Command::new(&exe)
             .args(["--ignored", "--exact", "logging::tests::child_batch"])
             .args(["--nocapture", "--test-threads=1"])
             .env("ABX_LOGGING_BATCH_CHILD", "1")
             .env_remove("RUST_LOG")
-            .output()
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::os::fd::OwnedFd::from(theirs))
+            .spawn()
+            .and_then(|child| child.wait_with_output())
             .unwrap_or_else(|e| panic!("{e}"));
-        assert!(out.status.success(), "{out:?}");
+        // Queued behind everything the child wrote, which it did before it exited.
+        after_child.send(END).unwrap_or_else(|e| panic!("{e}"));
+        let writes = reader
+            .join()
+            .unwrap_or_else(|_| panic!("the reader failed"));
+        assert!(out.status.success(), "{out:?} {writes:?}");
         assert!(child_ran(&out), "{out:?}");
-        let stderr = String::from_utf8(out.stderr).unwrap_or_else(|e| panic!("{e}"));
+        let batches: Vec<&String> = writes
+            .iter()
+            .filter(|w| w.contains(ACCESS_TARGET))
+            .collect();
+        for batch in &batches {
+            assert!(batch.ends_with('\n'), "a write ends mid-line: {batch:?}");
+            let lines = batch.lines().count();
+            assert!(
+                batch.len() <= BATCH_MAX || lines == 1,
+                "{lines} lines in {}",
+                batch.len()
+            );
+        }
+        assert!(batches.len() < 60, "no write held more than one line");
+        let stderr = writes.concat();
         let lines: Vec<&str> = stderr
             .lines()
             .filter(|l| l.contains(ACCESS_TARGET) || l.contains("marker"))
@@ -1221,9 +1318,69 @@ mod tests {
     /// End to end in a child process: `init`'s real subscriber on a non-terminal stderr,
     /// its filter from `--log-level` or `RUST_LOG`, the fast line byte-identical (past the
     /// timestamp) to what tracing-subscriber writes next to it.
+    /// The stderr of `child_init_and_access` run with `spec` and `RUST_LOG`.
+    fn child_stderr(spec: &str, rust_log: Option<&std::ffi::OsStr>) -> String {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args([
+            "--ignored",
+            "--exact",
+            "logging::tests::child_init_and_access",
+        ])
+        .args(["--nocapture", "--test-threads=1"])
+        .env("ABX_LOGGING_CHILD", spec)
+        .env_remove("RUST_LOG");
+        if let Some(rust_log) = rust_log {
+            cmd.env("RUST_LOG", rust_log);
+        }
+        let out = cmd.output().unwrap_or_else(|e| panic!("{e}"));
+        assert!(out.status.success(), "{spec}: {out:?}");
+        assert!(child_ran(&out), "{spec}: {out:?}");
+        String::from_utf8(out.stderr).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A `RUST_LOG` that is not UTF-8 is said so, as a bare `warning:` line over text logs
+    /// and as an object over JSON ones, and the default level applies.
+    #[test]
+    fn init_says_when_rust_log_is_not_utf8() {
+        use std::os::unix::ffi::OsStrExt;
+        let raw = std::ffi::OsStr::from_bytes(b"abx_proxy=\xff");
+        let said = "RUST_LOG is not a filter (not valid UTF-8); logging at \"info\"";
+        let text = child_stderr("text:", Some(raw));
+        assert!(
+            text.lines().any(|l| l == format!("warning: {said}")),
+            "{text}"
+        );
+        assert_eq!(text.matches(ACCESS_TARGET).count(), 2, "{text}");
+        let json = child_stderr("json:", Some(raw));
+        let warned = json.lines().any(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .is_ok_and(|v| v["level"] == "WARN" && v["message"] == said)
+        });
+        assert!(warned, "{json}");
+        assert!(!json.contains("warning: "), "{json}");
+    }
+
+    /// Where a subscriber was installed before [`init`], it keeps the access lines: the
+    /// fast path, which mirrors only init's own, stays off (the child checks) and each line
+    /// is the earlier subscriber's JSON, not init's text.
+    #[test]
+    fn a_subscriber_installed_first_keeps_the_access_lines() {
+        let stderr = child_stderr("taken:", None);
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains(ACCESS_TARGET))
+            .collect();
+        assert_eq!(lines.len(), 2, "{stderr}");
+        for line in lines {
+            let v: serde_json::Value =
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+            assert_eq!(v["fields"]["status"], 502, "{line}");
+        }
+    }
+
     #[test]
     fn init_then_access_writes_what_tracing_writes() {
-        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
         for (spec, rust_log, expected_lines) in [
             ("text:", None, 2),
             ("json:", None, 2),
@@ -1233,22 +1390,7 @@ mod tests {
             ("json:", Some("abx_proxy::access=off"), 0),
             ("text:", Some("warn,abx_proxy::access=info"), 2),
         ] {
-            let mut cmd = std::process::Command::new(&exe);
-            cmd.args([
-                "--ignored",
-                "--exact",
-                "logging::tests::child_init_and_access",
-            ])
-            .args(["--nocapture", "--test-threads=1"])
-            .env("ABX_LOGGING_CHILD", spec)
-            .env_remove("RUST_LOG");
-            if let Some(rust_log) = rust_log {
-                cmd.env("RUST_LOG", rust_log);
-            }
-            let out = cmd.output().unwrap_or_else(|e| panic!("{e}"));
-            assert!(out.status.success(), "{spec}: {out:?}");
-            assert!(child_ran(&out), "{spec}: {out:?}");
-            let stderr = String::from_utf8(out.stderr).unwrap_or_else(|e| panic!("{e}"));
+            let stderr = child_stderr(spec, rust_log.map(std::ffi::OsStr::new));
             let lines: Vec<&str> = stderr
                 .split_inclusive('\n')
                 .filter(|l| l.contains(ACCESS_TARGET))
