@@ -1092,11 +1092,15 @@ impl Digits {
 
 /// The `Date` value, formatted once a second per thread (as hyper does).
 fn with_date<R>(f: impl FnOnce(&[u8]) -> R) -> R {
+    with_date_at(SystemTime::now(), f)
+}
+
+/// [`with_date`] at `now`, which tests choose.
+fn with_date_at<R>(now: SystemTime, f: impl FnOnce(&[u8]) -> R) -> R {
     use std::cell::RefCell;
     thread_local! {
         static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
     }
-    let now = SystemTime::now();
     let secs = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -1319,6 +1323,51 @@ mod tests {
         assert!(matches!(head_of(&big).0, Parsed::HandOver));
     }
 
+    /// A head of `MAX_HEAD` bytes and a `Content-Length` line of `LINE_CAP` (the framing
+    /// watch's limit) are served by the fast path; one byte more is handed to hyper.
+    #[test]
+    fn the_fast_path_takes_heads_and_length_lines_up_to_their_limits() {
+        let head_of_len = |len: usize| {
+            let bare = "GET / HTTP/1.1\r\nX-A: \r\n\r\n".len();
+            format!("GET / HTTP/1.1\r\nX-A: {}\r\n\r\n", "a".repeat(len - bare))
+        };
+        let at_limit = head_of_len(MAX_HEAD);
+        assert_eq!(at_limit.len(), MAX_HEAD);
+        assert!(matches!(head_of(&at_limit).0, Parsed::Head(_)));
+        assert!(matches!(
+            head_of(&head_of_len(MAX_HEAD + 1)).0,
+            Parsed::HandOver
+        ));
+
+        // `Content-Length:`, spaces, `5`: the line from the name to the end of the value.
+        let length_line = |len: usize| {
+            let ows = " ".repeat(len - "Content-Length:5".len());
+            format!("POST / HTTP/1.1\r\nContent-Length:{ows}5\r\n\r\nhello")
+        };
+        let Parsed::Head(head) = head_of(&length_line(framing::LINE_CAP)).0 else {
+            panic!("a length line of LINE_CAP bytes handed over");
+        };
+        assert_eq!(head.content_length, 5);
+        let over = length_line(framing::LINE_CAP + 1);
+        assert!(matches!(head_of(&over).0, Parsed::HandOver));
+    }
+
+    /// The `Date` of an answer is the second it is written in: formatted once a second,
+    /// not once a thread.
+    #[test]
+    fn the_date_follows_the_clock_to_the_second() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let at = |t: SystemTime| with_date_at(t, |d| String::from_utf8_lossy(d).into_owned());
+        let later = start + Duration::from_secs(1);
+        assert_eq!(at(start), httpdate::fmt_http_date(start));
+        assert_eq!(
+            at(start + Duration::from_millis(999)),
+            httpdate::fmt_http_date(start)
+        );
+        assert_eq!(at(later), httpdate::fmt_http_date(later));
+        assert_ne!(at(later), at(start));
+    }
+
     #[test]
     fn numbers_on_the_wire() {
         assert_eq!(itoa(0).as_bytes(), b"0");
@@ -1329,6 +1378,10 @@ mod tests {
             assert_eq!(out, format!("{n:x}\r\n").into_bytes());
         }
         assert_eq!(decimal(b"0012"), Some(12));
+        assert_eq!(
+            decimal(b"999999999999999999"),
+            Some(999_999_999_999_999_999)
+        );
         for bad in [&b""[..], b"1 2", b"-1", b"0x5", b"1234567890123456789"] {
             assert_eq!(decimal(bad), None, "{bad:?}");
         }
@@ -1378,11 +1431,28 @@ mod tests {
             *resp.status_mut() = StatusCode::from_u16(status).unwrap();
             resp
         };
+        // An upstream's empty body may not say its size: no chunk either.
+        let unsized_empty = || {
+            let none = futures_util::stream::iter(Vec::<Result<Frame<Bytes>, io::Error>>::new());
+            body::boxed(StreamBody::new(none))
+        };
         for (status, is_head) in [(200, true), (204, false), (304, false), (304, true)] {
-            let (_, wire) = on_the_wire(answer(status, body::empty()), is_head, false).await;
-            assert!(!wire.contains("content-length"), "{status}: {wire}");
-            assert!(!wire.contains("transfer-encoding"), "{status}: {wire}");
+            for empty in [body::empty(), unsized_empty()] {
+                let (keep, wire) = on_the_wire(answer(status, empty), is_head, false).await;
+                assert!(keep, "{status}: {wire}");
+                assert!(!wire.contains("content-length"), "{status}: {wire}");
+                assert!(!wire.contains("transfer-encoding"), "{status}: {wire}");
+                assert!(wire.ends_with("\r\n\r\n"), "{status}: {wire}");
+            }
         }
+        // The length an upstream gave a HEAD answer stands, and the connection goes on.
+        let mut resp = answer(200, body::empty());
+        resp.headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("42"));
+        let (keep, wire) = on_the_wire(resp, true, false).await;
+        assert!(keep, "{wire}");
+        let wire = with_date_removed(&wire);
+        assert!(wire.ends_with("content-length: 42\r\n\r\n"), "{wire}");
         // A HEAD answer the proxy wrote itself states the length its GET would have.
         let (_, wire) = on_the_wire(answer(503, body::full("{}")), true, false).await;
         assert!(wire.contains("content-length: 2\r\n"), "{wire}");
@@ -1508,16 +1578,125 @@ mod tests {
         let rest = futures_util::stream::once(async move {
             Ok(Frame::data(Bytes::from(rx.await.unwrap_or("lost"))))
         });
-        let mut resp = Response::new(body::boxed(StreamBody::new(first.chain(rest))));
+        // And in two pieces, the first shorter than what is left.
+        let last = futures_util::stream::iter([Ok(Frame::data(Bytes::from("il")))]);
+        let body = StreamBody::new(first.chain(rest).chain(last));
+        let mut resp = Response::new(body::boxed(body));
         resp.headers_mut()
             .insert(CONTENT_LENGTH, HeaderValue::from_static("9"));
         // The rest is sent only once the writer has taken the first piece and waits.
         let ((keep, wire), _) =
-            tokio::join!(on_the_wire(resp, false, false), async { tx.send("tail") });
+            tokio::join!(on_the_wire(resp, false, false), async { tx.send("ta") });
         assert!(keep);
         assert_eq!(
             with_date_removed(&wire),
             "HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nhead-tail"
         );
+    }
+
+    /// A small answer whose body is all there goes out before `write_response` returns,
+    /// with no future made: the common case costs no allocation beyond the head.
+    #[tokio::test]
+    async fn a_small_whole_answer_is_written_at_once() {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let sock = Sock::Unix(ours);
+        let activity = Activity::new();
+        let resp = Response::new(body::full("hello"));
+        let Write::Done(true) = write_response(&sock, &activity, resp, false, false) else {
+            panic!("a small whole answer was left to a future");
+        };
+        drop(sock);
+        let mut wire = String::new();
+        theirs.read_to_string(&mut wire).await.expect("read");
+        assert!(wire.ends_with("content-length: 5\r\n\r\nhello"), "{wire}");
+    }
+
+    /// A stream's head, and each piece, go out as soon as the body has nothing more for
+    /// now: the client of a slow stream (a log tail, a process's output) sees its answer
+    /// start before the first piece, and each piece before the next.
+    #[tokio::test]
+    async fn a_streamed_answer_is_not_held_back_for_the_next_piece() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<&'static str>(1);
+        let pieces = futures_util::stream::poll_fn(move |cx| {
+            rx.poll_recv(cx)
+                .map(|p| p.map(|p| Ok::<_, io::Error>(Frame::data(Bytes::from(p)))))
+        });
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let resp = Response::new(body::boxed(StreamBody::new(pieces)));
+        let writing = tokio::spawn(write_one(ours, resp, false, false));
+        let mut wire = Vec::new();
+        let mut read_until = async |end: &[u8]| {
+            let mut chunk = [0; 1024];
+            while !wire.ends_with(end) {
+                let read = tokio::time::timeout(Duration::from_secs(10), theirs.read(&mut chunk));
+                let n = read.await.expect("held back").expect("read");
+                assert!(n > 0, "closed early");
+                wire.extend_from_slice(&chunk[..n]);
+            }
+        };
+        read_until(b"\r\n\r\n").await;
+        tx.send("ab").await.expect("send");
+        read_until(b"2\r\nab\r\n").await;
+        drop(tx);
+        read_until(b"0\r\n\r\n").await;
+        assert!(writing.await.expect("writer"));
+        let wire = String::from_utf8(wire).expect("utf-8");
+        assert!(
+            wire.ends_with("transfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"),
+            "{wire}"
+        );
+    }
+
+    /// A head still without its end past `MAX_HEAD` is handed to hyper (which answers 431)
+    /// with every byte kept, instead of being read on until the header timeout.
+    #[tokio::test]
+    async fn a_head_that_outgrows_the_limit_is_handed_over_as_it_arrives() {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let endless = format!("GET / HTTP/1.1\r\nX-A: {}", "a".repeat(MAX_HEAD + 4096));
+        let sending = endless.clone();
+        // Kept open after: the head neither ends nor is cut.
+        let writer = tokio::spawn(async move {
+            theirs.write_all(sending.as_bytes()).await.expect("write");
+            theirs
+        });
+        let sock = Sock::Unix(ours);
+        let (_stop, stop) = watch::channel(false);
+        let mut buf = BytesMut::new();
+        let activity = Activity::new();
+        // As the connection does: wait for the first byte, then read the head.
+        let read = loop {
+            sock.readable().await.expect("readable");
+            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &stop).await {
+                Read::Nothing => continue,
+                read => break read,
+            }
+        };
+        assert!(matches!(read, Read::HandOver));
+        assert!(buf.len() > MAX_HEAD, "{} bytes", buf.len());
+        assert!(endless.as_bytes().starts_with(&buf), "bytes lost");
+        drop(writer.await.expect("writer"));
+    }
+
+    /// A client that resets its connection ends the read of a head at once, as a close
+    /// does: the error is not taken for "nothing yet", which would send the connection
+    /// back to waiting for a byte.
+    #[tokio::test]
+    async fn a_reset_connection_is_closed_not_waited_on() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let client = client.expect("connect");
+        client.set_zero_linger().expect("linger");
+        drop(client);
+        let ours = accepted.expect("accept").0;
+        ours.readable().await.expect("readable");
+        let sock = Sock::Tcp(ours);
+        let (_stop, stop) = watch::channel(false);
+        let mut buf = BytesMut::new();
+        let activity = Activity::new();
+        let read = read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &stop);
+        assert!(matches!(read.await, Read::Closed));
     }
 }
