@@ -397,4 +397,59 @@ mod tests {
         };
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
+
+    /// The client goes away mid-body: the sink's failure, reported at once, not retried
+    /// as if the socket were only full.
+    #[tokio::test]
+    async fn a_client_gone_is_the_sinks_failure() {
+        let (from, mut writer) = pair().await;
+        let (to, reader) = pair().await;
+        drop(reader);
+        let len = 32 << 20;
+        // Bytes to move for as long as the copy takes them; stopped with the runtime.
+        tokio::spawn(async move {
+            let part = vec![7u8; 64 * 1024];
+            while writer.write_all(&part).await.is_ok() {}
+        });
+        let copy = copy(Pipe::new().unwrap(), &from, &to, len, || {});
+        let copied = timeout(Duration::from_secs(10), copy).await;
+        let Ok(Err(Broken::Sink(_))) = copied else {
+            panic!("a gone client is the sink's failure: {copied:?}");
+        };
+    }
+
+    /// An offer is taken only while nothing has read the body and only when it fits;
+    /// taken, it leaves the message an empty, ended body.
+    #[test]
+    fn an_offer_is_taken_whole_or_not_at_all() {
+        use futures_util::FutureExt;
+        use http_body_util::{BodyExt, Full};
+        let hello = || Full::new(bytes::Bytes::from_static(b"hello"));
+
+        let (offer, body) = Offer::new(hello());
+        assert!(
+            offer.take_if(|_| false).is_none(),
+            "taken though it did not fit"
+        );
+        assert_eq!(body.size_hint().exact(), Some(5));
+        assert!(!body.is_end_stream());
+        let taken = offer.take_if(|b| b.size_hint().exact() == Some(5));
+        assert_eq!(taken.map(|b| b.size_hint().exact()), Some(Some(5)));
+        assert_eq!(body.size_hint().exact(), Some(0));
+        assert!(body.is_end_stream());
+
+        // Once read from, the body stays with the message, which reads on as usual.
+        let (offer, mut body) = Offer::new(hello());
+        let first = body
+            .frame()
+            .now_or_never()
+            .flatten()
+            .map(|f| f.map(Frame::into_data));
+        assert!(
+            matches!(first, Some(Ok(Ok(ref d))) if d == "hello"),
+            "{first:?}"
+        );
+        assert!(offer.take_if(|_| true).is_none(), "taken after a read");
+        assert!(body.is_end_stream());
+    }
 }
