@@ -315,4 +315,68 @@ mod tests {
         m.in_flight_for("envd").inc();
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
     }
+
+    /// Each plane, method and code that has a cached slot counts in its own series: two
+    /// of them sharing a slot would count one's requests under the other's labels.
+    #[test]
+    fn every_cached_series_counts_only_its_own_requests() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        let ms = Duration::from_millis(3);
+        for plane in PLANES {
+            for method in &HOT_METHODS {
+                for code in HOT_CODES {
+                    m.request_done(plane, method, code, ms);
+                }
+            }
+        }
+        let t = text(&m);
+        let mut series = 0;
+        for plane in PLANES {
+            for method in &HOT_METHODS {
+                for code in HOT_CODES {
+                    let line = format!(
+                        "abx_proxy_requests_total{{code=\"{code}\",method=\"{method}\",plane=\"{plane}\"}} 1\n"
+                    );
+                    assert!(t.contains(&line), "{line}");
+                    series += 1;
+                }
+            }
+        }
+        assert_eq!(t.matches("abx_proxy_requests_total{").count(), series);
+    }
+
+    /// A method of RFC 9110 (or PATCH) keeps its name on the uncached path too: a status
+    /// code without a cached slot does not turn `GET` into `OTHER`.
+    #[test]
+    fn known_methods_keep_their_names_with_any_status_code() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        let names = [
+            "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+        ];
+        for name in names {
+            let method = Method::from_bytes(name.as_bytes()).unwrap();
+            m.request_done("api", &method, 207, Duration::from_millis(3));
+        }
+        let t = text(&m);
+        for name in names {
+            let line = format!(
+                "abx_proxy_requests_total{{code=\"207\",method=\"{name}\",plane=\"api\"}} 1\n"
+            );
+            assert!(t.contains(&line), "{line}");
+        }
+        assert!(!t.contains("OTHER"));
+    }
+
+    #[test]
+    fn a_gauge_guard_gives_its_count_back_when_dropped() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        let gauge = m.in_flight_for("api");
+        let first = GaugeGuard::new(&gauge);
+        let second = GaugeGuard::new(&gauge);
+        assert_eq!(gauge.get(), 2);
+        drop(first);
+        assert_eq!(gauge.get(), 1);
+        drop(second);
+        assert_eq!(gauge.get(), 0);
+    }
 }

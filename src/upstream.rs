@@ -259,9 +259,22 @@ mod tests {
             "evillocalhost",
             "127.0.0.1",
             "localhost..",
+            // The place where the suffix would start falls inside a character: no.
+            "a\u{e9}123456789",
         ] {
             assert!(!is_localhost_name(no), "{no}");
         }
+    }
+
+    /// Pings every half of the request timeout, at most every 20 s and at least every
+    /// millisecond.
+    #[test]
+    fn ping_interval_is_half_the_request_timeout_within_bounds() {
+        let s = Duration::from_secs;
+        assert_eq!(ping_interval(s(10)), s(5));
+        assert_eq!(ping_interval(s(40)), s(20));
+        assert_eq!(ping_interval(s(300)), MAX_PING_INTERVAL);
+        assert_eq!(ping_interval(Duration::ZERO), Duration::from_millis(1));
     }
 
     #[tokio::test]

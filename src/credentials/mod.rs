@@ -141,3 +141,16 @@ impl std::fmt::Debug for ApiCredential {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_static_key_prints_masked_and_is_always_ready() {
+        let key = ApiCredential::Static(Secret::new("sk-live-0123456789".to_string()));
+        assert_eq!(format!("{key:?}"), "ApiCredential::Static(****)");
+        assert!(key.ready());
+        assert_eq!(key.expiry_unix(), None);
+    }
+}

@@ -310,3 +310,82 @@ pub fn resolve(
         warnings,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MANIFEST: &str = r#"manifest_version = 1
+[provider]
+id = "acme"
+[endpoint]
+base_url = "https://api.acme.example"
+auth.scheme = "bearer"
+[config.fields.api_key]
+secret = true
+[config.fields.region]
+default = "eu-1"
+[config.fields.base_url]
+"#;
+
+    fn installed() -> Installed {
+        Installed {
+            manifest: Manifest::parse(MANIFEST, "m.toml").expect("manifest"),
+            dir: PathBuf::from("acme"),
+            consented: Vec::new(),
+        }
+    }
+
+    fn field<'a>(s: &'a PluginSettings, name: &str) -> &'a FieldValue {
+        s.field(name).unwrap_or_else(|| panic!("no field {name}"))
+    }
+
+    /// A plugin that is not installed is no error here (the caller says E8002); a
+    /// manifest that is there but cannot be read is E1006, not taken for an absent one.
+    #[test]
+    fn an_absent_plugin_is_none_and_an_unreadable_manifest_an_error() {
+        let home = tempfile::tempdir().expect("temp dir");
+        assert!(matches!(load(home.path(), "acme"), Ok(None)));
+        let dir = providers_dir(home.path()).join("acme");
+        std::fs::create_dir_all(dir.join(MANIFEST_FILE)).expect("a directory in its place");
+        let e = load(home.path(), "acme").expect_err("a directory is no manifest");
+        assert_eq!(e.code(), "E1006", "{e}");
+    }
+
+    /// Unset fields take the manifest's defaults (a field's own, or `[endpoint]`'s), and
+    /// `config list` says so.
+    #[test]
+    fn unset_fields_take_the_manifests_defaults() {
+        let s = resolve(installed(), &RawLayers::default(), None).expect("resolved");
+        let region = field(&s, "region");
+        assert_eq!(region.value, Some(Value::Plain("eu-1".into())));
+        assert_eq!(region.source, Source::Default);
+        let base = field(&s, "base_url");
+        assert_eq!(
+            base.value,
+            Some(Value::Plain("https://api.acme.example".into()))
+        );
+        assert_eq!(base.source, Source::Default);
+        let key = field(&s, "api_key");
+        assert_eq!((&key.value, key.source), (&None, Source::Unset));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    }
+
+    /// config.toml may hold a plugin's plain fields; a secret one there is ignored with a
+    /// warning, and only that.
+    #[test]
+    fn only_a_secret_field_in_config_toml_is_warned_about() {
+        let mut layers = RawLayers::default();
+        layers.toml.insert("acme.region".into(), "eu-2".into());
+        let s = resolve(installed(), &layers, None).expect("resolved");
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+        assert_eq!(field(&s, "region").value, Some(Value::Plain("eu-2".into())));
+        layers
+            .toml
+            .insert("acme.api_key".into(), "sk-in-toml".into());
+        let s = resolve(installed(), &layers, None).expect("resolved");
+        assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+        assert!(s.warnings[0].contains("[providers.acme] api_key ignored"));
+        assert_eq!(field(&s, "api_key").value, None);
+    }
+}

@@ -237,3 +237,39 @@ pub fn check_exposure(listen: &ListenAddr, tls: bool, allow_remote: bool) -> Res
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a plaintext TCP port beyond loopback needs `--allow-remote`; TLS or consent
+    /// lifts the refusal, and loopback addresses and unix sockets never need it.
+    #[test]
+    fn only_a_remote_plaintext_port_without_consent_is_refused() {
+        let tcp = |a: &str| ListenAddr::Tcp(a.parse().expect("address"));
+        for remote in ["0.0.0.0:49982", "192.0.2.7:1", "[::]:49982"] {
+            let addr = tcp(remote);
+            let refused = check_exposure(&addr, false, false);
+            assert!(
+                matches!(&refused, Err(Error::RemoteListen { addr }) if addr == remote),
+                "{remote}: {refused:?}"
+            );
+            assert_eq!(
+                check_exposure(&addr, true, false),
+                Ok(()),
+                "{remote} with TLS"
+            );
+            assert_eq!(
+                check_exposure(&addr, false, true),
+                Ok(()),
+                "{remote} allowed"
+            );
+            assert_eq!(check_exposure(&addr, true, true), Ok(()), "{remote}");
+        }
+        for local in ["127.0.0.1:49982", "127.3.4.5:1", "[::1]:49982"] {
+            assert_eq!(check_exposure(&tcp(local), false, false), Ok(()), "{local}");
+        }
+        let unix = ListenAddr::Unix("/run/abx/proxy.sock".into());
+        assert_eq!(check_exposure(&unix, false, false), Ok(()));
+    }
+}
