@@ -796,12 +796,13 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
 }
 
 /// `check` probes a plugin's control plane with the plugin's own header, as the proxy
-/// would send it; a control plane that answers 5xx is not "ok" (exit 69).
+/// would send it, and judges the answer: 401 or 403 is the key refused (E1009, exit 78);
+/// 500 and above is a control plane reached but not serving (E5001, exit 69); anything
+/// else, a 404 included, is a control plane that heard the key (exit 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
+async fn check_probes_with_the_providers_header_and_judges_the_answer() {
     let pki = Pki::new();
     let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "[]") }).await;
-    let failing = Upstream::start(&pki, Proto::Http1, |_r| async { response(503, "busy") }).await;
     let home = tempfile::tempdir().expect("home");
     let ca = pki.ca_pem.display().to_string();
     let run = |base: String| {
@@ -828,14 +829,33 @@ async fn check_probes_with_the_providers_header_and_fails_on_5xx() {
         seen[0].headers
     );
 
-    let out = run(failing.url()).await;
-    assert_eq!(out.status.code(), Some(69), "{}", text(&out));
-    assert!(
-        text(&out).contains("[E5001]") && text(&out).contains("503"),
-        "{}",
-        text(&out)
-    );
-    assert!(!text(&out).contains(OS_KEY));
+    for (status, exit, code) in [
+        (401, 78, Some("[E1009]")),
+        (403, 78, Some("[E1009]")),
+        (404, 0, None),
+        (500, 69, Some("[E5001]")),
+        (503, 69, Some("[E5001]")),
+    ] {
+        let answering = Upstream::start(&pki, Proto::Http1, move |_r| async move {
+            response(status, "no")
+        })
+        .await;
+        let out = run(answering.url()).await;
+        let said = text(&out);
+        assert_eq!(out.status.code(), Some(exit), "{status}: {said}");
+        match code {
+            Some(code) => assert!(
+                said.contains(code) && said.contains(&status.to_string()),
+                "{status}: {said}"
+            ),
+            None => assert!(
+                said.contains(&format!("answered {status}")) && said.contains("\nok"),
+                "{status}: {said}"
+            ),
+        }
+        assert!(!said.contains(OS_KEY), "{said}");
+        assert_eq!(answering.seen().len(), 1, "{status}");
+    }
 }
 
 /// SPEC §2–§3: `[core] provider` in config.toml selects a plugin and `[providers.<id>]`

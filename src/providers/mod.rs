@@ -320,12 +320,14 @@ mod tests {
 id = "acme"
 [endpoint]
 base_url = "https://api.acme.example"
+envd_domain = "sandbox.acme.example"
 auth.scheme = "bearer"
 [config.fields.api_key]
 secret = true
 [config.fields.region]
 default = "eu-1"
 [config.fields.base_url]
+[config.fields.envd_domain]
 "#;
 
     fn installed() -> Installed {
@@ -366,6 +368,12 @@ default = "eu-1"
             Some(Value::Plain("https://api.acme.example".into()))
         );
         assert_eq!(base.source, Source::Default);
+        let envd = field(&s, "envd_domain");
+        assert_eq!(
+            envd.value,
+            Some(Value::Plain("sandbox.acme.example".into()))
+        );
+        assert_eq!(envd.source, Source::Default);
         let key = field(&s, "api_key");
         assert_eq!((&key.value, key.source), (&None, Source::Unset));
         assert!(s.warnings.is_empty(), "{:?}", s.warnings);
