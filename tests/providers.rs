@@ -187,6 +187,26 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
     let (_dir, manifest) = manifest_file(INHERITING);
     let base = ("ABX_BORROWER_BASE_URL", upstream.url());
 
+    // The install says what was not granted and how to grant it; with --consent, it says
+    // consented and nothing more.
+    for (consent, says, never) in [
+        (false, "sandbox_api_key (NOT consented", Some("(consented)")),
+        (true, "sandbox_api_key (consented)", None),
+    ] {
+        let home = tempfile::tempdir().expect("home");
+        let mut args = vec!["provider", "install", manifest.as_str()];
+        if consent {
+            args.push("--consent");
+        }
+        let out = abx(home.path(), &[], &args).await;
+        let said = text(&out);
+        assert!(out.status.success(), "{said}");
+        let note = "note: this provider asks to inherit sandbox_api_key; it was not granted.";
+        assert!(said.contains(says), "{said}");
+        assert_eq!(said.contains(note), !consent, "{said}");
+        assert!(never.is_none_or(|n| !said.contains(n)), "{said}");
+    }
+
     // Installed without consent: no key for the plugin, so serve refuses to start.
     let (status, stderr) = ProxyCmd::new(&upstream.url(), &pki)
         .setup(&["provider", "install", &manifest])
@@ -407,7 +427,12 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     let base = row("opensandbox.base_url");
     assert_eq!(base["value"], "127.0.0.1:9999");
     assert_eq!(base["source"], "flag");
-    assert_eq!(row("credential")["value"], "api_key");
+    // The credential row names the plugin's key and where that came from.
+    let credential = row("credential");
+    assert_eq!(
+        (credential["value"].as_str(), credential["source"].as_str()),
+        (Some("api_key"), Some("env"))
+    );
 
     // The SDK's variables exported for the SDK (pointing it at the proxy, with a dummy
     // key) do not replace the canonical ones kept in ~/.abx/.env or config.toml.
@@ -458,6 +483,25 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     .await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(!text(&out).contains("sneaky-value-123"));
+
+    // No key anywhere (and no consent to inherit one): no credential, said as unset, while
+    // the fields that have values still show them.
+    std::fs::remove_file(h.join(".abx/.env")).expect("remove .env");
+    let out = abx(
+        h,
+        &[("ABX_PROVIDER", "opensandbox")],
+        &["config", "list", "--json"],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    let credential = row_of(&rows, "credential");
+    assert_eq!(
+        (credential["value"].as_str(), credential["source"].as_str()),
+        (None, Some("unset")),
+        "{credential}"
+    );
+    assert_eq!(row_of(&rows, "opensandbox.base_url")["source"], "default");
 
     let out = abx(h, &[], &["provider", "info", "opensandbox"]).await;
     assert!(out.status.success());

@@ -199,6 +199,14 @@ impl Case {
         self.finish(cmd, args)
     }
 
+    /// Runs the binary with a stdout on a full disk: every write fails with ENOSPC.
+    fn run_with_stdout_full(&self, args: &[&str]) -> Out {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
+        let mut cmd = self.command(args);
+        cmd.stdout(full.expect("/dev/full"));
+        self.finish(cmd, args)
+    }
+
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(BIN);
         cmd.args(args)
@@ -2073,7 +2081,7 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
     // Bad command lines (exit 2): a --provider-option without '=' (not quoted back: it may
     // be a value typed in the wrong place), and a --log-level that is not a filter.
-    let bad: [(&[&str], &str, Option<&str>); 2] = [
+    let bad: [(&[&str], &str, Option<&str>); 3] = [
         (
             &[
                 "check",
@@ -2083,6 +2091,12 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             ],
             "[E8004]",
             Some("typed-in-the-wrong-place"),
+        ),
+        // The built-in provider has flags of its own, and no plugin fields.
+        (
+            &["check", "--offline", "--provider-option", "region=eu-1"],
+            "[E8004] --provider-option region: the built-in provider takes no --provider-option",
+            None,
         ),
         (
             &[
@@ -2387,6 +2401,24 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
         let out = c.run_with_reader_gone(args);
         assert_eq!(out.code, 141, "{args:?}: {}", out.stderr);
         assert_eq!(out.stderr, "", "{args:?}");
+    }
+}
+
+/// A stdout that fails otherwise (a full disk) is no reader gone: EX_IOERR (74) and one
+/// line on stderr saying why, so that a script does not take the output as complete.
+#[test]
+fn a_stdout_on_a_full_disk_is_exit_74_with_one_line() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    for args in [&["check", "--offline"][..], &["config", "list"]] {
+        let out = c.run_with_stdout_full(args);
+        assert_eq!(out.code, 74, "{args:?}: {}", out.stderr);
+        assert_eq!(out.stderr.lines().count(), 1, "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr.starts_with("error: cannot write to stdout: "),
+            "{args:?}: {}",
+            out.stderr
+        );
     }
 }
 
