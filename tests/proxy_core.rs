@@ -1244,6 +1244,13 @@ async fn drains_in_flight_requests_on(signal: &str) {
     upstream.next_request().await;
 
     proxy.signal(signal);
+    // The log names the signal that began the drain (an operator reading it after a
+    // restart tells a supervisor's stop from a Ctrl-C).
+    let draining = proxy.wait_for_line("draining").await;
+    assert!(
+        draining.contains(&format!("signal=\"SIG{signal}\"")),
+        "{draining}"
+    );
     proxy.wait_for_line("listener closed").await;
     let refused = TcpStream::connect(addr).await;
     assert_eq!(
