@@ -1628,6 +1628,54 @@ mod tests {
         );
     }
 
+    /// An origin keeps at most [`MAX_IDLE_PER_ORIGIN`] idle connections: one more coming
+    /// back is closed (its upstream sees the end), so a burst does not leave a descriptor
+    /// per request held for good.
+    #[tokio::test]
+    async fn an_origin_keeps_at_most_its_idle_limit_and_closes_the_rest() {
+        // Both ends of every connection are in this process; the default soft limit of
+        // 1024 descriptors is shared with the tests running beside this one.
+        let _ = rlimit::increase_nofile_limit(4096);
+        let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+        let (closed_tx, mut closed_rx) = mpsc::unbounded_channel::<()>();
+        let fake = Fake::start(move |mut s, _| {
+            let mut go = go_rx.clone();
+            let closed = closed_tx.clone();
+            async move {
+                let mut buf = Vec::new();
+                if read_head(&mut s, &mut buf).await.is_none() {
+                    return;
+                }
+                // Half the body, the rest when told: until then the client holds the connection.
+                let _ = s.write_all(&OK[..OK.len() - 1]).await;
+                let _ = go.wait_for(|go| *go).await;
+                let _ = s.write_all(b"k").await;
+                if read_head(&mut s, &mut buf).await.is_none() {
+                    let _ = closed.send(());
+                }
+            }
+        })
+        .await;
+        let client = client();
+        let n = MAX_IDLE_PER_ORIGIN + 1;
+        let mut held = Vec::with_capacity(n);
+        for _ in 0..n {
+            let resp = within(client.request("api", get(&fake.url("/")), LONG)).await;
+            held.push(resp.unwrap());
+        }
+        assert_eq!(fake.accepts(), n, "each request holds a connection");
+        go_tx.send(true).unwrap();
+        for resp in held {
+            assert_eq!(text(resp).await, "ok");
+        }
+        let kept: usize = {
+            let idle = client.pool.lock();
+            idle.origins.iter().map(|o| o.conns.len()).sum()
+        };
+        assert_eq!(MAX_IDLE_PER_ORIGIN, kept);
+        within(closed_rx.recv()).await.unwrap();
+    }
+
     /// The deadline lives with the connection and moves per exchange: a kept-alive
     /// connection whose first exchange had a long deadline still times out the second,
     /// shorter one, and a timeout on a fresh connection covers the connect too.
@@ -2095,6 +2143,68 @@ mod tests {
         assert_eq!(fake.accepts(), 2);
     }
 
+    /// The head goes up at once, before the body has given anything: the upstream may answer
+    /// from the head alone (a 401, a 413), and a client streaming its body from a slow
+    /// source must not hold that answer back.
+    #[tokio::test]
+    async fn the_head_goes_up_before_the_body_has_anything() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            if read_head(&mut s, &mut buf).await.is_some() {
+                let _ = s
+                    .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+            }
+        })
+        .await;
+        let client = client();
+        let (_tx, body) = channel();
+        let put = with_body("PUT", &fake.url("/up"), body);
+        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        assert_eq!(resp.status(), 413);
+    }
+
+    /// A head larger than the socket's buffers goes out over several writes, each taking
+    /// up where the last one stopped, and the body after it. (The client's listener bounds
+    /// the heads it takes, but a write may stop anywhere in one when the upstream is slow.)
+    #[tokio::test]
+    async fn a_head_written_in_pieces_arrives_whole_before_its_body() {
+        // Over Linux's default largest send buffer: the first write cannot take all of it
+        // while the server, on this thread, reads nothing.
+        let big = "b".repeat(6 << 20);
+        let (seen_tx, mut seen) = mpsc::unbounded_channel::<(String, Vec<u8>)>();
+        let fake = Fake::start(move |mut s, _| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                // Not `read_head`: its search from the start after each read is quadratic.
+                let mut buf = Vec::new();
+                read_until(&mut s, &mut buf, b"done").await;
+                let _ = s.write_all(OK).await;
+                let end = buf
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .map_or(0, |i| i + 4);
+                let body = buf.split_off(end);
+                let _ = seen_tx.send((String::from_utf8_lossy(&buf).into_owned(), body));
+            }
+        })
+        .await;
+        let client = client();
+        let put = Request::put(fake.url("/big"))
+            .header("x-big", big.as_str())
+            .body(body::full(Bytes::from_static(b"done")))
+            .unwrap();
+        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        let (head, body) = within(seen.recv()).await.unwrap();
+        assert!(head.starts_with("PUT /big HTTP/1.1\r\n"));
+        assert!(head.contains(&format!("\r\nx-big: {big}\r\n")));
+        assert!(head.ends_with("\r\ncontent-length: 4\r\n\r\n"));
+        assert_eq!(body, b"done");
+    }
+
     #[tokio::test]
     async fn request_framing_and_host() {
         let (seen_tx, mut seen) = mpsc::unbounded_channel::<(String, Vec<u8>)>();
@@ -2227,6 +2337,8 @@ mod tests {
         assert_eq!(parts("example.com:", false), "example.com");
         assert_eq!(parts("example.com:99999", false), "example.com");
         assert_eq!(parts("10.0.0.1:0080", false), "10.0.0.1");
+        // All digits and no colon: a name (a decimal IPv4 address), not a port.
+        assert_eq!(parts("2130706433", false), "2130706433");
         assert_eq!(
             parts("49983-isb-1.localhost:9443", true),
             "49983-isb-1.localhost:9443"
@@ -2298,6 +2410,34 @@ mod tests {
         }
         // A connection that was set up and then timed out (keep-alive probes unanswered).
         assert_eq!(forward::io_kind(io::ErrorKind::TimedOut), FailKind::Timeout);
+    }
+
+    /// An upstream that resets the connection, at the TLS handshake or after the request,
+    /// is a `reset` with the same words on the pool's connections as on hyper's: not a TLS
+    /// failure, as no certificate or protocol was refused.
+    #[tokio::test]
+    async fn a_reset_is_a_reset_on_the_pools_connections_too() {
+        let fake = Fake::start(|mut s, _| async move {
+            // A ClientHello or a request head: either way, something was sent.
+            let mut first = [0u8; 1];
+            let _ = s.read(&mut first).await;
+            let _ = s.set_zero_linger();
+        })
+        .await;
+        let tls = tls_pair();
+        let clients = [
+            (client(), "http"),
+            (client(), "https"),
+            (negotiating(&tls), "https"),
+        ];
+        for (client, scheme) in clients {
+            let url = format!("{scheme}://{}/reset", fake.addr);
+            let e = within(client.request("api", get(&url), LONG))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), FailKind::Reset, "{url}: {e:?}");
+            assert_eq!(e.describe(), "connection reset", "{url}: {e:?}");
+        }
     }
 
     #[tokio::test]
