@@ -251,6 +251,41 @@ async fn large_plain_downloads_arrive_byte_identical_and_keep_the_connection() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 client gets a plain upstream's answers whole, large ones streamed included:
+/// HTTP/2 ends a stream with its head when the body says it has ended, so the pool's body
+/// must say so only at its end. The upstream connection is reused after each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_gets_plain_answers_whole() {
+    let (proxy, conns, _task) = plain_proxy().await;
+    let addr = proxy.addr();
+    let tcp = within("connect", tokio::net::TcpStream::connect(addr))
+        .await
+        .unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    for len in [SMALL + 8, 96] {
+        let url = format!("http://{addr}/files/{len}");
+        let req = Request::get(&url).body(empty()).unwrap();
+        let resp = within("the answer", h2.send_request(req)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{url}");
+        let (got_len, got_hash) = within("the download", hash_body(resp.into_body())).await;
+        let (mut expect, _) = GenBody::new(len, len, true);
+        let (want_len, want_hash) = hash_body(&mut expect).await;
+        assert_eq!(
+            (got_len, hex(&got_hash)),
+            (want_len, hex(&want_hash)),
+            "{url}"
+        );
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "one upstream connection");
+    proxy.finish().await;
+}
+
 /// A large download when the proxy has no descriptor left for splice's pipe (near the
 /// open-file limit, where each connection already holds two): copied as usual, whole. The
 /// pipe used to be made after the head went out, and its failure cut the body there.
