@@ -384,6 +384,61 @@ mod tests {
         assert!(got == data);
     }
 
+    /// One poll of a copy, on a thread of its own: a copy that neither moves nor returns
+    /// (a busy loop, a core burnt for as long as a slow client takes) fails the test
+    /// instead of hanging it.
+    /// Says whether it is pending, and what is left to take from the source.
+    fn poll_alone(mut pipe: Pipe, from: TcpStream, to: TcpStream, mut len: u64) -> (bool, u64) {
+        let (done, polled) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            let pending = pipe
+                .poll_copy(&mut cx, &from, &to, &mut len, || {})
+                .is_pending();
+            let _ = done.send((pending, len));
+        });
+        polled
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a copy that can move nothing returns")
+    }
+
+    /// Nothing has come from the upstream yet and the client could take bytes: the copy
+    /// waits for the upstream alone, not on the client's standing readiness to write.
+    #[tokio::test]
+    async fn a_copy_with_nothing_to_move_waits() {
+        let (from, _writer) = pair().await;
+        let (to, _reader) = pair().await;
+        assert_eq!(poll_alone(Pipe::new().unwrap(), from, to, 100), (true, 100));
+    }
+
+    /// The client reads nothing while the upstream has sent more than the pipe and the
+    /// client's socket hold: the copy waits for the client, not on the upstream's standing
+    /// readiness to read.
+    #[tokio::test]
+    async fn a_copy_blocked_by_the_client_waits() {
+        let (from, mut writer) = pair().await;
+        let (to, _reader) = narrow_pair().await;
+        let mut pipe = Pipe::new().unwrap();
+        pipe.capacity = fcntl_setpipe_size(&pipe.inn, 4 * 4096).unwrap();
+        // Within what a receive buffer takes unread, beyond what the pipe and the narrow
+        // client hold.
+        let len = 48 << 10;
+        writer.write_all(&vec![7u8; len]).await.unwrap();
+        // All of it in the source socket before the poll, the readiness left set.
+        loop {
+            from.readable().await.unwrap();
+            if ioctl_fionread(&from).unwrap() as usize >= len {
+                break;
+            }
+            let _ = from.try_io(Interest::READABLE, || {
+                Err::<(), _>(io::ErrorKind::WouldBlock.into())
+            });
+        }
+        let (pending, left) = poll_alone(pipe, from, to, len as u64);
+        assert!(pending);
+        assert!(left > 0, "the client took it all: no wait to test");
+    }
+
     /// The source ends before `len`: an error, not a short success.
     #[tokio::test]
     async fn an_early_end_is_unexpected_eof() {
