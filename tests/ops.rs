@@ -1081,8 +1081,20 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {STATIC_KEY}")));
     assert_eq!(series(&scrape(admin).await, expiry, &[]), Some(0.0));
+
+    // Back to the pair: a temporary key of its own serves, and the gauge shows its expiry
+    // again (set from the running key at the swap, after the exchange that reported it).
+    proxy.reload_env(&pair, "reloaded").await;
+    let issued = fake.issued_keys();
+    assert_eq!(issued.len(), 2, "{issued:?}");
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    assert_eq!(
+        last_bearer(&upstream),
+        Some(format!("Bearer {}", issued[1]))
+    );
+    assert!(series(&scrape(admin).await, expiry, &[]) > Some(1.7e9));
     let stderr = proxy.finish().await;
-    assert_no_aksk_secret(&stderr, &first, "the log");
+    assert_no_aksk_secret(&stderr, &issued, "the log");
     assert!(!stderr.contains(STATIC_KEY), "a key in the log");
     assert!(!stderr.contains("wrong-secret-0000"), "a secret in the log");
 }
