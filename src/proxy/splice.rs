@@ -425,15 +425,20 @@ mod tests {
         let len = 48 << 10;
         writer.write_all(&vec![7u8; len]).await.unwrap();
         // All of it in the source socket before the poll, the readiness left set.
-        loop {
-            from.readable().await.unwrap();
-            if ioctl_fionread(&from).unwrap() as usize >= len {
-                break;
+        let arrived = async {
+            loop {
+                from.readable().await.unwrap();
+                if ioctl_fionread(&from).unwrap() as usize >= len {
+                    break;
+                }
+                let _ = from.try_io(Interest::READABLE, || {
+                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                });
             }
-            let _ = from.try_io(Interest::READABLE, || {
-                Err::<(), _>(io::ErrorKind::WouldBlock.into())
-            });
-        }
+        };
+        timeout(Duration::from_secs(10), arrived)
+            .await
+            .expect("the upstream's bytes arrive");
         let (pending, left) = poll_alone(pipe, from, to, len as u64);
         assert!(pending);
         assert!(left > 0, "the client took it all: no wait to test");
