@@ -386,8 +386,8 @@ mod tests {
 
     /// One poll of a copy, on a thread of its own: a copy that neither moves nor returns
     /// (a busy loop, a core burnt for as long as a slow client takes) fails the test
-    /// instead of hanging it.
-    /// Says whether it is pending, and what is left to take from the source.
+    /// instead of hanging it. Says whether the poll was pending, and what is left to take
+    /// from the source.
     fn poll_alone(mut pipe: Pipe, from: TcpStream, to: TcpStream, mut len: u64) -> (bool, u64) {
         let (done, polled) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
