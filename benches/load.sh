@@ -6,7 +6,7 @@
 #
 # One run installs what is missing (nginx, haproxy, wrk, curl, python3 from Debian's
 # packages), builds abx-proxy and examples/bench_upstream.rs in release, starts the upstream,
-# nginx with 1 and with 2 workers, HAProxy and abx-proxy, then:
+# nginx with 1 and with 2 workers, HAProxy and abx-proxy (and its PGO build, with PGO=1), then:
 #   1. request rate: wrk (2 threads, `--latency`) at 8, 64 and 256 connections, DUR seconds
 #      a run, ROUNDS rounds, the targets interleaved (order rotated every round);
 #      per run the proxy's peak RSS (VmHWM reset before the run via /proc/PID/clear_refs,
@@ -29,7 +29,10 @@
 # Knobs (environment): DUR=5 ROUNDS=3 CONNS="8 64 256" XFER_BYTES=1073741824 XFER_ROUNDS=3
 #   IDLE_CONNS=10000 BASE_PORT=27100 SKIP_BUILD=1 (use the binaries already built)
 #   ABX_EXTRA_ARGS="…" (extra flags for `abx-proxy serve`)
-#   PARTS="rate xfer idle" (which of the three parts to run; the report covers those run).
+#   PARTS="rate xfer idle" (which of the three parts to run; the report covers those run)
+#   PGO=1 (also build abx-proxy with scripts/pgo.sh, about 6 minutes more, and measure that
+#   build beside the plain release one as the target abx-pgo; with SKIP_BUILD=1, the one
+#   already in target/pgo/).
 # Every run is bounded (wrk -d, curl --max-time, timeouts on every wait), stops by itself
 # and kills what it started on exit. Expect 8 to 10 minutes after the build. Not part of the
 # test suite.
@@ -85,10 +88,16 @@ fi
 if [[ -z ${SKIP_BUILD:-} ]]; then
     log "cargo build --release --locked"
     (cd "$ROOT" && cargo build --release --locked --bin abx-proxy --example bench_upstream)
+    if [[ -n ${PGO:-} ]]; then
+        log "scripts/pgo.sh (instrumented build, training, build with the profile)"
+        bash "$ROOT/scripts/pgo.sh" >/dev/null
+    fi
 fi
 ABX="$ROOT/target/release/abx-proxy"
+ABX_PGO="$ROOT/target/pgo/release/abx-proxy"
 UPSTREAM_BIN="$ROOT/target/release/examples/bench_upstream"
 [[ -x $ABX && -x $UPSTREAM_BIN ]] || die "release binaries missing (build failed?)"
+[[ -z ${PGO:-} || -x $ABX_PGO ]] || die "PGO build missing (scripts/pgo.sh failed?)"
 
 # 10 000 client sockets plus the proxy's: raise the descriptor limit for everything below.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
@@ -103,7 +112,9 @@ P_NGX2=$((BASE_PORT + 2))
 P_HAP=$((BASE_PORT + 3))
 P_ABX=$((BASE_PORT + 4))
 P_ADMIN=$((BASE_PORT + 5))
-for p in $P_UP $P_NGX1 $P_NGX2 $P_HAP $P_ABX $P_ADMIN; do
+P_PGO=$((BASE_PORT + 6))
+P_PGO_ADMIN=$((BASE_PORT + 7))
+for p in $P_UP $P_NGX1 $P_NGX2 $P_HAP $P_ABX $P_ADMIN $P_PGO $P_PGO_ADMIN; do
     if ss -Hltn "sport = :$p" | grep -q .; then die "port $p is in use (set BASE_PORT)"; fi
 done
 
@@ -209,36 +220,46 @@ haproxy -db -f "$WORK/haproxy.cfg" >/dev/null 2>"$WORK/haproxy.stderr" &
 PIDS+=($!)
 PID_HAP=$!
 
-mkdir -p "$WORK/abx-home"
-# A clean settings chain: no ABX_* from the caller, no ./.env, no ~/.abx.
-start_abx() { # stderr-file
+# A clean settings chain: no ABX_* from the caller, no ./.env, no ~/.abx; a home per build.
+start_abx() { # binary port admin-port stderr-file; sets ABX_STARTED
+    mkdir -p "$WORK/home-$2"
     (
         cd "$WORK"
         for v in $(compgen -e | grep '^ABX_' || true); do unset "$v"; done
-        export ABX_HOME="$WORK/abx-home" ABX_SANDBOX_API_KEY="$KEY"
+        export ABX_HOME="$WORK/home-$2" ABX_SANDBOX_API_KEY="$KEY"
         # shellcheck disable=SC2086
-        exec "$ABX" serve --listen "127.0.0.1:$P_ABX" --admin-listen "127.0.0.1:$P_ADMIN" \
-            --sandbox-base-url "http://127.0.0.1:$P_UP" ${ABX_EXTRA_ARGS:-} 2>"$1"
+        exec "$1" serve --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$3" \
+            --sandbox-base-url "http://127.0.0.1:$P_UP" ${ABX_EXTRA_ARGS:-} 2>"$4"
     ) &
-    PID_ABX=$!
+    ABX_STARTED=$!
     PIDS+=($!)
 }
 # Access log to /dev/null like the others; on a failed start, start again to see why.
-start_abx /dev/null
-if ! wait_http "$P_ABX" /bench; then
-    kill "$PID_ABX" 2>/dev/null || true
-    start_abx "$WORK/abx.stderr"
-    wait_http "$P_ABX" /bench || die "abx-proxy did not start: $(cat "$WORK/abx.stderr")"
+launch_abx() { # name binary port admin-port; sets ABX_STARTED
+    start_abx "$2" "$3" "$4" /dev/null
+    if ! wait_http "$3" /bench; then
+        kill "$ABX_STARTED" 2>/dev/null || true
+        start_abx "$2" "$3" "$4" "$WORK/$1.stderr"
+        wait_http "$3" /bench || die "$1 did not start: $(cat "$WORK/$1.stderr")"
+    fi
+}
+launch_abx abx-proxy "$ABX" "$P_ABX" "$P_ADMIN"
+PID_ABX=$ABX_STARTED
+ABX_TARGETS=(abx-proxy)
+if [[ -n ${PGO:-} ]]; then
+    launch_abx abx-pgo "$ABX_PGO" "$P_PGO" "$P_PGO_ADMIN"
+    PID_PGO=$ABX_STARTED
+    ABX_TARGETS+=(abx-pgo)
 fi
 wait_http "$P_NGX1" /bench || die "nginx (1 worker) did not start: $(cat "$WORK/ngx1/stderr" "$WORK/ngx1/error.log" 2>/dev/null)"
 wait_http "$P_NGX2" /bench || die "nginx (2 workers) did not start: $(cat "$WORK/ngx2/stderr" "$WORK/ngx2/error.log" 2>/dev/null)"
 wait_http "$P_HAP" /bench || die "haproxy did not start: $(cat "$WORK/haproxy.stderr")"
 
-TARGETS=(direct nginx-1w nginx-2w haproxy abx-proxy)
+TARGETS=(direct nginx-1w nginx-2w haproxy "${ABX_TARGETS[@]}")
 port_of() {
     case $1 in
     direct) echo "$P_UP" ;; nginx-1w) echo "$P_NGX1" ;; nginx-2w) echo "$P_NGX2" ;;
-    haproxy) echo "$P_HAP" ;; abx-proxy) echo "$P_ABX" ;;
+    haproxy) echo "$P_HAP" ;; abx-proxy) echo "$P_ABX" ;; abx-pgo) echo "$P_PGO" ;;
     esac
 }
 # The processes whose memory counts: the proxy (nginx: master and workers).
@@ -251,12 +272,12 @@ pids_of() {
         [[ $1 == nginx-2w ]] && m=$PID_NGX2
         echo "$m $(pgrep -P "$m" | tr '\n' ' ')"
         ;;
-    haproxy) echo "$PID_HAP" ;; abx-proxy) echo "$PID_ABX" ;;
+    haproxy) echo "$PID_HAP" ;; abx-proxy) echo "$PID_ABX" ;; abx-pgo) echo "$PID_PGO" ;;
     esac
 }
 
 # Same rewrite everywhere: the key attached, the dummy gone, the upstream's Host.
-for t in nginx-1w nginx-2w haproxy abx-proxy; do
+for t in "${TARGETS[@]:1}"; do
     h=$(curl -s --max-time 5 -H 'X-API-Key: dummy' -H 'Authorization: Bearer dummy' \
         "http://127.0.0.1:$(port_of "$t")/headers" | tr 'A-Z' 'a-z')
     grep -qx "authorization: bearer ${KEY,,}" <<<"$h" || die "$t: no injected Authorization: $h"
@@ -314,7 +335,9 @@ with_peak_rss() { # target cmd...
     cat "$peak_file" >&3
 }
 
-ABX_IDLE_KB=$(status_kb "$PID_ABX" VmRSS)
+# "target:idle_kB" for each abx-proxy build, as started (one request per target check).
+IDLE_RSS=""
+for t in "${ABX_TARGETS[@]}"; do IDLE_RSS+="$t:$(status_kb "$(pids_of "$t")" VmRSS) "; done
 
 # ---------------------------------------------------------------- 1. request rate
 to_ms() { # wrk latency ("612.00us", "1.23ms", "2.00s") -> ms
@@ -443,11 +466,14 @@ idle_test() { # target -> "conns rss_before_kB rss_after_kB"
     wait "$py" 2>/dev/null || true
     echo "$held $before $after"
 }
-ABX_IDLE_N=0 ABX_IDLE_BEFORE=0 ABX_IDLE_AFTER=0 NGX_IDLE_N=0 NGX_IDLE_BEFORE=0 NGX_IDLE_AFTER=0
+# "target:conns:before_kB:after_kB" for each target held idle.
+IDLE_HELD=""
 if part idle; then
-    read -r ABX_IDLE_N ABX_IDLE_BEFORE ABX_IDLE_AFTER <<<"$(idle_test abx-proxy)"
-    sleep 2
-    read -r NGX_IDLE_N NGX_IDLE_BEFORE NGX_IDLE_AFTER <<<"$(idle_test nginx-1w)"
+    for t in "${ABX_TARGETS[@]}" nginx-1w; do
+        read -r n before after <<<"$(idle_test "$t")"
+        IDLE_HELD+="$t:$n:$before:$after "
+        sleep 2
+    done
 fi
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -463,7 +489,7 @@ for line in open(results):
     runs[(t, int(c))].append((float(rps), float(p50), float(p99), int(rss), int(errs), float(cpu)))
     by_round[(t, int(c))][r] = float(rps)
 med = lambda xs: statistics.median(xs)
-order = ["direct", "nginx-1w", "nginx-2w", "haproxy", "abx-proxy"]
+order = ["direct", "nginx-1w", "nginx-2w", "haproxy", "abx-proxy", "abx-pgo"]
 conns = sorted({c for _, c in runs})
 print()
 print("## Request rate (GET, 53-byte body; wrk -t2, ${DUR}s x ${ROUNDS} rounds, interleaved; medians)")
@@ -517,41 +543,43 @@ print()
 print("## Idle")
 print()
 def idle(name, n, before, after):
-    n, before, after = int(n), int(before), int(after)
     per = (after - before) / n if n else 0
     print(f"- {name}: {n} idle keep-alive connections held: RSS {after / 1024:.1f} MiB (before {before / 1024:.1f} MiB, {per:.2f} KiB per connection)")
-print(f"- abx-proxy idle RSS (after start-up and one request per target check): {int('$ABX_IDLE_KB') / 1024:.1f} MiB")
-idle_ran = "$(part idle && echo 1)" == "1"
-if idle_ran:
-    idle("abx-proxy", "$ABX_IDLE_N", "$ABX_IDLE_BEFORE", "$ABX_IDLE_AFTER")
-    idle("nginx-1w (reference)", "$NGX_IDLE_N", "$NGX_IDLE_BEFORE", "$NGX_IDLE_AFTER")
-print()
-print("## abx-proxy against the targets")
-print()
+idle_rss = {t: int(kb) for t, kb in (e.split(":") for e in "$IDLE_RSS".split())}
+held = {t: tuple(int(v) for v in rest) for t, *rest in (e.split(":") for e in "$IDLE_HELD".split())}
+for t, kb in idle_rss.items():
+    print(f"- {t} idle RSS (after start-up and one request per target check): {kb / 1024:.1f} MiB")
+for t, (n, before, after) in held.items():
+    idle(t + (" (reference)" if t.startswith("nginx") else ""), n, before, after)
+abx = list(idle_rss)
 def check(what, ok, detail):
     print(f"- {'MET    ' if ok else 'NOT MET'} {what}: {detail}")
-for c in (64, 256):
-    if ("abx-proxy", c) in summary:
-        vn, vp, vh, rss = summary[("abx-proxy", c)]
-        check(f"req/s at {c} >= 1.0x best nginx and >= 1.0x haproxy", vn >= 1 and vh >= 1, f"{vn:.2f}x nginx, {vh:.2f}x haproxy")
-        check(f"p99 at {c} <= best nginx p99", 0 < vp <= 1, f"{vp:.2f}x")
-if ("abx-proxy", 256) in summary:
-    rss = summary[("abx-proxy", 256)][3]
-    check("peak RSS at 256 connections <= 16 MiB", rss <= 16, f"{rss:.1f} MiB")
-idle_mib = int("$ABX_IDLE_KB") / 1024
-check("idle RSS <= 8 MiB", idle_mib <= 8, f"{idle_mib:.1f} MiB")
-if ("abx-proxy", "down") in x and dd and du:
-    (dm, dr), (um, ur) = x[("abx-proxy", "down")], x[("abx-proxy", "up")]
-    check("1 GiB transfers: peak RSS <= 32 MiB", max(dr, ur) / 1024 <= 32, f"down {dr / 1024:.1f} MiB, up {ur / 1024:.1f} MiB")
-    check("1 GiB transfers: throughput >= 0.8x direct", dm / dd >= 0.8 and um / du >= 0.8, f"down {dm / dd:.2f}x, up {um / du:.2f}x")
-n_idle = int("$ABX_IDLE_N")
-if idle_ran:
-    check(f"{n_idle} idle keep-alive connections: RSS <= 64 MiB", n_idle >= 10000 and int("$ABX_IDLE_AFTER") / 1024 <= 64, f"{int('$ABX_IDLE_AFTER') / 1024:.1f} MiB")
+for a in abx:
+    print()
+    print(f"## {a} against the targets")
+    print()
+    for c in (64, 256):
+        if (a, c) in summary:
+            vn, vp, vh, rss = summary[(a, c)]
+            check(f"req/s at {c} >= 1.0x best nginx and >= 1.0x haproxy", vn >= 1 and vh >= 1, f"{vn:.2f}x nginx, {vh:.2f}x haproxy")
+            check(f"p99 at {c} <= best nginx p99", 0 < vp <= 1, f"{vp:.2f}x")
+    if (a, 256) in summary:
+        rss = summary[(a, 256)][3]
+        check("peak RSS at 256 connections <= 16 MiB", rss <= 16, f"{rss:.1f} MiB")
+    idle_mib = idle_rss[a] / 1024
+    check("idle RSS <= 8 MiB", idle_mib <= 8, f"{idle_mib:.1f} MiB")
+    if (a, "down") in x and dd and du:
+        (dm, dr), (um, ur) = x[(a, "down")], x[(a, "up")]
+        check("1 GiB transfers: peak RSS <= 32 MiB", max(dr, ur) / 1024 <= 32, f"down {dr / 1024:.1f} MiB, up {ur / 1024:.1f} MiB")
+        check("1 GiB transfers: throughput >= 0.8x direct", dm / dd >= 0.8 and um / du >= 0.8, f"down {dm / dd:.2f}x, up {um / du:.2f}x")
+    if a in held:
+        n_idle, _, after = held[a]
+        check(f"{n_idle} idle keep-alive connections: RSS <= 64 MiB", n_idle >= 10000 and after / 1024 <= 64, f"{after / 1024:.1f} MiB")
 print()
 print("## Paired rounds (for reading the medians above; not a target)")
 print()
 print("The machine's speed can drift between rounds; targets that ran back to back in the same")
-print("round saw the same machine. Median of abx-proxy's per-round ratio, and the rounds it was ahead in:")
+print("round saw the same machine. Median of the per-round ratio, and the rounds it was ahead in:")
 print()
 def paired(what, ours, theirs, count_ahead=True):
     ratios = [a / b for a, b in zip(ours, theirs) if a > 0 and b > 0]
@@ -559,12 +587,14 @@ def paired(what, ours, theirs, count_ahead=True):
         ahead = sum(r >= 1 for r in ratios)
         tail = f", ahead in {ahead} of {len(ratios)} rounds" if count_ahead else f" ({len(ratios)} rounds)"
         print(f"- {what}: {med(ratios):.2f}x{tail}")
-for c in conns:
-    ours = by_round.get(("abx-proxy", c), {})
-    for ref in (best_nginx.get(c), "haproxy"):
-        theirs = by_round.get((ref, c), {})
-        common = sorted(set(ours) & set(theirs), key=int)
-        paired(f"req/s at {c} vs {ref}", [ours[r] for r in common], [theirs[r] for r in common])
-for d in ("down", "up"):
-    paired(f"$((XFER_BYTES / 1048576)) MiB {d}load vs direct", [m for m, _ in xs.get(("abx-proxy", d), [])], [m for m, _ in xs.get(("direct", d), [])], False)
+refs = lambda a, c: [r for r in (best_nginx.get(c), "haproxy") + (("abx-proxy",) if a != "abx-proxy" else ()) if r]
+for a in abx:
+    for c in conns:
+        ours = by_round.get((a, c), {})
+        for ref in refs(a, c):
+            theirs = by_round.get((ref, c), {})
+            common = sorted(set(ours) & set(theirs), key=int)
+            paired(f"{a} req/s at {c} vs {ref}", [ours[r] for r in common], [theirs[r] for r in common])
+    for d in ("down", "up"):
+        paired(f"{a} $((XFER_BYTES / 1048576)) MiB {d}load vs direct", [m for m, _ in xs.get((a, d), [])], [m for m, _ in xs.get(("direct", d), [])], False)
 EOF
