@@ -23,8 +23,9 @@
 #   3. llvm-profdata merges it (the one matching rustc's LLVM: rustup's `llvm-tools`
 #      component, else Debian's `llvm-N`, installed when missing);
 #   4. the release build with the profile (target/pgo/), same sources and Cargo.lock.
-# Paths the training does not reach are compiled as cold (smaller, not slower to matter):
-# a new hot path belongs in step 2. The plain `cargo build --release` stays the default
+# Paths the training does not reach (HTTP/2 or TLS clients, the unix listener, the AK/SK
+# exchange) are compiled as cold, placed apart and optimised for size, their speed not
+# measured: a path that is hot for you belongs in step 2. The plain `cargo build --release` stays the default
 # build; this one takes about twice as long.
 # Knobs: TRAIN_SECS=3 (seconds per wrk run), BASE_PORT=27400.
 set -euo pipefail
