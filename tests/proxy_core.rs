@@ -60,6 +60,8 @@ async fn key_attached_client_credentials_and_hop_by_hop_removed() {
         h.insert("x-resp-hop", "hop".parse().unwrap());
         h.insert("keep-alive", "timeout=5".parse().unwrap());
         h.insert("proxy-authenticate", "Basic realm=x".parse().unwrap());
+        // A request field, meaningless in a response, but hop-by-hop all the same.
+        h.insert("te", "trailers".parse().unwrap());
         h.insert("x-resp-kept", "yes".parse().unwrap());
         r
     })
@@ -113,7 +115,7 @@ async fn key_attached_client_credentials_and_hop_by_hop_removed() {
 
     // The other direction.
     assert_eq!(resp.header("x-resp-kept"), Some("yes"));
-    for hop in ["x-resp-hop", "keep-alive", "proxy-authenticate"] {
+    for hop in ["x-resp-hop", "keep-alive", "proxy-authenticate", "te"] {
         assert!(
             !resp.has(hop),
             "{hop} reached the client: {:?}",

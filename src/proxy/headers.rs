@@ -87,18 +87,29 @@ pub fn has_token(value: &[u8], token: &[u8]) -> bool {
 /// `Upgrade` naming WebSocket alone: another protocol offered beside it (`h2c, websocket`)
 /// is not one the proxy tunnels.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    strip(headers, upgrade, 0);
+    strip(headers, upgrade, Message::Request);
 }
 
 /// [`strip_hop_by_hop`] for a response, which keeps `Trailer`: hyper's HTTP/1.1 server sends
 /// a response's trailers only when it declares them there, and the client asked for them
-/// with `TE: trailers`.
+/// with `TE: trailers`. A response's own `TE` goes whatever its value: TE is a request field.
 pub fn strip_response_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    strip(headers, upgrade, TRAILER_BIT);
+    strip(headers, upgrade, Message::Response);
 }
 
-/// Removes the hop-by-hop fields but those of `keep` (bits of [`hop_by_hop_bit`]).
-fn strip(headers: &mut HeaderMap, upgrade: bool, keep: u16) {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Message {
+    Request,
+    Response,
+}
+
+/// Removes the hop-by-hop fields: all of them from a request but `TE: trailers`, all of them
+/// from a response but `Trailer`.
+fn strip(headers: &mut HeaderMap, upgrade: bool, message: Message) {
+    let keep = match message {
+        Message::Request => 0,
+        Message::Response => TRAILER_BIT,
+    };
     // One pass over the names present decides what to do, so the map is hashed only for
     // fields that are there. (Removing all nine names unconditionally cost nine hash
     // probes per message, twice per request, nearly all of them for absent fields.)
@@ -128,10 +139,12 @@ fn strip(headers: &mut HeaderMap, upgrade: bool, keep: u16) {
         }
     }
     if present & TE_BIT != 0 {
-        // `TE: trailers` is the one TE value a proxy may pass on (gRPC over HTTP/2 needs it).
-        let te_trailers = headers
-            .get(header::TE)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+        // `TE: trailers` is the one TE value a proxy may pass on (gRPC over HTTP/2 needs it),
+        // and only in a request.
+        let te_trailers = message == Message::Request
+            && headers
+                .get(header::TE)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
         headers.remove(header::TE);
         if te_trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
@@ -416,6 +429,20 @@ mod tests {
         let mut h = map(&[("te", "gzip"), ("transfer-encoding", "chunked")]);
         strip_hop_by_hop(&mut h, false);
         assert!(h.is_empty(), "{h:?}");
+    }
+
+    #[test]
+    fn a_response_keeps_trailer_and_loses_te() {
+        let mut h = map(&[
+            ("te", "trailers"),
+            ("trailer", "grpc-status"),
+            ("keep-alive", "timeout=5"),
+            ("x-kept", "1"),
+        ]);
+        strip_response_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 2, "{h:?}");
+        assert_eq!(h["trailer"], "grpc-status");
+        assert_eq!(h["x-kept"], "1");
     }
 
     #[test]
