@@ -59,7 +59,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         .enable_all()
         .build()
         .map_err(|e| Error::Bind {
-            addr: settings.listen.to_string(),
+            addr: settings.shown(&settings.listen),
             reason: format!("cannot start the runtime: {e}"),
         })?;
     let served = runtime.block_on(serve(
@@ -86,7 +86,7 @@ async fn serve(
     files: FileWatch,
 ) -> Result<(), Error> {
     let metrics = Arc::new(Metrics::new().map_err(|e| Error::Bind {
-        addr: settings.admin_listen.to_string(),
+        addr: settings.shown(&settings.admin_listen),
         reason: format!("metrics registry: {e}"),
     })?);
     let credential = ApiCredential::start(&settings, &options, &metrics)?;
@@ -96,13 +96,17 @@ async fn serve(
     // reload, not take their default action (terminate) as they would a moment later.
     let mut terminate = signals::Terminate::install();
     let hangups = signals::hangups();
-    let listener = Listener::bind(&settings.listen).await?;
+    let listener = Listener::bind(&settings.listen, &settings.shown(&settings.listen)).await?;
     // Validation checked the configured port; `--listen 127.0.0.1:0` is known only now.
     if let Ok(bound) = listener.local_addr().parse() {
         settings.refuse_self_loop(bound)?;
     }
-    let admin = Listener::bind(&settings.admin_listen).await?;
-    let workers = Workers::start(workers::count(), &listener.local_addr())?;
+    let admin = Listener::bind(
+        &settings.admin_listen,
+        &settings.shown(&settings.admin_listen),
+    )
+    .await?;
+    let workers = Workers::start(workers::count(), &settings.shown(&listener.local_addr()))?;
     tracing::info!(
         listen = %settings.shown(&listener.local_addr()),
         admin = %settings.shown(&admin.local_addr()),
@@ -151,7 +155,7 @@ async fn serve(
     let _ = stop_tx.send(true);
     // The accept loop returns after dropping the listener: new connections are refused.
     accepting.await.map_err(|e| Error::Bind {
-        addr: settings.listen.to_string(),
+        addr: settings.shown(&settings.listen),
         reason: e.to_string(),
     })?;
     // From here a connect is refused: operators (and tests) can tell the drain has begun.

@@ -35,8 +35,10 @@ fn client() -> HttpClient {
 }
 
 fn config(url: &str, scheme: ExchangeScheme, secret: &str) -> ExchangeConfig {
+    let url = UpstreamUrl::parse_named("token_exchange_url", url).expect("fake url");
     ExchangeConfig {
-        url: UpstreamUrl::parse_named("token_exchange_url", url).expect("fake url"),
+        shown_host: url.authority().to_string(),
+        url,
         scheme,
         region: "cn-hangzhou".into(),
         access_key_id: ACCESS_KEY_ID.into(),

@@ -1338,6 +1338,31 @@ fn config_list_and_get_mask_a_urls_password_and_query_values_and_an_embedded_sec
     assert!(!out.stdout.contains("mk7"), "{}", out.stdout);
 }
 
+/// E1008 quotes the address it could not listen on: a secret a `${VAR}` put there is
+/// `****`, as `config get listen` shows it.
+#[test]
+fn a_listen_error_masks_a_secret_embedded_in_the_address() {
+    let c = Case::new();
+    let missing = c.home.join("missing");
+    c.cwd_dotenv(&format!(
+        "ABX_SANDBOX_API_KEY={KEY_CWD}\nGITHUB_TOKEN={GH_TOKEN}\n\
+         ABX_PROXY_LISTEN=unix:{}/${{GITHUB_TOKEN}}.sock\n",
+        missing.display()
+    ));
+    let got = c.run(&["config", "get", "listen"]);
+    let shown = format!("unix:{}/****.sock", missing.display());
+    assert_eq!(got.stdout.trim_end(), shown, "{}", got.stderr);
+    let out = c.run(&["serve", "--admin-listen", "127.0.0.1:0"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    let error = format!("[E1008] cannot listen on {shown}: ");
+    assert!(
+        out.stderr.lines().any(|l| l.starts_with(&error)),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains(GH_TOKEN), "{}", out.stderr);
+}
+
 /// `check` prints the upstreams it will use, and an error quotes the upstream that is the
 /// proxy's own listener: a secret a `${VAR}` put in one is `****` there too.
 #[test]

@@ -112,6 +112,9 @@ fn latest_expiry() -> SystemTime {
 #[derive(Debug, Clone)]
 pub struct ExchangeConfig {
     pub url: UpstreamUrl,
+    /// `url`'s host and port as printed in errors ([`Settings::shown`]: a `${VAR}` may have
+    /// put a secret into it).
+    pub shown_host: String,
     pub scheme: ExchangeScheme,
     pub region: String,
     pub access_key_id: String,
@@ -131,6 +134,7 @@ impl ExchangeConfig {
             Credential::ApiKey(_) => None,
             Credential::AccessKey { id, secret } => Some(ExchangeConfig {
                 url: settings.token_exchange_url.clone(),
+                shown_host: settings.shown(&settings.token_exchange_url.authority()),
                 scheme: settings.token_exchange,
                 region: settings.region.clone(),
                 access_key_id: id.clone(),
@@ -425,7 +429,7 @@ impl HttpExchanger {
     /// E5001/E5002 (so `check` exits 69: the endpoint is unavailable, the configuration may
     /// be fine); everything else is E1004 or E1002.
     pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
-        let host = self.config.url.authority().to_string();
+        let host = self.config.shown_host.clone();
         let request = self.request(now)?;
         let call = async {
             let response =

@@ -385,7 +385,6 @@ impl Proxy {
         // rewrite
         let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
         let (uri, host) = self.envd_uri(sandbox_id, port, pq)?;
-        let host: Arc<str> = Arc::from(host);
         headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
         parts.headers.remove(HOST);
         headers::authorize_envd(
@@ -442,13 +441,18 @@ impl Proxy {
         Ok((resp, host))
     }
 
-    fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, String), Error> {
+    /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).
+    fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, Arc<str>), Error> {
         match &self.envd {
             None => Err(internal("this provider has no envd plane")),
-            Some(EnvdTarget::Url(url)) => {
-                Ok((url.join(pq).map_err(internal)?, url.authority().to_string()))
+            Some(EnvdTarget::Url { url, shown_host }) => {
+                Ok((url.join(pq).map_err(internal)?, shown_host.clone()))
             }
-            Some(EnvdTarget::Domain { scheme, domain }) => {
+            Some(EnvdTarget::Domain {
+                scheme,
+                domain,
+                shown_domain,
+            }) => {
                 let host = format!("{port}-{sandbox_id}.{domain}");
                 let uri = Uri::builder()
                     .scheme(scheme.clone())
@@ -456,7 +460,11 @@ impl Proxy {
                     .path_and_query(pq)
                     .build()
                     .map_err(internal)?;
-                Ok((uri, host))
+                let shown = match shown_domain {
+                    None => Arc::from(host),
+                    Some(shown) => Arc::from(format!("{port}-{sandbox_id}.{shown}")),
+                };
+                Ok((uri, shown))
             }
         }
     }
@@ -485,7 +493,7 @@ impl Proxy {
         headers.insert(self.auth.header(), value);
         headers.insert(ACCEPT_ENCODING, IDENTITY);
         let req = rebuild(Method::GET, uri, headers);
-        let host = self.api_base.authority().to_string();
+        let host = self.api_host.to_string();
         // The control plane failing a look-up is counted like any other upstream failure.
         let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
             .await
@@ -545,7 +553,7 @@ impl Proxy {
     fn body_timeout(&self) -> (Error, FailKind) {
         let error = Error::UpstreamTimeout {
             seconds: self.upstream_timeout.as_secs().max(1),
-            host: self.api_base.authority().to_string(),
+            host: self.api_host.to_string(),
         };
         (error, FailKind::Timeout)
     }
@@ -605,7 +613,7 @@ impl Proxy {
                         return Err(Failure {
                             error: Error::UpstreamUnreachable {
                                 reason: "connection closed mid-response".into(),
-                                host: self.api_base.authority().to_string(),
+                                host: self.api_host.to_string(),
                             },
                             kind: None,
                             reached: true,
@@ -644,4 +652,32 @@ fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     req
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::proxy::test_proxy_with;
+    use crate::settings::Key;
+
+    /// The host an envd request is sent to is the resolved one; the host its access line
+    /// and errors give hides a secret a `${VAR}` put into `sandbox_domain` (a flag value
+    /// stands in for the expansion here: any resolved secret in a value is masked).
+    #[test]
+    fn an_envd_host_is_sent_as_resolved_and_printed_masked() {
+        let key = "sk-in-the-domain-0123";
+        let domain = format!("{key}.sandbox.example");
+        let proxy = test_proxy_with(key, &[(Key::SandboxDomain, &domain)]);
+        let (uri, shown) = proxy
+            .envd_uri("isb-a1", 49983, "/health?x=1")
+            .expect("envd uri");
+        assert_eq!(
+            uri.to_string(),
+            format!("https://49983-isb-a1.{domain}/health?x=1")
+        );
+        assert_eq!(&*shown, "49983-isb-a1.****.sandbox.example");
+
+        let proxy = test_proxy_with(key, &[(Key::SandboxDomain, "sandbox.example")]);
+        let (_, shown) = proxy.envd_uri("isb-a1", 8080, "/").expect("envd uri");
+        assert_eq!(&*shown, "8080-isb-a1.sandbox.example");
+    }
 }

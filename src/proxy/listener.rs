@@ -80,9 +80,10 @@ fn file_id(path: &Path) -> Option<(u64, u64)> {
 }
 
 impl Listener {
-    pub async fn bind(addr: &ListenAddr) -> Result<Self, Error> {
+    /// `shown` is `addr` as printed in the error ([`crate::settings::Settings::shown`]).
+    pub async fn bind(addr: &ListenAddr, shown: &str) -> Result<Self, Error> {
         let fail = |e: io::Error| Error::Bind {
-            addr: addr.to_string(),
+            addr: shown.to_string(),
             reason: e.to_string(),
         };
         match addr {

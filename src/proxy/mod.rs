@@ -79,19 +79,30 @@ impl Default for Options {
     }
 }
 
-/// Where envd traffic goes.
+/// Where envd traffic goes. Each with its host as printed ([`Settings::shown`]): a `${VAR}`
+/// in a `.env` file can put a secret into a host name, and the host goes into every access
+/// line and into the errors a client gets.
 #[derive(Debug, Clone)]
 pub enum EnvdTarget {
-    /// `https://{port}-{id}.{domain}`.
-    Domain { scheme: Scheme, domain: String },
+    /// `https://{port}-{id}.{domain}`; `shown_domain` is `None` when nothing in `domain` is
+    /// masked (the usual case: no second string per request).
+    Domain {
+        scheme: Scheme,
+        domain: String,
+        shown_domain: Option<String>,
+    },
     /// One URL for every sandbox (`sandbox_url`), routed by the `E2b-Sandbox-*` headers.
-    Url(UpstreamUrl),
+    Url {
+        url: UpstreamUrl,
+        shown_host: Arc<str>,
+    },
 }
 
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
     pub(crate) api_base: UpstreamUrl,
-    /// `api_base`'s host and port, for log lines and errors without re-parsing it per request.
+    /// `api_base`'s host and port as printed ([`Settings::shown`]), for log lines and errors
+    /// without re-parsing it per request.
     pub(crate) api_host: Arc<str>,
     /// `None` for a provider without an envd plane: everything goes to the control plane.
     pub(crate) envd: Option<EnvdTarget>,
@@ -138,10 +149,14 @@ impl Proxy {
             HostPolicy::Any
         };
         let envd = match (&settings.sandbox_url, &settings.sandbox_domain) {
-            (Some(url), _) => Some(EnvdTarget::Url(url.clone())),
+            (Some(url), _) => Some(EnvdTarget::Url {
+                url: url.clone(),
+                shown_host: Arc::from(settings.shown(&url.authority())),
+            }),
             (None, Some(domain)) => Some(EnvdTarget::Domain {
                 scheme: Scheme::HTTPS,
                 domain: domain.clone(),
+                shown_domain: Some(settings.shown(domain)).filter(|shown| shown != domain),
             }),
             (None, None) => None,
         };
@@ -152,7 +167,7 @@ impl Proxy {
         };
         Ok(Proxy {
             api_base: settings.sandbox_base_url.clone(),
-            api_host: Arc::from(settings.sandbox_base_url.authority()),
+            api_host: Arc::from(settings.shown(&settings.sandbox_base_url.authority())),
             envd,
             api_client: Upstream::new(
                 tls.clone(),
@@ -203,16 +218,25 @@ impl Proxy {
 /// configuration cannot leak in.
 #[cfg(test)]
 pub(crate) fn test_proxy() -> Arc<Proxy> {
+    test_proxy_with("sk-test", &[])
+}
+
+/// [`test_proxy`] with another key and more flag-level settings.
+#[cfg(test)]
+pub(crate) fn test_proxy_with(key: &str, plain: &[(crate::settings::Key, &str)]) -> Arc<Proxy> {
     use crate::secret::Secret;
     use crate::settings::{FlagValue, Inputs, Key, Resolved};
 
     let empty = tempfile::tempdir().expect("temp dir");
-    let inputs = Inputs {
-        flags: [(
+    let flags = plain
+        .iter()
+        .map(|(k, v)| (*k, FlagValue::Plain(v.to_string())))
+        .chain([(
             Key::SandboxApiKey,
-            FlagValue::Secret(Secret::new("sk-test".to_string())),
-        )]
-        .into(),
+            FlagValue::Secret(Secret::new(key.to_string())),
+        )]);
+    let inputs = Inputs {
+        flags: flags.collect(),
         cwd: empty.path().to_path_buf(),
         ..Inputs::default()
     };
