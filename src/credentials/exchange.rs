@@ -209,7 +209,7 @@ pub fn parse_response(
                 // The field is named, never the value beside the key or the key.
                 tracing::warn!(
                     field,
-                    "token exchange: the answer's expiry is in a form this proxy cannot read; assuming token_ttl"
+                    "token exchange: the answer's expiry is a zero value or in a form this proxy cannot read; assuming token_ttl"
                 );
                 ttl_from(now, token_ttl)
             }
@@ -262,7 +262,10 @@ fn expiry_field(obj: &Value) -> Option<(&'static str, &Value)> {
 /// epoch milliseconds (above 10^11, which as seconds would be the year 5138), as a number or
 /// a numeric string.
 pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
-    // An expiry past the year 9999 is nonsense; treat it as absent (token_ttl applies).
+    // An expiry past the year 9999 is nonsense; treat it as absent (token_ttl applies). So
+    // is one at or before 1970: that is a zero value (epoch 0 written as a date, Go's
+    // `0001-01-01T00:00:00Z`), which a serializer writes for "no expiry", as 0 is taken
+    // below; a key that really expired in the past is refused by the caller.
     let t = match value {
         Value::Number(n) => n
             .as_i64()
@@ -278,7 +281,7 @@ pub fn parse_expiry(value: &Value) -> Option<SystemTime> {
         }
         _ => None,
     };
-    t.filter(|t| *t <= latest_expiry())
+    t.filter(|t| *t > UNIX_EPOCH && *t <= latest_expiry())
 }
 
 fn from_epoch(n: i64) -> Option<SystemTime> {
@@ -323,11 +326,13 @@ fn parse_iso8601(s: &str) -> Option<SystemTime> {
     }
     // Alibaba also writes minute precision (`2025-01-01T00:00Z`) and zone-less UTC times.
     let s = s.strip_suffix('Z').unwrap_or(s);
-    let zone_less: [&[time::format_description::BorrowedFormatItem<'_>]; 4] = [
+    let zone_less: [&[time::format_description::BorrowedFormatItem<'_>]; 5] = [
         format_description!("[year]-[month]-[day]T[hour]:[minute]"),
         format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]"),
         format_description!("[year]-[month]-[day] [hour]:[minute]:[second]"),
         format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond]"),
+        // Java's `yyyy-MM-dd HH:mm:ss.SSS`.
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second].[subsecond]"),
     ];
     zone_less
         .iter()
@@ -499,7 +504,13 @@ impl HttpExchanger {
                 );
                 let query = rpc_v1::signed_query("POST", &params, &cfg.access_key_secret);
                 let uri = cfg.url.join(&format!("/?{query}")).map_err(bad_url)?;
-                let headers = vec![("accept".to_string(), "application/json".to_string())];
+                // hyper writes no length for an empty body, and a gateway may answer a
+                // POST without one 411 (RFC 9110 §8.6: a client should send 0, as
+                // Alibaba's SDKs do).
+                let headers = vec![
+                    ("accept".to_string(), "application/json".to_string()),
+                    ("content-length".to_string(), "0".to_string()),
+                ];
                 (uri, headers, Vec::new())
             }
             ExchangeScheme::Acs3 => {
@@ -1155,6 +1166,7 @@ mod tests {
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00Z"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01T01:00:00.000Z"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00"}}),
+            json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00.000"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 01:00:00 +0000"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2025-01-01 09:00:00 +08:00"}}),
             json!({"apiKey": {"apiKeyValue": "k", "expireTime": "2024-12-31 20:00:00 -0500"}}),
@@ -1174,11 +1186,18 @@ mod tests {
         }
     }
 
-    /// Epoch numbers: 0 or less is no expiry; above 10^11 is milliseconds, 10^11 itself
-    /// still seconds.
+    /// Epoch numbers: 0 or less is no expiry, and so is a zero value written as a date;
+    /// above 10^11 is milliseconds, 10^11 itself still seconds.
     #[test]
     fn epoch_bounds() {
-        for none in [json!(0), json!(-5), json!("0")] {
+        for none in [
+            json!(0),
+            json!(-5),
+            json!("0"),
+            json!("1970-01-01T00:00:00Z"),
+            json!("0001-01-01T00:00:00Z"),
+            json!("0001-01-01 00:00:00"),
+        ] {
             assert_eq!(parse_expiry(&none), None, "{none}");
         }
         let t = 100_000_000_000;

@@ -470,6 +470,15 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
     }
 
     let (parts, body) = req.into_parts();
+    // As a gateway that wants a length: a POST over HTTP/1.1 says how long its body is,
+    // `Content-Length: 0` for none (RFC 9110 §8.6; Alibaba's SDKs send it).
+    let framed = parts.headers.contains_key(http::header::CONTENT_LENGTH)
+        || parts.headers.contains_key(http::header::TRANSFER_ENCODING);
+    if parts.method == http::Method::POST && parts.version == http::Version::HTTP_11 && !framed {
+        state.rejected.fetch_add(1, Ordering::SeqCst);
+        lock(&state.rejections).push("411: a POST without Content-Length".into());
+        return alibaba_error(411, "MissingContentLength", "Length Required");
+    }
     let body = match body.collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => return alibaba_error(400, "InvalidBody", "unreadable body"),
