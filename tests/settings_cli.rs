@@ -708,6 +708,57 @@ fn dotenv_expansion_from_an_earlier_line_with_the_secret() {
     );
 }
 
+/// dotenvy, which reads the `.env` files, takes `${VAR:-default}` as a lookup of a variable
+/// named `VAR:-default` and ends a bare `$NAME` at the first `_`: both quietly expand to
+/// nothing or to part of what was meant. Such a line of ours is warned about by every
+/// command that resolves settings, in either file, naming the line and never the value.
+#[test]
+fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
+    let text = format!(
+        "ABX_SANDBOX_API_KEY={KEY_CWD}\n\
+         ALIBABA_CLOUD_REGION_ID=${{MY_REGION:-cn-shanghai}}\n\
+         ABX_TOKEN_TTL=$MY_TTL\n\
+         ABX_SANDBOX_DOMAIN=${{MY_DOMAIN}}\n\
+         OTHER_TOOL=${{X:-y}}\n"
+    );
+    for home in [false, true] {
+        let mut c = Case::new();
+        c.env("MY_REGION", "cn-beijing");
+        c.env("MY_TTL", "1200");
+        c.env("MY_DOMAIN", "d.example");
+        let label = if home {
+            c.home_dotenv(&text);
+            "~/.abx/.env"
+        } else {
+            c.cwd_dotenv(&text);
+            "./.env"
+        };
+        for args in [&["config", "list"][..], &["check", "--offline"][..]] {
+            let out = c.run(args);
+            let warned: Vec<&str> = out
+                .stderr
+                .lines()
+                .filter(|l| l.starts_with(&format!("warning: {label} (")))
+                .collect();
+            assert_eq!(warned.len(), 2, "{args:?}: {}", out.stderr);
+            assert!(
+                warned[0].contains(": line 2 (ALIBABA_CLOUD_REGION_ID): a `${…}` holds more"),
+                "{}",
+                warned[0]
+            );
+            assert!(
+                warned[1].contains(": line 3 (ABX_TOKEN_TTL): a bare `$` is expanded"),
+                "{}",
+                warned[1]
+            );
+            assert!(!out.stderr.contains("cn-shanghai"), "{}", out.stderr);
+        }
+        // What dotenvy made of them, as the warnings say.
+        assert_eq!(c.row("region").value.as_deref(), Some("cn-hangzhou"));
+        assert_eq!(c.row("sandbox_domain").value.as_deref(), Some("d.example"));
+    }
+}
+
 /// `./.env` is whatever directory the proxy starts in: one that names an upstream while the
 /// key comes from elsewhere (a checkout's file, the user's key in ~/.abx/.env) is said, with
 /// where the key would go. A project whose `./.env` holds both is the user's own: no word.

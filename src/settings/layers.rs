@@ -64,7 +64,11 @@ pub fn read_dotenv(
     let shown = format!("{label} ({})", path.display());
     let text = || std::fs::read_to_string(path).ok();
     let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text, 0))?;
-    collect_dotenv(iter, &shown, &text, skipped)
+    let vars = collect_dotenv(iter, &shown, &text, skipped)?;
+    if let Some(text) = text() {
+        warnings.extend(substitution_warnings(&text, &shown));
+    }
+    Ok(vars)
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
@@ -86,8 +90,90 @@ pub fn parse_dotenv_str(
     )?;
     if let Some(warnings) = shared {
         warnings.extend(skipped.iter().map(SkippedLine::warning));
+        warnings.extend(substitution_warnings(text, label));
     }
     Ok(vars)
+}
+
+/// dotenvy expands `${NAME}` and a bare `$NAME`, but a bare name ends at the first
+/// character that is not a letter or digit (`$MY_TTL` reads `$MY`, then `_TTL`), and
+/// `${NAME:-default}` looks up a variable called `NAME:-default`: both quietly give nothing,
+/// or part of what was meant (a key holding `$` is cut short; a value that is only such a
+/// default is blank, so the setting falls through to a lower layer). python-dotenv and
+/// docker compose read both forms as meant. A line that sets one of abx-proxy's variables
+/// with either gets a warning naming the file, the line and the variable, never the value.
+fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line
+            .trim_start_matches('\u{feff}')
+            .trim_start()
+            .starts_with('#')
+        {
+            continue;
+        }
+        let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
+            continue;
+        };
+        if !(OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name)) {
+            continue;
+        }
+        let what = match risky_dollar(value) {
+            Some(Dollar::Operator) => {
+                "a `${…}` holds more than a variable name (a default such as `${VAR:-x}` is not \
+                 supported) and expands to nothing"
+            }
+            Some(Dollar::Bare) => {
+                "a bare `$` is expanded, its name ending at the first character that is not a \
+                 letter or digit (`$MY_VAR` reads `$MY`): write `${VAR}`, or single quotes \
+                 around a value that holds a literal `$`"
+            }
+            None => continue,
+        };
+        out.push(format!("{shown}: line {} ({name}): {what}", i + 1));
+    }
+    out
+}
+
+enum Dollar {
+    /// `${NAME:-default}` and the like.
+    Operator,
+    /// `$NAME`.
+    Bare,
+}
+
+/// The first substitution in a value that dotenvy reads otherwise than a shell would: as
+/// dotenvy does, none inside single quotes or after a backslash, and none past the
+/// whitespace that ends an unquoted value (a comment may follow).
+fn risky_dollar(value: &str) -> Option<Dollar> {
+    let (mut single, mut double, mut escaped) = (false, false, false);
+    let value = value.trim_start_matches([' ', '\t']);
+    let mut chars = value.chars().peekable();
+    while let Some(c) = chars.next() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\'' if !double => single = !single,
+            '"' if !single => double = !double,
+            '\\' if !single => escaped = true,
+            ' ' | '\t' if !single && !double => return None,
+            '$' if !single => match chars.peek() {
+                Some('{') => {
+                    chars.next();
+                    let inner: String = chars.by_ref().take_while(|c| *c != '}').collect();
+                    if !inner.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                        return Some(Dollar::Operator);
+                    }
+                }
+                Some(c) if c.is_alphanumeric() => return Some(Dollar::Bare),
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+    None
 }
 
 /// A line of a shared `./.env` that dotenvy cannot parse and that sets none of the
@@ -449,6 +535,36 @@ pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A default (`${VAR:-x}`) or a bare `$NAME` on a line of ours is warned about, naming
+    /// the line and the variable and never the value; `${VAR}`, single quotes, a backslash,
+    /// a comment, and other tools' lines are not.
+    #[test]
+    fn substitutions_dotenvy_reads_otherwise_are_warned_about() {
+        let text = "ALIBABA_CLOUD_REGION_ID=${MY_REGION:-cn-shanghai}\n\
+                    ABX_TOKEN_TTL=$MY_TTL\n\
+                    export ABX_SANDBOX_API_KEY=\"sk-abc$1def-0123456789\"\n\
+                    ABX_SANDBOX_DOMAIN=${MY_DOMAIN}\n\
+                    ABX_SANDBOX_URL='https://$literal.example'\n\
+                    ABX_PROVIDER=\"a\\$b\"\n\
+                    ABX_PROXY_LISTEN=127.0.0.1:7000 # $COMMENT\n\
+                    # ABX_TOKEN_EXCHANGE=${X:-y}\n\
+                    OTHER_TOOL=${X:-y}\n\
+                    ABX_ADMIN=$\n";
+        let mut warnings = Vec::new();
+        parse_dotenv_str(text, "./.env", Some(&mut warnings)).expect("parsed");
+        assert_eq!(warnings.len(), 3, "{warnings:#?}");
+        for (w, start) in warnings.iter().zip([
+            "./.env: line 1 (ALIBABA_CLOUD_REGION_ID): a `${…}` holds more",
+            "./.env: line 2 (ABX_TOKEN_TTL): a bare `$` is expanded",
+            "./.env: line 3 (ABX_SANDBOX_API_KEY): a bare `$` is expanded",
+        ]) {
+            assert!(w.starts_with(start), "{w}");
+            for value in ["cn-shanghai", "MY_TTL", "sk-abc", "1def"] {
+                assert!(!w.contains(value), "{value} in {w}");
+            }
+        }
+    }
 
     /// A project's `./.env` with lines python-dotenv accepts and dotenvy does not: they are
     /// skipped with a warning naming the line when they set nothing abx-proxy reads, and
