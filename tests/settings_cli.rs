@@ -177,6 +177,17 @@ impl Case {
         self
     }
 
+    /// `text` into `~/.abx/.env` (`in_home`) or `./.env`; the file's source label.
+    fn dotenv_in(&self, in_home: bool, text: &str) -> &'static str {
+        if in_home {
+            self.home_dotenv(text);
+            "~/.abx/.env"
+        } else {
+            self.cwd_dotenv(text);
+            "./.env"
+        }
+    }
+
     fn toml(&self, text: &str) -> &Self {
         append(&self.abx_dir().join("config.toml"), text, 0o600);
         self
@@ -649,13 +660,7 @@ fn dotenv_syntax_forms_in_both_files() {
     for in_home in [false, true] {
         let mut c = Case::new();
         c.env("BASE_HOST", "base.example");
-        let source = if in_home {
-            c.home_dotenv(&text);
-            "~/.abx/.env"
-        } else {
-            c.cwd_dotenv(&text);
-            "./.env"
-        };
+        let source = c.dotenv_in(in_home, &text);
         let rows = c.list();
         let expect: &[(&str, Option<&str>, &str)] = &[
             ("region", Some("cn-beijing"), source),
@@ -708,6 +713,21 @@ fn dotenv_expansion_from_an_earlier_line_with_the_secret() {
     );
 }
 
+/// An editor may save a `.env` with a byte-order mark: its first line is read as any
+/// other (it was a syntax error, or a skipped line, depending on the file).
+#[test]
+fn a_dotenv_with_a_byte_order_mark_reads_its_first_line() {
+    for home in [false, true] {
+        let c = Case::new();
+        let text =
+            format!("\u{feff}ABX_SANDBOX_API_KEY={KEY_CWD}\nALIBABA_CLOUD_REGION_ID=cn-beijing\n");
+        let label = c.dotenv_in(home, &text);
+        let r = c.row("sandbox_api_key");
+        assert_eq!((r.value, r.source.as_str()), (Some(masked(KEY_CWD)), label));
+        assert_eq!(c.row("region").value.as_deref(), Some("cn-beijing"));
+    }
+}
+
 /// dotenvy, which reads the `.env` files, takes `${VAR:-default}` as a lookup of a variable
 /// named `VAR:-default` and ends a bare `$NAME` at the first `_`: both quietly expand to
 /// nothing or to part of what was meant. Such a line of ours is warned about by every
@@ -726,13 +746,7 @@ fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
         c.env("MY_REGION", "cn-beijing");
         c.env("MY_TTL", "1200");
         c.env("MY_DOMAIN", "d.example");
-        let label = if home {
-            c.home_dotenv(&text);
-            "~/.abx/.env"
-        } else {
-            c.cwd_dotenv(&text);
-            "./.env"
-        };
+        let label = c.dotenv_in(home, &text);
         for args in [&["config", "list"][..], &["check", "--offline"][..]] {
             let out = c.run(args);
             let warned: Vec<&str> = out

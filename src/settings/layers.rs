@@ -63,8 +63,21 @@ pub fn read_dotenv(
     warn_if_shared(path, label, warnings);
     let shown = format!("{label} ({})", path.display());
     let text = || std::fs::read_to_string(path).ok();
-    let iter = dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text, 0))?;
-    let vars = collect_dotenv(iter, &shown, &text, skipped)?;
+    let vars = match text().filter(|t| t.starts_with(BOM)) {
+        // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
+        // environment, not in the iterator read here, where it made line 1 a syntax error.
+        Some(t) => collect_dotenv(
+            dotenvy::from_read_iter(t.strip_prefix(BOM).unwrap_or(&t).as_bytes()),
+            &shown,
+            &text,
+            skipped,
+        )?,
+        None => {
+            let iter =
+                dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text, 0))?;
+            collect_dotenv(iter, &shown, &text, skipped)?
+        }
+    };
     if let Some(text) = text() {
         warnings.extend(substitution_warnings(&text, &shown));
     }
@@ -80,7 +93,7 @@ pub fn parse_dotenv_str(
     label: &str,
     shared: Option<&mut Vec<String>>,
 ) -> Result<HashMap<String, String>, Error> {
-    let iter = dotenvy::from_read_iter(text.as_bytes());
+    let iter = dotenvy::from_read_iter(text.strip_prefix(BOM).unwrap_or(text).as_bytes());
     let mut skipped = Vec::new();
     let vars = collect_dotenv(
         iter,
@@ -175,6 +188,8 @@ fn risky_dollar(value: &str) -> Option<Dollar> {
     }
     None
 }
+
+const BOM: char = '\u{feff}';
 
 /// A line of a shared `./.env` that dotenvy cannot parse and that sets none of the
 /// variables abx-proxy always reads. Whether it is skipped waits until the provider is
@@ -654,6 +669,15 @@ mod tests {
             err.to_string(),
             "cannot read ./.env: syntax error at line 1"
         );
+    }
+
+    /// A byte-order mark before the first line is not part of its name.
+    #[test]
+    fn a_byte_order_mark_is_skipped() {
+        let text = "\u{feff}ABX_SANDBOX_API_KEY=sk-bom\nB=2\n";
+        let vars = parse_dotenv_str(text, "~/.abx/.env", None).expect("parsed");
+        assert_eq!(vars["ABX_SANDBOX_API_KEY"], "sk-bom");
+        assert_eq!(vars["B"], "2");
     }
 
     #[test]
