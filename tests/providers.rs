@@ -443,7 +443,8 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     .expect("write .env");
     std::fs::write(
         h.join(".abx/config.toml"),
-        "[providers.opensandbox]\nbase_url = \"127.0.0.1:8082\"\n",
+        "[providers.opensandbox]\nbase_url = \"127.0.0.1:8082\"\n\
+         api_key = \"sk-toml-0123456789abcdef\"\nbase_ulr = \"typo\"\n",
     )
     .expect("write config.toml");
     let sdk_env = [
@@ -452,6 +453,15 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     ];
     let out = abx(h, &sdk_env, &["config", "list", "--json"]).await;
     assert!(out.status.success(), "{}", text(&out));
+    // A secret field and a misspelt one in the provider's table: each ignored, and said.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for warning in [
+        "secret field [providers.opensandbox] api_key ignored",
+        "unknown field [providers.opensandbox] base_ulr ignored",
+    ] {
+        assert!(stderr.contains(warning), "{warning}: {stderr}");
+    }
+    assert!(!stderr.contains("sk-toml"), "{stderr}");
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
     let row = |key: &str| row_of(&rows, key);
     let api_key = row("opensandbox.api_key");

@@ -296,6 +296,22 @@ pub fn resolve(
             secret: field.secret,
         });
     }
+    // As config.toml's unknown keys are: said, not dropped silently (a typo in a field name
+    // leaves its default in force).
+    let table = format!("{}.", m.id);
+    let mut unknown: Vec<&str> = layers
+        .toml
+        .keys()
+        .filter_map(|k| k.strip_prefix(&table))
+        .filter(|f| !m.fields.contains_key(*f))
+        .collect();
+    unknown.sort_unstable();
+    for f in unknown {
+        warnings.push(format!(
+            "~/.abx/config.toml: unknown field [providers.{}] {f} ignored; provider {} has no such field",
+            m.id, m.id
+        ));
+    }
     for (k, _) in &layers.provider_options {
         if !m.fields.contains_key(k) {
             return Err(Error::ProviderOption {
