@@ -27,12 +27,34 @@ fn dotenv(text: &str) {
     let mut warnings = Vec::new();
     let shared = parse_dotenv_str(text, "fuzz.env", Some(&mut warnings));
     for w in &warnings {
-        let n = w
+        // `line N skipped: …`, or `line N (NAME): …` for a substitution dotenvy reads
+        // otherwise than meant, NAME being a variable name and nothing else of the line.
+        let rest = w
             .strip_prefix("fuzz.env: line ")
-            .and_then(|r| r.split_once(" skipped: "))
-            .and_then(|(n, _)| n.parse::<usize>().ok())
             .unwrap_or_else(|| panic!("unexpected warning shape: {w:?}"));
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let (n, rest) = rest.split_at(digits);
+        let n = n
+            .parse::<usize>()
+            .unwrap_or_else(|_| panic!("unexpected warning shape: {w:?}"));
         assert!(n <= lines, "warning names line {n} of {lines}");
+        if let Some(named) = rest.strip_prefix(" (") {
+            let name = named.split_once("): ").map_or("", |(name, _)| name);
+            assert!(
+                !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.'),
+                "unexpected warning shape: {w:?}"
+            );
+        } else {
+            assert!(
+                rest.starts_with(" skipped: "),
+                "unexpected warning shape: {w:?}"
+            );
+        }
     }
     if let Err(e) = shared {
         check_error(&e, lines);

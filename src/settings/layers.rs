@@ -128,7 +128,13 @@ fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
         };
-        if !(OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name)) {
+        // Only a name dotenvy takes (the text before a `=` on a line inside a multi-line
+        // quoted value may be anything, a secret's piece included).
+        let key_like = name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        let ours = OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name);
+        if !(key_like && ours) {
             continue;
         }
         let what = match risky_dollar(value) {
@@ -579,6 +585,10 @@ mod tests {
                 assert!(!w.contains(value), "{value} in {w}");
             }
         }
+        // A line inside a multi-line quoted value may look like one of ours with anything
+        // before its `=`: no warning repeats that.
+        assert!(substitution_warnings("ABX_PIECE sk-123=$x\n", "./.env").is_empty());
+        assert_eq!(substitution_warnings("ABX_PIECE=$x\n", "./.env").len(), 1);
     }
 
     /// A project's `./.env` with lines python-dotenv accepts and dotenvy does not: they are
