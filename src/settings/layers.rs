@@ -62,25 +62,21 @@ pub fn read_dotenv(
     }
     warn_if_shared(path, label, warnings);
     let shown = format!("{label} ({})", path.display());
-    let text = || std::fs::read_to_string(path).ok();
-    let vars = match text().filter(|t| t.starts_with(BOM)) {
-        // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
-        // environment, not in the iterator read here, where it made line 1 a syntax error.
-        Some(t) => collect_dotenv(
-            dotenvy::from_read_iter(t.strip_prefix(BOM).unwrap_or(&t).as_bytes()),
-            &shown,
-            &text,
-            skipped,
-        )?,
-        None => {
-            let iter =
-                dotenvy::from_path_iter(path).map_err(|e| read_error(&shown, &e, &text, 0))?;
-            collect_dotenv(iter, &shown, &text, skipped)?
-        }
-    };
-    if let Some(text) = text() {
-        warnings.extend(substitution_warnings(&text, &shown));
-    }
+    // Read once: the parser, the line numbers of its errors and the warnings share it.
+    let text = std::fs::read_to_string(path).map_err(|e| Error::ReadFile {
+        path: shown.clone(),
+        reason: e.to_string(),
+    })?;
+    // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
+    // environment, not in the iterator read here, where it made line 1 a syntax error.
+    let body = text.strip_prefix(BOM).unwrap_or(&text);
+    let vars = collect_dotenv(
+        dotenvy::from_read_iter(body.as_bytes()),
+        &shown,
+        &|| Some(text.clone()),
+        skipped,
+    )?;
+    warnings.extend(substitution_warnings(&text, &shown));
     Ok(vars)
 }
 
