@@ -200,7 +200,7 @@ pub struct ExposureArgs {
     #[arg(long)]
     pub allow_remote: bool,
     /// Extra Host to accept (repeatable); unset: any unless loopback w/o --allow-remote
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = allowed_host)]
     pub allowed_host: Vec<String>,
     /// Serve TLS with this certificate chain (PEM); re-read on SIGHUP and on change
     #[arg(long, value_name = "FILE", requires = "tls_key")]
@@ -261,6 +261,23 @@ pub struct CheckArgs {
 /// A timeout flag: a duration (SPEC §7: a bare number is seconds) above 0. A zero timeout
 /// would not mean "none": every connection, connect or answer would fail at once while
 /// the proxy looked ready. A bad value is a bad command line (exit 2), like any flag's.
+/// An `--allowed-host` value as the Host check compares it: lower case, without a trailing
+/// dot, an IPv6 address in brackets (as a Host writes it). A value with a port could never
+/// match (the check compares names; the port is the listener's) and is refused rather than
+/// left to refuse every request. A blank one stays blank, to be skipped.
+fn allowed_host(raw: &str) -> Result<String, String> {
+    let lower = raw.trim().to_ascii_lowercase();
+    let name = lower.strip_suffix('.').unwrap_or(&lower);
+    if name.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Ok(format!("[{name}]"));
+    }
+    let bracketed = name.starts_with('[') && name.ends_with(']');
+    if name.contains(':') && !bracketed {
+        return Err("a host name or address without a port (the port is the listener's)".into());
+    }
+    Ok(name.to_string())
+}
+
 fn timeout(raw: &str) -> Result<Duration, String> {
     match parse_duration(raw)? {
         d if d.is_zero() => Err("must be more than 0".into()),

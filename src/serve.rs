@@ -207,7 +207,10 @@ fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.
     Options {
         allow_remote: args.exposure.allow_remote,
-        allowed_hosts: args.exposure.allowed_host.clone(),
+        allowed_hosts: (args.exposure.allowed_host.iter())
+            .filter(|h| !h.is_empty())
+            .cloned()
+            .collect(),
         tls_cert: args.exposure.tls_cert.clone(),
         tls_key: args.exposure.tls_key.clone(),
         upstream_ca: args.net.upstream_ca.clone(),

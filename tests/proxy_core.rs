@@ -909,8 +909,17 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         .arg("--allow-remote")
         .spawn()
         .await;
+    // Values as users write them: in capitals, with a trailing dot, an IPv6 address
+    // without brackets, a blank one (skipped, as every blank value is).
     let listed = ProxyCmd::new(&upstream.url(), &pki)
         .args(&["--allow-remote", "--allowed-host", "proxy.internal"])
+        .args(&[
+            "--allowed-host",
+            "Other.Example.",
+            "--allowed-host",
+            "FD00::1",
+        ])
+        .args(&["--allowed-host", " "])
         .spawn()
         .await;
     // On loopback without --allow-remote the list adds to the local names (an alias in
@@ -933,6 +942,23 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         400,
         "E5003",
     );
+
+    for host in [
+        "other.example",
+        "other.example.",
+        "[fd00::1]:8443",
+        "proxy.internal.",
+    ] {
+        let resp = with_host(listed.addr(), host, "/served").await;
+        assert_eq!(resp.status, 200, "listed: Host {host}: {:?}", resp.text());
+    }
+    // A value with a port could never match a Host: refused on the command line.
+    let (status, stderr) = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--allowed-host", "proxy.internal:8443"])
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("without a port"), "{stderr}");
 
     for proxy in [&listed, &listed_local] {
         let port = proxy.addr().port();

@@ -57,7 +57,9 @@ impl HostPolicy {
             HostPolicy::Any => true,
             HostPolicy::Loopback => is_local_name(host),
             HostPolicy::Listed(names) => {
-                is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(host))
+                // The names are kept without a trailing dot (see `cli::allowed_host`).
+                let name = host.strip_suffix('.').unwrap_or(host);
+                is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(name))
             }
         }
     }
