@@ -114,23 +114,16 @@ pub fn parse_dotenv_str(
 fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
-        if line
-            .trim_start_matches('\u{feff}')
-            .trim_start()
-            .starts_with('#')
-        {
-            continue;
-        }
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
         };
-        // Only a name dotenvy takes (the text before a `=` on a line inside a multi-line
-        // quoted value may be anything, a secret's piece included).
+        // Only a name dotenvy takes, which also passes over comments (the text before a `=`
+        // on a line inside a multi-line quoted value may be anything, a secret's piece
+        // included).
         let key_like = name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
-        let ours = OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name);
-        if !(key_like && ours) {
+        if !(key_like && is_ours(name)) {
             continue;
         }
         let what = match risky_dollar(value) {
@@ -287,7 +280,7 @@ fn skippable_line(
     // A first line without `=` is skipped only as a bare `export NAME`: anything else may
     // be a key pasted without its name.
     let name = line_name(text.lines().nth(line - 1)?)?;
-    let ours = OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name);
+    let ours = is_ours(name);
     let names = std::iter::once(name)
         .chain(entry.split('\n').skip(1).filter_map(line_name))
         .map(str::to_string)
@@ -308,6 +301,11 @@ fn line_name(line: &str) -> Option<&str> {
 /// (plugin providers' canonical names are `ABX_<ID>_…`; a selected plugin's aliases are
 /// known only later, see [`SkippedLine`]).
 const OURS: [&str; 4] = ["ABX_", "ALICLOUD_", "ALIBABA_CLOUD_", "GITHUB_TOKEN"];
+
+/// Whether a `.env` line's variable is one abx-proxy reads whatever the provider.
+fn is_ours(name: &str) -> bool {
+    OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name)
+}
 
 fn read_error(
     shown: &str,
