@@ -170,6 +170,59 @@ async fn concurrent_envd_requests_then_sequential_ones_reuse_the_pool() {
     proxy.finish().await;
 }
 
+/// envd answering as it reads (hyper's echo: the request body streams back as it comes):
+/// the rest of the upload goes up alongside the answer, on the fast path (a sized body)
+/// and on hyper's (a chunked one), and the upstream connection, the upload done before
+/// the answer, is used again. The proxy's client stopped sending at the answer's head
+/// before: the echo waited for the rest and the client for the echo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_streaming_as_the_upload_goes_gets_all_of_it() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req: Request<Incoming>| async move {
+        Response::new(boxed(req.into_body()))
+    })
+    .await;
+    let proxy = one_worker_proxy(&upstream.url(), &pki).await;
+    let addr = proxy.addr();
+    for chunked in [false, true] {
+        let framing = match chunked {
+            true => "Transfer-Encoding: chunked",
+            false => "Content-Length: 11",
+        };
+        let part = |p: &str| match chunked {
+            true => format!("{:x}\r\n{p}\r\n", p.len()),
+            false => p.to_string(),
+        };
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nHost: {addr}\r\ne2b-sandbox-id: isb-pool\r\n\
+             x-access-token: tok-pool\r\n{framing}\r\n\r\n"
+        );
+        s.write_all(format!("{head}{}", part("hello ")).as_bytes())
+            .await
+            .unwrap();
+        // The first part's echo, before the second part is sent.
+        let mut buf = Vec::new();
+        while !buf.windows(6).any(|w| w == b"hello ") {
+            let mut tmp = [0u8; 4096];
+            let n = within("the first part's echo", s.read(&mut tmp))
+                .await
+                .unwrap();
+            assert!(n > 0, "chunked {chunked}: closed after {buf:?}");
+            buf.extend_from_slice(&tmp[..n]);
+        }
+        let last = if chunked { "0\r\n\r\n" } else { "" };
+        s.write_all(format!("{}{last}", part("world")).as_bytes())
+            .await
+            .unwrap();
+        let resp = read_response(&mut s, &mut buf).await;
+        assert_eq!(resp.status, 200, "chunked {chunked}");
+        assert_eq!(resp.text(), "hello world", "chunked {chunked}");
+    }
+    assert_eq!(upstream.connections(), 1);
+    proxy.finish().await;
+}
+
 /// The proxy with envd at `url` and one worker: idle upstream connections are per worker
 /// thread, and which worker a new client connection lands on is the kernel's choice, so
 /// counting upstream connections needs one.

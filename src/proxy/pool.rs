@@ -5,7 +5,9 @@
 //! The legacy pooled client costs a spawned task per connection and a channel hand-off per
 //! request (a cross-thread wake-up each way); here the request task writes the head and
 //! body and reads the answer itself, and the response body owns the connection until its
-//! end, when it goes back to the idle list of its origin. What goes to the legacy client:
+//! end, when it goes back to the idle list of its origin. A request whose 2xx answer begins
+//! before all of its body went up sends the rest from that answer's body, as it is read
+//! ([`Upload`]). What goes to the legacy client:
 //! `https` origins with [`Versions::Negotiate`] (they may speak HTTP/2 through ALPN), and
 //! requests that carry `Upgrade` (the handler tunnels WebSockets through
 //! `hyper::upgrade::on`, which only hyper's connections provide).
@@ -537,24 +539,35 @@ impl Pool {
         plane: &'static str,
         mut conn: Conn,
         head: Head,
-        sent: bool,
+        sent: Sent,
     ) -> Response<ProxyBody> {
-        let reusable = head.keep_alive && sent;
+        let (reusable, upload) = match sent.rest {
+            None => (head.keep_alive && sent.keep, None),
+            // An answer before the whole request went up. A 2xx one (a stream answering
+            // as it reads, as an echo does) gets the rest alongside its body, as curl and
+            // hyper's client do; any other (a 413, a 401) ends the upload, as in curl and
+            // RFC 9110 §15.5 ("the client SHOULD stop sending").
+            Some(rest) if head.status.is_success() => (head.keep_alive && sent.keep, Some(rest)),
+            Some(_) => (false, None),
+        };
+        // An answer complete with its head has nothing to carry the upload on: it ends,
+        // and the connection with it.
+        let done = reusable && upload.is_none();
         #[cfg(target_os = "linux")]
         let mut offer = None;
         let body = match head.body {
             BodyKind::None => {
-                self.release(conn, reusable);
+                self.release(conn, done);
                 body::empty()
             }
             BodyKind::Length(0) => {
-                self.release(conn, reusable);
+                self.release(conn, done);
                 body::empty()
             }
             // The whole body came with the head: no state to keep.
             BodyKind::Length(n) if conn.rbuf.len() as u64 >= n => {
                 let bytes = conn.rbuf.split_to(n as usize).freeze();
-                self.release(conn, reusable);
+                self.release(conn, done);
                 body::full(bytes)
             }
             kind => {
@@ -570,6 +583,7 @@ impl Pool {
                     state,
                     reusable: reusable && !matches!(kind, BodyKind::Eof),
                     pending: None,
+                    upload,
                 };
                 #[cfg(target_os = "linux")]
                 let body = {
@@ -765,14 +779,24 @@ struct Wait {
     timeout: Duration,
 }
 
-/// The request on `conn`; the response head, and whether the request was sent whole.
+/// How much of the request went up by the time its answer's head came.
+struct Sent {
+    /// The request lets its connection carry another (no `Connection: close`, no failed
+    /// write), once all of it is sent.
+    keep: bool,
+    /// The rest of the request, when its head came first; `None`: all of it went, or no
+    /// more can (a write failed).
+    rest: Option<Box<Upload>>,
+}
+
+/// The request on `conn`; the response head, and how much of the request went up.
 async fn exchange(
     conn: &mut Conn,
     parts: &Parts,
     host_header: &str,
     body: &mut ProxyBody,
     wait: Wait,
-) -> Result<(Head, bool), Failed> {
+) -> Result<(Head, Sent), Failed> {
     conn.deadline.as_mut().reset(wait.deadline.into());
     let (out, length) = if body.is_end_stream() {
         let expects_body = matches!(parts.method, Method::POST | Method::PUT | Method::PATCH);
@@ -787,25 +811,43 @@ async fn exchange(
     };
     let close = encode_head(&mut conn.wbuf, parts, host_header, out, length);
     let mut ex = Exchange {
-        body_done: matches!(out, None | Some(Out::Length(0))),
-        out: out.unwrap_or(Out::Length(0)),
+        out: Outgoing {
+            body_done: matches!(out, None | Some(Out::Length(0))),
+            out: out.unwrap_or(Out::Length(0)),
+            wpos: 0,
+            data: Bytes::new(),
+            post: b"",
+            touched: false,
+            wrote: false,
+            body_moved: None,
+        },
         conn,
         body,
         head_request: parts.method == Method::HEAD,
         idempotent: is_idempotent(&parts.method),
-        wpos: 0,
-        data: Bytes::new(),
-        post: b"",
         sent: false,
         write_error: None,
-        touched: false,
-        wrote: false,
         got_bytes: false,
         timeout: wait.timeout,
-        body_moved: None,
     };
     let head = poll_fn(|cx| ex.poll(cx)).await?;
-    let sent = ex.sent && ex.write_error.is_none() && !close;
+    let sent = match (ex.sent, ex.write_error.is_some()) {
+        (_, true) => Sent {
+            keep: false,
+            rest: None,
+        },
+        (true, false) => Sent {
+            keep: !close,
+            rest: None,
+        },
+        (false, false) => Sent {
+            keep: !close,
+            rest: Some(Box::new(Upload {
+                body: std::mem::replace(ex.body, body::empty()),
+                out: ex.out,
+            })),
+        },
+    };
     Ok((head, sent))
 }
 
@@ -859,38 +901,26 @@ enum SendError {
 struct Exchange<'a> {
     conn: &'a mut Conn,
     body: &'a mut ProxyBody,
-    out: Out,
+    out: Outgoing,
     head_request: bool,
     /// GET, HEAD, OPTIONS, TRACE, PUT or DELETE (RFC 9110 §9.2.2).
     idempotent: bool,
-    /// Written part of `conn.wbuf`.
-    wpos: usize,
-    /// The body chunk being written, after `wbuf` and before `post`.
-    data: Bytes,
-    post: &'static [u8],
-    /// The body has given (or framed) all it will.
-    body_done: bool,
     /// Everything was written and flushed.
     sent: bool,
     write_error: Option<io::Error>,
-    /// The body was polled: it cannot be sent again.
-    touched: bool,
-    /// The socket took some of the request: the server may have acted on it.
-    wrote: bool,
     /// Something of the response arrived.
     got_bytes: bool,
-    /// `--upstream-timeout`, and when request body bytes last went out: an upload still
-    /// moving holds the deadline off (a 1 GiB file over a slow link takes longer than the
-    /// timeout, and envd answers only once it has all of it).
+    /// `--upstream-timeout`: an upload still moving holds the deadline off (a 1 GiB file
+    /// over a slow link takes longer than the timeout, and envd answers only once it has
+    /// all of it).
     timeout: Duration,
-    body_moved: Option<Instant>,
 }
 
 impl Exchange<'_> {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Head, Failed>> {
         loop {
             if !self.sent && self.write_error.is_none() {
-                match self.poll_send(cx) {
+                match self.out.poll_send(self.conn, self.body, cx) {
                     Poll::Ready(Ok(())) => self.sent = true,
                     // Keep reading: the server may have answered before it stopped reading
                     // (a 413 to a large upload), and that answer is the one to pass on.
@@ -918,7 +948,7 @@ impl Exchange<'_> {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(UpstreamError::Io(e)))),
                 Poll::Pending => {
                     if self.conn.deadline.as_mut().poll(cx).is_ready() {
-                        match held_off(self.body_moved, self.timeout) {
+                        match held_off(self.out.body_moved, self.timeout) {
                             Some(later) => {
                                 self.conn.deadline.as_mut().reset(later.into());
                                 continue;
@@ -939,26 +969,54 @@ impl Exchange<'_> {
         // was written: hyper-util's legacy client retries only that case), or when doing
         // it twice is no different from once (an idempotent method). Either way the body
         // must not have been polled, as what was taken from it is gone.
-        let resendable = !self.wrote || self.idempotent;
+        let resendable = !self.out.wrote || self.idempotent;
         let retry = !self.got_bytes
-            && !self.touched
+            && !self.out.touched
             && resendable
             && matches!(error, UpstreamError::Io(_) | UpstreamError::Closed);
         Failed { error, retry }
     }
+}
 
+/// The request on its way out: the head (in `conn.wbuf`), then the body, framed. Owned
+/// apart from the exchange so that what is left of it when the answer comes first can go
+/// on with the answer's body ([`Upload`]).
+struct Outgoing {
+    out: Out,
+    /// Written part of `conn.wbuf`.
+    wpos: usize,
+    /// The body chunk being written, after `wbuf` and before `post`.
+    data: Bytes,
+    post: &'static [u8],
+    /// The body has given (or framed) all it will.
+    body_done: bool,
+    /// The body was polled: it cannot be sent again.
+    touched: bool,
+    /// The socket took some of the request: the server may have acted on it.
+    wrote: bool,
+    /// When request body bytes last went out (see [`held_off`]).
+    body_moved: Option<Instant>,
+}
+
+impl Outgoing {
     /// Writes the head and the body; `Ready(Ok)` once all of it is written and flushed.
-    fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), SendError>> {
+    fn poll_send(
+        &mut self,
+        conn: &mut Conn,
+        body: &mut ProxyBody,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), SendError>> {
         loop {
             // Take the next frame only when the previous one is out, so chunk-size lines
             // appended to `wbuf` stay in order. The first frame joins the head when the
             // body has it ready: one write for both.
             if !self.body_done && self.data.is_empty() && self.post.is_empty() {
-                match Pin::new(&mut *self.body).poll_frame(cx) {
+                match Pin::new(&mut *body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
                         self.touched = true;
                         if let Ok(data) = frame.into_data() {
-                            self.queue(data)?;
+                            let last = body.is_end_stream();
+                            self.queue(&mut conn.wbuf, data, last)?;
                         }
                         continue;
                     }
@@ -968,26 +1026,25 @@ impl Exchange<'_> {
                     }
                     Poll::Ready(None) => {
                         self.touched = true;
-                        self.end_body()?;
+                        self.end_body(&mut conn.wbuf)?;
                         continue;
                     }
-                    Poll::Pending if self.wpos == self.conn.wbuf.len() => {
+                    Poll::Pending if self.wpos == conn.wbuf.len() => {
                         // Waiting on the client: what was written must reach the upstream.
-                        ready!(Pin::new(&mut self.conn.io).poll_flush(cx))
-                            .map_err(SendError::Io)?;
+                        ready!(Pin::new(&mut conn.io).poll_flush(cx)).map_err(SendError::Io)?;
                         return Poll::Pending;
                     }
                     Poll::Pending => {}
                 }
             }
-            if self.wpos < self.conn.wbuf.len() || !self.data.is_empty() || !self.post.is_empty() {
+            if self.wpos < conn.wbuf.len() || !self.data.is_empty() || !self.post.is_empty() {
                 let n = {
                     let bufs = [
-                        IoSlice::new(&self.conn.wbuf[self.wpos..]),
+                        IoSlice::new(&conn.wbuf[self.wpos..]),
                         IoSlice::new(&self.data),
                         IoSlice::new(self.post),
                     ];
-                    ready!(Pin::new(&mut self.conn.io).poll_write_vectored(cx, &bufs))
+                    ready!(Pin::new(&mut conn.io).poll_write_vectored(cx, &bufs))
                         .map_err(SendError::Io)?
                 };
                 if n == 0 {
@@ -997,17 +1054,18 @@ impl Exchange<'_> {
                 if self.touched {
                     self.body_moved = Some(Instant::now());
                 }
-                self.advance(n);
+                self.advance(&mut conn.wbuf, n);
                 continue;
             }
             if self.body_done {
-                ready!(Pin::new(&mut self.conn.io).poll_flush(cx)).map_err(SendError::Io)?;
+                ready!(Pin::new(&mut conn.io).poll_flush(cx)).map_err(SendError::Io)?;
                 return Poll::Ready(Ok(()));
             }
         }
     }
 
-    fn queue(&mut self, data: Bytes) -> Result<(), SendError> {
+    /// `data` to go out next; `last`: the body said it has nothing after it.
+    fn queue(&mut self, wbuf: &mut Vec<u8>, data: Bytes, last: bool) -> Result<(), SendError> {
         if data.is_empty() {
             return Ok(());
         }
@@ -1024,8 +1082,8 @@ impl Exchange<'_> {
                 self.body_done = *left == 0;
             }
             Out::Chunked => {
-                let _ = write!(self.conn.wbuf, "{:x}\r\n", data.len());
-                self.post = if self.body.is_end_stream() {
+                let _ = write!(wbuf, "{:x}\r\n", data.len());
+                self.post = if last {
                     self.body_done = true;
                     b"\r\n0\r\n\r\n"
                 } else {
@@ -1037,7 +1095,7 @@ impl Exchange<'_> {
         Ok(())
     }
 
-    fn end_body(&mut self) -> Result<(), SendError> {
+    fn end_body(&mut self, wbuf: &mut Vec<u8>) -> Result<(), SendError> {
         self.body_done = true;
         match self.out {
             Out::Length(0) => Ok(()),
@@ -1045,20 +1103,20 @@ impl Exchange<'_> {
                 "the request body is shorter than its length".into(),
             )),
             Out::Chunked => {
-                self.conn.wbuf.extend_from_slice(b"0\r\n\r\n");
+                wbuf.extend_from_slice(b"0\r\n\r\n");
                 Ok(())
             }
         }
     }
 
-    fn advance(&mut self, mut n: usize) {
-        let pre = self.conn.wbuf.len() - self.wpos;
+    fn advance(&mut self, wbuf: &mut Vec<u8>, mut n: usize) {
+        let pre = wbuf.len() - self.wpos;
         if n < pre {
             self.wpos += n;
             return;
         }
         n -= pre;
-        self.conn.wbuf.clear();
+        wbuf.clear();
         self.wpos = 0;
         let d = n.min(self.data.len());
         if d == self.data.len() {
@@ -1069,6 +1127,19 @@ impl Exchange<'_> {
         }
         n -= d;
         self.post = &self.post[n.min(self.post.len())..];
+    }
+}
+
+/// What is left of a request whose answer began before all of it went up, sent on by the
+/// answer's body as it is read (see [`Pool::response`]).
+struct Upload {
+    body: ProxyBody,
+    out: Outgoing,
+}
+
+impl Upload {
+    fn poll(&mut self, conn: &mut Conn, cx: &mut Context<'_>) -> Poll<Result<(), SendError>> {
+        self.out.poll_send(conn, &mut self.body, cx)
     }
 }
 
@@ -1093,21 +1164,54 @@ struct PoolBody {
     state: Decode,
     reusable: bool,
     pending: Option<Deferred>,
+    /// The rest of the request, when a 2xx answer came before all of it went up: sent on
+    /// as this body is polled. It moves only while the answer is read: a client that
+    /// stops reading the answer until its upload is done, from an upstream that stops
+    /// reading until its answer is taken, stalls both (hyper's client would go on sending
+    /// from its connection task). When the answer ends first, what is left is dropped
+    /// with the connection.
+    upload: Option<Box<Upload>>,
 }
 
 impl PoolBody {
     fn release(&mut self) {
         self.state = Decode::Done;
+        let whole = self.upload.take().is_none();
         if let Some(conn) = self.conn.take() {
-            self.pool.release(conn, self.reusable);
+            self.pool.release(conn, self.reusable && whole);
         }
     }
 
     fn fail(&mut self, e: UpstreamError) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
         self.pool.count_broken(self.plane, e.kind());
+        self.end(e)
+    }
+
+    fn end(&mut self, e: UpstreamError) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
         self.conn = None;
+        self.upload = None;
         self.state = Decode::Done;
         Poll::Ready(Some(Err(e)))
+    }
+
+    /// Sends on what the upload has ready; `Some` when the client's body broke, which ends
+    /// the answer too: the upstream will wait for the rest in vain.
+    fn poll_upload(&mut self, cx: &mut Context<'_>) -> Option<UpstreamError> {
+        let (Some(upload), Some(conn)) = (self.upload.as_mut(), self.conn.as_mut()) else {
+            return None;
+        };
+        match upload.poll(conn, cx) {
+            Poll::Ready(Ok(())) => self.upload = None,
+            // The upstream stopped reading (it closed, or reset): its answer may still come
+            // whole, and the connection ends with it.
+            Poll::Ready(Err(SendError::Io(_))) => {
+                self.upload = None;
+                self.reusable = false;
+            }
+            Poll::Ready(Err(SendError::Body(e))) => return Some(UpstreamError::ClientBody(e)),
+            Poll::Pending => {}
+        }
+        None
     }
 }
 
@@ -1124,6 +1228,10 @@ impl Body for PoolBody {
             Some(Deferred::Trailers(t)) => return Poll::Ready(Some(Ok(Frame::trailers(t)))),
             Some(Deferred::Error(e)) => return this.fail(e),
             None => {}
+        }
+        if let Some(e) = this.poll_upload(cx) {
+            // The client's doing, not the upstream's: not counted as a broken answer.
+            return this.end(e);
         }
         loop {
             let Some(conn) = this.conn.as_mut() else {
@@ -1212,7 +1320,8 @@ impl Splice {
             })
         );
         match body.state {
-            Decode::Length(n) if plain && n >= super::splice::MIN => {
+            // Splicing moves the answer only: an upload still going needs the body polled.
+            Decode::Length(n) if plain && body.upload.is_none() && n >= super::splice::MIN => {
                 let (offer, body) = super::splice::Offer::new(body);
                 (Some(Splice(offer)), body::boxed(body))
             }
@@ -1492,6 +1601,20 @@ mod tests {
     fn channel() -> (mpsc::Sender<Result<Bytes, BoxError>>, ProxyBody) {
         let (tx, rx) = mpsc::channel(4);
         (tx, body::boxed(ChannelBody(rx)))
+    }
+
+    /// A PUT to `url` through `client` whose body has given `first` and waits for more:
+    /// the sender of the rest, and the answer.
+    async fn put_first(
+        client: &Upstream,
+        url: &str,
+        first: &'static [u8],
+    ) -> (mpsc::Sender<Result<Bytes, BoxError>>, Response<ProxyBody>) {
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(first))).await.unwrap();
+        let put = with_body("PUT", url, body);
+        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        (tx, resp)
     }
 
     const OK: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
@@ -2108,39 +2231,163 @@ mod tests {
         );
     }
 
-    /// A 413 before the upload ended: the answer is delivered, the upload stops, and the
-    /// connection is not reused.
+    /// An answer other than a 2xx before the upload ended (a 413), or a 2xx complete with
+    /// its head: the answer is delivered, the upload stops, and the connection is not
+    /// reused.
     #[tokio::test]
     async fn an_early_answer_stops_the_upload() {
-        let fake = Fake::start(|mut s, n| async move {
-            let mut buf = Vec::new();
-            while read_head(&mut s, &mut buf).await.is_some() {
-                if n == 0 {
-                    let _ = s
-                        .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
-                        .await;
-                    // Read on so the client's close is a FIN, not a reset.
-                    let mut sink = Vec::new();
-                    let _ = s.read_to_end(&mut sink).await;
-                    return;
+        const ANSWERS: [&[u8]; 2] = [
+            b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n",
+            b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+        ];
+        for answer in ANSWERS {
+            let fake = Fake::start(move |mut s, n| async move {
+                let mut buf = Vec::new();
+                while read_head(&mut s, &mut buf).await.is_some() {
+                    if n == 0 {
+                        let _ = s.write_all(answer).await;
+                        // Read on so the client's close is a FIN, not a reset.
+                        let mut sink = Vec::new();
+                        let _ = s.read_to_end(&mut sink).await;
+                        return;
+                    }
+                    let _ = s.write_all(OK).await;
                 }
-                let _ = s.write_all(OK).await;
+            })
+            .await;
+            let client = client();
+            let (tx, resp) = put_first(&client, &fake.url("/up"), b"first part").await;
+            let status = resp.status();
+            let want = if status == 413 { "" } else { "ok" };
+            assert_eq!(text(resp).await, want, "{status}");
+            within(tx.closed()).await;
+            assert_eq!(get_text(&client, &fake.url("/next")).await, "ok");
+            assert_eq!(fake.accepts(), 2, "{status}");
+        }
+    }
+
+    /// A 2xx that starts before the upload ended and goes on as the upload does (an echo, a
+    /// stream answering as it reads): the rest of the body goes up alongside the answer's,
+    /// and the connection, the upload done before the answer, carries the next request.
+    /// The client's body stopped at the answer's head before: the upstream waited for the
+    /// rest, and the client for the answer's end.
+    #[tokio::test]
+    async fn a_2xx_before_the_upload_ended_gets_the_rest_alongside_its_body() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            while let Some(head) = read_head(&mut s, &mut buf).await {
+                if !head.starts_with("PUT") {
+                    let _ = s.write_all(OK).await;
+                    continue;
+                }
+                // Answers at once, then relays what the (chunked) body brings, framing and
+                // all, as chunks of its own until the body's last chunk.
+                let mut echo = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+                let mut seen = std::mem::take(&mut buf);
+                loop {
+                    if !seen.is_empty() {
+                        echo.extend(format!("{:x}\r\n", seen.len()).as_bytes());
+                        echo.extend_from_slice(&seen);
+                        echo.extend_from_slice(b"\r\n");
+                    }
+                    let end = seen.ends_with(b"0\r\n\r\n");
+                    if end {
+                        echo.extend_from_slice(b"0\r\n\r\n");
+                    }
+                    if s.write_all(&std::mem::take(&mut echo)).await.is_err() || end {
+                        break;
+                    }
+                    let mut tmp = [0u8; 4096];
+                    match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen = tmp[..n].to_vec(),
+                    }
+                }
             }
         })
         .await;
         let client = client();
-        let (tx, body) = channel();
-        tx.send(Ok(Bytes::from_static(b"first part")))
+        let (tx, resp) = put_first(&client, &fake.url("/echo"), b"hello").await;
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        while !got.ends_with(b"hello\r\n") {
+            let frame = within(body.frame()).await.expect("more").expect("a frame");
+            got.extend_from_slice(&frame.into_data().expect("data"));
+        }
+        tx.send(Ok(Bytes::from_static(b"world")))
             .await
-            .unwrap();
-        let resp = within(client.request("api", with_body("PUT", &fake.url("/up"), body), LONG))
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 413);
-        assert_eq!(text(resp).await, "");
+            .expect("the upload goes on after the answer's head");
+        drop(tx);
+        let rest = within(body.collect()).await.expect("the rest").to_bytes();
+        got.extend_from_slice(&rest);
+        assert_eq!(got, b"5\r\nhello\r\n5\r\nworld\r\n0\r\n\r\n");
+        assert_eq!(get_text(&client, &fake.url("/next")).await, "ok");
+        assert_eq!(fake.accepts(), 1);
+    }
+
+    /// A 2xx begun before the upload ended that ends before it does: what is left of the
+    /// upload is dropped, and the connection with it (the upstream would take the rest for
+    /// a next request).
+    #[tokio::test]
+    async fn a_2xx_that_ends_before_the_upload_ends_the_upload_and_the_connection() {
+        let fake = Fake::start(|mut s, n| async move {
+            let mut buf = Vec::new();
+            while read_head(&mut s, &mut buf).await.is_some() {
+                if n > 0 {
+                    let _ = s.write_all(OK).await;
+                    continue;
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nhalf")
+                    .await;
+                // The answer's end waits for the upload's second part.
+                read_until(&mut s, &mut buf, b"second\r\n").await;
+                let _ = s.write_all(b"done").await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+                return;
+            }
+        })
+        .await;
+        let client = client();
+        let (tx, resp) = put_first(&client, &fake.url("/up"), b"first").await;
+        tx.send(Ok(Bytes::from_static(b"second"))).await.unwrap();
+        assert_eq!(text(resp).await, "halfdone");
         within(tx.closed()).await;
         assert_eq!(get_text(&client, &fake.url("/next")).await, "ok");
         assert_eq!(fake.accepts(), 2);
+    }
+
+    /// The client's body breaking while its upload goes on alongside a 2xx ends that answer
+    /// with the client's error (the upstream would wait for the rest in vain), not with an
+    /// upstream failure.
+    #[tokio::test]
+    async fn a_client_body_breaking_after_an_early_2xx_ends_the_answer() {
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            if read_head(&mut s, &mut buf).await.is_some() {
+                let head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n";
+                let _ = s.write_all(head).await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+            }
+        })
+        .await;
+        let client = client();
+        let (tx, resp) = put_first(&client, &fake.url("/echo"), b"hello").await;
+        let mut body = resp.into_body();
+        let first = within(body.frame()).await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().expect("data"), "ok");
+        tx.send(Err("the client went away".into())).await.unwrap();
+        let e = within(body.frame())
+            .await
+            .expect("an end")
+            .expect_err("the client's error");
+        let e = e
+            .downcast_ref::<UpstreamError>()
+            .expect("the client's error");
+        assert!(e.is_client_body(), "{e:?}");
     }
 
     /// The head goes up at once, before the body has given anything: the upstream may answer
