@@ -2703,6 +2703,75 @@ async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 upload that the upstream answers 2xx at once, and then says nothing more
+/// until it has the whole body: the upload moving keeps the answer's idle clock going, as
+/// the connection's reads do on HTTP/1.1, on both planes (envd's upload goes on with the
+/// proxy's own client, the control plane's with hyper's). The answer was cut at
+/// `--idle-timeout` with the upload still going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_answer_waiting_on_a_moving_upload_outlives_the_idle_timeout() {
+    const BYTES: usize = 16;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            let body = req.into_body().collect().await;
+            let n = body.map_or(0, |b| b.to_bytes().len());
+            let _ = tx.send(Bytes::from(format!("got {n}"))).await;
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    // Eight times the 250 ms between the upload's bytes below, which take 4 s in all.
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .args(&["--idle-timeout", "2s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(connect_raw(addr).await),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let upload = |envd: bool| {
+        let mut h2 = h2.clone();
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let mut req = http::Request::post(format!("http://{addr}/upload"));
+            if envd {
+                req = req
+                    .header("e2b-sandbox-id", "isb-1")
+                    .header("x-access-token", "t");
+            }
+            let req = req.body(ChannelBody(rx)).expect("request");
+            let pace = tokio::spawn(async move {
+                // Pacing the upload (the behaviour under test), not synchronisation.
+                let mut every = tokio::time::interval(Duration::from_millis(250));
+                every.tick().await;
+                for _ in 0..BYTES {
+                    every.tick().await;
+                    if tx.send(Bytes::from_static(b"x")).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let resp = within("the answer's head", h2.send_request(req))
+                .await
+                .expect("head");
+            assert_eq!(resp.status(), 200, "envd {envd}");
+            let body = within("the answer", resp.into_body().collect()).await;
+            let body = body.expect("the whole answer").to_bytes();
+            assert_eq!(body, format!("got {BYTES}"), "envd {envd}");
+            pace.await.expect("the upload");
+        }
+    };
+    tokio::join!(upload(false), upload(true));
+    proxy.finish().await;
+}
+
 /// A connection that keeps a copy of every byte it reads.
 struct Recorded {
     inner: TcpStream,

@@ -1135,8 +1135,9 @@ async fn silent_upstream_is_504_e5002() {
 /// `--upstream-timeout` is the upstream's time to answer, not the client's time to upload:
 /// an upload that takes longer than the timeout in all but keeps moving gets its answer
 /// (envd answers a file upload only once it has all of it), through both upstream clients
-/// (the control plane's and envd's). One that stops moving gets its 504 no sooner than a
-/// timeout after its last bytes.
+/// (the control plane's and envd's). One that stops moving is refused, 400 E5003 (as a
+/// create body the proxy reads itself), no sooner than a timeout after its last bytes: the
+/// client's stall, not an upstream timeout (504 E5002, counted against the upstream, before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() {
     let pki = Pki::new();
@@ -1192,7 +1193,12 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
         let last = Instant::now();
         s.write_all(b"xx").await.expect("body");
         let resp = read_response(&mut s, &mut Vec::new()).await;
-        assert_proxy_error(&resp, 504, "E5002");
+        assert_proxy_error(&resp, 400, "E5003");
+        let message = resp.json()["message"].to_string();
+        assert!(
+            message.contains("request body not received within 3s"),
+            "{message}"
+        );
         assert!(
             last.elapsed() >= TIMEOUT,
             "envd: {envd}: {:?}",
@@ -1201,6 +1207,15 @@ async fn an_upload_longer_than_the_upstream_timeout_is_not_cut_while_it_moves() 
     };
     // All at once: each is a few seconds of waiting, not of work.
     tokio::join!(moving(false), moving(true), stopped(false), stopped(true));
+    let metrics = scrape(proxy.admin_addr()).await;
+    for plane in ["api", "envd"] {
+        let timeouts =
+            format!("abx_proxy_upstream_errors_total{{plane=\"{plane}\",kind=\"timeout\"}}");
+        assert_eq!(metric(&metrics, &timeouts).unwrap_or(0.0), 0.0, "{plane}");
+        let refused =
+            format!("abx_proxy_requests_total{{plane=\"{plane}\",method=\"POST\",code=\"400\"}}");
+        assert_eq!(metric(&metrics, &refused), Some(1.0), "{plane}");
+    }
     proxy.finish().await;
 }
 

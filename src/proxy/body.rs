@@ -1,14 +1,14 @@
 //! Body helpers: boxing, bounded reads that never lose bytes, the proxy's own answers, and
 //! the wrappers that watch a body on its way: [`EndStreamed`] (an HTTP/2 body ends only with
-//! END_STREAM), [`Uploading`] (when an upload last moved, for the upstream timeout) and
-//! [`IdleLimited`] (an HTTP/2 answer that stalls).
+//! END_STREAM), [`Uploading`] and [`Marked`] (how an upload moves, for the upstream timeout
+//! and the idle limit) and [`IdleLimited`] (an HTTP/2 answer that stalls).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Response, StatusCode};
@@ -191,35 +191,55 @@ where
     }
 }
 
-/// When a request body's bytes last moved upstream: written by [`Uploading`], read by the
-/// upstream timeout.
+/// A request body's progress on its way upstream, written by [`Uploading`] and [`Marked`]:
+/// when its bytes last moved, and whether its last poll found the client had nothing more
+/// yet. Read by the upstream timeout (an upload still moving holds it off; one stalled by
+/// its client is the client's fault) and by an HTTP/2 answer's idle limit. On tokio's clock,
+/// like [`IdleLimited`]'s.
 #[derive(Clone)]
-pub struct Moved {
-    since: Instant,
+pub struct Moved(Arc<Progress>);
+
+struct Progress {
+    since: tokio::time::Instant,
     /// Nanoseconds after `since`; 0 before any bytes moved.
-    at: Arc<AtomicU64>,
+    at: AtomicU64,
+    awaiting_client: AtomicBool,
 }
 
 impl Default for Moved {
     fn default() -> Self {
-        Moved {
-            since: Instant::now(),
-            at: Arc::new(AtomicU64::new(0)),
-        }
+        Moved(Arc::new(Progress {
+            since: tokio::time::Instant::now(),
+            at: AtomicU64::new(0),
+            awaiting_client: AtomicBool::new(false),
+        }))
     }
 }
 
 impl Moved {
     fn mark(&self) {
-        let nanos = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.at.store(nanos.max(1), Ordering::Relaxed);
+        let nanos = u64::try_from(self.0.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.0.at.store(nanos.max(1), Ordering::Relaxed);
     }
 
-    pub fn last(&self) -> Option<Instant> {
-        match self.at.load(Ordering::Relaxed) {
+    /// What a poll of the body gave: `Pending` (the client has sent nothing more yet) or
+    /// anything else.
+    fn polled<T>(&self, poll: &Poll<T>) {
+        self.0
+            .awaiting_client
+            .store(poll.is_pending(), Ordering::Relaxed);
+    }
+
+    pub fn last(&self) -> Option<tokio::time::Instant> {
+        match self.0.at.load(Ordering::Relaxed) {
             0 => None,
-            n => Some(self.since + Duration::from_nanos(n)),
+            n => Some(self.0.since + Duration::from_nanos(n)),
         }
+    }
+
+    /// The body's last poll found nothing from the client, and the body has not ended.
+    pub fn awaiting_client(&self) -> bool {
+        self.0.awaiting_client.load(Ordering::Relaxed)
     }
 }
 
@@ -246,7 +266,9 @@ impl Body for Uploading {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         loop {
-            match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+            let poll = Pin::new(&mut self.inner).poll_frame(cx);
+            self.moved.polled(&poll);
+            match ready!(poll) {
                 Some(Ok(frame)) if frame.is_data() => {
                     self.moved.mark();
                     return Poll::Ready(Some(Ok(frame)));
@@ -266,6 +288,47 @@ impl Body for Uploading {
     }
 }
 
+/// A body passed on unchanged, each data frame marking [`Moved`]: an HTTP/2 client's
+/// request body, whose progress keeps its answer's [`IdleLimited`] clock going (an upload
+/// the upstream answers 2xx to at once, and then says nothing until it has all of it).
+pub struct Marked<B> {
+    body: B,
+    moved: Moved,
+}
+
+impl<B> Marked<B> {
+    pub fn new(body: B, moved: Moved) -> Self {
+        Marked { body, moved }
+    }
+}
+
+impl<B> Body for Marked<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
+        if matches!(&frame, Some(Ok(f)) if f.is_data()) {
+            self.moved.mark();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// An answer's body to an HTTP/2 client, ended with an error once no frame has come for
 /// the idle timeout.
 ///
@@ -280,16 +343,19 @@ pub struct IdleLimited<B> {
     timeout: Duration,
     last: tokio::time::Instant,
     timer: Pin<Box<tokio::time::Sleep>>,
+    /// The request's upload, when it has one: its bytes moving keep the clock going too.
+    upload: Option<Moved>,
 }
 
 impl<B> IdleLimited<B> {
-    pub fn new(body: B, timeout: Duration) -> Self {
+    pub fn new(body: B, timeout: Duration, upload: Option<Moved>) -> Self {
         let last = tokio::time::Instant::now();
         IdleLimited {
             body,
             timeout,
             last,
             timer: Box::pin(tokio::time::sleep_until(last + timeout)),
+            upload,
         }
     }
 }
@@ -313,7 +379,8 @@ where
         }
         loop {
             ready!(this.timer.as_mut().poll(cx));
-            let due = this.last + this.timeout;
+            let moved = this.upload.as_ref().and_then(Moved::last);
+            let due = moved.map_or(this.last, |m| m.max(this.last)) + this.timeout;
             if tokio::time::Instant::now() >= due {
                 return Poll::Ready(Some(Err(
                     "the upstream sent nothing more for the idle timeout".into(),
@@ -334,7 +401,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use futures_util::stream;
+    use futures_util::{stream, FutureExt};
     use http::HeaderMap;
     use http_body_util::StreamBody;
     use tokio::sync::mpsc;
@@ -462,12 +529,33 @@ mod tests {
         let first = up.frame().await.expect("a frame").expect("data");
         assert_eq!(first.into_data().ok(), Some(Bytes::from("a")));
         let at = moved.last().expect("the frame marked the upload");
-        assert!(before <= at && at <= std::time::Instant::now());
+        assert!(before <= at.into_std() && at.into_std() <= std::time::Instant::now());
         assert_eq!(rest(up).await, (vec![Bytes::from("b")], true));
 
         let whole = Uploading::new(full("abc"), Moved::default());
         assert_eq!(exact(whole.size_hint()), (3, Some(3)));
         assert!(Uploading::new(empty(), Moved::default()).is_end_stream());
+    }
+
+    /// Whether an upload waits on its client is what its last poll found: nothing yet,
+    /// or a frame (or its end).
+    #[tokio::test]
+    async fn an_upload_says_whether_it_waits_on_its_client() {
+        let (tx, rx) = mpsc::channel::<Step>(1);
+        let feed = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
+        let moved = Moved::default();
+        let mut up = Uploading::new(boxed(StreamBody::new(Box::pin(feed))), moved.clone());
+        assert!(!moved.awaiting_client(), "not polled yet");
+        assert!(up.frame().now_or_never().is_none());
+        assert!(moved.awaiting_client());
+        tx.send(data("a")).await.expect("the body is listening");
+        assert!(up.frame().await.is_some());
+        assert!(!moved.awaiting_client());
+        assert!(up.frame().now_or_never().is_none());
+        assert!(moved.awaiting_client());
+        drop(tx);
+        assert!(up.frame().await.is_none());
+        assert!(!moved.awaiting_client(), "ended");
     }
 
     /// The idle clock runs from the last frame, not from the start: a frame at 8 s of a
@@ -477,7 +565,11 @@ mod tests {
         let (tx, rx) = mpsc::channel::<Step>(1);
         let feed = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
         let start = tokio::time::Instant::now();
-        let mut body = IdleLimited::new(StreamBody::new(Box::pin(feed)), Duration::from_secs(10));
+        let mut body = IdleLimited::new(
+            StreamBody::new(Box::pin(feed)),
+            Duration::from_secs(10),
+            None,
+        );
         assert!(!body.is_end_stream());
         assert_eq!(exact(body.size_hint()), (0, None));
 
@@ -499,12 +591,35 @@ mod tests {
         drop(tx);
     }
 
+    /// An upload still moving keeps the answer's idle clock going: its bytes at 8 s and
+    /// 16 s of a 10 s limit move the failure to 26 s, though the answer says nothing.
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_moving_keeps_its_answer_from_the_idle_timeout() {
+        let start = tokio::time::Instant::now();
+        let moved = Moved::default();
+        let silent = StreamBody::new(stream::pending::<Step>());
+        let mut body = IdleLimited::new(silent, Duration::from_secs(10), Some(moved.clone()));
+        let marks = async {
+            for _ in 0..2 {
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                moved.mark();
+            }
+        };
+        let (err, ()) = tokio::join!(body.frame(), marks);
+        let err = err.expect("an end").expect_err("silent too long");
+        assert_eq!(
+            err.to_string(),
+            "the upstream sent nothing more for the idle timeout"
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(26));
+    }
+
     #[tokio::test]
     async fn an_idle_limited_body_says_what_its_inner_says() {
-        let body = IdleLimited::new(Full::new(Bytes::from("abc")), Duration::from_secs(1));
+        let body = IdleLimited::new(Full::new(Bytes::from("abc")), Duration::from_secs(1), None);
         assert_eq!(exact(body.size_hint()), (3, Some(3)));
         assert!(!body.is_end_stream());
-        let body = IdleLimited::new(Empty::<Bytes>::new(), Duration::from_secs(1));
+        let body = IdleLimited::new(Empty::<Bytes>::new(), Duration::from_secs(1), None);
         assert!(body.is_end_stream());
     }
 }

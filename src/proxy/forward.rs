@@ -65,6 +65,17 @@ pub async fn send(
             },
             Some(FailKind::Timeout),
         ),
+        // The client stopped sending its body before the end, and the upstream waited for
+        // it: refused as the proxy's own read of a create body is when it stalls.
+        UpstreamError::BodyStalled => (
+            Error::Refused {
+                reason: format!(
+                    "request body not received within {}s",
+                    timeout.as_secs().max(1)
+                ),
+            },
+            None,
+        ),
         // The client's own body broke (a bad chunk, a closed upload): not the upstream's
         // fault, and not an upstream error in the metrics.
         e if e.is_client_body() => (

@@ -177,7 +177,8 @@ impl Shared {
 
     /// The request body is read whole, or its reader is gone. A reader at the body's end
     /// never reads the socket again, though it may live on: the proxy's own upstream
-    /// client keeps the request's body until the answer's head.
+    /// client keeps the request's body until the answer's head (or, a 2xx having begun
+    /// first, until the upload or that answer ends).
     async fn body_read(self: &Arc<Self>) {
         while Arc::strong_count(self) > 1 && self.body_left.load(Ordering::Relaxed) != 0 {
             self.released.notified().await;

@@ -537,9 +537,19 @@ async fn with_hyper(
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
+        // An HTTP/2 upload's progress, for its answer's idle limit (see `IdleLimited`).
+        let mut upload = None;
         let req = if http2 {
             told.http2.store(true, Ordering::Relaxed);
-            req.map(|b| super::body::boxed(super::body::EndStreamed::request(b)))
+            req.map(|b| {
+                let b = super::body::EndStreamed::request(b);
+                if http_body::Body::is_end_stream(&b) {
+                    return super::body::boxed(b);
+                }
+                let moved = super::body::Moved::default();
+                upload = Some(moved.clone());
+                super::body::boxed(super::body::Marked::new(b, moved))
+            })
         } else {
             req.map(super::body::boxed)
         };
@@ -562,7 +572,8 @@ async fn with_hyper(
             }
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
             if http2 && !http_body::Body::is_end_stream(resp.body()) {
-                resp = resp.map(|b| super::body::boxed(super::body::IdleLimited::new(b, idle)));
+                resp = resp
+                    .map(|b| super::body::boxed(super::body::IdleLimited::new(b, idle, upload)));
             }
             Ok::<_, Infallible>(resp)
         }

@@ -91,6 +91,10 @@ pub enum UpstreamError {
     /// No response head within `--upstream-timeout`.
     #[error("timed out")]
     Timeout,
+    /// No response head within `--upstream-timeout`, the client's body having stopped
+    /// before its end: the upstream waits for the rest, so the fault is the client's.
+    #[error("the request body stalled")]
+    BodyStalled,
 }
 
 impl UpstreamError {
@@ -114,7 +118,8 @@ impl UpstreamError {
             | UpstreamError::Io(_)
             | UpstreamError::Closed
             | UpstreamError::Protocol(_)
-            | UpstreamError::Timeout => true,
+            | UpstreamError::Timeout
+            | UpstreamError::BodyStalled => true,
         }
     }
 
@@ -132,7 +137,9 @@ impl UpstreamError {
             UpstreamError::Io(e) => forward::io_kind(e.kind()),
             UpstreamError::Closed => FailKind::Reset,
             UpstreamError::Timeout => FailKind::Timeout,
-            UpstreamError::ClientBody(_) | UpstreamError::Protocol(_) => FailKind::Protocol,
+            UpstreamError::ClientBody(_)
+            | UpstreamError::BodyStalled
+            | UpstreamError::Protocol(_) => FailKind::Protocol,
         }
     }
 
@@ -163,6 +170,7 @@ impl UpstreamError {
             UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
             UpstreamError::Closed => "connection closed early".into(),
             UpstreamError::Timeout => "timed out".into(),
+            UpstreamError::BodyStalled => "the request body stalled".into(),
             UpstreamError::Protocol(what) => format!("invalid response: {what}"),
         }
     }
@@ -283,10 +291,16 @@ impl Upstream {
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
-                Err(_) => match held_off(moved.as_ref().and_then(body::Moved::last), timeout) {
-                    Some(later) => deadline = later,
-                    None => return Err(UpstreamError::Timeout),
-                },
+                Err(_) => {
+                    let last = moved.as_ref().and_then(body::Moved::last);
+                    match held_off(last.map(tokio::time::Instant::into_std), timeout) {
+                        Some(later) => deadline = later,
+                        None if moved.as_ref().is_some_and(body::Moved::awaiting_client) => {
+                            return Err(UpstreamError::BodyStalled)
+                        }
+                        None => return Err(UpstreamError::Timeout),
+                    }
+                }
             }
         };
         if let Err(e) = admit(upgrade, &mut resp) {
@@ -820,6 +834,7 @@ async fn exchange(
             touched: false,
             wrote: false,
             body_moved: None,
+            awaiting_client: false,
         },
         conn,
         body,
@@ -953,7 +968,13 @@ impl Exchange<'_> {
                                 self.conn.deadline.as_mut().reset(later.into());
                                 continue;
                             }
-                            None => return Poll::Ready(Err(self.fail(UpstreamError::Timeout))),
+                            None => {
+                                let e = match self.out.awaiting_client {
+                                    true => UpstreamError::BodyStalled,
+                                    false => UpstreamError::Timeout,
+                                };
+                                return Poll::Ready(Err(self.fail(e)));
+                            }
                         }
                     }
                     return Poll::Pending;
@@ -996,6 +1017,9 @@ struct Outgoing {
     wrote: bool,
     /// When request body bytes last went out (see [`held_off`]).
     body_moved: Option<Instant>,
+    /// The last poll stopped for want of the client's next bytes, not for the upstream
+    /// taking them.
+    awaiting_client: bool,
 }
 
 impl Outgoing {
@@ -1006,6 +1030,7 @@ impl Outgoing {
         body: &mut ProxyBody,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), SendError>> {
+        self.awaiting_client = false;
         loop {
             // Take the next frame only when the previous one is out, so chunk-size lines
             // appended to `wbuf` stay in order. The first frame joins the head when the
@@ -1032,6 +1057,7 @@ impl Outgoing {
                     Poll::Pending if self.wpos == conn.wbuf.len() => {
                         // Waiting on the client: what was written must reach the upstream.
                         ready!(Pin::new(&mut conn.io).poll_flush(cx)).map_err(SendError::Io)?;
+                        self.awaiting_client = true;
                         return Poll::Pending;
                     }
                     Poll::Pending => {}
@@ -1834,6 +1860,42 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
         assert_eq!(fake.accepts(), 2);
+    }
+
+    /// No head within the timeout while the request body waits on the client: the client's
+    /// stall (the upstream waits for the rest), not an upstream timeout. While the body
+    /// waits on the upstream instead, which stopped reading, the upstream's.
+    #[tokio::test]
+    async fn a_stalled_upload_is_told_from_an_upstream_that_stopped_reading() {
+        // Reads the head and nothing more, and never answers.
+        let fake = Fake::start(|mut s, _| async move {
+            let mut buf = Vec::new();
+            if read_head(&mut s, &mut buf).await.is_some() {
+                std::future::pending::<()>().await;
+            }
+        })
+        .await;
+        let client = client();
+        let short = Duration::from_millis(300);
+        let (tx, body) = channel();
+        tx.send(Ok(Bytes::from_static(b"first part")))
+            .await
+            .unwrap();
+        let put = with_body("PUT", &fake.url("/stalled"), body);
+        let e = within(client.request("api", put, short)).await.unwrap_err();
+        assert!(matches!(e, UpstreamError::BodyStalled), "{e:?}");
+        drop(tx);
+
+        // Far more than the sockets' buffers hold, offered as fast as it is taken.
+        let (tx, body) = channel();
+        let feed = tokio::spawn(async move {
+            let chunk = Bytes::from(vec![b'x'; 1 << 20]);
+            while tx.send(Ok(chunk.clone())).await.is_ok() {}
+        });
+        let put = with_body("PUT", &fake.url("/unread"), body);
+        let e = within(client.request("api", put, short)).await.unwrap_err();
+        assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
+        within(feed).await.unwrap();
     }
 
     /// The server takes the second request on the kept-alive connection and closes without
