@@ -1024,6 +1024,11 @@ struct Outgoing {
 
 impl Outgoing {
     /// Writes the head and the body; `Ready(Ok)` once all of it is written and flushed.
+    ///
+    /// Inlined by hand: called from two places ([`Upload`] too), it was otherwise left a
+    /// call of its own, and a pooled GET took about 90 instructions more (callgrind, in a
+    /// 22 400 a request).
+    #[inline(always)]
     fn poll_send(
         &mut self,
         conn: &mut Conn,
