@@ -3693,3 +3693,109 @@ async fn http2_host_and_authority_must_agree() {
     assert_eq!(upstream.seen().len(), 1);
     proxy.finish().await;
 }
+
+/// An HTTP/1.1 client whose connection resets mid-upload is the client's doing, on both
+/// planes and both upstream clients (hyper's for the HTTP/2 control plane, the proxy's own
+/// pool for envd): before its answer, 400 as nginx logs it; after an early answer (an
+/// upstream echoing as it reads), that answer's cut. Neither counts as an upstream error.
+/// Through hyper's HTTP/2 client it was 502 E5001, counted as the upstream's: that client
+/// resets the stream of a body that fails and reports the reset, not the body. An HTTP/2
+/// client resetting its stream mid-upload is logged 400 or 499 (hyper's server drops the
+/// request when it sees the reset, unless the body's error answered it first), never 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_resetting_mid_upload_is_not_an_upstream_error() {
+    let pki = Pki::new();
+    let (tx, mut reading) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let upstream = Upstream::start(&pki, Proto::H2, move |req| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(());
+            if req.uri().path().starts_with("/echo") {
+                return Response::new(boxed(req.into_body()));
+            }
+            let _ = req.into_body().collect().await;
+            response(200, "ok")
+        }
+    })
+    .await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    for envd in [false, true] {
+        let (plane, extra) = match envd {
+            true => ("envd", "E2b-Sandbox-Id: isb-1\r\nX-Access-Token: t\r\n"),
+            false => ("api", ""),
+        };
+        for path in ["/cut", "/echo"] {
+            let path = format!("{path}-{plane}");
+            let mut s = connect_raw(addr).await;
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Content-Length: 100000\r\n\r\n"
+            );
+            s.write_all(format!("{head}0123456789").as_bytes())
+                .await
+                .expect("request");
+            within("the upload upstream", reading.recv()).await;
+            let status = if path.starts_with("/echo") {
+                // The answer's head and the first bytes back: the upload is under way.
+                let mut buf = Vec::new();
+                while !String::from_utf8_lossy(&buf).contains("0123456789") {
+                    let mut more = [0u8; 1024];
+                    let n = within("the echo", s.read(&mut more)).await.expect("echo");
+                    assert!(n > 0, "{path}: closed early");
+                    buf.extend_from_slice(&more[..n]);
+                }
+                200
+            } else {
+                400
+            };
+            s.set_zero_linger().expect("linger");
+            drop(s);
+            let line = proxy.wait_for_line(&format!(" path={path} ")).await;
+            assert!(line.contains(&format!(" status={status} ")), "{line}");
+        }
+        // HTTP/2: the stream reset after its first bytes.
+        let path = format!("/cut-h2-{plane}");
+        let (client, conn) = h2::client::handshake(connect_raw(addr).await)
+            .await
+            .expect("h2 handshake");
+        tokio::spawn(conn);
+        let mut client = within("h2 ready", client.ready()).await.expect("ready");
+        let mut req = http::Request::post(format!("http://{addr}{path}")).header("x-api-key", "d");
+        if envd {
+            req = req
+                .header("e2b-sandbox-id", "isb-1")
+                .header("x-access-token", "t");
+        }
+        let (_answer, mut stream) = client
+            .send_request(req.body(()).expect("request"), false)
+            .expect("send");
+        stream
+            .send_data(Bytes::from_static(b"0123456789"), false)
+            .expect("data");
+        within("the upload upstream", reading.recv()).await;
+        stream.send_reset(h2::Reason::CANCEL);
+        let line = proxy.wait_for_line(&format!(" path={path} ")).await;
+        assert!(
+            line.contains(" status=400 ") || line.contains(" status=499 "),
+            "{line}"
+        );
+    }
+    // The echoes' ends are counted, if at all, as their connections end.
+    let mut every = poll_ticker();
+    let text = loop {
+        let text = scrape(proxy.admin_addr()).await;
+        if metric(&text, "abx_proxy_open_connections") == Some(0.0) {
+            break text;
+        }
+        within("the connections to close", every.tick()).await;
+    };
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        0.0,
+        "{text}"
+    );
+    proxy.finish().await;
+}

@@ -204,6 +204,8 @@ struct Progress {
     /// Nanoseconds after `since`; 0 before any bytes moved.
     at: AtomicU64,
     awaiting_client: AtomicBool,
+    /// The client's body failed (a reset or closed connection, a bad chunk).
+    broken: AtomicBool,
 }
 
 impl Default for Moved {
@@ -212,6 +214,7 @@ impl Default for Moved {
             since: tokio::time::Instant::now(),
             at: AtomicU64::new(0),
             awaiting_client: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
         }))
     }
 }
@@ -240,6 +243,12 @@ impl Moved {
     /// The body's last poll found nothing from the client, and the body has not ended.
     pub fn awaiting_client(&self) -> bool {
         self.0.awaiting_client.load(Ordering::Relaxed)
+    }
+
+    /// The client's body gave an error: what the upstream client then fails with (an
+    /// HTTP/2 stream it reset itself, a connection it gave up) is the client's doing.
+    pub fn broken(&self) -> bool {
+        self.0.broken.load(Ordering::Relaxed)
     }
 }
 
@@ -274,7 +283,11 @@ impl Body for Uploading {
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Some(Ok(_trailers)) => {}
-                other => return Poll::Ready(other),
+                Some(Err(e)) => {
+                    self.moved.0.broken.store(true, Ordering::Relaxed);
+                    return Poll::Ready(Some(Err(e)));
+                }
+                None => return Poll::Ready(None),
             }
         }
     }

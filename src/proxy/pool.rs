@@ -288,6 +288,12 @@ impl Upstream {
         let mut response = pin!(self.legacy.request(req));
         let mut resp = loop {
             match tokio::time::timeout_at(deadline.into(), response.as_mut()).await {
+                // hyper's HTTP/1 client marks the body's error as the caller's; its HTTP/2
+                // client resets the stream and fails with that reset, the upstream's
+                // answer to nothing it did.
+                Ok(Err(e)) if moved.as_ref().is_some_and(body::Moved::broken) => {
+                    return Err(UpstreamError::ClientBody(e.into()))
+                }
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
@@ -311,6 +317,11 @@ impl Upstream {
         }
         let pool = self.pool.clone();
         let count = move |e: BoxError| {
+            // An answer cut because the client's upload broke (the stream reset with it)
+            // is no upstream error.
+            if moved.as_ref().is_some_and(body::Moved::broken) {
+                return e;
+            }
             // The one error that is not hyper's: a stream reset before its END_STREAM.
             let kind = e
                 .downcast_ref::<hyper::Error>()
