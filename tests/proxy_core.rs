@@ -132,6 +132,20 @@ async fn key_attached_client_credentials_and_hop_by_hop_removed() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 client connection (prior knowledge) to the proxy's plain listener.
+async fn h2_prior_knowledge(
+    addr: std::net::SocketAddr,
+) -> hyper::client::conn::http2::SendRequest<TestBody> {
+    let (h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(connect_raw(addr).await),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    h2
+}
+
 /// An HTTP/2 client's cookies split over several `cookie` fields (browsers send them so,
 /// to a sandbox's web app on the TLS listener) reach an HTTP/1.1 upstream as one field,
 /// joined with "; " (RFC 9113 §8.2.3), on both planes. They went as one line each, and a
@@ -146,13 +160,7 @@ async fn split_http2_cookies_reach_an_http1_upstream_as_one_field() {
         .spawn()
         .await;
     let addr = proxy.addr();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(connect_raw(addr).await),
-    )
-    .await
-    .expect("h2 handshake");
-    tokio::spawn(conn);
+    let mut h2 = h2_prior_knowledge(addr).await;
     for envd in [false, true] {
         let mut req = Request::builder()
             .uri(format!("http://{addr}/sandboxes"))
@@ -175,6 +183,56 @@ async fn split_http2_cookies_reach_an_http1_upstream_as_one_field() {
         assert_eq!(seen.version, http::Version::HTTP_11);
         assert_eq!(seen.all("cookie"), ["a=1; b=2"], "envd: {envd}");
     }
+    proxy.finish().await;
+}
+
+/// An HTTP/2 request with `content-length` said twice, equal (the h2 layer refuses lengths
+/// that differ), is refused with 400 E5003 on both planes as HTTP/1.1's is, and reaches no
+/// upstream: it went to an HTTP/2 control plane with both fields. The connection serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_content_length_said_twice_is_refused() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::H2, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut h2 = h2_prior_knowledge(addr).await;
+    let post = |path: &str, lengths: &[&str]| {
+        let mut req = Request::post(format!("http://{addr}{path}")).header("x-api-key", "dummy");
+        if path == "/files" {
+            req = req
+                .header("e2b-sandbox-id", "isb-1")
+                .header("x-access-token", "t");
+        }
+        for l in lengths {
+            req = req.header("content-length", *l);
+        }
+        req.body(full("hello")).unwrap()
+    };
+    for path in ["/sandboxes", "/files"] {
+        let req = post(path, &["5", "5"]);
+        let resp = within("an HTTP/2 answer", h2.send_request(req))
+            .await
+            .expect("HTTP/2");
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(resp.headers()["x-abx-error"], "E5003", "{path}");
+        let text = String::from_utf8_lossy(&collect(resp.into_body()).await).into_owned();
+        assert!(
+            text.contains("more than one Content-Length"),
+            "{path}: {text}"
+        );
+    }
+    assert_eq!(
+        upstream.seen().len(),
+        0,
+        "a refused request reached the upstream"
+    );
+    let resp = within("an HTTP/2 answer", h2.send_request(post("/files", &["5"])))
+        .await
+        .expect("HTTP/2");
+    assert_eq!(resp.status(), StatusCode::OK);
     proxy.finish().await;
 }
 

@@ -253,6 +253,13 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     // RFC 9113 §8.3.1: an HTTP/2 Host naming another host than :authority is malformed.
     // The check below reads :authority; a peer further on may read Host.
     if parts.version == http::Version::HTTP_2 {
+        // The h2 layer refuses lengths that differ, and passes equal ones on as written:
+        // refused here as the HTTP/1.1 framing watch refuses them, so that both versions
+        // meet one rule and no upstream sees the field twice.
+        let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        if lengths.next().is_some() && lengths.next().is_some() {
+            return Err(refused(Refusal::RepeatedLength.reason()));
+        }
         if let (Some(authority), Some(host)) = (parts.uri.authority(), fields.host) {
             if !host
                 .as_bytes()
@@ -510,6 +517,26 @@ mod tests {
             let e = route(&other, &p).unwrap_err();
             assert!(e.to_string().contains("Host differs"), "{p:?}: {e}");
         }
+    }
+
+    /// HTTP/2 frames its bodies itself, but a `content-length` said twice would reach the
+    /// upstream twice: refused as HTTP/1.1's is. Once is fine.
+    #[test]
+    fn http_2_content_length_said_twice_is_refused() {
+        use http::Version;
+        let uri = "https://localhost/x";
+        let once = versioned(Version::HTTP_2, uri, &[("content-length", "5")]);
+        assert_eq!(route(&once, &HostPolicy::Loopback).unwrap(), Route::Api);
+        let twice = [("content-length", "5"), ("content-length", "5")];
+        let e = route(
+            &versioned(Version::HTTP_2, uri, &twice),
+            &HostPolicy::Loopback,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("more than one Content-Length"),
+            "{e}"
+        );
     }
 
     /// An `Origin` is `scheme://host[:port]` and nothing else; anything more or less names
