@@ -1306,10 +1306,12 @@ async fn request_trailers_are_not_passed_upstream() {
     proxy.finish().await;
 }
 
-/// An upstream's trailers reach a client that asks for them (`TE: trailers`) on both
-/// request paths: the fast path (a GET) and hyper's (a chunked POST). `Trailer`, end to
-/// end (RFC 9110 §6.6.2), was dropped as hop-by-hop, and hyper's server sends a response's
-/// trailers only when that field declares them: on hyper's path they never came.
+/// An upstream's trailers reach a client that asks for them (`TE: trailers`), and only
+/// such a client, whichever path serves the request: the fast path (a sized GET) or hyper's
+/// (a chunked POST). `Trailer`, end to end (RFC 9110 §6.6.2), was dropped as hop-by-hop,
+/// and hyper's server sends a response's trailers only when that field declares them: on
+/// hyper's path they never came. The fast path sent them to every client, TE or not,
+/// while hyper's sent them to none that had not asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_trailers_reach_a_client_that_asks_for_them() {
     let pki = Pki::new();
@@ -1329,31 +1331,36 @@ async fn response_trailers_reach_a_client_that_asks_for_them() {
     .await;
     let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
     let addr = proxy.addr();
-    for (path, method, framing, body) in [
-        ("fast", "GET", "", ""),
+    let paths = [
+        ("sized", "GET", "", ""),
         (
-            "hyper",
+            "chunked",
             "POST",
             "Transfer-Encoding: chunked\r\n",
             "0\r\n\r\n",
         ),
-    ] {
-        let mut s = connect_raw(addr).await;
-        let req = format!(
-            "{method} /sums HTTP/1.1\r\nHost: {addr}\r\nTE: trailers\r\n{framing}\
-             Connection: close\r\n\r\n{body}"
-        );
-        s.write_all(req.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        within("the answer", s.read_to_end(&mut got)).await.unwrap();
-        let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
-        assert!(got.starts_with("http/1.1 200"), "{path}: {got}");
-        assert!(got.contains("\r\ntrailer: x-sum\r\n"), "{path}: {got}");
-        assert!(got.contains("\r\nhello\r\n"), "{path}: {got}");
-        assert!(
-            got.ends_with("\r\n0\r\nx-sum: abc\r\n\r\n"),
-            "{path}: {got}"
-        );
+    ];
+    for asks in [false, true] {
+        for (path, method, framing, body) in paths {
+            let te = if asks { "TE: trailers\r\n" } else { "" };
+            let mut s = connect_raw(addr).await;
+            let req = format!(
+                "{method} /sums HTTP/1.1\r\nHost: {addr}\r\n{te}{framing}\
+                 Connection: close\r\n\r\n{body}"
+            );
+            s.write_all(req.as_bytes()).await.unwrap();
+            let mut got = Vec::new();
+            within("the answer", s.read_to_end(&mut got)).await.unwrap();
+            let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
+            let what = format!("{path}, TE: {asks}: {got}");
+            assert!(got.starts_with("http/1.1 200"), "{what}");
+            assert!(got.contains("\r\ntrailer: x-sum\r\n"), "{what}");
+            let end = match asks {
+                true => "\r\nhello\r\n0\r\nx-sum: abc\r\n\r\n",
+                false => "\r\nhello\r\n0\r\n\r\n",
+            };
+            assert!(got.ends_with(end), "{what}");
+        }
     }
     proxy.finish().await;
 }
