@@ -1722,6 +1722,51 @@ async fn plain_http_sent_to_the_tls_listener_gets_a_400_that_says_to_use_https()
     assert_logged_once(&proxy.finish().await, &refused);
 }
 
+/// TLS sent to the plain listener (an `https://` URL where `http://` was meant) is
+/// refused at once, as nginx does: hyper's 400 and the close, so that curl says "wrong
+/// version number" and the SDKs fail at once; logged and counted as a head refused. A
+/// ClientHello holds no line end, and the proxy waited for the end of a head until
+/// `--header-timeout` (here longer than the test may take), then closed without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_sent_to_the_plain_listener_is_refused_at_once() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let before = scrape(proxy.admin_addr()).await;
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(rustls::RootCertStore::empty())
+    .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from("localhost").expect("server name");
+    let mut tls = rustls::ClientConnection::new(Arc::new(config), name).expect("client");
+    let mut hello = Vec::new();
+    tls.write_tls(&mut hello).expect("a ClientHello");
+    assert_eq!(hello[0], 0x16, "a handshake record");
+    let mut s = connect_raw(addr).await;
+    s.write_all(&hello).await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut s, &mut leftover).await;
+    assert_eq!(resp.status, 400);
+    expect_closed(&mut s, &leftover).await;
+    assert_eq!(upstream.connections(), 0);
+    let refused = [Answer {
+        method: "-",
+        path: "-",
+        plane: "api",
+        status: 400,
+        upstream: "",
+    }];
+    assert_counted_once(proxy.admin_addr(), &before, &refused).await;
+    assert_logged_once(&proxy.finish().await, &refused);
+}
+
 /// A client still in its TLS handshake has sent no request: the drain closes it at once
 /// rather than waiting out `--header-timeout` (here far longer than the test may take).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -532,7 +532,14 @@ enum Parsed {
 /// the URI and values point into them (no copy).
 fn parse(buf: &mut BytesMut) -> Parsed {
     let Some(len) = head_end(buf) else {
-        return Parsed::Partial;
+        // Bytes no request can start with (a TLS ClientHello, from an `https://` URL
+        // aimed at this plain listener, holds no line end) go to hyper, which refuses
+        // them at once; waiting for the head's end, the client waited out the header
+        // timeout for nothing. Only a head arriving in pieces is looked at here.
+        return match cannot_be_a_request(buf) {
+            true => Parsed::HandOver,
+            false => Parsed::Partial,
+        };
     };
     if len > MAX_HEAD {
         // Over the limit: hyper answers 431.
@@ -550,6 +557,13 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             Parsed::HandOver
         }
     }
+}
+
+/// Whether the start of a head already breaks the request line's grammar. Fields are not
+/// looked at (no slots for them: running out of slots means the line was fine).
+fn cannot_be_a_request(partial: &[u8]) -> bool {
+    let mut req = httparse::Request::new(&mut []);
+    matches!(req.parse(partial), Err(e) if e != httparse::Error::TooManyHeaders)
 }
 
 /// The length of the head at the start of `buf` (through its empty line), once it is all
@@ -1269,6 +1283,33 @@ mod tests {
             "",
         ] {
             assert_eq!(head_end(partial.as_bytes()), None, "{partial:?}");
+        }
+    }
+
+    /// A head arriving in pieces is waited for while it can still be an HTTP/1 request;
+    /// bytes no such request can start with go to hyper at once, all of them kept.
+    #[test]
+    fn a_partial_head_is_waited_for_only_while_it_can_be_a_request() {
+        for partial in [
+            "G",
+            "GET /x HTT",
+            "\r\nGET /x HTTP/1.1\r",
+            "GET /x HTTP/1.1\r\nHost: a\r\n",
+        ] {
+            assert!(matches!(head_of(partial).0, Parsed::Partial), "{partial:?}");
+        }
+        // The start of a TLS ClientHello (record type 22, version 3.1), a method with a
+        // byte no token has, a request line with another protocol, and HTTP/2's preface
+        // (hyper's, whole or not).
+        for other in [
+            "\x16\x03\x01\x02\x00\x01\x00\x01\x7c\x03\x03",
+            "G@T / HTTP/1.1",
+            "GET /x FTP/1",
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n",
+        ] {
+            let (parsed, rest) = head_of(other);
+            assert!(matches!(parsed, Parsed::HandOver), "{other:?}");
+            assert_eq!(&rest[..], other.as_bytes(), "{other:?}: bytes lost");
         }
     }
 
