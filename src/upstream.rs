@@ -102,6 +102,22 @@ pub enum Versions {
     Http1,
 }
 
+/// Why a PEM file could not be read, in words: the parser's own text shows the expected
+/// end line as a list of byte values (`missing section end marker: [45, 45, …]`), which
+/// is what a file caught half-written during a certificate rotation prints.
+pub(crate) fn pem_reason(e: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error as Pem;
+    match e {
+        Pem::MissingSectionEnd { end_marker } => format!(
+            "a PEM section has no end line (-----END {}-----): the file is cut short",
+            String::from_utf8_lossy(end_marker)
+        ),
+        Pem::IllegalSectionStart { .. } => "a malformed PEM `-----BEGIN` line".into(),
+        Pem::Base64Decode(_) => "a PEM section that is not valid base64".into(),
+        e => e.to_string(),
+    }
+}
+
 /// The trust store: Mozilla roots, the system's, and any extra CA file.
 pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error> {
     let mut roots = RootCertStore::empty();
@@ -115,9 +131,9 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
             reason,
         };
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-            .map_err(|e| bad(e.to_string()))?
+            .map_err(|e| bad(pem_reason(&e)))?
             .collect::<Result<_, _>>()
-            .map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| bad(pem_reason(&e)))?;
         if certs.is_empty() {
             return Err(bad("no PEM certificate in file".into()));
         }

@@ -143,7 +143,7 @@ fn parse_pair(
 ) -> Result<CertifiedKey, Error> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<_, _>>()
-        .map_err(|e| read_err(cert, e.to_string()))?;
+        .map_err(|e| read_err(cert, crate::upstream::pem_reason(&e)))?;
     if chain.is_empty() {
         return Err(read_err(cert, "no PEM certificate in the file"));
     }
@@ -216,6 +216,13 @@ mod tests {
                 "no readable PEM private key",
             ),
             (&cert_a[..], "", "tls.key", "no readable PEM private key"),
+            // Caught half-written (a rotation): said in words, not as byte values.
+            (
+                &cert_a[..cert_a.len() / 2],
+                &key_a[..],
+                "tls.crt",
+                "no end line (-----END CERTIFICATE-----): the file is cut short",
+            ),
         ] {
             let line = load(cert, key).err().expect("refused");
             assert!(line.starts_with("[E1006]"), "{line}");
