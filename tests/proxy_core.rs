@@ -1644,7 +1644,7 @@ async fn terminate(proxy: &mut ProxyProc) {
     );
 }
 
-/// `--tls-cert`/`--tls-key`: clients reach the proxy over TLS, HTTP/1.1 or HTTP/2 as ALPN
+/// `--tls-cert`/`--tls-key`: clients reach the proxy over TLS, HTTP/1.x or HTTP/2 as ALPN
 /// picks, and each request goes upstream with the key as over plain HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
@@ -1666,6 +1666,16 @@ async fn the_tls_listener_serves_http1_and_http2_with_the_key_attached() {
         assert_eq!(collect(resp.into_body()).await, "listed");
         assert_authorized(&upstream.next_request().await, &upstream);
     }
+
+    // A client offering HTTP/1.0 alone (`curl --http1.0`) is served too: its handshake
+    // failed with `no_application_protocol`.
+    let mut tls = pki.tls_connect(addr, &[b"http/1.0"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.0"[..]));
+    let req = format!("GET /sandboxes HTTP/1.0\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let resp = read_response(&mut tls, &mut Vec::new()).await;
+    assert_eq!((resp.status, resp.text().as_str()), (200, "listed"));
+    assert_authorized(&upstream.next_request().await, &upstream);
 
     let tls = pki.tls_connect(addr, &[b"h2", b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));

@@ -53,7 +53,9 @@ impl ListenerCert {
             .map_err(|e| read_err(cert, e.to_string()))?
             .with_no_client_auth()
             .with_cert_resolver(current.clone());
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        // `http/1.0` too, as nginx offers it: a client offering only that (`curl
+        // --http1.0`) failed its handshake with `no_application_protocol`.
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
         Ok(ListenerCert {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
