@@ -2598,7 +2598,9 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
 
 /// An idle HTTP/2 connection is closed with GOAWAY (RFC 9113 §6.8), as nginx closes one
 /// at its keep-alive timeout: a client that opens a stream just then learns it was not
-/// processed and may send it again. The socket used to close without a word.
+/// processed and may send it again. The socket used to close without a word. So is one
+/// that has sent its preface and no request yet (a client's pool connecting ahead): it
+/// was taken for a connection whose first head had not come, and cut without GOAWAY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_http2_connection_is_closed_with_goaway() {
     let pki = Pki::new();
@@ -2625,11 +2627,23 @@ async fn an_idle_http2_connection_is_closed_with_goaway() {
     }
     drop(client);
     let _ = within("the proxy closing the idle connection", conn).await;
-    let types = frame_types(&received.lock().expect("lock"));
     const GOAWAY: u8 = 0x7;
+    let types = frame_types(&received.lock().expect("lock"));
     assert!(
         types.contains(&GOAWAY),
         "the proxy's frames (types): {types:?}"
+    );
+
+    let (tcp, received) = Recorded::new(connect_raw(addr).await);
+    let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    let client = within("h2 ready", client.ready()).await.expect("ready");
+    let _ = within("the proxy closing the unused connection", conn).await;
+    drop(client);
+    let types = frame_types(&received.lock().expect("lock"));
+    assert!(
+        types.contains(&GOAWAY),
+        "no request; the proxy's frames (types): {types:?}"
     );
     proxy.finish().await;
 }

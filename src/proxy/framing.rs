@@ -106,6 +106,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             cr: false,
             head: Head::default(),
             heads: 0,
+            http2: false,
             found: found.clone(),
         },
         Verdicts {
@@ -237,6 +238,8 @@ pub struct HeadWatch {
     head: Head,
     /// Heads begun so far (request lines read).
     heads: u64,
+    /// The connection opened with HTTP/2's whole preface.
+    http2: bool,
     found: Arc<Found>,
 }
 
@@ -258,6 +261,7 @@ impl HeadWatch {
                     data = &data[n..];
                     self.state = if seen + n == H2_PREFACE.len() {
                         // HTTP/2 has framing of its own, where none of this applies.
+                        self.http2 = true;
                         State::Off
                     } else {
                         State::Preface(seen + n)
@@ -406,6 +410,12 @@ impl HeadWatch {
     /// has stopped, nor inside HTTP/2's preface.
     pub fn in_head(&self) -> bool {
         matches!(self.state, State::Head { .. })
+    }
+
+    /// The connection opened with HTTP/2's preface: hyper serves it as HTTP/2, and the
+    /// watch has nothing more to follow.
+    pub fn is_http2(&self) -> bool {
+        self.http2
     }
 
     /// Stops following: see the module's documentation for what becomes of the connection.

@@ -418,8 +418,6 @@ const GOAWAY_WAIT: Duration = Duration::from_secs(1);
 struct Told {
     /// A request head has arrived: the first-head deadline no longer applies.
     headed: AtomicBool,
-    /// hyper serves HTTP/2 here: closing for idleness is hyper's graceful shutdown.
-    http2: AtomicBool,
     /// The watchdog found an HTTP/2 connection idle.
     idle: Notify,
 }
@@ -540,7 +538,6 @@ async fn with_hyper(
         // An HTTP/2 upload's progress, for its answer's idle limit (see `IdleLimited`).
         let mut upload = None;
         let req = if http2 {
-            told.http2.store(true, Ordering::Relaxed);
             req.map(|b| {
                 let b = super::body::EndStreamed::request(b);
                 if http_body::Body::is_end_stream(&b) {
@@ -595,8 +592,9 @@ async fn with_hyper(
         }
     }
     // Nothing begun: no request to finish. hyper's graceful shutdown would wait for a
-    // first head, up to the watchdog's deadline, so the connection just closes.
-    if !begun.load(Ordering::Relaxed) {
+    // first HTTP/1 head, up to the watchdog's deadline, so the connection just closes.
+    // An HTTP/2 one that has its preface is open for requests: it is told GOAWAY.
+    if !begun.load(Ordering::Relaxed) && !activity.is_http2() {
         return;
     }
     // Draining, or an idle HTTP/2 connection: finish what is in flight (GOAWAY), take no
@@ -748,6 +746,8 @@ struct Clocks {
     /// When the request head hyper is reading began, plus one; 0 while none is (see
     /// [`Activity::heading`]).
     head: AtomicU64,
+    /// See [`Activity::is_http2`].
+    http2: AtomicBool,
 }
 
 impl Activity {
@@ -783,6 +783,18 @@ impl Activity {
     /// on the fast path, and not while a keep-alive connection is idle between requests:
     /// that is `--idle-timeout`'s.
     ///
+    /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
+    fn opened_http2(&self) {
+        self.clocks.http2.store(true, Ordering::Relaxed);
+    }
+
+    /// hyper serves HTTP/2 here: the connection is open for requests once its preface is
+    /// in, as a keep-alive one is between them (no first-head deadline), and closing it
+    /// for idleness is hyper's graceful shutdown (GOAWAY).
+    pub(super) fn is_http2(&self) -> bool {
+        self.clocks.http2.load(Ordering::Relaxed)
+    }
+
     /// When a head begins, `task` (the connection's own, which runs the [`watchdog`] too)
     /// is woken: the watchdog's deadline may now come sooner. The read happens in that
     /// task, so no waker needs registering, which the fast path would pay for on every
@@ -904,7 +916,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     loop {
         let mut deadline = activity.last_moved() + config.idle_timeout;
-        if !told.headed.load(Ordering::Relaxed) {
+        if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
         }
         let head = activity.clocks.head.load(Ordering::Relaxed);
@@ -932,7 +944,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         })
         .await;
     }
-    if told.http2.load(Ordering::Relaxed) {
+    if activity.is_http2() {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
     }
@@ -952,6 +964,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
                 this.activity.heading(framing.in_head(), cx.waker());
+                if framing.is_http2() {
+                    // Nothing more to follow. The watchdog's deadline moves later, which
+                    // it finds when it next wakes.
+                    this.activity.opened_http2();
+                    this.framing = None;
+                }
             }
         }
         r
