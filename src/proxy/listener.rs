@@ -778,11 +778,6 @@ impl Activity {
         Awaiting(self.clocks.clone())
     }
 
-    /// After each read hyper makes: whether the bytes so far end inside a request head
-    /// (see [`HeadWatch::in_head`]). `--header-timeout` runs from a head's first byte, as
-    /// on the fast path, and not while a keep-alive connection is idle between requests:
-    /// that is `--idle-timeout`'s.
-    ///
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
     fn opened_http2(&self) {
         self.clocks.http2.store(true, Ordering::Relaxed);
@@ -795,6 +790,11 @@ impl Activity {
         self.clocks.http2.load(Ordering::Relaxed)
     }
 
+    /// After each read hyper makes: whether the bytes so far end inside a request head
+    /// (see [`HeadWatch::in_head`]). `--header-timeout` runs from a head's first byte, as
+    /// on the fast path, and not while a keep-alive connection is idle between requests:
+    /// that is `--idle-timeout`'s.
+    ///
     /// When a head begins, `task` (the connection's own, which runs the [`watchdog`] too)
     /// is woken: the watchdog's deadline may now come sooner. The read happens in that
     /// task, so no waker needs registering, which the fast path would pay for on every
