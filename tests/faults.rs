@@ -2648,6 +2648,92 @@ async fn an_idle_http2_connection_is_closed_with_goaway() {
     proxy.finish().await;
 }
 
+/// SIGTERM with an HTTP/2 client that no longer reads: hyper's graceful close waits for
+/// the client's answer to the PING sent with GOAWAY, which never comes, and that
+/// connection held the drain for the whole `--shutdown-grace` (here far longer than the
+/// test may take), though it had nothing left to finish. It is now closed once no stream
+/// is open and nothing has moved for a second; another client's stream in flight is still
+/// finished, its connection kept for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_http2_client_that_no_longer_reads_does_not_hold_the_exit() {
+    let pki = Pki::new();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let release_rx = Arc::new(tokio::sync::Mutex::new(Some(release_rx)));
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let release_rx = release_rx.clone();
+        async move {
+            if req.uri().path() == "/held" {
+                if let Some(rx) = release_rx.lock().await.take() {
+                    let _ = rx.await;
+                }
+            }
+            response(200, "ok")
+        }
+    })
+    .await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .shutdown_grace("120s")
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+
+    // One exchange, its connection driven while it lasts and never again after.
+    let (client, conn) = h2::client::handshake(connect_raw(addr).await)
+        .await
+        .expect("h2 handshake");
+    let mut conn = Box::pin(conn);
+    let exchange = async {
+        let mut client = client.ready().await.expect("ready");
+        let req = http::Request::get(format!("http://{addr}/sandboxes"))
+            .header("x-api-key", "dummy")
+            .body(())
+            .expect("request");
+        let (answer, _) = client.send_request(req, true).expect("send");
+        let mut body = answer.await.expect("answer").into_body();
+        while let Some(chunk) = body.data().await {
+            chunk.expect("the body");
+        }
+        client
+    };
+    let stuck = tokio::select! {
+        client = within("the exchange", exchange) => client,
+        end = conn.as_mut() => panic!("the connection ended: {end:?}"),
+    };
+    upstream.next_request().await;
+
+    let (mut h2, _open) = h2_client(addr).await;
+    let mut held = h2_get(addr);
+    *held.uri_mut() = format!("http://{addr}/held").parse().expect("uri");
+    let in_flight = tokio::spawn(async move { h2.send_request(held).await });
+    upstream.next_request().await;
+
+    proxy.signal("TERM");
+    proxy.wait_for_line("draining").await;
+    let series = "abx_proxy_open_connections";
+    wait_metric(admin, series, "1 (the stuck client's closed)", |v| {
+        v == Some(1.0)
+    })
+    .await;
+    release_tx.send(()).expect("release");
+    let answer = within("the held answer", in_flight)
+        .await
+        .expect("join")
+        .expect("the held answer, though its connection was draining");
+    assert_eq!(answer.status(), 200);
+    assert_eq!(
+        within("its body", answer.into_body().collect())
+            .await
+            .expect("body")
+            .to_bytes(),
+        "ok"
+    );
+    let status = proxy.wait_exit().await;
+    let stderr = proxy.stderr();
+    assert!(status.success(), "exit {status}:\n{stderr}");
+    assert!(stderr.contains("clean=true"), "{stderr}");
+    drop((stuck, conn));
+}
+
 /// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at
 /// `--idle-timeout` like the same answer on HTTP/1.1, although the client's other streams
 /// keep the connection busy: they kept its one idle clock going, and the stalled stream

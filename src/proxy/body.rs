@@ -15,6 +15,7 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Empty, Full};
 
+use super::listener::OpenStream;
 use crate::error::Error;
 use crate::upstream::{BoxError, ProxyBody};
 
@@ -358,10 +359,17 @@ pub struct IdleLimited<B> {
     timer: Pin<Box<tokio::time::Sleep>>,
     /// The request's upload, when it has one: its bytes moving keep the clock going too.
     upload: Option<Moved>,
+    /// The stream's place among its connection's open ones, given up with the answer.
+    _open: Option<OpenStream>,
 }
 
 impl<B> IdleLimited<B> {
-    pub fn new(body: B, timeout: Duration, upload: Option<Moved>) -> Self {
+    pub(super) fn new(
+        body: B,
+        timeout: Duration,
+        upload: Option<Moved>,
+        open: Option<OpenStream>,
+    ) -> Self {
         let last = tokio::time::Instant::now();
         IdleLimited {
             body,
@@ -369,6 +377,7 @@ impl<B> IdleLimited<B> {
             last,
             timer: Box::pin(tokio::time::sleep_until(last + timeout)),
             upload,
+            _open: open,
         }
     }
 }
@@ -582,6 +591,7 @@ mod tests {
             StreamBody::new(Box::pin(feed)),
             Duration::from_secs(10),
             None,
+            None,
         );
         assert!(!body.is_end_stream());
         assert_eq!(exact(body.size_hint()), (0, None));
@@ -611,7 +621,7 @@ mod tests {
         let start = tokio::time::Instant::now();
         let moved = Moved::default();
         let silent = StreamBody::new(stream::pending::<Step>());
-        let mut body = IdleLimited::new(silent, Duration::from_secs(10), Some(moved.clone()));
+        let mut body = IdleLimited::new(silent, Duration::from_secs(10), Some(moved.clone()), None);
         let marks = async {
             for _ in 0..2 {
                 tokio::time::sleep(Duration::from_secs(8)).await;
@@ -629,10 +639,15 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_limited_body_says_what_its_inner_says() {
-        let body = IdleLimited::new(Full::new(Bytes::from("abc")), Duration::from_secs(1), None);
+        let body = IdleLimited::new(
+            Full::new(Bytes::from("abc")),
+            Duration::from_secs(1),
+            None,
+            None,
+        );
         assert_eq!(exact(body.size_hint()), (3, Some(3)));
         assert!(!body.is_end_stream());
-        let body = IdleLimited::new(Empty::<Bytes>::new(), Duration::from_secs(1), None);
+        let body = IdleLimited::new(Empty::<Bytes>::new(), Duration::from_secs(1), None, None);
         assert!(body.is_end_stream());
     }
 }

@@ -531,6 +531,7 @@ async fn with_hyper(
         }
         let connect = req.method() == Method::CONNECT;
         let http2 = req.version() == http::Version::HTTP_2;
+        let stream = http2.then(|| activity.open_stream());
         let idle = proxy.idle_timeout;
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
@@ -569,8 +570,9 @@ async fn with_hyper(
             }
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
             if http2 && !http_body::Body::is_end_stream(resp.body()) {
-                resp = resp
-                    .map(|b| super::body::boxed(super::body::IdleLimited::new(b, idle, upload)));
+                resp = resp.map(|b| {
+                    super::body::boxed(super::body::IdleLimited::new(b, idle, upload, stream))
+                });
             }
             Ok::<_, Infallible>(resp)
         }
@@ -600,7 +602,37 @@ async fn with_hyper(
     // Draining, or an idle HTTP/2 connection: finish what is in flight (GOAWAY), take no
     // new request.
     conn.as_mut().graceful_shutdown();
-    let _ = conn.await;
+    if !activity.is_http2() {
+        let _ = conn.await;
+        return;
+    }
+    // hyper ends an HTTP/2 connection once its streams have and the client has answered
+    // the PING sent with the GOAWAY. A client that no longer reads never answers, and held
+    // the drain for the whole grace with nothing left to finish.
+    tokio::select! {
+        biased;
+        _ = conn.as_mut() => {}
+        () = settled(activity, GOAWAY_WAIT) => {}
+    }
+}
+
+/// Resolves once a draining HTTP/2 connection has nothing left to finish: no stream open,
+/// no answer's bytes waiting for room in the socket, and none moved for `wait` since
+/// the GOAWAY at the earliest ([`GOAWAY_WAIT`]: a client that reads answers hyper's PING
+/// within that). Checked once a `wait`: this runs only on connections being closed.
+async fn settled(activity: &Activity, wait: Duration) {
+    let goaway = Instant::now();
+    loop {
+        let quiet = activity.last_moved().max(goaway) + wait;
+        let now = Instant::now();
+        let busy = activity.clocks.streams.load(Ordering::Relaxed) != 0
+            || activity.clocks.blocked.load(Ordering::Relaxed);
+        if now >= quiet && !busy {
+            return;
+        }
+        let next = if now < quiet { quiet } else { now + wait };
+        tokio::time::sleep_until(next.into()).await;
+    }
 }
 
 /// Requests a client may cancel before their answer on one connection, when they are at
@@ -748,6 +780,10 @@ struct Clocks {
     head: AtomicU64,
     /// See [`Activity::is_http2`].
     http2: AtomicBool,
+    /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
+    streams: AtomicU32,
+    /// The last write found the socket full: bytes of an answer are still to go out.
+    blocked: AtomicBool,
 }
 
 impl Activity {
@@ -776,6 +812,13 @@ impl Activity {
     pub(super) fn awaiting(&self) -> Awaiting {
         self.clocks.waiting.fetch_add(1, Ordering::Relaxed);
         Awaiting(self.clocks.clone())
+    }
+
+    /// Held by an HTTP/2 request and then its answer's body, until the answer has ended:
+    /// a draining connection is closed once none is held (see [`settled`]).
+    pub(super) fn open_stream(&self) -> OpenStream {
+        self.clocks.streams.fetch_add(1, Ordering::Relaxed);
+        OpenStream(self.clocks.clone())
     }
 
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
@@ -836,6 +879,15 @@ impl Drop for Awaiting {
     }
 }
 
+/// See [`Activity::open_stream`].
+pub(super) struct OpenStream(Arc<Clocks>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A connection's bytes on their way into hyper: activity recorded, request framing
 /// watched (see [`framing`]). A tunnel's bytes: activity only.
 pub(super) struct IdleIo<T> {
@@ -885,10 +937,19 @@ impl<T> IdleIo<T> {
         self.activity.touch();
     }
 
+    fn after_write(&self, r: &Poll<io::Result<usize>>) {
+        match r {
+            Poll::Ready(Ok(n)) if *n > 0 => self.wrote(),
+            Poll::Pending => self.activity.clocks.blocked.store(true, Ordering::Relaxed),
+            _ => {}
+        }
+    }
+
     /// Bytes of an answer went out: see [`Activity::restart_head`]. Not a tunnel's: its
     /// connection has no head to time.
     fn wrote(&self) {
         self.activity.touch();
+        self.activity.clocks.blocked.store(false, Ordering::Relaxed);
         if self.framing.is_some() {
             self.activity.restart_head();
         }
@@ -983,9 +1044,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.wrote();
-        }
+        self.after_write(&r);
         r
     }
 
@@ -995,9 +1054,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.wrote();
-        }
+        self.after_write(&r);
         r
     }
 
@@ -1095,6 +1152,64 @@ pub async fn drain(stop: &watch::Sender<bool>, grace: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A draining HTTP/2 connection is not closed while a stream is open or an answer's
+    /// bytes wait for room in the socket (a client reading slowly, not a client gone), and
+    /// is once neither holds and nothing has moved for the wait.
+    #[tokio::test]
+    async fn a_draining_http2_connection_settles_only_with_nothing_left_to_send() {
+        let wait = Duration::from_millis(50);
+        let unsettled = |activity: &Activity| {
+            let activity = activity.clone();
+            async move {
+                let settles = tokio::time::timeout(wait * 6, settled(&activity, wait)).await;
+                settles.is_err()
+            }
+        };
+        let activity = Activity::new();
+        let stream = activity.open_stream();
+        assert!(unsettled(&activity).await, "a stream open");
+        let (io, _verdicts) = IdleIo::new(Blocked, activity.clone());
+        let mut io = std::pin::pin!(io);
+        let pending = std::future::poll_fn(|cx| Poll::Ready(io.as_mut().poll_write(cx, b"x")));
+        assert!(pending.await.is_pending());
+        drop(stream);
+        assert!(unsettled(&activity).await, "a write waiting for room");
+        activity.clocks.blocked.store(false, Ordering::Relaxed);
+        let settles = tokio::time::timeout(Duration::from_secs(5), settled(&activity, wait));
+        settles.await.expect("settled with nothing left to send");
+    }
+
+    /// A socket with no room.
+    struct Blocked;
+
+    impl AsyncRead for Blocked {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Blocked {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
 
     /// What a directory holds, sorted.
     fn names(dir: &Path) -> Vec<String> {
