@@ -157,6 +157,7 @@ fn check_rewrite(parts: &Parts) {
         header::TRAILER,
         header::TRANSFER_ENCODING,
         header::UPGRADE,
+        HeaderName::from_static("http2-settings"),
     ];
     for name in hop.iter().chain(named.iter()) {
         if upgrade && (name == header::UPGRADE || name == header::CONNECTION) {

@@ -20,6 +20,11 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Hop-by-hop too: it belongs to the `h2c` upgrade, which the proxy never passes on, and
+/// is connection-specific even when a client's `Connection` fails to name it (RFC 7540
+/// §3.2.1). Kept apart from [`HOP_BY_HOP`], whose names are looked up by length first.
+const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+
 pub const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 pub const X_ACCESS_TOKEN: HeaderName = HeaderName::from_static("x-access-token");
 pub const E2B_SANDBOX_ID: HeaderName = HeaderName::from_static("e2b-sandbox-id");
@@ -150,6 +155,9 @@ fn strip(headers: &mut HeaderMap, upgrade: bool, message: Message) {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
     }
+    if present & HTTP2_SETTINGS_BIT != 0 {
+        headers.remove(HTTP2_SETTINGS);
+    }
     let remove = present & !keep;
     for (i, name) in HOP_BY_HOP.iter().enumerate() {
         if remove & (1 << i) == 0 || (upgrade && name == header::UPGRADE) {
@@ -208,12 +216,16 @@ pub fn join_cookies(headers: &mut HeaderMap) {
 const CONNECTION_BIT: u16 = 1;
 const TRAILER_BIT: u16 = 1 << 5;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
+const HTTP2_SETTINGS_BIT: u16 = 1 << 9;
 
 /// Which hop-by-hop field `name` is, as a bit (0 for none).
 fn hop_by_hop_bit(name: &HeaderName) -> u16 {
     // Lengths first: one comparison rules out most names (host, accept, x-api-key, …).
-    if !matches!(name.as_str().len(), 2 | 7 | 10 | 16..=19) {
-        return 0;
+    // `HTTP2-Settings` has its own: `content-length`, in most requests, is as long.
+    match name.as_str().len() {
+        2 | 7 | 10 | 16..=19 => {}
+        14 if name == HTTP2_SETTINGS => return HTTP2_SETTINGS_BIT,
+        _ => return 0,
     }
     if name == header::TE {
         return TE_BIT;
@@ -393,6 +405,7 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("upgrade", "websocket"),
             ("proxy-authorization", "Basic x"),
+            ("http2-settings", "AAMAAABkAAQAoAAAAAIAAAAA"),
             ("x-kept", "yes"),
         ]);
         strip_hop_by_hop(&mut h, false);
