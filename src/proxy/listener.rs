@@ -625,8 +625,10 @@ async fn settled(activity: &Activity, wait: Duration) {
     loop {
         let quiet = activity.last_moved().max(goaway) + wait;
         let now = Instant::now();
-        let busy = activity.clocks.streams.load(Ordering::Relaxed) != 0
-            || activity.clocks.blocked.load(Ordering::Relaxed);
+        let clocks = &activity.clocks;
+        let busy = clocks.streams.load(Ordering::Relaxed) != 0
+            || clocks.write_blocked.load(Ordering::Relaxed)
+            || clocks.flush_blocked.load(Ordering::Relaxed);
         if now >= quiet && !busy {
             return;
         }
@@ -783,7 +785,9 @@ struct Clocks {
     /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
     streams: AtomicU32,
     /// The last write found the socket full: bytes of an answer are still to go out.
-    blocked: AtomicBool,
+    write_blocked: AtomicBool,
+    /// The last flush could not finish: over TLS, bytes wait in rustls' buffer.
+    flush_blocked: AtomicBool,
 }
 
 impl Activity {
@@ -940,7 +944,10 @@ impl<T> IdleIo<T> {
     fn after_write(&self, r: &Poll<io::Result<usize>>) {
         match r {
             Poll::Ready(Ok(n)) if *n > 0 => self.wrote(),
-            Poll::Pending => self.activity.clocks.blocked.store(true, Ordering::Relaxed),
+            Poll::Pending => {
+                let clocks = &self.activity.clocks;
+                clocks.write_blocked.store(true, Ordering::Relaxed);
+            }
             _ => {}
         }
     }
@@ -949,7 +956,8 @@ impl<T> IdleIo<T> {
     /// connection has no head to time.
     fn wrote(&self) {
         self.activity.touch();
-        self.activity.clocks.blocked.store(false, Ordering::Relaxed);
+        let clocks = &self.activity.clocks;
+        clocks.write_blocked.store(false, Ordering::Relaxed);
         if self.framing.is_some() {
             self.activity.restart_head();
         }
@@ -1063,7 +1071,12 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        // Over TLS a write only fills rustls' buffer: whether its bytes are out shows here.
+        let blocked = r.is_pending();
+        let clocks = &self.activity.clocks;
+        clocks.flush_blocked.store(blocked, Ordering::Relaxed);
+        r
     }
 
     /// hyper closes the connection: shut the write side, then, if the client is still
@@ -1166,24 +1179,44 @@ mod tests {
                 settles.is_err()
             }
         };
-        let activity = Activity::new();
-        let stream = activity.open_stream();
-        assert!(unsettled(&activity).await, "a stream open");
-        let (io, _verdicts) = IdleIo::new(Blocked, activity.clone());
-        let mut io = std::pin::pin!(io);
-        let pending = std::future::poll_fn(|cx| Poll::Ready(io.as_mut().poll_write(cx, b"x")));
-        assert!(pending.await.is_pending());
-        drop(stream);
-        assert!(unsettled(&activity).await, "a write waiting for room");
-        activity.clocks.blocked.store(false, Ordering::Relaxed);
-        let settles = tokio::time::timeout(Duration::from_secs(5), settled(&activity, wait));
-        settles.await.expect("settled with nothing left to send");
+        for tls in [false, true] {
+            let activity = Activity::new();
+            let stream = activity.open_stream();
+            assert!(unsettled(&activity).await, "a stream open");
+            let full = Arc::new(AtomicBool::new(true));
+            let socket = Socket {
+                full: full.clone(),
+                tls,
+            };
+            let (io, _verdicts) = IdleIo::new(socket, activity.clone());
+            let mut io = std::pin::pin!(io);
+            let mut send = |cx: &mut Context<'_>| {
+                let written = io.as_mut().poll_write(cx, b"x");
+                (written, io.as_mut().poll_flush(cx))
+            };
+            let (written, flushed) = std::future::poll_fn(|cx| Poll::Ready(send(cx))).await;
+            assert_eq!((written.is_pending(), flushed.is_pending()), (!tls, tls));
+            drop(stream);
+            assert!(
+                unsettled(&activity).await,
+                "bytes waiting for room, tls {tls}"
+            );
+            full.store(false, Ordering::Relaxed);
+            let (written, flushed) = std::future::poll_fn(|cx| Poll::Ready(send(cx))).await;
+            assert!(written.is_ready() && flushed.is_ready());
+            let settles = tokio::time::timeout(Duration::from_secs(5), settled(&activity, wait));
+            settles.await.expect("settled with nothing left to send");
+        }
     }
 
-    /// A socket with no room.
-    struct Blocked;
+    /// A socket whose room the test gives and takes. Over TLS a write goes into rustls'
+    /// buffer whatever the room, and only its flush waits; a TCP socket's flush never does.
+    struct Socket {
+        full: Arc<AtomicBool>,
+        tls: bool,
+    }
 
-    impl AsyncRead for Blocked {
+    impl AsyncRead for Socket {
         fn poll_read(
             self: Pin<&mut Self>,
             _: &mut Context<'_>,
@@ -1193,16 +1226,22 @@ mod tests {
         }
     }
 
-    impl AsyncWrite for Blocked {
+    impl AsyncWrite for Socket {
         fn poll_write(
             self: Pin<&mut Self>,
             _: &mut Context<'_>,
-            _: &[u8],
+            buf: &[u8],
         ) -> Poll<io::Result<usize>> {
-            Poll::Pending
+            if self.full.load(Ordering::Relaxed) && !self.tls {
+                return Poll::Pending;
+            }
+            Poll::Ready(Ok(buf.len()))
         }
 
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            if self.full.load(Ordering::Relaxed) && self.tls {
+                return Poll::Pending;
+            }
             Poll::Ready(Ok(()))
         }
 
