@@ -2134,7 +2134,8 @@ async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
 /// A create or connect body is read whole before it goes upstream (the `/v2` rewrite adds a
 /// field). One that stops arriving is answered when `--upstream-timeout` ends, on both
 /// request paths (a length: the proxy's own HTTP/1.1 path; chunked: hyper's), instead of
-/// holding the request, and its connection's place, until the client goes.
+/// holding the request, and its connection's place, until the client goes; with
+/// `Connection: close` on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_body_that_stalls_is_answered_at_the_upstream_timeout() {
     let pki = Pki::new();
@@ -2163,6 +2164,9 @@ async fn a_create_body_that_stalls_is_answered_at_the_upstream_timeout() {
                 "{framing} {path}: {}",
                 resp.text()
             );
+            // The rest of the body is not read: the connection closes, and says so (hyper's
+            // path, for the chunked one, closed without a word).
+            assert_eq!(resp.header("connection"), Some("close"), "{framing} {path}");
             assert!(
                 began.elapsed() >= Duration::from_secs(1),
                 "{framing} {path}"

@@ -207,6 +207,8 @@ struct Progress {
     awaiting_client: AtomicBool,
     /// The client's body failed (a reset or closed connection, a bad chunk).
     broken: AtomicBool,
+    /// The body has been read to its end (set by [`Marked`]).
+    ended: AtomicBool,
 }
 
 impl Default for Moved {
@@ -216,6 +218,7 @@ impl Default for Moved {
             at: AtomicU64::new(0),
             awaiting_client: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
         }))
     }
 }
@@ -250,6 +253,12 @@ impl Moved {
     /// HTTP/2 stream it reset itself, a connection it gave up) is the client's doing.
     pub fn broken(&self) -> bool {
         self.0.broken.load(Ordering::Relaxed)
+    }
+
+    /// The body has been read to its end (as far as [`Marked`] knows: `Uploading` does
+    /// not say).
+    pub fn ended(&self) -> bool {
+        self.0.ended.load(Ordering::Relaxed)
     }
 }
 
@@ -302,12 +311,27 @@ impl Body for Uploading {
     }
 }
 
-/// A body passed on unchanged, each data frame marking [`Moved`]: an HTTP/2 client's
-/// request body, whose progress keeps its answer's [`IdleLimited`] clock going (an upload
-/// the upstream answers 2xx to at once, and then says nothing until it has all of it).
+/// A body passed on unchanged, each data frame marking [`Moved`], and its end: a client's
+/// request body on hyper's path. On HTTP/2 its progress keeps its answer's [`IdleLimited`]
+/// clock going (an upload the upstream answers 2xx to at once, and then says nothing until
+/// it has all of it); on HTTP/1 an answer before its end closes the connection.
 pub struct Marked<B> {
     body: B,
     moved: Moved,
+}
+
+/// `body` boxed, [`Marked`] when it has anything to send, its progress then in `upload`.
+pub fn marked<B>(body: B, upload: &mut Option<Moved>) -> ProxyBody
+where
+    B: Body<Data = Bytes> + Send + Sync + Unpin + 'static,
+    B::Error: Into<BoxError>,
+{
+    if body.is_end_stream() {
+        return boxed(body);
+    }
+    let moved = Moved::default();
+    *upload = Some(moved.clone());
+    boxed(Marked::new(body, moved))
 }
 
 impl<B> Marked<B> {
@@ -330,6 +354,10 @@ where
         let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
         if matches!(&frame, Some(Ok(f)) if f.is_data()) {
             self.moved.mark();
+        }
+        // A body of known length ends with its last byte: no one need poll it once more.
+        if frame.is_none() || self.body.is_end_stream() {
+            self.moved.0.ended.store(true, Ordering::Relaxed);
         }
         Poll::Ready(frame)
     }

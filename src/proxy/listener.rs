@@ -533,24 +533,17 @@ async fn with_hyper(
         let http2 = req.version() == http::Version::HTTP_2;
         let stream = http2.then(|| activity.open_stream());
         let idle = proxy.idle_timeout;
+        // The upload's progress, when there is one: on HTTP/2 for its answer's idle limit
+        // (see `IdleLimited`), on HTTP/1 whether it had ended when the answer came.
+        let mut upload = None;
+        let req = if http2 {
+            req.map(|b| super::body::marked(super::body::EndStreamed::request(b), &mut upload))
+        } else {
+            req.map(|b| super::body::marked(b, &mut upload))
+        };
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
-        // An HTTP/2 upload's progress, for its answer's idle limit (see `IdleLimited`).
-        let mut upload = None;
-        let req = if http2 {
-            req.map(|b| {
-                let b = super::body::EndStreamed::request(b);
-                if http_body::Body::is_end_stream(&b) {
-                    return super::body::boxed(b);
-                }
-                let moved = super::body::Moved::default();
-                upload = Some(moved.clone());
-                super::body::boxed(super::body::Marked::new(b, moved))
-            })
-        } else {
-            req.map(super::body::boxed)
-        };
         let handled = Box::pin(proxy.clone().handle(req));
         let waiting = activity.awaiting();
         async move {
@@ -563,8 +556,12 @@ async fn with_hyper(
             // A refusal: what follows on this connection was framed by a guess. The last
             // request the watch followed, answered without a tunnel: hyper would read on,
             // and the rest would pass unchecked (see `framing`). Plain HTTP on the TLS
-            // listener: nothing on it will be served.
-            if verdict.refusal.is_some() || plain.is_some() || (verdict.last && !tunnel) {
+            // listener: nothing on it will be served. An HTTP/1 upload not read to its end
+            // (a client's stalled body refused, an early answer): hyper drops the rest and
+            // closes, as the fast path does, and says so.
+            let unread = !http2 && upload.as_ref().is_some_and(|m| !m.ended());
+            let last = verdict.last || unread;
+            if verdict.refusal.is_some() || plain.is_some() || (last && !tunnel) {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
             }
