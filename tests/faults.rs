@@ -2600,6 +2600,23 @@ async fn a_request_waiting_past_the_idle_timeout_gets_its_504() {
     holder.abort();
 }
 
+/// `GET /sandboxes` with the stand-in key on a raw h2 client: the client, and the answer's
+/// body once its head says 200.
+async fn h2_list(
+    client: h2::client::SendRequest<Bytes>,
+    addr: SocketAddr,
+) -> (h2::client::SendRequest<Bytes>, h2::RecvStream) {
+    let mut client = within("h2 ready", client.ready()).await.expect("ready");
+    let req = http::Request::get(format!("http://{addr}/sandboxes"))
+        .header("x-api-key", "dummy")
+        .body(())
+        .expect("request");
+    let (answer, _) = client.send_request(req, true).expect("send");
+    let answer = within("the answer", answer).await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    (client, answer.into_body())
+}
+
 /// An idle HTTP/2 connection is closed with GOAWAY (RFC 9113 §6.8), as nginx closes one
 /// at its keep-alive timeout: a client that opens a stream just then learns it was not
 /// processed and may send it again. The socket used to close without a word. So is one
@@ -2617,15 +2634,7 @@ async fn an_idle_http2_connection_is_closed_with_goaway() {
     let (tcp, received) = Recorded::new(connect_raw(addr).await);
     let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
     let conn = tokio::spawn(conn);
-    let mut client = within("h2 ready", client.ready()).await.expect("ready");
-    let req = http::Request::get(format!("http://{addr}/sandboxes"))
-        .header("x-api-key", "dummy")
-        .body(())
-        .expect("request");
-    let (answer, _) = client.send_request(req, true).expect("send");
-    let answer = within("the answer", answer).await.expect("answer");
-    assert_eq!(answer.status(), 200);
-    let mut body = answer.into_body();
+    let (client, mut body) = h2_list(client, addr).await;
     while let Some(chunk) = within("the body", body.data()).await {
         chunk.expect("the body");
     }
@@ -2687,13 +2696,7 @@ async fn a_draining_http2_client_that_no_longer_reads_does_not_hold_the_exit() {
         .expect("h2 handshake");
     let mut conn = Box::pin(conn);
     let exchange = async {
-        let mut client = client.ready().await.expect("ready");
-        let req = http::Request::get(format!("http://{addr}/sandboxes"))
-            .header("x-api-key", "dummy")
-            .body(())
-            .expect("request");
-        let (answer, _) = client.send_request(req, true).expect("send");
-        let mut body = answer.await.expect("answer").into_body();
+        let (client, mut body) = h2_list(client, addr).await;
         while let Some(chunk) = body.data().await {
             chunk.expect("the body");
         }
@@ -2736,6 +2739,58 @@ async fn a_draining_http2_client_that_no_longer_reads_does_not_hold_the_exit() {
     assert!(status.success(), "exit {status}:\n{stderr}");
     assert!(stderr.contains("clean=true"), "{stderr}");
     drop((stuck, conn));
+}
+
+/// A draining HTTP/2 client that is still there, answering hyper's PING, but slow to take
+/// an answer (its flow-control window shut for longer than a second, as an application
+/// consuming slowly keeps it) gets the whole answer: h2 holds an answer's last bytes past
+/// the end of its body, where no stream count sees them, and the connection was cut a
+/// second after the GOAWAY with most of the answer unsent (and the drain said clean).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_http2_client_slow_to_consume_gets_its_whole_answer() {
+    // More than the client's first window (65 535 bytes), less than that and h2's send
+    // buffer (64 KiB) together: the upstream's whole answer is handed to h2 before the
+    // client opens its window again.
+    const SIZE: usize = 100_000;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        response(200, "x".repeat(SIZE))
+    })
+    .await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .shutdown_grace("120s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (client, conn) = h2::client::handshake(connect_raw(addr).await)
+        .await
+        .expect("h2 handshake");
+    // Driven all along: it reads, and answers pings.
+    tokio::spawn(conn);
+    let (_client, mut body) = h2_list(client, addr).await;
+    // The first window's worth, not released: the window stays shut.
+    let mut got = 0;
+    while got < 65_535 {
+        let chunk = within("the first window", body.data()).await;
+        got += chunk.expect("a chunk").expect("the body").len();
+    }
+    proxy.signal("TERM");
+    proxy.wait_for_line("draining").await;
+    // The client taking its time (the behaviour under test): past GOAWAY_WAIT.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    body.flow_control().release_capacity(got).expect("release");
+    while let Some(chunk) = within("the rest of the answer", body.data()).await {
+        let chunk = chunk.expect("the rest of the answer, not a cut");
+        got += chunk.len();
+        body.flow_control()
+            .release_capacity(chunk.len())
+            .expect("release");
+    }
+    assert_eq!(got, SIZE);
+    let status = proxy.wait_exit().await;
+    let stderr = proxy.stderr();
+    assert!(status.success(), "exit {status}:\n{stderr}");
+    assert!(stderr.contains("clean=true"), "{stderr}");
 }
 
 /// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at

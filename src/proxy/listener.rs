@@ -598,6 +598,7 @@ async fn with_hyper(
     }
     // Draining, or an idle HTTP/2 connection: finish what is in flight (GOAWAY), take no
     // new request.
+    let heard = activity.reads();
     conn.as_mut().graceful_shutdown();
     if !activity.is_http2() {
         let _ = conn.await;
@@ -609,17 +610,24 @@ async fn with_hyper(
     tokio::select! {
         biased;
         _ = conn.as_mut() => {}
-        () = settled(activity, GOAWAY_WAIT) => {}
+        () = settled(activity, GOAWAY_WAIT, heard) => {}
     }
 }
 
-/// Resolves once a draining HTTP/2 connection has nothing left to finish: no stream open,
-/// no answer's bytes waiting for room in the socket, and none moved for `wait` since
-/// the GOAWAY at the earliest ([`GOAWAY_WAIT`]: a client that reads answers hyper's PING
-/// within that). Checked once a `wait`: this runs only on connections being closed.
-async fn settled(activity: &Activity, wait: Duration) {
+/// Resolves once a draining HTTP/2 connection's client is gone and nothing is left to
+/// finish: the client has sent nothing since the GOAWAY (`heard`: [`Activity::reads`]
+/// then; one that reads answers hyper's PING at once), no stream is open, no answer's bytes
+/// wait for room in the socket, and none have moved for `wait` ([`GOAWAY_WAIT`]). A client
+/// that answers is left to hyper, and to the grace: h2 holds an answer's last bytes past
+/// its stream's end while the client's flow-control window is shut (a client taking its
+/// time to consume them), which none of the rest can see. Checked once a `wait`: this runs
+/// only on connections being closed.
+async fn settled(activity: &Activity, wait: Duration, heard: u32) {
     let goaway = Instant::now();
     loop {
+        if activity.reads() != heard {
+            return std::future::pending().await;
+        }
         let quiet = activity.last_moved().max(goaway) + wait;
         let now = Instant::now();
         let clocks = &activity.clocks;
@@ -781,6 +789,8 @@ struct Clocks {
     http2: AtomicBool,
     /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
     streams: AtomicU32,
+    /// See [`Activity::reads`].
+    reads: AtomicU32,
     /// The last write found the socket full: bytes of an answer are still to go out.
     write_blocked: AtomicBool,
     /// The last flush could not finish: over TLS, bytes wait in rustls' buffer.
@@ -820,6 +830,12 @@ impl Activity {
     pub(super) fn open_stream(&self) -> OpenStream {
         self.clocks.streams.fetch_add(1, Ordering::Relaxed);
         OpenStream(self.clocks.clone())
+    }
+
+    /// Reads that brought bytes from the client on hyper's path, counted (wrapping): a
+    /// draining HTTP/2 client that sends anything is still there (see [`settled`]).
+    fn reads(&self) -> u32 {
+        self.clocks.reads.load(Ordering::Relaxed)
     }
 
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
@@ -1026,6 +1042,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() != before {
             self.touch();
+            // Only this task reads: no read-modify-write needed.
+            let reads = &self.activity.clocks.reads;
+            reads.store(
+                reads.load(Ordering::Relaxed).wrapping_add(1),
+                Ordering::Relaxed,
+            );
             let this = &mut *self;
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
@@ -1172,7 +1194,9 @@ mod tests {
         let unsettled = |activity: &Activity| {
             let activity = activity.clone();
             async move {
-                let settles = tokio::time::timeout(wait * 6, settled(&activity, wait)).await;
+                let heard = activity.reads();
+                let settles = settled(&activity, wait, heard);
+                let settles = tokio::time::timeout(wait * 6, settles).await;
                 settles.is_err()
             }
         };
@@ -1181,8 +1205,10 @@ mod tests {
             let stream = activity.open_stream();
             assert!(unsettled(&activity).await, "a stream open");
             let full = Arc::new(AtomicBool::new(true));
+            let incoming = Arc::new(AtomicBool::new(false));
             let socket = Socket {
                 full: full.clone(),
+                incoming: incoming.clone(),
                 tls,
             };
             let (io, _verdicts) = IdleIo::new(socket, activity.clone());
@@ -1201,8 +1227,20 @@ mod tests {
             full.store(false, Ordering::Relaxed);
             let (written, flushed) = std::future::poll_fn(|cx| Poll::Ready(send(cx))).await;
             assert!(written.is_ready() && flushed.is_ready());
-            let settles = tokio::time::timeout(Duration::from_secs(5), settled(&activity, wait));
+            let heard = activity.reads();
+            let settles = settled(&activity, wait, heard);
+            let settles = tokio::time::timeout(Duration::from_secs(5), settles);
             settles.await.expect("settled with nothing left to send");
+
+            // The client sends something after the GOAWAY (its PING's answer): still there.
+            let heard = activity.reads();
+            incoming.store(true, Ordering::Relaxed);
+            let mut byte = [0u8; 1];
+            let mut buf = ReadBuf::new(&mut byte);
+            let read = std::future::poll_fn(|cx| Poll::Ready(io.as_mut().poll_read(cx, &mut buf)));
+            assert!(read.await.is_ready());
+            let settles = tokio::time::timeout(wait * 6, settled(&activity, wait, heard));
+            assert!(settles.await.is_err(), "a client that answers, tls {tls}");
         }
     }
 
@@ -1210,6 +1248,8 @@ mod tests {
     /// buffer whatever the room, and only its flush waits; a TCP socket's flush never does.
     struct Socket {
         full: Arc<AtomicBool>,
+        /// A byte from the client is there to be read.
+        incoming: Arc<AtomicBool>,
         tls: bool,
     }
 
@@ -1217,9 +1257,13 @@ mod tests {
         fn poll_read(
             self: Pin<&mut Self>,
             _: &mut Context<'_>,
-            _: &mut ReadBuf<'_>,
+            buf: &mut ReadBuf<'_>,
         ) -> Poll<io::Result<()>> {
-            Poll::Pending
+            if !self.incoming.swap(false, Ordering::Relaxed) {
+                return Poll::Pending;
+            }
+            buf.put_slice(b"\0");
+            Poll::Ready(Ok(()))
         }
     }
 
