@@ -2177,6 +2177,123 @@ async fn a_create_body_that_stalls_is_answered_at_the_upstream_timeout() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 control plane that closes its connection (TCP, no GOAWAY) in the middle of an
+/// answer: the client's stream ends in an error, never cleanly, and the upstream error is
+/// counted as `reset`, as the same close is over HTTP/1.1 and before the head. It was
+/// `protocol`: h2 keeps the I/O error of the connection's end out of its error's `source`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstream_closing_mid_answer_is_counted_as_a_reset() {
+    let pki = Pki::new();
+    let (url, cut, task) = h2_upstream(&pki, Some(b"partial"), Then::Close).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let resp = send(
+        addr,
+        request("GET", addr, "/files/big").body(empty()).unwrap(),
+    )
+    .await;
+    let (got, failed) = read_cut_download(resp, cut).await;
+    assert!(failed, "ended cleanly: {:?}", String::from_utf8_lossy(&got));
+    assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "reset");
+    proxy.finish().await;
+    task.abort();
+}
+
+/// An HTTP/2 control plane that goes quiet (answers nothing, not even the proxy's
+/// keep-alive ping) is an upstream that did not answer in time: 504 E5002, counted as
+/// `timeout`, as when the request's own timeout ends first. The ping's end came first here,
+/// and was 502 E5001 "operation timed out", counted as `protocol`: the connection had been
+/// idle for longer than the ping interval, so hyper pinged as the request went out, and
+/// gave up half a timeout later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstream_gone_quiet_is_a_timeout() {
+    let pki = Pki::new();
+    let (url, quiet, task) = h2_upstream(&pki, None, Then::Silent).await;
+    // Pings every 2 s, given up 2 s after; the request waits 4 s. The ping that goes out
+    // with the second request, the connection idle longer than 2 s, ends it first.
+    let proxy = traced(ProxyCmd::new(&url, &pki))
+        .args(&["--upstream-timeout", "4s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let resp = get(addr, "/sandboxes").await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    quiet.send(()).expect("the upstream");
+    // Idle past the ping interval (the behaviour under test, not a wait for something).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let resp = get(addr, "/sandboxes").await;
+    assert_proxy_error(&resp, 504, "E5002");
+    assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "timeout");
+    proxy.finish().await;
+    task.abort();
+}
+
+/// What an [`h2_upstream`] does once told.
+enum Then {
+    /// Drops its connection: the socket closes, without GOAWAY or TLS close_notify.
+    Close,
+    /// Keeps it and never reads or writes on it again.
+    Silent,
+}
+
+/// An HTTP/2 upstream over TLS written with h2 itself, for what hyper's server will not
+/// do. Its first connection's first request is answered 200, with `data` as the start of
+/// a 100-byte body (with none, the answer is complete); the connection is driven until the
+/// returned sender fires or is dropped, and then `then`. Its URL, that sender, and the task
+/// to abort at the end.
+async fn h2_upstream(
+    pki: &Pki,
+    data: Option<&'static [u8]>,
+    then: Then,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+    let (told, mut told_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let Ok((tcp, _)) = listener.accept().await else {
+            return;
+        };
+        let Ok(tls) = acceptor.accept(tcp).await else {
+            return;
+        };
+        let Ok(mut conn) = h2::server::handshake(tls).await else {
+            return;
+        };
+        let Some(Ok((_req, mut respond))) = conn.accept().await else {
+            return;
+        };
+        let mut head = http::Response::builder().status(200);
+        if data.is_some() {
+            head = head.header("content-length", "100");
+        }
+        let head = head.body(()).expect("head");
+        let mut send = respond.send_response(head, data.is_none()).expect("head");
+        if let Some(data) = data {
+            send.send_data(Bytes::from_static(data), false)
+                .expect("data");
+        }
+        loop {
+            tokio::select! {
+                next = conn.accept() => if next.is_none() { return },
+                _ = &mut told_rx => break,
+            }
+        }
+        match then {
+            Then::Close => drop(conn),
+            Then::Silent => {
+                std::future::pending::<()>().await;
+                drop((conn, send));
+            }
+        }
+    });
+    (url, told, task)
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. Credential faults
 // ---------------------------------------------------------------------------------------

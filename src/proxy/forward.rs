@@ -124,7 +124,23 @@ fn inside_io(io: &std::io::Error) -> Option<&rustls::Error> {
 }
 
 pub(crate) fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
-    chain(e).find_map(|e| e.downcast_ref::<std::io::Error>().map(innermost_kind))
+    chain(e).find_map(|e| {
+        // h2 keeps the I/O error of a connection that ended under a stream (an upstream
+        // closing its socket mid-answer) out of `source`.
+        let io = e.downcast_ref::<std::io::Error>();
+        let io = io.or_else(|| e.downcast_ref::<h2::Error>().and_then(h2::Error::get_io));
+        io.map(innermost_kind)
+    })
+}
+
+/// hyper's HTTP/2 keep-alive found the upstream's connection dead: a ping unanswered for
+/// as long as half a request's timeout (see `upstream::ping_interval`). An upstream gone
+/// quiet, as the request's own timeout would have said a moment later.
+pub(crate) fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    chain(e).any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+    })
 }
 
 /// hyper-rustls wraps a failed handshake's `io::Error` in `io::Error::other` (and, as for

@@ -294,6 +294,7 @@ impl Upstream {
                 Ok(Err(e)) if moved.as_ref().is_some_and(body::Moved::broken) => {
                     return Err(UpstreamError::ClientBody(e.into()))
                 }
+                Ok(Err(e)) if forward::timed_out(&e) => return Err(UpstreamError::Timeout),
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
