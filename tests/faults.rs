@@ -2228,6 +2228,104 @@ async fn an_http2_upstream_gone_quiet_is_a_timeout() {
     task.abort();
 }
 
+/// An HTTP/2 control plane that refuses a stream unprocessed (`RST_STREAM(REFUSED_STREAM)`,
+/// RFC 9113 §8.7: a server at its stream limit, or shedding load) gets the request once
+/// more: a GET, and a rewritten create whose body the proxy holds whole, are answered 200,
+/// the create's body whole the second time. A request whose body streamed from the client
+/// cannot go again: 502, but without `Should-Retry: false`, since the upstream did
+/// nothing with it. One refused every time is answered after its second try. All were 502
+/// at the first refusal (a POST with `Should-Retry: false`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_http2_upstream_refuses_unprocessed_goes_once_more() {
+    let pki = Pki::new();
+    let (url, seen, task) = refusing_h2_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let raw = |method: &str, path: &str, body: &str| {
+        format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let resp = raw_exchange(addr, raw("GET", "/sandboxes", "").as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let create = raw("POST", "/v2/sandboxes", r#"{"templateID":"base"}"#);
+    let resp = raw_exchange(addr, create.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert!(resp.text().contains(r#""secure":true"#), "{}", resp.text());
+    let pause = raw("POST", "/sandboxes/x/pause", "{}");
+    let resp = raw_exchange(addr, pause.as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(resp.header("should-retry"), None);
+    let resp = raw_exchange(addr, raw("GET", "/always", "").as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    let seen = seen.lock().expect("lock").clone();
+    let tries = |path: &str| seen.iter().filter(|p| *p == path).count();
+    let paths = [
+        "GET /sandboxes",
+        "POST /sandboxes",
+        "POST /sandboxes/x/pause",
+        "GET /always",
+    ];
+    assert_eq!(paths.map(tries), [2, 2, 1, 2], "{seen:?}");
+    proxy.finish().await;
+    task.abort();
+}
+
+/// An HTTP/2 control plane over TLS that refuses the first stream for each method and path
+/// with `REFUSED_STREAM` (every one for `/always`), and answers the others 200 with the
+/// body it was sent. Its URL, the method and path of each stream it got, and its task.
+async fn refusing_h2_upstream(
+    pki: &Pki,
+) -> (String, Arc<Mutex<Vec<String>>>, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let log = seen.clone();
+    let task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, log) = (acceptor.clone(), log.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut conn) = h2::server::handshake(tls).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let path = format!("{} {}", req.method(), req.uri().path());
+                    let first = {
+                        let mut log = log.lock().expect("lock");
+                        let first = !log.contains(&path);
+                        log.push(path.clone());
+                        first
+                    };
+                    if first || path.ends_with(" /always") {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    tokio::spawn(async move {
+                        let mut body = req.into_body();
+                        let mut got = Vec::new();
+                        while let Some(Ok(chunk)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(chunk.len());
+                            got.extend_from_slice(&chunk);
+                        }
+                        let head = http::Response::builder().status(200).body(());
+                        let Ok(mut send) = respond.send_response(head.expect("head"), false) else {
+                            return;
+                        };
+                        let _ = send.send_data(Bytes::from(got), true);
+                    });
+                }
+            });
+        }
+    });
+    (url, seen, task)
+}
+
 /// What an [`h2_upstream`] does once told.
 enum Then {
     /// Drops its connection: the socket closes, without GOAWAY or TLS close_notify.

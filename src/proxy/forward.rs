@@ -133,6 +133,18 @@ pub(crate) fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::
     })
 }
 
+/// The upstream refused the request before processing any of it: its HTTP/2 stream reset
+/// with `REFUSED_STREAM` (RFC 9113 §8.7). Safe to send again, whatever the method. (A
+/// GOAWAY below the stream says the same, but h2 gives every stream the GOAWAY's error
+/// once its connection ends, processed or not: not told apart, not sent again.)
+pub(crate) fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    chain(e).any(|e| {
+        e.downcast_ref::<h2::Error>().is_some_and(|e| {
+            e.is_reset() && e.is_remote() && e.reason() == Some(h2::Reason::REFUSED_STREAM)
+        })
+    })
+}
+
 /// hyper's HTTP/2 keep-alive found the upstream's connection dead: a ping unanswered for
 /// as long as half a request's timeout (see `upstream::ping_interval`). An upstream gone
 /// quiet, as the request's own timeout would have said a moment later.

@@ -301,7 +301,12 @@ impl Proxy {
                     .into());
                 };
                 match read {
-                    Ok(Bounded::Complete(b)) => body::full(compat::complete_body(&rewrite, b)),
+                    Ok(Bounded::Complete(b)) => {
+                        let b = compat::complete_body(&rewrite, b);
+                        // Sent again should the upstream refuse it unprocessed.
+                        parts.extensions.insert(super::pool::Replay(b.clone()));
+                        body::full(b)
+                    }
                     Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
                     Err(_) => {
                         return Err(Error::Refused {

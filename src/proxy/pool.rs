@@ -112,7 +112,7 @@ impl UpstreamError {
     /// as the pool's deadline covers the connect and the exchange alike.
     pub fn reached_upstream(&self) -> bool {
         match self {
-            UpstreamError::Legacy(e) => !e.is_connect(),
+            UpstreamError::Legacy(e) => !e.is_connect() && !forward::refused(e),
             UpstreamError::Connect(_) | UpstreamError::Tls(_) => false,
             UpstreamError::ClientBody(_)
             | UpstreamError::Io(_)
@@ -282,9 +282,10 @@ impl Upstream {
             None => req,
         };
         let upgrade = req.headers().contains_key(UPGRADE);
+        let mut again = if upgrade { None } else { Again::of(&req) };
         // To poison the connection of an answer refused below: hyper would reuse it, though
         // an upstream framing its answers that way may have more bytes of it to come.
-        let conn = capture_connection(&mut req);
+        let mut conn = capture_connection(&mut req);
         let mut response = pin!(self.legacy.request(req));
         let mut resp = loop {
             match tokio::time::timeout_at(deadline.into(), response.as_mut()).await {
@@ -295,6 +296,19 @@ impl Upstream {
                     return Err(UpstreamError::ClientBody(e.into()))
                 }
                 Ok(Err(e)) if forward::timed_out(&e) => return Err(UpstreamError::Timeout),
+                // Not processed at all (RFC 9113 §8.7): sent once more, as curl and Go's
+                // client do, whatever the method. hyper-util sends again only what it never
+                // wrote. Once: an upstream refusing every stream is answered.
+                Ok(Err(e)) if forward::refused(&e) && again.is_some() => {
+                    let Some(again) = again.take() else { continue };
+                    tracing::debug!(
+                        plane,
+                        "the upstream refused a stream unprocessed: sending it again"
+                    );
+                    let mut req = again.into_request(moved.as_ref());
+                    conn = capture_connection(&mut req);
+                    response.set(self.legacy.request(req));
+                }
                 Ok(resp) => break resp?,
                 // An upload still moving is not an upstream gone quiet: the wait counts
                 // from its last bytes (as nginx's proxy_send_timeout does).
@@ -340,6 +354,51 @@ impl Upstream {
                 body::boxed(incoming.map_err(BoxError::from).map_err(count))
             }
         }))
+    }
+}
+
+/// A request kept to be sent once more should the upstream refuse it unprocessed: its
+/// head, and its body when there is none or the handler holds it whole ([`Replay`]). A
+/// body streamed from the client is gone once sent: such a request is not kept.
+struct Again {
+    method: Method,
+    uri: http::Uri,
+    headers: HeaderMap,
+    body: Option<Bytes>,
+}
+
+/// A request body the handler holds whole (a rewritten create or connect), put in the
+/// request's extensions so that the upstream client can send it again.
+#[derive(Clone)]
+pub struct Replay(pub Bytes);
+
+impl Again {
+    fn of(req: &Request<ProxyBody>) -> Option<Again> {
+        let body = if req.body().is_end_stream() {
+            None
+        } else {
+            Some(req.extensions().get::<Replay>()?.0.clone())
+        };
+        Some(Again {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            headers: req.headers().clone(),
+            body,
+        })
+    }
+
+    /// The request again; its body marks `moved` as the first one's did.
+    fn into_request(self, moved: Option<&body::Moved>) -> Request<ProxyBody> {
+        let body = match (self.body, moved) {
+            (Some(b), Some(m)) => body::boxed(body::Uploading::new(body::full(b), m.clone())),
+            (Some(b), None) => body::full(b),
+            (None, _) => body::empty(),
+        };
+        let mut req = Request::new(body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers;
+        req
     }
 }
 
