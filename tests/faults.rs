@@ -2958,28 +2958,30 @@ async fn a_draining_http2_client_that_no_longer_reads_does_not_hold_the_exit() {
 
 /// A draining HTTP/2 client that is still there, answering hyper's PING, but slow to take
 /// an answer (its flow-control window shut for longer than a second, as an application
-/// consuming slowly keeps it) gets the whole answer: h2 holds an answer's last bytes past
-/// the end of its body, where no stream count sees them, and the connection was cut a
-/// second after the GOAWAY with most of the answer unsent (and the drain said clean).
+/// consuming slowly keeps it) gets the whole answer, on the plain and the TLS listener: h2
+/// holds an answer's last bytes past the end of its body, where no stream count sees them,
+/// and the connection was cut a second after the GOAWAY with most of the answer unsent
+/// (and the drain said clean).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_http2_client_slow_to_consume_gets_its_whole_answer() {
     // More than the client's first window (65 535 bytes), less than that and h2's send
     // buffer (64 KiB) together: the upstream's whole answer is handed to h2 before the
-    // client opens its window again.
-    const SIZE: usize = 100_000;
+    // client opens its window again. And a larger one.
+    for (tls, size) in [(false, 100_000), (true, 100_000)] {
+        slow_consumer(tls, size).await;
+    }
+}
+
+async fn slow_consumer(tls: bool, size: usize) {
     let pki = Pki::new();
-    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
-        response(200, "x".repeat(SIZE))
-    })
-    .await;
-    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
-        .shutdown_grace("120s")
-        .spawn()
-        .await;
+    let (_upstream, mut proxy) = answering_with(&pki, size, tls).await;
     let addr = proxy.addr();
-    let (client, conn) = h2::client::handshake(connect_raw(addr).await)
-        .await
-        .expect("h2 handshake");
+    let io: Box<dyn Io> = if tls {
+        Box::new(pki.tls_connect(addr, &[b"h2"]).await)
+    } else {
+        Box::new(connect_raw(addr).await)
+    };
+    let (client, conn) = h2::client::handshake(io).await.expect("h2 handshake");
     // Driven all along: it reads, and answers pings.
     tokio::spawn(conn);
     let (_client, mut body) = h2_list(client, addr).await;
@@ -2994,18 +2996,128 @@ async fn a_draining_http2_client_slow_to_consume_gets_its_whole_answer() {
     // The client taking its time (the behaviour under test): past GOAWAY_WAIT.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     body.flow_control().release_capacity(got).expect("release");
+    let what = format!("tls {tls}, {size} bytes");
+    read_to_the_end_and_exit(&mut body, got, size, &mut proxy, &what).await;
+}
+
+/// A proxy (with a TLS listener if `tls`, and a grace longer than a test may take) in
+/// front of an upstream that answers every request 200 with `size` bytes.
+async fn answering_with(pki: &Pki, size: usize, tls: bool) -> (Upstream, ProxyProc) {
+    let upstream = Upstream::start(pki, Proto::Http1, move |_req| async move {
+        response(200, "x".repeat(size))
+    })
+    .await;
+    let mut cmd = traced(ProxyCmd::new(&upstream.url(), pki)).shutdown_grace("120s");
+    if tls {
+        cmd = cmd.tls_listener(pki);
+    }
+    (upstream, cmd.spawn().await)
+}
+
+/// Reads `body` to its end, taken as it comes (its window opened again by what is read),
+/// after the `got` bytes already taken: all `size` of them, not cut. Then the proxy
+/// draining exits clean.
+async fn read_to_the_end_and_exit(
+    body: &mut h2::RecvStream,
+    mut got: usize,
+    size: usize,
+    proxy: &mut ProxyProc,
+    what: &str,
+) {
     while let Some(chunk) = within("the rest of the answer", body.data()).await {
-        let chunk = chunk.expect("the rest of the answer, not a cut");
+        let chunk = chunk.unwrap_or_else(|e| panic!("{what}: cut after {got}: {e}"));
         got += chunk.len();
         body.flow_control()
             .release_capacity(chunk.len())
             .expect("release");
     }
-    assert_eq!(got, SIZE);
+    assert_eq!(got, size, "{what}");
     let status = proxy.wait_exit().await;
     let stderr = proxy.stderr();
     assert!(status.success(), "exit {status}:\n{stderr}");
     assert!(stderr.contains("clean=true"), "{stderr}");
+}
+
+/// A draining HTTP/2 client reading its answer slowly, its windows wide open, gets all of
+/// it, on the plain and the TLS listener. Once the answer's last bytes were in the
+/// socket's send queue, hyper closed the connection; the client's WINDOW_UPDATEs for
+/// what it went on reading then reached a closed socket, which the kernel answers with a
+/// reset, dropping what the queue still held: the client lost the end of the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_http2_client_reading_slowly_gets_its_whole_answer() {
+    for tls in [false, true] {
+        sluggish_reader(tls).await;
+    }
+}
+
+async fn sluggish_reader(tls: bool) {
+    const SIZE: usize = 1 << 20;
+    let pki = Pki::new();
+    let (_upstream, mut proxy) = answering_with(&pki, SIZE, tls).await;
+    let addr = proxy.addr();
+    let io: Box<dyn Io> = if tls {
+        Box::new(Sluggish::read(pki.tls_connect(addr, &[b"h2"]).await))
+    } else {
+        Box::new(Sluggish::read(connect_raw(addr).await))
+    };
+    let (client, mut conn) = h2::client::Builder::new()
+        .initial_window_size(SIZE as u32)
+        .handshake(io)
+        .await
+        .expect("h2 handshake");
+    conn.set_target_window_size(SIZE as u32);
+    tokio::spawn(conn);
+    let (_client, mut body) = h2_list(client, addr).await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("draining").await;
+    read_to_the_end_and_exit(&mut body, 0, SIZE, &mut proxy, &format!("tls {tls}")).await;
+}
+
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// A connection's read side taken a little at a time (1 KiB, then a millisecond's pause),
+/// as a client busy with what it reads does: the rest waits in the socket meanwhile.
+struct Sluggish<T> {
+    inner: T,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite> Sluggish<T> {
+    /// `io` read sluggishly, written as usual.
+    fn read(io: T) -> tokio::io::Join<Sluggish<tokio::io::ReadHalf<T>>, tokio::io::WriteHalf<T>> {
+        let (read, write) = tokio::io::split(io);
+        tokio::io::join(
+            Sluggish {
+                inner: read,
+                pause: None,
+            },
+            write,
+        )
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Sluggish<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::future::Future;
+        if let Some(pause) = self.pause.as_mut() {
+            std::task::ready!(pause.as_mut().poll(cx));
+            self.pause = None;
+        }
+        let mut small = [0u8; 1024];
+        let take = buf.remaining().min(small.len());
+        let mut part = tokio::io::ReadBuf::new(&mut small[..take]);
+        std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_read(cx, &mut part))?;
+        buf.put_slice(part.filled());
+        if !part.filled().is_empty() {
+            self.pause = Some(Box::pin(tokio::time::sleep(Duration::from_millis(1))));
+        }
+        std::task::Poll::Ready(Ok(()))
+    }
 }
 
 /// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at

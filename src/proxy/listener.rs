@@ -1102,9 +1102,14 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
     /// sending a request body, linger (see [`IdleIo::poll_linger`]). Between requests it
     /// just closes (an idle keep-alive client need not answer the close for a drain to
     /// end), and a tunnel's bytes are left alone: its other direction may still read them.
+    ///
+    /// An HTTP/2 connection lingers too: its client may still be reading the end of an
+    /// answer, and sending WINDOW_UPDATEs as it does; one reaching a closed socket makes
+    /// the kernel answer with a reset and drop what is still queued for the client.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        let sending = this.framing.as_ref().is_some_and(HeadWatch::in_body);
+        let sending =
+            this.framing.as_ref().is_some_and(HeadWatch::in_body) || this.activity.is_http2();
         if this.linger.is_none() && !sending {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
