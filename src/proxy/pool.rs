@@ -299,8 +299,10 @@ impl Upstream {
                 // Not processed at all (RFC 9113 §8.7): sent once more, as curl and Go's
                 // client do, whatever the method. hyper-util sends again only what it never
                 // wrote. Once: an upstream refusing every stream is answered.
-                Ok(Err(e)) if forward::refused(&e) && again.is_some() => {
-                    let Some(again) = again.take() else { continue };
+                Ok(Err(e)) if forward::refused(&e) => {
+                    let Some(again) = again.take() else {
+                        return Err(e.into());
+                    };
                     tracing::debug!(
                         plane,
                         "the upstream refused a stream unprocessed: sending it again"
