@@ -174,11 +174,9 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-            None if !self.body.is_end_stream() => Poll::Ready(Some(Err(format!(
-                "{} reset the stream before the end of its body",
-                self.sender
-            )
-            .into()))),
+            None if !self.body.is_end_stream() => Poll::Ready(Some(Err(Box::new(ResetEarly {
+                sender: self.sender,
+            })))),
             other => Poll::Ready(other.map(|r| r.map_err(Into::into))),
         }
     }
@@ -190,6 +188,23 @@ where
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
     }
+}
+
+/// The error of an [`EndStreamed`] body whose sender reset its stream with `NO_ERROR`
+/// before END_STREAM.
+#[derive(Debug, thiserror::Error)]
+#[error("{sender} reset the stream before the end of its body")]
+pub struct ResetEarly {
+    sender: &'static str,
+}
+
+/// Whether a body's error is its HTTP/2 sender resetting the stream (with any code).
+fn reset_by_sender(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source()).any(|e| {
+        e.is::<ResetEarly>()
+            || e.downcast_ref::<h2::Error>()
+                .is_some_and(|e| e.is_reset() && e.is_remote())
+    })
 }
 
 /// A request body's progress on its way upstream, written by [`Uploading`] and [`Marked`]:
@@ -209,6 +224,8 @@ struct Progress {
     broken: AtomicBool,
     /// The body has been read to its end (set by [`Marked`]).
     ended: AtomicBool,
+    /// The client reset its HTTP/2 stream before the body's end (set by [`Marked`]).
+    reset: AtomicBool,
 }
 
 impl Default for Moved {
@@ -219,6 +236,7 @@ impl Default for Moved {
             awaiting_client: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            reset: AtomicBool::new(false),
         }))
     }
 }
@@ -259,6 +277,12 @@ impl Moved {
     /// not say).
     pub fn ended(&self) -> bool {
         self.0.ended.load(Ordering::Relaxed)
+    }
+
+    /// The client reset its HTTP/2 stream before the body's end: it has given up the
+    /// request, and no answer reaches it.
+    pub fn reset_by_client(&self) -> bool {
+        self.0.reset.load(Ordering::Relaxed)
     }
 }
 
@@ -343,17 +367,22 @@ impl<B> Marked<B> {
 impl<B> Body for Marked<B>
 where
     B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
-        if matches!(&frame, Some(Ok(f)) if f.is_data()) {
-            self.moved.mark();
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx)).map(|f| f.map_err(Into::into));
+        match &frame {
+            Some(Ok(f)) if f.is_data() => self.moved.mark(),
+            Some(Err(e)) if reset_by_sender(&**e) => {
+                self.moved.0.reset.store(true, Ordering::Relaxed);
+            }
+            _ => {}
         }
         // A body of known length ends with its last byte: no one need poll it once more.
         if frame.is_none() || self.body.is_end_stream() {
@@ -563,6 +592,23 @@ mod tests {
         assert_eq!(exact(whole.size_hint()), (3, Some(3)));
         assert_eq!(rest(whole).await, (vec![Bytes::from("abc")], true));
         assert!(EndStreamed::request(Empty::<Bytes>::new()).is_end_stream());
+    }
+
+    /// An HTTP/2 upload its client reset before the end says so; one whose body broke
+    /// otherwise (a bad chunk, a connection lost) does not.
+    #[tokio::test]
+    async fn an_upload_says_whether_its_client_reset_it() {
+        let mut upload = None;
+        let reset = marked(EndStreamed::request(frames(vec![data("a")])), &mut upload);
+        let moved = upload.take().expect("a body to mark");
+        assert_eq!(rest(reset).await, (vec![Bytes::from("a")], false));
+        assert!(moved.reset_by_client());
+
+        let broken: Step = Err("bad chunk".into());
+        let other = marked(frames(vec![data("a"), broken]), &mut upload);
+        let moved = upload.take().expect("a body to mark");
+        assert_eq!(rest(other).await, (vec![Bytes::from("a")], false));
+        assert!(!moved.reset_by_client());
     }
 
     /// Each data frame marks the upload as moving; trailers are dropped.

@@ -14,7 +14,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 
-use super::body::{self, Bounded, Prefixed, SNIFF_LIMIT};
+use super::body::{self, Bounded, Moved, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
@@ -92,7 +92,9 @@ impl Proxy {
         let method = req.method().clone();
         let uri = req.uri().clone();
         let upgrade = headers::is_upgrade_request(&req).then(|| Upgrade::of(&mut req));
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        // An HTTP/2 upload's progress (see below).
+        let upload = parts.extensions.remove::<Moved>();
         // HTTP/1 heads are held to the limits by their parser (hyper answers 431). HTTP/2
         // counts no fields, and its layer's own size limit is set above ours (see
         // `listener::H2_MAX_HEAD_LIST`): its 431 would reach no log and no count.
@@ -138,6 +140,14 @@ impl Proxy {
                     (plane, result)
                 }
             };
+            // An HTTP/2 client that reset its stream before the end of its upload has given
+            // the request up: whatever became of it, no answer reaches the client, and
+            // `unanswered` logs and counts it as 499 (nginx's "client closed request"). So
+            // would hyper's dropping the request on the reset, but only when it sees the
+            // reset before the handler sees the body's error and answers.
+            if upload.as_ref().is_some_and(Moved::reset_by_client) {
+                return Ok(Response::new(body::empty()));
+            }
             let (resp, upstream) = match result {
                 Ok(ok) => ok,
                 Err(f) => {

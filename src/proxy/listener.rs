@@ -24,6 +24,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
+use super::body::Moved;
 use super::framing::{self, HeadWatch, Verdicts};
 use super::h1::{self, Sock, StdSock};
 use super::headers;
@@ -537,7 +538,13 @@ async fn with_hyper(
         // (see `IdleLimited`), on HTTP/1 whether it had ended when the answer came.
         let mut upload = None;
         let req = if http2 {
-            req.map(|b| super::body::marked(super::body::EndStreamed::request(b), &mut upload))
+            let mut req =
+                req.map(|b| super::body::marked(super::body::EndStreamed::request(b), &mut upload));
+            // For the handler: a client that resets its stream mid-upload is gone.
+            if let Some(moved) = &upload {
+                req.extensions_mut().insert(moved.clone());
+            }
+            req
         } else {
             req.map(|b| super::body::marked(b, &mut upload))
         };
@@ -548,6 +555,10 @@ async fn with_hyper(
         let waiting = activity.awaiting();
         async move {
             let mut resp = handled.await?;
+            // The client gave the request up: a cancel, as if hyper had dropped it.
+            if upload.as_ref().is_some_and(Moved::reset_by_client) {
+                return Ok(resp);
+            }
             guard.answered();
             drop(waiting);
             let status = resp.status();
