@@ -143,6 +143,14 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
         ("POST", id) if id.ends_with("/connect") => {
             describe(&cloud, id.trim_end_matches("/connect"))
         }
+        // The older resume: 201 and the sandbox, as connect's.
+        ("POST", id) if id.ends_with("/resume") => {
+            let mut answer = describe(&cloud, id.trim_end_matches("/resume"));
+            if answer.status() == StatusCode::OK {
+                *answer.status_mut() = StatusCode::CREATED;
+            }
+            answer
+        }
         ("GET", id) if !id.is_empty() => {
             let mut open = cloud.lookups_open.subscribe();
             let _ = open.wait_for(|open| *open).await;
@@ -1223,11 +1231,12 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
 // ---------------------------------------------------------------------------------------
 
 /// The token is learned from every answer that carries it (SPEC §4): `POST
-/// /sandboxes/{id}/connect`, and the current SDKs' `POST /v2/sandboxes` and `POST
-/// /v2/sandboxes/{id}/connect`, which reach the control plane rewritten. After each, an
-/// envd request naming only the sandbox carries that token and costs no look-up; a connect
-/// answering a new token (a resumed sandbox) replaces the one learned before. An error
-/// answer teaches nothing, even one carrying a token.
+/// /sandboxes/{id}/connect`, the current SDKs' `POST /v2/sandboxes` and `POST
+/// /v2/sandboxes/{id}/connect`, which reach the control plane rewritten, and the older
+/// `POST /sandboxes/{id}/resume`. After each, an envd request naming only the sandbox
+/// carries that token and costs no look-up; a connect or resume answering a new token (a
+/// resumed sandbox) replaces the one learned before. An error answer teaches nothing, even
+/// one carrying a token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_learned_from_connect_and_v2_answers() {
     let env = Env::start(Pki::new()).await;
@@ -1254,6 +1263,12 @@ async fn tokens_are_learned_from_connect_and_v2_answers() {
             "/sandboxes/isb-c1/connect",
             "isb-c1",
             "tok-c1b",
+        ),
+        (
+            "/sandboxes/isb-c3/resume",
+            "/sandboxes/isb-c3/resume",
+            "isb-c3",
+            "tok-c3b",
         ),
     ];
     for (path, upstream_path, id, token) in calls {

@@ -8,7 +8,8 @@ use crate::secret::Secret;
 #[derive(Debug, PartialEq, Eq)]
 pub enum Sniff {
     None,
-    /// create, connect, `GET /sandboxes/{id}`: the body may carry `envdAccessToken`.
+    /// create, connect, resume, `GET /sandboxes/{id}`: the body may carry
+    /// `envdAccessToken`.
     Learn,
     /// `DELETE /sandboxes/{id}`: forget the sandbox's token.
     Forget(String),
@@ -38,7 +39,9 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
     match rest.split_once('/') {
         None if method == Method::GET => Sniff::Learn,
         None if method == Method::DELETE => Sniff::Forget(rest.to_string()),
-        Some((_, "connect")) if method == Method::POST => Sniff::Learn,
+        // Resume is connect's older form (E2B SDKs before 2.x): it answers the sandbox too,
+        // with the token a resumed sandbox may have changed.
+        Some((_, "connect" | "resume")) if method == Method::POST => Sniff::Learn,
         _ => Sniff::None,
     }
 }
@@ -70,6 +73,7 @@ mod tests {
             plan(&Method::POST, "/sandboxes/isb-1/connect"),
             Sniff::Learn
         );
+        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/resume"), Sniff::Learn);
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/timeout"), Sniff::None);
         // Only a DELETE forgets: any other method on the sandbox itself leaves its token.
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1"), Sniff::None);
