@@ -89,7 +89,7 @@ async fn probe(
     }
     // Reached but not serving: not "ok" (exit 69, like an unreachable one).
     if status >= 500 {
-        return Err(Error::UpstreamUnreachable {
+        return Err(Error::UpstreamUnavailable {
             reason: format!("it answered {status}"),
             host,
         });

@@ -55,6 +55,10 @@ pub enum Error {
     /// reset, broken framing, a look-up or exchange answer it cannot use).
     #[error("upstream unreachable: {reason} ({host})")]
     UpstreamUnreachable { reason: String, host: String },
+    /// E5001 too: the upstream answered, but it is failing (5xx) or throttling; unlike
+    /// [`Error::UpstreamUnreachable`], not a matter of network access.
+    #[error("upstream unavailable: {reason} ({host})")]
+    UpstreamUnavailable { reason: String, host: String },
     /// E5002: the upstream did not answer in time.
     #[error("upstream timeout: no response within {seconds}s ({host})")]
     UpstreamTimeout { seconds: u64, host: String },
@@ -92,7 +96,7 @@ impl Error {
             Error::Bind { .. } => "E1008",
             Error::CredentialRejected { .. } => "E1009",
             Error::SandboxNotFound { .. } => "E2009",
-            Error::UpstreamUnreachable { .. } => "E5001",
+            Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => "E5001",
             Error::UpstreamTimeout { .. } => "E5002",
             Error::Refused { .. } => "E5003",
             Error::Manifest { .. } => "E8001",
@@ -115,6 +119,7 @@ impl Error {
             Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
+            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (the proxy retries its token exchange by itself). If it persists, check that host's status and the URL setting that names it.",
             // The exchange's own bound is fixed: the flag alone would not change its answer.
             Error::UpstreamTimeout { .. } => {
                 return Some(format!(
@@ -135,7 +140,9 @@ impl Error {
     /// Exit status when this error ends a command.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::UpstreamUnreachable { .. } | Error::UpstreamTimeout { .. } => EXIT_UNAVAILABLE,
+            Error::UpstreamUnreachable { .. }
+            | Error::UpstreamUnavailable { .. }
+            | Error::UpstreamTimeout { .. } => EXIT_UNAVAILABLE,
             Error::ProviderOption { .. } => EXIT_USAGE,
             _ => EXIT_CONFIG,
         }
@@ -144,7 +151,7 @@ impl Error {
     /// HTTP status when the proxy answers a request with this error itself.
     pub fn http_status(&self) -> u16 {
         match self {
-            Error::UpstreamUnreachable { .. } => 502,
+            Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => 502,
             Error::UpstreamTimeout { .. } => 504,
             Error::Refused { .. } => 400,
             Error::SandboxNotFound { .. } => 404,

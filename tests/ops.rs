@@ -441,7 +441,7 @@ async fn check_performs_one_exchange_and_reports_the_expiry() {
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(
-        stderr.contains("[E5001]") && stderr.contains("500"),
+        stderr.contains("[E5001] upstream unavailable: the endpoint answered HTTP 500"),
         "{stderr}"
     );
 

@@ -446,7 +446,7 @@ impl HttpExchanger {
                         host: host.clone(),
                     })?;
             let status = response.status().as_u16();
-            let unavailable = |reason: String| Error::UpstreamUnreachable {
+            let broke_off = |reason: String| Error::UpstreamUnreachable {
                 reason,
                 host: host.clone(),
             };
@@ -457,13 +457,16 @@ impl HttpExchanger {
                     Ok(_) => Error::TokenExchange {
                         reason: format!("HTTP {status}: the answer is over 64 KiB"),
                     },
-                    Err(e) => unavailable(format!("HTTP {status}: the answer broke off: {e}")),
+                    Err(e) => broke_off(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
             let issued =
                 parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
                     Error::TokenExchange { reason } if is_temporary(status, &body) => {
-                        unavailable(reason)
+                        Error::UpstreamUnavailable {
+                            reason,
+                            host: host.clone(),
+                        }
                     }
                     e => e,
                 })?;

@@ -156,6 +156,7 @@ impl Proxy {
                     }
                     let host = match &f.error {
                         Error::UpstreamUnreachable { host, .. }
+                        | Error::UpstreamUnavailable { host, .. }
                         | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
                         _ => Arc::from(""),
                     };
@@ -536,7 +537,7 @@ impl Proxy {
             });
         }
         if !status.is_success() {
-            return Err(Error::UpstreamUnreachable {
+            return Err(Error::UpstreamUnavailable {
                 reason: format!("envd token look-up answered {}", status.as_u16()),
                 host,
             });
