@@ -76,6 +76,16 @@ async fn response_or_close(s: &mut TcpStream) -> (Option<RawResponse>, Vec<u8>) 
 }
 
 /// Sum of every series of a metric family (any labels).
+/// `abx_proxy_upstream_errors_total`, all series together, is `want`.
+async fn assert_upstream_errors(admin: SocketAddr, want: f64) {
+    let text = scrape(admin).await;
+    assert_eq!(
+        family_sum(&text, "abx_proxy_upstream_errors_total"),
+        want,
+        "{text}"
+    );
+}
+
 fn family_sum(text: &str, family: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(family) && l[family.len()..].starts_with(['{', ' ']))
@@ -1139,6 +1149,7 @@ const DATA: u8 = 0x0;
 const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
+const GOAWAY: u8 = 0x7;
 const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const ACK: u8 = 0x1;
@@ -1212,6 +1223,10 @@ impl RawH2Upstream {
                 if s.write_all(&reply).await.is_err() {
                     return;
                 }
+                // A GOAWAY with an error code ends the connection, as a server's does.
+                if reply.get(3) == Some(&GOAWAY) && reply.get(13..17) != Some(&[0; 4]) {
+                    return;
+                }
             }
             let mut tmp = [0u8; 4096];
             match s.read(&mut tmp).await {
@@ -1270,12 +1285,7 @@ async fn an_http2_upstream_reset_with_no_error_mid_body_reaches_the_client_as_an
     let proxy = traced(ProxyCmd::new(&whole.url, &pki)).spawn().await;
     let addr = proxy.addr();
     assert_eq!(get_200_body(addr).await, (b"partial".to_vec(), false));
-    let text = scrape(proxy.admin_addr()).await;
-    assert_eq!(
-        family_sum(&text, "abx_proxy_upstream_errors_total"),
-        0.0,
-        "{text}"
-    );
+    assert_upstream_errors(proxy.admin_addr(), 0.0).await;
     proxy.finish().await;
 }
 
@@ -2031,12 +2041,8 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
     upstream.set(Fault::Ok);
     assert_healthy(&proxy, &mut sweep, true).await;
 
+    assert_upstream_errors(proxy.admin_addr(), faults.len() as f64 + 2.0).await;
     let text = scrape(proxy.admin_addr()).await;
-    assert_eq!(
-        family_sum(&text, "abx_proxy_upstream_errors_total"),
-        faults.len() as f64 + 2.0,
-        "{text}"
-    );
     assert_eq!(
         metric(
             &text,
@@ -2063,12 +2069,7 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
         assert_eq!(get(proxy.admin_addr(), "/healthz").await.status, 200);
         assert_eq!(get(proxy.admin_addr(), "/readyz").await.status, 200);
     }
-    let text = scrape(proxy.admin_addr()).await;
-    assert_eq!(
-        family_sum(&text, "abx_proxy_upstream_errors_total"),
-        2.0,
-        "{text}"
-    );
+    assert_upstream_errors(proxy.admin_addr(), 2.0).await;
     sweep.finish(proxy, &settings).await;
 }
 
@@ -2271,6 +2272,62 @@ async fn a_stream_the_http2_upstream_refuses_unprocessed_goes_once_more() {
     assert_eq!(paths.map(tries), [2, 2, 1, 2], "{seen:?}");
     proxy.finish().await;
     task.abort();
+}
+
+/// A stream above the last one a GOAWAY says the upstream processed was not processed at
+/// all (RFC 9113 §6.8; an nginx control plane closing a connection after its
+/// `keepalive_requests`, a load balancer draining): it goes once more, on a new connection,
+/// as a stream refused with `REFUSED_STREAM` does. A GET and a create, each the first
+/// stream of a connection whose GOAWAY says none was processed; each sent again is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
+    static STREAMS: AtomicUsize = AtomicUsize::new(0);
+    let pki = Pki::new();
+    // Every other stream gets GOAWAY naming the one before it; the others, 200.
+    let upstream = RawH2Upstream::start(&pki, |stream| {
+        if STREAMS.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+            return h2_frame(HEADERS, END_HEADERS | END_STREAM, stream, &[0x88]);
+        }
+        let mut payload = stream.saturating_sub(2).to_be_bytes().to_vec();
+        payload.extend_from_slice(&0u32.to_be_bytes());
+        h2_frame(GOAWAY, 0, 0, &payload)
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let create = |addr: SocketAddr| {
+        format!(
+            "POST /v2/sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 20\r\nConnection: close\r\n\r\n{{\"templateID\":\"base\"}}"
+        )
+    };
+    let resp = get(addr, "/sandboxes").await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let resp = raw_exchange(addr, create(addr).as_bytes()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(STREAMS.load(Ordering::SeqCst), 4);
+    assert_upstream_errors(proxy.admin_addr(), 0.0).await;
+    proxy.finish().await;
+
+    // At or below the GOAWAY's stream the upstream may have acted: cut by the connection's
+    // end (GOAWAY with INTERNAL_ERROR, then the close), it is not sent again.
+    static CUT: AtomicUsize = AtomicUsize::new(0);
+    let upstream = RawH2Upstream::start(&pki, |stream| {
+        CUT.fetch_add(1, Ordering::SeqCst);
+        let mut payload = stream.to_be_bytes().to_vec();
+        payload.extend_from_slice(&2u32.to_be_bytes());
+        h2_frame(GOAWAY, 0, 0, &payload)
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    let resp = get(addr, "/sandboxes").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    let resp = raw_exchange(addr, create(addr).as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(resp.header("should-retry"), Some("false"));
+    assert_eq!(CUT.load(Ordering::SeqCst), 2, "neither was sent again");
+    proxy.finish().await;
 }
 
 /// An HTTP/2 control plane over TLS that refuses the first stream for each method and path

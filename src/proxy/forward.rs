@@ -133,14 +133,17 @@ pub(crate) fn find_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::
     })
 }
 
-/// The upstream refused the request before processing any of it: its HTTP/2 stream reset
-/// with `REFUSED_STREAM` (RFC 9113 §8.7). Safe to send again, whatever the method. (A
-/// GOAWAY below the stream says the same, but h2 gives every stream the GOAWAY's error
-/// once its connection ends, processed or not: not told apart, not sent again.)
+/// The upstream refused the request before processing any of it (RFC 9113 §8.7): its
+/// HTTP/2 stream reset with `REFUSED_STREAM`, or above the last stream a GOAWAY says was
+/// processed (§6.8). Safe to send again, whatever the method. h2 gives the GOAWAY's own
+/// error to those streams only, when it arrives; streams at or below it that the
+/// connection's end cuts get an I/O error.
 pub(crate) fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
     chain(e).any(|e| {
         e.downcast_ref::<h2::Error>().is_some_and(|e| {
-            e.is_reset() && e.is_remote() && e.reason() == Some(h2::Reason::REFUSED_STREAM)
+            e.is_remote()
+                && (e.is_go_away()
+                    || e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
         })
     })
 }
