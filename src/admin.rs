@@ -222,7 +222,10 @@ fn answer(req: &Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
         "/metrics" => {
             // Read at scrape time: set after each change, two concurrent changes could
             // leave the count of the one that read the store first.
-            proxy.metrics.envd_tokens.set(proxy.tokens.len() as i64);
+            proxy
+                .metrics
+                .envd_tokens
+                .set(proxy.tokens.with_token() as i64);
             let mut r = Response::new(body::full(proxy.metrics.render()));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -639,6 +639,8 @@ async fn a_sandbox_without_a_token_gets_none_and_a_clients_own_is_kept() {
         1,
         "the answer was remembered"
     );
+    // Remembered as having none, it is no sandbox with a known token (SPEC §7).
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
     // The answer without a token is out of date: envd refuses the client's token, the
     // empty entry it stood in for goes with it, and the token is fetched again (SPEC §4:
     // on a 401 the token is fetched again once) for the retry.
@@ -652,6 +654,7 @@ async fn a_sandbox_without_a_token_gets_none_and_a_clients_own_is_kept() {
     let seen = env.envd.seen();
     let retried = seen.last().expect("envd was asked");
     assert_eq!(retried.header("x-access-token"), Some("tok-open"));
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
     env.assert_envd_clean();
     proxy.finish().await;
 }

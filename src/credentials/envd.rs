@@ -127,6 +127,16 @@ impl TokenStore {
         self.len() == 0
     }
 
+    /// Sandboxes with a token (`abx_proxy_envd_tokens`): not those remembered as having
+    /// none (unsecured ones). Counted at each scrape, over at most [`MAX_TOKENS`].
+    pub fn with_token(&self) -> usize {
+        let tokens = self.tokens.load();
+        tokens
+            .values()
+            .filter(|(t, _)| !t.expose().is_empty())
+            .count()
+    }
+
     /// The token for `sandbox_id`, running `fetch` on a miss. Concurrent callers for the same
     /// sandbox share one `fetch`. `Ok(None)`: the sandbox does not exist.
     pub async fn get_or_fetch<F, Fut>(
