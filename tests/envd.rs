@@ -359,6 +359,9 @@ async fn post_json(addr: SocketAddr, path: &str, json: impl Into<Bytes>) -> Resp
 }
 
 /// The routing and credential headers one envd head must carry.
+/// What reaches an app's port (not envd's) when the client sent no `Authorization`.
+const NO_AUTHORIZATION: &str = "";
+
 fn assert_envd_head(seen: &Seen, host: &str, id: &str, port: u16, token: &str, basic: &str) {
     assert_eq!(seen.host(), host, "Host is the envd upstream's: {seen:?}");
     assert_eq!(seen.all("x-access-token"), vec![token], "X-Access-Token");
@@ -368,7 +371,8 @@ fn assert_envd_head(seen: &Seen, host: &str, id: &str, port: u16, token: &str, b
         vec![port.to_string()],
         "E2b-Sandbox-Port"
     );
-    assert_eq!(seen.all("authorization"), vec![basic], "Authorization");
+    let want: Vec<&str> = Some(basic).filter(|b| !b.is_empty()).into_iter().collect();
+    assert_eq!(seen.all("authorization"), want, "Authorization");
 }
 
 /// A bodiless envd request routed by `E2b-Sandbox-Id` alone (no token, no port).
@@ -470,11 +474,29 @@ async fn learned_token_and_routing_headers_reach_envd_without_the_key() {
         .unwrap();
     let (status, _) = text(send(addr, req).await).await;
     assert_eq!(status, StatusCode::OK);
+    // An app's port (an MCP gateway, a user's server) is not envd: the client's
+    // `Authorization` is the app's own credential, and reaches it as sent.
+    let req = request("GET", addr, "/mcp")
+        .header("e2b-sandbox-id", "isb-1")
+        .header("e2b-sandbox-port", "50005")
+        .header("authorization", "Bearer mcp-token")
+        .body(empty())
+        .unwrap();
+    let (status, _) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK);
 
     let seen = env.envd.seen();
-    assert_eq!(seen.len(), 3);
+    assert_eq!(seen.len(), 4);
     assert_envd_head(
         &seen[1], &envd_host, "isb-1", ENVD_PORT, "tok-1", ROOT_BASIC,
+    );
+    assert_envd_head(
+        &seen[3],
+        &envd_host,
+        "isb-1",
+        50005,
+        "tok-1",
+        "Bearer mcp-token",
     );
     assert_envd_head(
         &seen[2],
@@ -722,7 +744,14 @@ async fn host_names_route_to_envd() {
         "tok-2",
         DEFAULT_BASIC,
     );
-    assert_envd_head(&seen[1], &envd_host, "isb-2", 8080, "tok-2", DEFAULT_BASIC);
+    assert_envd_head(
+        &seen[1],
+        &envd_host,
+        "isb-2",
+        8080,
+        "tok-2",
+        NO_AUTHORIZATION,
+    );
     assert_eq!(
         env.lookups("isb-2").len(),
         1,
@@ -1069,7 +1098,14 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
         "tok-1",
         DEFAULT_BASIC,
     );
-    assert_envd_head(&seen[2], &host(8080), "isb-1", 8080, "tok-1", DEFAULT_BASIC);
+    assert_envd_head(
+        &seen[2],
+        &host(8080),
+        "isb-1",
+        8080,
+        "tok-1",
+        NO_AUTHORIZATION,
+    );
     env.assert_envd_clean();
     proxy.finish().await;
 }
@@ -1472,7 +1508,7 @@ async fn websocket_upgrade_through_envd() {
         assert!(buf.is_empty());
 
         let seen = env.envd.seen().pop().unwrap();
-        assert_envd_head(&seen, &envd_host, "isb-ws", 8080, token, DEFAULT_BASIC);
+        assert_envd_head(&seen, &envd_host, "isb-ws", 8080, token, NO_AUTHORIZATION);
         assert_eq!(seen.path_and_query(), "/ws?room=1");
         assert_eq!(seen.header("upgrade"), Some("websocket"));
         assert_eq!(seen.header("connection"), Some("upgrade"));

@@ -3,6 +3,7 @@
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
+use super::route::DEFAULT_ENVD_PORT;
 use crate::secret::Secret;
 
 /// RFC 9110 §7.6.1 hop-by-hop fields, plus the de-facto ones, and `Trailer`: end to end
@@ -346,6 +347,10 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
 /// (which selects the sandbox user) is kept, anything else becomes the default user. The
 /// client's credential for the control plane (`X-API-Key`, or a plugin's own header, under
 /// `scheme`) is not envd's business either.
+///
+/// Another port of the sandbox is an app's (a user's server, the MCP gateway's
+/// `Authorization: Bearer` token): sandbox users are envd's, and the client's
+/// `Authorization` there is its credential for the app, passed as sent.
 pub fn authorize_envd(
     headers: &mut HeaderMap,
     scheme: &AuthScheme,
@@ -357,13 +362,16 @@ pub fn authorize_envd(
     if let AuthScheme::Header(name) = scheme {
         headers.remove(name);
     }
-    // Exactly one Authorization goes to envd: the client's first Basic, or the default user.
-    let basic = headers
-        .get_all(header::AUTHORIZATION)
-        .iter()
-        .find(|v| v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic "))
-        .cloned();
-    headers.insert(header::AUTHORIZATION, basic.unwrap_or(DEFAULT_BASIC));
+    if port == DEFAULT_ENVD_PORT {
+        // Exactly one Authorization goes to envd: the client's first Basic, or the default
+        // user.
+        let basic = headers
+            .get_all(header::AUTHORIZATION)
+            .iter()
+            .find(|v| v.as_bytes().len() > 6 && v.as_bytes()[..6].eq_ignore_ascii_case(b"basic "))
+            .cloned();
+        headers.insert(header::AUTHORIZATION, basic.unwrap_or(DEFAULT_BASIC));
+    }
     // No token known (an unsecured sandbox): none sent, rather than an empty one.
     match HeaderValue::from_str(token.expose()) {
         Ok(mut v) if !v.is_empty() => {
@@ -592,9 +600,17 @@ mod tests {
         // Not a Basic credential, or one without credentials: the default user.
         for client in ["Bearer dummy", "Basic "] {
             let mut h = map(&[("authorization", client)]);
-            authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
+            authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 49983);
             assert_eq!(h["authorization"], "Basic dXNlcjo=", "{client:?}");
         }
+        // An app's port: the client's credential for the app, or none.
+        let mut h = map(&[("authorization", "Bearer mcp")]);
+        authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 50005);
+        assert_eq!(h["authorization"], "Bearer mcp");
+        assert_eq!(h["e2b-sandbox-port"], "50005");
+        let mut h = map(&[]);
+        authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
+        assert!(!h.contains_key("authorization"), "{h:?}");
     }
 
     /// Only the WebSocket offer goes on with an upgrade: `h2c` beside it would let the
