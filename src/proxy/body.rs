@@ -190,8 +190,8 @@ where
     }
 }
 
-/// The error of an [`EndStreamed`] body whose sender reset its stream with `NO_ERROR`
-/// before END_STREAM.
+/// The error of an [`EndStreamed`] body that ended without END_STREAM: its sender reset
+/// the stream with `NO_ERROR`, which hyper reads as the body's end.
 #[derive(Debug, thiserror::Error)]
 #[error("{sender} reset the stream before the end of its body")]
 pub struct ResetEarly {

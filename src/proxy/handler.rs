@@ -146,7 +146,9 @@ impl Proxy {
             // would hyper's dropping the request on the reset, but only when it sees the
             // reset before the handler sees the body's error and answers.
             if upload.as_ref().is_some_and(Moved::reset_by_client) {
-                return Ok(Response::new(body::empty()));
+                let mut gone = Response::new(body::empty());
+                gone.extensions_mut().insert(GaveUp);
+                return Ok(gone);
             }
             let (resp, upstream) = match result {
                 Ok(ok) => ok,
@@ -214,6 +216,11 @@ fn h2_head_size(parts: &Parts) -> usize {
         size + name.as_str().len() + value.len() + PER_FIELD
     })
 }
+
+/// Marks the answer to a request its client gave up (see [`Proxy::handle`]): no answer
+/// reaches it, and its connection counts it as cancelled.
+#[derive(Clone, Copy)]
+pub(super) struct GaveUp;
 
 /// A request dropped before its answer (the client hung up, or the connection was cut):
 /// counted and logged as 499, nginx's "client closed request", so that every request the

@@ -24,9 +24,9 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use super::body::Moved;
 use super::framing::{self, HeadWatch, Verdicts};
 use super::h1::{self, Sock, StdSock};
+use super::handler::GaveUp;
 use super::headers;
 use super::route::PlainOnTls;
 use super::Proxy;
@@ -556,7 +556,7 @@ async fn with_hyper(
         async move {
             let mut resp = handled.await?;
             // The client gave the request up: a cancel, as if hyper had dropped it.
-            if upload.as_ref().is_some_and(Moved::reset_by_client) {
+            if resp.extensions().get::<GaveUp>().is_some() {
                 return Ok(resp);
             }
             guard.answered();
