@@ -989,6 +989,27 @@ async fn envd_401_fetches_the_token_again() {
     assert_eq!(env.lookups("isb-5").len(), 3);
     assert_eq!(env.envd.seen().len(), 5, "nothing to retry with");
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+
+    // An app's port: its 401 is the app's own answer (to the client's credential for it),
+    // not envd's about the token. It reaches the client as it is: no look-up (which any
+    // client could otherwise drive, with the proxy's key, one per 401), nothing sent again.
+    env.create(&proxy, "isb-6", "tok-6").await;
+    env.cloud.exists("isb-6", "tok-6b");
+    let app = request("DELETE", addr, "/items/1")
+        .header("e2b-sandbox-id", "isb-6")
+        .header("e2b-sandbox-port", "3000")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, app).await).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::UNAUTHORIZED, "bad access token")
+    );
+    assert!(
+        env.lookups("isb-6").is_empty(),
+        "an app's 401 looked the token up"
+    );
+    assert_eq!(env.envd.seen().len(), 6, "an app's 401 was sent again");
     env.assert_envd_clean();
     proxy.finish().await;
 }
@@ -1491,7 +1512,7 @@ async fn websocket_upgrade_through_envd() {
         "GET /ws?room=1 HTTP/1.1\r\nHost: 127.0.0.1:{}\r\n\
          Connection: keep-alive, Upgrade, X-Hop\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Key: {WS_KEY}\r\nSec-WebSocket-Version: 13\r\n\
-         E2b-Sandbox-Id: isb-ws\r\nE2b-Sandbox-Port: 8080\r\nX-Access-Token: stale\r\n\
+         E2b-Sandbox-Id: isb-ws\r\nE2b-Sandbox-Port: 49983\r\nX-Access-Token: stale\r\n\
          X-Hop: hop\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\n\
          X-API-Key: dummy-key\r\n\r\n",
         addr.port()
@@ -1508,7 +1529,7 @@ async fn websocket_upgrade_through_envd() {
         assert!(buf.is_empty());
 
         let seen = env.envd.seen().pop().unwrap();
-        assert_envd_head(&seen, &envd_host, "isb-ws", 8080, token, NO_AUTHORIZATION);
+        assert_envd_head(&seen, &envd_host, "isb-ws", ENVD_PORT, token, DEFAULT_BASIC);
         assert_eq!(seen.path_and_query(), "/ws?room=1");
         assert_eq!(seen.header("upgrade"), Some("websocket"));
         assert_eq!(seen.header("connection"), Some("upgrade"));

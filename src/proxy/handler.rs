@@ -19,7 +19,7 @@ use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
 use super::headers::{self, X_ACCESS_TOKEN};
 use super::listener::{MAX_HEAD, MAX_HEADERS};
-use super::route::{self, Route};
+use super::route::{self, Route, DEFAULT_ENVD_PORT};
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
@@ -435,7 +435,10 @@ impl Proxy {
         let req = Request::from_parts(parts, body);
         let mut resp =
             forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host).await?;
-        if resp.status() == StatusCode::UNAUTHORIZED {
+        // Only envd's own 401 is about the token. An app's (another port) answers the
+        // client's credential for the app: fetching the token again would let any client
+        // drive look-ups with the proxy's key, and would send the request twice.
+        if resp.status() == StatusCode::UNAUTHORIZED && port == DEFAULT_ENVD_PORT {
             // The token may have been rotated: fetch it again, once. Only the refused token
             // is dropped, so concurrent 401s share one look-up instead of each discarding
             // the token the previous one just fetched.
