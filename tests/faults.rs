@@ -4079,9 +4079,10 @@ async fn reached<T: std::fmt::Debug, E: std::fmt::Debug>(
     }
 }
 
-/// Rapid reset with uploads: each stream reset mid-body once the upstream (an HTTP/2 envd)
-/// has its head. The body's error answered such a request (400) before hyper saw the
-/// reset, and the request then did not count against the connection.
+/// Rapid reset with uploads: each stream reset mid-body once the upstream (envd, over
+/// TLS: the proxy's own HTTP/1.1 client) has its head. The body's error answered such a
+/// request (400) before hyper saw the reset, and the request then did not count against
+/// the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_clients_that_cancel_every_upload_are_cut_off() {
     let pki = Pki::new();
