@@ -151,6 +151,13 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
             }
             answer
         }
+        // A page where the sandbox was expected (a gateway's, a captive portal's), 200.
+        ("GET", id) if id.starts_with(NOT_A_SANDBOX) => {
+            let mut r = response(200, "<html><body>Sign in to continue</body></html>");
+            r.headers_mut()
+                .insert("content-type", "text/html".parse().unwrap());
+            r
+        }
         ("GET", id) if !id.is_empty() => {
             let mut open = cloud.lookups_open.subscribe();
             let _ = open.wait_for(|open| *open).await;
@@ -168,6 +175,8 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
 
 /// Sandboxes whose id starts so are answered 503 on `DELETE` and on connect.
 const BUSY: &str = "isb-busy";
+/// Sandboxes whose id starts so are looked up with an HTML page, 200.
+const NOT_A_SANDBOX: &str = "isb-html";
 
 /// The sandbox with its current token (get info, connect), or 404.
 fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
@@ -633,6 +642,38 @@ async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
         "the client's token needed no look-up"
     );
     env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// A look-up answered 200 with what describes no sandbox (a gateway's or a captive portal's
+/// page) is the control plane failing, 502 E5001, and is not remembered: taken for a
+/// sandbox without a token, every request for it went to envd without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_answer_that_describes_no_sandbox_is_502() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let id = format!("{NOT_A_SANDBOX}-1");
+    let raw = format!(
+        "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nE2b-Sandbox-Id: {id}\r\n\r\n",
+        addr.port()
+    );
+    for asked in 1..=2 {
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert!(
+            resp.text().contains("the answer describes no sandbox"),
+            "{}",
+            resp.text()
+        );
+        assert_eq!(
+            env.lookups(&id).len(),
+            asked,
+            "looked up again: not remembered"
+        );
+    }
+    assert!(env.envd.seen().is_empty(), "envd was asked without a token");
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
     proxy.finish().await;
 }
 

@@ -561,11 +561,11 @@ impl Proxy {
             return Err(error);
         };
         let reason = match read {
-            Ok(Bounded::Complete(b)) => {
-                return Ok(Some(
-                    sniff::learn(&b).map_or_else(|| Secret::new(""), |(_, t)| t),
-                ))
-            }
+            Ok(Bounded::Complete(b)) => match sniff::looked_up(&b) {
+                Some(token) => return Ok(Some(token)),
+                // Remembered as "no token", every request would go to envd without one.
+                None => "envd token look-up: the answer describes no sandbox",
+            },
             Ok(Bounded::Partial(..)) => "envd token look-up: answer over 1 MiB",
             Err(_) => "envd token look-up: connection closed mid-answer",
         };

@@ -48,6 +48,18 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
 
 /// `(sandboxID, envdAccessToken)` from a JSON body, when both are there.
 pub fn learn(body: &[u8]) -> Option<(String, Secret)> {
+    sandbox(body).filter(|(_, token)| !token.expose().is_empty())
+}
+
+/// The envd token in the answer to a token look-up (`GET /sandboxes/{id}`): empty for a
+/// sandbox that has none (an unsecured one); `None` when the answer describes no sandbox
+/// (not JSON, an error page answered 200), which is not to be taken for "no token".
+pub fn looked_up(body: &[u8]) -> Option<Secret> {
+    sandbox(body).map(|(_, token)| token)
+}
+
+/// The sandbox a JSON body describes, with its envd token, `""` when it has none.
+fn sandbox(body: &[u8]) -> Option<(String, Secret)> {
     #[derive(serde::Deserialize)]
     struct Sandbox {
         #[serde(rename = "sandboxID")]
@@ -56,7 +68,7 @@ pub fn learn(body: &[u8]) -> Option<(String, Secret)> {
         envd_access_token: Option<String>,
     }
     let s: Sandbox = serde_json::from_slice(body).ok()?;
-    let token = s.envd_access_token.filter(|t| !t.is_empty())?;
+    let token = s.envd_access_token.unwrap_or_default();
     Some((s.sandbox_id, Secret::new(token)))
 }
 
