@@ -88,7 +88,9 @@ fn check_origin(
     if let Some(origin) = fields.origin {
         let host = origin.to_str().ok().and_then(origin_host);
         return match host {
-            Some(h) if policy.accepts(h) && same_sandbox(sandbox_host(h), own) => Ok(()),
+            Some(h) if policy.accepts(h) && sandbox_host(h).is_ok_and(|o| same_sandbox(o, own)) => {
+                Ok(())
+            }
             // The page's origin, as much of it as names one (the field can be long).
             _ => Err(refused(format!(
                 "cross-origin request from {}",
@@ -301,7 +303,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     } else if host.is_empty() && !matches!(policy, HostPolicy::Any) {
         return Err(refused("missing Host header"));
     }
-    let named = sandbox_host(hostname);
+    let named = sandbox_host(hostname)?;
     check_origin(&fields, policy, named)?;
 
     // The constants, not strings: a `&str` key is parsed into a name on every call.
@@ -342,16 +344,34 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     Ok(Route::Api)
 }
 
-/// `<port>-<sandboxId>.localhost`: the port is the digits before the first dash.
-fn sandbox_host(host: &str) -> Option<(u16, &str)> {
+/// `<port>-<sandboxId>.localhost`: the port is the digits before the first dash. A name of
+/// that shape whose port or id cannot be one (`0-…`, `65536-…`, `49983-isb_a`) is an
+/// error, not another local name: served as one, a sandbox's request (its signed URL's
+/// query included) would go to the control plane with the key.
+fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     let h = host.trim_end_matches('.');
     if !ends_with_ignore_case(h, ".localhost") {
-        return None;
+        return Ok(None);
     }
     let label = &h[..h.len() - ".localhost".len()];
-    let (port, id) = label.split_once('-')?;
-    let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
-    valid_sandbox_id(id).then_some((port, id))
+    let Some((port, id)) = label.split_once('-') else {
+        return Ok(None);
+    };
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(None);
+    }
+    let Some(port) = port.parse::<u16>().ok().filter(|p| *p != 0) else {
+        return Err(refused(
+            "invalid sandbox host: the port before the first dash must be 1-65535",
+        ));
+    };
+    if !valid_sandbox_id(id) {
+        return Err(refused(
+            "invalid sandbox host: the sandbox id must be letters, digits and dashes, \
+             at most 128",
+        ));
+    }
+    Ok(Some((port, id)))
 }
 
 /// Sandbox ids become part of a host name upstream: letters, digits and dashes only.
@@ -644,6 +664,51 @@ mod tests {
             ("origin", "http://localhost:5173"),
         ];
         assert!(route(&parts("/", &dev), &HostPolicy::Loopback).is_ok());
+    }
+
+    /// A Host in the sandbox shape (`<digits>-…`) whose port or id cannot be one is
+    /// refused, not served as another local name: that went to the control plane with the
+    /// key, a signed file URL's query included. Other local names still do.
+    #[test]
+    fn a_sandbox_host_that_names_no_sandbox_is_refused() {
+        let long = format!("49983-{}.localhost", "a".repeat(129));
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            for host in [
+                "0-isb-a.localhost",
+                "65536-isb-a.localhost:49982",
+                "99999-isb-a.localhost",
+                "49983-isb_a.localhost",
+                "49983-isb.a.localhost",
+                "49983-isb%2Da.localhost",
+                "49983-.localhost",
+                long.as_str(),
+            ] {
+                let e = route(&parts("/files?signature=s", &[("host", host)]), &p).unwrap_err();
+                assert_eq!(e.code(), "E5003", "{host}");
+                assert!(
+                    e.to_string().contains("invalid sandbox host"),
+                    "{host}: {e}"
+                );
+            }
+            for host in [
+                "localhost",
+                "app.localhost",
+                "my-app.localhost",
+                "x-1.localhost",
+            ] {
+                assert_eq!(
+                    route(&parts("/", &[("host", host)]), &p).unwrap(),
+                    Route::Api
+                );
+            }
+        }
+        // Nor does a page claim such an origin to pass as a local one.
+        let from_bad = [
+            ("host", "localhost"),
+            ("origin", "http://0-isb-a.localhost:49982"),
+        ];
+        let e = route(&parts("/sandboxes", &from_bad), &HostPolicy::Loopback).unwrap_err();
+        assert!(e.to_string().contains("cross-origin"), "{e}");
     }
 
     /// A Host naming one sandbox port and routing headers naming another are refused,
