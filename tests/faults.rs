@@ -321,6 +321,54 @@ async fn heads_hyper_refuses_are_logged_and_counted() {
     assert_eq!(lines, 3, "{stderr}");
 }
 
+/// A head over 64 KiB gets 431 on hyper's HTTP/1 server as on the fast path: here the
+/// second request on a connection the fast path handed over (`TE: trailers`). hyper checks
+/// its own limit only while a head is incomplete, and its buffer grows by doubling, so
+/// heads up to about twice the limit that one read completed went upstream. Each 431 is
+/// logged and counted (`method=-`, `OTHER`) and closes the connection; a head just under
+/// the limit is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_heads_over_64_kib_get_431_on_hypers_server_too() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let first = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTE: trailers\r\n\r\n");
+    let cases = [
+        (70 * 1024, 431),
+        (100 * 1024, 431),
+        (120 * 1024, 431),
+        (60 * 1024, 200),
+    ];
+    let mut served = 0;
+    for (size, status) in cases {
+        let mut big = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-Big: ");
+        big.push_str(&"a".repeat(size - big.len() - "\r\n\r\n".len()));
+        big.push_str("\r\n\r\n");
+        assert_eq!(big.len(), size);
+        let mut s = connect_raw(addr).await;
+        s.write_all((first.clone() + &big).as_bytes())
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let handed_over = read_response(&mut s, &mut buf).await;
+        assert_eq!(handed_over.status, 200, "{handed_over:?}");
+        let resp = read_response(&mut s, &mut buf).await;
+        assert_eq!(resp.status, status, "a head of {size} bytes: {resp:?}");
+        if status == 431 {
+            expect_closed(&mut s, &buf).await;
+            let line = proxy.wait_for_line(" status=431 ").await;
+            assert!(line.contains(" method=- path=- "), "{size}: {line}");
+        }
+        served += if status == 431 { 1 } else { 2 };
+        assert_eq!(upstream.seen().len(), served, "a head of {size} bytes");
+    }
+    let text = scrape(proxy.admin_addr()).await;
+    let series = r#"abx_proxy_requests_total{plane="api",method="OTHER",code="431"}"#;
+    assert_eq!(metric(&text, series), Some(3.0), "{text}");
+    proxy.finish().await;
+}
+
 /// Every kind of 400 E5003 refusal, on each of the three paths a request can take (the
 /// HTTP/1.1 fast path, hyper's HTTP/1 server, hyper's HTTP/2 server), has exactly one
 /// access line, with its method and path, and one count in `requests_total` under the

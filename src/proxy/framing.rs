@@ -37,6 +37,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use super::listener::MAX_HEAD;
+
 /// Marks a request (in its extensions) whose framing is refused: both `Content-Length` and
 /// `Transfer-Encoding`, or another [`Refusal`] (which the listener inserts beside it).
 #[derive(Debug, Clone, Copy)]
@@ -56,6 +58,10 @@ pub enum Refusal {
     /// A request after the watch lost track of the connection's framing: its head may not
     /// be where hyper found it.
     Unfollowed,
+    /// A head over [`MAX_HEAD`]: answered 431, as the fast path answers it. hyper checks
+    /// its own limit only while a head is incomplete, and its buffer grows by doubling: a
+    /// head that one read completes passed up to about twice the limit.
+    HeadTooLarge,
 }
 
 impl Refusal {
@@ -67,6 +73,7 @@ impl Refusal {
             Refusal::TransferCoding => "unsupported Transfer-Encoding (only chunked is accepted)",
             Refusal::LongFramingField => "oversized Content-Length or Transfer-Encoding field",
             Refusal::Unfollowed => "an earlier request's framing could not be followed",
+            Refusal::HeadTooLarge => "request head over 64 KiB",
         }
     }
 
@@ -77,6 +84,7 @@ impl Refusal {
             Refusal::TransferCoding => 3,
             Refusal::LongFramingField => 4,
             Refusal::Unfollowed => 5,
+            Refusal::HeadTooLarge => 6,
         }
     }
 
@@ -86,6 +94,7 @@ impl Refusal {
             3 => Refusal::TransferCoding,
             4 => Refusal::LongFramingField,
             5 => Refusal::Unfollowed,
+            6 => Refusal::HeadTooLarge,
             _ => Refusal::BothLengths,
         }
     }
@@ -105,6 +114,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             line_cut: false,
             cr: false,
             head: Head::default(),
+            head_len: 0,
             heads: 0,
             http2: false,
             found: found.clone(),
@@ -236,6 +246,8 @@ pub struct HeadWatch {
     /// The last byte of the current line so far is a CR (it may lie past `line`'s end).
     cr: bool,
     head: Head,
+    /// The current head's bytes so far, from its request line.
+    head_len: usize,
     /// Heads begun so far (request lines read).
     heads: u64,
     /// The connection opened with HTTP/2's whole preface.
@@ -283,7 +295,11 @@ impl HeadWatch {
                 State::Head { .. } | State::ChunkSize | State::Trailers => {
                     // This runs on every read: the line end is found a word at a time, and a
                     // line that arrived whole is looked at where it lies, not copied.
-                    match memchr::memchr(b'\n', data) {
+                    let end = memchr::memchr(b'\n', data);
+                    if let State::Head { .. } = self.state {
+                        self.head_len += end.map_or(data.len(), |end| end + 1);
+                    }
+                    match end {
                         Some(end) if self.line_len == 0 => {
                             let line = &data[..end];
                             data = &data[end + 1..];
@@ -329,8 +345,12 @@ impl HeadWatch {
             // hyper does not end them (`0\r\n\n` and what follows is still its trailer
             // section) and the next head be looked for in the wrong place.
             State::ChunkSize | State::Trailers if !self.cr => self.lose(),
-            // Empty lines before a request line are tolerated (RFC 9112 §2.2).
-            State::Head { first: true } if line.is_empty() => State::Head { first: true },
+            // Empty lines before a request line are tolerated (RFC 9112 §2.2), and are no
+            // part of its head.
+            State::Head { first: true } if line.is_empty() => {
+                self.head_len = 0;
+                State::Head { first: true }
+            }
             State::Head { first: true } => {
                 self.head = Head::default();
                 self.heads += 1;
@@ -426,7 +446,10 @@ impl HeadWatch {
 
     fn end_of_head(&mut self) -> State {
         let head = self.head;
-        let refusal = if head.has_content_length && head.transfer_encoding {
+        let too_large = std::mem::take(&mut self.head_len) > MAX_HEAD;
+        let refusal = if too_large {
+            Some(Refusal::HeadTooLarge)
+        } else if head.has_content_length && head.transfer_encoding {
             Some(Refusal::BothLengths)
         } else if head.long_field {
             Some(Refusal::LongFramingField)
@@ -527,6 +550,36 @@ mod tests {
         let te_first =
             b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n";
         assert_eq!(flagged(te_first, 4096, 1), vec![1]);
+    }
+
+    /// A head of `len` bytes, from its request line to its empty line.
+    fn head_of_len(len: usize) -> Vec<u8> {
+        let mut head = b"GET / HTTP/1.1\r\nX-A: ".to_vec();
+        head.resize(len - 4, b'a');
+        head.extend_from_slice(b"\r\n\r\n");
+        head
+    }
+
+    /// A head over [`MAX_HEAD`] is refused as too large, whatever its split and whichever
+    /// request it is; one of exactly `MAX_HEAD` is not, nor are the empty lines a client
+    /// may send before a request line.
+    #[test]
+    fn heads_over_the_limit_are_too_large() {
+        let too_large = Verdict {
+            refusal: Some(Refusal::HeadTooLarge),
+            last: false,
+        };
+        for step in [1, 7, 4096, 200_000] {
+            let mut input = b"\r\n\r\n".to_vec();
+            input.extend(head_of_len(MAX_HEAD));
+            input.extend(head_of_len(MAX_HEAD + 1));
+            assert_eq!(verdicts(&input, step, 2), [PASS, too_large], "step {step}");
+            let twice = [head_of_len(MAX_HEAD), head_of_len(MAX_HEAD)].concat();
+            assert_eq!(verdicts(&twice, step, 2), [PASS, PASS], "step {step}");
+            let mut input = head_of_len(100);
+            input.extend(head_of_len(2 * MAX_HEAD));
+            assert_eq!(verdicts(&input, step, 2), [PASS, too_large], "step {step}");
+        }
     }
 
     /// Each request's verdict, as the service would get them.

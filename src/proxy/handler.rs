@@ -17,6 +17,7 @@ use http_body::Body as _;
 use super::body::{self, Bounded, Moved, Prefixed, SNIFF_LIMIT};
 use super::compat::{self, Rewrite};
 use super::forward::{self, FailKind};
+use super::framing::Refusal;
 use super::headers::{self, X_ACCESS_TOKEN};
 use super::listener::{MAX_HEAD, MAX_HEADERS};
 use super::route::{self, Route, DEFAULT_ENVD_PORT};
@@ -95,11 +96,13 @@ impl Proxy {
         let (mut parts, body) = req.into_parts();
         // An HTTP/2 upload's progress (see below).
         let upload = parts.extensions.remove::<Moved>();
-        // HTTP/1 heads are held to the limits by their parser (hyper answers 431). HTTP/2
-        // counts no fields, and its layer's own size limit is set above ours (see
+        // HTTP/1 heads are held to the limits by their parser (hyper answers 431), and the
+        // size hyper's parser may let through by the framing watch. HTTP/2 counts no
+        // fields, and its layer's own size limit is set above ours (see
         // `listener::H2_MAX_HEAD_LIST`): its 431 would reach no log and no count.
         let oversized = parts.headers.len() > MAX_HEADERS
-            || (parts.version == Version::HTTP_2 && h2_head_size(&parts) > MAX_HEAD);
+            || (parts.version == Version::HTTP_2 && h2_head_size(&parts) > MAX_HEAD)
+            || parts.extensions.get::<Refusal>() == Some(&Refusal::HeadTooLarge);
         // Only a non-idempotent method looks for the header: none of the hot path's GETs.
         let repeatable = method.is_idempotent() || parts.headers.contains_key(IDEMPOTENCY_KEY);
         async move {

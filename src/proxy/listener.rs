@@ -527,7 +527,10 @@ async fn with_hyper(
         }
         let verdict = verdicts.next_verdict();
         if let Some(why) = verdict.refusal {
-            req.extensions_mut().insert(framing::AmbiguousLength);
+            // A head over the limit is framed like any other: the handler answers 431.
+            if why != framing::Refusal::HeadTooLarge {
+                req.extensions_mut().insert(framing::AmbiguousLength);
+            }
             req.extensions_mut().insert(why);
         }
         let connect = req.method() == Method::CONNECT;
