@@ -769,8 +769,13 @@ fn write_response<'a>(
     is_head: bool,
     close: bool,
 ) -> Write<'a> {
-    let (parts, mut body) = resp.into_parts();
+    let (mut parts, mut body) = resp.into_parts();
     let status = parts.status;
+    // A 204 must not carry a length (RFC 9110 §8.6), the upstream's included: hyper's
+    // server drops it too.
+    if status == StatusCode::NO_CONTENT {
+        parts.headers.remove(CONTENT_LENGTH);
+    }
     let bodyless = is_head
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -1489,6 +1494,20 @@ mod tests {
         assert!(keep, "{wire}");
         let wire = with_date_removed(&wire);
         assert!(wire.ends_with("content-length: 42\r\n\r\n"), "{wire}");
+        // A 204's length is dropped, even the upstream's (RFC 9110 §8.6); a 304's stands.
+        for (status, kept) in [(204, false), (304, true)] {
+            let mut resp = answer(status, body::empty());
+            resp.headers_mut()
+                .insert(CONTENT_LENGTH, HeaderValue::from_static("5"));
+            let (keep, wire) = on_the_wire(resp, false, false).await;
+            assert!(keep, "{status}: {wire}");
+            assert_eq!(
+                wire.contains("content-length: 5\r\n"),
+                kept,
+                "{status}: {wire}"
+            );
+            assert!(wire.ends_with("\r\n\r\n"), "{status}: no body: {wire}");
+        }
         // A HEAD answer the proxy wrote itself states the length its GET would have.
         let (_, wire) = on_the_wire(answer(503, body::full("{}")), true, false).await;
         assert!(wire.contains("content-length: 2\r\n"), "{wire}");
