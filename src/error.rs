@@ -62,6 +62,12 @@ pub enum Error {
     /// E5002: the upstream did not answer in time.
     #[error("upstream timeout: no response within {seconds}s ({host})")]
     UpstreamTimeout { seconds: u64, host: String },
+    /// E5002 too: an HTTP/2 upstream connection stopped answering altogether, found by its
+    /// keep-alive ping before the request's own timeout ran out.
+    #[error(
+        "upstream timeout: the connection stopped answering (a keep-alive ping unanswered for {seconds}s) ({host})"
+    )]
+    UpstreamSilent { seconds: u64, host: String },
     /// E5003: a request this proxy will not forward.
     #[error("request refused: {reason}")]
     Refused { reason: String },
@@ -97,7 +103,7 @@ impl Error {
             Error::CredentialRejected { .. } => "E1009",
             Error::SandboxNotFound { .. } => "E2009",
             Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => "E5001",
-            Error::UpstreamTimeout { .. } => "E5002",
+            Error::UpstreamTimeout { .. } | Error::UpstreamSilent { .. } => "E5002",
             Error::Refused { .. } => "E5003",
             Error::Manifest { .. } => "E8001",
             Error::UnknownProvider { .. } => "E8002",
@@ -127,6 +133,7 @@ impl Error {
                     crate::credentials::exchange::CALL_TIMEOUT.as_secs()
                 ))
             }
+            Error::UpstreamSilent { .. } => "The upstream, or a load balancer or NAT on the way, stopped answering on an open connection: retry, the next request opens a new one.",
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
             Error::ProviderOption { .. } => "Give FIELD=VALUE for a non-secret field of the selected plugin (secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
@@ -142,7 +149,8 @@ impl Error {
         match self {
             Error::UpstreamUnreachable { .. }
             | Error::UpstreamUnavailable { .. }
-            | Error::UpstreamTimeout { .. } => EXIT_UNAVAILABLE,
+            | Error::UpstreamTimeout { .. }
+            | Error::UpstreamSilent { .. } => EXIT_UNAVAILABLE,
             Error::ProviderOption { .. } => EXIT_USAGE,
             _ => EXIT_CONFIG,
         }
@@ -152,7 +160,7 @@ impl Error {
     pub fn http_status(&self) -> u16 {
         match self {
             Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => 502,
-            Error::UpstreamTimeout { .. } => 504,
+            Error::UpstreamTimeout { .. } | Error::UpstreamSilent { .. } => 504,
             Error::Refused { .. } => 400,
             Error::SandboxNotFound { .. } => 404,
             _ => 503,

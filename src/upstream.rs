@@ -171,7 +171,7 @@ const MAX_PING_INTERVAL: Duration = Duration::from_secs(20);
 /// client whose requests wait `request_timeout` for an answer: half of it, so that a
 /// connection that went silent is closed about when the request on it times out, and the
 /// next one opens a new connection.
-fn ping_interval(request_timeout: Duration) -> Duration {
+pub(crate) fn ping_interval(request_timeout: Duration) -> Duration {
     (request_timeout / 2).clamp(Duration::from_millis(1), MAX_PING_INTERVAL)
 }
 

@@ -2250,7 +2250,8 @@ async fn an_http2_upstream_closing_mid_answer_is_counted_as_a_reset() {
 
 /// An HTTP/2 control plane that goes quiet (answers nothing, not even the proxy's
 /// keep-alive ping) is an upstream that did not answer in time: 504 E5002, counted as
-/// `timeout`, as when the request's own timeout ends first. The ping's end came first here,
+/// `timeout`, as when the request's own timeout ends first, its message saying it was the
+/// ping (it said "no response within 4s" after 2). The ping's end came first here,
 /// and was 502 E5001 "operation timed out", counted as `protocol`: the connection had been
 /// idle for longer than the ping interval, so hyper pinged as the request went out, and
 /// gave up half a timeout later.
@@ -2272,6 +2273,13 @@ async fn an_http2_upstream_gone_quiet_is_a_timeout() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let resp = get(addr, "/sandboxes").await;
     assert_proxy_error(&resp, 504, "E5002");
+    // Said as what happened: it came after the ping's 2 s, not the request's 4 s.
+    assert!(
+        resp.text()
+            .contains("the connection stopped answering (a keep-alive ping unanswered for 2s)"),
+        "{}",
+        resp.text()
+    );
     assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "timeout");
     proxy.finish().await;
     task.abort();

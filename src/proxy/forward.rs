@@ -65,6 +65,13 @@ pub async fn send(
             },
             Some(FailKind::Timeout),
         ),
+        UpstreamError::PingUnanswered => (
+            Error::UpstreamSilent {
+                seconds: crate::upstream::ping_interval(timeout).as_secs().max(1),
+                host: host.to_string(),
+            },
+            Some(FailKind::Timeout),
+        ),
         // The client stopped sending its body before the end, and the upstream waited for
         // it: refused as the proxy's own read of a create body is when it stalls.
         UpstreamError::BodyStalled => (

@@ -162,7 +162,8 @@ impl Proxy {
                     let host = match &f.error {
                         Error::UpstreamUnreachable { host, .. }
                         | Error::UpstreamUnavailable { host, .. }
-                        | Error::UpstreamTimeout { host, .. } => Arc::from(host.as_str()),
+                        | Error::UpstreamTimeout { host, .. }
+                        | Error::UpstreamSilent { host, .. } => Arc::from(host.as_str()),
                         _ => Arc::from(""),
                     };
                     let mut resp = body::error_response(&f.error);

@@ -91,6 +91,10 @@ pub enum UpstreamError {
     /// No response head within `--upstream-timeout`.
     #[error("timed out")]
     Timeout,
+    /// hyper's HTTP/2 keep-alive found the connection dead before the head came (see
+    /// [`forward::timed_out`]).
+    #[error("keep-alive ping unanswered")]
+    PingUnanswered,
     /// No response head within `--upstream-timeout`, the client's body having stopped
     /// before its end: the upstream waits for the rest, so the fault is the client's.
     #[error("the request body stalled")]
@@ -119,6 +123,7 @@ impl UpstreamError {
             | UpstreamError::Closed
             | UpstreamError::Protocol(_)
             | UpstreamError::Timeout
+            | UpstreamError::PingUnanswered
             | UpstreamError::BodyStalled => true,
         }
     }
@@ -136,7 +141,7 @@ impl UpstreamError {
             UpstreamError::Tls(_) => FailKind::Tls,
             UpstreamError::Io(e) => forward::io_kind(e.kind()),
             UpstreamError::Closed => FailKind::Reset,
-            UpstreamError::Timeout => FailKind::Timeout,
+            UpstreamError::Timeout | UpstreamError::PingUnanswered => FailKind::Timeout,
             UpstreamError::ClientBody(_)
             | UpstreamError::BodyStalled
             | UpstreamError::Protocol(_) => FailKind::Protocol,
@@ -170,6 +175,7 @@ impl UpstreamError {
             UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
             UpstreamError::Closed => "connection closed early".into(),
             UpstreamError::Timeout => "timed out".into(),
+            UpstreamError::PingUnanswered => "keep-alive ping unanswered".into(),
             UpstreamError::BodyStalled => "the request body stalled".into(),
             UpstreamError::Protocol(what) => format!("invalid response: {what}"),
         }
@@ -295,7 +301,7 @@ impl Upstream {
                 Ok(Err(e)) if moved.as_ref().is_some_and(body::Moved::broken) => {
                     return Err(UpstreamError::ClientBody(e.into()))
                 }
-                Ok(Err(e)) if forward::timed_out(&e) => return Err(UpstreamError::Timeout),
+                Ok(Err(e)) if forward::timed_out(&e) => return Err(UpstreamError::PingUnanswered),
                 // Not processed at all (RFC 9113 §8.7): sent once more, as curl and Go's
                 // client do, whatever the method. hyper-util sends again only what it never
                 // wrote. Once: an upstream refusing every stream is answered.
