@@ -85,6 +85,7 @@ pub fn stdout_line(args: std::fmt::Arguments<'_>) {
         }
         Err(e) => {
             crate::logging::stderr_line(&format!("error: cannot write to stdout: {e}"));
+            crate::logging::finish();
             std::process::exit(EXIT_IOERR)
         }
     }

@@ -15,7 +15,8 @@
 //!
 //! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and changed secret
 //! files, [`signals`], and [`notify`] for systemd's readiness), [`commands`] and [`check`],
-//! parsed by [`cli`]; [`logging`] writes the access log and the rest of stderr, and
+//! parsed by [`cli`]; [`logging`] formats the access log and the rest of stderr, which
+//! [`log_writer`]'s thread writes (a stalled reader stops no worker), and
 //! [`providers`] holds the built-in provider and installed plugin ones.
 #![forbid(unsafe_code)]
 
@@ -34,6 +35,7 @@ pub mod cli;
 pub mod commands;
 pub mod credentials;
 pub mod error;
+pub mod log_writer;
 pub mod logging;
 pub mod metrics;
 pub mod notify;

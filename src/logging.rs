@@ -5,7 +5,7 @@
 //! layer spends most of a request's logging budget on its generic machinery (field
 //! visitors, a dynamic writer, timestamp formatting through `fmt`), so the access line is
 //! formatted here by hand, byte for byte what that layer prints for the same event, and
-//! written with one `write_all`; on the workers, several lines with one (see
+//! handed to [`crate::log_writer`] whole; on the workers, several lines at once (see
 //! [`batch_this_thread`]). Filtering stays with the installed subscriber: the line is
 //! only written when it would let `abx_proxy::access` at info through. Whenever the fast
 //! path cannot vouch for identical output (logging not set up by [`init`], colours on,
@@ -48,7 +48,32 @@ pub fn warning(text: &str) {
 /// terminal closed under a running proxy (SIGHUP, which reloads) must not turn every log
 /// line into a panic, nor the exit code of a failed start into 101.
 pub fn stderr_line(text: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{text}");
+    let mut line = Vec::with_capacity(text.len() + 1);
+    line.extend_from_slice(text.as_bytes());
+    line.push(b'\n');
+    crate::log_writer::write(line);
+}
+
+/// The error that ends a command, in the house format; where the logs are JSON, an object
+/// like every other line (a pipeline reading one object per line would refuse the line
+/// that says why the unit failed). Then waits, a moment at most, for the lines queued
+/// before it to be written: the process exits next.
+pub fn fatal(e: &crate::Error) {
+    if JSON_LOGS.load(Ordering::Acquire) {
+        match e.suggestion() {
+            Some(suggestion) => tracing::error!(code = e.code(), suggestion, "{}", e.line()),
+            None => tracing::error!(code = e.code(), "{}", e.line()),
+        }
+    } else {
+        stderr_line(&e.render());
+    }
+    finish();
+}
+
+/// Waits up to a second for the queued log lines to be written (see [`crate::log_writer`]):
+/// before the process exits.
+pub fn finish() {
+    crate::log_writer::flush(Duration::from_secs(1));
 }
 
 /// `level` is `--log-level`; blank, it is not given (as a blank `RUST_LOG` is unset).
@@ -61,12 +86,13 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .unwrap_or_else(|| EnvFilter::new(default));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
+    crate::log_writer::start();
     // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
     // which panics when stderr is what failed (see `stderr_line`).
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(std::io::stderr)
+        .with_writer(crate::log_writer::Stderr)
         .log_internal_errors(false);
     let installed = match format {
         LogFormat::Text => builder.try_init(),
@@ -194,9 +220,7 @@ pub fn flush_thread() {
     let _ = PENDING.try_with(|p| {
         if let Ok(mut p) = p.try_borrow_mut() {
             if let Some(buf) = p.as_mut().filter(|b| !b.is_empty()) {
-                // A failing stderr is not worth failing a request over (tracing-subscriber
-                // ignores it too).
-                let _ = write_line(buf);
+                crate::log_writer::write(buf.to_vec());
                 buf.clear();
             }
         }
@@ -214,7 +238,7 @@ fn emit(line: &[u8]) {
                 return false;
             };
             if buf.len() + line.len() > BATCH_MAX && !buf.is_empty() {
-                let _ = write_line(buf);
+                crate::log_writer::write(buf.to_vec());
                 buf.clear();
             }
             // A line longer than a whole batch goes out on its own, after those before it.
@@ -226,31 +250,8 @@ fn emit(line: &[u8]) {
         })
         .unwrap_or(false);
     if !batched {
-        let _ = write_line(line);
+        crate::log_writer::write(line.to_vec());
     }
-}
-
-/// Writes whole lines to stderr through this thread's own descriptor for it. Through
-/// `std::io::stderr()` every worker took the same lock for every request, and under load
-/// they queued on it (a futex call for every few requests); lines go out whole, at most
-/// [`BATCH_MAX`] bytes at a time or one line, so lines from different threads never mix.
-fn write_line(bytes: &[u8]) -> std::io::Result<()> {
-    use std::cell::OnceCell;
-    use std::os::fd::AsFd;
-    thread_local! {
-        static STDERR: OnceCell<Option<std::fs::File>> = const { OnceCell::new() };
-    }
-    STDERR.with(|cell| {
-        let own = cell.get_or_init(|| {
-            let fd = std::io::stderr().as_fd().try_clone_to_owned().ok()?;
-            Some(std::fs::File::from(fd))
-        });
-        match own {
-            // `Write` for `&File`: no `&mut` needed, the descriptor is the thread's own.
-            Some(file) => (&*file).write_all(bytes),
-            None => std::io::stderr().lock().write_all(bytes),
-        }
-    })
 }
 
 /// The fast path of [`access`] for a subscriber installed by [`init`] printing `format`
@@ -1178,6 +1179,7 @@ mod tests {
             path: &escaped,
             ..line
         });
+        finish();
     }
 
     /// The child half of `a_batching_thread_writes_whole_lines_in_order`.
@@ -1210,6 +1212,7 @@ mod tests {
             }
         }
         flush_thread();
+        finish();
     }
 
     /// A worker's lines wait in its batch (the marker written meanwhile comes first), go

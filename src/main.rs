@@ -58,9 +58,12 @@ fn main() -> ExitCode {
         },
     };
     match result {
-        Ok(code) => ExitCode::from(code as u8),
+        Ok(code) => {
+            logging::finish();
+            ExitCode::from(code as u8)
+        }
         Err(e) => {
-            logging::stderr_line(&e.render());
+            logging::fatal(&e);
             ExitCode::from(e.exit_code() as u8)
         }
     }

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub token_exchanges: IntCounterVec,
     pub token_expiry: Gauge,
     pub envd_tokens: IntGauge,
+    /// Set from [`crate::log_writer::dropped`] at each scrape.
+    pub log_lines_dropped: IntCounter,
     /// The per-request series, resolved once (see [`Hot`]).
     hot: Hot,
 }
@@ -139,6 +141,10 @@ impl Metrics {
             "abx_proxy_envd_tokens",
             "Sandboxes whose envd access token is known.",
         )?;
+        let log_lines_dropped = IntCounter::new(
+            "abx_proxy_log_lines_dropped_total",
+            "Log lines dropped because stderr was not read fast enough.",
+        )?;
         let build_info = IntGaugeVec::new(
             Opts::new("abx_proxy_build_info", "Build information."),
             &["version"],
@@ -166,6 +172,7 @@ impl Metrics {
         registry.register(Box::new(token_exchanges.clone()))?;
         registry.register(Box::new(token_expiry.clone()))?;
         registry.register(Box::new(envd_tokens.clone()))?;
+        registry.register(Box::new(log_lines_dropped.clone()))?;
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
@@ -188,6 +195,7 @@ impl Metrics {
             token_exchanges,
             token_expiry,
             envd_tokens,
+            log_lines_dropped,
             hot,
         })
     }

@@ -1756,3 +1756,86 @@ async fn accept_failures_warn_once_and_the_waiting_client_is_then_served() {
         .count();
     assert_eq!(warnings, 1, "{stderr}");
 }
+
+/// A log reader that stalls (a full stderr pipe: a wedged log shipper, a slow `tee`) stops
+/// nothing: requests are served, the lines that neither the pipe nor the proxy's queue can
+/// hold are dropped and counted, and SIGTERM still ends the proxy. Before, every worker
+/// blocked in its write to stderr after a few hundred requests (while `/readyz` said 200),
+/// and the main thread at its "draining" line: only SIGKILL ended the process. A reader
+/// that comes back is told how many lines were dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
+    const REQUESTS: usize = 3000;
+    const DROPPED: &str = "abx_proxy_log_lines_dropped_total";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    let fill = |round: usize| async move {
+        let mut client = connect(addr).await;
+        for i in 0..REQUESTS {
+            within("the connection ready", client.ready())
+                .await
+                .expect("the connection kept");
+            let req = request("GET", addr, "/sandboxes")
+                .body(empty())
+                .expect("request");
+            let resp = within(
+                "an answer while stderr is not read",
+                client.send_request(req),
+            )
+            .await
+            .expect("an answer");
+            assert_eq!(resp.status(), 200, "round {round}, request {i}");
+            resp.into_body().collect().await.expect("body");
+        }
+    };
+    proxy.read_stderr(false);
+    fill(1).await;
+    let text = scrape(proxy.admin_addr()).await;
+    let dropped = metric(&text, DROPPED).unwrap_or_default();
+    assert!(dropped > 0.0, "{text}");
+    assert_eq!(get(proxy.admin_addr(), "/readyz").await.0, 200);
+
+    proxy.read_stderr(true);
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let said = proxy.wait_for_line("log lines dropped").await;
+    assert!(said.contains(" WARN "), "{said}");
+
+    // Stalled again, and full: the drain and the exit do not wait on it.
+    proxy.read_stderr(false);
+    fill(2).await;
+    let text = scrape(proxy.admin_addr()).await;
+    assert!(
+        metric(&text, DROPPED).unwrap_or_default() > dropped,
+        "{text}"
+    );
+    proxy.signal("TERM");
+    let status = proxy.wait_exit().await;
+    assert!(status.success(), "{status}; stderr:\n{}", proxy.stderr());
+}
+
+/// With `--log-format json`, the error that ends a start is a JSON object like every other
+/// line (with its code and suggestion), not the house format's bare two lines, which a
+/// pipeline reading one object per line refused: the one line that says why the unit
+/// failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_start_with_json_logs_says_why_in_json() {
+    let pki = Pki::new();
+    let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .args(&["--log-format", "json"])
+        .env("ABX_SANDBOX_API_KEY", None);
+    let (status, stderr) = cmd.run_to_exit().await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?} in\n{stderr}")))
+        .collect();
+    let last = lines.last().unwrap_or_else(|| panic!("nothing said"));
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert_eq!(last["code"], "E1001", "{last}");
+    let message = last["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("[E1001] "), "{last}");
+    let suggestion = last["suggestion"].as_str().unwrap_or_default();
+    assert!(suggestion.contains("ABX_SANDBOX_API_KEY"), "{last}");
+}

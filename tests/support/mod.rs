@@ -947,12 +947,20 @@ impl ProxyCmd {
         let stderr = child.stderr.take().expect("stderr piped");
         let text = Arc::new(Mutex::new(String::new()));
         let (tx, lines) = mpsc::unbounded_channel();
+        let reading = Arc::new((Mutex::new(true), std::sync::Condvar::new()));
         let reader = {
             let text = text.clone();
+            let reading = reading.clone();
             std::thread::spawn(move || {
                 let mut r = std::io::BufReader::new(stderr);
                 let mut raw = Vec::new();
-                while let Ok(n) = r.read_until(b'\n', &mut raw) {
+                loop {
+                    let (open, opened) = &*reading;
+                    let guard = lock(open);
+                    drop(opened.wait_while(guard, |open| !*open).expect("the gate"));
+                    let Ok(n) = r.read_until(b'\n', &mut raw) else {
+                        break;
+                    };
                     if n == 0 {
                         break;
                     }
@@ -971,6 +979,7 @@ impl ProxyCmd {
             text,
             lines,
             reader: Some(reader),
+            reading,
             _home: home,
         };
         let line = proc.wait_for_line("abx-proxy listening").await;
@@ -1043,6 +1052,8 @@ pub struct ProxyProc {
     text: Arc<Mutex<String>>,
     lines: mpsc::UnboundedReceiver<String>,
     reader: Option<std::thread::JoinHandle<()>>,
+    /// Whether the stderr reader reads (see [`ProxyProc::read_stderr`]).
+    reading: Arc<(Mutex<bool>, std::sync::Condvar)>,
     _home: tempfile::TempDir,
 }
 
@@ -1058,6 +1069,15 @@ impl ProxyProc {
     /// The proxy's `ABX_HOME` (files there can be changed before a SIGHUP).
     pub fn abx_home(&self) -> PathBuf {
         self._home.path().join(".abx")
+    }
+
+    /// Stops (`false`) or resumes reading the proxy's stderr, as a log reader that stalls
+    /// and comes back: the pipe fills, and the proxy's writes to it wait. The line being
+    /// read when it stops is still taken.
+    pub fn read_stderr(&self, read: bool) {
+        let (open, opened) = &*self.reading;
+        *lock(open) = read;
+        opened.notify_all();
     }
 
     /// Everything the proxy wrote to stderr so far.
@@ -1111,6 +1131,8 @@ impl ProxyProc {
                 self.stderr()
             );
         };
+        // What a stalled reader left in the pipe, and the end.
+        self.read_stderr(true);
         if let Some(reader) = self.reader.take() {
             let _ = tokio::task::spawn_blocking(move || reader.join()).await;
         }

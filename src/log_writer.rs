@@ -1,0 +1,182 @@
+//! The one thread that writes the logs to stderr, so that nothing else waits on it.
+//!
+//! stderr is often a pipe (a container runtime, journald, `| tee`, a log shipper), and a
+//! write to a full pipe blocks until its reader catches up. Written by the threads that
+//! log, a reader that stalls stopped every worker within a few hundred requests, and the
+//! main thread at its next line: the drain, the admin listener, and SIGTERM's grace with
+//! them, so only SIGKILL ended the process. Here the threads that log hand whole lines
+//! (a worker's batch, one event) to a bounded queue, never waiting, and this thread writes
+//! them in order. When the queue is full the lines are dropped and counted
+//! (`abx_proxy_log_lines_dropped_total`, and a warning once writing works again), as
+//! tracing-appender's lossy writer and envoy's access log do.
+//!
+//! Before [`start`] (commands that do not serve, tests) lines are written where they are
+//! made, as before.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Writes the queue may hold: at most one batch of a worker (4 KiB) or one event each,
+/// so at most a few MiB wait for a reader that stalled, and half a second of the busiest
+/// load measured here.
+const QUEUE: usize = 1024;
+
+enum Msg {
+    Write(Vec<u8>),
+    /// Answered once everything queued before it is written.
+    Flush(mpsc::Sender<()>),
+}
+
+impl Msg {
+    fn lines(&self) -> u64 {
+        match self {
+            Msg::Write(bytes) => memchr::memchr_iter(b'\n', bytes).count().max(1) as u64,
+            Msg::Flush(_) => 0,
+        }
+    }
+}
+
+static QUEUED: OnceLock<SyncSender<Msg>> = OnceLock::new();
+/// Lines dropped because the queue was full.
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// From now on lines go through the writer thread. Idempotent. Should the thread not
+/// start, lines are written where they are made.
+pub fn start() {
+    QUEUED.get_or_init(|| {
+        let (tx, rx) = mpsc::sync_channel(QUEUE);
+        // Should the thread not start, the receiver goes with the closure: every send
+        // then fails, and `write` writes the line itself.
+        let _ = std::thread::Builder::new()
+            .name("abx-log".into())
+            .spawn(move || run(&rx));
+        tx
+    });
+}
+
+fn run(rx: &mpsc::Receiver<Msg>) {
+    let mut stderr = std::io::stderr();
+    let mut reported = 0;
+    while let Ok(msg) = rx.recv() {
+        match msg {
+            // A failing stderr is not worth stopping for (tracing-subscriber ignores it
+            // too): the next line may go through.
+            Msg::Write(bytes) => {
+                if stderr.write_all(&bytes).is_ok() {
+                    reported = report_drops(reported);
+                }
+            }
+            Msg::Flush(done) => drop(done.send(())),
+        }
+    }
+}
+
+/// Says once that lines were dropped, when more have been since the last time. Through
+/// `tracing`, so in the format of the other lines: queued behind what is waiting.
+fn report_drops(reported: u64) -> u64 {
+    let dropped = DROPPED.load(Ordering::Relaxed);
+    if dropped > reported {
+        tracing::warn!(
+            dropped = dropped - reported,
+            "log lines dropped: stderr was not read fast enough (abx_proxy_log_lines_dropped_total)"
+        );
+    }
+    dropped
+}
+
+/// Writes `bytes`, whole lines, in one `write` where they can: queued for the writer
+/// thread once it runs, else here.
+pub fn write(bytes: Vec<u8>) {
+    let Some(queue) = QUEUED.get() else {
+        return direct(&bytes);
+    };
+    match queue.try_send(Msg::Write(bytes)) {
+        Ok(()) => {}
+        Err(TrySendError::Full(msg)) => {
+            DROPPED.fetch_add(msg.lines(), Ordering::Relaxed);
+        }
+        // The thread never started.
+        Err(TrySendError::Disconnected(Msg::Write(bytes))) => direct(&bytes),
+        Err(TrySendError::Disconnected(Msg::Flush(_))) => {}
+    }
+}
+
+/// Writes where the line is made, through this thread's own descriptor for stderr.
+/// Through `std::io::stderr()` every thread took the same lock for every line; lines go
+/// out whole, so the lines of different threads never mix.
+fn direct(bytes: &[u8]) {
+    use std::cell::OnceCell;
+    use std::os::fd::AsFd;
+    thread_local! {
+        static STDERR: OnceCell<Option<std::fs::File>> = const { OnceCell::new() };
+    }
+    let _ = STDERR.try_with(|cell| {
+        let own = cell.get_or_init(|| {
+            let fd = std::io::stderr().as_fd().try_clone_to_owned().ok()?;
+            Some(std::fs::File::from(fd))
+        });
+        // `Write` for `&File`: no `&mut` needed, the descriptor is the thread's own.
+        let _ = match own {
+            Some(file) => (&*file).write_all(bytes),
+            None => std::io::stderr().lock().write_all(bytes),
+        };
+    });
+}
+
+/// Waits until what was queued so far is written, or `wait` has passed: before the
+/// process exits, whose lines would otherwise be lost. A reader that stalled costs the
+/// exit no more than `wait`.
+pub fn flush(wait: Duration) {
+    let Some(queue) = QUEUED.get() else { return };
+    let (tx, rx) = mpsc::channel();
+    // The queue may be full, and a full queue's `send` has no timeout: a helper thread
+    // waits on it, and is left behind if the reader never comes back.
+    let queue = queue.clone();
+    let queued = std::thread::Builder::new()
+        .name("abx-log-flush".into())
+        .spawn(move || drop(queue.send(Msg::Flush(tx))));
+    if queued.is_ok() {
+        let _ = rx.recv_timeout(wait);
+    }
+}
+
+/// Lines dropped so far because the queue was full.
+pub fn dropped() -> u64 {
+    DROPPED.load(Ordering::Relaxed)
+}
+
+/// tracing-subscriber's writer: each event, formatted whole, is one [`write`].
+pub struct Stderr;
+
+/// One event's bytes, written when the subscriber is done with it.
+pub struct Event(Vec<u8>);
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
+    type Writer = Event;
+
+    fn make_writer(&'a self) -> Event {
+        Event(Vec::new())
+    }
+}
+
+impl Write for Event {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            write(std::mem::take(&mut self.0));
+        }
+    }
+}
