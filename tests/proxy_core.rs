@@ -471,12 +471,14 @@ async fn abort_mid_download(proto: Proto) {
 // ---------------------------------------------------------------------------------------
 
 /// A WebSocket upstream: it answers an upgrade with 101, greets, then echoes what it gets
-/// until the client's side ends. Any other request is answered with how many of its
-/// tunnels are open (`tunnels=N`).
+/// until the client's side ends (at [`STICKY`], then holds its own side open without a
+/// word, as a server that ignores a FIN). Any other request is answered with how many of
+/// its tunnels are open (`tunnels=N`).
 async fn websocket_upstream(pki: &Pki) -> Upstream {
     let tunnels = Arc::new(AtomicUsize::new(0));
     Upstream::start(pki, Proto::H2, move |mut req| {
         let upgrade = req.headers().contains_key("upgrade");
+        let sticky = req.uri().path() == STICKY;
         let open = tunnels.load(Ordering::SeqCst);
         if upgrade {
             let on_upgrade = hyper::upgrade::on(&mut req);
@@ -488,6 +490,10 @@ async fn websocket_upstream(pki: &Pki) -> Upstream {
                 tunnels.fetch_add(1, Ordering::SeqCst);
                 let mut io = hyper_util::rt::TokioIo::new(upgraded);
                 echo_until_closed(&mut io).await;
+                if sticky {
+                    // Held (bounded, as everything here), its side never closed.
+                    tokio::time::sleep(GUARD).await;
+                }
                 // Before the socket closes: whoever sees it closed sees the count without it.
                 tunnels.fetch_sub(1, Ordering::SeqCst);
             });
@@ -531,9 +537,16 @@ async fn echo_until_closed<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) {
 /// What [`websocket_upstream`] sends first through a new tunnel.
 const GREETING: &[u8] = b"hello from upstream\n";
 
+/// The path at which [`websocket_upstream`] ignores the end of the client's side.
+const STICKY: &str = "/sticky";
+
 fn websocket_request(addr: std::net::SocketAddr) -> String {
+    websocket_request_to(addr, "/ws?x=1")
+}
+
+fn websocket_request_to(addr: std::net::SocketAddr, target: &str) -> String {
     format!(
-        "GET /ws?x=1 HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+        "GET {target} HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
          X-API-Key: dummy\r\n\r\n",
         addr.port()
@@ -1979,6 +1992,45 @@ async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
     assert!(!cut.contains("x=1"), "the query reached the log: {cut}");
     let stderr = proxy.finish().await;
     assert_no_key(&stderr, "the proxy's stderr");
+}
+
+/// WebSocket has no half-close: a client gone with a FIN (a killed process, a `close()`
+/// without a Close frame) towards an upstream that ignores it ends the tunnel once the
+/// upstream has been quiet for 5 s (HAProxy's `timeout client-fin`), not at
+/// `--idle-timeout`: the tunnel held its slot of `--max-connections` (the next client
+/// waited), a descriptor in CLOSE-WAIT and the drain until then. What the upstream still
+/// sends after the FIN gets through first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "1"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut s, resp, buf) = raw_open(addr, websocket_request_to(addr, STICKY).as_bytes()).await;
+    assert_eq!(resp.status, 101, "{resp:?}");
+    read_greeting(&mut s, buf).await;
+    let said = b"and goodbye";
+    s.write_all(said).await.unwrap();
+    s.shutdown().await.unwrap();
+    // The echo of what came with the FIN, then the end, well before the idle timeout.
+    let mut echoed = vec![0u8; said.len()];
+    within("the echo after the FIN", s.read_exact(&mut echoed))
+        .await
+        .unwrap();
+    assert_eq!(echoed, said);
+    expect_closed(&mut s, &[]).await;
+    let cut = proxy.wait_for_line("tunnel cut").await;
+    assert!(cut.contains("end=\"half-closed\""), "{cut}");
+    // Its slot is free: the next connection is served.
+    let next = format!(
+        "GET /tunnels HTTP/1.1\r\nHost: localhost:{}\r\nConnection: close\r\n\r\n",
+        addr.port()
+    );
+    assert_eq!(raw_exchange(addr, next.as_bytes()).await.status, 200);
+    proxy.finish().await;
 }
 
 /// The moment the listening line is out, SIGHUP must reload and SIGTERM drain: neither may

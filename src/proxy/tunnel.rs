@@ -1,7 +1,7 @@
 //! A switched protocol (WebSocket) after its 101: bytes both ways between the client's
-//! upgraded connection and the upstream's, until a side ends, the tunnel goes idle or the
-//! drain's grace is over, and a line at its end saying which, after how long, and how many
-//! bytes went each way.
+//! upgraded connection and the upstream's, until both sides end, the tunnel goes idle (or,
+//! once one side has ended, quiet) or the drain's grace is over, and a line at its end
+//! saying which, after how long, and how many bytes went each way.
 //!
 //! The request's access line is written when the 101 goes out, like every other answer's
 //! when its head does; a tunnel then lives on for hours, and without its own end line a
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 
 use super::listener::{self, Activity, IdleIo, OpenConnection};
@@ -51,6 +51,8 @@ enum End {
     Failed,
     /// No byte either way for `--idle-timeout`.
     Idle,
+    /// One side ended, and no byte went the other way for [`HALF_CLOSED_IDLE`].
+    HalfClosed,
     /// The drain's grace ran out.
     Drain,
 }
@@ -61,6 +63,7 @@ impl End {
             End::Closed => "closed",
             End::Failed => "error",
             End::Idle => "idle",
+            End::HalfClosed => "half-closed",
             End::Drain => "drain",
         }
     }
@@ -76,6 +79,8 @@ impl End {
 ///
 /// A tunnel that moves no bytes either way for `--idle-timeout` is closed, like any
 /// connection: a client gone without a word would otherwise hold its place forever.
+/// One side's end is passed on to the other (its write side shut down) and the other
+/// way goes on while it moves; see [`HALF_CLOSED_IDLE`].
 pub(super) async fn run(
     upgrade: Upgrade,
     upstream: OnUpgrade,
@@ -93,20 +98,23 @@ pub(super) async fn run(
     let start = Instant::now();
     // Every byte, either way, passes the client's side.
     let activity = Activity::new();
-    let mut client = Counted::new(IdleIo::tunnel(TokioIo::new(client), activity.clone()));
-    let mut upstream = TokioIo::new(upstream);
-    let end = tokio::select! {
-        copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {
-            if copied.is_ok() { End::Closed } else { End::Failed }
-        }
-        () = listener::idle(&activity, idle_timeout) => End::Idle,
-        _ = aborting.wait_for(|a| *a) => End::Drain,
-    };
+    let client = Counted::new(IdleIo::tunnel(TokioIo::new(client), activity.clone()));
+    let (mut from_client, mut to_client) = tokio::io::split(client);
+    let (mut from_upstream, mut to_upstream) = tokio::io::split(TokioIo::new(upstream));
+    let end = both_ways(
+        pass(&mut from_client, &mut to_upstream),
+        pass(&mut from_upstream, &mut to_client),
+        &activity,
+        idle_timeout,
+        &mut aborting,
+    )
+    .await;
+    let client = from_client.unsplit(to_client);
     let duration_ms = start.elapsed().as_millis() as u64;
     let (up, down) = (client.read, client.written);
     match end {
         // The proxy's own doing: worth a line at the default level.
-        End::Idle | End::Drain => tracing::info!(
+        End::Idle | End::HalfClosed | End::Drain => tracing::info!(
             path = %path, end = end.as_str(), duration_ms, bytes_up = up, bytes_down = down,
             "tunnel cut"
         ),
@@ -114,6 +122,61 @@ pub(super) async fn run(
             path = %path, end = end.as_str(), duration_ms, bytes_up = up, bytes_down = down,
             "tunnel closed"
         ),
+    }
+}
+
+/// How long the other way of a tunnel one side has ended goes on without a byte: 5 s, as
+/// HAProxy's `timeout client-fin` bounds it (nginx ends such a tunnel at once). WebSocket
+/// has no half-close: a client gone with a FIN (a killed process, a `close()` without a
+/// Close frame) towards a server that ignores it held the tunnel, its slot of
+/// `--max-connections` and the drain until `--idle-timeout`. An upstream still answering
+/// after the client's end goes on as long as its bytes move.
+const HALF_CLOSED_IDLE: Duration = Duration::from_secs(5);
+
+/// One way of a tunnel: every byte, then the end passed on (the write side shut down).
+async fn pass<R, W>(from: &mut R, to: &mut W) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    tokio::io::copy(from, to).await?;
+    to.shutdown().await
+}
+
+/// Runs both ways of a tunnel until both have ended, one fails, the tunnel is idle (see
+/// [`HALF_CLOSED_IDLE`] once one way has ended) or the drain's grace is over.
+async fn both_ways(
+    up: impl std::future::Future<Output = io::Result<()>>,
+    down: impl std::future::Future<Output = io::Result<()>>,
+    activity: &Activity,
+    idle_timeout: Duration,
+    aborting: &mut watch::Receiver<bool>,
+) -> End {
+    let (mut up, mut down) = (std::pin::pin!(up), std::pin::pin!(down));
+    let (mut up_ended, mut down_ended) = (false, false);
+    loop {
+        let half_closed = up_ended || down_ended;
+        let idle = match half_closed {
+            true => HALF_CLOSED_IDLE.min(idle_timeout),
+            false => idle_timeout,
+        };
+        tokio::select! {
+            ended = &mut up, if !up_ended => match ended {
+                Ok(()) => up_ended = true,
+                Err(_) => return End::Failed,
+            },
+            ended = &mut down, if !down_ended => match ended {
+                Ok(()) => down_ended = true,
+                Err(_) => return End::Failed,
+            },
+            () = listener::idle(activity, idle) => {
+                return if half_closed { End::HalfClosed } else { End::Idle };
+            }
+            _ = aborting.wait_for(|a| *a) => return End::Drain,
+        }
+        if up_ended && down_ended {
+            return End::Closed;
+        }
     }
 }
 
