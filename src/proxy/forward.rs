@@ -179,6 +179,30 @@ fn innermost_kind(io: &std::io::Error) -> std::io::ErrorKind {
     }
 }
 
+/// "connect failed: …" in the words of the innermost error: a resolver's ("failed to
+/// lookup address information: Name or service not known", whose kind alone reads
+/// "uncategorized error"), the system's ("No route to host (os error 113)").
+pub(crate) fn connect_failed(e: &(dyn std::error::Error + 'static)) -> String {
+    let innermost = chain(e)
+        .last()
+        .map(|e| match e.downcast_ref::<std::io::Error>() {
+            Some(io) => innermost_io(io).to_string(),
+            None => e.to_string(),
+        });
+    format!("connect failed: {}", innermost.unwrap_or_default())
+}
+
+/// As [`innermost_kind`]: the error inside the layers of `io::Error` wrapping.
+fn innermost_io(io: &std::io::Error) -> &(dyn std::error::Error + 'static) {
+    match io.get_ref() {
+        Some(inner) => match inner.downcast_ref::<std::io::Error>() {
+            Some(inner) => innermost_io(inner),
+            None => inner,
+        },
+        None => io,
+    }
+}
+
 /// hyper marks an error of the request body stream as the user's.
 pub(crate) fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
     chain(e).any(|e| {
@@ -266,15 +290,64 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
         Some(ConnectionReset) => "connection reset".into(),
         Some(UnexpectedEof) => "connection closed early".into(),
         _ if closed_early(e) => "connection closed early".into(),
-        Some(kind) if e.is_connect() => format!("connect failed: {kind}"),
-        _ if e.is_connect() => {
-            // DNS failures surface as a plain message from the resolver.
-            let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
-            format!("connect failed: {msg}")
-        }
+        _ if e.is_connect() => connect_failed(e),
         _ => {
             let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
             format!("upstream connection failed: {msg}")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connects nowhere: every connect fails with the error it is given.
+    #[derive(Clone)]
+    struct Failing(std::sync::Arc<dyn Fn() -> std::io::Error + Send + Sync>);
+
+    impl tower_service::Service<http::Uri> for Failing {
+        type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+        type Error = std::io::Error;
+        type Future = std::future::Ready<Result<Self::Response, std::io::Error>>;
+
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), std::io::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Uri) -> Self::Future {
+            std::future::ready(Err((self.0)()))
+        }
+    }
+
+    /// hyper-util's client says a failed connect in the words of its innermost error: a
+    /// resolver's read "connect failed: uncategorized error" before.
+    #[tokio::test]
+    async fn a_failed_connect_is_said_in_its_errors_words() {
+        let dns = "failed to lookup address information: Name or service not known";
+        let fails = |e: fn() -> std::io::Error| async move {
+            let client = hyper_util::client::legacy::Client::builder(
+                hyper_util::rt::TokioExecutor::new(),
+            )
+            .build::<_, http_body_util::Empty<bytes::Bytes>>(Failing(std::sync::Arc::new(e)));
+            let uri: http::Uri = "http://no-such-host.invalid/".parse().unwrap();
+            client.get(uri).await.unwrap_err()
+        };
+        let e = fails(|| {
+            std::io::Error::other("failed to lookup address information: Name or service not known")
+        })
+        .await;
+        assert!(e.is_connect(), "{e:?}");
+        assert_eq!(describe(&e), format!("connect failed: {dns}"));
+        let e = fails(|| std::io::Error::from_raw_os_error(113)).await;
+        assert_eq!(
+            describe(&e),
+            "connect failed: No route to host (os error 113)"
+        );
+        let e = fails(|| std::io::ErrorKind::ConnectionRefused.into()).await;
+        assert_eq!(describe(&e), "connect refused");
     }
 }

@@ -157,16 +157,7 @@ impl UpstreamError {
             UpstreamError::Connect(e) => match forward::find_io(e.as_ref()) {
                 Some(ConnectionRefused) => "connect refused".into(),
                 Some(TimedOut) => "connect timed out".into(),
-                Some(kind) => format!("connect failed: {kind}"),
-                None => {
-                    // DNS failures surface as a plain message from the resolver.
-                    let e: &(dyn std::error::Error + 'static) = e.as_ref();
-                    let msg = std::iter::successors(Some(e), |e| e.source())
-                        .last()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default();
-                    format!("connect failed: {msg}")
-                }
+                _ => forward::connect_failed(e.as_ref()),
             },
             UpstreamError::Tls(e) => match forward::find_rustls(e) {
                 Some(tls) => format!("tls: {tls}"),
@@ -1520,6 +1511,25 @@ mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpListener;
     use tokio::sync::{mpsc, oneshot};
+
+    /// A connect that failed is said in the words of its innermost error: a name that
+    /// does not resolve read "connect failed: uncategorized error" (the kind of the
+    /// resolver's error), nothing about the name.
+    #[test]
+    fn a_failed_connect_is_said_in_its_errors_words() {
+        let said = |e: io::Error| UpstreamError::Connect(Box::new(e)).describe();
+        let dns = "failed to lookup address information: Name or service not known";
+        assert_eq!(
+            said(io::Error::other(dns)),
+            format!("connect failed: {dns}")
+        );
+        let wrapped = io::Error::other(io::Error::new(io::ErrorKind::NotFound, dns));
+        assert_eq!(said(wrapped), format!("connect failed: {dns}"));
+        let os = io::Error::from_raw_os_error(113);
+        assert_eq!(said(os), "connect failed: No route to host (os error 113)");
+        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        assert_eq!(said(refused), "connect refused");
+    }
 
     /// Bounds every wait so a broken client fails the test instead of hanging it.
     const GUARD: Duration = Duration::from_secs(20);
