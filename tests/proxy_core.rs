@@ -479,6 +479,7 @@ async fn websocket_upstream(pki: &Pki) -> Upstream {
     Upstream::start(pki, Proto::H2, move |mut req| {
         let upgrade = req.headers().contains_key("upgrade");
         let sticky = req.uri().path() == STICKY;
+        let late = req.uri().path() == LATE;
         let open = tunnels.load(Ordering::SeqCst);
         if upgrade {
             let on_upgrade = hyper::upgrade::on(&mut req);
@@ -490,6 +491,12 @@ async fn websocket_upstream(pki: &Pki) -> Upstream {
                 tunnels.fetch_add(1, Ordering::SeqCst);
                 let mut io = hyper_util::rt::TokioIo::new(upgraded);
                 echo_until_closed(&mut io).await;
+                if late {
+                    // An answer that takes a moment, after the client's end.
+                    tokio::time::sleep(LATE_BY).await;
+                    let _ = io.write_all(LATE_ANSWER).await;
+                    let _ = io.shutdown().await;
+                }
                 if sticky {
                     // Held (bounded, as everything here), its side never closed.
                     tokio::time::sleep(GUARD).await;
@@ -539,6 +546,11 @@ const GREETING: &[u8] = b"hello from upstream\n";
 
 /// The path at which [`websocket_upstream`] ignores the end of the client's side.
 const STICKY: &str = "/sticky";
+/// The path at which [`websocket_upstream`] answers [`LATE_ANSWER`] [`LATE_BY`] after the
+/// end of the client's side, then ends its own.
+const LATE: &str = "/late";
+const LATE_BY: Duration = Duration::from_millis(1500);
+const LATE_ANSWER: &[u8] = b"the answer, late";
 
 fn websocket_request(addr: std::net::SocketAddr) -> String {
     websocket_request_to(addr, "/ws?x=1")
@@ -568,7 +580,12 @@ async fn read_greeting(s: &mut TcpStream, mut buf: Vec<u8>) {
 
 /// A WebSocket tunnel through the proxy at `addr`, past the 101 and the greeting.
 async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
-    let (mut s, resp, buf) = raw_open(addr, websocket_request(addr).as_bytes()).await;
+    open_tunnel_to(addr, "/ws?x=1").await
+}
+
+/// [`open_tunnel`] to `target`.
+async fn open_tunnel_to(addr: std::net::SocketAddr, target: &str) -> TcpStream {
+    let (mut s, resp, buf) = raw_open(addr, websocket_request_to(addr, target).as_bytes()).await;
     assert_eq!(resp.status, 101, "{resp:?}");
     read_greeting(&mut s, buf).await;
     s
@@ -2009,9 +2026,7 @@ async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
         .spawn()
         .await;
     let addr = proxy.addr();
-    let (mut s, resp, buf) = raw_open(addr, websocket_request_to(addr, STICKY).as_bytes()).await;
-    assert_eq!(resp.status, 101, "{resp:?}");
-    read_greeting(&mut s, buf).await;
+    let mut s = open_tunnel_to(addr, STICKY).await;
     let said = b"and goodbye";
     s.write_all(said).await.unwrap();
     s.shutdown().await.unwrap();
@@ -2030,6 +2045,34 @@ async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
         addr.port()
     );
     assert_eq!(raw_exchange(addr, next.as_bytes()).await.status, 200);
+    proxy.finish().await;
+}
+
+/// The other way's time after one side's end counts from that end, not from the last byte:
+/// a client quiet for 2 s that then half-closes and waits for an answer coming 1.5 s
+/// later gets it, with `--idle-timeout 3s` (the half-closed wait is at most that). It was
+/// cut a second after the FIN, the answer lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_tunnels_wait_counts_from_the_end() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "3s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut s = open_tunnel_to(addr, LATE).await;
+    // Quiet (the behaviour under test), then the end of the client's side.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    s.shutdown().await.unwrap();
+    let mut answer = vec![0u8; LATE_ANSWER.len()];
+    within("the late answer", s.read_exact(&mut answer))
+        .await
+        .expect("the late answer, before the tunnel's end");
+    assert_eq!(answer, LATE_ANSWER);
+    expect_closed(&mut s, &[]).await;
+    let closed = proxy.wait_for_line("tunnel closed").await;
+    assert!(closed.contains("end=\"closed\""), "{closed}");
     proxy.finish().await;
 }
 

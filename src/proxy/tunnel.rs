@@ -177,6 +177,11 @@ async fn both_ways(
         if up_ended && down_ended {
             return End::Closed;
         }
+        // The wait for the other way counts from the end, not from the last byte: a side
+        // quiet for a while before it ended would leave the other no time to answer.
+        if !half_closed {
+            activity.touch();
+        }
     }
 }
 
