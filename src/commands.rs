@@ -81,6 +81,7 @@ pub fn stdout_line(args: std::fmt::Arguments<'_>) {
     match written {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            crate::logging::finish();
             std::process::exit(EXIT_BROKEN_PIPE)
         }
         Err(e) => {

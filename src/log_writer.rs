@@ -13,16 +13,20 @@
 //! Before [`start`] (commands that do not serve, tests) lines are written where they are
 //! made, as before.
 
+use std::cell::Cell;
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, SyncSender, TryRecvError, TrySendError};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// Writes the queue may hold: at most one batch of a worker (4 KiB) or one event each,
-/// so at most a few MiB wait for a reader that stalled, and half a second of the busiest
-/// load measured here.
+/// Writes the queue may hold: a batch of a worker (up to 4 KiB), one event, or one long
+/// line each; half a second of the busiest load measured here.
 const QUEUE: usize = 1024;
+
+/// Bytes the queue may hold, whatever the number of writes: an access line's path may be
+/// most of a 64 KiB head, percent-encoded to three times that.
+const QUEUE_BYTES: usize = 4 << 20;
 
 /// Once awake, the writer writes what has come, then lets more gather this long before it
 /// looks again, and sleeps until woken only when nothing came meanwhile. Waking it is a
@@ -47,8 +51,16 @@ impl Msg {
 }
 
 static QUEUED: OnceLock<SyncSender<Msg>> = OnceLock::new();
+/// Bytes in the queue (see [`QUEUE_BYTES`]).
+static QUEUED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// Lines dropped because the queue was full.
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// This is the writer thread: what it logs itself is written at once, not queued
+    /// behind the queue that it is there to say was full.
+    static WRITER: Cell<bool> = const { Cell::new(false) };
+}
 
 /// From now on lines go through the writer thread. Idempotent. Should the thread not
 /// start, lines are written where they are made.
@@ -65,13 +77,15 @@ pub fn start() {
 }
 
 fn run(rx: &mpsc::Receiver<Msg>) {
-    let mut stderr = std::io::stderr();
+    WRITER.with(|w| w.set(true));
     let mut reported = 0;
     let mut handle = |msg| match msg {
         // A failing stderr is not worth stopping for (tracing-subscriber ignores it too):
         // the next line may go through.
         Msg::Write(bytes) => {
-            if stderr.write_all(&bytes).is_ok() {
+            let written = std::io::stderr().write_all(&bytes).is_ok();
+            QUEUED_BYTES.fetch_sub(bytes.len(), Ordering::Relaxed);
+            if written {
                 reported = report_drops(reported);
             }
         }
@@ -98,7 +112,8 @@ fn run(rx: &mpsc::Receiver<Msg>) {
 }
 
 /// Says once that lines were dropped, when more have been since the last time. Through
-/// `tracing`, so in the format of the other lines: queued behind what is waiting.
+/// `tracing`, so in the format of the other lines; written at once, on this thread (see
+/// [`WRITER`]): queued, it would find the queue as full as it just was.
 fn report_drops(reported: u64) -> u64 {
     let dropped = DROPPED.load(Ordering::Relaxed);
     if dropped > reported {
@@ -113,17 +128,27 @@ fn report_drops(reported: u64) -> u64 {
 /// Writes `bytes`, whole lines, in one `write` where they can: queued for the writer
 /// thread once it runs, else here.
 pub fn write(bytes: Vec<u8>) {
-    let Some(queue) = QUEUED.get() else {
+    let Some(queue) = QUEUED.get().filter(|_| !WRITER.with(Cell::get)) else {
         return direct(&bytes);
     };
-    match queue.try_send(Msg::Write(bytes)) {
-        Ok(()) => {}
+    let len = bytes.len();
+    if QUEUED_BYTES.fetch_add(len, Ordering::Relaxed) + len > QUEUE_BYTES {
+        QUEUED_BYTES.fetch_sub(len, Ordering::Relaxed);
+        DROPPED.fetch_add(Msg::Write(bytes).lines(), Ordering::Relaxed);
+        return;
+    }
+    let refused = match queue.try_send(Msg::Write(bytes)) {
+        Ok(()) => return,
         Err(TrySendError::Full(msg)) => {
             DROPPED.fetch_add(msg.lines(), Ordering::Relaxed);
+            None
         }
         // The thread never started.
-        Err(TrySendError::Disconnected(Msg::Write(bytes))) => direct(&bytes),
-        Err(TrySendError::Disconnected(Msg::Flush(_))) => {}
+        Err(TrySendError::Disconnected(msg)) => Some(msg),
+    };
+    QUEUED_BYTES.fetch_sub(len, Ordering::Relaxed);
+    if let Some(Msg::Write(bytes)) = refused {
+        direct(&bytes);
     }
 }
 

@@ -60,14 +60,44 @@ pub fn stderr_line(text: &str) {
 /// before it to be written: the process exits next.
 pub fn fatal(e: &crate::Error) {
     if JSON_LOGS.load(Ordering::Acquire) {
-        match e.suggestion() {
-            Some(suggestion) => tracing::error!(code = e.code(), suggestion, "{}", e.line()),
-            None => tracing::error!(code = e.code(), "{}", e.line()),
-        }
+        let suggestion = e.suggestion();
+        crate::log_writer::write(error_object(
+            &e.line(),
+            Some(e.code()),
+            suggestion.as_deref(),
+        ));
     } else {
         stderr_line(&e.render());
     }
     finish();
+}
+
+/// A command line refused before logging is set up (a secret given as a flag): as an
+/// object when `json` (`--log-format json` was asked for), else as the line it is.
+pub fn refused(json: bool, text: &str) {
+    if json {
+        crate::log_writer::write(error_object(text, None, None));
+    } else {
+        stderr_line(text);
+    }
+}
+
+/// An ERROR line as the JSON subscriber prints one, written whatever the filter says: the
+/// line that says why the process ends must not be filtered away (`--log-level off`).
+fn error_object(message: &str, code: Option<&str>, suggestion: Option<&str>) -> Vec<u8> {
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(b"{\"timestamp\":\"");
+    write_timestamp(&mut line, SystemTime::now());
+    line.extend_from_slice(b"\",\"level\":\"ERROR\",\"message\":");
+    write_json_str(&mut line, message);
+    for (key, value) in [("code", code), ("suggestion", suggestion)] {
+        if let Some(value) = value {
+            line.extend_from_slice(format!(",\"{key}\":").as_bytes());
+            write_json_str(&mut line, value);
+        }
+    }
+    line.extend_from_slice(b",\"target\":\"abx_proxy\"}\n");
+    line
 }
 
 /// Waits up to a second for the queued log lines to be written (see [`crate::log_writer`]):
@@ -86,7 +116,6 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .unwrap_or_else(|| EnvFilter::new(default));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
-    crate::log_writer::start();
     // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
     // which panics when stderr is what failed (see `stderr_line`).
     let builder = tracing_subscriber::fmt()

@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use abx_proxy::cli::{Cli, Command, ConfigCommand, ProviderCommand};
+use abx_proxy::cli::{Cli, Command, ConfigCommand, LogFormat, ProviderCommand};
 use abx_proxy::error::EXIT_USAGE;
 use abx_proxy::{commands, logging, serve, Error};
 use clap::Parser;
@@ -30,7 +30,8 @@ fn main() -> ExitCode {
         Command::Provider { .. } => None,
     };
     if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
-        logging::stderr_line(&format!(
+        let json = matches!(&command, Command::Serve(a) if a.log_format == LogFormat::Json);
+        logging::refused(json, &format!(
             "error: {} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
             refused.0, refused.1
         ));
@@ -38,6 +39,10 @@ fn main() -> ExitCode {
     }
     let result: Result<i32, Error> = match &command {
         Command::Serve(args) => {
+            // The long-running command: its lines go through the writer thread, so that a
+            // log reader that stalls stops nothing (see `log_writer`). The others write
+            // where they log, in order with their output on stdout.
+            abx_proxy::log_writer::start();
             logging::init(args.log_format, args.log_level.as_deref(), "info");
             serve::run(args).map(|()| 0)
         }

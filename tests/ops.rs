@@ -1801,6 +1801,17 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let said = proxy.wait_for_line("log lines dropped").await;
     assert!(said.contains(" WARN "), "{said}");
+    // All of them, at least those counted before (it was 1: the warning itself, queued
+    // behind a full queue, was dropped, and the next one counted only that).
+    let told = said
+        .split(" dropped=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse::<f64>().ok());
+    assert!(
+        told.is_some_and(|n| n >= dropped),
+        "{dropped} counted: {said}"
+    );
 
     // Stalled again, and full: the drain and the exit do not wait on it.
     proxy.read_stderr(false);
@@ -1822,9 +1833,18 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_start_with_json_logs_says_why_in_json() {
     let pki = Pki::new();
-    let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
-        .args(&["--log-format", "json"])
-        .env("ABX_SANDBOX_API_KEY", None);
+    for level in ["debug", "off"] {
+        let cmd = ProxyCmd::new("https://127.0.0.1:9", &pki)
+            .args(&["--log-format", "json"])
+            .log_level(level)
+            .env("ABX_SANDBOX_API_KEY", None);
+        fails_in_json(cmd).await;
+    }
+}
+
+/// The proxy `cmd` fails to start for want of a key: its last stderr line is the error as
+/// a JSON object, and every line is one.
+async fn fails_in_json(cmd: ProxyCmd) {
     let (status, stderr) = cmd.run_to_exit().await;
     assert_eq!(status.code(), Some(78), "{stderr}");
     let lines: Vec<serde_json::Value> = stderr
