@@ -126,7 +126,7 @@ fn rows(resolved: &Resolved) -> Vec<Row> {
             secret: f.secret,
         })),
         Ok(None) => {}
-        Err(e) => eprintln!("warning: {}", e.line()),
+        Err(e) => crate::logging::stderr_line(&format!("warning: {}", e.line())),
     }
     let (value, source) = match credential_in_use(resolved) {
         Ok((kind, source)) => (Some(kind.to_string()), source.label()),
@@ -203,10 +203,10 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
             Ok(0)
         }
         None => {
-            eprintln!(
+            crate::logging::stderr_line(&format!(
                 "error: unknown key {key:?}; keys: {}, credential",
                 KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
-            );
+            ));
             Ok(EXIT_USAGE)
         }
     }
@@ -294,7 +294,7 @@ pub fn provider_list() -> Result<i32, Error> {
                 "installed",
                 printable(p.manifest.description.as_deref().unwrap_or(""))
             ),
-            Err(e) => eprintln!("warning: {}", e.line()),
+            Err(e) => crate::logging::stderr_line(&format!("warning: {}", e.line())),
         }
     }
     Ok(0)

@@ -78,7 +78,7 @@ pub fn start() {
 
 fn run(rx: &mpsc::Receiver<Msg>) {
     WRITER.with(|w| w.set(true));
-    let mut reported = 0;
+    let mut reported = Reported::default();
     let mut handle = |msg| match msg {
         // A failing stderr is not worth stopping for (tracing-subscriber ignores it too):
         // the next line may go through.
@@ -86,7 +86,7 @@ fn run(rx: &mpsc::Receiver<Msg>) {
             let written = std::io::stderr().write_all(&bytes).is_ok();
             QUEUED_BYTES.fetch_sub(bytes.len(), Ordering::Relaxed);
             if written {
-                reported = report_drops(reported);
+                reported = report_drops(std::mem::take(&mut reported));
             }
         }
         Msg::Flush(done) => drop(done.send(())),
@@ -111,18 +111,35 @@ fn run(rx: &mpsc::Receiver<Msg>) {
     }
 }
 
-/// Says once that lines were dropped, when more have been since the last time. Through
-/// `tracing`, so in the format of the other lines; written at once, on this thread (see
-/// [`WRITER`]): queued, it would find the queue as full as it just was.
-fn report_drops(reported: u64) -> u64 {
+/// The drops said so far, and when.
+#[derive(Default)]
+struct Reported {
+    dropped: u64,
+    at: Option<std::time::Instant>,
+}
+
+/// How often at most the drops are said: a reader slow but not stalled lets a write
+/// through between drops all the time.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Says that lines were dropped, when more have been since the last time, at most every
+/// [`REPORT_EVERY`]. Through `tracing`, so in the format of the other lines; written at
+/// once, on this thread (see [`WRITER`]): queued, it would find the queue as full as it
+/// just was.
+fn report_drops(reported: Reported) -> Reported {
     let dropped = DROPPED.load(Ordering::Relaxed);
-    if dropped > reported {
-        tracing::warn!(
-            dropped = dropped - reported,
-            "log lines dropped: stderr was not read fast enough (abx_proxy_log_lines_dropped_total)"
-        );
+    let due = reported.at.is_none_or(|at| at.elapsed() >= REPORT_EVERY);
+    if dropped == reported.dropped || !due {
+        return reported;
     }
-    dropped
+    tracing::warn!(
+        dropped = dropped - reported.dropped,
+        "log lines dropped: stderr was not read fast enough (abx_proxy_log_lines_dropped_total)"
+    );
+    Reported {
+        dropped,
+        at: Some(std::time::Instant::now()),
+    }
 }
 
 /// Writes `bytes`, whole lines, in one `write` where they can: queued for the writer

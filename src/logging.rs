@@ -78,7 +78,7 @@ pub fn refused(json: bool, text: &str) {
     if json {
         crate::log_writer::write(error_object(text, None, None));
     } else {
-        stderr_line(text);
+        stderr_line(&format!("error: {text}"));
     }
 }
 

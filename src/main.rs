@@ -32,7 +32,7 @@ fn main() -> ExitCode {
     if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
         let json = matches!(&command, Command::Serve(a) if a.log_format == LogFormat::Json);
         logging::refused(json, &format!(
-            "error: {} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
+            "{} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
             refused.0, refused.1
         ));
         return ExitCode::from(EXIT_USAGE as u8);

@@ -210,6 +210,15 @@ impl Case {
         self.finish(cmd, args)
     }
 
+    /// Runs the binary with a stderr whose reader has gone: every write to it fails.
+    fn run_with_stderr_gone(&self, args: &[&str]) -> Out {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let mut cmd = self.command(args);
+        cmd.stdout(Stdio::piped()).stderr(writer);
+        self.finish(cmd, args)
+    }
+
     /// Runs the binary with a stdout on a full disk: every write fails with ENOSPC.
     fn run_with_stdout_full(&self, args: &[&str]) -> Out {
         let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
@@ -2492,6 +2501,17 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
         assert_eq!(out.code, 141, "{args:?}: {}", out.stderr);
         assert_eq!(out.stderr, "", "{args:?}");
     }
+}
+
+/// A stderr whose reader has gone changes no command's exit status: what it would have
+/// said there is lost, but `config get` of an unknown key is still 2 (usage), not a panic's 101
+/// (`eprintln!` panics when its write fails).
+#[test]
+fn a_stderr_reader_that_goes_away_changes_no_exit_status() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let out = c.run_with_stderr_gone(&["config", "get", "nokey"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
 }
 
 /// A stdout that fails otherwise (a full disk) is no reader gone: EX_IOERR (74) and one
