@@ -578,6 +578,14 @@ async fn read_greeting(s: &mut TcpStream, mut buf: Vec<u8>) {
     assert_eq!(&buf[..], GREETING);
 }
 
+/// Asks [`websocket_upstream`] how many tunnels it has open, on a connection of its own.
+fn tunnels_request(addr: std::net::SocketAddr) -> String {
+    format!(
+        "GET /tunnels HTTP/1.1\r\nHost: localhost:{}\r\nConnection: close\r\n\r\n",
+        addr.port()
+    )
+}
+
 /// A WebSocket tunnel through the proxy at `addr`, past the 101 and the greeting.
 async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
     open_tunnel_to(addr, "/ws?x=1").await
@@ -675,11 +683,9 @@ async fn a_websocket_tunnel_holds_its_place_under_max_connections() {
 
     let mut tunnel = open_tunnel(addr).await;
     let mut next = connect_raw(addr).await;
-    let req = format!(
-        "GET /tunnels HTTP/1.1\r\nHost: localhost:{}\r\nConnection: close\r\n\r\n",
-        addr.port()
-    );
-    next.write_all(req.as_bytes()).await.unwrap();
+    next.write_all(tunnels_request(addr).as_bytes())
+        .await
+        .unwrap();
 
     proxy.signal("TERM");
     proxy.wait_for_line("listener closed").await;
@@ -2040,11 +2046,8 @@ async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
     let cut = proxy.wait_for_line("tunnel cut").await;
     assert!(cut.contains("end=\"half-closed\""), "{cut}");
     // Its slot is free: the next connection is served.
-    let next = format!(
-        "GET /tunnels HTTP/1.1\r\nHost: localhost:{}\r\nConnection: close\r\n\r\n",
-        addr.port()
-    );
-    assert_eq!(raw_exchange(addr, next.as_bytes()).await.status, 200);
+    let next = raw_exchange(addr, tunnels_request(addr).as_bytes()).await;
+    assert_eq!(next.status, 200, "{next:?}");
     proxy.finish().await;
 }
 
