@@ -586,6 +586,13 @@ fn tunnels_request(addr: std::net::SocketAddr) -> String {
     )
 }
 
+/// A [`websocket_upstream`] and a proxy in front of it, started with `args`.
+async fn behind_websocket_upstream(pki: &Pki, args: &[&str]) -> (Upstream, ProxyProc) {
+    let upstream = websocket_upstream(pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), pki).args(args).spawn().await;
+    (upstream, proxy)
+}
+
 /// A WebSocket tunnel through the proxy at `addr`, past the 101 and the greeting.
 async fn open_tunnel(addr: std::net::SocketAddr) -> TcpStream {
     open_tunnel_to(addr, "/ws?x=1").await
@@ -674,11 +681,7 @@ async fn websocket_upgrade_tunnels_bytes_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_websocket_tunnel_holds_its_place_under_max_connections() {
     let pki = Pki::new();
-    let upstream = websocket_upstream(&pki).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--max-connections", "1"])
-        .spawn()
-        .await;
+    let (upstream, mut proxy) = behind_websocket_upstream(&pki, &["--max-connections", "1"]).await;
     let addr = proxy.addr();
 
     let mut tunnel = open_tunnel(addr).await;
@@ -1997,11 +2000,7 @@ async fn tunnel_cut_when_the_grace_ends(grace: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
     let pki = Pki::new();
-    let upstream = websocket_upstream(&pki).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--idle-timeout", "1s"])
-        .spawn()
-        .await;
+    let (_upstream, mut proxy) = behind_websocket_upstream(&pki, &["--idle-timeout", "1s"]).await;
     let mut s = open_tunnel(proxy.addr()).await;
     let said = b"then silence";
     echo(&mut s, said).await;
@@ -2026,11 +2025,7 @@ async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
     let pki = Pki::new();
-    let upstream = websocket_upstream(&pki).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--max-connections", "1"])
-        .spawn()
-        .await;
+    let (_upstream, mut proxy) = behind_websocket_upstream(&pki, &["--max-connections", "1"]).await;
     let addr = proxy.addr();
     let mut s = open_tunnel_to(addr, STICKY).await;
     let said = b"and goodbye";
@@ -2058,11 +2053,7 @@ async fn a_tunnel_whose_client_left_ends_once_its_upstream_is_quiet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_closed_tunnels_wait_counts_from_the_end() {
     let pki = Pki::new();
-    let upstream = websocket_upstream(&pki).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--idle-timeout", "3s"])
-        .spawn()
-        .await;
+    let (_upstream, mut proxy) = behind_websocket_upstream(&pki, &["--idle-timeout", "3s"]).await;
     let addr = proxy.addr();
     let mut s = open_tunnel_to(addr, LATE).await;
     // Quiet (the behaviour under test), then the end of the client's side.
