@@ -318,8 +318,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             Some(p) => p
                 .to_str()
                 .ok()
-                .and_then(|p| p.trim().parse::<u16>().ok())
-                .filter(|p| *p != 0)
+                .and_then(|p| port_number(p.trim()))
                 .ok_or_else(|| refused("invalid E2b-Sandbox-Port"))?,
         };
         // A Host that names a sandbox and headers that name another: which one a client
@@ -360,7 +359,7 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
         return Ok(None);
     }
-    let Some(port) = port.parse::<u16>().ok().filter(|p| *p != 0) else {
+    let Some(port) = port_number(port) else {
         return Err(refused(
             "invalid sandbox host: the port before the first dash must be 1-65535",
         ));
@@ -372,6 +371,15 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
         ));
     }
     Ok(Some((port, id)))
+}
+
+/// A port as a client writes one: digits only, 1-65535. `u16::from_str` also takes a
+/// leading `+`, which no URL or SDK writes.
+fn port_number(digits: &str) -> Option<u16> {
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse::<u16>().ok().filter(|p| *p != 0)
 }
 
 /// Sandbox ids become part of a host name upstream: letters, digits and dashes only.
@@ -838,5 +846,23 @@ mod tests {
             &p
         )
         .is_err());
+        // `u16::from_str` reads these as ports; no client writes them.
+        for port in ["+80", "-0", "0", "65536", "", "8 0"] {
+            let headers = [
+                ("host", "localhost"),
+                ("e2b-sandbox-id", "a"),
+                ("e2b-sandbox-port", port),
+            ];
+            assert!(route(&parts("/", &headers), &p).is_err(), "{port:?}");
+        }
+        let headers = [
+            ("host", "localhost"),
+            ("e2b-sandbox-id", "a"),
+            ("e2b-sandbox-port", " 3000 "),
+        ];
+        assert!(matches!(
+            route(&parts("/", &headers), &p),
+            Ok(Route::Envd { port: 3000, .. })
+        ));
     }
 }
