@@ -1117,6 +1117,42 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
     }
 }
 
+/// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
+/// and the connector used the scheme's default port: the key went to port 443 (or 80) of
+/// that host while every error named the port written. Now E1005 before anything starts.
+#[test]
+fn a_url_or_domain_whose_port_is_not_one_is_refused() {
+    for (flag, value, named) in [
+        (
+            "--sandbox-base-url",
+            "http://127.0.0.1:99999",
+            "sandbox_base_url",
+        ),
+        (
+            "--sandbox-base-url",
+            "https://api.example:abc",
+            "sandbox_base_url",
+        ),
+        ("--sandbox-base-url", "https://:443", "sandbox_base_url"),
+        ("--sandbox-url", "https://envd.example:", "sandbox_url"),
+        ("--sandbox-domain", "envd.example:70000", "sandbox_domain"),
+        ("--sandbox-domain", "[::1]:1", "sandbox_domain"),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        c.flags.extend([flag.to_string(), value.to_string()]);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 78, "{flag} {value}: {}", out.stderr);
+        assert!(
+            out.stderr
+                .contains(&format!("[E1005] invalid value for {named}")),
+            "{flag} {value}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+    }
+}
+
 /// A `.env` that is there but cannot be read as a file (a link to a file that is gone, a
 /// directory) is skipped like an absent one, with a warning naming it: otherwise the key it
 /// was meant to hold comes from another layer, or is missing, without a word.

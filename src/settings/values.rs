@@ -53,6 +53,7 @@ impl UpstreamUrl {
         if authority.as_str().contains('@') {
             return Err(bad("credentials in the URL are not accepted"));
         }
+        check_authority(&authority).map_err(bad)?;
         if uri.query().is_some() {
             return Err(bad("a query string is not accepted"));
         }
@@ -217,7 +218,46 @@ pub(crate) const DOMAIN_EXPECTED: &str =
 /// `https://{port}-{id}.{domain}`, where user info (`…@host`) would move the connection to
 /// another host and a path would break every URL.
 pub(crate) fn is_domain(raw: &str) -> bool {
-    raw.parse::<Authority>().is_ok() && !raw.contains('@')
+    let Ok(authority) = raw.parse::<Authority>() else {
+        return false;
+    };
+    let labels = authority
+        .host()
+        .strip_suffix('.')
+        .unwrap_or(authority.host());
+    !raw.contains('@')
+        && check_authority(&authority).is_ok()
+        && labels.split('.').all(|label| {
+            !label.is_empty()
+                && (label.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+}
+
+/// A host and, when a port is written, a port that is one. `Authority` takes `h:abc`,
+/// `h:99999`, `h:` and `:443`, and a connector then uses the scheme's default port (or no
+/// host): a mistyped port must not send a key to port 443 of that host.
+fn check_authority(authority: &Authority) -> Result<(), &'static str> {
+    let host = authority.host();
+    if host.is_empty() {
+        return Err("missing host");
+    }
+    // `host()` is the authority's start when it has no user info (refused before).
+    let Some(port) = authority.as_str().get(host.len()..) else {
+        return Err("missing host");
+    };
+    let valid = match port.strip_prefix(':') {
+        None => port.is_empty(),
+        Some(digits) => {
+            !digits.is_empty()
+                && digits.bytes().all(|b| b.is_ascii_digit())
+                && digits.parse::<u16>().is_ok_and(|p| p != 0)
+        }
+    };
+    if valid {
+        Ok(())
+    } else {
+        Err("the port must be a number from 1 to 65535")
+    }
 }
 
 /// `30s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
@@ -295,8 +335,43 @@ mod tests {
             "https://e2b.example",
             "e2b.example/path",
             "e2b example",
+            "e2b.example:abc",
+            "e2b.example:99999",
+            "e2b.example:0",
+            "e2b.example:",
+            ":443",
+            ".",
+            "e2b..example",
+            "[::1]:1",
         ] {
             assert!(domain(bad).is_err(), "{bad:?}");
+        }
+        assert!(domain("e2b.example.").is_ok());
+    }
+
+    /// A port that is not one is refused, not read as the scheme's default port: the key
+    /// would go to port 443 (or 80) of that host.
+    #[test]
+    fn an_upstream_url_names_a_host_and_a_real_port() {
+        for bad in [
+            "https://h:99999",
+            "https://h:abc",
+            "https://h:",
+            "https://h:0",
+            "https://h:+1",
+            "https://:443",
+            "http://[::1]:65536/",
+        ] {
+            let e = UpstreamUrl::parse(Key::SandboxBaseUrl, bad).expect_err(bad);
+            assert!(e.to_string().contains("sandbox_base_url"), "{e}");
+        }
+        for ok in [
+            "https://h:1",
+            "https://h:65535/p",
+            "http://[::1]:8080",
+            "https://h",
+        ] {
+            assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, ok).is_ok(), "{ok}");
         }
     }
 
