@@ -173,17 +173,21 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
             .collect();
         outln!("{}", serde_json::Value::Array(arr));
     } else {
-        let width = |f: fn(&Row) -> usize| rows.iter().map(f).max().unwrap_or(0);
+        // Escaped for the terminal (JSON escapes by itself): the table is where a user
+        // checks where the key goes, and a value from a `.env` file could otherwise move
+        // the cursor over the warning above it.
+        let value = |r: &Row| printable(r.value.as_deref().unwrap_or("-")).into_owned();
+        let width = |f: &dyn Fn(&Row) -> usize| rows.iter().map(f).max().unwrap_or(0);
         let (wk, wv, ws) = (
-            width(|r| r.key.len()),
-            width(|r| r.value.as_deref().unwrap_or("-").len()),
-            width(|r| r.source.len()),
+            width(&|r| r.key.len()),
+            width(&|r| value(r).len()),
+            width(&|r| r.source.len()),
         );
         for r in &rows {
             let line = format!(
                 "{:wk$}  {:wv$}  {:ws$}  {}",
                 r.key,
-                r.value.as_deref().unwrap_or("-"),
+                value(r),
                 r.source,
                 r.env.as_deref().unwrap_or("-"),
             );

@@ -168,8 +168,15 @@ impl Error {
     }
 
     /// `[E1001] API key cannot be empty` — the one-line form used in logs and HTTP bodies.
+    /// What a terminal would act on is escaped: messages quote values from `.env` files,
+    /// the environment and upstreams, and a line feed or escape sequence in one could
+    /// forge or hide a line of the output a user reads to decide where a key goes.
     pub fn line(&self) -> String {
-        format!("[{}] {}", self.code(), self)
+        let line = format!("[{}] {}", self.code(), self);
+        match crate::providers::manifest::printable(&line) {
+            std::borrow::Cow::Borrowed(_) => line,
+            std::borrow::Cow::Owned(escaped) => escaped,
+        }
     }
 
     /// The house format for stderr: the line, then an indented suggestion.

@@ -1117,6 +1117,40 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
     }
 }
 
+/// A value read from a `.env` file is printed with what a terminal acts on escaped: an
+/// escape sequence in one moved the cursor over `config list`'s own lines (the warning
+/// that names where the key goes), and a line feed in an error forged a line of its own.
+#[test]
+fn config_list_and_errors_escape_control_characters_in_values() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ALICLOUD_ACCESS_KEY_ID=\"id\u{1b}[3A\u{1b}[2K\r\"\n");
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let line = (out.stdout.lines())
+        .find(|l| l.starts_with("access_key_id "))
+        .expect("access_key_id line");
+    assert!(line.contains("id\\u{1b}[3A\\u{1b}[2K"), "{line:?}");
+    assert!(!out.stdout.contains('\u{1b}') && !out.stdout.contains('\r'));
+
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ABX_PROVIDER=\"e2b\nok: forged line\"\n");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    let first = out.stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("[E8002]") && first.contains("\\u{a}ok: forged line"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.lines().any(|l| l.starts_with("ok: forged")),
+        "{}",
+        out.stderr
+    );
+}
+
 /// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
 /// and the connector used the scheme's default port: the key went to port 443 (or 80) of
 /// that host while every error named the port written. Now E1005 before anything starts.
