@@ -205,6 +205,21 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
         assert!(said.contains(says), "{said}");
         assert_eq!(said.contains(note), !consent, "{said}");
         assert!(never.is_none_or(|n| !said.contains(n)), "{said}");
+        if consent {
+            // `config list` names the built-in key's variable beside the inherited key,
+            // not the plugin's own, which nobody set.
+            let env = [
+                ("ABX_SANDBOX_API_KEY", API_KEY),
+                ("ABX_PROVIDER", "borrower"),
+            ];
+            let out = abx(home.path(), &env, &["config", "list", "--json"]).await;
+            let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+            let key = row_of(&rows, "borrower.api_key");
+            assert_eq!(
+                (key["source"].as_str(), key["env"].as_str()),
+                (Some("env"), Some("ABX_SANDBOX_API_KEY"))
+            );
+        }
     }
 
     // Installed without consent: no key for the plugin, so serve refuses to start.
@@ -478,6 +493,14 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     std::fs::remove_file(h.join(".abx/config.toml")).expect("remove config.toml");
     let out = abx(h, &sdk_env, &["config", "get", "opensandbox.base_url"]).await;
     assert!(text(&out).contains("127.0.0.1:49982"), "{}", text(&out));
+    // And the row names the variable that gave it, not the canonical one nobody set.
+    let out = abx(h, &sdk_env, &["config", "list", "--json"]).await;
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
+    let base = row_of(&rows, "opensandbox.base_url");
+    assert_eq!(
+        (base["source"].as_str(), base["env"].as_str()),
+        (Some("env"), Some("OPEN_SANDBOX_DOMAIN"))
+    );
 
     // A secret field as --provider-option: refused, exit 2, the value not repeated.
     let out = abx(

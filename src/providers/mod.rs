@@ -16,7 +16,7 @@ pub use manifest::{AuthKind, Field, Manifest, MANIFEST_FILE};
 
 use crate::error::Error;
 use crate::secret::Secret;
-use crate::settings::{RawLayers, Source, UpstreamUrl, Value};
+use crate::settings::{Key, RawLayers, Source, UpstreamUrl, Value};
 
 pub const BUILTIN: &str = "alicloud-express";
 pub const RECEIPT_FILE: &str = ".abx-install.json";
@@ -264,15 +264,27 @@ pub fn resolve(
         let aliases: Vec<&str> = field.aliases.iter().map(String::as_str).collect();
         let toml_key = (!field.secret).then_some(key.as_str());
         let found = match option {
-            Some(v) => Some((v, Source::Flag)),
-            None => match layers.lookup(&key, &[canonical.as_str()], toml_key)? {
+            Some(v) => Some((v, Source::Flag, None)),
+            None => match layers.lookup_named(&key, &[canonical.as_str()], toml_key)? {
                 Some(found) => Some(found),
-                None => layers.lookup(&key, &aliases, None)?,
+                None => layers.lookup_named(&key, &aliases, None)?,
             },
         };
+        // The variable named beside the value (`config list`, the ./.env warning): the
+        // alias that gave it, or the built-in key's for an inherited key.
+        let mut env = canonical.clone();
         let (value, source) = match found {
-            Some((v, s)) if field.secret => (Some(Value::Secret(Secret::new(v))), s),
-            Some((v, s)) => (Some(Value::Plain(v)), s),
+            Some((v, s, name)) => {
+                if let Some(name) = name {
+                    env = name.to_string();
+                }
+                let value = if field.secret {
+                    Value::Secret(Secret::new(v))
+                } else {
+                    Value::Plain(v)
+                };
+                (Some(value), s)
+            }
             None => match (
                 endpoint_default(m, field).or(field.default.as_ref()),
                 core_api_key,
@@ -282,6 +294,7 @@ pub fn resolve(
                     if field.name == "api_key"
                         && installed.consented.iter().any(|c| c == "sandbox_api_key") =>
                 {
+                    env = Key::SandboxApiKey.spec().env.to_string();
                     (Some(Value::Secret(k.clone())), s)
                 }
                 _ => (None, Source::Unset),
@@ -292,7 +305,7 @@ pub fn resolve(
             field: field.name.clone(),
             value,
             source,
-            env: canonical,
+            env,
             secret: field.secret,
         });
     }

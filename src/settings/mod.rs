@@ -235,6 +235,9 @@ fn nonblank(v: &str) -> Option<&str> {
     (!t.is_empty()).then_some(t)
 }
 
+/// A value, its layer, and the variable that gave it (`None` from config.toml).
+pub type Found<'e> = (String, Source, Option<&'e str>);
+
 impl RawLayers {
     /// The highest non-blank value for these env names / toml key, with its source. For a
     /// secret, config.toml was already stripped when read. `key` names the setting in the
@@ -246,11 +249,21 @@ impl RawLayers {
         envs: &[&str],
         toml_key: Option<&str>,
     ) -> Result<Option<(String, Source)>, Error> {
-        let mut from_env = None;
+        let found = self.lookup_named(key, envs, toml_key)?;
+        Ok(found.map(|(v, source, _)| (v, source)))
+    }
+
+    /// [`RawLayers::lookup`], and the variable that gave the value: among aliases, what a
+    /// warning or `config list` names.
+    pub fn lookup_named<'e>(
+        &self,
+        key: &str,
+        envs: &[&'e str],
+        toml_key: Option<&str>,
+    ) -> Result<Option<Found<'e>>, Error> {
         for name in envs {
             if let Some(v) = self.env.get(*name).and_then(|v| nonblank(v)) {
-                from_env = Some(v.to_string());
-                break;
+                return Ok(Some((v.to_string(), Source::Env, Some(name))));
             }
             if self.env_not_unicode.contains(*name) {
                 return Err(Error::InvalidSetting {
@@ -259,21 +272,20 @@ impl RawLayers {
                 });
             }
         }
-        if let Some(v) = from_env {
-            return Ok(Some((v, Source::Env)));
-        }
         let by_env = |map: &HashMap<String, String>| {
-            envs.iter()
-                .find_map(|e| map.get(*e).and_then(|v| nonblank(v)).map(str::to_string))
+            envs.iter().find_map(|e| {
+                let v = map.get(*e).and_then(|v| nonblank(v))?;
+                Some((v.to_string(), Some(*e)))
+            })
         };
         Ok(by_env(&self.dotenv_cwd)
-            .map(|v| (v, Source::DotEnvCwd))
-            .or_else(|| by_env(&self.dotenv_home).map(|v| (v, Source::DotEnvHome)))
+            .map(|(v, e)| (v, Source::DotEnvCwd, e))
+            .or_else(|| by_env(&self.dotenv_home).map(|(v, e)| (v, Source::DotEnvHome, e)))
             .or_else(|| {
                 toml_key
                     .and_then(|k| self.toml.get(k))
                     .and_then(|v| nonblank(v))
-                    .map(|v| (v.to_string(), Source::ConfigToml))
+                    .map(|v| (v.to_string(), Source::ConfigToml, None))
             }))
     }
 }
