@@ -26,6 +26,55 @@ pub struct Cli {
     pub serve: ServeArgs,
 }
 
+impl Cli {
+    /// [`Parser::try_parse_from`], with clap's "a similar argument exists" tip kept off
+    /// the hidden flags that exist only to refuse a secret: `--sandbox-apikey=…` was told
+    /// to try `--sandbox-api-key`, and following the tip put the secret in shell history
+    /// to be refused. The tip names the flag that reads the secret from a file instead.
+    pub fn parse_args<I, T>(args: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        use clap::error::{ContextKind, ContextValue};
+        Cli::try_parse_from(args).map_err(|mut e| {
+            let refused = match e.get(ContextKind::SuggestedArg) {
+                Some(ContextValue::String(s)) => refused_flag_tip(s),
+                _ => None,
+            };
+            match refused {
+                None => e,
+                Some(Some(tip)) => {
+                    e.insert(ContextKind::SuggestedArg, ContextValue::String(tip.into()));
+                    e
+                }
+                // clap renders any suggestion it holds: the same error without one.
+                Some(None) => {
+                    let cmd = <Cli as clap::CommandFactory>::command();
+                    let mut plain = clap::Error::new(e.kind()).with_cmd(&cmd);
+                    for (kind, value) in e.context() {
+                        if kind != ContextKind::SuggestedArg {
+                            plain.insert(kind, value.clone());
+                        }
+                    }
+                    plain
+                }
+            }
+        })
+    }
+}
+
+/// For a suggested flag that only refuses a secret: the flag to suggest instead (`None`:
+/// nothing on the command line, the secret is read from the environment).
+fn refused_flag_tip(suggested: &str) -> Option<Option<&'static str>> {
+    match suggested {
+        "--sandbox-api-key" => Some(Some("--sandbox-api-key-file")),
+        "--access-key-secret" => Some(Some("--access-key-secret-file")),
+        "--github-token" => Some(None),
+        _ => None,
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the proxy (the default).
@@ -446,6 +495,41 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// clap suggests the nearest flag, hidden ones included: a misspelt secret flag is
+    /// pointed at the file flag, never at the flag that refuses the secret.
+    #[test]
+    fn a_misspelt_secret_flag_is_pointed_at_the_file_flag() {
+        for (typed, tip) in [
+            (
+                "--sandbox-apikey=sk-typo-1234",
+                Some("'--sandbox-api-key-file'"),
+            ),
+            ("--access-key-secrt", Some("'--access-key-secret-file'")),
+            ("--github-tokn", None),
+        ] {
+            for args in [vec!["abx-proxy", typed], vec!["abx-proxy", "check", typed]] {
+                let e = Cli::parse_args(&args).expect_err(typed);
+                let said = e.render().to_string();
+                assert!(said.contains("unexpected argument"), "{said}");
+                assert!(
+                    said.contains("Usage: abx-proxy") && said.contains("try '--help'"),
+                    "{said}"
+                );
+                assert!(!said.contains("sk-typo"), "{said}");
+                match tip {
+                    Some(tip) => assert!(
+                        said.contains(&format!("similar argument exists: {tip}")),
+                        "{said}"
+                    ),
+                    None => assert!(!said.contains("tip:"), "{said}"),
+                }
+            }
+        }
+        // Other suggestions are clap's own.
+        let e = Cli::parse_args(["abx-proxy", "--upstream-timout", "1s"]).expect_err("typo");
+        assert!(e.render().to_string().contains("'--upstream-timeout'"));
+    }
 
     /// A secret passed as a flag is refused, and its value is not kept anywhere `Debug`
     /// could show it.

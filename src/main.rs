@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use abx_proxy::cli::{Cli, Command, ConfigCommand, LogFormat, ProviderCommand};
 use abx_proxy::error::EXIT_USAGE;
 use abx_proxy::{commands, logging, serve, Error};
-use clap::Parser;
 
 /// mimalloc: per-thread free lists for every size. With glibc's, the few allocations of a
 /// request above 1 KiB (the head buffer, boxed futures) took its slow path, about 10% of
@@ -16,7 +15,7 @@ use clap::Parser;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     let command = cli.command.unwrap_or(Command::Serve(cli.serve));
     let settings = match &command {
         Command::Serve(a) => Some(&a.settings),
