@@ -1151,6 +1151,30 @@ fn config_list_and_errors_escape_control_characters_in_values() {
     );
 }
 
+/// An `ABX_*` variable that is another spelling of one abx-proxy reads was ignored in
+/// silence (`ABX_REGION`, `ABX_SANDBOX_APIKEY`, `ABX_LISTEN`): said, by name, with the
+/// variable meant. A script's own `ABX_*` names are not.
+#[test]
+fn misspelt_abx_variables_are_named_with_the_one_meant() {
+    let mut c = Case::new();
+    c.env("ABX_REGION", "cn-shanghai")
+        .env("ABX_TARGETS", "all")
+        .env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ABX_SANDBOX_APIKEY=sk-typo-0123456789\n");
+    c.home_dotenv("ABX_LISTEN=127.0.0.1:1\n");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for said in [
+        "ABX_REGION (env) is not a variable abx-proxy reads: did you mean ALIBABA_CLOUD_REGION_ID?",
+        "ABX_SANDBOX_APIKEY (./.env) is not a variable abx-proxy reads: did you mean ABX_SANDBOX_API_KEY?",
+        "ABX_LISTEN (~/.abx/.env) is not a variable abx-proxy reads: did you mean ABX_PROXY_LISTEN?",
+    ] {
+        assert!(out.stderr.contains(said), "{said}: {}", out.stderr);
+    }
+    assert!(!out.stderr.contains("ABX_TARGETS"), "{}", out.stderr);
+    assert!(!out.stderr.contains("sk-typo") && !out.stderr.contains("cn-shanghai"));
+}
+
 /// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
 /// and the connector used the scheme's default port: the key went to port 443 (or 80) of
 /// that host while every error named the port written. Now E1005 before anything starts.

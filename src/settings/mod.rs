@@ -692,7 +692,60 @@ impl Resolved {
             // The error itself is reported by whoever validates.
             Err(_) => {}
         }
+        w.extend(self.misspelt_names());
         w
+    }
+
+    /// `ABX_*` variables nothing reads that are another spelling of one that is read
+    /// (`ABX_REGION`, `ABX_SANDBOX_APIKEY`, `ABX_LISTEN`): each was ignored in silence, and
+    /// the error that followed ("API key cannot be empty") did not say why. Names only;
+    /// other unknown `ABX_*` names (a script's own) are left alone.
+    fn misspelt_names(&self) -> Vec<String> {
+        let squash = |s: &str| -> String {
+            (s.chars())
+                .filter(|c| *c != '_')
+                .map(|c| c.to_ascii_lowercase())
+                .collect()
+        };
+        let plugin_env: Vec<String> = match self.plugin() {
+            Ok(Some(p)) => p.installed.manifest.env_names().collect(),
+            _ => Vec::new(),
+        };
+        let read: Vec<&str> = (KEYS.iter().map(|k| k.env))
+            .chain(plugin_env.iter().map(String::as_str))
+            .collect();
+        // Each read name, and each built-in setting's key, by its squashed spelling.
+        let spellings: Vec<(String, &str)> = (KEYS.iter())
+            .map(|k| (squash(k.name), k.env))
+            .chain(read.iter().map(|env| {
+                let rest = env.strip_prefix("ABX_").unwrap_or(env);
+                (squash(rest), *env)
+            }))
+            .collect();
+        let layers = [
+            (&self.layers.env, Source::Env),
+            (&self.layers.dotenv_cwd, Source::DotEnvCwd),
+            (&self.layers.dotenv_home, Source::DotEnvHome),
+        ];
+        let mut said: Vec<String> = layers
+            .iter()
+            .flat_map(|(map, source)| {
+                let (read, spellings) = (&read, &spellings);
+                map.keys().filter_map(move |name| {
+                    let rest = name.strip_prefix("ABX_")?;
+                    if read.contains(&name.as_str()) || name == "ABX_HOME" {
+                        return None;
+                    }
+                    let (_, meant) = spellings.iter().find(|(s, _)| *s == squash(rest))?;
+                    Some(format!(
+                        "{name} ({}) is not a variable abx-proxy reads: did you mean {meant}?",
+                        source.label()
+                    ))
+                })
+            })
+            .collect();
+        said.sort();
+        said
     }
 }
 
