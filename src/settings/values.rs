@@ -120,10 +120,17 @@ impl ListenAddr {
             if path.is_empty() {
                 return Err(invalid(key, "unix: needs a socket path"));
             }
+            // No path holds one; `check` said ok and `serve` failed at the bind.
+            if path.contains('\0') {
+                return Err(invalid(key, "a socket path cannot hold a NUL byte"));
+            }
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
         }
         if let Some(port) = raw.strip_prefix("localhost:") {
-            let port: u16 = port.parse().map_err(|_| invalid(key, "bad port"))?;
+            let port: u16 = Some(port)
+                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|p| p.parse().ok())
+                .ok_or_else(|| invalid(key, "bad port"))?;
             return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
         }
         raw.parse::<SocketAddr>().map(ListenAddr::Tcp).map_err(|_| {
@@ -398,5 +405,13 @@ mod tests {
             ListenAddr::parse(Key::Listen, "unix:/tmp/x.sock").unwrap(),
             ListenAddr::Unix("/tmp/x.sock".into())
         );
+        assert_eq!(
+            ListenAddr::parse(Key::Listen, "localhost:8080").unwrap(),
+            ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8080)))
+        );
+        // What `serve` could never bind, refused where `check` sees it too.
+        for bad in ["unix:/tmp/a\0b", "localhost:+80", "localhost:", "unix:"] {
+            assert!(ListenAddr::parse(Key::Listen, bad).is_err(), "{bad:?}");
+        }
     }
 }
