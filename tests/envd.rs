@@ -188,22 +188,29 @@ fn describe(cloud: &Cloud, id: &str) -> Response<TestBody> {
 
 /// envd: 401 unless `X-Access-Token` is the sandbox's current token (an unsecured sandbox,
 /// whose token is "", takes any); else accepts a WebSocket upgrade (see [`echo_tunnel`]),
-/// or says who it is.
+/// or says who it is. Another port is an app, as E2B's gateway serves it: no token
+/// checked, and 401 to a client whose credential for the app is [`BAD_APP_CREDENTIAL`].
 async fn envd_checking_tokens(cloud: Arc<Cloud>, mut req: Request<Incoming>) -> Response<TestBody> {
     let id = header_of(&req, "e2b-sandbox-id");
     let token = header_of(&req, "x-access-token");
+    let app = header_of(&req, "e2b-sandbox-port") != ENVD_PORT.to_string();
     let what = format!(
         "{} {}",
         req.method(),
         req.uri().path_and_query().map_or("/", |pq| pq.as_str())
     );
+    let req_authorization = header_of(&req, "authorization");
     let upgrade = req
         .headers()
         .contains_key("upgrade")
         .then(|| hyper::upgrade::on(&mut req));
     let body = collect(req.into_body()).await;
     let unsecured = cloud.token(&id).as_deref() == Some("");
-    if !unsecured && (cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty()) {
+    if app && req_authorization == BAD_APP_CREDENTIAL {
+        return response(401, "the app refuses the credential");
+    }
+    let refused = cloud.token(&id).as_deref() != Some(token.as_str()) || token.is_empty();
+    if !app && !unsecured && refused {
         let together = cloud.unauthorized_together.lock().unwrap().clone();
         if let Some(barrier) = together {
             barrier.wait().await;
@@ -223,6 +230,9 @@ async fn envd_checking_tokens(cloud: Arc<Cloud>, mut req: Request<Incoming>) -> 
     }
     response(200, format!("envd {id}: {what} ({} bytes)", body.len()))
 }
+
+/// A client's credential for an app in the sandbox that the app refuses.
+const BAD_APP_CREDENTIAL: &str = "Bearer wrong-app-credential";
 
 /// RFC 6455's example `Sec-WebSocket-Key` and the `Sec-WebSocket-Accept` it gets.
 const WS_KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
@@ -367,13 +377,18 @@ async fn post_json(addr: SocketAddr, path: &str, json: impl Into<Bytes>) -> Resp
     send(addr, req).await
 }
 
-/// The routing and credential headers one envd head must carry.
 /// What reaches an app's port (not envd's) when the client sent no `Authorization`.
 const NO_AUTHORIZATION: &str = "";
+/// What reaches an app's port when the client sent no `X-Access-Token`: the sandbox's
+/// token is envd's alone.
+const NO_TOKEN: &str = "";
 
+/// The routing and credential headers one envd head must carry (an empty `token` or
+/// `basic`: none of that field).
 fn assert_envd_head(seen: &Seen, host: &str, id: &str, port: u16, token: &str, basic: &str) {
     assert_eq!(seen.host(), host, "Host is the envd upstream's: {seen:?}");
-    assert_eq!(seen.all("x-access-token"), vec![token], "X-Access-Token");
+    let want: Vec<&str> = Some(token).filter(|t| !t.is_empty()).into_iter().collect();
+    assert_eq!(seen.all("x-access-token"), want, "X-Access-Token");
     assert_eq!(seen.all("e2b-sandbox-id"), vec![id], "E2b-Sandbox-Id");
     assert_eq!(
         seen.all("e2b-sandbox-port"),
@@ -504,7 +519,7 @@ async fn learned_token_and_routing_headers_reach_envd_without_the_key() {
         &envd_host,
         "isb-1",
         50005,
-        "tok-1",
+        NO_TOKEN,
         "Bearer mcp-token",
     );
     assert_envd_head(
@@ -722,6 +737,58 @@ async fn a_sandbox_without_a_token_gets_none_and_a_clients_own_is_kept() {
     proxy.finish().await;
 }
 
+/// The sandbox's envd token is envd's alone: it runs commands as root, and an app on
+/// another port (a user's server, which may log or forward what it gets) neither receives
+/// it nor makes the proxy look it up with its key. A token the client sends itself passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apps_port_gets_no_envd_token_and_causes_no_look_up() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.cloud.exists("isb-app", "tok-app");
+    let app = |token: Option<&str>| {
+        let mut req = request("GET", addr, "/app")
+            .header("e2b-sandbox-id", "isb-app")
+            .header("e2b-sandbox-port", "3000");
+        if let Some(t) = token {
+            req = req.header("x-access-token", t);
+        }
+        req.body(empty()).unwrap()
+    };
+    // Unknown to the proxy: no look-up for an app.
+    let (status, body) = text(send(addr, app(None)).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(
+        env.lookups("isb-app").is_empty(),
+        "an app's request looked the token up"
+    );
+    // Known (envd's request looked it up): still not sent to the app.
+    let (status, body) = text(send(addr, envd_request(addr, "isb-app", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = text(send(addr, app(None)).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = text(send(addr, app(Some("the-clients-own"))).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 4);
+    let host = env.envd.addr.to_string();
+    for (i, (port, token, basic)) in [
+        (3000, NO_TOKEN, NO_AUTHORIZATION),
+        (ENVD_PORT, "tok-app", DEFAULT_BASIC),
+        (3000, NO_TOKEN, NO_AUTHORIZATION),
+        (3000, "the-clients-own", NO_AUTHORIZATION),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert_envd_head(&seen[i], &host, "isb-app", port, token, basic);
+    }
+    assert_eq!(env.lookups("isb-app").len(), 1, "envd's request's only");
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Host-based routing
 // ---------------------------------------------------------------------------------------
@@ -790,7 +857,7 @@ async fn host_names_route_to_envd() {
         &envd_host,
         "isb-2",
         8080,
-        "tok-2",
+        NO_TOKEN,
         NO_AUTHORIZATION,
     );
     assert_eq!(
@@ -1039,12 +1106,13 @@ async fn envd_401_fetches_the_token_again() {
     let app = request("DELETE", addr, "/items/1")
         .header("e2b-sandbox-id", "isb-6")
         .header("e2b-sandbox-port", "3000")
+        .header("authorization", BAD_APP_CREDENTIAL)
         .body(empty())
         .unwrap();
     let (status, body) = text(send(addr, app).await).await;
     assert_eq!(
         (status, body.as_str()),
-        (StatusCode::UNAUTHORIZED, "bad access token")
+        (StatusCode::UNAUTHORIZED, "the app refuses the credential")
     );
     assert!(
         env.lookups("isb-6").is_empty(),
@@ -1165,7 +1233,7 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
         &host(8080),
         "isb-1",
         8080,
-        "tok-1",
+        NO_TOKEN,
         NO_AUTHORIZATION,
     );
     env.assert_envd_clean();

@@ -393,20 +393,26 @@ impl Proxy {
         upgrade: Option<Upgrade>,
     ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
         // authorize: the store, else the client's own token, else ask the control plane.
+        // envd's port only: the token runs commands as root in the sandbox, and an app on
+        // another port (a user's server, which may log or forward what it is sent) is not
+        // envd; the SDKs send it none either. A token the client sends there passes.
         let client_token = parts
             .headers
             .get(X_ACCESS_TOKEN)
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map(Secret::new);
-        let stored = self.tokens.get(sandbox_id);
+        let stored = (port == DEFAULT_ENVD_PORT)
+            .then(|| self.tokens.get(sandbox_id))
+            .flatten();
         let token = match (&stored, client_token) {
             // The control plane gave no token for this sandbox (an unsecured one, or an
             // answer without it): the client's own, when it sent one, is the better guess.
             (Some(t), Some(c)) if t.expose().is_empty() => c,
             (Some(t), _) => t.clone(),
             (None, Some(t)) => t,
-            (None, None) => self.lookup_token(sandbox_id).await?,
+            (None, None) if port == DEFAULT_ENVD_PORT => self.lookup_token(sandbox_id).await?,
+            (None, None) => Secret::new(""),
         };
 
         // rewrite

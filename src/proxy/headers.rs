@@ -350,7 +350,8 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
 ///
 /// Another port of the sandbox is an app's (a user's server, the MCP gateway's
 /// `Authorization: Bearer` token): sandbox users are envd's, and the client's
-/// `Authorization` there is its credential for the app, passed as sent.
+/// `Authorization` there is its credential for the app, passed as sent. `token` is then
+/// only what the client sent (the handler gives an app no token of the store's).
 pub fn authorize_envd(
     headers: &mut HeaderMap,
     scheme: &AuthScheme,
