@@ -609,6 +609,47 @@ async fn fifty_concurrent_misses_cause_one_lookup() {
     proxy.finish().await;
 }
 
+/// A client that gives up while its sandbox's token is looked up (an SDK's timeout shorter
+/// than a slow control plane's answer) does not take the look-up with it: the answer is
+/// remembered, and the next request is served without asking again. The look-up ran in
+/// the client's request, and each impatient client threw away another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_outlives_the_client_that_gave_up_on_it() {
+    let mut env = Env::start(Pki::new()).await;
+    env.cloud.exists("isb-slow", "tok-slow");
+    env.cloud.lookups_open.send_replace(false);
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    let in_flight = r#"abx_proxy_in_flight_requests{plane="envd"}"#;
+
+    let impatient =
+        tokio::spawn(async move { send(addr, envd_request(addr, "isb-slow", "/health")).await });
+    let lookup = env.api.next_request().await;
+    assert_eq!(lookup.uri.path(), "/sandboxes/isb-slow");
+    wait_for_metric(proxy.admin_addr(), in_flight, 1.0).await;
+    impatient.abort();
+    // The proxy saw the client go: its request is over, the look-up is not.
+    wait_for_metric(proxy.admin_addr(), in_flight, 0.0).await;
+    env.cloud.lookups_open.send_replace(true);
+
+    let (status, body) = text(send(addr, envd_request(addr, "isb-slow", "/health")).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(env.lookups("isb-slow").len(), 1, "asked again");
+    let seen = env.envd.seen();
+    assert_eq!(seen.len(), 1, "the client that left reached envd");
+    let envd_host = env.envd.addr.to_string();
+    assert_envd_head(
+        &seen[0],
+        &envd_host,
+        "isb-slow",
+        ENVD_PORT,
+        "tok-slow",
+        DEFAULT_BASIC,
+    );
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
 /// A sandbox the control plane does not know: 404 E2009, envd never contacted. A store miss
 /// with the client's own `X-Access-Token` uses that token as is, without a look-up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
