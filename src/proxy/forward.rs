@@ -278,11 +278,39 @@ pub(crate) fn connect_kind(io: Option<std::io::ErrorKind>) -> FailKind {
     }
 }
 
+/// "tls: …" in words. rustls spells several certificate errors as their variant names
+/// (`invalid peer certificate: UnknownIssuer`, `Other(OtherError(NameConstraintViolation))`);
+/// those a user meets (a private CA not given to `--upstream-ca`, an interception proxy's
+/// certificate) are said as curl and browsers say them. The rest are rustls's own words.
+pub(crate) fn tls_failed(e: &rustls::Error) -> String {
+    use rustls::CertificateError::*;
+    let rustls::Error::InvalidCertificate(cert) = e else {
+        return format!("tls: {e}");
+    };
+    let words = match cert {
+        UnknownIssuer => "signed by an unknown authority (none of the system's roots or \
+                          --upstream-ca's issued it)"
+            .to_string(),
+        BadSignature => "its signature does not verify".into(),
+        BadEncoding => "it cannot be parsed".into(),
+        Expired => "it has expired".into(),
+        NotValidYet => "it is not valid yet".into(),
+        NotValidForName => "it is not valid for this host name".into(),
+        Revoked => "it has been revoked".into(),
+        InvalidPurpose => "it is not issued for TLS server authentication".into(),
+        UnhandledCriticalExtension => "it has a critical extension that is not supported".into(),
+        Other(other) => format!("rejected: {other}"),
+        // Already in words: a name mismatch, an expiry with its times, …
+        _ => cert.to_string(),
+    };
+    format!("tls: invalid peer certificate: {words}")
+}
+
 /// A short, secret-free reason: "connect refused", "tls: invalid peer certificate: …".
 pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
     use std::io::ErrorKind::*;
     if let Some(tls) = find_rustls(e) {
-        return format!("tls: {tls}");
+        return tls_failed(tls);
     }
     match find_io(e) {
         Some(ConnectionRefused) => "connect refused".into(),
@@ -301,6 +329,41 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// rustls's variant names, said in words; what rustls words itself is kept.
+    #[test]
+    fn certificate_errors_are_said_in_words() {
+        use rustls::CertificateError as C;
+        let said = |e: C| tls_failed(&rustls::Error::InvalidCertificate(e));
+        assert_eq!(
+            said(C::UnknownIssuer),
+            "tls: invalid peer certificate: signed by an unknown authority (none of the \
+             system's roots or --upstream-ca's issued it)"
+        );
+        assert_eq!(
+            said(C::Expired),
+            "tls: invalid peer certificate: it has expired"
+        );
+        assert_eq!(
+            said(C::NotValidForName),
+            "tls: invalid peer certificate: it is not valid for this host name"
+        );
+        let other = C::Other(rustls::OtherError(std::sync::Arc::new(std::fmt::Error)));
+        assert_eq!(
+            said(other),
+            "tls: invalid peer certificate: rejected: an error occurred when formatting an argument"
+        );
+        for (variant, words) in [
+            (C::BadSignature, "its signature does not verify"),
+            (C::Revoked, "it has been revoked"),
+            (C::NotValidYet, "it is not valid yet"),
+        ] {
+            assert!(!format!("{variant:?}").contains(' '));
+            assert!(said(variant).ends_with(words));
+        }
+        let alert = rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure);
+        assert_eq!(tls_failed(&alert), format!("tls: {alert}"));
+    }
 
     /// Connects nowhere: every connect fails with the error it is given.
     #[derive(Clone)]

@@ -160,7 +160,7 @@ impl UpstreamError {
                 _ => forward::connect_failed(e.as_ref()),
             },
             UpstreamError::Tls(e) => match forward::find_rustls(e) {
-                Some(tls) => format!("tls: {tls}"),
+                Some(tls) => forward::tls_failed(tls),
                 None => describe_io(e.kind(), "tls handshake failed"),
             },
             UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
@@ -2976,6 +2976,10 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Tls, "{e:?}");
-        assert!(e.describe().starts_with("tls: "), "{}", e.describe());
+        assert!(
+            (e.describe()).starts_with("tls: invalid peer certificate: signed by an unknown"),
+            "{}",
+            e.describe()
+        );
     }
 }
