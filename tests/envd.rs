@@ -161,6 +161,9 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
         ("GET", id) if !id.is_empty() => {
             let mut open = cloud.lookups_open.subscribe();
             let _ = open.wait_for(|open| *open).await;
+            if id.starts_with(BUSY) {
+                return response(503, "busy");
+            }
             describe(&cloud, id)
         }
         // A control plane too busy to delete: the sandbox (and its token) lives on.
@@ -173,7 +176,7 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
     }
 }
 
-/// Sandboxes whose id starts so are answered 503 on `DELETE` and on connect.
+/// Sandboxes whose id starts so are answered 503 on `DELETE`, on connect and on look-up.
 const BUSY: &str = "isb-busy";
 /// Sandboxes whose id starts so are looked up with an HTML page, 200.
 const NOT_A_SANDBOX: &str = "isb-html";
@@ -617,21 +620,10 @@ async fn fifty_concurrent_misses_cause_one_lookup() {
 async fn a_look_up_outlives_the_client_that_gave_up_on_it() {
     let mut env = Env::start(Pki::new()).await;
     env.cloud.exists("isb-slow", "tok-slow");
-    env.cloud.lookups_open.send_replace(false);
-    let proxy = env.proxy().await;
+    let mut proxy = env.proxy().await;
     let addr = proxy.addr();
-    let in_flight = r#"abx_proxy_in_flight_requests{plane="envd"}"#;
 
-    let impatient =
-        tokio::spawn(async move { send(addr, envd_request(addr, "isb-slow", "/health")).await });
-    let lookup = env.api.next_request().await;
-    assert_eq!(lookup.uri.path(), "/sandboxes/isb-slow");
-    wait_for_metric(proxy.admin_addr(), in_flight, 1.0).await;
-    impatient.abort();
-    // The proxy saw the client go: its request is over, the look-up is not.
-    wait_for_metric(proxy.admin_addr(), in_flight, 0.0).await;
-    env.cloud.lookups_open.send_replace(true);
-
+    give_up_during_look_up(&mut env, &proxy, "isb-slow").await;
     let (status, body) = text(send(addr, envd_request(addr, "isb-slow", "/health")).await).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(env.lookups("isb-slow").len(), 1, "asked again");
@@ -646,8 +638,36 @@ async fn a_look_up_outlives_the_client_that_gave_up_on_it() {
         "tok-slow",
         DEFAULT_BASIC,
     );
+
+    // One that fails with nobody left to tell leaves a line saying so.
+    give_up_during_look_up(&mut env, &proxy, "isb-busy-gone").await;
+    let line = proxy
+        .wait_for_line("envd token look-up failed after its requests had gone")
+        .await;
+    assert!(
+        line.contains("isb-busy-gone") && line.contains("[E5001]"),
+        "{line}"
+    );
     env.assert_envd_clean();
     proxy.finish().await;
+}
+
+/// An envd request for `id` whose client hangs up while the look-up is held, seen gone by
+/// the proxy before the look-up is let through.
+async fn give_up_during_look_up(env: &mut Env, proxy: &ProxyProc, id: &'static str) {
+    let (addr, in_flight) = (
+        proxy.addr(),
+        r#"abx_proxy_in_flight_requests{plane="envd"}"#,
+    );
+    env.cloud.lookups_open.send_replace(false);
+    let impatient = tokio::spawn(async move { send(addr, envd_request(addr, id, "/")).await });
+    let lookup = env.api.next_request().await;
+    assert_eq!(lookup.uri.path(), format!("/sandboxes/{id}"));
+    wait_for_metric(proxy.admin_addr(), in_flight, 1.0).await;
+    impatient.abort();
+    // The proxy saw the client go: its request is over, the look-up is not.
+    wait_for_metric(proxy.admin_addr(), in_flight, 0.0).await;
+    env.cloud.lookups_open.send_replace(true);
 }
 
 /// A sandbox the control plane does not know: 404 E2009, envd never contacted. A store miss

@@ -9,6 +9,13 @@
 //! still served is at worst refused by envd, which triggers a fresh look-up). Forgetting
 //! costs little: the SDKs send the token themselves, and without it the next request looks
 //! it up again.
+//!
+//! A look-up runs in a task of its own, not in the request that started it: a client that
+//! gives up waiting (an SDK whose timeout is shorter than a slow control plane's answer,
+//! and that asks again) leaves it running for the next request. A look-up all of whose
+//! requests have gone is kept only while fewer than [`MAX_ORPHANS`] are: a client that
+//! names many sandboxes and hangs up at once cannot make the proxy hold more look-ups
+//! (each an upstream request with the key) than requests it holds open itself.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -21,7 +28,10 @@ use tokio::sync::watch;
 use crate::error::Error;
 use crate::secret::Secret;
 
-type Lookup = watch::Receiver<Option<Result<Option<Secret>, Error>>>;
+type Answer = Option<Result<Option<Secret>, Error>>;
+
+/// Look-ups kept running with no request waiting for them, at most.
+pub const MAX_ORPHANS: usize = 16;
 
 /// Sandboxes remembered at most (about 1 MiB of tokens).
 pub const MAX_TOKENS: usize = 10_000;
@@ -36,8 +46,21 @@ pub struct TokenStore {
     // Copy-on-write: reads are a pointer load; writes (one per sandbox created, and one an
     // hour per sandbox still in use) copy.
     tokens: ArcSwap<HashMap<Arc<str>, (Secret, Instant)>>,
-    inflight: Mutex<HashMap<String, Lookup>>,
+    inflight: Mutex<Inflight>,
     max_tokens: usize,
+}
+
+/// The look-ups running, by sandbox, and how many of them no request waits for.
+#[derive(Default)]
+struct Inflight {
+    lookups: HashMap<String, Lookup>,
+    orphans: usize,
+}
+
+struct Lookup {
+    answer: watch::Receiver<Answer>,
+    task: tokio::task::AbortHandle,
+    waiters: usize,
 }
 
 impl Default for TokenStore {
@@ -138,78 +161,140 @@ impl TokenStore {
     }
 
     /// The token for `sandbox_id`, running `fetch` on a miss. Concurrent callers for the same
-    /// sandbox share one `fetch`. `Ok(None)`: the sandbox does not exist.
+    /// sandbox share one `fetch`, which runs in a task of its own (see the module's doc).
+    /// `Ok(None)`: the sandbox does not exist; `None`: the look-up ended without an answer
+    /// (only a panic, none known, or the runtime's end does that while a request waits).
     pub async fn get_or_fetch<F, Fut>(
-        &self,
+        self: &Arc<Self>,
         sandbox_id: &str,
         fetch: F,
-    ) -> Result<Option<Secret>, Error>
+    ) -> Option<Result<Option<Secret>, Error>>
     where
         F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Option<Secret>, Error>>,
+        Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
     {
-        // Once more when a waited-for leader was cancelled: a waiter then leads.
-        loop {
-            if let Some(t) = self.get(sandbox_id) {
-                return Ok(Some(t));
-            }
-            let (leader, mut rx) = {
-                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-                match inflight.get(sandbox_id) {
-                    Some(rx) => (None, rx.clone()),
-                    None => {
-                        let (tx, rx) = watch::channel(None);
-                        inflight.insert(sandbox_id.to_string(), rx.clone());
-                        (Some(tx), rx)
-                    }
-                }
-            };
-            match leader {
-                Some(tx) => {
-                    // Removes the in-flight entry even if this future is dropped mid-fetch, so a
-                    // cancelled leader cannot wedge later callers.
-                    let _guard = InflightGuard {
-                        store: self,
-                        id: sandbox_id,
-                    };
-                    // A token learned while we queued makes the fetch unnecessary.
-                    let result = match self.get(sandbox_id) {
-                        Some(t) => Ok(Some(t)),
-                        None => fetch().await,
-                    };
-                    if let Ok(Some(t)) = &result {
-                        self.insert(sandbox_id, t.clone());
-                    }
-                    let _ = tx.send(Some(result.clone()));
-                    return result;
-                }
-                None => loop {
-                    if let Some(result) = rx.borrow_and_update().clone() {
-                        return result;
-                    }
-                    if rx.changed().await.is_err() {
-                        // The leader was cancelled before it had an answer: not "not found".
-                        break;
-                    }
-                },
-            }
+        if let Some(t) = self.get(sandbox_id) {
+            return Some(Ok(Some(t)));
         }
+        let mut answer = {
+            let mut inflight = self.lock_inflight();
+            match inflight.lookups.get_mut(sandbox_id) {
+                Some(lookup) => {
+                    lookup.waiters += 1;
+                    let rx = lookup.answer.clone();
+                    if lookup.waiters == 1 {
+                        inflight.orphans -= 1;
+                    }
+                    rx
+                }
+                None => {
+                    // A token learned while we queued makes the fetch unnecessary.
+                    if let Some(t) = self.get(sandbox_id) {
+                        return Some(Ok(Some(t)));
+                    }
+                    let (tx, rx) = watch::channel(None);
+                    let task = tokio::spawn(Self::look_up(
+                        Arc::clone(self),
+                        sandbox_id.to_string(),
+                        fetch(),
+                        tx,
+                    ));
+                    let lookup = Lookup {
+                        answer: rx.clone(),
+                        task: task.abort_handle(),
+                        waiters: 1,
+                    };
+                    inflight.lookups.insert(sandbox_id.to_string(), lookup);
+                    rx
+                }
+            }
+        };
+        let _waiting = Waiting {
+            store: self,
+            id: sandbox_id,
+            answer: answer.clone(),
+        };
+        let got = answer.wait_for(Option::is_some).await;
+        got.ok().and_then(|answer| answer.clone())
+    }
+
+    /// One look-up's task: the fetch, the token remembered, the look-up's entry gone, then
+    /// the answer for whoever still waits.
+    async fn look_up(
+        store: Arc<Self>,
+        sandbox_id: String,
+        fetch: impl Future<Output = Result<Option<Secret>, Error>>,
+        answer: watch::Sender<Answer>,
+    ) {
+        let result = fetch.await;
+        if let Ok(Some(t)) = &result {
+            store.insert(&sandbox_id, t.clone());
+        }
+        let waited = {
+            let mut inflight = store.lock_inflight();
+            let ours = (inflight.lookups.get(&sandbox_id))
+                .filter(|l| l.answer.same_channel(&answer.subscribe()))
+                .map(|l| l.waiters > 0);
+            if let Some(waited) = ours {
+                if !waited {
+                    inflight.orphans -= 1;
+                }
+                inflight.lookups.remove(&sandbox_id);
+            }
+            ours.unwrap_or(false)
+        };
+        // Nobody to tell: a failure would otherwise leave no trace but a 499 per client.
+        if let (false, Err(e)) = (waited, &result) {
+            tracing::warn!(
+                sandbox_id = %sandbox_id,
+                error = %e.line(),
+                "envd token look-up failed after its requests had gone"
+            );
+        }
+        let _ = answer.send(Some(result));
+    }
+
+    fn lock_inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
+        self.inflight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Look-ups running, and those of them no request waits for (for tests).
+    #[cfg(test)]
+    fn running(&self) -> (usize, usize) {
+        let inflight = self.lock_inflight();
+        (inflight.lookups.len(), inflight.orphans)
     }
 }
 
-struct InflightGuard<'a> {
+/// A request waiting for a look-up; dropped when it has its answer or gives up. The last
+/// to go leaves the look-up running as an orphan, or ends it when [`MAX_ORPHANS`] run.
+struct Waiting<'a> {
     store: &'a TokenStore,
     id: &'a str,
+    answer: watch::Receiver<Answer>,
 }
 
-impl Drop for InflightGuard<'_> {
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        let mut inflight = self
-            .store
-            .inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        inflight.remove(self.id);
+        let mut inflight = self.store.lock_inflight();
+        let orphans = inflight.orphans;
+        // Only the look-up this request waited for: one that ended and was replaced by a
+        // newer one for the same sandbox is not ours to count.
+        let Some(lookup) =
+            (inflight.lookups.get_mut(self.id)).filter(|l| l.answer.same_channel(&self.answer))
+        else {
+            return;
+        };
+        lookup.waiters -= 1;
+        if lookup.waiters > 0 {
+            return;
+        }
+        if orphans < MAX_ORPHANS {
+            inflight.orphans += 1;
+        } else {
+            lookup.task.abort();
+            inflight.lookups.remove(self.id);
+        }
     }
 }
 
@@ -268,7 +353,8 @@ mod tests {
         tokio::task::yield_now().await;
         let _ = release_tx.send(true);
         for t in tasks {
-            assert_eq!(t.await.unwrap().unwrap().unwrap().expose(), "tok");
+            let got = t.await.unwrap().unwrap().unwrap().unwrap();
+            assert_eq!(got.expose(), "tok");
         }
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         store.remove("isb-1");
@@ -336,21 +422,88 @@ mod tests {
         }
     }
 
+    type Fetch = std::pin::Pin<Box<dyn Future<Output = Result<Option<Secret>, Error>> + Send>>;
+
+    /// A fetch that answers `tok` once `release` says so.
+    fn gated(release: &watch::Sender<bool>) -> impl FnOnce() -> Fetch {
+        let mut release = release.subscribe();
+        move || {
+            Box::pin(async move {
+                let _ = release.wait_for(|r| *r).await;
+                Ok(Some(Secret::new("tok")))
+            })
+        }
+    }
+
+    /// The request that started a look-up hangs up mid-fetch: the look-up goes on, and the
+    /// request waiting beside it gets its answer (a second fetch would never end).
     #[tokio::test]
-    async fn a_waiter_takes_over_from_a_cancelled_leader() {
-        let store = TokenStore::new();
-        let mut leader = Box::pin(store.get_or_fetch("isb-1", std::future::pending));
-        assert!(!poll_once(&mut leader).await, "the leader fetches");
-        let mut waiter =
-            Box::pin(store.get_or_fetch("isb-1", || async { Ok(Some(Secret::new("tok"))) }));
-        assert!(
-            !poll_once(&mut waiter).await,
-            "the waiter waits for the leader"
-        );
-        // The client of the leader's request hangs up mid-fetch.
+    async fn a_look_up_outlives_the_request_that_started_it() {
+        let store = Arc::new(TokenStore::new());
+        let (release, _) = watch::channel(false);
+        let mut leader = Box::pin(store.get_or_fetch("isb-1", gated(&release)));
+        assert!(!poll_once(&mut leader).await, "the look-up runs");
+        let mut waiter = Box::pin(store.get_or_fetch("isb-1", std::future::pending));
+        assert!(!poll_once(&mut waiter).await, "the waiter waits for it");
         drop(leader);
-        let got = waiter.await.unwrap();
+        assert_eq!(store.running(), (1, 0), "one look-up, still waited for");
+        release.send_replace(true);
+        let got = waiter.await.unwrap().unwrap();
         assert_eq!(got.map(|t| t.expose().to_string()).as_deref(), Some("tok"));
+        assert_eq!(store.running(), (0, 0));
+    }
+
+    /// With no request left waiting, a look-up still runs and its token is remembered; a
+    /// request that comes for it meanwhile joins it instead of starting another.
+    #[tokio::test]
+    async fn a_look_up_nobody_waits_for_is_kept_and_remembered() {
+        let store = Arc::new(TokenStore::new());
+        let (release, _) = watch::channel(false);
+        let mut gone = Box::pin(store.get_or_fetch("isb-1", gated(&release)));
+        assert!(!poll_once(&mut gone).await);
+        drop(gone);
+        assert_eq!(store.running(), (1, 1), "kept, as an orphan");
+        let mut again = Box::pin(store.get_or_fetch("isb-1", std::future::pending));
+        assert!(!poll_once(&mut again).await);
+        assert_eq!(store.running(), (1, 0), "joined, not started again");
+        drop(again);
+        assert_eq!(store.running(), (1, 1));
+        release.send_replace(true);
+        // The look-up's task finishes on its own (this runtime's one thread runs it when
+        // the test yields).
+        for _ in 0..100 {
+            if store.running() == (0, 0) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(store.running(), (0, 0));
+        assert_eq!(
+            store
+                .get("isb-1")
+                .map(|t| t.expose().to_string())
+                .as_deref(),
+            Some("tok")
+        );
+    }
+
+    /// Clients that name many sandboxes and hang up leave at most [`MAX_ORPHANS`] look-ups
+    /// running: each one past that ends with its last request.
+    #[tokio::test]
+    async fn orphaned_look_ups_are_bounded() {
+        let store = Arc::new(TokenStore::new());
+        for i in 0..MAX_ORPHANS + 5 {
+            let fetch = std::future::pending;
+            let id = format!("isb-{i}");
+            let mut gone = Box::pin(store.get_or_fetch(&id, fetch));
+            assert!(!poll_once(&mut gone).await);
+            drop(gone);
+        }
+        assert_eq!(store.running(), (MAX_ORPHANS, MAX_ORPHANS));
+        // The fetches past the bound were ended; the kept ones are what a new request joins.
+        let mut again = Box::pin(store.get_or_fetch("isb-0", std::future::pending));
+        assert!(!poll_once(&mut again).await);
+        assert_eq!(store.running(), (MAX_ORPHANS, MAX_ORPHANS - 1));
     }
 
     #[test]

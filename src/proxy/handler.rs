@@ -507,23 +507,19 @@ impl Proxy {
 
     /// The sandbox's envd token from the control plane, one look-up per sandbox at a time.
     /// A sandbox that exists without a token (not `secure`) gets an empty one.
-    /// In a task of its own: a client that gives up waiting (an SDK's timeout shorter than
-    /// a slow control plane's answer) leaves the look-up running for the others and the
-    /// next request, instead of throwing it away and having each of them ask again. It
-    /// is bounded by `--upstream-timeout`, as the look-up itself is.
+    /// The fetch runs in a task of its own (see `TokenStore::get_or_fetch`): a client that
+    /// gives up waiting does not take the look-up with it.
     async fn lookup_token(self: &Arc<Self>, sandbox_id: &str) -> Result<Secret, Error> {
-        let proxy = Arc::clone(self);
-        let id = sandbox_id.to_string();
-        let lookup = tokio::spawn(async move {
-            let found = proxy.tokens.get_or_fetch(&id, || proxy.fetch_token(&id));
-            found.await
-        });
-        // Only a panic (none is known) or the runtime's end stops the task.
-        let found = lookup.await.map_err(|_| Error::UpstreamUnavailable {
+        let fetch = || {
+            let (proxy, id) = (Arc::clone(self), sandbox_id.to_string());
+            async move { proxy.fetch_token(&id).await }
+        };
+        let found = self.tokens.get_or_fetch(sandbox_id, fetch).await;
+        let found = found.ok_or_else(|| Error::UpstreamUnavailable {
             reason: "the envd token look-up did not finish".into(),
             host: self.api_host.to_string(),
-        })?;
-        found?.ok_or_else(|| Error::SandboxNotFound {
+        })??;
+        found.ok_or_else(|| Error::SandboxNotFound {
             sandbox_id: sandbox_id.to_string(),
         })
     }

@@ -112,7 +112,7 @@ pub struct Proxy {
     /// Swapped whole on SIGHUP or a changed secret file; requests in flight keep the one
     /// they loaded.
     pub credential: ArcSwap<ApiCredential>,
-    pub tokens: TokenStore,
+    pub tokens: Arc<TokenStore>,
     pub metrics: Arc<Metrics>,
     pub(crate) host_policy: HostPolicy,
     pub(crate) compat: CompatMode,
@@ -185,7 +185,7 @@ impl Proxy {
             ),
             auth: CachedAuth::new(AuthScheme::from(&settings.auth)),
             credential: ArcSwap::from_pointee(credential),
-            tokens: TokenStore::new(),
+            tokens: Arc::new(TokenStore::new()),
             metrics,
             host_policy,
             compat,
