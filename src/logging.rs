@@ -35,8 +35,11 @@ static JSON_LOGS: AtomicBool = AtomicBool::new(false);
 
 /// A settings warning: `warning: …` on stderr, as every command prints them; where the
 /// logs are JSON, an object through the subscriber instead, so that a log pipeline reading
-/// one object per line never meets a bare line.
+/// one object per line never meets a bare line. What a terminal would act on is escaped: a
+/// warning quotes values from `.env` files, and a line feed or an escape sequence in one
+/// could forge or hide the very warning that says where the key goes.
 pub fn warning(text: &str) {
+    let text = crate::providers::manifest::printable(text);
     if JSON_LOGS.load(Ordering::Acquire) {
         tracing::warn!("{text}");
     } else {

@@ -766,6 +766,18 @@ async fn a_plugin_upstream_moved_by_the_cwd_env_is_warned_about_and_errors_name_
     }
     assert!(!text(&out).contains("e2b-key-in-home"), "{}", text(&out));
 
+    // No key anywhere: nothing goes there, and that is said as its own error.
+    std::fs::write(&home_env, "ABX_PROVIDER=e2b\n").expect("write");
+    let out = abx(home.path(), &[], &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("api_key is not set"), "{}", text(&out));
+    assert!(!text(&out).contains("goes there"), "{}", text(&out));
+    std::fs::write(
+        &home_env,
+        "ABX_PROVIDER=e2b\nABX_E2B_API_KEY=e2b-key-in-home-7Qw\n",
+    )
+    .expect("write");
+
     let env = [("ABX_E2B_ENVD_DOMAIN", "e2b.app@127.0.0.1:1")];
     let out = abx(home.path(), &env, &["check", "--offline"]).await;
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));

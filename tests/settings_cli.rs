@@ -1149,6 +1149,24 @@ fn config_list_and_errors_escape_control_characters_in_values() {
         "{}",
         out.stderr
     );
+
+    // Nor the warning that says where the key goes, which quotes the value.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ABX_SANDBOX_BASE_URL=\"https://evil.example/\nwarning: all good\u{1b}[8m\"\n");
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let warning = (out.stderr.lines())
+        .find(|l| l.contains("sets ABX_SANDBOX_BASE_URL="))
+        .expect("the warning");
+    assert!(
+        warning.contains("evil.example/\\u{a}warning: all good\\u{1b}[8m"),
+        "{warning}"
+    );
+    assert!(!out
+        .stderr
+        .lines()
+        .any(|l| l.starts_with("warning: all good")));
 }
 
 /// An `ABX_*` variable that is another spelling of one abx-proxy reads was ignored in

@@ -804,7 +804,9 @@ fn redirected(
     key_from: Source,
     secrets: &[Secret],
 ) -> Option<String> {
-    (source == Source::DotEnvCwd && key_from != Source::DotEnvCwd).then(|| {
+    // With no key at all nothing goes there (and that is an error of its own).
+    let elsewhere = key_from != Source::DotEnvCwd && key_from != Source::Unset;
+    (source == Source::DotEnvCwd && elsewhere).then(|| {
         format!(
             "./.env in this directory sets {env}={}: the credential from {} goes there",
             shown(value, secrets),
