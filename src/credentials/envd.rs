@@ -61,6 +61,46 @@ struct Lookup {
     answer: watch::Receiver<Answer>,
     task: tokio::task::AbortHandle,
     waiters: usize,
+    /// See [`TokenStore::supersede`].
+    superseded: bool,
+}
+
+/// A look-up's place in [`Inflight`], closed by its task: with the fetched token, or
+/// unwinding from a panic (none is known), so that no entry outlives its task and every
+/// later request for the sandbox would join a look-up that never answers.
+struct Entry<'a> {
+    store: &'a TokenStore,
+    id: &'a str,
+    answer: watch::Receiver<Answer>,
+    open: bool,
+}
+
+impl Entry<'_> {
+    /// Remembers `token` (unless superseded) and removes the entry. Whether a request
+    /// still waited; `None` when the entry was not there (ended by the bound on orphans).
+    fn close(&mut self, token: Option<Secret>) -> Option<bool> {
+        self.open = false;
+        let mut inflight = self.store.lock_inflight();
+        let lookup =
+            (inflight.lookups.get(self.id)).filter(|l| l.answer.same_channel(&self.answer))?;
+        let (waited, superseded) = (lookup.waiters > 0, lookup.superseded);
+        if let Some(token) = token.filter(|_| !superseded) {
+            self.store.insert_at(self.id, token, Instant::now());
+        }
+        if !waited {
+            inflight.orphans -= 1;
+        }
+        inflight.lookups.remove(self.id);
+        Some(waited)
+    }
+}
+
+impl Drop for Entry<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.close(None);
+        }
+    }
 }
 
 impl Default for TokenStore {
@@ -86,7 +126,9 @@ impl TokenStore {
         self.tokens.load().get(sandbox_id).map(|(t, _)| t.clone())
     }
 
+    /// A token learned from the control plane's answer to a client.
     pub fn insert(&self, sandbox_id: &str, token: Secret) {
+        self.supersede(sandbox_id);
         self.insert_at(sandbox_id, token, Instant::now());
     }
 
@@ -118,7 +160,9 @@ impl TokenStore {
         });
     }
 
+    /// The sandbox was deleted.
     pub fn remove(&self, sandbox_id: &str) {
+        self.supersede(sandbox_id);
         if self.tokens.load().contains_key(sandbox_id) {
             self.tokens.rcu(|map| {
                 let mut next = HashMap::clone(map);
@@ -203,6 +247,7 @@ impl TokenStore {
                         answer: rx.clone(),
                         task: task.abort_handle(),
                         waiters: 1,
+                        superseded: false,
                     };
                     inflight.lookups.insert(sandbox_id.to_string(), lookup);
                     rx
@@ -226,25 +271,17 @@ impl TokenStore {
         fetch: impl Future<Output = Result<Option<Secret>, Error>>,
         answer: watch::Sender<Answer>,
     ) {
-        let result = fetch.await;
-        if let Ok(Some(t)) = &result {
-            store.insert(&sandbox_id, t.clone());
-        }
-        let waited = {
-            let mut inflight = store.lock_inflight();
-            let ours = (inflight.lookups.get(&sandbox_id))
-                .filter(|l| l.answer.same_channel(&answer.subscribe()))
-                .map(|l| l.waiters > 0);
-            if let Some(waited) = ours {
-                if !waited {
-                    inflight.orphans -= 1;
-                }
-                inflight.lookups.remove(&sandbox_id);
-            }
-            ours.unwrap_or(false)
+        let mut entry = Entry {
+            store: &store,
+            id: &sandbox_id,
+            answer: answer.subscribe(),
+            open: true,
         };
+        let result = fetch.await;
+        let waited = entry.close(result.as_ref().ok().cloned().flatten());
         // Nobody to tell: a failure would otherwise leave no trace but a 499 per client.
-        if let (false, Err(e)) = (waited, &result) {
+        // (`None`: the bound on orphans ended it, and said nothing was waiting.)
+        if let (Some(false), Err(e)) = (waited, &result) {
             tracing::warn!(
                 sandbox_id = %sandbox_id,
                 error = %e.line(),
@@ -252,6 +289,15 @@ impl TokenStore {
             );
         }
         let _ = answer.send(Some(result));
+    }
+
+    /// A token learned or a sandbox deleted while its look-up runs: the look-up, asked
+    /// before, must not put back an older token or one of a sandbox that is gone.
+    fn supersede(&self, sandbox_id: &str) {
+        let mut inflight = self.lock_inflight();
+        if let Some(lookup) = inflight.lookups.get_mut(sandbox_id) {
+            lookup.superseded = true;
+        }
     }
 
     fn lock_inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
@@ -504,6 +550,49 @@ mod tests {
         let mut again = Box::pin(store.get_or_fetch("isb-0", std::future::pending));
         assert!(!poll_once(&mut again).await);
         assert_eq!(store.running(), (MAX_ORPHANS, MAX_ORPHANS - 1));
+    }
+
+    /// A look-up whose fetch panics (no such fetch is known) leaves no entry behind: the
+    /// next request for the sandbox looks it up again instead of joining a look-up that
+    /// will never answer, and it holds no orphan's place.
+    #[tokio::test]
+    async fn a_look_up_that_panics_leaves_nothing_behind() {
+        let store = Arc::new(TokenStore::new());
+        let fetch = || async { panic!("a fetch that panics") };
+        assert!(store.get_or_fetch("isb-1", fetch).await.is_none());
+        assert_eq!(store.running(), (0, 0));
+        let got = store
+            .get_or_fetch("isb-1", || async { Ok(Some(Secret::new("tok"))) })
+            .await;
+        let got = got.unwrap().unwrap().map(|t| t.expose().to_string());
+        assert_eq!(got.as_deref(), Some("tok"));
+    }
+
+    /// A token learned, or the sandbox deleted, while a look-up runs is newer than what the
+    /// look-up brings back: its requests get its answer, the store keeps the newer state.
+    #[tokio::test]
+    async fn a_look_up_does_not_undo_what_was_learned_meanwhile() {
+        for deleted in [false, true] {
+            let store = Arc::new(TokenStore::new());
+            let (release, _) = watch::channel(false);
+            let mut waiting = Box::pin(store.get_or_fetch("isb-1", gated(&release)));
+            assert!(!poll_once(&mut waiting).await);
+            if deleted {
+                store.remove("isb-1");
+            } else {
+                store.insert("isb-1", Secret::new("fresh"));
+            }
+            release.send_replace(true);
+            let got = waiting
+                .await
+                .unwrap()
+                .unwrap()
+                .map(|t| t.expose().to_string());
+            assert_eq!(got.as_deref(), Some("tok"), "the look-up's own answer");
+            let kept = store.get("isb-1").map(|t| t.expose().to_string());
+            let newer = (!deleted).then_some("fresh");
+            assert_eq!(kept.as_deref(), newer, "deleted: {deleted}");
+        }
     }
 
     #[test]
