@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,9 @@ pub struct TokenStore {
     // hour per sandbox still in use) copy.
     tokens: ArcSwap<HashMap<Arc<str>, (Secret, Instant)>>,
     inflight: Mutex<Inflight>,
+    /// How many look-ups `inflight` holds, for [`TokenStore::supersede`]'s check without
+    /// the lock; changed under it.
+    running: AtomicUsize,
     max_tokens: usize,
 }
 
@@ -66,8 +70,8 @@ struct Lookup {
 }
 
 /// A look-up's place in [`Inflight`], closed by its task: with the fetched token, or
-/// unwinding from a panic (none is known), so that no entry outlives its task and every
-/// later request for the sandbox would join a look-up that never answers.
+/// unwinding from a panic (none is known). Otherwise the entry would outlive its task,
+/// and every later request for the sandbox would join a look-up that never answers.
 struct Entry<'a> {
     store: &'a TokenStore,
     id: &'a str,
@@ -91,6 +95,7 @@ impl Entry<'_> {
             inflight.orphans -= 1;
         }
         inflight.lookups.remove(self.id);
+        self.store.running.fetch_sub(1, Ordering::SeqCst);
         Some(waited)
     }
 }
@@ -118,6 +123,7 @@ impl TokenStore {
         TokenStore {
             tokens: ArcSwap::default(),
             inflight: Mutex::default(),
+            running: AtomicUsize::new(0),
             max_tokens,
         }
     }
@@ -250,6 +256,7 @@ impl TokenStore {
                         superseded: false,
                     };
                     inflight.lookups.insert(sandbox_id.to_string(), lookup);
+                    self.running.fetch_add(1, Ordering::SeqCst);
                     rx
                 }
             }
@@ -294,6 +301,11 @@ impl TokenStore {
     /// A token learned or a sandbox deleted while its look-up runs: the look-up, asked
     /// before, must not put back an older token or one of a sandbox that is gone.
     fn supersede(&self, sandbox_id: &str) {
+        // Most learning happens with no look-up running: no lock then. One registered
+        // after this load asked the control plane after this answer was given.
+        if self.running.load(Ordering::SeqCst) == 0 {
+            return;
+        }
         let mut inflight = self.lock_inflight();
         if let Some(lookup) = inflight.lookups.get_mut(sandbox_id) {
             lookup.superseded = true;
@@ -308,6 +320,8 @@ impl TokenStore {
     #[cfg(test)]
     fn running(&self) -> (usize, usize) {
         let inflight = self.lock_inflight();
+        let counted = self.running.load(Ordering::SeqCst);
+        assert_eq!(counted, inflight.lookups.len(), "look-ups counted");
         (inflight.lookups.len(), inflight.orphans)
     }
 }
@@ -340,6 +354,7 @@ impl Drop for Waiting<'_> {
         } else {
             lookup.task.abort();
             inflight.lookups.remove(self.id);
+            self.store.running.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
