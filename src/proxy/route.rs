@@ -373,13 +373,9 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     Ok(Some((port, id)))
 }
 
-/// A port as a client writes one: digits only, 1-65535. `u16::from_str` also takes a
-/// leading `+`, which no URL or SDK writes.
+/// A port as a client writes one: digits only, 1-65535.
 fn port_number(digits: &str) -> Option<u16> {
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse::<u16>().ok().filter(|p| *p != 0)
+    crate::settings::values::port(digits).filter(|p| *p != 0)
 }
 
 /// Sandbox ids become part of a host name upstream: letters, digits and dashes only.

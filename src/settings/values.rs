@@ -127,10 +127,7 @@ impl ListenAddr {
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
         }
         if let Some(port) = raw.strip_prefix("localhost:") {
-            let port: u16 = Some(port)
-                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|p| p.parse().ok())
-                .ok_or_else(|| invalid(key, "bad port"))?;
+            let port = self::port(port).ok_or_else(|| invalid(key, "bad port"))?;
             return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
         }
         raw.parse::<SocketAddr>().map(ListenAddr::Tcp).map_err(|_| {
@@ -240,6 +237,15 @@ pub(crate) fn is_domain(raw: &str) -> bool {
         })
 }
 
+/// A port as written in a URL or an address: digits only, 0-65535. `u16::from_str` also
+/// takes a leading `+`, which no URL, SDK or user writes for a port.
+pub(crate) fn port(digits: &str) -> Option<u16> {
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 /// A host and, when a port is written, a port that is one. `Authority` takes `h:abc`,
 /// `h:99999`, `h:` and `:443`, and a connector then uses the scheme's default port (or no
 /// host): a mistyped port must not send a key to port 443 of that host.
@@ -249,16 +255,12 @@ fn check_authority(authority: &Authority) -> Result<(), &'static str> {
         return Err("missing host");
     }
     // `host()` is the authority's start when it has no user info (refused before).
-    let Some(port) = authority.as_str().get(host.len()..) else {
+    let Some(written) = authority.as_str().get(host.len()..) else {
         return Err("missing host");
     };
-    let valid = match port.strip_prefix(':') {
-        None => port.is_empty(),
-        Some(digits) => {
-            !digits.is_empty()
-                && digits.bytes().all(|b| b.is_ascii_digit())
-                && digits.parse::<u16>().is_ok_and(|p| p != 0)
-        }
+    let valid = match written.strip_prefix(':') {
+        None => written.is_empty(),
+        Some(digits) => port(digits).is_some_and(|p| p != 0),
     };
     if valid {
         Ok(())
