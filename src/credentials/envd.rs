@@ -94,8 +94,7 @@ impl Entry<'_> {
         if !waited {
             inflight.orphans -= 1;
         }
-        inflight.lookups.remove(self.id);
-        self.store.running.fetch_sub(1, Ordering::SeqCst);
+        self.store.forget(&mut inflight, self.id);
         Some(waited)
     }
 }
@@ -312,6 +311,13 @@ impl TokenStore {
         }
     }
 
+    /// Removes a look-up's entry, and its count beside the map.
+    fn forget(&self, inflight: &mut Inflight, sandbox_id: &str) {
+        if inflight.lookups.remove(sandbox_id).is_some() {
+            self.running.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     fn lock_inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
         self.inflight.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -353,8 +359,7 @@ impl Drop for Waiting<'_> {
             inflight.orphans += 1;
         } else {
             lookup.task.abort();
-            inflight.lookups.remove(self.id);
-            self.store.running.fetch_sub(1, Ordering::SeqCst);
+            self.store.forget(&mut inflight, self.id);
         }
     }
 }
