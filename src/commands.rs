@@ -27,6 +27,7 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
         }
         _ => {}
     }
+    crate::log_writer::mask(resolved.embedded_secrets());
     for w in resolved.all_warnings() {
         crate::logging::warning(&w);
     }

@@ -12,13 +12,19 @@
 //!
 //! Before [`start`] (commands that do not serve, tests) lines are written where they are
 //! made, as before.
+//!
+//! Every event's line is written with the secrets given to [`mask`] as `****`: those a
+//! setting's plain value carries, which other crates' debug lines print as resolved.
 
 use std::cell::Cell;
 use std::io::Write;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, SyncSender, TryRecvError, TrySendError};
-use std::sync::OnceLock;
+use std::sync::{OnceLock, PoisonError, RwLock};
 use std::time::Duration;
+
+use crate::secret::Secret;
 
 /// Writes the queue may hold: a batch of a worker (up to 4 KiB), one event, or one long
 /// line each; half a second of the busiest load measured here.
@@ -55,6 +61,11 @@ static QUEUED: OnceLock<SyncSender<Msg>> = OnceLock::new();
 static QUEUED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// Lines dropped because the queue was full.
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// See [`mask`]; `MASKING` says whether it holds any, so that lines are not scanned in the
+/// usual case of none.
+static MASKED: RwLock<Vec<Secret>> = RwLock::new(Vec::new());
+static MASKING: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// This is the writer thread: what it logs itself is written at once, not queued
@@ -213,6 +224,42 @@ pub fn dropped() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
+/// From now on `secrets` are `****` in every event's line, with those given before: a
+/// reload that is then refused leaves the old settings in use.
+pub fn mask(secrets: Vec<Secret>) {
+    if secrets.is_empty() {
+        return;
+    }
+    let mut masked = MASKED.write().unwrap_or_else(PoisonError::into_inner);
+    for secret in secrets {
+        if !masked.iter().any(|m| m.expose() == secret.expose()) {
+            masked.push(secret);
+        }
+    }
+    // The longer first: a secret that contains another is masked whole.
+    masked.sort_by_key(|s| std::cmp::Reverse(s.expose().len()));
+    MASKING.store(true, Ordering::Release);
+}
+
+fn masked(line: Vec<u8>) -> Vec<u8> {
+    if !MASKING.load(Ordering::Acquire) {
+        return line;
+    }
+    let secrets = MASKED.read().unwrap_or_else(PoisonError::into_inner);
+    secrets.iter().fold(line, |line, secret| {
+        let needle = secret.expose().as_bytes();
+        let mut out = Vec::with_capacity(line.len());
+        let mut rest = &line[..];
+        while let Some(at) = memchr::memmem::find(rest, needle) {
+            out.extend_from_slice(&rest[..at]);
+            out.extend_from_slice(b"****");
+            rest = &rest[at + needle.len()..];
+        }
+        out.extend_from_slice(rest);
+        out
+    })
+}
+
 /// tracing-subscriber's writer: each event, formatted whole, is one [`write`].
 pub struct Stderr;
 
@@ -241,7 +288,29 @@ impl Write for Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if !self.0.is_empty() {
-            write(std::mem::take(&mut self.0));
+            write(masked(std::mem::take(&mut self.0)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every occurrence, the longer secret whole where one contains the other; masking only
+    /// grows, so a secret given earlier stays masked.
+    #[test]
+    fn masked_secrets_are_starred_in_every_line() {
+        mask(vec![Secret::new("sk-mask-test-1")]);
+        mask(vec![
+            Secret::new("sk-mask-test-1-longer"),
+            Secret::new("short"),
+        ]);
+        let line = b"DnsName(\"sk-mask-test-1-longer.example\") sk-mask-test-1 sk-mask-test-1\n";
+        assert_eq!(
+            String::from_utf8(masked(line.to_vec())).unwrap(),
+            "DnsName(\"****.example\") **** ****\n"
+        );
+        assert_eq!(masked(b"nothing here\n".to_vec()), b"nothing here\n");
     }
 }

@@ -1329,6 +1329,34 @@ async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     proxy.finish().await;
 }
 
+/// A host name can carry a secret (a `.env`'s `${VAR}` in a URL, here the key itself): a
+/// certificate for another name is refused in words that do not quote the host, which is
+/// printed masked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_for_another_name_is_refused_without_quoting_the_host() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "no") }).await;
+    let base = format!("https://{API_KEY}.localhost:{}", upstream.addr.port());
+    let proxy = ProxyCmd::new(&base, &pki).spawn().await;
+    let resp = raw_exchange(
+        proxy.addr(),
+        format!("GET /sandboxes HTTP/1.1\r\nHost: {}\r\n\r\n", proxy.addr()).as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 502, "E5001");
+    let text = resp.text();
+    assert!(
+        text.contains("tls: invalid peer certificate: it is not valid for this host name")
+            && text.contains("****.localhost"),
+        "{text}"
+    );
+    // A host name may come back in any case: the key must not appear in any.
+    let key = API_KEY["sk-abx-live-".len()..].to_ascii_lowercase();
+    assert!(!text.to_ascii_lowercase().contains(&key), "{text}");
+    let stderr = proxy.finish().await;
+    assert!(!stderr.to_ascii_lowercase().contains(&key), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_hanging_up_mid_request_gives_its_in_flight_count_back() {
     let pki = Pki::new();

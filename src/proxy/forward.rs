@@ -295,12 +295,16 @@ pub(crate) fn tls_failed(e: &rustls::Error) -> String {
         BadEncoding => "it cannot be parsed".into(),
         Expired => "it has expired".into(),
         NotValidYet => "it is not valid yet".into(),
-        NotValidForName => "it is not valid for this host name".into(),
+        // Not rustls's words for this one: they quote the host name, which can carry a
+        // secret (`https://${KEY}.example/`); the error's own host is printed masked.
+        NotValidForName | NotValidForNameContext { .. } => {
+            "it is not valid for this host name".into()
+        }
         Revoked => "it has been revoked".into(),
         InvalidPurpose => "it is not issued for TLS server authentication".into(),
         UnhandledCriticalExtension => "it has a critical extension that is not supported".into(),
         Other(other) => format!("rejected: {other}"),
-        // Already in words: a name mismatch, an expiry with its times, …
+        // Already in words: an expiry with its times, …
         _ => cert.to_string(),
     };
     format!("tls: invalid peer certificate: {words}")
@@ -346,6 +350,15 @@ mod tests {
         );
         assert_eq!(
             said(C::NotValidForName),
+            "tls: invalid peer certificate: it is not valid for this host name"
+        );
+        let mismatch = C::NotValidForNameContext {
+            expected: rustls_pki_types::ServerName::try_from("sk-secret-label.example")
+                .expect("a DNS name"),
+            presented: vec!["*.sandbox.example".into()],
+        };
+        assert_eq!(
+            said(mismatch),
             "tls: invalid peer certificate: it is not valid for this host name"
         );
         let other = C::Other(rustls::OtherError(std::sync::Arc::new(std::fmt::Error)));

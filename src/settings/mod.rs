@@ -437,6 +437,29 @@ impl Resolved {
             .collect()
     }
 
+    /// The secrets that a plain value carries (a `.env`'s `${VAR}` in a URL or a domain).
+    /// Other crates' debug lines print upstream host names as resolved (rustls's server
+    /// name, hyper-util's pool keys): the log writer masks these in every line.
+    pub fn embedded_secrets(&self) -> Vec<Secret> {
+        let plugin = self.plugin().ok().flatten();
+        let fields = plugin.iter().flat_map(|p| &p.fields).map(|f| &f.value);
+        let plain: Vec<&str> = self
+            .entries
+            .iter()
+            .map(|e| &e.value)
+            .chain(fields)
+            .filter_map(|v| match v {
+                Some(Value::Plain(s)) => Some(s.as_str()),
+                _ => None,
+            })
+            .collect();
+        self.secrets()
+            .into_iter()
+            .filter(|s| s.expose().chars().count() >= shown::MIN_EMBEDDED)
+            .filter(|s| plain.iter().any(|p| p.contains(s.expose())))
+            .collect()
+    }
+
     /// The credential rule of SPEC §2: the highest level decides, a pair counts at the level
     /// of its lower half, a tie goes to the API key. Also the warning for a stray half pair.
     pub fn credential(&self) -> Result<(CredentialKind, Source, Option<String>), Error> {
@@ -1032,6 +1055,37 @@ mod tests {
                 "{name} missing from {layers_shown}"
             );
         }
+    }
+
+    /// Only a secret that a plain value carries is masked in every log line; one that is
+    /// too short to look for, or that no value carries, is not.
+    #[test]
+    fn embedded_secrets_are_those_a_plain_value_carries() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("abx");
+        std::fs::create_dir(&home).unwrap();
+        std::fs::write(
+            home.join(".env"),
+            "ABX_SANDBOX_API_KEY=sk-inhost-4242\n\
+             GITHUB_TOKEN=ghp-nowhere-5678\n\
+             ABX_SANDBOX_URL=https://${ABX_SANDBOX_API_KEY}.example/\n",
+        )
+        .unwrap();
+        let inputs = Inputs {
+            flags: HashMap::new(),
+            provider_options: Vec::new(),
+            env: HashMap::new(),
+            env_not_unicode: BTreeSet::new(),
+            cwd: dir.path().to_path_buf(),
+            abx_home: Some(home),
+        };
+        let resolved = Resolved::from_inputs(&inputs).unwrap();
+        let embedded: Vec<String> = resolved
+            .embedded_secrets()
+            .iter()
+            .map(|s| s.expose().to_string())
+            .collect();
+        assert_eq!(embedded, ["sk-inhost-4242"]);
     }
 
     /// The library's way in: a secret key set through the builder is held as a secret, a
