@@ -456,9 +456,10 @@ async fn read_head(
     stop: &watch::Receiver<bool>,
 ) -> Read {
     let mut deadline = None;
+    let mut scanned = 0;
     loop {
         if !buf.is_empty() {
-            match parse(buf) {
+            match parse(buf, &mut scanned) {
                 Parsed::Head(head) => return Read::Head(head),
                 Parsed::HandOver => return Read::HandOver,
                 Parsed::Partial if buf.len() > MAX_HEAD => return Read::HandOver,
@@ -529,17 +530,25 @@ enum Parsed {
 }
 
 /// Parses the head at the start of `buf`; on success the head's bytes are split off and
-/// the URI and values point into them (no copy).
-fn parse(buf: &mut BytesMut) -> Parsed {
-    let Some(len) = head_end(buf) else {
-        // Bytes no request can start with (a TLS ClientHello, from an `https://` URL
-        // aimed at this plain listener, holds no line end) go to hyper, which refuses
-        // them at once; waiting for the head's end, the client waited out the header
-        // timeout for nothing. Only a head arriving in pieces is looked at here.
-        return match cannot_be_a_request(buf) {
-            true => Parsed::HandOver,
-            false => Parsed::Partial,
-        };
+/// the URI and values point into them (no copy). `scanned` is how far earlier calls looked
+/// for the head's end in the same partial head: a head arriving in pieces is scanned once,
+/// not from its start at every piece (64 KiB sent a few bytes at a time cost a tenth of a
+/// second of CPU that way).
+fn parse(buf: &mut BytesMut, scanned: &mut usize) -> Parsed {
+    let len = match head_end(buf, *scanned) {
+        Ok(len) => len,
+        Err(resume) => {
+            *scanned = resume;
+            // Bytes no request can start with (a TLS ClientHello, from an `https://` URL
+            // aimed at this plain listener, holds no line end) go to hyper, which refuses
+            // them at once; waiting for the head's end, the client waited out the header
+            // timeout for nothing. Only the start of a head arriving in pieces is looked
+            // at here, so that a long one is not parsed again at every piece.
+            return match buf.len() <= EARLY_CHECK && cannot_be_a_request(buf) {
+                true => Parsed::HandOver,
+                false => Parsed::Partial,
+            };
+        }
     };
     if len > MAX_HEAD {
         // Over the limit: hyper answers 431.
@@ -566,24 +575,31 @@ fn cannot_be_a_request(partial: &[u8]) -> bool {
     matches!(req.parse(partial), Err(e) if e != httparse::Error::TooManyHeaders)
 }
 
+/// How much of a partial head [`cannot_be_a_request`] looks at: what gives away bytes that
+/// are no request (a TLS record, a binary protocol) is in their first few.
+const EARLY_CHECK: usize = 1024;
+
 /// The length of the head at the start of `buf` (through its empty line), once it is all
-/// there. Bare `LF` line ends count, as they do for httparse and hyper (RFC 9112 §2.2).
-fn head_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
+/// there, looking from `from` on (an offset an earlier call returned for a shorter `buf`).
+/// Bare `LF` line ends count, as they do for httparse and hyper (RFC 9112 §2.2). Not all
+/// there: where to look from once more bytes have come.
+fn head_end(buf: &[u8], from: usize) -> Result<usize, usize> {
+    let mut from = from.min(buf.len());
     while let Some(i) = memchr::memchr(b'\n', &buf[from..]) {
         let next = &buf[from + i + 1..];
         if next.starts_with(b"\n") {
-            return Some(from + i + 2);
+            return Ok(from + i + 2);
         }
         if next.starts_with(b"\r\n") {
-            return Some(from + i + 3);
+            return Ok(from + i + 3);
         }
         if next.len() < 2 {
-            return None;
+            break;
         }
         from += i + 1;
     }
-    None
+    // A line end in the last two bytes may still begin the empty line.
+    Err(buf.len().saturating_sub(2))
 }
 
 /// The request in `head`, if the fast path serves it; `None` hands it to hyper.
@@ -1244,7 +1260,7 @@ mod tests {
 
     fn head_of(raw: &str) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(raw.as_bytes());
-        (parse(&mut buf), buf)
+        (parse(&mut buf, &mut 0), buf)
     }
 
     /// While a request is answered, the connection looks for the client hanging up. With
@@ -1279,15 +1295,45 @@ mod tests {
 
     #[test]
     fn head_end_takes_crlf_and_bare_lf_and_waits_for_the_rest() {
-        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nrest"), Some(24));
-        assert_eq!(head_end(b"GET / HTTP/1.1\nA: b\n\nrest"), Some(21));
-        assert_eq!(head_end(b"\r\nGET / HTTP/1.1\r\n\r\n"), Some(20));
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nrest", 0), Ok(24));
+        assert_eq!(head_end(b"GET / HTTP/1.1\nA: b\n\nrest", 0), Ok(21));
+        assert_eq!(head_end(b"\r\nGET / HTTP/1.1\r\n\r\n", 0), Ok(20));
         for partial in [
             "GET / HTTP/1.1\r\nA: b\r\n",
             "GET / HTTP/1.1\r\nA: b\r\n\r",
             "",
         ] {
-            assert_eq!(head_end(partial.as_bytes()), None, "{partial:?}");
+            assert!(head_end(partial.as_bytes(), 0).is_err(), "{partial:?}");
+        }
+    }
+
+    /// A head arriving in pieces, of any size and split anywhere, is found where one scan
+    /// of it whole finds it, each piece scanned from where the last one left off; and the
+    /// scans add up to about the head's length, not to a scan of it per piece.
+    #[test]
+    fn a_head_in_pieces_is_scanned_once() {
+        for head in [
+            &b"GET / HTTP/1.1\r\nA: b\r\n\r\nrest"[..],
+            b"GET / HTTP/1.1\nA: b\n\nrest",
+            b"\r\nGET / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\r\nA: b\r\nC: d\n\r\n",
+        ] {
+            let whole = head_end(head, 0);
+            for piece in 1..=4 {
+                let (mut from, mut looked) = (0, 0);
+                let mut found = Err(0);
+                for end in (piece..head.len() + piece).step_by(piece) {
+                    let buf = &head[..end.min(head.len())];
+                    looked += buf.len() - from.min(buf.len());
+                    found = head_end(buf, from);
+                    match found {
+                        Ok(_) => break,
+                        Err(resume) => from = resume,
+                    }
+                }
+                assert_eq!(found, whole, "{head:?} in pieces of {piece}");
+                assert!(looked <= head.len() * 3, "{looked} bytes looked at");
+            }
         }
     }
 
