@@ -323,14 +323,23 @@ async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
         .await;
     let addr = proxy.addr();
 
-    // Two clients send requests back to back until the upstream has seen the second key.
+    // Two clients send a request every 5 ms each until the upstream has seen the second
+    // key (about 10 s), and at most `MAX_EACH`: a steady stream across the rotation that
+    // leaves the machine's two cores to the tests running beside it.
+    const MAX_EACH: usize = 5_000;
     let stop = Arc::new(AtomicBool::new(false));
     let (sent, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let mut clients = Vec::new();
     for _ in 0..2 {
         let (stop, sent, failed) = (stop.clone(), sent.clone(), failed.clone());
         clients.push(tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
+            // Pacing the load (the behaviour under test), not synchronisation.
+            let mut every = tokio::time::interval(Duration::from_millis(5));
+            for _ in 0..MAX_EACH {
+                every.tick().await;
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
                 let status = get(addr, "/sandboxes").await.0;
                 sent.fetch_add(1, Ordering::SeqCst);
                 if status != 200 {

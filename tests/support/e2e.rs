@@ -66,20 +66,28 @@ pub fn deps() {
     }
 }
 
-/// The binary of `examples/<name>.rs`; `cargo test` builds examples, `cargo test --test
-/// e2e_…` does not, so build it when it is missing.
+/// The binary of `examples/<name>.rs`, built by this profile once per test process:
+/// `scripts/test.sh` builds the examples before the tests (then this finds nothing to do),
+/// `cargo test --test e2e_…` does not, and a binary left by an earlier build may be older
+/// than its source.
 pub fn fake_bin(name: &str) -> PathBuf {
     // One build at a time: the tests of one binary start in parallel.
-    static BUILDING: Mutex<()> = Mutex::new(());
-    let _one = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
-    let bin = profile_dir().join("examples").join(name);
-    if !bin.exists() {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    let profile = profile_dir();
+    let bin = profile.join("examples").join(name);
+    if !built.iter().any(|b| b == name) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--example", name]).current_dir(repo());
+        cmd.args(["build", "--locked", "--example", name])
+            .current_dir(repo());
+        if profile.ends_with("release") {
+            cmd.arg("--release");
+        }
         let what = format!("cargo build --example {name}");
         let (ok, output) = Proc::run_without_input(&what, cmd, SETUP_TIMEOUT);
         assert!(ok, "{what} failed:\n{output}");
+        built.push(name.to_string());
     }
     assert!(bin.exists(), "{} missing", bin.display());
     bin
