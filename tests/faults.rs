@@ -774,6 +774,215 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     sweep.finish(proxy, &settings).await;
 }
 
+/// `GET path` as an HPACK block: literal fields without indexing, no Huffman.
+fn h2_get_block(path: &str, authority: &str) -> Vec<u8> {
+    let mut b = vec![0x82, 0x86]; // :method GET, :scheme http
+    for (index, value) in [(4u8, path), (1, authority)] {
+        b.extend_from_slice(&[index, value.len() as u8]);
+        b.extend_from_slice(value.as_bytes());
+    }
+    b
+}
+
+/// The frames a hand-written HTTP/2 client reads: `(type, flags, stream, payload)`, then
+/// `None` once the connection has ended.
+type H2Frames = tokio::sync::mpsc::UnboundedReceiver<Option<(u8, u8, u32, Vec<u8>)>>;
+
+/// A prior-knowledge HTTP/2 connection to the proxy, written to by hand: the preface and
+/// empty SETTINGS are sent; a reader task acknowledges the proxy's SETTINGS and reports
+/// each frame `(type, flags, stream, payload)` until the connection ends (then `None`).
+async fn raw_h2(addr: SocketAddr) -> (tokio::net::tcp::OwnedWriteHalf, H2Frames) {
+    let (mut rd, mut wr) = connect_raw(addr).await.into_split();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(SETTINGS, 0, 0, &[]));
+    wr.write_all(&hello).await.expect("preface");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (ack_tx, mut ack_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    tokio::spawn(async move {
+        loop {
+            let mut head = [0u8; 9];
+            if rd.read_exact(&mut head).await.is_err() {
+                let _ = tx.send(None);
+                return;
+            }
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            if rd.read_exact(&mut payload).await.is_err() {
+                let _ = tx.send(None);
+                return;
+            }
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            if head[3] == SETTINGS && head[4] & ACK == 0 {
+                let _ = ack_tx.send(());
+            }
+            let _ = tx.send(Some((head[3], head[4], stream, payload)));
+        }
+    });
+    // The SETTINGS acknowledgement goes out before anything the test writes next.
+    within("the proxy's SETTINGS", ack_rx.recv()).await;
+    wr.write_all(&h2_frame(SETTINGS, ACK, 0, &[]))
+        .await
+        .expect("SETTINGS ack");
+    (wr, rx)
+}
+
+/// Reads the proxy's frames until the connection ends (bounded by [`BOUND`]); the DATA
+/// bytes of `stream` among them.
+async fn h2_until_closed(frames: &mut H2Frames, stream: u32) -> usize {
+    let mut data = 0;
+    let ended = tokio::time::timeout(BOUND, async {
+        while let Some(Some((kind, _, id, payload))) = frames.recv().await {
+            if kind == DATA && id == stream {
+                data += payload.len();
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the proxy did not close within {BOUND:?}");
+    data
+}
+
+/// `--header-timeout 1s` over HTTP/2 (prior knowledge): a header block left open (HEADERS
+/// without END_HEADERS), one trickled a byte at a time in a CONTINUATION (bytes moving, so
+/// the idle timeout never fires), and one left open while the proxy writes another
+/// stream's answer (its writes do not restart the head's time, as HTTP/1's pipelining
+/// rule would) are cut after about a second, as over HTTP/1; a block sent in two frames
+/// a moment apart is served. None of the open heads reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
+    // The drip: 30 pieces 200 ms apart, 6 s in all, far past a cut at about 2 s (the
+    // header timeout, then the GOAWAY's second).
+    const DRIPS: usize = 30;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        if req.uri().path() != "/drip" {
+            return response(200, "ok");
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            // Pacing the answer (the behaviour under test), not synchronisation.
+            let mut every = tokio::time::interval(Duration::from_millis(200));
+            for _ in 0..DRIPS {
+                every.tick().await;
+                if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--header-timeout", "1s"]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let authority = addr.to_string();
+    let block = h2_get_block("/open", &authority);
+
+    let left_open = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let start = Instant::now();
+        let headers = h2_frame(HEADERS, END_STREAM, 1, &block[..3]);
+        wr.write_all(&headers).await.expect("HEADERS");
+        h2_until_closed(&mut frames, 1).await;
+        start.elapsed()
+    };
+    let trickled = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let start = Instant::now();
+        let mut opening = h2_frame(HEADERS, END_STREAM, 1, &block[..3]);
+        opening.extend(&h2_frame(CONTINUATION, 0, 1, &[0; 200])[..9]);
+        wr.write_all(&opening).await.expect("HEADERS");
+        let sent = Arc::new(AtomicUsize::new(0));
+        let writer = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                // Pacing the slow client (the behaviour under test), not synchronisation.
+                let mut every = tokio::time::interval(Duration::from_millis(100));
+                for _ in 0..200 {
+                    every.tick().await;
+                    if wr.write_all(b"\0").await.is_err() {
+                        return;
+                    }
+                    sent.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        h2_until_closed(&mut frames, 1).await;
+        writer.abort();
+        (start.elapsed(), sent.load(Ordering::SeqCst))
+    };
+    let beside_an_answer = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let drip = h2_get_block("/drip", &authority);
+        let headers = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &drip);
+        wr.write_all(&headers).await.expect("HEADERS 1");
+        // The answer is being written before the second head opens.
+        let first = loop {
+            let frame = within("the drip's first bytes", frames.recv()).await;
+            match frame.flatten() {
+                Some((DATA, _, 1, data)) => break data.len(),
+                Some(_) => {}
+                None => panic!("the connection ended before the drip began"),
+            }
+        };
+        let start = Instant::now();
+        let open = h2_frame(HEADERS, END_STREAM, 3, &block[..3]);
+        wr.write_all(&open).await.expect("HEADERS 3");
+        let dripped = first + h2_until_closed(&mut frames, 1).await;
+        (start.elapsed(), dripped)
+    };
+    let in_two_frames = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let ok = h2_get_block("/in-two", &authority);
+        let first = h2_frame(HEADERS, END_STREAM, 1, &ok[..3]);
+        wr.write_all(&first).await.expect("HEADERS");
+        // A client a little slow (the behaviour under test), not synchronisation.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let rest = h2_frame(CONTINUATION, END_HEADERS, 1, &ok[3..]);
+        wr.write_all(&rest).await.expect("CONTINUATION");
+        loop {
+            let frame = within("the answer", frames.recv()).await;
+            match frame.flatten() {
+                Some((HEADERS, _, 1, block)) => return block,
+                Some(_) => {}
+                None => panic!("the connection ended before the answer"),
+            }
+        }
+    };
+    let (left_open, (trickled, sent), (beside, dripped), answer) =
+        tokio::join!(left_open, trickled, beside_an_answer, in_two_frames);
+    // Every clock starts before the proxy's timer can: a stall only lengthens what is
+    // measured, and the bound (BOUND, via `h2_until_closed`) is far off.
+    for (what, took) in [
+        ("a header block left open", left_open),
+        ("a trickled header block", trickled),
+        ("a header block left open beside an answer", beside),
+    ] {
+        assert!(
+            took >= Duration::from_millis(900),
+            "{what}: closed after {took:?}"
+        );
+    }
+    assert!(sent >= 5, "the trickle moved only {sent} bytes");
+    assert!(
+        dripped < DRIPS * "drip\n".len(),
+        "the connection was held until the other answer's end ({dripped} bytes)"
+    );
+    // `:status: 200`, indexed (HPACK's static table, entry 8).
+    assert_eq!(answer.first(), Some(&0x88), "{answer:?}");
+    let paths: Vec<String> = upstream
+        .seen()
+        .iter()
+        .map(|s| s.path_and_query().to_string())
+        .collect();
+    assert_eq!(
+        paths,
+        ["/drip", "/in-two"],
+        "an open head reached the upstream"
+    );
+    proxy.finish().await;
+}
+
 /// `--header-timeout 1s`, and a head pipelined behind a request whose answer takes longer
 /// than that: its time runs from when the proxy owes the client nothing, not from its first
 /// byte, which arrived while the client could only wait. Half of it is sent with the first
@@ -1198,6 +1407,7 @@ const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
 const GOAWAY: u8 = 0x7;
+const CONTINUATION: u8 = 0x9;
 const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const ACK: u8 = 0x1;

@@ -25,8 +25,9 @@
 //! `CONNECT`), and a request whose head it did not see is refused ([`Refusal::Unfollowed`]).
 //! hyper keeps a connection open after a refused `CONNECT` or upgrade, so without this the
 //! next request would pass unchecked. HTTP/2 (the exact preface opening a connection) has
-//! framing of its own: the watch stops there and refuses nothing. Only the exact preface:
-//! a head that merely starts with `PRI` is HTTP/1 to hyper, and followed as such.
+//! framing of its own: the watch refuses nothing there, and follows only its frames'
+//! headers, for the header blocks ([`Frames`]). Only the exact preface: a head that merely
+//! starts with `PRI` is HTTP/1 to hyper, and followed as such.
 //!
 //! Closing, rather than watching on: whether the bytes after a `CONNECT` or upgrade head
 //! are HTTP is decided by the answer, after hyper may already have read them past the
@@ -117,6 +118,7 @@ pub fn watch() -> (HeadWatch, Verdicts) {
             head_len: 0,
             heads: 0,
             http2: false,
+            frames: Frames::default(),
             found: found.clone(),
         },
         Verdicts {
@@ -217,6 +219,8 @@ enum State {
     ChunkData(u64),
     /// Trailer lines after the last chunk, up to the empty line.
     Trailers,
+    /// HTTP/2's frames, after its preface: see [`Frames`].
+    Http2,
     /// Not HTTP/1 framing any more, or lost: watch no further.
     Off,
 }
@@ -252,7 +256,61 @@ pub struct HeadWatch {
     heads: u64,
     /// The connection opened with HTTP/2's whole preface.
     http2: bool,
+    frames: Frames,
     found: Arc<Found>,
+}
+
+/// HTTP/2's frames after the preface, followed only by their 9-byte headers, for where a
+/// header block is (a HEADERS frame and the CONTINUATIONs up to END_HEADERS, RFC 9113
+/// §4.3): `--header-timeout` bounds a request head over HTTP/2 as over HTTP/1, as nginx's
+/// `client_header_timeout` does. Without it a client sending a header block a byte at a
+/// time (or CONTINUATIONs without end) held its connection for as long as it went on.
+#[derive(Debug, Default)]
+struct Frames {
+    header: [u8; 9],
+    /// Bytes of the current frame's header so far.
+    have: usize,
+    /// Bytes of the current frame's payload still to come.
+    left: usize,
+    /// The current frame ends a header block.
+    ends_block: bool,
+    /// The bytes so far end inside a header block.
+    in_block: bool,
+}
+
+impl Frames {
+    const HEADERS: u8 = 0x1;
+    const CONTINUATION: u8 = 0x9;
+    const END_HEADERS: u8 = 0x4;
+
+    fn scan(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            if self.have < self.header.len() {
+                let n = (self.header.len() - self.have).min(data.len());
+                self.header[self.have..self.have + n].copy_from_slice(&data[..n]);
+                self.have += n;
+                data = &data[n..];
+                let kind = self.header[3];
+                let block = kind == Self::HEADERS || kind == Self::CONTINUATION;
+                // A head has begun once its frame's type is in.
+                self.in_block |= self.have > 3 && block;
+                if self.have < self.header.len() {
+                    return;
+                }
+                let [a, b, c, ..] = self.header;
+                self.left = u32::from_be_bytes([0, a, b, c]) as usize;
+                self.ends_block = block && self.header[4] & Self::END_HEADERS != 0;
+            } else {
+                let take = self.left.min(data.len());
+                self.left -= take;
+                data = &data[take..];
+            }
+            if self.left == 0 {
+                self.in_block &= !self.ends_block;
+                self.have = 0;
+            }
+        }
+    }
 }
 
 impl HeadWatch {
@@ -260,6 +318,7 @@ impl HeadWatch {
         while !data.is_empty() {
             match self.state {
                 State::Off => return,
+                State::Http2 => return self.frames.scan(data),
                 State::Preface(seen) => {
                     let rest = &H2_PREFACE[seen..];
                     let n = rest.len().min(data.len());
@@ -274,7 +333,7 @@ impl HeadWatch {
                     self.state = if seen + n == H2_PREFACE.len() {
                         // HTTP/2 has framing of its own, where none of this applies.
                         self.http2 = true;
-                        State::Off
+                        State::Http2
                     } else {
                         State::Preface(seen + n)
                     };
@@ -426,10 +485,14 @@ impl HeadWatch {
     }
 
     /// Whether the bytes so far end inside a request head: from its first byte (an empty
-    /// line before its request line included) until its empty line. Never once the watch
-    /// has stopped, nor inside HTTP/2's preface.
+    /// line before its request line included) until its empty line; over HTTP/2, inside a
+    /// header block. Never once the watch has stopped, nor inside HTTP/2's preface.
     pub fn in_head(&self) -> bool {
-        matches!(self.state, State::Head { .. })
+        match self.state {
+            State::Head { .. } => true,
+            State::Http2 => self.frames.in_block,
+            _ => false,
+        }
     }
 
     /// The connection opened with HTTP/2's preface: hyper serves it as HTTP/2, and the
@@ -608,6 +671,48 @@ mod tests {
     fn http2_is_left_alone() {
         let h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0Content-Length: 1\r\nTransfer-Encoding: x\r\n\r\n";
         assert_eq!(verdicts(h2, 4096, 3), [PASS; 3]);
+    }
+
+    /// Over HTTP/2 a head is a header block: from the fourth byte of a HEADERS frame (its
+    /// type) to the end of the frame that says END_HEADERS, CONTINUATIONs included; other
+    /// frames are no head. However the bytes are split.
+    #[test]
+    fn an_http2_header_block_is_a_head() {
+        fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+            let len = payload.len() as u8;
+            let mut f = vec![0, 0, len, kind, flags, 0, 0, 0, 1];
+            f.extend_from_slice(payload);
+            f
+        }
+        let mut bytes = H2_PREFACE.to_vec();
+        let mut heads = Vec::new();
+        for (kind, flags, payload, opens, closes) in [
+            (0x4, 0, &b"\0\x03\0\0\0\x64"[..], false, false), // SETTINGS
+            (0x1, 0x1, b"\x82\x86", true, false),             // HEADERS, END_STREAM
+            (0x9, 0, b"", false, false),                      // CONTINUATION, empty
+            (0x9, 0x4, b"\x84", false, true),                 // CONTINUATION, END_HEADERS
+            (0x0, 0x1, b"hello", false, false),               // DATA
+            (0x1, 0x5, b"\x82\x86\x84", true, true),          // HEADERS, whole
+        ] {
+            if opens {
+                heads.push((bytes.len() + 4, 0));
+            }
+            bytes.extend(frame(kind, flags, payload));
+            if closes {
+                heads.last_mut().unwrap().1 = bytes.len();
+            }
+        }
+        let expected = |seen: usize| heads.iter().any(|&(from, to)| seen >= from && seen < to);
+        for piece in 1..=7 {
+            let (mut watch, _verdicts) = watch();
+            let mut seen = 0;
+            for chunk in bytes.chunks(piece) {
+                watch.scan(chunk);
+                seen += chunk.len();
+                assert_eq!(watch.in_head(), expected(seen), "{seen} bytes in {piece}s");
+            }
+            assert!(watch.is_http2());
+        }
     }
 
     /// hyper-util serves HTTP/2 only when the connection opens with the exact preface; a

@@ -980,12 +980,13 @@ impl<T> IdleIo<T> {
     }
 
     /// Bytes of an answer went out: see [`Activity::restart_head`]. Not a tunnel's: its
-    /// connection has no head to time.
+    /// connection has no head to time. Nor HTTP/2's: what goes out there (another stream's
+    /// answer, a PING's) has nothing to do with the head coming in.
     fn wrote(&self) {
         self.activity.touch();
         let clocks = &self.activity.clocks;
         clocks.write_blocked.store(false, Ordering::Relaxed);
-        if self.framing.is_some() {
+        if self.framing.is_some() && !self.activity.is_http2() {
             self.activity.restart_head();
         }
     }
@@ -1067,10 +1068,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                 framing.scan(&buf.filled()[before..]);
                 this.activity.heading(framing.in_head(), cx.waker());
                 if framing.is_http2() {
-                    // Nothing more to follow. The watchdog's deadline moves later, which
-                    // it finds when it next wakes.
+                    // No first-head deadline any more: the watchdog's deadline moves
+                    // later, which it finds when it next wakes.
                     this.activity.opened_http2();
-                    this.framing = None;
                 }
             }
         }
