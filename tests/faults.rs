@@ -747,11 +747,7 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         );
     }
     assert!(sent >= 5, "the trickle moved only {sent} bytes");
-    let mut paths: Vec<String> = upstream
-        .seen()
-        .iter()
-        .map(|s| s.path_and_query().to_string())
-        .collect();
+    let mut paths: Vec<String> = upstream.paths();
     paths.sort();
     assert_eq!(
         paths,
@@ -970,11 +966,7 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
     );
     // `:status: 200`, indexed (HPACK's static table, entry 8).
     assert_eq!(answer.first(), Some(&0x88), "{answer:?}");
-    let paths: Vec<String> = upstream
-        .seen()
-        .iter()
-        .map(|s| s.path_and_query().to_string())
-        .collect();
+    let paths: Vec<String> = upstream.paths();
     assert_eq!(
         paths,
         ["/drip", "/in-two"],
@@ -1120,11 +1112,7 @@ async fn beyond_max_connections_a_connection_waits_its_turn() {
         (200, "released=1"),
         "the third request was served before a slot was free"
     );
-    let paths: Vec<String> = upstream
-        .seen()
-        .iter()
-        .map(|s| s.path_and_query().to_string())
-        .collect();
+    let paths: Vec<String> = upstream.paths();
     assert_eq!(
         paths.last().map(String::as_str),
         Some("/third"),
@@ -1948,11 +1936,7 @@ async fn framing_stays_checked_after_connect_upgrade_and_long_chunk_lines() {
                     assert_proxy_error(r, 400, "E5003");
                 }
                 expect_closed(&mut s, &rest).await;
-                let seen: Vec<String> = upstream
-                    .seen()
-                    .iter()
-                    .map(|s| s.path_and_query().to_string())
-                    .collect();
+                let seen: Vec<String> = upstream.paths();
                 assert!(
                     !seen.iter().any(|p| p == "/smuggled"),
                     "{case}: reached the upstream: {seen:?}"

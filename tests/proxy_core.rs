@@ -2612,11 +2612,7 @@ async fn ambiguous_framing_is_400_and_closes() {
     let c = read_response(&mut s, &mut buf).await;
     assert_proxy_error(&c, 400, "E5003");
     expect_closed(&mut s, &buf).await;
-    let paths: Vec<String> = upstream
-        .seen()
-        .iter()
-        .map(|s| s.path_and_query().to_string())
-        .collect();
+    let paths: Vec<String> = upstream.paths();
     assert_eq!(paths, ["/a", "/b"]);
     proxy.finish().await;
 }
@@ -2640,15 +2636,6 @@ async fn answers_until_close<S: AsyncRead + AsyncWrite + Unpin>(
         }
         answers.push(read_response(s, &mut buf).await);
     }
-}
-
-/// The upstream's request paths, in order.
-fn seen_paths(upstream: &Upstream) -> Vec<String> {
-    upstream
-        .seen()
-        .iter()
-        .map(|s| s.path_and_query().to_string())
-        .collect()
 }
 
 /// A request with the method `PRI` is no HTTP/2 preface: hyper-util serves HTTP/2 only on
@@ -2690,7 +2677,7 @@ async fn framing_stays_checked_after_a_pri_request() {
             assert_proxy_error(&answers[1], 400, "E5003");
         }
     }
-    assert_eq!(seen_paths(&upstream), ["/x"; 6]);
+    assert_eq!(upstream.paths(), ["/x"; 6]);
     assert!(upstream.seen().iter().all(|s| s.method == "PRI"));
     plain.finish().await;
     tls.finish().await;
@@ -2724,7 +2711,7 @@ async fn framing_stays_checked_after_a_bare_lf_in_chunked_trailers() {
         );
         let mut s = connect_raw(proxy.addr()).await;
         let answers = answers_until_close(&mut s, bytes.as_bytes()).await;
-        let seen = &seen_paths(&upstream)[before..];
+        let seen = &upstream.paths()[before..];
         assert_eq!(seen, ["/a"], "{end:?}: reached the upstream");
         // `/a` is served; the connection closes after it, or refuses the next request.
         assert!(
@@ -2768,6 +2755,6 @@ async fn authority_form_targets_are_refused() {
             }
         }
     }
-    assert_eq!(seen_paths(&upstream), Vec::<String>::new());
+    assert_eq!(upstream.paths(), Vec::<String>::new());
     proxy.finish().await;
 }

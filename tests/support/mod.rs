@@ -710,6 +710,14 @@ impl Upstream {
         format!("https://{}", self.addr)
     }
 
+    /// The path and query of every request received so far, in order.
+    pub fn paths(&self) -> Vec<String> {
+        lock(&self.seen)
+            .iter()
+            .map(|s| s.path_and_query().to_string())
+            .collect()
+    }
+
     /// Every request head received so far.
     pub fn seen(&self) -> Vec<Seen> {
         lock(&self.seen).clone()
