@@ -300,7 +300,9 @@ pub async fn accept_loop(
 /// Failed accepts in a row. Out of descriptors, every accept fails until one is freed,
 /// and one warning per try (20 a second) buried everything else: the first failure of a
 /// run is a warning that says what to do, then one a minute while it lasts, and the end
-/// of the run is said too.
+/// of a run that warned is said too. The minute spans runs: descriptors hovering at the
+/// limit end a run and start the next many times a second, and each run's warning and
+/// end were two lines each time.
 pub(crate) struct AcceptFailures {
     /// Which listener, for the log lines: `proxy` or `admin`.
     listener: &'static str,
@@ -348,11 +350,20 @@ impl AcceptFailures {
     }
 
     pub(crate) fn recovered(&mut self) {
-        if let Some((since, _)) = self.run.take() {
-            self.warned = None;
+        let Some((since, _)) = self.run.take() else {
+            return;
+        };
+        let failing_s = since.elapsed().as_secs_f64();
+        if self.warned.is_some_and(|w| w >= since) {
             tracing::info!(
                 listener = self.listener,
-                failing_s = since.elapsed().as_secs_f64(),
+                failing_s,
+                "accepting connections again"
+            );
+        } else {
+            tracing::debug!(
+                listener = self.listener,
+                failing_s,
                 "accepting connections again"
             );
         }
@@ -1412,7 +1423,8 @@ mod tests {
 
     /// One warning starts a run of failed accepts, the failures after it are counted until
     /// the next warning a minute later (which reports them and starts counting again), and
-    /// the end of the run clears it all.
+    /// the end of the run clears the count. A run that starts within the minute of the
+    /// last warning warns not again (nor says its end at info) until that minute is over.
     #[test]
     fn failed_accepts_warn_once_a_minute_with_the_count_between() {
         let e = io::Error::from(io::ErrorKind::OutOfMemory);
@@ -1428,7 +1440,16 @@ mod tests {
         failing.log(&e, t60);
         assert_eq!((failing.run, failing.warned), (Some((t0, 0)), Some(t60)));
         failing.recovered();
-        assert_eq!((failing.run, failing.warned), (None, None));
+        assert_eq!((failing.run, failing.warned), (None, Some(t60)));
+        // Descriptors hovering at the limit: runs of a failure or two, many a second.
+        for ms in [10, 20, 30] {
+            failing.log(&e, t60 + Duration::from_millis(ms));
+            assert_eq!(failing.warned, Some(t60), "{ms} ms after the warning");
+            failing.recovered();
+        }
+        let t120 = t60 + AcceptFailures::EVERY;
+        failing.log(&e, t120);
+        assert_eq!((failing.run, failing.warned), (Some((t120, 0)), Some(t120)));
     }
 
     /// A connection is cut off at 100 requests cancelled before their answer, once they are
