@@ -1064,7 +1064,7 @@ async fn beyond_max_connections_a_connection_waits_its_turn() {
     .await;
     let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--max-connections", "2"]);
     let settings = Settings::of(&cmd, &["--sandbox-base-url", &upstream.url()]);
-    let proxy = cmd.spawn().await;
+    let mut proxy = cmd.spawn().await;
     let addr = proxy.addr();
     let mut sweep = Sweep::new(&[]);
 
@@ -1099,6 +1099,12 @@ async fn beyond_max_connections_a_connection_waits_its_turn() {
     // accepted at once, but its request forwarded only after the release, reading
     // `released=1` all the same.
     until_parked(addr, proxy.admin_addr()).await;
+    // Said, not only seen as a slow proxy.
+    let full = proxy.wait_for_line("every connection slot is in use").await;
+    assert!(
+        full.contains("WARN") && full.contains("max_connections=2"),
+        "{full}"
+    );
 
     release_tx.send_replace(1);
     let first = within("the first held request", first).await.expect("join");

@@ -264,11 +264,28 @@ pub async fn accept_loop(
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let config = Arc::new(config);
     let mut failing = AcceptFailures::new("proxy");
+    let mut full_warned: Option<Instant> = None;
     for turn in 0.. {
         // Beyond the limit new connections wait in the kernel's accept queue.
-        let permit = tokio::select! {
-            p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = stop.wait_for(|s| *s) => break,
+        let permit = match limit.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(tokio::sync::TryAcquireError::Closed) => break,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                // Said, at most once a minute, as nginx says "worker_connections are not
+                // enough": otherwise a full proxy only looks slow.
+                if full_warned.is_none_or(|w| w.elapsed() >= AcceptFailures::EVERY) {
+                    tracing::warn!(
+                        max_connections = config.max_connections,
+                        "every connection slot is in use: new connections wait in the \
+                         kernel's accept queue until one closes (--max-connections)"
+                    );
+                    full_warned = Some(Instant::now());
+                }
+                tokio::select! {
+                    p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+            }
         };
         let accepted = tokio::select! {
             a = accept(&listener) => a,
