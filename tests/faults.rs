@@ -4403,6 +4403,73 @@ async fn http2_clients_that_cancel_every_upload_are_cut_off() {
     assert!(stderr.contains("rapid reset"), "{stderr}");
 }
 
+/// Requests on a connection that h2 itself ends (GOAWAY `ENHANCE_YOUR_CALM` at its limit
+/// on streams reset before the proxy took them) are given up with their connection: 499,
+/// as requests whose connection is cut, never a broken upload's 400. Streams taken just as
+/// the connection failed had lost their END_STREAM to the error, and their bodies, polled,
+/// failed with h2's GOAWAY: such a GET was answered 400 "the request body could not be
+/// read". Rounds of 100 requests, each round reset a moment after it is sent, until the
+/// connection ends (an abuse review saw tens of 400s in 20 rounds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_connection_h2_ends_for_resets_are_499() {
+    // A plain-HTTP upstream, as in the review: the proxy's own HTTP/1.1 client polls the
+    // body at once.
+    let pki = Pki::new();
+    let plain = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", plain.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = plain.accept().await {
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(
+                TokioIo::new(sock),
+                hyper::service::service_fn(|_req| async {
+                    Ok::<_, Infallible>(response(200, "ok"))
+                }),
+            ));
+        }
+    });
+    let proxy = ProxyCmd::new(&url, &pki).spawn().await;
+    let addr = proxy.addr();
+    let get = h2_get_block("/x", &addr.to_string());
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let mut id = 1;
+    for _ in 0..20 {
+        let ids: Vec<u32> = (id..id + 200).step_by(2).collect();
+        id += 200;
+        let opened: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| h2_frame(HEADERS, END_STREAM | END_HEADERS, i, &get))
+            .collect();
+        if wr.write_all(&opened).await.is_err() {
+            break;
+        }
+        // A client resetting what it just sent (the behaviour under test), not
+        // synchronisation.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        let reset: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| h2_frame(RST_STREAM, 0, i, &8u32.to_be_bytes()))
+            .collect();
+        if wr.write_all(&reset).await.is_err() {
+            break;
+        }
+    }
+    h2_until_closed(&mut frames, 1).await;
+    let stderr = proxy.finish().await;
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" path=/x ")).collect();
+    assert!(!lines.is_empty(), "no request was taken:\n{stderr}");
+    let broken: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.contains(" status=400 "))
+        .collect();
+    assert!(
+        broken.is_empty(),
+        "{} of {}: {:?}",
+        broken.len(),
+        lines.len(),
+        broken.first()
+    );
+}
+
 /// What counts against a connection is requests cancelled before their answer: a client
 /// whose 150 requests are all answered on one HTTP/2 connection keeps it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

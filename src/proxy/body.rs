@@ -198,12 +198,14 @@ pub struct ResetEarly {
     sender: &'static str,
 }
 
-/// Whether a body's error is its HTTP/2 sender resetting the stream (with any code).
+/// Whether a body's error is its HTTP/2 sender resetting the stream (with any code), or
+/// its connection ending under it (a GOAWAY, the client's or h2's own at its rapid-reset
+/// limit): either way the request is given up, as one whose connection is cut.
 fn reset_by_sender(e: &(dyn std::error::Error + 'static)) -> bool {
     std::iter::successors(Some(e), |e| e.source()).any(|e| {
         e.is::<ResetEarly>()
             || e.downcast_ref::<h2::Error>()
-                .is_some_and(|e| e.is_reset() && e.is_remote())
+                .is_some_and(|e| (e.is_reset() && e.is_remote()) || e.is_go_away())
     })
 }
 
