@@ -538,13 +538,17 @@ fn parse(buf: &mut BytesMut, scanned: &mut usize) -> Parsed {
     let len = match head_end(buf, *scanned) {
         Ok(len) => len,
         Err(resume) => {
-            *scanned = resume;
             // Bytes no request can start with (a TLS ClientHello, from an `https://` URL
             // aimed at this plain listener, holds no line end) go to hyper, which refuses
             // them at once; waiting for the head's end, the client waited out the header
-            // timeout for nothing. Only the start of a head arriving in pieces is looked
-            // at here, so that a long one is not parsed again at every piece.
-            return match buf.len() <= EARLY_CHECK && cannot_be_a_request(buf) {
+            // timeout for nothing. Only a head's first bytes are looked at, and only until
+            // the scan has passed them, so that a long one is not parsed again at every
+            // piece. (A ClientHello with a post-quantum key share is over 1 KiB, and comes
+            // in one read.)
+            let early = *scanned < EARLY_CHECK;
+            *scanned = resume;
+            let start = &buf[..buf.len().min(EARLY_CHECK)];
+            return match early && cannot_be_a_request(start) {
                 true => Parsed::HandOver,
                 false => Parsed::Partial,
             };
@@ -1352,8 +1356,11 @@ mod tests {
         // The start of a TLS ClientHello (record type 22, version 3.1), a method with a
         // byte no token has, a request line with another protocol, and HTTP/2's preface
         // (hyper's, whole or not).
+        // A ClientHello with a post-quantum key share (X25519MLKEM768) is about 1.5 KiB.
+        let large_hello = format!("\x16\x03\x01\x06\x00{}", "\x01".repeat(1500));
         for other in [
             "\x16\x03\x01\x02\x00\x01\x00\x01\x7c\x03\x03",
+            large_hello.as_str(),
             "G@T / HTTP/1.1",
             "GET /x FTP/1",
             "PRI * HTTP/2.0\r\n\r\nSM\r\n",
