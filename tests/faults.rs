@@ -840,32 +840,42 @@ async fn h2_until_closed(frames: &mut H2Frames, stream: u32) -> usize {
 
 /// `--header-timeout 1s` over HTTP/2 (prior knowledge): a header block left open (HEADERS
 /// without END_HEADERS), one trickled a byte at a time in a CONTINUATION (bytes moving, so
-/// the idle timeout never fires), and one left open while the proxy writes another
-/// stream's answer (its writes do not restart the head's time, as HTTP/1's pipelining
-/// rule would) are cut after about a second, as over HTTP/1; a block sent in two frames
-/// a moment apart is served. None of the open heads reaches the upstream.
+/// the idle timeout never fires), one left open while the proxy writes another stream's
+/// answer (its writes do not restart the head's time, as HTTP/1's pipelining rule would)
+/// and one left open while another stream waits for its answer are cut after about a
+/// second, as over HTTP/1; a block sent in two frames a moment apart is served. None of
+/// the open heads reaches the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
     // The drip: 30 pieces 200 ms apart, 6 s in all, far past a cut at about 2 s (the
     // header timeout, then the GOAWAY's second).
     const DRIPS: usize = 30;
     let pki = Pki::new();
-    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
-        if req.uri().path() != "/drip" {
-            return response(200, "ok");
-        }
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tokio::spawn(async move {
-            // Pacing the answer (the behaviour under test), not synchronisation.
-            let mut every = tokio::time::interval(Duration::from_millis(200));
-            for _ in 0..DRIPS {
-                every.tick().await;
-                if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
-                    return;
-                }
+    let upstream_saw_hang = Arc::new(tokio::sync::Notify::new());
+    let saw_hang = upstream_saw_hang.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let saw_hang = saw_hang.clone();
+        async move {
+            if req.uri().path() == "/hang" {
+                saw_hang.notify_one();
+                std::future::pending::<()>().await;
             }
-        });
-        Response::new(boxed(ChannelBody(rx)))
+            if req.uri().path() != "/drip" {
+                return response(200, "ok");
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tokio::spawn(async move {
+                // Pacing the answer (the behaviour under test), not synchronisation.
+                let mut every = tokio::time::interval(Duration::from_millis(200));
+                for _ in 0..DRIPS {
+                    every.tick().await;
+                    if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            Response::new(boxed(ChannelBody(rx)))
+        }
     })
     .await;
     let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--header-timeout", "1s"]);
@@ -927,6 +937,19 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
         let dripped = first + h2_until_closed(&mut frames, 1).await;
         (start.elapsed(), dripped)
     };
+    // Another stream waiting for its answer's head is no reason to wait on this head.
+    let beside_a_wait = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let hang = h2_get_block("/hang", &authority);
+        let headers = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &hang);
+        wr.write_all(&headers).await.expect("HEADERS 1");
+        within("the upstream to have /hang", upstream_saw_hang.notified()).await;
+        let start = Instant::now();
+        let open = h2_frame(HEADERS, END_STREAM, 3, &block[..3]);
+        wr.write_all(&open).await.expect("HEADERS 3");
+        h2_until_closed(&mut frames, 1).await;
+        start.elapsed()
+    };
     let in_two_frames = async {
         let (mut wr, mut frames) = raw_h2(addr).await;
         let ok = h2_get_block("/in-two", &authority);
@@ -945,14 +968,20 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
             }
         }
     };
-    let (left_open, (trickled, sent), (beside, dripped), answer) =
-        tokio::join!(left_open, trickled, beside_an_answer, in_two_frames);
+    let (left_open, (trickled, sent), (beside, dripped), waited, answer) = tokio::join!(
+        left_open,
+        trickled,
+        beside_an_answer,
+        beside_a_wait,
+        in_two_frames
+    );
     // Every clock starts before the proxy's timer can: a stall only lengthens what is
     // measured, and the bound (BOUND, via `h2_until_closed`) is far off.
     for (what, took) in [
         ("a header block left open", left_open),
         ("a trickled header block", trickled),
         ("a header block left open beside an answer", beside),
+        ("a header block left open beside a request waiting", waited),
     ] {
         assert!(
             took >= Duration::from_millis(900),
@@ -966,10 +995,11 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
     );
     // `:status: 200`, indexed (HPACK's static table, entry 8).
     assert_eq!(answer.first(), Some(&0x88), "{answer:?}");
-    let paths: Vec<String> = upstream.paths();
+    let mut paths: Vec<String> = upstream.paths();
+    paths.sort();
     assert_eq!(
         paths,
-        ["/drip", "/in-two"],
+        ["/drip", "/hang", "/in-two"],
         "an open head reached the upstream"
     );
     proxy.finish().await;

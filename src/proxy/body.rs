@@ -199,8 +199,10 @@ pub struct ResetEarly {
 }
 
 /// Whether a body's error is its HTTP/2 sender resetting the stream (with any code), or
-/// its connection ending under it (a GOAWAY, the client's or h2's own at its rapid-reset
-/// limit): either way the request is given up, as one whose connection is cut.
+/// its connection ending under it with h2's own GOAWAY (after a connection error h2
+/// found: its limit on streams reset before they were taken, a protocol error): either
+/// way the request is given up, as one whose connection is cut. (A client's GOAWAY fails
+/// none of its own streams in h2.)
 fn reset_by_sender(e: &(dyn std::error::Error + 'static)) -> bool {
     std::iter::successors(Some(e), |e| e.source()).any(|e| {
         e.is::<ResetEarly>()

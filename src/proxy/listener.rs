@@ -323,8 +323,10 @@ pub async fn accept_loop(
 pub(crate) struct AcceptFailures {
     /// Which listener, for the log lines: `proxy` or `admin`.
     listener: &'static str,
-    /// The start of the current run, and failures since the last warning.
-    run: Option<(Instant, u64)>,
+    /// The start of the current run.
+    run: Option<Instant>,
+    /// Failures since the last warning, over runs.
+    since_warning: u64,
     warned: Option<Instant>,
 }
 
@@ -335,6 +337,7 @@ impl AcceptFailures {
         AcceptFailures {
             listener,
             run: None,
+            since_warning: 0,
             warned: None,
         }
     }
@@ -347,27 +350,27 @@ impl AcceptFailures {
     }
 
     fn log(&mut self, e: &io::Error, now: Instant) {
-        let (_, since_warning) = self.run.get_or_insert((now, 0));
+        self.run.get_or_insert(now);
         let due = self.warned.is_none_or(|w| now - w >= Self::EVERY);
         if !due {
-            *since_warning += 1;
+            self.since_warning += 1;
             tracing::debug!(listener = self.listener, error = %e, "accept failed again");
             return;
         }
         tracing::warn!(
             listener = self.listener,
             error = %e,
-            failed_since_last_warning = *since_warning,
+            failed_since_last_warning = self.since_warning,
             "accept failed: new connections wait in the kernel's queue; if the process is out \
              of descriptors, raise its open-file limit (LimitNOFILE=, ulimit -n) or lower \
              --max-connections"
         );
-        *since_warning = 0;
+        self.since_warning = 0;
         self.warned = Some(now);
     }
 
     pub(crate) fn recovered(&mut self) {
-        let Some((since, _)) = self.run.take() else {
+        let Some(since) = self.run.take() else {
             return;
         };
         let failing_s = since.elapsed().as_secs_f64();
@@ -1048,8 +1051,16 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         if let Some(began) = activity.head_began() {
             deadline = deadline.min(began + config.header_timeout);
         }
-        if Instant::now() >= deadline {
-            if activity.clocks.waiting.load(Ordering::Relaxed) == 0 {
+        let now = Instant::now();
+        if now >= deadline {
+            // On HTTP/2 a head overdue is cut whatever the other streams wait for: they
+            // are no answer its client is owed before it may finish the head.
+            let head_overdue = activity
+                .head_began()
+                .is_some_and(|began| now >= began + config.header_timeout);
+            if activity.clocks.waiting.load(Ordering::Relaxed) == 0
+                || (head_overdue && activity.is_http2())
+            {
                 break;
             }
             // A request waits for its answer: idle from now on only once it has one.
@@ -1447,26 +1458,29 @@ mod tests {
         let e = io::Error::from(io::ErrorKind::OutOfMemory);
         let t0 = Instant::now();
         let mut failing = AcceptFailures::new("proxy");
+        let state = |f: &AcceptFailures| (f.run, f.since_warning, f.warned);
         failing.log(&e, t0);
-        assert_eq!((failing.run, failing.warned), (Some((t0, 0)), Some(t0)));
+        assert_eq!(state(&failing), (Some(t0), 0, Some(t0)));
         for s in [1, 2, 59] {
             failing.log(&e, t0 + Duration::from_secs(s));
         }
-        assert_eq!((failing.run, failing.warned), (Some((t0, 3)), Some(t0)));
+        assert_eq!(state(&failing), (Some(t0), 3, Some(t0)));
         let t60 = t0 + AcceptFailures::EVERY;
         failing.log(&e, t60);
-        assert_eq!((failing.run, failing.warned), (Some((t0, 0)), Some(t60)));
+        assert_eq!(state(&failing), (Some(t0), 0, Some(t60)));
         failing.recovered();
-        assert_eq!((failing.run, failing.warned), (None, Some(t60)));
-        // Descriptors hovering at the limit: runs of a failure or two, many a second.
+        assert_eq!(state(&failing), (None, 0, Some(t60)));
+        // Descriptors hovering at the limit: runs of a failure or two, many a second,
+        // counted over the runs for the next warning.
         for ms in [10, 20, 30] {
             failing.log(&e, t60 + Duration::from_millis(ms));
             assert_eq!(failing.warned, Some(t60), "{ms} ms after the warning");
             failing.recovered();
         }
+        assert_eq!(state(&failing), (None, 3, Some(t60)));
         let t120 = t60 + AcceptFailures::EVERY;
         failing.log(&e, t120);
-        assert_eq!((failing.run, failing.warned), (Some((t120, 0)), Some(t120)));
+        assert_eq!(state(&failing), (Some(t120), 0, Some(t120)));
     }
 
     /// A connection is cut off at 100 requests cancelled before their answer, once they are
