@@ -1051,15 +1051,11 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         if let Some(began) = activity.head_began() {
             deadline = deadline.min(began + config.header_timeout);
         }
-        let now = Instant::now();
-        if now >= deadline {
+        if Instant::now() >= deadline {
             // On HTTP/2 a head overdue is cut whatever the other streams wait for: they
             // are no answer its client is owed before it may finish the head.
-            let head_overdue = activity
-                .head_began()
-                .is_some_and(|began| now >= began + config.header_timeout);
             if activity.clocks.waiting.load(Ordering::Relaxed) == 0
-                || (head_overdue && activity.is_http2())
+                || (activity.is_http2() && head_overdue(activity, config))
             {
                 break;
             }
@@ -1084,6 +1080,14 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
     }
+}
+
+/// A head in progress has had its `--header-timeout`. Not inline in [`watchdog`]: an
+/// instant held there would be held across its awaits, in every connection's task.
+fn head_overdue(activity: &Activity, config: &ServeConfig) -> bool {
+    activity
+        .head_began()
+        .is_some_and(|began| Instant::now() >= began + config.header_timeout)
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
