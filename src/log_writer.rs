@@ -25,6 +25,7 @@ use std::sync::{OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::secret::Secret;
+use crate::settings::shown::secrets_masked;
 
 /// Writes the queue may hold: a batch of a worker (up to 4 KiB), one event, or one long
 /// line each; half a second of the busiest load measured here.
@@ -236,28 +237,20 @@ pub fn mask(secrets: Vec<Secret>) {
             masked.push(secret);
         }
     }
-    // The longer first: a secret that contains another is masked whole.
-    masked.sort_by_key(|s| std::cmp::Reverse(s.expose().len()));
     MASKING.store(true, Ordering::Release);
 }
 
+/// `line` through [`secrets_masked`]. tracing's lines are UTF-8 (its formatter writes
+/// `str`s); should one not be, it has no secret of a setting's in it either.
 fn masked(line: Vec<u8>) -> Vec<u8> {
     if !MASKING.load(Ordering::Acquire) {
         return line;
     }
     let secrets = MASKED.read().unwrap_or_else(PoisonError::into_inner);
-    secrets.iter().fold(line, |line, secret| {
-        let needle = secret.expose().as_bytes();
-        let mut out = Vec::with_capacity(line.len());
-        let mut rest = &line[..];
-        while let Some(at) = memchr::memmem::find(rest, needle) {
-            out.extend_from_slice(&rest[..at]);
-            out.extend_from_slice(b"****");
-            rest = &rest[at + needle.len()..];
-        }
-        out.extend_from_slice(rest);
-        out
-    })
+    match String::from_utf8(line) {
+        Ok(text) => secrets_masked(&text, &secrets).into_bytes(),
+        Err(e) => e.into_bytes(),
+    }
 }
 
 /// tracing-subscriber's writer: each event, formatted whole, is one [`write`].

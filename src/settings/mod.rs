@@ -174,6 +174,16 @@ impl Value {
     }
 }
 
+fn secrets_of(values: &[Value]) -> Vec<Secret> {
+    values
+        .iter()
+        .filter_map(|v| match v {
+            Value::Secret(s) => Some(s.clone()),
+            Value::Plain(_) => None,
+        })
+        .collect()
+}
+
 /// Which credential is attached to control-plane requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CredentialKind {
@@ -424,16 +434,19 @@ impl Resolved {
     /// Every secret that resolved, the selected plugin's secret fields included: what
     /// [`shown()`] hides in the values printed.
     pub fn secrets(&self) -> Vec<Secret> {
+        secrets_of(&self.values())
+    }
+
+    /// Every value that resolved, the selected plugin's fields included.
+    fn values(&self) -> Vec<Value> {
         let plugin = self.plugin().ok().flatten();
         let fields = plugin.iter().flat_map(|p| &p.fields).map(|f| &f.value);
         self.entries
             .iter()
             .map(|e| &e.value)
             .chain(fields)
-            .filter_map(|v| match v {
-                Some(Value::Secret(s)) => Some(s.clone()),
-                _ => None,
-            })
+            .flatten()
+            .cloned()
             .collect()
     }
 
@@ -441,19 +454,15 @@ impl Resolved {
     /// Other crates' debug lines print upstream host names as resolved (rustls's server
     /// name, hyper-util's pool keys): the log writer masks these in every line.
     pub fn embedded_secrets(&self) -> Vec<Secret> {
-        let plugin = self.plugin().ok().flatten();
-        let fields = plugin.iter().flat_map(|p| &p.fields).map(|f| &f.value);
-        let plain: Vec<&str> = self
-            .entries
+        let values = self.values();
+        let plain: Vec<&str> = values
             .iter()
-            .map(|e| &e.value)
-            .chain(fields)
             .filter_map(|v| match v {
-                Some(Value::Plain(s)) => Some(s.as_str()),
-                _ => None,
+                Value::Plain(s) => Some(s.as_str()),
+                Value::Secret(_) => None,
             })
             .collect();
-        self.secrets()
+        secrets_of(&values)
             .into_iter()
             .filter(|s| s.expose().chars().count() >= shown::MIN_EMBEDDED)
             .filter(|s| plain.iter().any(|p| p.contains(s.expose())))

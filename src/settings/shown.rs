@@ -19,6 +19,13 @@ const MASK: &str = "****";
 /// `****` (`https://bob:****@host/api?sig=****`); the scheme, a user name before a
 /// password, host, port and path as written.
 pub fn shown(value: &str, secrets: &[Secret]) -> String {
+    url_masked(&secrets_masked(value, secrets))
+}
+
+/// `value` with each of `secrets` (of [`MIN_EMBEDDED`] characters or more) it contains
+/// verbatim as `****`: the first rule of [`shown`], and what the log writer does to every
+/// line with the secrets a setting's value carries.
+pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
     let mut embedded: Vec<&str> = secrets
         .iter()
         .map(Secret::expose)
@@ -30,7 +37,7 @@ pub fn shown(value: &str, secrets: &[Secret]) -> String {
     for secret in embedded {
         value = value.replace(secret, MASK);
     }
-    url_masked(&value)
+    value
 }
 
 /// The URL rule of [`shown`]. A value is read as a URL when it has a `://`, or when it
