@@ -226,6 +226,7 @@ fn answer(req: &Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
                 .metrics
                 .envd_tokens
                 .set(proxy.tokens.with_token() as i64);
+            (proxy.metrics.upstream_connections).set(proxy.slots.in_use() as i64);
             let dropped = &proxy.metrics.log_lines_dropped;
             dropped.inc_by(crate::log_writer::dropped().saturating_sub(dropped.get()));
             let mut r = Response::new(body::full(proxy.metrics.render()));

@@ -9,7 +9,8 @@
 //! - [`signing`]: Alibaba Cloud request signatures, pure functions;
 //! - [`workers`]: one single-threaded runtime per core, serving connections;
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
-//! - [`upstream`]: the TLS client stack shared by the proxy and its own calls;
+//! - [`upstream`]: the TLS client stack shared by the proxy and its own calls, with
+//!   [`descriptors`] counting the upstream connections the open-file limit has room for;
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
@@ -34,6 +35,7 @@ pub mod check;
 pub mod cli;
 pub mod commands;
 pub mod credentials;
+pub mod descriptors;
 pub mod error;
 pub mod log_writer;
 pub mod logging;

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub token_exchanges: IntCounterVec,
     pub token_expiry: Gauge,
     pub envd_tokens: IntGauge,
+    /// Set from the proxy's upstream connection slots at each scrape.
+    pub upstream_connections: IntGauge,
     /// Set from [`crate::log_writer::dropped`] at each scrape.
     pub log_lines_dropped: IntCounter,
     /// The per-request series, resolved once (see [`Hot`]).
@@ -141,6 +143,10 @@ impl Metrics {
             "abx_proxy_envd_tokens",
             "Sandboxes whose envd access token is known.",
         )?;
+        let upstream_connections = IntGauge::new(
+            "abx_proxy_upstream_connections",
+            "Upstream connections open, idle pooled ones included (both planes).",
+        )?;
         let log_lines_dropped = IntCounter::new(
             "abx_proxy_log_lines_dropped_total",
             "Log lines dropped because stderr was not read fast enough.",
@@ -172,6 +178,7 @@ impl Metrics {
         registry.register(Box::new(token_exchanges.clone()))?;
         registry.register(Box::new(token_expiry.clone()))?;
         registry.register(Box::new(envd_tokens.clone()))?;
+        registry.register(Box::new(upstream_connections.clone()))?;
         registry.register(Box::new(log_lines_dropped.clone()))?;
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
@@ -195,6 +202,7 @@ impl Metrics {
             token_exchanges,
             token_expiry,
             envd_tokens,
+            upstream_connections,
             log_lines_dropped,
             hot,
         })

@@ -8,6 +8,7 @@ use tokio::sync::watch;
 use crate::cli::{ServeArgs, SettingsArgs};
 use crate::commands;
 use crate::credentials::ApiCredential;
+use crate::descriptors;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::proxy::certs::ListenerCert;
@@ -20,14 +21,6 @@ use crate::workers::{self, Workers};
 
 /// How long connections cut at the end of the drain get to log themselves before exit.
 const ABORT_WAIT: Duration = Duration::from_secs(1);
-/// Descriptors one client connection may hold: its own and a pooled upstream's. (An
-/// HTTP/2 client may hold one upstream per stream, up to 100; the SDKs speak HTTP/1.1. A
-/// large download spliced socket to socket holds a pipe's two more while it lasts; without
-/// them it is copied as usual.)
-const FDS_PER_CONNECTION: u64 = 2;
-/// Listeners, admin connections, the token exchange, the runtime's own.
-const FDS_RESERVED: u64 = 256;
-
 /// Reads and checks everything before any port is bound, then runs until a signal.
 pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // Before the first read: a secret rotated while the proxy starts is a change to apply.
@@ -47,8 +40,8 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in settings.cleartext_upstreams() {
         tracing::warn!("{w}");
     }
-    let options = options(args);
-    raise_open_file_limit(options.max_connections);
+    let mut options = options(args);
+    options.upstream_slots = descriptors::raise_open_file_limit(options.max_connections);
     let tls = match (&options.tls_cert, &options.tls_key) {
         (Some(cert), Some(key)) => Some(ListenerCert::load(cert, key)?),
         _ => None,
@@ -181,28 +174,6 @@ async fn serve(
     Ok(())
 }
 
-/// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
-/// hard limit allows. systemd services (and many container runtimes) start with a soft
-/// limit of 1024, which ends every accept and upstream connect with EMFILE at about 500
-/// connections, far below the default 10 000. Go's runtime raises it at start likewise;
-/// nginx has `worker_rlimit_nofile`.
-fn raise_open_file_limit(max_connections: usize) {
-    let needed = (max_connections as u64)
-        .saturating_mul(FDS_PER_CONNECTION)
-        .saturating_add(FDS_RESERVED);
-    match rlimit::increase_nofile_limit(needed) {
-        Ok(limit) if limit >= needed => tracing::debug!(limit, "open-file limit"),
-        Ok(limit) => tracing::warn!(
-            limit,
-            needed,
-            max_connections,
-            "the open-file limit is below what --max-connections needs (two per connection): \
-             raise it (LimitNOFILE=, ulimit -n) or lower --max-connections"
-        ),
-        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
-    }
-}
-
 fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.
     Options {
@@ -223,5 +194,6 @@ fn options(args: &ServeArgs) -> Options {
         shutdown_grace: args.shutdown_grace,
         header_timeout: args.header_timeout,
         max_connections: args.max_connections,
+        upstream_slots: descriptors::Slots::UNLIMITED,
     }
 }

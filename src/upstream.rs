@@ -22,13 +22,14 @@ use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::dns::{GaiResolver, Name};
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rustls::RootCertStore;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
+use crate::descriptors::{Slot, Slots};
 use crate::error::Error;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -188,6 +189,23 @@ pub fn client(
     connect_timeout: Duration,
     request_timeout: Duration,
 ) -> HttpClient {
+    counted_client(
+        tls,
+        versions,
+        connect_timeout,
+        request_timeout,
+        Slots::unlimited(),
+    )
+}
+
+/// [`client`], its connections counted in `slots` (the proxy's own upstream clients).
+pub fn counted_client(
+    tls: rustls::ClientConfig,
+    versions: Versions,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    slots: Arc<Slots>,
+) -> HttpClient {
     let http = connector(connect_timeout);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
@@ -205,6 +223,7 @@ pub fn client(
         .build(TimedConnect {
             inner: https,
             timeout: connect_timeout,
+            slots,
         })
 }
 
@@ -219,11 +238,13 @@ pub fn connect_timed_out() -> BoxError {
 /// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
 /// TLS handshake. `HttpConnector`'s own timeout covers only the TCP connect, so an
 /// upstream that accepted and then never answered the ClientHello held a request until
-/// `--upstream-timeout`.
+/// `--upstream-timeout`. Each connection holds a [`Slot`] (waited for up to the same
+/// timeout, before the connect) until it closes.
 #[derive(Clone)]
 pub struct TimedConnect<C> {
     inner: C,
     timeout: Duration,
+    slots: Arc<Slots>,
 }
 
 impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
@@ -232,9 +253,9 @@ where
     C::Error: Into<BoxError>,
     C::Future: Send + 'static,
 {
-    type Response = C::Response;
+    type Response = Slotted<C::Response>;
     type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -243,12 +264,70 @@ where
     fn call(&mut self, uri: http::Uri) -> Self::Future {
         let connect = self.inner.call(uri);
         let timeout = self.timeout;
+        let slots = self.slots.clone();
         Box::pin(async move {
+            let slot = slots.take(timeout).await?;
             match tokio::time::timeout(timeout, connect).await {
-                Ok(conn) => conn.map_err(Into::into),
+                Ok(conn) => Ok(Slotted {
+                    io: conn.map_err(Into::into)?,
+                    _slot: slot,
+                }),
                 Err(_) => Err(connect_timed_out()),
             }
         })
+    }
+}
+
+/// An upstream connection and its [`Slot`], given back as hyper drops the connection (or,
+/// for an upgrade, as the tunnel ends).
+pub struct Slotted<T> {
+    io: T,
+    _slot: Slot,
+}
+
+impl<T: Connection> Connection for Slotted<T> {
+    fn connected(&self) -> Connected {
+        self.io.connected()
+    }
+}
+
+impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for Slotted<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for Slotted<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 

@@ -148,6 +148,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
     for name in [
         "abx_proxy_open_connections",
         "abx_proxy_envd_tokens",
+        "abx_proxy_upstream_connections",
         "abx_proxy_token_expiry_timestamp_seconds",
         "process_resident_memory_bytes",
         "process_open_fds",
@@ -742,6 +743,115 @@ async fn the_open_file_limit_is_raised_for_max_connections() {
     let stderr = proxy.finish().await;
     assert!(
         stderr.contains("open-file limit is below what --max-connections needs"),
+        "{stderr}"
+    );
+}
+
+/// Upstream connections are held to the open-file limit's share (the limit less 256 and
+/// one per client connection): an HTTP/2 client's streams may each hold one, and three
+/// clients whose 300 streams each held a download took every descriptor of a proxy
+/// started for 10 connections (its upstream connects, accepts and scrapes then failed
+/// with EMFILE). Now 10 are held; the other streams wait `--connect-timeout` for a slot
+/// and get 502 E5001 saying so, while scrapes go on; once the downloads end, requests go
+/// through again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_held_to_the_open_file_limit() {
+    // Room for 10 connections: 10 x 2 + 256, and so 10 upstream connections.
+    const LIMIT: u64 = 276;
+    const STREAMS: usize = 300;
+    let (_, hard) = nofile(std::process::id());
+    if hard < LIMIT {
+        eprintln!("skipped: the hard open-file limit ({hard}) is under {LIMIT}");
+        return;
+    }
+    let pki = Pki::new();
+    // Every answer holds its body open until the test lets them go.
+    let held: Arc<Mutex<Option<Vec<tokio::sync::mpsc::Sender<Bytes>>>>> =
+        Arc::new(Mutex::new(Some(Vec::new())));
+    let holding = held.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let holding = holding.clone();
+        async move {
+            if holding.lock().expect("held").is_none() {
+                return response(200, "x");
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let _ = tx.send(Bytes::from_static(b"x")).await;
+            if let Some(held) = holding.lock().expect("held").as_mut() {
+                held.push(tx);
+            }
+            hyper::Response::new(boxed(ChannelBody(rx)))
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", &format!("--nofile={LIMIT}:{LIMIT}"), "--"])
+        .args(&["--max-connections", "10", "--connect-timeout", "1s"])
+        .spawn()
+        .await;
+    assert_eq!(nofile(proxy.pid).0, LIMIT);
+    let addr = proxy.addr();
+
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let (h2, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(
+                tokio::net::TcpStream::connect(addr).await.expect("connect"),
+            ),
+        )
+        .await
+        .expect("h2 handshake");
+        tokio::spawn(conn);
+        clients.push(h2);
+    }
+    let streams = (0..STREAMS).map(|i| {
+        let mut h2 = clients[i % clients.len()].clone();
+        let req = request("GET", addr, "/sandboxes")
+            .body(empty())
+            .expect("req");
+        tokio::spawn(async move { h2.send_request(req).await.expect("an answer") })
+    });
+    let mut downloads = Vec::new();
+    let mut refused = 0;
+    for stream in streams.collect::<Vec<_>>() {
+        let resp = within("an answer", stream).await.expect("task");
+        match resp.status().as_u16() {
+            200 => downloads.push(resp),
+            502 => {
+                assert_eq!(resp.headers()["x-abx-error"], "E5001");
+                let body = resp.into_body().collect().await.expect("body").to_bytes();
+                let body = String::from_utf8_lossy(&body);
+                assert!(
+                    body.contains("no upstream connection free within 1s: all 10 in use"),
+                    "{body}"
+                );
+                refused += 1;
+            }
+            status => panic!("{status}"),
+        }
+    }
+    assert_eq!((downloads.len(), refused), (10, STREAMS - 10));
+    assert_eq!(upstream.connections(), 10);
+    let scraped = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        metric(&scraped, "abx_proxy_upstream_connections"),
+        Some(10.0)
+    );
+
+    held.lock().expect("held").take();
+    for resp in downloads {
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(&body[..], b"x");
+    }
+    drop(clients);
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let stderr = proxy.finish().await;
+    assert_eq!(
+        stderr
+            .matches("every upstream connection slot is in use")
+            .count(),
+        1,
         "{stderr}"
     );
 }

@@ -35,6 +35,7 @@ use http::uri::Scheme;
 
 use crate::credentials::envd::TokenStore;
 use crate::credentials::ApiCredential;
+use crate::descriptors::Slots;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
@@ -59,6 +60,8 @@ pub struct Options {
     /// bytes).
     pub header_timeout: Duration,
     pub max_connections: usize,
+    /// Upstream connections open at once, both planes (see [`crate::descriptors`]).
+    pub upstream_slots: usize,
 }
 
 impl Default for Options {
@@ -75,6 +78,7 @@ impl Default for Options {
             shutdown_grace: Duration::from_secs(30),
             header_timeout: Duration::from_secs(30),
             max_connections: 10_000,
+            upstream_slots: crate::descriptors::Slots::UNLIMITED,
         }
     }
 }
@@ -108,6 +112,8 @@ pub struct Proxy {
     pub(crate) envd: Option<EnvdTarget>,
     pub(crate) api_client: Upstream,
     pub(crate) envd_client: Upstream,
+    /// The upstream connections both clients hold (`abx_proxy_upstream_connections`).
+    pub(crate) slots: Arc<Slots>,
     pub(crate) auth: CachedAuth,
     /// Swapped whole on SIGHUP or a changed secret file; requests in flight keep the one
     /// they loaded.
@@ -165,6 +171,7 @@ impl Proxy {
         } else {
             CompatMode::Pass
         };
+        let slots = Slots::new(options.upstream_slots);
         Ok(Proxy {
             api_base: settings.sandbox_base_url.clone(),
             api_host: Arc::from(settings.shown(&settings.sandbox_base_url.authority())),
@@ -175,6 +182,7 @@ impl Proxy {
                 options.connect_timeout,
                 options.upstream_timeout,
                 Some(metrics.upstream_errors.clone()),
+                slots.clone(),
             ),
             envd_client: Upstream::new(
                 tls,
@@ -182,7 +190,9 @@ impl Proxy {
                 options.connect_timeout,
                 options.upstream_timeout,
                 Some(metrics.upstream_errors.clone()),
+                slots.clone(),
             ),
+            slots,
             auth: CachedAuth::new(AuthScheme::from(&settings.auth)),
             credential: ArcSwap::from_pointee(credential),
             tokens: Arc::new(TokenStore::new()),

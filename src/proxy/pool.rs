@@ -51,6 +51,7 @@ use codec::{
 
 use super::body;
 use super::forward::{self, FailKind};
+use crate::descriptors::{IdleConnections, Slot, Slots};
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
@@ -216,26 +217,38 @@ impl Upstream {
         connect_timeout: Duration,
         upstream_timeout: Duration,
         broken: BrokenBodies,
+        slots: Arc<Slots>,
     ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Upstream {
-            legacy: upstream::client(tls, versions, connect_timeout, upstream_timeout),
-            negotiate: versions == Versions::Negotiate,
-            pool: Arc::new(Pool {
-                idle: (0..=crate::workers::count())
-                    .map(|_| {
-                        Mutex::new(Idle {
-                            origins: Vec::new(),
-                            sweeping: false,
-                        })
+        let legacy = upstream::counted_client(
+            tls,
+            versions,
+            connect_timeout,
+            upstream_timeout,
+            slots.clone(),
+        );
+        let pool = Arc::new(Pool {
+            idle: (0..=crate::workers::count())
+                .map(|_| {
+                    Mutex::new(Idle {
+                        origins: Vec::new(),
+                        sweeping: false,
                     })
-                    .collect(),
-                tcp: upstream::connector(connect_timeout),
-                connect_timeout,
-                tls: TlsConnector::from(Arc::new(h1)),
-                broken,
-            }),
+                })
+                .collect(),
+            tcp: upstream::connector(connect_timeout),
+            connect_timeout,
+            tls: TlsConnector::from(Arc::new(h1)),
+            broken,
+            slots,
+        });
+        pool.slots
+            .register(Arc::downgrade(&pool) as Weak<dyn IdleConnections>);
+        Upstream {
+            legacy,
+            negotiate: versions == Versions::Negotiate,
+            pool,
         }
     }
 
@@ -425,6 +438,8 @@ struct Pool {
     connect_timeout: Duration,
     tls: TlsConnector,
     broken: BrokenBodies,
+    /// Shared with the other plane's pool and both legacy clients.
+    slots: Arc<Slots>,
 }
 
 /// Idle connections by origin. There are a handful of origins (the control plane, envd or
@@ -482,6 +497,10 @@ impl Pool {
     }
 
     fn put(self: &Arc<Self>, mut conn: Conn) {
+        if self.slots.wanted() {
+            // Its slot is worth more to a request waiting for one than it is idle.
+            return;
+        }
         conn.idle_since = Instant::now();
         if conn.rbuf.capacity() > 2 * MAX_READ {
             // Do not keep a large download's buffer for an idle socket.
@@ -524,12 +543,15 @@ impl Pool {
         port: u16,
         deadline: Instant,
     ) -> Result<Conn, UpstreamError> {
+        let slot = self.slots.take(self.connect_timeout).await;
+        let slot = slot.map_err(|e| UpstreamError::Connect(e.into()))?;
         let io = tokio::time::timeout(self.connect_timeout, self.open(uri, tls, host));
         let io = io
             .await
             .map_err(|_| UpstreamError::Connect(upstream::connect_timed_out()))??;
         Ok(Conn {
             io,
+            _slot: slot,
             rbuf: BytesMut::with_capacity(FIRST_READ),
             wbuf: Vec::with_capacity(1024),
             spans: Vec::new(),
@@ -699,6 +721,23 @@ impl Pool {
     }
 }
 
+impl IdleConnections for Pool {
+    fn close_one(&self) -> bool {
+        for list in self.idle.iter() {
+            let mut idle = list.lock().unwrap_or_else(PoisonError::into_inner);
+            let oldest = (idle.origins.iter_mut())
+                .find(|o| !o.conns.is_empty())
+                .map(|o| o.conns.remove(0));
+            drop(idle);
+            // Closed outside the lock; from any thread, as the sweep's are.
+            if oldest.is_some() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// Every [`SWEEP_EVERY`] while this worker keeps idle connections: drops those expired and
 /// those the upstream closed or wrote to. Without it a connection the upstream closed stays
 /// in CLOSE-WAIT, its descriptor held, until a request for the same origin comes, which
@@ -815,6 +854,7 @@ struct Conn {
     /// the connection's life, moved forward per exchange: a later deadline is one atomic
     /// store in tokio's timer, where a new timer per request is a wheel insert and removal.
     deadline: Pin<Box<tokio::time::Sleep>>,
+    _slot: Slot,
 }
 
 impl Conn {
@@ -1551,12 +1591,21 @@ mod tests {
     }
 
     fn client() -> Upstream {
+        counted(Slots::unlimited())
+    }
+
+    fn counted(slots: Arc<Slots>) -> Upstream {
+        counted_with(slots, Duration::from_secs(5))
+    }
+
+    fn counted_with(slots: Arc<Slots>, connect_timeout: Duration) -> Upstream {
         Upstream::new(
             config(rustls::RootCertStore::empty()),
             Versions::Http1,
-            Duration::from_secs(5),
+            connect_timeout,
             LONG,
             None,
+            slots,
         )
     }
 
@@ -1766,6 +1815,65 @@ mod tests {
             }
         }
         assert_eq!(fake.accepts(), 1);
+    }
+
+    /// Connections hold the slots both planes share: with one, a request to another
+    /// origin takes over an idle connection's (closing it); while an answer holds it, a
+    /// request waits for it, and gets it as the answer ends, the connection closed rather
+    /// than pooled, or fails after the connect timeout.
+    #[tokio::test]
+    async fn connections_are_held_to_the_shared_slots() {
+        let a = Fake::start(keep_alive(|_| OK.to_vec())).await;
+        let more = Arc::new(tokio::sync::Notify::new());
+        let go_on = more.clone();
+        let b = Fake::start(move |mut s, _| {
+            let go_on = go_on.clone();
+            async move {
+                let mut buf = Vec::new();
+                while read_head(&mut s, &mut buf).await.is_some() {
+                    let head = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nok";
+                    let _ = s.write_all(head).await;
+                    go_on.notified().await;
+                    let _ = s.write_all(b"ok").await;
+                }
+            }
+        })
+        .await;
+        let slots = Slots::new(1);
+        let api = Arc::new(counted(slots.clone()));
+        let envd = counted_with(slots.clone(), Duration::from_millis(300));
+
+        assert_eq!(get_text(&api, &a.url("/")).await, "ok");
+        assert_eq!(slots.in_use(), 1, "the idle connection holds its slot");
+        let held = within(envd.request("envd", get(&b.url("/")), LONG)).await;
+        let held = held.expect("the idle connection to a gave its slot up");
+        assert_eq!(slots.in_use(), 1);
+
+        let Err(e) = within(envd.request("envd", get(&a.url("/")), LONG)).await else {
+            panic!("a second connection with one slot");
+        };
+        assert!(matches!(e, UpstreamError::Connect(_)), "{e:?}");
+        assert_eq!(
+            e.describe(),
+            "connect failed: no upstream connection free within 1s: all 1 in use (the \
+             open-file limit's share, see --max-connections)"
+        );
+
+        let waiting = tokio::spawn({
+            let (api, url) = (api.clone(), a.url("/"));
+            async move { get_text(&api, &url).await }
+        });
+        while !slots.wanted() {
+            tokio::task::yield_now().await;
+        }
+        more.notify_one();
+        assert_eq!(text(held).await, "okok");
+        assert_eq!(within(waiting).await.unwrap(), "ok");
+        assert_eq!(slots.in_use(), 1);
+        // b's connection was closed, not pooled: another request to b connects again.
+        more.notify_one();
+        assert_eq!(get_text(&envd, &b.url("/")).await, "okok");
+        assert_eq!(b.accepts(), 2);
     }
 
     /// The second request is a POST, which is never sent again on a new connection (see
@@ -2946,6 +3054,7 @@ mod tests {
             Duration::from_secs(5),
             LONG,
             None,
+            Slots::unlimited(),
         )
     }
 
@@ -2963,6 +3072,7 @@ mod tests {
             Duration::from_secs(5),
             LONG,
             None,
+            Slots::unlimited(),
         );
         for _ in 0..2 {
             let resp = within(trusting.request("api", get(&url), LONG))

@@ -1,0 +1,282 @@
+//! The process's file descriptors: the open-file limit raised at start, and the share of
+//! it that upstream connections may hold ([`Slots`]).
+//!
+//! A client connection holds its own descriptor and, while a request runs, an upstream
+//! one; the limit is raised for two per `--max-connections` plus a reserve. An HTTP/2
+//! client breaks that count: each of its streams (up to 100) may hold an upstream
+//! connection of its own, and without a bound a few such clients took every descriptor,
+//! after which accepts, admin scrapes and the token exchange failed with EMFILE as well.
+//! Upstream connections are counted here instead: at most the limit less the reserve and
+//! one per client connection. A request that finds none free closes an idle pooled
+//! connection if there is one, else waits up to `--connect-timeout` for one and is then
+//! answered 502 E5001 (nginx's "worker_connections are not enough" is a 502 too).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Descriptors one client connection may hold: its own and a pooled upstream's. (A large
+/// download spliced socket to socket holds a pipe's two more while it lasts; without
+/// them it is copied as usual.)
+const PER_CONNECTION: u64 = 2;
+/// Listeners, admin connections, the token exchange and envd token look-ups, log and
+/// secret files, the runtime's own: never taken by upstream connections.
+const RESERVED: u64 = 256;
+
+/// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
+/// hard limit allows, and returns how many upstream connections it leaves room for.
+/// systemd services (and many container runtimes) start with a soft limit of 1024, which
+/// ends every accept and upstream connect with EMFILE at about 500 connections, far below
+/// the default 10 000. Go's runtime raises it at start likewise; nginx has
+/// `worker_rlimit_nofile`.
+pub fn raise_open_file_limit(max_connections: usize) -> usize {
+    let needed = (max_connections as u64)
+        .saturating_mul(PER_CONNECTION)
+        .saturating_add(RESERVED);
+    let limit = match rlimit::increase_nofile_limit(needed) {
+        Ok(limit) if limit >= needed => {
+            tracing::debug!(limit, "open-file limit");
+            limit
+        }
+        Ok(limit) => {
+            tracing::warn!(
+                limit,
+                needed,
+                max_connections,
+                "the open-file limit is below what --max-connections needs (two per \
+                 connection): raise it (LimitNOFILE=, ulimit -n) or lower --max-connections"
+            );
+            limit
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot raise the open-file limit");
+            match rlimit::getrlimit(rlimit::Resource::NOFILE) {
+                Ok((soft, _)) => soft,
+                Err(_) => return Slots::UNLIMITED,
+            }
+        }
+    };
+    upstream_share(limit, max_connections)
+}
+
+/// The upstream connections `limit` descriptors leave room for beside `max_connections`
+/// clients: what is not reserved, less one per client; when the limit is short of that,
+/// half of what is not reserved (clients beyond the other half meet EMFILE at accept,
+/// where the accept loop backs off, as before). At least one.
+pub fn upstream_share(limit: u64, max_connections: usize) -> usize {
+    let usable = limit.saturating_sub(RESERVED);
+    let clients = (max_connections as u64).min(usable / 2);
+    let share = usable.saturating_sub(clients).max(1);
+    usize::try_from(share)
+        .unwrap_or(Slots::UNLIMITED)
+        .min(Slots::UNLIMITED)
+}
+
+/// Something that holds idle upstream connections and can close one to free its slot.
+pub trait IdleConnections: Send + Sync {
+    /// Closes one idle connection (the oldest it finds); false when it holds none.
+    fn close_one(&self) -> bool;
+}
+
+/// The upstream connections the proxy may hold at once, shared by both planes' clients.
+/// Each connection holds a [`Slot`] until it closes (idle in a pool included); the
+/// proxy's own calls (token exchange, envd token look-ups, `check`) use the reserve.
+pub struct Slots {
+    permits: Arc<Semaphore>,
+    total: usize,
+    /// Requests waiting for a slot: while there are some, a connection given back to a
+    /// pool is closed instead, its slot going to one of them.
+    waiting: AtomicUsize,
+    idle: Mutex<Vec<Weak<dyn IdleConnections>>>,
+    warned: Mutex<Option<Instant>>,
+}
+
+/// One upstream connection's place in [`Slots`], given back when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// No slot came free in time.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no upstream connection free within {seconds}s: all {total} in use (the open-file \
+     limit's share, see --max-connections)"
+)]
+pub struct NoSlot {
+    seconds: u64,
+    total: usize,
+}
+
+impl Slots {
+    /// More than any descriptor limit (tokio's semaphore takes at most `usize::MAX >> 3`).
+    pub const UNLIMITED: usize = Semaphore::MAX_PERMITS;
+    const WARN_EVERY: Duration = Duration::from_secs(60);
+
+    pub fn new(total: usize) -> Arc<Slots> {
+        let total = total.clamp(1, Self::UNLIMITED);
+        Arc::new(Slots {
+            permits: Arc::new(Semaphore::new(total)),
+            total,
+            waiting: AtomicUsize::new(0),
+            idle: Mutex::new(Vec::new()),
+            warned: Mutex::new(None),
+        })
+    }
+
+    /// For clients outside the proxy's count: the proxy's own calls, `check`, tests.
+    pub fn unlimited() -> Arc<Slots> {
+        Self::new(Self::UNLIMITED)
+    }
+
+    /// Adds a pool whose idle connections may be closed to free a slot.
+    pub fn register(&self, idle: Weak<dyn IdleConnections>) {
+        let mut pools = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        pools.retain(|p| p.strong_count() > 0);
+        pools.push(idle);
+    }
+
+    /// Upstream connections open now.
+    pub fn in_use(&self) -> usize {
+        self.total - self.permits.available_permits()
+    }
+
+    /// Whether a request waits for a slot.
+    pub fn wanted(&self) -> bool {
+        self.waiting.load(Ordering::Relaxed) > 0
+    }
+
+    /// A slot for a new connection: a free one, else one an idle connection gave up, else
+    /// the first given back within `wait`.
+    pub async fn take(&self, wait: Duration) -> Result<Slot, NoSlot> {
+        if let Some(slot) = self.try_take() {
+            return Ok(slot);
+        }
+        let _waiting = Waiting::enter(&self.waiting);
+        while self.close_idle() {
+            if let Some(slot) = self.try_take() {
+                return Ok(slot);
+            }
+        }
+        self.warn();
+        match tokio::time::timeout(wait, self.permits.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(Slot { _permit: permit }),
+            _ => Err(NoSlot {
+                seconds: wait.as_secs().max(1),
+                total: self.total,
+            }),
+        }
+    }
+
+    fn try_take(&self) -> Option<Slot> {
+        let permit = self.permits.clone().try_acquire_owned().ok()?;
+        Some(Slot { _permit: permit })
+    }
+
+    fn close_idle(&self) -> bool {
+        let pools: Vec<_> = {
+            let pools = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+            pools.iter().filter_map(Weak::upgrade).collect()
+        };
+        // Outside the lock: closing a socket is a system call.
+        pools.iter().any(|p| p.close_one())
+    }
+
+    /// At most once a minute, as the accept loop says its slots are all in use.
+    #[cold]
+    fn warn(&self) {
+        let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
+        if warned.is_none_or(|w| w.elapsed() >= Self::WARN_EVERY) {
+            *warned = Some(Instant::now());
+            drop(warned);
+            tracing::warn!(
+                upstream_connections = self.total,
+                "every upstream connection slot is in use (HTTP/2 clients may hold one per \
+                 stream): requests wait up to --connect-timeout for one, then get 502; \
+                 raise the open-file limit or lower --max-connections"
+            );
+        }
+    }
+}
+
+/// Counts a request among [`Slots::waiting`] while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_upstream_share_leaves_the_reserve_and_one_per_client() {
+        // The default --max-connections with the limit raised for it.
+        assert_eq!(upstream_share(20_256, 10_000), 10_000);
+        // More room than needed goes to upstream connections.
+        assert_eq!(upstream_share(1_048_576, 10_000), 1_048_576 - 256 - 10_000);
+        // A limit short of two per client: half of what is not reserved.
+        assert_eq!(upstream_share(1024, 10_000), 384);
+        assert_eq!(upstream_share(0, 100), 1);
+        assert_eq!(upstream_share(u64::MAX, 0), Slots::UNLIMITED);
+    }
+
+    struct OneIdle(Mutex<Option<Slot>>);
+
+    impl IdleConnections for OneIdle {
+        fn close_one(&self) -> bool {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .is_some()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_count_closes_an_idle_connection_else_waits_then_fails() {
+        let slots = Slots::new(2);
+        let busy = slots.take(Duration::from_secs(1)).await.ok();
+        let idle = Arc::new(OneIdle(Mutex::new(slots.take(Duration::ZERO).await.ok())));
+        assert_eq!(slots.in_use(), 2);
+        slots.register(Arc::downgrade(&idle) as Weak<dyn IdleConnections>);
+
+        // The idle connection's slot is taken over.
+        let third = slots.take(Duration::from_secs(1)).await;
+        assert!(third.is_ok(), "{third:?}");
+        assert!(idle.0.lock().unwrap().is_none());
+        assert_eq!(slots.in_use(), 2);
+
+        // Nothing idle: the wait ends in an error naming the count.
+        let err = slots.take(Duration::from_secs(3)).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no upstream connection free within 3s: all 2 in use (the open-file limit's \
+             share, see --max-connections)"
+        );
+        assert!(!slots.wanted());
+
+        // A slot given back while a request waits goes to it.
+        let waiter = tokio::spawn({
+            let slots = slots.clone();
+            async move { slots.take(Duration::from_secs(10)).await.is_ok() }
+        });
+        while !slots.wanted() {
+            tokio::task::yield_now().await;
+        }
+        drop(busy);
+        assert!(waiter.await.unwrap());
+    }
+}
