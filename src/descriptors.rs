@@ -21,8 +21,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// download spliced socket to socket holds a pipe's two more while it lasts; without
 /// them it is copied as usual.)
 const PER_CONNECTION: u64 = 2;
-/// Listeners, admin connections, the token exchange and envd token look-ups, log and
-/// secret files, the runtime's own: never taken by upstream connections.
+/// Listeners, admin connections, the token exchange, log and secret files, the runtime's
+/// own (about 20 at rest): never taken by upstream connections. A quarter of a limit
+/// under 1 024.
 const RESERVED: u64 = 256;
 
 /// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
@@ -66,7 +67,7 @@ pub fn raise_open_file_limit(max_connections: usize) -> usize {
 /// half of what is not reserved (clients beyond the other half meet EMFILE at accept,
 /// where the accept loop backs off, as before). At least one.
 pub fn upstream_share(limit: u64, max_connections: usize) -> usize {
-    let usable = limit.saturating_sub(RESERVED);
+    let usable = limit.saturating_sub(RESERVED.min(limit / 4));
     let clients = (max_connections as u64).min(usable / 2);
     let share = usable.saturating_sub(clients).max(1);
     usize::try_from(share)
@@ -80,9 +81,10 @@ pub trait IdleConnections: Send + Sync {
     fn close_one(&self) -> bool;
 }
 
-/// The upstream connections the proxy may hold at once, shared by both planes' clients.
-/// Each connection holds a [`Slot`] until it closes (idle in a pool included); the
-/// proxy's own calls (token exchange, envd token look-ups, `check`) use the reserve.
+/// The upstream connections the proxy may hold at once, shared by both planes' clients
+/// (envd token look-ups, made for requests, included). Each connection holds a [`Slot`]
+/// until it closes (idle in a pool included); the token exchange and `check` use the
+/// reserve.
 pub struct Slots {
     permits: Arc<Semaphore>,
     total: usize,
@@ -99,14 +101,15 @@ pub struct Slot {
     _permit: OwnedSemaphorePermit,
 }
 
-/// No slot came free in time.
+/// No slot came free in time: the proxy's own saturation, not the upstream's failure
+/// (not counted in `abx_proxy_upstream_errors_total`).
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "no upstream connection free within {seconds}s: all {total} in use (the open-file \
+    "no upstream connection free within {waited:?}: all {total} in use (the open-file \
      limit's share, see --max-connections)"
 )]
 pub struct NoSlot {
-    seconds: u64,
+    waited: Duration,
     total: usize,
 }
 
@@ -164,7 +167,7 @@ impl Slots {
         match tokio::time::timeout(wait, self.permits.clone().acquire_owned()).await {
             Ok(Ok(permit)) => Ok(Slot { _permit: permit }),
             _ => Err(NoSlot {
-                seconds: wait.as_secs().max(1),
+                waited: wait,
                 total: self.total,
             }),
         }
@@ -229,6 +232,8 @@ mod tests {
         assert_eq!(upstream_share(1_048_576, 10_000), 1_048_576 - 256 - 10_000);
         // A limit short of two per client: half of what is not reserved.
         assert_eq!(upstream_share(1024, 10_000), 384);
+        // Under 1 024, a quarter is reserved.
+        assert_eq!(upstream_share(200, 10_000), 75);
         assert_eq!(upstream_share(0, 100), 1);
         assert_eq!(upstream_share(u64::MAX, 0), Slots::UNLIMITED);
     }

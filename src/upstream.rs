@@ -165,6 +165,13 @@ pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
     http
 }
 
+/// Idle HTTP/1.1 connections hyper-util's pool keeps per origin. An HTTP/2 origin has
+/// one connection; an `https` origin that negotiated HTTP/1.1 is the proxy's own pool's
+/// after its first answer (`proxy::pool`), so these serve only the requests made before
+/// it, and would otherwise hold upstream connection slots (`crate::descriptors`) that no
+/// waiting request can take from them, for the 90 s they stay idle.
+const MAX_IDLE_HTTP1: usize = 8;
+
 /// The longest wait between HTTP/2 keep-alive pings, and for their answer.
 const MAX_PING_INTERVAL: Duration = Duration::from_secs(20);
 
@@ -216,6 +223,7 @@ pub fn counted_client(
     };
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(MAX_IDLE_HTTP1)
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .timer(hyper_util::rt::TokioTimer::new())
         .http2_keep_alive_interval(ping_interval(request_timeout))

@@ -96,7 +96,8 @@ pub async fn send(
                 reason: e.describe(),
                 host: host.to_string(),
             },
-            Some(e.kind()),
+            // The proxy's own saturation is no failure of the upstream's.
+            (!e.is_no_slot()).then(|| e.kind()),
         ),
     };
     Err(Failed {

@@ -8,7 +8,8 @@
 //! end, when it goes back to the idle list of its origin. A request whose 2xx answer begins
 //! before all of its body went up sends the rest from that answer's body, as it is read
 //! ([`Upload`]). What goes to the legacy client:
-//! `https` origins with [`Versions::Negotiate`] (they may speak HTTP/2 through ALPN), and
+//! `https` origins with [`Versions::Negotiate`] (they may speak HTTP/2 through ALPN)
+//! until one answers in HTTP/1.1 (see `Http1Origins`), and
 //! requests that carry `Upgrade` (the handler tunnels WebSockets through
 //! `hyper::upgrade::on`, which only hyper's connections provide).
 //!
@@ -51,7 +52,7 @@ use codec::{
 
 use super::body;
 use super::forward::{self, FailKind};
-use crate::descriptors::{IdleConnections, Slot, Slots};
+use crate::descriptors::{IdleConnections, NoSlot, Slot, Slots};
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
@@ -110,6 +111,16 @@ impl UpstreamError {
             UpstreamError::Legacy(e) => forward::client_body_failed(e),
             _ => false,
         }
+    }
+
+    /// Every upstream connection slot was in use ([`NoSlot`]): the proxy's own saturation.
+    pub fn is_no_slot(&self) -> bool {
+        let inner: &(dyn std::error::Error + 'static) = match self {
+            UpstreamError::Connect(e) => e.as_ref(),
+            UpstreamError::Legacy(e) if e.is_connect() => e,
+            _ => return false,
+        };
+        std::iter::successors(Some(inner), |e| e.source()).any(|e| e.is::<NoSlot>())
     }
 
     /// Whether the upstream may have received the request: false only when the connection
@@ -203,9 +214,54 @@ pub type BrokenBodies = Option<prometheus::IntCounterVec>;
 /// The client behind `Proxy::api_client` and `Proxy::envd_client`.
 pub struct Upstream {
     legacy: HttpClient,
-    /// `https` origins may negotiate HTTP/2: they go to the legacy client.
+    /// `https` origins may negotiate HTTP/2: they go to the legacy client, until one
+    /// answers in HTTP/1.
     negotiate: bool,
+    http1: Http1Origins,
     pool: Arc<Pool>,
+}
+
+/// `https` origins that negotiated HTTP/1.1 through ALPN: their requests go to the pool.
+/// hyper-util's HTTP/1 pool races a waiting request's connect against connections coming
+/// back and finishes a losing connect in the background, for nobody: in a pool this one
+/// does not see, holding a [`Slot`] that [`IdleConnections`] cannot give back. Said once,
+/// an origin's answer is taken to hold (an origin behind a balancer whose nodes differ
+/// still speaks HTTP/1.1).
+#[derive(Default)]
+struct Http1Origins {
+    /// Whether `list` has any, read first: an HTTP/2 control plane (the usual one) takes
+    /// no lock per request.
+    any: std::sync::atomic::AtomicBool,
+    list: std::sync::RwLock<Vec<Box<str>>>,
+}
+
+impl Http1Origins {
+    /// A client has a handful of origins; more are not remembered.
+    const MAX: usize = 64;
+
+    fn has(&self, uri: &http::Uri) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.any.load(Relaxed) {
+            return false;
+        }
+        let Some(authority) = uri.authority() else {
+            return false;
+        };
+        let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
+        list.iter().any(|a| **a == *authority.as_str())
+    }
+
+    #[cold]
+    fn add(&self, uri: &http::Uri) {
+        let Some(authority) = uri.authority() else {
+            return;
+        };
+        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        if list.len() < Self::MAX && !list.iter().any(|a| **a == *authority.as_str()) {
+            list.push(authority.as_str().into());
+            self.any.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 impl Upstream {
@@ -248,6 +304,7 @@ impl Upstream {
         Upstream {
             legacy,
             negotiate: versions == Versions::Negotiate,
+            http1: Http1Origins::default(),
             pool,
         }
     }
@@ -266,7 +323,7 @@ impl Upstream {
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
         let tls = match req.uri().scheme_str() {
             Some("http") => false,
-            Some("https") if !self.negotiate => true,
+            Some("https") if !self.negotiate || self.http1.has(req.uri()) => true,
             _ => return Box::pin(self.legacy(plane, req, timeout)),
         };
         if req.headers().contains_key(UPGRADE) {
@@ -293,6 +350,8 @@ impl Upstream {
         };
         let upgrade = req.headers().contains_key(UPGRADE);
         let mut again = if upgrade { None } else { Again::of(&req) };
+        // The origin, to remember should it answer in HTTP/1.1 (a refcount, not a copy).
+        let origin = (self.negotiate && !upgrade).then(|| req.uri().clone());
         // To poison the connection of an answer refused below: hyper would reuse it, though
         // an upstream framing its answers that way may have more bytes of it to come.
         let mut conn = capture_connection(&mut req);
@@ -341,6 +400,11 @@ impl Upstream {
                 conn.poison();
             }
             return Err(e);
+        }
+        if let Some(origin) = origin.filter(|_| resp.version() < Version::HTTP_2) {
+            if !self.http1.has(&origin) {
+                self.http1.add(&origin);
+            }
         }
         let pool = self.pool.clone();
         let count = move |e: BoxError| {
@@ -497,10 +561,6 @@ impl Pool {
     }
 
     fn put(self: &Arc<Self>, mut conn: Conn) {
-        if self.slots.wanted() {
-            // Its slot is worth more to a request waiting for one than it is idle.
-            return;
-        }
         conn.idle_since = Instant::now();
         if conn.rbuf.capacity() > 2 * MAX_READ {
             // Do not keep a large download's buffer for an idle socket.
@@ -533,6 +593,12 @@ impl Pool {
         drop(idle);
         // Closing a socket is a syscall: not under the lock.
         drop(overflow);
+        // A slot is worth more to a request waiting for one than to an idle connection.
+        // Checked after the push, under the list's lock: a request that began to wait
+        // before then is counted by now, and one that begins later finds it idle.
+        if self.slots.wanted() {
+            self.close_one();
+        }
     }
 
     async fn connect(
@@ -1855,7 +1921,7 @@ mod tests {
         assert!(matches!(e, UpstreamError::Connect(_)), "{e:?}");
         assert_eq!(
             e.describe(),
-            "connect failed: no upstream connection free within 1s: all 1 in use (the \
+            "connect failed: no upstream connection free within 300ms: all 1 in use (the \
              open-file limit's share, see --max-connections)"
         );
 
@@ -3056,6 +3122,37 @@ mod tests {
             None,
             Slots::unlimited(),
         )
+    }
+
+    /// An `https` origin that answers hyper's client in HTTP/1.1 is the pool's from then
+    /// on: hyper-util's HTTP/1 pool finishes connects nobody waits for any more, each
+    /// holding a slot (see `Http1Origins`). Its first connection stays with hyper-util.
+    #[tokio::test]
+    async fn an_origin_that_negotiated_http1_goes_to_the_pool() {
+        let tls = tls_pair();
+        let mut h1_only = (*tls.server).clone();
+        h1_only.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let fake = tls_fake(&Tls {
+            ca: tls.ca.clone(),
+            server: Arc::new(h1_only),
+        })
+        .await;
+        let url = format!("https://localhost:{}/", fake.addr.port());
+        let client = negotiating(&tls);
+        for _ in 0..3 {
+            let resp = within(client.request("api", get(&url), LONG)).await;
+            assert_eq!(
+                text(resp.unwrap()).await,
+                r#"Some("localhost") Some("http/1.1")"#
+            );
+        }
+        assert_eq!(
+            fake.accepts(),
+            2,
+            "hyper-util's connection, then the pool's, kept"
+        );
+        let other = format!("https://127.0.0.1:{}/", fake.addr.port());
+        assert!(!client.http1.has(&other.parse().unwrap()), "by origin");
     }
 
     #[tokio::test]
