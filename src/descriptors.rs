@@ -23,8 +23,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 const PER_CONNECTION: u64 = 2;
 /// Listeners, admin connections, the token exchange, log and secret files, the runtime's
 /// own (about 20 at rest): never taken by upstream connections. A quarter of a limit
-/// under 1 024.
+/// under 1 024, and never under [`RESERVED_LEAST`].
 const RESERVED: u64 = 256;
+const RESERVED_LEAST: u64 = 64;
 
 /// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
 /// hard limit allows, and returns how many upstream connections it leaves room for.
@@ -67,7 +68,8 @@ pub fn raise_open_file_limit(max_connections: usize) -> usize {
 /// half of what is not reserved (clients beyond the other half meet EMFILE at accept,
 /// where the accept loop backs off, as before). At least one.
 pub fn upstream_share(limit: u64, max_connections: usize) -> usize {
-    let usable = limit.saturating_sub(RESERVED.min(limit / 4));
+    let reserved = (limit / 4).clamp(RESERVED_LEAST, RESERVED);
+    let usable = limit.saturating_sub(reserved);
     let clients = (max_connections as u64).min(usable / 2);
     let share = usable.saturating_sub(clients).max(1);
     usize::try_from(share)
@@ -232,8 +234,9 @@ mod tests {
         assert_eq!(upstream_share(1_048_576, 10_000), 1_048_576 - 256 - 10_000);
         // A limit short of two per client: half of what is not reserved.
         assert_eq!(upstream_share(1024, 10_000), 384);
-        // Under 1 024, a quarter is reserved.
-        assert_eq!(upstream_share(200, 10_000), 75);
+        // Under 1 024, a quarter is reserved, at least 64.
+        assert_eq!(upstream_share(400, 10_000), 150);
+        assert_eq!(upstream_share(200, 10_000), 68);
         assert_eq!(upstream_share(0, 100), 1);
         assert_eq!(upstream_share(u64::MAX, 0), Slots::UNLIMITED);
     }

@@ -224,22 +224,25 @@ pub struct Upstream {
 /// `https` origins that negotiated HTTP/1.1 through ALPN: their requests go to the pool.
 /// hyper-util's HTTP/1 pool races a waiting request's connect against connections coming
 /// back and finishes a losing connect in the background, for nobody: in a pool this one
-/// does not see, holding a [`Slot`] that [`IdleConnections`] cannot give back. Said once,
-/// an origin's answer is taken to hold (an origin behind a balancer whose nodes differ
-/// still speaks HTTP/1.1).
+/// does not see, holding a [`Slot`] that [`IdleConnections`] cannot give back. An answer
+/// holds for [`Http1Origins::FOR`]; then hyper-util's client asks again, so that an origin
+/// whose HTTP/1.1 was passing (a balancer's node without HTTP/2, a deploy) is multiplexed
+/// again.
 #[derive(Default)]
 struct Http1Origins {
     /// Whether `list` has any, read first: an HTTP/2 control plane (the usual one) takes
     /// no lock per request.
     any: std::sync::atomic::AtomicBool,
-    list: std::sync::RwLock<Vec<Box<str>>>,
+    /// Each origin with the time its answer said HTTP/1.
+    list: std::sync::RwLock<Vec<(Box<str>, Instant)>>,
 }
 
 impl Http1Origins {
     /// A client has a handful of origins; more are not remembered.
     const MAX: usize = 64;
+    const FOR: Duration = Duration::from_secs(600);
 
-    fn has(&self, uri: &http::Uri) -> bool {
+    fn has(&self, uri: &http::Uri, now: Instant) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         if !self.any.load(Relaxed) {
             return false;
@@ -248,18 +251,25 @@ impl Http1Origins {
             return false;
         };
         let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
-        list.iter().any(|a| **a == *authority.as_str())
+        list.iter().any(|(a, said)| {
+            **a == *authority.as_str() && now.saturating_duration_since(*said) < Self::FOR
+        })
     }
 
     #[cold]
-    fn add(&self, uri: &http::Uri) {
+    fn add(&self, uri: &http::Uri, now: Instant) {
         let Some(authority) = uri.authority() else {
             return;
         };
         let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
-        if list.len() < Self::MAX && !list.iter().any(|a| **a == *authority.as_str()) {
-            list.push(authority.as_str().into());
-            self.any.store(true, std::sync::atomic::Ordering::Relaxed);
+        let known = list.iter().position(|(a, _)| **a == *authority.as_str());
+        match known {
+            Some(i) => list[i].1 = now,
+            None if list.len() < Self::MAX => {
+                list.push((authority.as_str().into(), now));
+                self.any.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            None => {}
         }
     }
 }
@@ -323,7 +333,7 @@ impl Upstream {
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
         let tls = match req.uri().scheme_str() {
             Some("http") => false,
-            Some("https") if !self.negotiate || self.http1.has(req.uri()) => true,
+            Some("https") if !self.negotiate || self.http1.has(req.uri(), Instant::now()) => true,
             _ => return Box::pin(self.legacy(plane, req, timeout)),
         };
         if req.headers().contains_key(UPGRADE) {
@@ -402,8 +412,9 @@ impl Upstream {
             return Err(e);
         }
         if let Some(origin) = origin.filter(|_| resp.version() < Version::HTTP_2) {
-            if !self.http1.has(&origin) {
-                self.http1.add(&origin);
+            let now = Instant::now();
+            if !self.http1.has(&origin, now) {
+                self.http1.add(&origin, now);
             }
         }
         let pool = self.pool.clone();
@@ -594,8 +605,9 @@ impl Pool {
         // Closing a socket is a syscall: not under the lock.
         drop(overflow);
         // A slot is worth more to a request waiting for one than to an idle connection.
-        // Checked after the push, under the list's lock: a request that began to wait
-        // before then is counted by now, and one that begins later finds it idle.
+        // Checked after the push (the list's lock taken and released): a request that
+        // began to wait before then is counted by now, and one that begins later finds
+        // the connection idle.
         if self.slots.wanted() {
             self.close_one();
         }
@@ -3152,7 +3164,14 @@ mod tests {
             "hyper-util's connection, then the pool's, kept"
         );
         let other = format!("https://127.0.0.1:{}/", fake.addr.port());
-        assert!(!client.http1.has(&other.parse().unwrap()), "by origin");
+        let now = Instant::now();
+        assert!(client.http1.has(&url.parse().unwrap(), now));
+        assert!(!client.http1.has(&other.parse().unwrap(), now), "by origin");
+        // Asked again after a while: an origin's HTTP/1.1 may have been passing.
+        let later = now + Http1Origins::FOR;
+        assert!(!client.http1.has(&url.parse().unwrap(), later));
+        client.http1.add(&url.parse().unwrap(), later);
+        assert!(client.http1.has(&url.parse().unwrap(), later));
     }
 
     #[tokio::test]
