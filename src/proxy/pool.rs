@@ -225,15 +225,15 @@ pub struct Upstream {
 /// hyper-util's HTTP/1 pool races a waiting request's connect against connections coming
 /// back and finishes a losing connect in the background, for nobody: in a pool this one
 /// does not see, holding a [`Slot`] that [`IdleConnections`] cannot give back. An answer
-/// holds for [`Http1Origins::FOR`]; then hyper-util's client asks again, so that an origin
-/// whose HTTP/1.1 was passing (a balancer's node without HTTP/2, a deploy) is multiplexed
-/// again.
+/// holds for [`Http1Origins::FOR`]; then one request asks hyper-util's client again (the
+/// others keep to the pool meanwhile), so that an origin whose HTTP/1.1 was passing (a
+/// balancer's node without HTTP/2, a deploy) is multiplexed again.
 #[derive(Default)]
 struct Http1Origins {
     /// Whether `list` has any, read first: an HTTP/2 control plane (the usual one) takes
     /// no lock per request.
     any: std::sync::atomic::AtomicBool,
-    /// Each origin with the time its answer said HTTP/1.
+    /// Each origin with the time until which its requests go to the pool.
     list: std::sync::RwLock<Vec<(Box<str>, Instant)>>,
 }
 
@@ -241,7 +241,11 @@ impl Http1Origins {
     /// A client has a handful of origins; more are not remembered.
     const MAX: usize = 64;
     const FOR: Duration = Duration::from_secs(600);
+    /// How long the other requests keep to the pool while one asks again.
+    const ASKING: Duration = Duration::from_secs(10);
 
+    /// Whether `uri`'s origin goes to the pool. Once its time is up, false for one
+    /// request in each [`Http1Origins::ASKING`].
     fn has(&self, uri: &http::Uri, now: Instant) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         if !self.any.load(Relaxed) {
@@ -250,27 +254,57 @@ impl Http1Origins {
         let Some(authority) = uri.authority() else {
             return false;
         };
-        let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
-        list.iter().any(|(a, said)| {
-            **a == *authority.as_str() && now.saturating_duration_since(*said) < Self::FOR
-        })
+        let is = |(a, _): &&mut (Box<str>, Instant)| **a == *authority.as_str();
+        {
+            let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
+            match list.iter().find(|(a, _)| **a == *authority.as_str()) {
+                None => return false,
+                Some((_, until)) if now < *until => return true,
+                Some(_) => {}
+            }
+        }
+        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        match list.iter_mut().find(is) {
+            Some((_, until)) if now < *until => true,
+            Some((_, until)) => {
+                *until = now + Self::ASKING;
+                false
+            }
+            None => false,
+        }
     }
 
+    /// `uri`'s origin answered in HTTP/1.x at `now`.
     #[cold]
     fn add(&self, uri: &http::Uri, now: Instant) {
         let Some(authority) = uri.authority() else {
             return;
         };
+        let until = now + Self::FOR;
         let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
-        let known = list.iter().position(|(a, _)| **a == *authority.as_str());
-        match known {
-            Some(i) => list[i].1 = now,
-            None if list.len() < Self::MAX => {
-                list.push((authority.as_str().into(), now));
-                self.any.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-            None => {}
+        if let Some(known) = list.iter_mut().find(|(a, _)| **a == *authority.as_str()) {
+            known.1 = until;
+            return;
         }
+        if list.len() >= Self::MAX {
+            list.retain(|(_, until)| now < *until);
+        }
+        if list.len() < Self::MAX {
+            list.push((authority.as_str().into(), until));
+            self.any.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// `uri`'s origin answered in HTTP/2: hyper-util's client keeps it.
+    fn remove(&self, uri: &http::Uri) {
+        if !self.any.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let Some(authority) = uri.authority() else {
+            return;
+        };
+        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        list.retain(|(a, _)| **a != *authority.as_str());
     }
 }
 
@@ -411,10 +445,11 @@ impl Upstream {
             }
             return Err(e);
         }
-        if let Some(origin) = origin.filter(|_| resp.version() < Version::HTTP_2) {
-            let now = Instant::now();
-            if !self.http1.has(&origin, now) {
-                self.http1.add(&origin, now);
+        if let Some(origin) = origin {
+            if resp.version() < Version::HTTP_2 {
+                self.http1.add(&origin, Instant::now());
+            } else {
+                self.http1.remove(&origin);
             }
         }
         let pool = self.pool.clone();
@@ -3137,8 +3172,9 @@ mod tests {
     }
 
     /// An `https` origin that answers hyper's client in HTTP/1.1 is the pool's from then
-    /// on: hyper-util's HTTP/1 pool finishes connects nobody waits for any more, each
-    /// holding a slot (see `Http1Origins`). Its first connection stays with hyper-util.
+    /// on (for `Http1Origins::FOR` at a time): hyper-util's HTTP/1 pool finishes connects
+    /// nobody waits for any more, each holding a slot. Its first connection stays with
+    /// hyper-util.
     #[tokio::test]
     async fn an_origin_that_negotiated_http1_goes_to_the_pool() {
         let tls = tls_pair();
@@ -3167,11 +3203,90 @@ mod tests {
         let now = Instant::now();
         assert!(client.http1.has(&url.parse().unwrap(), now));
         assert!(!client.http1.has(&other.parse().unwrap(), now), "by origin");
-        // Asked again after a while: an origin's HTTP/1.1 may have been passing.
-        let later = now + Http1Origins::FOR;
-        assert!(!client.http1.has(&url.parse().unwrap(), later));
-        client.http1.add(&url.parse().unwrap(), later);
-        assert!(client.http1.has(&url.parse().unwrap(), later));
+    }
+
+    /// A remembered origin whose time is up and that answers the request asking again in
+    /// HTTP/2 is hyper-util's again.
+    #[tokio::test]
+    async fn an_origin_that_answers_in_http2_again_is_forgotten() {
+        let tls = tls_pair();
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+        let fake = Fake::start(move |s, _| {
+            let acceptor = acceptor.clone();
+            async move {
+                let Ok(s) = acceptor.accept(s).await else {
+                    return;
+                };
+                let answer = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(Response::new(body::full("h2")))
+                });
+                let h2 =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                let _ = h2
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), answer)
+                    .await;
+            }
+        })
+        .await;
+        let url = format!("https://localhost:{}/", fake.addr.port());
+        let client = negotiating(&tls);
+        client.http1.add(&url.parse().unwrap(), Instant::now());
+        // Its time is up.
+        client.http1.list.write().unwrap()[0].1 = Instant::now();
+        let resp = within(client.request("api", get(&url), LONG))
+            .await
+            .unwrap();
+        assert_eq!(resp.version(), Version::HTTP_2);
+        assert_eq!(text(resp).await, "h2");
+        assert!(client.http1.list.read().unwrap().is_empty());
+    }
+
+    /// An origin's HTTP/1.1 holds `Http1Origins::FOR`; then one request in each `ASKING`
+    /// goes to hyper-util's client again and the others to the pool, until an answer
+    /// renews it (HTTP/1.1) or ends it (HTTP/2). When the list is full, expired origins
+    /// make room.
+    #[test]
+    fn remembered_origins_are_asked_again_one_request_at_a_time() {
+        let origins = Http1Origins::default();
+        let uri = |host: &str| -> http::Uri { format!("https://{host}/").parse().unwrap() };
+        let t0 = Instant::now();
+        assert!(!origins.has(&uri("a:443"), t0));
+        origins.add(&uri("a:443"), t0);
+        assert!(origins.has(&uri("a:443"), t0));
+        assert!(!origins.has(&uri("b:443"), t0), "by origin");
+        assert!(!origins.has(&uri("a:8443"), t0), "by origin");
+
+        let due = t0 + Http1Origins::FOR;
+        assert!(!origins.has(&uri("a:443"), due), "one request asks again");
+        assert!(
+            origins.has(&uri("a:443"), due),
+            "the others keep to the pool"
+        );
+        let later = due + Http1Origins::ASKING;
+        assert!(
+            !origins.has(&uri("a:443"), later),
+            "no answer yet: another asks"
+        );
+        origins.add(&uri("a:443"), later);
+        assert!(origins.has(&uri("a:443"), later + Http1Origins::ASKING));
+        assert_eq!(
+            origins.list.read().unwrap().len(),
+            1,
+            "renewed, not added again"
+        );
+        origins.remove(&uri("a:443"));
+        assert!(
+            !origins.has(&uri("a:443"), later),
+            "an HTTP/2 answer ends it"
+        );
+
+        for i in 0..Http1Origins::MAX {
+            origins.add(&uri(&format!("h{i}:443")), t0);
+        }
+        origins.add(&uri("new:443"), t0);
+        assert!(!origins.has(&uri("new:443"), t0), "full");
+        origins.add(&uri("new:443"), due);
+        assert!(origins.has(&uri("new:443"), due), "expired ones make room");
     }
 
     #[tokio::test]
