@@ -107,7 +107,7 @@ pub async fn send(
     })
 }
 
-fn chain<'a>(
+pub(crate) fn chain<'a>(
     e: &'a (dyn std::error::Error + 'static),
 ) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
     std::iter::successors(Some(e), |e| e.source())

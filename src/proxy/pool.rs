@@ -120,7 +120,7 @@ impl UpstreamError {
             UpstreamError::Legacy(e) if e.is_connect() => e,
             _ => return false,
         };
-        std::iter::successors(Some(inner), |e| e.source()).any(|e| e.is::<NoSlot>())
+        forward::chain(inner).any(|e| e.is::<NoSlot>())
     }
 
     /// Whether the upstream may have received the request: false only when the connection
@@ -254,24 +254,27 @@ impl Http1Origins {
         let Some(authority) = uri.authority() else {
             return false;
         };
-        let is = |(a, _): &&mut (Box<str>, Instant)| **a == *authority.as_str();
         {
             let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
-            match list.iter().find(|(a, _)| **a == *authority.as_str()) {
+            match Self::index(&list, authority.as_str()) {
                 None => return false,
-                Some((_, until)) if now < *until => return true,
+                Some(i) if now < list[i].1 => return true,
                 Some(_) => {}
             }
         }
         let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
-        match list.iter_mut().find(is) {
-            Some((_, until)) if now < *until => true,
-            Some((_, until)) => {
-                *until = now + Self::ASKING;
+        match Self::index(&list, authority.as_str()) {
+            Some(i) if now < list[i].1 => true,
+            Some(i) => {
+                list[i].1 = now + Self::ASKING;
                 false
             }
             None => false,
         }
+    }
+
+    fn index(list: &[(Box<str>, Instant)], authority: &str) -> Option<usize> {
+        list.iter().position(|(a, _)| **a == *authority)
     }
 
     /// `uri`'s origin answered in HTTP/1.x at `now`.
@@ -282,8 +285,8 @@ impl Http1Origins {
         };
         let until = now + Self::FOR;
         let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(known) = list.iter_mut().find(|(a, _)| **a == *authority.as_str()) {
-            known.1 = until;
+        if let Some(i) = Self::index(&list, authority.as_str()) {
+            list[i].1 = until;
             return;
         }
         if list.len() >= Self::MAX {
