@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::error::Error;
+use crate::settings::shown::shown;
 use crate::settings::{values, UpstreamUrl};
 
 /// The only manifest format this build reads.
@@ -136,14 +137,14 @@ impl Manifest {
         let id = string(provider, "id", "provider.id", &err_key)?
             .ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
         if !valid_id(&id) {
-            return Err(err(
-                "id =",
+            return Err(err_key(
+                "id",
                 format!("provider id {id:?}: lower-case letters, digits and dashes only"),
             ));
         }
         if id == "alicloud-express" {
-            return Err(err(
-                "id =",
+            return Err(err_key(
+                "id",
                 "provider id alicloud-express is built in".into(),
             ));
         }
@@ -165,16 +166,22 @@ impl Manifest {
                 Error::InvalidSetting { reason, .. } => reason,
                 other => other.to_string(),
             };
+            // The value as `config list` shows it: a refused URL may carry a password.
+            let shown = shown(&base_url, &[]);
             return Err(err_key(
                 "base_url",
-                format!("endpoint.base_url {base_url:?}: {reason}"),
+                format!("endpoint.base_url {shown:?}: {reason}"),
             ));
         }
         let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", &err_key)?;
         if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
             return Err(err(
                 "envd_domain",
-                format!("endpoint.envd_domain {d:?}: {}", values::DOMAIN_EXPECTED),
+                format!(
+                    "endpoint.envd_domain {:?}: {}",
+                    shown(d, &[]),
+                    values::DOMAIN_EXPECTED
+                ),
             ));
         }
         let auth = table_at(endpoint, "auth", "endpoint.auth", &err_key)?
@@ -1017,6 +1024,31 @@ inherit = ["sandbox_api_key"]
                 OPEN.replace("\"header\"\nauth.header", "\"bearer\"\nauth.header"),
                 7,
                 "auth.header is for auth.scheme = \"header\"",
+            ),
+            // Found by its key however it is spaced, not by the text `id =`.
+            (
+                OPEN.replace("id = \"opensandbox\"", "id=\"My_Cloud\""),
+                3,
+                "provider id \"My_Cloud\"",
+            ),
+            (
+                OPEN.replace("id = \"opensandbox\"", "id  = \"alicloud-express\""),
+                3,
+                "built in",
+            ),
+            // A refused URL's password is not printed back.
+            (
+                OPEN.replace("localhost:8080", "u:hunter2pw@localhost:8080"),
+                5,
+                "endpoint.base_url \"http://u:****@localhost:8080\": credentials in the URL",
+            ),
+            (
+                OPEN.replace(
+                    "auth.scheme",
+                    "envd_domain = \"u:hunter2pw@sbx.example\"\nauth.scheme",
+                ),
+                6,
+                "endpoint.envd_domain \"u:****@sbx.example\"",
             ),
         ];
         for (text, line, what) in cases {
