@@ -739,8 +739,9 @@ fn a_dotenv_with_a_byte_order_mark_reads_its_first_line() {
 
 /// dotenvy, which reads the `.env` files, takes `${VAR:-default}` as a lookup of a variable
 /// named `VAR:-default` and ends a bare `$NAME` at the first `_`: both quietly expand to
-/// nothing or to part of what was meant. Such a line of ours is warned about by every
-/// command that resolves settings, in either file, naming the line and never the value.
+/// nothing or to part of what was meant, as does a `${VAR}` set nowhere. Such a line of
+/// ours is warned about by every command that resolves settings, in either file, naming
+/// the line and never the value.
 #[test]
 fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
     let text = format!(
@@ -748,7 +749,8 @@ fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
          ALIBABA_CLOUD_REGION_ID=${{MY_REGION:-cn-shanghai}}\n\
          ABX_TOKEN_TTL=$MY_TTL\n\
          ABX_SANDBOX_DOMAIN=${{MY_DOMAIN}}\n\
-         OTHER_TOOL=${{X:-y}}\n"
+         OTHER_TOOL=${{X:-y}}\n\
+         ABX_SANDBOX_URL=${{MY_UNSET_URL}}\n"
     );
     for home in [false, true] {
         let mut c = Case::new();
@@ -763,7 +765,7 @@ fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
                 .lines()
                 .filter(|l| l.starts_with(&format!("warning: {label} (")))
                 .collect();
-            assert_eq!(warned.len(), 2, "{args:?}: {}", out.stderr);
+            assert_eq!(warned.len(), 3, "{args:?}: {}", out.stderr);
             assert!(
                 warned[0].contains(": line 2 (ALIBABA_CLOUD_REGION_ID): a `${…}` holds more"),
                 "{}",
@@ -773,6 +775,14 @@ fn a_dotenv_default_or_bare_dollar_on_a_line_of_ours_is_warned_about() {
                 warned[1].contains(": line 3 (ABX_TOKEN_TTL): a bare `$` is expanded"),
                 "{}",
                 warned[1]
+            );
+            assert!(
+                warned[2].contains(
+                    ": line 6 (ABX_SANDBOX_URL): ${MY_UNSET_URL} is set neither in the \
+                     environment nor above it in this file, and expands to nothing"
+                ),
+                "{}",
+                warned[2]
             );
             assert!(!out.stderr.contains("cn-shanghai"), "{}", out.stderr);
         }
@@ -1178,7 +1188,7 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
     c.env("ABX_REGION", "cn-shanghai")
         .env("ABX_TARGETS", "all")
         .env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    c.cwd_dotenv("ABX_SANDBOX_APIKEY=sk-typo-0123456789\n");
+    c.cwd_dotenv("ABX_SANDBOX_APIKEY=sk-typo-0123456789\nABX_HOME=/elsewhere\n");
     c.home_dotenv("ABX_LISTEN=127.0.0.1:1\n");
     let out = c.run(&["check", "--offline"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
@@ -1186,11 +1196,17 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
         "ABX_REGION (env) is not a variable abx-proxy reads: did you mean ALIBABA_CLOUD_REGION_ID?",
         "ABX_SANDBOX_APIKEY (./.env) is not a variable abx-proxy reads: did you mean ABX_SANDBOX_API_KEY?",
         "ABX_LISTEN (~/.abx/.env) is not a variable abx-proxy reads: did you mean ABX_PROXY_LISTEN?",
+        // A real name, where it has no effect.
+        "ABX_HOME (./.env) is read from the environment only (it says where ~/.abx is)",
     ] {
         assert!(out.stderr.contains(said), "{said}: {}", out.stderr);
     }
     assert!(!out.stderr.contains("ABX_TARGETS"), "{}", out.stderr);
     assert!(!out.stderr.contains("sk-typo") && !out.stderr.contains("cn-shanghai"));
+    assert!(!out.stderr.contains("/elsewhere"), "{}", out.stderr);
+    // Set where it is read: no word.
+    let out = Case::new().run(&["check", "--offline"]);
+    assert!(!out.stderr.contains("ABX_HOME"), "{}", out.stderr);
 }
 
 /// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
@@ -1252,6 +1268,41 @@ fn a_dotenv_that_is_not_a_file_is_named() {
             "{label}: {}",
             out.stderr
         );
+    }
+}
+
+/// A `.env` that may be there but cannot be looked at stops the command, naming it, as an
+/// unreadable `.env` or `config.toml` does: a `~/.abx` this user may not enter was
+/// skipped without a word, key and all, and the error that followed named `config.toml`.
+/// (Tests may run as root, whom no directory refuses: a path through a file stands in,
+/// the same kind of failure.)
+#[test]
+fn a_dotenv_that_cannot_be_looked_at_stops_the_command() {
+    let mut c = Case::new();
+    c.abx_home = Some(c.file("not-a-directory", ""));
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("[E1006] cannot read ~/.abx/.env"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// A `.env` whose lines end in a lone carriage return (an old Mac editor's) was one line
+/// to dotenvy: the first variable took all the others' text, the key's line included, and
+/// `config list` printed it in the clear as that setting's value.
+#[test]
+fn a_dotenv_with_carriage_return_line_ends_reads_each_line() {
+    for home in [false, true] {
+        let c = Case::new();
+        c.dotenv_in(
+            home,
+            &format!("ALIBABA_CLOUD_REGION_ID=cn-shanghai\rABX_SANDBOX_API_KEY={KEY_CWD}\r"),
+        );
+        assert_eq!(c.row("region").value.as_deref(), Some("cn-shanghai"));
+        let key = c.row("sandbox_api_key");
+        assert_eq!(key.value, Some(masked(KEY_CWD)), "{key:?}");
     }
 }
 

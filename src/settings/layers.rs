@@ -48,7 +48,22 @@ pub fn read_dotenv(
     skipped: Option<&mut Vec<SkippedLine>>,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    if !path.is_file() {
+    let shown = format!("{label} ({})", path.display());
+    let absent = match std::fs::metadata(path) {
+        Ok(meta) => !meta.is_file(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        // A file that may be there but cannot be looked at (a directory on its way that
+        // this user may not enter) fails as an unreadable file does, and as `config.toml`
+        // does; it was skipped as absent, and the key it held came from elsewhere or
+        // nowhere without a word.
+        Err(e) => {
+            return Err(Error::ReadFile {
+                path: shown,
+                reason: e.to_string(),
+            })
+        }
+    };
+    if absent {
         // Something is there, but not a file to read: a link to a file that is gone (a
         // Secret volume's link after a bad mount), or a directory. Skipped as absent, but
         // said, or the key it was meant to hold comes from elsewhere without a word.
@@ -61,12 +76,12 @@ pub fn read_dotenv(
         return Ok(HashMap::new());
     }
     warn_if_shared(path, label, warnings);
-    let shown = format!("{label} ({})", path.display());
     // Read once: the parser, the line numbers of its errors and the warnings share it.
     let text = std::fs::read_to_string(path).map_err(|e| Error::ReadFile {
         path: shown.clone(),
         reason: e.to_string(),
     })?;
+    let text = lines_ended(text);
     // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
     // environment, not in the iterator read here, where it made line 1 a syntax error.
     let body = text.strip_prefix(BOM).unwrap_or(&text);
@@ -89,6 +104,7 @@ pub fn parse_dotenv_str(
     label: &str,
     shared: Option<&mut Vec<String>>,
 ) -> Result<HashMap<String, String>, Error> {
+    let text = &lines_ended(text.to_string());
     let iter = dotenvy::from_read_iter(text.strip_prefix(BOM).unwrap_or(text).as_bytes());
     let mut skipped = Vec::new();
     let vars = collect_dotenv(
@@ -109,14 +125,22 @@ pub fn parse_dotenv_str(
 /// `${NAME:-default}` looks up a variable called `NAME:-default`: both quietly give nothing,
 /// or part of what was meant (a key holding `$` is cut short; a value that is only such a
 /// default is blank, so the setting falls through to a lower layer). python-dotenv and
-/// docker compose read both forms as meant. A line that sets one of abx-proxy's variables
-/// with either gets a warning naming the file, the line and the variable, never the value.
+/// docker compose read both forms as meant. And a `${NAME}` that names a variable set
+/// neither in the environment nor earlier in the file expands to nothing, as in a shell,
+/// where docker compose says so (a key kept in a variable exported in another shell, or
+/// not passed to a service). A line that sets one of abx-proxy's variables with any of
+/// these gets a warning naming the file, the line and the variables, never the value.
 fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
     let mut out = Vec::new();
+    // dotenvy looks a `${NAME}` up in the environment, then among the lines above it.
+    let mut above: Vec<&str> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
         };
+        let defined = |var: &str| above.contains(&var) || std::env::var(var).is_ok();
+        let dollar = risky_dollar(value, &defined);
+        above.push(name);
         // Only a name dotenvy takes, which also passes over comments (the text before a `=`
         // on a line inside a multi-line quoted value may be anything, a secret's piece
         // included).
@@ -126,16 +150,22 @@ fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
         if !(key_like && is_ours(name)) {
             continue;
         }
-        let what = match risky_dollar(value) {
+        let what = match dollar {
             Some(Dollar::Operator) => {
                 "a `${…}` holds more than a variable name (a default such as `${VAR:-x}` is not \
                  supported) and expands to nothing"
+                    .to_string()
             }
             Some(Dollar::Bare) => {
                 "a bare `$` is expanded, its name ending at the first character that is not a \
                  letter or digit (`$MY_VAR` reads `$MY`): write `${VAR}`, or single quotes \
                  around a value that holds a literal `$`"
+                    .to_string()
             }
+            Some(Dollar::Unset(var)) => format!(
+                "${{{var}}} is set neither in the environment nor above it in this file, and \
+                 expands to nothing"
+            ),
             None => continue,
         };
         out.push(format!("{shown}: line {} ({name}): {what}", i + 1));
@@ -148,12 +178,15 @@ enum Dollar {
     Operator,
     /// `$NAME`.
     Bare,
+    /// `${NAME}`, `NAME` set nowhere dotenvy looks.
+    Unset(String),
 }
 
 /// The first substitution in a value that dotenvy reads otherwise than a shell would: as
 /// dotenvy does, none inside single quotes or after a backslash, and none past the
-/// whitespace that ends an unquoted value (a comment may follow).
-fn risky_dollar(value: &str) -> Option<Dollar> {
+/// whitespace that ends an unquoted value (a comment may follow). `defined`: whether a
+/// variable has a value to expand to.
+fn risky_dollar(value: &str, defined: &dyn Fn(&str) -> bool) -> Option<Dollar> {
     let (mut single, mut double, mut escaped) = (false, false, false);
     let value = value.trim_start_matches([' ', '\t']);
     let mut chars = value.chars().peekable();
@@ -174,6 +207,9 @@ fn risky_dollar(value: &str) -> Option<Dollar> {
                     if !inner.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
                         return Some(Dollar::Operator);
                     }
+                    if !inner.is_empty() && !defined(&inner) {
+                        return Some(Dollar::Unset(inner));
+                    }
                 }
                 Some(c) if c.is_alphanumeric() => return Some(Dollar::Bare),
                 _ => {}
@@ -185,6 +221,22 @@ fn risky_dollar(value: &str) -> Option<Dollar> {
 }
 
 const BOM: char = '\u{feff}';
+
+/// `text` with a carriage return that ends no `\r\n` read as a line's end: an old Mac
+/// editor's line ends, or a file pasted through one. dotenvy reads such a file as one line,
+/// so the first variable took every other line's text as its value (the key's line
+/// included, printed back by `config list` in a setting that is not secret). Node's and
+/// Ruby's dotenv read them as line ends too. A file with no lone `\r` is left as it is,
+/// so a value's `\r\n` inside quotes stays.
+fn lines_ended(text: String) -> String {
+    let lone = text
+        .char_indices()
+        .any(|(i, c)| c == '\r' && !text[i + 1..].starts_with('\n'));
+    if !lone {
+        return text;
+    }
+    text.replace("\r\n", "\n").replace('\r', "\n")
+}
 
 /// A line of a shared `./.env` that dotenvy cannot parse and that sets none of the
 /// variables abx-proxy always reads. Whether it is skipped waits until the provider is
@@ -568,11 +620,13 @@ mod tests {
                     ABX_ADMIN=$\n";
         let mut warnings = Vec::new();
         parse_dotenv_str(text, "./.env", Some(&mut warnings)).expect("parsed");
-        assert_eq!(warnings.len(), 3, "{warnings:#?}");
+        assert_eq!(warnings.len(), 4, "{warnings:#?}");
         for (w, start) in warnings.iter().zip([
             "./.env: line 1 (ALIBABA_CLOUD_REGION_ID): a `${…}` holds more",
             "./.env: line 2 (ABX_TOKEN_TTL): a bare `$` is expanded",
             "./.env: line 3 (ABX_SANDBOX_API_KEY): a bare `$` is expanded",
+            "./.env: line 4 (ABX_SANDBOX_DOMAIN): ${MY_DOMAIN} is set neither in the \
+             environment nor above it in this file",
         ]) {
             assert!(w.starts_with(start), "{w}");
             for value in ["cn-shanghai", "MY_TTL", "sk-abc", "1def"] {
@@ -583,6 +637,21 @@ mod tests {
         // before its `=`: no warning repeats that.
         assert!(substitution_warnings("ABX_PIECE sk-123=$x\n", "./.env").is_empty());
         assert_eq!(substitution_warnings("ABX_PIECE=$x\n", "./.env").len(), 1);
+        // A `${NAME}` set above it, or in the environment, has a value.
+        let set = "MY_KEY=sk-1\nABX_SANDBOX_API_KEY=${MY_KEY}\nABX_SANDBOX_URL=${PATH}\n";
+        assert!(substitution_warnings(set, "./.env").is_empty());
+        let below = "ABX_SANDBOX_API_KEY=${MY_KEY}\nMY_KEY=sk-1\n";
+        assert_eq!(substitution_warnings(below, "./.env").len(), 1);
+    }
+
+    /// Lone carriage returns end lines; a file with none is read as it was.
+    #[test]
+    fn lone_carriage_returns_end_lines() {
+        assert_eq!(lines_ended("A=1\rB=2\r\nC=3\r".into()), "A=1\nB=2\nC=3\n");
+        let crlf = "A=\"1\r\n2\"\r\nB=3\r\n".to_string();
+        assert_eq!(lines_ended(crlf.clone()), crlf);
+        let vars = parse_dotenv_str("A=1\rB=2\r", "./.env", None).unwrap();
+        assert_eq!((vars["A"].as_str(), vars["B"].as_str()), ("1", "2"));
     }
 
     /// A project's `./.env` with lines python-dotenv accepts and dotenvy does not: they are

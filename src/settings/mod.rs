@@ -730,8 +730,9 @@ impl Resolved {
 
     /// `ABX_*` variables nothing reads that are another spelling of one that is read
     /// (`ABX_REGION`, `ABX_SANDBOX_APIKEY`, `ABX_LISTEN`): each was ignored in silence, and
-    /// the error that followed ("API key cannot be empty") did not say why. Names only;
-    /// other unknown `ABX_*` names (a script's own) are left alone.
+    /// the error that followed ("API key cannot be empty") did not say why; so was an
+    /// `ABX_HOME` in a `.env`. Names only; other unknown `ABX_*` names (a script's own)
+    /// are left alone.
     fn misspelt_names(&self) -> Vec<String> {
         let squash = |s: &str| -> String {
             (s.chars())
@@ -765,6 +766,14 @@ impl Resolved {
                 let (read, spellings) = (&read, &spellings);
                 map.keys().filter_map(move |name| {
                     let rest = name.strip_prefix("ABX_")?;
+                    if name == "ABX_HOME" && *source != Source::Env {
+                        // It says where `~/.abx/.env` is, so only the environment sets it.
+                        return Some(format!(
+                            "ABX_HOME ({}) is read from the environment only (it says where \
+                             ~/.abx is): export it, or pass it to the service",
+                            source.label()
+                        ));
+                    }
                     if read.contains(&name.as_str()) || name == "ABX_HOME" {
                         return None;
                     }
