@@ -67,12 +67,24 @@ for key in DynamicUser NoNewPrivileges ProtectSystem EnvironmentFile; do
 done
 
 check "kubernetes-validate deploy/k8s" "$venv/bin/kubernetes-validate" --strict -k 1.30.0 deploy/k8s/agent-with-abx-proxy.yaml
-check "k8s scrape job keeps only annotated admin ports" "$venv/bin/python" - <<'PY'
-import yaml
+check "k8s scrape job keeps only annotated admin ports of abx-proxy containers" "$venv/bin/python" - <<'PY'
+import re, yaml
 job = yaml.safe_load(open("deploy/prometheus/scrape-kubernetes.yml"))["scrape_configs"][0]
 assert job["kubernetes_sd_configs"][0]["role"] == "pod"
-keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
-assert {r["regex"] for r in keeps} == {"true", "admin"}
+keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+# Without the container name, another app's port named admin is scraped as abx-proxy and
+# AbxProxyDown pages for it.
+assert keeps == {
+    ("__meta_kubernetes_pod_annotation_prometheus_io_scrape",): "true",
+    ("__meta_kubernetes_pod_container_port_name",): "admin",
+    ("__meta_kubernetes_pod_container_name",): "abx-proxy",
+}, keeps
+# The manifest's containers with a port named admin are the ones the job keeps.
+docs = [d for d in yaml.safe_load_all(open("deploy/k8s/agent-with-abx-proxy.yaml")) if d]
+pod = docs[0]["spec"]["template"]["spec"]
+named = [c["name"] for c in pod.get("initContainers", []) + pod["containers"]
+         if any(p.get("name") == "admin" for p in c.get("ports", []))]
+assert named and all(re.fullmatch(keeps[("__meta_kubernetes_pod_container_name",)], n) for n in named), named
 PY
 check "k8s: native sidecar with probes and the key from a file" "$venv/bin/python" - <<'PY'
 import yaml, sys
