@@ -36,6 +36,9 @@ pub enum Error {
     /// E1006: a file named by a setting or flag cannot be read or parsed.
     #[error("cannot read {path}: {reason}")]
     ReadFile { path: String, reason: String },
+    /// E1006 too: a file abx-proxy keeps (an installed provider) cannot be written.
+    #[error("cannot write {path}: {reason}")]
+    WriteFile { path: String, reason: String },
     /// E1007: a non-loopback listener without TLS and without consent.
     #[error(
         "refusing to listen on {addr} without TLS: anyone who reaches this port spends your key"
@@ -97,7 +100,7 @@ impl Error {
             Error::IncompletePair { .. } => "E1003",
             Error::TokenExchange { .. } => "E1004",
             Error::InvalidSetting { .. } => "E1005",
-            Error::ReadFile { .. } => "E1006",
+            Error::ReadFile { .. } | Error::WriteFile { .. } => "E1006",
             Error::RemoteListen { .. } => "E1007",
             Error::Bind { .. } => "E1008",
             Error::CredentialRejected { .. } => "E1009",
@@ -121,6 +124,7 @@ impl Error {
             Error::TokenExchange { .. } => "Check the AccessKey pair, token_exchange_url and network access; `abx-proxy check` performs one exchange and reports the cause.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
             Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
+            Error::WriteFile { .. } => "Check that this user may write to the directory named above (ABX_HOME, else ~/.abx, holds the installed providers).",
             Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
             Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",

@@ -234,6 +234,11 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
         stderr.contains("[E8003] provider borrower: api_key is not set"),
         "{stderr}"
     );
+    // And why the built-in key was not taken, with how to grant it.
+    let why = "(its manifest asks to inherit sandbox_api_key, which was not consented to for \
+               this manifest, or the manifest changed since: `abx-proxy provider install FILE \
+               --consent` grants it)";
+    assert!(stderr.contains(why), "{stderr}");
 
     // With consent: the built-in key is attached in the plugin's header.
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
@@ -267,6 +272,7 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
     .await;
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
     assert!(text(&out).contains("api_key is not set"));
+    assert!(text(&out).contains("or the manifest changed since"));
     proxy.finish().await;
     let seen = upstream.seen();
     assert_eq!(seen.len(), 1);
@@ -388,6 +394,26 @@ async fn a_provider_id_is_a_name_not_a_path() {
         "{}",
         text(&out)
     );
+}
+
+/// An install that cannot write its files says so, as E1006 "cannot write", with what to
+/// check: it read "cannot read <dir>: cannot write", with the advice for a file to read.
+/// (Tests may run as root, whom no directory refuses: an ABX_HOME that is a file stands in.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_install_that_cannot_write_says_so() {
+    let home = tempfile::tempdir().expect("home");
+    std::fs::write(home.path().join(".abx"), "").expect("a file where ~/.abx goes");
+    let (_dir, manifest) = manifest_file(BEARER);
+    let out = abx(home.path(), &[], &["provider", "install", &manifest]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    let said = text(&out);
+    let dir = home.path().join(".abx/providers/bearerco");
+    assert!(
+        said.contains(&format!("[E1006] cannot write {}: ", dir.display())),
+        "{said}"
+    );
+    assert!(said.contains("may write to the directory"), "{said}");
+    assert!(!said.contains("cannot read"), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

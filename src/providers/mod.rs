@@ -60,9 +60,9 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
     let text_str = String::from_utf8_lossy(&text);
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
     let dir = providers_dir(abx_home).join(&manifest.id);
-    let write_err = |path: &Path, e: std::io::Error| Error::ReadFile {
+    let write_err = |path: &Path, e: std::io::Error| Error::WriteFile {
         path: path.display().to_string(),
-        reason: format!("cannot write: {}", e.kind()),
+        reason: e.kind().to_string(),
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
     let target = dir.join(MANIFEST_FILE);

@@ -606,10 +606,21 @@ impl Resolved {
             ),
             Some(p) => {
                 let m = &p.installed.manifest;
+                let inherit = "sandbox_api_key";
+                // Only `provider info` said why an inheriting plugin had no key.
+                let unconsented = (m.inherit.iter().any(|i| i == inherit)
+                    && !p.installed.consented.iter().any(|c| c == inherit))
+                .then(|| {
+                    format!(
+                        " (its manifest asks to inherit {inherit}, which was not consented \
+                         to for this manifest, or the manifest changed since: `abx-proxy \
+                         provider install FILE --consent` grants it)"
+                    )
+                });
                 let key = p.api_key().ok_or_else(|| Error::Provider {
                     id: m.id.clone(),
                     reason: format!(
-                        "api_key is not set: set {}{}",
+                        "api_key is not set: set {}{}{}",
                         m.canonical_env("api_key"),
                         m.fields
                             .get("api_key")
@@ -618,7 +629,8 @@ impl Resolved {
                                 .iter()
                                 .map(|a| format!(" or {a}"))
                                 .collect::<String>())
-                            .unwrap_or_default()
+                            .unwrap_or_default(),
+                        unconsented.unwrap_or_default()
                     ),
                 })?;
                 (
