@@ -2022,3 +2022,54 @@ async fn fails_in_json(cmd: ProxyCmd) {
     let suggestion = last["suggestion"].as_str().unwrap_or_default();
     assert!(suggestion.contains("ABX_SANDBOX_API_KEY"), "{last}");
 }
+
+/// `--admin-listen=[::]:PORT` takes IPv4 connections too, as the README and the Kubernetes
+/// manifest say, also where the host's `net.ipv6.bindv6only` is 1 (a listener left to that
+/// default took IPv6 only). Run in a network namespace of its own with that default, where
+/// the test may make one (as root); skipped elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv6_wildcard_admin_listener_takes_ipv4_whatever_the_hosts_default() {
+    let netns = "ip link set lo up && echo 1 > /proc/sys/net/ipv6/bindv6only && exec \"$@\"";
+    let launcher = ["unshare", "--net", "sh", "-c", netns, "sh"];
+    let probe = Command::new(launcher[0])
+        .args(&launcher[1..])
+        .args([
+            "sh",
+            "-c",
+            "test \"$(cat /proc/sys/net/ipv6/bindv6only)\" = 1",
+        ])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: no network namespace of our own here (unshare --net needs root)");
+        return;
+    }
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&launcher)
+        .admin_listen("[::]:0")
+        .spawn()
+        .await;
+    let port = proxy.admin_addr().port();
+    // From inside the proxy's namespace: a plain HTTP/1.0 request with bash's /dev/tcp.
+    for host in ["127.0.0.1", "::1"] {
+        let mut ask = Command::new("nsenter");
+        ask.arg(format!("--net=/proc/{}/ns/net", proxy.pid)).args([
+            "timeout",
+            "10",
+            "bash",
+            "-c",
+            "exec 3<>\"/dev/tcp/$0/$1\" && printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' >&3 && head -n 1 <&3",
+            host,
+            &port.to_string(),
+        ]);
+        let out = output_within(ask, "a request to the admin listener").await;
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            said.starts_with("HTTP/1.") && said.split_whitespace().nth(1) == Some("200"),
+            "{host}: {said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    proxy.finish().await;
+}

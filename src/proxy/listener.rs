@@ -88,6 +88,9 @@ impl Listener {
             reason: e.to_string(),
         };
         match addr {
+            ListenAddr::Tcp(a) if a.is_ipv6() && a.ip().is_unspecified() => {
+                Ok(Listener::Tcp(bind_dual_stack(*a).map_err(fail)?))
+            }
             ListenAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await.map_err(fail)?)),
             ListenAddr::Unix(path) => {
                 remove_stale_socket(path).await.map_err(fail)?;
@@ -105,6 +108,22 @@ impl Listener {
             Listener::Unix(_, f) => format!("unix:{}", f.path.display()),
         }
     }
+}
+
+/// `[::]` takes IPv4 connections too, as the README and the Kubernetes manifest say of
+/// `--admin-listen=[::]:9464`: left to the host's `net.ipv6.bindv6only`, a host (or a
+/// pod's namespace) where it is 1 got an IPv6-only listener, and the IPv4 scrapes a
+/// dual-stack cluster sends failed. nginx's `ipv6only=off` and Go's listeners set it so.
+fn bind_dual_stack(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_only_v6(false)?;
+    // What std's bind does besides (and its backlog), so the two paths differ only here.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    TcpListener::from_std(socket.into())
 }
 
 /// Binds a unix socket at `path` that is mode 0660 from its first moment there (SPEC §7).
