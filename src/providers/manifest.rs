@@ -175,7 +175,7 @@ impl Manifest {
         }
         let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", &err_key)?;
         if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
-            return Err(err(
+            return Err(err_key(
                 "envd_domain",
                 format!(
                     "endpoint.envd_domain {:?}: {}",
@@ -792,18 +792,29 @@ inherit = ["sandbox_api_key"]
     /// fail only when the proxy started.
     #[test]
     fn base_url_is_checked_as_serve_checks_it() {
-        for (bad, why) in [
-            ("ftp://localhost:8080", "scheme must be https or http"),
-            ("http://user@localhost:8080", "credentials in the URL"),
-            ("http://localhost:8080/?a=b", "a query string"),
-            ("http://localhost:8080/a b", "not a URL"),
-            ("", "not a URL"),
+        // Quoted as `config list` shows it: user info and query values may be secrets.
+        for (bad, shown, why) in [
+            ("ftp://localhost:8080", None, "scheme must be https or http"),
+            (
+                "http://user@localhost:8080",
+                Some("http://****@localhost:8080"),
+                "credentials in the URL",
+            ),
+            (
+                "http://localhost:8080/?a=b",
+                Some("http://localhost:8080/?a=****"),
+                "a query string",
+            ),
+            ("http://localhost:8080/a b", None, "not a URL"),
+            ("", None, "not a URL"),
         ] {
             let text = OPEN.replace("http://localhost:8080", bad);
             let (line, reason) = refused(&text);
             assert_eq!(line, 5, "{reason}");
+            let shown = shown.unwrap_or(bad);
             assert!(
-                reason.starts_with(&format!("endpoint.base_url {bad:?}: ")) && reason.contains(why),
+                reason.starts_with(&format!("endpoint.base_url {shown:?}: "))
+                    && reason.contains(why),
                 "{bad}: {reason}"
             );
         }
@@ -1049,6 +1060,13 @@ inherit = ["sandbox_api_key"]
                 ),
                 6,
                 "endpoint.envd_domain \"u:****@sbx.example\"",
+            ),
+            // Found by its key, not by a comment that mentions it first.
+            (
+                format!("# envd_domain is set below\n{OPEN}")
+                    .replace("auth.scheme", "envd_domain = \"not a domain\"\nauth.scheme"),
+                7,
+                "endpoint.envd_domain \"not a domain\"",
             ),
         ];
         for (text, line, what) in cases {
