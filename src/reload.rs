@@ -42,7 +42,7 @@ pub enum Plan {
     Swap { restart: Vec<String> },
     /// The provider or a host it is sent to changed (`moved`): the running credential stays
     /// until a restart, with the hosts it belongs to.
-    Refuse { moved: Vec<&'static str> },
+    Refuse { moved: Vec<String> },
 }
 
 /// Compares the settings the proxy runs on with the next ones. `changed` names every key
@@ -76,16 +76,40 @@ fn with_credential_of(running: &Settings, next: &Settings) -> Settings {
     }
 }
 
-/// The settings that decide where the credential goes and how it is attached.
-fn destination_changes(a: &Settings, b: &Settings) -> Vec<&'static str> {
+/// The plugin provider both settings select, if they select the same one: the built-in
+/// provider's own keys (its region, hosts and exchange) then decide nothing.
+fn same_plugin<'a>(a: &'a Settings, b: &Settings) -> Option<&'a str> {
+    match (&a.plugin, &b.plugin) {
+        (Some(pa), Some(pb)) if pa.installed.manifest.id == pb.installed.manifest.id => {
+            Some(&pa.installed.manifest.id)
+        }
+        _ => None,
+    }
+}
+
+/// The settings that decide where the credential goes and how it is attached, by the
+/// names `config list` gives them.
+fn destination_changes(a: &Settings, b: &Settings) -> Vec<String> {
     let mut moved = Vec::new();
-    let mut check = |name, same: bool| {
+    let mut check = |name: &str, same: bool| {
         if !same {
-            moved.push(name);
+            moved.push(name.to_string());
         }
     };
     check("provider", a.provider == b.provider);
     check("auth", a.auth == b.auth);
+    if let Some(id) = same_plugin(a, b) {
+        // A plugin's key goes to its own fields' hosts (kept in the same settings).
+        check(
+            &format!("{id}.base_url"),
+            a.sandbox_base_url == b.sandbox_base_url,
+        );
+        check(
+            &format!("{id}.envd_domain"),
+            a.sandbox_domain == b.sandbox_domain,
+        );
+        return moved;
+    }
     check("region", a.region == b.region);
     check("sandbox_base_url", a.sandbox_base_url == b.sandbox_base_url);
     check("sandbox_domain", a.sandbox_domain == b.sandbox_domain);
@@ -108,13 +132,20 @@ fn is_credential(next: &Settings, key: &str) -> bool {
             .is_some_and(|p| key == format!("{}.api_key", p.installed.manifest.id))
 }
 
-/// The names of every key whose value or source differs: the built-in table's and the
-/// selected plugin provider's fields.
+/// The names of every key whose value or source differs: the built-in table's (less the
+/// built-in provider's own while a plugin provider stays selected: they apply at no
+/// restart either) and the selected plugin provider's fields; `auth` when an edited
+/// manifest attaches the key otherwise.
 fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings) -> Vec<String> {
+    let plugin = same_plugin(a, b).is_some();
     let mut names: Vec<String> = settings::changed_keys(before, after)
         .into_iter()
+        .filter(|k| !(plugin && settings::Key::by_name(k).is_some_and(|k| k.builtin_only())))
         .map(str::to_string)
         .collect();
+    if a.auth != b.auth {
+        names.push("auth".to_string());
+    }
     if let (Some(pa), Some(pb)) = (&a.plugin, &b.plugin) {
         for fb in &pb.fields {
             let same = pa
@@ -132,28 +163,52 @@ fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings
 /// Credential keys a `.env` file changed while the process environment or a flag still
 /// decides them. A reload cannot change either, so the key rotated in the file is not the
 /// one in use (systemd's `Environment=` beside a rotated `~/.abx/.env`), and "nothing
-/// changed" alone would hide it. Each as `key in file (source wins)`.
-fn shadowed(before: &Resolved, after: &Resolved) -> Vec<String> {
+/// changed" alone would hide it. Each as `key in file (source wins)`; the selected plugin
+/// provider's key too, by its variables (canonical name and aliases).
+fn shadowed(before: &Resolved, after: &Resolved, next: &Settings) -> Vec<String> {
+    let files = [
+        (
+            Source::DotEnvCwd,
+            &before.layers.dotenv_cwd,
+            &after.layers.dotenv_cwd,
+        ),
+        (
+            Source::DotEnvHome,
+            &before.layers.dotenv_home,
+            &after.layers.dotenv_home,
+        ),
+    ];
     let mut found = Vec::new();
+    let plugin_key = next.plugin.as_ref().and_then(|p| {
+        let m = &p.installed.manifest;
+        let field = p.fields.iter().find(|f| f.field == "api_key")?;
+        let aliases = m.fields.get("api_key").map(|f| f.aliases.clone());
+        let names: Vec<String> = std::iter::once(m.canonical_env("api_key"))
+            .chain(aliases.unwrap_or_default())
+            .collect();
+        Some((field, names))
+    });
+    if let Some((field, names)) = plugin_key {
+        if matches!(field.source, Source::Env | Source::Flag) {
+            for (file, was, is) in &files {
+                if names.iter().any(|n| was.get(n) != is.get(n)) {
+                    found.push(format!(
+                        "{} in {} ({} wins)",
+                        field.key,
+                        file.label(),
+                        field.source.label()
+                    ));
+                }
+            }
+        }
+    }
     for e in &after.entries {
         if !settings::is_credential_key(e.spec.name)
             || !matches!(e.source, Source::Env | Source::Flag)
         {
             continue;
         }
-        let files = [
-            (
-                Source::DotEnvCwd,
-                &before.layers.dotenv_cwd,
-                &after.layers.dotenv_cwd,
-            ),
-            (
-                Source::DotEnvHome,
-                &before.layers.dotenv_home,
-                &after.layers.dotenv_home,
-            ),
-        ];
-        for (file, was, is) in files {
+        for (file, was, is) in &files {
             if was.get(e.spec.env) != is.get(e.spec.env) {
                 found.push(format!(
                     "{} in {} ({} wins)",
@@ -365,7 +420,7 @@ impl Running {
             }
         };
         let changed = changed_names(&self.seen, &resolved, &self.settings, &next);
-        let shadowed = shadowed(&self.seen, &resolved);
+        let shadowed = shadowed(&self.seen, &resolved, &next);
         if !shadowed.is_empty() {
             tracing::warn!(
                 keys = %shadowed.join(","),
@@ -622,7 +677,9 @@ mod tests {
         ] {
             let b = settings(&[(Key::SandboxApiKey, "sk-two"), (key, value)]);
             match plan(&a, &b, &names(&["sandbox_api_key", name])) {
-                Plan::Refuse { moved } => assert!(moved.contains(&name), "{name}: {moved:?}"),
+                Plan::Refuse { moved } => {
+                    assert!(moved.iter().any(|m| m == name), "{name}: {moved:?}")
+                }
                 other => panic!("{name}: {other:?}"),
             }
         }
@@ -636,7 +693,7 @@ mod tests {
                 &names(&["provider", "sandbox_api_key"])
             ),
             Plan::Refuse {
-                moved: vec!["provider"]
+                moved: names(&["provider"])
             }
         );
     }

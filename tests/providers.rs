@@ -854,6 +854,7 @@ async fn an_upstream_that_is_the_proxy_itself_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
     const OS_KEY2: &str = "os-key-two-Xy3Za5Bc7De9Fg";
+    const OS_KEY3: &str = "os-key-three-Hj2Kl4Mn6Pq8";
     let pki = Pki::new();
     let alicloud = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ali") }).await;
     let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "os") }).await;
@@ -885,6 +886,47 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
         Some(vec![OS_KEY2.to_string()])
     );
 
+    // The built-in provider's own settings beside it carry no plugin key: they neither
+    // refuse the rotation nor wait for a restart (a restart would not apply them either).
+    let beside = "ALIBABA_CLOUD_REGION_ID=cn-shanghai\nABX_SANDBOX_BASE_URL=http://127.0.0.1:9\n";
+    let rotated = format!("{rotated}{beside}").replace(OS_KEY2, OS_KEY3);
+    let line = proxy.reload_env(&rotated, "reloaded").await;
+    assert_eq!(
+        field(&line, "changed").as_deref(),
+        Some("opensandbox.api_key")
+    );
+    assert_eq!(
+        key_sent(proxy.addr()).await,
+        Some(vec![OS_KEY3.to_string()])
+    );
+    let line = proxy
+        .reload_env(&rotated.replace("cn-shanghai", "cn-beijing"), "reload")
+        .await;
+    assert!(line.contains("nothing changed"), "{line}");
+
+    // An edited manifest that attaches the key otherwise is said at once, not found out
+    // at the next rotation.
+    let manifest = proxy
+        .abx_home()
+        .join("providers/opensandbox/abx-provider.toml");
+    let text = std::fs::read_to_string(&manifest).expect("manifest");
+    std::fs::write(
+        &manifest,
+        text.replace("OPEN-SANDBOX-API-KEY", "X-Other-Key"),
+    )
+    .expect("edit");
+    proxy.signal("HUP");
+    let line = proxy.wait_for_line("reload").await;
+    assert!(
+        line.contains("reload refused") && line.contains("auth"),
+        "{line}"
+    );
+    std::fs::write(&manifest, text).expect("restore");
+    let line = proxy
+        .reload_env(&rotated.replace(OS_KEY3, OS_KEY2), "reload")
+        .await;
+    assert!(line.contains("reloaded"), "{line}");
+
     // Back to the built-in provider (its key is in the environment): refused.
     let builtin = format!("OPEN_SANDBOX_API_KEY={OS_KEY2}\n");
     let line = proxy.reload_env(&builtin, "reload refused").await;
@@ -905,8 +947,86 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
         .filter(|l| l.contains("next restart"))
         .collect();
     assert!(restart.is_empty(), "{restart:?}");
-    for key in [OS_KEY, OS_KEY2, API_KEY] {
+    for key in [OS_KEY, OS_KEY2, OS_KEY3, API_KEY] {
         assert!(!stderr.contains(key), "a key value in the log");
+    }
+}
+
+/// A plugin's key rotated in a `.env` file while the environment still decides it is
+/// said, as the built-in key is: "nothing changed" alone hid that the file's key is not
+/// the one in use. By either of its variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_key_rotated_under_one_the_environment_decides_is_said() {
+    let pki = Pki::new();
+    let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "os") }).await;
+    let mut proxy = ProxyCmd::new(&opensandbox.url(), &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_PROVIDER", Some("opensandbox"))
+        .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        .env("ABX_OPENSANDBOX_API_KEY", Some(OS_KEY))
+        .abx_file(".env", "OPEN_SANDBOX_API_KEY=os-key-file-one-0123456\n")
+        .spawn()
+        .await;
+    for rotated in [
+        "OPEN_SANDBOX_API_KEY=os-key-file-two-0123456\n",
+        "ABX_OPENSANDBOX_API_KEY=os-key-file-two-0123456\n",
+    ] {
+        let line = proxy
+            .reload_env(rotated, "a .env file changed a credential")
+            .await;
+        assert!(
+            line.contains("opensandbox.api_key in ~/.abx/.env (env wins)"),
+            "{line}"
+        );
+    }
+    let (status, _) = send_with_client_credentials(proxy.addr(), "/sandboxes").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        opensandbox.seen().last().map(|s| s.all(OS_HEADER)),
+        Some(vec![OS_KEY.to_string()])
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("os-key-file"), "a key value in the log");
+}
+
+/// A flag only the built-in provider reads, given with a plugin selected, was ignored
+/// without a word: `--sandbox-base-url` did not move the plugin's key. Said, naming the
+/// flag (a wrapper may pass the same flags whatever the provider: not an error); the same
+/// setting from the environment is left unread and unsaid, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
+    let home = tempfile::tempdir().expect("home");
+    let out = abx(home.path(), &[], &["provider", "install", OPENSANDBOX]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let env = [
+        ("ABX_PROVIDER", "opensandbox"),
+        ("ABX_OPENSANDBOX_API_KEY", OS_KEY),
+        ("ALIBABA_CLOUD_REGION_ID", "cn-beijing"),
+    ];
+    let args = [
+        "check",
+        "--offline",
+        "--sandbox-base-url",
+        "http://127.0.0.1:9",
+        "--compat-v2-paths",
+        "pass",
+    ];
+    let out = abx(home.path(), &env, &args).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let said: Vec<String> = text(&out)
+        .lines()
+        .filter(|l| l.contains("is for the built-in provider"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(said.len(), 2, "{said:?}");
+    for (line, flag) in said.iter().zip(["--sandbox-base-url", "--compat-v2-paths"]) {
+        assert!(
+            line.starts_with(&format!(
+                "warning: {flag} is for the built-in provider, and provider opensandbox is \
+                 selected: it is not read"
+            )),
+            "{line}"
+        );
     }
 }
 

@@ -169,6 +169,35 @@ impl Key {
         self.spec().name
     }
 
+    /// Whether only the built-in provider reads this key: a plugin provider takes where its
+    /// key goes from its own fields, and exchanges nothing.
+    pub fn builtin_only(self) -> bool {
+        matches!(
+            self,
+            Key::AccessKeyId
+                | Key::AccessKeySecret
+                | Key::Region
+                | Key::SandboxBaseUrl
+                | Key::SandboxDomain
+                | Key::SandboxUrl
+                | Key::TokenExchangeUrl
+                | Key::TokenExchange
+                | Key::TokenTtl
+                | Key::TokenRefreshBefore
+                | Key::CompatV2Paths
+        )
+    }
+
+    /// The command-line flag that sets this key (a secret's is the file it is read from).
+    pub fn flag(self) -> String {
+        let name = self.name().replace('_', "-");
+        if self.spec().secret {
+            format!("--{name}-file")
+        } else {
+            format!("--{name}")
+        }
+    }
+
     pub fn by_name(name: &str) -> Option<Key> {
         KEYS.iter().find(|s| s.name == name).map(|s| s.key)
     }

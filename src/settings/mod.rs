@@ -543,8 +543,7 @@ impl Resolved {
         });
         let origin = match found {
             Some((Source::Flag, _)) => Some(match Key::by_name(&key) {
-                Some(k) if k.spec().secret => format!("--{}-file", key.replace('_', "-")),
-                Some(_) => format!("--{}", key.replace('_', "-")),
+                Some(k) => k.flag(),
                 None => "--provider-option".to_string(),
             }),
             Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), Some(env))) => {
@@ -703,6 +702,26 @@ impl Resolved {
         })
     }
 
+    /// Flags only the built-in provider reads, given with plugin provider `id` selected:
+    /// they were ignored without a word, and `--sandbox-base-url` did not move the plugin's
+    /// key, which went to its manifest's URL. Not an error: a wrapper may pass the same
+    /// flags whatever the provider. The same keys from a variable or a file, which other
+    /// tools and providers may share, are left unread and unsaid, as before.
+    fn builtin_flags_unread(&self, id: &str) -> impl Iterator<Item = String> + '_ {
+        let id = id.to_string();
+        KEYS.iter()
+            .map(|spec| spec.key)
+            .filter(|k| k.builtin_only() && self.entry(*k).source == Source::Flag)
+            .map(move |k| {
+                format!(
+                    "{} is for the built-in provider, and provider {id} is selected: it is not \
+                     read (`abx-proxy provider info {id}` lists what is; a field is given as \
+                     --provider-option FIELD=VALUE)",
+                    k.flag()
+                )
+            })
+    }
+
     /// Warnings from reading the layers plus those of the credential rule.
     pub fn all_warnings(&self) -> Vec<String> {
         let mut w = self.warnings.clone();
@@ -720,6 +739,7 @@ impl Resolved {
                     }
                 }
                 w.extend(p.warnings);
+                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => match self.credential() {
                 Ok((_, key_from, extra)) => {

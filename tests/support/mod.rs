@@ -1009,7 +1009,7 @@ impl ProxyCmd {
 }
 
 /// `name=value` from a log line (values end at whitespace).
-fn field(line: &str, name: &str) -> Option<String> {
+pub fn field(line: &str, name: &str) -> Option<String> {
     // `--log-format json`: one object per line, fields at the top level.
     if let Ok(serde_json::Value::Object(obj)) = serde_json::from_str(line.trim()) {
         return obj.get(name).and_then(|v| v.as_str()).map(str::to_string);
