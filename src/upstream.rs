@@ -246,8 +246,8 @@ pub fn connect_timed_out() -> BoxError {
 /// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
 /// TLS handshake. `HttpConnector`'s own timeout covers only the TCP connect, so an
 /// upstream that accepted and then never answered the ClientHello held a request until
-/// `--upstream-timeout`. Each connection holds a [`Slot`] until it closes; the wait for
-/// one counts in the same timeout.
+/// `--upstream-timeout`. Each connection holds a [`Slot`] (waited for up to the same
+/// timeout, before the connect) until it closes.
 #[derive(Clone)]
 pub struct TimedConnect<C> {
     inner: C,
@@ -274,10 +274,8 @@ where
         let timeout = self.timeout;
         let slots = self.slots.clone();
         Box::pin(async move {
-            // One bound for both, as in the pool's connect.
-            let by = tokio::time::Instant::now() + timeout;
             let slot = slots.take(timeout).await?;
-            match tokio::time::timeout_at(by, connect).await {
+            match tokio::time::timeout(timeout, connect).await {
                 Ok(conn) => Ok(Slotted {
                     io: conn.map_err(Into::into)?,
                     _slot: slot,
@@ -380,54 +378,6 @@ mod tests {
         assert_eq!(ping_interval(s(40)), s(20));
         assert_eq!(ping_interval(s(300)), MAX_PING_INTERVAL);
         assert_eq!(ping_interval(Duration::ZERO), Duration::from_millis(1));
-    }
-
-    /// A connector that never connects.
-    #[derive(Clone)]
-    struct Never;
-
-    impl Service<http::Uri> for Never {
-        type Response = ();
-        type Error = BoxError;
-        type Future = std::future::Pending<Result<(), BoxError>>;
-
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, _: http::Uri) -> Self::Future {
-            std::future::pending()
-        }
-    }
-
-    /// `--connect-timeout` bounds the wait for a slot and the connect together: a
-    /// connect that began after a wait has only what is left of it.
-    #[tokio::test(start_paused = true)]
-    async fn the_wait_for_a_slot_counts_in_the_connect_timeout() {
-        let slots = Slots::new(1);
-        let held = slots.take(Duration::ZERO).await.unwrap();
-        let mut connect = TimedConnect {
-            inner: Never,
-            timeout: Duration::from_secs(10),
-            slots: slots.clone(),
-        };
-        let started = tokio::time::Instant::now();
-        let call = tokio::spawn(connect.call(http::Uri::from_static("http://127.0.0.1:9/")));
-        while !slots.wanted() {
-            tokio::task::yield_now().await;
-        }
-        tokio::time::advance(Duration::from_secs(6)).await;
-        drop(held);
-        let Err(e) = call.await.unwrap() else {
-            panic!("connected through a connector that never connects");
-        };
-        assert_eq!(e.to_string(), "connect timed out");
-        assert_eq!(started.elapsed(), Duration::from_secs(10));
-        assert_eq!(
-            slots.in_use(),
-            0,
-            "the slot goes back with the failed connect"
-        );
     }
 
     #[tokio::test]

