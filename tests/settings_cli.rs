@@ -1204,8 +1204,14 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
     assert!(!out.stderr.contains("ABX_TARGETS"), "{}", out.stderr);
     assert!(!out.stderr.contains("sk-typo") && !out.stderr.contains("cn-shanghai"));
     assert!(!out.stderr.contains("/elsewhere"), "{}", out.stderr);
-    // Set where it is read: no word.
-    let out = Case::new().run(&["check", "--offline"]);
+    // Set where it is read, blank, or the environment's own value: no word.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let home = c.abx_dir().display().to_string();
+    c.cwd_dotenv(&format!("ABX_HOME={home}\n"));
+    c.home_dotenv("ABX_HOME=\n");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!out.stderr.contains("ABX_HOME"), "{}", out.stderr);
 }
 
@@ -1269,6 +1275,12 @@ fn a_dotenv_that_is_not_a_file_is_named() {
             out.stderr
         );
     }
+    // A link that leads to no file otherwise (a loop) is a dangling one too.
+    let c = Case::new();
+    std::os::unix::fs::symlink(".env", c.cwd.join(".env")).expect("link");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains("not a readable file"), "{}", out.stderr);
 }
 
 /// A `.env` that may be there but cannot be looked at stops the command, naming it, as an

@@ -53,9 +53,16 @@ pub fn read_dotenv(
         Ok(meta) => !meta.is_file(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
         // A file that may be there but cannot be looked at (a directory on its way that
-        // this user may not enter) fails as an unreadable file does, and as `config.toml`
-        // does; it was skipped as absent, and the key it held came from elsewhere or
-        // nowhere without a word.
+        // this user may not enter, a link into one) fails as an unreadable file does, and
+        // as `config.toml` does; it was skipped as absent, and the key it held came from
+        // elsewhere or nowhere without a word. A link that leads to no file otherwise (a
+        // loop) is a dangling one.
+        Err(e)
+            if e.kind() != std::io::ErrorKind::PermissionDenied
+                && path.symlink_metadata().is_ok_and(|m| m.is_symlink()) =>
+        {
+            true
+        }
         Err(e) => {
             return Err(Error::ReadFile {
                 path: shown,
@@ -91,7 +98,7 @@ pub fn read_dotenv(
         &|| Some(text.clone()),
         skipped,
     )?;
-    warnings.extend(substitution_warnings(&text, &shown));
+    warnings.extend(substitution_warnings(&text, &shown, &vars));
     Ok(vars)
 }
 
@@ -115,7 +122,7 @@ pub fn parse_dotenv_str(
     )?;
     if let Some(warnings) = shared {
         warnings.extend(skipped.iter().map(SkippedLine::warning));
-        warnings.extend(substitution_warnings(text, label));
+        warnings.extend(substitution_warnings(text, label, &vars));
     }
     Ok(vars)
 }
@@ -130,7 +137,9 @@ pub fn parse_dotenv_str(
 /// where docker compose says so (a key kept in a variable exported in another shell, or
 /// not passed to a service). A line that sets one of abx-proxy's variables with any of
 /// these gets a warning naming the file, the line and the variables, never the value.
-fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
+/// `parsed`: what dotenvy read from the file (a line it skipped, or one inside a quoted
+/// value, sets nothing).
+fn substitution_warnings(text: &str, shown: &str, parsed: &HashMap<String, String>) -> Vec<String> {
     let mut out = Vec::new();
     // dotenvy looks a `${NAME}` up in the environment, then among the lines above it.
     let mut above: Vec<&str> = Vec::new();
@@ -138,7 +147,9 @@ fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
         };
-        let defined = |var: &str| above.contains(&var) || std::env::var(var).is_ok();
+        let defined = |var: &str| {
+            (above.contains(&var) && parsed.contains_key(var)) || std::env::var(var).is_ok()
+        };
         let dollar = risky_dollar(value, &defined);
         above.push(name);
         // Only a name dotenvy takes, which also passes over comments (the text before a `=`
@@ -162,15 +173,31 @@ fn substitution_warnings(text: &str, shown: &str) -> Vec<String> {
                  around a value that holds a literal `$`"
                     .to_string()
             }
-            Some(Dollar::Unset(var)) => format!(
+            // Named only as a variable is conventionally named: what a template's braces
+            // hold may be the key pasted into them.
+            Some(Dollar::Unset(var)) if is_conventional_name(&var) => format!(
                 "${{{var}}} is set neither in the environment nor above it in this file, and \
                  expands to nothing"
             ),
+            Some(Dollar::Unset(_)) => "a `${…}` names a variable set neither in the \
+                                       environment nor above it in this file (or holds a \
+                                       value pasted between its braces), and expands to \
+                                       nothing"
+                .to_string(),
             None => continue,
         };
         out.push(format!("{shown}: line {} ({name}): {what}", i + 1));
     }
     out
+}
+
+/// `NAME`, `MY_KEY_2`: upper-case letters, digits and underscores, not too long to be one.
+fn is_conventional_name(name: &str) -> bool {
+    name.len() <= 64
+        && name.starts_with(|c: char| c.is_ascii_uppercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
 }
 
 enum Dollar {
@@ -635,13 +662,41 @@ mod tests {
         }
         // A line inside a multi-line quoted value may look like one of ours with anything
         // before its `=`: no warning repeats that.
-        assert!(substitution_warnings("ABX_PIECE sk-123=$x\n", "./.env").is_empty());
-        assert_eq!(substitution_warnings("ABX_PIECE=$x\n", "./.env").len(), 1);
+        let none = HashMap::new();
+        assert!(substitution_warnings("ABX_PIECE sk-123=$x\n", "./.env", &none).is_empty());
+        assert_eq!(
+            substitution_warnings("ABX_PIECE=$x\n", "./.env", &none).len(),
+            1
+        );
+        let warned = |text: &str| {
+            let mut warnings = Vec::new();
+            parse_dotenv_str(text, "./.env", Some(&mut warnings)).expect("parsed");
+            warnings
+        };
         // A `${NAME}` set above it, or in the environment, has a value.
         let set = "MY_KEY=sk-1\nABX_SANDBOX_API_KEY=${MY_KEY}\nABX_SANDBOX_URL=${PATH}\n";
-        assert!(substitution_warnings(set, "./.env").is_empty());
-        let below = "ABX_SANDBOX_API_KEY=${MY_KEY}\nMY_KEY=sk-1\n";
-        assert_eq!(substitution_warnings(below, "./.env").len(), 1);
+        assert!(warned(set).is_empty(), "{:?}", warned(set));
+        // Below it, on a line dotenvy skipped, or inside a quoted value, it is not.
+        for unset in [
+            "ABX_SANDBOX_API_KEY=${MY_KEY}\nMY_KEY=sk-1\n",
+            "MY_KEY=hello world\nABX_SANDBOX_API_KEY=${MY_KEY}\n",
+            "CERT=\"a\nMY_KEY=b\n\"\nABX_SANDBOX_API_KEY=${MY_KEY}\n",
+        ] {
+            let w = warned(unset);
+            assert!(
+                w.iter().any(|w| w.contains("${MY_KEY} is set neither")),
+                "{unset:?}: {w:?}"
+            );
+        }
+        // What a template's braces hold may be the key pasted into them: not printed.
+        let pasted = "ABX_SANDBOX_API_KEY=${e2b_53ae1fed82754c17ad8077fbc7ab1c3e}\n";
+        let w = warned(pasted);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("a `${…}` names a variable set neither"),
+            "{w:?}"
+        );
+        assert!(!w[0].contains("53ae1fed"), "{w:?}");
     }
 
     /// Lone carriage returns end lines; a file with none is read as it was.

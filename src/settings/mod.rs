@@ -796,9 +796,12 @@ impl Resolved {
             .iter()
             .flat_map(|(map, source)| {
                 let (read, spellings) = (&read, &spellings);
-                map.keys().filter_map(move |name| {
+                let env_home = self.layers.env.get("ABX_HOME");
+                map.iter().filter_map(move |(name, value)| {
                     let rest = name.strip_prefix("ABX_")?;
-                    if name == "ABX_HOME" && *source != Source::Env {
+                    // Blank, or what the environment says anyway: it changes nothing.
+                    let moves = !value.trim().is_empty() && Some(value) != env_home;
+                    if name == "ABX_HOME" && *source != Source::Env && moves {
                         // It says where `~/.abx/.env` is, so only the environment sets it.
                         return Some(format!(
                             "ABX_HOME ({}) is read from the environment only (it says where \
