@@ -16,6 +16,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
@@ -114,9 +115,9 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let mut refused = None;
     let filter = level
         .filter(|l| !l.trim().is_empty())
-        .and_then(|l| EnvFilter::try_new(l).ok())
+        .and_then(|l| EnvFilter::try_new(quiet_rustls(l)).ok())
         .or_else(|| rust_log(&mut refused))
-        .unwrap_or_else(|| EnvFilter::new(default));
+        .unwrap_or_else(|| EnvFilter::new(quiet_rustls(default)));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
     // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
@@ -149,6 +150,21 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         warning(&format!(
             "RUST_LOG is not a filter ({why}); logging at {default:?}"
         ));
+    }
+}
+
+/// `level` with rustls held to errors when it is `info` or `warn`: rustls warns of what a
+/// client's handshake held (a malformed SNI name, an address given as one), a line per
+/// handshake that any client reaching the listener could repeat without end, and that
+/// pushed the proxy's own lines out of a log reader that cannot keep up (nginx logs
+/// handshake trouble at `info`). A `debug` or `trace` level, and `RUST_LOG`, keep them.
+fn quiet_rustls(level: &str) -> String {
+    let plain = level.trim().parse::<LevelFilter>();
+    match plain {
+        Ok(l) if l == LevelFilter::INFO || l == LevelFilter::WARN => {
+            format!("{},rustls=error", level.trim())
+        }
+        _ => level.to_string(),
     }
 }
 

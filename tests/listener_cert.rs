@@ -199,3 +199,58 @@ async fn a_pair_that_does_not_fit_keeps_the_certificate_in_use_until_a_valid_one
     let stderr = proxy.finish().await;
     assert_no_key_bytes(&stderr, &[&r.old_key, &r.new_key]);
 }
+
+/// A TLS ClientHello naming `sni` (and little else: the handshake fails after it is read).
+fn client_hello(sni: &str) -> Vec<u8> {
+    let name = sni.as_bytes();
+    let len16 = |n: usize| u16::try_from(n).expect("short").to_be_bytes();
+    let mut names = len16(3 + name.len()).to_vec();
+    names.push(0); // host_name
+    names.extend_from_slice(&len16(name.len()));
+    names.extend_from_slice(name);
+    let mut extensions = vec![0, 0]; // server_name
+    extensions.extend_from_slice(&len16(names.len()));
+    extensions.extend_from_slice(&names);
+    let mut hello = vec![3, 3];
+    hello.extend_from_slice(&[7; 32]);
+    hello.extend_from_slice(&[0, 0, 2, 0x13, 0x01, 1, 0]);
+    hello.extend_from_slice(&len16(extensions.len()));
+    hello.extend_from_slice(&extensions);
+    let mut handshake = vec![1];
+    handshake.extend_from_slice(&u32::try_from(hello.len()).expect("short").to_be_bytes()[1..]);
+    handshake.extend_from_slice(&hello);
+    let mut record = vec![0x16, 3, 1];
+    record.extend_from_slice(&len16(handshake.len()));
+    record.extend_from_slice(&handshake);
+    record
+}
+
+/// rustls warns of a malformed SNI name in a ClientHello: a line per handshake that any
+/// client reaching the listener could repeat without end, in the log of a proxy at its
+/// default level. Held to errors there; the proxy serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_malformed_sni_does_not_write_to_the_log() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .log_level("info")
+        .spawn()
+        .await;
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(proxy.addr()).await.expect("connect");
+        s.write_all(&client_hello("x-.example"))
+            .await
+            .expect("hello");
+        // The alert, then the end: the hello was read and refused.
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(GUARD, s.read_to_end(&mut answer)).await;
+        assert_eq!(answer.first(), Some(&0x15), "{answer:?}");
+    }
+    let mut served = handshake(served_by(&pki, proxy.addr()).await).await;
+    assert_eq!(status_on(&mut served, proxy.addr()).await, StatusCode::OK);
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("SNI"), "{stderr}");
+    assert!(!stderr.contains("rustls"), "{stderr}");
+}
