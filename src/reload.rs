@@ -429,7 +429,8 @@ impl Running {
             );
         }
         if changed.is_empty() {
-            tracing::info!("reload: nothing changed");
+            // "Settings": a certificate this reload swapped is said on its own line before.
+            tracing::info!("reload: no setting changed");
             return true;
         }
         let restart = match plan(&self.settings, &next, &changed) {

@@ -644,7 +644,7 @@ async fn a_rotated_key_file_that_failed_to_reload_is_tried_again() {
 
 /// A key rotated in `~/.abx/.env` while the process environment sets one (systemd's
 /// `Environment=`): the environment still wins, as SPEC §2 says, and the reload says so
-/// instead of a bare "nothing changed".
+/// instead of a bare "no setting changed".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
     const ENV_KEY: &str = "sk-from-the-environment-GGGG7777";

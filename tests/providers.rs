@@ -902,7 +902,7 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
     let line = proxy
         .reload_env(&rotated.replace("cn-shanghai", "cn-beijing"), "reload")
         .await;
-    assert!(line.contains("nothing changed"), "{line}");
+    assert!(line.contains("no setting changed"), "{line}");
 
     // An edited manifest that attaches the key otherwise is said at once, not found out
     // at the next rotation.
@@ -953,7 +953,7 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
 }
 
 /// A plugin's key rotated in a `.env` file while the environment still decides it is
-/// said, as the built-in key is: "nothing changed" alone hid that the file's key is not
+/// said, as the built-in key is: "no setting changed" alone hid that the file's key is not
 /// the one in use. By either of its variables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_key_rotated_under_one_the_environment_decides_is_said() {
