@@ -149,13 +149,30 @@ fn parse_pair(
     if chain.is_empty() {
         return Err(read_err(cert, "no PEM certificate in the file"));
     }
-    // The key's own parse errors could quote key material; keep the reasons generic.
-    let key_der = PrivateKeyDer::from_pem_slice(key_pem)
-        .map_err(|_| read_err(key, "no readable PEM private key"))?;
+    // The key's own parse errors could quote key material; keep the reasons generic, but
+    // name what the user can act on: a passphrase on the key is read by no server here.
+    let key_der = PrivateKeyDer::from_pem_slice(key_pem).map_err(|_| {
+        let encrypted = key_pem.windows(9).any(|w| w == b"ENCRYPTED");
+        read_err(
+            key,
+            if encrypted {
+                "the private key is encrypted: give it without its passphrase (`openssl pkey \
+                 -in KEY -out KEY.plain`), readable by this user only"
+            } else {
+                "no readable PEM private key"
+            },
+        )
+    })?;
     let signer = rustls::crypto::ring::default_provider()
         .key_provider
         .load_private_key(key_der)
-        .map_err(|_| read_err(key, "not a usable RSA, ECDSA or Ed25519 private key"))?;
+        .map_err(|_| {
+            read_err(
+                key,
+                "not a usable private key: RSA of 2048 bits or more, ECDSA on P-256 or P-384, \
+                 or Ed25519",
+            )
+        })?;
     let pair = CertifiedKey::new(chain, signer);
     match pair.keys_match() {
         // As rustls' own `with_single_cert`: a key that cannot tell its public half is
@@ -203,6 +220,11 @@ mod tests {
         let (_, key_b) = pair("b.localhost");
         assert!(load(&cert_a, &key_a).is_ok());
         let half_key = &key_a[..key_a.len() / 2];
+        // A passphrase-protected key (as `openssl genpkey -aes256` writes one).
+        let encrypted = key_a.replace("PRIVATE KEY", "ENCRYPTED PRIVATE KEY");
+        // A PEM key whose contents no signer takes (a P-521 or RSA-1024 key, say).
+        let unusable =
+            "-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5IGF0IGFsbA==\n-----END PRIVATE KEY-----\n";
         for (cert, key, file, reason) in [
             (
                 &cert_a[..],
@@ -218,6 +240,18 @@ mod tests {
                 "no readable PEM private key",
             ),
             (&cert_a[..], "", "tls.key", "no readable PEM private key"),
+            (
+                &cert_a[..],
+                &encrypted[..],
+                "tls.key",
+                "the private key is encrypted: give it without its passphrase",
+            ),
+            (
+                &cert_a[..],
+                unusable,
+                "tls.key",
+                "not a usable private key: RSA of 2048 bits or more, ECDSA on P-256 or P-384",
+            ),
             // Caught half-written (a rotation): said in words, not as byte values.
             (
                 &cert_a[..cert_a.len() / 2],
