@@ -48,6 +48,10 @@ pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
 /// password is no less a password. The authority ends where the settings' URL parser ends
 /// it, at the first `/`, `?` or `#`.
 fn url_masked(value: &str) -> String {
+    // A socket path (`unix:/run/user@1000.service/p.sock`) has no user info to mask.
+    if value.starts_with("unix:") {
+        return value.to_string();
+    }
     let (scheme, rest) = match value.split_once("://") {
         Some((scheme, rest)) => (Some(scheme), rest),
         None => (None, value),
@@ -131,6 +135,8 @@ mod tests {
             ),
             ("127.0.0.1:49982", "127.0.0.1:49982"),
             ("unix:/run/abx/proxy.sock", "unix:/run/abx/proxy.sock"),
+            // A path, not a URL: an `@` in it is no user info.
+            ("unix:run@1/p.sock", "unix:run@1/p.sock"),
             ("cn-hangzhou", "cn-hangzhou"),
             ("single # quoted", "single # quoted"),
             ("a?b=c", "a?b=c"),

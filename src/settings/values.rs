@@ -124,6 +124,18 @@ impl ListenAddr {
             if path.contains('\0') {
                 return Err(invalid(key, "a socket path cannot hold a NUL byte"));
             }
+            // Linux's abstract namespace, as systemd, socat and Go spell it; bound as a file
+            // named `@…` in the working directory, which no such client reaches. Refused
+            // rather than supported: an abstract socket has no file mode, so anyone on the
+            // host could connect and spend the key.
+            if path.starts_with('@') {
+                return Err(invalid(
+                    key,
+                    "unix:@NAME is an abstract socket, which has no file permissions (anyone \
+                     on the host could connect): give a path, such as \
+                     unix:/run/abx-proxy/abx-proxy.sock (unix:./@NAME for a file so named)",
+                ));
+            }
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
         }
         if let Some(port) = raw.strip_prefix("localhost:") {
@@ -412,7 +424,13 @@ mod tests {
             ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8080)))
         );
         // What `serve` could never bind, refused where `check` sees it too.
-        for bad in ["unix:/tmp/a\0b", "localhost:+80", "localhost:", "unix:"] {
+        for bad in [
+            "unix:/tmp/a\0b",
+            "localhost:+80",
+            "localhost:",
+            "unix:",
+            "unix:@abstract",
+        ] {
             assert!(ListenAddr::parse(Key::Listen, bad).is_err(), "{bad:?}");
         }
     }
