@@ -228,7 +228,10 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     let exposure = &args.exposure;
     crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;
     if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
-        crate::proxy::certs::ListenerCert::load(cert, key)?;
+        let pair = crate::proxy::certs::ListenerCert::load(cert, key)?;
+        if let Some(w) = pair.validity_warning(std::time::SystemTime::now()) {
+            crate::logging::warning(&w);
+        }
     }
     let (kind, source) = credential_in_use(&resolved)?;
     outln!("credential: {kind} ({})", source.label());

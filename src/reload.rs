@@ -397,6 +397,9 @@ impl Running {
                     key = %key.display(),
                     "listener certificate reloaded; new connections get it"
                 );
+                if let Some(w) = tls.validity_warning(std::time::SystemTime::now()) {
+                    tracing::warn!("{w}");
+                }
                 true
             }
             Err(e) => {

@@ -43,7 +43,13 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let mut options = options(args);
     options.upstream_slots = descriptors::raise_open_file_limit(options.max_connections);
     let tls = match (&options.tls_cert, &options.tls_key) {
-        (Some(cert), Some(key)) => Some(ListenerCert::load(cert, key)?),
+        (Some(cert), Some(key)) => {
+            let pair = ListenerCert::load(cert, key)?;
+            if let Some(w) = pair.validity_warning(std::time::SystemTime::now()) {
+                tracing::warn!("{w}");
+            }
+            Some(pair)
+        }
         _ => None,
     };
     // The main thread's runtime: signals, admin, refresher, drain. Connections are served by

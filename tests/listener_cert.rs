@@ -254,3 +254,42 @@ async fn a_clients_malformed_sni_does_not_write_to_the_log() {
     assert!(!stderr.contains("SNI"), "{stderr}");
     assert!(!stderr.contains("rustls"), "{stderr}");
 }
+
+/// A listener certificate that expired loads (as nginx serves one), but `check` and the
+/// start say so with the date: every client that checks it refuses the handshake, and the
+/// proxy sees no request to log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_listener_certificate_is_said_at_check_and_start() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".into()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let cert = params.self_signed(&key).expect("certificate");
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert_path, cert.pem()).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    let said = "the listener certificate (";
+    let when = "expired at 2021-01-01T00:00:00Z";
+
+    let mut check = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+    check
+        .env_clear()
+        .env("ABX_HOME", dir.path().join("home"))
+        .env("ABX_SANDBOX_API_KEY", "sk-check-0123456789abcdef")
+        .current_dir(dir.path())
+        .args(["check", "--offline", "--tls-cert"])
+        .arg(&cert_path)
+        .arg("--tls-key")
+        .arg(&key_path);
+    let out = output_within(check, "check").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains(said) && stderr.contains(when), "{stderr}");
+
+    let proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains(said) && stderr.contains(when), "{stderr}");
+}

@@ -10,6 +10,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -65,6 +66,32 @@ impl ListenerCert {
         })
     }
 
+    /// What a client would refuse of the leaf certificate in use now, if anything: that
+    /// it expired, or is not valid yet. A warning, not an error, as nginx serves such a
+    /// certificate too (a client may not check, or check another clock); but every
+    /// client that checks fails its handshake, and the proxy sees no request to log.
+    pub fn validity_warning(&self, now: SystemTime) -> Option<String> {
+        let pair = self.current.0.load();
+        let leaf = pair.cert.first()?;
+        let (not_before, not_after) = validity(leaf.as_ref())?;
+        let file = self.cert.display();
+        if now > not_after {
+            Some(format!(
+                "the listener certificate ({file}) expired at {}: clients that check it refuse \
+                 the handshake; renew it (a SIGHUP, or its files' change, applies the new one)",
+                crate::credentials::exchange::iso8601(not_after)
+            ))
+        } else if now < not_before {
+            Some(format!(
+                "the listener certificate ({file}) is not valid before {}: clients that check \
+                 it refuse the handshake until then (or this machine's clock is behind)",
+                crate::credentials::exchange::iso8601(not_before)
+            ))
+        } else {
+            None
+        }
+    }
+
     /// The listener's TLS; its handshakes follow every later [`ListenerCert::reload`].
     pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.config.clone())
@@ -104,6 +131,69 @@ impl fmt::Debug for Current {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Current(listener certificate)")
     }
+}
+
+/// A certificate's `notBefore` and `notAfter` (RFC 5280 §4.1.2.5), read from its DER by
+/// hand: nothing in the TLS stack exposes them, and a certificate parser would be a
+/// dependency for two dates. `None` when the DER is not laid out as a certificate is.
+fn validity(der: &[u8]) -> Option<(SystemTime, SystemTime)> {
+    let (_, certificate, _) = der_item(der)?;
+    let (_, mut tbs, _) = der_item(certificate)?;
+    // version [0] EXPLICIT (absent in v1), serialNumber, signature, issuer, then validity.
+    let (tag, _, rest) = der_item(tbs)?;
+    let skip = if tag == 0xa0 { 3 } else { 2 };
+    tbs = rest;
+    for _ in 0..skip {
+        tbs = der_item(tbs)?.2;
+    }
+    let (tag, validity, _) = der_item(tbs)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (t1, before, rest) = der_item(validity)?;
+    let (t2, after, _) = der_item(rest)?;
+    Some((der_time(t1, before)?, der_time(t2, after)?))
+}
+
+/// One DER item: its tag, its contents and what follows it.
+fn der_item(bytes: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = bytes.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |len, b| (len << 8) | usize::from(*b));
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// UTCTime (`YYMMDDHHMMSSZ`, years 1950-2049) or GeneralizedTime (`YYYYMMDDHHMMSSZ`).
+fn der_time(tag: u8, text: &[u8]) -> Option<SystemTime> {
+    let text = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
+    let (year, rest) = match (tag, text.len()) {
+        (0x17, 12) => {
+            let yy: i32 = text[..2].parse().ok()?;
+            (if yy < 50 { 2000 + yy } else { 1900 + yy }, &text[2..])
+        }
+        (0x18, 14) => (text[..4].parse().ok()?, &text[4..]),
+        _ => return None,
+    };
+    let field = |i: usize| rest.get(i..i + 2)?.parse::<u8>().ok();
+    let month = time::Month::try_from(field(0)?).ok()?;
+    let date = time::Date::from_calendar_date(year, month, field(2)?).ok()?;
+    let at = date
+        .with_hms(field(4)?, field(6)?, field(8)?)
+        .ok()?
+        .assume_utc();
+    let secs = u64::try_from(at.unix_timestamp()).ok()?;
+    Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
 }
 
 fn read_err(path: &Path, reason: impl Into<String>) -> Error {
@@ -210,6 +300,55 @@ mod tests {
         std::fs::write(&cert_path, cert).expect("cert");
         std::fs::write(&key_path, key).expect("key");
         ListenerCert::load(&cert_path, &key_path).map_err(|e| e.line())
+    }
+
+    /// A pair valid for `not_before..not_after`.
+    fn dated(not_before: (i32, u8, u8), not_after: (i32, u8, u8)) -> (String, String) {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(vec!["a.localhost".into()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(not_before.0, not_before.1, not_before.2);
+        params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
+        let cert = params.self_signed(&key).expect("certificate");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// A leaf outside its validity is said (a warning: it still loads), with the date;
+    /// both DER time forms are read (UTCTime to 2049, GeneralizedTime from 2050).
+    #[test]
+    fn a_certificate_outside_its_validity_is_said() {
+        let at = |y: i32, m: u8, d: u8| {
+            let date = time::Date::from_calendar_date(y, time::Month::try_from(m).unwrap(), d);
+            let secs = date.unwrap().midnight().assume_utc().unix_timestamp();
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs as u64)
+        };
+        let now = at(2026, 12, 5);
+        for (valid, said) in [
+            (((2020, 1, 1), (2030, 1, 1)), None),
+            (
+                ((2020, 1, 1), (2026, 12, 4)),
+                Some("expired at 2026-12-04T00:00:00Z"),
+            ),
+            (
+                ((2055, 6, 1), (2060, 1, 1)),
+                Some("is not valid before 2055-06-01T00:00:00Z"),
+            ),
+            (((2026, 1, 1), (2051, 1, 1)), None),
+        ] {
+            let (cert, key) = dated(valid.0, valid.1);
+            let pair = load(&cert, &key).expect("loads all the same");
+            let warning = pair.validity_warning(now);
+            match said {
+                None => assert_eq!(warning, None, "{valid:?}"),
+                Some(said) => {
+                    let warning = warning.expect("a warning");
+                    assert!(
+                        warning.contains(said) && warning.contains("tls.crt"),
+                        "{warning}"
+                    );
+                }
+            }
+        }
+        assert_eq!(validity(b"\x30\x03\x02\x01\x01"), None);
     }
 
     /// Each part of a pair that cannot serve is refused with the file it is in, in words
