@@ -26,6 +26,8 @@ pub struct Metrics {
     pub upstream_connections: IntGauge,
     /// Set from [`crate::log_writer::dropped`] at each scrape.
     pub log_lines_dropped: IntCounter,
+    /// Handshakes a client began on the `--tls-cert` listener that failed.
+    pub tls_handshake_failures: IntCounter,
     /// The per-request series, resolved once (see [`Hot`]).
     hot: Hot,
 }
@@ -151,6 +153,10 @@ impl Metrics {
             "abx_proxy_log_lines_dropped_total",
             "Log lines dropped because stderr was not read fast enough.",
         )?;
+        let tls_handshake_failures = IntCounter::new(
+            "abx_proxy_tls_handshake_failures_total",
+            "TLS handshakes with clients that failed on the --tls-cert listener.",
+        )?;
         let build_info = IntGaugeVec::new(
             Opts::new("abx_proxy_build_info", "Build information."),
             &["version"],
@@ -180,6 +186,7 @@ impl Metrics {
         registry.register(Box::new(envd_tokens.clone()))?;
         registry.register(Box::new(upstream_connections.clone()))?;
         registry.register(Box::new(log_lines_dropped.clone()))?;
+        registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
@@ -204,6 +211,7 @@ impl Metrics {
             envd_tokens,
             upstream_connections,
             log_lines_dropped,
+            tls_handshake_failures,
             hot,
         })
     }

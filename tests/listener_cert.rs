@@ -227,7 +227,7 @@ fn client_hello(sni: &str) -> Vec<u8> {
 
 /// rustls warns of a malformed SNI name in a ClientHello: a line per handshake that any
 /// client reaching the listener could repeat without end, in the log of a proxy at its
-/// default level. Held to errors there; the proxy serves on.
+/// default level. Held to errors there, the failures counted; the proxy serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_malformed_sni_does_not_write_to_the_log() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -250,6 +250,11 @@ async fn a_clients_malformed_sni_does_not_write_to_the_log() {
     }
     let mut served = handshake(served_by(&pki, proxy.addr()).await).await;
     assert_eq!(status_on(&mut served, proxy.addr()).await, StatusCode::OK);
+    // Counted instead, for the operator: a count that climbs after a renewal says that
+    // clients refuse the certificate.
+    let scraped = scrape(proxy.admin_addr()).await;
+    let failed = metric(&scraped, "abx_proxy_tls_handshake_failures_total");
+    assert_eq!(failed, Some(3.0), "{scraped}");
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("SNI"), "{stderr}");
     assert!(!stderr.contains("rustls"), "{stderr}");

@@ -149,6 +149,7 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         "abx_proxy_open_connections",
         "abx_proxy_envd_tokens",
         "abx_proxy_upstream_connections",
+        "abx_proxy_tls_handshake_failures_total",
         "abx_proxy_token_expiry_timestamp_seconds",
         "process_resident_memory_bytes",
         "process_open_fds",

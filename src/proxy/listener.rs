@@ -507,7 +507,7 @@ async fn connection(
             let stop = &mut stop;
             let handshake = Box::pin(async move {
                 tokio::select! {
-                    io = tls_or_plain(acceptor, sock) => io,
+                    io = tls_or_plain(acceptor, sock, &proxy.metrics) => io,
                     _ = stop.wait_for(|s| *s) => None,
                 }
             });
@@ -532,17 +532,29 @@ async fn connection(
 /// nginx answers "The plain HTTP request was sent to HTTPS port"): rustls would answer an
 /// alert, which curl shows as an empty reply or HTTP/0.9 and the SDKs as a bare connection
 /// error. Any other byte goes to rustls, which refuses it.
+///
+/// A handshake that fails is counted (`abx_proxy_tls_handshake_failures_total`) and said
+/// at `debug` only: any client can fail one at will, and every failure a line at `info`
+/// would be theirs to write; a count that climbs after a certificate's renewal is the
+/// operator's sign that clients refuse it.
 async fn tls_or_plain(
     acceptor: &TlsAcceptor,
     sock: Sock,
+    metrics: &crate::metrics::Metrics,
 ) -> Option<(Box<dyn Io>, Option<PlainOnTls>)> {
     let first = h1::first_byte(&sock).await?;
     let sock = h1::Rewind::new(sock, Bytes::copy_from_slice(&[first]));
     if first.is_ascii_uppercase() {
         return Some((Box::new(sock), Some(PlainOnTls)));
     }
-    let tls = acceptor.accept(sock).await.ok()?;
-    Some((Box::new(tls), None))
+    match acceptor.accept(sock).await {
+        Ok(tls) => Some((Box::new(tls), None)),
+        Err(e) => {
+            metrics.tls_handshake_failures.inc();
+            tracing::debug!(error = %e, "a client's TLS handshake failed");
+            None
+        }
+    }
 }
 
 /// hyper serves the rest of the connection. Boxed by the caller: its state is kilobytes,
