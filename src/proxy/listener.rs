@@ -672,8 +672,8 @@ async fn with_hyper(
     if !begun.load(Ordering::Relaxed) && !activity.is_http2() {
         return;
     }
-    // Draining, or an idle HTTP/2 connection: finish what is in flight (GOAWAY), take no
-    // new request.
+    // Draining, or an idle HTTP/2 connection, or an idle HTTP/1 one over TLS (see
+    // [`watchdog`]): finish what is in flight (GOAWAY), take no new request.
     let heard = activity.reads();
     conn.as_mut().graceful_shutdown();
     if !activity.is_http2() {
@@ -1107,7 +1107,15 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         })
         .await;
     }
-    if activity.is_http2() {
+    // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that has served a
+    // request is closed as hyper closes one, with TLS's close_notify first (as nginx's
+    // `keepalive_timeout` does): a bare end reads as a truncation to a client that checks.
+    // Either is cut after [`GOAWAY_WAIT`]. A head never finished (`--header-timeout`) just
+    // ends, as nginx's `client_header_timeout` does.
+    let idle_tls = config.tls.is_some()
+        && told.headed.load(Ordering::Relaxed)
+        && activity.head_began().is_none();
+    if activity.is_http2() || idle_tls {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
     }
