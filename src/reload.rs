@@ -189,7 +189,10 @@ fn shadowed(before: &Resolved, after: &Resolved, next: &Settings) -> Vec<String>
         Some((field, names))
     });
     if let Some((field, names)) = plugin_key {
-        if matches!(field.source, Source::Env | Source::Flag) {
+        // Decided by one of its own variables: one inherited (`ABX_SANDBOX_API_KEY`) gives
+        // way to the plugin's own in a file, which the reload then applies.
+        let own = names.contains(&field.env);
+        if own && matches!(field.source, Source::Env | Source::Flag) {
             for (file, was, is) in &files {
                 if names.iter().any(|n| was.get(n) != is.get(n)) {
                     found.push(format!(

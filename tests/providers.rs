@@ -989,6 +989,41 @@ async fn a_plugin_key_rotated_under_one_the_environment_decides_is_said() {
     assert!(!stderr.contains("os-key-file"), "a key value in the log");
 }
 
+/// A plugin that inherits the built-in key from the environment, and whose own key in a
+/// `.env` file is removed: the reload applies the inherited key, and says nothing of a
+/// file's key that a higher level decides (the file's own key had been the one in use).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_own_key_removed_from_a_file_gives_way_to_the_inherited_one() {
+    const OWN: &str = "borrower-own-key-Lm4Np6Qr8St";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let (_dir, manifest) = manifest_file(INHERITING);
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .setup(&["provider", "install", &manifest, "--consent"])
+        .env("ABX_PROVIDER", Some("borrower"))
+        .env("ABX_BORROWER_BASE_URL", Some(&upstream.url()))
+        .abx_file(".env", &format!("ABX_BORROWER_API_KEY={OWN}\n"))
+        .spawn()
+        .await;
+    let key_sent = |addr| {
+        let upstream = &upstream;
+        async move {
+            let (status, body) = send_with_client_credentials(addr, "/x").await;
+            assert_eq!(status, 200, "{body}");
+            upstream.seen().last().map(|s| s.all("x-borrower-key"))
+        }
+    };
+    assert_eq!(key_sent(proxy.addr()).await, Some(vec![OWN.to_string()]));
+    let line = proxy.reload_env("", "reloaded").await;
+    assert!(line.contains("borrower.api_key"), "{line}");
+    assert_eq!(
+        key_sent(proxy.addr()).await,
+        Some(vec![API_KEY.to_string()])
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("higher level"), "{stderr}");
+}
+
 /// A flag only the built-in provider reads, given with a plugin selected, was ignored
 /// without a word: `--sandbox-base-url` did not move the plugin's key. Said, naming the
 /// flag (a wrapper may pass the same flags whatever the provider: not an error); the same
@@ -1003,6 +1038,15 @@ async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
         ("ABX_OPENSANDBOX_API_KEY", OS_KEY),
         ("ALIBABA_CLOUD_REGION_ID", "cn-beijing"),
     ];
+    // Not read, so not judged either: a value meant for the built-in provider (or none
+    // it would take) stops no plugin.
+    let env = [
+        env[0],
+        env[1],
+        ("ALIBABA_CLOUD_REGION_ID", "not a region"),
+        ("ABX_TOKEN_EXCHANGE", "none-such"),
+        ("ALICLOUD_ACCESS_KEY_ID", "LTAI-unused"),
+    ];
     let args = [
         "check",
         "--offline",
@@ -1010,6 +1054,8 @@ async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
         "http://127.0.0.1:9",
         "--compat-v2-paths",
         "pass",
+        "--token-refresh-before",
+        "1",
     ];
     let out = abx(home.path(), &env, &args).await;
     assert!(out.status.success(), "{}", text(&out));
@@ -1018,8 +1064,13 @@ async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
         .filter(|l| l.contains("is for the built-in provider"))
         .map(str::to_string)
         .collect();
-    assert_eq!(said.len(), 2, "{said:?}");
-    for (line, flag) in said.iter().zip(["--sandbox-base-url", "--compat-v2-paths"]) {
+    assert_eq!(said.len(), 3, "{said:?}");
+    let flags = [
+        "--sandbox-base-url",
+        "--token-refresh-before",
+        "--compat-v2-paths",
+    ];
+    for (line, flag) in said.iter().zip(flags) {
         assert!(
             line.starts_with(&format!(
                 "warning: {flag} is for the built-in provider, and provider opensandbox is \

@@ -192,8 +192,13 @@ fn der_time(tag: u8, text: &[u8]) -> Option<SystemTime> {
         .with_hms(field(4)?, field(6)?, field(8)?)
         .ok()?
         .assume_utc();
-    let secs = u64::try_from(at.unix_timestamp()).ok()?;
-    Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+    let secs = at.unix_timestamp();
+    let since = std::time::Duration::from_secs(secs.unsigned_abs());
+    if secs < 0 {
+        std::time::UNIX_EPOCH.checked_sub(since)
+    } else {
+        std::time::UNIX_EPOCH.checked_add(since)
+    }
 }
 
 fn read_err(path: &Path, reason: impl Into<String>) -> Error {
@@ -333,6 +338,10 @@ mod tests {
                 Some("is not valid before 2055-06-01T00:00:00Z"),
             ),
             (((2026, 1, 1), (2051, 1, 1)), None),
+            (
+                ((1960, 1, 1), (2000, 1, 1)),
+                Some("expired at 2000-01-01T00:00:00Z"),
+            ),
         ] {
             let (cert, key) = dated(valid.0, valid.1);
             let pair = load(&cert, &key).expect("loads all the same");

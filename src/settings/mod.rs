@@ -567,10 +567,24 @@ impl Resolved {
     }
 
     fn validate_values(&self) -> Result<Settings, Error> {
-        let get = |k: Key| self.plain(k).unwrap_or_default();
+        let plugin = self.plugin()?;
+        // A plugin provider reads none of the built-in provider's own keys (see
+        // [`Key::builtin_only`]): their defaults stand in for them, so that a value meant
+        // for the built-in provider (a region exported for another tool) cannot stop a
+        // plugin's start or its key's reload.
+        let unread: Vec<(Key, String)> = match &plugin {
+            None => Vec::new(),
+            Some(_) => (KEYS.iter().map(|spec| spec.key))
+                .filter(|k| k.builtin_only())
+                .filter_map(|k| Some((k, k.default_value(keys::DEFAULT_REGION)?)))
+                .collect(),
+        };
+        let get = |k: Key| match unread.iter().find(|(u, _)| *u == k) {
+            Some((_, default)) => default.as_str(),
+            None => self.plain(k).unwrap_or_default(),
+        };
         let region = get(Key::Region).to_string();
         values::check_region(&region)?;
-        let plugin = self.plugin()?;
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
         // A key stops being sent 5 s before it expires, and its refresh needs time before
         // that: shorter values made every key unusable or left a gap at each refresh. The
