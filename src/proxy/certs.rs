@@ -282,8 +282,25 @@ fn parse_pair(
                 cert.display()
             ),
         )),
-        Err(e) => Err(read_err(cert, e.to_string())),
+        Err(e) => Err(read_err(cert, unservable(&e))),
     }
+}
+
+/// Why the leaf certificate cannot serve, in words: rustls says "invalid peer certificate"
+/// of the proxy's own, and an X.509 v1 certificate (`openssl x509 -req` without
+/// extensions writes one) came out as `Other(OtherError(UnsupportedCertVersion))`.
+fn unservable(e: &rustls::Error) -> String {
+    let said = e.to_string();
+    if said.contains("UnsupportedCertVersion") {
+        return "the certificate is X.509 v1 (or another version before v3), which the TLS \
+                library does not serve: issue it as v3 (openssl adds v3 extensions with \
+                -extfile, or -addext for a self-signed one)"
+            .into();
+    }
+    said.replace(
+        "invalid peer certificate",
+        "the certificate cannot be served",
+    )
 }
 
 #[cfg(test)]
@@ -358,6 +375,61 @@ mod tests {
             }
         }
         assert_eq!(validity(b"\x30\x03\x02\x01\x01"), None);
+    }
+
+    /// `der` with its TBS's items for which `keep` is false left out, lengths re-encoded
+    /// (a made-up certificate for the parser only: its signature no longer holds).
+    fn without(der: &[u8], keep: impl Fn(u8) -> bool) -> Vec<u8> {
+        fn encode(tag: u8, body: &[u8]) -> Vec<u8> {
+            let mut out = vec![tag];
+            let len = body.len();
+            if len < 0x80 {
+                out.push(len as u8);
+            } else {
+                let bytes: Vec<u8> = len
+                    .to_be_bytes()
+                    .into_iter()
+                    .skip_while(|b| *b == 0)
+                    .collect();
+                out.push(0x80 | bytes.len() as u8);
+                out.extend(bytes);
+            }
+            out.extend_from_slice(body);
+            out
+        }
+        let (_, certificate, _) = der_item(der).unwrap();
+        let (_, mut tbs, rest) = der_item(certificate).unwrap();
+        let mut kept = Vec::new();
+        while !tbs.is_empty() {
+            let (tag, body, next) = der_item(tbs).unwrap();
+            if keep(tag) {
+                kept.extend(encode(tag, body));
+            }
+            tbs = next;
+        }
+        let mut outer = encode(0x30, &kept);
+        outer.extend_from_slice(rest);
+        encode(0x30, &outer)
+    }
+
+    /// An X.509 v1 certificate (no version field, no extensions) is refused in words that
+    /// say what to do, not as rustls' "invalid peer certificate: Other(…)".
+    #[test]
+    fn a_v1_certificate_is_refused_in_words() {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec!["a.localhost".into()]).expect("params");
+        let cert = params.self_signed(&key).expect("certificate");
+        let v1 = without(cert.der(), |tag| tag != 0xa0 && tag != 0xa3);
+        let v1_pem = format!(
+            "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &v1)
+        );
+        let line = load(&v1_pem, &key.serialize_pem()).err().expect("refused");
+        assert!(
+            line.contains("tls.crt") && line.contains("X.509 v1"),
+            "{line}"
+        );
+        assert!(!line.contains("peer"), "{line}");
     }
 
     /// Each part of a pair that cannot serve is refused with the file it is in, in words
