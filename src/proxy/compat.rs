@@ -48,19 +48,32 @@ const CONNECT_TIMEOUT: u64 = 300;
 /// The body of a rewritten request with the field the v1 path expects added when absent
 /// (see the module doc); anything that is not a JSON object is passed on unchanged for the
 /// upstream to judge.
+///
+/// The field goes in after the object's opening brace, every other byte as the client
+/// sent it: the body re-encoded from its parse had its keys sorted, `1.5e1` as `15.0`,
+/// and an integer past 64 bits cut to a float's digits.
 pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
-    let (field, value) = match rewrite {
+    let (name, field) = match rewrite {
         Rewrite::None => return body,
-        Rewrite::Create => ("secure", serde_json::Value::Bool(true)),
-        Rewrite::Connect => ("timeout", serde_json::Value::from(CONNECT_TIMEOUT)),
+        Rewrite::Create => ("secure", "\"secure\":true".to_string()),
+        Rewrite::Connect => ("timeout", format!("\"timeout\":{CONNECT_TIMEOUT}")),
     };
-    match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(serde_json::Value::Object(mut obj)) if !obj.contains_key(field) => {
-            obj.insert(field.into(), value);
-            serde_json::to_vec(&obj).map(Bytes::from).unwrap_or(body)
-        }
-        _ => body,
+    let obj = match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(serde_json::Value::Object(obj)) if !obj.contains_key(name) => obj,
+        _ => return body,
+    };
+    // An object parsed: its first byte that is not JSON whitespace is its brace.
+    let Some(open) = body.iter().position(|b| *b == b'{') else {
+        return body;
+    };
+    let mut out = Vec::with_capacity(body.len() + field.len() + 1);
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(field.as_bytes());
+    if !obj.is_empty() {
+        out.push(b',');
     }
+    out.extend_from_slice(&body[open + 1..]);
+    Bytes::from(out)
 }
 
 #[cfg(test)]
@@ -90,9 +103,13 @@ mod tests {
     fn secure_added_once() {
         let add_secure = |b: &'static [u8]| complete_body(&Rewrite::Create, Bytes::from_static(b));
         let b = add_secure(br#"{"templateID":"base"}"#);
-        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
-        assert_eq!(v["secure"], true);
-        assert_eq!(v["templateID"], "base");
+        assert_eq!(&b[..], br#"{"secure":true,"templateID":"base"}"#);
+        // Every other byte as sent: no key sorted, no number re-encoded.
+        let sent = br#" {"templateID":"base","timeout":1.5e1,"big":123456789012345678901234567890,"a":1.0}"#;
+        let b = add_secure(sent);
+        assert_eq!(&b[..2], b" {");
+        assert_eq!(&b[2..16], br#""secure":true,"#);
+        assert_eq!(&b[16..], &sent[2..]);
         let b = add_secure(br#"{"secure":false}"#);
         assert_eq!(&b[..], br#"{"secure":false}"#);
         assert_eq!(&add_secure(b"nope")[..], b"nope");
@@ -102,9 +119,9 @@ mod tests {
     fn connect_gets_the_v2_default_timeout_once() {
         let connect = |b: &'static [u8]| complete_body(&Rewrite::Connect, Bytes::from_static(b));
         assert_eq!(&connect(b"{}")[..], br#"{"timeout":300}"#);
+        assert_eq!(&connect(b"{ }")[..], br#"{"timeout":300 }"#);
         let b = connect(br#"{"memory":false}"#);
-        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
-        assert_eq!(v, serde_json::json!({"memory": false, "timeout": 300}));
+        assert_eq!(&b[..], br#"{"timeout":300,"memory":false}"#);
         assert_eq!(&connect(br#"{"timeout":60}"#)[..], br#"{"timeout":60}"#);
         assert_eq!(&connect(b"")[..], b"");
         assert_eq!(
