@@ -155,7 +155,7 @@ impl Metrics {
         )?;
         let tls_handshake_failures = IntCounter::new(
             "abx_proxy_tls_handshake_failures_total",
-            "TLS handshakes with clients that failed on the --tls-cert listener.",
+            "TLS handshakes with clients that ended in an error on the --tls-cert listener.",
         )?;
         let build_info = IntGaugeVec::new(
             Opts::new("abx_proxy_build_info", "Build information."),

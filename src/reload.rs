@@ -437,6 +437,9 @@ impl Running {
         if changed.is_empty() {
             // "Settings": a certificate this reload swapped is said on its own line before.
             tracing::info!("reload: no setting changed");
+            // What was read is what runs: a key shadowed in a file is said once, not again
+            // at every later reload until some other change is applied.
+            self.seen = resolved;
             return true;
         }
         let restart = match plan(&self.settings, &next, &changed) {

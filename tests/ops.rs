@@ -666,7 +666,16 @@ async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
     );
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {ENV_KEY}")));
+    // Said once: a reload that finds nothing new says nothing of it again.
+    proxy.wait_for_line("reload: no setting changed").await;
+    proxy
+        .reload_env(
+            &format!("ABX_SANDBOX_API_KEY={FILE_KEY}\n"),
+            "reload: no setting changed",
+        )
+        .await;
     let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches("higher level").count(), 1, "{stderr}");
     for key in [ENV_KEY, FILE_KEY] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
