@@ -176,7 +176,11 @@ fn der_item(bytes: &[u8]) -> Option<(u8, &[u8], &[u8])> {
 
 /// UTCTime (`YYMMDDHHMMSSZ`, years 1950-2049) or GeneralizedTime (`YYYYMMDDHHMMSSZ`).
 fn der_time(tag: u8, text: &[u8]) -> Option<SystemTime> {
-    let text = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
+    // ASCII only: the slicing below is by byte, and a character across a cut would panic.
+    let text = std::str::from_utf8(text)
+        .ok()
+        .filter(|t| t.is_ascii())?
+        .strip_suffix('Z')?;
     let (year, rest) = match (tag, text.len()) {
         (0x17, 12) => {
             let yy: i32 = text[..2].parse().ok()?;
@@ -375,6 +379,11 @@ mod tests {
             }
         }
         assert_eq!(validity(b"\x30\x03\x02\x01\x01"), None);
+        // Not a time, and no panic: a character that byte slicing would cut.
+        assert_eq!(
+            der_time(0x17, "a\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}bZ".as_bytes()),
+            None
+        );
     }
 
     /// `der` with its TBS's items for which `keep` is false left out, lengths re-encoded
