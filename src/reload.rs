@@ -18,7 +18,7 @@
 //! - a new AK/SK pair replaces the running key only once its first exchange has answered:
 //!   until then, and if it fails, the old temporary key keeps serving (SPEC §5).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -237,20 +237,53 @@ const RETRY_FIRST: Duration = Duration::from_secs(5);
 /// At most this between two tries (a wrong new pair is an exchange call each time).
 const RETRY_MAX: Duration = Duration::from_secs(300);
 
-/// The watched files' contents (the `--*-file` secrets, the listener's pair), hashed: a
-/// copy of a secret is not kept to compare. `None` for a file that cannot be read now
-/// (reported by the reload it triggers).
+/// What the watch saw of each watched file (the `--*-file` secrets, the listener's pair).
 #[derive(Clone, PartialEq, Eq)]
-struct FileSnapshot(Vec<Option<[u8; 32]>>);
+struct FileSnapshot(Vec<Seen>);
+
+/// What the watch saw of one file.
+#[derive(Clone, PartialEq, Eq)]
+enum Seen {
+    /// Cannot be read now (reported by the reload it triggers).
+    Unreadable,
+    /// Not a regular file: a pipe (`<(…)`, `/dev/stdin`) or a device, read once by the
+    /// start. Reading it here would take what the start reads (the key came up empty),
+    /// and nothing rewrites it in place.
+    NotAFile,
+    /// A regular file's contents, hashed: a copy of a secret is not kept to compare.
+    Contents([u8; 32]),
+}
 
 impl FileSnapshot {
     fn take(paths: &[PathBuf]) -> Self {
-        FileSnapshot(
-            paths
-                .iter()
-                .map(|p| std::fs::read(p).ok().map(|b| Sha256::digest(&b).into()))
-                .collect(),
-        )
+        FileSnapshot(paths.iter().map(|p| Seen::now(p)).collect())
+    }
+
+    /// [`FileSnapshot::take`] on a blocking thread: the accept loop shares the runtime
+    /// that polls, and a slow mount (or a huge file written over a certificate) would
+    /// hold it up.
+    async fn take_apart(paths: &[PathBuf]) -> Option<Self> {
+        let paths = paths.to_vec();
+        tokio::task::spawn_blocking(move || FileSnapshot::take(&paths))
+            .await
+            .ok()
+    }
+}
+
+impl Seen {
+    fn now(path: &Path) -> Seen {
+        match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() => Seen::NotAFile,
+            Ok(_) => Seen::hash(path).map_or(Seen::Unreadable, Seen::Contents),
+            Err(_) => Seen::Unreadable,
+        }
+    }
+
+    /// Hashed as it is read, a buffer at a time: the file is never held whole.
+    fn hash(path: &Path) -> std::io::Result<[u8; 32]> {
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+        Ok(hasher.finalize().into())
     }
 }
 
@@ -295,7 +328,9 @@ impl FileWatch {
         }
         loop {
             tokio::time::sleep(FILE_POLL).await;
-            let now = FileSnapshot::take(&self.paths);
+            let Some(now) = FileSnapshot::take_apart(&self.paths).await else {
+                continue;
+            };
             if now == self.applied {
                 // Back to what runs: nothing to apply, nothing to retry.
                 self.pending = None;
@@ -526,6 +561,15 @@ mod tests {
         std::fs::write(&path, "sk-one").expect("write");
         let watch = FileWatch::new(vec![path.clone()]);
         (dir, path, watch)
+    }
+
+    /// A pipe or a device is never read by the watch: what it takes, the start lacks.
+    #[test]
+    fn only_regular_files_are_read_by_the_watch() {
+        assert!(Seen::now(Path::new("/dev/null")) == Seen::NotAFile);
+        assert!(Seen::now(Path::new("/nonexistent/abx-key")) == Seen::Unreadable);
+        let (_dir, path, _watch) = watched_key_file();
+        assert!(Seen::now(&path) == Seen::Contents(Sha256::digest(b"sk-one").into()));
     }
 
     /// A file caught half rewritten is never swapped in: a change counts once two reads

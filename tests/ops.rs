@@ -604,6 +604,25 @@ async fn a_rotated_key_file_reloads_without_a_signal() {
     }
 }
 
+/// A key given through a pipe (`--sandbox-api-key-file <(…)`, `/dev/stdin`) is the start's
+/// to read, once: the file watch read it first, and the start found it empty (E1001).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_that_is_a_pipe_is_read_by_the_start() {
+    const KEY: &str = "sk-piped-in-RRRR9999ssss0000";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .stdin(format!("{KEY}\n").as_bytes())
+        .args(&["--sandbox-api-key-file", "/dev/stdin"])
+        .spawn()
+        .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(KEY), "the key in the log:\n{stderr}");
+}
+
 /// A rotated key file whose reload fails (here `~/.abx/.env` is broken at that moment; in
 /// production, a new AccessKey pair's first exchange meeting a 5xx) is tried again until it
 /// applies: it was marked as read, and the key stayed the old one until the next rotation.

@@ -806,6 +806,8 @@ pub struct ProxyCmd {
     omit: Vec<String>,
     /// A program that runs the proxy (`prlimit … --`), empty for none.
     launcher: Vec<String>,
+    /// What the proxy reads on its standard input (then closed); none: `/dev/null`.
+    stdin: Option<Vec<u8>>,
 }
 
 impl ProxyCmd {
@@ -828,7 +830,14 @@ impl ProxyCmd {
             setup: Vec::new(),
             omit: Vec::new(),
             launcher: Vec::new(),
+            stdin: None,
         }
+    }
+
+    /// Gives the proxy `bytes` on a pipe as its standard input.
+    pub fn stdin(mut self, bytes: &[u8]) -> Self {
+        self.stdin = Some(bytes.to_vec());
+        self
     }
 
     /// Runs the proxy through `program` (which must exec it as its last argument: its pid
@@ -936,7 +945,10 @@ impl ProxyCmd {
             .env("ABX_HOME", &abx_home)
             .current_dir(&cwd)
             .args(self.argv())
-            .stdin(Stdio::null())
+            .stdin(match self.stdin {
+                Some(_) => Stdio::piped(),
+                None => Stdio::null(),
+            })
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         for (k, v) in &self.env {
@@ -951,6 +963,10 @@ impl ProxyCmd {
         let mut command = self.command(home.path());
         self.prepare(home.path()).await;
         let mut child = command.spawn().expect("spawn abx-proxy");
+        if let (Some(bytes), Some(mut pipe)) = (&self.stdin, child.stdin.take()) {
+            // Far below a pipe's buffer: written whole at once, and closed.
+            std::io::Write::write_all(&mut pipe, bytes).expect("write the proxy's stdin");
+        }
         let pid = child.id();
         let stderr = child.stderr.take().expect("stderr piped");
         let text = Arc::new(Mutex::new(String::new()));
