@@ -198,6 +198,14 @@ pub struct AccessLine<'a> {
     pub upstream: &'a str,
 }
 
+impl AccessLine<'_> {
+    /// In milliseconds, to the microsecond: nanoseconds are the clock's noise, and their
+    /// float printed as `0.5199309999999999`.
+    pub fn duration_ms(&self) -> f64 {
+        self.elapsed.as_micros() as f64 / 1000.0
+    }
+}
+
 /// One access line (SPEC §7), if `abx_proxy::access` is enabled at info.
 pub fn access(
     method: &http::Method,
@@ -363,7 +371,7 @@ pub fn access_via_tracing(line: &AccessLine<'_>) {
         path = %line.path,
         plane = line.plane,
         status = line.status,
-        duration_ms = line.elapsed.as_secs_f64() * 1000.0,
+        duration_ms = line.duration_ms(),
         upstream = %line.upstream,
     );
 }
@@ -373,7 +381,7 @@ pub fn access_via_tracing(line: &AccessLine<'_>) {
 /// `now`.
 #[doc(hidden)]
 pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line: &AccessLine) {
-    let duration_ms = line.elapsed.as_secs_f64() * 1000.0;
+    let duration_ms = line.duration_ms();
     match format {
         // `{timestamp} {level:>5} {target}: {fields}`; `%` fields print with Display,
         // `&str` ones with Debug (quoted), numbers with Debug.
@@ -817,7 +825,7 @@ mod tests {
                             assert_eq!(v["plane"], line.plane);
                             assert_eq!(v["upstream"], line.upstream);
                             assert_eq!(v["status"].as_u64(), Some(u64::from(line.status)));
-                            let ms = line.elapsed.as_secs_f64() * 1000.0;
+                            let ms = line.duration_ms();
                             // serde_json's parser (without `float_roundtrip`) may be off
                             // in the last bit; the printed digits are checked above.
                             let parsed = v["duration_ms"].as_f64().unwrap_or(f64::NAN);
@@ -946,7 +954,7 @@ mod tests {
             for format in [LogFormat::Text, LogFormat::Json] {
                 let mut mine = Vec::new();
                 format_access(&mut mine, format, UNIX_EPOCH, &line);
-                let ms = line.elapsed.as_secs_f64() * 1000.0;
+                let ms = line.duration_ms();
                 let expected = match format {
                     LogFormat::Text => format!("{ms:?}"),
                     LogFormat::Json => serde_json::to_string(&ms).unwrap_or_default(),
@@ -963,6 +971,13 @@ mod tests {
                     "{mine}"
                 );
             }
+        }
+        // To the microsecond: 519 931 ns printed `0.5199309999999999`.
+        for (nanos, text) in [(519_931, "0.519"), (12_000_999, "12.0"), (999, "0.0")] {
+            let mut mine = Vec::new();
+            format_access(&mut mine, LogFormat::Text, UNIX_EPOCH, &line_of(nanos));
+            let mine = String::from_utf8_lossy(&mine);
+            assert!(mine.contains(&format!(" duration_ms={text} ")), "{mine}");
         }
         // A sample through the real layers too (they are slow, so fewer).
         for nanos in [
