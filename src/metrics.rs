@@ -83,6 +83,27 @@ fn method_label(method: &Method) -> &'static str {
     }
 }
 
+/// The `code` label: the status when it has a registered meaning (or is the proxy's own
+/// 499), else its class: `4xx`, and `5xx` for 600-999, which HTTP does not define (RFC 9110
+/// §15 has clients take them as 5xx). A sandbox's app answers with any status it likes on
+/// the envd plane, and each label value would be a series kept for the life of the process.
+fn code_label(status: u16) -> Cow<'static, str> {
+    let registered = http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .is_some();
+    if registered || status == 499 {
+        return Cow::Owned(status.to_string());
+    }
+    Cow::Borrowed(match status / 100 {
+        1 => "1xx",
+        2 => "2xx",
+        3 => "3xx",
+        4 => "4xx",
+        _ => "5xx",
+    })
+}
+
 fn plane_index(plane: &str) -> Option<usize> {
     PLANES.iter().position(|p| *p == plane)
 }
@@ -260,7 +281,7 @@ impl Metrics {
 
     fn count_slow(&self, plane: &str, method: &Method, status: u16) {
         self.requests
-            .with_label_values(&[plane, method_label(method), &status.to_string()])
+            .with_label_values(&[plane, method_label(method), &code_label(status)])
             .inc();
     }
 
@@ -329,7 +350,7 @@ mod tests {
         }
         let t = text(&m);
         assert!(t.contains(r#"abx_proxy_requests_total{code="200",method="GET",plane="api"} 2"#));
-        assert!(t.contains(r#"abx_proxy_requests_total{code="599",method="POST",plane="envd"} 1"#));
+        assert!(t.contains(r#"abx_proxy_requests_total{code="5xx",method="POST",plane="envd"} 1"#));
         assert!(t.contains(r#"abx_proxy_requests_total{code="405",method="TRACE",plane="envd"} 1"#));
         // Methods a client makes up share one series, however many there are.
         assert!(t.contains(r#"abx_proxy_requests_total{code="207",method="OTHER",plane="envd"} 3"#));
@@ -338,6 +359,43 @@ mod tests {
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 5"#));
         m.in_flight_for("envd").inc();
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
+    }
+
+    /// An upstream's made-up statuses share their class's series: a sandbox's app on the
+    /// envd plane could otherwise add one for each of 900 values.
+    #[test]
+    fn statuses_without_a_meaning_count_as_their_class() {
+        let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        for status in 100..=999 {
+            m.request_done("envd", &Method::GET, status, Duration::from_millis(1));
+        }
+        let t = text(&m);
+        let series: Vec<&str> = t
+            .lines()
+            .filter(|l| l.starts_with("abx_proxy_requests_total{"))
+            .collect();
+        assert!(series.len() < 80, "{}", series.len());
+        for (code, n) in [("200", 1), ("418", 1), ("499", 1), ("503", 1)] {
+            let line = format!(
+                r#"abx_proxy_requests_total{{code="{code}",method="GET",plane="envd"}} {n}"#
+            );
+            assert!(series.contains(&line.as_str()), "{line}");
+        }
+        let class = |c: &str| {
+            series
+                .iter()
+                .find(|l| l.contains(&format!(r#"code="{c}""#)))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|n| n.parse::<u32>().ok())
+        };
+        // 600-999 with the unregistered 5xx; each class with its own unregistered codes.
+        assert!(class("5xx").is_some_and(|n| n > 400), "{:?}", class("5xx"));
+        assert!(class("2xx").is_some_and(|n| n > 80), "{:?}", class("2xx"));
+        let total: u32 = series
+            .iter()
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u32>().ok())
+            .sum();
+        assert_eq!(total, 900);
     }
 
     /// Each plane, method and code that has a cached slot counts in its own series: two
