@@ -1680,6 +1680,41 @@ async fn an_http_1_0_upstream_is_answered_as_http_1_1() {
     proxy.finish().await;
 }
 
+/// An answer of no known length goes to an HTTP/1.0 client delimited by the close, and
+/// says so: hyper told a keep-alive client `Connection: keep-alive`, and the connection
+/// then closed under it (`ab -k`'s next request failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_delimited_answer_tells_an_http_1_0_client_it_closes() {
+    let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    let upstream = RawUpstream::start(None, AfterHead::WriteAndClose(chunked)).await;
+    let pki = Pki::new();
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    // The answer above, and a refusal (which closes the connection too).
+    for (extra, status, body) in [
+        ("", "200", "abc"),
+        ("Content-Length: 0\r\nContent-Length: 0\r\n", "400", ""),
+    ] {
+        let mut s = connect_raw(addr).await;
+        let raw =
+            format!("GET /x HTTP/1.0\r\nHost: {addr}\r\nConnection: keep-alive\r\n{extra}\r\n");
+        s.write_all(raw.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        within("the answer and the close", s.read_to_end(&mut got))
+            .await
+            .expect("read");
+        let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
+        let (head, rest) = got.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with(&format!("http/1.0 {status}")), "{head}");
+        assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+        assert!(!head.contains("keep-alive"), "{head}");
+        if status == "200" {
+            assert_eq!(rest, body);
+        }
+    }
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Request smuggling
 // ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::CONNECTION;
+use http::header::{CONNECTION, CONTENT_LENGTH};
 use http::{HeaderValue, Method, Request, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -597,6 +597,7 @@ async fn with_hyper(
         }
         let connect = req.method() == Method::CONNECT;
         let http2 = req.version() == http::Version::HTTP_2;
+        let http10 = req.version() == http::Version::HTTP_10;
         let stream = http2.then(|| activity.open_stream());
         let idle = proxy.idle_timeout;
         // The upload's progress, when there is one: on HTTP/2 for its answer's idle limit
@@ -637,9 +638,26 @@ async fn with_hyper(
             // closes, as the fast path does, and says so.
             let unread = !http2 && upload.as_ref().is_some_and(|m| !m.ended());
             let last = verdict.last || unread;
-            if verdict.refusal.is_some() || plain.is_some() || (last && !tunnel) {
+            // An answer of no known length reaches an HTTP/1.0 client delimited by the
+            // close (RFC 9112 §6.3), and hyper still told a keep-alive client
+            // `Connection: keep-alive`: it would send its next request into a closing
+            // connection, or wait there for more.
+            let close_delimited = http10
+                && !resp.headers().contains_key(CONTENT_LENGTH)
+                && http_body::Body::size_hint(resp.body()).exact().is_none();
+            if verdict.refusal.is_some()
+                || plain.is_some()
+                || (last && !tunnel)
+                || (close_delimited && !tunnel)
+            {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
+                if http10 {
+                    // hyper adds `keep-alive` to a 1.1 answer for a 1.0 client that asked
+                    // for it (`close, keep-alive`); an answer in the client's own version
+                    // it closes as the header says.
+                    *resp.version_mut() = http::Version::HTTP_10;
+                }
             }
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
             if http2 && !http_body::Body::is_end_stream(resp.body()) {
