@@ -90,6 +90,18 @@ impl Sock {
         }
     }
 
+    /// Whether bytes wait in the socket, asked of the kernel: the readiness the runtime
+    /// keeps lags behind until its next turn (a connection just handed to a worker with
+    /// its request already in).
+    fn holds_bytes(&self) -> bool {
+        let sock = match self {
+            Sock::Tcp(s) => socket2::SockRef::from(s),
+            Sock::Unix(s) => socket2::SockRef::from(s),
+        };
+        let mut one = [std::mem::MaybeUninit::<u8>::uninit()];
+        matches!(sock.peek(&mut one), Ok(n) if n > 0)
+    }
+
     fn try_read_buf<B: BufMut>(&self, buf: &mut B) -> io::Result<usize> {
         match self {
             Sock::Tcp(s) => s.try_read_buf(buf),
@@ -203,14 +215,25 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
     let drained = watcher.wait_for(|s| *s);
     tokio::pin!(drained);
     let mut buf = BytesMut::new();
+    let mut draining = false;
     loop {
         if buf.is_empty() {
+            // `drained` is done: a drain serves what was in the socket when it began.
+            if draining {
+                return Outcome::Closed;
+            }
             // Idle between requests: no buffer is held while waiting.
             buf = BytesMut::new();
-            tokio::select! {
+            draining = tokio::select! {
                 biased;
-                r = shared.sock.readable() => if r.is_err() { return Outcome::Closed },
-                _ = &mut drained => return Outcome::Closed,
+                r = shared.sock.readable() => if r.is_err() { return Outcome::Closed } else { false },
+                _ = &mut drained => true,
+            };
+            // Bytes already in the socket are a request sent before the drain began, which
+            // the runtime had not seen yet: it is served, and its answer closes the
+            // connection. An idle connection closes now.
+            if draining && (!shared.sock.holds_bytes() || shared.sock.readable().await.is_err()) {
+                return Outcome::Closed;
             }
         }
         // The head is bound inside the match arm only: a local in scope across the
@@ -1783,6 +1806,39 @@ mod tests {
         assert!(buf.len() > MAX_HEAD, "{} bytes", buf.len());
         assert!(endless.as_bytes().starts_with(&buf), "bytes lost");
         drop(writer.await.expect("writer"));
+    }
+
+    /// A request already in the socket when the drain begins, before the runtime has seen
+    /// it (a connection just handed to a worker), is answered, and the connection closes
+    /// after it: it was closed unanswered, as if idle.
+    #[tokio::test]
+    async fn a_request_in_the_socket_when_the_drain_begins_is_answered() {
+        use crate::settings::Key;
+        let refused = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", refused.local_addr().expect("addr"));
+        drop(refused);
+        let proxy = crate::proxy::test_proxy_with("sk-test", &[(Key::SandboxBaseUrl, &url)]);
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        theirs
+            .write_all(b"GET /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            .await
+            .expect("request");
+        let (_stop, mut stop) = watch::channel(true);
+        let activity = Activity::new();
+        let headed = AtomicBool::new(false);
+        let ctx = Ctx {
+            proxy: &proxy,
+            activity: &activity,
+            headed: &headed,
+            header_timeout: Duration::from_secs(10),
+        };
+        let outcome = serve(Sock::Unix(ours), ctx, &mut stop).await;
+        assert!(matches!(outcome, Outcome::Closed));
+        let mut answer = Vec::new();
+        theirs.read_to_end(&mut answer).await.expect("answer");
+        let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+        assert!(answer.starts_with("http/1.1 502"), "{answer}");
+        assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
     }
 
     /// A client that resets its connection ends the read of a head at once, as a close
