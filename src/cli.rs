@@ -469,21 +469,29 @@ fn log_filter(raw: &str) -> Result<String, String> {
 /// nothing may well be the key itself, pasted in place of its path, and errors end up in
 /// logs. Whoever typed a wrong path still has it in their command line.
 fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let bytes = crate::watched::read(path).map_err(|e| {
+        // The proxy's own reasons in full; the OS's by their kind.
+        let reason = match e.get_ref() {
+            Some(own) => own.to_string(),
+            None => e.kind().to_string(),
+        };
         if std::fs::symlink_metadata(path).is_ok() {
             Error::ReadFile {
                 path: path.display().to_string(),
-                reason: e.kind().to_string(),
+                reason,
             }
         } else {
             Error::ReadFile {
                 path: format!("the file given to {flag}"),
                 reason: format!(
-                    "{} (the value is not repeated: it may be a secret pasted in place of a path)",
-                    e.kind()
+                    "{reason} (the value is not repeated: it may be a secret pasted in place of a path)"
                 ),
             }
         }
+    })?;
+    let text = String::from_utf8(bytes).map_err(|_| Error::ReadFile {
+        path: path.display().to_string(),
+        reason: std::io::ErrorKind::InvalidData.to_string(),
     })?;
     let trimmed = text
         .strip_suffix("\r\n")

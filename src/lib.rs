@@ -50,6 +50,7 @@ pub mod settings;
 pub mod signals;
 pub mod signing;
 pub mod upstream;
+pub mod watched;
 pub mod workers;
 
 pub use error::Error;

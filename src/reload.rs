@@ -279,10 +279,14 @@ impl Seen {
         }
     }
 
-    /// Hashed as it is read, a buffer at a time: the file is never held whole.
+    /// Hashed as it is read, a buffer at a time, to one byte past what a reload reads (see
+    /// [`crate::watched`]), with the length: a file past that is refused whatever it holds.
     fn hash(path: &Path) -> std::io::Result<[u8; 32]> {
+        use std::io::Read;
+        let file = std::fs::File::open(path)?;
         let mut hasher = Sha256::new();
-        std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+        hasher.update(file.metadata()?.len().to_be_bytes());
+        std::io::copy(&mut file.take(crate::watched::MAX_LEN + 1), &mut hasher)?;
         Ok(hasher.finalize().into())
     }
 }
@@ -349,9 +353,12 @@ impl FileWatch {
     }
 
     /// What a reload is about to read, whatever woke it.
-    fn reading(&mut self) -> FileSnapshot {
+    async fn reading(&mut self) -> FileSnapshot {
         self.pending = None;
-        FileSnapshot::take(&self.paths)
+        match FileSnapshot::take_apart(&self.paths).await {
+            Some(read) => read,
+            None => FileSnapshot::take(&self.paths),
+        }
     }
 
     /// The reload of `read` took effect.
@@ -402,7 +409,7 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
                 FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),
             },
         }
-        let read = files.reading();
+        let read = files.reading().await;
         if running.reload().await {
             files.applied(read);
         } else {
@@ -569,7 +576,10 @@ mod tests {
         assert!(Seen::now(Path::new("/dev/null")) == Seen::NotAFile);
         assert!(Seen::now(Path::new("/nonexistent/abx-key")) == Seen::Unreadable);
         let (_dir, path, _watch) = watched_key_file();
-        assert!(Seen::now(&path) == Seen::Contents(Sha256::digest(b"sk-one").into()));
+        let mut sk_one = Sha256::new();
+        sk_one.update(6u64.to_be_bytes());
+        sk_one.update(b"sk-one");
+        assert!(Seen::now(&path) == Seen::Contents(sk_one.finalize().into()));
     }
 
     /// A file caught half rewritten is never swapped in: a change counts once two reads
@@ -594,7 +604,7 @@ mod tests {
             timeout(poll, watch.changed()).await.is_ok(),
             "two reads agree"
         );
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.applied(read);
         assert!(
             timeout(poll * 10, watch.changed()).await.is_err(),
@@ -621,18 +631,18 @@ mod tests {
 
         // Each failure waits longer before the next try: 5 s, 10 s, 20 s, …
         for retry_in in [RETRY_FIRST, RETRY_FIRST * 2, RETRY_FIRST * 4] {
-            let read = watch.reading();
+            let read = watch.reading().await;
             watch.failed(read);
             let started = Instant::now();
             let event = timeout(retry_in + FILE_POLL * 2, watch.changed()).await;
             assert_eq!(event.ok(), Some(FileEvent::Retry), "after {retry_in:?}");
             assert!(started.elapsed() >= retry_in, "{:?}", started.elapsed());
         }
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.failed(read);
         let started = Instant::now();
         for _ in 0..8 {
-            let read = watch.reading();
+            let read = watch.reading().await;
             watch.failed(read);
         }
         let event = timeout(RETRY_MAX + FILE_POLL * 2, watch.changed()).await;
@@ -640,12 +650,12 @@ mod tests {
         assert!(started.elapsed() <= RETRY_MAX + FILE_POLL);
 
         // Applied at last: no more tries, and the next failure starts from the first wait.
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.applied(read);
         assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
         std::fs::write(&path, "sk-three").expect("rotate");
         assert_eq!(watch.changed().await, FileEvent::Changed);
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.failed(read);
         let started = Instant::now();
         assert_eq!(watch.changed().await, FileEvent::Retry);
@@ -653,11 +663,11 @@ mod tests {
 
         // No retry once a failed change is undone, nor for a failure with the files as
         // they run (a SIGHUP with a broken `.env`: the operator's to send again).
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.failed(read);
         std::fs::write(&path, "sk-two").expect("back");
         assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
-        let read = watch.reading();
+        let read = watch.reading().await;
         watch.failed(read);
         assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
     }

@@ -605,18 +605,57 @@ async fn a_rotated_key_file_reloads_without_a_signal() {
 }
 
 /// A key given through a pipe (`--sandbox-api-key-file <(…)`, `/dev/stdin`) is the start's
-/// to read, once: the file watch read it first, and the start found it empty (E1001).
+/// to read, once: the file watch read it first, and the start found it empty (E1001). A
+/// SIGHUP keeps what the start read: read again, the pipe was empty (the reload failed),
+/// and a terminal's would have waited for the user, holding up the whole proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_that_is_a_pipe_is_read_by_the_start() {
     const KEY: &str = "sk-piped-in-RRRR9999ssss0000";
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
         .env("ABX_SANDBOX_API_KEY", None)
         .stdin(format!("{KEY}\n").as_bytes())
         .args(&["--sandbox-api-key-file", "/dev/stdin"])
         .spawn()
         .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
+    proxy.signal("HUP");
+    proxy.wait_for_line("reload: no setting changed").await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(KEY), "the key in the log:\n{stderr}");
+    assert!(!stderr.contains("reload failed"), "{stderr}");
+}
+
+/// A key file replaced by a FIFO (which blocks whoever opens it until a writer comes) is
+/// refused by the reload, not opened: the reload held up the runtime that accepts
+/// connections, and the proxy no longer answered, nor stopped on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_swapped_for_a_fifo_is_refused_not_waited_on() {
+    const KEY: &str = "sk-regular-file-TTTT1111uuuu2222";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let volume = tempfile::tempdir().expect("volume");
+    let key_file = volume.path().join("key");
+    std::fs::write(&key_file, format!("{KEY}\n")).expect("key");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .args(&["--sandbox-api-key-file", &key_file.display().to_string()])
+        .spawn()
+        .await;
+    let fifo = volume.path().join("key.new");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo");
+    std::fs::rename(&fifo, &key_file).expect("swap the FIFO in");
+    proxy.signal("HUP");
+    let failed = proxy.wait_for_line("reload failed").await;
+    assert!(failed.contains("no longer a regular file"), "{failed}");
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
     let stderr = proxy.finish().await;

@@ -214,8 +214,8 @@ fn read_err(path: &Path, reason: impl Into<String>) -> Error {
 
 /// Both files' bytes, read once each: what is hashed is what is parsed.
 fn read_files(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let cert_pem = std::fs::read(cert).map_err(|e| read_err(cert, e.to_string()))?;
-    let key_pem = std::fs::read(key).map_err(|e| read_err(key, e.to_string()))?;
+    let cert_pem = crate::watched::read(cert).map_err(|e| read_err(cert, e.to_string()))?;
+    let key_pem = crate::watched::read(key).map_err(|e| read_err(key, e.to_string()))?;
     Ok((cert_pem, key_pem))
 }
 

@@ -1,0 +1,115 @@
+//! The files a running proxy reads again: the `--*-file` secrets and the listener's
+//! `--tls-cert` / `--tls-key`, at the start and at every reload (SIGHUP, or the file watch
+//! of [`crate::reload`]). [`read`] is the one way they are read.
+//!
+//! A reload runs on the runtime that accepts connections and answers the probes, so a read
+//! must end, and soon: a file past [`MAX_LEN`] (a disk image written over a certificate)
+//! is refused, not read on; and a pipe or a terminal (`<(…)`, `/dev/stdin`), which the
+//! start read to its end and which cannot be read again, keeps what the start read. A path
+//! that was a regular file and is now something else (a FIFO swapped in, which would block
+//! until someone writes to it) is refused, and what runs keeps running.
+
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+
+/// Far more than any key or certificate chain.
+pub const MAX_LEN: u64 = 1 << 20;
+
+/// What a pipe gave the start; `Debug` shows its length only (it is a secret, or a key).
+struct Kept(Vec<u8>);
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kept({} bytes)", self.0.len())
+    }
+}
+
+/// Each path read so far: what a pipe or a device gave, or `None` for a regular file.
+static SEEN: Mutex<Option<HashMap<PathBuf, Option<Kept>>>> = Mutex::new(None);
+
+fn seen<T>(f: impl FnOnce(&mut HashMap<PathBuf, Option<Kept>>) -> T) -> T {
+    let mut guard = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
+    f(guard.get_or_insert_with(HashMap::new))
+}
+
+/// The file's bytes: see the module's doc for what is refused and what is kept.
+pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+    if std::fs::metadata(path)?.is_file() {
+        let bytes = read_bounded(path)?;
+        seen(|s| s.insert(path.to_path_buf(), None));
+        return Ok(bytes);
+    }
+    match seen(|s| s.get(path).map(|k| k.as_ref().map(|k| k.0.clone()))) {
+        Some(Some(kept)) => Ok(kept),
+        Some(None) => Err(io::Error::other(
+            "no longer a regular file: a pipe or a device is read at the start only",
+        )),
+        // The first read of a pipe: the start's, which waits for its end (a key typed at
+        // a terminal ends with Ctrl-D).
+        None => {
+            let bytes = read_bounded(path)?;
+            seen(|s| s.insert(path.to_path_buf(), Some(Kept(bytes.clone()))));
+            Ok(bytes)
+        }
+    }
+}
+
+fn read_bounded(path: &Path) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_LEN + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "larger than 1 MiB: no key or certificate file is",
+        ));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    /// A pipe is read to its end once; a reload's read gets the same bytes, not an empty
+    /// pipe (or, at a terminal, a read that waits for the user).
+    #[test]
+    fn a_pipe_keeps_what_the_start_read() {
+        let (reader, mut writer) = io::pipe().expect("pipe");
+        writer.write_all(b"sk-piped-once\n").expect("write");
+        drop(writer);
+        let path = PathBuf::from(format!("/proc/self/fd/{}", reader.as_raw_fd()));
+        assert_eq!(read(&path).expect("first"), b"sk-piped-once\n");
+        assert_eq!(read(&path).expect("again"), b"sk-piped-once\n");
+        drop(reader);
+    }
+
+    /// A regular file is read afresh each time, up to the bound; one that became something
+    /// else is refused rather than opened.
+    #[test]
+    fn a_regular_file_is_read_afresh_and_bounded() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("key");
+        std::fs::write(&path, "sk-one").expect("write");
+        assert_eq!(read(&path).expect("read"), b"sk-one");
+        std::fs::write(&path, "sk-two").expect("rotate");
+        assert_eq!(read(&path).expect("read"), b"sk-two");
+
+        let big = std::fs::File::create(&path).expect("create");
+        big.set_len(MAX_LEN + 1).expect("grow");
+        let e = read(&path).expect_err("too large");
+        assert!(e.to_string().contains("larger than 1 MiB"), "{e}");
+        big.set_len(MAX_LEN).expect("shrink");
+        assert_eq!(read(&path).expect("at the bound").len() as u64, MAX_LEN);
+
+        std::fs::remove_file(&path).expect("remove");
+        std::fs::create_dir(&path).expect("a directory in its place");
+        let e = read(&path).expect_err("not a file");
+        assert!(e.to_string().contains("no longer a regular file"), "{e}");
+    }
+}
