@@ -230,14 +230,22 @@ fn client_hello(sni: &str) -> Vec<u8> {
 /// default level. Held to errors there, the failures counted; the proxy serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_malformed_sni_does_not_write_to_the_log() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .tls_listener(&pki)
-        .log_level("info")
-        .spawn()
-        .await;
+    // The default level, and `info` given.
+    for info in [false, true] {
+        let cmd = ProxyCmd::new(&upstream.url(), &pki).tls_listener(&pki);
+        let cmd = if info {
+            cmd.log_level("info")
+        } else {
+            cmd.omit(&["--log-level"])
+        };
+        sni_refused_quietly(&pki, cmd.spawn().await).await;
+    }
+}
+
+async fn sni_refused_quietly(pki: &Pki, proxy: ProxyProc) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     for _ in 0..3 {
         let mut s = TcpStream::connect(proxy.addr()).await.expect("connect");
         s.write_all(&client_hello("x-.example"))
@@ -248,7 +256,7 @@ async fn a_clients_malformed_sni_does_not_write_to_the_log() {
         let _ = tokio::time::timeout(GUARD, s.read_to_end(&mut answer)).await;
         assert_eq!(answer.first(), Some(&0x15), "{answer:?}");
     }
-    let mut served = handshake(served_by(&pki, proxy.addr()).await).await;
+    let mut served = handshake(served_by(pki, proxy.addr()).await).await;
     assert_eq!(status_on(&mut served, proxy.addr()).await, StatusCode::OK);
     // Counted instead, for the operator: a count that climbs after a renewal says that
     // clients refuse the certificate.
@@ -260,9 +268,9 @@ async fn a_clients_malformed_sni_does_not_write_to_the_log() {
     assert!(!stderr.contains("rustls"), "{stderr}");
 }
 
-/// A listener certificate that expired loads (as nginx serves one), but `check` and the
-/// start say so with the date: every client that checks it refuses the handshake, and the
-/// proxy sees no request to log.
+/// A listener certificate that expired loads (as nginx serves one), but `check`, the start
+/// and a reload that swaps one in say so with the date: every client that checks it
+/// refuses the handshake, and the proxy sees no request to log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     let pki = Pki::new();
@@ -272,7 +280,7 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     let mut params = rcgen::CertificateParams::new(vec!["localhost".into()]).expect("params");
     params.not_before = rcgen::date_time_ymd(2020, 1, 1);
     params.not_after = rcgen::date_time_ymd(2021, 1, 1);
-    let cert = params.self_signed(&key).expect("certificate");
+    let cert = params.clone().self_signed(&key).expect("certificate");
     let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
     std::fs::write(&cert_path, cert.pem()).expect("cert");
     std::fs::write(&key_path, key.serialize_pem()).expect("key");
@@ -294,9 +302,22 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains(said) && stderr.contains(when), "{stderr}");
 
-    let proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
-    let stderr = proxy.finish().await;
-    assert!(stderr.contains(said) && stderr.contains(when), "{stderr}");
+    let mut proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
+    let started = proxy.stderr();
+    assert!(
+        started.contains(said) && started.contains(when),
+        "{started}"
+    );
+    // Another expired pair swapped in: said again, after the swap.
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = params.self_signed(&key).expect("certificate");
+    std::fs::write(&cert_path, cert.pem()).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    proxy.signal("HUP");
+    proxy.wait_for_line("listener certificate reloaded").await;
+    let line = proxy.wait_for_line(when).await;
+    assert!(line.contains(said), "{line}");
+    proxy.finish().await;
 }
 
 /// A keep-alive connection over TLS that goes idle is closed with TLS's close_notify, as

@@ -2095,28 +2095,46 @@ async fn fails_in_json(cmd: ProxyCmd) {
 
 /// `--admin-listen=[::]:PORT` takes IPv4 connections too, as the README and the Kubernetes
 /// manifest say, also where the host's `net.ipv6.bindv6only` is 1 (a listener left to that
-/// default took IPv6 only). Run in a network namespace of its own with that default, where
-/// the test may make one (as root); skipped elsewhere.
+/// default took IPv6 only). Run in a network namespace of its own with that default: as
+/// root, or else in a user namespace of its own where the kernel allows one; skipped where
+/// neither can be made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv6_wildcard_admin_listener_takes_ipv4_whatever_the_hosts_default() {
     let netns = "ip link set lo up && echo 1 > /proc/sys/net/ipv6/bindv6only && exec \"$@\"";
-    let launcher = ["unshare", "--net", "sh", "-c", netns, "sh"];
-    let probe = Command::new(launcher[0])
-        .args(&launcher[1..])
-        .args([
-            "sh",
-            "-c",
-            "test \"$(cat /proc/sys/net/ipv6/bindv6only)\" = 1",
-        ])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: no network namespace of our own here (unshare --net needs root)");
+    let as_root = ["unshare", "--net", "sh", "-c", netns, "sh"];
+    let as_user = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--net",
+        "sh",
+        "-c",
+        netns,
+        "sh",
+    ];
+    let works = |launcher: &[&str]| {
+        Command::new(launcher[0])
+            .args(&launcher[1..])
+            .args([
+                "sh",
+                "-c",
+                "test \"$(cat /proc/sys/net/ipv6/bindv6only)\" = 1",
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let (launcher, in_user_ns): (&[&str], bool) = if works(&as_root) {
+        (&as_root, false)
+    } else if works(&as_user) {
+        (&as_user, true)
+    } else {
+        eprintln!("skipped: no network namespace of our own here (neither as root nor in a user namespace)");
         return;
-    }
+    };
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .launcher(&launcher)
+        .launcher(launcher)
         .admin_listen("[::]:0")
         .spawn()
         .await;
@@ -2124,6 +2142,10 @@ async fn an_ipv6_wildcard_admin_listener_takes_ipv4_whatever_the_hosts_default()
     // From inside the proxy's namespace: a plain HTTP/1.0 request with bash's /dev/tcp.
     for host in ["127.0.0.1", "::1"] {
         let mut ask = Command::new("nsenter");
+        if in_user_ns {
+            ask.arg(format!("--user=/proc/{}/ns/user", proxy.pid))
+                .arg("--preserve-credentials");
+        }
         ask.arg(format!("--net=/proc/{}/ns/net", proxy.pid)).args([
             "timeout",
             "10",
