@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::header::{CONNECTION, CONTENT_LENGTH};
 use http::{HeaderValue, Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -670,18 +671,27 @@ async fn with_hyper(
     });
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(conn);
-    tokio::select! {
+    let draining = tokio::select! {
         // The connection first: a head already in its buffer is a request to finish.
         biased;
         done = conn.as_mut() => return refused_by_hyper(proxy, done),
-        _ = stop.wait_for(|s| *s) => {}
-        () = told.idle.notified() => {}
+        _ = stop.wait_for(|s| *s) => true,
+        () = told.idle.notified() => false,
         () = cancels.abusive.notified() => {
             tracing::warn!(
                 cancelled = MAX_CANCELLED,
                 "closing a connection whose client cancelled most of its requests before their answer (HTTP/2 rapid reset)"
             );
             return;
+        }
+    };
+    if draining {
+        // Bytes already in the socket are a request sent before the drain began, which
+        // the runtime had not reported yet (see `h1::serve`): one turn of its driver, and
+        // hyper reads them, and begins that request, before being told to finish.
+        tokio::task::yield_now().await;
+        if let Some(done) = conn.as_mut().now_or_never() {
+            return refused_by_hyper(proxy, done);
         }
     }
     // Nothing begun: no request to finish. hyper's graceful shutdown would wait for a
@@ -1658,6 +1668,94 @@ mod tests {
         drop(far);
     }
 
+    /// A plain listener's connection task for `sock`, as the accept loop starts one.
+    async fn plain_connection(
+        sock: std::os::unix::net::UnixStream,
+        proxy: Arc<Proxy>,
+        stop: watch::Receiver<bool>,
+    ) -> impl Future<Output = ()> {
+        let permit = Arc::new(Semaphore::new(1))
+            .acquire_owned()
+            .await
+            .expect("permit");
+        let config = ServeConfig {
+            tls: None,
+            idle_timeout: Duration::from_secs(60),
+            header_timeout: Duration::from_secs(10),
+            max_connections: 1,
+        };
+        connection_task(
+            StdSock::Unix(sock),
+            permit,
+            proxy,
+            Arc::new(http_builder(&config)),
+            Arc::new(config),
+            stop,
+        )
+    }
+
+    /// A request already in the socket of a connection hyper serves (one that sent a
+    /// chunked upload before) when the drain begins, before the runtime has seen it, is
+    /// answered: hyper, idle, was told to finish at once, and closed it unanswered.
+    #[tokio::test]
+    async fn a_request_in_the_socket_when_the_drain_begins_is_answered_by_hyper() {
+        use crate::settings::Key;
+        use http_body_util::BodyExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let upstream = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", upstream.local_addr().expect("addr"));
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = upstream.accept().await {
+                let ok = service_fn(|req: Request<Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    Ok::<_, Infallible>(hyper::Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), ok),
+                );
+            }
+        });
+        let proxy = super::super::test_proxy_with("sk-test", &[(Key::SandboxBaseUrl, &url)]);
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        ours.set_nonblocking(true).expect("nonblocking");
+        theirs.set_nonblocking(true).expect("nonblocking");
+        let mut theirs = tokio::net::UnixStream::from_std(theirs).expect("register");
+        let (stop, stopped) = watch::channel(false);
+        tokio::spawn(plain_connection(ours, proxy, stopped).await);
+        // A chunked upload: the fast path hands the connection to hyper for good.
+        let upload = b"POST /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
+        theirs.write_all(upload).await.expect("upload");
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"ok") {
+            let mut chunk = [0u8; 1024];
+            let n = tokio::time::timeout(Duration::from_secs(10), theirs.read(&mut chunk))
+                .await
+                .expect("the first answer in time")
+                .expect("read");
+            assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&chunk[..n]);
+        }
+        // The next request, and the drain, before the runtime turns again.
+        theirs
+            .write_all(b"GET /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            .await
+            .expect("request");
+        stop.send_replace(true);
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), theirs.read_to_end(&mut rest))
+            .await
+            .expect("the answer and the close in time")
+            .expect("read");
+        let rest = String::from_utf8_lossy(&rest).to_ascii_lowercase();
+        assert!(rest.starts_with("http/1.1 200"), "{rest:?}");
+        assert!(rest.contains("\r\nconnection: close\r\n"), "{rest}");
+        assert!(rest.ends_with("ok"), "{rest}");
+    }
+
     /// The state of a connection's task stays allocated for as long as the connection is
     /// open, idle or not: 10 000 idle keep-alive connections pay it 10 000 times (the
     /// performance target: 64 MiB for them). A writer kept inline in it once added 1 KiB
@@ -1673,25 +1771,8 @@ mod tests {
         // for small changes, not for another kilobyte.
         const BUDGET: usize = 1152;
         let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
-        let permit = Arc::new(Semaphore::new(1))
-            .acquire_owned()
-            .await
-            .expect("permit");
-        let config = ServeConfig {
-            tls: None,
-            idle_timeout: Duration::from_secs(60),
-            header_timeout: Duration::from_secs(10),
-            max_connections: 1,
-        };
         let (_stop, stopped) = watch::channel(false);
-        let task = connection_task(
-            StdSock::Unix(ours),
-            permit,
-            super::super::test_proxy(),
-            Arc::new(http_builder(&config)),
-            Arc::new(config),
-            stopped,
-        );
+        let task = plain_connection(ours, super::super::test_proxy(), stopped).await;
         let size = std::mem::size_of_val(&task);
         assert!(
             size <= BUDGET,
