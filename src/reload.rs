@@ -272,18 +272,25 @@ impl FileSnapshot {
 
 impl Seen {
     fn now(path: &Path) -> Seen {
+        // A path that is no regular file is not opened at all: a FIFO's writer, waiting for
+        // the start's read, would be let through and lose its bytes to this one.
         match std::fs::metadata(path) {
-            Ok(m) if !m.is_file() => Seen::NotAFile,
-            Ok(_) => Seen::hash(path).map_or(Seen::Unreadable, Seen::Contents),
+            Ok(m) if !m.is_file() => return Seen::NotAFile,
+            Ok(_) => {}
+            Err(_) => return Seen::Unreadable,
+        }
+        match crate::watched::open_regular(path) {
+            Ok(file) => Seen::hash(file).map_or(Seen::Unreadable, Seen::Contents),
+            // Swapped for something else since the look.
+            Err(e) if e.kind() == std::io::ErrorKind::Other => Seen::NotAFile,
             Err(_) => Seen::Unreadable,
         }
     }
 
     /// Hashed as it is read, a buffer at a time, to one byte past what a reload reads (see
     /// [`crate::watched`]), with the length: a file past that is refused whatever it holds.
-    fn hash(path: &Path) -> std::io::Result<[u8; 32]> {
+    fn hash(file: std::fs::File) -> std::io::Result<[u8; 32]> {
         use std::io::Read;
-        let file = std::fs::File::open(path)?;
         let mut hasher = Sha256::new();
         hasher.update(file.metadata()?.len().to_be_bytes());
         std::io::copy(&mut file.take(crate::watched::MAX_LEN + 1), &mut hasher)?;

@@ -1,13 +1,16 @@
 //! The files a running proxy reads again: the `--*-file` secrets and the listener's
-//! `--tls-cert` / `--tls-key`, at the start and at every reload (SIGHUP, or the file watch
-//! of [`crate::reload`]). [`read`] is the one way they are read.
+//! `--tls-cert` / `--tls-key` ([`read`]), and the settings files, `.env` and `config.toml`
+//! ([`read_regular`]), at the start and at every reload (SIGHUP, or the file watch of
+//! [`crate::reload`]).
 //!
 //! A reload runs on the runtime that accepts connections and answers the probes, so a read
 //! must end, and soon: a file past [`MAX_LEN`] (a disk image written over a certificate)
 //! is refused, not read on; and a pipe or a terminal (`<(…)`, `/dev/stdin`), which the
 //! start read to its end and which cannot be read again, keeps what the start read. A path
 //! that was a regular file and is now something else (a FIFO swapped in, which would block
-//! until someone writes to it) is refused, and what runs keeps running.
+//! until someone writes to it) is refused, and what runs keeps running. A file is opened
+//! without waiting and its type checked on the open file, so a FIFO swapped in between a
+//! look at the path and the open cannot block it either.
 
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -37,34 +40,85 @@ fn seen<T>(f: impl FnOnce(&mut HashMap<PathBuf, Option<Kept>>) -> T) -> T {
 /// The file's bytes: see the module's doc for what is refused and what is kept.
 pub fn read(path: &Path) -> io::Result<Vec<u8>> {
     if std::fs::metadata(path)?.is_file() {
-        let bytes = read_bounded(path)?;
-        seen(|s| s.insert(path.to_path_buf(), None));
-        return Ok(bytes);
+        match open_regular(path) {
+            Ok(file) => {
+                let bytes = read_bounded(file)?;
+                seen(|s| s.insert(path.to_path_buf(), None));
+                return Ok(bytes);
+            }
+            // Swapped since the look: judged as what it is now, below.
+            Err(e) if e.kind() == io::ErrorKind::Other => {}
+            Err(e) => return Err(e),
+        }
     }
     match seen(|s| s.get(path).map(|k| k.as_ref().map(|k| k.0.clone()))) {
         Some(Some(kept)) => Ok(kept),
-        Some(None) => Err(io::Error::other(
-            "no longer a regular file: a pipe or a device is read at the start only",
-        )),
+        Some(None) => Err(io::Error::other(format!(
+            "no longer a regular file ({}): a pipe or a device is read at the start only",
+            kind_of(path)
+        ))),
         // The first read of a pipe: the start's, which waits for its end (a key typed at
         // a terminal ends with Ctrl-D).
         None => {
-            let bytes = read_bounded(path)?;
+            let bytes = read_bounded(std::fs::File::open(path)?)?;
             seen(|s| s.insert(path.to_path_buf(), Some(Kept(bytes.clone()))));
             Ok(bytes)
         }
     }
 }
 
-fn read_bounded(path: &Path) -> io::Result<Vec<u8>> {
+/// A regular file's bytes, up to [`MAX_LEN`]; anything else at `path` is refused (an
+/// `Other` error naming what it is), never waited on.
+pub fn read_regular(path: &Path) -> io::Result<Vec<u8>> {
+    read_bounded(open_regular(path)?)
+}
+
+/// `path` opened if it is a regular file; else an `Other` error naming what it is. The open
+/// does not wait (a FIFO's would, for a writer), and the type is the open file's.
+pub fn open_regular(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if !kind.is_file() {
+        return Err(io::Error::other(format!(
+            "not a regular file ({})",
+            kind_word(kind)
+        )));
+    }
+    Ok(file)
+}
+
+fn kind_of(path: &Path) -> &'static str {
+    std::fs::metadata(path).map_or("gone", |m| kind_word(m.file_type()))
+}
+
+fn kind_word(kind: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_file() {
+        "a regular file"
+    } else {
+        "not a file"
+    }
+}
+
+fn read_bounded(file: std::fs::File) -> io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_LEN + 1)
-        .read_to_end(&mut bytes)?;
+    file.take(MAX_LEN + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_LEN {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "larger than 1 MiB: no key or certificate file is",
+            "larger than 1 MiB: no key, certificate or settings file is",
         ));
     }
     Ok(bytes)
@@ -89,6 +143,38 @@ mod tests {
         drop(reader);
     }
 
+    /// A FIFO is never waited on (its open blocks until a writer comes): refused at once
+    /// where a regular file was, as by [`read_regular`].
+    #[test]
+    fn a_fifo_is_refused_not_waited_on() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("key");
+        std::fs::write(&path, "sk-one").expect("write");
+        assert_eq!(read(&path).expect("read"), b"sk-one");
+        std::fs::remove_file(&path).expect("remove");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .expect("run mkfifo");
+        assert!(made.success(), "mkfifo");
+        // On a thread of its own: a regression blocks in `open`, and must fail, not hang.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let probe = path.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((read(&probe), read_regular(&probe)));
+        });
+        let (kept, regular) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a FIFO was waited on");
+        let e = kept.expect_err("refused");
+        assert!(
+            e.to_string().contains("no longer a regular file (a FIFO)"),
+            "{e}"
+        );
+        let e = regular.expect_err("refused");
+        assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+    }
+
     /// A regular file is read afresh each time, up to the bound; one that became something
     /// else is refused rather than opened.
     #[test]
@@ -110,6 +196,10 @@ mod tests {
         std::fs::remove_file(&path).expect("remove");
         std::fs::create_dir(&path).expect("a directory in its place");
         let e = read(&path).expect_err("not a file");
-        assert!(e.to_string().contains("no longer a regular file"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("no longer a regular file (a directory)"),
+            "{e}"
+        );
     }
 }

@@ -1334,6 +1334,24 @@ fn a_config_toml_that_cannot_be_read_stops_the_command() {
         out.stderr
     );
 
+    // A FIFO (nobody writing to it) is refused at once: a read would wait for a writer,
+    // and a reload's, on the runtime that serves, held up the whole proxy.
+    let c = Case::new();
+    let made = Command::new("mkfifo")
+        .arg(c.abx_dir().join("config.toml"))
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("[E1006] cannot read ~/.abx/config.toml")
+            && out.stderr.contains("not a regular file (a FIFO)"),
+        "{}",
+        out.stderr
+    );
+
     let c = Case::new();
     let toml = c.abx_dir().join("config.toml");
     std::os::unix::fs::symlink(c.cwd.join("gone"), &toml).expect("link");

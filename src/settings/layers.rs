@@ -84,10 +84,12 @@ pub fn read_dotenv(
     }
     warn_if_shared(path, label, warnings);
     // Read once: the parser, the line numbers of its errors and the warnings share it.
-    let text = std::fs::read_to_string(path).map_err(|e| Error::ReadFile {
-        path: shown.clone(),
-        reason: e.to_string(),
-    })?;
+    let text = crate::watched::read_regular(path)
+        .and_then(utf8)
+        .map_err(|e| Error::ReadFile {
+            path: shown.clone(),
+            reason: e.to_string(),
+        })?;
     let text = lines_ended(text);
     // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
     // environment, not in the iterator read here, where it made line 1 a syntax error.
@@ -466,13 +468,23 @@ fn warn_if_shared(path: &Path, label: &str, warnings: &mut Vec<String>) {
     }
 }
 
+/// Text as `read_to_string` takes it, in its words.
+fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
+    String::from_utf8(bytes).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "stream did not contain valid UTF-8",
+        )
+    })
+}
+
 /// The non-secret keys of `config.toml` by canonical name, plus `[providers.<id>]` tables
 /// keyed `<id>.<field>`. Secrets found there are dropped with a warning.
 pub fn read_config_toml(
     path: &Path,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match crate::watched::read_regular(path).and_then(utf8) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             // As for a `.env`: a link whose file is gone (a ConfigMap volume's link after a
