@@ -39,23 +39,22 @@ fn seen<T>(f: impl FnOnce(&mut HashMap<PathBuf, Option<Kept>>) -> T) -> T {
 
 /// The file's bytes: see the module's doc for what is refused and what is kept.
 pub fn read(path: &Path) -> io::Result<Vec<u8>> {
-    if std::fs::metadata(path)?.is_file() {
-        match open_regular(path) {
+    let mut kind = kind_word(std::fs::metadata(path)?.file_type());
+    if kind == REGULAR {
+        match open_typed(path)? {
             Ok(file) => {
                 let bytes = read_bounded(file)?;
                 seen(|s| s.insert(path.to_path_buf(), None));
                 return Ok(bytes);
             }
             // Swapped since the look: judged as what it is now, below.
-            Err(e) if e.kind() == io::ErrorKind::Other => {}
-            Err(e) => return Err(e),
+            Err(now) => kind = now,
         }
     }
     match seen(|s| s.get(path).map(|k| k.as_ref().map(|k| k.0.clone()))) {
         Some(Some(kept)) => Ok(kept),
         Some(None) => Err(io::Error::other(format!(
-            "no longer a regular file ({}): a pipe or a device is read at the start only",
-            kind_of(path)
+            "no longer a regular file ({kind}): a pipe or a device is read at the start only"
         ))),
         // The first read of a pipe: the start's, which waits for its end (a key typed at
         // a terminal ends with Ctrl-D).
@@ -68,31 +67,46 @@ pub fn read(path: &Path) -> io::Result<Vec<u8>> {
 }
 
 /// A regular file's bytes, up to [`MAX_LEN`]; anything else at `path` is refused (an
-/// `Other` error naming what it is), never waited on.
+/// `Other` error naming what it is), never opened, nor waited on if swapped in.
 pub fn read_regular(path: &Path) -> io::Result<Vec<u8>> {
+    let kind = kind_word(std::fs::metadata(path)?.file_type());
+    if kind != REGULAR {
+        return Err(not_regular(kind));
+    }
     read_bounded(open_regular(path)?)
 }
 
 /// `path` opened if it is a regular file; else an `Other` error naming what it is. The open
 /// does not wait (a FIFO's would, for a writer), and the type is the open file's.
 pub fn open_regular(path: &Path) -> io::Result<std::fs::File> {
+    open_typed(path)?.map_err(not_regular)
+}
+
+/// `path` opened without waiting: the file if it is a regular one, else what it is.
+fn open_typed(path: &Path) -> io::Result<Result<std::fs::File, &'static str>> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
         .open(path)?;
-    let kind = file.metadata()?.file_type();
-    if !kind.is_file() {
-        return Err(io::Error::other(format!(
-            "not a regular file ({})",
-            kind_word(kind)
-        )));
-    }
-    Ok(file)
+    let kind = kind_word(file.metadata()?.file_type());
+    Ok(if kind == REGULAR { Ok(file) } else { Err(kind) })
 }
 
-fn kind_of(path: &Path) -> &'static str {
-    std::fs::metadata(path).map_or("gone", |m| kind_word(m.file_type()))
+fn not_regular(kind: &str) -> io::Error {
+    io::Error::other(format!("not a regular file ({kind})"))
+}
+
+const REGULAR: &str = "a regular file";
+
+/// What is at `path` (a link followed), in words: "a FIFO", "a directory", "a dangling
+/// link" ….
+pub fn kind_of(path: &Path) -> &'static str {
+    match std::fs::metadata(path) {
+        Ok(m) => kind_word(m.file_type()),
+        Err(_) if path.symlink_metadata().is_ok() => "a dangling link",
+        Err(_) => "nothing",
+    }
 }
 
 fn kind_word(kind: std::fs::FileType) -> &'static str {
@@ -106,7 +120,7 @@ fn kind_word(kind: std::fs::FileType) -> &'static str {
     } else if kind.is_char_device() || kind.is_block_device() {
         "a device"
     } else if kind.is_file() {
-        "a regular file"
+        REGULAR
     } else {
         "not a file"
     }

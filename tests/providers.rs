@@ -396,6 +396,36 @@ async fn a_provider_id_is_a_name_not_a_path() {
     );
 }
 
+/// An installed manifest is read again at every reload, on the runtime that serves: one
+/// replaced by a FIFO is refused at once (E1006, naming what it is), where its read waited
+/// for a writer and held up the probes, the proxy port and SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_installed_manifest_that_is_a_fifo_is_refused_not_waited_on() {
+    let home = tempfile::tempdir().expect("home");
+    install(home.path(), OPENSANDBOX).await;
+    let manifest = home
+        .path()
+        .join(".abx/providers/opensandbox/abx-provider.toml");
+    std::fs::remove_file(&manifest).expect("remove");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&manifest)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo");
+    let env = [
+        ("ABX_PROVIDER", "opensandbox"),
+        ("OPEN_SANDBOX_API_KEY", OS_KEY),
+    ];
+    let out = abx(home.path(), &env, &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("[E1006]") && text(&out).contains("not a regular file (a FIFO)"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains(OS_KEY), "{}", text(&out));
+}
+
 /// An install that cannot write its files says so, as E1006 "cannot write", with what to
 /// check: it read "cannot read <dir>: cannot write", with the advice for a file to read.
 /// (Tests may run as root, whom no directory refuses: an ABX_HOME that is a file stands in.)

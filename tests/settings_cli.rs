@@ -1266,21 +1266,40 @@ fn a_dotenv_that_is_not_a_file_is_named() {
         "{}",
         out.stderr
     );
-    for label in ["~/.abx/.env", "./.env"] {
+    for (label, what) in [
+        ("~/.abx/.env", "a dangling link"),
+        ("./.env", "a directory"),
+    ] {
+        let said = format!("not a readable file ({what}); skipped");
         assert!(
             out.stderr
                 .lines()
-                .any(|l| l.contains(label) && l.contains("not a readable file")),
+                .any(|l| l.contains(label) && l.contains(&said)),
             "{label}: {}",
             out.stderr
         );
     }
-    // A link that leads to no file otherwise (a loop) is a dangling one too.
+    // A link that leads to no file otherwise (a loop) is a dangling one too; a FIFO (which
+    // a read would wait on) is said as what it is.
     let c = Case::new();
     std::os::unix::fs::symlink(".env", c.cwd.join(".env")).expect("link");
+    let made = Command::new("mkfifo")
+        .arg(c.abx_dir().join(".env"))
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo");
     let out = c.run(&["config", "get", "region"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
-    assert!(out.stderr.contains("not a readable file"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("not a readable file (a dangling link)"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("not a readable file (a FIFO)"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A `.env` that may be there but cannot be looked at stops the command, naming it, as an

@@ -102,13 +102,17 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     }
     let dir = providers_dir(abx_home).join(id);
     let path = dir.join(MANIFEST_FILE);
-    let text = match std::fs::read(&path) {
+    // Through the bounded reader: a reload reads it again, on the runtime that serves.
+    let text = match crate::watched::read_regular(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
             return Err(Error::ReadFile {
                 path: path.display().to_string(),
-                reason: e.kind().to_string(),
+                reason: match e.get_ref() {
+                    Some(own) => own.to_string(),
+                    None => e.kind().to_string(),
+                },
             })
         }
     };
@@ -123,7 +127,7 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             ),
         });
     }
-    let receipt: Option<Receipt> = std::fs::read(dir.join(RECEIPT_FILE))
+    let receipt: Option<Receipt> = crate::watched::read_regular(&dir.join(RECEIPT_FILE))
         .ok()
         .and_then(|r| serde_json::from_slice(&r).ok());
     let consented = match receipt {

@@ -76,8 +76,9 @@ pub fn read_dotenv(
         // said, or the key it was meant to hold comes from elsewhere without a word.
         if path.symlink_metadata().is_ok() {
             warnings.push(format!(
-                "{label} ({}) is not a readable file (a dangling link or a directory); skipped",
-                path.display()
+                "{label} ({}) is not a readable file ({}); skipped",
+                path.display(),
+                crate::watched::kind_of(path)
             ));
         }
         return Ok(HashMap::new());
