@@ -126,13 +126,14 @@ fn kind_word(kind: std::fs::FileType) -> &'static str {
     }
 }
 
-fn read_bounded(file: std::fs::File) -> io::Result<Vec<u8>> {
+/// The file's bytes, refused past [`MAX_LEN`].
+pub fn read_bounded(file: std::fs::File) -> io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
     file.take(MAX_LEN + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_LEN {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "larger than 1 MiB: no key, certificate or settings file is",
+            "larger than 1 MiB: no key, certificate, settings or provider manifest file is",
         ));
     }
     Ok(bytes)

@@ -424,6 +424,15 @@ async fn an_installed_manifest_that_is_a_fifo_is_refused_not_waited_on() {
         text(&out)
     );
     assert!(!text(&out).contains(OS_KEY), "{}", text(&out));
+
+    // What the reload would refuse is not installed either: it installed, then nothing
+    // could load it.
+    let shipped = std::fs::read_to_string(OPENSANDBOX).expect("manifest");
+    let (_dir, big) = manifest_file(&format!("{shipped}\n#{}\n", "x".repeat(1 << 20)));
+    let fresh = tempfile::tempdir().expect("home");
+    let out = abx(fresh.path(), &[], &["provider", "install", &big]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(text(&out).contains("larger than 1 MiB"), "{}", text(&out));
 }
 
 /// An install that cannot write its files says so, as E1006 "cannot write", with what to

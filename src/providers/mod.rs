@@ -53,10 +53,16 @@ fn sha256_hex(bytes: &[u8]) -> String {
 
 /// Installs `file` under `abx_home`; records consent for its inherit list only when given.
 pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed, Error> {
-    let text = std::fs::read(file).map_err(|e| Error::ReadFile {
-        path: file.display().to_string(),
-        reason: e.kind().to_string(),
-    })?;
+    // Bounded as `load` reads the copy (a pipe is fine here: it is read once).
+    let text = std::fs::File::open(file)
+        .and_then(crate::watched::read_bounded)
+        .map_err(|e| Error::ReadFile {
+            path: file.display().to_string(),
+            reason: match e.get_ref() {
+                Some(own) => own.to_string(),
+                None => e.kind().to_string(),
+            },
+        })?;
     let text_str = String::from_utf8_lossy(&text);
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
     let dir = providers_dir(abx_home).join(&manifest.id);
