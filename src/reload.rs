@@ -272,17 +272,10 @@ impl FileSnapshot {
 
 impl Seen {
     fn now(path: &Path) -> Seen {
-        // A path that is no regular file is not opened at all: a FIFO's writer, waiting for
-        // the start's read, would be let through and lose its bytes to this one.
-        match std::fs::metadata(path) {
-            Ok(m) if !m.is_file() => return Seen::NotAFile,
-            Ok(_) => {}
-            Err(_) => return Seen::Unreadable,
-        }
-        match crate::watched::open_regular(path) {
-            Ok(file) => Seen::hash(file).map_or(Seen::Unreadable, Seen::Contents),
-            // Swapped for something else since the look.
-            Err(e) if e.kind() == std::io::ErrorKind::Other => Seen::NotAFile,
+        // What is no regular file is not opened at all: see `open_if_regular`.
+        match crate::watched::open_if_regular(path) {
+            Ok(Ok(file)) => Seen::hash(file).map_or(Seen::Unreadable, Seen::Contents),
+            Ok(Err(_)) => Seen::NotAFile,
             Err(_) => Seen::Unreadable,
         }
     }

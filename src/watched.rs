@@ -39,18 +39,14 @@ fn seen<T>(f: impl FnOnce(&mut HashMap<PathBuf, Option<Kept>>) -> T) -> T {
 
 /// The file's bytes: see the module's doc for what is refused and what is kept.
 pub fn read(path: &Path) -> io::Result<Vec<u8>> {
-    let mut kind = kind_word(std::fs::metadata(path)?.file_type());
-    if kind == REGULAR {
-        match open_typed(path)? {
-            Ok(file) => {
-                let bytes = read_bounded(file)?;
-                seen(|s| s.insert(path.to_path_buf(), None));
-                return Ok(bytes);
-            }
-            // Swapped since the look: judged as what it is now, below.
-            Err(now) => kind = now,
+    let kind = match open_if_regular(path)? {
+        Ok(file) => {
+            let bytes = read_bounded(file)?;
+            seen(|s| s.insert(path.to_path_buf(), None));
+            return Ok(bytes);
         }
-    }
+        Err(kind) => kind,
+    };
     match seen(|s| s.get(path).map(|k| k.as_ref().map(|k| k.0.clone()))) {
         Some(Some(kept)) => Ok(kept),
         Some(None) => Err(io::Error::other(format!(
@@ -69,17 +65,19 @@ pub fn read(path: &Path) -> io::Result<Vec<u8>> {
 /// A regular file's bytes, up to [`MAX_LEN`]; anything else at `path` is refused (an
 /// `Other` error naming what it is), never opened, nor waited on if swapped in.
 pub fn read_regular(path: &Path) -> io::Result<Vec<u8>> {
-    let kind = kind_word(std::fs::metadata(path)?.file_type());
-    if kind != REGULAR {
-        return Err(not_regular(kind));
-    }
-    read_bounded(open_regular(path)?)
+    read_bounded(open_if_regular(path)?.map_err(not_regular)?)
 }
 
-/// `path` opened if it is a regular file; else an `Other` error naming what it is. The open
-/// does not wait (a FIFO's would, for a writer), and the type is the open file's.
-pub fn open_regular(path: &Path) -> io::Result<std::fs::File> {
-    open_typed(path)?.map_err(not_regular)
+/// `path` opened if it is a regular file, else what it is. Looked at first, so that what is
+/// no regular file is never opened (a FIFO's writer, waiting for another reader, would be
+/// let through); opened without waiting and typed again on the open file, so that a FIFO
+/// swapped in between cannot block the open.
+pub fn open_if_regular(path: &Path) -> io::Result<Result<std::fs::File, &'static str>> {
+    let kind = kind_word(std::fs::metadata(path)?.file_type());
+    if kind != REGULAR {
+        return Ok(Err(kind));
+    }
+    open_typed(path)
 }
 
 /// `path` opened without waiting: the file if it is a regular one, else what it is.
