@@ -470,11 +470,7 @@ fn log_filter(raw: &str) -> Result<String, String> {
 /// logs. Whoever typed a wrong path still has it in their command line.
 fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
     let bytes = crate::watched::read(path).map_err(|e| {
-        // The proxy's own reasons in full; the OS's by their kind.
-        let reason = match e.get_ref() {
-            Some(own) => own.to_string(),
-            None => e.kind().to_string(),
-        };
+        let reason = crate::watched::reason(&e);
         if std::fs::symlink_metadata(path).is_ok() {
             Error::ReadFile {
                 path: path.display().to_string(),

@@ -91,6 +91,14 @@ fn open_typed(path: &Path) -> io::Result<Result<std::fs::File, &'static str>> {
     Ok(if kind == REGULAR { Ok(file) } else { Err(kind) })
 }
 
+/// An error of these reads in words: the proxy's own reasons in full, the OS's by their kind.
+pub fn reason(e: &io::Error) -> String {
+    match e.get_ref() {
+        Some(own) => own.to_string(),
+        None => e.kind().to_string(),
+    }
+}
+
 fn not_regular(kind: &str) -> io::Error {
     io::Error::other(format!("not a regular file ({kind})"))
 }

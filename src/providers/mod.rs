@@ -58,10 +58,7 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
         .and_then(crate::watched::read_bounded)
         .map_err(|e| Error::ReadFile {
             path: file.display().to_string(),
-            reason: match e.get_ref() {
-                Some(own) => own.to_string(),
-                None => e.kind().to_string(),
-            },
+            reason: crate::watched::reason(&e),
         })?;
     let text_str = String::from_utf8_lossy(&text);
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
@@ -115,10 +112,7 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
         Err(e) => {
             return Err(Error::ReadFile {
                 path: path.display().to_string(),
-                reason: match e.get_ref() {
-                    Some(own) => own.to_string(),
-                    None => e.kind().to_string(),
-                },
+                reason: crate::watched::reason(&e),
             })
         }
     };

@@ -648,8 +648,7 @@ async fn with_hyper(
                 && http_body::Body::size_hint(resp.body()).exact().is_none();
             if verdict.refusal.is_some()
                 || plain.is_some()
-                || (last && !tunnel)
-                || (close_delimited && !tunnel)
+                || ((last || close_delimited) && !tunnel)
             {
                 resp.headers_mut()
                     .insert(CONNECTION, HeaderValue::from_static("close"));
