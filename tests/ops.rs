@@ -647,11 +647,7 @@ async fn a_key_file_swapped_for_a_fifo_is_refused_not_waited_on() {
         .spawn()
         .await;
     let fifo = volume.path().join("key.new");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .expect("run mkfifo");
-    assert!(made.success(), "mkfifo");
+    mkfifo(&fifo);
     std::fs::rename(&fifo, &key_file).expect("swap the FIFO in");
     proxy.signal("HUP");
     let failed = proxy.wait_for_line("reload failed").await;

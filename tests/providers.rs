@@ -407,11 +407,7 @@ async fn an_installed_manifest_that_is_a_fifo_is_refused_not_waited_on() {
         .path()
         .join(".abx/providers/opensandbox/abx-provider.toml");
     std::fs::remove_file(&manifest).expect("remove");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&manifest)
-        .status()
-        .expect("run mkfifo");
-    assert!(made.success(), "mkfifo");
+    mkfifo(&manifest);
     let env = [
         ("ABX_PROVIDER", "opensandbox"),
         ("OPEN_SANDBOX_API_KEY", OS_KEY),

@@ -1251,6 +1251,15 @@ fn a_url_or_domain_whose_port_is_not_one_is_refused() {
     }
 }
 
+/// A FIFO at `path`, nobody writing to it.
+fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
 /// A `.env` that is there but cannot be read as a file (a link to a file that is gone, a
 /// directory) is skipped like an absent one, with a warning naming it: otherwise the key it
 /// was meant to hold comes from another layer, or is missing, without a word.
@@ -1283,11 +1292,7 @@ fn a_dotenv_that_is_not_a_file_is_named() {
     // a read would wait on) is said as what it is.
     let c = Case::new();
     std::os::unix::fs::symlink(".env", c.cwd.join(".env")).expect("link");
-    let made = Command::new("mkfifo")
-        .arg(c.abx_dir().join(".env"))
-        .status()
-        .expect("run mkfifo");
-    assert!(made.success(), "mkfifo");
+    mkfifo(&c.abx_dir().join(".env"));
     let out = c.run(&["config", "get", "region"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
@@ -1356,11 +1361,7 @@ fn a_config_toml_that_cannot_be_read_stops_the_command() {
     // A FIFO (nobody writing to it) is refused at once: a read would wait for a writer,
     // and a reload's, on the runtime that serves, held up the whole proxy.
     let c = Case::new();
-    let made = Command::new("mkfifo")
-        .arg(c.abx_dir().join("config.toml"))
-        .status()
-        .expect("run mkfifo");
-    assert!(made.success(), "mkfifo");
+    mkfifo(&c.abx_dir().join("config.toml"));
     let out = c.run(&["config", "get", "region"]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(

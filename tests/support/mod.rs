@@ -1037,6 +1037,15 @@ pub fn field(line: &str, name: &str) -> Option<String> {
 }
 
 /// Log text without terminal colour sequences (`ESC [ … letter`).
+/// A FIFO at `path` (nobody writing to it: whoever opens it to read waits for a writer).
+pub fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
 pub fn strip_ansi(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let mut chars = s.chars();
