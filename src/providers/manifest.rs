@@ -56,9 +56,19 @@ impl Manifest {
 
     /// Every variable this provider's fields are read from: canonical names and aliases.
     pub fn env_names(&self) -> impl Iterator<Item = String> + '_ {
-        self.fields.values().flat_map(|f| {
-            std::iter::once(self.canonical_env(&f.name)).chain(f.aliases.iter().cloned())
-        })
+        self.fields.values().flat_map(|f| self.variables_of(f))
+    }
+
+    /// The variables the secret fields (`secret`), or the plain ones, are read from.
+    pub fn env_names_of(&self, secret: bool) -> impl Iterator<Item = String> + '_ {
+        self.fields
+            .values()
+            .filter(move |f| f.secret == secret)
+            .flat_map(|f| self.variables_of(f))
+    }
+
+    fn variables_of<'a>(&'a self, f: &'a Field) -> impl Iterator<Item = String> + 'a {
+        std::iter::once(self.canonical_env(&f.name)).chain(f.aliases.iter().cloned())
     }
 
     pub fn load(path: &Path) -> Result<Self, Error> {
@@ -356,6 +366,26 @@ impl Manifest {
                 ));
             }
         }
+        // One variable, one field: read by a secret field and a plain one, the key would be
+        // the plain one's value too, shown in clear by `config`, and as `base_url` or
+        // `envd_domain` looked up in DNS and sent plain `http` to a host of its own.
+        let mut readers: BTreeMap<&str, &str> = BTreeMap::new();
+        for field in fields.values() {
+            for alias in &field.aliases {
+                match readers.insert(alias, &field.name) {
+                    Some(other) if other != field.name => {
+                        return Err(err(
+                            alias,
+                            format!(
+                                "env alias {alias:?} is read by fields {other} and {}: a variable may name one field only",
+                                field.name
+                            ),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+        }
         if fields.get("base_url").is_some_and(|f| f.secret) {
             return Err(err("base_url", "field base_url cannot be secret".into()));
         }
@@ -647,6 +677,25 @@ inherit = ["sandbox_api_key"]
         assert_eq!(m.fields["base_url"].aliases, vec!["OPEN_SANDBOX_DOMAIN"]);
         assert_eq!(m.inherit, vec!["sandbox_api_key"]);
         assert_eq!(m.canonical_env("api_key"), "ABX_OPENSANDBOX_API_KEY");
+    }
+
+    /// A secret field and a plain one reading one variable: the key would be the plain
+    /// one's value too (here the upstream's host).
+    #[test]
+    fn refuses_a_variable_read_by_two_fields() {
+        let text = OPEN.replace("OPEN_SANDBOX_DOMAIN", "OPEN_SANDBOX_API_KEY");
+        let (line, reason) = refused(&text);
+        assert!(
+            reason.contains("\"OPEN_SANDBOX_API_KEY\" is read by fields api_key and base_url"),
+            "{reason}"
+        );
+        assert_eq!(line, 10, "{reason}");
+        // One field naming its alias twice reads one variable: nothing to refuse.
+        let twice = OPEN.replace(
+            "[\"OPEN_SANDBOX_DOMAIN\"]",
+            "[\"OPEN_SANDBOX_DOMAIN\", \"OPEN_SANDBOX_DOMAIN\"]",
+        );
+        assert!(Manifest::parse(&twice, "m.toml").is_ok());
     }
 
     #[test]

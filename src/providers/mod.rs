@@ -62,6 +62,7 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
         })?;
     let text_str = String::from_utf8_lossy(&text);
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
+    shares_no_secret(abx_home, &manifest, &file.display().to_string())?;
     let dir = providers_dir(abx_home).join(&manifest.id);
     let write_err = |path: &Path, e: std::io::Error| Error::WriteFile {
         path: path.display().to_string(),
@@ -69,7 +70,7 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
     let target = dir.join(MANIFEST_FILE);
-    std::fs::write(&target, &text).map_err(|e| write_err(&target, e))?;
+    write_whole(&target, &text).map_err(|e| write_err(&target, e))?;
     let consented = if consent {
         manifest.inherit.clone()
     } else {
@@ -87,12 +88,64 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
     };
     let receipt_path = dir.join(RECEIPT_FILE);
     let json = serde_json::to_vec_pretty(&receipt).unwrap_or_default();
-    std::fs::write(&receipt_path, json).map_err(|e| write_err(&receipt_path, e))?;
+    write_whole(&receipt_path, &json).map_err(|e| write_err(&receipt_path, e))?;
     Ok(Installed {
         manifest,
         dir,
         consented,
     })
+}
+
+/// Each provider's variables are its own: a plain field of one reading what a secret
+/// field of another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
+/// `sandbox_api_key` and provider `open-sandbox`'s key) would show that key in clear and,
+/// as a host, send it there. Checked both ways against the plugins installed.
+fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(), Error> {
+    let clash = |reader: &Manifest, owner: &Manifest| {
+        let secrets: Vec<String> = owner.env_names_of(true).collect();
+        reader.env_names_of(false).find(|v| secrets.contains(v))
+    };
+    for other in list(abx_home).into_iter().filter_map(Result::ok) {
+        let other = other.manifest;
+        if other.id == new.id {
+            continue;
+        }
+        let (variable, reader, owner) = match (clash(new, &other), clash(&other, new)) {
+            (Some(v), _) => (v, &new.id, &other.id),
+            (None, Some(v)) => (v, &other.id, &new.id),
+            (None, None) => continue,
+        };
+        return Err(Error::Manifest {
+            path: path.to_string(),
+            line: 0,
+            reason: format!(
+                "variable {variable} holds a secret of provider {owner} and is read by a plain field of provider {reader}: rename the field or the alias"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Replaces `path` whole: a proxy starting, `check` or a reload reading it meanwhile sees
+/// the old file or the new one, never one cut short.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let temp = path.with_file_name(format!(".{name}.{}.new", std::process::id()));
+    let written = std::fs::File::create(&temp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&temp, path)) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&temp);
+            Err(e)
+        }
+    }
 }
 
 /// The installed plugin `id`, if any. Consent counts only for the manifest it was given to.
@@ -373,6 +426,90 @@ default = "eu-1"
 
     fn field<'a>(s: &'a PluginSettings, name: &str) -> &'a FieldValue {
         s.field(name).unwrap_or_else(|| panic!("no field {name}"))
+    }
+
+    fn manifest_of(id: &str, fields: &str) -> String {
+        format!(
+            "manifest_version = 1\n[provider]\nid = \"{id}\"\n[endpoint]\n\
+             base_url = \"https://api.{id}.example\"\nauth.scheme = \"bearer\"\n\
+             [config.fields.api_key]\nsecret = true\n{fields}"
+        )
+    }
+
+    fn install_text(home: &Path, text: &str) -> Result<Installed, Error> {
+        let file = home.join("m.toml");
+        std::fs::write(&file, text).expect("manifest written");
+        install(home, &file, false)
+    }
+
+    /// `open`'s plain field `sandbox_api_key` is read from `ABX_OPEN_SANDBOX_API_KEY`,
+    /// the key of provider `open-sandbox`; an alias can name another's key too. Refused
+    /// whichever is installed second.
+    #[test]
+    fn a_plain_field_never_reads_another_providers_secret() {
+        let cases = [
+            (
+                manifest_of("open-sandbox", ""),
+                manifest_of("open", "[config.fields.sandbox_api_key]\n"),
+                "ABX_OPEN_SANDBOX_API_KEY",
+            ),
+            (
+                manifest_of("vendor", "env = [\"VENDOR_KEY\"]\n"),
+                manifest_of(
+                    "other",
+                    "[config.fields.base_url]\nenv = [\"VENDOR_KEY\"]\n",
+                ),
+                "VENDOR_KEY",
+            ),
+        ];
+        for (owner, reader, variable) in &cases {
+            for (first, second) in [(owner, reader), (reader, owner)] {
+                let home = tempfile::tempdir().expect("temp dir");
+                install_text(home.path(), first).expect("the first installs");
+                let e = install_text(home.path(), second).expect_err("the second is refused");
+                assert_eq!(e.code(), "E8001", "{e}");
+                assert!(
+                    e.to_string()
+                        .contains(&format!("variable {variable} holds a secret")),
+                    "{e}"
+                );
+            }
+        }
+        // Two keys read from one vendor variable are the user's visible choice, and a
+        // provider installed again is no clash with itself.
+        let home = tempfile::tempdir().expect("temp dir");
+        let staging = manifest_of("vendor-staging", "env = [\"VENDOR_KEY\"]\n");
+        for text in [&cases[1].0, &staging, &staging] {
+            install_text(home.path(), text).expect("installs");
+        }
+    }
+
+    /// A proxy starting, `check` or a reload reading the manifest as it is installed
+    /// again sees one whole file: the old one stays whole for a reader that has it open.
+    #[test]
+    fn an_install_replaces_its_files_whole() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let old = manifest_of("acme", "");
+        install_text(home.path(), &old).expect("installed");
+        let dir = providers_dir(home.path()).join("acme");
+        let mut reader = std::fs::File::open(dir.join(MANIFEST_FILE)).expect("open");
+        let mut receipt = std::fs::File::open(dir.join(RECEIPT_FILE)).expect("open");
+        let new = manifest_of("acme", "[config.fields.region]\n");
+        install_text(home.path(), &new).expect("installed again");
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut reader, &mut text).expect("read");
+        assert_eq!(text, old);
+        let mut json = String::new();
+        std::io::Read::read_to_string(&mut receipt, &mut json).expect("read");
+        assert!(json.contains(&sha256_hex(old.as_bytes())), "{json}");
+        let now = std::fs::read_to_string(dir.join(MANIFEST_FILE)).expect("read");
+        assert_eq!(now, new);
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, [RECEIPT_FILE, MANIFEST_FILE], "no file left behind");
     }
 
     /// A plugin that is not installed is no error here (the caller says E8002); a
