@@ -411,11 +411,13 @@ impl SettingsArgs {
 
     /// `--provider-option FIELD=VALUE` pairs.
     /// One without `=` is a bad command line (E8004, exit 2); it is not quoted back, as it
-    /// may be a value typed in the wrong place.
+    /// may be a value typed in the wrong place. A blank one is skipped, as a blank value of
+    /// any flag is (SPEC §2; `--provider-option "$UNSET"` in a unit file).
     pub fn provider_options(&self) -> Result<Vec<(String, String)>, Error> {
         self.provider_option
             .iter()
             .enumerate()
+            .filter(|(_, o)| !o.0.trim().is_empty())
             .map(|(i, o)| {
                 o.0.split_once('=')
                     .map(|(k, v)| (k.trim().to_string(), v.to_string()))
@@ -577,5 +579,31 @@ mod tests {
         assert!(shown.contains("api_key=…"), "{shown}");
         let options = cli.serve.settings.provider_options();
         assert!(options.is_err(), "the one without '=' is refused");
+    }
+
+    /// A blank `--provider-option` is skipped, as any flag's blank value is (SPEC §2);
+    /// the options after it keep their numbers in errors.
+    #[test]
+    fn a_blank_provider_option_is_skipped() {
+        let parse = |args: &[&str]| {
+            let args = [&["abx-proxy"], args].concat();
+            Cli::try_parse_from(args)
+                .unwrap()
+                .serve
+                .settings
+                .provider_options()
+        };
+        let options = parse(&[
+            "--provider-option",
+            "",
+            "--provider-option",
+            " \t",
+            "--provider-option",
+            "region=eu",
+        ])
+        .expect("blank ones skipped");
+        assert_eq!(options, [("region".to_string(), "eu".to_string())]);
+        let e = parse(&["--provider-option", "", "--provider-option", "oops"]).expect_err("no '='");
+        assert!(e.to_string().contains("#2"), "{e}");
     }
 }

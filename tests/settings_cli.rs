@@ -846,6 +846,25 @@ fn a_cwd_env_upstream_warning_shows_no_password_query_string_or_embedded_secret(
     }
 }
 
+/// A provider id that a `${VAR}` filled with the key (or a key pasted in its place) is
+/// an unknown provider: its E8002 prints the id as `config list` does, the key masked.
+#[test]
+fn an_unknown_providers_error_shows_no_resolved_secret() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ABX_PROVIDER=p-${ABX_SANDBOX_API_KEY}\n");
+    for args in [&["check", "--offline"][..], &["config", "list"][..]] {
+        let out = c.run(args);
+        assert!(!out.stderr.contains(KEY_ENV), "{args:?}: {}", out.stderr);
+        assert!(!out.stdout.contains(KEY_ENV), "{args:?}: {}", out.stdout);
+        assert!(
+            out.stderr.contains("[E8002] unknown provider: p-****"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Secrets: config.toml, the command line, files, masking
 

@@ -215,6 +215,14 @@ pub fn list(abx_home: &Path) -> Vec<Result<Installed, Error>> {
         .collect()
 }
 
+/// config.toml as its warnings name it (`~/.abx/config.toml (/where/it/is)`).
+fn toml_label(layers: &RawLayers) -> String {
+    layers.toml_path.as_deref().map_or_else(
+        || "~/.abx/config.toml".to_string(),
+        crate::settings::layers::config_label,
+    )
+}
+
 /// One plugin field, resolved.
 #[derive(Debug, Clone)]
 pub struct FieldValue {
@@ -309,8 +317,10 @@ pub fn resolve(
         }
         if field.secret && layers.toml.contains_key(&key) {
             warnings.push(format!(
-                "~/.abx/config.toml: secret field [providers.{}] {} ignored; secrets are read only from the environment or a .env file",
-                m.id, field.name
+                "{}: secret field [providers.{}] {} ignored; secrets are read only from the environment or a .env file",
+                toml_label(layers),
+                m.id,
+                field.name
             ));
         }
         // The canonical name (and the config.toml key) in any layer before an alias in
@@ -378,8 +388,10 @@ pub fn resolve(
     unknown.sort_unstable();
     for f in unknown {
         warnings.push(format!(
-            "~/.abx/config.toml: unknown field [providers.{}] {f} ignored; provider {} has no such field",
-            m.id, m.id
+            "{}: unknown field [providers.{}] {f} ignored; provider {} has no such field",
+            toml_label(layers),
+            m.id,
+            m.id
         ));
     }
     for (k, _) in &layers.provider_options {
@@ -561,9 +573,19 @@ default = "eu-1"
         layers
             .toml
             .insert("acme.api_key".into(), "sk-in-toml".into());
+        layers.toml.insert("acme.regoin".into(), "eu-3".into());
+        // Named as the built-in keys' warnings name it: where `ABX_HOME` put it too.
+        layers.toml_path = Some(PathBuf::from("/srv/abx/config.toml"));
         let s = resolve(installed(), &layers, None).expect("resolved");
-        assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+        assert_eq!(s.warnings.len(), 2, "{:?}", s.warnings);
         assert!(s.warnings[0].contains("[providers.acme] api_key ignored"));
+        assert!(s.warnings[1].contains("[providers.acme] regoin ignored"));
+        for w in &s.warnings {
+            assert!(
+                w.starts_with("~/.abx/config.toml (/srv/abx/config.toml): "),
+                "{w}"
+            );
+        }
         assert_eq!(field(&s, "api_key").value, None);
     }
 }

@@ -525,7 +525,10 @@ pub fn parse_config_toml_str(
                 .unwrap_or_default()
         ),
     })?;
-    for (name, value) in &table {
+    // Top-level keys first, so that a key's own table, read after, wins whatever the
+    // names' order (`toml::Table` iterates sorted: `[auth]` came before `token_ttl`).
+    let (sections, top): (Vec<_>, Vec<_>) = table.iter().partition(|(_, v)| v.is_table());
+    for (name, value) in top.into_iter().chain(sections) {
         match value {
             toml::Value::Table(section) if name == "providers" => {
                 for (id, fields) in section {
@@ -577,7 +580,14 @@ fn take(
         )),
         Some(spec) if section.is_none() || spec.section == section => match scalar(value) {
             Some(v) => {
-                out.insert(key.to_string(), v);
+                if out.insert(key.to_string(), v).is_some() {
+                    warnings.push(format!(
+                        "{}: {key} is set both at the top level and in [{}]; [{}]'s is used",
+                        config_label(path),
+                        spec.section.unwrap_or(""),
+                        spec.section.unwrap_or("")
+                    ));
+                }
             }
             None => warnings.push(not_scalar(path, &shown)),
         },
@@ -626,7 +636,8 @@ pub(crate) fn line_of(text: &str, offset: usize) -> usize {
         + 1
 }
 
-fn config_label(path: &Path) -> String {
+/// How warnings name a config.toml: as the user knows it, and where it is.
+pub(crate) fn config_label(path: &Path) -> String {
     format!("~/.abx/config.toml ({})", path.display())
 }
 
@@ -819,6 +830,40 @@ mod tests {
         let vars = parse_dotenv_str(text, "~/.abx/.env", None).expect("parsed");
         assert_eq!(vars["ABX_SANDBOX_API_KEY"], "sk-bom");
         assert_eq!(vars["B"], "2");
+    }
+
+    /// A key set at the top level and in its table: the table's, whichever name sorts
+    /// first, and a warning naming both.
+    #[test]
+    fn a_keys_own_table_wins_over_the_top_level() {
+        let path = Path::new("/home/u/.abx/config.toml");
+        for text in [
+            "token_ttl = 100\n[auth]\ntoken_ttl = 200\n",
+            "[auth]\ntoken_ttl = 200\n",
+            "region = \"top\"\n[transport]\nregion = \"table\"\n",
+            "region = \"table\"\n",
+        ] {
+            let mut warnings = Vec::new();
+            let values = parse_config_toml_str(text, path, &mut warnings).expect("parsed");
+            let (key, want) = if text.contains("token_ttl") {
+                ("token_ttl", "200")
+            } else {
+                ("region", "table")
+            };
+            assert_eq!(values[key], want, "{text}");
+            let both = text.matches(key).count() == 2;
+            assert_eq!(warnings.len(), usize::from(both), "{text}: {warnings:?}");
+            if both {
+                assert!(
+                    warnings[0].contains(&format!("{key} is set both at the top level and in [")),
+                    "{warnings:?}"
+                );
+                assert!(
+                    warnings[0].contains("/home/u/.abx/config.toml"),
+                    "{warnings:?}"
+                );
+            }
+        }
     }
 
     #[test]

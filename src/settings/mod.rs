@@ -222,6 +222,8 @@ pub struct RawLayers {
     pub dotenv_cwd: HashMap<String, String>,
     pub dotenv_home: HashMap<String, String>,
     pub toml: HashMap<String, String>,
+    /// The config.toml read, for warnings about its plugin tables.
+    pub toml_path: Option<std::path::PathBuf>,
 }
 
 /// The env and `.env` layers hold secrets as read: only their names are shown. (Plugin
@@ -236,6 +238,7 @@ impl std::fmt::Debug for RawLayers {
             .field("dotenv_cwd", &names(&self.dotenv_cwd))
             .field("dotenv_home", &names(&self.dotenv_home))
             .field("toml", &names(&self.toml))
+            .field("toml_path", &self.toml_path)
             .finish()
     }
 }
@@ -326,6 +329,7 @@ impl Resolved {
             dotenv_cwd,
             dotenv_home,
             toml,
+            toml_path: inputs.abx_home.as_ref().map(|h| h.join("config.toml")),
         };
 
         let mut entries: Vec<Entry> = KEYS
@@ -508,7 +512,18 @@ impl Resolved {
         if id == providers::BUILTIN {
             return Ok(None);
         }
-        let unknown = || Error::UnknownProvider { id: id.to_string() };
+        // The id is printed as `config list` prints it: a resolved secret in it masked.
+        // The built-in keys' secrets only: `secrets()` asks this function for the plugin's.
+        let unknown = || {
+            let values: Vec<Value> = self
+                .entries
+                .iter()
+                .filter_map(|e| e.value.clone())
+                .collect();
+            Error::UnknownProvider {
+                id: shown::secrets_masked(id, &secrets_of(&values)),
+            }
+        };
         let home = self.abx_home.as_deref().ok_or_else(unknown)?;
         let installed = providers::load(home, id)?.ok_or_else(unknown)?;
         let core_key = self

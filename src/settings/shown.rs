@@ -41,8 +41,9 @@ pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
 }
 
 /// The URL rule of [`shown`]. A value is read as a URL when it has a `://`, or when it
-/// starts with user info (`eve:pw@domain.example`: a host-only value, as `sandbox_domain`
-/// or a plugin's `base_url` without a scheme take); anything else (`single # quoted`, a
+/// starts with user info, a host and port or a host and path (`eve:pw@domain.example`,
+/// `localhost:8080?sig=…`: host-only values, as `sandbox_domain` or a plugin's
+/// `base_url` without a scheme take); anything else (`single # quoted`, a
 /// unix path, a region) comes back as it is. What comes before the `://` need not be a
 /// valid scheme: `config list` prints a mistyped URL (`h ttps://`, `9p://`) too, and its
 /// password is no less a password. The authority ends where the settings' URL parser ends
@@ -57,7 +58,12 @@ fn url_masked(value: &str) -> String {
         None => (None, value),
     };
     let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
-    if scheme.is_none() && !authority.contains('@') {
+    // Without a scheme, a host as a plugin's `base_url` takes it (`localhost:8080/p?sig=…`
+    // gets `http://`): user info, a path or a port says so.
+    let has_port = authority
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    if scheme.is_none() && !authority.contains('@') && !tail.starts_with('/') && !has_port {
         return value.to_string();
     }
     let (tail, fragment) = match tail.split_once('#') {
@@ -140,6 +146,11 @@ mod tests {
             ("cn-hangzhou", "cn-hangzhou"),
             ("single # quoted", "single # quoted"),
             ("a?b=c", "a?b=c"),
+            // A plugin's `base_url` without a scheme (SPEC §3 gives it `http://`).
+            ("localhost:8080/p?token=x", "localhost:8080/p?token=****"),
+            ("localhost:8080?sig=x#f", "localhost:8080?sig=****#****"),
+            ("h.example/?sig=x", "h.example/?sig=****"),
+            ("h.example:?x", "h.example:?x"),
             // Not a scheme, still a URL as far as its password goes.
             ("9p://bob:pw@h/", "9p://bob:****@h/"),
             // An empty parameter stays empty.
