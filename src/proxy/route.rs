@@ -247,6 +247,14 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
              and this is not a forward proxy",
         ));
     }
+    // The asterisk form (`OPTIONS *`, RFC 9112 §3.2.4) asks about this server, not a
+    // resource: forwarded, it went upstream with the key, joined to a base URL's path as
+    // `/api*`. nginx refuses it too.
+    if parts.uri.path() == "*" {
+        return Err(refused(
+            "asterisk-form request target (*): it names no resource to forward",
+        ));
+    }
     let fields = Fields::of(&parts.headers);
     if fields.hosts > 1 {
         // RFC 9112 §3.2: which one a peer on the path reads is anyone's guess.
@@ -334,9 +342,11 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             port,
         });
     }
+    // A host name's case is no part of it (RFC 4343): `49983-ISB-A1.LOCALHOST` is the
+    // sandbox the cloud names `isb-a1`, whose token the store holds under that spelling.
     if let Some((port, id)) = named {
         return Ok(Route::Envd {
-            sandbox_id: id.to_string(),
+            sandbox_id: id.to_ascii_lowercase(),
             port,
         });
     }
@@ -427,6 +437,31 @@ mod tests {
                 port: 49983
             }
         );
+        // Host names are case-insensitive: the id as the cloud spells it.
+        assert_eq!(
+            route(
+                &parts("/files", &[("host", "49983-ISB-Abc-1.LOCALHOST:49982")]),
+                &p
+            )
+            .unwrap(),
+            Route::Envd {
+                sandbox_id: "isb-abc-1".into(),
+                port: 49983
+            }
+        );
+    }
+
+    /// `OPTIONS *` and any other method with the asterisk form: refused, never forwarded.
+    #[test]
+    fn the_asterisk_form_is_refused() {
+        let p = HostPolicy::Loopback;
+        for method in [Method::OPTIONS, Method::GET] {
+            let mut req = parts("*", &[("host", "localhost")]);
+            req.method = method.clone();
+            let e = route(&req, &p).expect_err("refused");
+            assert!(e.to_string().contains("asterisk-form"), "{method}: {e}");
+            assert_eq!(e.code(), "E5003");
+        }
     }
 
     #[test]
@@ -617,9 +652,10 @@ mod tests {
                 assert!(e.to_string().contains("authority-form"), "{e}");
             }
         }
-        // The other forms still pass: origin, absolute (to a local name), asterisk.
+        // The other forms still pass: origin, absolute (to a local name). The asterisk
+        // form has a test of its own.
         let p = HostPolicy::Loopback;
-        for target in ["/x", "http://127.0.0.1:49982/x", "*"] {
+        for target in ["/x", "http://127.0.0.1:49982/x"] {
             assert!(
                 route(&parts(target, &[("host", "localhost")]), &p).is_ok(),
                 "{target}"
@@ -656,7 +692,7 @@ mod tests {
             assert_eq!(
                 route(&parts("/app", &own), &p).unwrap(),
                 Route::Envd {
-                    sandbox_id: "ISB-A".into(),
+                    sandbox_id: "isb-a".into(),
                     port: 3000
                 }
             );
