@@ -307,6 +307,41 @@ mod tests {
                 "[E8004] ",
             ),
         ];
+        // README's table of codes says the same, where it gives a status at all (a code
+        // no command stops with, or no request is answered with, leaves it blank).
+        let readme = include_str!("../README.md");
+        let rows: std::collections::HashMap<&str, (&str, &str)> = readme
+            .lines()
+            .filter_map(|l| {
+                let cells: Vec<&str> = l.strip_prefix("| E")?.split('|').map(str::trim).collect();
+                Some((&l[2..7], (*cells.get(2)?, *cells.get(3)?)))
+            })
+            .collect();
+        let mut codes: Vec<&str> = rows.keys().copied().collect();
+        codes.sort_unstable();
+        assert_eq!(
+            codes,
+            [
+                "E1001", "E1002", "E1003", "E1004", "E1005", "E1006", "E1007", "E1008", "E1009",
+                "E2009", "E5001", "E5002", "E5003", "E8001", "E8002", "E8003", "E8004"
+            ],
+            "README's table of codes"
+        );
+        for (e, exit, status, _) in &cases {
+            let (shown_exit, shown_status) = rows[e.code()];
+            let number = |cell: &str| cell.split(' ').next().unwrap_or_default().to_string();
+            if !shown_exit.is_empty() {
+                assert_eq!(number(shown_exit), exit.to_string(), "README, {}", e.code());
+            }
+            if !shown_status.is_empty() {
+                assert_eq!(
+                    number(shown_status),
+                    status.to_string(),
+                    "README, {}",
+                    e.code()
+                );
+            }
+        }
         for (e, exit, status, line) in cases {
             assert_eq!(e.exit_code(), exit, "{}", e.line());
             assert_eq!(e.http_status(), status, "{}", e.line());
