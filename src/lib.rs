@@ -11,7 +11,8 @@
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
 //! - [`upstream`]: the TLS client stack shared by the proxy and its own calls, with
 //!   [`descriptors`] counting the upstream connections the open-file limit has room for;
-//! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz`;
+//! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz` (with
+//!   [`process_metrics`] for the standard `process_*` ones);
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
 //! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and changed secret
@@ -41,6 +42,8 @@ pub mod log_writer;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+#[cfg(target_os = "linux")]
+pub mod process_metrics;
 pub mod providers;
 pub mod proxy;
 pub mod reload;

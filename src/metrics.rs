@@ -211,7 +211,7 @@ impl Metrics {
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
-            prometheus::process_collector::ProcessCollector::for_self(),
+            crate::process_metrics::ProcessCollector::for_self()?,
         ))?;
         let hot = Hot {
             in_flight: PLANES.map(|p| in_flight.with_label_values(&[p])),
