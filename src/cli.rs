@@ -419,12 +419,17 @@ impl SettingsArgs {
             .enumerate()
             .filter(|(_, o)| !o.0.trim().is_empty())
             .map(|(i, o)| {
-                o.0.split_once('=')
-                    .map(|(k, v)| (k.trim().to_string(), v.to_string()))
-                    .ok_or_else(|| Error::ProviderOption {
-                        field: format!("#{}", i + 1),
-                        reason: "expects FIELD=VALUE and has no '='".into(),
-                    })
+                let refused = |reason: &str| Error::ProviderOption {
+                    field: format!("#{}", i + 1),
+                    reason: reason.into(),
+                };
+                match o.0.split_once('=') {
+                    None => Err(refused("expects FIELD=VALUE and has no '='")),
+                    Some((k, _)) if k.trim().is_empty() => {
+                        Err(refused("expects FIELD=VALUE and has no FIELD"))
+                    }
+                    Some((k, v)) => Ok((k.trim().to_string(), v.to_string())),
+                }
             })
             .collect()
     }
@@ -605,5 +610,11 @@ mod tests {
         assert_eq!(options, [("region".to_string(), "eu".to_string())]);
         let e = parse(&["--provider-option", "", "--provider-option", "oops"]).expect_err("no '='");
         assert!(e.to_string().contains("#2"), "{e}");
+        let e = parse(&["--provider-option", " =x"]).expect_err("no field");
+        assert!(
+            e.to_string()
+                .contains("#1: expects FIELD=VALUE and has no FIELD"),
+            "{e}"
+        );
     }
 }

@@ -863,6 +863,33 @@ fn an_unknown_providers_error_shows_no_resolved_secret() {
             out.stderr
         );
     }
+
+    // An installed plugin's key in its place, and a URL's password and query, masked as
+    // `config list` masks them.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let manifest = c.file(
+        "acme.toml",
+        "manifest_version = 1\n[provider]\nid = \"acme\"\n[endpoint]\n\
+         base_url = \"https://api.acme.example\"\nauth.scheme = \"bearer\"\n\
+         [config.fields.api_key]\nsecret = true\n",
+    );
+    let out = c.run(&["provider", "install", manifest.to_str().expect("utf-8")]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    c.env("ABX_ACME_API_KEY", "sk-acme-plugin-zq81");
+    for (provider, shown) in [
+        ("sk-acme-plugin-zq81", "unknown provider: ****"),
+        (
+            "https://bob:pw-zq82@h.example/?sig=zq83",
+            "unknown provider: https://bob:****@h.example/?sig=****",
+        ),
+    ] {
+        c.env("ABX_PROVIDER", provider);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 78, "{}", out.stderr);
+        assert!(!out.stderr.contains("zq8"), "{}", out.stderr);
+        assert!(out.stderr.contains(shown), "{shown}: {}", out.stderr);
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -96,6 +96,24 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
     })
 }
 
+/// The values of every installed plugin's secret fields, as the layers hold them: what an
+/// error quoting a value typed in the wrong place (a provider id) must not show.
+pub fn installed_secrets(abx_home: &Path, layers: &RawLayers) -> Vec<Secret> {
+    list(abx_home)
+        .into_iter()
+        .filter_map(Result::ok)
+        .flat_map(|p| {
+            let names: Vec<String> = p.manifest.env_names_of(true).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            names
+                .iter()
+                .filter_map(|n| layers.lookup(n, &[n], None).ok().flatten())
+                .map(|(v, _)| Secret::new(v))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// Each provider's variables are its own: a plain field of one reading what a secret
 /// field of another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
 /// `sandbox_api_key` and provider `open-sandbox`'s key) would show that key in clear and,

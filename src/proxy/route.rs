@@ -337,10 +337,12 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
                 "E2b-Sandbox-Id/E2b-Sandbox-Port name another sandbox or port than Host",
             ));
         }
-        return Ok(Route::Envd {
-            sandbox_id: id.to_string(),
-            port,
-        });
+        // A Host that names it too says how the cloud spells it (see below).
+        let sandbox_id = match named {
+            Some((_, named_id)) => named_id.to_ascii_lowercase(),
+            None => id.to_string(),
+        };
+        return Ok(Route::Envd { sandbox_id, port });
     }
     // A host name's case is no part of it (RFC 4343): `49983-ISB-A1.LOCALHOST` is the
     // sandbox the cloud names `isb-a1`, whose token the store holds under that spelling.
@@ -437,18 +439,20 @@ mod tests {
                 port: 49983
             }
         );
-        // Host names are case-insensitive: the id as the cloud spells it.
-        assert_eq!(
-            route(
-                &parts("/files", &[("host", "49983-ISB-Abc-1.LOCALHOST:49982")]),
-                &p
-            )
-            .unwrap(),
-            Route::Envd {
-                sandbox_id: "isb-abc-1".into(),
-                port: 49983
-            }
-        );
+        // Host names are case-insensitive: the id as the cloud spells it, also when the
+        // headers name the same sandbox in another case.
+        for id in [None, Some("ISB-ABC-1"), Some("isb-abc-1")] {
+            let mut headers = vec![("host", "49983-ISB-Abc-1.LOCALHOST:49982")];
+            headers.extend(id.map(|id| ("e2b-sandbox-id", id)));
+            assert_eq!(
+                route(&parts("/files", &headers), &p).unwrap(),
+                Route::Envd {
+                    sandbox_id: "isb-abc-1".into(),
+                    port: 49983
+                },
+                "{id:?}"
+            );
+        }
     }
 
     /// `OPTIONS *` and any other method with the asterisk form: refused, never forwarded.

@@ -512,16 +512,21 @@ impl Resolved {
         if id == providers::BUILTIN {
             return Ok(None);
         }
-        // The id is printed as `config list` prints it: a resolved secret in it masked.
-        // The built-in keys' secrets only: `secrets()` asks this function for the plugin's.
+        // The id is printed as `config list` prints it, a URL's password and query masked,
+        // and with it any secret, an installed plugin's too: a key pasted in its place.
+        // (Not `secrets()`: it asks this function for the selected plugin's.)
         let unknown = || {
             let values: Vec<Value> = self
                 .entries
                 .iter()
                 .filter_map(|e| e.value.clone())
                 .collect();
+            let mut secrets = secrets_of(&values);
+            if let Some(home) = self.abx_home.as_deref() {
+                secrets.extend(providers::installed_secrets(home, &self.layers));
+            }
             Error::UnknownProvider {
-                id: shown::secrets_masked(id, &secrets_of(&values)),
+                id: shown(id, &secrets),
             }
         };
         let home = self.abx_home.as_deref().ok_or_else(unknown)?;

@@ -41,9 +41,10 @@ pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
 }
 
 /// The URL rule of [`shown`]. A value is read as a URL when it has a `://`, or when it
-/// starts with user info, a host and port or a host and path (`eve:pw@domain.example`,
-/// `localhost:8080?sig=…`: host-only values, as `sandbox_domain` or a plugin's
-/// `base_url` without a scheme take); anything else (`single # quoted`, a
+/// starts with user info or is a host with a query (`eve:pw@domain.example`,
+/// `localhost:8080/p?sig=…`: host-only values, as `sandbox_domain` or a plugin's
+/// `base_url` without a scheme take; the latter's fragment is left as written); anything
+/// else (`single # quoted`, a
 /// unix path, a region) comes back as it is. What comes before the `://` need not be a
 /// valid scheme: `config list` prints a mistyped URL (`h ttps://`, `9p://`) too, and its
 /// password is no less a password. The authority ends where the settings' URL parser ends
@@ -58,12 +59,13 @@ fn url_masked(value: &str) -> String {
         None => (None, value),
     };
     let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
-    // Without a scheme, a host as a plugin's `base_url` takes it (`localhost:8080/p?sig=…`
-    // gets `http://`): user info, a path or a port says so.
-    let has_port = authority
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
-    if scheme.is_none() && !authority.contains('@') && !tail.starts_with('/') && !has_port {
+    // Without a scheme: user info says URL; so does a query after a host, as a plugin's
+    // `base_url` takes it (`localhost:8080/p?sig=…` gets `http://`). Other plain values
+    // (`/srv/data#1`, `team/a?x=1`, `img:3#sha`) are no URLs and are shown as written.
+    let url_like = scheme.is_some() || authority.contains('@');
+    let host_with_query =
+        host_like(authority) && tail.split('#').next().is_some_and(|t| t.contains('?'));
+    if !url_like && !host_with_query {
         return value.to_string();
     }
     let (tail, fragment) = match tail.split_once('#') {
@@ -104,11 +106,25 @@ fn url_masked(value: &str) -> String {
     // Never sent (the parser drops it), but it may hold a token all the same.
     if let Some(fragment) = fragment {
         out.push('#');
-        if !fragment.is_empty() {
+        if !url_like {
+            out.push_str(fragment);
+        } else if !fragment.is_empty() {
             out.push_str(MASK);
         }
     }
     out
+}
+
+/// A host as a scheme-less URL names one: a dotted name or address, `localhost`, or
+/// either with a port.
+fn host_like(authority: &str) -> bool {
+    let host = match authority.rsplit_once(':') {
+        Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            return !h.is_empty()
+        }
+        _ => authority,
+    };
+    host.contains('.') || host.eq_ignore_ascii_case("localhost")
 }
 
 /// `name=****`; a parameter without `=` may be a bare token, and is masked whole.
@@ -148,9 +164,17 @@ mod tests {
             ("a?b=c", "a?b=c"),
             // A plugin's `base_url` without a scheme (SPEC §3 gives it `http://`).
             ("localhost:8080/p?token=x", "localhost:8080/p?token=****"),
-            ("localhost:8080?sig=x#f", "localhost:8080?sig=****#****"),
+            ("localhost:8080?sig=x#f", "localhost:8080?sig=****#f"),
             ("h.example/?sig=x", "h.example/?sig=****"),
-            ("h.example:?x", "h.example:?x"),
+            ("ns:12?x=1", "ns:12?x=****"),
+            // Plain values that are no URLs: no host, or no query.
+            ("h:?x", "h:?x"),
+            (":80?x=1", ":80?x=1"),
+            ("/srv/data#1", "/srv/data#1"),
+            ("team/a?x=1", "team/a?x=1"),
+            ("img:3#sha", "img:3#sha"),
+            ("C:/x#1", "C:/x#1"),
+            ("h.example/p#x?y=1", "h.example/p#x?y=1"),
             // Not a scheme, still a URL as far as its password goes.
             ("9p://bob:pw@h/", "9p://bob:****@h/"),
             // An empty parameter stays empty.
