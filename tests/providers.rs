@@ -1316,3 +1316,46 @@ async fn the_shipped_e2b_manifest_sends_the_key_as_one_x_api_key() {
     assert!(envd[0].header("x-api-key").is_none(), "{:?}", envd[0]);
     assert_not_sent(&envd, E2B_KEY, "the e2b key");
 }
+
+/// A plain field reading another plugin's key is refused when settings are read, not only
+/// by `provider install`: a manifest placed by hand (or installed before the check) would
+/// show the key in clear and, as `base_url`, look it up and send to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_field_reading_another_plugins_key_is_refused_at_run_time() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    let (_d, owner) = manifest_file(&BEARER.replace(
+        "[config.fields.api_key]\nsecret = true\n",
+        "[config.fields.api_key]\nsecret = true\nenv = [\"VENDOR_KEY\"]\n",
+    ));
+    install(h, &owner).await;
+    let reader = h.join(".abx/providers/reader");
+    std::fs::create_dir_all(&reader).expect("mkdir");
+    std::fs::write(
+        reader.join("abx-provider.toml"),
+        BEARER
+            .replace("id = \"bearerco\"", "id = \"reader\"")
+            .replace(
+                "[config.fields.base_url]\n",
+                "[config.fields.base_url]\nenv = [\"VENDOR_KEY\"]\n",
+            ),
+    )
+    .expect("placed by hand");
+    let env = [
+        ("ABX_PROVIDER", "reader"),
+        ("ABX_READER_API_KEY", "reader-key-Zq4Lm6Np8"),
+        ("VENDOR_KEY", "vendor-key-Zq5Rs7Tv9"),
+    ];
+    for args in [&["check", "--offline"][..], &["config", "list"][..]] {
+        let out = abx(h, &env, args).await;
+        let all = text(&out);
+        assert!(!all.contains("vendor-key-Zq5"), "{args:?}: {all}");
+        assert!(
+            all.contains("[E8001]")
+                && all.contains("variable VENDOR_KEY holds a secret of provider bearerco"),
+            "{args:?}: {all}"
+        );
+    }
+    let out = abx(h, &env, &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+}

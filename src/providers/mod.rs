@@ -6,6 +6,7 @@
 //! credential only when its manifest asks in `[core] inherit` and the receipt records consent
 //! for exactly that manifest.
 
+mod files;
 pub mod manifest;
 
 use std::path::{Path, PathBuf};
@@ -69,8 +70,6 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
         reason: e.kind().to_string(),
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
-    let target = dir.join(MANIFEST_FILE);
-    write_whole(&target, &text).map_err(|e| write_err(&target, e))?;
     let consented = if consent {
         manifest.inherit.clone()
     } else {
@@ -86,9 +85,9 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
             inherit: consented.clone(),
         },
     };
-    let receipt_path = dir.join(RECEIPT_FILE);
     let json = serde_json::to_vec_pretty(&receipt).unwrap_or_default();
-    write_whole(&receipt_path, &json).map_err(|e| write_err(&receipt_path, e))?;
+    files::write_pair(&dir, [(MANIFEST_FILE, &text), (RECEIPT_FILE, &json)])
+        .map_err(|e| write_err(&dir, e))?;
     Ok(Installed {
         manifest,
         dir,
@@ -117,8 +116,11 @@ pub fn installed_secrets(abx_home: &Path, layers: &RawLayers) -> Vec<Secret> {
 /// Each provider's variables are its own: a plain field of one reading what a secret
 /// field of another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
 /// `sandbox_api_key` and provider `open-sandbox`'s key) would show that key in clear and,
-/// as a host, send it there. Checked both ways against the plugins installed.
-fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(), Error> {
+/// as a host, send it there. Checked both ways against the plugins installed, by
+/// `provider install` and again for the selected plugin whenever settings are read (a
+/// manifest installed before this check, placed by hand, or installed while the other was
+/// unreadable).
+pub fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(), Error> {
     let clash = |reader: &Manifest, owner: &Manifest| {
         let secrets: Vec<String> = owner.env_names_of(true).collect();
         reader.env_names_of(false).find(|v| secrets.contains(v))
@@ -144,28 +146,6 @@ fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(), E
     Ok(())
 }
 
-/// Replaces `path` whole: a proxy starting, `check` or a reload reading it meanwhile sees
-/// the old file or the new one, never one cut short.
-fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    let temp = path.with_file_name(format!(".{name}.{}.new", std::process::id()));
-    let written = std::fs::File::create(&temp).and_then(|mut f| {
-        f.write_all(bytes)?;
-        f.sync_all()
-    });
-    match written.and_then(|()| std::fs::rename(&temp, path)) {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            let _ = std::fs::remove_file(&temp);
-            Err(e)
-        }
-    }
-}
-
 /// The installed plugin `id`, if any. Consent counts only for the manifest it was given to.
 pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     // The id names a directory under providers/. As a path (absolute, or with `..`) it
@@ -177,8 +157,11 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     let dir = providers_dir(abx_home).join(id);
     let path = dir.join(MANIFEST_FILE);
     // Through the bounded reader: a reload reads it again, on the runtime that serves.
-    let text = match crate::watched::read_regular(&path) {
-        Ok(t) => t,
+    let pair = files::read_pair(&dir, [MANIFEST_FILE, RECEIPT_FILE], |text, receipt| {
+        receipt_of(receipt).is_some_and(|r| r.id == id && r.manifest_sha256 == sha256_hex(text))
+    });
+    let (text, receipt) = match pair {
+        Ok(pair) => pair,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
             return Err(Error::ReadFile {
@@ -198,10 +181,7 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             ),
         });
     }
-    let receipt: Option<Receipt> = crate::watched::read_regular(&dir.join(RECEIPT_FILE))
-        .ok()
-        .and_then(|r| serde_json::from_slice(&r).ok());
-    let consented = match receipt {
+    let consented = match receipt_of(receipt.as_deref()) {
         Some(r) if r.manifest_sha256 == sha256_hex(&text) && r.id == manifest.id => r
             .consent
             .inherit
@@ -215,6 +195,10 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
         dir,
         consented,
     }))
+}
+
+fn receipt_of(bytes: Option<&[u8]>) -> Option<Receipt> {
+    serde_json::from_slice(bytes?).ok()
 }
 
 /// Every installed plugin, by id.
@@ -539,7 +523,11 @@ default = "eu-1"
             .map(|e| e.expect("entry").file_name())
             .collect();
         names.sort();
-        assert_eq!(names, [RECEIPT_FILE, MANIFEST_FILE], "no file left behind");
+        assert_eq!(
+            names,
+            [RECEIPT_FILE, ".abx-install.lock", MANIFEST_FILE],
+            "no file left behind"
+        );
     }
 
     /// A plugin that is not installed is no error here (the caller says E8002); a

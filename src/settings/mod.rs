@@ -531,6 +531,8 @@ impl Resolved {
         };
         let home = self.abx_home.as_deref().ok_or_else(unknown)?;
         let installed = providers::load(home, id)?.ok_or_else(unknown)?;
+        let path = installed.dir.join(providers::MANIFEST_FILE);
+        providers::shares_no_secret(home, &installed.manifest, &path.display().to_string())?;
         let core_key = self
             .secret(Key::SandboxApiKey)
             .map(|k| (k, self.entry(Key::SandboxApiKey).source));
