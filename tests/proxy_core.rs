@@ -146,6 +146,26 @@ async fn h2_prior_knowledge(
     h2
 }
 
+/// `req` sent bodiless on `h2`, to envd (the sandbox's routing headers added) when `envd`:
+/// the answer, which must come (a reset stream fails the test).
+async fn h2_send(
+    h2: &mut hyper::client::conn::http2::SendRequest<TestBody>,
+    mut req: http::request::Builder,
+    envd: bool,
+) -> Response<hyper::body::Incoming> {
+    if envd {
+        req = req
+            .header("e2b-sandbox-id", "isb-1")
+            .header("x-access-token", "t");
+    }
+    within(
+        "an HTTP/2 answer",
+        h2.send_request(req.body(empty()).unwrap()),
+    )
+    .await
+    .expect("an HTTP/2 answer, not a reset stream")
+}
+
 /// An HTTP/2 client's cookies split over several `cookie` fields (browsers send them so,
 /// to a sandbox's web app on the TLS listener) reach an HTTP/1.1 upstream as one field,
 /// joined with "; " (RFC 9113 §8.2.3), on both planes. They went as one line each, and a
@@ -162,28 +182,65 @@ async fn split_http2_cookies_reach_an_http1_upstream_as_one_field() {
     let addr = proxy.addr();
     let mut h2 = h2_prior_knowledge(addr).await;
     for envd in [false, true] {
-        let mut req = Request::builder()
+        let req = Request::builder()
             .uri(format!("http://{addr}/sandboxes"))
             .header("x-api-key", "dummy")
             .header("cookie", "a=1")
             .header("cookie", "b=2");
-        if envd {
-            req = req
-                .header("e2b-sandbox-id", "isb-1")
-                .header("x-access-token", "t");
-        }
-        let resp = within(
-            "an HTTP/2 answer",
-            h2.send_request(req.body(empty()).unwrap()),
-        )
-        .await
-        .expect("HTTP/2");
+        let resp = h2_send(&mut h2, req, envd).await;
         assert_eq!(resp.status(), StatusCode::OK, "envd: {envd}");
         let seen = upstream.next_request().await;
         assert_eq!(seen.version, http::Version::HTTP_11);
         assert_eq!(seen.all("cookie"), ["a=1; b=2"], "envd: {envd}");
     }
     proxy.finish().await;
+}
+
+/// An upstream's 204 that carries a `Content-Length` (RFC 9110 §8.6 forbids it) reaches an
+/// HTTP/2 client as a 204 without one, on both planes: hyper's HTTP/2 server sent the
+/// length with END_STREAM, a malformed answer the client reset, though the log said 204.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_204_with_a_length_reaches_an_http2_client_whole() {
+    let pki = Pki::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = tcp.read(&mut buf).await {
+                    head.extend_from_slice(&buf[..n]);
+                    while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        head.drain(..end + 4);
+                        let answer = b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n";
+                        if tcp.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let proxy = ProxyCmd::new(&url, &pki)
+        .env("ABX_SANDBOX_URL", Some(&url))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut h2 = h2_prior_knowledge(addr).await;
+    for envd in [false, true, false] {
+        let req = Request::get(format!("http://{addr}/x")).header("x-api-key", "dummy");
+        let resp = h2_send(&mut h2, req, envd).await;
+        assert_eq!(resp.status(), StatusCode::NO_CONTENT, "envd: {envd}");
+        assert!(
+            resp.headers().get("content-length").is_none(),
+            "envd: {envd}"
+        );
+    }
+    proxy.finish().await;
+    upstream.abort();
 }
 
 /// An HTTP/2 request with `content-length` said twice, equal (the h2 layer refuses lengths

@@ -626,6 +626,12 @@ impl Proxy {
             }
         }
         headers::strip_response_hop_by_hop(resp.headers_mut(), false);
+        // No length on a 204 (RFC 9110 §8.6), whatever an upstream says. HTTP/1 writers drop
+        // it; hyper's HTTP/2 server sent it with END_STREAM, a malformed answer (RFC 9113
+        // §8.1.1) that clients reset, so the client got nothing for a logged 204.
+        if resp.status() == StatusCode::NO_CONTENT {
+            resp.headers_mut().remove(CONTENT_LENGTH);
+        }
         let ok = resp.status().is_success();
         match sniff {
             Sniff::Learn if ok => {
