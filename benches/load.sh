@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Load test: abx-proxy against nginx and HAProxy configured the same way, on 127.0.0.1 only.
 #
-# Usage (as root, from anywhere in the repo):
+# Usage (as yourself, from anywhere in the repo; missing packages are installed through
+# `sudo -n` unless run as root, and 10 000 idle connections need an open-file hard limit
+# above 10 512):
 #   bash benches/load.sh
 #
 # One run installs what is missing (nginx, haproxy, wrk, curl, python3 from Debian's
@@ -80,10 +82,21 @@ command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
 if ((${#missing[@]})); then
     log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    SUDO=()
+    [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
+    timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
+    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get -o DPkg::Lock::Timeout=240 install -y -qq "${missing[@]}" >/dev/null
+    # On a machine run by systemd the packages also start nginx's default site (port 80 on
+    # every interface) and HAProxy's service: the runs below start their own on 127.0.0.1.
+    if [[ -d /run/systemd/system ]]; then
+        for unit in nginx haproxy; do
+            [[ " ${missing[*]} " == *" $unit "* ]] || continue
+            timeout -k 10 60 "${SUDO[@]}" systemctl disable --now "$unit" >/dev/null 2>&1 || true
+            log "$unit was installed for this benchmark: its system service is stopped and disabled"
+        done
+    fi
 fi
-# nginx's package may start a system instance; ours use their own ports and prefix.
 
 if [[ -z ${SKIP_BUILD:-} ]]; then
     log "cargo build --release --locked"
@@ -93,9 +106,15 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
         bash "$ROOT/scripts/pgo.sh" >/dev/null
     fi
 fi
-ABX="$ROOT/target/release/abx-proxy"
+# Where cargo puts its builds: CARGO_TARGET_DIR, as cargo reads it from the repository.
+case "${CARGO_TARGET_DIR:-}" in
+  "") TARGET="$ROOT/target" ;;
+  /*) TARGET="$CARGO_TARGET_DIR" ;;
+  *) TARGET="$ROOT/$CARGO_TARGET_DIR" ;;
+esac
+ABX="$TARGET/release/abx-proxy"
 ABX_PGO="$ROOT/target/pgo/release/abx-proxy"
-UPSTREAM_BIN="$ROOT/target/release/examples/bench_upstream"
+UPSTREAM_BIN="$TARGET/release/examples/bench_upstream"
 [[ -x $ABX && -x $UPSTREAM_BIN ]] || die "release binaries missing (build failed?)"
 [[ -z ${PGO:-} || -x $ABX_PGO ]] || die "PGO build missing (scripts/pgo.sh failed?)"
 

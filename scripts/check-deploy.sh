@@ -55,12 +55,15 @@ check "promtool check config" promtool check config deploy/prometheus/prometheus
 check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 check "promtool test rules (alert unit tests)" promtool test rules deploy/prometheus/alerts.test.yml
 
-# systemd-analyze verify insists the ExecStart binary exists: point it at the built one.
+# systemd-analyze verify insists the ExecStart binary exists: point it at the built one,
+# through a link beside the unit (a checkout path with a space, `#` or `&` in it would split
+# ExecStart's command or the sed expression).
 unit_dir=$(mktemp -d)
 trap 'rm -rf "$unit_dir"' EXIT
 bin=$(realpath -m "${CARGO_TARGET_DIR:-target}")/debug/abx-proxy
 [ -x "$bin" ] || cargo build --quiet --bin abx-proxy
-sed "s#/usr/local/bin/abx-proxy#$bin#" deploy/systemd/abx-proxy.service > "$unit_dir/abx-proxy.service"
+ln -s "$bin" "$unit_dir/abx-proxy"
+sed "s#/usr/local/bin/abx-proxy#$unit_dir/abx-proxy#" deploy/systemd/abx-proxy.service > "$unit_dir/abx-proxy.service"
 check "systemd-analyze verify" bash -c "out=\$(systemd-analyze verify '$unit_dir/abx-proxy.service' 2>&1); rc=\$?; echo \"\$out\"; [ \$rc -eq 0 ] && ! echo \"\$out\" | grep -q 'abx-proxy.service:'"
 for key in DynamicUser NoNewPrivileges ProtectSystem EnvironmentFile; do
   check "systemd unit sets $key" grep -q "^$key=" deploy/systemd/abx-proxy.service

@@ -20,13 +20,14 @@ python3 -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need_apt[*]}"
   # `sudo -n`: a password prompt in CI fails at once instead of waiting for an answer, and
-  # `timeout` gives up on a mirror or a dpkg lock that never answers. sudo drops the
-  # caller's environment, so the frontend is passed through env(1).
+  # `timeout` gives up on a mirror that never answers; apt waits up to 4 minutes for a dpkg
+  # lock another apt holds (unattended-upgrades at a VM's boot) instead of failing at once.
+  # sudo drops the caller's environment, so the frontend is passed through env(1).
   SUDO=()
   [ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
-  timeout -k 10 300 "${SUDO[@]}" apt-get update -qq
+  timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
   timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    apt-get -o DPkg::Lock::Timeout=240 install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # The package is here for promtool; on a machine run by systemd it also starts a
   # Prometheus server listening on every interface, which the tests do not want.
   if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs what the end-to-end SDK tests (tests/e2e_sdk.rs) run, idempotently:
-#   $E2E_DIR/py-latest   Python venv with the newest `e2b` the tests were checked against
-#   $E2E_DIR/py250       Python venv with `e2b==2.50.0` (the pre-/v2 paths)
-#   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b latest + 2.50.0)
-# E2E_DIR is $ABX_E2E_DIR, else <repo>/target/e2e. Uses the machine's python3 and npm.
-# Quiet on success; fast when already installed (marker files); on failure prints the
+# Installs what the end-to-end SDK tests (tests/e2e_sdk.rs, tests/e2e_opensandbox.rs) run,
+# idempotently, every package pinned (tests/e2e/python/*.txt, tests/e2e/package-lock.json):
+#   $E2E_DIR/py-latest       Python venv with `e2b==2.63.0`, the newest the tests were checked against
+#   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
+#   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK
+#   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0)
+# E2E_DIR is $ABX_E2E_DIR, else <repo>/target/e2e. Uses the machine's python3 and npm
+# (Node.js 20.18.1 or newer). Quiet on success; fast when already installed (a marker per
+# install, and every file the installed packages list still there); on failure prints the
 # installer's log and exits non-zero. Every install is bounded (`timeout`), so a registry
 # that stops answering fails the run instead of hanging it. Safe to run concurrently (flock).
 set -euo pipefail
@@ -30,69 +33,64 @@ fail() {
     exit 1
 }
 
-# Finds the package without importing it (importing e2b takes about a second).
-HAS_E2B='import importlib.util, sys; sys.exit(importlib.util.find_spec("e2b") is None)'
+# Every file of every installed distribution is there (a venv whose packages were deleted
+# in part, or whose interpreter moved, is installed again). Reads metadata and stats files,
+# without importing anything (importing e2b takes about a second).
+INTACT='
+import importlib.metadata as md, os, sys
+for d in md.distributions():
+    for f in d.files or ():
+        if "__pycache__" not in f.parts and not os.path.exists(d.locate_file(f)):
+            sys.exit(f"{d.name}: {f} is missing")
+'
 
-# venv NAME PIP-SPEC: a venv at $E2E_DIR/NAME with PIP-SPEC installed.
+# venv NAME MODULE: a venv at $E2E_DIR/NAME with tests/e2e/python/NAME.txt installed, and
+# MODULE importing there.
 venv() {
-    local dir="$E2E_DIR/$1" spec="$2"
-    local marker="$dir/.abx-e2e-installed"
-    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$spec" ] \
-        && "$dir/bin/python" -c "$HAS_E2B" >/dev/null 2>&1; then
+    local dir="$E2E_DIR/$1" module="$2" pins="$ROOT/tests/e2e/python/$1.txt"
+    local marker="$dir/.abx-e2e-installed" want
+    want="$(sha256sum "$pins" | cut -d' ' -f1)"
+    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ] \
+        && "$dir/bin/python" -c "$INTACT" >/dev/null 2>&1; then
         return 0
     fi
     command -v python3 >/dev/null 2>&1 || fail "python3 not found"
     rm -rf "$dir"
     : >"$LOG"
     python3 -m venv "$dir" >>"$LOG" 2>&1 || fail "python3 -m venv $dir failed"
-    timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
-        >>"$LOG" 2>&1 || fail "pip install $spec failed (or took over 600 s)"
-    "$dir/bin/python" -c 'import e2b' >>"$LOG" 2>&1 || fail "e2b does not import in $dir"
-    printf '%s' "$spec" >"$marker"
+    timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
+        -r "$pins" >>"$LOG" 2>&1 || fail "pip install -r $pins failed (or took over 600 s)"
+    "$dir/bin/python" -c "import $module" >>"$LOG" 2>&1 || fail "$module does not import in $dir"
+    printf '%s' "$want" >"$marker"
 }
 
-# Pinned, so a new release cannot turn CI red with no change here: 2.63.0 is the release the
-# captured wire traffic comes from. Raise it on purpose (the marker makes every machine
-# reinstall), as tests/e2e/package.json does for the JS SDK.
-venv py-latest e2b==2.63.0
-venv py250 e2b==2.50.0
+# Pinned, so a new release cannot turn CI red with no change here: e2b 2.63.0 is the release
+# the captured wire traffic comes from, and opensandbox 1.1.1 the one
+# examples/fake_opensandbox.rs was written against. Raise them on purpose (the marker makes
+# every machine reinstall), as tests/e2e/package.json does for the JS SDK. Python first: a
+# machine without npm still gets the venvs, and the JS step says what is missing.
+venv py-latest e2b
+venv py250 e2b
+venv py-opensandbox opensandbox.sync.sandbox
 
-# JS: reinstall when package.json or the lockfile changed since the last install.
-command -v npm >/dev/null 2>&1 || fail "npm not found"
+# JS: reinstall when package.json or the lockfile changed since the last install, or a
+# package the lockfile lists is gone from node_modules.
+command -v npm >/dev/null 2>&1 || fail "npm not found (Node.js 20.18.1 or newer is needed)"
+node -e 'const [a, b, c] = process.versions.node.split(".").map(Number);
+  process.exit(a > 20 || (a === 20 && (b > 18 || (b === 18 && c >= 1))) ? 0 : 1)' \
+    || fail "Node.js $(node --version) is too old: the e2b SDK needs 20.18.1 or newer"
 [ -f "$JS_DIR/package-lock.json" ] || fail "$JS_DIR/package-lock.json is missing"
 want="$(cat "$JS_DIR/package.json" "$JS_DIR/package-lock.json" | sha256sum | cut -d' ' -f1)"
 marker="$JS_DIR/node_modules/.abx-e2e-installed"
+JS_INTACT='const fs = require("fs");
+const lock = JSON.parse(fs.readFileSync("package-lock.json", "utf8"));
+for (const [path, p] of Object.entries(lock.packages || {})) {
+  if (path && !p.optional && !p.dev && !fs.existsSync(path + "/package.json")) process.exit(1);
+}'
 if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$want" ] \
-    || [ ! -f "$JS_DIR/node_modules/e2b/package.json" ]; then
+    || ! (cd "$JS_DIR" && node -e "$JS_INTACT"); then
     : >"$LOG"
     (cd "$JS_DIR" && timeout -k 10 600 npm ci --no-audit --no-fund --loglevel=error) >>"$LOG" 2>&1 \
         || fail "npm ci in $JS_DIR failed (or took over 600 s)"
     printf '%s' "$want" >"$marker"
 fi
-
-# ---------------------------------------------------------------------------------------
-# OpenSandbox (tests/e2e_opensandbox.rs, tests/e2e/opensandbox_test.py):
-#   $E2E_DIR/py-opensandbox   Python venv with the `opensandbox` SDK, pinned to the version
-#                             examples/fake_opensandbox.rs was written against.
-OPENSANDBOX_SPEC="opensandbox==1.1.1"
-HAS_OPENSANDBOX='import importlib.util, sys; sys.exit(importlib.util.find_spec("opensandbox") is None)'
-
-opensandbox_venv() {
-    local dir="$E2E_DIR/py-opensandbox" spec="$OPENSANDBOX_SPEC"
-    local marker="$dir/.abx-e2e-installed"
-    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$spec" ] \
-        && "$dir/bin/python" -c "$HAS_OPENSANDBOX" >/dev/null 2>&1; then
-        return 0
-    fi
-    command -v python3 >/dev/null 2>&1 || fail "python3 not found"
-    rm -rf "$dir"
-    : >"$LOG"
-    python3 -m venv "$dir" >>"$LOG" 2>&1 || fail "python3 -m venv $dir failed"
-    timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q "$spec" \
-        >>"$LOG" 2>&1 || fail "pip install $spec failed (or took over 600 s)"
-    "$dir/bin/python" -c 'import opensandbox.sync.sandbox' >>"$LOG" 2>&1 \
-        || fail "opensandbox does not import in $dir"
-    printf '%s' "$spec" >"$marker"
-}
-
-opensandbox_venv

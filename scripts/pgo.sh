@@ -57,8 +57,8 @@ SUDO=()
 [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
 apt_install() {
     log "installing $*"
-    timeout -k 10 300 "${SUDO[@]}" apt-get update -qq
-    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+    timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
+    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=240 install -y -qq "$@" >/dev/null
 }
 missing=()
 for t in wrk curl python3; do command -v "$t" >/dev/null || missing+=("$t"); done
@@ -68,6 +68,11 @@ for t in wrk curl python3; do command -v "$t" >/dev/null || missing+=("$t"); don
 LLVM_MAJOR=$(rustc -vV | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
 HOST=$(rustc -vV | sed -n 's/^host: //p')
 PROFDATA="$(rustc --print sysroot)/lib/rustlib/$HOST/bin/llvm-profdata"
+# rustup's component matches rustc's LLVM whatever its version; Debian packages only some.
+if [[ ! -x $PROFDATA ]] && command -v rustup >/dev/null; then
+    log "adding rustup's llvm-tools"
+    timeout -k 10 600 rustup component add llvm-tools >/dev/null 2>&1 || true
+fi
 if [[ ! -x $PROFDATA ]]; then
     PROFDATA=$(command -v "llvm-profdata-$LLVM_MAJOR" || true)
     [[ -n $PROFDATA ]] || apt_install "llvm-$LLVM_MAJOR" ||
@@ -83,7 +88,13 @@ log "instrumented build (target/pgo-gen)"
     cargo build --release --locked --bin abx-proxy)
 (cd "$ROOT" && cargo build --release --locked --example bench_upstream --example fake_e2b)
 GEN="$ROOT/target/pgo-gen/release/abx-proxy"
-EXAMPLES="$ROOT/target/release/examples"
+# Where cargo puts its builds: CARGO_TARGET_DIR, as cargo reads it from the repository.
+case "${CARGO_TARGET_DIR:-}" in
+  "") TARGET="$ROOT/target" ;;
+  /*) TARGET="$CARGO_TARGET_DIR" ;;
+  *) TARGET="$ROOT/$CARGO_TARGET_DIR" ;;
+esac
+EXAMPLES="$TARGET/release/examples"
 
 # ---------------------------------------------------------------- 2. training
 for p in $(seq "$BASE_PORT" $((BASE_PORT + 5))); do
