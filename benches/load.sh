@@ -82,11 +82,9 @@ command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
 if ((${#missing[@]})); then
     log "installing ${missing[*]}"
+    "$ROOT/scripts/apt-install.sh" "${missing[@]}"
     SUDO=()
     [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
-    timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
-    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get -o DPkg::Lock::Timeout=240 install -y -qq "${missing[@]}" >/dev/null
     # On a machine run by systemd the packages also start nginx's default site (port 80 on
     # every interface) and HAProxy's service: the runs below start their own on 127.0.0.1.
     if [[ -d /run/systemd/system ]]; then
@@ -106,12 +104,8 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
         bash "$ROOT/scripts/pgo.sh" >/dev/null
     fi
 fi
-# Where cargo puts its builds: CARGO_TARGET_DIR, as cargo reads it from the repository.
-case "${CARGO_TARGET_DIR:-}" in
-  "") TARGET="$ROOT/target" ;;
-  /*) TARGET="$CARGO_TARGET_DIR" ;;
-  *) TARGET="$ROOT/$CARGO_TARGET_DIR" ;;
-esac
+# Where cargo puts its builds, as cargo resolves it (CARGO_TARGET_DIR and the rest).
+TARGET="$("$ROOT/scripts/target-dir.sh")"
 ABX="$TARGET/release/abx-proxy"
 ABX_PGO="$ROOT/target/pgo/release/abx-proxy"
 UPSTREAM_BIN="$TARGET/release/examples/bench_upstream"

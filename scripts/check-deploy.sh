@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-venv=target/tools-venv
+venv="$(scripts/target-dir.sh)/tools-venv"
 # Pinned, so a new release cannot turn CI red with no change here. Raise them on purpose: the
 # marker makes every machine reinstall. The install is bounded, so a registry that stops
 # answering fails the run instead of hanging it.
@@ -56,11 +56,12 @@ check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 check "promtool test rules (alert unit tests)" promtool test rules deploy/prometheus/alerts.test.yml
 
 # systemd-analyze verify insists the ExecStart binary exists: point it at the built one,
-# through a link beside the unit (a checkout path with a space, `#` or `&` in it would split
-# ExecStart's command or the sed expression).
-unit_dir=$(mktemp -d)
+# through a link beside the unit, in a directory of a plain name (a checkout path or TMPDIR
+# with a space, `#`, `&` or a quote in it would split ExecStart's command, the sed
+# expression or the quoting below).
+unit_dir=$(mktemp -d /tmp/abx-unit.XXXXXX)
 trap 'rm -rf "$unit_dir"' EXIT
-bin=$(realpath -m "${CARGO_TARGET_DIR:-target}")/debug/abx-proxy
+bin=$(scripts/target-dir.sh)/debug/abx-proxy
 [ -x "$bin" ] || cargo build --quiet --bin abx-proxy
 ln -s "$bin" "$unit_dir/abx-proxy"
 sed "s#/usr/local/bin/abx-proxy#$unit_dir/abx-proxy#" deploy/systemd/abx-proxy.service > "$unit_dir/abx-proxy.service"

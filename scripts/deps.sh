@@ -2,10 +2,10 @@
 # Installs what the test suite needs beyond the Rust toolchain, idempotently:
 # Debian's prometheus (promtool, for the /metrics format check), systemd (systemd-analyze,
 # for the unit in deploy/), procps (kill), python3-venv (the venvs of scripts/e2e-deps.sh and
-# scripts/check-deploy.sh) and the rustfmt/clippy components; the Python/JS E2B SDKs are
-# installed by scripts/e2e-deps.sh when the e2e test first runs, with the machine's npm
-# (Node.js 20.18.1 or newer, newer than Debian 12 has). Quiet when everything is already
-# there.
+# scripts/check-deploy.sh) and the rustfmt/clippy components (through
+# scripts/apt-install.sh); the Python/JS E2B SDKs are installed by scripts/e2e-deps.sh,
+# which scripts/test.sh runs next, with the machine's npm (Node.js 20.18.1 or newer, newer
+# than Debian 12 has). Quiet when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,15 +19,9 @@ python3 -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 [ -x /bin/kill ] || [ -x /usr/bin/kill ] || need_apt+=(procps)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== installing Debian packages: ${need_apt[*]}"
-  # `sudo -n`: a password prompt in CI fails at once instead of waiting for an answer, and
-  # `timeout` gives up on a mirror that never answers; apt waits up to 4 minutes for a dpkg
-  # lock another apt holds (unattended-upgrades at a VM's boot) instead of failing at once.
-  # sudo drops the caller's environment, so the frontend is passed through env(1).
+  scripts/apt-install.sh "${need_apt[@]}"
   SUDO=()
   [ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
-  timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
-  timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get -o DPkg::Lock::Timeout=240 install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # The package is here for promtool; on a machine run by systemd it also starts a
   # Prometheus server listening on every interface, which the tests do not want.
   if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then

@@ -33,15 +33,29 @@ fail() {
     exit 1
 }
 
-# Every file of every installed distribution is there (a venv whose packages were deleted
-# in part, or whose interpreter moved, is installed again). Reads metadata and stats files,
-# without importing anything (importing e2b takes about a second).
+# The venv holds exactly the pinned packages (pip's own aside), and every file they list
+# is there: a package removed or upgraded by hand, or files deleted, and the venv is
+# installed again. Reads metadata and stats files, without importing anything (importing
+# e2b takes about a second); `-I` keeps the caller's PYTHONPATH and directory out of it.
 INTACT='
-import importlib.metadata as md, os, sys
+import importlib.metadata as md, os, re, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+pins = {}
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, version = line.split("==")
+        pins[norm(name)] = version
+found = {}
 for d in md.distributions():
+    if norm(d.name) in ("pip", "setuptools", "wheel"):
+        continue
+    found[norm(d.name)] = d.version
     for f in d.files or ():
         if "__pycache__" not in f.parts and not os.path.exists(d.locate_file(f)):
             sys.exit(f"{d.name}: {f} is missing")
+if found != pins:
+    sys.exit(f"installed {sorted(found.items())}, pinned {sorted(pins.items())}")
 '
 
 # venv NAME MODULE: a venv at $E2E_DIR/NAME with tests/e2e/python/NAME.txt installed, and
@@ -51,7 +65,7 @@ venv() {
     local marker="$dir/.abx-e2e-installed" want
     want="$(sha256sum "$pins" | cut -d' ' -f1)"
     if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ] \
-        && "$dir/bin/python" -c "$INTACT" >/dev/null 2>&1; then
+        && "$dir/bin/python" -I -c "$INTACT" "$pins" >/dev/null 2>&1; then
         return 0
     fi
     command -v python3 >/dev/null 2>&1 || fail "python3 not found"
@@ -74,7 +88,8 @@ venv py250 e2b
 venv py-opensandbox opensandbox.sync.sandbox
 
 # JS: reinstall when package.json or the lockfile changed since the last install, or a
-# package the lockfile lists is gone from node_modules.
+# package the lockfile lists is gone from node_modules (its package.json; files deleted
+# inside a package are not looked for).
 command -v npm >/dev/null 2>&1 || fail "npm not found (Node.js 20.18.1 or newer is needed)"
 node -e 'const [a, b, c] = process.versions.node.split(".").map(Number);
   process.exit(a > 20 || (a === 20 && (b > 18 || (b === 18 && c >= 1))) ? 0 : 1)' \

@@ -53,12 +53,9 @@ die() { printf 'pgo.sh: %s\n' "$*" >&2; exit 1; }
 
 # ---------------------------------------------------------------- tools
 export PATH="$PATH:/usr/sbin:/sbin"
-SUDO=()
-[[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
 apt_install() {
     log "installing $*"
-    timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq
-    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=240 install -y -qq "$@" >/dev/null
+    "$ROOT/scripts/apt-install.sh" "$@"
 }
 missing=()
 for t in wrk curl python3; do command -v "$t" >/dev/null || missing+=("$t"); done
@@ -88,12 +85,8 @@ log "instrumented build (target/pgo-gen)"
     cargo build --release --locked --bin abx-proxy)
 (cd "$ROOT" && cargo build --release --locked --example bench_upstream --example fake_e2b)
 GEN="$ROOT/target/pgo-gen/release/abx-proxy"
-# Where cargo puts its builds: CARGO_TARGET_DIR, as cargo reads it from the repository.
-case "${CARGO_TARGET_DIR:-}" in
-  "") TARGET="$ROOT/target" ;;
-  /*) TARGET="$CARGO_TARGET_DIR" ;;
-  *) TARGET="$ROOT/$CARGO_TARGET_DIR" ;;
-esac
+# Where cargo puts its builds, as cargo resolves it (CARGO_TARGET_DIR and the rest).
+TARGET="$("$ROOT/scripts/target-dir.sh")"
 EXAMPLES="$TARGET/release/examples"
 
 # ---------------------------------------------------------------- 2. training

@@ -68,13 +68,7 @@ log() { echo "soak: $*" >&2; }
 # ---- tools and binaries -------------------------------------------------------------------
 if ! command -v wrk >/dev/null; then
     log "installing wrk"
-    # Bounded: a mirror that never answers fails the soak instead of hanging it. Through
-    # `sudo -n` unless root: a password prompt fails at once.
-    SUDO=()
-    [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
-    timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq >/dev/null
-    timeout -k 10 600 "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get -o DPkg::Lock::Timeout=240 install -y -qq wrk >/dev/null
+    "$ROOT/scripts/apt-install.sh" wrk
 fi
 for tool in curl timeout; do
     command -v "$tool" >/dev/null || { log "$tool is required"; exit 1; }
@@ -83,12 +77,8 @@ if [[ -z "${SKIP_BUILD:-}" ]]; then
     log "building (release)"
     (cd "$ROOT" && cargo build --release --locked --quiet --bin abx-proxy --example soak_upstream)
 fi
-# Where cargo puts its builds: CARGO_TARGET_DIR, as cargo reads it from the repository.
-case "${CARGO_TARGET_DIR:-}" in
-  "") TARGET="$ROOT/target" ;;
-  /*) TARGET="$CARGO_TARGET_DIR" ;;
-  *) TARGET="$ROOT/$CARGO_TARGET_DIR" ;;
-esac
+# Where cargo puts its builds, as cargo resolves it (CARGO_TARGET_DIR and the rest).
+TARGET="$("$ROOT/scripts/target-dir.sh")"
 PROXY_BIN="$TARGET/release/abx-proxy"
 UPSTREAM_BIN="$TARGET/release/examples/soak_upstream"
 

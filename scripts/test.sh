@@ -9,7 +9,7 @@ scripts/deps.sh
 # The SDKs the end-to-end tests drive, before the build: a missing npm or a failing registry
 # shows in the first minute, not after the build (the tests then find them installed).
 echo "== end-to-end test SDKs (scripts/e2e-deps.sh)"
-ABX_E2E_DIR="$(realpath -m "${CARGO_TARGET_DIR:-target}")/e2e" scripts/e2e-deps.sh
+ABX_E2E_DIR="$(scripts/target-dir.sh)/e2e" scripts/e2e-deps.sh
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

@@ -1,5 +1,5 @@
 //! End-to-end gate: the real, unmodified E2B SDKs ("latest": Python 2.63.0 and JS 2.51.0,
-//! the newest checked, pinned in `scripts/e2e-deps.sh` and `tests/e2e/package.json`; and
+//! the newest checked, pinned in `tests/e2e/python/` and `tests/e2e/package.json`; and
 //! both at 2.50.0) talk to `abx-proxy` with a dummy key; the proxy talks to the fake E2B cloud
 //! (`examples/fake_e2b.rs`), which checks every request it gets (the real key as Bearer on
 //! the control plane, no client key anywhere, the right envd token per sandbox, …).
