@@ -1358,4 +1358,12 @@ async fn a_plain_field_reading_another_plugins_key_is_refused_at_run_time() {
     }
     let out = abx(h, &env, &["check", "--offline"]).await;
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    // The owner of the key does nothing wrong: selected, it starts.
+    let owner = [
+        ("ABX_PROVIDER", "bearerco"),
+        ("VENDOR_KEY", "vendor-key-Zq5Rs7Tv9"),
+    ];
+    let out = abx(h, &owner, &["check", "--offline"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!text(&out).contains("[E8001]"), "{}", text(&out));
 }

@@ -889,6 +889,9 @@ fn an_unknown_providers_error_shows_no_resolved_secret() {
         assert_eq!(out.code, 78, "{}", out.stderr);
         assert!(!out.stderr.contains("zq8"), "{}", out.stderr);
         assert!(out.stderr.contains(shown), "{shown}: {}", out.stderr);
+        // And the `provider` row of `config list` below the warning.
+        let out = c.run(&["config", "list"]);
+        assert!(!out.stdout.contains("zq8"), "{}", out.stdout);
     }
 }
 

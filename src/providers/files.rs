@@ -1,180 +1,162 @@
-//! An installed plugin's two files, its manifest and its consent receipt, written and read
-//! as one pair: a proxy starting, `check` or a reload reading while `provider install`
-//! writes sees the old pair or the new one, never the new manifest beside the old receipt
-//! (whose consent, given to another manifest, would not count).
+//! How `provider install` writes an installed plugin's files: each replaced whole (written
+//! and synced beside its target, then renamed over it), and one install of a plugin at a
+//! time. The order of the renames, which keeps what readers see consistent without their
+//! taking any lock, is [`super::install`]'s.
 //!
-//! The installer holds an exclusive `flock` on `.abx-install.lock` in the plugin's
-//! directory while it renames both into place (so two installs of one id take turns too);
-//! a reader that finds the two out of step takes the lock shared, which waits out an
-//! install in progress, and reads again. Readers of a pair in step take no lock.
+//! The installers' lock is an exclusive `flock` on `.abx-install.lock` in the plugin's
+//! directory, waited for at most [`INSTALL_WAIT`]: two installs of one id at once could
+//! otherwise leave one's manifest beside the other's receipt for good.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 
-const LOCK_FILE: &str = ".abx-install.lock";
+pub const LOCK_FILE: &str = ".abx-install.lock";
 
-/// How long a reader waits for an install in progress, which renames two files: the wait
-/// runs where settings are read (a reload, on the runtime with the admin listener), and a
-/// stopped installer must not hold that up for long.
-const READER_WAIT: Duration = Duration::from_secs(2);
+/// How long an install waits for another install of the same plugin.
+const INSTALL_WAIT: Duration = Duration::from_secs(30);
 
-/// Writes `files` (name, contents) into `dir`, each replacing its old one whole: all are
-/// written and synced beside their targets first, then renamed into place one after the
-/// other under the lock.
-pub fn write_pair(dir: &Path, files: [(&str, &[u8]); 2]) -> io::Result<()> {
-    let lock = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join(LOCK_FILE))?;
-    flock(&lock, FlockOperation::LockExclusive)?;
-    let mut temps: Vec<(PathBuf, &str)> = Vec::new();
-    let mut written = || -> io::Result<()> {
-        for (name, bytes) in files {
-            temps.push((prepare(dir, name, bytes)?, name));
+/// Held while a plugin's files are replaced; released when dropped.
+pub struct InstallLock(#[allow(dead_code)] File);
+
+impl InstallLock {
+    /// Takes the lock of the plugin directory `dir`, waiting at most [`INSTALL_WAIT`] for
+    /// an install in progress (saying so once), then failing with `WouldBlock`.
+    pub fn take(dir: &Path) -> io::Result<Self> {
+        let path = dir.join(LOCK_FILE);
+        // Without waiting: a FIFO put there would block the open. A lock file this user
+        // may not write (mode 0444) still takes a lock through a read-only descriptor.
+        let open = |write: bool| {
+            OpenOptions::new()
+                .read(true)
+                .write(write)
+                .create(write)
+                .truncate(false)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(&path)
+        };
+        let file = match open(true) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => open(false)?,
+            opened => opened?,
+        };
+        if !file.metadata()?.is_file() {
+            return Err(io::Error::other(format!(
+                "{} is not a regular file",
+                path.display()
+            )));
         }
-        for (temp, name) in &temps {
-            std::fs::rename(temp, dir.join(name))?;
-        }
-        Ok(())
-    };
-    let result = written();
-    for (temp, _) in &temps {
-        // Renamed away on success: only a failure leaves one to remove.
-        let _ = std::fs::remove_file(temp);
-    }
-    if result.is_ok() {
-        // The renames themselves, on disk before the command says it installed.
-        let _ = File::open(dir).and_then(|d| d.sync_all());
-    }
-    result
-}
-
-/// `name`'s new contents in a file of its own beside it, synced, with the old file's
-/// permissions (a `chmod 600` survives a reinstall).
-fn prepare(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<PathBuf> {
-    let temp = dir.join(format!(".{name}.new"));
-    // Under the lock no other install writes here: one found is a crashed install's.
-    let _ = std::fs::remove_file(&temp);
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temp)?;
-    if let Ok(old) = std::fs::metadata(dir.join(name)) {
-        file.set_permissions(old.permissions())?;
-    }
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    Ok(temp)
-}
-
-/// The two files `names` of `dir` (the second may be missing), read through the bounded
-/// reader. When `in_step` says they are not, an install may be between its two renames:
-/// read again once it is over. A pair still out of step after that (a manifest edited by
-/// hand) is returned as it is.
-pub fn read_pair(
-    dir: &Path,
-    names: [&str; 2],
-    in_step: impl Fn(&[u8], Option<&[u8]>) -> bool,
-) -> io::Result<(Vec<u8>, Option<Vec<u8>>)> {
-    let read = || -> io::Result<(Vec<u8>, Option<Vec<u8>>)> {
-        let first = crate::watched::read_regular(&dir.join(names[0]))?;
-        let second = crate::watched::read_regular(&dir.join(names[1])).ok();
-        Ok((first, second))
-    };
-    let pair = read()?;
-    if in_step(&pair.0, pair.1.as_deref()) {
-        return Ok(pair);
-    }
-    let Ok(lock) = File::open(dir.join(LOCK_FILE)) else {
-        return Ok(pair);
-    };
-    let deadline = Instant::now() + READER_WAIT;
-    loop {
-        match flock(&lock, FlockOperation::NonBlockingLockShared) {
-            Ok(()) => return read(),
-            Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5));
+        let deadline = Instant::now() + INSTALL_WAIT;
+        let mut said = false;
+        loop {
+            match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(InstallLock(file)),
+                Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => {
+                    if !said {
+                        eprintln!("waiting for another install of this provider to finish");
+                        said = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.into()),
             }
-            Err(_) => return Ok(pair),
         }
     }
+}
+
+/// Replaces `dir/name` with `bytes` whole: a reader sees the old file or the new one, never
+/// one cut short. The old file's permissions are kept (a `chmod 600` survives a reinstall).
+/// Only under [`InstallLock`], whose holder alone writes the temporary file.
+pub fn replace(dir: &Path, name: &str, bytes: &[u8], _lock: &InstallLock) -> io::Result<()> {
+    let temp = dir.join(format!(".{name}.new"));
+    // One found is a crashed install's.
+    let _ = std::fs::remove_file(&temp);
+    let written = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)?;
+        if let Ok(old) = std::fs::metadata(dir.join(name)) {
+            file.set_permissions(old.permissions())?;
+        }
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&temp, dir.join(name))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written?;
+    // The rename itself on disk before the command says it installed.
+    let _ = File::open(dir).and_then(|d| d.sync_all());
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const NAMES: [&str; 2] = ["manifest", "receipt"];
-
-    fn in_step(a: &[u8], b: Option<&[u8]>) -> bool {
-        b.is_some_and(|b| a.last() == b.last())
-    }
-
-    /// A reader that finds the new manifest beside the old receipt (an install between
-    /// its renames) waits for the install to end and reads the new pair.
-    #[test]
-    fn a_reader_waits_out_an_install_between_its_renames() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let d = dir.path().to_path_buf();
-        write_pair(&d, [(NAMES[0], b"m1"), (NAMES[1], b"r1")]).expect("installed");
-        // An install in progress: the lock held, the manifest renamed, not yet the receipt.
-        let lock = File::open(d.join(LOCK_FILE)).expect("lock file");
-        flock(&lock, FlockOperation::LockExclusive).expect("locked");
-        std::fs::write(d.join(NAMES[0]), "m2").expect("new manifest");
-        let (saw, seen) = std::sync::mpsc::channel();
-        let reader = std::thread::spawn(move || {
-            read_pair(&d, NAMES, |a, b| {
-                let _ = saw.send(());
-                in_step(a, b)
-            })
-        });
-        seen.recv().expect("the reader read the pair out of step");
-        std::fs::write(dir.path().join(NAMES[1]), "r2").expect("new receipt");
-        drop(lock);
-        let (a, b) = reader.join().expect("reader").expect("read");
-        assert_eq!((a.as_slice(), b.as_deref()), (&b"m2"[..], Some(&b"r2"[..])));
-    }
-
-    /// A pair out of step with no install running (a manifest edited by hand) is read as
-    /// it is, at once; so is one never installed through the lock.
-    #[test]
-    fn a_pair_out_of_step_by_hand_is_read_as_it_is() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let d = dir.path();
-        std::fs::write(d.join(NAMES[0]), "m1").expect("manifest");
-        let (a, b) = read_pair(d, NAMES, in_step).expect("read without a lock file");
-        assert_eq!((a.as_slice(), b), (&b"m1"[..], None));
-        write_pair(d, [(NAMES[0], b"m1"), (NAMES[1], b"r1")]).expect("installed");
-        std::fs::write(d.join(NAMES[0]), "m2").expect("edited");
-        let (a, b) = read_pair(d, NAMES, in_step).expect("read");
-        assert_eq!((a.as_slice(), b.as_deref()), (&b"m2"[..], Some(&b"r1"[..])));
-    }
-
-    /// A reinstall keeps the files' permissions and leaves no temporary file, also after
+    /// A reinstall keeps the file's permissions and leaves no temporary file, also after
     /// one a crashed install left.
     #[test]
-    fn a_write_keeps_permissions_and_leaves_nothing_behind() {
+    fn a_replace_keeps_permissions_and_leaves_nothing_behind() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("temp dir");
         let d = dir.path();
-        write_pair(d, [(NAMES[0], b"m1"), (NAMES[1], b"r1")]).expect("installed");
+        let lock = InstallLock::take(d).expect("lock");
+        replace(d, "manifest", b"m1", &lock).expect("installed");
         let mode = std::fs::Permissions::from_mode(0o600);
-        std::fs::set_permissions(d.join(NAMES[0]), mode).expect("chmod");
+        std::fs::set_permissions(d.join("manifest"), mode).expect("chmod");
         std::fs::write(d.join(".manifest.new"), "crashed").expect("left behind");
-        write_pair(d, [(NAMES[0], b"m2"), (NAMES[1], b"r2")]).expect("installed again");
-        let meta = std::fs::metadata(d.join(NAMES[0])).expect("manifest");
+        replace(d, "manifest", b"m2", &lock).expect("installed again");
+        let meta = std::fs::metadata(d.join("manifest")).expect("manifest");
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read(d.join(NAMES[0])).expect("read"), b"m2");
+        assert_eq!(std::fs::read(d.join("manifest")).expect("read"), b"m2");
         let mut names: Vec<_> = std::fs::read_dir(d)
             .expect("dir")
             .map(|e| e.expect("entry").file_name())
             .collect();
         names.sort();
-        assert_eq!(names, [LOCK_FILE, NAMES[0], NAMES[1]]);
+        assert_eq!(names, [LOCK_FILE, "manifest"]);
+    }
+
+    /// One install at a time; a lock file that is no regular file (a FIFO would block
+    /// the open) is refused at once; one this user may only read still locks.
+    #[test]
+    fn the_lock_is_one_installs_and_never_blocks_on_a_fifo() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = dir.path();
+        let held = InstallLock::take(d).expect("lock");
+        let file = File::open(d.join(LOCK_FILE)).expect("lock file");
+        assert!(
+            flock(&file, FlockOperation::NonBlockingLockShared).is_err(),
+            "held exclusively"
+        );
+        drop(held);
+        assert!(flock(&file, FlockOperation::NonBlockingLockShared).is_ok());
+        drop(file);
+
+        std::fs::set_permissions(d.join(LOCK_FILE), std::fs::Permissions::from_mode(0o444))
+            .expect("chmod");
+        // Root writes a 0444 file anyway; elsewhere this takes the read-only way.
+        InstallLock::take(d).expect("a read-only lock file locks");
+
+        let fifo = tempfile::tempdir().expect("temp dir");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            fifo.path().join(LOCK_FILE),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .expect("mkfifo");
+        let e = InstallLock::take(fifo.path())
+            .err()
+            .expect("a FIFO is refused");
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 }

@@ -37,11 +37,34 @@ struct Receipt {
     manifest_sha256: String,
     installed_at: u64,
     consent: Consent,
+    /// While a reinstall replaces the manifest, the consent on record for the one it
+    /// replaces (see [`install`]); gone once the new manifest is in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    previous: Option<Previous>,
 }
 
-#[derive(serde::Serialize, serde::Deserialize, Default)]
+#[derive(serde::Serialize, serde::Deserialize, Clone)]
+struct Previous {
+    manifest_sha256: String,
+    consent: Consent,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Default, Clone)]
 struct Consent {
     inherit: Vec<String>,
+}
+
+impl Receipt {
+    /// The consent this receipt records for the manifest whose hash is `sha`, if any.
+    fn consent_for(&self, sha: &str) -> Option<&Consent> {
+        if self.manifest_sha256 == sha {
+            return Some(&self.consent);
+        }
+        self.previous
+            .as_ref()
+            .filter(|p| p.manifest_sha256 == sha)
+            .map(|p| &p.consent)
+    }
 }
 
 fn providers_dir(abx_home: &Path) -> PathBuf {
@@ -54,6 +77,17 @@ fn sha256_hex(bytes: &[u8]) -> String {
 
 /// Installs `file` under `abx_home`; records consent for its inherit list only when given.
 pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed, Error> {
+    install_observed(abx_home, file, consent, || {})
+}
+
+/// [`install`], calling `after_step` after each file it replaces: what a reader may find
+/// between them.
+fn install_observed(
+    abx_home: &Path,
+    file: &Path,
+    consent: bool,
+    mut after_step: impl FnMut(),
+) -> Result<Installed, Error> {
     // Bounded as `load` reads the copy (a pipe is fine here: it is read once).
     let text = std::fs::File::open(file)
         .and_then(crate::watched::read_bounded)
@@ -63,19 +97,34 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
         })?;
     let text_str = String::from_utf8_lossy(&text);
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
-    shares_no_secret(abx_home, &manifest, &file.display().to_string())?;
+    shares_no_secret(abx_home, &manifest, &file.display().to_string(), true)?;
     let dir = providers_dir(abx_home).join(&manifest.id);
     let write_err = |path: &Path, e: std::io::Error| Error::WriteFile {
         path: path.display().to_string(),
         reason: e.kind().to_string(),
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
+    let lock =
+        files::InstallLock::take(&dir).map_err(|e| write_err(&dir.join(files::LOCK_FILE), e))?;
     let consented = if consent {
         manifest.inherit.clone()
     } else {
         Vec::new()
     };
-    let receipt = Receipt {
+    // A proxy starting, `check` or a reload may read between the renames below, and takes
+    // no lock: each step leaves a pair that reads as the old install or the new one. First
+    // the new receipt, which also keeps the consent given to the manifest in place (a
+    // receipt alone installs nothing), then the new manifest, then the receipt without
+    // the old consent.
+    let previous = installed_pair(&dir).and_then(|(old_text, old)| {
+        let sha = sha256_hex(&old_text);
+        let consent = old.consent_for(&sha)?.clone();
+        Some(Previous {
+            manifest_sha256: sha,
+            consent,
+        })
+    });
+    let mut receipt = Receipt {
         id: manifest.id.clone(),
         manifest_sha256: sha256_hex(&text),
         installed_at: std::time::SystemTime::now()
@@ -84,10 +133,20 @@ pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed,
         consent: Consent {
             inherit: consented.clone(),
         },
+        previous,
     };
-    let json = serde_json::to_vec_pretty(&receipt).unwrap_or_default();
-    files::write_pair(&dir, [(MANIFEST_FILE, &text), (RECEIPT_FILE, &json)])
-        .map_err(|e| write_err(&dir, e))?;
+    let json = |r: &Receipt| serde_json::to_vec_pretty(r).unwrap_or_default();
+    let mut replace = |name: &str, bytes: &[u8]| {
+        files::replace(&dir, name, bytes, &lock).map_err(|e| write_err(&dir.join(name), e))?;
+        after_step();
+        Ok::<(), Error>(())
+    };
+    replace(RECEIPT_FILE, &json(&receipt))?;
+    replace(MANIFEST_FILE, &text)?;
+    if receipt.previous.take().is_some() {
+        replace(RECEIPT_FILE, &json(&receipt))?;
+    }
+    drop(lock);
     Ok(Installed {
         manifest,
         dir,
@@ -116,11 +175,16 @@ pub fn installed_secrets(abx_home: &Path, layers: &RawLayers) -> Vec<Secret> {
 /// Each provider's variables are its own: a plain field of one reading what a secret
 /// field of another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
 /// `sandbox_api_key` and provider `open-sandbox`'s key) would show that key in clear and,
-/// as a host, send it there. Checked both ways against the plugins installed, by
-/// `provider install` and again for the selected plugin whenever settings are read (a
-/// manifest installed before this check, placed by hand, or installed while the other was
-/// unreadable).
-pub fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(), Error> {
+/// as a host, send it there. Checked both ways against the plugins installed by `provider
+/// install` (`both_ways`), and for the selected plugin as the reader whenever settings are
+/// read (a manifest installed before this check, placed by hand, or installed while the
+/// other was unreadable): the owner of the secret does nothing wrong, and starts.
+pub fn shares_no_secret(
+    abx_home: &Path,
+    new: &Manifest,
+    path: &str,
+    both_ways: bool,
+) -> Result<(), Error> {
     let clash = |reader: &Manifest, owner: &Manifest| {
         let secrets: Vec<String> = owner.env_names_of(true).collect();
         reader.env_names_of(false).find(|v| secrets.contains(v))
@@ -130,7 +194,8 @@ pub fn shares_no_secret(abx_home: &Path, new: &Manifest, path: &str) -> Result<(
         if other.id == new.id {
             continue;
         }
-        let (variable, reader, owner) = match (clash(new, &other), clash(&other, new)) {
+        let as_owner = both_ways.then(|| clash(&other, new)).flatten();
+        let (variable, reader, owner) = match (clash(new, &other), as_owner) {
             (Some(v), _) => (v, &new.id, &other.id),
             (None, Some(v)) => (v, &other.id, &new.id),
             (None, None) => continue,
@@ -157,11 +222,8 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     let dir = providers_dir(abx_home).join(id);
     let path = dir.join(MANIFEST_FILE);
     // Through the bounded reader: a reload reads it again, on the runtime that serves.
-    let pair = files::read_pair(&dir, [MANIFEST_FILE, RECEIPT_FILE], |text, receipt| {
-        receipt_of(receipt).is_some_and(|r| r.id == id && r.manifest_sha256 == sha256_hex(text))
-    });
-    let (text, receipt) = match pair {
-        Ok(pair) => pair,
+    let text = match crate::watched::read_regular(&path) {
+        Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
             return Err(Error::ReadFile {
@@ -181,13 +243,18 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             ),
         });
     }
-    let consented = match receipt_of(receipt.as_deref()) {
-        Some(r) if r.manifest_sha256 == sha256_hex(&text) && r.id == manifest.id => r
-            .consent
-            .inherit
-            .into_iter()
-            .filter(|k| manifest.inherit.contains(k))
-            .collect(),
+    let sha = sha256_hex(&text);
+    let consented = match read_receipt(&dir) {
+        Some(r) if r.id == manifest.id => r
+            .consent_for(&sha)
+            .map(|c| {
+                c.inherit
+                    .iter()
+                    .filter(|k| manifest.inherit.contains(k))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default(),
         _ => Vec::new(),
     };
     Ok(Some(Installed {
@@ -197,8 +264,15 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     }))
 }
 
-fn receipt_of(bytes: Option<&[u8]>) -> Option<Receipt> {
-    serde_json::from_slice(bytes?).ok()
+fn read_receipt(dir: &Path) -> Option<Receipt> {
+    let bytes = crate::watched::read_regular(&dir.join(RECEIPT_FILE)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The manifest installed in `dir` and its receipt, as they are.
+fn installed_pair(dir: &Path) -> Option<(Vec<u8>, Receipt)> {
+    let text = crate::watched::read_regular(&dir.join(MANIFEST_FILE)).ok()?;
+    Some((text, read_receipt(dir)?))
 }
 
 /// Every installed plugin, by id.
@@ -496,6 +570,52 @@ default = "eu-1"
         for text in [&cases[1].0, &staging, &staging] {
             install_text(home.path(), text).expect("installs");
         }
+    }
+
+    /// What a proxy starting, `check` or a reload finds between the files a reinstall
+    /// replaces (it takes no lock): the old install's consent or the new one's, never a
+    /// new manifest beside a receipt that withdraws the consent given to either.
+    #[test]
+    fn a_reader_between_a_reinstalls_steps_sees_the_old_install_or_the_new() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let h = home.path();
+        let inheriting = |extra: &str| {
+            manifest_of(
+                "acme",
+                &format!("{extra}[core]\ninherit = [\"sandbox_api_key\"]\n"),
+            )
+        };
+        let file = h.join("m.toml");
+        let consents = |text: &str, consent: bool| {
+            std::fs::write(&file, text).expect("manifest written");
+            let mut seen = Vec::new();
+            install_observed(h, &file, consent, || {
+                let installed = load(h, "acme").expect("loads");
+                seen.push(installed.map(|i| i.consented));
+            })
+            .expect("installed");
+            seen
+        };
+        let yes = Some(vec!["sandbox_api_key".to_string()]);
+        let no = Some(vec![]);
+        // A first install: nothing installed until the manifest is there, with its consent.
+        assert_eq!(consents(&inheriting(""), true), [None, yes.clone()]);
+        // Another manifest, consented again: the old one's consent until it is replaced.
+        let changed = inheriting("[config.fields.region]\n");
+        assert_eq!(
+            consents(&changed, true),
+            [yes.clone(), yes.clone(), yes.clone()]
+        );
+        // The same one again without consent: withdrawn at the first step.
+        assert_eq!(
+            consents(&changed, false),
+            [no.clone(), no.clone(), no.clone()]
+        );
+        // Another, consented, after an install without: none until it is in place.
+        assert_eq!(
+            consents(&inheriting(""), true),
+            [no.clone(), yes.clone(), yes]
+        );
     }
 
     /// A proxy starting, `check` or a reload reading the manifest as it is installed

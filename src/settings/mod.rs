@@ -209,6 +209,9 @@ pub struct Resolved {
     /// Every layer's raw maps, kept for plugin provider fields.
     pub layers: RawLayers,
     pub warnings: Vec<String>,
+    /// The secret field values of every installed plugin, selected or not: masked in what
+    /// is printed as the selected one's are (a key pasted as another setting's value).
+    installed_secrets: Vec<Secret>,
 }
 
 /// The layers as read, by env name (env, `.env` files) or key (toml, flags).
@@ -374,11 +377,17 @@ impl Resolved {
                 e.source = Source::Default;
             }
         }
+        let installed_secrets = inputs
+            .abx_home
+            .as_deref()
+            .map(|home| providers::installed_secrets(home, &layers))
+            .unwrap_or_default();
         let mut resolved = Resolved {
             entries,
             abx_home: inputs.abx_home.clone(),
             layers,
             warnings,
+            installed_secrets,
         };
         resolved.settle_skipped(skipped, skipped_at)?;
         Ok(resolved)
@@ -435,10 +444,12 @@ impl Resolved {
         }
     }
 
-    /// Every secret that resolved, the selected plugin's secret fields included: what
-    /// [`shown()`] hides in the values printed.
+    /// Every secret that resolved, the plugins' secret fields included: what [`shown()`]
+    /// hides in the values printed.
     pub fn secrets(&self) -> Vec<Secret> {
-        secrets_of(&self.values())
+        let mut secrets = secrets_of(&self.values());
+        secrets.extend(self.installed_secrets.iter().cloned());
+        secrets
     }
 
     /// Every value that resolved, the selected plugin's fields included.
@@ -522,9 +533,7 @@ impl Resolved {
                 .filter_map(|e| e.value.clone())
                 .collect();
             let mut secrets = secrets_of(&values);
-            if let Some(home) = self.abx_home.as_deref() {
-                secrets.extend(providers::installed_secrets(home, &self.layers));
-            }
+            secrets.extend(self.installed_secrets.iter().cloned());
             Error::UnknownProvider {
                 id: shown(id, &secrets),
             }
@@ -532,7 +541,12 @@ impl Resolved {
         let home = self.abx_home.as_deref().ok_or_else(unknown)?;
         let installed = providers::load(home, id)?.ok_or_else(unknown)?;
         let path = installed.dir.join(providers::MANIFEST_FILE);
-        providers::shares_no_secret(home, &installed.manifest, &path.display().to_string())?;
+        providers::shares_no_secret(
+            home,
+            &installed.manifest,
+            &path.display().to_string(),
+            false,
+        )?;
         let core_key = self
             .secret(Key::SandboxApiKey)
             .map(|k| (k, self.entry(Key::SandboxApiKey).source));

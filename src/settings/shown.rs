@@ -115,8 +115,9 @@ fn url_masked(value: &str) -> String {
     out
 }
 
-/// A host as a scheme-less URL names one: a dotted name or address, `localhost`, or
-/// either with a port.
+/// A host as a scheme-less URL names one: a dotted name or address, `localhost`, a
+/// bracketed IPv6 address, or any of them with a port. (A single-label name, `gw?t=…`, is
+/// not told from a plain value; validation refuses its query anyway.)
 fn host_like(authority: &str) -> bool {
     let host = match authority.rsplit_once(':') {
         Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
@@ -124,7 +125,7 @@ fn host_like(authority: &str) -> bool {
         }
         _ => authority,
     };
-    host.contains('.') || host.eq_ignore_ascii_case("localhost")
+    host.contains('.') || host.eq_ignore_ascii_case("localhost") || host.starts_with('[')
 }
 
 /// `name=****`; a parameter without `=` may be a bare token, and is masked whole.
@@ -167,6 +168,7 @@ mod tests {
             ("localhost:8080?sig=x#f", "localhost:8080?sig=****#f"),
             ("h.example/?sig=x", "h.example/?sig=****"),
             ("ns:12?x=1", "ns:12?x=****"),
+            ("[::1]?sig=x", "[::1]?sig=****"),
             // Plain values that are no URLs: no host, or no query.
             ("h:?x", "h:?x"),
             (":80?x=1", ":80?x=1"),
