@@ -28,15 +28,17 @@ impl InstallLock {
     /// an install in progress (saying so once), then failing with `WouldBlock`.
     pub fn take(dir: &Path) -> io::Result<Self> {
         let path = dir.join(LOCK_FILE);
-        // Without waiting: a FIFO put there would block the open. A lock file this user
-        // may not write (mode 0444) still takes a lock through a read-only descriptor.
+        // Without waiting: a FIFO put there would block the open; nor through a link, which
+        // would create its target elsewhere. A lock file this user may not write (mode
+        // 0444) still takes a lock through a read-only descriptor.
+        let flags = rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOFOLLOW;
         let open = |write: bool| {
             OpenOptions::new()
                 .read(true)
                 .write(write)
                 .create(write)
                 .truncate(false)
-                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .custom_flags(flags.bits() as i32)
                 .open(&path)
         };
         let file = match open(true) {
@@ -45,8 +47,8 @@ impl InstallLock {
         };
         if !file.metadata()?.is_file() {
             return Err(io::Error::other(format!(
-                "{} is not a regular file",
-                path.display()
+                "not a regular file ({})",
+                crate::watched::kind_of(&path)
             )));
         }
         let deadline = Instant::now() + INSTALL_WAIT;
@@ -60,6 +62,16 @@ impl InstallLock {
                         said = true;
                     }
                     std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(rustix::io::Errno::WOULDBLOCK) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        format!(
+                            "another install of this provider held the lock for {} s; \
+                             install again once it is over",
+                            INSTALL_WAIT.as_secs()
+                        ),
+                    ))
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -157,6 +169,12 @@ mod tests {
         let e = InstallLock::take(fifo.path())
             .err()
             .expect("a FIFO is refused");
-        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert_eq!(e.to_string(), "not a regular file (a FIFO)");
+        // Nor through a link: its target would be created elsewhere.
+        let linked = tempfile::tempdir().expect("temp dir");
+        let target = linked.path().join("elsewhere");
+        std::os::unix::fs::symlink(&target, linked.path().join(LOCK_FILE)).expect("link");
+        assert!(InstallLock::take(linked.path()).is_err());
+        assert!(!target.exists(), "created through the link");
     }
 }

@@ -101,7 +101,7 @@ fn install_observed(
     let dir = providers_dir(abx_home).join(&manifest.id);
     let write_err = |path: &Path, e: std::io::Error| Error::WriteFile {
         path: path.display().to_string(),
-        reason: e.kind().to_string(),
+        reason: crate::watched::reason(&e),
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
     let lock =
@@ -116,14 +116,17 @@ fn install_observed(
     // the new receipt, which also keeps the consent given to the manifest in place (a
     // receipt alone installs nothing), then the new manifest, then the receipt without
     // the old consent.
-    let previous = installed_pair(&dir).and_then(|(old_text, old)| {
-        let sha = sha256_hex(&old_text);
-        let consent = old.consent_for(&sha)?.clone();
-        Some(Previous {
-            manifest_sha256: sha,
-            consent,
-        })
-    });
+    // The consent a reader grants the manifest in place (under the lock, no other install
+    // changes it), as `load` grants it: the receipt's id, the manifest's own inherit list.
+    let previous = crate::watched::read_regular(&dir.join(MANIFEST_FILE))
+        .ok()
+        .zip(load(abx_home, &manifest.id).ok().flatten())
+        .map(|(old_text, old)| Previous {
+            manifest_sha256: sha256_hex(&old_text),
+            consent: Consent {
+                inherit: old.consented,
+            },
+        });
     let mut receipt = Receipt {
         id: manifest.id.clone(),
         manifest_sha256: sha256_hex(&text),
@@ -222,8 +225,8 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     let dir = providers_dir(abx_home).join(id);
     let path = dir.join(MANIFEST_FILE);
     // Through the bounded reader: a reload reads it again, on the runtime that serves.
-    let text = match crate::watched::read_regular(&path) {
-        Ok(text) => text,
+    let (text, receipt) = match read_in_step(&dir) {
+        Ok(pair) => pair,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
             return Err(Error::ReadFile {
@@ -244,7 +247,7 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
         });
     }
     let sha = sha256_hex(&text);
-    let consented = match read_receipt(&dir) {
+    let consented = match receipt {
         Some(r) if r.id == manifest.id => r
             .consent_for(&sha)
             .map(|c| {
@@ -264,15 +267,42 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     }))
 }
 
+/// The manifest in `dir` and its receipt, read in step. Read one after the other they may
+/// come from two installs, a manifest read before a reinstall replaced it and the receipt
+/// written after (the install's order keeps each state in step, not a reader that
+/// straddles two): a receipt with no word on the manifest read, when that manifest is no
+/// longer the one in place, is read again with the new one.
+fn read_in_step(dir: &Path) -> std::io::Result<(Vec<u8>, Option<Receipt>)> {
+    let path = dir.join(MANIFEST_FILE);
+    read_in_step_with(dir, || crate::watched::read_regular(&path))
+}
+
+fn read_in_step_with(
+    dir: &Path,
+    mut read_manifest: impl FnMut() -> std::io::Result<Vec<u8>>,
+) -> std::io::Result<(Vec<u8>, Option<Receipt>)> {
+    let mut text = read_manifest()?;
+    for _ in 0..3 {
+        let receipt = read_receipt(dir);
+        let sha = sha256_hex(&text);
+        if receipt
+            .as_ref()
+            .is_none_or(|r| r.consent_for(&sha).is_some())
+        {
+            return Ok((text, receipt));
+        }
+        let again = read_manifest()?;
+        if again == text {
+            return Ok((text, receipt));
+        }
+        text = again;
+    }
+    Ok((text, read_receipt(dir)))
+}
+
 fn read_receipt(dir: &Path) -> Option<Receipt> {
     let bytes = crate::watched::read_regular(&dir.join(RECEIPT_FILE)).ok()?;
     serde_json::from_slice(&bytes).ok()
-}
-
-/// The manifest installed in `dir` and its receipt, as they are.
-fn installed_pair(dir: &Path) -> Option<(Vec<u8>, Receipt)> {
-    let text = crate::watched::read_regular(&dir.join(MANIFEST_FILE)).ok()?;
-    Some((text, read_receipt(dir)?))
 }
 
 /// Every installed plugin, by id.
@@ -616,6 +646,69 @@ default = "eu-1"
             consents(&inheriting(""), true),
             [no.clone(), yes.clone(), yes]
         );
+    }
+
+    /// The consent a reinstall keeps for the manifest in place is what readers granted it,
+    /// no more: a receipt of another id (edited, or copied from another plugin) granted
+    /// nothing before, and nothing while the new manifest goes in.
+    #[test]
+    fn a_reinstall_keeps_no_consent_readers_did_not_grant() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let h = home.path();
+        let inherit = "[core]\ninherit = [\"sandbox_api_key\"]\n";
+        let file = h.join("m.toml");
+        std::fs::write(&file, manifest_of("acme", inherit)).expect("manifest written");
+        install(h, &file, true).expect("installed");
+        let receipt = providers_dir(h).join("acme").join(RECEIPT_FILE);
+        let json = std::fs::read_to_string(&receipt).expect("receipt");
+        std::fs::write(&receipt, json.replace("\"acme\"", "\"zzz\"")).expect("edited");
+        assert!(load(h, "acme")
+            .expect("loads")
+            .expect("installed")
+            .consented
+            .is_empty());
+        let changed = manifest_of("acme", &format!("[config.fields.region]\n{inherit}"));
+        std::fs::write(&file, changed).expect("manifest written");
+        let mut seen = Vec::new();
+        install_observed(h, &file, false, || {
+            let installed = load(h, "acme").expect("loads").expect("installed");
+            seen.push(installed.consented);
+        })
+        .expect("installed");
+        assert!(seen.iter().all(Vec::is_empty), "{seen:?}");
+    }
+
+    /// A reader that read the manifest before a reinstall replaced it, and the receipt
+    /// after the reinstall ended, reads the manifest again: consent given to both is not
+    /// taken as withdrawn.
+    #[test]
+    fn a_reader_straddling_a_reinstall_reads_the_new_pair() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let h = home.path();
+        let inherit = "[core]\ninherit = [\"sandbox_api_key\"]\n";
+        let old = manifest_of("acme", inherit);
+        let new = manifest_of("acme", &format!("[config.fields.region]\n{inherit}"));
+        for text in [&old, &new] {
+            let file = h.join("m.toml");
+            std::fs::write(&file, text).expect("manifest written");
+            install(h, &file, true).expect("installed");
+        }
+        let dir = providers_dir(h).join("acme");
+        let mut reads = 0;
+        let (text, receipt) = read_in_step_with(&dir, || {
+            reads += 1;
+            // The first read came before the reinstall.
+            if reads == 1 {
+                Ok(old.clone().into_bytes())
+            } else {
+                std::fs::read(dir.join(MANIFEST_FILE))
+            }
+        })
+        .expect("read");
+        assert_eq!(text, new.as_bytes());
+        let receipt = receipt.expect("receipt");
+        assert!(receipt.consent_for(&sha256_hex(&text)).is_some());
+        assert_eq!(reads, 2);
     }
 
     /// A proxy starting, `check` or a reload reading the manifest as it is installed
