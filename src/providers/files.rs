@@ -41,9 +41,15 @@ impl InstallLock {
                 .custom_flags(flags.bits() as i32)
                 .open(&path)
         };
+        let link = |e: io::Error| match e.raw_os_error() {
+            Some(n) if n == rustix::io::Errno::LOOP.raw_os_error() => {
+                io::Error::other("not a regular file (a link)")
+            }
+            _ => e,
+        };
         let file = match open(true) {
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => open(false)?,
-            opened => opened?,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => open(false).map_err(link)?,
+            opened => opened.map_err(link)?,
         };
         if !file.metadata()?.is_file() {
             return Err(io::Error::other(format!(
@@ -174,7 +180,10 @@ mod tests {
         let linked = tempfile::tempdir().expect("temp dir");
         let target = linked.path().join("elsewhere");
         std::os::unix::fs::symlink(&target, linked.path().join(LOCK_FILE)).expect("link");
-        assert!(InstallLock::take(linked.path()).is_err());
+        let e = InstallLock::take(linked.path())
+            .err()
+            .expect("a link is refused");
+        assert_eq!(e.to_string(), "not a regular file (a link)");
         assert!(!target.exists(), "created through the link");
     }
 }

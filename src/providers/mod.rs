@@ -293,7 +293,9 @@ fn read_in_step_with(
         }
         let again = read_manifest()?;
         if again == text {
-            return Ok((text, receipt));
+            // The manifest read is the one in place (or one put back since): a receipt read
+            // now has the last word on it.
+            return Ok((text, read_receipt(dir)));
         }
         text = again;
     }
@@ -709,6 +711,23 @@ default = "eu-1"
         let receipt = receipt.expect("receipt");
         assert!(receipt.consent_for(&sha256_hex(&text)).is_some());
         assert_eq!(reads, 2);
+
+        // The old manifest put back, consented, while the reader looked again: it reads
+        // the same bytes as first, and the receipt that goes with them now.
+        let file = h.join("m.toml");
+        let mut reads = 0;
+        let (text, receipt) = read_in_step_with(&dir, || {
+            reads += 1;
+            if reads == 2 {
+                std::fs::write(&file, &old).expect("manifest written");
+                install(h, &file, true).expect("put back");
+            }
+            Ok(old.clone().into_bytes())
+        })
+        .expect("read");
+        assert_eq!(text, old.as_bytes());
+        let receipt = receipt.expect("receipt");
+        assert!(receipt.consent_for(&sha256_hex(&text)).is_some());
     }
 
     /// A proxy starting, `check` or a reload reading the manifest as it is installed
