@@ -20,8 +20,10 @@ pub const LOCK_FILE: &str = ".abx-install.lock";
 /// How long an install waits for another install of the same plugin.
 const INSTALL_WAIT: Duration = Duration::from_secs(30);
 
-/// Held while a plugin's files are replaced; released when dropped.
-pub struct InstallLock(#[allow(dead_code)] File);
+/// Held while a plugin's files are replaced; released when dropped (with its descriptor).
+pub struct InstallLock {
+    _held: File,
+}
 
 impl InstallLock {
     /// Takes the lock of the plugin directory `dir`, waiting at most [`INSTALL_WAIT`] for
@@ -61,7 +63,7 @@ impl InstallLock {
         let mut said = false;
         loop {
             match flock(&file, FlockOperation::NonBlockingLockExclusive) {
-                Ok(()) => return Ok(InstallLock(file)),
+                Ok(()) => return Ok(InstallLock { _held: file }),
                 Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => {
                     if !said {
                         eprintln!("waiting for another install of this provider to finish");

@@ -111,11 +111,6 @@ fn install_observed(
     } else {
         Vec::new()
     };
-    // A proxy starting, `check` or a reload may read between the renames below, and takes
-    // no lock: each step leaves a pair that reads as the old install or the new one. First
-    // the new receipt, which also keeps the consent given to the manifest in place (a
-    // receipt alone installs nothing), then the new manifest, then the receipt without
-    // the old consent.
     // The consent a reader grants the manifest in place (under the lock, no other install
     // changes it), as `load` grants it: the receipt's id, the manifest's own inherit list.
     let previous = crate::watched::read_regular(&dir.join(MANIFEST_FILE))
@@ -144,6 +139,11 @@ fn install_observed(
         after_step();
         Ok::<(), Error>(())
     };
+    // A proxy starting, `check` or a reload may read between the renames below, and takes
+    // no lock: each step leaves a pair that reads as the old install or the new one. First
+    // the new receipt, which also keeps the consent given to the manifest in place (a
+    // receipt alone installs nothing), then the new manifest, then the receipt without
+    // the old consent.
     replace(RECEIPT_FILE, &json(&receipt))?;
     replace(MANIFEST_FILE, &text)?;
     if receipt.previous.take().is_some() {
@@ -164,11 +164,9 @@ pub fn installed_secrets(abx_home: &Path, layers: &RawLayers) -> Vec<Secret> {
         .into_iter()
         .filter_map(Result::ok)
         .flat_map(|p| {
-            let names: Vec<String> = p.manifest.env_names_of(true).collect();
-            let names: Vec<&str> = names.iter().map(String::as_str).collect();
-            names
-                .iter()
-                .filter_map(|n| layers.lookup(n, &[n], None).ok().flatten())
+            p.manifest
+                .env_names_of(true)
+                .filter_map(|n| layers.lookup(&n, &[n.as_str()], None).ok().flatten())
                 .map(|(v, _)| Secret::new(v))
                 .collect::<Vec<_>>()
         })
