@@ -718,7 +718,14 @@ async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
         "the client's token needed no look-up"
     );
     env.assert_envd_clean();
-    proxy.finish().await;
+    // The access line names the control plane, which answered the look-up.
+    let stderr = proxy.finish().await;
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("abx_proxy::access") && l.contains("status=404"))
+        .unwrap_or_else(|| panic!("no 404 line:\n{stderr}"));
+    let upstream = format!("upstream={}", env.api.addr);
+    assert!(line.split(' ').any(|f| f == upstream), "{line}");
 }
 
 /// A look-up answered 200 with what describes no sandbox (a gateway's or a captive portal's

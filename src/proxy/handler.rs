@@ -164,6 +164,8 @@ impl Proxy {
                         | Error::UpstreamUnavailable { host, .. }
                         | Error::UpstreamTimeout { host, .. }
                         | Error::UpstreamSilent { host, .. } => Arc::from(host.as_str()),
+                        // The control plane's answer to the token look-up says so.
+                        Error::SandboxNotFound { .. } => self.api_host.clone(),
                         _ => Arc::from(""),
                     };
                     let mut resp = body::error_response(&f.error);
