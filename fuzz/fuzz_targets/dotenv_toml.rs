@@ -22,7 +22,13 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn dotenv(text: &str) {
-    let lines = text.bytes().filter(|&b| b == b'\n').count() + 1;
+    // Lines as the reader counts them: a carriage return that ends no `\r\n` ends a line
+    // too, when the file has one (old Mac line ends).
+    let lone_cr = text
+        .char_indices()
+        .any(|(i, c)| c == '\r' && !text[i + 1..].starts_with('\n'));
+    let ends = |c: char| c == '\n' || (lone_cr && c == '\r');
+    let lines = text.replace("\r\n", "\n").chars().filter(|&c| ends(c)).count() + 1;
     // Read as a shared `./.env`: a skipped line is warned about by number, never by text.
     let mut warnings = Vec::new();
     let shared = parse_dotenv_str(text, "fuzz.env", Some(&mut warnings));
