@@ -814,8 +814,9 @@ fn write_response<'a>(
 ) -> Write<'a> {
     let (mut parts, mut body) = resp.into_parts();
     let status = parts.status;
-    // A 204 must not carry a length (RFC 9110 §8.6), the upstream's included: hyper's
-    // server drops it too.
+    // A 204 must not carry a length (RFC 9110 §8.6), the upstream's included. The
+    // response phase drops it for every version (`Proxy::respond`); the writer keeps
+    // HTTP/1 framing right whatever it is handed, as hyper's HTTP/1 server does.
     if status == StatusCode::NO_CONTENT {
         parts.headers.remove(CONTENT_LENGTH);
     }
