@@ -1,5 +1,6 @@
-//! The process's file descriptors: the open-file limit raised at start, and the share of
-//! it that upstream connections may hold ([`Slots`]).
+//! The process's file descriptors: the open-file limit raised at start, the client
+//! connections it leaves room for ([`Budget`]), and the share of it that upstream
+//! connections may hold ([`Slots`]).
 //!
 //! A client connection holds its own descriptor and, while a request runs, an upstream
 //! one; the limit is raised for two per `--max-connections` plus a reserve. An HTTP/2
@@ -27,13 +28,21 @@ const PER_CONNECTION: u64 = 2;
 const RESERVED: u64 = 256;
 const RESERVED_LEAST: u64 = 64;
 
+/// What the open-file limit leaves room for: client connections served at once, and
+/// upstream connections (see [`Slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub clients: usize,
+    pub upstream: usize,
+}
+
 /// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
-/// hard limit allows, and returns how many upstream connections it leaves room for.
+/// hard limit allows, and returns what it leaves room for.
 /// systemd services (and many container runtimes) start with a soft limit of 1024, which
 /// ends every accept and upstream connect with EMFILE at about 500 connections, far below
 /// the default 10 000. Go's runtime raises it at start likewise; nginx has
 /// `worker_rlimit_nofile`.
-pub fn raise_open_file_limit(max_connections: usize) -> usize {
+pub fn raise_open_file_limit(max_connections: usize) -> Budget {
     let needed = (max_connections as u64)
         .saturating_mul(PER_CONNECTION)
         .saturating_add(RESERVED);
@@ -43,12 +52,16 @@ pub fn raise_open_file_limit(max_connections: usize) -> usize {
             limit
         }
         Ok(limit) => {
+            let serving = budget(limit, max_connections).clients;
             tracing::warn!(
                 limit,
                 needed,
                 max_connections,
+                serving,
                 "the open-file limit is below what --max-connections needs (two per \
-                 connection): raise it (LimitNOFILE=, ulimit -n) or lower --max-connections"
+                 connection): serving {serving} connections at once, the others wait in the \
+                 kernel's accept queue; raise it (LimitNOFILE=, ulimit -n) or lower \
+                 --max-connections"
             );
             limit
         }
@@ -56,25 +69,35 @@ pub fn raise_open_file_limit(max_connections: usize) -> usize {
             tracing::warn!(error = %e, "cannot raise the open-file limit");
             match rlimit::getrlimit(rlimit::Resource::NOFILE) {
                 Ok((soft, _)) => soft,
-                Err(_) => return Slots::UNLIMITED,
+                Err(_) => {
+                    return Budget {
+                        clients: max_connections,
+                        upstream: Slots::UNLIMITED,
+                    }
+                }
             }
         }
     };
-    upstream_share(limit, max_connections)
+    budget(limit, max_connections)
 }
 
-/// The upstream connections `limit` descriptors leave room for beside `max_connections`
-/// clients: what is not reserved, less one per client; when the limit is short of that,
-/// half of what is not reserved (clients beyond the other half meet EMFILE at accept,
-/// where the accept loop backs off, as before). At least one.
-pub fn upstream_share(limit: u64, max_connections: usize) -> usize {
+/// What `limit` descriptors leave room for beside the reserve: `max_connections` clients
+/// and, for upstream connections, the rest less one per client; when the limit is short
+/// of that, half of what is not reserved each. Clients beyond that half wait in the
+/// kernel's accept queue, as beyond `--max-connections`: accepted, they met EMFILE only
+/// once they had taken the reserve, and with it the admin listener's accepts (the
+/// probes and scrapes went dark for as long as they stayed) and the token exchange's
+/// connects. At least one of each.
+pub fn budget(limit: u64, max_connections: usize) -> Budget {
     let reserved = (limit / 4).clamp(RESERVED_LEAST, RESERVED);
     let usable = limit.saturating_sub(reserved);
-    let clients = (max_connections as u64).min(usable / 2);
-    let share = usable.saturating_sub(clients).max(1);
-    usize::try_from(share)
-        .unwrap_or(Slots::UNLIMITED)
-        .min(Slots::UNLIMITED)
+    let clients = (max_connections as u64).min(usable / 2).max(1);
+    let upstream = usable.saturating_sub(clients).max(1);
+    let fit = |n: u64| usize::try_from(n).unwrap_or(Slots::UNLIMITED);
+    Budget {
+        clients: fit(clients).min(max_connections.max(1)),
+        upstream: fit(upstream).min(Slots::UNLIMITED),
+    }
 }
 
 /// Something that holds idle upstream connections and can close one to free its slot.
@@ -227,18 +250,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_upstream_share_leaves_the_reserve_and_one_per_client() {
+    fn the_budget_leaves_the_reserve_and_one_upstream_per_client() {
+        let budget = |limit, max| {
+            let b = budget(limit, max);
+            (b.clients, b.upstream)
+        };
         // The default --max-connections with the limit raised for it.
-        assert_eq!(upstream_share(20_256, 10_000), 10_000);
+        assert_eq!(budget(20_256, 10_000), (10_000, 10_000));
         // More room than needed goes to upstream connections.
-        assert_eq!(upstream_share(1_048_576, 10_000), 1_048_576 - 256 - 10_000);
-        // A limit short of two per client: half of what is not reserved.
-        assert_eq!(upstream_share(1024, 10_000), 384);
+        assert_eq!(
+            budget(1_048_576, 10_000),
+            (10_000, 1_048_576 - 256 - 10_000)
+        );
+        // A limit short of two per client: half of what is not reserved each.
+        assert_eq!(budget(1024, 10_000), (384, 384));
         // Under 1 024, a quarter is reserved, at least 64.
-        assert_eq!(upstream_share(400, 10_000), 150);
-        assert_eq!(upstream_share(200, 10_000), 68);
-        assert_eq!(upstream_share(0, 100), 1);
-        assert_eq!(upstream_share(u64::MAX, 0), Slots::UNLIMITED);
+        assert_eq!(budget(400, 10_000), (150, 150));
+        assert_eq!(budget(200, 10_000), (68, 68));
+        assert_eq!(budget(256, 10_000), (96, 96));
+        assert_eq!(budget(0, 100), (1, 1));
+        assert_eq!(budget(u64::MAX, 0), (1, Slots::UNLIMITED));
     }
 
     struct OneIdle(Mutex<Option<Slot>>);

@@ -927,6 +927,79 @@ async fn upstream_connections_are_held_to_the_open_file_limit() {
     );
 }
 
+/// A hard open-file limit short of what `--max-connections` needs (a `LimitNOFILE=`, a
+/// container's ulimit) holds client connections to half of what the limit less its
+/// reserve leaves: 233 keep-alive clients once took every descriptor of a proxy under a
+/// limit of 256, and its admin listener could accept nothing (probes and scrapes timed
+/// out) for as long as they stayed. Now 96 are served at once, the reserve stays free for
+/// the probes, and the others wait in the accept queue until one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_open_file_limit_holds_clients_to_its_share_and_keeps_the_probes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // 256 less its quarter reserved, halved.
+    const LIMIT: u64 = 256;
+    const SERVED: usize = 96;
+    const CLIENTS: usize = 200;
+    let (_, hard) = nofile(std::process::id());
+    if hard < LIMIT {
+        eprintln!("skipped: the hard open-file limit ({hard}) is under {LIMIT}");
+        return;
+    }
+    let pki = Pki::new();
+    // Each answer waits for the test: a served client holds its connection and an
+    // upstream one.
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (release, released) = watch::channel(false);
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let (arrived_tx, mut released) = (arrived_tx.clone(), released.clone());
+        async move {
+            let _ = arrived_tx.send(());
+            let _ = released.wait_for(|r| *r).await;
+            response(200, "ok")
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", &format!("--nofile={LIMIT}:{LIMIT}"), "--"])
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let head = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        sock.write_all(head.as_bytes()).await.expect("request");
+        clients.push(tokio::spawn(async move {
+            let mut answer = [0u8; 12];
+            sock.read_exact(&mut answer).await.map(|_| answer)
+        }));
+    }
+    for _ in 0..SERVED {
+        within("a served request upstream", arrived.recv()).await;
+    }
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", proxy.pid))
+        .expect("the proxy's descriptors")
+        .count() as u64;
+    assert!(fds < LIMIT - 32, "{fds} of {LIMIT} descriptors in use");
+    assert_eq!(probe(admin).await, 200);
+    let scraped = scrape(admin).await;
+    let open = metric(&scraped, "abx_proxy_open_connections");
+    assert_eq!(open, Some(SERVED as f64), "{scraped}");
+
+    // Once answered, a client hangs up and one that waited is served.
+    let _ = release.send(true);
+    for client in clients {
+        let answer = within("an answer", client).await.expect("task");
+        assert_eq!(&answer.expect("an answer")[..], b"HTTP/1.1 200");
+    }
+    let stderr = proxy.finish().await;
+    assert!(
+        stderr.contains(&format!("serving {SERVED} connections at once")),
+        "{stderr}"
+    );
+}
+
 /// A proxy started with `args`, for tests of its admin listener alone; the upstream and
 /// the PKI are returned to live as long as it.
 async fn admin_proxy(args: &[&str]) -> (ProxyProc, Upstream, Pki) {

@@ -297,7 +297,8 @@ pub async fn accept_loop(
                     tracing::warn!(
                         max_connections = config.max_connections,
                         "every connection slot is in use: new connections wait in the \
-                         kernel's accept queue until one closes (--max-connections)"
+                         kernel's accept queue until one closes (--max-connections, or \
+                         what the open-file limit leaves room for)"
                     );
                     full_warned = Some(Instant::now());
                 }
