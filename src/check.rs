@@ -71,7 +71,7 @@ async fn probe(
     let resp = match tokio::time::timeout(timeout, client.request(req)).await {
         Err(_) => {
             return Err(Error::UpstreamTimeout {
-                seconds: timeout.as_secs(),
+                within: crate::error::Within(timeout),
                 host,
             })
         }

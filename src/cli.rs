@@ -307,9 +307,6 @@ pub struct CheckArgs {
     pub offline: bool,
 }
 
-/// A timeout flag: a duration (SPEC §7: a bare number is seconds) above 0. A zero timeout
-/// would not mean "none": every connection, connect or answer would fail at once while
-/// the proxy looked ready. A bad value is a bad command line (exit 2), like any flag's.
 /// An `--allowed-host` value as the Host check compares it: lower case, without a trailing
 /// dot, an IPv6 address in brackets (as a Host writes it). A value with a port could never
 /// match (the check compares names; the port is the listener's) and is refused rather than
@@ -327,6 +324,9 @@ fn allowed_host(raw: &str) -> Result<String, String> {
     Ok(name.to_string())
 }
 
+/// A timeout flag: a duration (SPEC §7: a bare number is seconds) above 0. A zero timeout
+/// would not mean "none": every connection, connect or answer would fail at once while
+/// the proxy looked ready. A bad value is a bad command line (exit 2), like any flag's.
 fn timeout(raw: &str) -> Result<Duration, String> {
     match parse_duration(raw)? {
         d if d.is_zero() => Err("must be more than 0".into()),

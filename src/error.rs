@@ -63,14 +63,14 @@ pub enum Error {
     #[error("upstream unavailable: {reason} ({host})")]
     UpstreamUnavailable { reason: String, host: String },
     /// E5002: the upstream did not answer in time.
-    #[error("upstream timeout: no response within {seconds}s ({host})")]
-    UpstreamTimeout { seconds: u64, host: String },
+    #[error("upstream timeout: no response within {within} ({host})")]
+    UpstreamTimeout { within: Within, host: String },
     /// E5002 too: an HTTP/2 upstream connection stopped answering altogether, found by its
     /// keep-alive ping before the request's own timeout ran out.
     #[error(
-        "upstream timeout: the connection stopped answering (a keep-alive ping unanswered for {seconds}s) ({host})"
+        "upstream timeout: the connection stopped answering (a keep-alive ping unanswered for {within}) ({host})"
     )]
-    UpstreamSilent { seconds: u64, host: String },
+    UpstreamSilent { within: Within, host: String },
     /// E5003: a request this proxy will not forward.
     #[error("request refused: {reason}")]
     Refused { reason: String },
@@ -90,6 +90,25 @@ pub enum Error {
     /// E8004: a `--provider-option` that cannot be accepted.
     #[error("--provider-option {field}: {reason}")]
     ProviderOption { field: String, reason: String },
+}
+
+/// A time limit in an error, as the flag that set it is written: `--upstream-timeout 1500ms`
+/// is "1.5s", not the whole seconds it holds ("1s"), nor "0s" for `500ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Within(pub std::time::Duration);
+
+impl std::fmt::Display for Within {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.0.as_millis();
+        if ms.is_multiple_of(1000) {
+            write!(f, "{}s", ms / 1000)
+        } else if ms < 1000 {
+            write!(f, "{ms}ms")
+        } else {
+            let s = format!("{}.{:03}", ms / 1000, ms % 1000);
+            write!(f, "{}s", s.trim_end_matches('0'))
+        }
+    }
 }
 
 impl Error {
@@ -216,7 +235,7 @@ mod tests {
     #[test]
     fn a_timeout_suggestion_says_the_exchange_limit_is_fixed() {
         let e = Error::UpstreamTimeout {
-            seconds: crate::credentials::exchange::CALL_TIMEOUT.as_secs(),
+            within: Within(crate::credentials::exchange::CALL_TIMEOUT),
             host: "fcsandbox.example".into(),
         };
         assert_eq!(
@@ -224,6 +243,18 @@ mod tests {
             "[E5002] upstream timeout: no response within 10s (fcsandbox.example)\n  Suggestion: The upstream is slow or unreachable; retry, or raise --upstream-timeout (the token exchange endpoint always gets 10s)."
         );
         assert_eq!(e.exit_code(), 69);
+    }
+
+    /// A timeout is shown as its flag was written: `--upstream-timeout 500ms` said
+    /// "within 0s", and `1500ms` "within 1s".
+    #[test]
+    fn a_time_limit_is_shown_to_the_millisecond() {
+        let shown = |ms| Within(std::time::Duration::from_millis(ms)).to_string();
+        assert_eq!(shown(500), "500ms");
+        assert_eq!(shown(1500), "1.5s");
+        assert_eq!(shown(1250), "1.25s");
+        assert_eq!(shown(300_000), "300s");
+        assert_eq!(shown(0), "0s");
     }
 
     /// SPEC §1 exit statuses and §6 HTTP statuses, code by code: scripts branch on the
@@ -287,7 +318,7 @@ mod tests {
             ),
             (
                 Error::UpstreamTimeout {
-                    seconds: 1,
+                    within: Within(std::time::Duration::from_secs(1)),
                     host: s("h"),
                 },
                 69,

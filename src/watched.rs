@@ -139,7 +139,8 @@ pub fn read_bounded(file: std::fs::File) -> io::Result<Vec<u8>> {
     if bytes.len() as u64 > MAX_LEN {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "larger than 1 MiB: no key, certificate, settings or provider manifest file is",
+            "larger than 1 MiB, the most a key, certificate, settings or provider manifest \
+             file may hold",
         ));
     }
     Ok(bytes)

@@ -485,7 +485,7 @@ impl HttpExchanger {
         match tokio::time::timeout(CALL_TIMEOUT, call).await {
             Ok(result) => result,
             Err(_) => Err(Error::UpstreamTimeout {
-                seconds: CALL_TIMEOUT.as_secs(),
+                within: crate::error::Within(CALL_TIMEOUT),
                 host,
             }),
         }

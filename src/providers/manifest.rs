@@ -152,7 +152,7 @@ impl Manifest {
                 format!("provider id {id:?}: lower-case letters, digits and dashes only"),
             ));
         }
-        if id == "alicloud-express" {
+        if id == crate::providers::BUILTIN {
             return Err(err_key(
                 "id",
                 "provider id alicloud-express is built in".into(),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::{Request, Response};
 
 use super::pool::{Upstream, UpstreamError};
-use crate::error::Error;
+use crate::error::{Error, Within};
 use crate::upstream::ProxyBody;
 
 /// Why an upstream exchange failed, as `abx_proxy_upstream_errors_total{kind}` labels it.
@@ -60,14 +60,14 @@ pub async fn send(
     let (error, kind) = match e {
         UpstreamError::Timeout => (
             Error::UpstreamTimeout {
-                seconds: timeout.as_secs().max(1),
+                within: Within(timeout),
                 host: host.to_string(),
             },
             Some(FailKind::Timeout),
         ),
         UpstreamError::PingUnanswered => (
             Error::UpstreamSilent {
-                seconds: crate::upstream::ping_interval(timeout).as_secs().max(1),
+                within: Within(crate::upstream::ping_interval(timeout)),
                 host: host.to_string(),
             },
             Some(FailKind::Timeout),
@@ -76,10 +76,7 @@ pub async fn send(
         // it: refused as the proxy's own read of a create body is when it stalls.
         UpstreamError::BodyStalled => (
             Error::Refused {
-                reason: format!(
-                    "request body not received within {}s",
-                    timeout.as_secs().max(1)
-                ),
+                reason: format!("request body not received within {}", Within(timeout)),
             },
             None,
         ),

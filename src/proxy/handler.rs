@@ -24,7 +24,7 @@ use super::route::{self, Route, DEFAULT_ENVD_PORT};
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
-use crate::error::Error;
+use crate::error::{Error, Within};
 use crate::metrics::GaugeGuard;
 use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
@@ -318,8 +318,8 @@ impl Proxy {
                 let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
                     return Err(Error::Refused {
                         reason: format!(
-                            "request body not received within {}s",
-                            self.upstream_timeout.as_secs().max(1)
+                            "request body not received within {}",
+                            Within(self.upstream_timeout)
                         ),
                     }
                     .into());
@@ -597,7 +597,7 @@ impl Proxy {
     /// A control-plane answer whose body the proxy reads itself stalled after its head.
     fn body_timeout(&self) -> (Error, FailKind) {
         let error = Error::UpstreamTimeout {
-            seconds: self.upstream_timeout.as_secs().max(1),
+            within: Within(self.upstream_timeout),
             host: self.api_host.to_string(),
         };
         (error, FailKind::Timeout)

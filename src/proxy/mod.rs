@@ -4,7 +4,8 @@
 //! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
 //! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
 //! `certs` its TLS certificate, `h1` the HTTP/1.1 fast path, `framing`, `body`, `pool` the
-//! upstream client, `splice`). `handler` strings the phases together.
+//! upstream client, `splice`, `tunnel` for upgraded connections). `handler` strings the
+//! phases together.
 
 pub mod body;
 pub mod certs;
@@ -166,7 +167,7 @@ impl Proxy {
             }),
             (None, None) => None,
         };
-        let compat = if settings.provider == "alicloud-express" {
+        let compat = if settings.provider == crate::providers::BUILTIN {
             settings.compat_v2_paths
         } else {
             CompatMode::Pass

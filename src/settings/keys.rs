@@ -206,7 +206,7 @@ impl Key {
     pub fn default_value(self, region: &str) -> Option<String> {
         Some(match self {
             Key::Region => DEFAULT_REGION.to_string(),
-            Key::Provider => "alicloud-express".to_string(),
+            Key::Provider => crate::providers::BUILTIN.to_string(),
             Key::SandboxBaseUrl => format!("https://api.{region}.e2b.fc.aliyuncs.com"),
             Key::SandboxDomain => format!("{region}.e2b.fc.aliyuncs.com"),
             Key::TokenExchangeUrl => format!("https://fcsandbox.{region}.aliyuncs.com"),

@@ -713,7 +713,6 @@ impl Resolved {
             compat_v2_paths: CompatMode::parse(get(Key::CompatV2Paths))?,
             listen: ListenAddr::parse(Key::Listen, get(Key::Listen))?,
             admin_listen: ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?,
-            github_token: self.secret(Key::GithubToken).cloned(),
             secrets: self.secrets(),
             region,
             credential,
@@ -972,7 +971,6 @@ pub struct Settings {
     pub listen: ListenAddr,
     pub admin_listen: ListenAddr,
     pub credential: Credential,
-    pub github_token: Option<Secret>,
     /// Every resolved secret (see [`Resolved::secrets`]), only to hide them in the values
     /// printed; never sent.
     pub secrets: Vec<Secret>,
