@@ -28,6 +28,10 @@ pub struct Metrics {
     pub log_lines_dropped: IntCounter,
     /// Handshakes a client began on the `--tls-cert` listener that failed.
     pub tls_handshake_failures: IntCounter,
+    /// Reloads (SIGHUP, a changed watched file), by result.
+    pub reloads: IntCounterVec,
+    /// 0 while what the last reload read has not taken effect.
+    pub last_reload_successful: IntGauge,
     /// The per-request series, resolved once (see [`Hot`]).
     hot: Hot,
 }
@@ -178,6 +182,19 @@ impl Metrics {
             "abx_proxy_tls_handshake_failures_total",
             "TLS handshakes with clients that ended in an error on the --tls-cert listener.",
         )?;
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "abx_proxy_reloads_total",
+                "Reloads (SIGHUP or a changed watched file), by result: failure when what was \
+                 read did not take effect (failed or refused).",
+            ),
+            &["result"],
+        )?;
+        let last_reload_successful = IntGauge::new(
+            "abx_proxy_last_reload_successful",
+            "1 when the last reload took effect (or none has run), 0 while it has not.",
+        )?;
+        last_reload_successful.set(1);
         let build_info = IntGaugeVec::new(
             Opts::new("abx_proxy_build_info", "Build information."),
             &["version"],
@@ -187,6 +204,7 @@ impl Metrics {
             .set(1);
         for result in ["success", "failure"] {
             token_exchanges.with_label_values(&[result]);
+            reloads.with_label_values(&[result]);
         }
         // Every fixed label set exists from the start at 0, so that `rate()` sees the first
         // error and a dashboard shows 0 rather than no data.
@@ -208,6 +226,8 @@ impl Metrics {
         registry.register(Box::new(upstream_connections.clone()))?;
         registry.register(Box::new(log_lines_dropped.clone()))?;
         registry.register(Box::new(tls_handshake_failures.clone()))?;
+        registry.register(Box::new(reloads.clone()))?;
+        registry.register(Box::new(last_reload_successful.clone()))?;
         registry.register(Box::new(build_info))?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
@@ -233,6 +253,8 @@ impl Metrics {
             upstream_connections,
             log_lines_dropped,
             tls_handshake_failures,
+            reloads,
+            last_reload_successful,
             hot,
         })
     }

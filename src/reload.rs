@@ -410,7 +410,14 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
             },
         }
         let read = files.reading().await;
-        if running.reload().await {
+        let applied = running.reload().await;
+        // A rotated key or certificate that does not take effect is only a warning line
+        // otherwise: the old one keeps serving, /readyz stays 200, until it is revoked.
+        let metrics = &running.proxy.metrics;
+        let result = if applied { "success" } else { "failure" };
+        metrics.reloads.with_label_values(&[result]).inc();
+        metrics.last_reload_successful.set(i64::from(applied));
+        if applied {
             files.applied(read);
         } else {
             files.failed(read);

@@ -137,6 +137,13 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         let in_flight = series(&before, "abx_proxy_in_flight_requests", &labels);
         assert_eq!(in_flight, Some(0.0), "{plane}: {before}");
     }
+    for result in ["success", "failure"] {
+        let reloads = series(&before, "abx_proxy_reloads_total", &[("result", result)]);
+        assert_eq!(reloads, Some(0.0), "{before}");
+    }
+    // No reload has failed: an alert on 0 must not fire on a fresh process.
+    let last = series(&before, "abx_proxy_last_reload_successful", &[]);
+    assert_eq!(last, Some(1.0), "{before}");
     assert_eq!(
         series(
             &before,
@@ -685,10 +692,19 @@ async fn a_rotated_key_file_that_failed_to_reload_is_tried_again() {
     proxy.wait_for_line("a watched file changed").await;
     let failed = proxy.wait_for_line("reload failed").await;
     assert!(failed.contains("E1006"), "{failed}");
+    // Said to Prometheus too: the old key keeps serving, and /readyz stays 200.
+    let admin = proxy.admin_addr();
+    let last = "abx_proxy_last_reload_successful";
+    wait_metric(admin, last, "0", |v| v == Some(0.0)).await;
+    let failures = r#"abx_proxy_reloads_total{result="failure"}"#;
+    assert!(metric(&scrape(admin).await, failures) >= Some(1.0));
     std::fs::write(&dotenv, "ABX_REGION=cn-hangzhou\n").expect("mend .env");
     proxy.wait_for_line("trying its reload again").await;
     let line = proxy.wait_for_line("reloaded").await;
     assert!(line.contains("sandbox_api_key"), "{line}");
+    wait_metric(admin, last, "1", |v| v == Some(1.0)).await;
+    let successes = r#"abx_proxy_reloads_total{result="success"}"#;
+    assert_eq!(metric(&scrape(admin).await, successes), Some(1.0));
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY2}")));
     let stderr = proxy.finish().await;
