@@ -387,6 +387,10 @@ pub struct Running {
     pub options: Options,
     /// The settings as last read (with sources), to name what a reload changes.
     pub seen: Resolved,
+    /// The settings as read at the start, which the proxy runs on (its credential aside):
+    /// what a restart would change is measured from them, not from the last reload. A
+    /// change undone was still said to "apply at the next restart".
+    pub started: Resolved,
     pub settings: Settings,
     /// The listener's pair, when it serves TLS.
     pub tls: Option<ListenerCert>,
@@ -491,7 +495,8 @@ impl Running {
             self.seen = resolved;
             return true;
         }
-        let restart = match plan(&self.settings, &next, &changed) {
+        let pending = changed_names(&self.started, &resolved, &self.settings, &next);
+        let restart = match plan(&self.settings, &next, &pending) {
             Plan::Refuse { moved } => {
                 tracing::warn!(
                     keys = %moved.join(","),

@@ -139,6 +139,7 @@ async fn serve(
         proxy: proxy.clone(),
         flags,
         options: options.clone(),
+        started: resolved.clone(),
         seen: resolved,
         settings: settings.clone(),
         tls,

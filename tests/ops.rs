@@ -1298,6 +1298,35 @@ async fn an_answer_to_the_key_in_use_ends_a_run_of_refusals() {
     assert_eq!(looked_up, 1);
 }
 
+/// A setting that waits for a restart, changed and changed back: the running process has
+/// it as the files now say, so the second reload says nothing of a restart (it said
+/// "these settings apply at the next restart" again, measured from the first reload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
+    const KEY: &str = "sk-restart-test-JJJJ1111kkkk2222";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let key = format!("ABX_SANDBOX_API_KEY={KEY}\n");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", &key)
+        .spawn()
+        .await;
+    let ttl = format!("{key}ABX_TOKEN_TTL=600\n");
+    let line = proxy.reload_env(&ttl, "apply at the next restart").await;
+    assert!(line.contains("token_ttl"), "{line}");
+    let line = proxy.reload_env(&key, "reloaded").await;
+    assert!(line.contains("token_ttl"), "names what changed: {line}");
+    // Its lines are all out once the next reload's are.
+    proxy.reload_env(&key, "no setting changed").await;
+    let stderr = proxy.finish().await;
+    let restart: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("apply at the next restart"))
+        .collect();
+    assert_eq!(restart.len(), 1, "{restart:?}");
+}
+
 /// SPEC §5 and §7: a reload swaps the credential only when it changed, and a new AK/SK
 /// pair only once it has a key of its own; until then the running temporary key serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
