@@ -238,6 +238,15 @@ pub fn access(
     access_with(format, &line, emit);
 }
 
+/// A request's path as the access line shows it (see [`escape_non_ascii`]).
+pub fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
+    if path.is_ascii() {
+        std::borrow::Cow::Borrowed(path)
+    } else {
+        std::borrow::Cow::Owned(escape_non_ascii(path))
+    }
+}
+
 /// A path's non-ASCII bytes percent-encoded, as a client would have sent them: hyper and
 /// httparse accept raw UTF-8 in a target, and written as is, U+2028 or U+0085 end the line
 /// for a Unicode-aware reader and U+202E turns its display around.

@@ -3510,20 +3510,17 @@ impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Sluggish<T> {
     }
 }
 
-/// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at
-/// `--idle-timeout` like the same answer on HTTP/1.1, although the client's other streams
-/// keep the connection busy: they kept its one idle clock going, and the stalled stream
-/// held its upstream connection and a stream slot for as long as they came (nginx's
-/// `proxy_read_timeout` is per request too). The connection itself stays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
-    let pki = Pki::new();
+/// An upstream that answers a path beginning `/stall` with a head and a chunk ("first"),
+/// then nothing (the body kept open while the returned senders live); anything else 200.
+async fn stalling_upstream(
+    pki: &Pki,
+) -> (Upstream, Arc<Mutex<Vec<tokio::sync::mpsc::Sender<Bytes>>>>) {
     let senders = Arc::new(Mutex::new(Vec::new()));
     let held = senders.clone();
-    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+    let upstream = Upstream::start(pki, Proto::Http1, move |req| {
         let held = held.clone();
         async move {
-            if req.uri().path() != "/stall" {
+            if !req.uri().path().starts_with("/stall") {
                 return response(200, "ok");
             }
             let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -3534,6 +3531,18 @@ async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
         }
     })
     .await;
+    (upstream, senders)
+}
+
+/// An HTTP/2 stream whose upstream sends a head and a chunk, then nothing, is cut at
+/// `--idle-timeout` like the same answer on HTTP/1.1, although the client's other streams
+/// keep the connection busy: they kept its one idle clock going, and the stalled stream
+/// held its upstream connection and a stream slot for as long as they came (nginx's
+/// `proxy_read_timeout` is per request too). The connection itself stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
+    let pki = Pki::new();
+    let (upstream, _held) = stalling_upstream(&pki).await;
     // Fifteen times the 200 ms between the other streams below: a loaded machine that
     // stalls the client for a second or two must not leave the connection idle.
     let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
@@ -3576,7 +3585,99 @@ async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
         .await
         .expect("a stream after the cut");
     assert_eq!(resp.status(), 200);
+    // Said by the proxy: the client only sees its stream reset.
+    let stderr = proxy.finish().await;
+    let cut: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("answer cut"))
+        .collect();
+    assert_eq!(cut.len(), 1, "{stderr}");
+    assert!(
+        cut[0].contains("path=/stall") && cut[0].contains("end=\"idle\""),
+        "{}",
+        cut[0]
+    );
+}
+
+/// An HTTP/1.1 answer the proxy cuts, because nothing moved for `--idle-timeout` or the
+/// drain's grace ran out, is said in an `answer cut` line with its path and why: the
+/// access line went out with the head, and the client saw only a connection closed
+/// mid-answer (the SDKs report the sandbox gone); nothing at all said the proxy had cut
+/// it. On the fast path and hyper's alike (`TE: trailers` is hyper's). An answer the
+/// client hangs up on, or that ends, is no cut of the proxy's: no line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_proxy_cuts_is_said_in_the_log() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let (upstream, senders) = stalling_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    // The head and the first chunk, then the connection's end (`None`: left open).
+    let stalled = |addr, path: &'static str, extra: &'static str, read_to_end: bool| async move {
+        let mut sock = connect_raw(addr).await;
+        let head = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}\r\n");
+        sock.write_all(head.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("first") {
+            let n = within("the first chunk", sock.read(&mut buf))
+                .await
+                .expect("read");
+            assert!(n > 0, "closed before the first chunk");
+            got.extend_from_slice(&buf[..n]);
+        }
+        if read_to_end {
+            let mut rest = Vec::new();
+            within("the cut", sock.read_to_end(&mut rest))
+                .await
+                .expect("read");
+            return None;
+        }
+        Some(sock)
+    };
+    let addr = proxy.addr();
+    stalled(addr, "/stall-fast", "", true).await;
+    let line = proxy.wait_for_line("answer cut").await;
+    assert!(
+        line.contains("path=/stall-fast") && line.contains("end=\"idle\""),
+        "{line}"
+    );
+    stalled(addr, "/stall-hyper", "TE: trailers\r\n", true).await;
+    let line = proxy.wait_for_line("answer cut").await;
+    assert!(
+        line.contains("path=/stall-hyper") && line.contains("end=\"idle\""),
+        "{line}"
+    );
+    // Hung up on, and answered whole: no line.
+    drop(stalled(addr, "/stall-gone", "", false).await);
+    assert_eq!(get(addr, "/sandboxes").await.status, 200);
+    let stderr = proxy.finish().await;
+    let cut = stderr.lines().filter(|l| l.contains("answer cut")).count();
+    assert_eq!(cut, 2, "{stderr}");
+
+    // Cut by the drain's end, long before the idle timeout.
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "120s"])
+        .shutdown_grace("1s")
+        .spawn()
+        .await;
+    let mut draining = stalled(proxy.addr(), "/stall-drain", "", false)
+        .await
+        .expect("open");
+    proxy.signal("TERM");
+    let mut rest = Vec::new();
+    within("the drain's cut", draining.read_to_end(&mut rest))
+        .await
+        .expect("read");
+    let line = proxy.wait_for_line("answer cut").await;
+    assert!(
+        line.contains("path=/stall-drain") && line.contains("end=\"drain\""),
+        "{line}"
+    );
     proxy.finish().await;
+    drop(senders);
 }
 
 /// An HTTP/2 upload that the upstream answers 2xx at once, and then says nothing more

@@ -15,7 +15,7 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Empty, Full};
 
-use super::listener::OpenStream;
+use super::listener::{AnswerCut, OpenStream};
 use crate::error::Error;
 use crate::upstream::{BoxError, ProxyBody};
 
@@ -404,6 +404,69 @@ where
     }
 }
 
+/// [`IdleLimited`]'s end: the proxy's own cut of the answer, which [`CutLogged`] says.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent nothing more for the idle timeout")]
+pub struct StreamIdle;
+
+/// An answer's body, with the [`AnswerCut`] that says so if the proxy cuts it short.
+pub struct CutLogged<B> {
+    body: B,
+    cut: AnswerCut,
+}
+
+impl<B> CutLogged<B> {
+    pub(super) fn new(body: B, cut: AnswerCut) -> Self {
+        CutLogged { body, cut }
+    }
+}
+
+impl<B> Body for CutLogged<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match ready!(Pin::new(&mut this.body).poll_frame(cx)) {
+            None => {
+                this.cut.ended();
+                Poll::Ready(None)
+            }
+            Some(Ok(frame)) => {
+                // hyper stops polling once a body says it has ended.
+                if this.body.is_end_stream() {
+                    this.cut.ended();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(e)) => {
+                let e: BoxError = e.into();
+                if e.is::<StreamIdle>() {
+                    this.cut.cut_idle();
+                } else {
+                    this.cut.ended();
+                }
+                Poll::Ready(Some(Err(e)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// An answer's body to an HTTP/2 client, ended with an error once no frame has come for
 /// the idle timeout.
 ///
@@ -465,9 +528,7 @@ where
             let moved = this.upload.as_ref().and_then(Moved::last);
             let due = moved.map_or(this.last, |m| m.max(this.last)) + this.timeout;
             if tokio::time::Instant::now() >= due {
-                return Poll::Ready(Some(Err(
-                    "the upstream sent nothing more for the idle timeout".into(),
-                )));
+                return Poll::Ready(Some(Err(StreamIdle.into())));
             }
             this.timer.as_mut().reset(due);
         }

@@ -38,7 +38,7 @@ use tokio::sync::{watch, Notify};
 use super::body;
 use super::framing;
 use super::headers;
-use super::listener::{Activity, MAX_HEAD, MAX_HEADERS};
+use super::listener::{Activity, AnswerCut, MAX_HEAD, MAX_HEADERS};
 #[cfg(target_os = "linux")]
 use super::pool;
 use super::Proxy;
@@ -271,7 +271,13 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
 
         // Boxed, like the write below: only a pointer of it stays in the connection's task,
         // so an idle keep-alive connection does not carry a request's worth of state.
-        let handled = Box::pin(ctx.proxy.clone().handle(req));
+        // The path goes with the handler, for an `answer cut` line (see `AnswerCut`): kept
+        // in the box, not in the connection's task.
+        let proxy = ctx.proxy.clone();
+        let handled = Box::pin(async move {
+            let uri = req.uri().clone();
+            (proxy.handle(req).await, uri)
+        });
         // `resp` lives in this block only: in scope across the write's `.await` it would be
         // kept in the task (see the head above).
         let write = {
@@ -305,8 +311,16 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             // Body bytes the handler left unread (an early answer: a refusal, a 503) would
             // be taken for the next request: the connection ends, and the client is told.
             close |= shared.body_left.load(Ordering::Relaxed) != 0;
+            let (resp, uri) = resp;
             match resp {
-                Ok(resp) => write_response(&shared.sock, ctx.activity, resp, is_head, close),
+                Ok(resp) => {
+                    match write_response(&shared.sock, ctx.activity, resp, is_head, close) {
+                        Write::Later(writing) => {
+                            Write::Later(Box::pin(cut_logged(writing, ctx.activity, uri)))
+                        }
+                        done => done,
+                    }
+                }
                 Err(never) => match never {},
             }
         };
@@ -334,6 +348,19 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             return Outcome::Closed;
         }
     }
+}
+
+/// An answer still being written when [`write_response`] returned, with the line that
+/// says so should the proxy cut it (see [`AnswerCut`]).
+async fn cut_logged(
+    writing: Pin<Box<dyn Future<Output = bool> + Send + '_>>,
+    activity: &Activity,
+    uri: Uri,
+) -> bool {
+    let mut cut = AnswerCut::new(activity, uri);
+    let written = writing.await;
+    cut.ended();
+    written
 }
 
 /// The answer went out with the body unread. Its reader may live on in another task

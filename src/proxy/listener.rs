@@ -7,7 +7,7 @@ use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -449,8 +449,10 @@ async fn connection_task(
     // The end of the drain's grace (see `Proxy::abort`). Boxed: inline, its state would
     // add about 170 bytes to every connection's task, idle or not.
     let mut aborting = proxy.aborting.subscribe();
+    let cutting = &activity;
     let aborted = Box::pin(async move {
         let _ = aborting.wait_for(|a| *a).await;
+        cutting.clocks.cut.store(CUT_DRAIN, Ordering::Relaxed);
     });
     let serving = connection(sock, &proxy, &config, &builder, &activity, &told, &open);
     tokio::select! {
@@ -619,8 +621,11 @@ async fn with_hyper(
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
+        // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
+        let uri = req.uri().clone();
         let handled = Box::pin(proxy.clone().handle(req));
         let waiting = activity.awaiting();
+        let answering = activity.clone();
         async move {
             let mut resp = handled.await?;
             // The client gave the request up: a cancel, as if hyper had dropped it.
@@ -661,9 +666,18 @@ async fn with_hyper(
                 }
             }
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
-            if http2 && !http_body::Body::is_end_stream(resp.body()) {
+            if !tunnel && !http_body::Body::is_end_stream(resp.body()) {
+                let cut = AnswerCut::new(&answering, uri);
                 resp = resp.map(|b| {
-                    super::body::boxed(super::body::IdleLimited::new(b, idle, upload, stream))
+                    use super::body::{boxed, CutLogged, IdleLimited};
+                    if http2 {
+                        boxed(CutLogged::new(
+                            IdleLimited::new(b, idle, upload, stream),
+                            cut,
+                        ))
+                    } else {
+                        boxed(CutLogged::new(b, cut))
+                    }
                 });
             }
             Ok::<_, Infallible>(resp)
@@ -899,6 +913,66 @@ struct Clocks {
     write_blocked: AtomicBool,
     /// The last flush could not finish: over TLS, bytes wait in rustls' buffer.
     flush_blocked: AtomicBool,
+    /// Why the proxy is cutting the connection (see [`AnswerCut`]); 0 while it is not.
+    cut: AtomicU8,
+}
+
+/// What [`Clocks::cut`] holds.
+const CUT_IDLE: u8 = 1;
+const CUT_DRAIN: u8 = 2;
+
+/// An answer on its way to the client, from its head to its end. Dropped before its end
+/// because the proxy cut the connection under it (no byte moved for `--idle-timeout`, or
+/// the drain's grace ran out), it says so in an `answer cut` line, as a tunnel's `tunnel
+/// cut` does: the access line went out with the head, and the client only sees a
+/// connection closed mid-answer, which the SDKs report as the sandbox gone. A client that
+/// hangs up, or an upstream that breaks, is no cut of the proxy's: no line.
+pub(super) struct AnswerCut {
+    clocks: Arc<Clocks>,
+    uri: http::Uri,
+    began: Instant,
+    ended: bool,
+}
+
+impl AnswerCut {
+    pub(super) fn new(activity: &Activity, uri: http::Uri) -> Self {
+        AnswerCut {
+            clocks: activity.clocks.clone(),
+            uri,
+            began: Instant::now(),
+            ended: false,
+        }
+    }
+
+    /// The answer went out whole, or ended for a reason of its own.
+    pub(super) fn ended(&mut self) {
+        self.ended = true;
+    }
+
+    /// The proxy cut the answer itself (an HTTP/2 stream whose upstream went silent).
+    pub(super) fn cut_idle(&mut self) {
+        self.log("idle");
+        self.ended = true;
+    }
+
+    fn log(&self, end: &str) {
+        let duration_ms = self.began.elapsed().as_millis() as u64;
+        let path = crate::logging::shown_path(self.uri.path());
+        tracing::info!(path = %path, end, duration_ms, "answer cut");
+    }
+}
+
+impl Drop for AnswerCut {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        match self.clocks.cut.load(Ordering::Relaxed) {
+            CUT_IDLE => self.log("idle"),
+            CUT_DRAIN => self.log("drain"),
+            _ => {}
+        }
+    }
 }
 
 impl Activity {
@@ -1116,6 +1190,9 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             if activity.clocks.waiting.load(Ordering::Relaxed) == 0
                 || (activity.is_http2() && head_overdue(activity, config))
             {
+                if Instant::now() >= activity.last_moved() + config.idle_timeout {
+                    activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
+                }
                 break;
             }
             // A request waits for its answer: idle from now on only once it has one.
