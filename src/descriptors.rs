@@ -27,6 +27,10 @@ const PER_CONNECTION: u64 = 2;
 /// under 1 024, and never under [`RESERVED_LEAST`].
 const RESERVED: u64 = 256;
 const RESERVED_LEAST: u64 = 64;
+/// Each worker's runtime holds a few of its own (its poller, its waker, the hand-over of
+/// connections), on top of the reserve: 64 workers held 269 at rest, more than a limit of
+/// 256 would have left the probes.
+const PER_WORKER: u64 = 4;
 
 /// What the open-file limit leaves room for: client connections served at once, and
 /// upstream connections (see [`Slots`]).
@@ -42,7 +46,7 @@ pub struct Budget {
 /// ends every accept and upstream connect with EMFILE at about 500 connections, far below
 /// the default 10 000. Go's runtime raises it at start likewise; nginx has
 /// `worker_rlimit_nofile`.
-pub fn raise_open_file_limit(max_connections: usize) -> Budget {
+pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
     let needed = (max_connections as u64)
         .saturating_mul(PER_CONNECTION)
         .saturating_add(RESERVED);
@@ -52,7 +56,7 @@ pub fn raise_open_file_limit(max_connections: usize) -> Budget {
             limit
         }
         Ok(limit) => {
-            let serving = budget(limit, max_connections).clients;
+            let serving = budget(limit, max_connections, workers).clients;
             tracing::warn!(
                 limit,
                 needed,
@@ -78,18 +82,20 @@ pub fn raise_open_file_limit(max_connections: usize) -> Budget {
             }
         }
     };
-    budget(limit, max_connections)
+    budget(limit, max_connections, workers)
 }
 
-/// What `limit` descriptors leave room for beside the reserve: `max_connections` clients
+/// What `limit` descriptors leave room for beside the reserve (and `workers`' own):
+/// `max_connections` clients
 /// and, for upstream connections, the rest less one per client; when the limit is short
 /// of that, half of what is not reserved each. Clients beyond that half wait in the
 /// kernel's accept queue, as beyond `--max-connections`: accepted, they met EMFILE only
 /// once they had taken the reserve, and with it the admin listener's accepts (the
 /// probes and scrapes went dark for as long as they stayed) and the token exchange's
 /// connects. At least one of each.
-pub fn budget(limit: u64, max_connections: usize) -> Budget {
-    let reserved = (limit / 4).clamp(RESERVED_LEAST, RESERVED);
+pub fn budget(limit: u64, max_connections: usize, workers: usize) -> Budget {
+    let reserved =
+        (limit / 4).clamp(RESERVED_LEAST, RESERVED) + PER_WORKER.saturating_mul(workers as u64);
     let usable = limit.saturating_sub(reserved);
     let clients = (max_connections as u64).min(usable / 2).max(1);
     let upstream = usable.saturating_sub(clients).max(1);
@@ -252,7 +258,7 @@ mod tests {
     #[test]
     fn the_budget_leaves_the_reserve_and_one_upstream_per_client() {
         let budget = |limit, max| {
-            let b = budget(limit, max);
+            let b = budget(limit, max, 0);
             (b.clients, b.upstream)
         };
         // The default --max-connections with the limit raised for it.
@@ -270,6 +276,9 @@ mod tests {
         assert_eq!(budget(256, 10_000), (96, 96));
         assert_eq!(budget(0, 100), (1, 1));
         assert_eq!(budget(u64::MAX, 0), (1, Slots::UNLIMITED));
+        // Each worker's own descriptors come out of what is left: 16 workers take 64.
+        let busy = super::budget(256, 10_000, 16);
+        assert_eq!((busy.clients, busy.upstream), (64, 64));
     }
 
     struct OneIdle(Mutex<Option<Slot>>);

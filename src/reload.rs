@@ -132,13 +132,19 @@ fn is_credential(next: &Settings, key: &str) -> bool {
             .is_some_and(|p| key == format!("{}.api_key", p.installed.manifest.id))
 }
 
-/// The names of every key whose value or source differs: the built-in table's (less the
-/// built-in provider's own while a plugin provider stays selected: they apply at no
-/// restart either) and the selected plugin provider's fields; `auth` when an edited
-/// manifest attaches the key otherwise.
-fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings) -> Vec<String> {
+/// The names of every key whose value differs, or (`with_source`) its value or source:
+/// the built-in table's (less the built-in provider's own while a plugin provider stays
+/// selected: they apply at no restart either) and the selected plugin provider's fields;
+/// `auth` when an edited manifest attaches the key otherwise.
+fn changed_names(
+    before: &Resolved,
+    after: &Resolved,
+    a: &Settings,
+    b: &Settings,
+    with_source: bool,
+) -> Vec<String> {
     let plugin = same_plugin(a, b).is_some();
-    let mut names: Vec<String> = settings::changed_keys(before, after)
+    let mut names: Vec<String> = settings::changed_keys(before, after, with_source)
         .into_iter()
         .filter(|k| !(plugin && settings::Key::by_name(k).is_some_and(|k| k.builtin_only())))
         .map(str::to_string)
@@ -148,10 +154,9 @@ fn changed_names(before: &Resolved, after: &Resolved, a: &Settings, b: &Settings
     }
     if let (Some(pa), Some(pb)) = (&a.plugin, &b.plugin) {
         for fb in &pb.fields {
-            let same = pa
-                .fields
-                .iter()
-                .any(|fa| fa.key == fb.key && fa.value == fb.value && fa.source == fb.source);
+            let same = pa.fields.iter().any(|fa| {
+                fa.key == fb.key && fa.value == fb.value && (!with_source || fa.source == fb.source)
+            });
             if !same {
                 names.push(fb.key.clone());
             }
@@ -297,6 +302,9 @@ enum FileEvent {
     Changed,
     /// Unchanged since a reload of them failed: another try.
     Retry,
+    /// Back to what runs after a reload of other contents failed: a reload says whether
+    /// all now holds (the failure stays on the metrics until one succeeds).
+    Restored,
 }
 
 /// Watches the secret files and the listener's pair: resolves when one has changed and
@@ -338,8 +346,10 @@ impl FileWatch {
             if now == self.applied {
                 // Back to what runs: nothing to apply, nothing to retry.
                 self.pending = None;
-                self.failed = None;
                 self.retry_in = RETRY_FIRST;
+                if self.failed.take().is_some() {
+                    return FileEvent::Restored;
+                }
             } else if let Some((_, due)) = self.failed.as_ref().filter(|(f, _)| *f == now) {
                 if Instant::now() >= *due {
                     return FileEvent::Retry;
@@ -411,6 +421,7 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
             event = files.changed() => match event {
                 FileEvent::Changed => tracing::info!("a watched file changed: reloading"),
                 FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),
+                FileEvent::Restored => tracing::info!("a watched file is back to what runs: reloading"),
             },
         }
         let read = files.reading().await;
@@ -478,7 +489,7 @@ impl Running {
                 return false;
             }
         };
-        let changed = changed_names(&self.seen, &resolved, &self.settings, &next);
+        let changed = changed_names(&self.seen, &resolved, &self.settings, &next, true);
         let shadowed = shadowed(&self.seen, &resolved, &next);
         if !shadowed.is_empty() {
             tracing::warn!(
@@ -495,7 +506,8 @@ impl Running {
             self.seen = resolved;
             return true;
         }
-        let pending = changed_names(&self.started, &resolved, &self.settings, &next);
+        // By value: a restart on the same value from another file changes nothing.
+        let pending = changed_names(&self.started, &resolved, &self.settings, &next, false);
         let restart = match plan(&self.settings, &next, &pending) {
             Plan::Refuse { moved } => {
                 tracing::warn!(

@@ -41,7 +41,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         tracing::warn!("{w}");
     }
     let mut options = options(args);
-    let budget = descriptors::raise_open_file_limit(options.max_connections);
+    let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count());
     options.max_connections = budget.clients;
     options.upstream_slots = budget.upstream;
     let tls = match (&options.tls_cert, &options.tls_key) {

@@ -1132,7 +1132,7 @@ async fn beyond_max_connections_a_connection_waits_its_turn() {
     // Said, not only seen as a slow proxy.
     let full = proxy.wait_for_line("every connection slot is in use").await;
     assert!(
-        full.contains("WARN") && full.contains("max_connections=2"),
+        full.contains("WARN") && full.contains("connections=2"),
         "{full}"
     );
 

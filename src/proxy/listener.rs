@@ -295,7 +295,7 @@ pub async fn accept_loop(
                 // enough": otherwise a full proxy only looks slow.
                 if full_warned.is_none_or(|w| w.elapsed() >= AcceptFailures::EVERY) {
                     tracing::warn!(
-                        max_connections = config.max_connections,
+                        connections = config.max_connections,
                         "every connection slot is in use: new connections wait in the \
                          kernel's accept queue until one closes (--max-connections, or \
                          what the open-file limit leaves room for)"

@@ -1080,14 +1080,14 @@ impl Settings {
     }
 }
 
-/// The keys whose value or source differ between two resolutions (for reload logs: names
-/// only, never values).
-pub fn changed_keys(before: &Resolved, after: &Resolved) -> Vec<&'static str> {
+/// The keys whose value differs between two resolutions, or (`with_source`) their value
+/// or source (for reload logs: names only, never values).
+pub fn changed_keys(before: &Resolved, after: &Resolved, with_source: bool) -> Vec<&'static str> {
     before
         .entries
         .iter()
         .zip(&after.entries)
-        .filter(|(a, b)| a.value != b.value || a.source != b.source)
+        .filter(|(a, b)| a.value != b.value || (with_source && a.source != b.source))
         .map(|(a, _)| a.spec.name)
         .collect()
 }
