@@ -99,7 +99,8 @@ pub struct Within(pub std::time::Duration);
 
 impl std::fmt::Display for Within {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ms = self.0.as_millis();
+        // Under a millisecond (a flag may say 0.0005s) is not "0s".
+        let ms = self.0.as_millis().max(u128::from(!self.0.is_zero()));
         if ms.is_multiple_of(1000) {
             write!(f, "{}s", ms / 1000)
         } else if ms < 1000 {
@@ -255,6 +256,8 @@ mod tests {
         assert_eq!(shown(1250), "1.25s");
         assert_eq!(shown(300_000), "300s");
         assert_eq!(shown(0), "0s");
+        let half_ms = Within(std::time::Duration::from_micros(500)).to_string();
+        assert_eq!(half_ms, "1ms");
     }
 
     /// SPEC §1 exit statuses and §6 HTTP statuses, code by code: scripts branch on the

@@ -413,11 +413,34 @@ pub struct StreamIdle;
 pub struct CutLogged<B> {
     body: B,
     cut: AnswerCut,
+    /// hyper's HTTP/1 writer: the body's end is not the answer's (see
+    /// [`AnswerCut::written_later`]).
+    http1: bool,
 }
 
 impl<B> CutLogged<B> {
     pub(super) fn new(body: B, cut: AnswerCut) -> Self {
-        CutLogged { body, cut }
+        CutLogged {
+            body,
+            cut,
+            http1: false,
+        }
+    }
+
+    pub(super) fn http1(body: B, cut: AnswerCut) -> Self {
+        CutLogged {
+            body,
+            cut,
+            http1: true,
+        }
+    }
+
+    fn ended(&mut self) {
+        if self.http1 {
+            self.cut.written_later();
+        } else {
+            self.cut.ended();
+        }
     }
 }
 
@@ -436,13 +459,13 @@ where
         let this = &mut *self;
         match ready!(Pin::new(&mut this.body).poll_frame(cx)) {
             None => {
-                this.cut.ended();
+                this.ended();
                 Poll::Ready(None)
             }
             Some(Ok(frame)) => {
                 // hyper stops polling once a body says it has ended.
                 if this.body.is_end_stream() {
-                    this.cut.ended();
+                    this.ended();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

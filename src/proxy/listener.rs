@@ -8,7 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -460,6 +460,7 @@ async fn connection_task(
         _ = watchdog(&activity, &told, &config) => {}
         () = aborted => {}
     }
+    activity.cut_parked();
     crate::logging::flush_thread();
     drop(open);
 }
@@ -676,7 +677,7 @@ async fn with_hyper(
                             cut,
                         ))
                     } else {
-                        boxed(CutLogged::new(b, cut))
+                        boxed(CutLogged::http1(b, cut))
                     }
                 });
             }
@@ -915,6 +916,10 @@ struct Clocks {
     flush_blocked: AtomicBool,
     /// Why the proxy is cutting the connection (see [`AnswerCut`]); 0 while it is not.
     cut: AtomicU8,
+    /// An HTTP/1 answer hyper has whole but may not have written yet (see
+    /// [`AnswerCut::written_later`]), and whether there is one.
+    parked: std::sync::Mutex<Option<(http::Uri, Instant)>>,
+    has_parked: AtomicBool,
 }
 
 /// What [`Clocks::cut`] holds.
@@ -955,11 +960,31 @@ impl AnswerCut {
         self.ended = true;
     }
 
-    fn log(&self, end: &str) {
-        let duration_ms = self.began.elapsed().as_millis() as u64;
-        let path = crate::logging::shown_path(self.uri.path());
-        tracing::info!(path = %path, end, duration_ms, "answer cut");
+    /// hyper has the whole body, on HTTP/1: its last bytes may still wait in hyper's
+    /// buffer (and rustls') for a client that does not read. The answer is parked with
+    /// its connection until a flush finds nothing left (see [`IdleIo`]), and a cut before
+    /// that is said by the connection's task ([`Activity::cut_parked`]).
+    pub(super) fn written_later(&mut self) {
+        self.ended = true;
+        let uri = std::mem::take(&mut self.uri);
+        let mut parked = self
+            .clocks
+            .parked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *parked = Some((uri, self.began));
+        self.clocks.has_parked.store(true, Ordering::Relaxed);
     }
+
+    fn log(&self, end: &str) {
+        log_cut(&self.uri, self.began, end);
+    }
+}
+
+fn log_cut(uri: &http::Uri, began: Instant, end: &str) {
+    let duration_ms = began.elapsed().as_millis() as u64;
+    let path = crate::logging::shown_path(uri.path());
+    tracing::info!(path = %path, end, duration_ms, "answer cut");
 }
 
 impl Drop for AnswerCut {
@@ -985,6 +1010,43 @@ impl Activity {
 
     fn now_ms(&self) -> u64 {
         self.opened.elapsed().as_millis() as u64
+    }
+
+    /// The connection has been cut: an answer parked unwritten (see
+    /// [`AnswerCut::written_later`]) was cut with it.
+    fn cut_parked(&self) {
+        if let Some((uri, began, end)) = self.parked_cut() {
+            log_cut(&uri, began, end);
+        }
+    }
+
+    /// What [`Activity::cut_parked`] says: the parked answer and why it was cut.
+    fn parked_cut(&self) -> Option<(http::Uri, Instant, &'static str)> {
+        let end = match self.clocks.cut.load(Ordering::Relaxed) {
+            CUT_IDLE => "idle",
+            CUT_DRAIN => "drain",
+            _ => return None,
+        };
+        if !self.clocks.has_parked.load(Ordering::Relaxed) {
+            return None;
+        }
+        let parked = (self.clocks.parked.lock())
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        parked.map(|(uri, began)| (uri, began, end))
+    }
+
+    /// Everything written so far is out: a parked answer went out whole.
+    fn written(&self) {
+        let has = &self.clocks.has_parked;
+        if has.load(Ordering::Relaxed) && has.swap(false, Ordering::Relaxed) {
+            let mut parked = self
+                .clocks
+                .parked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            *parked = None;
+        }
     }
 
     pub fn touch(&self) {
@@ -1296,6 +1358,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
         let blocked = r.is_pending();
         let clocks = &self.activity.clocks;
         clocks.flush_blocked.store(blocked, Ordering::Relaxed);
+        if matches!(r, Poll::Ready(Ok(()))) && !clocks.write_blocked.load(Ordering::Relaxed) {
+            self.activity.written();
+        }
         r
     }
 
@@ -1391,9 +1456,33 @@ pub async fn drain(stop: &watch::Sender<bool>, grace: Duration) -> bool {
 mod tests {
     use super::*;
 
+    /// hyper's HTTP/1 writer has a body's end before its bytes are out: an answer whose
+    /// last bytes wait for a client that does not read was cut with no line. It waits,
+    /// parked with its connection, until a flush finds nothing left.
+    #[test]
+    fn an_answer_whose_end_is_not_out_is_said_when_its_connection_is_cut() {
+        let parked = |written: bool, cut: u8| {
+            let activity = Activity::new();
+            let uri: http::Uri = "/files?path=x".parse().expect("uri");
+            AnswerCut::new(&activity, uri).written_later();
+            if written {
+                activity.written();
+            }
+            activity.clocks.cut.store(cut, Ordering::Relaxed);
+            activity
+                .parked_cut()
+                .map(|(uri, _, end)| (uri.path().to_string(), end))
+        };
+        assert_eq!(parked(false, CUT_IDLE), Some(("/files".into(), "idle")));
+        assert_eq!(parked(false, CUT_DRAIN), Some(("/files".into(), "drain")));
+        assert_eq!(parked(true, CUT_IDLE), None, "went out whole");
+        assert_eq!(parked(false, 0), None, "not cut");
+    }
+
     /// A draining HTTP/2 connection is not closed while a stream is open or an answer's
     /// bytes wait for room in the socket (a client reading slowly, not a client gone), and
     /// is once neither holds and nothing has moved for the wait.
+
     #[tokio::test]
     async fn a_draining_http2_connection_settles_only_with_nothing_left_to_send() {
         let wait = Duration::from_millis(50);
