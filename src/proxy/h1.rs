@@ -275,8 +275,8 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         // in the box, not in the connection's task.
         let proxy = ctx.proxy.clone();
         let handled = Box::pin(async move {
-            let uri = req.uri().clone();
-            (proxy.handle(req).await, uri)
+            let path = ShortPath::of(req.uri().path());
+            (proxy.handle(req).await, path)
         });
         // `resp` lives in this block only: in scope across the write's `.await` it would be
         // kept in the task (see the head above).
@@ -311,12 +311,12 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             // Body bytes the handler left unread (an early answer: a refusal, a 503) would
             // be taken for the next request: the connection ends, and the client is told.
             close |= shared.body_left.load(Ordering::Relaxed) != 0;
-            let (resp, uri) = resp;
+            let (resp, path) = resp;
             match resp {
                 Ok(resp) => {
                     match write_response(&shared.sock, ctx.activity, resp, is_head, close) {
                         Write::Later(writing) => {
-                            Write::Later(Box::pin(cut_logged(writing, ctx.activity, uri)))
+                            Write::Later(Box::pin(cut_logged(writing, ctx.activity, path)))
                         }
                         done => done,
                     }
@@ -355,12 +355,37 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
 async fn cut_logged(
     writing: Pin<Box<dyn Future<Output = bool> + Send + '_>>,
     activity: &Activity,
-    uri: Uri,
+    path: ShortPath,
 ) -> bool {
-    let mut cut = AnswerCut::new(activity, uri);
+    let mut cut = AnswerCut::new(activity, path.uri());
     let written = writing.await;
     cut.ended();
     written
+}
+
+/// A request's path kept for its `answer cut` line, copied: a clone of the request's
+/// `Uri` cost every request an atomic reference count (and at times an allocation) for
+/// a line few answers ever need. Longer paths are cut at [`ShortPath::MAX`].
+struct ShortPath {
+    len: usize,
+    bytes: [u8; ShortPath::MAX],
+}
+
+impl ShortPath {
+    const MAX: usize = 96;
+
+    fn of(path: &str) -> Self {
+        let mut bytes = [0u8; Self::MAX];
+        let len = path.len().min(Self::MAX);
+        bytes[..len].copy_from_slice(&path.as_bytes()[..len]);
+        ShortPath { len, bytes }
+    }
+
+    /// As a `Uri` (only for an answer not written at once); `/` if the cut split a
+    /// percent escape or a character.
+    fn uri(&self) -> Uri {
+        Uri::try_from(&self.bytes[..self.len]).unwrap_or_default()
+    }
 }
 
 /// The answer went out with the body unread. Its reader may live on in another task
