@@ -685,11 +685,14 @@ mod tests {
         assert_eq!(watch.changed().await, FileEvent::Retry);
         assert!(started.elapsed() <= RETRY_FIRST + FILE_POLL);
 
-        // No retry once a failed change is undone, nor for a failure with the files as
+        // No retry once a failed change is undone, but one reload, which says (and counts)
+        // that what runs is what the files hold again; nor for a failure with the files as
         // they run (a SIGHUP with a broken `.env`: the operator's to send again).
         let read = watch.reading().await;
         watch.failed(read);
         std::fs::write(&path, "sk-two").expect("back");
+        let event = timeout(FILE_POLL * 3, watch.changed()).await;
+        assert_eq!(event.ok(), Some(FileEvent::Restored));
         assert!(timeout(RETRY_MAX * 2, watch.changed()).await.is_err());
         let read = watch.reading().await;
         watch.failed(read);
