@@ -917,8 +917,9 @@ struct Clocks {
     /// Why the proxy is cutting the connection (see [`AnswerCut`]); 0 while it is not.
     cut: AtomicU8,
     /// An HTTP/1 answer hyper has whole but may not have written yet (see
-    /// [`AnswerCut::written_later`]), and whether there is one.
-    parked: std::sync::Mutex<Option<(http::Uri, Instant)>>,
+    /// [`AnswerCut::written_later`]), and whether there is one. Boxed: every connection
+    /// holds the slot, idle ones included, and few ever fill it.
+    parked: std::sync::Mutex<Option<Box<(http::Uri, Instant)>>>,
     has_parked: AtomicBool,
 }
 
@@ -972,7 +973,7 @@ impl AnswerCut {
             .parked
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *parked = Some((uri, self.began));
+        *parked = Some(Box::new((uri, self.began)));
         self.clocks.has_parked.store(true, Ordering::Relaxed);
     }
 
@@ -1033,7 +1034,7 @@ impl Activity {
         let parked = (self.clocks.parked.lock())
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        parked.map(|(uri, began)| (uri, began, end))
+        parked.map(|p| (p.0, p.1, end))
     }
 
     /// Everything written so far is out: a parked answer went out whole.
