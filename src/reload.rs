@@ -421,7 +421,7 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
             event = files.changed() => match event {
                 FileEvent::Changed => tracing::info!("a watched file changed: reloading"),
                 FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),
-                FileEvent::Restored => tracing::info!("a watched file is back to what runs: reloading"),
+                FileEvent::Restored => tracing::info!("watched files are back to their last applied contents: reloading"),
             },
         }
         let read = files.reading().await;

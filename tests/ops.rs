@@ -712,7 +712,9 @@ async fn a_rotated_key_file_that_failed_to_reload_is_tried_again() {
     proxy.wait_for_line("reload failed").await;
     wait_metric(admin, last, "0", |v| v == Some(0.0)).await;
     std::fs::write(&key_file, format!("{KEY2}\n")).expect("put back");
-    proxy.wait_for_line("back to what runs").await;
+    proxy
+        .wait_for_line("back to their last applied contents")
+        .await;
     wait_metric(admin, last, "1", |v| v == Some(1.0)).await;
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY2}")));

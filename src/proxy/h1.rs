@@ -365,7 +365,9 @@ async fn cut_logged(
 
 /// A request's path kept for its `answer cut` line, copied: a clone of the request's
 /// `Uri` cost every request an atomic reference count (and at times an allocation) for
-/// a line few answers ever need. Longer paths are cut at [`ShortPath::MAX`].
+/// a line few answers ever need. Longer paths are cut at a character short of
+/// [`ShortPath::MAX`] and end in `...`: cut in a character, a path became no `Uri` and
+/// the line said `path=/`, and cut bare it read as the whole path.
 struct ShortPath {
     len: usize,
     bytes: [u8; ShortPath::MAX],
@@ -374,15 +376,30 @@ struct ShortPath {
 impl ShortPath {
     const MAX: usize = 96;
 
+    const CUT: &'static [u8] = b"...";
+
     fn of(path: &str) -> Self {
         let mut bytes = [0u8; Self::MAX];
-        let len = path.len().min(Self::MAX);
-        bytes[..len].copy_from_slice(&path.as_bytes()[..len]);
-        ShortPath { len, bytes }
+        if path.len() <= Self::MAX {
+            bytes[..path.len()].copy_from_slice(path.as_bytes());
+            return ShortPath {
+                len: path.len(),
+                bytes,
+            };
+        }
+        let mut kept = Self::MAX - Self::CUT.len();
+        while !path.is_char_boundary(kept) {
+            kept -= 1;
+        }
+        bytes[..kept].copy_from_slice(&path.as_bytes()[..kept]);
+        bytes[kept..kept + Self::CUT.len()].copy_from_slice(Self::CUT);
+        ShortPath {
+            len: kept + Self::CUT.len(),
+            bytes,
+        }
     }
 
-    /// As a `Uri` (only for an answer not written at once); `/` if the cut split a
-    /// percent escape or a character.
+    /// As a `Uri` (only for an answer not written at once).
     fn uri(&self) -> Uri {
         Uri::try_from(&self.bytes[..self.len]).unwrap_or_default()
     }
@@ -1341,6 +1358,20 @@ mod tests {
     fn head_of(raw: &str) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(raw.as_bytes());
         (parse(&mut buf, &mut 0), buf)
+    }
+
+    /// The path an `answer cut` line shows: whole up to 96 bytes; longer, cut at a
+    /// character and marked, never `/` for a path that was something else.
+    #[test]
+    fn a_long_path_is_shown_cut_and_marked() {
+        let shown = |path: &str| ShortPath::of(path).uri().path().to_string();
+        let exact = format!("/{}", "a".repeat(95));
+        assert_eq!(shown(&exact), exact);
+        let long = format!("/sandboxes/{}/tail", "a".repeat(110));
+        assert_eq!(shown(&long), format!("{}...", &long[..93]));
+        // A two-byte character across the cut (bytes 92 and 93) is left out whole.
+        let wide = format!("/sandboxes/{}\u{e9}/x{}", "b".repeat(81), "c".repeat(20));
+        assert_eq!(shown(&wide), format!("/sandboxes/{}...", "b".repeat(81)));
     }
 
     /// While a request is answered, the connection looks for the client hanging up. With
