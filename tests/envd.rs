@@ -729,7 +729,7 @@ async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
 }
 
 /// A look-up answered 200 with what describes no sandbox (a gateway's or a captive portal's
-/// page) is the control plane failing, 502 E5001, and is not remembered: taken for a
+/// page) is the control plane failing, 502 E5001 and an upstream error, and is not remembered: taken for a
 /// sandbox without a token, every request for it went to envd without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_answer_that_describes_no_sandbox_is_502() {
@@ -757,6 +757,10 @@ async fn a_lookup_answer_that_describes_no_sandbox_is_502() {
     }
     assert!(env.envd.seen().is_empty(), "envd was asked without a token");
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+    // Counted as the upstream failing, or no upstream-error alert fires while every envd
+    // request for the sandbox gets 502.
+    let protocol = r#"abx_proxy_upstream_errors_total{plane="api",kind="protocol"}"#;
+    assert_eq!(gauge(&proxy, protocol).await, Some(2.0));
     proxy.finish().await;
 }
 

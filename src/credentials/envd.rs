@@ -200,12 +200,20 @@ impl TokenStore {
     }
 
     /// Sandboxes with a token (`abx_proxy_envd_tokens`): not those remembered as having
-    /// none (unsecured ones). Counted at each scrape, over at most [`MAX_TOKENS`].
+    /// none (unsecured ones), nor those over [`MAX_AGE`] that only the next token learned
+    /// drops (after a quiet day the gauge counted them all). Counted at each scrape, over
+    /// at most [`MAX_TOKENS`].
     pub fn with_token(&self) -> usize {
+        self.with_token_at(Instant::now())
+    }
+
+    fn with_token_at(&self, now: Instant) -> usize {
         let tokens = self.tokens.load();
         tokens
             .values()
-            .filter(|(t, _)| !t.expose().is_empty())
+            .filter(|(t, at)| {
+                !t.expose().is_empty() && now.saturating_duration_since(*at) < MAX_AGE
+            })
             .count()
     }
 
@@ -444,6 +452,12 @@ mod tests {
         store.insert_at("young", Secret::new("b"), t0 + MAX_AGE / 2);
         store.insert_at("new", Secret::new("c"), t0 + MAX_AGE);
         assert!(store.get("old").is_none(), "a day-old token stays");
+        assert_eq!(store.with_token_at(t0 + MAX_AGE), 2);
+        assert_eq!(
+            store.with_token_at(t0 + MAX_AGE * 3 / 2),
+            1,
+            "counted past a day"
+        );
         assert!(store.get("young").is_some() && store.get("new").is_some());
         // The README's promise in hours: a sandbox running all day keeps its token.
         let hour = Duration::from_secs(3600);

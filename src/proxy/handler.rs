@@ -586,9 +586,19 @@ impl Proxy {
                 None => "envd token look-up: the answer describes no sandbox",
             },
             Ok(Bounded::Partial(..)) => "envd token look-up: answer over 1 MiB",
-            Err(_) => "envd token look-up: connection closed mid-answer",
+            Err(_) => {
+                return Err(Error::UpstreamUnreachable {
+                    reason: "envd token look-up: connection closed mid-answer".into(),
+                    host,
+                })
+            }
         };
-        Err(Error::UpstreamUnreachable {
+        // An answer the proxy cannot use (a login page, a reshaped body) fails every envd
+        // request for the sandbox: counted as a malformed answer is, or no upstream-error
+        // alert fires while they all get 502.
+        self.metrics
+            .upstream_error("api", FailKind::Protocol.label());
+        Err(Error::UpstreamUnavailable {
             reason: reason.into(),
             host,
         })
