@@ -632,7 +632,7 @@ async fn h2_heads_get(
 /// that trickles a head byte by byte (moving bytes, so the idle timeout never fires), one
 /// that says nothing at all, one that stops inside the HTTP/2 preface, and a keep-alive
 /// connection whose second head stalls are all closed after about a second — not after
-/// the 300 s idle timeout. None of the slow heads reaches the upstream.
+/// the 300 s idle timeout. None of the slow heads reaches the upstream; each is logged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_request_heads_are_cut_at_the_header_timeout() {
     let pki = Pki::new();
@@ -766,8 +766,20 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     sweep.raw("a head in two parts", &ok);
     assert_eq!(ok.status, 200);
 
+    // Each head begun and cut is logged and counted 408, as nginx logs one (a connection
+    // that sent nothing, or half a preface, had no request): four, on either server.
+    let timed_out = r#"abx_proxy_requests_total{code="408",method="OTHER",plane="api"}"#;
+    assert_eq!(
+        metric(&scrape(proxy.admin_addr()).await, timed_out),
+        Some(4.0)
+    );
     assert_healthy(&proxy, &mut sweep, true).await;
-    sweep.finish(proxy, &settings).await;
+    let stderr = sweep.finish(proxy, &settings).await;
+    let lines = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
+        .count();
+    assert_eq!(lines, 4, "{stderr}");
 }
 
 /// `GET path` as an HPACK block: literal fields without indexing, no Huffman.
@@ -1002,7 +1014,18 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
         ["/drip", "/hang", "/in-two"],
         "an open head reached the upstream"
     );
-    proxy.finish().await;
+    // Each cut head is logged and counted 408, as over HTTP/1.
+    let timed_out = r#"abx_proxy_requests_total{code="408",method="OTHER",plane="api"}"#;
+    assert_eq!(
+        metric(&scrape(proxy.admin_addr()).await, timed_out),
+        Some(4.0)
+    );
+    let stderr = proxy.finish().await;
+    let lines = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
+        .count();
+    assert_eq!(lines, 4, "{stderr}");
 }
 
 /// `--header-timeout 1s`, and a head pipelined behind a request whose answer takes longer

@@ -552,10 +552,13 @@ async fn read_head(
     loop {
         if !buf.is_empty() {
             match parse(buf, &mut scanned) {
-                Parsed::Head(head) => return Read::Head(head),
+                Parsed::Head(head) => {
+                    activity.fast_heading(false);
+                    return Read::Head(head);
+                }
                 Parsed::HandOver => return Read::HandOver,
                 Parsed::Partial if buf.len() > MAX_HEAD => return Read::HandOver,
-                Parsed::Partial => {}
+                Parsed::Partial => activity.fast_heading(true),
             }
         }
         if buf.capacity() - buf.len() < 1024 {
@@ -574,6 +577,8 @@ async fn read_head(
                 // of a head: that is no request yet, and could hold the exit for the
                 // whole header timeout.
                 let mut stop = stop.clone();
+                // A head cut here is logged by the connection's task (the head's mark,
+                // `Activity::fast_heading`, stays set).
                 let more = Box::pin(async move {
                     tokio::select! {
                         r = tokio::time::timeout_at(at.into(), sock.readable()) => {

@@ -461,6 +461,13 @@ async fn connection_task(
         () = aborted => {}
     }
     activity.cut_parked();
+    // A head begun and not finished in time, cut by the watchdog or the fast path's own
+    // timer, is logged and counted 408 as nginx logs one: otherwise slow heads left no
+    // trace but the open-connections gauge. Here, not in either: the watchdog's state
+    // is paid by every connection.
+    if head_overdue(&activity, &config) {
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, config.header_timeout);
+    }
     crate::logging::flush_thread();
     drop(open);
 }
@@ -1105,6 +1112,18 @@ impl Activity {
         if in_head && began == 0 {
             self.clocks.head.store(self.now_ms() + 1, Ordering::Relaxed);
             task.wake_by_ref();
+        } else if !in_head && began != 0 {
+            self.clocks.head.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The fast path's side of [`Activity::heading`]: it reads on this connection's own task,
+    /// whose watchdog sees the mark at its next wake (no earlier deadline than the first
+    /// head's comes of a head begun before it; a later head has the fast path's own timer).
+    pub(super) fn fast_heading(&self, in_head: bool) {
+        let began = self.clocks.head.load(Ordering::Relaxed);
+        if in_head && began == 0 {
+            self.clocks.head.store(self.now_ms() + 1, Ordering::Relaxed);
         } else if !in_head && began != 0 {
             self.clocks.head.store(0, Ordering::Relaxed);
         }
