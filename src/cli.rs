@@ -324,12 +324,13 @@ fn allowed_host(raw: &str) -> Result<String, String> {
     Ok(name.to_string())
 }
 
-/// A timeout flag: a duration (SPEC §7: a bare number is seconds) above 0. A zero timeout
-/// would not mean "none": every connection, connect or answer would fail at once while
-/// the proxy looked ready. A bad value is a bad command line (exit 2), like any flag's.
+/// A timeout flag: a duration (SPEC §7: a bare number is seconds) of at least 1 ms. A zero
+/// timeout would not mean "none": every connection, connect or answer would fail at once
+/// while the proxy looked ready, and so did `0.0000001s` (the timers count milliseconds).
+/// A bad value is a bad command line (exit 2), like any flag's.
 fn timeout(raw: &str) -> Result<Duration, String> {
     match parse_duration(raw)? {
-        d if d.is_zero() => Err("must be more than 0".into()),
+        d if d < Duration::from_millis(1) => Err("must be at least 1ms".into()),
         d => Ok(d),
     }
 }

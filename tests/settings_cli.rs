@@ -2483,11 +2483,13 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
             out.stderr
         );
     }
-    // Timeouts and limits are command-line flags too: malformed is exit 2, and so is 0,
-    // which would not mean "none" but fail every connection, connect or answer at once
-    // while the proxy looked ready.
+    // Timeouts and limits are command-line flags too: malformed is exit 2, and so is 0 (or
+    // under the timers' millisecond), which would not mean "none" but fail every
+    // connection, connect or answer at once while the proxy looked ready.
     for (flag, value) in [
         ("--idle-timeout", "0"),
+        ("--idle-timeout", "0.0000001s"),
+        ("--header-timeout", "0.5ms"),
         ("--idle-timeout", "soon"),
         ("--header-timeout", "0s"),
         ("--connect-timeout", "0"),
