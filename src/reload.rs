@@ -31,7 +31,7 @@ use crate::commands;
 use crate::credentials::ApiCredential;
 use crate::proxy::certs::{ListenerCert, Reloaded};
 use crate::proxy::{Options, Proxy};
-use crate::settings::{self, Resolved, Settings, Source};
+use crate::settings::{self, Change, Resolved, Settings, Source};
 
 /// What a reload does with freshly validated settings.
 #[derive(Debug, PartialEq, Eq)]
@@ -132,7 +132,7 @@ fn is_credential(next: &Settings, key: &str) -> bool {
             .is_some_and(|p| key == format!("{}.api_key", p.installed.manifest.id))
 }
 
-/// The names of every key whose value differs, or (`with_source`) its value or source:
+/// The names of every key that changed (see [`Change`]):
 /// the built-in table's (less the built-in provider's own while a plugin provider stays
 /// selected: they apply at no restart either) and the selected plugin provider's fields;
 /// `auth` when an edited manifest attaches the key otherwise.
@@ -141,10 +141,11 @@ fn changed_names(
     after: &Resolved,
     a: &Settings,
     b: &Settings,
-    with_source: bool,
+    change: Change,
 ) -> Vec<String> {
     let plugin = same_plugin(a, b).is_some();
-    let mut names: Vec<String> = settings::changed_keys(before, after, with_source)
+    let with_source = change == Change::ValueOrSource;
+    let mut names: Vec<String> = settings::changed_keys(before, after, change)
         .into_iter()
         .filter(|k| !(plugin && settings::Key::by_name(k).is_some_and(|k| k.builtin_only())))
         .map(str::to_string)
@@ -489,7 +490,13 @@ impl Running {
                 return false;
             }
         };
-        let changed = changed_names(&self.seen, &resolved, &self.settings, &next, true);
+        let changed = changed_names(
+            &self.seen,
+            &resolved,
+            &self.settings,
+            &next,
+            Change::ValueOrSource,
+        );
         let shadowed = shadowed(&self.seen, &resolved, &next);
         if !shadowed.is_empty() {
             tracing::warn!(
@@ -507,7 +514,13 @@ impl Running {
             return true;
         }
         // By value: a restart on the same value from another file changes nothing.
-        let pending = changed_names(&self.started, &resolved, &self.settings, &next, false);
+        let pending = changed_names(
+            &self.started,
+            &resolved,
+            &self.settings,
+            &next,
+            Change::Value,
+        );
         let restart = match plan(&self.settings, &next, &pending) {
             Plan::Refuse { moved } => {
                 tracing::warn!(

@@ -1080,9 +1080,19 @@ impl Settings {
     }
 }
 
-/// The keys whose value differs between two resolutions, or (`with_source`) their value
-/// or source (for reload logs: names only, never values).
-pub fn changed_keys(before: &Resolved, after: &Resolved, with_source: bool) -> Vec<&'static str> {
+/// What makes a key count as changed between two resolutions (see [`changed_keys`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Its value: what a restart would apply.
+    Value,
+    /// Its value or where it came from: what a reload has read anew.
+    ValueOrSource,
+}
+
+/// The keys that changed between two resolutions (for reload logs: names only, never
+/// values).
+pub fn changed_keys(before: &Resolved, after: &Resolved, change: Change) -> Vec<&'static str> {
+    let with_source = change == Change::ValueOrSource;
     before
         .entries
         .iter()
