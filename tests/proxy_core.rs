@@ -1986,6 +1986,57 @@ async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_con
         3,
         "the slow head reached the upstream"
     );
+
+    // A slow first head, begun a while after the handshake: cut by the first head's
+    // deadline, which runs from the connection's opening, and logged all the same.
+    let mut first = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    // A client slow to begin (the behaviour under test), not synchronisation.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    first.write_all(b"GET /sandboxes HT").await.unwrap();
+    first.flush().await.unwrap();
+    expect_closed(&mut first, &[]).await;
+    // Both cut heads are logged 408, as on the plain listener.
+    let stderr = proxy.finish().await;
+    let cut = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
+        .count();
+    assert_eq!(cut, 2, "{stderr}");
+}
+
+/// Over TLS, where hyper reads on while it answers: an empty line after a request (RFC
+/// 9112 §2.2 tolerates one before a request line) is no head the client is slow to finish
+/// while its answer still streams. An event stream quiet for longer than
+/// `--header-timeout` was cut there (and logged as a 408).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_a_quiet_answer_is_not_cut_for_an_empty_line_after_its_request() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let _ = tx.send(Bytes::from_static(b"hello\n")).await;
+            // A stream quiet past the header timeout (the behaviour under test), not
+            // synchronisation.
+            tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+            let _ = tx.send(Bytes::from_static(b"world\n")).await;
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .args(&["--header-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let req = format!("GET /events HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n\r\n");
+    tls.write_all(req.as_bytes()).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut tls, &mut leftover).await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.text(), "hello\nworld\n");
     proxy.finish().await;
 }
 

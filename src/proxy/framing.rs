@@ -276,6 +276,12 @@ struct Frames {
     ends_block: bool,
     /// The bytes so far end inside a header block.
     in_block: bool,
+    /// The highest stream the client has opened with a HEADERS frame.
+    last_stream: u32,
+    /// The current header block is trailers: on a stream already open, the end of a
+    /// request's body and no head (a stalled one was cut as a head and logged 408 beside
+    /// its request's own line).
+    trailers: bool,
 }
 
 impl Frames {
@@ -292,14 +298,22 @@ impl Frames {
                 data = &data[n..];
                 let kind = self.header[3];
                 let block = kind == Self::HEADERS || kind == Self::CONTINUATION;
-                // A head has begun once its frame's type is in.
-                self.in_block |= self.have > 3 && block;
+                // A head has begun once its frame's type is in (a HEADERS frame's stream,
+                // which may make it trailers, comes five bytes later).
+                let opens = kind == Self::HEADERS || (block && !self.trailers);
+                self.in_block |= self.have > 3 && opens;
                 if self.have < self.header.len() {
                     return;
                 }
-                let [a, b, c, ..] = self.header;
+                let [a, b, c, _, flags, s0, s1, s2, s3] = self.header;
                 self.left = u32::from_be_bytes([0, a, b, c]) as usize;
-                self.ends_block = block && self.header[4] & Self::END_HEADERS != 0;
+                self.ends_block = block && flags & Self::END_HEADERS != 0;
+                if kind == Self::HEADERS {
+                    let stream = u32::from_be_bytes([s0, s1, s2, s3]) & 0x7fff_ffff;
+                    self.trailers = stream <= self.last_stream;
+                    self.last_stream = self.last_stream.max(stream);
+                    self.in_block &= !self.trailers;
+                }
             } else {
                 let take = self.left.min(data.len());
                 self.left -= take;
@@ -675,31 +689,40 @@ mod tests {
 
     /// Over HTTP/2 a head is a header block: from the fourth byte of a HEADERS frame (its
     /// type) to the end of the frame that says END_HEADERS, CONTINUATIONs included; other
-    /// frames are no head. However the bytes are split.
+    /// frames are no head, nor are trailers (a HEADERS frame on a stream already open),
+    /// once the frame's header shows its stream. However the bytes are split.
     #[test]
     fn an_http2_header_block_is_a_head() {
-        fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+        fn frame(kind: u8, flags: u8, stream: u8, payload: &[u8]) -> Vec<u8> {
             let len = payload.len() as u8;
-            let mut f = vec![0, 0, len, kind, flags, 0, 0, 0, 1];
+            let mut f = vec![0, 0, len, kind, flags, 0, 0, 0, stream];
             f.extend_from_slice(payload);
             f
         }
         let mut bytes = H2_PREFACE.to_vec();
         let mut heads = Vec::new();
-        for (kind, flags, payload, opens, closes) in [
-            (0x4, 0, &b"\0\x03\0\0\0\x64"[..], false, false), // SETTINGS
-            (0x1, 0x1, b"\x82\x86", true, false),             // HEADERS, END_STREAM
-            (0x9, 0, b"", false, false),                      // CONTINUATION, empty
-            (0x9, 0x4, b"\x84", false, true),                 // CONTINUATION, END_HEADERS
-            (0x0, 0x1, b"hello", false, false),               // DATA
-            (0x1, 0x5, b"\x82\x86\x84", true, true),          // HEADERS, whole
+        // `head`: the frame opens a head (`Some(true)`), is a head's last (`Some(false)`),
+        // or neither; trailers are taken for one only until their stream is read.
+        for (kind, flags, stream, payload, opens, closes) in [
+            (0x4, 0, 0, &b"\0\x03\0\0\0\x64"[..], false, false), // SETTINGS
+            (0x1, 0x0, 1, b"\x82\x86", true, false),             // HEADERS
+            (0x9, 0, 1, b"", false, false),                      // CONTINUATION, empty
+            (0x9, 0x4, 1, b"\x84", false, true),                 // CONTINUATION, END_HEADERS
+            (0x0, 0x0, 1, b"hello", false, false),               // DATA
+            (0x1, 0x5, 3, b"\x82\x86\x84", true, true),          // HEADERS, whole
+            (0x1, 0x1, 1, b"\x40\x01", false, false),            // trailers, open
+            (0x9, 0x4, 1, b"\x61\x00", false, false),            // their end
         ] {
+            let start = bytes.len();
             if opens {
-                heads.push((bytes.len() + 4, 0));
+                heads.push((start + 4, 0));
             }
-            bytes.extend(frame(kind, flags, payload));
+            bytes.extend(frame(kind, flags, stream, payload));
             if closes {
                 heads.last_mut().unwrap().1 = bytes.len();
+            }
+            if kind == 0x1 && !opens {
+                heads.push((start + 4, start + 9));
             }
         }
         let expected = |seen: usize| heads.iter().any(|&(from, to)| seen >= from && seen < to);

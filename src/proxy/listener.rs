@@ -464,9 +464,10 @@ async fn connection_task(
     // A head begun and not finished in time, cut by the watchdog or the fast path's own
     // timer, is logged and counted 408 as nginx logs one: otherwise slow heads left no
     // trace but the open-connections gauge. Here, not in either: the watchdog's state
-    // is paid by every connection.
-    if head_overdue(&activity, &config) {
-        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, config.header_timeout);
+    // is paid by every connection. No time observed, as for the heads hyper refuses: the
+    // request latency histogram is for requests that were made.
+    if head_timed_out(&activity, &told, &config) {
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, Duration::ZERO);
     }
     crate::logging::flush_thread();
     drop(open);
@@ -915,6 +916,8 @@ struct Clocks {
     http2: AtomicBool,
     /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
     streams: AtomicU32,
+    /// Answers whose body has not ended (each an [`AnswerCut`]'s life).
+    answers: AtomicU32,
     /// See [`Activity::reads`].
     reads: AtomicU32,
     /// The last write found the socket full: bytes of an answer are still to go out.
@@ -949,6 +952,7 @@ pub(super) struct AnswerCut {
 
 impl AnswerCut {
     pub(super) fn new(activity: &Activity, uri: http::Uri) -> Self {
+        activity.clocks.answers.fetch_add(1, Ordering::Relaxed);
         AnswerCut {
             clocks: activity.clocks.clone(),
             uri,
@@ -997,6 +1001,7 @@ fn log_cut(uri: &http::Uri, began: Instant, end: &str) {
 
 impl Drop for AnswerCut {
     fn drop(&mut self) {
+        self.clocks.answers.fetch_sub(1, Ordering::Relaxed);
         if self.ended {
             return;
         }
@@ -1267,18 +1272,26 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             deadline = deadline.min(began + config.header_timeout);
         }
         if Instant::now() >= deadline {
-            // On HTTP/2 a head overdue is cut whatever the other streams wait for: they
-            // are no answer its client is owed before it may finish the head.
-            if activity.clocks.waiting.load(Ordering::Relaxed) == 0
-                || (activity.is_http2() && head_overdue(activity, config))
-            {
-                if Instant::now() >= activity.last_moved() + config.idle_timeout {
+            let idle = Instant::now() >= activity.last_moved() + config.idle_timeout;
+            let http2 = activity.is_http2();
+            // A head sent on behind a request is not the client's to finish while it is
+            // owed that request's answer: its head (a wait `--upstream-timeout` bounds, so
+            // no idleness either) or, on HTTP/1, the rest of its body (idleness still
+            // cuts it). A trailing CRLF during a quiet event stream cut the stream at
+            // `--header-timeout`. On HTTP/2 a head overdue is cut whatever the other
+            // streams wait for: they are no answer its client is owed before it may
+            // finish the head.
+            let owed_head = activity.clocks.waiting.load(Ordering::Relaxed) != 0;
+            let owed_body = !http2 && !idle && activity.clocks.answers.load(Ordering::Relaxed) != 0;
+            if (!owed_head && !owed_body) || (http2 && head_overdue(activity, config)) {
+                if idle {
                     activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
                 }
                 break;
             }
-            // A request waits for its answer: idle from now on only once it has one.
-            activity.touch();
+            if owed_head {
+                activity.touch();
+            }
             activity.restart_head();
             continue;
         }
@@ -1306,6 +1319,18 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
     }
+}
+
+/// A head begun has had its time when the connection ends: its own `--header-timeout`, or
+/// for an HTTP/1 connection's first head the connection's, from its opening (a TLS
+/// handshake, or a pause before the first byte, included), as [`watchdog`] cuts it.
+fn head_timed_out(activity: &Activity, told: &Told, config: &ServeConfig) -> bool {
+    let Some(began) = activity.head_began() else {
+        return false;
+    };
+    let first = !told.headed.load(Ordering::Relaxed) && !activity.is_http2();
+    let from = if first { activity.opened } else { began };
+    Instant::now() >= from + config.header_timeout
 }
 
 /// A head in progress has had its `--header-timeout`. Not inline in [`watchdog`]: an
