@@ -61,7 +61,7 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
                 max_connections,
                 serving,
                 "the open-file limit is below what --max-connections needs (two per \
-                 connection): serving {serving} connections at once, the others wait in the \
+                 connection, a reserve and four per worker thread): serving {serving} connections at once, the others wait in the \
                  kernel's accept queue; raise it (LimitNOFILE=, ulimit -n) or lower \
                  --max-connections"
             );

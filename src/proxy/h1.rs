@@ -391,6 +391,11 @@ impl ShortPath {
         while !path.is_char_boundary(kept) {
             kept -= 1;
         }
+        // Nor half a percent escape (`%C` of `%C3`).
+        let bytes_kept = &path.as_bytes()[..kept];
+        if let Some(escape) = bytes_kept.iter().rev().take(2).position(|&b| b == b'%') {
+            kept -= escape + 1;
+        }
         bytes[..kept].copy_from_slice(&path.as_bytes()[..kept]);
         bytes[kept..kept + Self::CUT.len()].copy_from_slice(Self::CUT);
         ShortPath {
@@ -1377,6 +1382,9 @@ mod tests {
         // A two-byte character across the cut (bytes 92 and 93) is left out whole.
         let wide = format!("/sandboxes/{}\u{e9}/x{}", "b".repeat(81), "c".repeat(20));
         assert_eq!(shown(&wide), format!("/sandboxes/{}...", "b".repeat(81)));
+        // Nor half a percent escape: `%C3` at bytes 91-93 goes whole.
+        let escaped = format!("/sandboxes/{}%C3%A9/x{}", "b".repeat(80), "c".repeat(20));
+        assert_eq!(shown(&escaped), format!("/sandboxes/{}...", "b".repeat(80)));
     }
 
     /// While a request is answered, the connection looks for the client hanging up. With
