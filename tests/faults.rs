@@ -3106,7 +3106,8 @@ async fn a_key_refused_on_the_envd_token_look_up_is_a_credential_error() {
 /// The envd token look-up is the proxy's own request, but its upstream failures are
 /// counted like any other, on the control plane's `api` label: an unreachable control
 /// plane is one `connect` error (and the envd request a 502 naming the control plane). An
-/// answer over the 1 MiB look-up bound is a 502 that says so, not an "unreadable" one.
+/// answer over the 1 MiB look-up bound is a 502 that says so, not an "unreadable" one,
+/// and one `protocol` error: an answer the proxy cannot use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envd_token_lookup_failures_are_counted_on_the_api_plane() {
     let pki = Pki::new();
@@ -3124,7 +3125,7 @@ async fn envd_token_lookup_failures_are_counted_on_the_api_plane() {
             Some("connect"),
             "127.0.0.1",
         ),
-        (huge.url(), None, "over 1 MiB"),
+        (huge.url(), Some("protocol"), "over 1 MiB"),
     ] {
         let proxy = traced(ProxyCmd::new(&control, &pki))
             .args(&["--sandbox-url", &envd.url()])
