@@ -1788,6 +1788,53 @@ async fn requests_before_the_first_exchange_wait_for_it_and_share_one_exchange()
     assert_no_aksk_secret(&stderr, &issued, "the proxy's stderr");
 }
 
+/// A reload that replaces an AK/SK pair whose first exchange has not answered yet: the
+/// requests waiting for it are woken as the replaced pair retires and are served with the
+/// new credential. They waited out the first exchange's 30 s, then got 503 E1004, while
+/// requests sent after the reload were served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_a_pair_a_reload_replaces_get_the_new_credential() {
+    const STATIC_KEY: &str = "sk-reload-static-EEEE5555ffff6666";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.hold();
+    let pair = format!(
+        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n"
+    );
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake)
+        .env("ALICLOUD_ACCESS_KEY_ID", None)
+        .env("ALICLOUD_ACCESS_KEY_SECRET", None)
+        .abx_file(".env", &pair)
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    fake.until_calls(1).await;
+    let waiter = tokio::spawn(async move { get(addr, "/sandboxes").await.0 });
+    let in_flight = |text: &str| series(text, "abx_proxy_in_flight_requests", &[("plane", "api")]);
+    within("the request to wait for the key", async {
+        let mut every = poll_ticker();
+        while in_flight(&scrape(admin).await) != Some(1.0) {
+            every.tick().await;
+        }
+    })
+    .await;
+
+    proxy
+        .reload_env(&format!("ABX_SANDBOX_API_KEY={STATIC_KEY}\n"), "reloaded")
+        .await;
+    // Well inside the first exchange's 30 s, which it would otherwise have waited out.
+    let status = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the waiting request still waited 20 s after the reload")
+        .expect("join");
+    assert_eq!(status, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {STATIC_KEY}")));
+    fake.release();
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains(STATIC_KEY), "a key in the log");
+}
+
 /// SPEC §5 and §7: a temporary key is not sent in its last 5 s. The fake issues a key that
 /// lives 10 s, so its refresh falls due (`min(refresh_before, lifetime / 2)` before expiry,
 /// never later than those 5 s) exactly when it stops being handed out: once the refresh call

@@ -690,7 +690,8 @@ struct Shared {
     token: ArcSwapOption<Token>,
     /// Why the last exchange failed; cleared by a success.
     last_error: ArcSwapOption<Error>,
-    /// Completed exchanges (either outcome): waiters for the first answer watch it.
+    /// Completed exchanges (either outcome), and the source's retirement: waiters for an
+    /// answer watch it.
     attempts: watch::Sender<u64>,
     /// When the exchange in flight began, in milliseconds since the epoch by [`Clock`];
     /// 0 while none is.
@@ -952,8 +953,11 @@ impl ExchangedKey {
 
     /// Stops the refresher: a reload replaced this key source. Requests still holding it
     /// keep the key they took; no new exchange is made with a pair the user replaced.
+    /// Requests waiting for an answer from it are woken, to ask its successor: they
+    /// waited out the 30 s of a first exchange the reload had ended.
     pub fn retire(&self) {
         self.task.abort();
+        self.shared.attempts.send_modify(|n| *n += 1);
     }
 
     /// Whether a key could be attached right now (for `/readyz`); never waits.

@@ -24,6 +24,7 @@ use super::route::{self, Route, DEFAULT_ENVD_PORT};
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
+use crate::credentials::ApiCredential;
 use crate::error::{Error, Within};
 use crate::metrics::GaugeGuard;
 use crate::secret::Secret;
@@ -190,6 +191,24 @@ impl Proxy {
 }
 
 impl Proxy {
+    /// The credential in place and its key. A reload may replace the credential while a
+    /// request waits on it (an AK/SK pair's first exchange, or a refresh): the replaced
+    /// one wakes its waiters as it retires, and they ask the new one.
+    async fn api_key(&self) -> Result<(Arc<ApiCredential>, Secret), Error> {
+        let credential = self.credential.load_full();
+        match credential.current().await {
+            Ok(key) => Ok((credential, key)),
+            Err(e) => {
+                let now = self.credential.load_full();
+                if Arc::ptr_eq(&now, &credential) {
+                    return Err(e);
+                }
+                let key = now.current().await?;
+                Ok((now, key))
+            }
+        }
+    }
+
     /// A head refused for what it is, before it became a request (one hyper cannot parse,
     /// or over the field or size limits, on any path): logged and counted as nginx logs
     /// its 400s, with `method` and `path` unknown (`-`; counted as `OTHER`). Not by its
@@ -351,8 +370,7 @@ impl Proxy {
             // authorize: once the body is in. A rewritten one may take up to the upstream
             // timeout to arrive, and a key taken before it could go out expired (SPEC §5:
             // never later than 5 s before its expiry).
-            let credential = self.credential.load_full();
-            let key = credential.current().await?;
+            let (credential, key) = self.api_key().await?;
             let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
             headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
 
@@ -527,8 +545,7 @@ impl Proxy {
     }
 
     async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
-        let credential = self.credential.load_full();
-        let key = credential.current().await?;
+        let (credential, key) = self.api_key().await?;
         let value = self.auth.value(&key).ok_or_else(unusable_key)?;
         let uri = self
             .api_base
