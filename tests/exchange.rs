@@ -273,6 +273,39 @@ async fn cold_start_with_500_concurrent_callers_makes_one_exchange() {
     }
 }
 
+/// An endpoint that issues keys of a few seconds (rpc-v1 lets it choose; a local clock
+/// ahead of its own shortens them): each key was due for refresh at once, and the proxy
+/// minted five a second for good. While keys stay that short, exchanges are spaced as
+/// failed ones are, 1 s doubling to 30 s.
+#[tokio::test]
+async fn keys_issued_for_seconds_are_paced_like_failures() {
+    // Due half a second after each exchange (5 s before expiry), as soon as the first
+    // pause ends: each wake of the refresher is one exchange.
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_millis(5500)))
+    })
+    .await;
+    let mut at = Vec::new();
+    while at.len() < 8 {
+        assert!(
+            matches!(h.next_event().await, ExchangeEvent::Success { .. }),
+            "{:?}",
+            h.fake.rejections()
+        );
+        at.push(h.now());
+        h.clock.until_sleepers(1).await;
+        h.clock.advance_to_next_sleeper().await;
+    }
+    let gaps: Vec<Duration> = at
+        .windows(2)
+        .map(|w| w[1].duration_since(w[0]).expect("forward"))
+        .collect();
+    assert!(gaps[0] <= Duration::from_secs(1), "{gaps:?}");
+    // The seventh pause is the cap's: at least half of 30 s.
+    assert!(gaps[6] >= Duration::from_secs(15), "{gaps:?}");
+    assert_eq!(h.source.failures(), 0);
+}
+
 #[tokio::test]
 async fn refresh_happens_before_expiry_without_errors() {
     let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(10), |f| {

@@ -48,6 +48,10 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 /// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// A key issued for less than this is short, and exchanges for such keys are paced as
+/// failed ones: half the shortest `token_ttl`, so a key asked for that long (and read a
+/// moment later) is never taken for one.
+pub const SHORT_KEY: Duration = Duration::from_secs(10);
 
 /// An answer is a few hundred bytes; anything far larger is not an answer we can use.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024;
@@ -1023,6 +1027,8 @@ fn backoff(n: u32) -> Duration {
 
 async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_before: Duration) {
     let mut failed_in_row: u32 = 0;
+    // Keys issued for less than [`SHORT_KEY`] one after another (see below).
+    let mut short_in_row: u32 = 0;
     loop {
         if failed_in_row == 0 {
             wait_until_due(&shared).await;
@@ -1077,6 +1083,9 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
         shared.attempt_started_ms.store(0, Ordering::Relaxed);
         match outcome {
             Ok(token) => {
+                let lifetime = (token.expires_at)
+                    .duration_since(shared.clock.now())
+                    .unwrap_or_default();
                 let expiry_unix = unix_seconds(token.expires_at);
                 let expires_at = iso8601(token.expires_at);
                 shared.token.store(Some(Arc::new(token)));
@@ -1088,6 +1097,25 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 tracing::info!(expires_at = %expires_at, "token exchange succeeded");
                 shared.attempts.send_modify(|n| *n += 1);
                 failed_in_row = 0;
+                // An endpoint that chooses the lifetime (rpc-v1), or a clock running ahead
+                // of it, can issue keys of a few seconds: each was due for refresh at once,
+                // and the proxy minted keys five times a second for good. Such keys are
+                // paced as failures are, while they go on.
+                if lifetime < SHORT_KEY {
+                    let delay = backoff(short_in_row);
+                    if short_in_row == 0 {
+                        tracing::warn!(
+                            lifetime_ms = u64::try_from(lifetime.as_millis()).unwrap_or(u64::MAX),
+                            "the token exchange issued a key for under 10 s (a clock ahead of \
+                             the endpoint's, or its own setting): exchanges are spaced as after \
+                             failures (1 s doubling to 30 s) while keys stay this short"
+                        );
+                    }
+                    short_in_row = short_in_row.saturating_add(1);
+                    shared.clock.sleep(delay).await;
+                } else {
+                    short_in_row = 0;
+                }
             }
             Err(e) => {
                 let e = as_credential_error(e);
