@@ -793,14 +793,16 @@ const START_SOFT: u64 = 256;
 
 /// systemd starts services with a soft open-file limit of 1024 (and a high hard one): past
 /// it every accept fails. The proxy raises the soft limit to what `--max-connections`
-/// needs (two descriptors each, plus 256), as far as the hard limit allows, and warns when
-/// that is not enough.
+/// needs (two descriptors each, plus 256 and four per worker thread), as far as the hard
+/// limit allows, and warns when that is not enough.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_open_file_limit_is_raised_for_max_connections() {
     // Without privilege prlimit may lower the hard limit the proxy inherits, never raise
     // it, and runners set theirs anywhere from 1024 up.
+    // The four descriptors of each of the two workers this proxy runs.
+    const WORKERS_OWN: u64 = 2 * 4;
     let (_, hard) = nofile(std::process::id());
-    if hard < START_SOFT + 2 {
+    if hard < START_SOFT + WORKERS_OWN + 2 {
         eprintln!(
             "skipped: the hard open-file limit ({hard}) leaves no room above a soft limit \
              of {START_SOFT} to raise it into"
@@ -811,18 +813,22 @@ async fn the_open_file_limit_is_raised_for_max_connections() {
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
 
     let roomy = hard.min(3000);
-    let connections = ((roomy - START_SOFT) / 2).min(1000);
+    let connections = ((roomy - START_SOFT - WORKERS_OWN) / 2).min(1000);
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .launcher(&["prlimit", &format!("--nofile={START_SOFT}:{roomy}"), "--"])
+        .env("TOKIO_WORKER_THREADS", Some("2"))
         .args(&["--max-connections", &connections.to_string()])
         .spawn()
         .await;
-    assert_eq!(nofile(proxy.pid), (2 * connections + START_SOFT, roomy));
+    assert_eq!(
+        nofile(proxy.pid),
+        (2 * connections + START_SOFT + WORKERS_OWN, roomy)
+    );
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("open-file limit is below"), "{stderr}");
 
-    // The default --max-connections needs 20 256.
+    // The default --max-connections needs 20 264.
     let tight = hard.min(512);
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .launcher(&["prlimit", &format!("--nofile={START_SOFT}:{tight}"), "--"])
