@@ -276,7 +276,7 @@ async fn cold_start_with_500_concurrent_callers_makes_one_exchange() {
 /// An endpoint that issues keys of a few seconds (rpc-v1 lets it choose; a local clock
 /// ahead of its own shortens them): each key was due for refresh at once, and the proxy
 /// minted five a second for good. While keys stay that short, exchanges are spaced as
-/// failed ones are, 1 s doubling to 30 s.
+/// failed ones are, 1 s doubling to 30 s, and a request between keys is told why at once.
 #[tokio::test]
 async fn keys_issued_for_seconds_are_paced_like_failures() {
     // Due half a second after each exchange (5 s before expiry), as soon as the first
@@ -294,7 +294,9 @@ async fn keys_issued_for_seconds_are_paced_like_failures() {
         );
         at.push(h.now());
         h.clock.until_sleepers(1).await;
-        h.clock.advance_to_next_sleeper().await;
+        if at.len() < 8 {
+            h.clock.advance_to_next_sleeper().await;
+        }
     }
     let gaps: Vec<Duration> = at
         .windows(2)
@@ -304,6 +306,35 @@ async fn keys_issued_for_seconds_are_paced_like_failures() {
     // The seventh pause is the cap's: at least half of 30 s.
     assert!(gaps[6] >= Duration::from_secs(15), "{gaps:?}");
     assert_eq!(h.source.failures(), 0);
+    // Past the last key's half second, inside the pause: a 503 that says why, not a wait
+    // for an exchange the pause holds back.
+    h.clock.advance(Duration::from_secs(1));
+    let e = tokio::time::timeout(GUARD, h.source.current())
+        .await
+        .expect("a prompt answer")
+        .expect_err("no usable key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(e.line().contains("paced"), "{}", e.line());
+}
+
+/// A key of 9 s is refreshed every 4 s, 5 s before its expiry: it serves without a gap,
+/// and is not paced as a key usable for under a second is.
+#[tokio::test]
+async fn keys_of_nine_seconds_are_not_paced() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(9)))
+    })
+    .await;
+    let start = h.now();
+    for n in 0..6u32 {
+        assert!(matches!(
+            h.next_event().await,
+            ExchangeEvent::Success { .. }
+        ));
+        assert_eq!(h.now(), start + Duration::from_secs(4) * n);
+        h.clock.until_sleepers(1).await;
+        h.clock.advance_to_next_sleeper().await;
+    }
 }
 
 #[tokio::test]

@@ -48,10 +48,11 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 /// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
-/// A key issued for less than this is short, and exchanges for such keys are paced as
-/// failed ones: half the shortest `token_ttl`, so a key asked for that long (and read a
-/// moment later) is never taken for one.
-pub const SHORT_KEY: Duration = Duration::from_secs(10);
+/// A key issued for less than this is short, usable for under [`BACKOFF_MIN`] before
+/// [`EXPIRY_MARGIN`], and exchanges for such keys are paced as failed ones. Not longer:
+/// a key of 9 s, refreshed every 4 s, serves without a gap, and paced it lapsed for most
+/// of each pause.
+pub const SHORT_KEY: Duration = Duration::from_secs(6);
 
 /// An answer is a few hundred bytes; anything far larger is not an answer we can use.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024;
@@ -1100,17 +1101,27 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 // An endpoint that chooses the lifetime (rpc-v1), or a clock running ahead
                 // of it, can issue keys of a few seconds: each was due for refresh at once,
                 // and the proxy minted keys five times a second for good. Such keys are
-                // paced as failures are, while they go on.
+                // paced as failures are, while they go on; a request that finds the key
+                // run out meanwhile is told why at once (503), not after waiting 10 s for
+                // an exchange that is not coming.
                 if lifetime < SHORT_KEY {
                     let delay = backoff(short_in_row);
+                    let lifetime_ms = u64::try_from(lifetime.as_millis()).unwrap_or(u64::MAX);
                     if short_in_row == 0 {
                         tracing::warn!(
-                            lifetime_ms = u64::try_from(lifetime.as_millis()).unwrap_or(u64::MAX),
-                            "the token exchange issued a key for under 10 s (a clock ahead of \
-                             the endpoint's, or its own setting): exchanges are spaced as after \
-                             failures (1 s doubling to 30 s) while keys stay this short"
+                            lifetime_ms,
+                            "the token exchange issued a key usable for under a second (a \
+                             clock ahead of the endpoint's, or its own setting): exchanges are \
+                             paced as after failures (1 s doubling to 30 s) while keys stay \
+                             this short, and requests between keys get 503"
                         );
                     }
+                    shared.last_error.store(Some(Arc::new(Error::TokenExchange {
+                        reason: format!(
+                            "the endpoint issues keys that expire {lifetime_ms} ms after issue, \
+                             usable for under a second; exchanges are paced"
+                        ),
+                    })));
                     short_in_row = short_in_row.saturating_add(1);
                     shared.clock.sleep(delay).await;
                 } else {
