@@ -782,6 +782,52 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     assert_eq!(lines, 4, "{stderr}");
 }
 
+/// An HTTP/2 request sent as the idle GOAWAY goes out (which promises to process it) is
+/// answered whole, and the connection closes after it: it was cut a second after the
+/// GOAWAY, the request already begun upstream (a command started in the sandbox), its
+/// answer logged as cut for idleness though its bytes were moving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
+    // 10 pieces 200 ms apart: 2 s of answer, past the second the GOAWAY allowed.
+    const DRIPS: usize = 10;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| async move {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            // Pacing the answer (the behaviour under test), not synchronisation.
+            let mut every = tokio::time::interval(Duration::from_millis(200));
+            for _ in 0..DRIPS {
+                every.tick().await;
+                if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--idle-timeout", "2s"]);
+    let proxy = cmd.spawn().await;
+    let addr = proxy.addr();
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    loop {
+        match within("the idle GOAWAY", frames.recv()).await.flatten() {
+            Some((GOAWAY, ..)) => break,
+            Some(_) => {}
+            None => panic!("the connection ended before its GOAWAY"),
+        }
+    }
+    let block = h2_get_block("/drip", &addr.to_string());
+    let headers = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block);
+    wr.write_all(&headers).await.expect("HEADERS");
+    assert_eq!(
+        h2_until_closed(&mut frames, 1).await,
+        DRIPS * "drip\n".len()
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("answer cut"), "{stderr}");
+}
+
 /// `GET path` as an HPACK block: literal fields without indexing, no Huffman.
 fn h2_get_block(path: &str, authority: &str) -> Vec<u8> {
     let mut b = vec![0x82, 0x86]; // :method GET, :scheme http

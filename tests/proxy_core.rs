@@ -2004,6 +2004,51 @@ async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_con
     assert_eq!(cut, 2, "{stderr}");
 }
 
+/// An answer cut for idleness over TLS with an empty line behind its request: the cut is
+/// said (`answer cut`), and no 408 for a head that the answer held back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_an_answer_cut_for_idleness_logs_no_408_for_the_line_behind_it() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let _ = tx.send(Bytes::from_static(b"hello\n")).await;
+            // Silent from here on, the channel kept open.
+            tx.closed().await;
+        });
+        Response::new(boxed(ChannelBody(rx)))
+    })
+    .await;
+    // The idle timeout a multiple of the header timeout, as the defaults (300 s, 30 s):
+    // the head's deferred deadline falls on the idle cut.
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .args(&["--header-timeout", "1s", "--idle-timeout", "3s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    // Several at once: whether the deferred deadline lands on the cut depends on a few
+    // milliseconds of each connection's timing.
+    const CONNECTIONS: usize = 6;
+    let cut = (0..CONNECTIONS).map(|_| async {
+        let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+        let req = format!("GET /events HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n\r\n");
+        tls.write_all(req.as_bytes()).await.unwrap();
+        tls.flush().await.unwrap();
+        let mut got = Vec::new();
+        let _ = within("the idle cut", tls.read_to_end(&mut got)).await;
+        assert!(String::from_utf8_lossy(&got).contains("hello"), "{got:?}");
+    });
+    futures_util::future::join_all(cut).await;
+    let stderr = proxy.finish().await;
+    assert_eq!(
+        stderr.matches("answer cut").count(),
+        CONNECTIONS,
+        "{stderr}"
+    );
+    assert!(!stderr.contains(" status=408 "), "{stderr}");
+}
+
 /// Over TLS, where hyper reads on while it answers: an empty line after a request (RFC
 /// 9112 §2.2 tolerates one before a request line) is no head the client is slow to finish
 /// while its answer still streams. An event stream quiet for longer than

@@ -1143,6 +1143,15 @@ impl Activity {
         }
     }
 
+    /// A request or an answer is under way: one waits for its head, an HTTP/2 stream or an
+    /// answer's body has not ended.
+    fn busy(&self) -> bool {
+        let c = &self.clocks;
+        c.waiting.load(Ordering::Relaxed) != 0
+            || c.streams.load(Ordering::Relaxed) != 0
+            || c.answers.load(Ordering::Relaxed) != 0
+    }
+
     /// When the head in progress began (see [`Activity::heading`]).
     fn head_began(&self) -> Option<Instant> {
         match self.clocks.head.load(Ordering::Relaxed) {
@@ -1262,6 +1271,7 @@ impl<T> IdleIo<T> {
 /// [`Told::idle`]; the connection is cut [`GOAWAY_WAIT`] later if it has not closed.
 async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
+    let idle_cut;
     loop {
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
@@ -1286,7 +1296,13 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             if (!owed_head && !owed_body) || (http2 && head_overdue(activity, config)) {
                 if idle {
                     activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
+                    // A head behind the answer idleness cuts was held back, not slow: no
+                    // 408 for it (see `head_timed_out`).
+                    if !http2 && activity.clocks.answers.load(Ordering::Relaxed) != 0 {
+                        activity.clocks.head.store(0, Ordering::Relaxed);
+                    }
                 }
+                idle_cut = idle;
                 break;
             }
             if owed_head {
@@ -1318,6 +1334,20 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     if activity.is_http2() || idle_tls {
         told.idle.notify_one();
         tokio::time::sleep(GOAWAY_WAIT).await;
+        // A request sent as the GOAWAY went out, which promised to serve it, runs to its
+        // end (hyper closes the connection after it), cut only by idleness: it was cut
+        // here a second later, its command already started in the sandbox. A head
+        // overdue is cut whatever else runs.
+        while idle_cut && activity.busy() {
+            if activity.clocks.waiting.load(Ordering::Relaxed) != 0 {
+                activity.touch();
+            }
+            let deadline = activity.last_moved() + config.idle_timeout;
+            if Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep_until(deadline.into()).await;
+        }
     }
 }
 
