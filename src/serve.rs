@@ -40,6 +40,14 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in settings.cleartext_upstreams() {
         tracing::warn!("{w}");
     }
+    if args.idle_timeout < SDK_STREAM_QUIET {
+        tracing::warn!(
+            idle_timeout_ms = u64::try_from(args.idle_timeout.as_millis()).unwrap_or(u64::MAX),
+            "--idle-timeout is under 60 s: the E2B SDKs ask envd for a keepalive on command \
+             and watch streams only every 50 s, so a command or a watch quiet for longer than \
+             the timeout is cut, and the SDK reports an error"
+        );
+    }
     let mut options = options(args);
     let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count());
     options.max_connections = budget.clients;
@@ -182,6 +190,11 @@ async fn serve(
     tracing::info!(clean, left, "stopped");
     Ok(())
 }
+
+/// The quiet a command or watch stream of the E2B SDKs may have: they ask envd for a
+/// keepalive every 50 s (`Keepalive-Ping-Interval: 50`), and an idle timeout under that,
+/// with some room, cuts every quiet one.
+const SDK_STREAM_QUIET: Duration = Duration::from_secs(60);
 
 fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.

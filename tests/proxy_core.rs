@@ -1995,8 +1995,10 @@ async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_con
     first.write_all(b"GET /sandboxes HT").await.unwrap();
     first.flush().await.unwrap();
     expect_closed(&mut first, &[]).await;
-    // Both cut heads are logged 408, as on the plain listener.
+    // Both cut heads are logged 408, as on the plain listener. The default idle timeout
+    // gets no warning about the SDKs' keepalives.
     let stderr = proxy.finish().await;
+    assert!(!stderr.contains("--idle-timeout is under"), "{stderr}");
     let cut = stderr
         .lines()
         .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
@@ -2674,7 +2676,13 @@ async fn idle_timeout_cuts_only_connections_that_move_nothing() {
     let expected: String = (0..TICKS).map(|i| format!("ping {i}\n")).collect();
     assert_eq!(body, expected.as_bytes(), "the moving stream was cut");
     expect_closed(&mut idle, &[]).await;
-    proxy.finish().await;
+    // Under the SDKs' 50 s keepalive interval: said at start.
+    let stderr = proxy.finish().await;
+    assert_eq!(
+        stderr.matches("--idle-timeout is under 60 s").count(),
+        1,
+        "{stderr}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
