@@ -785,7 +785,9 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
 /// An HTTP/2 request sent as the idle GOAWAY goes out (which promises to process it) is
 /// answered whole, and the connection closes after it: it was cut a second after the
 /// GOAWAY, the request already begun upstream (a command started in the sandbox), its
-/// answer logged as cut for idleness though its bytes were moving.
+/// answer logged as cut for idleness though its bytes were moving. Such a request that
+/// its client cancels is no cut of the proxy's (no line), and a header block left open
+/// beside it is cut at `--header-timeout` all the same (408).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     // 10 pieces 200 ms apart: 2 s of answer, past the second the GOAWAY allowed.
@@ -806,26 +808,62 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
         Response::new(boxed(ChannelBody(rx)))
     })
     .await;
-    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--idle-timeout", "2s"]);
+    let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&[
+        "--idle-timeout",
+        "2s",
+        "--header-timeout",
+        "1s",
+    ]);
     let proxy = cmd.spawn().await;
     let addr = proxy.addr();
-    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_get_block("/drip", &addr.to_string());
+    let drip = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block);
+    let whole = DRIPS * "drip\n".len();
+    // A connection told GOAWAY, with /drip sent at once; its first DATA read.
+    let goaway_then_drip = || async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        until_goaway(&mut frames).await;
+        wr.write_all(&drip).await.expect("HEADERS");
+        loop {
+            match within("the first DATA", frames.recv()).await.flatten() {
+                Some((DATA, _, 1, data)) => break (wr, frames, data.len()),
+                Some(_) => {}
+                None => panic!("the connection ended before the answer"),
+            }
+        }
+    };
+    let (_wr, mut frames, first) = goaway_then_drip().await;
+    assert_eq!(first + h2_until_closed(&mut frames, 1).await, whole);
+
+    let (mut wr, mut frames, _) = goaway_then_drip().await;
+    let cancel = h2_frame(RST_STREAM, 0, 1, &[0, 0, 0, 0x8]);
+    wr.write_all(&cancel).await.expect("RST_STREAM");
+    h2_until_closed(&mut frames, 1).await;
+
+    let (mut wr, mut frames, first) = goaway_then_drip().await;
+    let open = h2_get_block("/open", &addr.to_string());
+    let open = h2_frame(HEADERS, END_STREAM, 3, &open[..3]);
+    wr.write_all(&open).await.expect("HEADERS 3");
+    let dripped = first + h2_until_closed(&mut frames, 1).await;
+    assert!(
+        dripped < whole,
+        "the open head was not cut before the answer's end"
+    );
+
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("answer cut"), "{stderr}");
+    assert_eq!(stderr.matches(" status=408 ").count(), 1, "{stderr}");
+}
+
+/// Reads the proxy's frames up to its GOAWAY (bounded).
+async fn until_goaway(frames: &mut H2Frames) {
     loop {
         match within("the idle GOAWAY", frames.recv()).await.flatten() {
-            Some((GOAWAY, ..)) => break,
+            Some((GOAWAY, ..)) => return,
             Some(_) => {}
             None => panic!("the connection ended before its GOAWAY"),
         }
     }
-    let block = h2_get_block("/drip", &addr.to_string());
-    let headers = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block);
-    wr.write_all(&headers).await.expect("HEADERS");
-    assert_eq!(
-        h2_until_closed(&mut frames, 1).await,
-        DRIPS * "drip\n".len()
-    );
-    let stderr = proxy.finish().await;
-    assert!(!stderr.contains("answer cut"), "{stderr}");
 }
 
 /// `GET path` as an HPACK block: literal fields without indexing, no Huffman.
@@ -4571,6 +4609,64 @@ async fn http2_clients_that_cancel_every_request_are_cut_off() {
     assert!(
         (100..=101).contains(&sent),
         "closed after {sent} cancelled requests"
+    );
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains("rapid reset"), "{stderr}");
+}
+
+/// Rapid reset after the idle GOAWAY: a client that leaves the GOAWAY's PING unanswered
+/// can still open streams, and one waiting request keeps the connection (a request the
+/// GOAWAY let in runs to its end). The bound on cancelled requests still closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_that_cancel_every_request_after_the_idle_goaway_are_cut_off() {
+    const CANCEL: [u8; 4] = [0, 0, 0, 0x8];
+    let pki = Pki::new();
+    let mut upstream = hanging_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "2s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let authority = addr.to_string();
+    // The hand-written client acknowledges SETTINGS only, never the PING.
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    until_goaway(&mut frames).await;
+    let held = h2_get_block("/held", &authority);
+    (wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &held))
+        .await)
+        .expect("HEADERS");
+    upstream.next_request().await;
+    let closed = async { while frames.recv().await.flatten().is_some() {} };
+    tokio::pin!(closed);
+    let (mut cancelled, mut ended) = (0, false);
+    for stream in (3u32..).step_by(2).take(150) {
+        let block = h2_get_block("/cancelled", &authority);
+        let headers = h2_frame(HEADERS, END_STREAM | END_HEADERS, stream, &block);
+        if wr.write_all(&headers).await.is_err() {
+            break;
+        }
+        tokio::select! {
+            _ = upstream.next_request() => {}
+            () = &mut closed => {
+                ended = true;
+                break;
+            }
+        }
+        if (wr
+            .write_all(&h2_frame(RST_STREAM, 0, stream, &CANCEL))
+            .await)
+            .is_err()
+        {
+            break;
+        }
+        cancelled += 1;
+    }
+    if !ended {
+        within("the proxy to close the connection", &mut closed).await;
+    }
+    assert!(
+        (100..=101).contains(&cancelled),
+        "closed after {cancelled} cancelled requests"
     );
     let stderr = proxy.finish().await;
     assert!(stderr.contains("rapid reset"), "{stderr}");

@@ -700,13 +700,7 @@ async fn with_hyper(
         done = conn.as_mut() => return refused_by_hyper(proxy, done),
         _ = stop.wait_for(|s| *s) => true,
         () = told.idle.notified() => false,
-        () = cancels.abusive.notified() => {
-            tracing::warn!(
-                cancelled = MAX_CANCELLED,
-                "closing a connection whose client cancelled most of its requests before their answer (HTTP/2 rapid reset)"
-            );
-            return;
-        }
+        () = cancels.abusive.notified() => return said_rapid_reset(),
     };
     if draining {
         // Bytes already in the socket are a request sent before the drain began, which
@@ -734,11 +728,22 @@ async fn with_hyper(
     // hyper ends an HTTP/2 connection once its streams have and the client has answered
     // the PING sent with the GOAWAY. A client that no longer reads never answers, and held
     // the drain for the whole grace with nothing left to finish.
+    // Nor does it stop the rapid-reset bound: an idle connection's client that leaves the
+    // PING unanswered can still open streams, while one of them keeps it busy.
     tokio::select! {
         biased;
         _ = conn.as_mut() => {}
         () = settled(activity, GOAWAY_WAIT, heard) => {}
+        () = cancels.abusive.notified() => said_rapid_reset(),
     }
+}
+
+#[cold]
+fn said_rapid_reset() {
+    tracing::warn!(
+        cancelled = MAX_CANCELLED,
+        "closing a connection whose client cancelled most of its requests before their answer (HTTP/2 rapid reset)"
+    );
 }
 
 /// Resolves once a draining HTTP/2 connection's client is gone and nothing is left to
@@ -1271,7 +1276,8 @@ impl<T> IdleIo<T> {
 /// [`Told::idle`]; the connection is cut [`GOAWAY_WAIT`] later if it has not closed.
 async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
-    let idle_cut;
+    // The idle GOAWAY (or close_notify) has gone out.
+    let mut told_idle = false;
     loop {
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
@@ -1293,17 +1299,40 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             // finish the head.
             let owed_head = activity.clocks.waiting.load(Ordering::Relaxed) != 0;
             let owed_body = !http2 && !idle && activity.clocks.answers.load(Ordering::Relaxed) != 0;
-            if (!owed_head && !owed_body) || (http2 && head_overdue(activity, config)) {
-                if idle {
-                    activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
-                    // A head behind the answer idleness cuts was held back, not slow: no
-                    // 408 for it (see `head_timed_out`).
-                    if !http2 && activity.clocks.answers.load(Ordering::Relaxed) != 0 {
-                        activity.clocks.head.store(0, Ordering::Relaxed);
+            let head_cut = http2 && head_overdue(activity, config);
+            if (!owed_head && !owed_body) || head_cut {
+                // A head behind the answer idleness cuts was held back, not slow: no 408
+                // for it (see `head_timed_out`).
+                if idle && !http2 && activity.clocks.answers.load(Ordering::Relaxed) != 0 {
+                    activity.clocks.head.store(0, Ordering::Relaxed);
+                }
+                // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that
+                // has served a request is closed as hyper closes one, with TLS's
+                // close_notify first (as nginx's `keepalive_timeout` does): a bare end
+                // reads as a truncation to a client that checks. Either is cut after
+                // [`GOAWAY_WAIT`]. A head never finished (`--header-timeout`) just ends,
+                // as nginx's `client_header_timeout` does.
+                let idle_tls = config.tls.is_some()
+                    && told.headed.load(Ordering::Relaxed)
+                    && activity.head_began().is_none();
+                if !told_idle && (http2 || idle_tls) {
+                    told_idle = true;
+                    told.idle.notify_one();
+                    tokio::time::sleep(GOAWAY_WAIT).await;
+                    // A request sent as the GOAWAY went out, which promised to serve it,
+                    // runs to its end (hyper closes the connection after it), watched as
+                    // any: it was cut here a second later, its command already started
+                    // in the sandbox. A head overdue is cut whatever else runs.
+                    if !head_cut && activity.busy() {
+                        continue;
                     }
                 }
-                idle_cut = idle;
-                break;
+                // Only now: an answer a client gives up on while the connection lives
+                // on is no cut of the proxy's.
+                if idle {
+                    activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
+                }
+                return;
             }
             if owed_head {
                 activity.touch();
@@ -1322,32 +1351,6 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             sleep.as_mut().poll(cx)
         })
         .await;
-    }
-    // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that has served a
-    // request is closed as hyper closes one, with TLS's close_notify first (as nginx's
-    // `keepalive_timeout` does): a bare end reads as a truncation to a client that checks.
-    // Either is cut after [`GOAWAY_WAIT`]. A head never finished (`--header-timeout`) just
-    // ends, as nginx's `client_header_timeout` does.
-    let idle_tls = config.tls.is_some()
-        && told.headed.load(Ordering::Relaxed)
-        && activity.head_began().is_none();
-    if activity.is_http2() || idle_tls {
-        told.idle.notify_one();
-        tokio::time::sleep(GOAWAY_WAIT).await;
-        // A request sent as the GOAWAY went out, which promised to serve it, runs to its
-        // end (hyper closes the connection after it), cut only by idleness: it was cut
-        // here a second later, its command already started in the sandbox. A head
-        // overdue is cut whatever else runs.
-        while idle_cut && activity.busy() {
-            if activity.clocks.waiting.load(Ordering::Relaxed) != 0 {
-                activity.touch();
-            }
-            let deadline = activity.last_moved() + config.idle_timeout;
-            if Instant::now() >= deadline {
-                break;
-            }
-            tokio::time::sleep_until(deadline.into()).await;
-        }
     }
 }
 
