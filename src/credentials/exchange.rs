@@ -1118,8 +1118,9 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                     }
                     shared.last_error.store(Some(Arc::new(Error::TokenExchange {
                         reason: format!(
-                            "the endpoint issues keys that expire {lifetime_ms} ms after issue, \
-                             usable for under a second; exchanges are paced"
+                            "no usable key between exchanges: they succeed, but the endpoint \
+                             issues keys that expire {lifetime_ms} ms after issue, usable for \
+                             under a second, and exchanges are paced"
                         ),
                     })));
                     short_in_row = short_in_row.saturating_add(1);
