@@ -850,6 +850,18 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
         "the open head was not cut before the answer's end"
     );
 
+    // A header block cut at `--header-timeout` gets the GOAWAY, which promises to process
+    // its stream: finished within the GOAWAY's second, it is served whole. It was sent
+    // upstream and cut a second after the GOAWAY, with no line.
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    wr.write_all(&h2_frame(HEADERS, END_STREAM, 1, &block[..3]))
+        .await
+        .expect("HEADERS");
+    until_goaway(&mut frames).await;
+    let rest = h2_frame(CONTINUATION, END_HEADERS, 1, &block[3..]);
+    wr.write_all(&rest).await.expect("CONTINUATION");
+    assert_eq!(h2_until_closed(&mut frames, 1).await, whole);
+
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("answer cut"), "{stderr}");
     assert_eq!(stderr.matches(" status=408 ").count(), 1, "{stderr}");
