@@ -768,11 +768,7 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
 
     // Each head begun and cut is logged and counted 408, as nginx logs one (a connection
     // that sent nothing, or half a preface, had no request): four, on either server.
-    let timed_out = r#"abx_proxy_requests_total{code="408",method="OTHER",plane="api"}"#;
-    assert_eq!(
-        metric(&scrape(proxy.admin_addr()).await, timed_out),
-        Some(4.0)
-    );
+    until_timed_out_heads(proxy.admin_addr(), 4).await;
     assert_healthy(&proxy, &mut sweep, true).await;
     let stderr = sweep.finish(proxy, &settings).await;
     let lines = stderr
@@ -863,8 +859,66 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     assert_eq!(h2_until_closed(&mut frames, 1).await, whole);
 
     let stderr = proxy.finish().await;
-    assert!(!stderr.contains("answer cut"), "{stderr}");
+    // Only the answer cut with the open head's connection is said, and why.
+    let cuts: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("answer cut"))
+        .collect();
+    assert_eq!(cuts.len(), 1, "{stderr}");
+    assert!(cuts[0].contains(r#"end="header-timeout""#), "{}", cuts[0]);
     assert_eq!(stderr.matches(" status=408 ").count(), 1, "{stderr}");
+}
+
+/// An HTTP/2 header block left open is cut at `--header-timeout` while another stream
+/// waits for its upstream, also when `--idle-timeout` is the shorter: each idle deadline
+/// the wait let pass restarted the block's time, and it lasted as long as the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_http2_header_block_is_cut_beside_a_waiting_request() {
+    let pki = Pki::new();
+    let mut upstream = hanging_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "1s", "--header-timeout", "3s"])
+        .args(&["--upstream-timeout", "60s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let authority = addr.to_string();
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let held = h2_get_block("/held", &authority);
+    (wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &held))
+        .await)
+        .expect("HEADERS 1");
+    upstream.next_request().await;
+    let start = Instant::now();
+    let open = h2_get_block("/open", &authority);
+    (wr.write_all(&h2_frame(HEADERS, END_STREAM, 3, &open[..3]))
+        .await)
+        .expect("HEADERS 3");
+    // Within BOUND, far short of the 60 s the waiting request could last.
+    h2_until_closed(&mut frames, 1).await;
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(2900), "closed after {took:?}");
+    let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches(" status=408 ").count(), 1, "{stderr}");
+}
+
+/// Waits (bounded) until `n` heads cut by `--header-timeout` are counted: each is counted
+/// by its connection's task once the connection has ended, which a client may see first.
+async fn until_timed_out_heads(admin: SocketAddr, n: usize) {
+    let timed_out = r#"abx_proxy_requests_total{code="408",method="OTHER",plane="api"}"#;
+    let mut last = None;
+    let counted = within("the 408s to be counted", async {
+        let mut every = poll_ticker();
+        loop {
+            last = metric(&scrape(admin).await, timed_out);
+            if last.is_some_and(|c| c >= n as f64) {
+                return last;
+            }
+            every.tick().await;
+        }
+    })
+    .await;
+    assert_eq!(counted, Some(n as f64), "last seen {last:?}");
 }
 
 /// Reads the proxy's frames up to its GOAWAY (bounded).
@@ -1111,11 +1165,7 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
         "an open head reached the upstream"
     );
     // Each cut head is logged and counted 408, as over HTTP/1.
-    let timed_out = r#"abx_proxy_requests_total{code="408",method="OTHER",plane="api"}"#;
-    assert_eq!(
-        metric(&scrape(proxy.admin_addr()).await, timed_out),
-        Some(4.0)
-    );
+    until_timed_out_heads(proxy.admin_addr(), 4).await;
     let stderr = proxy.finish().await;
     let lines = stderr
         .lines()

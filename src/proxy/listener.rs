@@ -944,6 +944,8 @@ struct Clocks {
 /// What [`Clocks::cut`] holds.
 const CUT_IDLE: u8 = 1;
 const CUT_DRAIN: u8 = 2;
+/// An HTTP/2 connection cut for a header block left open: its other streams with it.
+const CUT_HEAD: u8 = 3;
 
 /// An answer on its way to the client, from its head to its end. Dropped before its end
 /// because the proxy cut the connection under it (no byte moved for `--idle-timeout`, or
@@ -1016,6 +1018,7 @@ impl Drop for AnswerCut {
         match self.clocks.cut.load(Ordering::Relaxed) {
             CUT_IDLE => self.log("idle"),
             CUT_DRAIN => self.log("drain"),
+            CUT_HEAD => self.log("header-timeout"),
             _ => {}
         }
     }
@@ -1046,6 +1049,7 @@ impl Activity {
         let end = match self.clocks.cut.load(Ordering::Relaxed) {
             CUT_IDLE => "idle",
             CUT_DRAIN => "drain",
+            CUT_HEAD => "header-timeout",
             _ => return None,
         };
         if !self.clocks.has_parked.load(Ordering::Relaxed) {
@@ -1335,13 +1339,20 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                 // on is no cut of the proxy's.
                 if idle {
                     activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
+                } else if http2 && head_overdue(activity, config) {
+                    activity.clocks.cut.store(CUT_HEAD, Ordering::Relaxed);
                 }
                 return;
             }
             if owed_head {
                 activity.touch();
             }
-            activity.restart_head();
+            // Not an HTTP/2 header block's: its time runs whatever the other streams wait
+            // for (restarted at each idle deadline, a block left open lasted as long as
+            // another stream waited on its upstream).
+            if !http2 {
+                activity.restart_head();
+            }
             continue;
         }
         // A head that begins (or ends) cuts the wait short: the deadline moves. The read
