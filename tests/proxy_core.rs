@@ -1999,10 +1999,7 @@ async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_con
     // gets no warning about the SDKs' keepalives.
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("--idle-timeout is under"), "{stderr}");
-    let cut = stderr
-        .lines()
-        .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
-        .count();
+    let cut = timed_out_heads(&stderr);
     assert_eq!(cut, 2, "{stderr}");
 }
 

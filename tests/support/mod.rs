@@ -49,6 +49,14 @@ pub const BOUND: Duration = Duration::from_secs(20);
 /// queue): short against any wait, and the poller leaves the CPU to the proxy it watches.
 pub const POLL: Duration = Duration::from_millis(10);
 
+/// Access lines, in a proxy's stderr, for heads cut by `--header-timeout` (408).
+pub fn timed_out_heads(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access") && l.contains(" status=408 "))
+        .count()
+}
+
 /// A [`POLL`] ticker; its first tick is at once.
 pub fn poll_ticker() -> tokio::time::Interval {
     let mut every = tokio::time::interval(POLL);
