@@ -1280,7 +1280,8 @@ impl<T> IdleIo<T> {
 /// An idle HTTP/2 connection says GOAWAY before it closes (RFC 9113 §6.8): a client
 /// opening a stream just then learns it was not processed and may send it again, instead
 /// of seeing a reset it cannot judge. hyper's graceful shutdown sends it, told by
-/// [`Told::idle`]; the connection is cut [`GOAWAY_WAIT`] later if it has not closed.
+/// [`Told::idle`]; the connection is cut [`GOAWAY_WAIT`] later if it has not closed,
+/// unless a request the GOAWAY let in is under way, which is then watched as any.
 async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     // The idle GOAWAY (or close_notify) has gone out.
