@@ -786,21 +786,7 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     // 10 pieces 200 ms apart: 2 s of answer, past the second the GOAWAY allowed.
     const DRIPS: usize = 10;
     let pki = Pki::new();
-    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| async move {
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tokio::spawn(async move {
-            // Pacing the answer (the behaviour under test), not synchronisation.
-            let mut every = tokio::time::interval(Duration::from_millis(200));
-            for _ in 0..DRIPS {
-                every.tick().await;
-                if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Response::new(boxed(ChannelBody(rx)))
-    })
-    .await;
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { drip_answer(DRIPS) }).await;
     let cmd = traced(ProxyCmd::new(&upstream.url(), &pki)).args(&[
         "--idle-timeout",
         "2s",
@@ -918,6 +904,22 @@ async fn until_timed_out_heads(admin: SocketAddr, n: usize) {
     assert_eq!(counted, Some(n as f64), "last seen {last:?}");
 }
 
+/// An answer of `pieces` lines `drip`, one every 200 ms.
+fn drip_answer(pieces: usize) -> Response<TestBody> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        // Pacing the answer (the behaviour under test), not synchronisation.
+        let mut every = tokio::time::interval(Duration::from_millis(200));
+        for _ in 0..pieces {
+            every.tick().await;
+            if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::new(boxed(ChannelBody(rx)))
+}
+
 /// Reads the proxy's frames up to its GOAWAY (bounded).
 async fn until_goaway(frames: &mut H2Frames) {
     loop {
@@ -1022,18 +1024,7 @@ async fn slow_http2_header_blocks_are_cut_at_the_header_timeout() {
             if req.uri().path() != "/drip" {
                 return response(200, "ok");
             }
-            let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tokio::spawn(async move {
-                // Pacing the answer (the behaviour under test), not synchronisation.
-                let mut every = tokio::time::interval(Duration::from_millis(200));
-                for _ in 0..DRIPS {
-                    every.tick().await;
-                    if tx.send(Bytes::from_static(b"drip\n")).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            Response::new(boxed(ChannelBody(rx)))
+            drip_answer(DRIPS)
         }
     })
     .await;
