@@ -698,15 +698,7 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
         // byte is read, and this task may read the first answer much later on a loaded
         // machine.
         let start = Instant::now();
-        let mut s = connect_raw(addr).await;
-        let first = format!("GET /first HTTP/1.1\r\nHost: {addr}\r\n\r\n");
-        s.write_all(first.as_bytes()).await.unwrap();
-        let mut buf = Vec::new();
-        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
-        s.write_all(b"GET /second HTTP/1.1\r\nX-Slow: ")
-            .await
-            .unwrap();
-        expect_closed(&mut s, &buf).await;
+        second_head_stalls(addr, "/first").await;
         start.elapsed()
     };
     // The same on a connection hyper serves (a chunked request hands it over): there the
@@ -780,7 +772,9 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
 /// GOAWAY, the request already begun upstream (a command started in the sandbox), its
 /// answer logged as cut for idleness though its bytes were moving. Such a request that
 /// its client cancels is no cut of the proxy's (no line), and a header block left open
-/// beside it is cut at `--header-timeout` all the same (408).
+/// beside it is cut at `--header-timeout` all the same (408), the answer said cut for it:
+/// overdue within the GOAWAY's second, the answer was said cut for idleness, judged
+/// before that second though the answer moved all through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     // 10 pieces 200 ms apart: 2 s of answer, past the second the GOAWAY allowed.
@@ -791,7 +785,7 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
         "--idle-timeout",
         "2s",
         "--header-timeout",
-        "1s",
+        "500ms",
     ]);
     let proxy = cmd.spawn().await;
     let addr = proxy.addr();
@@ -883,6 +877,108 @@ async fn an_open_http2_header_block_is_cut_beside_a_waiting_request() {
     assert!(took >= Duration::from_millis(2900), "closed after {took:?}");
     let stderr = proxy.finish().await;
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
+}
+
+/// `--idle-timeout 1s` under `--header-timeout 60s`: a head that stops half-way is cut for
+/// idleness, long before its header timeout, and is logged and counted 408 all the same,
+/// as one the header timeout cuts: a first head, a keep-alive connection's second one, and
+/// an HTTP/2 header block (its connection closes after the GOAWAY's second). Such heads
+/// left no trace at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_stalled_past_a_shorter_idle_timeout_is_logged_as_408() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--idle-timeout", "1s", "--header-timeout", "60s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let first = async {
+        let mut s = connect_raw(addr).await;
+        let partial = format!("GET /first HTTP/1.1\r\nHost: {addr}\r\nX-Slow: ");
+        s.write_all(partial.as_bytes()).await.unwrap();
+        expect_closed(&mut s, &[]).await;
+    };
+    let second = second_head_stalls(addr, "/answered");
+    let http2 = async {
+        let (mut wr, mut frames) = raw_h2(addr).await;
+        let block = h2_get_block("/open", &addr.to_string());
+        (wr.write_all(&h2_frame(HEADERS, END_STREAM, 1, &block[..3]))
+            .await)
+            .expect("HEADERS");
+        h2_until_closed(&mut frames, 1).await;
+    };
+    tokio::join!(first, second, http2);
+    until_timed_out_heads(proxy.admin_addr(), 3).await;
+    let stderr = proxy.finish().await;
+    assert_eq!(timed_out_heads(&stderr), 3, "{stderr}");
+}
+
+/// An HTTP/1.1 answer hyper has whole but cannot write out to a client that does not read,
+/// with a head pipelined behind it: the answer holds the head back, so `--header-timeout`
+/// does not cut it; idleness does, and says the answer cut (`end="idle"`), with no 408. The
+/// connection was cut at the header timeout, the truncated answer unsaid, a 408 logged.
+/// Over a unix socket, whose buffer is `net.core.wmem_default` (no autotuning): an answer a
+/// little larger fits whole in hyper's buffer but not in the socket's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_a_client_does_not_read_holds_back_the_head_behind_it() {
+    use tokio::io::AsyncReadExt;
+    let wmem = std::fs::read_to_string("/proc/sys/net/core/wmem_default");
+    let wmem: usize = wmem
+        .ok()
+        .and_then(|w| w.trim().parse().ok())
+        .unwrap_or(212_992);
+    let size = wmem + 64 * 1024;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |_req| async move {
+        response(200, vec![b'x'; size])
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("abx.sock");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .listen(&format!("unix:{}", sock.display()))
+        .args(&["--idle-timeout", "3s", "--header-timeout", "1s"])
+        .spawn()
+        .await;
+    let connected = tokio::net::UnixStream::connect(&sock).await;
+    let mut s = connected.expect("connect");
+    let start = Instant::now();
+    // `TE: trailers` hands the connection to hyper, where a body's end is not the answer's.
+    let requests =
+        "GET /big HTTP/1.1\r\nHost: x\r\nTE: trailers\r\n\r\nGET /next HTTP/1.1\r\nHost: x";
+    s.write_all(requests.as_bytes()).await.expect("requests");
+    let line = proxy.wait_for_line("answer cut").await;
+    let took = start.elapsed();
+    assert!(
+        line.contains("path=/big") && line.contains(r#"end="idle""#),
+        "{line}"
+    );
+    assert!(took >= Duration::from_millis(2900), "cut after {took:?}");
+    let mut got = Vec::new();
+    within("the answer's bytes, then the end", s.read_to_end(&mut got))
+        .await
+        .expect("read");
+    assert!(
+        got.len() < size,
+        "the answer went out whole: no case to test"
+    );
+    let stderr = proxy.finish().await;
+    assert_eq!(timed_out_heads(&stderr), 0, "{stderr}");
+}
+
+/// A keep-alive connection: `GET first` answered 200, then half a second head, until the
+/// proxy closes the connection (bounded).
+async fn second_head_stalls(addr: SocketAddr, first: &str) {
+    let mut s = connect_raw(addr).await;
+    let head = format!("GET {first} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
+    s.write_all(b"GET /second HTTP/1.1\r\nX-Slow: ")
+        .await
+        .unwrap();
+    expect_closed(&mut s, &buf).await;
 }
 
 /// Waits (bounded) until `n` heads cut by `--header-timeout` are counted: each is counted

@@ -463,10 +463,14 @@ async fn connection_task(
     activity.cut_parked();
     // A head begun and not finished in time, cut by the watchdog or the fast path's own
     // timer, is logged and counted 408 as nginx logs one: otherwise slow heads left no
-    // trace but the open-connections gauge. Here, not in either: the watchdog's state
-    // is paid by every connection. No time observed, as for the heads hyper refuses: the
-    // request latency histogram is for requests that were made.
-    if head_timed_out(&activity, &told, &config) {
+    // trace but the open-connections gauge. So is one the watchdog found stalled for
+    // `--idle-timeout` (shorter than `--header-timeout`), whoever closed its connection
+    // then (an idle HTTP/2 one may close itself after its GOAWAY): not one held back
+    // behind an answer (the watchdog clears those). Here, not in either: the
+    // watchdog's state is paid by every connection. No time observed, as for the heads
+    // hyper refuses: the request latency histogram is for requests that were made.
+    let stalled = told.stalled.load(Ordering::Relaxed) && activity.head_began().is_some();
+    if stalled || head_timed_out(&activity, &told, &config) {
         proxy.head_refused(StatusCode::REQUEST_TIMEOUT, Duration::ZERO);
     }
     crate::logging::flush_thread();
@@ -484,6 +488,9 @@ struct Told {
     headed: AtomicBool,
     /// The watchdog found an HTTP/2 connection idle.
     idle: Notify,
+    /// The watchdog found the connection idle with a head begun: it stalled, and the
+    /// connection closes with it unless it ends meanwhile (see [`connection_task`]).
+    stalled: AtomicBool,
 }
 
 /// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for
@@ -1164,6 +1171,13 @@ impl Activity {
             || c.answers.load(Ordering::Relaxed) != 0
     }
 
+    /// An HTTP/1 answer is still going to the client: its body has not ended, or its end
+    /// waits unwritten for a client that does not read (see [`AnswerCut::written_later`]).
+    fn answer_owed(&self) -> bool {
+        self.clocks.answers.load(Ordering::Relaxed) != 0
+            || self.clocks.has_parked.load(Ordering::Relaxed)
+    }
+
     /// When the head in progress began (see [`Activity::heading`]).
     fn head_began(&self) -> Option<Instant> {
         match self.clocks.head.load(Ordering::Relaxed) {
@@ -1306,13 +1320,16 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
             // streams wait for: they are no answer its client is owed before it may
             // finish the head.
             let owed_head = activity.clocks.waiting.load(Ordering::Relaxed) != 0;
-            let owed_body = !http2 && !idle && activity.clocks.answers.load(Ordering::Relaxed) != 0;
+            let owed_body = !http2 && !idle && activity.answer_owed();
             let head_cut = http2 && head_overdue(activity, config);
             if (!owed_head && !owed_body) || head_cut {
                 // A head behind the answer idleness cuts was held back, not slow: no 408
                 // for it (see `head_timed_out`).
-                if idle && !http2 && activity.clocks.answers.load(Ordering::Relaxed) != 0 {
+                if idle && !http2 && activity.answer_owed() {
                     activity.clocks.head.store(0, Ordering::Relaxed);
+                }
+                if idle && activity.head_began().is_some() {
+                    told.stalled.store(true, Ordering::Relaxed);
                 }
                 // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that
                 // has served a request is closed as hyper closes one, with TLS's
@@ -1333,15 +1350,18 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     // in the sandbox; so does a head finished meanwhile. A head still
                     // overdue is cut whatever else runs.
                     if !head_overdue(activity, config) && activity.busy() {
+                        told.stalled.store(false, Ordering::Relaxed);
                         continue;
                     }
                 }
                 // Only now: an answer a client gives up on while the connection lives
-                // on is no cut of the proxy's.
-                if idle {
-                    activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
-                } else if http2 && head_overdue(activity, config) {
+                // on is no cut of the proxy's. A header block overdue first: `idle` was
+                // judged before the GOAWAY's second, and an answer let in by the GOAWAY
+                // may have moved all through it.
+                if http2 && head_overdue(activity, config) {
                     activity.clocks.cut.store(CUT_HEAD, Ordering::Relaxed);
+                } else if idle {
+                    activity.clocks.cut.store(CUT_IDLE, Ordering::Relaxed);
                 }
                 return;
             }
