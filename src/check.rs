@@ -87,10 +87,19 @@ async fn probe(
     if status == 401 || status == 403 {
         return Err(Error::CredentialRejected { status, host });
     }
-    // Reached but not serving: not "ok" (exit 69, like an unreachable one).
-    if status >= 500 {
+    // Reached but not serving: not "ok" (exit 69, like an unreachable one). Nor is one
+    // throttling (the exchange takes 429 for a failure too), or one that redirects: the
+    // proxy would hand the SDKs the redirect (an `http://` base URL for `https://`, a
+    // path added or missing).
+    let why = match status {
+        500.. => Some(String::new()),
+        429 => Some(", throttling".to_string()),
+        300..=399 => Some(", a redirect: is sandbox_base_url the API's own address?".into()),
+        _ => None,
+    };
+    if let Some(why) = why {
         return Err(Error::UpstreamUnavailable {
-            reason: format!("it answered {status}"),
+            reason: format!("it answered {status}{why}"),
             host,
         });
     }

@@ -161,9 +161,12 @@ impl Error {
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
             Error::ProviderOption { .. } => "Give FIELD=VALUE for a non-secret field of the selected plugin (secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
-            Error::SandboxNotFound { .. } | Error::Refused { .. } | Error::Provider { .. } => {
-                return None
+            Error::Provider { id, .. } => {
+                return Some(format!(
+                    "`abx-proxy provider info {id}` lists its fields, the variables each is read from, and what it inherits."
+                ))
             }
+            Error::SandboxNotFound { .. } | Error::Refused { .. } => return None,
         };
         Some(s.to_string())
     }

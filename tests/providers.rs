@@ -234,6 +234,9 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
         stderr.contains("[E8003] provider borrower: api_key is not set"),
         "{stderr}"
     );
+    // In the house format, with its suggestion line.
+    let suggestion = "  Suggestion: `abx-proxy provider info borrower` lists its fields";
+    assert!(stderr.contains(suggestion), "{stderr}");
     // And why the built-in key was not taken, with how to grant it.
     let why = "(its manifest asks to inherit sandbox_api_key, which was not consented to for \
                this manifest, or the manifest changed since: `abx-proxy provider install FILE \
@@ -843,7 +846,8 @@ async fn a_plugin_upstream_moved_by_the_cwd_env_is_warned_about_and_errors_name_
     let out = abx(home.path(), &env, &["check", "--offline"]).await;
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
     assert!(
-        text(&out).contains("[E1005] invalid value for e2b.envd_domain (from env)"),
+        text(&out)
+            .contains("[E1005] invalid value for e2b.envd_domain (ABX_E2B_ENVD_DOMAIN from env)"),
         "{}",
         text(&out)
     );
@@ -1118,8 +1122,9 @@ async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
 
 /// `check` probes a plugin's control plane with the plugin's own header, as the proxy
 /// would send it, and judges the answer: 401 or 403 is the key refused (E1009, exit 78);
-/// 500 and above is a control plane reached but not serving (E5001, exit 69); anything
-/// else, a 404 included, is a control plane that heard the key (exit 0).
+/// 500 and above, 429 (throttling) and a redirect (which the proxy would hand the SDKs) are
+/// a control plane reached but not serving (E5001, exit 69); anything else, a 404
+/// included, is a control plane that heard the key (exit 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_probes_with_the_providers_header_and_judges_the_answer() {
     let pki = Pki::new();
@@ -1154,6 +1159,8 @@ async fn check_probes_with_the_providers_header_and_judges_the_answer() {
         (401, 78, Some("[E1009]")),
         (403, 78, Some("[E1009]")),
         (404, 0, None),
+        (301, 69, Some("[E5001]")),
+        (429, 69, Some("[E5001]")),
         (500, 69, Some("[E5001]")),
         (503, 69, Some("[E5001]")),
     ] {

@@ -569,13 +569,13 @@ impl Resolved {
             .iter()
             .find(|spec| spec.name == key)
             .map(|spec| self.entry(spec.key))
-            .map(|entry| (entry.source, Some(entry.spec.env)));
-        // A plugin field may have come from its canonical name or a vendor alias, and only
-        // the layer is kept: that is all it says.
+            .map(|entry| (entry.source, Some(entry.spec.env.to_string())));
+        // A plugin field may have come from its canonical name or a vendor alias: the one
+        // it was found under is named, as `config list` names it.
         let found = builtin.or_else(|| {
             let plugin = self.plugin().ok().flatten()?;
             let field = plugin.fields.iter().find(|f| f.key == key)?;
-            Some((field.source, None))
+            Some((field.source, Some(field.env.clone())))
         });
         let origin = match found {
             Some((Source::Flag, _)) => Some(match Key::by_name(&key) {
@@ -584,9 +584,6 @@ impl Resolved {
             }),
             Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), Some(env))) => {
                 Some(format!("{env} from {}", src.label()))
-            }
-            Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), None)) => {
-                Some(format!("from {}", src.label()))
             }
             Some((Source::ConfigToml, _)) => {
                 Some(format!("{key} from {}", Source::ConfigToml.label()))
