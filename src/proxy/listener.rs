@@ -469,7 +469,10 @@ async fn connection_task(
     // behind an answer (the watchdog clears those). Here, not in either: the
     // watchdog's state is paid by every connection. No time observed, as for the heads
     // hyper refuses: the request latency histogram is for requests that were made.
-    let stalled = told.stalled.load(Ordering::Relaxed) && activity.head_began().is_some();
+    let stalled = match told.stalled.load(Ordering::Relaxed) {
+        0 => false,
+        mark => activity.clocks.head.load(Ordering::Relaxed) == mark,
+    };
     if stalled || head_timed_out(&activity, &told, &config) {
         proxy.head_refused(StatusCode::REQUEST_TIMEOUT, Duration::ZERO);
     }
@@ -488,9 +491,10 @@ struct Told {
     headed: AtomicBool,
     /// The watchdog found an HTTP/2 connection idle.
     idle: Notify,
-    /// The watchdog found the connection idle with a head begun: it stalled, and the
-    /// connection closes with it unless it ends meanwhile (see [`connection_task`]).
-    stalled: AtomicBool,
+    /// The watchdog found the connection idle with a head begun: that head's mark
+    /// ([`Clocks::head`]), 0 for none. It stalled, and the connection closes with it unless
+    /// it ends meanwhile (see [`connection_task`]): a head begun later has another mark.
+    stalled: AtomicU64,
 }
 
 /// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for
@@ -695,6 +699,10 @@ async fn with_hyper(
                         boxed(CutLogged::http1(b, cut))
                     }
                 });
+            } else if !tunnel && !http2 {
+                // No body to end: hyper never polls it, and the head alone may wait in its
+                // buffer for a client that does not read (see `AnswerCut::written_later`).
+                AnswerCut::new(&answering, uri).written_later();
             }
             Ok::<_, Infallible>(resp)
         }
@@ -993,6 +1001,7 @@ impl AnswerCut {
     /// buffer (and rustls') for a client that does not read. The answer is parked with
     /// its connection until a flush finds nothing left (see [`IdleIo`]), and a cut before
     /// that is said by the connection's task ([`Activity::cut_parked`]).
+    /// One already parked is an earlier answer, written first: the one a cut truncates.
     pub(super) fn written_later(&mut self) {
         self.ended = true;
         let uri = std::mem::take(&mut self.uri);
@@ -1001,7 +1010,9 @@ impl AnswerCut {
             .parked
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *parked = Some(Box::new((uri, self.began)));
+        if parked.is_none() {
+            *parked = Some(Box::new((uri, self.began)));
+        }
         self.clocks.has_parked.store(true, Ordering::Relaxed);
     }
 
@@ -1328,8 +1339,9 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                 if idle && !http2 && activity.answer_owed() {
                     activity.clocks.head.store(0, Ordering::Relaxed);
                 }
-                if idle && activity.head_began().is_some() {
-                    told.stalled.store(true, Ordering::Relaxed);
+                if idle {
+                    let head = activity.clocks.head.load(Ordering::Relaxed);
+                    told.stalled.store(head, Ordering::Relaxed);
                 }
                 // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that
                 // has served a request is closed as hyper closes one, with TLS's
@@ -1350,7 +1362,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     // in the sandbox; so does a head finished meanwhile. A head still
                     // overdue is cut whatever else runs.
                     if !head_overdue(activity, config) && activity.busy() {
-                        told.stalled.store(false, Ordering::Relaxed);
+                        told.stalled.store(0, Ordering::Relaxed);
                         continue;
                     }
                 }
