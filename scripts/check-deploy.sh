@@ -51,6 +51,15 @@ missing = sorted(b for b in base if b not in exported)
 if missing:
     sys.exit(f"not exported by src/metrics.rs: {missing}")
 PY
+check "the dashboard shows every exported metric" python3 - <<'PY'
+import re, sys, pathlib
+exported = set(re.findall(r'"(abx_proxy_[a-z_]+)"', pathlib.Path("src/metrics.rs").read_text()))
+dash = pathlib.Path("deploy/grafana/abx-proxy-dashboard.json").read_text()
+shown = {re.sub(r"_(bucket|sum|count)$", "", u) for u in re.findall(r"abx_proxy_[a-z_]+", dash)}
+missing = sorted(exported - shown)
+if missing:
+    sys.exit(f"not on deploy/grafana/abx-proxy-dashboard.json: {missing}")
+PY
 check "promtool check config" promtool check config deploy/prometheus/prometheus.yml
 check "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 check "promtool test rules (alert unit tests)" promtool test rules deploy/prometheus/alerts.test.yml
