@@ -92,9 +92,13 @@ async fn probe(
     // proxy would hand the SDKs the redirect (an `http://` base URL for `https://`, a
     // path added or missing).
     let why = match status {
-        500.. => Some(String::new()),
-        429 => Some(", throttling".to_string()),
-        300..=399 => Some(", a redirect: is sandbox_base_url the API's own address?".into()),
+        500.. => Some(""),
+        429 => Some(", throttling"),
+        301 | 302 | 303 | 307 | 308 => Some(
+            ", a redirect: the base URL is not the API's own address (http:// for https://, \
+             or a path added or missing)",
+        ),
+        300..=399 => Some(""),
         _ => None,
     };
     if let Some(why) = why {

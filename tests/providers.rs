@@ -219,6 +219,17 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
                 (key["source"].as_str(), key["env"].as_str()),
                 (Some("env"), Some("ABX_SANDBOX_API_KEY"))
             );
+            // The inherited key read from the built-in key's file: an error about it names
+            // that flag (`--provider-option`, which it blamed, refuses secret fields).
+            let file = home.path().join("key");
+            std::fs::write(&file, "key-with-a-\u{1}-in-it\n").expect("key file");
+            let path = file.display().to_string();
+            let args = ["check", "--offline", "--sandbox-api-key-file", &path];
+            let out = abx(home.path(), &[("ABX_PROVIDER", "borrower")], &args).await;
+            let said = text(&out);
+            assert_eq!(out.status.code(), Some(78), "{said}");
+            let named = "[E1005] invalid value for borrower.api_key (--sandbox-api-key-file)";
+            assert!(said.contains(named), "{said}");
         }
     }
 
@@ -1171,6 +1182,14 @@ async fn check_probes_with_the_providers_header_and_judges_the_answer() {
         let out = run(answering.url()).await;
         let said = text(&out);
         assert_eq!(out.status.code(), Some(exit), "{status}: {said}");
+        // Not a setting of the built-in provider's: the plugin's base URL is in force.
+        if status == 301 {
+            let redirect = "a redirect: the base URL is not the API's own address";
+            assert!(
+                said.contains(redirect) && !said.contains("sandbox_base_url"),
+                "{said}"
+            );
+        }
         match code {
             Some(code) => assert!(
                 said.contains(code) && said.contains(&status.to_string()),

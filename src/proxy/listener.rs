@@ -620,6 +620,7 @@ async fn with_hyper(
             req.extensions_mut().insert(why);
         }
         let connect = req.method() == Method::CONNECT;
+        let head = req.method() == Method::HEAD;
         let http2 = req.version() == http::Version::HTTP_2;
         let http10 = req.version() == http::Version::HTTP_10;
         let stream = http2.then(|| activity.open_stream());
@@ -685,8 +686,9 @@ async fn with_hyper(
                     *resp.version_mut() = http::Version::HTTP_10;
                 }
             }
+            let unsent = !http2 && body_unsent(head, status);
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
-            if !tunnel && !http_body::Body::is_end_stream(resp.body()) {
+            if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
                 let cut = AnswerCut::new(&answering, uri);
                 resp = resp.map(|b| {
                     use super::body::{boxed, CutLogged, IdleLimited};
@@ -751,6 +753,13 @@ async fn with_hyper(
         () = settled(activity, GOAWAY_WAIT, heard) => {}
         () = cancels.abusive.notified() => said_rapid_reset(),
     }
+}
+
+/// An HTTP/1 answer to HEAD, a 204 or a 304 has no body on the wire, whatever its body
+/// holds (the proxy's own error answers hold JSON): hyper never polls it, so its end is
+/// never seen (see [`AnswerCut::written_later`]).
+fn body_unsent(head: bool, status: StatusCode) -> bool {
+    head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED
 }
 
 #[cold]
@@ -1585,6 +1594,18 @@ mod tests {
     /// hyper's HTTP/1 writer has a body's end before its bytes are out: an answer whose
     /// last bytes wait for a client that does not read was cut with no line. It waits,
     /// parked with its connection, until a flush finds nothing left.
+    /// hyper writes no body for these, and never polls theirs to its end: the proxy's own
+    /// 504 to a HEAD (a JSON body) held back no head behind it while its head waited.
+    #[test]
+    fn answers_without_a_body_on_the_wire_are_known() {
+        assert!(body_unsent(true, StatusCode::GATEWAY_TIMEOUT));
+        assert!(body_unsent(true, StatusCode::OK));
+        assert!(body_unsent(false, StatusCode::NO_CONTENT));
+        assert!(body_unsent(false, StatusCode::NOT_MODIFIED));
+        assert!(!body_unsent(false, StatusCode::OK));
+        assert!(!body_unsent(false, StatusCode::GATEWAY_TIMEOUT));
+    }
+
     #[test]
     fn an_answer_whose_end_is_not_out_is_said_when_its_connection_is_cut() {
         let parked = |written: bool, cut: u8| {

@@ -578,10 +578,17 @@ impl Resolved {
             Some((field.source, Some(field.env.clone())))
         });
         let origin = match found {
-            Some((Source::Flag, _)) => Some(match Key::by_name(&key) {
-                Some(k) => k.flag(),
-                None => "--provider-option".to_string(),
-            }),
+            // A plugin's inherited key comes from the built-in key's file flag, not from
+            // `--provider-option` (which refuses secret fields).
+            Some((Source::Flag, env)) => Some(
+                match Key::by_name(&key).or_else(|| {
+                    let env = env?;
+                    KEYS.iter().find(|s| s.env == env).map(|s| s.key)
+                }) {
+                    Some(k) => k.flag(),
+                    None => "--provider-option".to_string(),
+                },
+            ),
             Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), Some(env))) => {
                 Some(format!("{env} from {}", src.label()))
             }
