@@ -91,14 +91,12 @@ async fn probe(
     // throttling (the exchange takes 429 for a failure too), or one that redirects: the
     // proxy would hand the SDKs the redirect (an `http://` base URL for `https://`, a
     // path added or missing).
+    if matches!(status, 301 | 302 | 303 | 307 | 308) {
+        return Err(Error::UpstreamRedirect { status, host });
+    }
     let why = match status {
-        500.. => Some(""),
         429 => Some(", throttling"),
-        301 | 302 | 303 | 307 | 308 => Some(
-            ", a redirect: the base URL is not the API's own address (http:// for https://, \
-             or a path added or missing)",
-        ),
-        300..=399 => Some(""),
+        300..=399 | 500.. => Some(""),
         _ => None,
     };
     if let Some(why) = why {

@@ -62,6 +62,10 @@ pub enum Error {
     /// [`Error::UpstreamUnreachable`], not a matter of network access.
     #[error("upstream unavailable: {reason} ({host})")]
     UpstreamUnavailable { reason: String, host: String },
+    /// E5001 too, from `check`: the control plane answered with a redirect, which the
+    /// proxy would hand the SDKs: its base URL is not the API's own address.
+    #[error("upstream unavailable: it answered {status}, a redirect: the base URL is not the API's own address ({host})")]
+    UpstreamRedirect { status: u16, host: String },
     /// E5002: the upstream did not answer in time.
     #[error("upstream timeout: no response within {within} ({host})")]
     UpstreamTimeout { within: Within, host: String },
@@ -125,7 +129,9 @@ impl Error {
             Error::Bind { .. } => "E1008",
             Error::CredentialRejected { .. } => "E1009",
             Error::SandboxNotFound { .. } => "E2009",
-            Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => "E5001",
+            Error::UpstreamUnreachable { .. }
+            | Error::UpstreamUnavailable { .. }
+            | Error::UpstreamRedirect { .. } => "E5001",
             Error::UpstreamTimeout { .. } | Error::UpstreamSilent { .. } => "E5002",
             Error::Refused { .. } => "E5003",
             Error::Manifest { .. } => "E8001",
@@ -150,6 +156,7 @@ impl Error {
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
             Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (the proxy retries its token exchange by itself). If it persists, check that host's status and the URL setting that names it.",
+            Error::UpstreamRedirect { .. } => "Set the base URL to the API's own address (an http:// one for an https:// API, or a path added or missing, is redirected); `abx-proxy config list` shows where it comes from.",
             // The exchange's own bound is fixed: the flag alone would not change its answer.
             Error::UpstreamTimeout { .. } => {
                 return Some(format!(
@@ -176,6 +183,7 @@ impl Error {
         match self {
             Error::UpstreamUnreachable { .. }
             | Error::UpstreamUnavailable { .. }
+            | Error::UpstreamRedirect { .. }
             | Error::UpstreamTimeout { .. }
             | Error::UpstreamSilent { .. } => EXIT_UNAVAILABLE,
             Error::ProviderOption { .. } => EXIT_USAGE,
@@ -186,7 +194,9 @@ impl Error {
     /// HTTP status when the proxy answers a request with this error itself.
     pub fn http_status(&self) -> u16 {
         match self {
-            Error::UpstreamUnreachable { .. } | Error::UpstreamUnavailable { .. } => 502,
+            Error::UpstreamUnreachable { .. }
+            | Error::UpstreamUnavailable { .. }
+            | Error::UpstreamRedirect { .. } => 502,
             Error::UpstreamTimeout { .. } | Error::UpstreamSilent { .. } => 504,
             Error::Refused { .. } => 400,
             Error::SandboxNotFound { .. } => 404,
@@ -330,6 +340,15 @@ mod tests {
                 69,
                 504,
                 "[E5002] ",
+            ),
+            (
+                Error::UpstreamRedirect {
+                    status: 301,
+                    host: s("h"),
+                },
+                69,
+                502,
+                "[E5001] upstream unavailable: it answered 301, a redirect",
             ),
             (Error::Refused { reason: s("r") }, 78, 400, "[E5003] "),
             (Error::UnknownProvider { id: s("x") }, 78, 503, "[E8002] "),

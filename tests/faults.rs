@@ -879,6 +879,44 @@ async fn an_open_http2_header_block_is_cut_beside_a_waiting_request() {
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
 }
 
+/// The proxy's own answer to an HTTP/2 `HEAD` (here 400 E5003, a host not allowed) ends
+/// with its HEADERS frame: hyper's HTTP/2 server sent its JSON body as DATA, which such an
+/// answer may not carry (RFC 9110 §9.3.2), and curl and `h2` reset the stream for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_own_answer_to_an_http2_head_has_no_data() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let (mut wr, mut frames) = raw_h2(proxy.addr()).await;
+    // `:method: HEAD`, a literal (HPACK's static table has GET and POST only).
+    let mut block = vec![0x02, 4];
+    block.extend_from_slice(b"HEAD");
+    block.extend_from_slice(&h2_get_block("/sandboxes", "evil.example")[1..]);
+    (wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block))
+        .await)
+        .expect("HEADERS");
+    let (flags, answer) = loop {
+        match within("the answer", frames.recv()).await.flatten() {
+            Some((HEADERS, flags, 1, block)) => break (flags, block),
+            Some((DATA, _, 1, data)) => panic!("DATA before the answer's head: {data:?}"),
+            Some(_) => {}
+            None => panic!("the connection ended before the answer"),
+        }
+    };
+    // `:status: 400`, indexed (HPACK's static table, entry 12).
+    assert_eq!(answer.first(), Some(&0x8c), "{answer:?}");
+    assert_ne!(
+        flags & END_STREAM,
+        0,
+        "the answer's head did not end its stream"
+    );
+    assert!(
+        upstream.paths().is_empty(),
+        "a refused host reached the upstream"
+    );
+    proxy.finish().await;
+}
+
 /// `--idle-timeout 1s` under `--header-timeout 60s`: a head that stops half-way is cut for
 /// idleness, long before its header timeout, and is logged and counted 408 all the same,
 /// as one the header timeout cuts: a first head, a keep-alive connection's second one, and

@@ -1189,6 +1189,12 @@ async fn check_probes_with_the_providers_header_and_judges_the_answer() {
                 said.contains(redirect) && !said.contains("sandbox_base_url"),
                 "{said}"
             );
+            // Retrying cannot mend a wrong address.
+            let suggestion = "  Suggestion: Set the base URL to the API's own address";
+            assert!(
+                said.contains(suggestion) && !said.contains("retry"),
+                "{said}"
+            );
         }
         match code {
             Some(code) => assert!(

@@ -686,7 +686,13 @@ async fn with_hyper(
                     *resp.version_mut() = http::Version::HTTP_10;
                 }
             }
-            let unsent = !http2 && body_unsent(head, status);
+            let unsent = body_unsent(head, status);
+            if unsent && http2 && !http_body::Body::is_end_stream(resp.body()) {
+                // hyper's HTTP/2 server sends what the body holds, as DATA that such an
+                // answer may not carry (curl and h2 reset the stream: PROTOCOL_ERROR).
+                resp = resp.map(|_| super::body::empty());
+            }
+            let unsent = unsent && !http2;
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
             if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
                 let cut = AnswerCut::new(&answering, uri);
@@ -755,9 +761,9 @@ async fn with_hyper(
     }
 }
 
-/// An HTTP/1 answer to HEAD, a 204 or a 304 has no body on the wire, whatever its body
-/// holds (the proxy's own error answers hold JSON): hyper never polls it, so its end is
-/// never seen (see [`AnswerCut::written_later`]).
+/// An answer to HEAD, a 204 or a 304 has no body on the wire, whatever its body holds
+/// (the proxy's own error answers hold JSON): on HTTP/1 hyper never polls it, so its end
+/// is never seen (see [`AnswerCut::written_later`]); on HTTP/2 it would send it.
 fn body_unsent(head: bool, status: StatusCode) -> bool {
     head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED
 }
