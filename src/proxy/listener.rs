@@ -692,7 +692,6 @@ async fn with_hyper(
                 // answer may not carry (curl and h2 reset the stream: PROTOCOL_ERROR).
                 resp = resp.map(|_| super::body::empty());
             }
-            let unsent = unsent && !http2;
             // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
             if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
                 let cut = AnswerCut::new(&answering, uri);
@@ -1597,9 +1596,6 @@ pub async fn drain(stop: &watch::Sender<bool>, grace: Duration) -> bool {
 mod tests {
     use super::*;
 
-    /// hyper's HTTP/1 writer has a body's end before its bytes are out: an answer whose
-    /// last bytes wait for a client that does not read was cut with no line. It waits,
-    /// parked with its connection, until a flush finds nothing left.
     /// hyper writes no body for these, and never polls theirs to its end: the proxy's own
     /// 504 to a HEAD (a JSON body) held back no head behind it while its head waited.
     #[test]
@@ -1612,6 +1608,9 @@ mod tests {
         assert!(!body_unsent(false, StatusCode::GATEWAY_TIMEOUT));
     }
 
+    /// hyper's HTTP/1 writer has a body's end before its bytes are out: an answer whose
+    /// last bytes wait for a client that does not read was cut with no line. It waits,
+    /// parked with its connection, until a flush finds nothing left.
     #[test]
     fn an_answer_whose_end_is_not_out_is_said_when_its_connection_is_cut() {
         let parked = |written: bool, cut: u8| {
