@@ -61,9 +61,9 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
                 max_connections,
                 serving,
                 "the open-file limit is below what --max-connections needs (two per \
-                 connection, a reserve and four per worker thread): serving {serving} connections at once, the others wait in the \
-                 kernel's accept queue; raise it (LimitNOFILE=, ulimit -n) or lower \
-                 --max-connections"
+                 connection, a reserve and four per worker thread): serving {serving} \
+                 connections at once, the others wait in the kernel's accept queue; raise it \
+                 (LimitNOFILE=, ulimit -n) or lower --max-connections"
             );
             limit
         }

@@ -243,6 +243,22 @@ fn aksk_proxy(upstream: &Upstream, pki: &Pki, fake: &FakeExchange) -> ProxyCmd {
         .args(&["--token-exchange-url", &fake.url])
 }
 
+/// [`aksk_proxy`] with the pair in `~/.abx/.env` instead of the environment: a reload
+/// (SIGHUP) can then replace it.
+fn aksk_proxy_from_dotenv(upstream: &Upstream, pki: &Pki, fake: &FakeExchange) -> ProxyCmd {
+    aksk_proxy(upstream, pki, fake)
+        .env("ALICLOUD_ACCESS_KEY_ID", None)
+        .env("ALICLOUD_ACCESS_KEY_SECRET", None)
+        .abx_file(".env", &dotenv_pair())
+}
+
+/// The test pair as `.env` lines.
+fn dotenv_pair() -> String {
+    format!(
+        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n"
+    )
+}
+
 fn assert_no_aksk_secret(text: &str, issued: &[String], what: &str) {
     assert!(
         !text.contains(ACCESS_KEY_SECRET),
@@ -1362,15 +1378,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let fake = FakeExchange::start(Arc::new(SystemClock)).await;
-    let pair = format!(
-        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n"
-    );
-    let mut proxy = aksk_proxy(&upstream, &pki, &fake)
-        .env("ALICLOUD_ACCESS_KEY_ID", None)
-        .env("ALICLOUD_ACCESS_KEY_SECRET", None)
-        .abx_file(".env", &pair)
-        .spawn()
-        .await;
+    let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake).spawn().await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let first = fake.issued_keys();
@@ -1379,7 +1387,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     assert_eq!(last_bearer(&upstream), bearer);
 
     // Only a setting that waits for a restart changed: no new exchange.
-    let ttl = format!("{pair}ABX_TOKEN_TTL=600\n");
+    let ttl = format!("{}ABX_TOKEN_TTL=600\n", dotenv_pair());
     let line = proxy.reload_env(&ttl, "apply at the next restart").await;
     assert!(line.contains("token_ttl"), "{line}");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
@@ -1420,7 +1428,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
 
     // Back to the pair: a temporary key of its own serves, and the gauge shows its expiry
     // again (set from the running key at the swap, after the exchange that reported it).
-    proxy.reload_env(&pair, "reloaded").await;
+    proxy.reload_env(&dotenv_pair(), "reloaded").await;
     let issued = fake.issued_keys();
     assert_eq!(issued.len(), 2, "{issued:?}");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
@@ -1805,15 +1813,7 @@ async fn requests_waiting_on_a_pair_a_reload_replaces_get_the_new_credential() {
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let fake = FakeExchange::start(Arc::new(SystemClock)).await;
     fake.hold();
-    let pair = format!(
-        "ALICLOUD_ACCESS_KEY_ID={ACCESS_KEY_ID}\nALICLOUD_ACCESS_KEY_SECRET={ACCESS_KEY_SECRET}\n"
-    );
-    let mut proxy = aksk_proxy(&upstream, &pki, &fake)
-        .env("ALICLOUD_ACCESS_KEY_ID", None)
-        .env("ALICLOUD_ACCESS_KEY_SECRET", None)
-        .abx_file(".env", &pair)
-        .spawn()
-        .await;
+    let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake).spawn().await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     fake.until_calls(1).await;
     let waiter = tokio::spawn(async move { get(addr, "/sandboxes").await.0 });
