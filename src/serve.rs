@@ -40,12 +40,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in settings.cleartext_upstreams() {
         tracing::warn!("{w}");
     }
-    if args.idle_timeout < SDK_STREAM_QUIET {
+    if args.idle_timeout < ENVD_KEEPALIVE_FLOOR {
         tracing::warn!(
             idle_timeout_ms = u64::try_from(args.idle_timeout.as_millis()).unwrap_or(u64::MAX),
-            "--idle-timeout is under 60 s: the E2B SDKs ask envd for a keepalive on command \
-             and watch streams only every 50 s, so a command or a watch quiet for longer than \
-             the timeout is cut, and the SDK reports an error"
+            "--idle-timeout is under 2 s: envd sends keepalives on a quiet command or watch \
+             stream at most once a second, so such a stream can be cut, and the SDK reports \
+             an error"
         );
     }
     let mut options = options(args);
@@ -191,10 +191,10 @@ async fn serve(
     Ok(())
 }
 
-/// The quiet a command or watch stream of the E2B SDKs may have: they ask envd for a
-/// keepalive every 50 s (`Keepalive-Ping-Interval: 50`), and an idle timeout under that,
-/// with some room, cuts every quiet one.
-const SDK_STREAM_QUIET: Duration = Duration::from_secs(60);
+/// The shortest idle timeout envd's keepalives keep a quiet stream alive under: the proxy
+/// asks envd for one every half timeout, in whole seconds and at least one (see
+/// `headers::pace_keepalives`).
+const ENVD_KEEPALIVE_FLOOR: Duration = Duration::from_secs(2);
 
 fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.

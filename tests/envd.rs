@@ -1340,6 +1340,26 @@ fn take_envelopes(buf: &mut Vec<u8>) -> Vec<(u8, String)> {
     out
 }
 
+/// Sandbox `isb-9` (token `tok-9`) created through a proxy with `--idle-timeout 3s`.
+async fn sandbox_behind_a_3s_idle_timeout(
+    pki: Pki,
+    cloud: Arc<Cloud>,
+    envd: Upstream,
+) -> (Env, ProxyProc) {
+    let env = Env::with_envd(pki, cloud, envd).await;
+    let proxy = env.proxy_with(&["--idle-timeout", "3s"]).await;
+    env.create(&proxy, "isb-9", "tok-9").await;
+    (env, proxy)
+}
+
+/// A Connect server stream of the envelopes sent on `rx`, as envd answers.
+fn connect_stream(rx: mpsc::Receiver<Bytes>) -> Response<TestBody> {
+    let mut r = Response::new(boxed(ChannelBody(rx)));
+    r.headers_mut()
+        .insert("content-type", "application/connect+json".parse().unwrap());
+    r
+}
+
 const START: &str =
     r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","sleep 3; echo hi"]},"stdin":false}"#;
 const STARTED: &str = r#"{"event":{"start":{"pid":4242}}}"#;
@@ -1383,17 +1403,12 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
                 }
                 let _ = tx.send(envelope(2, "{}")).await;
             });
-            let mut r = Response::new(boxed(ChannelBody(rx)));
-            r.headers_mut()
-                .insert("content-type", "application/connect+json".parse().unwrap());
-            r
+            connect_stream(rx)
         }
     })
     .await;
-    let env = Env::with_envd(pki, cloud, envd).await;
-    let proxy = env.proxy_with(&["--idle-timeout", "3s"]).await;
+    let (env, proxy) = sandbox_behind_a_3s_idle_timeout(pki, cloud, envd).await;
     let addr = proxy.addr();
-    env.create(&proxy, "isb-9", "tok-9").await;
 
     // The SDK's request: one envelope, chunked (no length announced).
     let (body_tx, body_rx) = mpsc::channel(1);
@@ -1453,7 +1468,8 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
         seen.header("content-type"),
         Some("application/connect+json")
     );
-    assert_eq!(seen.header("keepalive-ping-interval"), Some("50"));
+    // Half the idle timeout, in whole seconds.
+    assert_eq!(seen.header("keepalive-ping-interval"), Some("1"));
     assert_eq!(seen.header("connect-protocol-version"), Some("1"));
     assert_envd_head(
         seen,
@@ -1464,6 +1480,96 @@ async fn connect_server_stream_outlives_the_idle_timeout() {
         DEFAULT_BASIC,
     );
     env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// A command quiet for longer than `--idle-timeout`: envd keeps its stream moving with
+/// keepalives at the pace the request asks (`Keepalive-Ping-Interval`, seconds), and the
+/// SDKs ask for 50 s. The proxy asks for half its idle timeout instead, so the stream
+/// outlives a timeout the SDKs' pace would not. The upstream paces as envd does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_command_outlives_a_short_idle_timeout() {
+    /// How long the command says nothing: past the 3 s timeout, and past a second cut.
+    const QUIET: Duration = Duration::from_millis(6500);
+    let pki = Pki::new();
+    let cloud = Cloud::new();
+    let envd = Upstream::start(&pki, Proto::H2, |req: Request<Incoming>| async move {
+        if req.headers()["e2b-sandbox-port"] != "49983" {
+            return response(200, "an app");
+        }
+        // envd's reading: whole seconds, 90 when missing or not a positive number.
+        let pace = req
+            .headers()
+            .get("keepalive-ping-interval")
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .filter(|s| *s > 0)
+            .unwrap_or(90);
+        let _ = collect(req.into_body()).await;
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            if tx.send(envelope(0, STARTED)).await.is_err() {
+                return;
+            }
+            // envd's keepalive ticker over a silent process: the behaviour under test.
+            let end = tokio::time::sleep(QUIET);
+            tokio::pin!(end);
+            let mut every = tokio::time::interval(Duration::from_secs(pace));
+            every.tick().await;
+            loop {
+                tokio::select! {
+                    _ = &mut end => break,
+                    _ = every.tick() => {
+                        if tx.send(envelope(0, KEEPALIVE)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            let _ = tx.send(envelope(2, "{}")).await;
+        });
+        connect_stream(rx)
+    })
+    .await;
+    let (env, proxy) = sandbox_behind_a_3s_idle_timeout(pki, cloud, envd).await;
+    let addr = proxy.addr();
+
+    let req = request("POST", addr, "/process.Process/Start")
+        .header("e2b-sandbox-id", "isb-9")
+        .header("content-type", "application/connect+json")
+        .header("keepalive-ping-interval", "50")
+        .body(full(envelope(0, START)))
+        .unwrap();
+    let resp = send(addr, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut buf = Vec::new();
+    while let Some(frame) = within("the next stream frame", body.frame()).await {
+        let frame = frame.expect("the quiet command's stream was cut");
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+        }
+    }
+    let frames = take_envelopes(&mut buf);
+    assert!(buf.is_empty(), "a partial envelope at the end: {buf:?}");
+    assert_eq!(frames.first(), Some(&(0, STARTED.to_string())));
+    assert_eq!(frames.last(), Some(&(2, "{}".to_string())), "{frames:?}");
+    assert!(frames.len() >= 5, "keepalives a second apart: {frames:?}");
+    assert_eq!(
+        env.envd.seen()[0].header("keepalive-ping-interval"),
+        Some("1")
+    );
+    // An app's port is not envd: what the client asks it is its own business.
+    let req = request("POST", addr, "/rpc")
+        .header("e2b-sandbox-id", "isb-9")
+        .header("e2b-sandbox-port", "3000")
+        .header("keepalive-ping-interval", "50")
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(addr, req).await.status(), StatusCode::OK);
+    assert_eq!(
+        env.envd.seen()[1].header("keepalive-ping-interval"),
+        Some("50")
+    );
     proxy.finish().await;
 }
 

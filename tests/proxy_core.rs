@@ -2166,6 +2166,12 @@ async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
     assert!(!cut.contains("x=1"), "the query reached the log: {cut}");
     let stderr = proxy.finish().await;
     assert_no_key(&stderr, "the proxy's stderr");
+    // Under 2 s, envd's keepalives (a second apart at best) cannot keep a command alive.
+    assert_eq!(
+        stderr.matches("--idle-timeout is under 2 s").count(),
+        1,
+        "{stderr}"
+    );
 }
 
 /// WebSocket has no half-close: a client gone with a FIN (a killed process, a `close()`
@@ -2673,13 +2679,10 @@ async fn idle_timeout_cuts_only_connections_that_move_nothing() {
     let expected: String = (0..TICKS).map(|i| format!("ping {i}\n")).collect();
     assert_eq!(body, expected.as_bytes(), "the moving stream was cut");
     expect_closed(&mut idle, &[]).await;
-    // Under the SDKs' 50 s keepalive interval: said at start.
+    // Under the SDKs' 50 s keepalive interval, but envd is asked for keepalives every
+    // half timeout: nothing to warn of.
     let stderr = proxy.finish().await;
-    assert_eq!(
-        stderr.matches("--idle-timeout is under 60 s").count(),
-        1,
-        "{stderr}"
-    );
+    assert!(!stderr.contains("--idle-timeout is under"), "{stderr}");
 }
 
 // ---------------------------------------------------------------------------------------

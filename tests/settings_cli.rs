@@ -3142,7 +3142,7 @@ fn every_flag_of_every_command_has_a_one_line_description() {
 
 /// SPEC §7's serve flags exist under their names, with the defaults it fixes: a drain of
 /// 30 s (container stop timeouts are sized by it), an idle timeout of 300 s (beyond the
-/// SDKs' 50 s Connect pings), and text logs unless `json` is asked for.
+/// SDKs' 50 s Connect keepalives), and text logs unless `json` is asked for.
 #[test]
 fn serve_flags_of_section_7_have_the_spec_defaults() {
     let serve = help_entries(&["serve", "--help"]);

@@ -31,6 +31,13 @@ pub const X_ACCESS_TOKEN: HeaderName = HeaderName::from_static("x-access-token")
 pub const E2B_SANDBOX_ID: HeaderName = HeaderName::from_static("e2b-sandbox-id");
 pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-port");
 
+/// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
+/// stream (a command's output, a watch).
+pub const KEEPALIVE_PING_INTERVAL: HeaderName = HeaderName::from_static("keepalive-ping-interval");
+
+/// envd's pace when the field is missing or not a positive number.
+const ENVD_DEFAULT_KEEPALIVE_SECS: u64 = 90;
+
 /// envd's default user when the client names none (`user:` with an empty password).
 const DEFAULT_BASIC: HeaderValue = HeaderValue::from_static("Basic dXNlcjo=");
 
@@ -389,6 +396,23 @@ pub fn authorize_envd(
     headers.insert(E2B_SANDBOX_PORT, HeaderValue::from(port));
 }
 
+/// Asks envd for a keepalive at least every `at_most` seconds. The E2B SDKs ask for one
+/// every 50 s (envd's own default is 90 s): under a shorter `--idle-timeout` a command or
+/// watch quiet for that long would be cut, here or by the client, though envd and the
+/// process are well. A client asking for a faster pace keeps it; a value envd would not read
+/// as a positive number counts as envd's default, as envd reads it.
+pub fn pace_keepalives(headers: &mut HeaderMap, at_most: u64) {
+    let asked = headers
+        .get(KEEPALIVE_PING_INTERVAL)
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|secs| *secs > 0)
+        .unwrap_or(ENVD_DEFAULT_KEEPALIVE_SECS);
+    if asked > at_most {
+        headers.insert(KEEPALIVE_PING_INTERVAL, HeaderValue::from(at_most));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -612,6 +636,43 @@ mod tests {
         let mut h = map(&[]);
         authorize_envd(&mut h, &AuthScheme::Bearer, &t, "isb-1", 8080);
         assert!(!h.contains_key("authorization"), "{h:?}");
+    }
+
+    #[test]
+    fn keepalives_are_paced_for_the_idle_timeout() {
+        for (sent, at_most, expected) in [
+            (Some("50"), 1, Some("1")),
+            (Some("50"), 150, Some("50")),
+            (Some("3"), 15, Some("3")),
+            (Some("+20"), 15, Some("15")),
+            // What envd reads as its default of 90 s.
+            (None, 15, Some("15")),
+            (None, 150, None),
+            (Some("0"), 15, Some("15")),
+            (Some("-5"), 15, Some("15")),
+            (Some("soon"), 15, Some("15")),
+            (Some("soon"), 150, Some("soon")),
+            (Some("9999999999"), 150, Some("150")),
+            (
+                Some("99999999999999999999"),
+                150,
+                Some("99999999999999999999"),
+            ),
+        ] {
+            let mut h = sent.map_or_else(HeaderMap::new, |v| {
+                map(&[
+                    ("keepalive-ping-interval", v),
+                    ("keepalive-ping-interval", "7"),
+                ])
+            });
+            pace_keepalives(&mut h, at_most);
+            let values: Vec<_> = h.get_all("keepalive-ping-interval").iter().collect();
+            match expected {
+                Some(e) if Some(e) == sent => assert_eq!(values, [e, "7"], "{sent:?}"),
+                Some(e) => assert_eq!(values, [e], "{sent:?} at most {at_most}"),
+                None => assert!(values.is_empty(), "{values:?}"),
+            }
+        }
     }
 
     /// Only the WebSocket offer goes on with an upgrade: `h2c` beside it would let the
