@@ -6,8 +6,9 @@
 //! absence of the API key and of the client's `X-API-Key`.
 //!
 //! Synchronisation is by events only: responses, request heads seen by the upstreams, the
-//! proxy's admin metrics, and channels. The one timer is the Connect keepalive pacing in
-//! `connect_server_stream_outlives_the_idle_timeout`, where the timing is what is tested.
+//! proxy's admin metrics, and channels. The timers are the Connect keepalive pacing in
+//! `connect_server_stream_outlives_the_idle_timeout` and envd's keepalive ticker in
+//! `a_quiet_command_outlives_a_short_idle_timeout`, where the timing is what is tested.
 
 mod support;
 

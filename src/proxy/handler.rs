@@ -448,9 +448,7 @@ impl Proxy {
             port,
         );
         if port == DEFAULT_ENVD_PORT {
-            // Half the idle timeout: a keepalive then always comes before the cut.
-            let at_most = (self.idle_timeout.as_secs() / 2).max(1);
-            headers::pace_keepalives(&mut parts.headers, at_most);
+            headers::pace_keepalives(&mut parts.headers, self.idle_timeout);
         }
         parts.uri = uri;
         if parts.version == Version::HTTP_2 {

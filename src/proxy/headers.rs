@@ -396,16 +396,19 @@ pub fn authorize_envd(
     headers.insert(E2B_SANDBOX_PORT, HeaderValue::from(port));
 }
 
-/// Asks envd for a keepalive at least every `at_most` seconds. The E2B SDKs ask for one
+/// Asks envd for a keepalive at least every half `idle_timeout` (in whole seconds, at
+/// least one): a keepalive then always comes before the cut. The E2B SDKs ask for one
 /// every 50 s (envd's own default is 90 s): under a shorter `--idle-timeout` a command or
 /// watch quiet for that long would be cut, here or by the client, though envd and the
 /// process are well. A client asking for a faster pace keeps it; a value envd would not read
-/// as a positive number counts as envd's default, as envd reads it.
-pub fn pace_keepalives(headers: &mut HeaderMap, at_most: u64) {
+/// as a positive number counts as envd's default, as envd reads it (Go's `ParseInt` on the
+/// first value, which its HTTP/1.1 parser has trimmed of spaces and tabs).
+pub fn pace_keepalives(headers: &mut HeaderMap, idle_timeout: std::time::Duration) {
+    let at_most = (idle_timeout.as_secs() / 2).max(1);
     let asked = headers
         .get(KEEPALIVE_PING_INTERVAL)
         .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(|v| v.trim_matches([' ', '\t']).parse::<u64>().ok())
         .filter(|secs| *secs > 0)
         .unwrap_or(ENVD_DEFAULT_KEEPALIVE_SECS);
     if asked > at_most {
@@ -640,22 +643,29 @@ mod tests {
 
     #[test]
     fn keepalives_are_paced_for_the_idle_timeout() {
-        for (sent, at_most, expected) in [
-            (Some("50"), 1, Some("1")),
-            (Some("50"), 150, Some("50")),
-            (Some("3"), 15, Some("3")),
-            (Some("+20"), 15, Some("15")),
+        use std::time::Duration;
+        let secs = Duration::from_secs;
+        for (sent, idle, expected) in [
+            (Some("50"), secs(3), Some("1")),
+            (Some("50"), secs(4), Some("2")),
+            // Never 0 (an older envd's ticker panics on it), however short the timeout.
+            (Some("50"), Duration::from_millis(900), Some("1")),
+            (Some("50"), secs(300), Some("50")),
+            (Some("3"), secs(30), Some("3")),
+            (Some("1 "), secs(4), Some("1 ")),
+            (Some("1\t"), secs(4), Some("1\t")),
+            (Some("+20"), secs(30), Some("15")),
             // What envd reads as its default of 90 s.
-            (None, 15, Some("15")),
-            (None, 150, None),
-            (Some("0"), 15, Some("15")),
-            (Some("-5"), 15, Some("15")),
-            (Some("soon"), 15, Some("15")),
-            (Some("soon"), 150, Some("soon")),
-            (Some("9999999999"), 150, Some("150")),
+            (None, secs(30), Some("15")),
+            (None, secs(300), None),
+            (Some("0"), secs(30), Some("15")),
+            (Some("-5"), secs(30), Some("15")),
+            (Some("soon"), secs(30), Some("15")),
+            (Some("soon"), secs(300), Some("soon")),
+            (Some("9999999999"), secs(300), Some("150")),
             (
                 Some("99999999999999999999"),
-                150,
+                secs(300),
                 Some("99999999999999999999"),
             ),
         ] {
@@ -665,11 +675,11 @@ mod tests {
                     ("keepalive-ping-interval", "7"),
                 ])
             });
-            pace_keepalives(&mut h, at_most);
+            pace_keepalives(&mut h, idle);
             let values: Vec<_> = h.get_all("keepalive-ping-interval").iter().collect();
             match expected {
                 Some(e) if Some(e) == sent => assert_eq!(values, [e, "7"], "{sent:?}"),
-                Some(e) => assert_eq!(values, [e], "{sent:?} at most {at_most}"),
+                Some(e) => assert_eq!(values, [e], "{sent:?} under {idle:?}"),
                 None => assert!(values.is_empty(), "{values:?}"),
             }
         }
