@@ -80,6 +80,9 @@ command -v haproxy >/dev/null || missing+=(haproxy)
 command -v wrk >/dev/null || missing+=(wrk)
 command -v curl >/dev/null || missing+=(curl)
 command -v python3 >/dev/null || missing+=(python3)
+# The port check, and nginx's workers counted with their master (RSS, CPU time).
+command -v ss >/dev/null || missing+=(iproute2)
+command -v pgrep >/dev/null || missing+=(procps)
 if ((${#missing[@]})); then
     log "installing ${missing[*]}"
     "$ROOT/scripts/apt-install.sh" "${missing[@]}"

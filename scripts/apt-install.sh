@@ -11,7 +11,8 @@ SUDO=()
 [ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
 
 for attempt in $(seq 24); do
-    if out=$(timeout -k 10 300 "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=240 update -qq 2>&1); then
+    # LC_ALL=C: the lock's message is matched below, in apt's own words.
+    if out=$(timeout -k 10 300 "${SUDO[@]}" env LC_ALL=C apt-get -o DPkg::Lock::Timeout=240 update -qq 2>&1); then
         break
     fi
     if ! grep -q "Could not get lock" <<<"$out" || [ "$attempt" -eq 24 ]; then

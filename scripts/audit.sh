@@ -35,8 +35,13 @@ for lock in Cargo.lock fuzz/Cargo.lock; do
     if [ "$fetched" -eq 1 ] && [ -z "${ABX_ADVISORY_DB:-}" ]; then
         args=(--no-fetch)   # fetched once already
     fi
-    out="$(cargo audit "${args[@]}" --file "$lock" 2>&1)"
+    # Bounded: the database's fetch is a git clone that may stall.
+    out="$(timeout -k 10 600 cargo audit "${args[@]}" --file "$lock" 2>&1)"
     rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "audit: cargo audit did not finish within 10 minutes" >&2
+        exit 3
+    fi
     printf '%s\n' "$out"
     if printf '%s\n' "$out" | grep -q "couldn't fetch advisory database\|error loading advisory database\|failed to open advisory database"; then
         echo "audit: the advisory database could not be had; set ABX_ADVISORY_DB to a local clone of rustsec/advisory-db" >&2

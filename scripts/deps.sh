@@ -30,5 +30,6 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
 fi
 for comp in rustfmt clippy; do
-  rustup component list --installed 2>/dev/null | grep -q "^$comp" || rustup component add "$comp"
+  rustup component list --installed 2>/dev/null | grep -q "^$comp" ||
+    timeout -k 10 600 rustup component add "$comp"
 done

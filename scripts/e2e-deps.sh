@@ -13,7 +13,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-E2E_DIR="${ABX_E2E_DIR:-$ROOT/target/e2e}"
+E2E_DIR="${ABX_E2E_DIR:-$("$ROOT/scripts/target-dir.sh")/e2e}"
 JS_DIR="$ROOT/tests/e2e"
 mkdir -p "$E2E_DIR"
 

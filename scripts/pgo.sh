@@ -59,6 +59,7 @@ apt_install() {
 }
 missing=()
 for t in wrk curl python3; do command -v "$t" >/dev/null || missing+=("$t"); done
+command -v ss >/dev/null || missing+=(iproute2)
 ((${#missing[@]} == 0)) || apt_install "${missing[@]}"
 
 # The profile's format follows LLVM's major version: merge with rustc's own.
@@ -77,11 +78,20 @@ if [[ ! -x $PROFDATA ]]; then
     PROFDATA=$(command -v "llvm-profdata-$LLVM_MAJOR") || die "llvm-$LLVM_MAJOR has no llvm-profdata-$LLVM_MAJOR"
 fi
 
+# RUSTFLAGS with one flag added, as cargo's unsplit form: a checkout path with a space in it
+# would be cut in two by RUSTFLAGS's splitting on spaces.
+rustflags_with() {
+    local flags=()
+    read -ra flags <<<"${RUSTFLAGS:-}"
+    flags+=("$1")
+    (IFS=$'\x1f' && printf '%s' "${flags[*]}")
+}
+
 # ---------------------------------------------------------------- 1. instrumented build
 PROFILE_DIR="$ROOT/target/pgo-profile"
 rm -rf "$PROFILE_DIR"
 log "instrumented build (target/pgo-gen)"
-(cd "$ROOT" && RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$PROFILE_DIR" CARGO_TARGET_DIR="$ROOT/target/pgo-gen" \
+(cd "$ROOT" && CARGO_ENCODED_RUSTFLAGS="$(rustflags_with "-Cprofile-generate=$PROFILE_DIR")" CARGO_TARGET_DIR="$ROOT/target/pgo-gen" \
     cargo build --release --locked --bin abx-proxy)
 (cd "$ROOT" && cargo build --release --locked --example bench_upstream --example fake_e2b)
 GEN="$ROOT/target/pgo-gen/release/abx-proxy"
@@ -176,6 +186,6 @@ raw=("$PROFILE_DIR"/*.profraw)
 ((${#raw[@]})) || die "the training wrote no profile to $PROFILE_DIR"
 "$PROFDATA" merge -o "$PROFILE_DIR/merged.profdata" "${raw[@]}"
 log "optimised build with the profile (target/pgo)"
-(cd "$ROOT" && RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$PROFILE_DIR/merged.profdata" CARGO_TARGET_DIR="$ROOT/target/pgo" \
+(cd "$ROOT" && CARGO_ENCODED_RUSTFLAGS="$(rustflags_with "-Cprofile-use=$PROFILE_DIR/merged.profdata")" CARGO_TARGET_DIR="$ROOT/target/pgo" \
     cargo build --release --locked --bin abx-proxy)
 echo "$ROOT/target/pgo/release/abx-proxy"
