@@ -31,5 +31,6 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 for comp in rustfmt clippy; do
   rustup component list --installed 2>/dev/null | grep -q "^$comp" ||
-    timeout -k 10 600 rustup component add "$comp"
+    timeout -k 10 600 rustup component add "$comp" ||
+    { echo "deps: rustup component add $comp failed or did not finish in 10 minutes" >&2; exit 1; }
 done

@@ -49,6 +49,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=$(mktemp -d /tmp/abx-soak.XXXXXX)
 PIDS=()
 LOADS=()
+UNREADABLE=0 # consecutive samples whose request count could not be read
+COUNT_LOST=0
 
 cleanup() {
     local pid
@@ -196,10 +198,20 @@ run_load() {
         ((running)) || break
         alive || { log "the proxy died"; return 1; }
         echo "$phase $(date +%s) $(fds) $(rss_kb)" >>"$WORK/samples.txt"
-        # A count that cannot be read stops the load too: the bound must hold.
+        # A count unreadable three times running stops the load too, and fails the soak:
+        # the bound must hold, and a load cut short is no pass.
         served="$(stat_field requests || true)"
-        if [ -z "$served" ] || ((served > MAX_REQUESTS)); then
-            log "MAX_REQUESTS reached (or the upstream's count unreadable: '$served'); stopping the load"
+        if [ -z "$served" ]; then
+            UNREADABLE=$((UNREADABLE + 1))
+        else
+            UNREADABLE=0
+        fi
+        if ((UNREADABLE >= 3)); then
+            log "the upstream's request count could not be read; stopping the load"
+            COUNT_LOST=1
+            kill -INT "${LOADS[@]}" 2>/dev/null || true
+        elif [ -n "$served" ] && ((served > MAX_REQUESTS)); then
+            log "MAX_REQUESTS reached; stopping the load"
             kill -INT "${LOADS[@]}" 2>/dev/null || true
         fi
         sleep 5
@@ -282,6 +294,10 @@ echo "  RSS                 idle after warm-up ${RSS_WARM} kB, idle at end ${RSS
 echo "  panics in stderr    $PANICS"
 
 STATUS=0
+if ((COUNT_LOST)); then
+    echo "FAIL: the upstream's request count could not be read: the load was stopped early"
+    STATUS=1
+fi
 if ((FDS_END - FDS_WARM > 10)); then
     echo "FAIL: file descriptors grew by $((FDS_END - FDS_WARM)) after warm-up"
     STATUS=1
