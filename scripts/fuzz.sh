@@ -19,7 +19,7 @@
 # corpus small (well under 2 MB) and review what it adds.
 #
 # Crashes are written to fuzz/artifacts/<target>/; replay one with `cargo fuzz run -s none <target> <file>` (or run the built binary,
-# fuzz/target/<host>/release/<target>, on the file).
+# <target dir>/<host>/release/<target>, on the file; fuzz/target unless CARGO_TARGET_DIR).
 #
 # Prints per target the executions, the duration and the crashes found; exits 1 when any
 # target crashed (or failed to build), 0 otherwise.
@@ -48,7 +48,13 @@ if ! cargo fuzz build "${SANITIZER[@]}" >&2; then
     exit 1
 fi
 
-BIN="fuzz/target/$(rustc -vV | sed -n 's/^host: //p')/release"
+# Where cargo put the fuzz crate's build, as cargo resolves it (CARGO_TARGET_DIR and the
+# rest): cargo fuzz passes no target directory of its own.
+FUZZ_TARGET_DIR="$(cd fuzz && cargo metadata --no-deps --format-version 1 2>/dev/null |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null ||
+    echo target)"
+case "$FUZZ_TARGET_DIR" in /*) ;; *) FUZZ_TARGET_DIR="fuzz/$FUZZ_TARGET_DIR" ;; esac
+BIN="$FUZZ_TARGET_DIR/$(rustc -vV | sed -n 's/^host: //p')/release"
 
 failed=0
 summary=()
