@@ -12,6 +12,17 @@ use crate::settings::{FlagValue, Inputs, Resolved, Source, KEYS};
 /// Resolves the chain for these flags and prints the warnings (every command that resolves
 /// settings does).
 pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
+    let (resolved, warnings) = resolve_unsaid(args)?;
+    for w in warnings {
+        crate::logging::warning(&w);
+    }
+    Ok(resolved)
+}
+
+/// [`resolve`], its warnings returned instead of printed: a reload says them only once it
+/// knows what it does with what it read (one it refuses applies none of it, and a warning
+/// that a credential goes to a new host would be untrue).
+pub fn resolve_unsaid(args: &SettingsArgs) -> Result<(Resolved, Vec<String>), Error> {
     let mut inputs = Inputs::from_process(args.to_flags()?);
     inputs.provider_options = args.provider_options()?;
     let resolved = Resolved::from_inputs(&inputs)?;
@@ -28,13 +39,9 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
         _ => {}
     }
     crate::log_writer::mask(resolved.embedded_secrets());
-    for w in resolved.all_warnings() {
-        crate::logging::warning(&w);
-    }
-    for w in empty_secret_files(args, &inputs, &resolved) {
-        crate::logging::warning(&w);
-    }
-    Ok(resolved)
+    let mut warnings = resolved.all_warnings();
+    warnings.extend(empty_secret_files(args, &inputs, &resolved));
+    Ok((resolved, warnings))
 }
 
 /// A key file read empty is a blank value, skipped like any (SPEC §2), but hardly what

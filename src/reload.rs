@@ -29,6 +29,8 @@ use tokio::time::Instant;
 use crate::cli::SettingsArgs;
 use crate::commands;
 use crate::credentials::ApiCredential;
+use crate::error::Error;
+use crate::logging;
 use crate::proxy::certs::{ListenerCert, Reloaded};
 use crate::proxy::{Options, Proxy};
 use crate::settings::{self, Change, Resolved, Settings, Source};
@@ -481,15 +483,27 @@ impl Running {
     }
 
     async fn reload_settings(&mut self) -> bool {
-        let (resolved, next) = match commands::resolve(&self.flags)
-            .and_then(|r| r.validate().map(|s| (r, s)))
-        {
+        let failed = |e: Error| {
+            tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
+            false
+        };
+        let (resolved, warnings) = match commands::resolve_unsaid(&self.flags) {
+            Ok(read) => read,
+            Err(e) => return failed(e),
+        };
+        let say = |warnings: &[String]| warnings.iter().for_each(|w| logging::warning(w));
+        let next = match resolved.validate() {
             Ok(next) => next,
             Err(e) => {
-                tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
-                return false;
+                say(&warnings);
+                return failed(e);
             }
         };
+        // A reload refused below applies nothing it read: a warning that the credential
+        // goes to a host set in a `.env` would be untrue.
+        if destination_changes(&self.settings, &next).is_empty() {
+            say(&warnings);
+        }
         let changed = changed_names(
             &self.seen,
             &resolved,

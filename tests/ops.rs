@@ -556,6 +556,14 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     let moved = format!("ABX_SANDBOX_API_KEY={KEY3}\nABX_SANDBOX_DOMAIN=elsewhere.example\n");
     let line = proxy.reload_env(&moved, "reload refused").await;
     assert!(line.contains("sandbox_domain"), "{line}");
+    // The same, the host set in the working directory's `.env`: at a start the proxy
+    // would warn that the key from elsewhere goes there; refused, it goes nowhere new.
+    let here = (
+        proxy.cwd().join(".env"),
+        "ABX_SANDBOX_DOMAIN=other.example\n",
+    );
+    let line = proxy.reload_files(&[here], "reload refused").await;
+    assert!(line.contains("sandbox_domain"), "{line}");
     stop.store(true, Ordering::SeqCst);
     client.await.expect("client");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
@@ -578,6 +586,7 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
         .filter(|l| l.contains("higher level still decides"))
         .collect();
     assert!(shadowed.is_empty(), "{shadowed:?}");
+    assert!(!stderr.contains("goes there"), "{stderr}");
     for key in [KEY1, KEY2, KEY3] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }
