@@ -19,9 +19,9 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
     Ok(resolved)
 }
 
-/// [`resolve`], its warnings returned instead of printed: a reload says them only once it
-/// knows what it does with what it read (one it refuses applies none of it, and a warning
-/// that a credential goes to a new host would be untrue).
+/// [`resolve`], its warnings returned instead of printed: a reload says them once it knows
+/// what it does with what it read (one it refuses sends the credential to no new host, and
+/// [`Resolved::redirect_warnings`] would say it does).
 pub fn resolve_unsaid(args: &SettingsArgs) -> Result<(Resolved, Vec<String>), Error> {
     let mut inputs = Inputs::from_process(args.to_flags()?);
     inputs.provider_options = args.provider_options()?;

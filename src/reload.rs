@@ -499,10 +499,17 @@ impl Running {
                 return failed(e);
             }
         };
-        // A reload refused below applies nothing it read: a warning that the credential
-        // goes to a host set in a `.env` would be untrue.
+        // A reload refused below sends the credential to no host it read: a warning that
+        // it goes to one set in a `.env` would be untrue. The others stand (a misspelt
+        // name, an unset `${VAR}` may be why a host moved).
         if destination_changes(&self.settings, &next).is_empty() {
             say(&warnings);
+        } else {
+            let redirects = resolved.redirect_warnings();
+            let true_ones: Vec<String> = (warnings.into_iter())
+                .filter(|w| !redirects.contains(w))
+                .collect();
+            say(&true_ones);
         }
         let changed = changed_names(
             &self.seen,

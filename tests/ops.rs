@@ -558,9 +558,10 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     assert!(line.contains("sandbox_domain"), "{line}");
     // The same, the host set in the working directory's `.env`: at a start the proxy
     // would warn that the key from elsewhere goes there; refused, it goes nowhere new.
+    // A misspelt name beside it is still said.
     let here = (
         proxy.cwd().join(".env"),
-        "ABX_SANDBOX_DOMAIN=other.example\n",
+        "ABX_SANDBOX_DOMAIN=other.example\nABX_SANDBOXURL=https://other.example\n",
     );
     let line = proxy.reload_files(&[here], "reload refused").await;
     assert!(line.contains("sandbox_domain"), "{line}");
@@ -587,6 +588,7 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
         .collect();
     assert!(shadowed.is_empty(), "{shadowed:?}");
     assert!(!stderr.contains("goes there"), "{stderr}");
+    assert!(stderr.contains("did you mean ABX_SANDBOX_URL?"), "{stderr}");
     for key in [KEY1, KEY2, KEY3] {
         assert!(!stderr.contains(key), "a key value in the log:\n{stderr}");
     }

@@ -778,7 +778,32 @@ impl Resolved {
     /// Warnings from reading the layers plus those of the credential rule.
     pub fn all_warnings(&self) -> Vec<String> {
         let mut w = self.warnings.clone();
+        match self.plugin() {
+            Ok(Some(p)) => {
+                w.extend(self.redirect_warnings());
+                w.extend(p.warnings);
+                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
+            }
+            Ok(None) => match self.credential() {
+                Ok((_, _, extra)) => {
+                    w.extend(extra);
+                    w.extend(self.redirect_warnings());
+                }
+                Err(_) => w.extend(self.vendor_pair_hint()),
+            },
+            // The error itself is reported by whoever validates.
+            Err(_) => {}
+        }
+        w.extend(self.misspelt_names());
+        w
+    }
+
+    /// Those of [`Resolved::all_warnings`] that say a host set in the working directory's
+    /// `.env` gets the credential from elsewhere: true of settings that run (a start, an
+    /// applied reload), untrue of a reload refused because a host moved.
+    pub fn redirect_warnings(&self) -> Vec<String> {
         let secrets = self.secrets();
+        let mut w = Vec::new();
         match self.plugin() {
             Ok(Some(p)) => {
                 let key_from = p.fields.iter().find(|f| f.field == "api_key");
@@ -791,12 +816,9 @@ impl Resolved {
                         w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
                     }
                 }
-                w.extend(p.warnings);
-                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
-            Ok(None) => match self.credential() {
-                Ok((_, key_from, extra)) => {
-                    w.extend(extra);
+            Ok(None) => {
+                if let Ok((_, key_from, _)) = self.credential() {
                     for key in UPSTREAM_KEYS {
                         let e = self.entry(key);
                         if let Some(Value::Plain(v)) = &e.value {
@@ -804,12 +826,9 @@ impl Resolved {
                         }
                     }
                 }
-                Err(_) => w.extend(self.vendor_pair_hint()),
-            },
-            // The error itself is reported by whoever validates.
+            }
             Err(_) => {}
         }
-        w.extend(self.misspelt_names());
         w
     }
 
