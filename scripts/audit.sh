@@ -9,7 +9,7 @@
 # vulnerability (unmaintained/unsound notices are printed as warnings, not failures); 1 a
 # vulnerability was found; 3 the advisory database could not be had (cargo-audit fetches it
 # from github.com: a machine that reaches only the package registries needs ABX_ADVISORY_DB);
-# other values: cargo-audit could not run (124: it did not finish within 10 minutes).
+# other values: cargo-audit could not run (124 or 137: it did not finish within 10 minutes).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -38,10 +38,10 @@ for lock in Cargo.lock fuzz/Cargo.lock; do
     # Bounded: the database's fetch is a git clone that may stall.
     out="$(timeout -k 10 600 cargo audit "${args[@]}" --file "$lock" 2>&1)"
     rc=$?
-    if [ "$rc" -eq 124 ]; then
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         printf '%s\n' "$out"
-        echo "audit: cargo audit did not finish within 10 minutes" >&2
-        exit 124
+        echo "audit: cargo audit did not finish within 10 minutes (or was killed)" >&2
+        exit "$rc"
     fi
     printf '%s\n' "$out"
     if printf '%s\n' "$out" | grep -q "couldn't fetch advisory database\|error loading advisory database\|failed to open advisory database"; then

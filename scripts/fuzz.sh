@@ -19,7 +19,7 @@
 # corpus small (well under 2 MB) and review what it adds.
 #
 # Crashes are written to fuzz/artifacts/<target>/; replay one with `cargo fuzz run -s none <target> <file>` (or run the built binary,
-# <target dir>/<host>/release/<target>, on the file; fuzz/target unless CARGO_TARGET_DIR).
+# <target dir>/<host>/release/<target>, on the file; fuzz/target unless set otherwise).
 #
 # Prints per target the executions, the duration and the crashes found; exits 1 when any
 # target crashed (or failed to build), 0 otherwise.
@@ -48,12 +48,13 @@ if ! cargo fuzz build "${SANITIZER[@]}" >&2; then
     exit 1
 fi
 
-# Where cargo put the fuzz crate's build, as cargo resolves it (CARGO_TARGET_DIR and the
-# rest): cargo fuzz passes no target directory of its own.
-FUZZ_TARGET_DIR="$(cd fuzz && cargo metadata --no-deps --format-version 1 2>/dev/null |
+# Where cargo put the fuzz crate's build, as cargo resolves it (CARGO_TARGET_DIR,
+# CARGO_BUILD_TARGET_DIR, build.target-dir): cargo fuzz passes no target directory of its
+# own and runs cargo here, at the root, with fuzz/'s manifest; so does this, as a relative
+# directory is taken from where cargo runs.
+FUZZ_TARGET_DIR="$(cargo metadata --no-deps --format-version 1 --manifest-path fuzz/Cargo.toml 2>/dev/null |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null ||
-    echo target)"
-case "$FUZZ_TARGET_DIR" in /*) ;; *) FUZZ_TARGET_DIR="fuzz/$FUZZ_TARGET_DIR" ;; esac
+    echo fuzz/target)"
 BIN="$FUZZ_TARGET_DIR/$(rustc -vV | sed -n 's/^host: //p')/release"
 
 failed=0

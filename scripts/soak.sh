@@ -183,6 +183,7 @@ LUA
 run_load() {
     local secs=$1 phase=$2 pid i served
     LOADS=()
+    UNREADABLE=0
     wrk -t1 -c"$CONNS" -d"${secs}s" --timeout 10s -s "$WORK/mix.lua" \
         "http://$LISTEN" >"$WORK/wrk-$phase-keepalive.out" 2>"$WORK/wrk-$phase-keepalive.err" &
     LOADS+=($!)
