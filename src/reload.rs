@@ -491,26 +491,27 @@ impl Running {
             Ok(read) => read,
             Err(e) => return failed(e),
         };
-        let say = |warnings: &[String]| warnings.iter().for_each(|w| logging::warning(w));
+        // A reload that fails or is refused sends the credential to no host it read: a
+        // warning that it goes to one set in a `.env` would be untrue. The others stand (a
+        // misspelt name, an unset `${VAR}` may be why it failed or a host moved).
+        let say = |applies: bool| {
+            let redirects = if applies {
+                Vec::new()
+            } else {
+                resolved.redirect_warnings()
+            };
+            (warnings.iter())
+                .filter(|w| !redirects.contains(w))
+                .for_each(|w| logging::warning(w));
+        };
         let next = match resolved.validate() {
             Ok(next) => next,
             Err(e) => {
-                say(&warnings);
+                say(false);
                 return failed(e);
             }
         };
-        // A reload refused below sends the credential to no host it read: a warning that
-        // it goes to one set in a `.env` would be untrue. The others stand (a misspelt
-        // name, an unset `${VAR}` may be why a host moved).
-        if destination_changes(&self.settings, &next).is_empty() {
-            say(&warnings);
-        } else {
-            let redirects = resolved.redirect_warnings();
-            let true_ones: Vec<String> = (warnings.into_iter())
-                .filter(|w| !redirects.contains(w))
-                .collect();
-            say(&true_ones);
-        }
+        say(destination_changes(&self.settings, &next).is_empty());
         let changed = changed_names(
             &self.seen,
             &resolved,

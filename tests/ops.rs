@@ -565,6 +565,12 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     );
     let line = proxy.reload_files(&[here], "reload refused").await;
     assert!(line.contains("sandbox_domain"), "{line}");
+    // Nor a reload that fails, with the same new host.
+    let here = (
+        proxy.cwd().join(".env"),
+        "ABX_SANDBOX_DOMAIN=other.example\nABX_TOKEN_REFRESH_BEFORE=soon\n",
+    );
+    proxy.reload_files(&[here], "reload failed").await;
     stop.store(true, Ordering::SeqCst);
     client.await.expect("client");
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
