@@ -5,8 +5,8 @@
 #   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
 #   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK
 #   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0)
-# E2E_DIR is $ABX_E2E_DIR, else e2e/ in cargo's target directory (scripts/target-dir.sh). Uses the machine's python3 and npm
-# (Node.js 20.18.1 or newer). Quiet on success; fast when already installed (a marker per
+# E2E_DIR is $ABX_E2E_DIR, else e2e/ in cargo's target directory (scripts/target-dir.sh).
+# Uses the machine's python3 and npm (Node.js 20.18.1 or newer). Quiet on success; fast when already installed (a marker per
 # install, and every file the installed packages list still there); on failure prints the
 # installer's log and exits non-zero. Every install is bounded (`timeout`), so a registry
 # that stops answering fails the run instead of hanging it. Safe to run concurrently (flock).

@@ -33,7 +33,7 @@ pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-po
 
 /// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
 /// stream (a command's output, a watch).
-pub const KEEPALIVE_PING_INTERVAL: HeaderName = HeaderName::from_static("keepalive-ping-interval");
+const KEEPALIVE_PING_INTERVAL: HeaderName = HeaderName::from_static("keepalive-ping-interval");
 
 /// envd's pace when the field is missing or not a positive number.
 const ENVD_DEFAULT_KEEPALIVE_SECS: u64 = 90;

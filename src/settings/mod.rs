@@ -800,7 +800,7 @@ impl Resolved {
 
     /// Those of [`Resolved::all_warnings`] that say a host set in the working directory's
     /// `.env` gets the credential from elsewhere: true of settings that run (a start, an
-    /// applied reload), untrue of a reload refused because a host moved.
+    /// applied reload), untrue of a reload that fails or is refused.
     pub fn redirect_warnings(&self) -> Vec<String> {
         let secrets = self.secrets();
         let mut w = Vec::new();
