@@ -21,7 +21,8 @@ pub fn resolve(args: &SettingsArgs) -> Result<Resolved, Error> {
 
 /// [`resolve`], its warnings returned instead of printed: a reload says them once it knows
 /// what it does with what it read (one that fails or is refused sends the credential to no
-/// new host, and [`Resolved::redirect_warnings`] would say it does).
+/// new host and selects no new provider, and [`Resolved::selection_warnings`] would say it
+/// does).
 pub fn resolve_unsaid(args: &SettingsArgs) -> Result<(Resolved, Vec<String>), Error> {
     let mut inputs = Inputs::from_process(args.to_flags()?);
     inputs.provider_options = args.provider_options()?;

@@ -491,17 +491,18 @@ impl Running {
             Ok(read) => read,
             Err(e) => return failed(e),
         };
-        // A reload that fails or is refused sends the credential to no host it read: a
-        // warning that it goes to one set in a `.env` would be untrue. The others stand (a
-        // misspelt name, an unset `${VAR}` may be why it failed or a host moved).
+        // A reload that fails or is refused changes neither the provider nor a host: a
+        // warning that the credential goes to a host set in a `.env`, or that a plugin is
+        // selected, would be untrue. The others stand (a misspelt name, an unset `${VAR}`
+        // may be why it failed or a host moved).
         let say = |applies: bool| {
-            let redirects = if applies {
+            let untrue = if applies {
                 Vec::new()
             } else {
-                resolved.redirect_warnings()
+                resolved.selection_warnings()
             };
             (warnings.iter())
-                .filter(|w| !redirects.contains(w))
+                .filter(|w| !untrue.contains(w))
                 .for_each(|w| logging::warning(w));
         };
         let next = match resolved.validate() {

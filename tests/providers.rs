@@ -1002,6 +1002,33 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
     }
 }
 
+/// A reload refused because it would select a plugin provider says nothing of that
+/// provider as selected: the built-in one keeps running, and reads its own flags. (It
+/// said `--sandbox-base-url is for the built-in provider, and provider opensandbox is
+/// selected: it is not read`, the start's warning of the settings it refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_switch_to_a_plugin_is_not_said_to_be_selected() {
+    let pki = Pki::new();
+    let alicloud = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ali") }).await;
+    let mut proxy = ProxyCmd::new(&alicloud.url(), &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .spawn()
+        .await;
+    assert_eq!(
+        send_with_client_credentials(proxy.addr(), "/sandboxes").await,
+        (200, "ali".to_string())
+    );
+    let plugin = format!("ABX_PROVIDER=opensandbox\nOPEN_SANDBOX_API_KEY={OS_KEY}\n");
+    let line = proxy.reload_env(&plugin, "reload refused").await;
+    assert!(line.contains("provider"), "{line}");
+    assert_eq!(
+        send_with_client_credentials(proxy.addr(), "/sandboxes").await,
+        (200, "ali".to_string())
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("is selected"), "{stderr}");
+}
+
 /// A plugin's key rotated in a `.env` file while the environment still decides it is
 /// said, as the built-in key is: "no setting changed" alone hid that the file's key is not
 /// the one in use. By either of its variables.

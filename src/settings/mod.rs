@@ -780,14 +780,13 @@ impl Resolved {
         let mut w = self.warnings.clone();
         match self.plugin() {
             Ok(Some(p)) => {
-                w.extend(self.redirect_warnings());
+                w.extend(self.selection_warnings());
                 w.extend(p.warnings);
-                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => match self.credential() {
                 Ok((_, _, extra)) => {
                     w.extend(extra);
-                    w.extend(self.redirect_warnings());
+                    w.extend(self.selection_warnings());
                 }
                 Err(_) => w.extend(self.vendor_pair_hint()),
             },
@@ -798,10 +797,12 @@ impl Resolved {
         w
     }
 
-    /// Those of [`Resolved::all_warnings`] that say a host set in the working directory's
-    /// `.env` gets the credential from elsewhere: true of settings that run (a start, an
-    /// applied reload), untrue of a reload that fails or is refused.
-    pub fn redirect_warnings(&self) -> Vec<String> {
+    /// Those of [`Resolved::all_warnings`] that speak of these settings as the ones
+    /// running: a host set in the working directory's `.env` gets the credential from
+    /// elsewhere; a plugin provider is selected, so built-in flags go unread. True of a
+    /// start and an applied reload, untrue of a reload that fails or is refused (what runs
+    /// stays, and reads those flags).
+    pub fn selection_warnings(&self) -> Vec<String> {
         let secrets = self.secrets();
         let mut w = Vec::new();
         match self.plugin() {
@@ -816,6 +817,7 @@ impl Resolved {
                         w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
                     }
                 }
+                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => {
                 if let Ok((_, key_from, _)) = self.credential() {
