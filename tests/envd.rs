@@ -1080,7 +1080,7 @@ async fn delete_forgets_the_token() {
 
 /// The token rotates behind the proxy's back. A bodiless request that gets 401 is retried
 /// with the token fetched again; one with a body gets the 401, and the next request uses
-/// the fresh token. Each 401 costs exactly one look-up.
+/// the fresh token. Each 401 costs exactly one look-up; one that fails is the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envd_401_fetches_the_token_again() {
     let env = Env::start(Pki::new()).await;
@@ -1162,14 +1162,39 @@ async fn envd_401_fetches_the_token_again() {
     );
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(1.0));
 
-    // Deleted behind the proxy's back: envd's 401 reaches the client, the look-up finds
-    // nothing, and the token is no longer counted as known.
+    // Deleted behind the proxy's back: the look-up after envd's 401 finds nothing, and
+    // says so (404 E2009, as for a sandbox with no token stored: the 401 alone read as a
+    // bad key); the token is no longer counted as known.
     env.cloud.sandboxes.lock().unwrap().remove("isb-5");
-    let (status, _) = text(send(addr, envd_request(addr, "isb-5", "/health")).await).await;
-    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let raw = format!(
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: isb-5\r\nConnection: close\r\n\r\n"
+    );
+    let resp = raw_exchange(addr, raw.as_bytes()).await;
+    assert_proxy_error(&resp, 404, "E2009");
     assert_eq!(env.lookups("isb-5").len(), 3);
     assert_eq!(env.envd.seen().len(), 5, "nothing to retry with");
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(0.0));
+
+    // Rotated while the control plane fails its look-ups: the look-up's failure is the
+    // answer (502 E5001), with a body too, not envd's 401.
+    for (id, method, body) in [("isb-busy-5", "GET", ""), ("isb-busy-6", "POST", "payload")] {
+        env.create(&proxy, id, "tok-busy").await;
+        env.cloud.exists(id, "tok-busy-rotated");
+        let raw = format!(
+            "{method} /files?path=%2Ftmp%2Fx HTTP/1.1\r\nHost: {addr}\r\n\
+             E2b-Sandbox-Id: {id}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert!(
+            resp.text().contains("look-up answered 503"),
+            "{}",
+            resp.text()
+        );
+        assert_eq!(env.lookups(id).len(), 1);
+    }
+    assert_eq!(env.envd.seen().len(), 7, "each 401, nothing to retry with");
 
     // An app's port: its 401 is the app's own answer (to the client's credential for it),
     // not envd's about the token. It reaches the client as it is: no look-up (which any
@@ -1191,7 +1216,7 @@ async fn envd_401_fetches_the_token_again() {
         env.lookups("isb-6").is_empty(),
         "an app's 401 looked the token up"
     );
-    assert_eq!(env.envd.seen().len(), 6, "an app's 401 was sent again");
+    assert_eq!(env.envd.seen().len(), 8, "an app's 401 was sent again");
     env.assert_envd_clean();
     proxy.finish().await;
 }

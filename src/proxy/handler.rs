@@ -478,20 +478,15 @@ impl Proxy {
             // That is the token sent, or the empty one the client's stood in for.
             self.tokens
                 .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
-            if let Ok(fresh) = self.lookup_token(sandbox_id).await {
-                if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
-                    headers::authorize_envd(
-                        &mut headers,
-                        self.auth.scheme(),
-                        &fresh,
-                        sandbox_id,
-                        port,
-                    );
-                    let req = rebuild(method, uri, headers);
-                    resp =
-                        forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)
-                            .await?;
-                }
+            // A look-up that fails says why the token could not be replaced (the control
+            // plane down, the key exchange failing, the sandbox gone), as it does for a
+            // sandbox with no token stored: envd's 401 alone read as a bad key.
+            let fresh = self.lookup_token(sandbox_id).await?;
+            if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
+                headers::authorize_envd(&mut headers, self.auth.scheme(), &fresh, sandbox_id, port);
+                let req = rebuild(method, uri, headers);
+                resp = forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)
+                    .await?;
             }
         }
 
