@@ -172,6 +172,11 @@ pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
 /// waiting request can take from them, for the 90 s they stay idle.
 const MAX_IDLE_HTTP1: usize = 8;
 
+/// The largest HTTP/2 answer head accepted, in HTTP/2's measure (RFC 9113 §6.5.2: names
+/// and values, plus 32 a field): the 64 KiB the proxy's HTTP/1.1 pool takes. h2's default
+/// is 16 KiB, so a head an HTTP/1.1 control plane passed was 502 over HTTP/2.
+const MAX_ANSWER_HEAD: u32 = 64 * 1024;
+
 /// The longest wait between HTTP/2 keep-alive pings, and for their answer.
 const MAX_PING_INTERVAL: Duration = Duration::from_secs(20);
 
@@ -228,6 +233,7 @@ pub fn counted_client(
         .timer(hyper_util::rt::TokioTimer::new())
         .http2_keep_alive_interval(ping_interval(request_timeout))
         .http2_keep_alive_timeout(ping_interval(request_timeout))
+        .http2_max_header_list_size(MAX_ANSWER_HEAD)
         .build(TimedConnect {
             inner: https,
             timeout: connect_timeout,

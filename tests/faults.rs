@@ -2912,6 +2912,13 @@ async fn a_stream_the_http2_upstream_refuses_unprocessed_goes_once_more() {
     assert_eq!(resp.header("should-retry"), None);
     let resp = raw_exchange(addr, raw("GET", "/always", "").as_bytes()).await;
     assert_proxy_error(&resp, 502, "E5001");
+    // Not "connection closed early": the connection serves on.
+    assert!(
+        resp.text()
+            .contains("stream reset by the upstream (REFUSED_STREAM)"),
+        "{}",
+        resp.text()
+    );
     let seen = seen.lock().expect("lock").clone();
     let tries = |path: &str| seen.iter().filter(|p| *p == path).count();
     let paths = [
@@ -2923,6 +2930,42 @@ async fn a_stream_the_http2_upstream_refuses_unprocessed_goes_once_more() {
     assert_eq!(paths.map(tries), [2, 2, 1, 2], "{seen:?}");
     proxy.finish().await;
     task.abort();
+}
+
+/// An answer head is held to the same 64 KiB whether the control plane speaks HTTP/1.1 or
+/// HTTP/2 (h2's own default is 16 KiB: a 20 KB head passed over HTTP/1.1 and was 502 over
+/// HTTP/2, "stream error detected: unspecific protocol error detected"). Over it, 502
+/// E5001 on both, said in HTTP/2's names on HTTP/2; the next request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_head_is_held_to_64_kib_over_http2_as_over_http1() {
+    let pki = Pki::new();
+    for proto in [Proto::Http1, Proto::H2] {
+        let upstream = Upstream::start(&pki, proto, |req| async move {
+            let size: usize = req.uri().query().and_then(|q| q.parse().ok()).unwrap_or(0);
+            let mut r = response(200, "ok");
+            r.headers_mut()
+                .insert("x-big", "a".repeat(size).parse().expect("value"));
+            r
+        })
+        .await;
+        let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+        let addr = proxy.addr();
+        let resp = get(addr, "/sandboxes?40000").await;
+        assert_eq!(resp.status, 200, "{proto:?}: {}", resp.text());
+        assert_eq!(resp.header("x-big").map(str::len), Some(40000), "{proto:?}");
+        let resp = get(addr, "/sandboxes?70000").await;
+        assert_proxy_error(&resp, 502, "E5001");
+        if matches!(proto, Proto::H2) {
+            assert!(
+                resp.text()
+                    .contains("HTTP/2 error in the upstream's answer (PROTOCOL_ERROR)"),
+                "{}",
+                resp.text()
+            );
+        }
+        assert_eq!(get(addr, "/sandboxes").await.status, 200, "{proto:?}");
+        proxy.finish().await;
+    }
 }
 
 /// A stream above the last one a GOAWAY says the upstream processed was not processed at

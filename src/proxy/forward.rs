@@ -318,14 +318,37 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
         Some(ConnectionRefused) => "connect refused".into(),
         Some(TimedOut) => "connect timed out".into(),
         Some(ConnectionReset) => "connection reset".into(),
-        Some(UnexpectedEof) => "connection closed early".into(),
-        _ if closed_early(e) => "connection closed early".into(),
+        Some(UnexpectedEof | BrokenPipe) => "connection closed early".into(),
         _ if e.is_connect() => connect_failed(e),
-        _ => {
-            let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
-            format!("upstream connection failed: {msg}")
-        }
+        _ => match h2_said(e) {
+            Some(said) => said,
+            None => {
+                let msg = chain(e).last().map(|e| e.to_string()).unwrap_or_default();
+                format!("upstream connection failed: {msg}")
+            }
+        },
     }
+}
+
+/// An HTTP/2 stream's end in HTTP/2's own names: a stream the upstream reset is not a
+/// connection closed (the connection serves on), and h2's words for one it reset itself
+/// ("unspecific protocol error detected", a byte string of debug data) say neither who
+/// broke the protocol nor how. `None` when no h2 error is in the chain, and for hyper's
+/// "connection closed before message completed".
+fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    if chain(e).any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+    }) {
+        return Some("connection closed early".into());
+    }
+    let h2 = chain(e).find_map(|e| e.downcast_ref::<h2::Error>())?;
+    let reason = h2.reason()?;
+    Some(match (h2.is_remote(), h2.is_go_away()) {
+        (true, true) => "connection closed early".into(),
+        (true, false) => format!("stream reset by the upstream ({reason:?})"),
+        (false, _) => format!("HTTP/2 error in the upstream's answer ({reason:?})"),
+    })
 }
 
 #[cfg(test)]
