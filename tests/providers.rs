@@ -911,6 +911,8 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
     let mut proxy = ProxyCmd::new(&alicloud.url(), &pki)
         .setup(&["provider", "install", OPENSANDBOX])
         .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        // Half a pair, which the built-in provider would pass over for its API key.
+        .env("ALICLOUD_ACCESS_KEY_ID", Some("LTAI-half-a-pair"))
         .abx_file(
             ".env",
             &format!("ABX_PROVIDER=opensandbox\nOPEN_SANDBOX_API_KEY={OS_KEY}\n"),
@@ -977,10 +979,16 @@ async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
         .await;
     assert!(line.contains("reloaded"), "{line}");
 
-    // Back to the built-in provider (its key is in the environment): refused.
+    // Back to the built-in provider (its key is in the environment): refused, and nothing
+    // is said of the built-in credential as in use.
     let builtin = format!("OPEN_SANDBOX_API_KEY={OS_KEY2}\n");
     let line = proxy.reload_env(&builtin, "reload refused").await;
     assert!(line.contains("provider"), "{line}");
+    assert!(
+        !proxy.stderr().contains("using the API key"),
+        "{}",
+        proxy.stderr()
+    );
     assert_eq!(
         key_sent(proxy.addr()).await,
         Some(vec![OS_KEY2.to_string()])

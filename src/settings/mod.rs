@@ -780,13 +780,14 @@ impl Resolved {
         let mut w = self.warnings.clone();
         match self.plugin() {
             Ok(Some(p)) => {
-                w.extend(self.selection_warnings());
+                w.extend(self.redirect_warnings());
                 w.extend(p.warnings);
+                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => match self.credential() {
                 Ok((_, _, extra)) => {
                     w.extend(extra);
-                    w.extend(self.selection_warnings());
+                    w.extend(self.redirect_warnings());
                 }
                 Err(_) => w.extend(self.vendor_pair_hint()),
             },
@@ -799,10 +800,22 @@ impl Resolved {
 
     /// Those of [`Resolved::all_warnings`] that speak of these settings as the ones
     /// running: a host set in the working directory's `.env` gets the credential from
-    /// elsewhere; a plugin provider is selected, so built-in flags go unread. True of a
-    /// start and an applied reload, untrue of a reload that fails or is refused (what runs
-    /// stays, and reads those flags).
+    /// elsewhere; a plugin provider is selected, so built-in flags go unread; a stray half
+    /// pair leaves the API key in use. True of a start and an applied reload, untrue of a
+    /// reload that fails or is refused (what runs stays).
     pub fn selection_warnings(&self) -> Vec<String> {
+        let mut w = self.redirect_warnings();
+        match self.plugin() {
+            Ok(Some(p)) => w.extend(self.builtin_flags_unread(&p.installed.manifest.id)),
+            Ok(None) => w.extend(self.credential().ok().and_then(|(_, _, extra)| extra)),
+            Err(_) => {}
+        }
+        w
+    }
+
+    /// A host set in the working directory's `.env` that gets the credential from
+    /// elsewhere (see [`redirected`]).
+    fn redirect_warnings(&self) -> Vec<String> {
         let secrets = self.secrets();
         let mut w = Vec::new();
         match self.plugin() {
@@ -817,7 +830,6 @@ impl Resolved {
                         w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
                     }
                 }
-                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => {
                 if let Ok((_, key_from, _)) = self.credential() {
