@@ -1080,7 +1080,8 @@ async fn delete_forgets_the_token() {
 
 /// The token rotates behind the proxy's back. A bodiless request that gets 401 is retried
 /// with the token fetched again; one with a body gets the 401, and the next request uses
-/// the fresh token. Each 401 costs exactly one look-up; one that fails is the answer.
+/// the fresh token. Each 401 costs exactly one look-up; one that fails is the answer
+/// when the token refused was the proxy's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envd_401_fetches_the_token_again() {
     let env = Env::start(Pki::new()).await;
@@ -1196,6 +1197,20 @@ async fn envd_401_fetches_the_token_again() {
     }
     assert_eq!(env.envd.seen().len(), 7, "each 401, nothing to retry with");
 
+    // A token the client sent (none stored) that envd refuses: envd's 401 is the client's
+    // answer, whatever the look-up found (here: no such sandbox in this account).
+    let theirs = request("GET", addr, "/health")
+        .header("e2b-sandbox-id", "isb-elsewhere")
+        .header("x-access-token", "tok-of-theirs")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, theirs).await).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::UNAUTHORIZED, "bad access token")
+    );
+    assert_eq!(env.lookups("isb-elsewhere").len(), 1);
+
     // An app's port: its 401 is the app's own answer (to the client's credential for it),
     // not envd's about the token. It reaches the client as it is: no look-up (which any
     // client could otherwise drive, with the proxy's key, one per 401), nothing sent again.
@@ -1216,7 +1231,7 @@ async fn envd_401_fetches_the_token_again() {
         env.lookups("isb-6").is_empty(),
         "an app's 401 looked the token up"
     );
-    assert_eq!(env.envd.seen().len(), 8, "an app's 401 was sent again");
+    assert_eq!(env.envd.seen().len(), 9, "an app's 401 was sent again");
     env.assert_envd_clean();
     proxy.finish().await;
 }

@@ -425,14 +425,16 @@ impl Proxy {
         let stored = (port == DEFAULT_ENVD_PORT)
             .then(|| self.tokens.get(sandbox_id))
             .flatten();
-        let token = match (&stored, client_token) {
+        let (token, clients) = match (&stored, client_token) {
             // The control plane gave no token for this sandbox (an unsecured one, or an
             // answer without it): the client's own, when it sent one, is the better guess.
-            (Some(t), Some(c)) if t.expose().is_empty() => c,
-            (Some(t), _) => t.clone(),
-            (None, Some(t)) => t,
-            (None, None) if port == DEFAULT_ENVD_PORT => self.lookup_token(sandbox_id).await?,
-            (None, None) => Secret::new(""),
+            (Some(t), Some(c)) if t.expose().is_empty() => (c, true),
+            (Some(t), _) => (t.clone(), false),
+            (None, Some(t)) => (t, true),
+            (None, None) if port == DEFAULT_ENVD_PORT => {
+                (self.lookup_token(sandbox_id).await?, false)
+            }
+            (None, None) => (Secret::new(""), false),
         };
 
         // rewrite
@@ -478,11 +480,18 @@ impl Proxy {
             // That is the token sent, or the empty one the client's stood in for.
             self.tokens
                 .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
-            // A look-up that fails says why the token could not be replaced (the control
-            // plane down, the key exchange failing, the sandbox gone), as it does for a
-            // sandbox with no token stored: envd's 401 alone read as a bad key.
-            let fresh = self.lookup_token(sandbox_id).await?;
-            if let Some((method, uri, mut headers)) = replay.filter(|_| fresh != token) {
+            // A look-up that fails says why the proxy's token could not be replaced (the
+            // control plane down, the key exchange failing, the sandbox gone), as it does
+            // for a sandbox with no token stored: envd's 401 alone read as a bad key. A
+            // token the client sent is the client's to mend: envd's 401 is its answer.
+            let fresh = match self.lookup_token(sandbox_id).await {
+                Ok(fresh) => Some(fresh),
+                Err(_) if clients => None,
+                Err(e) => return Err(e.into()),
+            };
+            if let (Some((method, uri, mut headers)), Some(fresh)) =
+                (replay, fresh.filter(|fresh| *fresh != token))
+            {
                 headers::authorize_envd(&mut headers, self.auth.scheme(), &fresh, sandbox_id, port);
                 let req = rebuild(method, uri, headers);
                 resp = forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)
