@@ -2958,7 +2958,7 @@ async fn an_answer_head_is_held_to_64_kib_over_http2_as_over_http1() {
         if matches!(proto, Proto::H2) {
             assert!(
                 resp.text()
-                    .contains("HTTP/2 error in the upstream's answer (PROTOCOL_ERROR)"),
+                    .contains("malformed, or a head over 64 KiB (PROTOCOL_ERROR)"),
                 "{}",
                 resp.text()
             );
@@ -3017,10 +3017,37 @@ async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
     let addr = proxy.addr();
     let resp = get(addr, "/sandboxes").await;
     assert_proxy_error(&resp, 502, "E5001");
+    assert!(
+        resp.text().contains("connection closed early"),
+        "{}",
+        resp.text()
+    );
     let resp = raw_exchange(addr, create(addr).as_bytes()).await;
     assert_proxy_error(&resp, 502, "E5001");
     assert_eq!(resp.header("should-retry"), Some("false"));
     assert_eq!(CUT.load(Ordering::SeqCst), 2, "neither was sent again");
+    proxy.finish().await;
+
+    // Above it every time, with an error code (a server shedding load): sent once more,
+    // then answered with the code, not as a plain early close.
+    static CALM: AtomicUsize = AtomicUsize::new(0);
+    let upstream = RawH2Upstream::start(&pki, |stream| {
+        CALM.fetch_add(1, Ordering::SeqCst);
+        let mut payload = stream.saturating_sub(2).to_be_bytes().to_vec();
+        payload.extend_from_slice(&0xbu32.to_be_bytes());
+        h2_frame(GOAWAY, 0, 0, &payload)
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(
+        resp.text()
+            .contains("connection closed by the upstream (ENHANCE_YOUR_CALM)"),
+        "{}",
+        resp.text()
+    );
+    assert_eq!(CALM.load(Ordering::SeqCst), 2, "sent once more");
     proxy.finish().await;
 }
 

@@ -345,9 +345,14 @@ fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     let h2 = chain(e).find_map(|e| e.downcast_ref::<h2::Error>())?;
     let reason = h2.reason()?;
     Some(match (h2.is_remote(), h2.is_go_away()) {
-        (true, true) => "connection closed early".into(),
+        (true, true) if reason == h2::Reason::NO_ERROR => "connection closed early".into(),
+        (true, true) => format!("connection closed by the upstream ({reason:?})"),
         (true, false) => format!("stream reset by the upstream ({reason:?})"),
-        (false, _) => format!("HTTP/2 error in the upstream's answer ({reason:?})"),
+        // h2 raises PROTOCOL_ERROR for an answer head over the client's limit too.
+        (false, _) if reason == h2::Reason::PROTOCOL_ERROR => {
+            format!("HTTP/2 answer refused: malformed, or a head over 64 KiB ({reason:?})")
+        }
+        (false, _) => format!("HTTP/2 answer refused ({reason:?})"),
     })
 }
 
