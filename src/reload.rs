@@ -494,7 +494,8 @@ impl Running {
         // A reload that fails or is refused changes neither the provider nor a host: a
         // warning that the credential goes to a host set in a `.env`, or that a plugin is
         // selected, would be untrue. The others stand (a misspelt name, an unset `${VAR}`
-        // may be why it failed or a host moved).
+        // may be why it failed or a host moved). Said once the outcome is known, before
+        // its line: a new pair's first exchange can still fail the reload.
         let say = |applies: bool| {
             let untrue = if applies {
                 Vec::new()
@@ -512,7 +513,6 @@ impl Running {
                 return failed(e);
             }
         };
-        say(destination_changes(&self.settings, &next).is_empty());
         let changed = changed_names(
             &self.seen,
             &resolved,
@@ -529,6 +529,7 @@ impl Running {
             );
         }
         if changed.is_empty() {
+            say(true);
             // "Settings": a certificate this reload swapped is said on its own line before.
             tracing::info!("reload: no setting changed");
             // What was read is what runs: a key shadowed in a file is said once, not again
@@ -546,6 +547,7 @@ impl Running {
         );
         let restart = match plan(&self.settings, &next, &pending) {
             Plan::Refuse { moved } => {
+                say(false);
                 tracing::warn!(
                     keys = %moved.join(","),
                     "reload refused: the provider or its hosts changed; the running credential \
@@ -554,25 +556,28 @@ impl Running {
                 return false;
             }
             Plan::Keep { restart } => {
+                say(true);
                 tracing::info!(changed = %changed.join(","), "reloaded; the credential is unchanged");
                 restart
             }
             Plan::Swap { restart } => {
                 let swapped = with_credential_of(&self.settings, &next);
                 let metrics = &self.proxy.metrics;
+                let kept = |e: Error| {
+                    say(false);
+                    tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
+                    false
+                };
                 let credential = match ApiCredential::start(&swapped, &self.options, metrics) {
                     Ok(credential) => credential,
-                    Err(e) => {
-                        tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
-                        return false;
-                    }
+                    Err(e) => return kept(e),
                 };
                 // An AK/SK pair: its first exchange must answer before it replaces a key
                 // that works. A static key answers at once.
                 if let Err(e) = credential.current().await {
-                    tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
-                    return false;
+                    return kept(e);
                 }
+                say(true);
                 let expiry = credential.expiry_unix();
                 self.proxy.credential.swap(Arc::new(credential)).retire();
                 // The running key's expiry, whatever the replaced refresher reported last

@@ -1395,7 +1395,14 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
     let fake = FakeExchange::start(Arc::new(SystemClock)).await;
-    let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake).spawn().await;
+    // envd's host set in the working directory: the pair from ~/.abx/.env goes there, as
+    // the start warns (and a reload that applies); a reload that fails must not.
+    let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake)
+        .cwd_dotenv("ABX_SANDBOX_URL=https://envd.invalid\n")
+        .spawn()
+        .await;
+    let goes_there = |proxy: &ProxyProc| proxy.stderr().matches("goes there").count();
+    assert_eq!(goes_there(&proxy), 1, "{}", proxy.stderr());
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let first = fake.issued_keys();
@@ -1414,6 +1421,7 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         "a reload that kept the pair exchanged again"
     );
     assert_eq!(last_bearer(&upstream), bearer);
+    assert_eq!(goes_there(&proxy), 2, "an applied reload says it");
 
     // A new pair the endpoint refuses: the running key keeps serving.
     let refused_pair = format!(
@@ -1426,6 +1434,11 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         )
         .await;
     assert_eq!(fake.rejected(), 1);
+    assert_eq!(
+        goes_there(&proxy),
+        2,
+        "the failed swap said where its pair goes"
+    );
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     assert_eq!(last_bearer(&upstream), bearer);
     assert_eq!(get(admin, "/readyz").await.0, 200);
