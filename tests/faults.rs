@@ -3049,6 +3049,20 @@ async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
     );
     assert_eq!(CALM.load(Ordering::SeqCst), 2, "sent once more");
     proxy.finish().await;
+
+    // DATA on stream 0, which no HTTP/2 peer may send: h2 ends the connection itself, and
+    // the words say so (not the head limit a stream's PROTOCOL_ERROR may be).
+    let upstream = RawH2Upstream::start(&pki, |_| h2_frame(DATA, 0, 0, b"x")).await;
+    let proxy = traced(ProxyCmd::new(&upstream.url, &pki)).spawn().await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(
+        resp.text()
+            .contains("the upstream broke HTTP/2 (PROTOCOL_ERROR)"),
+        "{}",
+        resp.text()
+    );
+    proxy.finish().await;
 }
 
 /// An HTTP/2 control plane over TLS that refuses the first stream for each method and path

@@ -348,11 +348,13 @@ fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         (true, true) if reason == h2::Reason::NO_ERROR => "connection closed early".into(),
         (true, true) => format!("connection closed by the upstream ({reason:?})"),
         (true, false) => format!("stream reset by the upstream ({reason:?})"),
-        // h2 raises PROTOCOL_ERROR for an answer head over the client's limit too.
-        (false, _) if reason == h2::Reason::PROTOCOL_ERROR => {
+        // A connection error h2 raised itself: frames no HTTP/2 peer may send.
+        (false, true) => format!("the upstream broke HTTP/2 ({reason:?})"),
+        // h2 resets the stream with PROTOCOL_ERROR for a head over the client's limit too.
+        (false, false) if reason == h2::Reason::PROTOCOL_ERROR => {
             format!("HTTP/2 answer refused: malformed, or a head over 64 KiB ({reason:?})")
         }
-        (false, _) => format!("HTTP/2 answer refused ({reason:?})"),
+        (false, false) => format!("HTTP/2 answer refused ({reason:?})"),
     })
 }
 
