@@ -2963,6 +2963,16 @@ async fn an_answer_head_is_held_to_64_kib_over_http2_as_over_http1() {
                 resp.text()
             );
         }
+        // Far over it, in more CONTINUATION frames than h2 takes: a connection error.
+        let resp = get(addr, "/sandboxes?200000").await;
+        assert_proxy_error(&resp, 502, "E5001");
+        if matches!(proto, Proto::H2) {
+            assert!(
+                resp.text().contains("a head over 64 KiB, or a flood"),
+                "{}",
+                resp.text()
+            );
+        }
         assert_eq!(get(addr, "/sandboxes").await.status, 200, "{proto:?}");
         proxy.finish().await;
     }

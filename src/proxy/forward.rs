@@ -348,7 +348,15 @@ fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         (true, true) if reason == h2::Reason::NO_ERROR => "connection closed early".into(),
         (true, true) => format!("connection closed by the upstream ({reason:?})"),
         (true, false) => format!("stream reset by the upstream ({reason:?})"),
-        // A connection error h2 raised itself: frames no HTTP/2 peer may send.
+        // A connection error h2 raised itself: a head far over the limit (too many
+        // CONTINUATION frames, a list four times the limit) or a flood of frames h2
+        // guards against, or frames no HTTP/2 peer may send.
+        (false, true)
+            if reason == h2::Reason::ENHANCE_YOUR_CALM
+                || reason == h2::Reason::COMPRESSION_ERROR =>
+        {
+            format!("HTTP/2 answer refused: a head over 64 KiB, or a flood ({reason:?})")
+        }
         (false, true) => format!("the upstream broke HTTP/2 ({reason:?})"),
         // h2 resets the stream with PROTOCOL_ERROR for a head over the client's limit too.
         (false, false) if reason == h2::Reason::PROTOCOL_ERROR => {
