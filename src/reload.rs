@@ -550,8 +550,8 @@ impl Running {
                 say(false);
                 tracing::warn!(
                     keys = %moved.join(","),
-                    "reload refused: the provider or its hosts changed; the running credential \
-                     stays with the hosts it belongs to until a restart"
+                    "reload refused: the provider, its hosts or its key exchange changed; the \
+                     running credential stays with the hosts it belongs to until a restart"
                 );
                 return false;
             }

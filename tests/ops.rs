@@ -1445,6 +1445,16 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     let expiry = "abx_proxy_token_expiry_timestamp_seconds";
     assert!(series(&scrape(admin).await, expiry, &[]) > Some(0.0));
 
+    // The exchange's signing style is how the pair goes out: a change is refused as the
+    // hosts' is, and said so (it read "the provider or its hosts changed").
+    let restyled = format!("{}ABX_TOKEN_EXCHANGE=acs3\n", dotenv_pair());
+    let line = proxy.reload_env(&restyled, "reload refused").await;
+    assert!(
+        line.contains("key exchange changed") && line.contains("token_exchange"),
+        "{line}"
+    );
+    assert_eq!(fake.calls(), 2, "a refused reload exchanged");
+
     const STATIC_KEY: &str = "sk-reload-static-CCCC3333dddd4444";
     // An API key instead of the pair: no temporary key is in use any more, and the expiry
     // gauge says so (left at the old key's expiry, it would set off the expiry alert).
