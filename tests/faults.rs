@@ -2968,7 +2968,8 @@ async fn an_answer_head_is_held_to_64_kib_over_http2_as_over_http1() {
         assert_proxy_error(&resp, 502, "E5001");
         if matches!(proto, Proto::H2) {
             assert!(
-                resp.text().contains("a head over 64 KiB, or a flood"),
+                resp.text()
+                    .contains("an answer head over 64 KiB, or too many frames pending"),
                 "{}",
                 resp.text()
             );
@@ -3068,7 +3069,7 @@ async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
     assert_proxy_error(&resp, 502, "E5001");
     assert!(
         resp.text()
-            .contains("the upstream broke HTTP/2 (PROTOCOL_ERROR)"),
+            .contains("closed by the proxy: the upstream broke HTTP/2 (PROTOCOL_ERROR)"),
         "{}",
         resp.text()
     );

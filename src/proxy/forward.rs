@@ -333,8 +333,8 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
 /// An HTTP/2 stream's end in HTTP/2's own names: a stream the upstream reset is not a
 /// connection closed (the connection serves on), and h2's words for one it reset itself
 /// ("unspecific protocol error detected", a byte string of debug data) say neither who
-/// broke the protocol nor how. `None` when no h2 error is in the chain, and for hyper's
-/// "connection closed before message completed".
+/// broke the protocol nor how. hyper's "connection closed before message completed" is
+/// an early close; `None` when neither error is in the chain.
 fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     if chain(e).any(|e| {
         e.downcast_ref::<hyper::Error>()
@@ -348,16 +348,24 @@ fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         (true, true) if reason == h2::Reason::NO_ERROR => "connection closed early".into(),
         (true, true) => format!("connection closed by the upstream ({reason:?})"),
         (true, false) => format!("stream reset by the upstream ({reason:?})"),
-        // A connection error h2 raised itself: a head far over the limit (too many
-        // CONTINUATION frames, a list four times the limit) or a flood of frames h2
-        // guards against, or frames no HTTP/2 peer may send.
+        // A connection error h2 raised itself, ending every stream on the connection, the
+        // innocent ones too: said of the connection, not of this answer. Its guards (too
+        // many CONTINUATION frames, a head four times the limit; small DATA frames left
+        // unread, or reset streams, piling up from the proxy's own clients) end it with
+        // ENHANCE_YOUR_CALM or COMPRESSION_ERROR; frames no HTTP/2 peer may send with
+        // the rest.
         (false, true)
             if reason == h2::Reason::ENHANCE_YOUR_CALM
                 || reason == h2::Reason::COMPRESSION_ERROR =>
         {
-            format!("HTTP/2 answer refused: a head over 64 KiB, or a flood ({reason:?})")
+            format!(
+                "HTTP/2 connection closed by the proxy: an answer head over 64 KiB, or too \
+                 many frames pending ({reason:?})"
+            )
         }
-        (false, true) => format!("the upstream broke HTTP/2 ({reason:?})"),
+        (false, true) => {
+            format!("HTTP/2 connection closed by the proxy: the upstream broke HTTP/2 ({reason:?})")
+        }
         // h2 resets the stream with PROTOCOL_ERROR for a head over the client's limit too.
         (false, false) if reason == h2::Reason::PROTOCOL_ERROR => {
             format!("HTTP/2 answer refused: malformed, or a head over 64 KiB ({reason:?})")
