@@ -12,9 +12,10 @@
 //! settings' outcome does not depend on it.
 //!
 //! Two rules keep a reload from breaking a proxy that works:
-//! - the credential is swapped only while the provider and every host it is sent to stay
-//!   the same: the running proxy still routes to the hosts it started with, and a key must
-//!   never reach another provider's host (SPEC §3);
+//! - the credential is swapped only while the provider, every host it is sent to and the
+//!   key exchange (its URL and signing style) stay the same: the running proxy still
+//!   routes to the hosts it started with, and a key must never reach another provider's
+//!   host (SPEC §3);
 //! - a new AK/SK pair replaces the running key only once its first exchange has answered:
 //!   until then, and if it fails, the old temporary key keeps serving (SPEC §5).
 
@@ -42,8 +43,8 @@ pub enum Plan {
     Keep { restart: Vec<String> },
     /// A new credential for the same provider and hosts.
     Swap { restart: Vec<String> },
-    /// The provider or a host it is sent to changed (`moved`): the running credential stays
-    /// until a restart, with the hosts it belongs to.
+    /// The provider, a host it is sent to or the key exchange changed (`moved`): the
+    /// running credential stays until a restart, with the hosts it belongs to.
     Refuse { moved: Vec<String> },
 }
 
