@@ -425,7 +425,7 @@ impl Proxy {
         let stored = (port == DEFAULT_ENVD_PORT)
             .then(|| self.tokens.get(sandbox_id))
             .flatten();
-        let (token, clients) = match (&stored, client_token) {
+        let (token, client_sent) = match (&stored, client_token) {
             // The control plane gave no token for this sandbox (an unsecured one, or an
             // answer without it): the client's own, when it sent one, is the better guess.
             (Some(t), Some(c)) if t.expose().is_empty() => (c, true),
@@ -486,7 +486,7 @@ impl Proxy {
             // token the client sent is the client's to mend: envd's 401 is its answer.
             let fresh = match self.lookup_token(sandbox_id).await {
                 Ok(fresh) => Some(fresh),
-                Err(_) if clients => None,
+                Err(_) if client_sent => None,
                 Err(e) => return Err(e.into()),
             };
             if let (Some((method, uri, mut headers)), Some(fresh)) =
