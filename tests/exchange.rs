@@ -440,6 +440,66 @@ async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
     );
 }
 
+/// A request the control plane refused with a temporary key is sent again with the key
+/// that replaces it: the refresh its refusal asked for is waited for; a key replaced
+/// already gives its successor at once; a refusal within the gap (not about the key) or an
+/// endpoint failing in its backoff gives none, at once, and the 401 is the answer.
+#[tokio::test]
+async fn a_refused_keys_replacement_is_the_refresh_it_asked_for_or_none() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    async fn replacement_of(source: &ExchangedKey, key: &str) -> Option<String> {
+        let found = tokio::time::timeout(GUARD, source.replacement(&Secret::new(key))).await;
+        let found = found.expect("answered without time moving");
+        found.map(|k| k.expose().to_string())
+    }
+    let first = h.key().await;
+    assert!(h.source.refused(&Secret::new(first.as_str())));
+    let second = replacement_of(&h.source, &first)
+        .await
+        .expect("the early refresh's key");
+    assert_ne!(second, first);
+    assert_eq!(h.fake.calls(), 2);
+    assert_eq!(
+        replacement_of(&h.source, &first).await,
+        Some(second.clone()),
+        "replaced"
+    );
+    assert!(!h.source.refused(&Secret::new(second.as_str())));
+    assert_eq!(
+        replacement_of(&h.source, &second).await,
+        None,
+        "within the gap"
+    );
+
+    h.clock.advance(REFUSAL_GAP);
+    h.fake.set_mode(Mode::Fail500);
+    assert!(h.source.refused(&Secret::new(second.as_str())));
+    assert_eq!(
+        replacement_of(&h.source, &second).await,
+        None,
+        "the refresh failed"
+    );
+    assert_eq!(h.fake.calls(), 3);
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    assert_eq!(
+        replacement_of(&h.source, &second).await,
+        None,
+        "in the backoff"
+    );
+    assert_eq!(h.fake.calls(), 3);
+}
+
 /// A key whose last usable second (5 s before its expiry) has come by the time its answer
 /// is read is a failed exchange, never a key handed out.
 #[tokio::test]

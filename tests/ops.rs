@@ -1251,46 +1251,99 @@ async fn pipelined_scrapes_nobody_reads_do_not_keep_a_probe_out() {
 }
 
 /// A temporary key the control plane refuses (401) is replaced before its planned
-/// refresh: the 401 reaches the client, the next request carries a new key.
+/// refresh, and a request the proxy holds whole is sent again with the new key, as after
+/// envd's 401: one without a body, a rewritten `/v2` create, an envd token look-up. A body
+/// streamed from the client is gone once sent: that request gets the 401, the next one the
+/// new key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_temporary_key_the_control_plane_refuses_is_replaced() {
+async fn a_temporary_key_the_control_plane_refuses_is_replaced_and_the_request_sent_again() {
+    const CREATE: &str = r#"{"templateID":"base"}"#;
     let pki = Pki::new();
-    let refused = Arc::new(Mutex::new(None::<String>));
-    let first_seen = refused.clone();
+    // Bearers the upstream refuses, and what it was sent: path, bearer, body.
+    let refused = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = Arc::new(Mutex::new(Vec::<(String, String, Bytes)>::new()));
+    let (refusing, seeing) = (refused.clone(), seen.clone());
     let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
-        let bearer = req
-            .headers()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string();
-        let mut first = first_seen.lock().unwrap();
-        let status = match first.get_or_insert_with(|| bearer.clone()) {
-            f if *f == bearer => 401,
-            _ => 200,
-        };
-        async move { response(status, "") }
+        let (refusing, seeing) = (refusing.clone(), seeing.clone());
+        async move {
+            let bearer = (req.headers().get("authorization"))
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            let path = req.uri().path().to_string();
+            let body = req.into_body().collect().await.expect("body").to_bytes();
+            let refuse = refusing.lock().unwrap().contains(&bearer);
+            seeing.lock().unwrap().push((path.clone(), bearer, body));
+            match path.as_str() {
+                _ if refuse => response(401, r#"{"code":401,"message":"Invalid API key"}"#),
+                "/sandboxes/isb-1" => {
+                    response(200, r#"{"sandboxID":"isb-1","envdAccessToken":"t"}"#)
+                }
+                _ => response(200, "ok"),
+            }
+        }
     })
     .await;
-    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
-    let proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
-    let addr = proxy.addr();
-    assert_eq!(get(addr, "/sandboxes").await.0, 401);
-    // Counted once the new key is in place (the fake has issued it a moment before).
     let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
-    wait_metric_at_least(proxy.admin_addr(), successes, 2.0).await;
-    let issued = fake.issued_keys();
-    assert_eq!(get(addr, "/sandboxes").await.0, 200);
-    let seen = upstream.seen();
-    let bearers: Vec<_> = seen.iter().map(|s| s.header("authorization")).collect();
-    let want = issued
-        .iter()
-        .map(|k| format!("Bearer {k}"))
-        .collect::<Vec<_>>();
-    assert_eq!(bearers, [Some(want[0].as_str()), Some(want[1].as_str())]);
-    let stderr = proxy.finish().await;
-    assert!(stderr.contains("refused the temporary key"), "{stderr}");
-    assert_no_aksk_secret(&stderr, &issued, "the log");
+    for case in ["no body", "rewritten", "look-up", "streamed"] {
+        let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+        let proxy = aksk_proxy(&upstream, &pki, &fake)
+            .args(&["--sandbox-url", &upstream.url()])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        wait_metric_at_least(proxy.admin_addr(), successes, 1.0).await;
+        let first = format!("Bearer {}", fake.issued_keys()[0]);
+        refused.lock().unwrap().push(first.clone());
+        seen.lock().unwrap().clear();
+        let req = match case {
+            "no body" => request("GET", addr, "/sandboxes").body(empty()),
+            "rewritten" => request("POST", addr, "/v2/sandboxes").body(full(CREATE)),
+            "look-up" => (request("GET", addr, "/health"))
+                .header("e2b-sandbox-id", "isb-1")
+                .body(empty()),
+            _ => request("POST", addr, "/sandboxes/isb-1/timeout").body(full(r#"{"timeout":60}"#)),
+        };
+        let status = send(addr, req.expect("request")).await.status().as_u16();
+        // Sent again, a request had the new key; one passed the 401 on may be out first.
+        wait_metric_at_least(proxy.admin_addr(), successes, 2.0).await;
+        let issued = fake.issued_keys();
+        assert_eq!(issued.len(), 2, "{case}: one early refresh");
+        let second = format!("Bearer {}", issued[1]);
+        let sent: Vec<_> = seen.lock().unwrap().drain(..).collect();
+        let to = |path: &str, bearer: &str| {
+            let bearers = sent.iter().filter(|(p, ..)| p == path).map(|(_, b, _)| b);
+            bearers.filter(|b| *b == bearer).count()
+        };
+        match case {
+            "streamed" => {
+                assert_eq!(status, 401, "{case}");
+                assert_eq!(sent.len(), 1, "{case}: sent once");
+                assert_eq!(get(addr, "/sandboxes").await.0, 200, "{case}: the next");
+                let next = seen.lock().unwrap().pop().expect("the next request");
+                assert_eq!((next.0.as_str(), next.1), ("/sandboxes", second), "{case}");
+            }
+            "look-up" => {
+                assert_eq!(status, 200, "{case}");
+                assert_eq!(to("/sandboxes/isb-1", &first), 1, "{case}");
+                assert_eq!(to("/sandboxes/isb-1", &second), 1, "{case}");
+                assert_eq!(sent.last().map(|s| s.0.as_str()), Some("/health"));
+                assert_eq!(sent.len(), 3, "{case}: {sent:?}");
+            }
+            _ => {
+                assert_eq!(status, 200, "{case}");
+                assert_eq!(to("/sandboxes", &first), 1, "{case}");
+                assert_eq!(to("/sandboxes", &second), 1, "{case}");
+                assert_eq!(sent.len(), 2, "{case}");
+                // The rewritten body both times, byte for byte.
+                assert_eq!(sent[0].2, sent[1].2, "{case}");
+                assert_eq!(sent[0].2.is_empty(), case == "no body", "{case}");
+            }
+        }
+        let stderr = proxy.finish().await;
+        assert!(stderr.contains("refused the temporary key"), "{stderr}");
+        assert_no_aksk_secret(&stderr, &issued, "the log");
+    }
 }
 
 /// A run of refusals ends when the control plane answers the key in use with anything but
@@ -1314,7 +1367,8 @@ async fn an_answer_to_the_key_in_use_ends_a_run_of_refusals() {
             .expect("request")
     };
     // First the envd request's token look-up, then a proxied request, each the first answer
-    // to the key that replaced a refused one.
+    // but a 401 to the key that replaced a refused one (`/refuse`, sent again with it, is
+    // refused again: within the gap, that asks for nothing).
     for look_up in [true, false] {
         let fake = FakeExchange::start(Arc::new(SystemClock)).await;
         let proxy = aksk_proxy(&upstream, &pki, &fake)

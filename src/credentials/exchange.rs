@@ -940,6 +940,35 @@ impl ExchangedKey {
         true
     }
 
+    /// A key other than `refused`, for sending again a request the control plane refused
+    /// with it (see [`ExchangedKey::refused`]): the key that has replaced it, or the one the
+    /// refresh it is due for brings, waited for up to [`CALL_TIMEOUT`]. `None` when no
+    /// refresh is coming (401s within the refusal gap are not about the key; a failing
+    /// endpoint is in its backoff) or it brought no other key: the 401 is the answer.
+    pub async fn replacement(&self, refused: &Secret) -> Option<Secret> {
+        let shared = &*self.shared;
+        let seen = *shared.attempts.borrow();
+        let now = shared.clock.now();
+        match &*shared.token.load() {
+            Some(t) if t.key != *refused => return (now < t.usable_until).then(|| t.key.clone()),
+            Some(t) if now < t.refresh_at => return None,
+            // After a failure the refresher sleeps out its backoff (up to 30 s): nothing
+            // answers within the wait.
+            _ if shared.last_error.load().is_some() && shared.attempt_started().is_none() => {
+                return None
+            }
+            _ => {}
+        }
+        let mut attempts = shared.attempts.subscribe();
+        tokio::select! {
+            _ = attempts.wait_for(|n| *n > seen) => {}
+            _ = shared.clock.sleep(CALL_TIMEOUT) => {}
+        }
+        shared
+            .usable_key(shared.clock.now())
+            .filter(|key| key != refused)
+    }
+
     /// The control plane answered `key` with something other than 401: while it is the key
     /// handed out, it works, and a run of refusals is over.
     pub fn accepted(&self, key: &Secret) {

@@ -107,6 +107,16 @@ impl ApiCredential {
         }
     }
 
+    /// A key to send again a request the control plane refused with `key` (401): a
+    /// temporary key's replacement (see [`exchange::ExchangedKey::replacement`]); never
+    /// for a static key, which is what the user gave.
+    pub async fn replacement(&self, key: &Secret) -> Option<Secret> {
+        match self {
+            ApiCredential::Static(_) => None,
+            ApiCredential::Exchanged(source) => source.replacement(key).await,
+        }
+    }
+
     /// The control plane answered `key` with something other than 401: a run of refusals
     /// of a temporary key is over (see [`exchange::ExchangedKey::accepted`]).
     pub fn accepted(&self, key: &Secret) {

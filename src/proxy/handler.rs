@@ -373,6 +373,20 @@ impl Proxy {
             let (credential, key) = self.api_key().await?;
             let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
             headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+            // A temporary key can be refused before its expiry (revoked, or a clock behind
+            // the endpoint's): a request the proxy holds whole, one without a body or a
+            // rewritten one, is sent again with the key that replaces it, as after envd's
+            // 401 (SPEC §4). A static key refused is the user's to mend.
+            let replay = match &*credential {
+                ApiCredential::Exchanged(_) if upgrade.is_none() => {
+                    let held = parts.extensions.get::<super::pool::Replay>().cloned();
+                    (held.is_some() || body.is_end_stream()).then(|| {
+                        let head = (parts.method.clone(), parts.uri.clone());
+                        (head, parts.headers.clone(), held)
+                    })
+                }
+                _ => None,
+            };
 
             // forward
             let host = self.api_host.clone();
@@ -381,7 +395,7 @@ impl Proxy {
                 Some(_) => &self.envd_client,
                 None => &self.api_client,
             };
-            let resp = forward::send(
+            let mut resp = forward::send(
                 client,
                 "api",
                 Request::from_parts(parts, body),
@@ -389,12 +403,24 @@ impl Proxy {
                 &host,
             )
             .await?;
-            // A 5xx may come from a gateway that never looked at the key: it neither
-            // refuses the key nor shows that it works.
-            if resp.status() == StatusCode::UNAUTHORIZED {
-                credential.refused(&key);
-            } else if !resp.status().is_server_error() {
-                credential.accepted(&key);
+            judge(&credential, &key, resp.status());
+            if let Some(((method, uri), mut headers, held)) =
+                replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED)
+            {
+                let fresh = credential.replacement(&key).await;
+                if let Some((fresh, value)) =
+                    fresh.and_then(|k| self.auth.value(&k).map(|v| (k, v)))
+                {
+                    headers::authorize_api(&mut headers, self.auth.scheme(), value);
+                    let mut req = rebuild(method, uri, headers);
+                    if let Some(held) = held {
+                        *req.body_mut() = body::full(held.0.clone());
+                        req.extensions_mut().insert(held);
+                    }
+                    drop(resp);
+                    resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
+                    judge(&credential, &fresh, resp.status());
+                }
             }
 
             // respond
@@ -552,32 +578,40 @@ impl Proxy {
     }
 
     async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
-        let (credential, key) = self.api_key().await?;
-        let value = self.auth.value(&key).ok_or_else(unusable_key)?;
+        let (credential, mut key) = self.api_key().await?;
         let uri = self
             .api_base
             .join(&format!("/sandboxes/{sandbox_id}"))
             .map_err(internal)?;
-        let mut headers = HeaderMap::new();
-        headers.insert(self.auth.header(), value);
-        headers.insert(ACCEPT_ENCODING, IDENTITY);
-        let req = rebuild(Method::GET, uri, headers);
         let host = self.api_host.to_string();
-        // The control plane failing a look-up is counted like any other upstream failure.
-        let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
-            .await
-            .map_err(|f| {
-                if let Some(kind) = f.kind {
-                    self.metrics.upstream_error("api", kind.label());
-                }
-                f.error
-            })?;
+        let mut first = true;
+        let resp = loop {
+            let value = self.auth.value(&key).ok_or_else(unusable_key)?;
+            let mut headers = HeaderMap::new();
+            headers.insert(self.auth.header(), value);
+            headers.insert(ACCEPT_ENCODING, IDENTITY);
+            let req = rebuild(Method::GET, uri.clone(), headers);
+            // The control plane failing a look-up is counted like any other upstream failure.
+            let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
+                .await
+                .map_err(|f| {
+                    if let Some(kind) = f.kind {
+                        self.metrics.upstream_error("api", kind.label());
+                    }
+                    f.error
+                })?;
+            judge(&credential, &key, resp.status());
+            if resp.status() != StatusCode::UNAUTHORIZED || !std::mem::take(&mut first) {
+                break resp;
+            }
+            // A refused temporary key: looked up once more with its replacement, as a
+            // client's request without a body is sent again (see `api`).
+            match credential.replacement(&key).await {
+                Some(fresh) => key = fresh,
+                None => break resp,
+            }
+        };
         let status = resp.status();
-        if status == StatusCode::UNAUTHORIZED {
-            credential.refused(&key);
-        } else if !status.is_server_error() {
-            credential.accepted(&key);
-        }
         if status == StatusCode::NOT_FOUND {
             return Ok(None);
         }
@@ -729,6 +763,16 @@ fn upstream_uri(base: &UpstreamUrl, client: &Uri) -> Result<Uri, http::Error> {
             .unwrap_or_else(|| PathAndQuery::from_static("/")),
     );
     Ok(Uri::from_parts(parts)?)
+}
+
+/// What the control plane's answer says of the key it was sent with. A 5xx may come from a
+/// gateway that never looked at the key: it neither refuses the key nor shows that it works.
+fn judge(credential: &ApiCredential, key: &Secret, status: StatusCode) {
+    if status == StatusCode::UNAUTHORIZED {
+        credential.refused(key);
+    } else if !status.is_server_error() {
+        credential.accepted(key);
+    }
 }
 
 fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
