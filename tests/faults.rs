@@ -2959,7 +2959,7 @@ async fn an_answer_head_is_held_to_64_kib_over_http2_as_over_http1() {
             (70000, "malformed, or a head over 64 KiB (PROTOCOL_ERROR)"),
             (
                 200000,
-                "an answer head over 64 KiB, or too many frames pending",
+                "an answer head over 64 KiB or in too many frames, or too many frames pending",
             ),
         ];
         for (size, h2_words) in over {

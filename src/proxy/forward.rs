@@ -350,17 +350,17 @@ fn h2_said(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         (true, false) => format!("stream reset by the upstream ({reason:?})"),
         // A connection error h2 raised itself, ending every stream on the connection, the
         // innocent ones too: said of the connection, not of this answer. Its guards (too
-        // many CONTINUATION frames, a head four times the limit; small DATA frames left
-        // unread, or reset streams, piling up from the proxy's own clients) end it with
-        // ENHANCE_YOUR_CALM or COMPRESSION_ERROR; frames no HTTP/2 peer may send with
-        // the rest.
+        // many CONTINUATION frames, over 5 whatever the head's size; a head four times
+        // the limit; small DATA frames left unread, or reset streams, piling up from the
+        // proxy's own clients) end it with ENHANCE_YOUR_CALM or COMPRESSION_ERROR; frames
+        // no HTTP/2 peer may send with the rest.
         (false, true)
             if reason == h2::Reason::ENHANCE_YOUR_CALM
                 || reason == h2::Reason::COMPRESSION_ERROR =>
         {
             format!(
-                "HTTP/2 connection closed by the proxy: an answer head over 64 KiB, or too \
-                 many frames pending ({reason:?})"
+                "HTTP/2 connection closed by the proxy: an answer head over 64 KiB or in \
+                 too many frames, or too many frames pending ({reason:?})"
             )
         }
         (false, true) => {
