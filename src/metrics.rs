@@ -301,6 +301,14 @@ impl Metrics {
         }
     }
 
+    /// Counts a head refused before it became a request (see `Proxy::head_refused`): no
+    /// duration observed, the latency histogram is for requests that were made (a 408
+    /// observed at 0 s pulled the quantiles down with every stalled client or scanner).
+    #[cold]
+    pub fn head_refused(&self, plane: &str, method: &Method, status: u16) {
+        self.count_slow(plane, method, status);
+    }
+
     fn count_slow(&self, plane: &str, method: &Method, status: u16) {
         self.requests
             .with_label_values(&[plane, method_label(method), &code_label(status)])

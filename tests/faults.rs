@@ -759,8 +759,12 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     assert_eq!(ok.status, 200);
 
     // Each head begun and cut is logged and counted 408, as nginx logs one (a connection
-    // that sent nothing, or half a preface, had no request): four, on either server.
+    // that sent nothing, or half a preface, had no request): four, on either server. Not
+    // timed: the latency histogram holds the three requests made, not 408s at 0 s.
     until_timed_out_heads(proxy.admin_addr(), 4).await;
+    let timed = r#"abx_proxy_request_duration_seconds_count{plane="api"}"#;
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(metric(&text, timed), Some(3.0), "{text}");
     assert_healthy(&proxy, &mut sweep, true).await;
     let stderr = sweep.finish(proxy, &settings).await;
     let lines = timed_out_heads(&stderr);

@@ -474,7 +474,7 @@ async fn connection_task(
         mark => activity.clocks.head.load(Ordering::Relaxed) == mark,
     };
     if stalled || head_timed_out(&activity, &told, &config) {
-        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, Duration::ZERO);
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, None);
     }
     crate::logging::flush_thread();
     drop(open);
@@ -866,7 +866,7 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     } else {
         return;
     };
-    proxy.head_refused(status, Duration::ZERO);
+    proxy.head_refused(status, None);
 }
 
 pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
