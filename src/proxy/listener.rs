@@ -143,8 +143,9 @@ fn bind_unix(path: &Path) -> io::Result<UnixListener> {
     bind_in_place(path)
 }
 
-/// Where there is no private directory to bind in (see [`PrivateDir::beside`]), and off
-/// Linux: the socket is connectable before its chmod.
+/// Where there is no private directory to bind in (see [`PrivateDir::beside`]: no `/proc`
+/// for a path near `sun_path`'s limit), and off Linux: the socket is connectable before its
+/// chmod.
 fn bind_in_place(path: &Path) -> io::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     let l = UnixListener::bind(path)?;
@@ -156,6 +157,10 @@ fn bind_in_place(path: &Path) -> io::Result<UnixListener> {
 #[cfg(target_os = "linux")]
 const SUN_PATH: usize = 108;
 
+/// This process's open descriptors, each a name for what it has open.
+#[cfg(target_os = "linux")]
+const PROC_FDS: &str = "/proc/self/fd";
+
 /// A directory (mode 0700) in the socket path's own directory, so that the rename stays on
 /// one filesystem; only its owner can reach a socket in it. Removed on drop, with the
 /// socket's name in it if that was not renamed away, whether the bind succeeded or not.
@@ -163,14 +168,16 @@ const SUN_PATH: usize = 108;
 struct PrivateDir {
     dir: PathBuf,
     socket: PathBuf,
+    /// The directory, open while the socket is named through it (see [`PrivateDir::at`]).
+    handle: Option<std::fs::File>,
 }
 
 #[cfg(target_os = "linux")]
 impl PrivateDir {
-    /// `None` when the socket's path in the directory would not fit in `sun_path`: the
-    /// directory's name is short (`.abx-` and six letters, then `/s`), but a path near the
-    /// limit may fit only where it is. Such a path is bound in place, as before; so is one
-    /// too long for a bind anywhere, which must fail as it did, not be renamed into place.
+    /// `None` for a path too long for a bind anywhere, which must fail as it did, not be
+    /// renamed into place; and for one near the limit (the directory's `.abx-` and six
+    /// letters, then `/s`, would not fit) where there is no `/proc` to name the socket
+    /// through (see [`PrivateDir::at`]): such a path is bound in place.
     fn beside(path: &Path) -> io::Result<Option<Self>> {
         use std::os::unix::fs::DirBuilderExt;
         let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
@@ -179,17 +186,17 @@ impl PrivateDir {
         if path.as_os_str().len() >= SUN_PATH {
             return Ok(None);
         }
+        let by_path = parent.join(".abx-XXXXXX/s").as_os_str().len() < SUN_PATH;
+        if !by_path && !Path::new(PROC_FDS).is_dir() {
+            return Ok(None);
+        }
         for _ in 0..8 {
             let name: String = std::iter::repeat_with(fastrand::alphanumeric)
                 .take(6)
                 .collect();
             let dir = parent.join(format!(".abx-{name}"));
-            let socket = dir.join("s");
-            if socket.as_os_str().len() >= SUN_PATH {
-                return Ok(None);
-            }
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => return Ok(Some(PrivateDir { dir, socket })),
+                Ok(()) => return PrivateDir::at(dir).map(Some),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
             }
@@ -198,6 +205,27 @@ impl PrivateDir {
             io::ErrorKind::AlreadyExists,
             "no free name for a private directory beside the socket",
         ))
+    }
+
+    /// The socket's name in `dir` (just made): by the directory's path, or where that would
+    /// not fit in `sun_path`, through this process's descriptor of the directory
+    /// (`/proc/self/fd/N/s`, short whatever the path's length). Bound in place instead, a
+    /// path of 95 to 107 bytes was connectable before its chmod.
+    fn at(dir: PathBuf) -> io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let socket = dir.join("s");
+        let mut made = PrivateDir {
+            dir,
+            socket,
+            handle: None,
+        };
+        if made.socket.as_os_str().len() >= SUN_PATH {
+            // Removed on drop should the open fail.
+            let handle = std::fs::File::open(&made.dir)?;
+            made.socket = Path::new(PROC_FDS).join(format!("{}/s", handle.as_raw_fd()));
+            made.handle = Some(handle);
+        }
+        Ok(made)
     }
 
     /// Binds here, chmods, and renames the socket onto `path`, never over a file there: one
@@ -1780,11 +1808,14 @@ mod tests {
         drop(owner);
     }
 
-    /// A path that fits in `sun_path` while the private directory's would not is bound in
-    /// place, 0660 as ever, rather than refused.
+    /// A path that fits in `sun_path` while the private directory's path would not is
+    /// bound in the private directory all the same (named through `/proc/self/fd`), and
+    /// renamed into place: it was bound in place, connectable before its chmod. The
+    /// directory's events show which: a rename brings the name, no bind creates it there.
     #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn a_path_near_the_length_limit_is_bound_in_place() {
+    async fn a_path_near_the_length_limit_is_bound_in_a_private_directory_too() {
+        use rustix::fs::inotify::{self, ReadFlags, WatchFlags};
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("temp dir");
         let base = dir.path().as_os_str().len();
@@ -1793,8 +1824,11 @@ mod tests {
         std::fs::create_dir(&deep).expect("mkdir");
         let path = deep.join("s");
         assert_eq!(path.as_os_str().len(), SUN_PATH - 1);
+        let events = inotify::init(inotify::CreateFlags::NONBLOCK).expect("inotify");
+        let watched = WatchFlags::CREATE | WatchFlags::MOVED_TO;
+        inotify::add_watch(&events, &deep, watched).expect("watch");
 
-        let listener = bind_unix(&path).expect("bound in place");
+        let listener = bind_unix(&path).expect("bound");
         let mode = std::fs::metadata(&path)
             .expect("the socket")
             .permissions()
@@ -1802,6 +1836,17 @@ mod tests {
         assert_eq!(mode & 0o777, 0o660);
         std::os::unix::net::UnixStream::connect(&path).expect("it answers");
         assert_eq!(names(&deep), ["s"]);
+        let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+        let mut reader = inotify::Reader::new(&events, &mut buf);
+        let mut seen = Vec::new();
+        while let Ok(e) = reader.next() {
+            let name = e.file_name().map(|n| n.to_string_lossy().into_owned());
+            seen.push((e.events() & (ReadFlags::CREATE | ReadFlags::MOVED_TO), name));
+        }
+        let (created, moved) = (ReadFlags::CREATE, ReadFlags::MOVED_TO);
+        let s = Some("s".to_string());
+        assert!(seen.contains(&(moved, s.clone())), "{seen:?}");
+        assert!(!seen.contains(&(created, s)), "bound in place: {seen:?}");
         drop(listener);
     }
 
