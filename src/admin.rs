@@ -29,6 +29,11 @@ const MAX_CONNECTIONS: usize = 64;
 /// `send_timeout`, for the same reason). The largest answer, `/metrics`, is tens of KiB.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most a request head may buffer (hyper's least; its default is ~400 KiB). A probe's
+/// or a scrape's head is under 1 KiB; 64 connections each holding a large unfinished head
+/// raised the resident memory by 25 MiB, for good, in a sidecar with a 128 MiB limit.
+const MAX_HEAD_BUFFER: usize = 8 * 1024;
+
 /// Serves until the process exits, on TCP or a unix socket (`curl --unix-socket`).
 ///
 /// One request per connection, as the kubelet's probes ask anyway (they turn keep-alive
@@ -48,6 +53,7 @@ pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Durati
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
+        .max_buf_size(MAX_HEAD_BUFFER)
         .keep_alive(false);
     let builder = Arc::new(builder);
     let lifetime = header_timeout + ANSWER_TIMEOUT;

@@ -1157,6 +1157,15 @@ async fn the_admin_listener_refuses_other_methods_with_allow_and_other_paths_wit
     }
     assert_eq!(get(admin, "/nope").await.0, 404);
     assert_eq!(get(admin, "/metrics/").await.0, 404);
+    // A head far over any probe's is refused, not buffered (hyper's default took ~400 KiB).
+    let mut big = format!("GET /healthz HTTP/1.1\r\nHost: {admin}\r\nX-Big: ");
+    big.push_str(&"a".repeat(64 * 1024));
+    big.push_str("\r\n\r\n");
+    assert_eq!(raw_exchange(admin, big.as_bytes()).await.status, 431);
+    let mut fair = format!("GET /healthz HTTP/1.1\r\nHost: {admin}\r\nX-Fair: ");
+    fair.push_str(&"a".repeat(4 * 1024));
+    fair.push_str("\r\n\r\n");
+    assert_eq!(raw_exchange(admin, fair.as_bytes()).await.status, 200);
     proxy.finish().await;
 }
 
