@@ -454,11 +454,6 @@ async fn a_refused_keys_replacement_is_the_refresh_it_asked_for_or_none() {
         h.next_event().await,
         ExchangeEvent::Success { .. }
     ));
-    async fn replacement_of(source: &ExchangedKey, key: &str) -> Option<String> {
-        let found = tokio::time::timeout(GUARD, source.replacement(&Secret::new(key))).await;
-        let found = found.expect("answered without time moving");
-        found.map(|k| k.expose().to_string())
-    }
     let first = h.key().await;
     assert!(h.source.refused(&Secret::new(first.as_str())));
     let second = replacement_of(&h.source, &first)
@@ -498,6 +493,36 @@ async fn a_refused_keys_replacement_is_the_refresh_it_asked_for_or_none() {
         "in the backoff"
     );
     assert_eq!(h.fake.calls(), 3);
+}
+
+/// A retired source (a reload replaced the pair) has no refresh coming: a request refused
+/// with its key gets no replacement from it, at once, even with a refresh begun (the
+/// caller asks the successor), and a refusal asks for none.
+#[tokio::test]
+async fn a_retired_source_gives_no_replacement() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    assert!(matches!(
+        h.next_event().await,
+        ExchangeEvent::Success { .. }
+    ));
+    let first = h.key().await;
+    h.fake.hold();
+    assert!(h.source.refused(&Secret::new(first.as_str())));
+    h.fake.until_calls(2).await;
+    h.source.retire();
+    assert_eq!(replacement_of(&h.source, &first).await, None);
+    assert!(!h.source.refused(&Secret::new(first.as_str())));
+    h.fake.release();
+}
+
+/// `source.replacement(key)`, which must answer without the (manual) clock moving.
+async fn replacement_of(source: &ExchangedKey, key: &str) -> Option<String> {
+    let found = tokio::time::timeout(GUARD, source.replacement(&Secret::new(key))).await;
+    let found = found.expect("answered without time moving");
+    found.map(|k| k.expose().to_string())
 }
 
 /// A key whose last usable second (5 s before its expiry) has come by the time its answer

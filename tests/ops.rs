@@ -1451,6 +1451,88 @@ async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
     assert_eq!(said(&stderr), 1, "{stderr}");
 }
 
+/// A request refused with a temporary key after a reload replaced the credential (here
+/// the pair by an API key) is sent again with the new credential's key, and so is an envd
+/// token look-up: the retired pair has no refresh coming, and such a request waited 10 s
+/// for none, then got the 401 (the look-up's envd request, 503 E1009).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_across_a_reload_is_sent_again_with_the_new_credential() {
+    const STATIC_KEY: &str = "sk-reload-static-EEEE5555ffff6666";
+    let pki = Pki::new();
+    // The refused bearer, and the channel its request is held on until the test lets the
+    // 401 go: first word that it arrived, then the go-ahead.
+    let refused = Arc::new(Mutex::new(String::new()));
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (refusing, freed) = (refused.clone(), release.clone());
+    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let bearer = (req.headers().get("authorization"))
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let held = *refusing.lock().unwrap() == bearer;
+        let (arrived, freed) = (arrived_tx.clone(), freed.clone());
+        let path = req.uri().path().to_string();
+        async move {
+            if held {
+                let _ = arrived.send(());
+                freed.notified().await;
+                return response(401, r#"{"code":401,"message":"Invalid API key"}"#);
+            }
+            match path.as_str() {
+                "/sandboxes/isb-1" => {
+                    response(200, r#"{"sandboxID":"isb-1","envdAccessToken":"t"}"#)
+                }
+                _ => response(200, "ok"),
+            }
+        }
+    })
+    .await;
+    let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
+    for look_up in [false, true] {
+        let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+        let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake)
+            .args(&["--sandbox-url", &upstream.url()])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        wait_metric_at_least(proxy.admin_addr(), successes, 1.0).await;
+        *refused.lock().unwrap() = format!("Bearer {}", fake.issued_keys()[0]);
+        let req = match look_up {
+            false => request("GET", addr, "/sandboxes"),
+            true => request("GET", addr, "/health").header("e2b-sandbox-id", "isb-1"),
+        };
+        let sent = tokio::spawn(send(addr, req.body(empty()).expect("request")));
+        within("the refused request upstream", arrived.recv()).await;
+        proxy
+            .reload_env(&format!("ABX_SANDBOX_API_KEY={STATIC_KEY}\n"), "reloaded")
+            .await;
+        release.notify_one();
+        let status = within("the answer", sent).await.expect("the request task");
+        assert_eq!(status.status(), 200, "look-up: {look_up}");
+        let seen = upstream.seen();
+        let bearers: Vec<_> = seen
+            .iter()
+            .rev()
+            .map(|s| s.header("authorization"))
+            .collect();
+        let want = format!("Bearer {STATIC_KEY}");
+        let want = match look_up {
+            false => vec![Some(want.as_str())],
+            // The look-up again, then envd's request (its default user's Basic).
+            true => vec![Some("Basic dXNlcjo="), Some(want.as_str())],
+        };
+        assert_eq!(bearers[..want.len()], want, "look-up: {look_up}");
+        assert_eq!(
+            fake.calls(),
+            1,
+            "look-up: {look_up}: no exchange for the retired pair"
+        );
+        let stderr = proxy.finish().await;
+        assert_no_aksk_secret(&stderr, &fake.issued_keys(), "the log");
+    }
+}
+
 /// SPEC §5 and §7: a reload swaps the credential only when it changed, and a new AK/SK
 /// pair only once it has a key of its own; until then the running temporary key serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -714,6 +714,8 @@ struct Shared {
     refusals: std::sync::Mutex<Refusals>,
     /// `refusals.in_row > 0`, readable without the lock: every answered request asks.
     refusal_streak: AtomicBool,
+    /// A reload replaced this source ([`ExchangedKey::retire`]): no refresh is coming.
+    retired: AtomicBool,
 }
 
 /// The early refreshes of a run of 401s.
@@ -826,6 +828,7 @@ impl ExchangedKey {
             expiry_unix: AtomicI64::new(0),
             refusals: std::sync::Mutex::new(Refusals::default()),
             refusal_streak: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
         });
         let task = tokio::spawn(refresher(
             Arc::clone(&shared),
@@ -894,6 +897,9 @@ impl ExchangedKey {
     /// asked for.
     pub fn refused(&self, key: &Secret) -> bool {
         let shared = &*self.shared;
+        if shared.retired.load(Ordering::Relaxed) {
+            return false;
+        }
         let now = shared.clock.now();
         let current = shared.token.load_full();
         let Some(t) = current
@@ -944,10 +950,15 @@ impl ExchangedKey {
     /// with it (see [`ExchangedKey::refused`]): the key that has replaced it, or the one the
     /// refresh it is due for brings, waited for up to [`CALL_TIMEOUT`]. `None` when no
     /// refresh is coming (401s within the refusal gap are not about the key; a failing
-    /// endpoint is in its backoff) or it brought no other key: the 401 is the answer.
+    /// endpoint is in its backoff; a reload retired this source: its successor is the
+    /// caller's to ask) or it brought no other key: the 401 is the answer.
     pub async fn replacement(&self, refused: &Secret) -> Option<Secret> {
         let shared = &*self.shared;
         let seen = *shared.attempts.borrow();
+        // After `seen`: a retirement between the two still wakes the wait below.
+        if shared.retired.load(Ordering::Relaxed) {
+            return None;
+        }
         let now = shared.clock.now();
         match &*shared.token.load() {
             Some(t) if t.key != *refused => return (now < t.usable_until).then(|| t.key.clone()),
@@ -991,6 +1002,7 @@ impl ExchangedKey {
     /// waited out the 30 s of a first exchange the reload had ended.
     pub fn retire(&self) {
         self.task.abort();
+        self.shared.retired.store(true, Ordering::Relaxed);
         self.shared.attempts.send_modify(|n| *n += 1);
     }
 

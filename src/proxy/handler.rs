@@ -209,6 +209,28 @@ impl Proxy {
         }
     }
 
+    /// A key to send again a request the control plane refused with `key` from
+    /// `credential`: the temporary key replacing it, or, when a reload has replaced the
+    /// credential itself meanwhile, its successor's key (a retired source has no refresh
+    /// coming: its requests waited 10 s for none). The credential goes with the key, to be
+    /// told how the control plane answers it.
+    async fn replacement(
+        &self,
+        credential: &Arc<ApiCredential>,
+        key: &Secret,
+    ) -> Option<(Arc<ApiCredential>, Secret)> {
+        if let Some(fresh) = credential.replacement(key).await {
+            return Some((credential.clone(), fresh));
+        }
+        let now = self.credential.load_full();
+        if Arc::ptr_eq(&now, credential) {
+            return None;
+        }
+        // A reload swaps in a pair only once it has a key: no wait here.
+        let fresh = now.current().await.ok()?;
+        (fresh != *key).then_some((now, fresh))
+    }
+
     /// A head refused for what it is, before it became a request (one hyper cannot parse,
     /// or over the field or size limits, on any path): logged and counted as nginx logs
     /// its 400s, with `method` and `path` unknown (`-`; counted as `OTHER`). Not by its
@@ -412,9 +434,9 @@ impl Proxy {
             if let Some(((method, uri), mut headers, held)) =
                 replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED)
             {
-                let fresh = credential.replacement(&key).await;
-                if let Some((fresh, value)) =
-                    fresh.and_then(|k| self.auth.value(&k).map(|v| (k, v)))
+                let fresh = self.replacement(&credential, &key).await;
+                if let Some((credential, fresh, value)) =
+                    fresh.and_then(|(c, k)| self.auth.value(&k).map(|v| (c, k, v)))
                 {
                     headers::authorize_api(&mut headers, self.auth.scheme(), value);
                     let mut req = rebuild(method, uri, headers);
@@ -583,7 +605,7 @@ impl Proxy {
     }
 
     async fn fetch_token(&self, sandbox_id: &str) -> Result<Option<Secret>, Error> {
-        let (credential, mut key) = self.api_key().await?;
+        let (mut credential, mut key) = self.api_key().await?;
         let uri = self
             .api_base
             .join(&format!("/sandboxes/{sandbox_id}"))
@@ -611,8 +633,8 @@ impl Proxy {
             }
             // A refused temporary key: looked up once more with its replacement, as a
             // client's request without a body is sent again (see `api`).
-            match credential.replacement(&key).await {
-                Some(fresh) => key = fresh,
+            match self.replacement(&credential, &key).await {
+                Some(fresh) => (credential, key) = fresh,
                 None => break resp,
             }
         };
