@@ -19,14 +19,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Descriptors one client connection may hold: its own and a pooled upstream's. (A large
-/// download spliced socket to socket holds a pipe's two more while it lasts; without
-/// them it is copied as usual.)
+/// download spliced socket to socket holds a pipe's two more while it lasts, counted as
+/// two upstream connections' slots; without free ones it is copied as usual.)
 const PER_CONNECTION: u64 = 2;
 /// Listeners, admin connections, the token exchange, log and secret files, the runtime's
 /// own (about 20 at rest): never taken by upstream connections. A quarter of a limit
 /// under 1 024, and never under [`RESERVED_LEAST`].
 const RESERVED: u64 = 256;
-const RESERVED_LEAST: u64 = 64;
+/// The admin listener's 64 connections, the ~13 at rest besides the workers' own, and the
+/// token exchange's and a reload's files: at 64, a limit of 128 or 256 let clients and
+/// upstream connections take descriptors the full admin listener needed, and the probes
+/// failed with EMFILE.
+const RESERVED_LEAST: u64 = 96;
 /// Each worker's runtime holds a few of its own (its poller, its waker, the hand-over of
 /// connections), on top of the reserve: 64 workers held 269 at rest, more than a limit of
 /// 256 would have left the probes.
@@ -130,6 +134,8 @@ pub struct Slots {
     /// Requests waiting for a slot: while there are some, a connection given back to a
     /// pool is closed instead, its slot going to one of them.
     waiting: AtomicUsize,
+    /// Splices' pipes holding two slots each ([`PipeSlots`]).
+    pipes: AtomicUsize,
     idle: Mutex<Vec<Weak<dyn IdleConnections>>>,
     warned: Mutex<Option<Instant>>,
 }
@@ -138,6 +144,18 @@ pub struct Slots {
 #[derive(Debug)]
 pub struct Slot {
     _permit: OwnedSemaphorePermit,
+}
+
+/// A splice's pipe's two slots, given back when dropped.
+pub struct PipeSlots {
+    _permit: OwnedSemaphorePermit,
+    slots: Arc<Slots>,
+}
+
+impl Drop for PipeSlots {
+    fn drop(&mut self) {
+        self.slots.pipes.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// No slot came free in time: the proxy's own saturation, not the upstream's failure
@@ -163,6 +181,7 @@ impl Slots {
             permits: Arc::new(Semaphore::new(total)),
             total,
             waiting: AtomicUsize::new(0),
+            pipes: AtomicUsize::new(0),
             idle: Mutex::new(Vec::new()),
             warned: Mutex::new(None),
         })
@@ -180,9 +199,21 @@ impl Slots {
         pools.push(idle);
     }
 
-    /// Upstream connections open now.
+    /// Upstream connections open now (pipes' slots are not connections).
     pub fn in_use(&self) -> usize {
-        self.total - self.permits.available_permits()
+        let taken = self.total - self.permits.available_permits();
+        taken.saturating_sub(2 * self.pipes.load(Ordering::Relaxed))
+    }
+
+    /// Two slots for a splice's pipe (its two descriptors), never waiting: a splice can do
+    /// without, the body is copied as usual.
+    pub fn try_take_pipe(self: &Arc<Self>) -> Option<PipeSlots> {
+        let permit = self.permits.clone().try_acquire_many_owned(2).ok()?;
+        self.pipes.fetch_add(1, Ordering::Relaxed);
+        Some(PipeSlots {
+            _permit: permit,
+            slots: self.clone(),
+        })
     }
 
     /// Whether a request waits for a slot.
@@ -278,15 +309,41 @@ mod tests {
         );
         // A limit short of two per client: half of what is not reserved each.
         assert_eq!(budget(1024, 10_000), (384, 384));
-        // Under 1 024, a quarter is reserved, at least 64.
+        // Under 1 024, a quarter is reserved, at least 96.
         assert_eq!(budget(400, 10_000), (150, 150));
-        assert_eq!(budget(200, 10_000), (68, 68));
-        assert_eq!(budget(256, 10_000), (96, 96));
+        assert_eq!(budget(200, 10_000), (52, 52));
+        assert_eq!(budget(256, 10_000), (80, 80));
         assert_eq!(budget(0, 100), (1, 1));
         assert_eq!(budget(u64::MAX, 0), (1, Slots::UNLIMITED));
         // Each worker's own descriptors come out of what is left: 16 workers take 64.
         let busy = super::budget(256, 10_000, 16);
-        assert_eq!((busy.clients, busy.upstream), (64, 64));
+        assert_eq!((busy.clients, busy.upstream), (48, 48));
+        // A full admin listener (64) and what two workers' process holds at rest (21)
+        // fit beside every client and upstream connection the budget allows.
+        for limit in [128, 256, 300, 400, 1024] {
+            let b = super::budget(limit, 10_000, 2);
+            let used = 21 + 64 + b.clients + b.upstream;
+            assert!(used as u64 <= limit, "{limit}: {used}");
+        }
+    }
+
+    /// A splice's pipe takes two slots while it lasts, or none when two are not free; it
+    /// is not an upstream connection in [`Slots::in_use`] (the gauge).
+    #[test]
+    fn a_pipe_takes_two_slots_and_is_no_connection() {
+        let slots = Slots::new(3);
+        let pipe = slots.try_take_pipe().expect("two free");
+        assert_eq!(slots.in_use(), 0);
+        let conn = slots.try_take().expect("one free");
+        assert_eq!(slots.in_use(), 1);
+        assert!(slots.try_take_pipe().is_none(), "none free");
+        drop(pipe);
+        assert!(slots.try_take_pipe().is_some(), "given back");
+        assert_eq!(slots.in_use(), 1);
+        drop(conn);
+        let one = Slots::new(1);
+        assert!(one.try_take_pipe().is_none(), "one is not two");
+        assert_eq!(one.in_use(), 0);
     }
 
     /// The limit raised as asked serves every client `--max-connections` allows, however

@@ -938,13 +938,9 @@ fn write_response<'a>(
     #[cfg(target_os = "linux")]
     if let (Framing::Length(n), false, Sock::Tcp(tcp)) = (framing, bodyless, sock) {
         if let Some(offered) = parts.extensions.get::<pool::Splice>() {
-            // The pipe before the body is taken: without one (the process is out of
-            // descriptors) the answer is copied as usual rather than cut after its head.
-            if let Ok(pipe) = super::splice::Pipe::new() {
-                if let Some(source) = offered.take(n) {
-                    let splicing = splice_body(tcp, sock, activity, out, source, pipe);
-                    return Write::Later(Box::pin(splicing));
-                }
+            if let Some((source, pipe)) = offered.take(n) {
+                let splicing = splice_body(tcp, sock, activity, out, source, pipe);
+                return Write::Later(Box::pin(splicing));
             }
         }
     }

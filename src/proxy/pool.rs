@@ -52,7 +52,7 @@ use codec::{
 
 use super::body;
 use super::forward::{self, FailKind};
-use crate::descriptors::{IdleConnections, NoSlot, Slot, Slots};
+use crate::descriptors::{IdleConnections, NoSlot, PipeSlots, Slot, Slots};
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
@@ -1566,9 +1566,14 @@ impl Body for PoolBody {
 /// A large sized body on a plain TCP upstream connection, offered (as a response extension)
 /// to whoever writes the response: one writing to a plain TCP client can move the rest with
 /// `splice(2)` instead of reading it (see [`super::splice::Offer`]).
+///
+/// A splice's pipe holds two descriptors for as long as it lasts: they are counted among
+/// the upstream connections' [`Slots`], else downloads' pipes took the reserve the probes
+/// and the token exchange need (28 at an open-file limit of 128 left the admin listener's
+/// accepts failing).
 #[cfg(target_os = "linux")]
 #[derive(Clone)]
-pub struct Splice(super::splice::Offer<PoolBody>);
+pub struct Splice(super::splice::Offer<PoolBody>, Arc<Slots>);
 
 #[cfg(target_os = "linux")]
 impl Splice {
@@ -1585,17 +1590,23 @@ impl Splice {
         match body.state {
             // Splicing moves the answer only: an upload still going needs the body polled.
             Decode::Length(n) if plain && body.upload.is_none() && n >= super::splice::MIN => {
+                let slots = body.pool.slots.clone();
                 let (offer, body) = super::splice::Offer::new(body);
-                (Some(Splice(offer)), body::boxed(body))
+                (Some(Splice(offer, slots)), body::boxed(body))
             }
             _ => (None, body::boxed(body)),
         }
     }
 
-    /// The body, if nothing has read from it yet and `len` bytes of it are left.
-    pub fn take(&self, len: u64) -> Option<SpliceSource> {
+    /// The body and a pipe to splice it through, if nothing has read from it yet and `len`
+    /// bytes of it are left. Taken before the body: without a pipe, or free slots for its
+    /// descriptors, the answer is copied as usual rather than cut after its head.
+    pub fn take(&self, len: u64) -> Option<(SpliceSource, super::splice::Pipe)> {
+        let slots = self.1.try_take_pipe()?;
+        let pipe = super::splice::Pipe::new().ok()?;
         let fits = |b: &PoolBody| matches!(b.state, Decode::Length(n) if n == len);
-        self.0.take_if(fits).map(|body| SpliceSource { body })
+        let body = self.0.take_if(fits)?;
+        Some((SpliceSource { body, _pipe: slots }, pipe))
     }
 }
 
@@ -1603,6 +1614,8 @@ impl Splice {
 #[cfg(target_os = "linux")]
 pub struct SpliceSource {
     body: PoolBody,
+    /// The pipe's descriptors' slots, held until the splice ends.
+    _pipe: PipeSlots,
 }
 
 #[cfg(target_os = "linux")]
@@ -1937,6 +1950,38 @@ mod tests {
             }
         }
         assert_eq!(fake.accepts(), 1);
+    }
+
+    /// A large plain answer is spliced only with two slots free for its pipe (two
+    /// descriptors), held while the splice lasts and not counted as a connection; without
+    /// them the body is read as usual, whole.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_splices_pipe_takes_two_free_slots_or_the_body_is_read() {
+        const LEN: usize = 2 << 20;
+        let up = Fake::start(keep_alive(|_| {
+            let mut answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {LEN}\r\n\r\n");
+            answer.push_str(&"x".repeat(LEN));
+            answer.into_bytes()
+        }))
+        .await;
+        for (total, spliced) in [(2, false), (3, true)] {
+            let slots = Slots::new(total);
+            let pool = counted(slots.clone());
+            let resp = within(pool.request("api", get(&up.url("/")), LONG)).await;
+            let resp = resp.expect("the answer");
+            let offer = resp.extensions().get::<Splice>().cloned().expect("offered");
+            let taken = offer.take(LEN as u64);
+            assert_eq!(taken.is_some(), spliced, "{total} slots");
+            assert_eq!(slots.in_use(), 1, "{total} slots: the connection alone");
+            if spliced {
+                assert!(slots.try_take_pipe().is_none(), "the pipe holds two");
+                drop(taken);
+                assert!(slots.try_take_pipe().is_some(), "given back");
+            } else {
+                assert_eq!(text(resp).await.len(), LEN, "read whole");
+            }
+        }
     }
 
     /// Connections hold the slots both planes share: with one, a request to another
