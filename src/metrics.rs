@@ -302,8 +302,7 @@ impl Metrics {
     }
 
     /// Counts a head refused before it became a request (see `Proxy::head_refused`): no
-    /// duration observed, the latency histogram is for requests that were made (a 408
-    /// observed at 0 s pulled the quantiles down with every stalled client or scanner).
+    /// duration observed.
     #[cold]
     pub fn head_refused(&self, plane: &str, method: &Method, status: u16) {
         self.count_slow(plane, method, status);

@@ -366,6 +366,9 @@ async fn http1_heads_over_64_kib_get_431_on_hypers_server_too() {
     let text = scrape(proxy.admin_addr()).await;
     let series = r#"abx_proxy_requests_total{plane="api",method="OTHER",code="431"}"#;
     assert_eq!(metric(&text, series), Some(3.0), "{text}");
+    // Heads refused over the limits are not timed: the histogram holds those served.
+    let timed = r#"abx_proxy_request_duration_seconds_count{plane="api"}"#;
+    assert_eq!(metric(&text, timed), Some(served as f64), "{text}");
     proxy.finish().await;
 }
 

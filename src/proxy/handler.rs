@@ -109,7 +109,7 @@ impl Proxy {
         async move {
             if oversized {
                 let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                self.head_refused(status, Some(start.elapsed()));
+                self.head_refused(status);
                 let mut too_large = Response::new(body::empty());
                 *too_large.status_mut() = status;
                 return Ok(too_large);
@@ -234,18 +234,15 @@ impl Proxy {
     /// A head refused for what it is, before it became a request (one hyper cannot parse,
     /// or over the field or size limits, on any path): logged and counted as nginx logs
     /// its 400s, with `method` and `path` unknown (`-`; counted as `OTHER`). Not by its
-    /// parts: the path alone may be most of a head over the limit. `elapsed` is `None` for
-    /// one that never became a request (hyper refused it, or it stalled): not timed.
+    /// parts: the path alone may be most of a head over the limit. Not timed: the latency
+    /// histogram is for requests that were made (a 408 observed at 0 s pulled the
+    /// quantiles down with every stalled client or scanner).
     #[cold]
-    pub(super) fn head_refused(&self, status: StatusCode, elapsed: Option<Duration>) {
+    pub(super) fn head_refused(&self, status: StatusCode) {
         let unknown = Method::from_bytes(b"-").unwrap_or_default();
         let (plane, status) = ("api", status.as_u16());
-        match elapsed {
-            Some(elapsed) => self.metrics.request_done(plane, &unknown, status, elapsed),
-            None => self.metrics.head_refused(plane, &unknown, status),
-        }
-        let elapsed = elapsed.unwrap_or_default();
-        crate::logging::access(&unknown, "-", plane, status, elapsed, "");
+        self.metrics.head_refused(plane, &unknown, status);
+        crate::logging::access(&unknown, "-", plane, status, Duration::ZERO, "");
     }
 }
 

@@ -502,7 +502,7 @@ async fn connection_task(
         mark => activity.clocks.head.load(Ordering::Relaxed) == mark,
     };
     if stalled || head_timed_out(&activity, &told, &config) {
-        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, None);
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT);
     }
     crate::logging::flush_thread();
     drop(open);
@@ -894,7 +894,7 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     } else {
         return;
     };
-    proxy.head_refused(status, None);
+    proxy.head_refused(status);
 }
 
 pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
