@@ -89,10 +89,7 @@ impl Listener {
             reason: e.to_string(),
         };
         match addr {
-            ListenAddr::Tcp(a) if a.is_ipv6() && a.ip().is_unspecified() => {
-                Ok(Listener::Tcp(bind_dual_stack(*a).map_err(fail)?))
-            }
-            ListenAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await.map_err(fail)?)),
+            ListenAddr::Tcp(a) => Ok(Listener::Tcp(bind_tcp(*a).map_err(fail)?)),
             ListenAddr::Unix(path) => {
                 remove_stale_socket(path).await.map_err(fail)?;
                 let l = bind_unix(path).map_err(fail)?;
@@ -111,19 +108,28 @@ impl Listener {
     }
 }
 
-/// `[::]` takes IPv4 connections too, as the README and the Kubernetes manifest say of
+/// Connections the kernel completes and holds for the accept loop (past
+/// `--max-connections`, or in a burst). At std's and mio's 128, a burst of 300 at a full
+/// proxy left 171 clients retrying their SYNs (1, 3, 7 s …) after slots had freed, where
+/// the README says they wait in the accept queue; nginx asks 511, Go the system's
+/// `somaxconn`, which caps this.
+const BACKLOG: i32 = 1024;
+
+/// A TCP listener as std binds one (`SO_REUSEADDR`), with [`BACKLOG`]. `[::]` takes IPv4
+/// connections too, as the README and the Kubernetes manifest say of
 /// `--admin-listen=[::]:9464`: left to the host's `net.ipv6.bindv6only`, a host (or a
 /// pod's namespace) where it is 1 got an IPv6-only listener, and the IPv4 scrapes a
 /// dual-stack cluster sends failed. nginx's `ipv6only=off` and Go's listeners set it so.
-fn bind_dual_stack(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
+fn bind_tcp(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_only_v6(false)?;
-    // What std's bind does besides (and its backlog), so the two paths differ only here.
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
     socket.set_reuse_address(true)?;
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(128)?;
+    socket.listen(BACKLOG)?;
     TcpListener::from_std(socket.into())
 }
 
