@@ -772,6 +772,14 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     let stderr = sweep.finish(proxy, &settings).await;
     let lines = timed_out_heads(&stderr);
     assert_eq!(lines, 4, "{stderr}");
+    // Each logged with its head's wait, the second's timeout (nginx's `$request_time`).
+    for line in stderr.lines().filter(|l| l.contains(" status=408 ")) {
+        let ms = line
+            .split(' ')
+            .find_map(|f| f.strip_prefix("duration_ms="))
+            .and_then(|ms| ms.parse::<f64>().ok());
+        assert!(ms.is_some_and(|ms| ms >= 900.0), "{line}");
+    }
 }
 
 /// An HTTP/2 request sent as the idle GOAWAY goes out (which promises to process it) is

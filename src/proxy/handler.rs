@@ -109,7 +109,7 @@ impl Proxy {
         async move {
             if oversized {
                 let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                self.head_refused(status);
+                self.head_refused(status, start.elapsed());
                 let mut too_large = Response::new(body::empty());
                 *too_large.status_mut() = status;
                 return Ok(too_large);
@@ -236,13 +236,14 @@ impl Proxy {
     /// its 400s, with `method` and `path` unknown (`-`; counted as `OTHER`). Not by its
     /// parts: the path alone may be most of a head over the limit. Not timed: the latency
     /// histogram is for requests that were made (a 408 observed at 0 s pulled the
-    /// quantiles down with every stalled client or scanner).
+    /// quantiles down with every stalled client or scanner). `took` is for the access line
+    /// (a 408's wait for its head; zero where the head's time is not known).
     #[cold]
-    pub(super) fn head_refused(&self, status: StatusCode) {
+    pub(super) fn head_refused(&self, status: StatusCode, took: Duration) {
         let unknown = Method::from_bytes(b"-").unwrap_or_default();
         let (plane, status) = ("api", status.as_u16());
         self.metrics.head_refused(plane, &unknown, status);
-        crate::logging::access(&unknown, "-", plane, status, Duration::ZERO, "");
+        crate::logging::access(&unknown, "-", plane, status, took, "");
     }
 }
 

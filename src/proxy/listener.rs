@@ -508,7 +508,14 @@ async fn connection_task(
         mark => activity.clocks.head.load(Ordering::Relaxed) == mark,
     };
     if stalled || head_timed_out(&activity, &told, &config) {
-        proxy.head_refused(StatusCode::REQUEST_TIMEOUT);
+        // Logged with the head's time, from its first byte (a first head's, from the
+        // connection's), as nginx's `$request_time` of a 408.
+        let first = !told.headed.load(Ordering::Relaxed) && !activity.is_http2();
+        let began = match activity.head_began() {
+            Some(began) if !first => began,
+            _ => activity.opened,
+        };
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, began.elapsed());
     }
     crate::logging::flush_thread();
     drop(open);
@@ -900,7 +907,7 @@ fn refused_by_hyper(proxy: &Proxy, done: Result<(), Box<dyn std::error::Error + 
     } else {
         return;
     };
-    proxy.head_refused(status);
+    proxy.head_refused(status, Duration::ZERO);
 }
 
 pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
