@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Descriptors one client connection may hold: its own and a pooled upstream's. (A large
-/// download spliced socket to socket holds a pipe's two more while it lasts, counted as
-/// two upstream connections' slots; without free ones it is copied as usual.)
+/// download spliced socket to socket holds a pipe's two more while it lasts: see
+/// [`Budget::pipes`].)
 const PER_CONNECTION: u64 = 2;
 /// Listeners, admin connections, the token exchange, log and secret files, the runtime's
 /// own (about 20 at rest): never taken by upstream connections. A quarter of a limit
@@ -36,12 +36,18 @@ const RESERVED_LEAST: u64 = 96;
 /// 256 would have left the probes.
 const PER_WORKER: u64 = 4;
 
-/// What the open-file limit leaves room for: client connections served at once, and
-/// upstream connections (see [`Slots`]).
+/// What the open-file limit leaves room for: client connections served at once, upstream
+/// connections (see [`Slots`]), and splices' pipes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
     pub clients: usize,
     pub upstream: usize,
+    /// Pipes (two descriptors each) out of the reserve beyond [`RESERVED_LEAST`]: 80 with
+    /// the whole reserve, none under a limit of about 400, where large downloads are
+    /// copied. Not out of the upstream slots: there a pipe held the slot a client let in
+    /// needed (502 after `--connect-timeout`), and not out of the reserve's least: 28
+    /// pipes at a limit of 128 left the admin listener's accepts failing.
+    pub pipes: usize,
 }
 
 /// Raises the soft open-file limit towards what `--max-connections` needs, as far as the
@@ -79,6 +85,7 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
                     return Budget {
                         clients: max_connections,
                         upstream: Slots::UNLIMITED,
+                        pipes: Slots::UNLIMITED,
                     }
                 }
             }
@@ -106,8 +113,8 @@ fn needed(max_connections: usize, workers: usize) -> u64 {
 /// probes and scrapes went dark for as long as they stayed) and the token exchange's
 /// connects. At least one of each.
 pub fn budget(limit: u64, max_connections: usize, workers: usize) -> Budget {
-    let reserved =
-        (limit / 4).clamp(RESERVED_LEAST, RESERVED) + PER_WORKER.saturating_mul(workers as u64);
+    let reserve = (limit / 4).clamp(RESERVED_LEAST, RESERVED);
+    let reserved = reserve + PER_WORKER.saturating_mul(workers as u64);
     let usable = limit.saturating_sub(reserved);
     let clients = (max_connections as u64).min(usable / 2).max(1);
     let upstream = usable.saturating_sub(clients).max(1);
@@ -115,6 +122,7 @@ pub fn budget(limit: u64, max_connections: usize, workers: usize) -> Budget {
     Budget {
         clients: fit(clients).min(max_connections.max(1)),
         upstream: fit(upstream).min(Slots::UNLIMITED),
+        pipes: fit((reserve - RESERVED_LEAST) / 2),
     }
 }
 
@@ -134,8 +142,8 @@ pub struct Slots {
     /// Requests waiting for a slot: while there are some, a connection given back to a
     /// pool is closed instead, its slot going to one of them.
     waiting: AtomicUsize,
-    /// Splices' pipes holding two slots each ([`PipeSlots`]).
-    pipes: AtomicUsize,
+    /// Splices' pipes ([`Budget::pipes`]), apart from the connections' slots.
+    pipes: Arc<Semaphore>,
     idle: Mutex<Vec<Weak<dyn IdleConnections>>>,
     warned: Mutex<Option<Instant>>,
 }
@@ -146,16 +154,10 @@ pub struct Slot {
     _permit: OwnedSemaphorePermit,
 }
 
-/// A splice's pipe's two slots, given back when dropped.
-pub struct PipeSlots {
+/// A splice's pipe's place ([`Budget::pipes`]), given back when dropped.
+#[derive(Debug)]
+pub struct PipeSlot {
     _permit: OwnedSemaphorePermit,
-    slots: Arc<Slots>,
-}
-
-impl Drop for PipeSlots {
-    fn drop(&mut self) {
-        self.slots.pipes.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 /// No slot came free in time: the proxy's own saturation, not the upstream's failure
@@ -175,13 +177,14 @@ impl Slots {
     pub const UNLIMITED: usize = Semaphore::MAX_PERMITS;
     const WARN_EVERY: Duration = Duration::from_secs(60);
 
-    pub fn new(total: usize) -> Arc<Slots> {
+    /// `total` upstream connections and `pipes` splices' pipes at once.
+    pub fn new(total: usize, pipes: usize) -> Arc<Slots> {
         let total = total.clamp(1, Self::UNLIMITED);
         Arc::new(Slots {
             permits: Arc::new(Semaphore::new(total)),
             total,
             waiting: AtomicUsize::new(0),
-            pipes: AtomicUsize::new(0),
+            pipes: Arc::new(Semaphore::new(pipes.min(Self::UNLIMITED))),
             idle: Mutex::new(Vec::new()),
             warned: Mutex::new(None),
         })
@@ -189,7 +192,7 @@ impl Slots {
 
     /// For clients outside the proxy's count: the proxy's own calls, `check`, tests.
     pub fn unlimited() -> Arc<Slots> {
-        Self::new(Self::UNLIMITED)
+        Self::new(Self::UNLIMITED, Self::UNLIMITED)
     }
 
     /// Adds a pool whose idle connections may be closed to free a slot.
@@ -199,21 +202,16 @@ impl Slots {
         pools.push(idle);
     }
 
-    /// Upstream connections open now (pipes' slots are not connections).
+    /// Upstream connections open now.
     pub fn in_use(&self) -> usize {
-        let taken = self.total - self.permits.available_permits();
-        taken.saturating_sub(2 * self.pipes.load(Ordering::Relaxed))
+        self.total - self.permits.available_permits()
     }
 
-    /// Two slots for a splice's pipe (its two descriptors), never waiting: a splice can do
-    /// without, the body is copied as usual.
-    pub fn try_take_pipe(self: &Arc<Self>) -> Option<PipeSlots> {
-        let permit = self.permits.clone().try_acquire_many_owned(2).ok()?;
-        self.pipes.fetch_add(1, Ordering::Relaxed);
-        Some(PipeSlots {
-            _permit: permit,
-            slots: self.clone(),
-        })
+    /// A place for a splice's pipe, never waiting: a splice can do without, the body is
+    /// copied as usual.
+    pub fn try_take_pipe(&self) -> Option<PipeSlot> {
+        let permit = self.pipes.clone().try_acquire_owned().ok()?;
+        Some(PipeSlot { _permit: permit })
     }
 
     /// Whether a request waits for a slot.
@@ -319,31 +317,33 @@ mod tests {
         let busy = super::budget(256, 10_000, 16);
         assert_eq!((busy.clients, busy.upstream), (48, 48));
         // A full admin listener (64) and what two workers' process holds at rest (21)
-        // fit beside every client and upstream connection the budget allows.
-        for limit in [128, 256, 300, 400, 1024] {
+        // fit beside every client, upstream connection and pipe the budget allows.
+        for limit in [128, 256, 300, 400, 1024, 20_256] {
             let b = super::budget(limit, 10_000, 2);
-            let used = 21 + 64 + b.clients + b.upstream;
+            let used = 21 + 64 + b.clients + b.upstream + 2 * b.pipes;
             assert!(used as u64 <= limit, "{limit}: {used}");
         }
+        // Pipes come out of the reserve beyond its least: none under a limit of ~400.
+        let pipes = |limit| super::budget(limit, 10_000, 2).pipes;
+        assert_eq!(
+            [pipes(256), pipes(400), pipes(1024), pipes(20_256)],
+            [0, 2, 80, 80]
+        );
     }
 
-    /// A splice's pipe takes two slots while it lasts, or none when two are not free; it
-    /// is not an upstream connection in [`Slots::in_use`] (the gauge).
+    /// Splices' pipes have places of their own: a pipe takes no connection's slot, and
+    /// none is made past [`Budget::pipes`].
     #[test]
-    fn a_pipe_takes_two_slots_and_is_no_connection() {
-        let slots = Slots::new(3);
-        let pipe = slots.try_take_pipe().expect("two free");
-        assert_eq!(slots.in_use(), 0);
-        let conn = slots.try_take().expect("one free");
+    fn pipes_are_held_to_their_own_places() {
+        let slots = Slots::new(1, 1);
+        let pipe = slots.try_take_pipe().expect("a place");
+        assert!(slots.try_take_pipe().is_none(), "one place");
+        let conn = slots.try_take().expect("the connection's slot is free");
         assert_eq!(slots.in_use(), 1);
-        assert!(slots.try_take_pipe().is_none(), "none free");
         drop(pipe);
         assert!(slots.try_take_pipe().is_some(), "given back");
-        assert_eq!(slots.in_use(), 1);
         drop(conn);
-        let one = Slots::new(1);
-        assert!(one.try_take_pipe().is_none(), "one is not two");
-        assert_eq!(one.in_use(), 0);
+        assert!(Slots::new(4, 0).try_take_pipe().is_none(), "no places");
     }
 
     /// The limit raised as asked serves every client `--max-connections` allows, however
@@ -378,7 +378,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_count_closes_an_idle_connection_else_waits_then_fails() {
-        let slots = Slots::new(2);
+        let slots = Slots::new(2, 0);
         let busy = slots.take(Duration::from_secs(1)).await.ok();
         let idle = Arc::new(OneIdle(Mutex::new(slots.take(Duration::ZERO).await.ok())));
         assert_eq!(slots.in_use(), 2);

@@ -52,6 +52,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count());
     options.max_connections = budget.clients;
     options.upstream_slots = budget.upstream;
+    options.splice_pipes = budget.pipes;
     let tls = match (&options.tls_cert, &options.tls_key) {
         (Some(cert), Some(key)) => {
             let pair = ListenerCert::load(cert, key)?;
@@ -217,5 +218,6 @@ fn options(args: &ServeArgs) -> Options {
         header_timeout: args.header_timeout,
         max_connections: args.max_connections,
         upstream_slots: descriptors::Slots::UNLIMITED,
+        splice_pipes: descriptors::Slots::UNLIMITED,
     }
 }

@@ -63,6 +63,8 @@ pub struct Options {
     pub max_connections: usize,
     /// Upstream connections open at once, both planes (see [`crate::descriptors`]).
     pub upstream_slots: usize,
+    /// Splices' pipes open at once (see [`crate::descriptors::Budget::pipes`]).
+    pub splice_pipes: usize,
 }
 
 impl Default for Options {
@@ -80,6 +82,7 @@ impl Default for Options {
             header_timeout: Duration::from_secs(30),
             max_connections: 10_000,
             upstream_slots: crate::descriptors::Slots::UNLIMITED,
+            splice_pipes: crate::descriptors::Slots::UNLIMITED,
         }
     }
 }
@@ -172,7 +175,7 @@ impl Proxy {
         } else {
             CompatMode::Pass
         };
-        let slots = Slots::new(options.upstream_slots);
+        let slots = Slots::new(options.upstream_slots, options.splice_pipes);
         Ok(Proxy {
             api_base: settings.sandbox_base_url.clone(),
             api_host: Arc::from(settings.shown(&settings.sandbox_base_url.authority())),

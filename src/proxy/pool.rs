@@ -52,7 +52,7 @@ use codec::{
 
 use super::body;
 use super::forward::{self, FailKind};
-use crate::descriptors::{IdleConnections, NoSlot, PipeSlots, Slot, Slots};
+use crate::descriptors::{IdleConnections, NoSlot, PipeSlot, Slot, Slots};
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
@@ -1567,10 +1567,10 @@ impl Body for PoolBody {
 /// to whoever writes the response: one writing to a plain TCP client can move the rest with
 /// `splice(2)` instead of reading it (see [`super::splice::Offer`]).
 ///
-/// A splice's pipe holds two descriptors for as long as it lasts: they are counted among
-/// the upstream connections' [`Slots`], else downloads' pipes took the reserve the probes
-/// and the token exchange need (28 at an open-file limit of 128 left the admin listener's
-/// accepts failing).
+/// A splice's pipe holds two descriptors for as long as it lasts: it takes one of the
+/// places [`Slots`] keeps for pipes (see `descriptors::Budget::pipes`), else downloads'
+/// pipes took the reserve the probes and the token exchange need (28 at an open-file
+/// limit of 128 left the admin listener's accepts failing).
 #[cfg(target_os = "linux")]
 #[derive(Clone)]
 pub struct Splice(super::splice::Offer<PoolBody>, Arc<Slots>);
@@ -1599,8 +1599,8 @@ impl Splice {
     }
 
     /// The body and a pipe to splice it through, if nothing has read from it yet and `len`
-    /// bytes of it are left. Taken before the body: without a pipe, or free slots for its
-    /// descriptors, the answer is copied as usual rather than cut after its head.
+    /// bytes of it are left. Taken before the body: without a pipe, or a place for one,
+    /// the answer is copied as usual rather than cut after its head.
     pub fn take(&self, len: u64) -> Option<(SpliceSource, super::splice::Pipe)> {
         let slots = self.1.try_take_pipe()?;
         let pipe = super::splice::Pipe::new().ok()?;
@@ -1614,8 +1614,8 @@ impl Splice {
 #[cfg(target_os = "linux")]
 pub struct SpliceSource {
     body: PoolBody,
-    /// The pipe's descriptors' slots, held until the splice ends.
-    _pipe: PipeSlots,
+    /// The pipe's place, held until the splice ends.
+    _pipe: PipeSlot,
 }
 
 #[cfg(target_os = "linux")]
@@ -1952,12 +1952,12 @@ mod tests {
         assert_eq!(fake.accepts(), 1);
     }
 
-    /// A large plain answer is spliced only with two slots free for its pipe (two
-    /// descriptors), held while the splice lasts and not counted as a connection; without
-    /// them the body is read as usual, whole.
+    /// A large plain answer is spliced only with a place free for its pipe (see
+    /// `descriptors::Budget::pipes`), held while the splice lasts and apart from the
+    /// connections' slots; without one the body is read as usual, whole.
     #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn a_splices_pipe_takes_two_free_slots_or_the_body_is_read() {
+    async fn a_splice_takes_a_pipes_place_or_the_body_is_read() {
         const LEN: usize = 2 << 20;
         let up = Fake::start(keep_alive(|_| {
             let mut answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {LEN}\r\n\r\n");
@@ -1965,17 +1965,17 @@ mod tests {
             answer.into_bytes()
         }))
         .await;
-        for (total, spliced) in [(2, false), (3, true)] {
-            let slots = Slots::new(total);
+        for pipes in [0, 1] {
+            let slots = Slots::new(1, pipes);
             let pool = counted(slots.clone());
             let resp = within(pool.request("api", get(&up.url("/")), LONG)).await;
             let resp = resp.expect("the answer");
             let offer = resp.extensions().get::<Splice>().cloned().expect("offered");
             let taken = offer.take(LEN as u64);
-            assert_eq!(taken.is_some(), spliced, "{total} slots");
-            assert_eq!(slots.in_use(), 1, "{total} slots: the connection alone");
-            if spliced {
-                assert!(slots.try_take_pipe().is_none(), "the pipe holds two");
+            assert_eq!(taken.is_some(), pipes == 1, "{pipes} places");
+            assert_eq!(slots.in_use(), 1, "{pipes} places: the connection");
+            if taken.is_some() {
+                assert!(slots.try_take_pipe().is_none(), "the place is held");
                 drop(taken);
                 assert!(slots.try_take_pipe().is_some(), "given back");
             } else {
@@ -2006,7 +2006,7 @@ mod tests {
             }
         })
         .await;
-        let slots = Slots::new(1);
+        let slots = Slots::new(1, Slots::UNLIMITED);
         let api = Arc::new(counted(slots.clone()));
         let envd = counted_with(slots.clone(), Duration::from_millis(300));
 
