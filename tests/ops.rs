@@ -670,6 +670,57 @@ async fn a_key_file_that_is_a_pipe_is_read_by_the_start() {
     assert!(!stderr.contains("reload failed"), "{stderr}");
 }
 
+/// A SIGHUP or SIGTERM in the moments the start takes is kept for the running proxy: a
+/// reload, or a drain and exit 0. The start is held open here by its key file, a FIFO it
+/// reads once, which the test writes only after the signal. The handlers used to be
+/// installed after the start's work: SIGHUP took its default action (exit 129, where
+/// SIGHUP never stops the proxy), SIGTERM ended it without its drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_during_the_start_is_kept_for_the_running_proxy() {
+    use std::io::Write;
+    const KEY: &str = "sk-fifo-at-start-VVVV1111wwww2222";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    for name in ["HUP", "TERM"] {
+        let dir = tempfile::tempdir().expect("dir");
+        let (fifo, pid_file) = (dir.path().join("key"), dir.path().join("pid"));
+        mkfifo(&fifo);
+        // Opening the FIFO returns once the proxy opens it to read: it is starting. Its pid
+        // is the launcher's, written before the exec.
+        let (fed_tx, fed) = oneshot::channel();
+        let feeder = (fifo.clone(), pid_file.clone());
+        std::thread::spawn(move || {
+            let (fifo, pid_file) = feeder;
+            let mut key = std::fs::OpenOptions::new().write(true).open(&fifo);
+            let pid = std::fs::read_to_string(&pid_file);
+            if let (Ok(key), Ok(pid)) = (&mut key, pid) {
+                signal(pid.trim().parse().expect("a pid"), name);
+                let _ = writeln!(key, "{KEY}");
+            }
+            let _ = fed_tx.send(key.is_ok());
+        });
+        let script = r#"echo $$ > "$0"; exec "$@""#;
+        let pid_path = pid_file.display().to_string();
+        let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+            .env("ABX_SANDBOX_API_KEY", None)
+            .args(&["--sandbox-api-key-file", &fifo.display().to_string()])
+            .launcher(&["/bin/sh", "-c", script, &pid_path])
+            .spawn()
+            .await;
+        assert!(within("the key written", fed).await.expect("the feeder"));
+        if name == "HUP" {
+            proxy.wait_for_line("reload").await;
+            assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+            assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
+            proxy.finish().await;
+        } else {
+            let status = proxy.wait_exit().await;
+            assert!(status.success(), "{status}: {}", proxy.stderr());
+            assert!(proxy.stderr().contains("drain"), "{}", proxy.stderr());
+        }
+    }
+}
+
 /// A key file replaced by a FIFO (which blocks whoever opens it until a writer comes) is
 /// refused by the reload, not opened: the reload held up the runtime that accepts
 /// connections, and the proxy no longer answered, nor stopped on SIGTERM.
