@@ -509,13 +509,18 @@ async fn connection_task(
     };
     if stalled || head_timed_out(&activity, &told, &config) {
         // Logged with the head's time, from its first byte (a first head's, from the
-        // connection's), as nginx's `$request_time` of a 408.
+        // connection's) to the cut, as nginx's `$request_time` of a 408.
         let first = !told.headed.load(Ordering::Relaxed) && !activity.is_http2();
         let began = match activity.head_began() {
             Some(began) if !first => began,
             _ => activity.opened,
         };
-        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, began.elapsed());
+        let cut = match told.cut_ms.load(Ordering::Relaxed) {
+            0 => Instant::now(),
+            ms => activity.opened + Duration::from_millis(ms - 1),
+        };
+        let took = cut.saturating_duration_since(began);
+        proxy.head_refused(StatusCode::REQUEST_TIMEOUT, took);
     }
     crate::logging::flush_thread();
     drop(open);
@@ -536,6 +541,9 @@ struct Told {
     /// ([`Clocks::head`]), 0 for none. It stalled, and the connection closes with it unless
     /// it ends meanwhile (see [`connection_task`]): a head begun later has another mark.
     stalled: AtomicU64,
+    /// When the watchdog began to cut the connection, in [`Activity::now_ms`] plus one; 0
+    /// while it has not. A 408's time ends there, not after the GOAWAY's wait.
+    cut_ms: AtomicU64,
 }
 
 /// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for
@@ -1398,6 +1406,9 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     let head = activity.clocks.head.load(Ordering::Relaxed);
                     told.stalled.store(head, Ordering::Relaxed);
                 }
+                if told.cut_ms.load(Ordering::Relaxed) == 0 {
+                    told.cut_ms.store(activity.now_ms() + 1, Ordering::Relaxed);
+                }
                 // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that
                 // has served a request is closed as hyper closes one, with TLS's
                 // close_notify first (as nginx's `keepalive_timeout` does): a bare end
@@ -1418,6 +1429,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     // overdue is cut whatever else runs.
                     if !head_overdue(activity, config) && activity.busy() {
                         told.stalled.store(0, Ordering::Relaxed);
+                        told.cut_ms.store(0, Ordering::Relaxed);
                         continue;
                     }
                 }
