@@ -515,7 +515,7 @@ async fn connection_task(
             Some(began) if !first => began,
             _ => activity.opened,
         };
-        let cut = match told.cut_ms.load(Ordering::Relaxed) {
+        let cut = match activity.clocks.cut_ms.load(Ordering::Relaxed) {
             0 => Instant::now(),
             ms => activity.opened + Duration::from_millis(ms - 1),
         };
@@ -541,9 +541,6 @@ struct Told {
     /// ([`Clocks::head`]), 0 for none. It stalled, and the connection closes with it unless
     /// it ends meanwhile (see [`connection_task`]): a head begun later has another mark.
     stalled: AtomicU64,
-    /// When the watchdog began to cut the connection, in [`Activity::now_ms`] plus one; 0
-    /// while it has not. A 408's time ends there, not after the GOAWAY's wait.
-    cut_ms: AtomicU64,
 }
 
 /// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for
@@ -1012,6 +1009,10 @@ struct Clocks {
     flush_blocked: AtomicBool,
     /// Why the proxy is cutting the connection (see [`AnswerCut`]); 0 while it is not.
     cut: AtomicU8,
+    /// When the watchdog began to cut the connection, in [`Activity::now_ms`] plus one; 0
+    /// while it has not. A 408's time ends there, not after the GOAWAY's wait. Here, not
+    /// in [`Told`]: every connection's task holds that inline.
+    cut_ms: AtomicU64,
     /// An HTTP/1 answer hyper has whole but may not have written yet (see
     /// [`AnswerCut::written_later`]), and whether there is one. Boxed: every connection
     /// holds the slot, idle ones included, and few ever fill it.
@@ -1406,8 +1407,8 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     let head = activity.clocks.head.load(Ordering::Relaxed);
                     told.stalled.store(head, Ordering::Relaxed);
                 }
-                if told.cut_ms.load(Ordering::Relaxed) == 0 {
-                    told.cut_ms.store(activity.now_ms() + 1, Ordering::Relaxed);
+                if activity.clocks.cut_ms.load(Ordering::Relaxed) == 0 {
+                    (activity.clocks.cut_ms).store(activity.now_ms() + 1, Ordering::Relaxed);
                 }
                 // An HTTP/2 connection is told GOAWAY; an idle HTTP/1 one over TLS that
                 // has served a request is closed as hyper closes one, with TLS's
@@ -1429,7 +1430,7 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     // overdue is cut whatever else runs.
                     if !head_overdue(activity, config) && activity.busy() {
                         told.stalled.store(0, Ordering::Relaxed);
-                        told.cut_ms.store(0, Ordering::Relaxed);
+                        activity.clocks.cut_ms.store(0, Ordering::Relaxed);
                         continue;
                     }
                 }
