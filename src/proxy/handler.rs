@@ -398,18 +398,13 @@ impl Proxy {
             let (credential, key) = self.api_key().await?;
             let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
             headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+            let req = Request::from_parts(parts, body);
             // A temporary key can be refused before its expiry (revoked, or a clock behind
             // the endpoint's): a request the proxy holds whole, one without a body or a
             // rewritten one, is sent again with the key that replaces it, as after envd's
             // 401 (SPEC §4). A static key refused is the user's to mend.
             let replay = match &*credential {
-                ApiCredential::Exchanged(_) if upgrade.is_none() => {
-                    let held = parts.extensions.get::<super::pool::Replay>().cloned();
-                    (held.is_some() || body.is_end_stream()).then(|| {
-                        let head = (parts.method.clone(), parts.uri.clone());
-                        (head, parts.headers.clone(), held)
-                    })
-                }
+                ApiCredential::Exchanged(_) if upgrade.is_none() => super::pool::Again::of(&req),
                 _ => None,
             };
 
@@ -420,28 +415,15 @@ impl Proxy {
                 Some(_) => &self.envd_client,
                 None => &self.api_client,
             };
-            let mut resp = forward::send(
-                client,
-                "api",
-                Request::from_parts(parts, body),
-                self.upstream_timeout,
-                &host,
-            )
-            .await?;
+            let mut resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
             judge(&credential, &key, resp.status());
-            if let Some(((method, uri), mut headers, held)) =
-                replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED)
-            {
+            if let Some(again) = replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED) {
                 let fresh = self.replacement(&credential, &key).await;
                 if let Some((credential, fresh, value)) =
                     fresh.and_then(|(c, k)| self.auth.value(&k).map(|v| (c, k, v)))
                 {
-                    headers::authorize_api(&mut headers, self.auth.scheme(), value);
-                    let mut req = rebuild(method, uri, headers);
-                    if let Some(held) = held {
-                        *req.body_mut() = body::full(held.0.clone());
-                        req.extensions_mut().insert(held);
-                    }
+                    let mut req = again.into_request(None);
+                    headers::authorize_api(req.headers_mut(), self.auth.scheme(), value);
                     drop(resp);
                     resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
                     judge(&credential, &fresh, resp.status());

@@ -488,10 +488,11 @@ impl Upstream {
     }
 }
 
-/// A request kept to be sent once more should the upstream refuse it unprocessed: its
-/// head, and its body when there is none or the handler holds it whole ([`Replay`]). A
-/// body streamed from the client is gone once sent: such a request is not kept.
-struct Again {
+/// A request kept to be sent once more should the upstream refuse it unprocessed (or, in
+/// the handler, refuse its temporary key): its head, and its body when there is none or
+/// the handler holds it whole ([`Replay`]). A body streamed from the client is gone once
+/// sent: such a request is not kept.
+pub(super) struct Again {
     method: Method,
     uri: http::Uri,
     headers: HeaderMap,
@@ -504,7 +505,7 @@ struct Again {
 pub struct Replay(pub Bytes);
 
 impl Again {
-    fn of(req: &Request<ProxyBody>) -> Option<Again> {
+    pub(super) fn of(req: &Request<ProxyBody>) -> Option<Again> {
         let body = if req.body().is_end_stream() {
             None
         } else {
@@ -518,17 +519,23 @@ impl Again {
         })
     }
 
-    /// The request again; its body marks `moved` as the first one's did.
-    fn into_request(self, moved: Option<&body::Moved>) -> Request<ProxyBody> {
-        let body = match (self.body, moved) {
-            (Some(b), Some(m)) => body::boxed(body::Uploading::new(body::full(b), m.clone())),
-            (Some(b), None) => body::full(b),
+    /// The request again; its body marks `moved` as the first one's did, and is held for
+    /// the pool to send once more as the first one's was.
+    pub(super) fn into_request(self, moved: Option<&body::Moved>) -> Request<ProxyBody> {
+        let body = match (&self.body, moved) {
+            (Some(b), Some(m)) => {
+                body::boxed(body::Uploading::new(body::full(b.clone()), m.clone()))
+            }
+            (Some(b), None) => body::full(b.clone()),
             (None, _) => body::empty(),
         };
         let mut req = Request::new(body);
         *req.method_mut() = self.method;
         *req.uri_mut() = self.uri;
         *req.headers_mut() = self.headers;
+        if let Some(b) = self.body {
+            req.extensions_mut().insert(Replay(b));
+        }
         req
     }
 }
