@@ -27,19 +27,17 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // the workers' (see `workers`).
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()
-        .map_err(|e| Error::Bind {
-            addr: "any address".into(),
-            reason: format!("cannot start the runtime: {e}"),
-        })?;
-    // The handlers before anything else: a SIGHUP in the milliseconds the start takes
+        .build();
+    // SIGHUP's handler before anything else: one in the milliseconds the start takes
     // (settings, the open-file limit, the trust store) took its default action and ended
-    // the process (129), where SIGHUP never stops the proxy, and a SIGTERM then skipped the
-    // drain. Kept by tokio until the serving loop takes them: a reload, or a drain, at once.
-    let signals = {
+    // the process (129), where SIGHUP never stops the proxy. Kept by tokio: the running
+    // proxy reloads. SIGTERM and SIGINT keep theirs until just before the listeners: a
+    // start can block (a key read from a pipe or the terminal), and Ctrl-C or a stop
+    // must end it, as before; there is nothing to drain yet.
+    let hangups = runtime.as_ref().ok().and_then(|runtime| {
         let _in = runtime.enter();
-        (signals::Terminate::install(), signals::hangups())
-    };
+        signals::hangups()
+    });
     // Before the first read: a secret rotated while the proxy starts is a change to apply.
     // The listener's pair too: cert-manager renews it in place, as the kubelet rotates a
     // Secret, and nothing in the pod can send a SIGHUP.
@@ -80,6 +78,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         }
         _ => None,
     };
+    let runtime = runtime.map_err(|e| Error::Bind {
+        addr: settings.shown(&settings.listen),
+        reason: format!("cannot start the runtime: {e}"),
+    })?;
     let served = runtime.block_on(serve(
         settings,
         resolved,
@@ -87,7 +89,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         tls,
         args.settings.clone(),
         files,
-        signals,
+        hangups,
     ));
     // Dropping the runtime would wait for its blocking threads, and a name look-up of the
     // token exchange (getaddrinfo cannot be cancelled) can hold one for as long as the
@@ -103,7 +105,7 @@ async fn serve(
     tls: Option<ListenerCert>,
     flags: SettingsArgs,
     files: FileWatch,
-    (mut terminate, hangups): (signals::Terminate, Option<tokio::signal::unix::Signal>),
+    hangups: Option<tokio::signal::unix::Signal>,
 ) -> Result<(), Error> {
     let metrics = Arc::new(Metrics::new().map_err(|e| Error::Bind {
         addr: settings.shown(&settings.admin_listen),
@@ -112,6 +114,8 @@ async fn serve(
     let credential = ApiCredential::start(&settings, &options, &metrics)?;
     let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics)?);
 
+    // Before the listening line: from then on SIGTERM must drain, not end the process.
+    let mut terminate = signals::Terminate::install();
     let listener = Listener::bind(&settings.listen, &settings.shown(&settings.listen)).await?;
     // Validation checked the configured port; `--listen 127.0.0.1:0` is known only now.
     if let Ok(bound) = listener.local_addr().parse() {

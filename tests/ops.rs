@@ -670,54 +670,107 @@ async fn a_key_file_that_is_a_pipe_is_read_by_the_start() {
     assert!(!stderr.contains("reload failed"), "{stderr}");
 }
 
-/// A SIGHUP or SIGTERM in the moments the start takes is kept for the running proxy: a
-/// reload, or a drain and exit 0. The start is held open here by its key file, a FIFO it
-/// reads once, which the test writes only after the signal. The handlers used to be
-/// installed after the start's work: SIGHUP took its default action (exit 129, where
-/// SIGHUP never stops the proxy), SIGTERM ended it without its drain.
+/// A SIGHUP in the moments the start takes is kept for the running proxy, which reloads;
+/// it took its default action (exit 129), where SIGHUP never stops the proxy. SIGTERM and
+/// SIGINT there end the process at once, as Ctrl-C must end a start that waits for a key
+/// from a pipe or the terminal (kept for later, they left it waiting for good). The start
+/// is held open by its key file, a FIFO it reads once, which the test writes only after
+/// the signal, or never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_signal_during_the_start_is_kept_for_the_running_proxy() {
+async fn a_signal_during_the_start_reloads_or_ends_it() {
     use std::io::Write;
+    use std::os::unix::process::ExitStatusExt;
     const KEY: &str = "sk-fifo-at-start-VVVV1111wwww2222";
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
-    for name in ["HUP", "TERM"] {
-        let dir = tempfile::tempdir().expect("dir");
-        let (fifo, pid_file) = (dir.path().join("key"), dir.path().join("pid"));
-        mkfifo(&fifo);
-        // Opening the FIFO returns once the proxy opens it to read: it is starting. Its pid
-        // is the launcher's, written before the exec.
+    // Opening the FIFO returns once the proxy opens it to read: it is starting. Signalled
+    // then (its pid from `pid`, or from the launcher's file written before the exec), and
+    // given the key, or not.
+    let feed = |fifo: std::path::PathBuf, pid: Box<dyn FnOnce() -> u32 + Send>, name, key: bool| {
         let (fed_tx, fed) = oneshot::channel();
-        let feeder = (fifo.clone(), pid_file.clone());
         std::thread::spawn(move || {
-            let (fifo, pid_file) = feeder;
-            let mut key = std::fs::OpenOptions::new().write(true).open(&fifo);
-            let pid = std::fs::read_to_string(&pid_file);
-            if let (Ok(key), Ok(pid)) = (&mut key, pid) {
-                signal(pid.trim().parse().expect("a pid"), name);
-                let _ = writeln!(key, "{KEY}");
+            if let Ok(mut file) = std::fs::OpenOptions::new().write(true).open(&fifo) {
+                signal(pid(), name);
+                // With the key, closed: the proxy reads to the end. Without, held open
+                // until the proxy is gone: at its end the read would end the start.
+                if key {
+                    let _ = writeln!(file, "{KEY}");
+                    drop(file);
+                    let _ = fed_tx.send(None);
+                } else {
+                    let _ = fed_tx.send(Some(file));
+                }
             }
-            let _ = fed_tx.send(key.is_ok());
         });
-        let script = r#"echo $$ > "$0"; exec "$@""#;
-        let pid_path = pid_file.display().to_string();
-        let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
-            .env("ABX_SANDBOX_API_KEY", None)
-            .args(&["--sandbox-api-key-file", &fifo.display().to_string()])
-            .launcher(&["/bin/sh", "-c", script, &pid_path])
+        fed
+    };
+
+    let dir = tempfile::tempdir().expect("dir");
+    let (fifo, pid_file) = (dir.path().join("key"), dir.path().join("pid"));
+    mkfifo(&fifo);
+    let launcher_pid = pid_file.clone();
+    let pid = Box::new(move || {
+        let pid = std::fs::read_to_string(launcher_pid).expect("the pid");
+        pid.trim().parse().expect("a pid")
+    });
+    let fed = feed(fifo.clone(), pid, "HUP", true);
+    let script = r#"echo $$ > "$0"; exec "$@""#;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .args(&["--sandbox-api-key-file", &fifo.display().to_string()])
+        .launcher(&["/bin/sh", "-c", script, &pid_file.display().to_string()])
+        .spawn()
+        .await;
+    drop(within("the key written", fed).await.expect("the feeder"));
+    proxy.wait_for_line("reload").await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
+    proxy.finish().await;
+
+    for (name, number) in [("TERM", 15), ("INT", 2)] {
+        let dir = tempfile::tempdir().expect("dir");
+        let fifo = dir.path().join("key");
+        mkfifo(&fifo);
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"))
+            .env_clear()
+            .env("HOME", dir.path())
+            .env("ABX_HOME", dir.path().join("abx"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--sandbox-base-url",
+                &upstream.url(),
+                "--sandbox-api-key-file",
+            ])
+            .arg(&fifo)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
             .spawn()
-            .await;
-        assert!(within("the key written", fed).await.expect("the feeder"));
-        if name == "HUP" {
-            proxy.wait_for_line("reload").await;
-            assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
-            assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
-            proxy.finish().await;
-        } else {
-            let status = proxy.wait_exit().await;
-            assert!(status.success(), "{status}: {}", proxy.stderr());
-            assert!(proxy.stderr().contains("drain"), "{}", proxy.stderr());
-        }
+            .expect("spawn abx-proxy");
+        let pid = child.id();
+        let fed = feed(fifo, Box::new(move || pid), name, false);
+        let ended = tokio::time::timeout(GUARD, async {
+            let mut every = poll_ticker();
+            loop {
+                every.tick().await;
+                if let Some(status) = child.try_wait().expect("wait") {
+                    return status;
+                }
+            }
+        })
+        .await;
+        let Ok(status) = ended else {
+            let _ = child.kill();
+            panic!("SIG{name} left the start waiting");
+        };
+        assert_eq!(status.signal(), Some(number), "SIG{name}: {status}");
+        drop(within("the feeder", fed).await);
     }
 }
 
