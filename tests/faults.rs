@@ -774,10 +774,7 @@ async fn slow_request_heads_are_cut_at_the_header_timeout() {
     assert_eq!(lines, 4, "{stderr}");
     // Each logged with its head's wait, the second's timeout (nginx's `$request_time`).
     for line in stderr.lines().filter(|l| l.contains(" status=408 ")) {
-        let ms = line
-            .split(' ')
-            .find_map(|f| f.strip_prefix("duration_ms="))
-            .and_then(|ms| ms.parse::<f64>().ok());
+        let ms = logged_ms(line);
         assert!(ms.is_some_and(|ms| ms >= 900.0), "{line}");
     }
 }
@@ -859,6 +856,14 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     assert_eq!(cuts.len(), 1, "{stderr}");
     assert!(cuts[0].contains(r#"end="header-timeout""#), "{}", cuts[0]);
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
+    // The open block began after the GOAWAY's cut began: its time runs to its own cut
+    // (it said 0.0 ms).
+    let line = stderr
+        .lines()
+        .find(|l| l.contains(" status=408 "))
+        .expect("the 408");
+    let ms = logged_ms(line);
+    assert!(ms.is_some_and(|ms| ms >= 400.0), "{line}");
 }
 
 /// An HTTP/2 header block left open is cut at `--header-timeout` while another stream
@@ -898,10 +903,7 @@ async fn an_open_http2_header_block_is_cut_beside_a_waiting_request() {
         .lines()
         .find(|l| l.contains(" status=408 "))
         .expect("the 408");
-    let ms = line
-        .split(' ')
-        .find_map(|f| f.strip_prefix("duration_ms="))
-        .and_then(|ms| ms.parse::<f64>().ok());
+    let ms = logged_ms(line);
     assert!(
         ms.is_some_and(|ms| (2900.0..4000.0).contains(&ms)),
         "{line}"
@@ -1088,6 +1090,13 @@ async fn second_head_stalls(addr: SocketAddr, first: &str) {
         .await
         .unwrap();
     expect_closed(&mut s, &buf).await;
+}
+
+/// An access line's `duration_ms`.
+fn logged_ms(line: &str) -> Option<f64> {
+    line.split(' ')
+        .find_map(|f| f.strip_prefix("duration_ms="))
+        .and_then(|ms| ms.parse().ok())
 }
 
 /// Waits (bounded) until `n` heads cut by `--header-timeout` are counted: each is counted

@@ -515,10 +515,13 @@ async fn connection_task(
             Some(began) if !first => began,
             _ => activity.opened,
         };
+        // A block begun after the cut began (behind the idle GOAWAY) ends with the
+        // connection.
         let cut = match activity.clocks.cut_ms.load(Ordering::Relaxed) {
-            0 => Instant::now(),
-            ms => activity.opened + Duration::from_millis(ms - 1),
+            0 => None,
+            ms => Some(activity.opened + Duration::from_millis(ms - 1)),
         };
+        let cut = cut.filter(|cut| *cut > began).unwrap_or_else(Instant::now);
         let took = cut.saturating_duration_since(began);
         proxy.head_refused(StatusCode::REQUEST_TIMEOUT, took);
     }
