@@ -727,7 +727,9 @@ async fn a_signal_during_the_start_reloads_or_ends_it() {
     assert_eq!(last_bearer(&upstream), Some(format!("Bearer {KEY}")));
     proxy.finish().await;
 
-    for (name, number) in [("TERM", 15), ("INT", 2)] {
+    // SIGTERM: SIGINT would do as well, but a test run started in the background (`&` in
+    // a script) inherits it ignored, and exec keeps that.
+    for (name, number) in [("TERM", 15)] {
         let dir = tempfile::tempdir().expect("dir");
         let fifo = dir.path().join("key");
         mkfifo(&fifo);
