@@ -508,13 +508,9 @@ async fn connection_task(
         mark => activity.clocks.head.load(Ordering::Relaxed) == mark,
     };
     if stalled || head_timed_out(&activity, &told, &config) {
-        // Logged with the head's time, from its first byte (a first head's, from the
-        // connection's) to the cut, as nginx's `$request_time` of a 408.
-        let first = !told.headed.load(Ordering::Relaxed) && !activity.is_http2();
-        let began = match activity.head_began() {
-            Some(began) if !first => began,
-            _ => activity.opened,
-        };
+        // Logged with the head's time, from where its timeout counts to the cut, as
+        // nginx's `$request_time` of a 408.
+        let began = head_from(&activity, &told).unwrap_or(activity.opened);
         // A block begun after the cut began (behind the idle GOAWAY) ends with the
         // connection.
         let cut = match activity.clocks.cut_ms.load(Ordering::Relaxed) {
@@ -1477,12 +1473,15 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
 /// for an HTTP/1 connection's first head the connection's, from its opening (a TLS
 /// handshake, or a pause before the first byte, included), as [`watchdog`] cuts it.
 fn head_timed_out(activity: &Activity, told: &Told, config: &ServeConfig) -> bool {
-    let Some(began) = activity.head_began() else {
-        return false;
-    };
+    head_from(activity, told).is_some_and(|from| Instant::now() >= from + config.header_timeout)
+}
+
+/// Where the head in progress counts its `--header-timeout` from: its first byte, or a
+/// connection's first HTTP/1 head, the connection's opening; `None` while there is none.
+fn head_from(activity: &Activity, told: &Told) -> Option<Instant> {
+    let began = activity.head_began()?;
     let first = !told.headed.load(Ordering::Relaxed) && !activity.is_http2();
-    let from = if first { activity.opened } else { began };
-    Instant::now() >= from + config.header_timeout
+    Some(if first { activity.opened } else { began })
 }
 
 /// A head in progress has had its `--header-timeout`. Not inline in [`watchdog`]: an
