@@ -550,6 +550,14 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
     proxy
         .reload_env("ABX_SANDBOX_API_KEY=\"unterminated\n", "reload failed")
         .await;
+    // So does one whose `${NAME}` references could expand past 16 MiB (the last line here
+    // would be 64 MiB): dotenvy's unbounded expansion of such a file ended the process.
+    let mut doubling = format!("ABX_SANDBOX_API_KEY={KEY3}\nV0={}\n", "x".repeat(64));
+    for i in 1..=20 {
+        doubling += &format!("V{i}=${{V{}}}${{V{}}}\n", i - 1, i - 1);
+    }
+    let line = proxy.reload_env(&doubling, "reload failed").await;
+    assert!(line.contains("could expand past 16 MiB"), "{line}");
 
     // SPEC §3: a new key whose hosts moved too (here envd's domain) is refused: neither the
     // new key with the old hosts nor the old key with the new ones; what runs stays.

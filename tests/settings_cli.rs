@@ -722,6 +722,50 @@ fn dotenv_expansion_from_an_earlier_line_with_the_secret() {
     );
 }
 
+/// dotenvy expands `${NAME}` without a limit: a few hundred bytes of lines, each doubling
+/// the one before, asked for terabytes and aborted the process (at start, or on the SIGHUP
+/// that re-read a cloned project's `./.env`). A file whose references could expand past 16
+/// MiB is refused, naming the file, never a value; here the last line would be 64 MiB, so
+/// the test does no harm where the bound is missing. References to short values pass.
+#[test]
+fn a_dotenv_whose_references_could_explode_is_refused() {
+    let mut doubling = format!("V0={}\n", "x".repeat(64));
+    for i in 1..=20 {
+        doubling += &format!("V{i}=${{V{}}}${{V{}}}\n", i - 1, i - 1);
+    }
+    for home in [false, true] {
+        let c = Case::new();
+        let label = c.dotenv_in(home, &doubling);
+        let out = c.run(&["config", "get", "region"]);
+        assert_eq!(out.code, 78, "{}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!("[E1006] cannot read {label}"))
+                && out
+                    .stderr
+                    .contains("its `$` references could expand past 16 MiB"),
+            "{}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("xxxx"), "{}", out.stderr);
+    }
+    let c = Case::new();
+    let many = format!(
+        "PART={}\nALIBABA_CLOUD_REGION_ID=cn-${{PART}}\n{}",
+        "b".repeat(1024),
+        (0..500)
+            .map(|i| format!("X{i}=${{PART}}\n"))
+            .collect::<String>()
+    );
+    c.cwd_dotenv(&many);
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(
+        (out.code, out.stdout.trim()),
+        (0, format!("cn-{}", "b".repeat(1024)).as_str()),
+        "{}",
+        out.stderr
+    );
+}
+
 /// An editor may save a `.env` with a byte-order mark: its first line is read as any
 /// other (it was a syntax error, or a skipped line, depending on the file).
 #[test]

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use super::expansion::Expansion;
 use super::keys::KEYS;
 use crate::error::Error;
 
@@ -95,12 +96,7 @@ pub fn read_dotenv(
     // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
     // environment, not in the iterator read here, where it made line 1 a syntax error.
     let body = text.strip_prefix(BOM).unwrap_or(&text);
-    let vars = collect_dotenv(
-        dotenvy::from_read_iter(body.as_bytes()),
-        &shown,
-        &|| Some(text.clone()),
-        skipped,
-    )?;
+    let vars = collect_dotenv(body, &shown, &|| Some(text.clone()), skipped)?;
     warnings.extend(substitution_warnings(&text, &shown, &vars));
     Ok(vars)
 }
@@ -115,10 +111,9 @@ pub fn parse_dotenv_str(
     shared: Option<&mut Vec<String>>,
 ) -> Result<HashMap<String, String>, Error> {
     let text = &lines_ended(text.to_string());
-    let iter = dotenvy::from_read_iter(text.strip_prefix(BOM).unwrap_or(text).as_bytes());
     let mut skipped = Vec::new();
     let vars = collect_dotenv(
-        iter,
+        text.strip_prefix(BOM).unwrap_or(text),
         label,
         &|| Some(text.to_string()),
         shared.is_some().then_some(&mut skipped),
@@ -310,19 +305,30 @@ impl SkippedLine {
 /// provider is known, whether it is skipped with a warning); one that may, or whose line is
 /// unknown, fails the file as before, so a broken key line never falls through silently to
 /// a lower level. `~/.abx/.env` is abx-proxy's own: strict.
-fn collect_dotenv<R: std::io::Read>(
-    iter: dotenvy::Iter<R>,
+fn collect_dotenv(
+    body: &str,
     shown: &str,
     text: &dyn Fn() -> Option<String>,
     mut skipped: Option<&mut Vec<SkippedLine>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
+    let mut iter = dotenvy::from_read_iter(body.as_bytes());
+    // dotenvy expands without a limit: each entry's bound is checked before it is parsed.
+    let mut expansion = Expansion::of(body);
     // The last line a failing entry was found on: dotenvy reports them in file order, so
     // the next one lies past it.
     let mut failed_at = 0;
-    for item in iter {
+    loop {
+        if let Some(reason) = expansion.refusal() {
+            return Err(Error::ReadFile {
+                path: shown.to_string(),
+                reason,
+            });
+        }
+        let Some(item) = iter.next() else { break };
         match item {
             Ok((k, v)) => {
+                expansion.parsed(&k, &v);
                 out.insert(k, v);
             }
             Err(e) => match (skippable_line(&e, text, failed_at), skipped.as_deref_mut()) {

@@ -5,6 +5,7 @@
 //! [`Resolved`] is the raw view (value + source per key) that `config list` prints;
 //! [`Settings`] is what the proxy runs on.
 
+mod expansion;
 pub mod keys;
 pub mod layers;
 pub mod shown;
