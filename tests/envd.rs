@@ -1349,6 +1349,26 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
         NO_TOKEN,
         NO_AUTHORIZATION,
     );
+
+    // An id that cannot be part of one DNS label (`49983-<id>` over 63 characters, or
+    // ending in a dash) names no sandbox here: refused before a look-up spends the key,
+    // where it failed at the connect, 502 (which the SDKs read as a sandbox gone).
+    let long = format!("isb-{}", "a".repeat(54));
+    for id in [long.as_str(), "isb-2-"] {
+        let resp = send(addr, envd_request(addr, id, "/health")).await;
+        let (status, body) = text(resp).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{id}: {body}");
+        assert!(
+            body.contains("E5003") && body.contains("63 characters"),
+            "{body}"
+        );
+        assert!(env.lookups(id).is_empty(), "{id}: looked up");
+    }
+    // 63 characters make one label: routed, and looked up as any other.
+    let longest = format!("isb-{}", "a".repeat(53));
+    let resp = send(addr, envd_request(addr, &longest, "/health")).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(env.lookups(&longest).len(), 1);
     env.assert_envd_clean();
     proxy.finish().await;
 }

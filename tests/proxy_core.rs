@@ -948,6 +948,18 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         "GET /sandboxes HTTP/1.1\r\nConnection: close\r\n\r\n".to_string(),
         // two Hosts: a peer routing on the other one would see a different request
         format!("GET /sandboxes HTTP/1.1\r\nHost: {local}\r\nHost: evil.example\r\nConnection: close\r\n\r\n"),
+        // no `host[:port]`, though it ends in `.localhost` (RFC 9112 §3.2: 400); userinfo
+        // hid a sandbox's name, and its request went to the control plane with the key
+        "GET /sandboxes HTTP/1.1\r\nHost: evil.example/x.localhost\r\nConnection: close\r\n\r\n".to_string(),
+        "GET /sandboxes HTTP/1.1\r\nHost: evil.example x.localhost\r\nConnection: close\r\n\r\n".to_string(),
+        "GET /sandboxes HTTP/1.1\r\nHost: user@49983-isb-d.localhost\r\nConnection: close\r\n\r\n".to_string(),
+        format!("GET http://user@{local}/sandboxes HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        // dot segments: under a base URL's path they left the prefix at an upstream that
+        // resolves them
+        format!("GET /../admin HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        format!("GET /v2/sandboxes/%2E%2e/x HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        format!("GET /..;/x HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        format!("GET /./sandboxes HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
     ];
     for req in &refused {
         let resp = raw_exchange(addr, req.as_bytes()).await;
@@ -985,6 +997,54 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         let resp = with_host(addr, &host, "/sandboxes").await;
         assert_eq!(resp.status, 200, "Host {host}: {:?}", resp.text());
     }
+    // Dots that make no segment of their own pass.
+    for path in [
+        "/process.Process/Start",
+        "/files/.env",
+        "/a/.../b",
+        "/x..y/%2e%2ex",
+    ] {
+        let resp = with_host(addr, &local, path).await;
+        assert_eq!(resp.status, 200, "{path}: {:?}", resp.text());
+    }
+    proxy.finish().await;
+}
+
+/// An absolute-form target without a path (`GET http://localhost:PORT?q=1`) has the path
+/// `/` (RFC 9110 §4.2.3): it went upstream as `GET ?q=1 HTTP/1.1`, which nginx refuses.
+/// A raw upstream: hyper's server reads `?q=1` as `/?q=1` and would hide it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absolute_form_target_without_a_path_goes_upstream_with_one() {
+    let pki = Pki::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let upstream = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.expect("accept");
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut buf = [0u8; 4096];
+            let n = s.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed before the head");
+            head.extend_from_slice(&buf[..n]);
+        }
+        let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+        s.write_all(reply).await.expect("write");
+        head
+    });
+    let proxy = ProxyCmd::new(&url, &pki).spawn().await;
+    let addr = proxy.addr();
+    let local = format!("127.0.0.1:{}", addr.port());
+    let req =
+        format!("GET http://{local}?q=1 HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n");
+    let resp = raw_exchange(addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200, "{:?}", resp.text());
+    let head = within("the upstream's request", upstream)
+        .await
+        .expect("upstream");
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    assert_eq!(String::from_utf8_lossy(line), "GET /?q=1 HTTP/1.1");
     proxy.finish().await;
 }
 

@@ -445,6 +445,10 @@ impl Proxy {
         port: u16,
         upgrade: Option<Upgrade>,
     ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
+        // route, to the end: where the request goes, before a look-up is spent on it.
+        let pq = origin_form(&parts.uri).map_err(internal)?;
+        let (target, host) = self.envd_uri(sandbox_id, port, pq.as_str())?;
+
         // authorize: the store, else the client's own token, else ask the control plane.
         // envd's port only: the token runs commands as root in the sandbox, and an app on
         // another port (a user's server, which may log or forward what it is sent) is not
@@ -471,8 +475,6 @@ impl Proxy {
         };
 
         // rewrite
-        let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        let (uri, host) = self.envd_uri(sandbox_id, port, pq)?;
         headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
         parts.headers.remove(HOST);
         headers::authorize_envd(
@@ -485,7 +487,7 @@ impl Proxy {
         if port == DEFAULT_ENVD_PORT {
             headers::pace_keepalives(&mut parts.headers, self.idle_timeout);
         }
-        parts.uri = uri;
+        parts.uri = target;
         if parts.version == Version::HTTP_2 {
             headers::join_cookies(&mut parts.headers);
         }
@@ -549,6 +551,20 @@ impl Proxy {
                 domain,
                 shown_domain,
             }) => {
+                // The sandbox's name is one DNS label (RFC 1035 §2.3.1): an id too long for
+                // one, or ending in a dash, names no sandbox, and failed only at the
+                // connect, after a look-up with the key (502, which the SDKs read as a
+                // sandbox no longer running).
+                let digits = port.checked_ilog10().unwrap_or(0) as usize + 1;
+                let label = digits + 1 + sandbox_id.len();
+                if label > 63 || sandbox_id.ends_with('-') {
+                    return Err(Error::Refused {
+                        reason: format!(
+                            "sandbox id not valid in a host name: `{port}-<id>` must be at \
+                             most 63 characters and not end in a dash ({label} here)"
+                        ),
+                    });
+                }
                 let host = format!("{port}-{sandbox_id}.{domain}");
                 let uri = Uri::builder()
                     .scheme(scheme.clone())
@@ -763,13 +779,23 @@ fn upstream_uri(base: &UpstreamUrl, client: &Uri) -> Result<Uri, http::Error> {
     let mut parts = http::uri::Parts::default();
     parts.scheme = Some(base.scheme.clone());
     parts.authority = Some(base.authority.clone());
-    parts.path_and_query = Some(
-        client
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/")),
-    );
+    parts.path_and_query = Some(origin_form(client)?);
     Ok(Uri::from_parts(parts)?)
+}
+
+/// The client's path and query as an origin-form target. An absolute-form target without
+/// a path (`GET http://localhost:49982?q=1`) has the path `/` (RFC 9110 §4.2.3), while
+/// its `path_and_query` is `?q=1`: sent so, the request line was `GET ?q=1 HTTP/1.1`,
+/// which nginx answers 400.
+fn origin_form(client: &Uri) -> Result<PathAndQuery, http::uri::InvalidUri> {
+    match client.path_and_query() {
+        Some(pq) if pq.as_str().starts_with('/') => Ok(pq.clone()),
+        Some(pq) if pq.as_str().starts_with('?') => {
+            PathAndQuery::try_from(format!("/{}", pq.as_str()))
+        }
+        Some(pq) => Ok(pq.clone()),
+        None => Ok(PathAndQuery::from_static("/")),
+    }
 }
 
 /// What the control plane's answer says of the key it was sent with. A 5xx may come from a

@@ -294,6 +294,17 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             None => return Err(refused("missing Host header")),
         },
     };
+    // RFC 9112 §3.2: a Host that is no `host[:port]` is answered 400. Unchecked, anything
+    // ending in `.localhost` passed as local (`evil.example/x.localhost`, `a b.localhost`),
+    // and userinfo (`user@49983-isb-a.localhost`, which RFC 9110 §4.2.4 makes an error)
+    // hid a sandbox's name, so its request went to the control plane with the key.
+    if !valid_authority(host) {
+        return Err(refused(match parts.uri.authority() {
+            Some(_) if parts.version == http::Version::HTTP_2 => "invalid :authority",
+            Some(_) => "invalid host in the request target",
+            None => "invalid Host header",
+        }));
+    }
     let hostname = strip_port(host);
     let absolute_form = parts.uri.scheme().is_some() && parts.version < http::Version::HTTP_2;
     if absolute_form && !policy.accepts_target(hostname) {
@@ -313,6 +324,16 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     }
     let named = sandbox_host(hostname)?;
     check_origin(&fields, policy, named)?;
+    // Dot segments are the upstream's to resolve, or not: under a base URL with a path
+    // (`https://gateway/api`), `/../admin` left the prefix the key was set up for at any
+    // upstream that resolves them. nginx resolves them before mapping the path; curl and
+    // browsers send none.
+    if has_dot_segment(parts.uri.path()) {
+        return Err(refused(
+            "a path with a `.` or `..` segment: send the path resolved (the proxy does \
+             not rewrite paths)",
+        ));
+    }
 
     // The constants, not strings: a `&str` key is parsed into a name on every call.
     if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
@@ -385,6 +406,36 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     Ok(Some((port, id)))
 }
 
+/// `host[:port]` in the characters RFC 3986 allows an authority, userinfo's `@` aside
+/// (brackets for an IPv6 literal, `%` for its zone or an encoded name).
+fn valid_authority(authority: &str) -> bool {
+    authority
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=%:[]".contains(&b))
+}
+
+/// Whether a segment of `path` is `.` or `..`, percent-encoded (`%2e`) or not, and with
+/// `;` parameters after it (`..;`, which some servers read as `..`).
+fn has_dot_segment(path: &str) -> bool {
+    // Most paths have neither: no split then.
+    if !path.bytes().any(|b| b == b'.' || b == b'%') {
+        return false;
+    }
+    path.split('/').any(|segment| {
+        let mut rest = segment.split(';').next().unwrap_or(segment).as_bytes();
+        let mut dots = 0;
+        while !rest.is_empty() {
+            match rest {
+                [b'.', tail @ ..] => rest = tail,
+                [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => rest = tail,
+                _ => return false,
+            }
+            dots += 1;
+        }
+        dots == 1 || dots == 2
+    })
+}
+
 /// A port as a client writes one: digits only, 1-65535.
 fn port_number(digits: &str) -> Option<u16> {
     crate::settings::values::port(digits).filter(|p| *p != 0)
@@ -452,6 +503,32 @@ mod tests {
                 },
                 "{id:?}"
             );
+        }
+    }
+
+    #[test]
+    fn dot_segments_in_every_spelling() {
+        for path in [
+            "/..",
+            "/../a",
+            "/a/./b",
+            "/a/%2E%2e/b",
+            "/%2e/",
+            "/..;x/a",
+            "/a/.;",
+        ] {
+            assert!(has_dot_segment(path), "{path}");
+        }
+        for path in [
+            "/",
+            "/a.b/c",
+            "/.../a",
+            "/..a/b",
+            "/%2e%2e%2e",
+            "/a%2f../b",
+            "/.env",
+        ] {
+            assert!(!has_dot_segment(path), "{path}");
         }
     }
 
