@@ -172,9 +172,9 @@ async fn concurrent_envd_requests_then_sequential_ones_reuse_the_pool() {
 
 /// envd answering as it reads (hyper's echo: the request body streams back as it comes):
 /// the rest of the upload goes up alongside the answer, on the fast path (a sized body)
-/// and on hyper's (a chunked one), and the upstream connection, the upload done before
-/// the answer, is used again. The proxy's client stopped sending at the answer's head
-/// before: the echo waited for the rest and the client for the echo.
+/// and on hyper's (a chunked one); the upstream connection is then closed, not used
+/// again. The proxy's client stopped sending at the answer's head before: the echo waited
+/// for the rest and the client for the echo.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_streaming_as_the_upload_goes_gets_all_of_it() {
     let pki = Pki::new();
@@ -219,7 +219,68 @@ async fn an_answer_streaming_as_the_upload_goes_gets_all_of_it() {
         assert_eq!(resp.status, 200, "chunked {chunked}");
         assert_eq!(resp.text(), "hello world", "chunked {chunked}");
     }
-    assert_eq!(upstream.connections(), 1);
+    // An answer that came before the whole body leaves its connection in doubt: one each
+    // (see `an_early_answers_connection_is_not_used_again`).
+    assert_eq!(upstream.connections(), 2);
+    proxy.finish().await;
+}
+
+/// An upstream that answers before the request's body came (here a 2xx, streaming) gets
+/// the body alongside its answer, and the connection is then closed, not pooled, as
+/// nginx's is: whether the server read the body or left it on the connection to be read
+/// as its next request is unknowable, and one that skipped it gave the connection's next
+/// client the answer to a request hidden in the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answers_connection_is_not_used_again() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut tmp = [0u8; 4096];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut tmp).await.unwrap();
+            assert!(n > 0, "closed before the head");
+            buf.extend_from_slice(&tmp[..n]);
+        }
+        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        buf.drain(..end);
+        let early = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n";
+        s.write_all(early).await.unwrap();
+        // A server that reads on: the whole body, then the answer's end.
+        while buf.len() < 11 {
+            let n = s.read(&mut tmp).await.unwrap();
+            assert!(n > 0, "closed before the body");
+            buf.extend_from_slice(&tmp[..n]);
+        }
+        s.write_all(b"0\r\n\r\n").await.unwrap();
+        buf.drain(..11);
+        // What comes next on this connection: its end, or a request if it was pooled.
+        read_request(&mut s, &mut buf).await
+    });
+    let proxy = ProxyCmd::new(&format!("http://{up}"), &Pki::new())
+        .env("TOKIO_WORKER_THREADS", Some("1"))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!("POST /upload HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 11\r\n\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    // The answer's first part, before any of the body is sent.
+    let mut buf = Vec::new();
+    while !buf.windows(5).any(|w| w == b"hello") {
+        let mut tmp = [0u8; 4096];
+        let n = within("the early answer", s.read(&mut tmp)).await.unwrap();
+        assert!(n > 0, "closed after {buf:?}");
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    s.write_all(b"hello world").await.unwrap();
+    let resp = read_response(&mut s, &mut buf).await;
+    assert_eq!((resp.status, resp.text()), (200, "hello".to_string()));
+    let next = within("the upstream connection's end", upstream)
+        .await
+        .unwrap();
+    assert_eq!(next, None, "the connection was used again");
     proxy.finish().await;
 }
 

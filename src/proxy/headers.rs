@@ -166,6 +166,12 @@ fn strip(headers: &mut HeaderMap, upgrade: bool, message: Message) {
     if present & HTTP2_SETTINGS_BIT != 0 {
         headers.remove(HTTP2_SETTINGS);
     }
+    // The proxy meets `Expect: 100-continue` itself (its server sends the 100 when the body
+    // is first read). Asked again, an upstream could answer early without the 100 and leave
+    // the body unread on the connection, to be read as its next request; nginx drops it too.
+    if present & EXPECT_BIT != 0 {
+        headers.remove(header::EXPECT);
+    }
     let remove = present & !keep;
     for (i, name) in HOP_BY_HOP.iter().enumerate() {
         if remove & (1 << i) == 0 || (upgrade && name == header::UPGRADE) {
@@ -225,6 +231,7 @@ const CONNECTION_BIT: u16 = 1;
 const TRAILER_BIT: u16 = 1 << 5;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
 const HTTP2_SETTINGS_BIT: u16 = 1 << 9;
+const EXPECT_BIT: u16 = 1 << 10;
 
 /// Which hop-by-hop field `name` is, as a bit (0 for none).
 fn hop_by_hop_bit(name: &HeaderName) -> u16 {
@@ -233,6 +240,7 @@ fn hop_by_hop_bit(name: &HeaderName) -> u16 {
     match name.as_str().len() {
         2 | 7 | 10 | 16..=19 => {}
         14 if name == HTTP2_SETTINGS => return HTTP2_SETTINGS_BIT,
+        6 if name == header::EXPECT => return EXPECT_BIT,
         _ => return 0,
     }
     if name == header::TE {
@@ -442,6 +450,7 @@ mod tests {
             ("upgrade", "websocket"),
             ("proxy-authorization", "Basic x"),
             ("http2-settings", "AAMAAABkAAQAoAAAAAIAAAAA"),
+            ("expect", "100-continue"),
             ("x-kept", "yes"),
         ]);
         strip_hop_by_hop(&mut h, false);
@@ -464,6 +473,8 @@ mod tests {
             "authorization",
             "trailers",
             "t",
+            "accept",
+            "cookie",
         ] {
             assert_eq!(
                 hop_by_hop_bit(&HeaderName::from_static(other)),
