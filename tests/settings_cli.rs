@@ -748,12 +748,14 @@ fn a_dotenv_whose_references_could_explode_is_refused() {
         );
         assert!(!out.stderr.contains("xxxx"), "{}", out.stderr);
     }
+    // A long value named once beside many short ones: each name counts its own `$`s.
     let c = Case::new();
     let many = format!(
-        "PART={}\nALIBABA_CLOUD_REGION_ID=cn-${{PART}}\n{}",
+        "PART={}\nALIBABA_CLOUD_REGION_ID=cn-${{PART}}\nBUNDLE=\"{}\"\nCA=${{BUNDLE}}\n{}",
         "b".repeat(1024),
+        "c".repeat(200 * 1024),
         (0..500)
-            .map(|i| format!("X{i}=${{PART}}\n"))
+            .map(|i| format!("X{i}=${{PART}}\nU{i}=u\nL{i}=${{U{i}}}:${{U{i}}}\n"))
             .collect::<String>()
     );
     c.cwd_dotenv(&many);

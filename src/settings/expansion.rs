@@ -4,14 +4,14 @@
 //! dotenvy expands each value as it parses it, without a limit: forty short lines, each
 //! doubling the one before (`V1=${V0}${V0}`), ask for 2^40 bytes and the process aborts —
 //! at start, or on the SIGHUP that re-reads a `./.env` a cloned project brought along. The
-//! file's size is capped where it is read; this caps what its references add. Each `$` in
-//! an entry adds at most one value, an environment variable's or an earlier entry's, so
-//! the next entry parsed is at most the file's length plus its `$`s times the longest
-//! value one of its names stands for so far. Checked before each entry, that keeps every
-//! expansion under [`LIMIT`], whatever the file's lines are made of (the bound needs no
-//! parse of its own of which entry a `$` belongs to).
+//! file's size is capped where it is read; this caps what its references add. Each `$`
+//! adds at most one value, that of the name after it (an environment variable's, else an
+//! earlier entry's), so the next entry parsed is at most the file's length plus, for each
+//! name, the `$`s naming it times the longest value it has stood for so far. Checked
+//! before each entry, that keeps every expansion under [`LIMIT`] whatever the file's lines
+//! are made of: the bound needs no parse of its own of which entry a `$` belongs to.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 /// Far beyond what a real `.env` (a few short references) expands to, and an allocation a
 /// sidecar survives.
@@ -19,77 +19,103 @@ pub const LIMIT: usize = 16 << 20;
 
 /// What one file's references may still expand to; see the module doc.
 pub struct Expansion<'t> {
-    len: usize,
+    /// The most the next entry can expand to.
+    bound: usize,
+    /// For each name a `$` may stand for: how many `$`s do, and the longest value it has
+    /// stood for so far.
+    named: HashMap<&'t str, Named>,
+}
+
+struct Named {
     dollars: usize,
-    /// Every name a `$` in the file may stand for (more, never fewer, than dotenvy reads).
-    named: HashSet<&'t str>,
-    /// The longest value one of `named` stands for so far.
-    widest: usize,
+    longest: usize,
 }
 
 impl<'t> Expansion<'t> {
     pub fn of(text: &'t str) -> Self {
-        let named = names(text);
-        // dotenvy looks a name up in the environment first.
-        let widest = named
-            .iter()
-            .filter_map(std::env::var_os)
-            .map(|value| value.len())
-            .max()
-            .unwrap_or(0);
-        Expansion {
-            len: text.len(),
-            dollars: text.bytes().filter(|&b| b == b'$').count(),
-            named,
-            widest,
+        let mut named = names(text, longest_variable_name());
+        let mut bound = text.len();
+        for (name, n) in &mut named {
+            // dotenvy looks a name up in the environment first.
+            n.longest = std::env::var_os(name).map_or(0, |v| v.len());
+            bound = bound.saturating_add(n.dollars.saturating_mul(n.longest));
         }
-    }
-
-    /// The most the next entry can expand to.
-    pub fn next_at_most(&self) -> usize {
-        self.len
-            .saturating_add(self.dollars.saturating_mul(self.widest))
+        Expansion { bound, named }
     }
 
     /// An entry parsed: later references to `name` may stand for `value`.
     pub fn parsed(&mut self, name: &str, value: &str) {
-        if self.named.contains(name) {
-            self.widest = self.widest.max(value.len());
+        if let Some(n) = self.named.get_mut(name) {
+            if value.len() > n.longest {
+                let more = n.dollars.saturating_mul(value.len() - n.longest);
+                self.bound = self.bound.saturating_add(more);
+                n.longest = value.len();
+            }
         }
     }
 
-    /// Why the file is refused, once the next entry could pass [`LIMIT`].
+    /// Why the file is refused, once the next entry could pass [`LIMIT`]. No name and no
+    /// length: a value's length may be a key's.
     pub fn refusal(&self) -> Option<String> {
-        (self.next_at_most() > LIMIT).then(|| {
+        (self.bound > LIMIT).then(|| {
             format!(
-                "its `$` references could expand past {} MiB ({} of them, naming values of up \
-                 to {} bytes)",
-                LIMIT >> 20,
-                self.dollars,
-                self.widest
+                "its `$` references could expand past {} MiB (lines that repeat earlier \
+                 values many times over)",
+                LIMIT >> 20
             )
         })
     }
 }
 
-/// The names after each `$` as dotenvy reads them: `${` up to the next `}`, else the
-/// letters and digits that follow. Quotes and escapes are not looked at: a `$` dotenvy
-/// leaves alone only adds a name.
-fn names(text: &str) -> HashSet<&str> {
-    let mut out = HashSet::new();
+/// The characters dotenvy allows in a key: a name with any other can only be an
+/// environment variable's.
+fn is_key_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '.'
+}
+
+fn longest_variable_name() -> usize {
+    std::env::vars_os().map(|(k, _)| k.len()).max().unwrap_or(0)
+}
+
+/// The name after each `$` as dotenvy reads it: `${` up to the next `}`, else the letters
+/// and digits that follow, with the `$`s naming each. Quotes and escapes are not looked
+/// at: a `$` dotenvy leaves alone only adds to a count. A `${…}` holding more than key
+/// characters can only name an environment variable, so it is looked for no further
+/// than the longest variable name reaches, and not counted beyond that (it names nothing):
+/// read to its `}` whatever the distance, `${` repeated over a 1 MiB file took minutes.
+fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
+    let mut out: HashMap<&str, Named> = HashMap::new();
     let mut rest = text;
     while let Some(at) = rest.find('$') {
         rest = &rest[at + 1..];
         let name = match rest.strip_prefix('{') {
-            Some(block) => block.find('}').map_or(block, |end| &block[..end]),
+            Some(block) => {
+                let key = block.find(|c| !is_key_char(c)).unwrap_or(block.len());
+                if block[key..].starts_with('}') {
+                    Some(&block[..key])
+                } else {
+                    // `}` is one byte: where it is found is a character boundary.
+                    let near = &block.as_bytes()[..block.len().min(longest_variable + 1)];
+                    near.iter()
+                        .position(|&b| b == b'}')
+                        .map(|end| &block[..end])
+                }
+            }
             None => {
                 let end = rest
                     .find(|c: char| !c.is_alphanumeric())
                     .unwrap_or(rest.len());
-                &rest[..end]
+                Some(&rest[..end])
             }
         };
-        out.insert(name);
+        if let Some(name) = name {
+            out.entry(name)
+                .or_insert(Named {
+                    dollars: 0,
+                    longest: 0,
+                })
+                .dollars += 1;
+        }
     }
     out
 }
@@ -98,26 +124,60 @@ fn names(text: &str) -> HashSet<&str> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn names_are_read_as_dotenvy_reads_them() {
-        let text = "A=${B_1}x$C2_d ${unclosed\nE='$F'\\$G$";
-        let mut got: Vec<_> = names(text).into_iter().collect();
+    fn counted(text: &str, longest_variable: usize) -> Vec<(&str, usize)> {
+        let mut got: Vec<_> = names(text, longest_variable)
+            .into_iter()
+            .map(|(name, n)| (name, n.dollars))
+            .collect();
         got.sort_unstable();
-        assert_eq!(got, ["", "B_1", "C2", "F", "G", "unclosed\nE='$F'\\$G$"]);
+        got
     }
 
     #[test]
-    fn each_entry_is_bounded_by_the_longest_value_named() {
-        let text = "V0=xxxx\nV1=${V0}${V0}\nV2=${V1}${V1}\nOTHER=yyyyyyyyyyyyyyyy\n";
+    fn names_are_read_as_dotenvy_reads_them() {
+        let text = "A=${B_1}x$C2_d ${B_1}\nE='$F'\\$G$ ${a:-b} ${unclosed";
+        assert_eq!(
+            counted(text, 8),
+            [
+                ("", 1),
+                ("B_1", 2),
+                ("C2", 1),
+                ("F", 1),
+                ("G", 1),
+                ("a:-b", 1)
+            ]
+        );
+        // Past the longest variable name, a name with more than key characters is none.
+        assert_eq!(counted("${a:-b}", 3), []);
+        assert_eq!(counted("${a:-b}", 4), [("a:-b", 1)]);
+    }
+
+    #[test]
+    fn each_name_counts_its_own_dollars_times_its_longest_value() {
+        let text = "V0=xxxx\nV1=${V0}${V0}\nV2=${V1}${V1}\nOTHER=yyyy\n";
         let mut e = Expansion::of(text);
-        assert_eq!(e.next_at_most(), text.len());
+        assert_eq!(e.bound, text.len());
         e.parsed("V0", "xxxx");
-        assert_eq!(e.next_at_most(), text.len() + 4 * 4);
+        assert_eq!(e.bound, text.len() + 2 * 4);
         // A value no `$` names does not count.
         e.parsed("OTHER", &"y".repeat(1 << 20));
-        assert_eq!(e.next_at_most(), text.len() + 4 * 4);
+        assert_eq!(e.bound, text.len() + 2 * 4);
+        e.parsed("V1", "x");
+        assert_eq!(e.bound, text.len() + 2 * 4 + 2);
         assert!(e.refusal().is_none());
-        e.parsed("V1", &"x".repeat(LIMIT / 4));
+        e.parsed("V1", &"x".repeat(LIMIT / 2));
         assert!(e.refusal().is_some());
+    }
+
+    /// `${` over and over, unclosed or closed only at the end: read to its `}`, each was a
+    /// name of its own, 256 GiB of names in all for 1 MiB (minutes of hashing). Only those
+    /// the environment's names could be are kept.
+    #[test]
+    fn a_file_of_open_blocks_names_little() {
+        for end in ["", "}"] {
+            let text = format!("A={}{end}", "${".repeat(512 * 1024));
+            let named = names(&text, 16);
+            assert!(named.len() <= 9, "{}", named.len());
+        }
     }
 }
