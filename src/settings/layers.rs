@@ -93,10 +93,7 @@ pub fn read_dotenv(
             reason: e.to_string(),
         })?;
     let text = lines_ended(text);
-    // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
-    // environment, not in the iterator read here, where it made line 1 a syntax error.
-    let body = text.strip_prefix(BOM).unwrap_or(&text);
-    let vars = collect_dotenv(body, &shown, &|| Some(text.clone()), skipped)?;
+    let vars = collect_dotenv(&text, &shown, skipped)?;
     warnings.extend(substitution_warnings(&text, &shown, &vars));
     Ok(vars)
 }
@@ -112,12 +109,7 @@ pub fn parse_dotenv_str(
 ) -> Result<HashMap<String, String>, Error> {
     let text = &lines_ended(text.to_string());
     let mut skipped = Vec::new();
-    let vars = collect_dotenv(
-        text.strip_prefix(BOM).unwrap_or(text),
-        label,
-        &|| Some(text.to_string()),
-        shared.is_some().then_some(&mut skipped),
-    )?;
+    let vars = collect_dotenv(text, label, shared.is_some().then_some(&mut skipped))?;
     if let Some(warnings) = shared {
         warnings.extend(skipped.iter().map(SkippedLine::warning));
         warnings.extend(substitution_warnings(text, label, &vars));
@@ -140,7 +132,7 @@ pub fn parse_dotenv_str(
 fn substitution_warnings(text: &str, shown: &str, parsed: &HashMap<String, String>) -> Vec<String> {
     let mut out = Vec::new();
     // dotenvy looks a `${NAME}` up in the environment, then among the lines above it.
-    let mut above: Vec<&str> = Vec::new();
+    let mut above: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for (i, line) in text.lines().enumerate() {
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
@@ -149,7 +141,7 @@ fn substitution_warnings(text: &str, shown: &str, parsed: &HashMap<String, Strin
             (above.contains(&var) && parsed.contains_key(var)) || std::env::var(var).is_ok()
         };
         let dollar = risky_dollar(value, &defined);
-        above.push(name);
+        above.insert(name);
         // Only a name dotenvy takes, which also passes over comments (the text before a `=`
         // on a line inside a multi-line quoted value may be anything, a secret's piece
         // included).
@@ -306,18 +298,20 @@ impl SkippedLine {
 /// unknown, fails the file as before, so a broken key line never falls through silently to
 /// a lower level. `~/.abx/.env` is abx-proxy's own: strict.
 fn collect_dotenv(
-    body: &str,
+    text: &str,
     shown: &str,
-    text: &dyn Fn() -> Option<String>,
     mut skipped: Option<&mut Vec<SkippedLine>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
+    // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
+    // environment, not in the iterator read here, where it made line 1 a syntax error.
+    let body = text.strip_prefix(BOM).unwrap_or(text);
     let mut iter = dotenvy::from_read_iter(body.as_bytes());
     // dotenvy expands without a limit: each entry's bound is checked before it is parsed.
     let mut expansion = Expansion::of(body);
-    // The last line a failing entry was found on: dotenvy reports them in file order, so
-    // the next one lies past it.
-    let mut failed_at = 0;
+    // Where the last failing entry was found: dotenvy reports them in file order, so the
+    // next one lies past it, and the search for it starts there.
+    let mut failed_at = Line::NONE;
     loop {
         if let Some(reason) = expansion.refusal() {
             return Err(Error::ReadFile {
@@ -336,7 +330,7 @@ fn collect_dotenv(
                     failed_at = line;
                     skipped.push(SkippedLine {
                         shown: shown.to_string(),
-                        line,
+                        line: line.number,
                         names,
                     })
                 }
@@ -352,22 +346,17 @@ fn collect_dotenv(
 /// names its entry sets. The failing entry may run over several lines (an unterminated
 /// quote runs to the end of the file): it counts as ours if any of it names one of ours,
 /// and each of its lines that reads as `NAME=…` gives a name.
-fn skippable_line(
-    e: &dotenvy::Error,
-    text: &dyn Fn() -> Option<String>,
-    after: usize,
-) -> Option<(usize, Vec<String>)> {
+fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, Vec<String>)> {
     let dotenvy::Error::LineParse(entry, _) = e else {
         return None;
     };
     if OURS.iter().any(|name| entry.contains(name)) {
         return None;
     }
-    let text = text()?;
-    let line = entry_line(&text, entry, after)?;
+    let line = entry_line(text, entry, after)?;
     // A first line without `=` is skipped only as a bare `export NAME`: anything else may
     // be a key pasted without its name.
-    let name = line_name(text.lines().nth(line - 1)?)?;
+    let name = line_name(text[line.start..].lines().next()?)?;
     let ours = is_ours(name);
     let names = std::iter::once(name)
         .chain(entry.split('\n').skip(1).filter_map(line_name))
@@ -395,22 +384,15 @@ fn is_ours(name: &str) -> bool {
     OURS.iter().any(|p| name.starts_with(p)) || KEYS.iter().any(|k| k.env == name)
 }
 
-fn read_error(
-    shown: &str,
-    e: &dotenvy::Error,
-    text: &dyn Fn() -> Option<String>,
-    after: usize,
-) -> Error {
+fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error {
     let reason = match e {
         // dotenvy gives the offending entry's text and an offset into it, no line number.
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
-        dotenvy::Error::LineParse(entry, idx) => {
-            match text().and_then(|text| entry_line(&text, entry, after)) {
-                Some(n) => return syntax_error(shown, n),
-                None => format!("syntax error at byte {idx} of an entry"),
-            }
-        }
+        dotenvy::Error::LineParse(entry, idx) => match entry_line(text, entry, after) {
+            Some(line) => return syntax_error(shown, line.number),
+            None => format!("syntax error at byte {idx} of an entry"),
+        },
         dotenvy::Error::Io(io) => io.to_string(),
         _ => "unreadable".to_string(),
     };
@@ -434,18 +416,50 @@ fn syntax_error(shown: &str, line: usize) -> Error {
 /// places on a line that is not a comment can be the entry. The first match past line
 /// `after` (the previous failing entry's) is the one: an earlier line that matched would
 /// have failed first, unless it did (two lines with the same broken value).
-fn entry_line(text: &str, entry: &str, after: usize) -> Option<usize> {
+/// Each line looked at once however many entries fail: numbered as it is reached from
+/// `after`'s start (counting the newlines before every candidate again, and from the top
+/// for each failing entry, took 11 s for 2 048 skipped lines, a reload's whole time with
+/// the proxy unanswering).
+fn entry_line(text: &str, entry: &str, after: Line) -> Option<Line> {
     if entry.is_empty() {
         return None;
     }
+    let (number, from) = match after.number {
+        0 => (1, 0),
+        n => (n, after.start),
+    };
     // Line 1 with and without a byte-order mark (some readers strip it, some do not).
     let bom = text.starts_with('\u{feff}').then_some(3);
-    std::iter::once(0)
-        .chain(bom)
-        .chain(text.match_indices('\n').map(|(i, _)| i + 1))
-        .map(|start| (start, line_of(text, start)))
-        .find(|&(start, line)| line > after && entry_starts_at(&text[start..], entry))
-        .map(|(_, line)| line)
+    let first = match after.number {
+        0 => [Some(0), bom],
+        _ => [None, None],
+    };
+    let later = text[from..]
+        .match_indices('\n')
+        .enumerate()
+        .map(move |(k, (i, _))| (from + i + 1, number + 1 + k));
+    first
+        .into_iter()
+        .flatten()
+        .map(|start| (start, 1))
+        .chain(later)
+        .find(|&(start, _)| entry_starts_at(&text[start..], entry))
+        .map(|(start, number)| Line { number, start })
+}
+
+/// A line of a `.env` text: its 1-based number and where it starts.
+#[derive(Clone, Copy)]
+struct Line {
+    number: usize,
+    start: usize,
+}
+
+impl Line {
+    /// Before the first line.
+    const NONE: Line = Line {
+        number: 0,
+        start: 0,
+    };
 }
 
 fn entry_starts_at(rest: &str, entry: &str) -> bool {
@@ -659,6 +673,22 @@ pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Failing entries are found in order, each past the one before, with their numbers:
+    /// on line 1 with or without its byte-order mark, and twice the same broken value.
+    #[test]
+    fn failing_entries_are_found_in_order_with_their_lines() {
+        let text = "\u{feff}A=x y\n# A=x y\nB=ok\nC= x y\n\nC= x y\n";
+        let mut after = Line::NONE;
+        let mut found = Vec::new();
+        for entry in ["A=x y", "x y", "x y"] {
+            let line = entry_line(text, entry, after).expect(entry);
+            found.push((line.number, &text[line.start..line.start + 1]));
+            after = line;
+        }
+        assert_eq!(found, [(1, "A"), (4, "C"), (6, "C")]);
+        assert!(entry_line(text, "x y", after).is_none());
+    }
 
     /// A default (`${VAR:-x}`) or a bare `$NAME` on a line of ours is warned about, naming
     /// the line and the variable and never the value; `${VAR}`, single quotes, a backslash,
