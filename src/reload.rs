@@ -488,9 +488,17 @@ impl Running {
             tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
             false
         };
-        let (resolved, warnings) = match commands::resolve_unsaid(&self.flags) {
-            Ok(read) => read,
-            Err(e) => return failed(e),
+        // Read off this thread: it also accepts connections and answers the probes, which a
+        // slow read (a file on a stalled network mount) would leave unanswered meanwhile.
+        let flags = self.flags.clone();
+        let read = tokio::task::spawn_blocking(move || commands::resolve_unsaid(&flags));
+        let (resolved, warnings) = match read.await {
+            Ok(Ok(read)) => read,
+            Ok(Err(e)) => return failed(e),
+            Err(_) => {
+                tracing::warn!("reload failed: reading the settings ended unexpectedly; keeping the running settings");
+                return false;
+            }
         };
         // A reload that fails or is refused changes neither the provider nor a host: a
         // warning that the credential goes to a host set in a `.env`, or that a plugin is
