@@ -1354,14 +1354,15 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
     // ending in a dash) names no sandbox here: refused before a look-up spends the key,
     // where it failed at the connect, 502 (which the SDKs read as a sandbox gone).
     let long = format!("isb-{}", "a".repeat(54));
-    for id in [long.as_str(), "isb-2-"] {
+    let why = [
+        (long.as_str(), "is 64 characters, over 63"),
+        ("isb-2-", "ends in a dash"),
+    ];
+    for (id, why) in why {
         let resp = send(addr, envd_request(addr, id, "/health")).await;
         let (status, body) = text(resp).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{id}: {body}");
-        assert!(
-            body.contains("E5003") && body.contains("63 characters"),
-            "{body}"
-        );
+        assert!(body.contains("E5003") && body.contains(why), "{body}");
         assert!(env.lookups(id).is_empty(), "{id}: looked up");
     }
     // 63 characters make one label: routed, and looked up as any other.

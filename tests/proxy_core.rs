@@ -963,6 +963,13 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         format!("GET /v2/sandboxes/%2E%2e/x HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
         format!("GET /..;/x HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
         format!("GET /./sandboxes HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        // separators a gateway may decode or read as `/`, parameters Tomcat drops
+        format!("GET /a%2f..%2f..%2fadmin HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        format!("GET /..\\admin HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        format!("GET /a/..%3B/b HTTP/1.1\r\nHost: {local}\r\nConnection: close\r\n\r\n"),
+        // a host and then no port
+        "GET /sandboxes HTTP/1.1\r\nHost: x:1:49983-isb-1.localhost\r\nConnection: close\r\n\r\n".to_string(),
+        "GET /sandboxes HTTP/1.1\r\nHost: [::1]junk\r\nConnection: close\r\n\r\n".to_string(),
     ];
     for req in &refused {
         let resp = raw_exchange(addr, req.as_bytes()).await;

@@ -557,11 +557,17 @@ impl Proxy {
                 // sandbox no longer running).
                 let digits = port.checked_ilog10().unwrap_or(0) as usize + 1;
                 let label = digits + 1 + sandbox_id.len();
-                if label > 63 || sandbox_id.ends_with('-') {
+                let unfit = if label > 63 {
+                    Some(format!("`{port}-<id>` is {label} characters, over 63"))
+                } else if sandbox_id.ends_with('-') {
+                    Some("it ends in a dash".to_string())
+                } else {
+                    None
+                };
+                if let Some(why) = unfit {
                     return Err(Error::Refused {
                         reason: format!(
-                            "sandbox id not valid in a host name: `{port}-<id>` must be at \
-                             most 63 characters and not end in a dash ({label} here)"
+                            "sandbox id not valid in a host name (one DNS label): {why}"
                         ),
                     });
                 }

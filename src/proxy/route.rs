@@ -406,34 +406,78 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     Ok(Some((port, id)))
 }
 
-/// `host[:port]` in the characters RFC 3986 allows an authority, userinfo's `@` aside
-/// (brackets for an IPv6 literal, `%` for its zone or an encoded name).
+/// `host[:port]` as RFC 3986 spells an authority, without userinfo: a host of its
+/// characters (or an IP literal in brackets) and, after one `:`, digits only. Checked by
+/// form, not only by characters: `x:1:49983-isb-a.localhost` and `[::1]junk` left a name
+/// that `strip_port` read otherwise.
 fn valid_authority(authority: &str) -> bool {
-    authority
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=%:[]".contains(&b))
+    const SUB_DELIMS: &[u8] = b"-._~!$&'()*+,;=%";
+    let host_char = |b: u8| b.is_ascii_alphanumeric() || SUB_DELIMS.contains(&b);
+    let (host_ok, port) = match authority.strip_prefix('[') {
+        // An IPv6 address (a zone after `%`), or an IPvFuture.
+        Some(literal) => match literal.split_once(']') {
+            Some((inside, port)) => (inside.bytes().all(|b| b == b':' || host_char(b)), port),
+            None => return false,
+        },
+        None => {
+            let (host, port) = authority.split_at(authority.rfind(':').unwrap_or(authority.len()));
+            (host.bytes().all(host_char), port)
+        }
+    };
+    host_ok
+        && (port.is_empty()
+            || port
+                .strip_prefix(':')
+                .is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())))
 }
 
-/// Whether a segment of `path` is `.` or `..`, percent-encoded (`%2e`) or not, and with
-/// `;` parameters after it (`..;`, which some servers read as `..`).
+/// Whether a segment of `path` is `.` or `..`: percent-encoded (`%2e`) or not, with
+/// parameters after it (`..;`, `..%3b`, which Tomcat reads as `..`), and between any of
+/// the separators an upstream may read as `/`: `\` (WHATWG URL parsers, as in Node) and
+/// `%2f` or `%5c` (gateways that decode before they resolve, nginx among them).
 fn has_dot_segment(path: &str) -> bool {
-    // Most paths have neither: no split then.
+    // Most paths have neither: no scan then.
     if !path.bytes().any(|b| b == b'.' || b == b'%') {
         return false;
     }
-    path.split('/').any(|segment| {
-        let mut rest = segment.split(';').next().unwrap_or(segment).as_bytes();
-        let mut dots = 0;
-        while !rest.is_empty() {
-            match rest {
-                [b'.', tail @ ..] => rest = tail,
-                [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => rest = tail,
-                _ => return false,
-            }
-            dots += 1;
+    let mut rest = path.as_bytes();
+    loop {
+        let cut = (0..rest.len()).find_map(|i| separator(&rest[i..]).map(|n| (i, n)));
+        let segment = cut.map_or(rest, |(i, _)| &rest[..i]);
+        if is_dot_segment(segment) {
+            return true;
         }
-        dots == 1 || dots == 2
-    })
+        match cut {
+            Some((i, n)) => rest = &rest[i + n..],
+            None => return false,
+        }
+    }
+}
+
+/// The length of the segment separator `path` starts with, if it does.
+fn separator(path: &[u8]) -> Option<usize> {
+    match path {
+        [b'/' | b'\\', ..] => Some(1),
+        [b'%', b'2', c, ..] if c.eq_ignore_ascii_case(&b'f') => Some(3),
+        [b'%', b'5', c, ..] if c.eq_ignore_ascii_case(&b'c') => Some(3),
+        _ => None,
+    }
+}
+
+fn is_dot_segment(segment: &[u8]) -> bool {
+    let mut rest = segment;
+    let mut dots = 0;
+    loop {
+        match rest {
+            [] | [b';', ..] => break,
+            [b'%', b'3', c, ..] if c.eq_ignore_ascii_case(&b'b') => break,
+            [b'.', tail @ ..] => rest = tail,
+            [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => rest = tail,
+            _ => return false,
+        }
+        dots += 1;
+    }
+    dots == 1 || dots == 2
 }
 
 /// A port as a client writes one: digits only, 1-65535.
@@ -516,6 +560,12 @@ mod tests {
             "/%2e/",
             "/..;x/a",
             "/a/.;",
+            "/a%2f..%2f..%2fadmin",
+            "/%2e%2e%2Fadmin",
+            "/..\\admin",
+            "/a\\.\\b",
+            "/a/..%3b/b",
+            "/x%5C..%5cy",
         ] {
             assert!(has_dot_segment(path), "{path}");
         }
@@ -525,10 +575,44 @@ mod tests {
             "/.../a",
             "/..a/b",
             "/%2e%2e%2e",
-            "/a%2f../b",
+            "/a%2fb..",
             "/.env",
+            "/a%2Fb",
+            "/x..y/.well-known",
+            "/process.Process/Start",
         ] {
             assert!(!has_dot_segment(path), "{path}");
+        }
+    }
+
+    #[test]
+    fn hosts_by_form() {
+        for ok in [
+            "",
+            "localhost",
+            "127.0.0.1:49982",
+            "[::1]",
+            "[::1]:49982",
+            "[fe80::1%25lo]:1",
+            "3000-isb-1.localhost.",
+            "localhost:",
+            "my_host.localhost",
+        ] {
+            assert!(valid_authority(ok), "{ok}");
+        }
+        for bad in [
+            "user@49983-isb-d.localhost",
+            "evil.example/x.localhost",
+            "evil.example x.localhost",
+            "x:1:49983-isb-1.localhost",
+            "a:b.localhost",
+            "[::1]junk",
+            "[::1]:abc",
+            "[::1]:1:2",
+            "[::1",
+            "::1",
+        ] {
+            assert!(!valid_authority(bad), "{bad}");
         }
     }
 
