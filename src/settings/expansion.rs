@@ -33,11 +33,17 @@ struct Named {
 
 impl<'t> Expansion<'t> {
     pub fn of(text: &'t str) -> Self {
-        let mut named = names(text, longest_variable_name());
+        // Read once: a look-up per name scans the whole environment (getenv), and 40 000
+        // variables made that seconds for a file of many names.
+        let environment: HashMap<String, usize> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.len())))
+            .collect();
+        let longest_variable = environment.keys().map(String::len).max().unwrap_or(0);
+        let mut named = names(text, longest_variable);
         let mut bound = text.len();
         for (name, n) in &mut named {
             // dotenvy looks a name up in the environment first.
-            n.longest = std::env::var_os(name).map_or(0, |v| v.len());
+            n.longest = environment.get(*name).copied().unwrap_or(0);
             bound = bound.saturating_add(n.dollars.saturating_mul(n.longest));
         }
         Expansion { bound, named }
@@ -73,10 +79,6 @@ fn is_key_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_' || c == '.'
 }
 
-fn longest_variable_name() -> usize {
-    std::env::vars_os().map(|(k, _)| k.len()).max().unwrap_or(0)
-}
-
 /// The name after each `$` as dotenvy reads it: `${` up to the next `}`, else the letters
 /// and digits that follow, with the `$`s naming each. Quotes and escapes are not looked
 /// at: a `$` dotenvy leaves alone only adds to a count. A `${…}` holding more than key
@@ -85,6 +87,9 @@ fn longest_variable_name() -> usize {
 /// read to its `}` whatever the distance, `${` repeated over a 1 MiB file took minutes.
 fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
     let mut out: HashMap<&str, Named> = HashMap::new();
+    // The first `}` not behind the scan, kept while it is ahead: looked for afresh from
+    // each unclosed `${`, as far as a long variable name reaches, each `${` cost that far.
+    let mut close = text.find('}');
     let mut rest = text;
     while let Some(at) = rest.find('$') {
         rest = &rest[at + 1..];
@@ -94,11 +99,14 @@ fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
                 if block[key..].starts_with('}') {
                     Some(&block[..key])
                 } else {
+                    let start = text.len() - block.len();
+                    while let Some(c) = close.filter(|&c| c < start) {
+                        close = text[c + 1..].find('}').map(|i| c + 1 + i);
+                    }
                     // `}` is one byte: where it is found is a character boundary.
-                    let near = &block.as_bytes()[..block.len().min(longest_variable + 1)];
-                    near.iter()
-                        .position(|&b| b == b'}')
-                        .map(|end| &block[..end])
+                    close
+                        .filter(|&c| c - start <= longest_variable)
+                        .map(|c| &text[start..c])
                 }
             }
             None => {

@@ -463,10 +463,12 @@ impl Line {
 }
 
 fn entry_starts_at(rest: &str, entry: &str) -> bool {
-    if rest.trim_start().starts_with('#') {
+    // The line alone: trimmed as the rest of the text, a run of blank lines was read
+    // again from each of them (300 000 before a failing line: 25 s).
+    let line = rest.split('\n').next().unwrap_or_default();
+    if line.trim_start().starts_with('#') {
         return false;
     }
-    let line = rest.split('\n').next().unwrap_or_default();
     rest.starts_with(entry)
         || line.find('=').is_some_and(|eq| {
             rest[eq + 1..]
@@ -688,6 +690,10 @@ mod tests {
         }
         assert_eq!(found, [(1, "A"), (4, "C"), (6, "C")]);
         assert!(entry_line(text, "x y", after).is_none());
+        // Blank lines are no comment, whatever follows them.
+        let text = "\n\n# B=x y\n\nB=x y\n";
+        let line = entry_line(text, "B=x y", Line::NONE).expect("found");
+        assert_eq!((line.number, &text[line.start..]), (5, "B=x y\n"));
     }
 
     /// A default (`${VAR:-x}`) or a bare `$NAME` on a line of ours is warned about, naming
