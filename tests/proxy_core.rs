@@ -199,16 +199,23 @@ async fn split_http2_cookies_reach_an_http1_upstream_as_one_field() {
     proxy.finish().await;
 }
 
+/// A listener for an upstream written by hand (answers hyper's server would not give, or
+/// bytes it would hide), and its URL.
+async fn raw_upstream_listener() -> (tokio::net::TcpListener, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    (listener, url)
+}
+
 /// An upstream's 204 that carries a `Content-Length` (RFC 9110 §8.6 forbids it) reaches an
 /// HTTP/2 client as a 204 without one, on both planes: hyper's HTTP/2 server sent the
 /// length with END_STREAM, a malformed answer the client reset, though the log said 204.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_204_with_a_length_reaches_an_http2_client_whole() {
     let pki = Pki::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (listener, url) = raw_upstream_listener().await;
     let upstream = tokio::spawn(async move {
         while let Ok((mut tcp, _)) = listener.accept().await {
             tokio::spawn(async move {
@@ -1026,10 +1033,7 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_absolute_form_target_without_a_path_goes_upstream_with_one() {
     let pki = Pki::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (listener, url) = raw_upstream_listener().await;
     let upstream = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.expect("accept");
         let mut head = Vec::new();
