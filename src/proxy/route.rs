@@ -298,14 +298,13 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     // ending in `.localhost` passed as local (`evil.example/x.localhost`, `a b.localhost`),
     // and userinfo (`user@49983-isb-a.localhost`, which RFC 9110 §4.2.4 makes an error)
     // hid a sandbox's name, so its request went to the control plane with the key.
-    if !valid_authority(host) {
+    let Some(hostname) = host_of(host) else {
         return Err(refused(match parts.uri.authority() {
             Some(_) if parts.version == http::Version::HTTP_2 => "invalid :authority",
             Some(_) => "invalid host in the request target",
             None => "invalid Host header",
         }));
-    }
-    let hostname = strip_port(host);
+    };
     let absolute_form = parts.uri.scheme().is_some() && parts.version < http::Version::HTTP_2;
     if absolute_form && !policy.accepts_target(hostname) {
         return Err(refused(format!(
@@ -406,29 +405,35 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     Ok(Some((port, id)))
 }
 
-/// `host[:port]` as RFC 3986 spells an authority, without userinfo: a host of its
-/// characters (or an IP literal in brackets) and, after one `:`, digits only. Checked by
-/// form, not only by characters: `x:1:49983-isb-a.localhost` and `[::1]junk` left a name
-/// that `strip_port` read otherwise.
-fn valid_authority(authority: &str) -> bool {
+/// The host of `host[:port]` as RFC 3986 spells an authority, without userinfo (an IP
+/// literal keeps its brackets, as in [`strip_port`]): `None` unless the host is of its
+/// characters (or an IP literal in brackets) and, after one `:`, digits only. By form, not
+/// only by characters: `x:1:49983-isb-a.localhost` and `[::1]junk` left a name that
+/// `strip_port` read otherwise.
+fn host_of(authority: &str) -> Option<&str> {
     const SUB_DELIMS: &[u8] = b"-._~!$&'()*+,;=%";
     let host_char = |b: u8| b.is_ascii_alphanumeric() || SUB_DELIMS.contains(&b);
-    let (host_ok, port) = match authority.strip_prefix('[') {
+    let (host, host_ok, port) = match authority.strip_prefix('[') {
         // An IPv6 address (a zone after `%`), or an IPvFuture.
-        Some(literal) => match literal.split_once(']') {
-            Some((inside, port)) => (inside.bytes().all(|b| b == b':' || host_char(b)), port),
-            None => return false,
-        },
+        Some(literal) => {
+            let (inside, port) = literal.split_once(']')?;
+            let host = &authority[..inside.len() + 2];
+            (
+                host,
+                inside.bytes().all(|b| b == b':' || host_char(b)),
+                port,
+            )
+        }
         None => {
             let (host, port) = authority.split_at(authority.rfind(':').unwrap_or(authority.len()));
-            (host.bytes().all(host_char), port)
+            (host, host.bytes().all(host_char), port)
         }
     };
-    host_ok
-        && (port.is_empty()
-            || port
-                .strip_prefix(':')
-                .is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())))
+    let port_ok = port.is_empty()
+        || port
+            .strip_prefix(':')
+            .is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()));
+    (host_ok && port_ok).then_some(host)
 }
 
 /// Whether a segment of `path` is `.` or `..`: percent-encoded (`%2e`) or not, with
@@ -598,7 +603,7 @@ mod tests {
             "localhost:",
             "my_host.localhost",
         ] {
-            assert!(valid_authority(ok), "{ok}");
+            assert_eq!(host_of(ok), Some(strip_port(ok)), "{ok}");
         }
         for bad in [
             "user@49983-isb-d.localhost",
@@ -612,7 +617,7 @@ mod tests {
             "[::1",
             "::1",
         ] {
-            assert!(!valid_authority(bad), "{bad}");
+            assert!(host_of(bad).is_none(), "{bad}");
         }
     }
 
