@@ -11,7 +11,7 @@
 //! before each entry, that keeps every expansion under [`LIMIT`] whatever the file's lines
 //! are made of: the bound needs no parse of its own of which entry a `$` belongs to.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Far beyond what a real `.env` (a few short references) expands to, and an allocation a
 /// sidecar survives.
@@ -35,11 +35,17 @@ impl<'t> Expansion<'t> {
     pub fn of(text: &'t str) -> Self {
         // Read once: a look-up per name scans the whole environment (getenv), and 40 000
         // variables made that seconds for a file of many names.
-        let environment: HashMap<String, usize> = std::env::vars_os()
-            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.len())))
-            .collect();
-        let longest_variable = environment.keys().map(String::len).max().unwrap_or(0);
-        let mut named = names(text, longest_variable);
+        let mut environment: HashMap<String, usize> = HashMap::new();
+        for (name, value) in std::env::vars_os() {
+            let Ok(name) = name.into_string() else {
+                continue;
+            };
+            // A name set twice: glibc's getenv gives the first, another libc may not.
+            let longest = environment.entry(name).or_default();
+            *longest = (*longest).max(value.len());
+        }
+        let lengths = environment.keys().map(String::len).collect();
+        let mut named = names(text, &lengths);
         let mut bound = text.len();
         for (name, n) in &mut named {
             // dotenvy looks a name up in the environment first.
@@ -82,10 +88,11 @@ fn is_key_char(c: char) -> bool {
 /// The name after each `$` as dotenvy reads it: `${` up to the next `}`, else the letters
 /// and digits that follow, with the `$`s naming each. Quotes and escapes are not looked
 /// at: a `$` dotenvy leaves alone only adds to a count. A `${…}` holding more than key
-/// characters can only name an environment variable, so it is looked for no further
-/// than the longest variable name reaches, and not counted beyond that (it names nothing):
-/// read to its `}` whatever the distance, `${` repeated over a 1 MiB file took minutes.
-fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
+/// characters can only name an environment variable: it is counted only when it is as
+/// long as one of theirs (else it names nothing). Read to its `}` whatever the length,
+/// `${` repeated over a 1 MiB file took minutes, and seconds still when every one as long
+/// as the longest variable name was.
+fn names<'t>(text: &'t str, variable_lengths: &HashSet<usize>) -> HashMap<&'t str, Named> {
     let mut out: HashMap<&str, Named> = HashMap::new();
     // The first `}` not behind the scan, kept while it is ahead: looked for afresh from
     // each unclosed `${`, as far as a long variable name reaches, each `${` cost that far.
@@ -105,7 +112,7 @@ fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
                     }
                     // `}` is one byte: where it is found is a character boundary.
                     close
-                        .filter(|&c| c - start <= longest_variable)
+                        .filter(|&c| variable_lengths.contains(&(c - start)))
                         .map(|c| &text[start..c])
                 }
             }
@@ -132,8 +139,8 @@ fn names(text: &str, longest_variable: usize) -> HashMap<&str, Named> {
 mod tests {
     use super::*;
 
-    fn counted(text: &str, longest_variable: usize) -> Vec<(&str, usize)> {
-        let mut got: Vec<_> = names(text, longest_variable)
+    fn counted(text: &str, variable_length: usize) -> Vec<(&str, usize)> {
+        let mut got: Vec<_> = names(text, &HashSet::from([variable_length]))
             .into_iter()
             .map(|(name, n)| (name, n.dollars))
             .collect();
@@ -145,7 +152,7 @@ mod tests {
     fn names_are_read_as_dotenvy_reads_them() {
         let text = "A=${B_1}x$C2_d ${B_1}\nE='$F'\\$G$ ${a:-b} ${unclosed";
         assert_eq!(
-            counted(text, 8),
+            counted(text, 4),
             [
                 ("", 1),
                 ("B_1", 2),
@@ -155,8 +162,9 @@ mod tests {
                 ("a:-b", 1)
             ]
         );
-        // Past the longest variable name, a name with more than key characters is none.
+        // A name with more than key characters is one only as long as a variable's.
         assert_eq!(counted("${a:-b}", 3), []);
+        assert_eq!(counted("${a:-b}", 5), []);
         assert_eq!(counted("${a:-b}", 4), [("a:-b", 1)]);
     }
 
@@ -184,7 +192,7 @@ mod tests {
     fn a_file_of_open_blocks_names_little() {
         for end in ["", "}"] {
             let text = format!("A={}{end}", "${".repeat(512 * 1024));
-            let named = names(&text, 16);
+            let named = names(&text, &(1..=16).collect());
             assert!(named.len() <= 9, "{}", named.len());
         }
     }

@@ -133,12 +133,18 @@ fn substitution_warnings(text: &str, shown: &str, parsed: &HashMap<String, Strin
     let mut out = Vec::new();
     // dotenvy looks a `${NAME}` up in the environment, then among the lines above it.
     let mut above: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    // Read once, as `env::var` would find them: a look-up per reference scans the whole
+    // environment (getenv), seconds for a file of many references beside 40 000 variables.
+    let environment: std::collections::HashSet<String> = std::env::vars_os()
+        .filter(|(_, value)| value.to_str().is_some())
+        .filter_map(|(name, _)| name.into_string().ok())
+        .collect();
     for (i, line) in text.lines().enumerate() {
         let (Some(name), Some((_, value))) = (line_name(line), line.split_once('=')) else {
             continue;
         };
         let defined = |var: &str| {
-            (above.contains(&var) && parsed.contains_key(var)) || std::env::var(var).is_ok()
+            (above.contains(&var) && parsed.contains_key(var)) || environment.contains(var)
         };
         let dollar = risky_dollar(value, &defined);
         above.insert(name);
