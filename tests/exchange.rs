@@ -83,6 +83,14 @@ async fn harness(
 }
 
 impl Harness {
+    /// The next event, which must be a successful exchange.
+    async fn next_success(&mut self) {
+        let event = self.next_event().await;
+        let ExchangeEvent::Success { .. } = event else {
+            panic!("{event:?}; fake rejections: {:?}", self.fake.rejections());
+        };
+    }
+
     async fn next_event(&mut self) -> ExchangeEvent {
         match tokio::time::timeout(GUARD, self.events.recv()).await {
             Ok(Some(e)) => e,
@@ -260,10 +268,7 @@ async fn cold_start_with_500_concurrent_callers_makes_one_exchange() {
             let key = c.await.expect("join").expect("a key");
             keys.push(key.expose().to_string());
         }
-        assert!(matches!(
-            h.next_event().await,
-            ExchangeEvent::Success { .. }
-        ));
+        h.next_success().await;
         keys.dedup();
         assert_eq!(keys, h.fake.issued_keys(), "{scheme:?}");
         assert_eq!(h.fake.calls(), 1, "{scheme:?}");
@@ -327,10 +332,7 @@ async fn keys_of_nine_seconds_are_not_paced() {
     .await;
     let start = h.now();
     for n in 0..6u32 {
-        assert!(matches!(
-            h.next_event().await,
-            ExchangeEvent::Success { .. }
-        ));
+        h.next_success().await;
         assert_eq!(h.now(), start + Duration::from_secs(4) * n);
         h.clock.until_sleepers(1).await;
         h.clock.advance_to_next_sleeper().await;
@@ -375,10 +377,7 @@ async fn refresh_happens_before_expiry_without_errors() {
     // And again, 10 s later.
     h.clock.advance_to_next_sleeper().await;
     assert_eq!(h.now(), start + Duration::from_secs(20));
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     assert_eq!(h.fake.calls(), 3);
     assert_eq!(h.source.failures(), 0);
 }
@@ -393,16 +392,10 @@ async fn a_refused_key_is_replaced_early_at_most_once_per_gap() {
         f.set_ttl(Some(Duration::from_secs(3600)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let first = h.key().await;
     assert!(h.source.refused(&Secret::new(first.as_str())));
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let second = h.key().await;
     assert_ne!(second, first);
     assert_eq!(h.fake.calls(), 2);
@@ -450,10 +443,7 @@ async fn a_refused_keys_replacement_is_the_refresh_it_asked_for_or_none() {
         f.set_ttl(Some(Duration::from_secs(3600)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let first = h.key().await;
     assert!(h.source.refused(&Secret::new(first.as_str())));
     let second = replacement_of(&h.source, &first)
@@ -482,10 +472,7 @@ async fn a_refused_keys_replacement_is_the_refresh_it_asked_for_or_none() {
         "the refresh failed"
     );
     assert_eq!(h.fake.calls(), 3);
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     assert_eq!(h.next_event().await, ExchangeEvent::Failure);
     assert_eq!(
         replacement_of(&h.source, &second).await,
@@ -504,10 +491,7 @@ async fn a_retired_source_gives_no_replacement() {
         f.set_ttl(Some(Duration::from_secs(3600)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let first = h.key().await;
     h.fake.hold();
     assert!(h.source.refused(&Secret::new(first.as_str())));
@@ -557,10 +541,7 @@ async fn a_retired_or_dropped_source_makes_no_more_exchanges() {
             f.set_ttl(Some(Duration::from_secs(3600)))
         })
         .await;
-        assert!(matches!(
-            h.next_event().await,
-            ExchangeEvent::Success { .. }
-        ));
+        h.next_success().await;
         h.clock.until_sleepers(1).await;
         if retire {
             h.source.retire();
@@ -591,20 +572,14 @@ async fn a_request_past_the_refresh_point_wakes_the_refresher() {
         f.set_ttl(Some(Duration::from_secs(3600)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     // No request before the jump: any earlier wake-up could carry the refresher over it.
     let first = h.fake.issued_keys()[0].clone();
     h.clock.until_sleepers(1).await;
     // Past the refresh point (5 min before expiry), still 4 min from the key's end.
     h.clock.jump(Duration::from_secs(3600 - 240));
     assert_eq!(h.key().await, first, "the key still works");
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     assert_ne!(h.key().await, first);
     assert_eq!(h.fake.calls(), 2);
 }
@@ -615,9 +590,7 @@ impl Harness {
         if !self.source.refused(&Secret::new(key)) {
             return None;
         }
-        let ExchangeEvent::Success { .. } = self.next_event().await else {
-            panic!("early refresh failed: {:?}", self.fake.rejections());
-        };
+        self.next_success().await;
         let new = self.key().await;
         assert_ne!(new, key);
         Some(new)
@@ -635,10 +608,7 @@ async fn refusals_in_a_row_back_off_until_a_scheduled_refresh_or_an_accepted_key
         f.set_ttl(Some(Duration::from_secs(TTL)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let first = h.key().await;
     let mut key = h
         .refuse(&first)
@@ -662,10 +632,7 @@ async fn refusals_in_a_row_back_off_until_a_scheduled_refresh_or_an_accepted_key
     let issued_at = h.now();
     h.clock
         .advance_to(issued_at + Duration::from_secs(TTL - 300));
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     key = h.key().await;
     key = h
         .refuse(&key)
@@ -701,10 +668,7 @@ async fn failing_refresh_serves_the_old_key_until_5s_before_expiry_then_recovers
     })
     .await;
     let start = h.now();
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let first = h.key().await;
 
     h.fake.set_mode(Mode::Fail500);
@@ -731,9 +695,7 @@ async fn failing_refresh_serves_the_old_key_until_5s_before_expiry_then_recovers
     // Retries continue with growing delays; once the endpoint is back, so is the key.
     h.fake.set_mode(Mode::Ok);
     h.clock.advance_to_next_sleeper().await;
-    let ExchangeEvent::Success { .. } = h.next_event().await else {
-        panic!("recovery failed: {:?}", h.fake.rejections());
-    };
+    h.next_success().await;
     let second = h.key().await;
     assert_ne!(second, first);
     assert!(h.source.ready());
@@ -849,10 +811,7 @@ async fn secrets_and_keys_never_show_in_debug_or_errors() {
         f.set_ttl(Some(Duration::from_secs(20)))
     })
     .await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let key = h.key().await;
     let cfg = config(&h.fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET);
     let ex = HttpExchanger::new(cfg.clone(), client());
@@ -927,10 +886,7 @@ async fn a_key_that_cannot_be_a_header_value_is_a_failed_exchange() {
     // Retried with backoff: once the endpoint issues a usable key, it is served.
     h.fake.set_mode(Mode::Ok);
     h.clock.advance_to_next_sleeper().await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     assert!(h.source.ready());
     assert_eq!(h.key().await, h.fake.issued_keys()[0]);
 }
@@ -976,10 +932,7 @@ async fn throttling_is_unavailable_not_a_configuration_error() {
     }
     h.fake.set_mode(Mode::Ok);
     h.clock.advance_to_next_sleeper().await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     assert!(h.source.ready());
 }
 
@@ -1058,10 +1011,7 @@ async fn a_key_that_ran_out_while_the_machine_slept_waits_for_its_refresh() {
     })
     .await;
     let first = h.key().await;
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     h.fake.hold();
     h.clock.advance(Duration::from_secs(5 * 3600));
     // The refresher woke and its exchange is at the fake, held: the request must wait.
@@ -1123,10 +1073,7 @@ async fn a_key_that_ran_out_during_a_slow_refresh_begun_on_time_is_refused_at_on
         Err(_) => panic!("the request waited for a refresh begun on time"),
     }
     h.fake.release();
-    assert!(matches!(
-        h.next_event().await,
-        ExchangeEvent::Success { .. }
-    ));
+    h.next_success().await;
     let second = h.key().await;
     assert_ne!(second, first);
 }
