@@ -776,37 +776,32 @@ impl Pool {
         head: Head,
         sent: Sent,
     ) -> Response<ProxyBody> {
-        let (reusable, upload) = match sent.rest {
-            None => (head.keep_alive && sent.keep, None),
-            // An answer before the whole request went up. A 2xx one (a stream answering
-            // as it reads, as an echo does) gets the rest alongside its body, as curl and
-            // hyper's client do; any other (a 413, a 401) ends the upload, as in curl and
-            // RFC 9110 §15.5 ("the client SHOULD stop sending"). Either way the
-            // connection is not used again, as nginx's is not: whether the server read
-            // the rest or left it to be read as its next request is unknowable, and an
-            // upstream that answered early and skipped the body gave the next client of
-            // the connection the answer to a request hidden in this one's body.
-            Some(rest) if head.status.is_success() => (false, Some(rest)),
-            Some(_) => (false, None),
-        };
-        // An answer complete with its head has nothing to carry the upload on: it ends,
-        // and the connection with it.
-        let done = reusable && upload.is_none();
+        // An answer before the whole request went up. A 2xx one (a stream answering as it
+        // reads, as an echo does) gets the rest alongside its body, as curl and hyper's
+        // client do; any other (a 413, a 401) ends the upload, as in curl and RFC 9110
+        // §15.5 ("the client SHOULD stop sending"). Either way the connection is not used
+        // again, as nginx's is not: whether the server read the rest or left it to be read
+        // as its next request is unknowable, and an upstream that answered early and
+        // skipped the body gave the next client of the connection the answer to a request
+        // hidden in this one's body. (An answer complete with its head has nothing to
+        // carry the upload on: it ends there.)
+        let reusable = sent.rest.is_none() && head.keep_alive && sent.keep;
+        let upload = sent.rest.filter(|_| head.status.is_success());
         #[cfg(target_os = "linux")]
         let mut offer = None;
         let body = match head.body {
             BodyKind::None => {
-                self.release(conn, done);
+                self.release(conn, reusable);
                 body::empty()
             }
             BodyKind::Length(0) => {
-                self.release(conn, done);
+                self.release(conn, reusable);
                 body::empty()
             }
             // The whole body came with the head: no state to keep.
             BodyKind::Length(n) if conn.rbuf.len() as u64 >= n => {
                 let bytes = conn.rbuf.split_to(n as usize).freeze();
-                self.release(conn, done);
+                self.release(conn, reusable);
                 body::full(bytes)
             }
             kind => {
@@ -1450,9 +1445,10 @@ struct PoolBody {
 impl PoolBody {
     fn release(&mut self) {
         self.state = Decode::Done;
-        let whole = self.upload.take().is_none();
+        // An upload still going ends here (`reusable` is false wherever there was one).
+        self.upload = None;
         if let Some(conn) = self.conn.take() {
-            self.pool.release(conn, self.reusable && whole);
+            self.pool.release(conn, self.reusable);
         }
     }
 
