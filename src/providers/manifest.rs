@@ -81,370 +81,13 @@ impl Manifest {
     }
 
     pub fn parse(text: &str, path: &str) -> Result<Self, Error> {
-        let err = |needle: &str, reason: String| Error::Manifest {
-            path: path.to_string(),
-            line: line_of(text, needle),
-            reason,
-        };
-        // For errors about a key: the line that sets it, not the first that mentions it.
-        let err_key = |key: &str, reason: String| Error::Manifest {
-            path: path.to_string(),
-            line: key_line(text, key),
-            reason,
-        };
-        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Manifest {
-            path: path.to_string(),
-            line: e
-                .span()
-                // Counting `lines()` before the offset put an error at the start of a
-                // line on the line above.
-                .map(|s| crate::settings::layers::line_of(text, s.start))
-                .unwrap_or(0),
-            reason: "invalid TOML".into(),
-        })?;
-        // `provider install` prints the manifest for the user to consent on: an escape
-        // sequence in a string (`\u001b[8m` conceals the rest of the screen) would hide
-        // the inherit list being consented to, a newline would forge lines of its own.
-        if let Some(key) = control_character(&table) {
-            return Err(Error::Manifest {
-                path: path.to_string(),
-                // A key spelled with escapes is not in the text as is: its table's line.
-                line: key
-                    .iter()
-                    .rev()
-                    .map(|k| key_line(text, k))
-                    .find(|l| *l != 0)
-                    .unwrap_or(0),
-                reason: format!("{}: control characters are not accepted", key.join(".")),
-            });
-        }
-
-        match table.get("manifest_version") {
-            Some(toml::Value::Integer(MANIFEST_VERSION)) => {}
-            Some(v) => {
-                return Err(err(
-                    "manifest_version",
-                    format!(
-                        "unsupported manifest_version {v} (this build reads {MANIFEST_VERSION})"
-                    ),
-                ))
-            }
-            None => return Err(err("", "missing manifest_version".into())),
-        }
-        for key in table.keys() {
-            if !["manifest_version", "provider", "endpoint", "config", "core"]
-                .contains(&key.as_str())
-            {
-                return Err(err(key, format!("unknown table or key {key:?}")));
-            }
-        }
-
-        // A key misspelt, or of the wrong type, is refused rather than read as absent:
-        // `envd_domainn` would leave the provider without an envd plane, unnoticed.
-        let provider = table_at(&table, "provider", "provider", &err_key)?
-            .ok_or_else(|| err("", "missing [provider]".into()))?;
-        known_keys(provider, "provider", &["id", "description"], &err_key)?;
-        let id = string(provider, "id", "provider.id", &err_key)?
-            .ok_or_else(|| err("[provider]", "missing provider.id".into()))?;
-        if !valid_id(&id) {
-            return Err(err_key(
-                "id",
-                format!("provider id {id:?}: lower-case letters, digits and dashes only"),
-            ));
-        }
-        if id == crate::providers::BUILTIN {
-            return Err(err_key(
-                "id",
-                "provider id alicloud-express is built in".into(),
-            ));
-        }
-        let description = string(provider, "description", "provider.description", &err_key)?;
-
-        let endpoint = table_at(&table, "endpoint", "endpoint", &err_key)?
-            .ok_or_else(|| err("", "missing [endpoint]".into()))?;
-        known_keys(
-            endpoint,
-            "endpoint",
-            &["base_url", "envd_domain", "auth"],
-            &err_key,
-        )?;
-        let base_url = string(endpoint, "base_url", "endpoint.base_url", &err_key)?
-            .ok_or_else(|| err("[endpoint]", "missing endpoint.base_url".into()))?;
-        // The check `serve` makes, here: a bad value installed fine and failed only there.
-        if let Err(e) = upstream_url(&id, &base_url) {
-            let reason = match e {
-                Error::InvalidSetting { reason, .. } => reason,
-                other => other.to_string(),
-            };
-            // The value as `config list` shows it: a refused URL may carry a password.
-            let shown = shown(&base_url, &[]);
-            return Err(err_key(
-                "base_url",
-                format!("endpoint.base_url {shown:?}: {reason}"),
-            ));
-        }
-        let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", &err_key)?;
-        if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
-            return Err(err_key(
-                "envd_domain",
-                format!(
-                    "endpoint.envd_domain {:?}: {}",
-                    shown(d, &[]),
-                    values::DOMAIN_EXPECTED
-                ),
-            ));
-        }
-        let auth = table_at(endpoint, "auth", "endpoint.auth", &err_key)?
-            .ok_or_else(|| err("[endpoint]", "missing endpoint.auth".into()))?;
-        known_keys(auth, "endpoint.auth", &["scheme", "header"], &err_key)?;
-        let header = string(auth, "header", "auth.header", &err_key)?;
-        let auth = match string(auth, "scheme", "auth.scheme", &err_key)?.as_deref() {
-            Some("bearer") => {
-                if header.is_some() {
-                    return Err(err_key(
-                        "header",
-                        "auth.header is for auth.scheme = \"header\"; \"bearer\" sends Authorization".into(),
-                    ));
-                }
-                AuthKind::Bearer
-            }
-            Some("header") => {
-                let header = header.ok_or_else(|| {
-                    err(
-                        "scheme",
-                        "auth.scheme = \"header\" needs auth.header".into(),
-                    )
-                })?;
-                let Ok(name) = http::HeaderName::from_bytes(header.as_bytes()) else {
-                    return Err(err(
-                        "auth.header",
-                        format!("auth.header {header:?} is not a valid header name"),
-                    ));
-                };
-                if !auth_header_allowed(&name) {
-                    return Err(err(
-                        "auth.header",
-                        format!(
-                            "auth.header {header:?}: the key cannot be sent as a header that frames or routes the request (host, content-length, transfer-encoding, connection, proxy-*, …) or that the proxy sets for envd"
-                        ),
-                    ));
-                }
-                AuthKind::Header(header)
-            }
-            Some(other) => {
-                return Err(err(
-                    "scheme",
-                    format!("auth.scheme {other:?}: expected \"bearer\" or \"header\""),
-                ))
-            }
-            None => return Err(err("auth", "missing auth.scheme".into())),
-        };
-
-        let mut fields = BTreeMap::new();
-        if let Some(config) = table_at(&table, "config", "config", &err_key)? {
-            known_keys(config, "config", &["fields"], &err_key)?;
-            let empty = toml::Table::new();
-            let defs = table_at(config, "fields", "config.fields", &err_key)?.unwrap_or(&empty);
-            for (name, def) in defs {
-                let toml::Value::Table(def) = def else {
-                    return Err(err(name, format!("config.fields.{name} must be a table")));
-                };
-                if !name
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                {
-                    return Err(err(
-                        name,
-                        format!("field name {name:?}: lower-case letters, digits and _ only"),
-                    ));
-                }
-                let secret = match def.get("secret") {
-                    None => false,
-                    Some(toml::Value::Boolean(b)) => *b,
-                    Some(_) => {
-                        return Err(err(
-                            "secret",
-                            format!("config.fields.{name}.secret must be true or false"),
-                        ))
-                    }
-                };
-                let aliases = match def.get("env") {
-                    None => Vec::new(),
-                    Some(toml::Value::Array(a)) => a
-                        .iter()
-                        .map(|v| v.as_str().map(str::to_string))
-                        .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| {
-                            err(
-                                name,
-                                format!("config.fields.{name}.env must be a list of strings"),
-                            )
-                        })?,
-                    Some(_) => {
-                        return Err(err(
-                            name,
-                            format!("config.fields.{name}.env must be a list of strings"),
-                        ))
-                    }
-                };
-                for alias in &aliases {
-                    if let Some(spec) = built_in_env(alias) {
-                        return Err(err(alias, format!(
-                            "env alias {alias:?} is reserved: it is the built-in setting {}'s variable, and a plugin never reads the built-in settings",
-                            spec.name
-                        )));
-                    }
-                    if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
-                        return Err(err(alias, format!(
-                            "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
-                        )));
-                    }
-                    if alias.is_empty()
-                        || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-                    {
-                        // An empty needle is line 1: point at the field instead.
-                        return Err(err(
-                            if alias.is_empty() { name } else { alias },
-                            format!("env alias {alias:?} is not a valid variable name"),
-                        ));
-                    }
-                }
-                let default = def.get("default").map(|v| match v {
-                    toml::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                });
-                if secret && default.is_some() {
-                    return Err(err(
-                        name,
-                        format!("secret field {name} cannot have a default"),
-                    ));
-                }
-                // Their default is `[endpoint]`'s; one here would be silently ignored.
-                if default.is_some() && ["base_url", "envd_domain"].contains(&name.as_str()) {
-                    return Err(err_key(
-                        "default",
-                        format!(
-                            "field {name} cannot have a default: it defaults to endpoint.{name}"
-                        ),
-                    ));
-                }
-                known_keys(
-                    def,
-                    &format!("config.fields.{name}"),
-                    &["secret", "env", "default", "description"],
-                    &err_key,
-                )?;
-                string(
-                    def,
-                    "description",
-                    &format!("config.fields.{name}.description"),
-                    &err_key,
-                )?;
-                fields.insert(
-                    name.clone(),
-                    Field {
-                        name: name.clone(),
-                        secret,
-                        aliases,
-                        default,
-                    },
-                );
-            }
-        }
-        // `ABX_<ID>_<FIELD>` can spell a built-in variable (`sandbox` + `api_key` is
-        // `ABX_SANDBOX_API_KEY`): that field would be handed the built-in key, with no
-        // consent asked, and send it to the plugin's hosts.
-        for name in fields.keys() {
-            let env = canonical_env(&id, name);
-            if let Some(spec) = built_in_env(&env) {
-                return Err(err(
-                    name,
-                    format!(
-                        "field {name}: its variable {env} is the built-in setting {}'s; choose another provider id or field name",
-                        spec.name
-                    ),
-                ));
-            }
-        }
-        // One variable, one field: read by a secret field and a plain one, the key would be
-        // the plain one's value too, shown in clear by `config`, and as `base_url` or
-        // `envd_domain` looked up in DNS and sent plain `http` to a host of its own.
-        let mut readers: BTreeMap<&str, &str> = BTreeMap::new();
-        for field in fields.values() {
-            for alias in &field.aliases {
-                match readers.insert(alias, &field.name) {
-                    Some(other) if other != field.name => {
-                        return Err(err(
-                            alias,
-                            format!(
-                                "env alias {alias:?} is read by fields {other} and {}: a variable may name one field only",
-                                field.name
-                            ),
-                        ))
-                    }
-                    _ => {}
-                }
-            }
-        }
-        if fields.get("base_url").is_some_and(|f| f.secret) {
-            return Err(err("base_url", "field base_url cannot be secret".into()));
-        }
-        // A secret is shown masked, and the masked value then failed the domain check.
-        if fields.get("envd_domain").is_some_and(|f| f.secret) {
-            return Err(err(
-                "fields.envd_domain",
-                "field envd_domain cannot be secret".into(),
-            ));
-        }
-        // The key the proxy attaches: as a plain field it would be printed by `config`,
-        // read from config.toml and taken from the command line, where `ps` shows it.
-        match fields.get("api_key") {
-            Some(f) if !f.secret => {
-                return Err(err(
-                    "[config.fields.api_key]",
-                    "field api_key holds the provider's key and must be `secret = true`".into(),
-                ))
-            }
-            Some(_) => {}
-            // Without it nothing is read as the key (nor the inherited one, which stands in
-            // for it): the provider would install, consent included, and never start.
-            None => {
-                return Err(err(
-                    if text.contains("[config") { "[config" } else { "" },
-                    "missing [config.fields.api_key] (`secret = true`): the provider's key, which the proxy attaches to every request".into(),
-                ))
-            }
-        }
-
-        let mut inherit = Vec::new();
-        if let Some(core) = table_at(&table, "core", "core", &err_key)? {
-            known_keys(core, "core", &["inherit"], &err_key)?;
-            if let Some(list) = core.get("inherit") {
-                let list = list
-                    .as_array()
-                    .and_then(|a| {
-                        a.iter()
-                            .map(|v| v.as_str().map(str::to_string))
-                            .collect::<Option<Vec<_>>>()
-                    })
-                    .ok_or_else(|| {
-                        err("inherit", "core.inherit must be a list of strings".into())
-                    })?;
-                for key in &list {
-                    if !INHERITABLE.contains(&key.as_str()) {
-                        return Err(err(
-                            key,
-                            format!(
-                                "core.inherit: {key:?} cannot be inherited (only {})",
-                                INHERITABLE.join(", ")
-                            ),
-                        ));
-                    }
-                }
-                inherit = list;
-            }
-        }
-
+        let at = &At { text, path };
+        let table = read_table(at)?;
+        check_version(&table, at)?;
+        let (id, description) = provider(&table, at)?;
+        let (base_url, envd_domain, auth) = endpoint(&table, &id, at)?;
+        let fields = fields(&table, &id, at)?;
+        let inherit = inherit(&table, at)?;
         Ok(Manifest {
             id,
             description,
@@ -455,6 +98,403 @@ impl Manifest {
             inherit,
         })
     }
+}
+
+/// Where an E8001 points: the manifest's path, and the line in its text.
+struct At<'a> {
+    text: &'a str,
+    path: &'a str,
+}
+
+impl At<'_> {
+    fn at_line(&self, line: usize, reason: String) -> Error {
+        Error::Manifest {
+            path: self.path.to_string(),
+            line,
+            reason,
+        }
+    }
+
+    /// At the first line mentioning `needle`.
+    fn mention(&self, needle: &str, reason: String) -> Error {
+        self.at_line(line_of(self.text, needle), reason)
+    }
+
+    /// At the line that sets `key`, not the first that mentions it.
+    fn key(&self, key: &str, reason: String) -> Error {
+        self.at_line(key_line(self.text, key), reason)
+    }
+}
+
+/// The manifest as TOML, with no control character in a key or a string.
+fn read_table(at: &At) -> Result<toml::Table, Error> {
+    let table: toml::Table = at.text.parse().map_err(|e: toml::de::Error| {
+        // Counting `lines()` before the offset put an error at the start of a line on the
+        // line above.
+        let line = e
+            .span()
+            .map_or(0, |s| crate::settings::layers::line_of(at.text, s.start));
+        at.at_line(line, "invalid TOML".into())
+    })?;
+    // `provider install` prints the manifest for the user to consent on: an escape
+    // sequence in a string (`\u001b[8m` conceals the rest of the screen) would hide the
+    // inherit list being consented to, a newline would forge lines of its own.
+    if let Some(key) = control_character(&table) {
+        // A key spelled with escapes is not in the text as is: its table's line.
+        let line = key
+            .iter()
+            .rev()
+            .map(|k| key_line(at.text, k))
+            .find(|l| *l != 0)
+            .unwrap_or(0);
+        return Err(at.at_line(
+            line,
+            format!("{}: control characters are not accepted", key.join(".")),
+        ));
+    }
+    Ok(table)
+}
+
+/// `manifest_version`, and no top-level table or key this build does not read.
+fn check_version(table: &toml::Table, at: &At) -> Result<(), Error> {
+    match table.get("manifest_version") {
+        Some(toml::Value::Integer(MANIFEST_VERSION)) => {}
+        Some(v) => {
+            return Err(at.mention(
+                "manifest_version",
+                format!("unsupported manifest_version {v} (this build reads {MANIFEST_VERSION})"),
+            ))
+        }
+        None => return Err(at.mention("", "missing manifest_version".into())),
+    }
+    for key in table.keys() {
+        if !["manifest_version", "provider", "endpoint", "config", "core"].contains(&key.as_str()) {
+            return Err(at.mention(key, format!("unknown table or key {key:?}")));
+        }
+    }
+    Ok(())
+}
+
+/// `[provider]`: the id and the description.
+fn provider(table: &toml::Table, at: &At) -> Result<(String, Option<String>), Error> {
+    // A key misspelt, or of the wrong type, is refused rather than read as absent:
+    // `envd_domainn` would leave the provider without an envd plane, unnoticed.
+    let provider = table_at(table, "provider", "provider", at)?
+        .ok_or_else(|| at.mention("", "missing [provider]".into()))?;
+    known_keys(provider, "provider", &["id", "description"], at)?;
+    let id = string(provider, "id", "provider.id", at)?
+        .ok_or_else(|| at.mention("[provider]", "missing provider.id".into()))?;
+    if !valid_id(&id) {
+        return Err(at.key(
+            "id",
+            format!("provider id {id:?}: lower-case letters, digits and dashes only"),
+        ));
+    }
+    if id == crate::providers::BUILTIN {
+        return Err(at.key("id", "provider id alicloud-express is built in".into()));
+    }
+    let description = string(provider, "description", "provider.description", at)?;
+    Ok((id, description))
+}
+
+/// `[endpoint]`: the base URL, the envd domain and how the key is sent.
+fn endpoint(
+    table: &toml::Table,
+    id: &str,
+    at: &At,
+) -> Result<(String, Option<String>, AuthKind), Error> {
+    let endpoint = table_at(table, "endpoint", "endpoint", at)?
+        .ok_or_else(|| at.mention("", "missing [endpoint]".into()))?;
+    known_keys(
+        endpoint,
+        "endpoint",
+        &["base_url", "envd_domain", "auth"],
+        at,
+    )?;
+    let base_url = string(endpoint, "base_url", "endpoint.base_url", at)?
+        .ok_or_else(|| at.mention("[endpoint]", "missing endpoint.base_url".into()))?;
+    // The check `serve` makes, here: a bad value installed fine and failed only there.
+    if let Err(e) = upstream_url(id, &base_url) {
+        let reason = match e {
+            Error::InvalidSetting { reason, .. } => reason,
+            other => other.to_string(),
+        };
+        // The value as `config list` shows it: a refused URL may carry a password.
+        let shown = shown(&base_url, &[]);
+        return Err(at.key("base_url", format!("endpoint.base_url {shown:?}: {reason}")));
+    }
+    let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", at)?;
+    if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
+        return Err(at.key(
+            "envd_domain",
+            format!(
+                "endpoint.envd_domain {:?}: {}",
+                shown(d, &[]),
+                values::DOMAIN_EXPECTED
+            ),
+        ));
+    }
+    Ok((base_url, envd_domain, auth(endpoint, at)?))
+}
+
+/// `[endpoint.auth]`: how the key is sent.
+fn auth(endpoint: &toml::Table, at: &At) -> Result<AuthKind, Error> {
+    let auth = table_at(endpoint, "auth", "endpoint.auth", at)?
+        .ok_or_else(|| at.mention("[endpoint]", "missing endpoint.auth".into()))?;
+    known_keys(auth, "endpoint.auth", &["scheme", "header"], at)?;
+    let header = string(auth, "header", "auth.header", at)?;
+    let auth = match string(auth, "scheme", "auth.scheme", at)?.as_deref() {
+        Some("bearer") => {
+            if header.is_some() {
+                return Err(at.key(
+                    "header",
+                    "auth.header is for auth.scheme = \"header\"; \"bearer\" sends Authorization"
+                        .into(),
+                ));
+            }
+            AuthKind::Bearer
+        }
+        Some("header") => {
+            let header = header.ok_or_else(|| {
+                at.mention(
+                    "scheme",
+                    "auth.scheme = \"header\" needs auth.header".into(),
+                )
+            })?;
+            let Ok(name) = http::HeaderName::from_bytes(header.as_bytes()) else {
+                return Err(at.mention(
+                    "auth.header",
+                    format!("auth.header {header:?} is not a valid header name"),
+                ));
+            };
+            if !auth_header_allowed(&name) {
+                return Err(at.mention(
+                    "auth.header",
+                    format!(
+                        "auth.header {header:?}: the key cannot be sent as a header that frames or routes the request (host, content-length, transfer-encoding, connection, proxy-*, …) or that the proxy sets for envd"
+                    ),
+                ));
+            }
+            AuthKind::Header(header)
+        }
+        Some(other) => {
+            return Err(at.mention(
+                "scheme",
+                format!("auth.scheme {other:?}: expected \"bearer\" or \"header\""),
+            ))
+        }
+        None => return Err(at.mention("auth", "missing auth.scheme".into())),
+    };
+    Ok(auth)
+}
+
+/// `[config.fields]`, each field checked alone, then against the others and the built-in
+/// settings.
+fn fields(table: &toml::Table, id: &str, at: &At) -> Result<BTreeMap<String, Field>, Error> {
+    let mut fields = BTreeMap::new();
+    if let Some(config) = table_at(table, "config", "config", at)? {
+        known_keys(config, "config", &["fields"], at)?;
+        let empty = toml::Table::new();
+        let defs = table_at(config, "fields", "config.fields", at)?.unwrap_or(&empty);
+        for (name, def) in defs {
+            fields.insert(name.clone(), field(name, def, at)?);
+        }
+    }
+    // `ABX_<ID>_<FIELD>` can spell a built-in variable (`sandbox` + `api_key` is
+    // `ABX_SANDBOX_API_KEY`): that field would be handed the built-in key, with no
+    // consent asked, and send it to the plugin's hosts.
+    for name in fields.keys() {
+        let env = canonical_env(id, name);
+        if let Some(spec) = built_in_env(&env) {
+            return Err(at.mention(
+                name,
+                format!(
+                    "field {name}: its variable {env} is the built-in setting {}'s; choose another provider id or field name",
+                    spec.name
+                ),
+            ));
+        }
+    }
+    // One variable, one field: read by a secret field and a plain one, the key would be
+    // the plain one's value too, shown in clear by `config`, and as `base_url` or
+    // `envd_domain` looked up in DNS and sent plain `http` to a host of its own.
+    let mut readers: BTreeMap<&str, &str> = BTreeMap::new();
+    for field in fields.values() {
+        for alias in &field.aliases {
+            match readers.insert(alias, &field.name) {
+                Some(other) if other != field.name => {
+                    return Err(at.mention(
+                        alias,
+                        format!(
+                            "env alias {alias:?} is read by fields {other} and {}: a variable may name one field only",
+                            field.name
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
+    }
+    if fields.get("base_url").is_some_and(|f| f.secret) {
+        return Err(at.mention("base_url", "field base_url cannot be secret".into()));
+    }
+    // A secret is shown masked, and the masked value then failed the domain check.
+    if fields.get("envd_domain").is_some_and(|f| f.secret) {
+        return Err(at.mention(
+            "fields.envd_domain",
+            "field envd_domain cannot be secret".into(),
+        ));
+    }
+    // The key the proxy attaches: as a plain field it would be printed by `config`,
+    // read from config.toml and taken from the command line, where `ps` shows it.
+    match fields.get("api_key") {
+        Some(f) if !f.secret => {
+            return Err(at.mention(
+                "[config.fields.api_key]",
+                "field api_key holds the provider's key and must be `secret = true`".into(),
+            ))
+        }
+        Some(_) => {}
+        // Without it nothing is read as the key (nor the inherited one, which stands in
+        // for it): the provider would install, consent included, and never start.
+        None => {
+            return Err(at.mention(
+                if at.text.contains("[config") { "[config" } else { "" },
+                "missing [config.fields.api_key] (`secret = true`): the provider's key, which the proxy attaches to every request".into(),
+            ))
+        }
+    }
+    Ok(fields)
+}
+
+/// One `[config.fields.<name>]`.
+fn field(name: &str, def: &toml::Value, at: &At) -> Result<Field, Error> {
+    let toml::Value::Table(def) = def else {
+        return Err(at.mention(name, format!("config.fields.{name} must be a table")));
+    };
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(at.mention(
+            name,
+            format!("field name {name:?}: lower-case letters, digits and _ only"),
+        ));
+    }
+    let secret = match def.get("secret") {
+        None => false,
+        Some(toml::Value::Boolean(b)) => *b,
+        Some(_) => {
+            return Err(at.mention(
+                "secret",
+                format!("config.fields.{name}.secret must be true or false"),
+            ))
+        }
+    };
+    let aliases = match def.get("env") {
+        None => Vec::new(),
+        Some(toml::Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                at.mention(
+                    name,
+                    format!("config.fields.{name}.env must be a list of strings"),
+                )
+            })?,
+        Some(_) => {
+            return Err(at.mention(
+                name,
+                format!("config.fields.{name}.env must be a list of strings"),
+            ))
+        }
+    };
+    for alias in &aliases {
+        if let Some(spec) = built_in_env(alias) {
+            return Err(at.mention(alias, format!(
+                "env alias {alias:?} is reserved: it is the built-in setting {}'s variable, and a plugin never reads the built-in settings",
+                spec.name
+            )));
+        }
+        if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
+            return Err(at.mention(alias, format!(
+                "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
+            )));
+        }
+        if alias.is_empty() || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            // An empty needle is line 1: point at the field instead.
+            return Err(at.mention(
+                if alias.is_empty() { name } else { alias },
+                format!("env alias {alias:?} is not a valid variable name"),
+            ));
+        }
+    }
+    let default = def.get("default").map(|v| match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    });
+    if secret && default.is_some() {
+        return Err(at.mention(name, format!("secret field {name} cannot have a default")));
+    }
+    // Their default is `[endpoint]`'s; one here would be silently ignored.
+    if default.is_some() && ["base_url", "envd_domain"].contains(&name) {
+        return Err(at.key(
+            "default",
+            format!("field {name} cannot have a default: it defaults to endpoint.{name}"),
+        ));
+    }
+    known_keys(
+        def,
+        &format!("config.fields.{name}"),
+        &["secret", "env", "default", "description"],
+        at,
+    )?;
+    string(
+        def,
+        "description",
+        &format!("config.fields.{name}.description"),
+        at,
+    )?;
+    Ok(Field {
+        name: name.to_string(),
+        secret,
+        aliases,
+        default,
+    })
+}
+
+/// `[core]`: the built-in keys inherited, with consent.
+fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
+    let mut inherit = Vec::new();
+    if let Some(core) = table_at(table, "core", "core", at)? {
+        known_keys(core, "core", &["inherit"], at)?;
+        if let Some(list) = core.get("inherit") {
+            let list = list
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|v| v.as_str().map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| {
+                    at.mention("inherit", "core.inherit must be a list of strings".into())
+                })?;
+            for key in &list {
+                if !INHERITABLE.contains(&key.as_str()) {
+                    return Err(at.mention(
+                        key,
+                        format!(
+                            "core.inherit: {key:?} cannot be inherited (only {})",
+                            INHERITABLE.join(", ")
+                        ),
+                    ));
+                }
+            }
+            inherit = list;
+        }
+    }
+    Ok(inherit)
 }
 
 /// Whether the key may be sent as `name`. Not as a field that frames the message (the key
@@ -510,38 +550,28 @@ fn table_at<'a>(
     t: &'a toml::Table,
     key: &str,
     what: &str,
-    err: &impl Fn(&str, String) -> Error,
+    at: &At,
 ) -> Result<Option<&'a toml::Table>, Error> {
     match t.get(key) {
         None => Ok(None),
         Some(toml::Value::Table(t)) => Ok(Some(t)),
-        Some(_) => Err(err(key, format!("{what} must be a table"))),
+        Some(_) => Err(at.key(key, format!("{what} must be a table"))),
     }
 }
 
 /// The string `t[key]`, if there; `what` names it when it is something else.
-fn string(
-    t: &toml::Table,
-    key: &str,
-    what: &str,
-    err: &impl Fn(&str, String) -> Error,
-) -> Result<Option<String>, Error> {
+fn string(t: &toml::Table, key: &str, what: &str, at: &At) -> Result<Option<String>, Error> {
     match t.get(key) {
         None => Ok(None),
         Some(toml::Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(err(key, format!("{what} must be a string"))),
+        Some(_) => Err(at.key(key, format!("{what} must be a string"))),
     }
 }
 
 /// Refuses a key of `t` not in `allowed`; `what` names the table.
-fn known_keys(
-    t: &toml::Table,
-    what: &str,
-    allowed: &[&str],
-    err: &impl Fn(&str, String) -> Error,
-) -> Result<(), Error> {
+fn known_keys(t: &toml::Table, what: &str, allowed: &[&str], at: &At) -> Result<(), Error> {
     match t.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(key) => Err(err(
+        Some(key) => Err(at.key(
             key,
             format!(
                 "{what}: unknown key {key:?} (expected {})",
