@@ -2529,6 +2529,30 @@ mod tests {
         assert_eq!(fake.accepts(), 1);
     }
 
+    /// A 204 with `Transfer-Encoding` or a length is often followed by the body it announced
+    /// (`0\r\n\r\n`, late): read as the next request's answer, that gave another client
+    /// a 502 or, with a whole answer, shifted every later answer by one.
+    #[tokio::test]
+    async fn a_204_announcing_a_body_ends_its_connection() {
+        let fake = Fake::start(keep_alive(|head| match head.split(' ').nth(1).unwrap() {
+            "/zero" => b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n".to_vec(),
+            "/chunked" => b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(),
+            "/length" => b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n".to_vec(),
+            _ => OK.to_vec(),
+        }))
+        .await;
+        let client = client();
+        for (path, accepts) in [("/zero", 1), ("/chunked", 2), ("/length", 3)] {
+            let resp = within(client.request("api", get(&fake.url(path)), LONG))
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 204, "{path}");
+            assert_eq!(text(resp).await, "", "{path}");
+            assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
+            assert_eq!(fake.accepts(), accepts, "after {path}");
+        }
+    }
+
     #[tokio::test]
     async fn interim_100_continue_is_skipped() {
         let fake = Fake::start(keep_alive(|_| {
