@@ -667,10 +667,10 @@ impl Proxy {
             return Err(error);
         };
         let reason = match read {
-            Ok(Bounded::Complete(b)) => match sniff::looked_up(&b) {
-                Some(token) => return Ok(Some(token)),
+            Ok(Bounded::Complete(b)) => match sniff::looked_up(&b, sandbox_id) {
+                Ok(token) => return Ok(Some(token)),
                 // Remembered as "no token", every request would go to envd without one.
-                None => "envd token look-up: the answer describes no sandbox",
+                Err(reason) => reason,
             },
             Ok(Bounded::Partial(..)) => "envd token look-up: answer over 1 MiB",
             Err(_) => {

@@ -51,11 +51,23 @@ pub fn learn(body: &[u8]) -> Option<(String, Secret)> {
     sandbox(body).filter(|(_, token)| !token.expose().is_empty())
 }
 
-/// The envd token in the answer to a token look-up (`GET /sandboxes/{id}`): empty for a
-/// sandbox that has none (an unsecured one); `None` when the answer describes no sandbox
-/// (not JSON, an error page answered 200), which is not to be taken for "no token".
-pub fn looked_up(body: &[u8]) -> Option<Secret> {
-    sandbox(body).map(|(_, token)| token)
+/// The envd token in the answer to a token look-up (`GET /sandboxes/{id}`) for
+/// `sandbox_id`: empty for a sandbox that has none (an unsecured one). Refused, with the
+/// reason, when the answer describes no sandbox (not JSON, an error page answered 200),
+/// which is not to be taken for "no token", or another one: its token, stored under this
+/// id, would go to this sandbox's envd, where whatever runs in it could read it.
+pub fn looked_up(body: &[u8], sandbox_id: &str) -> Result<Secret, &'static str> {
+    let (id, token) = sandbox(body).ok_or("envd token look-up: the answer describes no sandbox")?;
+    // E2B's API answers the older `{sandboxID}-{clientID}` form of an id with the id alone.
+    let same = id.eq_ignore_ascii_case(sandbox_id)
+        || (sandbox_id.get(..id.len()))
+            .is_some_and(|short| !id.is_empty() && short.eq_ignore_ascii_case(&id))
+            && sandbox_id[id.len()..].starts_with('-');
+    if same {
+        Ok(token)
+    } else {
+        Err("envd token look-up: the answer describes another sandbox")
+    }
 }
 
 /// The sandbox a JSON body describes, with its envd token, `""` when it has none.
@@ -114,5 +126,27 @@ mod tests {
         assert_eq!(tok.expose(), "t0k");
         assert!(learn(br#"{"sandboxID":"isb-1"}"#).is_none());
         assert!(learn(b"[]").is_none());
+    }
+
+    #[test]
+    fn a_look_up_takes_the_token_of_the_sandbox_asked_for_only() {
+        let answer = br#"{"sandboxID":"isb-1","envdAccessToken":"t0k"}"#;
+        let token = |id: &str| looked_up(answer, id).map(|t| t.expose().to_string());
+        assert_eq!(token("isb-1"), Ok("t0k".into()));
+        assert_eq!(token("ISB-1"), Ok("t0k".into()));
+        // The id with its client id, which E2B answers with the id alone.
+        assert_eq!(token("isb-1-6532622b"), Ok("t0k".into()));
+        let other = Err("envd token look-up: the answer describes another sandbox");
+        for id in ["isb-2", "isb-10", "isb", "isb-1x"] {
+            assert_eq!(token(id), other, "{id}");
+        }
+        let nothing = br#"{"sandboxID":"","envdAccessToken":"t0k"}"#;
+        assert!(looked_up(nothing, "isb-1").is_err());
+        assert_eq!(
+            looked_up(b"<html>", "isb-1").map(|_| ()),
+            Err("envd token look-up: the answer describes no sandbox")
+        );
+        let unsecured = looked_up(br#"{"sandboxID":"isb-1"}"#, "isb-1").unwrap();
+        assert_eq!(unsecured.expose(), "");
     }
 }
