@@ -2302,6 +2302,48 @@ async fn a_half_closed_tunnels_wait_counts_from_the_end() {
     proxy.finish().await;
 }
 
+/// A TLS client that half-closes without `close_notify` (Python's `ssl` does at
+/// `shutdown(SHUT_WR)`) has ended its side, as over plain TCP: the upstream's answer after
+/// that end still reaches it. The end read as an error, which ended the tunnel both ways at
+/// once and lost the answer (and, from an upstream ending so, up to 8 KiB of its last bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_clients_end_without_close_notify_is_an_end() {
+    let pki = Pki::new();
+    let upstream = websocket_upstream(&pki).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let req = websocket_request_to(addr, LATE);
+    within("write the upgrade", tls.write_all(req.as_bytes()))
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let resp = read_response(&mut tls, &mut buf).await;
+    assert_eq!(resp.status, 101, "{resp:?}");
+    while buf.len() < GREETING.len() {
+        let mut tmp = [0u8; 1024];
+        let n = within("the greeting", tls.read(&mut tmp)).await.unwrap();
+        assert!(n > 0, "tunnel closed before the greeting");
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    assert_eq!(&buf[..], GREETING);
+    // The TCP connection's write side ends beneath TLS: a FIN, no `close_notify`.
+    within("the FIN", tls.get_mut().0.shutdown()).await.unwrap();
+    let mut answer = Vec::new();
+    let read = within("the late answer", tls.read_to_end(&mut answer)).await;
+    assert_eq!(
+        String::from_utf8_lossy(&answer),
+        String::from_utf8_lossy(LATE_ANSWER),
+        "{read:?}"
+    );
+    let closed = proxy.wait_for_line("tunnel closed").await;
+    assert!(closed.contains("end=\"closed\""), "{closed}");
+    proxy.finish().await;
+}
+
 /// The moment the listening line is out, SIGHUP must reload and SIGTERM drain: neither may
 /// fall to its default action (terminate) because a handler is installed a little later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

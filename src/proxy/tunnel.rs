@@ -139,8 +139,29 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    tokio::io::copy(from, to).await?;
+    tokio::io::copy(&mut EndAtUnexpectedEof(from), to).await?;
     to.shutdown().await
+}
+
+/// A TLS peer that ends without `close_notify` (Python's `ssl` at a half-close, many
+/// servers at their end) reads as an `UnexpectedEof` error. In a tunnel that is its end like
+/// any other, as nginx takes it (`SSL_OP_IGNORE_UNEXPECTED_EOF`): the protocol inside
+/// (WebSocket's Close frame) tells a cut from an end. Taken as an error, the copy dropped
+/// what it had read and not yet written (up to 8 KiB: the end of a download, the Close
+/// frame) and the tunnel ended both ways at once, the other side's answer unsent.
+struct EndAtUnexpectedEof<R>(R);
+
+impl<R: AsyncRead + Unpin> AsyncRead for EndAtUnexpectedEof<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match Pin::new(&mut self.0).poll_read(cx, buf) {
+            Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => Poll::Ready(Ok(())),
+            polled => polled,
+        }
+    }
 }
 
 /// Runs both ways of a tunnel until both have ended, one fails, the tunnel is idle (see
@@ -258,6 +279,51 @@ mod tests {
             .expect("read");
         assert_eq!(buf.filled(), b"heldhello");
         assert_eq!(counted.read, 5);
+    }
+
+    /// Bytes, then `UnexpectedEof` (a TLS peer's end without `close_notify`).
+    struct CutShort(Option<Vec<u8>>);
+
+    impl AsyncRead for CutShort {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            match self.0.as_mut() {
+                Some(left) if !left.is_empty() => {
+                    let n = left.len().min(buf.remaining());
+                    buf.put_slice(&left[..n]);
+                    left.drain(..n);
+                    Poll::Ready(Ok(()))
+                }
+                _ => Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into())),
+            }
+        }
+    }
+
+    /// A side that ends without `close_notify` while the other is behind: every byte it sent
+    /// still goes on, then the end. The copy reads ahead while a write waits: taken as an
+    /// error, the `UnexpectedEof` dropped what it held.
+    #[tokio::test]
+    async fn an_end_without_close_notify_passes_every_byte_on() {
+        let sent: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+        let mut from = CutShort(Some(sent.clone()));
+        // A small pipe: its reader is behind from the first write.
+        let (mut to, mut far) = tokio::io::duplex(16);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            far.read_to_end(&mut got).await.map(|_| got)
+        });
+        let passed = tokio::time::timeout(GUARD, pass(&mut from, &mut to)).await;
+        passed
+            .expect("passed in time")
+            .expect("an end, not an error");
+        drop(to);
+        let got = tokio::time::timeout(GUARD, reader).await;
+        let got = got.expect("read in time").expect("reader").expect("read");
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "the bytes changed on the way");
     }
 
     /// A flush and a shutdown reach the side beneath: what it buffered goes out, and the
