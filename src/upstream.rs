@@ -188,6 +188,18 @@ pub(crate) fn ping_interval(request_timeout: Duration) -> Duration {
     (request_timeout / 2).clamp(Duration::from_millis(1), MAX_PING_INTERVAL)
 }
 
+/// What one HTTP/2 stream may bring in that its client has not read yet. Control-plane
+/// answers are JSON, mostly a few KiB.
+const STREAM_WINDOW: u32 = 1024 * 1024;
+
+/// What a whole HTTP/2 connection may: no limit of its own beneath the streams'. Every
+/// client's control-plane requests share one connection, and what a client leaves unread
+/// holds the connection's window too: with hyper's defaults (2 MiB a stream, 5 MiB the
+/// connection) three clients not reading large answers stalled every other answer on it,
+/// creates and token look-ups included, until `--idle-timeout` cut them. A stream's window
+/// bounds what each holds.
+const CONNECTION_WINDOW: u32 = 1024 * 1024 * 1024;
+
 /// A pooled client over `tls`, for requests that wait `request_timeout` for an answer.
 ///
 /// An HTTP/2 connection with requests open is pinged (see [`ping_interval`]): one that
@@ -234,6 +246,8 @@ pub fn counted_client(
         .http2_keep_alive_interval(ping_interval(request_timeout))
         .http2_keep_alive_timeout(ping_interval(request_timeout))
         .http2_max_header_list_size(MAX_ANSWER_HEAD)
+        .http2_initial_stream_window_size(STREAM_WINDOW)
+        .http2_initial_connection_window_size(CONNECTION_WINDOW)
         .build(TimedConnect {
             inner: https,
             timeout: connect_timeout,

@@ -3133,10 +3133,7 @@ async fn refusing_h2_upstream(
         while let Ok((tcp, _)) = listener.accept().await {
             let (acceptor, log) = (acceptor.clone(), log.clone());
             tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let Ok(mut conn) = h2::server::handshake(tls).await else {
+                let Some(mut conn) = accept_h2(&acceptor, tcp).await else {
                     return;
                 };
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
@@ -3171,6 +3168,15 @@ async fn refusing_h2_upstream(
     (url, seen, task)
 }
 
+/// An HTTP/2 server connection over TLS on `tcp`, or `None` when the handshakes fail.
+async fn accept_h2(
+    acceptor: &tokio_rustls::TlsAcceptor,
+    tcp: TcpStream,
+) -> Option<h2::server::Connection<tokio_rustls::server::TlsStream<TcpStream>, Bytes>> {
+    let tls = acceptor.accept(tcp).await.ok()?;
+    h2::server::handshake(tls).await.ok()
+}
+
 /// What an [`h2_upstream`] does once told.
 enum Then {
     /// Drops its connection: the socket closes, without GOAWAY or TLS close_notify.
@@ -3201,10 +3207,7 @@ async fn h2_upstream(
         let Ok((tcp, _)) = listener.accept().await else {
             return;
         };
-        let Ok(tls) = acceptor.accept(tcp).await else {
-            return;
-        };
-        let Ok(mut conn) = h2::server::handshake(tls).await else {
+        let Some(mut conn) = accept_h2(&acceptor, tcp).await else {
             return;
         };
         let Some(Ok((_req, mut respond))) = conn.accept().await else {
@@ -3235,6 +3238,100 @@ async fn h2_upstream(
         }
     });
     (url, told, task)
+}
+
+/// An HTTP/2 control plane over TLS (h2 itself, to see its send windows) that answers
+/// `/big` with data for as long as the proxy's windows take it, never ending, and anything
+/// else with `ok`. Its URL, the bytes `/big` streams have sent in all, and its task.
+async fn greedy_h2_upstream(
+    pki: &Pki,
+) -> (String, watch::Receiver<usize>, tokio::task::JoinHandle<()>) {
+    const CHUNK: usize = 16 * 1024;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+    let (sent_tx, sent) = watch::channel(0usize);
+    let sent_tx = Arc::new(sent_tx);
+    let task = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, sent_tx) = (acceptor.clone(), sent_tx.clone());
+            tokio::spawn(async move {
+                let Some(mut conn) = accept_h2(&acceptor, tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let big = req.uri().path() == "/big";
+                    let head = http::Response::builder().status(200).body(());
+                    let Ok(mut send) = respond.send_response(head.expect("head"), false) else {
+                        continue;
+                    };
+                    if !big {
+                        let _ = send.send_data(Bytes::from_static(b"ok"), true);
+                        continue;
+                    }
+                    let sent_tx = sent_tx.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            send.reserve_capacity(CHUNK);
+                            let granted = std::future::poll_fn(|cx| send.poll_capacity(cx)).await;
+                            let Some(Ok(n)) = granted else {
+                                return;
+                            };
+                            if send.send_data(Bytes::from(vec![b'x'; n]), false).is_err() {
+                                return;
+                            }
+                            sent_tx.send_modify(|sent| *sent += n);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    (url, sent, task)
+}
+
+/// Clients that leave large control-plane answers unread hold only their own streams'
+/// windows: another client's request on the same upstream HTTP/2 connection is answered.
+/// With hyper's windows (2 MiB a stream, 5 MiB the connection) three such clients used up
+/// the connection's, and every other answer on it (creates, token look-ups) waited until
+/// `--idle-timeout` cut theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_not_reading_do_not_stall_the_shared_http2_control_plane() {
+    let pki = Pki::new();
+    let (url, mut sent, task) = greedy_h2_upstream(&pki).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let addr = proxy.addr();
+    // A client whose windows never open: the proxy cannot pass it a byte.
+    let tcp = connect_raw(addr).await;
+    let (mut stalled, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake::<_, Full<Bytes>>(TokioIo::new(tcp))
+            .await
+            .expect("h2 handshake");
+    tokio::spawn(conn);
+    let mut held = Vec::new();
+    for _ in 0..6 {
+        let req = http::Request::get(format!("http://{addr}/big"))
+            .header("x-api-key", "dummy")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let resp = within("a /big head", stalled.send_request(req)).await;
+        held.push(resp.expect("a /big head"));
+    }
+    // 5 MiB held unread: all of hyper's connection window.
+    let held_unread = 5 * 1024 * 1024;
+    within(
+        "the unread answers' bytes",
+        sent.wait_for(|s| *s >= held_unread),
+    )
+    .await
+    .expect("the upstream");
+    let resp = get(addr, "/small").await;
+    assert_eq!((resp.status, resp.text().as_str()), (200, "ok"));
+    drop(held);
+    proxy.finish().await;
+    task.abort();
 }
 
 // ---------------------------------------------------------------------------------------
