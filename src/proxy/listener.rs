@@ -855,6 +855,11 @@ async fn settled(activity: &Activity, wait: Duration, heard: u32) {
 /// attached, at the client's rate; envoy closes such connections likewise.
 const MAX_CANCELLED: u32 = 100;
 
+/// Only a request cancelled this soon counts (envoy's `premature_reset_min_stream_lifetime`):
+/// an SDK whose requests time out against a slow control plane is no rapid reset, and its
+/// connection was cut with its other requests on it.
+const PREMATURE: Duration = Duration::from_secs(1);
+
 /// A connection's requests on hyper's path, and those dropped before their answer.
 #[derive(Default)]
 struct Cancels {
@@ -866,13 +871,14 @@ struct Cancels {
 impl Cancels {
     fn begin(this: &Arc<Cancels>) -> CancelGuard {
         this.begun.fetch_add(1, Ordering::Relaxed);
-        CancelGuard(Some(this.clone()))
+        CancelGuard(Some((this.clone(), Instant::now())))
     }
 }
 
-/// Counts its request as cancelled unless [`CancelGuard::answered`] is called first (the
-/// handler's own `Unanswered` logs the same event as 499).
-struct CancelGuard(Option<Arc<Cancels>>);
+/// Counts its request as cancelled, when dropped within [`PREMATURE`] of its beginning,
+/// unless [`CancelGuard::answered`] is called first (the handler's own `Unanswered` logs
+/// the same event as 499).
+struct CancelGuard(Option<(Arc<Cancels>, Instant)>);
 
 impl CancelGuard {
     fn answered(mut self) {
@@ -882,7 +888,12 @@ impl CancelGuard {
 
 impl Drop for CancelGuard {
     fn drop(&mut self) {
-        let Some(c) = self.0.take() else { return };
+        let Some((c, begun)) = self.0.take() else {
+            return;
+        };
+        if begun.elapsed() >= PREMATURE {
+            return;
+        }
         let cancelled = c.cancelled.fetch_add(1, Ordering::Relaxed) + 1;
         if cancelled >= MAX_CANCELLED && cancelled * 2 >= c.begun.load(Ordering::Relaxed) {
             c.abusive.notify_one();
@@ -1969,6 +1980,23 @@ mod tests {
         answer(&among_more, 300);
         cancel(&among_more, 100);
         assert!(!fired(&among_more), "100 cancelled of 400");
+
+        // Given up after living a while: requests timing out, not reset at once.
+        let timed_out = Arc::new(Cancels::default());
+        let a_while_ago = Instant::now()
+            .checked_sub(PREMATURE)
+            .expect("a past instant");
+        for _ in 0..100 {
+            let mut guard = Cancels::begin(&timed_out);
+            if let Some((_, begun)) = guard.0.as_mut() {
+                *begun = a_while_ago;
+            }
+        }
+        assert!(!fired(&timed_out), "100 cancelled after a second each");
+        cancel(&timed_out, 99);
+        assert!(!fired(&timed_out), "99 cancelled at once");
+        cancel(&timed_out, 1);
+        assert!(fired(&timed_out), "100 cancelled at once of 200");
     }
 
     /// A head's clock starts at its first byte, once (the connection's task is woken then,
