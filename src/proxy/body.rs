@@ -22,6 +22,72 @@ use crate::upstream::{BoxError, ProxyBody};
 /// The size bound for bodies the proxy reads itself (create bodies, token responses).
 pub const SNIFF_LIMIT: usize = 1024 * 1024;
 
+/// What the proxy holds at once, in all, of the bodies it reads whole ([`Held`]).
+pub const HELD_LIMIT: usize = 32 * 1024 * 1024;
+
+/// Room for the bodies the proxy reads whole: one bound for the process, where each body
+/// alone is bound by [`SNIFF_LIMIT`]. A rewritten create is read before it goes up and kept
+/// until its answer (to be sent again); over HTTP/2 a client may have a hundred on a
+/// connection, and four such connections held 500 MB.
+#[derive(Clone)]
+pub struct Held(Arc<tokio::sync::Semaphore>);
+
+impl Held {
+    pub fn new(bytes: usize) -> Self {
+        Held(Arc::new(tokio::sync::Semaphore::new(bytes)))
+    }
+
+    /// Room for a body of `hint` read up to `limit`, once there is: taken whole, so that
+    /// bodies each holding part of theirs never wait on one another.
+    pub fn reserve(&self, hint: &SizeHint, limit: usize) -> impl Future<Output = Room> + Send {
+        let (size, room) = (room_for(hint, limit), self.0.clone());
+        async move { Room(room.acquire_many_owned(size).await.ok()) }
+    }
+
+    /// [`Held::reserve`], when there is room now.
+    pub fn try_reserve(&self, hint: &SizeHint, limit: usize) -> Option<Room> {
+        let size = room_for(hint, limit);
+        self.0
+            .clone()
+            .try_acquire_many_owned(size)
+            .ok()
+            .map(|p| Room(Some(p)))
+    }
+}
+
+/// A body's size as the room it takes: its length when known, else the bound.
+fn room_for(hint: &SizeHint, limit: usize) -> u32 {
+    let size = hint.exact().map_or(limit as u64, |n| n.min(limit as u64));
+    u32::try_from(size).unwrap_or(u32::MAX)
+}
+
+/// Room taken in [`Held`], given back when the bytes it holds are dropped.
+pub struct Room(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl Room {
+    /// `bytes`, keeping this room until the last of them is dropped.
+    pub fn hold(self, bytes: Bytes) -> Bytes {
+        match self.0 {
+            Some(permit) => Bytes::from_owner(HeldBytes {
+                bytes,
+                _permit: permit,
+            }),
+            None => bytes,
+        }
+    }
+}
+
+struct HeldBytes {
+    bytes: Bytes,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl AsRef<[u8]> for HeldBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 pub fn boxed<B>(body: B) -> ProxyBody
 where
     B: Body<Data = Bytes> + Send + Sync + 'static,
@@ -59,7 +125,9 @@ where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let mut buf = BytesMut::new();
+    // Sized from the body's length when known: grown by doubling, a 1 MiB body took 2.
+    let hint = body.size_hint().exact().unwrap_or(0);
+    let mut buf = BytesMut::with_capacity(hint.min(limit as u64 + 1) as usize);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(Into::into)?;
         if let Ok(data) = frame.into_data() {
@@ -589,6 +657,54 @@ mod tests {
     /// false, as a stream's does when it stops without END_STREAM).
     fn frames(steps: Vec<Step>) -> StreamBody<stream::Iter<std::vec::IntoIter<Step>>> {
         StreamBody::new(stream::iter(steps))
+    }
+
+    /// Bodies read whole share one room: a body takes its length (or the bound, unknown),
+    /// whole and at once, and gives it back when the last of its bytes is dropped, a copy
+    /// kept to be sent again included.
+    #[test]
+    fn bodies_read_whole_share_one_room() {
+        let held = Held::new(100);
+        let sized = |n: u64| SizeHint::with_exact(n);
+        let first = held.try_reserve(&sized(60), 1000).expect("room for 60");
+        assert!(
+            held.try_reserve(&sized(50), 1000).is_none(),
+            "60 + 50 of 100"
+        );
+        assert!(
+            held.try_reserve(&SizeHint::new(), 50).is_none(),
+            "unknown: the bound"
+        );
+        let bytes = first.hold(Bytes::from_static(b"sixty"));
+        let kept = bytes.clone();
+        drop(bytes);
+        assert!(
+            held.try_reserve(&sized(50), 1000).is_none(),
+            "a copy still held"
+        );
+        assert_eq!(&kept[..], b"sixty");
+        drop(kept);
+        let second = held.try_reserve(&sized(50), 1000).expect("given back");
+        // Past the bound, a body takes the bound: it is read no further.
+        let third = held
+            .try_reserve(&sized(1 << 40), 50)
+            .expect("the bound's room");
+        assert!(held.try_reserve(&sized(1), 1000).is_none(), "100 of 100");
+        drop((second, third));
+        let waiting = held.reserve(&sized(100), 1000).now_or_never();
+        assert!(waiting.is_some(), "all 100 given back");
+    }
+
+    /// A body waits for its room, whole; others' rooms are not taken meanwhile.
+    #[tokio::test]
+    async fn a_body_waits_for_its_room() {
+        let held = Held::new(100);
+        let first = held.try_reserve(&SizeHint::with_exact(70), 1000).unwrap();
+        let mut waiting = Box::pin(held.reserve(&SizeHint::with_exact(40), 1000));
+        assert!((&mut waiting).now_or_never().is_none(), "70 + 40 of 100");
+        drop(first);
+        let room = tokio::time::timeout(Duration::from_secs(10), waiting).await;
+        room.expect("its room once given back");
     }
 
     /// The data frames left in `body`, and whether it ended cleanly.

@@ -58,9 +58,12 @@ pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
         Rewrite::Create => ("secure", "\"secure\":true".to_string()),
         Rewrite::Connect => ("timeout", format!("\"timeout\":{CONNECT_TIMEOUT}")),
     };
-    let obj = match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(serde_json::Value::Object(obj)) if !obj.contains_key(name) => obj,
-        _ => return body,
+    let Some(Keys {
+        named: false,
+        empty,
+    }) = keys(&body, name)
+    else {
+        return body;
     };
     // An object parsed: its first byte that is not JSON whitespace is its brace.
     let Some(open) = body.iter().position(|b| *b == b'{') else {
@@ -69,11 +72,50 @@ pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
     let mut out = Vec::with_capacity(body.len() + field.len() + 1);
     out.extend_from_slice(&body[..=open]);
     out.extend_from_slice(field.as_bytes());
-    if !obj.is_empty() {
+    if !empty {
         out.push(b',');
     }
     out.extend_from_slice(&body[open + 1..]);
     Bytes::from(out)
+}
+
+/// What the rewrite needs to know of a JSON object's keys.
+struct Keys {
+    /// One of them is `name`.
+    named: bool,
+    empty: bool,
+}
+
+/// The keys of `body` when it is a JSON object, read without building it: a 1 MiB body of
+/// small values made a tree of 15 MB.
+fn keys(body: &[u8], name: &str) -> Option<Keys> {
+    struct Visit<'a>(&'a str);
+
+    impl<'de> serde::de::Visitor<'de> for Visit<'_> {
+        type Value = Keys;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
+            let mut keys = Keys {
+                named: false,
+                empty: true,
+            };
+            while let Some(key) = map.next_key::<String>()? {
+                keys.empty = false;
+                keys.named |= key == self.0;
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+            Ok(keys)
+        }
+    }
+
+    let mut json = serde_json::Deserializer::from_slice(body);
+    let keys = serde::Deserializer::deserialize_map(&mut json, Visit(name)).ok()?;
+    json.end().ok()?;
+    Some(keys)
 }
 
 #[cfg(test)]
@@ -113,6 +155,20 @@ mod tests {
         let b = add_secure(br#"{"secure":false}"#);
         assert_eq!(&b[..], br#"{"secure":false}"#);
         assert_eq!(&add_secure(b"nope")[..], b"nope");
+        // Not one object: as sent.
+        for sent in [&b"[]"[..], b"{} {}", b"{\"a\":1", b"\"{}\"", b"{\"a\":1}x"] {
+            assert_eq!(
+                &add_secure(sent)[..],
+                sent,
+                "{}",
+                String::from_utf8_lossy(sent)
+            );
+        }
+        // A key spelled with an escape is that key.
+        let escaped = br#"{"\u0073ecure":false}"#;
+        assert_eq!(&add_secure(escaped)[..], escaped);
+        let nested = add_secure(br#"{"a":{"secure":false}}"#);
+        assert_eq!(&nested[..], br#"{"secure":true,"a":{"secure":false}}"#);
     }
 
     #[test]

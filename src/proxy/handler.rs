@@ -358,8 +358,12 @@ impl Proxy {
                 // Boxed, like the sniff in `respond`: rare, and inline they size every request.
                 // Bounded in time: while the handler has the request, no idle timeout runs
                 // on its connection, and the upstream's timeout has not begun.
-                let read = Box::pin(body::read_bounded(body, SNIFF_LIMIT));
-                let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
+                let read = Box::pin(async {
+                    let room = self.held.reserve(&body.size_hint(), SNIFF_LIMIT).await;
+                    (room, body::read_bounded(body, SNIFF_LIMIT).await)
+                });
+                let Ok((room, read)) = tokio::time::timeout(self.upstream_timeout, read).await
+                else {
                     return Err(Error::Refused {
                         reason: format!(
                             "request body not received within {}",
@@ -370,12 +374,14 @@ impl Proxy {
                 };
                 match read {
                     Ok(Bounded::Complete(b)) => {
-                        let b = compat::complete_body(&rewrite, b);
+                        let b = room.hold(compat::complete_body(&rewrite, b));
                         // Sent again should the upstream refuse it unprocessed.
                         parts.extensions.insert(super::pool::Replay(b.clone()));
                         body::full(b)
                     }
-                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    Ok(Bounded::Partial(head, rest)) => {
+                        body::boxed(Prefixed::new(room.hold(head), rest))
+                    }
                     Err(_) => {
                         return Err(Error::Refused {
                             reason: "request body ended early".into(),
@@ -660,8 +666,13 @@ impl Proxy {
         }
         // A body that breaks has counted itself; one that stalls is a timeout, as a head
         // would be (every request for this sandbox waits on this look-up).
-        let read = body::read_bounded(resp.into_body(), SNIFF_LIMIT);
-        let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
+        let body = resp.into_body();
+        let read = async {
+            let room = self.held.reserve(&body.size_hint(), SNIFF_LIMIT).await;
+            (room, body::read_bounded(body, SNIFF_LIMIT).await)
+        };
+        // The room is kept while the answer is read through.
+        let Ok((_room, read)) = tokio::time::timeout(self.upstream_timeout, read).await else {
             let (error, kind) = self.body_timeout();
             self.metrics.upstream_error("api", kind.label());
             return Err(error);
@@ -735,6 +746,10 @@ impl Proxy {
         match sniff {
             Sniff::Learn if ok => {
                 let (parts, incoming) = resp.into_parts();
+                // Without room the answer goes on unread, its token looked up when needed.
+                let Some(room) = self.held.try_reserve(&incoming.size_hint(), SNIFF_LIMIT) else {
+                    return Ok(Response::from_parts(parts, incoming));
+                };
                 // Bounded in time too: the head came, and `--upstream-timeout` covers a body
                 // that then stalls as it would the head (the client sees nothing until then).
                 let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT));
@@ -753,9 +768,11 @@ impl Proxy {
                                 self.tokens.insert(&id, token);
                             }
                         }
-                        body::full(b)
+                        body::full(room.hold(b))
                     }
-                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    Ok(Bounded::Partial(head, rest)) => {
+                        body::boxed(Prefixed::new(room.hold(head), rest))
+                    }
                     // Not counted here: the body counted itself as it broke.
                     Err(_) => {
                         return Err(Failure {

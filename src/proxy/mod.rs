@@ -124,6 +124,8 @@ pub struct Proxy {
     pub credential: ArcSwap<ApiCredential>,
     pub tokens: Arc<TokenStore>,
     pub metrics: Arc<Metrics>,
+    /// Room for the bodies read whole: rewritten requests, answers read for tokens.
+    pub(crate) held: body::Held,
     pub(crate) host_policy: HostPolicy,
     pub(crate) compat: CompatMode,
     pub(crate) upstream_timeout: Duration,
@@ -201,6 +203,7 @@ impl Proxy {
             credential: ArcSwap::from_pointee(credential),
             tokens: Arc::new(TokenStore::new()),
             metrics,
+            held: body::Held::new(body::HELD_LIMIT),
             host_policy,
             compat,
             upstream_timeout: options.upstream_timeout,
