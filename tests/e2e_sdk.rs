@@ -166,6 +166,16 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
 
     let dump = &run.dump;
     let log = run.report["log"].as_array().cloned().unwrap_or_default();
+    // Every request the fake saw is in its log, the create among them: each is checked.
+    assert_eq!(
+        Some(log.len() as u64),
+        run.report["requests"].as_u64(),
+        "{dump}"
+    );
+    assert!(
+        log.iter().any(|e| e["route"] == "api POST /sandboxes"),
+        "no create in the fake's log\n{dump}"
+    );
     for entry in &log {
         if entry["route"] == "api POST /sandboxes" {
             assert_eq!(

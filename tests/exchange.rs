@@ -556,9 +556,28 @@ async fn a_retired_or_dropped_source_makes_no_more_exchanges() {
         tokio::time::timeout(GUARD, gone)
             .await
             .unwrap_or_else(|_| panic!("retire {retire}: the refresher still sleeps"));
-        h.clock.advance(Duration::from_secs(2 * 3600));
-        tokio::task::yield_now().await;
-        assert_eq!(h.fake.calls(), 1, "retire {retire}");
+        // A control beside it, on the same clock and endpoint: its refresh done, the gone
+        // one's would have been made too.
+        let (tx, mut control_events) = mpsc::unbounded_channel();
+        let options = RefreshOptions::new(Duration::from_secs(300))
+            .with_clock(h.clock.clone())
+            .with_observer(Arc::new(move |e| {
+                let _ = tx.send(e);
+            }));
+        let config = config(&h.fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET);
+        let exchanger = HttpExchanger::new(config, client());
+        let _control = ExchangedKey::with_exchanger(Arc::new(exchanger), options);
+        for advance in [false, true] {
+            if advance {
+                h.clock.until_sleepers(1).await;
+                h.clock.advance(Duration::from_secs(2 * 3600));
+            }
+            match tokio::time::timeout(GUARD, control_events.recv()).await {
+                Ok(Some(ExchangeEvent::Success { .. })) => {}
+                other => panic!("retire {retire}: the control's exchange: {other:?}"),
+            }
+        }
+        assert_eq!(h.fake.calls(), 3, "retire {retire}: the control's two only");
         assert!(h.events.try_recv().is_err(), "retire {retire}: an exchange");
     }
 }

@@ -898,15 +898,17 @@ async fn an_open_http2_header_block_is_cut_beside_a_waiting_request() {
     let stderr = proxy.finish().await;
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
     // Its line gives the block's time to the cut, not to the connection's end a GOAWAY's
-    // second later (HTTP/1's 408 after 3 s says 3000 ms; this said 4000 and more).
+    // second later (HTTP/1's 408 after 3 s says 3000 ms; this said 4000 and more). Read
+    // against the client's own clock: a stalled machine delays both alike.
     let line = stderr
         .lines()
         .find(|l| l.contains(" status=408 "))
         .expect("the 408");
     let ms = logged_ms(line);
+    let before_the_end = took.as_millis() as f64 - 500.0;
     assert!(
-        ms.is_some_and(|ms| (2900.0..4000.0).contains(&ms)),
-        "{line}"
+        ms.is_some_and(|ms| ms >= 2900.0 && ms <= before_the_end),
+        "{line} (closed after {took:?})"
     );
 }
 
@@ -1505,11 +1507,21 @@ async fn beyond_max_connections_a_connection_waits_its_turn() {
     );
     // A burst waits there too, each connection completed by the kernel: at std's backlog
     // of 128 the SYNs past it were dropped, and retried (1, 3, 7 s …) after slots freed.
+    // The kernel caps the proxy's backlog (1024) at `net.core.somaxconn`, 128 before Linux
+    // 5.4: the burst stays under it (the third connection waits there too).
+    let cap = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(4096);
+    let size = 160.min(cap.saturating_sub(2));
+    if size < 160 {
+        eprintln!("net.core.somaxconn is {cap}: a burst of {size}, not 160 past std's 128");
+    }
     let mut burst = tokio::task::JoinSet::new();
-    for _ in 0..160 {
+    for _ in 0..size {
         burst.spawn(TcpStream::connect(addr));
     }
-    let burst = within("160 more connections completed", burst.join_all()).await;
+    let burst = within("a burst of connections completed", burst.join_all()).await;
     assert!(burst.iter().all(Result::is_ok), "{burst:?}");
     drop(burst);
 

@@ -514,7 +514,13 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
         let (stop, failed) = (stop.clone(), failed.clone());
         tokio::spawn(async move {
             let mut first = Some(first_tx);
-            while !stop.load(Ordering::SeqCst) {
+            // Paced and counted: a request a millisecond at most, while the reloads last.
+            let mut every = tokio::time::interval(Duration::from_millis(1));
+            for _ in 0..20_000 {
+                every.tick().await;
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
                 if get(addr, "/sandboxes").await.0 != 200 {
                     failed.fetch_add(1, Ordering::SeqCst);
                 }
@@ -1299,10 +1305,16 @@ async fn a_probe_is_answered_while_64_clients_keep_using_their_admin_connections
             let (answered, first_answer) = oneshot::channel();
             let mut answered = Some(answered);
             let holder = tokio::spawn(async move {
+                // Paced and counted: a request every 10 ms each, enough to keep its
+                // connection in use.
+                let mut every = tokio::time::interval(Duration::from_millis(10));
+                let mut left = 5_000u32;
                 // A connection the listener closes is replaced: the holder wants one.
-                while !*stopped.borrow() {
+                while !*stopped.borrow() && left > 0 {
                     let mut client = connect(admin).await;
-                    while !*stopped.borrow() && client.ready().await.is_ok() {
+                    while !*stopped.borrow() && client.ready().await.is_ok() && left > 0 {
+                        every.tick().await;
+                        left -= 1;
                         let req = request("GET", admin, "/healthz").body(empty());
                         let Ok(resp) = client.send_request(req.expect("request")).await else {
                             break;

@@ -63,10 +63,12 @@ fn rpc_v1_vectors() {
 #[test]
 fn rpc_v1_create_api_key_builder_matches_vector_params() {
     let all = vectors();
+    let mut checked = 0;
     for case in all["rpc_v1"].as_array().expect("rpc_v1 list") {
         if str_of(&case["params"], "Action") != "CreateApiKey" {
             continue;
         }
+        checked += 1;
         let p = &case["params"];
         let built = rpc_v1::create_api_key_params(
             str_of(p, "AccessKeyId"),
@@ -77,6 +79,7 @@ fn rpc_v1_create_api_key_builder_matches_vector_params() {
         let expected: rpc_v1::Params = pairs(p).into_iter().collect();
         assert_eq!(built, expected, "{}", str_of(case, "name"));
     }
+    assert!(checked > 0, "no CreateApiKey vector");
 }
 
 #[test]
