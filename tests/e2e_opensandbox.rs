@@ -153,8 +153,8 @@ fn through_proxy(via: BaseUrlVia) {
     let run = Outcome::new(rig.run_driver(&addr), rig.report(), rig.logs());
     run.assert_clean(&format!("through abx-proxy ({via:?})"), EXPECTED);
 
-    // Neither key in anything the proxy printed.
-    let proxy_log = rig.proxy.as_ref().map(Proc::output).unwrap_or_default();
+    // Neither key in anything the proxy printed, its drain and stop included.
+    let proxy_log = rig.proxy.as_mut().expect("the proxy").stopped_output();
     for key in [REAL_KEY, BUILTIN_KEY] {
         assert!(
             !proxy_log.contains(key),

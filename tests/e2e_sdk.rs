@@ -143,7 +143,7 @@ fn run_driver(rig: &Rig, sdk: &Sdk, api_url: &str, sandbox_url: &str) -> (bool, 
 /// envd over HTTP/1.1, as SPEC §4 has it).
 fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
     deps();
-    let rig = Rig::start(Some(upstreams));
+    let mut rig = Rig::start(Some(upstreams));
     let run = run_driver(&rig, &sdk, &rig.proxy_url, &rig.proxy_url);
     let run = Outcome::new(run, rig.report(), rig.logs());
 
@@ -201,6 +201,10 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
             "{entry}\n{dump}"
         );
     }
+
+    // The key in nothing the proxy printed, its drain and stop included.
+    let proxy_log = rig.proxy.as_mut().expect("the proxy").stopped_output();
+    assert!(!proxy_log.contains(REAL_KEY), "the key in abx-proxy's log");
 }
 
 #[test]

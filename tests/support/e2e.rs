@@ -271,6 +271,9 @@ type Line = Option<String>;
 
 /// A child process with its stdout and stderr read line by line by two threads (into one
 /// transcript and one channel); killed and reaped on drop.
+/// How long a stopped abx-proxy may take: its drain has nothing left to wait for.
+const STOP_LIMIT: Duration = Duration::from_secs(60);
+
 pub struct Proc {
     name: String,
     pid: u32,
@@ -378,6 +381,28 @@ impl Proc {
             "{} closed stdout and stderr before the line appeared",
             self.name
         ))
+    }
+
+    /// Ends the process as a service manager would (SIGTERM) and waits for it, within
+    /// `limit`, and for the rest of its output: what it printed at its end is in
+    /// [`Proc::output`] then.
+    pub fn stop(&mut self, limit: Duration) -> Result<ExitStatus, String> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .status();
+        self.wait(limit)
+    }
+
+    /// abx-proxy's whole output, once [`Proc::stop`] has ended it (exit 0, its stop line
+    /// written): what it prints at its drain and stop is searched too.
+    pub fn stopped_output(&mut self) -> String {
+        let stopped = self.stop(STOP_LIMIT);
+        let output = self.output();
+        assert!(
+            stopped.as_ref().is_ok_and(|s| s.success()) && output.contains("stopped"),
+            "{stopped:?}\n{output}"
+        );
+        output
     }
 
     /// Waits for the process to exit, within `limit`; kills it after that. A thread
