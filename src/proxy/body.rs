@@ -28,7 +28,9 @@ pub const HELD_LIMIT: usize = 32 * 1024 * 1024;
 /// Room for the bodies the proxy reads whole: one bound for the process, where each body
 /// alone is bound by [`SNIFF_LIMIT`]. A rewritten create is read before it goes up and kept
 /// until its answer (to be sent again); over HTTP/2 a client may have a hundred on a
-/// connection, and four such connections held 500 MB.
+/// connection, and four such connections held 500 MB. Room is taken as bytes arrive, never
+/// waited for: a body that finds none stops being read (see [`read_bounded`]), so bodies
+/// holding part of theirs never wait on one another, nor on a client that sends nothing.
 #[derive(Clone)]
 pub struct Held(Arc<tokio::sync::Semaphore>);
 
@@ -37,35 +39,31 @@ impl Held {
         Held(Arc::new(tokio::sync::Semaphore::new(bytes)))
     }
 
-    /// Room for a body of `hint` read up to `limit`, once there is: taken whole, so that
-    /// bodies each holding part of theirs never wait on one another.
-    pub fn reserve(&self, hint: &SizeHint, limit: usize) -> impl Future<Output = Room> + Send {
-        let (size, room) = (room_for(hint, limit), self.0.clone());
-        async move { Room(room.acquire_many_owned(size).await.ok()) }
+    /// Room for `bytes` more in `room`, when there is.
+    fn take(&self, room: &mut Room, bytes: usize) -> bool {
+        let Ok(bytes) = u32::try_from(bytes) else {
+            return false;
+        };
+        match self.0.clone().try_acquire_many_owned(bytes) {
+            Ok(more) => {
+                match &mut room.0 {
+                    Some(taken) => taken.merge(more),
+                    None => room.0 = Some(more),
+                }
+                true
+            }
+            Err(_) => false,
+        }
     }
-
-    /// [`Held::reserve`], when there is room now.
-    pub fn try_reserve(&self, hint: &SizeHint, limit: usize) -> Option<Room> {
-        let size = room_for(hint, limit);
-        self.0
-            .clone()
-            .try_acquire_many_owned(size)
-            .ok()
-            .map(|p| Room(Some(p)))
-    }
-}
-
-/// A body's size as the room it takes: its length when known, else the bound.
-fn room_for(hint: &SizeHint, limit: usize) -> u32 {
-    let size = hint.exact().map_or(limit as u64, |n| n.min(limit as u64));
-    u32::try_from(size).unwrap_or(u32::MAX)
 }
 
 /// Room taken in [`Held`], given back when the bytes it holds are dropped.
+#[derive(Default)]
 pub struct Room(Option<tokio::sync::OwnedSemaphorePermit>);
 
 impl Room {
-    /// `bytes`, keeping this room until the last of them is dropped.
+    /// `bytes`, keeping this room until the last of them is dropped (a copy kept to be sent
+    /// again included).
     pub fn hold(self, bytes: Bytes) -> Bytes {
         match self.0 {
             Some(permit) => Bytes::from_owner(HeldBytes {
@@ -118,9 +116,15 @@ pub fn error_response(e: &Error) -> Response<ProxyBody> {
     resp
 }
 
-/// Reads `body` up to `limit` bytes. `Ok(Complete)` holds all of it; `Ok(Partial)` holds
-/// what was read and the rest of the stream, so nothing is lost when the bound is hit.
-pub async fn read_bounded<B>(mut body: B, limit: usize) -> Result<Bounded<B>, BoxError>
+/// Reads `body` up to `limit` bytes, each taking room in `held` when given. `Complete`
+/// holds all of it, with its room; `Partial` what was read (holding its room) and the rest
+/// of the stream, so nothing is lost when the bound is hit; `NoRoom` the same when `held`
+/// had no room for the next bytes.
+pub async fn read_bounded<B>(
+    mut body: B,
+    limit: usize,
+    held: Option<&Held>,
+) -> Result<Bounded<B>, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
@@ -128,22 +132,28 @@ where
     // Sized from the body's length when known: grown by doubling, a 1 MiB body took 2.
     let hint = body.size_hint().exact().unwrap_or(0);
     let mut buf = BytesMut::with_capacity(hint.min(limit as u64 + 1) as usize);
+    let mut room = Room::default();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(Into::into)?;
         if let Ok(data) = frame.into_data() {
+            let roomy = held.is_none_or(|held| held.take(&mut room, data.len()));
             buf.extend_from_slice(&data);
+            if !roomy {
+                return Ok(Bounded::NoRoom(room.hold(buf.freeze()), body));
+            }
             if buf.len() > limit {
-                return Ok(Bounded::Partial(buf.freeze(), body));
+                return Ok(Bounded::Partial(room.hold(buf.freeze()), body));
             }
         }
         // Trailers on these small JSON bodies carry nothing we pass on.
     }
-    Ok(Bounded::Complete(buf.freeze()))
+    Ok(Bounded::Complete(buf.freeze(), room))
 }
 
 pub enum Bounded<B> {
-    Complete(Bytes),
+    Complete(Bytes, Room),
     Partial(Bytes, B),
+    NoRoom(Bytes, B),
 }
 
 /// Already-read bytes followed by the rest of a stream.
@@ -659,52 +669,35 @@ mod tests {
         StreamBody::new(stream::iter(steps))
     }
 
-    /// Bodies read whole share one room: a body takes its length (or the bound, unknown),
-    /// whole and at once, and gives it back when the last of its bytes is dropped, a copy
-    /// kept to be sent again included.
-    #[test]
-    fn bodies_read_whole_share_one_room() {
-        let held = Held::new(100);
-        let sized = |n: u64| SizeHint::with_exact(n);
-        let first = held.try_reserve(&sized(60), 1000).expect("room for 60");
-        assert!(
-            held.try_reserve(&sized(50), 1000).is_none(),
-            "60 + 50 of 100"
-        );
-        assert!(
-            held.try_reserve(&SizeHint::new(), 50).is_none(),
-            "unknown: the bound"
-        );
-        let bytes = first.hold(Bytes::from_static(b"sixty"));
-        let kept = bytes.clone();
-        drop(bytes);
-        assert!(
-            held.try_reserve(&sized(50), 1000).is_none(),
-            "a copy still held"
-        );
-        assert_eq!(&kept[..], b"sixty");
-        drop(kept);
-        let second = held.try_reserve(&sized(50), 1000).expect("given back");
-        // Past the bound, a body takes the bound: it is read no further.
-        let third = held
-            .try_reserve(&sized(1 << 40), 50)
-            .expect("the bound's room");
-        assert!(held.try_reserve(&sized(1), 1000).is_none(), "100 of 100");
-        drop((second, third));
-        let waiting = held.reserve(&sized(100), 1000).now_or_never();
-        assert!(waiting.is_some(), "all 100 given back");
-    }
-
-    /// A body waits for its room, whole; others' rooms are not taken meanwhile.
+    /// Bodies read whole share one room, taken as their bytes arrive and given back when
+    /// the last of them is dropped (a copy kept to be sent again included). A body that
+    /// finds no room for its next bytes stops there, every byte kept, and waits for nothing.
     #[tokio::test]
-    async fn a_body_waits_for_its_room() {
-        let held = Held::new(100);
-        let first = held.try_reserve(&SizeHint::with_exact(70), 1000).unwrap();
-        let mut waiting = Box::pin(held.reserve(&SizeHint::with_exact(40), 1000));
-        assert!((&mut waiting).now_or_never().is_none(), "70 + 40 of 100");
+    async fn bodies_read_whole_share_one_room() {
+        let held = Held::new(10);
+        let first = frames(vec![data("abc"), data("def")]);
+        let Ok(Bounded::Complete(first, room)) = read_bounded(first, 100, Some(&held)).await else {
+            panic!("six bytes of ten");
+        };
+        let first = room.hold(first);
+        let kept = first.clone();
         drop(first);
-        let room = tokio::time::timeout(Duration::from_secs(10), waiting).await;
-        room.expect("its room once given back");
+        let second = frames(vec![data("ghi"), data("jk"), data("l")]);
+        let Ok(Bounded::NoRoom(read, body)) = read_bounded(second, 100, Some(&held)).await else {
+            panic!("six and five of ten");
+        };
+        assert_eq!(
+            read, "ghijk",
+            "what came is kept, the room's last bytes with it"
+        );
+        assert_eq!(rest(body).await, (vec![Bytes::from("l")], true));
+        drop(read);
+        assert_eq!(kept, "abcdef");
+        drop(kept);
+        // All given back: ten fit again.
+        let third = frames(vec![data("0123456789")]);
+        let read = read_bounded(third, 100, Some(&held)).await;
+        assert!(matches!(read, Ok(Bounded::Complete(..))), "ten of ten");
     }
 
     /// The data frames left in `body`, and whether it ended cleanly.
@@ -729,8 +722,8 @@ mod tests {
     #[tokio::test]
     async fn a_body_of_exactly_the_limit_is_read_whole_and_trailers_are_skipped() {
         let body = frames(vec![data("abc"), data("de"), trailers()]);
-        match read_bounded(body, 5).await {
-            Ok(Bounded::Complete(b)) => assert_eq!(b, "abcde"),
+        match read_bounded(body, 5, None).await {
+            Ok(Bounded::Complete(b, _)) => assert_eq!(b, "abcde"),
             _ => panic!("five bytes within a limit of five are complete"),
         }
     }
@@ -739,7 +732,7 @@ mod tests {
     #[tokio::test]
     async fn a_body_over_the_limit_keeps_its_rest() {
         let body = frames(vec![data("abc"), data("de"), data("fg"), data("h")]);
-        let Ok(Bounded::Partial(read, body)) = read_bounded(body, 4).await else {
+        let Ok(Bounded::Partial(read, body)) = read_bounded(body, 4, None).await else {
             panic!("five bytes over a limit of four are partial");
         };
         assert_eq!(

@@ -358,12 +358,8 @@ impl Proxy {
                 // Boxed, like the sniff in `respond`: rare, and inline they size every request.
                 // Bounded in time: while the handler has the request, no idle timeout runs
                 // on its connection, and the upstream's timeout has not begun.
-                let read = Box::pin(async {
-                    let room = self.held.reserve(&body.size_hint(), SNIFF_LIMIT).await;
-                    (room, body::read_bounded(body, SNIFF_LIMIT).await)
-                });
-                let Ok((room, read)) = tokio::time::timeout(self.upstream_timeout, read).await
-                else {
+                let read = Box::pin(body::read_bounded(body, SNIFF_LIMIT, Some(&self.held)));
+                let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
                     return Err(Error::Refused {
                         reason: format!(
                             "request body not received within {}",
@@ -373,14 +369,23 @@ impl Proxy {
                     .into());
                 };
                 match read {
-                    Ok(Bounded::Complete(b)) => {
+                    Ok(Bounded::Complete(b, room)) => {
                         let b = room.hold(compat::complete_body(&rewrite, b));
                         // Sent again should the upstream refuse it unprocessed.
                         parts.extensions.insert(super::pool::Replay(b.clone()));
                         body::full(b)
                     }
-                    Ok(Bounded::Partial(head, rest)) => {
-                        body::boxed(Prefixed::new(room.hold(head), rest))
+                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    // Passed on unread, it would go up without the field the rewrite adds
+                    // (`"secure": true`: a sandbox whose envd anyone may use).
+                    Ok(Bounded::NoRoom(..)) => {
+                        return Err(Error::Refused {
+                            reason: format!(
+                                "the proxy holds {} MiB of request and answer bodies it reads whole; retry shortly",
+                                body::HELD_LIMIT >> 20
+                            ),
+                        }
+                        .into())
                     }
                     Err(_) => {
                         return Err(Error::Refused {
@@ -666,24 +671,22 @@ impl Proxy {
         }
         // A body that breaks has counted itself; one that stalls is a timeout, as a head
         // would be (every request for this sandbox waits on this look-up).
-        let body = resp.into_body();
-        let read = async {
-            let room = self.held.reserve(&body.size_hint(), SNIFF_LIMIT).await;
-            (room, body::read_bounded(body, SNIFF_LIMIT).await)
-        };
-        // The room is kept while the answer is read through.
-        let Ok((_room, read)) = tokio::time::timeout(self.upstream_timeout, read).await else {
+        // Not in the room: one look-up per sandbox at a time, its answer dropped once read.
+        let read = body::read_bounded(resp.into_body(), SNIFF_LIMIT, None);
+        let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
             let (error, kind) = self.body_timeout();
             self.metrics.upstream_error("api", kind.label());
             return Err(error);
         };
         let reason = match read {
-            Ok(Bounded::Complete(b)) => match sniff::looked_up(&b, sandbox_id) {
+            Ok(Bounded::Complete(b, _)) => match sniff::looked_up(&b, sandbox_id) {
                 Ok(token) => return Ok(Some(token)),
                 // Remembered as "no token", every request would go to envd without one.
                 Err(reason) => reason,
             },
-            Ok(Bounded::Partial(..)) => "envd token look-up: answer over 1 MiB",
+            Ok(Bounded::Partial(..) | Bounded::NoRoom(..)) => {
+                "envd token look-up: answer over 1 MiB"
+            }
             Err(_) => {
                 return Err(Error::UpstreamUnreachable {
                     reason: "envd token look-up: connection closed mid-answer".into(),
@@ -746,13 +749,9 @@ impl Proxy {
         match sniff {
             Sniff::Learn if ok => {
                 let (parts, incoming) = resp.into_parts();
-                // Without room the answer goes on unread, its token looked up when needed.
-                let Some(room) = self.held.try_reserve(&incoming.size_hint(), SNIFF_LIMIT) else {
-                    return Ok(Response::from_parts(parts, incoming));
-                };
                 // Bounded in time too: the head came, and `--upstream-timeout` covers a body
                 // that then stalls as it would the head (the client sees nothing until then).
-                let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT));
+                let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT, Some(&self.held)));
                 let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
                     let (error, kind) = self.body_timeout();
                     return Err(Failure {
@@ -762,7 +761,7 @@ impl Proxy {
                     });
                 };
                 let body = match read {
-                    Ok(Bounded::Complete(b)) => {
+                    Ok(Bounded::Complete(b, room)) => {
                         if let Some((id, token)) = sniff::learn(&b) {
                             if route::valid_sandbox_id(&id) {
                                 self.tokens.insert(&id, token);
@@ -770,8 +769,10 @@ impl Proxy {
                         }
                         body::full(room.hold(b))
                     }
-                    Ok(Bounded::Partial(head, rest)) => {
-                        body::boxed(Prefixed::new(room.hold(head), rest))
+                    // Past the bound, or without room: on unread, the token looked up when
+                    // needed.
+                    Ok(Bounded::Partial(head, rest) | Bounded::NoRoom(head, rest)) => {
+                        body::boxed(Prefixed::new(head, rest))
                     }
                     // Not counted here: the body counted itself as it broke.
                     Err(_) => {
