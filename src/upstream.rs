@@ -188,17 +188,19 @@ pub(crate) fn ping_interval(request_timeout: Duration) -> Duration {
     (request_timeout / 2).clamp(Duration::from_millis(1), MAX_PING_INTERVAL)
 }
 
-/// What one HTTP/2 stream may bring in that its client has not read yet. Control-plane
-/// answers are JSON, mostly a few KiB.
-const STREAM_WINDOW: u32 = 1024 * 1024;
+/// What one HTTP/2 stream may bring in that its client has not read yet: 128 KiB, enough
+/// for control-plane JSON (a few KiB mostly) at a few MB/s at 50 ms from the region.
+const STREAM_WINDOW: u32 = 128 * 1024;
 
-/// What a whole HTTP/2 connection may: no limit of its own beneath the streams'. Every
-/// client's control-plane requests share one connection, and what a client leaves unread
-/// holds the connection's window too: with hyper's defaults (2 MiB a stream, 5 MiB the
+/// What a whole HTTP/2 connection may: 256 streams' windows. Every client's control-plane
+/// requests share one connection, and what a client leaves unread holds the connection's
+/// window as well as its stream's: with hyper's windows (2 MiB a stream, 5 MiB the
 /// connection) three clients not reading large answers stalled every other answer on it,
-/// creates and token look-ups included, until `--idle-timeout` cut them. A stream's window
-/// bounds what each holds.
-const CONNECTION_WINDOW: u32 = 1024 * 1024 * 1024;
+/// creates and token look-ups included, until `--idle-timeout` cut them. Now it takes more
+/// stalled streams than servers let one connection have (100 to 250), and what they hold
+/// is bounded by this window still (a connection of 1 GiB let 300 stalled streams hold
+/// 344 MB).
+const CONNECTION_WINDOW: u32 = 256 * STREAM_WINDOW;
 
 /// A pooled client over `tls`, for requests that wait `request_timeout` for an answer.
 ///
