@@ -2529,24 +2529,37 @@ mod tests {
         assert_eq!(fake.accepts(), 1);
     }
 
-    /// A 204 with `Transfer-Encoding` or a length is often followed by the body it announced
-    /// (`0\r\n\r\n`, late): read as the next request's answer, that gave another client
-    /// a 502 or, with a whole answer, shifted every later answer by one.
+    /// A 204 with `Transfer-Encoding` or a length, or a 304 with `Transfer-Encoding`, is often
+    /// followed by the body it announced (`0\r\n\r\n`, late): read as the next request's
+    /// answer, that gave another client a 502 or, with a whole answer, shifted every later
+    /// answer by one. A 304's length is the resource's: its connection is kept.
     #[tokio::test]
-    async fn a_204_announcing_a_body_ends_its_connection() {
+    async fn a_bodyless_answer_announcing_a_body_ends_its_connection() {
         let fake = Fake::start(keep_alive(|head| match head.split(' ').nth(1).unwrap() {
             "/zero" => b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n".to_vec(),
             "/chunked" => b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(),
             "/length" => b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n".to_vec(),
+            "/304-length" => b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n".to_vec(),
+            "/304-chunked" => {
+                b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec()
+            }
             _ => OK.to_vec(),
         }))
         .await;
         let client = client();
-        for (path, accepts) in [("/zero", 1), ("/chunked", 2), ("/length", 3)] {
+        let answers = [
+            ("/zero", 1),
+            ("/chunked", 2),
+            ("/length", 3),
+            ("/304-length", 3),
+            ("/304-chunked", 4),
+        ];
+        for (path, accepts) in answers {
             let resp = within(client.request("api", get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
-            assert_eq!(resp.status(), 204, "{path}");
+            let status = if path.starts_with("/304") { 304 } else { 204 };
+            assert_eq!(resp.status(), status, "{path}");
             assert_eq!(text(resp).await, "", "{path}");
             assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
             assert_eq!(fake.accepts(), accepts, "after {path}");

@@ -324,11 +324,17 @@ pub(super) fn parse_head(
         } else {
             (Version::HTTP_11, !framing.close)
         };
-        // A 204 announcing a body (RFC 9110 §15.3.5 and §8.6 forbid both fields) comes from
-        // a server that may well write one: after the head, where the connection's next
-        // answer would be read, for whoever asks next. Its connection ends with it.
-        let announces_body = framing.te || framing.length.is_some_and(|n| n > 0);
-        let keep_alive = keep_alive && !(status == StatusCode::NO_CONTENT && announces_body);
+        // A 204 announcing a body (RFC 9110 §15.3.5 and §8.6 forbid both fields), or a 304
+        // announcing a chunked one (its length may describe the resource; a chunked body it
+        // never has), comes from a server that may well write one: after the head, where the
+        // connection's next answer would be read, for whoever asks next. Its connection
+        // ends with it.
+        let announces_body = match status {
+            StatusCode::NO_CONTENT => framing.te || framing.length.is_some_and(|n| n > 0),
+            StatusCode::NOT_MODIFIED => framing.te,
+            _ => false,
+        };
+        let keep_alive = keep_alive && !announces_body;
         let raw = rbuf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(spans.len());
         for span in spans.iter() {
