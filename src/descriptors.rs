@@ -128,7 +128,10 @@ pub fn budget(limit: u64, max_connections: usize, workers: usize) -> Budget {
 
 /// Something that holds idle upstream connections and can close one to free its slot.
 pub trait IdleConnections: Send + Sync {
-    /// Closes one idle connection (the oldest it finds); false when it holds none.
+    /// When its longest idle connection went idle; `None` when it holds none.
+    fn oldest(&self) -> Option<std::time::Instant>;
+
+    /// Closes its longest idle connection; false when it holds none.
     fn close_one(&self) -> bool;
 }
 
@@ -251,8 +254,16 @@ impl Slots {
             let pools = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
             pools.iter().filter_map(Weak::upgrade).collect()
         };
-        // Outside the lock: closing a socket is a system call.
-        pools.iter().any(|p| p.close_one())
+        // Outside the lock: closing a socket is a system call. The longest idle of all
+        // goes (the control plane's pool is asked first, and lost its connection to every
+        // envd request that needed a slot).
+        let oldest = (pools.iter())
+            .filter_map(|p| Some((p.oldest()?, p)))
+            .min_by_key(|(since, _)| *since);
+        match oldest {
+            Some((_, pool)) => pool.close_one() || pools.iter().any(|p| p.close_one()),
+            None => false,
+        }
     }
 
     /// At most once a minute, as the accept loop says its slots are all in use.
@@ -367,6 +378,11 @@ mod tests {
     struct OneIdle(Mutex<Option<Slot>>);
 
     impl IdleConnections for OneIdle {
+        fn oldest(&self) -> Option<std::time::Instant> {
+            let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            held.is_some().then(std::time::Instant::now)
+        }
+
         fn close_one(&self) -> bool {
             self.0
                 .lock()

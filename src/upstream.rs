@@ -170,7 +170,7 @@ pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
 /// after its first answer (`proxy::pool`), so these serve only the requests made before
 /// it, and would otherwise hold upstream connection slots (`crate::descriptors`) that no
 /// waiting request can take from them, for the 90 s they stay idle.
-const MAX_IDLE_HTTP1: usize = 8;
+pub const MAX_IDLE_HTTP1: usize = 8;
 
 /// The largest HTTP/2 answer head accepted, in HTTP/2's measure (RFC 9113 §6.5.2: names
 /// and values, plus 32 a field): the 64 KiB the proxy's HTTP/1.1 pool takes. h2's default
@@ -221,16 +221,19 @@ pub fn client(
         connect_timeout,
         request_timeout,
         Slots::unlimited(),
+        MAX_IDLE_HTTP1,
     )
 }
 
-/// [`client`], its connections counted in `slots` (the proxy's own upstream clients).
+/// [`client`], its connections counted in `slots` (the proxy's own upstream clients), at
+/// most `max_idle` of them kept idle per origin.
 pub fn counted_client(
     tls: rustls::ClientConfig,
     versions: Versions,
     connect_timeout: Duration,
     request_timeout: Duration,
     slots: Arc<Slots>,
+    max_idle: usize,
 ) -> HttpClient {
     let http = connector(connect_timeout);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
@@ -242,7 +245,7 @@ pub fn counted_client(
     };
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(MAX_IDLE_HTTP1)
+        .pool_max_idle_per_host(max_idle)
         .pool_timer(hyper_util::rt::TokioTimer::new())
         .timer(hyper_util::rt::TokioTimer::new())
         .http2_keep_alive_interval(ping_interval(request_timeout))

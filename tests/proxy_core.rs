@@ -2302,6 +2302,37 @@ async fn a_half_closed_tunnels_wait_counts_from_the_end() {
     proxy.finish().await;
 }
 
+/// An envd upgrade the upstream turns down (a 204 here, a 401 or 404 alike) leaves no
+/// upstream connection behind: hyper's client kept it idle, out of reach of the waiting
+/// requests that close idle connections for a slot, 8 per sandbox and port, and 400 such
+/// requests took every upstream slot for 90 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_envd_upgrade_keeps_no_upstream_connection() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(204, "") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--sandbox-url", &upstream.url()])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let req = format!(
+        "GET /ws HTTP/1.1\r\nHost: localhost:{}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+         E2b-Sandbox-Id: isb-1\r\nX-Access-Token: t\r\n\r\n",
+        addr.port()
+    );
+    let (_s, resp, _) = raw_open(addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 204, "{resp:?}");
+    wait_metric(
+        proxy.admin_addr(),
+        "abx_proxy_upstream_connections",
+        "0",
+        |v| v == Some(0.0),
+    )
+    .await;
+    proxy.finish().await;
+}
+
 /// A TLS client that half-closes without `close_notify` (Python's `ssl` does at
 /// `shutdown(SHUT_WR)`) has ended its side, as over plain TCP: the upstream's answer after
 /// that end still reaches it. The end read as an error, which ended the tunnel both ways at

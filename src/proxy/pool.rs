@@ -330,12 +330,21 @@ impl Upstream {
     ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // Over HTTP/1 only (envd), the legacy client carries nothing but upgrades, whose
+        // connections it cannot reuse once switched: one refused (a 204, a 401) was kept
+        // idle, out of reach of `Slots::close_idle`, 8 per origin (a sandbox and port the
+        // client names), and 400 such requests took every upstream slot for 90 s.
+        let max_idle = match versions {
+            Versions::Negotiate => upstream::MAX_IDLE_HTTP1,
+            Versions::Http1 => 0,
+        };
         let legacy = upstream::counted_client(
             tls,
             versions,
             connect_timeout,
             upstream_timeout,
             slots.clone(),
+            max_idle,
         );
         let pool = Arc::new(Pool {
             idle: (0..=crate::workers::count())
@@ -624,8 +633,10 @@ impl Pool {
 
     fn put(self: &Arc<Self>, mut conn: Conn) {
         conn.idle_since = Instant::now();
-        if conn.rbuf.capacity() > 2 * MAX_READ {
-            // Do not keep a large download's buffer for an idle socket.
+        // Not a download's buffer for an idle socket: up to 128 KiB each was kept, and a
+        // thousand sandboxes' idle connections held 150 MiB. Its reads grew past the first
+        // size (`capacity` says only what is left of the buffer past what was split off).
+        if conn.read_size > FIRST_READ || conn.rbuf.capacity() > 2 * FIRST_READ {
             conn.rbuf = BytesMut::new();
         }
         conn.read_size = FIRST_READ;
@@ -849,20 +860,46 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Where the longest idle connection is: when it went idle, its worker's list and its
+    /// origin there.
+    fn oldest_at(&self) -> Option<(Instant, usize, usize)> {
+        let lists = self.idle.iter().enumerate();
+        (lists.filter_map(|(list, idle)| {
+            let idle = idle.lock().unwrap_or_else(PoisonError::into_inner);
+            let origins = idle.origins.iter().enumerate();
+            (origins.filter_map(|(origin, o)| Some((o.conns.first()?.idle_since, list, origin))))
+                .min()
+        }))
+        .min()
+    }
+}
+
 impl IdleConnections for Pool {
+    fn oldest(&self) -> Option<Instant> {
+        self.oldest_at().map(|(since, ..)| since)
+    }
+
+    /// The longest idle connection of all: the first origin's was closed, however busy
+    /// (a sandbox used all along lost its connection to each new one, while hundreds idle
+    /// since to sandboxes no longer used stayed open).
     fn close_one(&self) -> bool {
-        for list in self.idle.iter() {
-            let mut idle = list.lock().unwrap_or_else(PoisonError::into_inner);
-            let oldest = (idle.origins.iter_mut())
+        let Some((_, list, origin)) = self.oldest_at() else {
+            return false;
+        };
+        let mut idle = self.idle[list]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // The lists may have changed meanwhile: then any idle connection will do.
+        let oldest = match idle.origins.get_mut(origin).filter(|o| !o.conns.is_empty()) {
+            Some(o) => Some(o.conns.remove(0)),
+            None => (idle.origins.iter_mut())
                 .find(|o| !o.conns.is_empty())
-                .map(|o| o.conns.remove(0));
-            drop(idle);
-            // Closed outside the lock; from any thread, as the sweep's are.
-            if oldest.is_some() {
-                return true;
-            }
-        }
-        false
+                .map(|o| o.conns.remove(0)),
+        };
+        drop(idle);
+        // Closed outside the lock; from any thread, as the sweep's are.
+        oldest.is_some()
     }
 }
 
@@ -2564,6 +2601,60 @@ mod tests {
             assert_eq!(get_text(&client, &fake.url("/ok")).await, "ok");
             assert_eq!(fake.accepts(), accepts, "after {path}");
         }
+    }
+
+    /// An idle connection keeps no download's read buffer: up to 128 KiB each was kept, and
+    /// a thousand sandboxes' idle connections held 150 MiB. A small answer's buffer is kept
+    /// (no allocation per request).
+    #[tokio::test]
+    async fn an_idle_connection_keeps_no_large_read_buffer() {
+        let fake = Fake::start(keep_alive(|head| {
+            if head.split(' ').nth(1) != Some("/big") {
+                return OK.to_vec();
+            }
+            let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n".to_vec();
+            answer.resize(answer.len() + 200_000, b'x');
+            answer
+        }))
+        .await;
+        let client = client();
+        // Whether the idle connection's read buffer is a new one: split to its end, a
+        // download's buffer reads empty but is still there; a new one has not allocated.
+        let fresh = || -> Vec<bool> {
+            let new = BytesMut::new().as_ptr();
+            (client.pool.idle.iter())
+                .flat_map(|list| {
+                    let idle = list.lock().unwrap();
+                    let conns = idle.origins.iter().flat_map(|o| o.conns.iter());
+                    conns.map(|c| c.rbuf.as_ptr() == new).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        for _ in 0..3 {
+            assert_eq!(get_text(&client, &fake.url("/small")).await, "ok");
+            assert_eq!(fresh(), [false], "a small answer's buffer is kept");
+        }
+        assert_eq!(get_text(&client, &fake.url("/big")).await.len(), 200_000);
+        assert_eq!(fresh(), [true], "a download's is not");
+        assert_eq!(fake.accepts(), 1);
+    }
+
+    /// A slot wanted closes the longest idle connection, whatever its origin: the first
+    /// origin's was closed, however recently used.
+    #[tokio::test]
+    async fn the_longest_idle_connection_is_the_one_closed() {
+        let a = Fake::start(keep_alive(|_| OK.to_vec())).await;
+        let b = Fake::start(keep_alive(|_| OK.to_vec())).await;
+        let client = client();
+        // `a` first in the pool's list, then `b`, then `a` again: `b` idle the longest.
+        for fake in [&a, &b, &a] {
+            assert_eq!(get_text(&client, &fake.url("/")).await, "ok");
+        }
+        assert!(client.pool.close_one());
+        for fake in [&a, &b] {
+            assert_eq!(get_text(&client, &fake.url("/")).await, "ok");
+        }
+        assert_eq!((a.accepts(), b.accepts()), (1, 2), "b's closed, a's kept");
     }
 
     #[tokio::test]
