@@ -78,6 +78,11 @@ pub enum Error {
     /// E5003: a request this proxy will not forward.
     #[error("request refused: {reason}")]
     Refused { reason: String },
+    /// E5003 too, answered 503 with `Retry-After`: a request the proxy cannot take now (no
+    /// room for its body), which a client may send again shortly, as the E2B SDKs do with
+    /// a 503; a 400 told them not to.
+    #[error("request refused for now: {reason}")]
+    Busy { reason: String },
     /// E8001: a provider manifest or install receipt is malformed.
     #[error("invalid provider manifest {path}:{line}: {reason}")]
     Manifest {
@@ -133,7 +138,7 @@ impl Error {
             | Error::UpstreamUnavailable { .. }
             | Error::UpstreamRedirect { .. } => "E5001",
             Error::UpstreamTimeout { .. } | Error::UpstreamSilent { .. } => "E5002",
-            Error::Refused { .. } => "E5003",
+            Error::Refused { .. } | Error::Busy { .. } => "E5003",
             Error::Manifest { .. } => "E8001",
             Error::UnknownProvider { .. } => "E8002",
             Error::Provider { .. } => "E8003",
@@ -173,7 +178,9 @@ impl Error {
                     "`abx-proxy provider info {id}` lists its fields, the variables each is read from, and what it inherits."
                 ))
             }
-            Error::SandboxNotFound { .. } | Error::Refused { .. } => return None,
+            Error::SandboxNotFound { .. } | Error::Refused { .. } | Error::Busy { .. } => {
+                return None
+            }
         };
         Some(s.to_string())
     }
@@ -351,6 +358,12 @@ mod tests {
                 "[E5001] upstream unavailable: it answered 301, a redirect",
             ),
             (Error::Refused { reason: s("r") }, 78, 400, "[E5003] "),
+            (
+                Error::Busy { reason: s("r") },
+                78,
+                503,
+                "[E5003] request refused for now: r",
+            ),
             (Error::UnknownProvider { id: s("x") }, 78, 503, "[E8002] "),
             // §3: a secret given as --provider-option is a bad command line.
             (
@@ -383,7 +396,8 @@ mod tests {
             ],
             "README's table of codes"
         );
-        for (e, exit, status, _) in &cases {
+        // The row gives E5003's 400; its 503 for now (`Busy`) is in the row's text.
+        for (e, exit, status, _) in cases.iter().filter(|c| !matches!(c.0, Error::Busy { .. })) {
             let (shown_exit, shown_status) = rows[e.code()];
             let number = |cell: &str| cell.split(' ').next().unwrap_or_default().to_string();
             if !shown_exit.is_empty() {

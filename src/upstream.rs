@@ -188,19 +188,20 @@ pub(crate) fn ping_interval(request_timeout: Duration) -> Duration {
     (request_timeout / 2).clamp(Duration::from_millis(1), MAX_PING_INTERVAL)
 }
 
-/// What one HTTP/2 stream may bring in that its client has not read yet: 128 KiB, enough
-/// for control-plane JSON (a few KiB mostly) at a few MB/s at 50 ms from the region.
-const STREAM_WINDOW: u32 = 128 * 1024;
+/// What one HTTP/2 stream may bring in that its client has not read yet: 1 MiB, so that a
+/// control-plane answer (JSON; a long list some hundreds of KiB) comes in whole and frees
+/// its stream even when its client does not read it. Smaller (128 KiB), one client leaving
+/// 100 answers of 150 KB unread held every stream the control plane allows a connection.
+const STREAM_WINDOW: u32 = 1024 * 1024;
 
-/// What a whole HTTP/2 connection may: 256 streams' windows. Every client's control-plane
+/// What a whole HTTP/2 connection may: 32 streams' windows. Every client's control-plane
 /// requests share one connection, and what a client leaves unread holds the connection's
 /// window as well as its stream's: with hyper's windows (2 MiB a stream, 5 MiB the
 /// connection) three clients not reading large answers stalled every other answer on it,
-/// creates and token look-ups included, until `--idle-timeout` cut them. Now it takes more
-/// stalled streams than servers let one connection have (100 to 250), and what they hold
-/// is bounded by this window still (a connection of 1 GiB let 300 stalled streams hold
-/// 344 MB).
-const CONNECTION_WINDOW: u32 = 256 * STREAM_WINDOW;
+/// creates and token look-ups included, until `--idle-timeout` cut them. It now takes 32,
+/// and what they hold stays bounded (a connection window of 1 GiB let 300 stalled streams
+/// hold 344 MB).
+const CONNECTION_WINDOW: u32 = 32 * STREAM_WINDOW;
 
 /// A pooled client over `tls`, for requests that wait `request_timeout` for an answer.
 ///

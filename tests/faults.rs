@@ -3252,6 +3252,80 @@ async fn h2_upstream(
     (url, told, task)
 }
 
+/// The bodies the proxy reads whole share 32 MiB: with 32 rewritten creates of almost
+/// 1 MiB each held until their answer (kept to be sent again), another create is refused
+/// at once, 503 E5003 with `Retry-After` (the E2B SDKs retry it; a 400 told them not to),
+/// and once they are answered the room is back. A client sending nothing holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_read_whole_share_32_mib_and_a_create_past_it_may_retry() {
+    const MIB: usize = 1024 * 1024;
+    let pki = Pki::new();
+    // Large creates are answered once told: until then the proxy holds their bodies.
+    let (answer_tx, answer) = watch::channel(false);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let large = (req.headers().get("content-length"))
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+            .is_some_and(|n| n > MIB / 2);
+        let mut answer = answer.clone();
+        async move {
+            if large {
+                let _ = answer.wait_for(|told| *told).await;
+            }
+            response(201, r#"{"sandboxID":"isb-1","envdAccessToken":"t"}"#)
+        }
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki)).spawn().await;
+    let addr = proxy.addr();
+    let create = |body: &str| {
+        format!(
+            "POST /v2/sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // One sending nothing, then 32 whole bodies of 1 MiB less 64 bytes: 2 KiB left.
+    let mut idle = connect_raw(addr).await;
+    let head = create("").replace("Content-Length: 0", &format!("Content-Length: {MIB}"));
+    idle.write_all(head.as_bytes()).await.unwrap();
+    let large = create(&format!(r#"{{"pad":"{}"}}"#, " ".repeat(MIB - 64 - 10)));
+    let mut holders = Vec::new();
+    for _ in 0..32 {
+        let mut s = connect_raw(addr).await;
+        within("a large create", s.write_all(large.as_bytes()))
+            .await
+            .unwrap();
+        holders.push(s);
+    }
+    for _ in 0..32 {
+        upstream.next_request().await;
+    }
+    let probe = create(&format!(r#"{{"metadata":{{"k":"{}"}}}}"#, "x".repeat(4096)));
+    let refused = raw_exchange(addr, probe.as_bytes()).await;
+    assert_proxy_error(&refused, 503, "E5003");
+    assert_eq!(refused.header("retry-after"), Some("1"), "{refused:?}");
+    answer_tx.send_replace(true);
+    for mut s in holders {
+        let resp = read_response(&mut s, &mut Vec::new()).await;
+        assert_eq!(resp.status, 201, "{resp:?}");
+    }
+    // Given back with the answers (the copy kept for a resend included).
+    let mut every = poll_ticker();
+    let served = within("a create once the room is back", async {
+        loop {
+            every.tick().await;
+            let resp = raw_exchange(addr, probe.as_bytes()).await;
+            if resp.status != 503 {
+                return resp;
+            }
+        }
+    })
+    .await;
+    assert_eq!(served.status, 201, "{served:?}");
+    drop(idle);
+    proxy.finish().await;
+}
+
 /// An HTTP/2 control plane over TLS (h2 itself, to see its send windows) that answers
 /// `/big` with data for as long as the proxy's windows take it, never ending, and anything
 /// else with `ok`. Its URL, the bytes `/big` streams have sent in all, and its task.
@@ -3306,7 +3380,7 @@ async fn greedy_h2_upstream(
 /// windows: another client's request on the same upstream HTTP/2 connection is answered.
 /// With hyper's windows (2 MiB a stream, 5 MiB the connection) three such clients used up
 /// the connection's, and every other answer on it (creates, token look-ups) waited until
-/// `--idle-timeout` cut theirs. Here 48 streams hold 6 MiB unread.
+/// `--idle-timeout` cut theirs. Here six streams hold 6 MiB unread.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_not_reading_do_not_stall_the_shared_http2_control_plane() {
     let pki = Pki::new();
@@ -3323,7 +3397,7 @@ async fn clients_not_reading_do_not_stall_the_shared_http2_control_plane() {
             .expect("h2 handshake");
     tokio::spawn(conn);
     let mut held = Vec::new();
-    for _ in 0..48 {
+    for _ in 0..6 {
         let req = http::Request::get(format!("http://{addr}/big"))
             .header("x-api-key", "dummy")
             .body(Full::new(Bytes::new()))
@@ -3331,7 +3405,7 @@ async fn clients_not_reading_do_not_stall_the_shared_http2_control_plane() {
         let resp = within("a /big head", stalled.send_request(req)).await;
         held.push(resp.expect("a /big head"));
     }
-    // 5 MiB held unread: all of hyper's connection window, 40 streams' windows now.
+    // 5 MiB held unread: all of hyper's connection window.
     let held_unread = 5 * 1024 * 1024;
     within(
         "the unread answers' bytes",

@@ -113,6 +113,9 @@ pub fn error_response(e: &Error) -> Response<ProxyBody> {
         HeaderValue::from_static("application/json"),
     );
     h.insert("x-abx-error", HeaderValue::from_static(e.code()));
+    if matches!(e, Error::Busy { .. }) {
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
     resp
 }
 

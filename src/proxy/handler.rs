@@ -379,7 +379,7 @@ impl Proxy {
                     // Passed on unread, it would go up without the field the rewrite adds
                     // (`"secure": true`: a sandbox whose envd anyone may use).
                     Ok(Bounded::NoRoom(..)) => {
-                        return Err(Error::Refused {
+                        return Err(Error::Busy {
                             reason: format!(
                                 "the proxy holds {} MiB of request and answer bodies it reads whole; retry shortly",
                                 body::HELD_LIMIT >> 20
