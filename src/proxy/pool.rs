@@ -890,16 +890,27 @@ impl IdleConnections for Pool {
         let mut idle = self.idle[list]
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        // The lists may have changed meanwhile: then any idle connection will do.
-        let oldest = match idle.origins.get_mut(origin).filter(|o| !o.conns.is_empty()) {
-            Some(o) => Some(o.conns.remove(0)),
-            None => (idle.origins.iter_mut())
-                .find(|o| !o.conns.is_empty())
-                .map(|o| o.conns.remove(0)),
-        };
+        let oldest = (idle.origins.get_mut(origin))
+            .filter(|o| !o.conns.is_empty())
+            .map(|o| o.conns.remove(0));
         drop(idle);
         // Closed outside the lock; from any thread, as the sweep's are.
-        oldest.is_some()
+        oldest.is_some() || self.close_any()
+    }
+}
+
+impl Pool {
+    /// Closes an idle connection, the first found in any worker's list: the lists changed
+    /// since the oldest was looked for (a request took it).
+    fn close_any(&self) -> bool {
+        self.idle.iter().any(|list| {
+            let mut idle = list.lock().unwrap_or_else(PoisonError::into_inner);
+            let found = (idle.origins.iter_mut())
+                .find(|o| !o.conns.is_empty())
+                .map(|o| o.conns.remove(0));
+            drop(idle);
+            found.is_some()
+        })
     }
 }
 
