@@ -269,11 +269,11 @@ impl Outcome {
 /// A line of a child's stdout or stderr; `None` when that stream closes.
 type Line = Option<String>;
 
-/// A child process with its stdout and stderr read line by line by two threads (into one
-/// transcript and one channel); killed and reaped on drop.
 /// How long a stopped abx-proxy may take: its drain has nothing left to wait for.
 const STOP_LIMIT: Duration = Duration::from_secs(60);
 
+/// A child process with its stdout and stderr read line by line by two threads (into one
+/// transcript and one channel); killed and reaped on drop.
 pub struct Proc {
     name: String,
     pid: u32,
@@ -399,7 +399,7 @@ impl Proc {
         let stopped = self.stop(STOP_LIMIT);
         let output = self.output();
         assert!(
-            stopped.as_ref().is_ok_and(|s| s.success()) && output.contains("stopped"),
+            stopped.as_ref().is_ok_and(|s| s.success()) && output.contains(" stopped clean="),
             "{stopped:?}\n{output}"
         );
         output
