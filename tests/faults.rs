@@ -3288,6 +3288,9 @@ async fn bodies_read_whole_share_32_mib_and_a_create_past_it_may_retry() {
     let mut idle = connect_raw(addr).await;
     let head = create("").replace("Content-Length: 0", &format!("Content-Length: {MIB}"));
     idle.write_all(head.as_bytes()).await.unwrap();
+    // Its head taken before the others come: a room reserved from its length would show.
+    let in_flight = r#"abx_proxy_in_flight_requests{plane="api"}"#;
+    wait_metric_at_least(proxy.admin_addr(), in_flight, 1.0).await;
     let large = create(&format!(r#"{{"pad":"{}"}}"#, " ".repeat(MIB - 64 - 10)));
     let mut holders = Vec::new();
     for _ in 0..32 {
@@ -3323,7 +3326,9 @@ async fn bodies_read_whole_share_32_mib_and_a_create_past_it_may_retry() {
     .await;
     assert_eq!(served.status, 201, "{served:?}");
     drop(idle);
-    proxy.finish().await;
+    // Said, once: the 503s are told from the credential's by the log.
+    let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches("fill their room").count(), 1, "{stderr}");
 }
 
 /// An HTTP/2 control plane over TLS (h2 itself, to see its send windows) that answers

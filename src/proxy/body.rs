@@ -32,11 +32,35 @@ pub const HELD_LIMIT: usize = 32 * 1024 * 1024;
 /// waited for: a body that finds none stops being read (see [`read_bounded`]), so bodies
 /// holding part of theirs never wait on one another, nor on a client that sends nothing.
 #[derive(Clone)]
-pub struct Held(Arc<tokio::sync::Semaphore>);
+pub struct Held {
+    room: Arc<tokio::sync::Semaphore>,
+    /// When the room was last said to be full: at most once a minute.
+    said: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
 
 impl Held {
     pub fn new(bytes: usize) -> Self {
-        Held(Arc::new(tokio::sync::Semaphore::new(bytes)))
+        Held {
+            room: Arc::new(tokio::sync::Semaphore::new(bytes)),
+            said: Arc::default(),
+        }
+    }
+
+    /// Says, at most once a minute, that a body found no room: the 503s it brings, and
+    /// the answers passed on unread, are otherwise told from no other 503 by the log.
+    #[cold]
+    pub fn say_full(&self) {
+        let mut said = self.said.lock().unwrap_or_else(|e| e.into_inner());
+        if said.is_none_or(|s| s.elapsed() >= Duration::from_secs(60)) {
+            *said = Some(std::time::Instant::now());
+            drop(said);
+            tracing::warn!(
+                held_mib = HELD_LIMIT >> 20,
+                "the bodies the proxy reads whole fill their room: rewritten creates and \
+                 connects get 503 (retry), answers go on unread; a client holding large \
+                 uploads open is the likely cause"
+            );
+        }
     }
 
     /// Room for `bytes` more in `room`, when there is.
@@ -44,7 +68,7 @@ impl Held {
         let Ok(bytes) = u32::try_from(bytes) else {
             return false;
         };
-        match self.0.clone().try_acquire_many_owned(bytes) {
+        match self.room.clone().try_acquire_many_owned(bytes) {
             Ok(more) => {
                 match &mut room.0 {
                     Some(taken) => taken.merge(more),

@@ -379,13 +379,14 @@ impl Proxy {
                     // Passed on unread, it would go up without the field the rewrite adds
                     // (`"secure": true`: a sandbox whose envd anyone may use).
                     Ok(Bounded::NoRoom(..)) => {
+                        self.held.say_full();
                         return Err(Error::Busy {
                             reason: format!(
                                 "the proxy holds {} MiB of request and answer bodies it reads whole; retry shortly",
                                 body::HELD_LIMIT >> 20
                             ),
                         }
-                        .into())
+                        .into());
                     }
                     Err(_) => {
                         return Err(Error::Refused {
@@ -771,7 +772,9 @@ impl Proxy {
                     }
                     // Past the bound, or without room: on unread, the token looked up when
                     // needed.
-                    Ok(Bounded::Partial(head, rest) | Bounded::NoRoom(head, rest)) => {
+                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    Ok(Bounded::NoRoom(head, rest)) => {
+                        self.held.say_full();
                         body::boxed(Prefixed::new(head, rest))
                     }
                     // Not counted here: the body counted itself as it broke.
