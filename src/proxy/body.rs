@@ -31,18 +31,17 @@ pub const HELD_LIMIT: usize = 32 * 1024 * 1024;
 /// connection, and four such connections held 500 MB. Room is taken as bytes arrive, never
 /// waited for: a body that finds none stops being read (see [`read_bounded`]), so bodies
 /// holding part of theirs never wait on one another, nor on a client that sends nothing.
-#[derive(Clone)]
 pub struct Held {
     room: Arc<tokio::sync::Semaphore>,
     /// When the room was last said to be full: at most once a minute.
-    said: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    said: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Held {
     pub fn new(bytes: usize) -> Self {
         Held {
             room: Arc::new(tokio::sync::Semaphore::new(bytes)),
-            said: Arc::default(),
+            said: std::sync::Mutex::default(),
         }
     }
 
