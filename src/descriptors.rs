@@ -375,12 +375,13 @@ mod tests {
         }
     }
 
-    struct OneIdle(Mutex<Option<Slot>>);
+    /// One idle connection's slot, idle since the instant given.
+    struct OneIdle(Mutex<Option<Slot>>, std::time::Instant);
 
     impl IdleConnections for OneIdle {
         fn oldest(&self) -> Option<std::time::Instant> {
             let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            held.is_some().then(std::time::Instant::now)
+            held.is_some().then_some(self.1)
         }
 
         fn close_one(&self) -> bool {
@@ -392,11 +393,39 @@ mod tests {
         }
     }
 
+    /// The slot a request needs is the longest idle connection's, whichever pool holds it:
+    /// the pool registered first (the control plane's) lost its connection every time.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_count_closes_the_longest_idle_connection_of_all_pools() {
+        let slots = Slots::new(2, 0);
+        let earlier = std::time::Instant::now();
+        let later = earlier + Duration::from_secs(5);
+        let mut pools = Vec::new();
+        for since in [later, earlier] {
+            let slot = slots.take(Duration::ZERO).await.ok();
+            pools.push(Arc::new(OneIdle(Mutex::new(slot), since)));
+        }
+        let (first, second) = (&pools[0], &pools[1]);
+        for p in &pools {
+            slots.register(Arc::downgrade(p) as Weak<dyn IdleConnections>);
+        }
+        let taken = slots.take(Duration::from_secs(1)).await;
+        assert!(taken.is_ok(), "{taken:?}");
+        assert!(first.0.lock().unwrap().is_some(), "the newer one kept");
+        assert!(
+            second.0.lock().unwrap().is_none(),
+            "the longest idle closed"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_full_count_closes_an_idle_connection_else_waits_then_fails() {
         let slots = Slots::new(2, 0);
         let busy = slots.take(Duration::from_secs(1)).await.ok();
-        let idle = Arc::new(OneIdle(Mutex::new(slots.take(Duration::ZERO).await.ok())));
+        let idle = Arc::new(OneIdle(
+            Mutex::new(slots.take(Duration::ZERO).await.ok()),
+            std::time::Instant::now(),
+        ));
         assert_eq!(slots.in_use(), 2);
         slots.register(Arc::downgrade(&idle) as Weak<dyn IdleConnections>);
 
