@@ -873,6 +873,19 @@ impl Pool {
         }))
         .min()
     }
+
+    /// Closes an idle connection, the first found in any worker's list: the lists changed
+    /// since the oldest was looked for (a request took it).
+    fn close_any(&self) -> bool {
+        self.idle.iter().any(|list| {
+            let mut idle = list.lock().unwrap_or_else(PoisonError::into_inner);
+            let found = (idle.origins.iter_mut())
+                .find(|o| !o.conns.is_empty())
+                .map(|o| o.conns.remove(0));
+            drop(idle);
+            found.is_some()
+        })
+    }
 }
 
 impl IdleConnections for Pool {
@@ -896,21 +909,6 @@ impl IdleConnections for Pool {
         drop(idle);
         // Closed outside the lock; from any thread, as the sweep's are.
         oldest.is_some() || self.close_any()
-    }
-}
-
-impl Pool {
-    /// Closes an idle connection, the first found in any worker's list: the lists changed
-    /// since the oldest was looked for (a request took it).
-    fn close_any(&self) -> bool {
-        self.idle.iter().any(|list| {
-            let mut idle = list.lock().unwrap_or_else(PoisonError::into_inner);
-            let found = (idle.origins.iter_mut())
-                .find(|o| !o.conns.is_empty())
-                .map(|o| o.conns.remove(0));
-            drop(idle);
-            found.is_some()
-        })
     }
 }
 
