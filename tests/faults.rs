@@ -2435,6 +2435,8 @@ enum Fault {
     SwitchedToH2c,
     /// [`TRUNCATED_LARGE`] bytes announced, a third of them sent: a body the proxy splices.
     TruncatedLargeBody,
+    /// A gateway's own answer: this status, these header lines, an empty body.
+    Answer(u16, &'static str),
 }
 
 /// Over the size from which abx-proxy splices a body from socket to socket (1 MiB).
@@ -2533,6 +2535,9 @@ impl FaultUpstream {
                     .into_bytes();
                 r.resize(r.len() + TRUNCATED_LARGE / 3, b'x');
                 r
+            }
+            Fault::Answer(status, lines) => {
+                format!("HTTP/1.1 {status} Gateway\r\n{lines}Content-Length: 0\r\n\r\n").into_bytes()
             }
         };
         let _ = s.write_all(&reply).await;
@@ -2778,7 +2783,8 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
 /// The E2B SDKs send a request answered 429/502/503/504 again unless the answer says
 /// `Should-Retry: false` (Python SDK 2.63: up to three times, a `POST` included). When the
 /// proxy answers after the upstream may have received a request that is not safe to
-/// repeat, it says so: a create sent again makes a second sandbox. Requests safe to repeat
+/// repeat, or passes on a gateway's 502 or 504 to one, it says so: a create sent again makes
+/// a second sandbox. Requests safe to repeat
 /// (an idempotent method, an `Idempotency-Key`) and failures before any connection was
 /// made leave the SDK's own rule alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2821,6 +2827,33 @@ async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
     sweep.raw("truncated create", &resp);
     assert_proxy_error(&resp, 502, "E5001");
     assert_eq!(should_retry(&resp).as_deref(), Some("false"));
+
+    // A gateway in front of the control plane gave up on it: as unknown as the proxy's own.
+    for status in [502, 504] {
+        upstream.set(Fault::Answer(status, ""));
+        for path in ["/sandboxes", "/v2/sandboxes", "/v2/sandboxes/x/connect"] {
+            let resp = raw_exchange(addr, post(addr, path, "").as_bytes()).await;
+            assert_eq!(resp.status, status, "{path}");
+            assert_eq!(
+                should_retry(&resp).as_deref(),
+                Some("false"),
+                "{status} {path}"
+            );
+        }
+        let resp = raw_exchange(addr, keyed.as_bytes()).await;
+        assert_eq!(should_retry(&resp), None, "a keyed create may go again");
+        assert_eq!(should_retry(&get(addr, "/sandboxes/x").await), None);
+    }
+    // The gateway's own word stands; a 503 or 429 says the request was not taken.
+    upstream.set(Fault::Answer(504, "Should-Retry: true\r\n"));
+    let resp = raw_exchange(addr, post(addr, "/sandboxes", "").as_bytes()).await;
+    assert_eq!(should_retry(&resp).as_deref(), Some("true"));
+    for status in [503, 429] {
+        upstream.set(Fault::Answer(status, ""));
+        let resp = raw_exchange(addr, post(addr, "/sandboxes", "").as_bytes()).await;
+        assert_eq!(resp.status, status);
+        assert_eq!(should_retry(&resp), None, "{status}");
+    }
     upstream.set(Fault::Ok);
     sweep.finish(proxy, &settings).await;
 

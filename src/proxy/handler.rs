@@ -155,7 +155,12 @@ impl Proxy {
                 return Ok(gone);
             }
             let (resp, upstream) = match result {
-                Ok(ok) => ok,
+                Ok((mut resp, upstream)) => {
+                    if !repeatable && plane == "api" {
+                        say_not_to_retry_a_gateway_failure(&mut resp);
+                    }
+                    (resp, upstream)
+                }
                 Err(f) => {
                     if let Some(kind) = f.kind {
                         self.metrics.upstream_error(plane, kind.label());
@@ -187,6 +192,22 @@ impl Proxy {
             crate::logging::access(&method, uri.path(), plane, status, elapsed, &upstream);
             Ok(resp)
         }
+    }
+}
+
+/// A gateway in front of the control plane answering 502 or 504 to a request that is not
+/// safe to repeat leaves its outcome as unknown as the proxy's own 502/504 does (a create
+/// it gave up waiting for may have been carried out behind it): the same
+/// `Should-Retry: false`, unless the answer says itself. Python SDK 2.63 otherwise sent
+/// such a create four times, each of which could leave a sandbox running. A 503 or 429
+/// says the request was not taken: the SDKs' retry stays.
+fn say_not_to_retry_a_gateway_failure(resp: &mut Response<ProxyBody>) {
+    let status = resp.status();
+    if (status == StatusCode::BAD_GATEWAY || status == StatusCode::GATEWAY_TIMEOUT)
+        && !resp.headers().contains_key(SHOULD_RETRY)
+    {
+        resp.headers_mut()
+            .insert(SHOULD_RETRY, http::HeaderValue::from_static("false"));
     }
 }
 
