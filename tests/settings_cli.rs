@@ -1312,7 +1312,8 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
 
 /// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
 /// and the connector used the scheme's default port: the key went to port 443 (or 80) of
-/// that host while every error named the port written. Now E1005 before anything starts.
+/// that host while every error named the port written. Now E1005 before anything starts;
+/// so is an address given as `sandbox_domain` (envd hosts are `PORT-ID.DOMAIN`).
 #[test]
 fn a_url_or_domain_whose_port_is_not_one_is_refused() {
     for (flag, value, named) in [
@@ -1330,6 +1331,8 @@ fn a_url_or_domain_whose_port_is_not_one_is_refused() {
         ("--sandbox-url", "https://envd.example:", "sandbox_url"),
         ("--sandbox-domain", "envd.example:70000", "sandbox_domain"),
         ("--sandbox-domain", "[::1]:1", "sandbox_domain"),
+        // An address is no domain: `49983-ID.127.0.0.1` resolves nowhere.
+        ("--sandbox-domain", "127.0.0.1:9000", "sandbox_domain"),
     ] {
         let mut c = Case::new();
         c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
@@ -1344,6 +1347,12 @@ fn a_url_or_domain_whose_port_is_not_one_is_refused() {
         );
         assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
     }
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.flags
+        .extend(["--sandbox-domain", "127.0.0.1:9000"].map(String::from));
+    let out = c.run(&["check", "--offline"]);
+    assert!(out.stderr.contains("use sandbox_url"), "{}", out.stderr);
 }
 
 /// A FIFO at `path`, nobody writing to it.

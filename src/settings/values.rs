@@ -228,7 +228,8 @@ pub(crate) fn domain(raw: &str) -> Result<String, Error> {
 }
 
 pub(crate) const DOMAIN_EXPECTED: &str =
-    "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com";
+    "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com (envd hosts are \
+     PORT-ID.DOMAIN; an address is no domain: for one envd address use sandbox_url)";
 
 /// A host name with an optional port, and nothing else: envd is reached at
 /// `https://{port}-{id}.{domain}`, where user info (`…@host`) would move the connection to
@@ -241,8 +242,17 @@ pub(crate) fn is_domain(raw: &str) -> bool {
         .host()
         .strip_suffix('.')
         .unwrap_or(authority.host());
+    // No top-level domain is all digits (RFC 3696 §2): such a "domain" is an IPv4 address
+    // (or a typo of one), and `49983-ID.127.0.0.1` is no host: every envd request went to
+    // the resolver with the sandbox's id and came back 502, read by the SDKs as a sandbox
+    // not running.
+    let top_is_number = labels
+        .rsplit('.')
+        .next()
+        .is_some_and(|top| top.bytes().all(|b| b.is_ascii_digit()));
     !raw.contains('@')
         && check_authority(&authority).is_ok()
+        && !top_is_number
         && labels.split('.').all(|label| {
             !label.is_empty()
                 && (label.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
@@ -346,7 +356,9 @@ mod tests {
         for ok in [
             "cn-hangzhou.e2b.fc.aliyuncs.com",
             "envd.local:8443",
-            "127.0.0.1:9000",
+            "localhost:9000",
+            "127.0.0.1.nip.io",
+            "e2b-1.example",
         ] {
             assert_eq!(domain(ok).ok().as_deref(), Some(ok));
         }
@@ -364,6 +376,10 @@ mod tests {
             ".",
             "e2b..example",
             "[::1]:1",
+            "127.0.0.1:9000",
+            "127.0.0.1",
+            "10.0.0.1.",
+            "envd.123",
         ] {
             assert!(domain(bad).is_err(), "{bad:?}");
         }
