@@ -1984,6 +1984,49 @@ async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     proxy.finish().await;
 }
 
+/// `https://` for a port that serves plain HTTP, the commonest TLS slip: the server
+/// answers the ClientHello with its own 400 (nginx and hyper do), which rustls calls
+/// "received corrupt message of type InvalidContentType". Said as what it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_to_a_plain_http_port_says_to_use_http() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let plain = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut hello = [0u8; 512];
+            let _ = s.read(&mut hello).await;
+            let _ = s
+                .write_all(
+                    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                )
+                .await;
+            let _ = s.shutdown().await;
+        }
+    });
+    let pki = Pki::new();
+    let proxy = ProxyCmd::new(&format!("https://127.0.0.1:{port}"), &pki)
+        .spawn()
+        .await;
+    let resp = raw_exchange(
+        proxy.addr(),
+        format!("GET /sandboxes HTTP/1.1\r\nHost: {}\r\n\r\n", proxy.addr()).as_bytes(),
+    )
+    .await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert!(
+        resp.text()
+            .contains("tls: the server did not answer in TLS (if this port serves plain HTTP, use an http:// URL)"),
+        "{}",
+        resp.text()
+    );
+    assert_one_upstream_error(&scrape(proxy.admin_addr()).await, "api", "tls");
+    proxy.finish().await;
+    plain.abort();
+}
+
 /// A host name can carry a secret (a `.env`'s `${VAR}` in a URL, here the key itself): a
 /// certificate for another name is refused in words that do not quote the host, which is
 /// printed masked.

@@ -282,6 +282,14 @@ pub(crate) fn connect_kind(io: Option<std::io::ErrorKind>) -> FailKind {
 /// certificate) are said as curl and browsers say them. The rest are rustls's own words.
 pub(crate) fn tls_failed(e: &rustls::Error) -> String {
     use rustls::CertificateError::*;
+    // A plain HTTP server answers a ClientHello with its own 400 (nginx, hyper): the
+    // commonest slip, `https://` for a port that serves `http://`, read "received corrupt
+    // message of type InvalidContentType".
+    if let rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType) = e {
+        return "tls: the server did not answer in TLS (if this port serves plain HTTP, \
+                use an http:// URL)"
+            .into();
+    }
     let rustls::Error::InvalidCertificate(cert) = e else {
         return format!("tls: {e}");
     };
@@ -420,6 +428,8 @@ mod tests {
         }
         let alert = rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure);
         assert_eq!(tls_failed(&alert), format!("tls: {alert}"));
+        let plain = rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType);
+        assert!(tls_failed(&plain).contains("use an http:// URL"));
     }
 
     /// Connects nowhere: every connect fails with the error it is given.
