@@ -26,8 +26,9 @@ const PER_CONNECTION: u64 = 2;
 /// own (about 20 at rest): never taken by upstream connections. A quarter of a limit
 /// under 1 024, and never under [`RESERVED_LEAST`].
 const RESERVED: u64 = 256;
-/// The admin listener's 64 connections, the ~13 at rest besides the workers' own, and the
-/// token exchange's and a reload's files: at 64, a limit of 128 or 256 let clients and
+/// The admin listener's 64 connections, the ~13 at rest besides the workers' own, the
+/// token exchange's and a reload's files, and the name look-ups' sockets (two for each of
+/// `upstream::MAX_LOOKUPS`): at 64, a limit of 128 or 256 let clients and
 /// upstream connections take descriptors the full admin listener needed, and the probes
 /// failed with EMFILE.
 const RESERVED_LEAST: u64 = 96;
@@ -327,11 +328,13 @@ mod tests {
         // Each worker's own descriptors come out of what is left: 16 workers take 64.
         let busy = super::budget(256, 10_000, 16);
         assert_eq!((busy.clients, busy.upstream), (48, 48));
-        // A full admin listener (64) and what two workers' process holds at rest (21)
-        // fit beside every client, upstream connection and pipe the budget allows.
+        // A full admin listener (64), what two workers' process holds at rest (21) and
+        // every name look-up's sockets fit beside every client, upstream connection and
+        // pipe the budget allows.
+        let lookups = 2 * crate::upstream::MAX_LOOKUPS;
         for limit in [128, 256, 300, 400, 1024, 20_256] {
             let b = super::budget(limit, 10_000, 2);
-            let used = 21 + 64 + b.clients + b.upstream + 2 * b.pipes;
+            let used = 21 + 64 + lookups + b.clients + b.upstream + 2 * b.pipes;
             assert!(used as u64 <= limit, "{limit}: {used}");
         }
         // Pipes come out of the reserve beyond its least: none under a limit of ~400.
