@@ -866,6 +866,59 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     assert!(ms.is_some_and(|ms| ms >= 400.0), "{line}");
 }
 
+/// An HTTP/2 client that stops reading an answer (its window shut) and answers nothing,
+/// not even the idle GOAWAY's PING, is cut a GOAWAY's second after `--idle-timeout`, as an
+/// HTTP/1.1 one is cut at it: the answer it left unread kept the connection busy after
+/// the GOAWAY, whose own bytes had moved the idle clock, and the connection and the
+/// upstream connection behind its stream were held a second `--idle-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_stopped_reading_is_cut_at_the_idle_timeout() {
+    const IDLE: Duration = Duration::from_secs(3);
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        response(200, vec![b'x'; 1 << 20])
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&upstream.url(), &pki))
+        .args(&["--idle-timeout", "3s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_get_block("/big", &addr.to_string());
+    wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block))
+        .await
+        .expect("HEADERS");
+    // HTTP/2's initial window, 65 535 bytes, then nothing: no WINDOW_UPDATE is sent.
+    let mut data = 0;
+    while data < 65_535 {
+        match within("the first window's DATA", frames.recv())
+            .await
+            .flatten()
+        {
+            Some((DATA, _, 1, payload)) => data += payload.len(),
+            Some(_) => {}
+            None => panic!("the connection ended before the window filled"),
+        }
+    }
+    let stalled = Instant::now();
+    h2_until_closed(&mut frames, 1).await;
+    let took = stalled.elapsed();
+    // The idle timeout and the GOAWAY's second; the second idle timeout was 3 s more.
+    assert!(
+        took >= IDLE - Duration::from_millis(100),
+        "cut after {took:?}"
+    );
+    assert!(took < 2 * IDLE, "cut after {took:?}");
+    let stderr = proxy.finish().await;
+    let cuts: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("answer cut"))
+        .collect();
+    assert_eq!(cuts.len(), 1, "{stderr}");
+    assert!(cuts[0].contains(r#"end="idle""#), "{}", cuts[0]);
+}
+
 /// An HTTP/2 header block left open is cut at `--header-timeout` while another stream
 /// waits for its upstream, also when `--idle-timeout` is the shorter: each idle deadline
 /// the wait let pass restarted the block's time, and it lasted as long as the wait.

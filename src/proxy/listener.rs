@@ -1431,14 +1431,20 @@ async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
                     && activity.head_began().is_none();
                 if !told_idle && (http2 || idle_tls) {
                     told_idle = true;
+                    let heard = activity.reads();
                     told.idle.notify_one();
                     tokio::time::sleep(GOAWAY_WAIT).await;
                     // A request sent as the GOAWAY went out, which promised to serve it,
                     // runs to its end (hyper closes the connection after it), watched as
                     // any: it was cut here a second later, its command already started
                     // in the sandbox; so does a head finished meanwhile. A head still
-                    // overdue is cut whatever else runs.
-                    if !head_overdue(activity, config) && activity.busy() {
+                    // overdue is cut whatever else runs. A client that sent nothing
+                    // since (not even the answer to the GOAWAY's PING) only holds the
+                    // answers it left unread, which made the connection idle: watched
+                    // again, they held it (and their upstream connections) a second
+                    // `--idle-timeout`, the GOAWAY's own bytes having moved its clock.
+                    let heard_since = activity.reads() != heard;
+                    if !head_overdue(activity, config) && activity.busy() && heard_since {
                         told.stalled.store(0, Ordering::Relaxed);
                         activity.clocks.cut_ms.store(0, Ordering::Relaxed);
                         continue;
