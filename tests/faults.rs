@@ -849,12 +849,7 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
 
     let stderr = proxy.finish().await;
     // Only the answer cut with the open head's connection is said, and why.
-    let cuts: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.contains("answer cut"))
-        .collect();
-    assert_eq!(cuts.len(), 1, "{stderr}");
-    assert!(cuts[0].contains(r#"end="header-timeout""#), "{}", cuts[0]);
+    the_one_answer_cut(&stderr, r#"end="header-timeout""#);
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
     // The open block began after the GOAWAY's cut began: its time runs to its own cut
     // (it said 0.0 ms).
@@ -864,6 +859,17 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
         .expect("the 408");
     let ms = logged_ms(line);
     assert!(ms.is_some_and(|ms| ms >= 400.0), "{line}");
+}
+
+/// The one `answer cut` line in `stderr`, which says `end`.
+fn the_one_answer_cut<'a>(stderr: &'a str, end: &str) -> &'a str {
+    let cuts: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("answer cut"))
+        .collect();
+    assert_eq!(cuts.len(), 1, "{stderr}");
+    assert!(cuts[0].contains(end), "{}", cuts[0]);
+    cuts[0]
 }
 
 /// An HTTP/2 client that stops reading an answer (its window shut) and answers nothing,
@@ -911,12 +917,7 @@ async fn an_http2_client_that_stopped_reading_is_cut_at_the_idle_timeout() {
     );
     assert!(took < 2 * IDLE, "cut after {took:?}");
     let stderr = proxy.finish().await;
-    let cuts: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.contains("answer cut"))
-        .collect();
-    assert_eq!(cuts.len(), 1, "{stderr}");
-    assert!(cuts[0].contains(r#"end="idle""#), "{}", cuts[0]);
+    the_one_answer_cut(&stderr, r#"end="idle""#);
 }
 
 /// An HTTP/2 header block left open is cut at `--header-timeout` while another stream
@@ -4329,16 +4330,8 @@ async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
     assert_eq!(resp.status(), 200);
     // Said by the proxy: the client only sees its stream reset.
     let stderr = proxy.finish().await;
-    let cut: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.contains("answer cut"))
-        .collect();
-    assert_eq!(cut.len(), 1, "{stderr}");
-    assert!(
-        cut[0].contains("path=/stall") && cut[0].contains("end=\"idle\""),
-        "{}",
-        cut[0]
-    );
+    let cut = the_one_answer_cut(&stderr, r#"end="idle""#);
+    assert!(cut.contains("path=/stall"), "{cut}");
 }
 
 /// An HTTP/1.1 answer the proxy cuts, because nothing moved for `--idle-timeout` or the
