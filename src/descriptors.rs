@@ -129,8 +129,9 @@ pub fn budget(limit: u64, max_connections: usize, workers: usize) -> Budget {
 
 /// Something that holds idle upstream connections and can close one to free its slot.
 pub trait IdleConnections: Send + Sync {
-    /// When its longest idle connection went idle; `None` when it holds none.
-    fn oldest(&self) -> Option<std::time::Instant>;
+    /// When its longest idle connection went idle, in [`crate::clock::since_boot`]; `None`
+    /// when it holds none.
+    fn oldest(&self) -> Option<Duration>;
 
     /// Closes its longest idle connection; false when it holds none.
     fn close_one(&self) -> bool;
@@ -378,11 +379,11 @@ mod tests {
         }
     }
 
-    /// One idle connection's slot, idle since the instant given.
-    struct OneIdle(Mutex<Option<Slot>>, std::time::Instant);
+    /// One idle connection's slot, idle since the time given.
+    struct OneIdle(Mutex<Option<Slot>>, Duration);
 
     impl IdleConnections for OneIdle {
-        fn oldest(&self) -> Option<std::time::Instant> {
+        fn oldest(&self) -> Option<Duration> {
             let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
             held.is_some().then_some(self.1)
         }
@@ -401,7 +402,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_full_count_closes_the_longest_idle_connection_of_all_pools() {
         let slots = Slots::new(2, 0);
-        let earlier = std::time::Instant::now();
+        let earlier = crate::clock::since_boot();
         let later = earlier + Duration::from_secs(5);
         let mut pools = Vec::new();
         for since in [later, earlier] {
@@ -427,7 +428,7 @@ mod tests {
         let busy = slots.take(Duration::from_secs(1)).await.ok();
         let idle = Arc::new(OneIdle(
             Mutex::new(slots.take(Duration::ZERO).await.ok()),
-            std::time::Instant::now(),
+            crate::clock::since_boot(),
         ));
         assert_eq!(slots.in_use(), 2);
         slots.register(Arc::downgrade(&idle) as Weak<dyn IdleConnections>);

@@ -10,7 +10,8 @@
 //! - [`workers`]: one single-threaded runtime per core, serving connections;
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
 //! - [`upstream`]: the TLS client stack shared by the proxy and its own calls, with
-//!   [`descriptors`] counting the upstream connections the open-file limit has room for;
+//!   [`descriptors`] counting the upstream connections the open-file limit has room for
+//!   and [`clock`] ageing idle ones through the machine's sleeps;
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz` (with
 //!   [`process_metrics`] for the standard `process_*` ones);
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
@@ -34,6 +35,7 @@ macro_rules! outln {
 pub mod admin;
 pub mod check;
 pub mod cli;
+pub mod clock;
 pub mod commands;
 pub mod credentials;
 pub mod descriptors;

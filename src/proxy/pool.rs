@@ -607,7 +607,7 @@ impl Pool {
 
     /// An idle connection to the origin that still looks open.
     fn checkout(&self, tls: bool, host: &str, port: u16) -> Option<Conn> {
-        let now = Instant::now();
+        let now = crate::clock::since_boot();
         loop {
             let mut conn = {
                 let mut idle = self.lock();
@@ -616,7 +616,7 @@ impl Pool {
                     .iter_mut()
                     .find(|o| o.key.is(tls, host, port))?;
                 let conn = list.conns.pop()?;
-                if now.saturating_duration_since(conn.idle_since) >= IDLE_TIMEOUT {
+                if now.saturating_sub(conn.idle_since) >= IDLE_TIMEOUT {
                     // The ones below it are older still.
                     let expired = std::mem::take(&mut list.conns);
                     drop(idle);
@@ -632,7 +632,7 @@ impl Pool {
     }
 
     fn put(self: &Arc<Self>, mut conn: Conn) {
-        conn.idle_since = Instant::now();
+        conn.idle_since = crate::clock::since_boot();
         // Not a download's buffer for an idle socket: up to 128 KiB each was kept, and a
         // thousand sandboxes' idle connections held 150 MiB. Its reads grew past the first
         // size (`capacity` says only what is left of the buffer past what was split off).
@@ -701,7 +701,7 @@ impl Pool {
                 port,
                 host: host.into(),
             },
-            idle_since: Instant::now(),
+            idle_since: Duration::ZERO,
             deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         })
     }
@@ -863,7 +863,7 @@ impl Pool {
 impl Pool {
     /// Where the longest idle connection is: when it went idle, its worker's list and its
     /// origin there.
-    fn oldest_at(&self) -> Option<(Instant, usize, usize)> {
+    fn oldest_at(&self) -> Option<(Duration, usize, usize)> {
         let lists = self.idle.iter().enumerate();
         (lists.filter_map(|(list, idle)| {
             let idle = idle.lock().unwrap_or_else(PoisonError::into_inner);
@@ -889,7 +889,7 @@ impl Pool {
 }
 
 impl IdleConnections for Pool {
-    fn oldest(&self) -> Option<Instant> {
+    fn oldest(&self) -> Option<Duration> {
         self.oldest_at().map(|(since, ..)| since)
     }
 
@@ -921,12 +921,12 @@ async fn sweep(pool: Weak<Pool>) {
     loop {
         tokio::time::sleep(SWEEP_EVERY).await;
         let Some(pool) = pool.upgrade() else { return };
-        let now = Instant::now();
+        let now = crate::clock::since_boot();
         let mut gone = Vec::new();
         let mut idle = pool.lock();
         for o in &mut idle.origins {
             for mut c in std::mem::take(&mut o.conns) {
-                let fresh = now.saturating_duration_since(c.idle_since) < IDLE_TIMEOUT;
+                let fresh = now.saturating_sub(c.idle_since) < IDLE_TIMEOUT;
                 if fresh && c.looks_open() {
                     o.conns.push(c);
                 } else {
@@ -1023,7 +1023,10 @@ struct Conn {
     spans: Vec<Span>,
     read_size: usize,
     origin: Origin,
-    idle_since: Instant,
+    /// When it last went idle, in [`crate::clock::since_boot`]: its idle age counts the
+    /// machine's sleeps (a connection dropped by the upstream during a night's sleep was
+    /// reused on waking, and the request on it reset).
+    idle_since: Duration,
     /// `--upstream-timeout` for the response head of the exchange under way. One timer for
     /// the connection's life, moved forward per exchange: a later deadline is one atomic
     /// store in tokio's timer, where a new timer per request is a wheel insert and removal.
@@ -2132,6 +2135,30 @@ mod tests {
         let resp = within(client.request("api", pause, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         assert_eq!(fake.accepts(), 2);
+    }
+
+    /// A connection's idle age counts the machine's sleeps ([`crate::clock`]): one that
+    /// went idle ten seconds before a night's sleep is past its idle timeout on waking,
+    /// and the next request opens a new connection (the upstream dropped the old one while
+    /// its close could not reach the sleeping machine). No sleep can be had in a test: the
+    /// stamp is set back as one would leave it.
+    #[tokio::test]
+    async fn a_connection_idle_across_a_sleep_is_not_used_again() {
+        let fake = Fake::start(keep_alive(|_| OK.to_vec())).await;
+        let client = client();
+        assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
+        assert_eq!(get_text(&client, &fake.url("/2")).await, "ok");
+        assert_eq!(fake.accepts(), 1, "kept alive while awake");
+        let slept = IDLE_TIMEOUT + Duration::from_secs(1);
+        let now = crate::clock::since_boot();
+        assert!(now > slept, "up {now:?}");
+        {
+            let mut idle = client.pool.lock();
+            let conn = idle.origins[0].conns.last_mut().expect("pooled");
+            conn.idle_since -= slept;
+        }
+        assert_eq!(get_text(&client, &fake.url("/3")).await, "ok");
+        assert_eq!(fake.accepts(), 2, "a new connection after the sleep");
     }
 
     /// Idle connections the upstream closed are dropped by the sweep, with no request for
