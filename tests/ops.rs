@@ -1984,6 +1984,35 @@ async fn an_untrusted_upstream_certificate_is_a_tls_error() {
     proxy.finish().await;
 }
 
+/// A forward proxy in the environment (`HTTPS_PROXY`, as curl reads it) is not used: the
+/// start says so, naming the variable and never its value (it may carry a password), and
+/// requests go straight to the upstream. Behind a firewall that lets out only the forward
+/// proxy, connects time out with nothing else to say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_proxy_in_the_environment_is_said_to_be_unused() {
+    let pki = Pki::new();
+    let upstream =
+        Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "direct") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("HTTPS_PROXY", Some("http://user:pw-zq81@127.0.0.1:9"))
+        .env("http_proxy", Some(""))
+        .spawn()
+        .await;
+    let (status, body) = get(proxy.addr(), "/sandboxes").await;
+    assert_eq!((status, &body[..]), (200, &b"direct"[..]));
+    let stderr = proxy.finish().await;
+    assert_eq!(
+        stderr.matches("HTTPS_PROXY is set, and not used").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(!stderr.contains("pw-zq81"), "{stderr}");
+    assert!(
+        !stderr.contains("http_proxy"),
+        "an empty one is not set: {stderr}"
+    );
+}
+
 /// `https://` for a port that serves plain HTTP, the commonest TLS slip: the server
 /// answers the ClientHello with its own 400 (nginx and hyper do), which rustls calls
 /// "received corrupt message of type InvalidContentType". Said as what it is.
