@@ -695,19 +695,24 @@ impl Resolved {
                 )
             }
         };
+        let sandbox_url = match &plugin {
+            None => self
+                .plain(Key::SandboxUrl)
+                .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
+                .transpose()?,
+            Some(_) => None,
+        };
+        // Read only where no `sandbox_url` stands in for it (a leftover value is no error).
+        if let (None, None, Some(domain)) = (&plugin, &sandbox_url, &envd_domain) {
+            values::domain_names_hosts(domain)?;
+        }
         let settings = Settings {
             provider: get(Key::Provider).to_string(),
             sandbox_base_url,
             sandbox_domain: envd_domain,
             // `sandbox_url` is the built-in provider's envd address (SPEC §2): a plugin's
             // envd tokens must not follow a variable left set for another provider.
-            sandbox_url: match &plugin {
-                None => self
-                    .plain(Key::SandboxUrl)
-                    .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
-                    .transpose()?,
-                Some(_) => None,
-            },
+            sandbox_url,
             token_exchange_url: UpstreamUrl::parse(
                 Key::TokenExchangeUrl,
                 get(Key::TokenExchangeUrl),

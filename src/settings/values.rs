@@ -228,8 +228,26 @@ pub(crate) fn domain(raw: &str) -> Result<String, Error> {
 }
 
 pub(crate) const DOMAIN_EXPECTED: &str =
-    "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com (envd hosts are \
-     PORT-ID.DOMAIN; an address is no domain: for one envd address use sandbox_url)";
+    "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com";
+
+/// The built-in provider's `sandbox_domain` where envd hosts are made of it (no
+/// `sandbox_url`): an address is no domain. `49983-ID.127.0.0.1` is no host: every envd
+/// request went to the resolver with the sandbox's id and came back 502, which the SDKs
+/// read as a sandbox not running. No top-level domain is all digits (RFC 3696 §2).
+pub(crate) fn domain_names_hosts(domain: &str) -> Result<(), Error> {
+    let host = domain.parse::<Authority>().map(|a| a.host().to_string());
+    let host = host.as_deref().unwrap_or(domain);
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let top = host.rsplit('.').next().unwrap_or(host);
+    if !top.is_empty() && top.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid(
+            Key::SandboxDomain,
+            "an address is no domain: envd hosts are PORT-ID.DOMAIN (to reach envd at one \
+             address, set sandbox_url)",
+        ));
+    }
+    Ok(())
+}
 
 /// A host name with an optional port, and nothing else: envd is reached at
 /// `https://{port}-{id}.{domain}`, where user info (`…@host`) would move the connection to
@@ -242,17 +260,8 @@ pub(crate) fn is_domain(raw: &str) -> bool {
         .host()
         .strip_suffix('.')
         .unwrap_or(authority.host());
-    // No top-level domain is all digits (RFC 3696 §2): such a "domain" is an IPv4 address
-    // (or a typo of one), and `49983-ID.127.0.0.1` is no host: every envd request went to
-    // the resolver with the sandbox's id and came back 502, read by the SDKs as a sandbox
-    // not running.
-    let top_is_number = labels
-        .rsplit('.')
-        .next()
-        .is_some_and(|top| top.bytes().all(|b| b.is_ascii_digit()));
     !raw.contains('@')
         && check_authority(&authority).is_ok()
-        && !top_is_number
         && labels.split('.').all(|label| {
             !label.is_empty()
                 && (label.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
@@ -356,11 +365,22 @@ mod tests {
         for ok in [
             "cn-hangzhou.e2b.fc.aliyuncs.com",
             "envd.local:8443",
+            "127.0.0.1:9000",
+        ] {
+            assert_eq!(domain(ok).ok().as_deref(), Some(ok));
+        }
+        // Where envd hosts are made of it, an address is no domain.
+        for ok in [
             "localhost:9000",
             "127.0.0.1.nip.io",
             "e2b-1.example",
+            "e2b.app.",
         ] {
-            assert_eq!(domain(ok).ok().as_deref(), Some(ok));
+            assert!(domain_names_hosts(ok).is_ok(), "{ok:?}");
+        }
+        for bad in ["127.0.0.1:9000", "127.0.0.1", "10.0.0.1.", "envd.123"] {
+            let e = domain_names_hosts(bad).expect_err(bad).to_string();
+            assert!(e.contains("set sandbox_url"), "{e}");
         }
         for bad in [
             "",
@@ -376,10 +396,6 @@ mod tests {
             ".",
             "e2b..example",
             "[::1]:1",
-            "127.0.0.1:9000",
-            "127.0.0.1",
-            "10.0.0.1.",
-            "envd.123",
         ] {
             assert!(domain(bad).is_err(), "{bad:?}");
         }
