@@ -28,7 +28,7 @@ const PER_CONNECTION: u64 = 2;
 const RESERVED: u64 = 256;
 /// The admin listener's 64 connections, the ~13 at rest besides the workers' own, the
 /// token exchange's and a reload's files, and the name look-ups' sockets (two for each of
-/// `upstream::MAX_LOOKUPS`): at 64, a limit of 128 or 256 let clients and
+/// `resolve::MAX_LOOKUPS`): at 64, a limit of 128 or 256 let clients and
 /// upstream connections take descriptors the full admin listener needed, and the probes
 /// failed with EMFILE.
 const RESERVED_LEAST: u64 = 96;
@@ -332,7 +332,7 @@ mod tests {
         // A full admin listener (64), what two workers' process holds at rest (21) and
         // every name look-up's sockets fit beside every client, upstream connection and
         // pipe the budget allows.
-        let lookups = 2 * crate::upstream::MAX_LOOKUPS;
+        let lookups = 2 * crate::resolve::MAX_LOOKUPS;
         for limit in [128, 256, 300, 400, 1024, 20_256] {
             let b = super::budget(limit, 10_000, 2);
             let used = 21 + 64 + lookups + b.clients + b.upstream + 2 * b.pipes;

@@ -11,7 +11,8 @@
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
 //! - [`upstream`]: the TLS client stack shared by the proxy and its own calls, with
 //!   [`descriptors`] counting the upstream connections the open-file limit has room for
-//!   and [`clock`] ageing idle ones through the machine's sleeps;
+//!   [`clock`] ageing idle ones through the machine's sleeps and [`resolve`] looking up
+//!   their names;
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz` (with
 //!   [`process_metrics`] for the standard `process_*` ones);
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
@@ -49,6 +50,7 @@ pub mod process_metrics;
 pub mod providers;
 pub mod proxy;
 pub mod reload;
+pub mod resolve;
 pub mod secret;
 pub mod serve;
 pub mod settings;

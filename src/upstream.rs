@@ -5,14 +5,10 @@
 //! (`proxy::pool`) connects through [`connector`] and keeps this client for HTTP/2 and
 //! upgrades.
 //!
-//! Names resolve through [`LocalResolver`]: `localhost` and every `*.localhost` name are
-//! loopback without asking DNS (RFC 6761 §6.3; many system resolvers do not answer
-//! `foo.localhost`), so `sandbox_domain = localhost:PORT` reaches a local envd as
-//! `https://{port}-{id}.localhost:PORT`. Every other name goes to getaddrinfo, at most
-//! [`MAX_LOOKUPS`] at once.
+//! Names resolve through [`crate::resolve`]: `localhost` and `*.localhost` without DNS,
+//! every other name through getaddrinfo, a few at once.
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,7 +18,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -32,125 +27,12 @@ use rustls_pki_types::CertificateDer;
 
 use crate::descriptors::{Slot, Slots};
 use crate::error::Error;
+pub use crate::resolve::{LocalResolver, Names};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body type of every upstream request and every response the proxy sends.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
 pub type HttpClient = Client<TimedConnect<HttpsConnector<HttpConnector<LocalResolver>>>, ProxyBody>;
-
-/// DNS for the upstream connector: `localhost` and `*.localhost` (any case, with or without
-/// the root dot) are 127.0.0.1 then ::1, answered here (RFC 6761 §6.3); everything else is
-/// asked of the system (getaddrinfo, as hyper-util's `GaiResolver` does) through
-/// [`SYSTEM_LOOKUPS`].
-#[derive(Clone, Debug)]
-pub struct LocalResolver {
-    lookups: &'static Lookups,
-}
-
-impl LocalResolver {
-    pub fn new() -> Self {
-        LocalResolver {
-            lookups: &SYSTEM_LOOKUPS,
-        }
-    }
-}
-
-/// Name look-ups through getaddrinfo running at once, process-wide. getaddrinfo cannot be
-/// cancelled: a look-up whose connect gave up at `--connect-timeout` ran on in its blocking
-/// thread, with its socket, until the resolver gave up (5 s a server and try in glibc; a
-/// minute with Kubernetes' `ndots:5` and search domains). A DNS server that stopped
-/// answering left a thread and a socket per abandoned connect, outside the descriptor
-/// budget: a few bursts, and accepts and connects failed with EMFILE, requests that need
-/// no DNS included. Eight at once answer hundreds a second from a working resolver; their
-/// sockets (two each at most) fit in the budget's reserve (`crate::descriptors`).
-pub const MAX_LOOKUPS: usize = 8;
-
-static SYSTEM_LOOKUPS: Lookups = Lookups::new(MAX_LOOKUPS, system_lookup);
-
-fn system_lookup(host: &str) -> std::io::Result<Vec<SocketAddr>> {
-    use std::net::ToSocketAddrs as _;
-    Ok((host, 0).to_socket_addrs()?.collect())
-}
-
-/// Blocking look-ups held to a number at once. A look-up's place is taken before its
-/// thread starts and given back when the look-up returns, not when its caller gives up:
-/// the places count what runs, threads and sockets.
-pub struct Lookups {
-    places: tokio::sync::Semaphore,
-    lookup: fn(&str) -> std::io::Result<Vec<SocketAddr>>,
-}
-
-impl std::fmt::Debug for Lookups {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lookups")
-            .field("free", &self.places.available_permits())
-            .finish()
-    }
-}
-
-impl Lookups {
-    pub const fn new(at_once: usize, lookup: fn(&str) -> std::io::Result<Vec<SocketAddr>>) -> Self {
-        Lookups {
-            places: tokio::sync::Semaphore::const_new(at_once),
-            lookup,
-        }
-    }
-
-    /// `host`'s addresses, once a place is free. Dropping the future while it waits for
-    /// a place takes none; once the look-up runs, it keeps its place until it returns.
-    pub async fn resolve(&'static self, host: String) -> std::io::Result<Vec<SocketAddr>> {
-        let place = self.places.acquire().await.map_err(std::io::Error::other)?;
-        let lookup = self.lookup;
-        let running = tokio::task::spawn_blocking(move || {
-            let _place = place;
-            lookup(&host)
-        });
-        running
-            .await
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::Interrupted, e))?
-    }
-}
-
-impl Default for LocalResolver {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// Whether RFC 6761 §6.3 makes `host` a loopback name.
-pub fn is_localhost_name(host: &str) -> bool {
-    let h = host.strip_suffix('.').unwrap_or(host);
-    let suffix = ".localhost";
-    h.eq_ignore_ascii_case("localhost")
-        || (h.len() > suffix.len()
-            && h.is_char_boundary(h.len() - suffix.len())
-            && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix))
-}
-
-/// The addresses [`LocalResolver`] answers. The port is filled in by the connector.
-pub type ResolvedAddrs = std::vec::IntoIter<SocketAddr>;
-
-impl tower_service::Service<Name> for LocalResolver {
-    type Response = ResolvedAddrs;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<ResolvedAddrs, std::io::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, name: Name) -> Self::Future {
-        if is_localhost_name(name.as_str()) {
-            let addrs = vec![
-                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
-                SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), 0),
-            ];
-            return Box::pin(std::future::ready(Ok(addrs.into_iter())));
-        }
-        let lookup = self.lookups.resolve(name.as_str().to_owned());
-        Box::pin(async move { Ok(lookup.await?.into_iter()) })
-    }
-}
 
 /// Which HTTP versions to offer upstream over TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,8 +96,8 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
 
 /// TCP connections to upstreams: names through [`LocalResolver`], `https` URIs accepted
 /// (TLS is layered above), TCP_NODELAY, keep-alive probes after 60 s idle.
-pub fn connector(connect_timeout: Duration) -> HttpConnector<LocalResolver> {
-    let mut http = HttpConnector::new_with_resolver(LocalResolver::new());
+pub fn connector(connect_timeout: Duration, names: Names) -> HttpConnector<LocalResolver> {
+    let mut http = HttpConnector::new_with_resolver(LocalResolver::new(names));
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));
@@ -281,11 +163,12 @@ pub fn client(
         request_timeout,
         Slots::unlimited(),
         MAX_IDLE_HTTP1,
+        Names::Own,
     )
 }
 
 /// [`client`], its connections counted in `slots` (the proxy's own upstream clients), at
-/// most `max_idle` of them kept idle per origin.
+/// most `max_idle` of them kept idle per origin, its host names looked up as `names`.
 pub fn counted_client(
     tls: rustls::ClientConfig,
     versions: Versions,
@@ -293,8 +176,9 @@ pub fn counted_client(
     request_timeout: Duration,
     slots: Arc<Slots>,
     max_idle: usize,
+    names: Names,
 ) -> HttpClient {
-    let http = connector(connect_timeout);
+    let http = connector(connect_timeout, names);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
@@ -427,32 +311,6 @@ impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for Slotted<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tower_service::Service;
-
-    #[test]
-    fn localhost_names() {
-        for yes in [
-            "localhost",
-            "LocalHost",
-            "localhost.",
-            "49983-isb-1.localhost",
-            "a.b.LOCALHOST.",
-        ] {
-            assert!(is_localhost_name(yes), "{yes}");
-        }
-        for no in [
-            "",
-            ".localhost",
-            "localhost.example.com",
-            "evillocalhost",
-            "127.0.0.1",
-            "localhost..",
-            // The place where the suffix would start falls inside a character: no.
-            "a\u{e9}123456789",
-        ] {
-            assert!(!is_localhost_name(no), "{no}");
-        }
-    }
 
     /// Pings every half of the request timeout, at most every 20 s and at least every
     /// millisecond.
@@ -463,99 +321,5 @@ mod tests {
         assert_eq!(ping_interval(s(40)), s(20));
         assert_eq!(ping_interval(s(300)), MAX_PING_INTERVAL);
         assert_eq!(ping_interval(Duration::ZERO), Duration::from_millis(1));
-    }
-
-    #[tokio::test]
-    async fn localhost_resolves_to_loopback_without_dns() {
-        let name: Name = "49983-isb-1.localhost".parse().unwrap();
-        let addrs: Vec<SocketAddr> = LocalResolver::new().call(name).await.unwrap().collect();
-        assert_eq!(
-            addrs,
-            vec![
-                SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-                SocketAddr::from((Ipv6Addr::LOCALHOST, 0)),
-            ]
-        );
-    }
-
-    /// What [`held_lookup`] waits for, and how many of it run.
-    static GATE: (std::sync::Mutex<bool>, std::sync::Condvar) =
-        (std::sync::Mutex::new(false), std::sync::Condvar::new());
-    static RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-    /// A look-up that hangs, as getaddrinfo does when the DNS server stops answering,
-    /// until [`GATE`] opens.
-    fn held_lookup(_: &str) -> std::io::Result<Vec<SocketAddr>> {
-        use std::sync::atomic::Ordering::SeqCst;
-        let now = RUNNING.fetch_add(1, SeqCst) + 1;
-        PEAK.fetch_max(now, SeqCst);
-        let (open, opened) = &GATE;
-        let mut open = open.lock().unwrap();
-        while !*open {
-            open = opened.wait(open).unwrap();
-        }
-        RUNNING.fetch_sub(1, SeqCst);
-        Ok(vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))])
-    }
-
-    static HELD: Lookups = Lookups::new(2, held_lookup);
-
-    /// Opens [`GATE`] when dropped: a failed assertion ends the test instead of leaving
-    /// the runtime waiting for its blocked look-ups.
-    struct Opens;
-
-    impl Drop for Opens {
-        fn drop(&mut self) {
-            *GATE
-                .0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
-            GATE.1.notify_all();
-        }
-    }
-
-    /// Look-ups whose callers gave up (a connect timed out) keep their places until they
-    /// return, and no more than the bound run at once: each is a thread and a socket.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn lookups_abandoned_by_their_callers_keep_their_places_until_they_return() {
-        use std::sync::atomic::Ordering::SeqCst;
-        let opens = Opens;
-        let until = |what: &'static str, done: &dyn Fn() -> bool| {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while !done() {
-                assert!(std::time::Instant::now() < deadline, "{what}");
-                std::thread::yield_now();
-            }
-        };
-        let first: Vec<_> = (0..2)
-            .map(|_| tokio::spawn(HELD.resolve("hangs.example".into())))
-            .collect();
-        until("two look-ups running", &|| RUNNING.load(SeqCst) == 2);
-        for caller in &first {
-            caller.abort();
-        }
-        for caller in first {
-            assert!(caller.await.unwrap_err().is_cancelled());
-        }
-        // The callers are gone; their look-ups are not, and hold both places.
-        assert_eq!(HELD.places.available_permits(), 0);
-        let third = tokio::spawn(HELD.resolve("after.example".into()));
-        let waiting = tokio::spawn(HELD.resolve("given-up.example".into()));
-        waiting.abort();
-        assert!(waiting.await.unwrap_err().is_cancelled());
-        assert_eq!(RUNNING.load(SeqCst), 2, "a third look-up started");
-        drop(opens);
-        let addrs = tokio::time::timeout(Duration::from_secs(10), third)
-            .await
-            .expect("the waiting look-up runs once a place is free")
-            .unwrap()
-            .unwrap();
-        assert_eq!(addrs, vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))]);
-        until("every look-up returned", &|| RUNNING.load(SeqCst) == 0);
-        until("every place given back", &|| {
-            HELD.places.available_permits() == 2
-        });
-        assert_eq!(PEAK.load(SeqCst), 2);
     }
 }

@@ -327,6 +327,7 @@ impl Upstream {
         upstream_timeout: Duration,
         broken: BrokenBodies,
         slots: Arc<Slots>,
+        names: upstream::Names,
     ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -345,6 +346,7 @@ impl Upstream {
             upstream_timeout,
             slots.clone(),
             max_idle,
+            names,
         );
         let pool = Arc::new(Pool {
             idle: (0..=crate::workers::count())
@@ -355,7 +357,7 @@ impl Upstream {
                     })
                 })
                 .collect(),
-            tcp: upstream::connector(connect_timeout),
+            tcp: upstream::connector(connect_timeout, names),
             connect_timeout,
             tls: TlsConnector::from(Arc::new(h1)),
             broken,
@@ -1797,6 +1799,7 @@ mod tests {
             LONG,
             None,
             slots,
+            upstream::Names::Sandboxes,
         )
     }
 
@@ -3393,6 +3396,7 @@ mod tests {
             LONG,
             None,
             Slots::unlimited(),
+            upstream::Names::Own,
         )
     }
 
@@ -3529,6 +3533,7 @@ mod tests {
             LONG,
             None,
             Slots::unlimited(),
+            upstream::Names::Own,
         );
         for _ in 0..2 {
             let resp = within(trusting.request("api", get(&url), LONG))
