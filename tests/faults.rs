@@ -2861,12 +2861,16 @@ async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
 
     // The upstream reads the request and resets: it may have carried it out.
     upstream.set(Fault::ResetAfterRequest);
-    for path in ["/sandboxes", "/v2/sandboxes", "/v2/sandboxes/x/connect"] {
+    for path in ["/sandboxes", "/v2/sandboxes"] {
         let resp = raw_exchange(addr, post(addr, path, "").as_bytes()).await;
         sweep.raw(path, &resp);
         assert_proxy_error(&resp, 502, "E5001");
         assert_eq!(should_retry(&resp).as_deref(), Some("false"), "{path}");
     }
+    // Done twice, a connect leaves the sandbox as done once: the SDK's retry stays.
+    let resp = raw_exchange(addr, post(addr, "/v2/sandboxes/x/connect", "").as_bytes()).await;
+    assert_proxy_error(&resp, 502, "E5001");
+    assert_eq!(should_retry(&resp), None);
     let keyed = post(addr, "/sandboxes", "Idempotency-Key: create-1\r\n");
     let resp = raw_exchange(addr, keyed.as_bytes()).await;
     assert_proxy_error(&resp, 502, "E5001");
@@ -2882,10 +2886,11 @@ async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
     assert_proxy_error(&resp, 502, "E5001");
     assert_eq!(should_retry(&resp).as_deref(), Some("false"));
 
-    // A gateway in front of the control plane gave up on it: as unknown as the proxy's own.
+    // A gateway in front of the control plane gave up on it: as unknown as the proxy's own,
+    // but for the actions on a sandbox that done twice leave it as done once.
     for status in [502, 504] {
         upstream.set(Fault::Answer(status, ""));
-        for path in ["/sandboxes", "/v2/sandboxes", "/v2/sandboxes/x/connect"] {
+        for path in ["/sandboxes", "/v2/sandboxes", "/sandboxes/x/snapshots"] {
             let resp = raw_exchange(addr, post(addr, path, "").as_bytes()).await;
             assert_eq!(resp.status, status, "{path}");
             assert_eq!(
@@ -2893,6 +2898,15 @@ async fn answers_after_the_upstream_may_have_acted_say_not_to_retry() {
                 Some("false"),
                 "{status} {path}"
             );
+        }
+        for path in [
+            "/v2/sandboxes/x/connect",
+            "/sandboxes/x/timeout",
+            "/sandboxes/x/pause",
+        ] {
+            let resp = raw_exchange(addr, post(addr, path, "").as_bytes()).await;
+            assert_eq!(resp.status, status, "{path}");
+            assert_eq!(should_retry(&resp), None, "{status} {path}");
         }
         let resp = raw_exchange(addr, keyed.as_bytes()).await;
         assert_eq!(should_retry(&resp), None, "a keyed create may go again");

@@ -105,7 +105,9 @@ impl Proxy {
             || (parts.version == Version::HTTP_2 && h2_head_size(&parts) > MAX_HEAD)
             || parts.extensions.get::<Refusal>() == Some(&Refusal::HeadTooLarge);
         // Only a non-idempotent method looks for the header: none of the hot path's GETs.
-        let repeatable = method.is_idempotent() || parts.headers.contains_key(IDEMPOTENCY_KEY);
+        let repeatable = method.is_idempotent()
+            || parts.headers.contains_key(IDEMPOTENCY_KEY)
+            || harmless_to_repeat(uri.path());
         async move {
             if oversized {
                 let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
@@ -201,6 +203,22 @@ impl Proxy {
 /// `Should-Retry: false`, unless the answer says itself. Python SDK 2.63 otherwise sent
 /// such a create four times, each of which could leave a sandbox running. A 503 or 429
 /// says the request was not taken: the SDKs' retry stays.
+/// `POST /sandboxes/{id}/connect`, `…/timeout`, `…/pause`, `…/resume`, `…/refreshes` (and
+/// their `/v2` forms): done twice, they leave the sandbox as done once, so the SDKs'
+/// retry is kept for them (a 502 is as often a request that never reached the control
+/// plane).
+fn harmless_to_repeat(path: &str) -> bool {
+    let Some((sandbox, action)) = path.trim_end_matches('/').rsplit_once('/') else {
+        return false;
+    };
+    let on_a_sandbox = sandbox.starts_with("/sandboxes/") || sandbox.starts_with("/v2/sandboxes/");
+    on_a_sandbox
+        && matches!(
+            action,
+            "connect" | "timeout" | "pause" | "resume" | "refreshes"
+        )
+}
+
 fn say_not_to_retry_a_gateway_failure(resp: &mut Response<ProxyBody>) {
     let status = resp.status();
     if (status == StatusCode::BAD_GATEWAY || status == StatusCode::GATEWAY_TIMEOUT)
