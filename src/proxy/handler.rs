@@ -104,7 +104,8 @@ impl Proxy {
         let oversized = parts.headers.len() > MAX_HEADERS
             || (parts.version == Version::HTTP_2 && h2_head_size(&parts) > MAX_HEAD)
             || parts.extensions.get::<Refusal>() == Some(&Refusal::HeadTooLarge);
-        // Only a non-idempotent method looks for the header: none of the hot path's GETs.
+        // Only a non-idempotent method looks for the header and the path: none of the hot
+        // path's GETs.
         let repeatable = method.is_idempotent()
             || parts.headers.contains_key(IDEMPOTENCY_KEY)
             || harmless_to_repeat(uri.path());
@@ -197,12 +198,6 @@ impl Proxy {
     }
 }
 
-/// A gateway in front of the control plane answering 502 or 504 to a request that is not
-/// safe to repeat leaves its outcome as unknown as the proxy's own 502/504 does (a create
-/// it gave up waiting for may have been carried out behind it): the same
-/// `Should-Retry: false`, unless the answer says itself. Python SDK 2.63 otherwise sent
-/// such a create four times, each of which could leave a sandbox running. A 503 or 429
-/// says the request was not taken: the SDKs' retry stays.
 /// `POST /sandboxes/{id}/connect`, `…/timeout`, `…/pause`, `…/resume`, `…/refreshes` (and
 /// their `/v2` forms): done twice, they leave the sandbox as done once, so the SDKs'
 /// retry is kept for them (a 502 is as often a request that never reached the control
@@ -211,14 +206,21 @@ fn harmless_to_repeat(path: &str) -> bool {
     let Some((sandbox, action)) = path.trim_end_matches('/').rsplit_once('/') else {
         return false;
     };
-    let on_a_sandbox = sandbox.starts_with("/sandboxes/") || sandbox.starts_with("/v2/sandboxes/");
-    on_a_sandbox
+    let id =
+        (sandbox.strip_prefix("/sandboxes/")).or_else(|| sandbox.strip_prefix("/v2/sandboxes/"));
+    id.is_some_and(|id| !id.is_empty() && !id.contains('/'))
         && matches!(
             action,
             "connect" | "timeout" | "pause" | "resume" | "refreshes"
         )
 }
 
+/// A gateway in front of the control plane answering 502 or 504 to a request that is not
+/// safe to repeat leaves its outcome as unknown as the proxy's own 502/504 does (a create
+/// it gave up waiting for may have been carried out behind it): the same
+/// `Should-Retry: false`, unless the answer says itself. Python SDK 2.63 otherwise sent
+/// such a create four times, each of which could leave a sandbox running. A 503 or 429
+/// says the request was not taken: the SDKs' retry stays.
 fn say_not_to_retry_a_gateway_failure(resp: &mut Response<ProxyBody>) {
     let status = resp.status();
     if (status == StatusCode::BAD_GATEWAY || status == StatusCode::GATEWAY_TIMEOUT)
@@ -886,6 +888,34 @@ fn rebuild(method: Method, uri: Uri, headers: HeaderMap) -> Request<ProxyBody> {
 mod tests {
     use crate::proxy::test_proxy_with;
     use crate::settings::Key;
+
+    /// The actions on one sandbox that done twice leave it as done once; nothing else.
+    #[test]
+    fn harmless_to_repeat_is_an_action_on_one_sandbox() {
+        use super::harmless_to_repeat;
+        for yes in [
+            "/sandboxes/isb-1/connect",
+            "/v2/sandboxes/isb-1/connect",
+            "/sandboxes/isb-1/timeout",
+            "/sandboxes/isb-1/pause",
+            "/sandboxes/isb-1/resume/",
+            "/sandboxes/isb-1/refreshes",
+        ] {
+            assert!(harmless_to_repeat(yes), "{yes}");
+        }
+        for no in [
+            "/sandboxes",
+            "/v2/sandboxes",
+            "/sandboxes/connect",
+            "/sandboxes//connect",
+            "/sandboxes/a/b/connect",
+            "/sandboxes/isb-1/snapshots",
+            "/templates/t/connect",
+            "/api/sandboxes/isb-1/connect",
+        ] {
+            assert!(!harmless_to_repeat(no), "{no}");
+        }
+    }
 
     /// The host an envd request is sent to is the resolved one; the host its access line
     /// and errors give hides a secret a `${VAR}` put into `sandbox_domain` (a flag value
