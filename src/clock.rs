@@ -49,8 +49,16 @@ fn slept() -> Duration {
 /// hyper-util's pool timer with a clock that counts sleep: its `now` is the monotonic
 /// `Instant` moved on by the time slept, so the pool's idle ages (`pool_idle_timeout`)
 /// include it; its sleeps are tokio's, their deadlines moved back by the same.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct AwakeTimer;
+#[derive(Clone, Copy, Debug)]
+pub struct AwakeTimer {
+    slept: fn() -> Duration,
+}
+
+impl Default for AwakeTimer {
+    fn default() -> Self {
+        AwakeTimer { slept }
+    }
+}
 
 impl hyper::rt::Timer for AwakeTimer {
     fn sleep(&self, duration: Duration) -> std::pin::Pin<Box<dyn hyper::rt::Sleep>> {
@@ -58,12 +66,12 @@ impl hyper::rt::Timer for AwakeTimer {
     }
 
     fn sleep_until(&self, deadline: Instant) -> std::pin::Pin<Box<dyn hyper::rt::Sleep>> {
-        let monotonic = deadline.checked_sub(slept()).unwrap_or(deadline);
+        let monotonic = deadline.checked_sub((self.slept)()).unwrap_or(deadline);
         hyper_util::rt::TokioTimer::new().sleep_until(monotonic)
     }
 
     fn now(&self) -> Instant {
-        Instant::now() + slept()
+        Instant::now() + (self.slept)()
     }
 }
 
@@ -72,16 +80,18 @@ mod tests {
     use super::*;
     use hyper::rt::Timer as _;
 
-    /// The timer's `now` is `Instant::now()` moved by the sleeps since boot, and a sleep
-    /// until a deadline in its time ends then.
+    /// The timer's `now` is `Instant::now()` moved by the time slept (a night, here), and
+    /// a sleep until a deadline in its time ends then, not a night later.
     #[tokio::test(start_paused = true)]
     async fn the_timer_counts_in_instants_moved_by_the_sleeps() {
-        let before = Instant::now() + slept();
-        let now = AwakeTimer.now();
-        assert!(now >= before && now <= Instant::now() + slept());
+        const NIGHT: Duration = Duration::from_secs(8 * 3600);
+        let timer = AwakeTimer { slept: || NIGHT };
+        let before = Instant::now() + NIGHT;
+        let now = timer.now();
+        assert!(now >= before && now <= Instant::now() + NIGHT);
         let start = tokio::time::Instant::now();
-        AwakeTimer
-            .sleep_until(AwakeTimer.now() + Duration::from_secs(90))
+        timer
+            .sleep_until(timer.now() + Duration::from_secs(90))
             .await;
         let waited = start.elapsed();
         assert!(

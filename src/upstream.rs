@@ -190,7 +190,7 @@ pub fn counted_client(
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(max_idle)
         // Idle ages that count the machine's sleeps (see `crate::clock`).
-        .pool_timer(crate::clock::AwakeTimer)
+        .pool_timer(crate::clock::AwakeTimer::default())
         .timer(hyper_util::rt::TokioTimer::new())
         .http2_keep_alive_interval(ping_interval(request_timeout))
         .http2_keep_alive_timeout(ping_interval(request_timeout))
