@@ -44,12 +44,26 @@ const SANDBOX_LOOKUPS: usize = 6;
 /// descriptor budget's reserve (`crate::descriptors`).
 pub const MAX_LOOKUPS: usize = OWN_LOOKUPS + SANDBOX_LOOKUPS;
 
-static OWN: Lookups = Lookups::new(OWN_LOOKUPS, system_lookup);
-static SANDBOXES: Lookups = Lookups::new(SANDBOX_LOOKUPS, system_lookup);
+static OWN: Lookups = Lookups::new(OWN_LOOKUPS, system_lookup, thread);
+static SANDBOXES: Lookups = Lookups::new(SANDBOX_LOOKUPS, system_lookup, thread);
 
 fn system_lookup(host: &str) -> io::Result<Vec<SocketAddr>> {
     use std::net::ToSocketAddrs as _;
     Ok((host, 0).to_socket_addrs()?.collect())
+}
+
+/// A look-up's work, run on a thread of its own.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread of its own for each look-up, not tokio's blocking pool: a pool that could not
+/// start a thread (the process at its thread limit) kept the look-up queued and panicked,
+/// and every later caller of that name joined a look-up that never ran, until a restart.
+/// A thread that cannot start drops its job here: its place, its name on the list.
+fn thread(job: Job) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("abx-lookup".into())
+        .spawn(job)
+        .map(drop)
 }
 
 /// DNS for the upstream connectors: `localhost` and `*.localhost` (any case, with or without
@@ -109,8 +123,12 @@ impl tower_service::Service<Name> for LocalResolver {
 /// its kind and words).
 type Outcome = Result<Arc<[SocketAddr]>, (io::ErrorKind, String)>;
 
-/// The look-ups running, by name: `None` until the outcome is in.
-type Running = Vec<(String, watch::Receiver<Option<Outcome>>)>;
+/// Where a look-up's outcome is told, and heard: `None` until it is in.
+type Tell = watch::Sender<Option<Outcome>>;
+type Heard = watch::Receiver<Option<Outcome>>;
+
+/// The look-ups running, by name.
+type Running = Vec<(String, Heard)>;
 
 /// Blocking look-ups, held to a number at once, one per name. A look-up's place is taken
 /// before its thread starts and given back when the look-up returns, not when its callers
@@ -121,6 +139,7 @@ pub struct Lookups {
     places: Semaphore,
     running: Mutex<Running>,
     lookup: fn(&str) -> io::Result<Vec<SocketAddr>>,
+    start: fn(Job) -> io::Result<()>,
 }
 
 impl std::fmt::Debug for Lookups {
@@ -132,11 +151,16 @@ impl std::fmt::Debug for Lookups {
 }
 
 impl Lookups {
-    pub const fn new(at_once: usize, lookup: fn(&str) -> io::Result<Vec<SocketAddr>>) -> Self {
+    pub const fn new(
+        at_once: usize,
+        lookup: fn(&str) -> io::Result<Vec<SocketAddr>>,
+        start: fn(Job) -> io::Result<()>,
+    ) -> Self {
         Lookups {
             places: Semaphore::const_new(at_once),
             running: Mutex::new(Vec::new()),
             lookup,
+            start,
         }
     }
 
@@ -148,14 +172,13 @@ impl Lookups {
     /// once a place is free. Dropping the future while it waits takes no place.
     pub async fn resolve(&'static self, host: String) -> io::Result<Vec<SocketAddr>> {
         loop {
-            let joined = {
-                let running = self.running();
-                let found = running.iter().find(|(name, _)| *name == host);
-                found.map(|(_, outcome)| outcome.clone())
-            };
-            let mut outcome = match joined {
-                Some(outcome) => outcome,
-                None => self.start(&host).await?,
+            let mut outcome = match self.join_or_list(&host) {
+                Ok(outcome) => outcome,
+                Err((tell, listed)) => {
+                    let outcome = listed.outcome.clone();
+                    self.run(host.clone(), tell, listed).await?;
+                    outcome
+                }
             };
             // Closed without an outcome: whoever started it gave up before it ran. Anew.
             let Ok(done) = outcome.wait_for(Option::is_some).await else {
@@ -170,20 +193,32 @@ impl Lookups {
         }
     }
 
-    /// Registers a look-up of `host`, and runs it once a place is free; its outcome comes
-    /// on the receiver returned. Dropped while it waits for a place, it takes its name
-    /// off the list, and those who joined it start anew.
-    async fn start(&'static self, host: &str) -> io::Result<watch::Receiver<Option<Outcome>>> {
+    /// The outcome of the look-up of `host` under way; or, when there is none, a new one
+    /// listed, for the caller to run. Found and listed under one lock: two callers never
+    /// start the same name at once.
+    fn join_or_list(&'static self, host: &str) -> Result<Heard, (Tell, Listed)> {
+        let mut running = self.running();
+        if let Some((_, outcome)) = running.iter().find(|(name, _)| name == host) {
+            return Ok(outcome.clone());
+        }
         let (tell, outcome) = watch::channel(None);
-        self.running().push((host.to_owned(), outcome.clone()));
-        let listed = Listed {
-            lookups: self,
-            outcome: outcome.clone(),
-        };
+        running.push((host.to_owned(), outcome.clone()));
+        Err((
+            tell,
+            Listed {
+                lookups: self,
+                outcome,
+            },
+        ))
+    }
+
+    /// Runs the listed look-up of `host` once a place is free; its outcome is told on
+    /// `tell`. Dropped while it waits for a place, or failing to start its thread, it
+    /// takes its name off the list, and those who joined it start anew.
+    async fn run(&'static self, host: String, tell: Tell, listed: Listed) -> io::Result<()> {
         let place = self.places.acquire().await.map_err(io::Error::other)?;
         let lookup = self.lookup;
-        let host = host.to_owned();
-        tokio::task::spawn_blocking(move || {
+        (self.start)(Box::new(move || {
             let _place = place;
             let found = lookup(&host)
                 .map(Arc::from)
@@ -192,15 +227,15 @@ impl Lookups {
             // starts a new look-up, not one that has ended.
             drop(listed);
             let _ = tell.send(Some(found));
-        });
-        Ok(outcome)
+        }))
+        .map_err(|e| io::Error::new(e.kind(), format!("could not start a name look-up: {e}")))
     }
 }
 
 /// A running look-up's entry in [`Lookups::running`], taken off when dropped.
 struct Listed {
     lookups: &'static Lookups,
-    outcome: watch::Receiver<Option<Outcome>>,
+    outcome: Heard,
 }
 
 impl Drop for Listed {
@@ -281,7 +316,7 @@ mod tests {
         Ok(vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))])
     }
 
-    static HELD: Lookups = Lookups::new(2, held_lookup);
+    static HELD: Lookups = Lookups::new(2, held_lookup, thread);
 
     /// Opens [`GATE`] when dropped: a failed assertion ends the test instead of leaving
     /// the runtime waiting for its blocked look-ups.
@@ -361,5 +396,40 @@ mod tests {
         assert_eq!(PEAK.load(SeqCst), 2);
         assert_eq!(RAN.load(SeqCst), 4, "two shared, two after");
         assert!(HELD.running().is_empty());
+    }
+
+    static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Refuses to start the first look-up's thread, as a process at its thread limit does.
+    fn refuses_once(job: Job) -> io::Result<()> {
+        if !REFUSED.swap(true, SeqCst) {
+            return Err(io::Error::from(io::ErrorKind::WouldBlock));
+        }
+        thread(job)
+    }
+
+    fn answers(_: &str) -> io::Result<Vec<SocketAddr>> {
+        Ok(vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))])
+    }
+
+    static REFUSING: Lookups = Lookups::new(1, answers, refuses_once);
+
+    /// A look-up whose thread cannot start fails its caller, and the name is looked up
+    /// again by the next one: queued in tokio's blocking pool, it never ran, and every
+    /// later caller of the name joined it.
+    #[tokio::test]
+    async fn a_lookup_whose_thread_cannot_start_leaves_the_name_free() {
+        let e = REFUSING.resolve("vm".into()).await.unwrap_err();
+        assert!(
+            e.to_string().contains("could not start a name look-up"),
+            "{e}"
+        );
+        assert!(REFUSING.running().is_empty());
+        assert_eq!(REFUSING.places.available_permits(), 1);
+        let addrs = tokio::time::timeout(Duration::from_secs(10), REFUSING.resolve("vm".into()))
+            .await
+            .expect("looked up again")
+            .unwrap();
+        assert_eq!(addrs, vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))]);
     }
 }
