@@ -765,6 +765,14 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
             ),
             "envd_domain",
         ),
+        // An address is no domain: `49983-ID.127.0.0.1` resolves nowhere.
+        (
+            good.replace(
+                "base_url = \"http://localhost:8080\"",
+                "base_url = \"http://localhost:8080\"\nenvd_domain = \"127.0.0.1:9000\"",
+            ),
+            "envd_domain",
+        ),
     ];
     for (i, (text_, needle)) in cases.iter().enumerate() {
         let path = home.path().join(format!("bad{i}.toml"));
@@ -806,6 +814,19 @@ async fn malformed_manifests_are_refused_naming_file_and_line() {
         "{}",
         text(&out)
     );
+    let env = [
+        ("ABX_PROVIDER", "e2b"),
+        ("ABX_E2B_API_KEY", "e2b-key"),
+        ("ABX_E2B_ENVD_DOMAIN", "10.0.0.5:8080"),
+    ];
+    let out = abx(home.path(), &env, &["check", "--offline"]).await;
+    assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+    assert!(
+        text(&out).contains("an address is no domain"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("sandbox_url"), "{}", text(&out));
 }
 
 /// The built-in provider's `./.env` rule for a plugin: a `./.env` that moves the plugin's

@@ -224,15 +224,22 @@ fn endpoint(
         return Err(at.key("base_url", format!("endpoint.base_url {shown:?}: {reason}")));
     }
     let envd_domain = string(endpoint, "envd_domain", "endpoint.envd_domain", at)?;
-    if let Some(d) = envd_domain.as_deref().filter(|d| !values::is_domain(d)) {
-        return Err(at.key(
-            "envd_domain",
-            format!(
-                "endpoint.envd_domain {:?}: {}",
-                shown(d, &[]),
-                values::DOMAIN_EXPECTED
-            ),
-        ));
+    // A plugin's envd hosts are always made of its domain: no address.
+    if let Some(d) = envd_domain.as_deref() {
+        let refused = if !values::is_domain(d) {
+            Some(values::DOMAIN_EXPECTED)
+        } else if values::is_address(d) {
+            Some(values::ADDRESS_NO_DOMAIN)
+        } else {
+            None
+        };
+        if let Some(reason) = refused {
+            let shown = shown(d, &[]);
+            return Err(at.key(
+                "envd_domain",
+                format!("endpoint.envd_domain {shown:?}: {reason}"),
+            ));
+        }
     }
     Ok((base_url, envd_domain, auth(endpoint, at)?))
 }

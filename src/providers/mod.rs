@@ -366,11 +366,18 @@ impl PluginSettings {
     /// envd's domain (`envd_domain` field, else the manifest's, checked when it was
     /// parsed); `None`: no envd plane.
     pub fn envd_domain(&self) -> Result<Option<String>, Error> {
+        use crate::settings::values;
         match self.field("envd_domain").and_then(|f| f.value.as_ref()) {
-            Some(v) if crate::settings::values::is_domain(&v.text()) => Ok(Some(v.text())),
-            Some(_) => Err(Error::InvalidSetting {
+            Some(v) if values::is_domain(&v.text()) && !values::is_address(&v.text()) => {
+                Ok(Some(v.text()))
+            }
+            Some(v) => Err(Error::InvalidSetting {
                 key: format!("{}.envd_domain", self.installed.manifest.id),
-                reason: crate::settings::values::DOMAIN_EXPECTED.into(),
+                reason: if values::is_domain(&v.text()) {
+                    values::ADDRESS_NO_DOMAIN.into()
+                } else {
+                    values::DOMAIN_EXPECTED.into()
+                },
             }),
             None => Ok(self.installed.manifest.envd_domain.clone()),
         }

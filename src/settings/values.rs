@@ -230,20 +230,28 @@ pub(crate) fn domain(raw: &str) -> Result<String, Error> {
 pub(crate) const DOMAIN_EXPECTED: &str =
     "expected a domain such as cn-hangzhou.e2b.fc.aliyuncs.com";
 
-/// The built-in provider's `sandbox_domain` where envd hosts are made of it (no
-/// `sandbox_url`): an address is no domain. `49983-ID.127.0.0.1` is no host: every envd
-/// request went to the resolver with the sandbox's id and came back 502, which the SDKs
-/// read as a sandbox not running. No top-level domain is all digits (RFC 3696 §2).
-pub(crate) fn domain_names_hosts(domain: &str) -> Result<(), Error> {
+/// Whether a domain (a port beside it or not) is an address: no top-level domain is all
+/// digits (RFC 3696 §2). Envd hosts made of one are no hosts: every request to
+/// `49983-ID.127.0.0.1` went to the resolver with the sandbox's id and came back 502,
+/// which the SDKs read as a sandbox not running.
+pub(crate) fn is_address(domain: &str) -> bool {
     let host = domain.parse::<Authority>().map(|a| a.host().to_string());
     let host = host.as_deref().unwrap_or(domain);
     let host = host.strip_suffix('.').unwrap_or(host);
     let top = host.rsplit('.').next().unwrap_or(host);
-    if !top.is_empty() && top.bytes().all(|b| b.is_ascii_digit()) {
+    !top.is_empty() && top.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Why an address is refused where envd hosts are made of a domain.
+pub(crate) const ADDRESS_NO_DOMAIN: &str = "an address is no domain: envd hosts are PORT-ID.DOMAIN";
+
+/// The built-in provider's `sandbox_domain`, where envd hosts are made of it (no
+/// `sandbox_url`): no address.
+pub(crate) fn domain_names_hosts(domain: &str) -> Result<(), Error> {
+    if is_address(domain) {
         return Err(invalid(
             Key::SandboxDomain,
-            "an address is no domain: envd hosts are PORT-ID.DOMAIN (to reach envd at one \
-             address, set sandbox_url)",
+            format!("{ADDRESS_NO_DOMAIN} (to reach envd at one address, set sandbox_url)"),
         ));
     }
     Ok(())
