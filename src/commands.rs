@@ -232,6 +232,9 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     for w in settings.cleartext_upstreams() {
         crate::logging::warning(&w);
     }
+    for w in crate::upstream::unused_forward_proxies() {
+        crate::logging::warning(&w);
+    }
     // What serve checks before it binds, from the same flags: check's ok means serve starts.
     let exposure = &args.exposure;
     crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;

@@ -19,23 +19,6 @@ use crate::settings::{Resolved, Settings};
 use crate::signals;
 use crate::workers::{self, Workers};
 
-/// The forward-proxy variables set in the environment, named, never their values (they
-/// may carry a password). curl and most HTTP clients go through them; the proxy does not,
-/// and behind a firewall that lets out only a forward proxy its connects just time out.
-fn forward_proxy_variables() -> Vec<&'static str> {
-    [
-        "HTTPS_PROXY",
-        "https_proxy",
-        "HTTP_PROXY",
-        "http_proxy",
-        "ALL_PROXY",
-        "all_proxy",
-    ]
-    .into_iter()
-    .filter(|name| std::env::var_os(name).is_some_and(|v| !v.is_empty()))
-    .collect()
-}
-
 /// How long connections cut at the end of the drain get to log themselves before exit.
 const ABORT_WAIT: Duration = Duration::from_secs(1);
 /// Reads and checks everything before any port is bound, then runs until a signal.
@@ -72,11 +55,8 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in settings.cleartext_upstreams() {
         tracing::warn!("{w}");
     }
-    for variable in forward_proxy_variables() {
-        tracing::warn!(
-            "{variable} is set, and not used: abx-proxy connects to its upstreams directly \
-             (where only a forward proxy reaches them, connects time out)"
-        );
+    for w in crate::upstream::unused_forward_proxies() {
+        tracing::warn!("{w}");
     }
     if args.idle_timeout < ENVD_KEEPALIVE_FLOOR {
         tracing::warn!(

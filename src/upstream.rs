@@ -34,6 +34,23 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
 pub type HttpClient = Client<TimedConnect<HttpsConnector<HttpConnector<LocalResolver>>>, ProxyBody>;
 
+/// A warning for each forward-proxy variable set in the environment, naming it, never its
+/// value (it may carry a password). curl and most HTTP clients go through them; the proxy
+/// does not, and behind a firewall that lets out only a forward proxy its connects just
+/// time out.
+pub fn unused_forward_proxies() -> Vec<String> {
+    let names = ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"];
+    (names.into_iter().chain(["ALL_PROXY", "all_proxy"]))
+        .filter(|name| std::env::var_os(name).is_some_and(|v| !v.is_empty()))
+        .map(|name| {
+            format!(
+                "{name} is set, and not used: abx-proxy connects to its upstreams directly \
+                 (where only a forward proxy reaches them, connects time out)"
+            )
+        })
+        .collect()
+}
+
 /// Which HTTP versions to offer upstream over TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Versions {

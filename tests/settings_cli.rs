@@ -1360,6 +1360,23 @@ fn a_url_or_domain_whose_port_is_not_one_is_refused() {
     assert_eq!(out.code, 0, "{}", out.stderr);
 }
 
+/// `check`, what one runs when connects time out behind a firewall, says too that a
+/// forward proxy in the environment is not used (naming it, never its value).
+#[test]
+fn check_says_a_forward_proxy_in_the_environment_is_not_used() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.env("https_proxy", "http://user:pw-zq82@127.0.0.1:9");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("https_proxy is set, and not used"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("pw-zq82"), "{}", out.stderr);
+}
+
 /// A FIFO at `path`, nobody writing to it.
 fn mkfifo(path: &Path) {
     let made = Command::new("mkfifo")
