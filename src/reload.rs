@@ -263,19 +263,31 @@ enum Seen {
     Contents([u8; 32]),
 }
 
+/// `work` on tokio's blocking pool (which keeps its thread between the 5 s polls), its
+/// result awaited. A pool that cannot start a thread (the process at its thread limit:
+/// `TasksMax`, a pids cgroup) panics where it is asked: that panic ended the task that
+/// takes SIGHUPs and watches the files, and every later SIGHUP was swallowed without a
+/// line, `last_reload_successful` still 1. It is this read's error instead.
+async fn apart<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> std::io::Result<T> {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let Ok(task) = catch_unwind(AssertUnwindSafe(|| tokio::task::spawn_blocking(work))) else {
+        return Err(std::io::Error::other("no thread could be started to read"));
+    };
+    task.await
+        .map_err(|_| std::io::Error::other("the read ended without a result"))
+}
+
 impl FileSnapshot {
     fn take(paths: &[PathBuf]) -> Self {
         FileSnapshot(paths.iter().map(|p| Seen::now(p)).collect())
     }
 
-    /// [`FileSnapshot::take`] on a blocking thread: the accept loop shares the runtime
-    /// that polls, and a slow mount (or a huge file written over a certificate) would
-    /// hold it up.
+    /// [`FileSnapshot::take`] off this thread ([`apart`]): the accept loop shares
+    /// the runtime that polls, and a slow mount (or a huge file written over a
+    /// certificate) would hold it up. `None` when no thread could start.
     async fn take_apart(paths: &[PathBuf]) -> Option<Self> {
         let paths = paths.to_vec();
-        tokio::task::spawn_blocking(move || FileSnapshot::take(&paths))
-            .await
-            .ok()
+        apart(move || FileSnapshot::take(&paths)).await.ok()
     }
 }
 
@@ -491,12 +503,11 @@ impl Running {
         // Read off this thread: it also accepts connections and answers the probes, which a
         // slow read (a file on a stalled network mount) would leave unanswered meanwhile.
         let flags = self.flags.clone();
-        let read = tokio::task::spawn_blocking(move || commands::resolve_unsaid(&flags));
-        let (resolved, warnings) = match read.await {
+        let (resolved, warnings) = match apart(move || commands::resolve_unsaid(&flags)).await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),
-            Err(_) => {
-                tracing::warn!("reload failed: reading the settings ended unexpectedly; keeping the running settings");
+            Err(e) => {
+                tracing::warn!(error = %e, "reload failed: the settings could not be read; keeping the running settings");
                 return false;
             }
         };
