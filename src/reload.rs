@@ -284,8 +284,12 @@ impl FileSnapshot {
 
     /// [`FileSnapshot::take`] off this thread ([`apart`]): the accept loop shares
     /// the runtime that polls, and a slow mount (or a huge file written over a
-    /// certificate) would hold it up. `None` when no thread could start.
+    /// certificate) would hold it up. `None` when no thread could start. Nothing watched,
+    /// nothing to read: no thread asked for.
     async fn take_apart(paths: &[PathBuf]) -> Option<Self> {
+        if paths.is_empty() {
+            return Some(FileSnapshot(Vec::new()));
+        }
         let paths = paths.to_vec();
         apart(move || FileSnapshot::take(&paths)).await.ok()
     }
