@@ -15,7 +15,12 @@ use std::time::{Duration, Instant};
 /// vDSO as `Instant::now()` is: no dearer).
 #[cfg(target_os = "linux")]
 pub fn since_boot() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    read(rustix::time::ClockId::Boottime)
+}
+
+#[cfg(target_os = "linux")]
+fn read(clock: rustix::time::ClockId) -> Duration {
+    let t = rustix::time::clock_gettime(clock);
     Duration::new(
         u64::try_from(t.tv_sec).unwrap_or(0),
         u32::try_from(t.tv_nsec).unwrap_or(0),
@@ -33,11 +38,7 @@ pub fn since_boot() -> Duration {
 /// CLOCK_MONOTONIC.
 #[cfg(target_os = "linux")]
 fn slept() -> Duration {
-    let monotonic = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    let monotonic = Duration::new(
-        u64::try_from(monotonic.tv_sec).unwrap_or(0),
-        u32::try_from(monotonic.tv_nsec).unwrap_or(0),
-    );
+    let monotonic = read(rustix::time::ClockId::Monotonic);
     since_boot().saturating_sub(monotonic)
 }
 
