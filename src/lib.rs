@@ -18,7 +18,7 @@
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
 //! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and changed secret
-//! files, [`signals`], and [`notify`] for systemd's readiness), [`commands`] and [`check`],
+//! files, [`reader`] for the files it reads, [`signals`], and [`notify`] for systemd's readiness), [`commands`] and [`check`],
 //! parsed by [`cli`]; [`logging`] formats the access log and the rest of stderr, which
 //! [`log_writer`]'s thread writes (a stalled reader stops no worker), and
 //! [`providers`] holds the built-in provider and installed plugin ones.
@@ -49,6 +49,7 @@ pub mod notify;
 pub mod process_metrics;
 pub mod providers;
 pub mod proxy;
+pub mod reader;
 pub mod reload;
 pub mod resolve;
 pub mod secret;

@@ -208,17 +208,27 @@ fn direct(bytes: &[u8]) {
 /// exit no more than `wait`.
 pub fn flush(wait: Duration) {
     let Some(queue) = QUEUED.get() else { return };
+    let deadline = std::time::Instant::now() + wait;
     let (tx, rx) = mpsc::channel();
-    // The queue may be full, and a full queue's `send` has no timeout: a helper thread
-    // waits on it, and is left behind if the reader never comes back.
-    let queue = queue.clone();
-    let queued = std::thread::Builder::new()
-        .name("abx-log-flush".into())
-        .spawn(move || drop(queue.send(Msg::Flush(tx))));
-    if queued.is_ok() {
-        let _ = rx.recv_timeout(wait);
+    // A full queue's `send` has no timeout: tried again instead, until `wait` has passed.
+    // (A thread waiting on `send` could not be started at the process's thread limit, and
+    // the line saying why the start failed was lost with the exit.)
+    let mut flush = Msg::Flush(tx);
+    loop {
+        match queue.try_send(flush) {
+            Ok(()) => break,
+            Err(TrySendError::Full(back)) if std::time::Instant::now() < deadline => {
+                flush = back;
+                std::thread::sleep(FLUSH_RETRY);
+            }
+            Err(_) => return,
+        }
     }
+    let _ = rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
 }
+
+/// How often [`flush`] tries a full queue again.
+const FLUSH_RETRY: Duration = Duration::from_millis(2);
 
 /// Lines dropped so far because the queue was full.
 pub fn dropped() -> u64 {

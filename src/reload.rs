@@ -32,8 +32,9 @@ use crate::commands;
 use crate::credentials::ApiCredential;
 use crate::error::Error;
 use crate::logging;
-use crate::proxy::certs::{ListenerCert, Reloaded};
+use crate::proxy::certs::{read_files, ListenerCert, Reloaded};
 use crate::proxy::{Options, Proxy};
+use crate::reader::Reader;
 use crate::settings::{self, Change, Resolved, Settings, Source};
 
 /// What a reload does with freshly validated settings.
@@ -263,35 +264,19 @@ enum Seen {
     Contents([u8; 32]),
 }
 
-/// `work` on tokio's blocking pool (which keeps its thread between the 5 s polls), its
-/// result awaited. A pool that cannot start a thread (the process at its thread limit:
-/// `TasksMax`, a pids cgroup) panics where it is asked: that panic ended the task that
-/// takes SIGHUPs and watches the files, and every later SIGHUP was swallowed without a
-/// line, `last_reload_successful` still 1. It is this read's error instead.
-async fn apart<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> std::io::Result<T> {
-    use std::panic::{catch_unwind, AssertUnwindSafe};
-    let Ok(task) = catch_unwind(AssertUnwindSafe(|| tokio::task::spawn_blocking(work))) else {
-        return Err(std::io::Error::other("no thread could be started to read"));
-    };
-    task.await
-        .map_err(|_| std::io::Error::other("the read ended without a result"))
-}
-
 impl FileSnapshot {
     fn take(paths: &[PathBuf]) -> Self {
         FileSnapshot(paths.iter().map(|p| Seen::now(p)).collect())
     }
 
-    /// [`FileSnapshot::take`] off this thread ([`apart`]): the accept loop shares
-    /// the runtime that polls, and a slow mount (or a huge file written over a
-    /// certificate) would hold it up. `None` when no thread could start. Nothing watched,
-    /// nothing to read: no thread asked for.
-    async fn take_apart(paths: &[PathBuf]) -> Option<Self> {
+    /// [`FileSnapshot::take`] on the reading thread (see [`Reader`]). `None` when it could
+    /// not read. Nothing watched, nothing to read: nothing asked of it.
+    async fn take_apart(reader: &Reader, paths: &[PathBuf]) -> Option<Self> {
         if paths.is_empty() {
             return Some(FileSnapshot(Vec::new()));
         }
         let paths = paths.to_vec();
-        apart(move || FileSnapshot::take(&paths)).await.ok()
+        reader.run(move || FileSnapshot::take(&paths)).await.ok()
     }
 }
 
@@ -331,6 +316,7 @@ enum FileEvent {
 /// read the same twice, or when a change whose reload failed is due another try.
 pub struct FileWatch {
     paths: Vec<PathBuf>,
+    reader: Reader,
     /// The contents the running credential was read from.
     applied: FileSnapshot,
     /// A change read once, waiting for a second read to agree.
@@ -343,15 +329,21 @@ pub struct FileWatch {
 impl FileWatch {
     /// Taken before the settings are first read, so that a rotation while the proxy
     /// starts is seen as a change.
-    pub fn new(paths: Vec<PathBuf>) -> Self {
+    pub fn new(paths: Vec<PathBuf>, reader: Reader) -> Self {
         let applied = FileSnapshot::take(&paths);
         FileWatch {
             paths,
+            reader,
             applied,
             pending: None,
             failed: None,
             retry_in: RETRY_FIRST,
         }
+    }
+
+    /// Where the watch reads, for the reloads it asks for.
+    pub fn reader(&self) -> &Reader {
+        &self.reader
     }
 
     async fn changed(&mut self) -> FileEvent {
@@ -360,7 +352,7 @@ impl FileWatch {
         }
         loop {
             tokio::time::sleep(FILE_POLL).await;
-            let Some(now) = FileSnapshot::take_apart(&self.paths).await else {
+            let Some(now) = FileSnapshot::take_apart(&self.reader, &self.paths).await else {
                 continue;
             };
             if now == self.applied {
@@ -385,7 +377,7 @@ impl FileWatch {
     /// What a reload is about to read, whatever woke it.
     async fn reading(&mut self) -> FileSnapshot {
         self.pending = None;
-        match FileSnapshot::take_apart(&self.paths).await {
+        match FileSnapshot::take_apart(&self.reader, &self.paths).await {
             Some(read) => read,
             None => FileSnapshot::take(&self.paths),
         }
@@ -424,6 +416,8 @@ pub struct Running {
     pub settings: Settings,
     /// The listener's pair, when it serves TLS.
     pub tls: Option<ListenerCert>,
+    /// Where the files a reload reads are read.
+    pub reader: Reader,
 }
 
 /// Waits for SIGHUPs (and changed watched files), re-reads the listener's pair and applies
@@ -465,17 +459,26 @@ impl Running {
     async fn reload(&mut self) -> bool {
         // Both, whatever the other's outcome: a broken `.env` must not hold back a renewed
         // certificate, nor a half-rotated pair a new key.
-        let tls = self.reload_tls();
+        let tls = self.reload_tls().await;
         let settings = self.reload_settings().await;
         tls && settings
     }
 
     /// The listener's pair; `false` when a new one was read and not applied.
-    fn reload_tls(&mut self) -> bool {
+    async fn reload_tls(&mut self) -> bool {
         let Some(tls) = &mut self.tls else {
             return true;
         };
-        match tls.reload() {
+        let (cert, key) = tls.paths();
+        let (cert, key) = (cert.to_path_buf(), key.to_path_buf());
+        let read = match self.reader.run(move || read_files(&cert, &key)).await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(error = %e, "listener certificate reload failed: its files could not be read; the one in use keeps serving");
+                return false;
+            }
+        };
+        match tls.apply(read) {
             Ok(Reloaded::Unchanged) => true,
             Ok(Reloaded::Swapped) => {
                 let (cert, key) = tls.paths();
@@ -504,10 +507,11 @@ impl Running {
             tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
             false
         };
-        // Read off this thread: it also accepts connections and answers the probes, which a
-        // slow read (a file on a stalled network mount) would leave unanswered meanwhile.
+        // Read on the reading thread: this one also accepts connections and answers the
+        // probes, which a slow read (a stalled network mount) would leave unanswered.
         let flags = self.flags.clone();
-        let (resolved, warnings) = match apart(move || commands::resolve_unsaid(&flags)).await {
+        let read = self.reader.run(move || commands::resolve_unsaid(&flags));
+        let (resolved, warnings) = match read.await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),
             Err(e) => {
@@ -655,7 +659,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("key");
         std::fs::write(&path, "sk-one").expect("write");
-        let watch = FileWatch::new(vec![path.clone()]);
+        let watch = FileWatch::new(vec![path.clone()], Reader::inline());
         (dir, path, watch)
     }
 
@@ -700,9 +704,12 @@ mod tests {
             "applied"
         );
         assert!(
-            timeout(poll * 10, FileWatch::new(vec![]).changed())
-                .await
-                .is_err(),
+            timeout(
+                poll * 10,
+                FileWatch::new(vec![], Reader::inline()).changed()
+            )
+            .await
+            .is_err(),
             "no file, no wake"
         );
     }

@@ -228,7 +228,15 @@ impl Lookups {
             drop(listed);
             let _ = tell.send(Some(found));
         }))
-        .map_err(|e| io::Error::new(e.kind(), format!("could not start a name look-up: {e}")))
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "could not start a name look-up: {}",
+                    crate::workers::thread_error(&e)
+                ),
+            )
+        })
     }
 }
 

@@ -41,6 +41,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // Before the first read: a secret rotated while the proxy starts is a change to apply.
     // The listener's pair too: cert-manager renews it in place, as the kubelet rotates a
     // Secret, and nothing in the pod can send a SIGHUP.
+    let reader = crate::reader::Reader::start();
     let files = FileWatch::new(
         args.settings
             .secret_files()
@@ -49,6 +50,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
             .chain(args.exposure.tls_cert.iter().cloned())
             .chain(args.exposure.tls_key.iter().cloned())
             .collect(),
+        reader.clone(),
     );
     let resolved = commands::resolve(&args.settings)?;
     let settings = resolved.validate()?;
@@ -165,6 +167,7 @@ async fn serve(
         seen: resolved,
         settings: settings.clone(),
         tls,
+        reader: files.reader().clone(),
     };
     tokio::spawn(crate::reload::on_hangup(running, hangups, files));
 

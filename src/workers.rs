@@ -12,7 +12,7 @@ use std::cell::Cell;
 use std::future::Future;
 use std::thread;
 
-use tokio::runtime::{Builder, Handle};
+use tokio::runtime::{Builder, Handle, Runtime};
 
 use crate::error::Error;
 
@@ -66,14 +66,22 @@ impl Workers {
                 .build()
                 .map_err(|e| fail(format!("cannot start a worker runtime: {e}")))?;
             handles.push(runtime.handle().clone());
+            let runtime = Unstarted(Some(runtime));
             thread::Builder::new()
                 .name(format!("abx-worker-{i}"))
                 .spawn(move || {
                     INDEX.with(|c| c.set(i));
                     crate::logging::batch_this_thread();
-                    runtime.block_on(std::future::pending::<()>())
+                    if let Some(runtime) = &runtime.0 {
+                        runtime.block_on(std::future::pending::<()>());
+                    }
                 })
-                .map_err(|e| fail(format!("cannot start a worker thread: {e}")))?;
+                .map_err(|e| {
+                    fail(format!(
+                        "cannot start a worker thread: {}",
+                        thread_error(&e)
+                    ))
+                })?;
         }
         Ok(Workers { handles })
     }
@@ -87,9 +95,43 @@ impl Workers {
     }
 }
 
+/// Why a thread did not start, in the words an operator acts on: `EAGAIN` from `clone` is
+/// the thread limit, which nothing else in the message names.
+pub fn thread_error(e: &std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        format!(
+            "the process is at its thread limit (systemd TasksMax=, a pids cgroup, ulimit -u): {e}"
+        )
+    } else {
+        e.to_string()
+    }
+}
+
+/// A worker's runtime on its way to its thread. Should the thread not start (the process
+/// at its thread limit: `TasksMax`, a pids cgroup), the runtime is dropped where it was
+/// built, inside the main runtime, where a plain drop panics ("Cannot drop a runtime in a
+/// context where blocking is not allowed") instead of the start failing with its error.
+struct Unstarted(Option<Runtime>);
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a worker thread that could not start leaves behind is dropped inside the main
+    /// runtime without a panic.
+    #[tokio::test]
+    async fn a_worker_runtime_without_its_thread_drops_quietly() {
+        let runtime = Builder::new_current_thread().enable_all().build();
+        drop(Unstarted(Some(runtime.expect("runtime"))));
+    }
 
     #[test]
     fn worker_count_is_bounded() {

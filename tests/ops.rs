@@ -2013,6 +2013,132 @@ async fn a_forward_proxy_in_the_environment_is_said_to_be_unused() {
     );
 }
 
+/// Runs as root with `setpriv` (util-linux): `RLIMIT_NPROC` holds a process to a number
+/// of tasks by real uid, and root is exempt. The proxy and the fillers below run with a real
+/// uid of their own and without the capabilities that lift the limit; their effective uid
+/// stays root, so that they read the test's files.
+fn thread_limited(uid: u32, limit: usize) -> Vec<String> {
+    [
+        "prlimit".to_string(),
+        format!("--nproc={limit}"),
+        "--".into(),
+        "setpriv".into(),
+        format!("--ruid={uid}"),
+        "--bounding-set=-sys_resource,-sys_admin".into(),
+    ]
+    .into()
+}
+
+/// Whether this test process may change its children's uid (root) and has `setpriv`.
+fn may_limit_threads() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let root = status
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"));
+    let setpriv = Command::new("setpriv")
+        .arg("--help")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    root && setpriv
+}
+
+/// A process that takes one of `uid`'s tasks, if one is left: `None` once none is (the
+/// filler's exec is refused, and it ends without a word).
+async fn filler(uid: u32, limit: usize) -> Option<Spawned> {
+    use std::io::BufRead as _;
+    let launcher = thread_limited(uid, limit);
+    let mut cmd = Command::new(&launcher[0]);
+    cmd.args(&launcher[1..])
+        .args(["sh", "-c", "echo up; exec sleep 120"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    let mut spawned = Spawned::spawn(&mut cmd, "a filler");
+    let stdout = spawned.take_stdout();
+    let read = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        line
+    });
+    let line = within("a filler's first line", read).await.expect("join");
+    (line == "up\n").then_some(spawned)
+}
+
+/// At the process's thread limit (`TasksMax`, a pids cgroup), reached after the start: a
+/// reload reads on the thread started with the proxy. One asked of tokio's blocking pool
+/// for each read could not start: the reload failed, and the pool's panic printed a
+/// plain-text block among the log lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_at_its_thread_limit_still_reloads() {
+    if !may_limit_threads() {
+        eprintln!("skipped: needs root and setpriv to set a thread limit");
+        return;
+    }
+    const LIMIT: usize = 24;
+    let uid = 3_000_000 + std::process::id();
+    let launcher = thread_limited(uid, LIMIT);
+    let launcher: Vec<&str> = launcher.iter().map(String::as_str).collect();
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let mut proxy = key_in_env_file(&upstream, &pki, "sk-limited-one")
+        .launcher(&launcher)
+        .spawn()
+        .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+
+    let mut fillers = Vec::new();
+    while let Some(f) = filler(uid, LIMIT).await {
+        fillers.push(f);
+        assert!(fillers.len() < LIMIT, "the thread limit was never reached");
+    }
+
+    let line = proxy
+        .reload_env("ABX_SANDBOX_API_KEY=sk-limited-two\n", "reload")
+        .await;
+    assert!(line.contains("reloaded"), "{line}");
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(
+        last_bearer(&upstream).as_deref(),
+        Some("Bearer sk-limited-two")
+    );
+    let metrics = scrape(proxy.admin_addr()).await;
+    assert_eq!(
+        metric(&metrics, "abx_proxy_last_reload_successful"),
+        Some(1.0)
+    );
+    drop(fillers);
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A thread limit that leaves no room for a worker: the start fails with its error, its
+/// line written before the exit. (The worker's runtime was dropped inside the main one,
+/// a panic; and the line was lost with the exit, its flush waiting on a thread that could
+/// not start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_limit_with_no_room_for_a_worker_fails_the_start_with_its_error() {
+    if !may_limit_threads() {
+        eprintln!("skipped: needs root and setpriv to set a thread limit");
+        return;
+    }
+    let uid = 3_100_000 + std::process::id();
+    let launcher = thread_limited(uid, 2);
+    let launcher: Vec<&str> = launcher.iter().map(String::as_str).collect();
+    let pki = Pki::new();
+    let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
+        .launcher(&launcher)
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("[E1008]"), "{stderr}");
+    assert!(
+        stderr.contains("cannot start a worker thread: the process is at its thread limit"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 /// `https://` for a port that serves plain HTTP, the commonest TLS slip: the server
 /// answers the ClientHello with its own 400 (nginx and hyper do), which rustls calls
 /// "received corrupt message of type InvalidContentType". Said as what it is.

@@ -92,7 +92,7 @@ impl ListenerCert {
         }
     }
 
-    /// The listener's TLS; its handshakes follow every later [`ListenerCert::reload`].
+    /// The listener's TLS; its handshakes follow every later [`ListenerCert::apply`].
     pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.config.clone())
     }
@@ -102,10 +102,11 @@ impl ListenerCert {
         (&self.cert, &self.key)
     }
 
-    /// Reads the files again and swaps in their pair if it is new and valid. On an error
+    /// Swaps in the pair of `files` (the files read again: [`read_files`] of
+    /// [`ListenerCert::paths`], on the reading thread) if it is new and valid. On an error
     /// the pair in use keeps serving, and the same files are read afresh next time.
-    pub fn reload(&mut self) -> Result<Reloaded, Error> {
-        let (cert_pem, key_pem) = read_files(&self.cert, &self.key)?;
+    pub fn apply(&mut self, files: Result<(Vec<u8>, Vec<u8>), Error>) -> Result<Reloaded, Error> {
+        let (cert_pem, key_pem) = files?;
         let read = digest(&cert_pem, &key_pem);
         if read == self.read {
             return Ok(Reloaded::Unchanged);
@@ -213,7 +214,8 @@ fn read_err(path: &Path, reason: impl Into<String>) -> Error {
 }
 
 /// Both files' bytes, read once each: what is hashed is what is parsed.
-fn read_files(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), Error> {
+/// The certificate's and the key's PEM, each read whole (within [`crate::watched`]'s bound).
+pub fn read_files(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let cert_pem = crate::watched::read(cert).map_err(|e| read_err(cert, e.to_string()))?;
     let key_pem = crate::watched::read(key).map_err(|e| read_err(key, e.to_string()))?;
     Ok((cert_pem, key_pem))

@@ -190,6 +190,12 @@ impl Spawned {
         signal(self.pid, name);
     }
 
+    /// Its standard output, which the command must have piped.
+    pub fn take_stdout(&mut self) -> std::process::ChildStdout {
+        let child = self.child.as_mut().expect("already reaped");
+        child.stdout.take().expect("stdout piped")
+    }
+
     /// Its exit status if it has exited, without waiting.
     pub fn exited(&mut self) -> Option<ExitStatus> {
         let child = self.child.as_mut().expect("already reaped");
