@@ -230,6 +230,29 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
             assert_eq!(out.status.code(), Some(78), "{said}");
             let named = "[E1005] invalid value for borrower.api_key (--sandbox-api-key-file)";
             assert!(said.contains(named), "{said}");
+
+            // A `./.env` selecting the plugin takes the built-in key to the plugin's hosts:
+            // said, as a `./.env` that moves a host is; not for the plugin's own key, nor
+            // for a selection made elsewhere.
+            std::fs::write(home.path().join(".env"), "ABX_PROVIDER=borrower\n").expect(".env");
+            let moved = "./.env in this directory sets ABX_PROVIDER=borrower: the credential \
+                         from env goes there";
+            for (env, warned) in [
+                (("ABX_SANDBOX_API_KEY", API_KEY), true),
+                (("ABX_BORROWER_API_KEY", API_KEY), false),
+            ] {
+                let out = abx(home.path(), &[env], &["check", "--offline"]).await;
+                let said = text(&out);
+                assert_eq!(out.status.code(), Some(0), "{said}");
+                assert_eq!(said.contains(moved), warned, "{env:?}: {said}");
+            }
+            std::fs::remove_file(home.path().join(".env")).expect("rm .env");
+            let env = [
+                ("ABX_SANDBOX_API_KEY", API_KEY),
+                ("ABX_PROVIDER", "borrower"),
+            ];
+            let out = abx(home.path(), &env, &["check", "--offline"]).await;
+            assert!(!text(&out).contains("goes there"), "{}", text(&out));
         }
     }
 

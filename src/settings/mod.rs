@@ -836,6 +836,28 @@ impl Resolved {
                         w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
                     }
                 }
+                // A key inherited from the built-in provider's settings follows a `./.env`
+                // that selects the plugin: to the plugin's hosts (consented to at its
+                // install, but not in this directory).
+                let m = &p.installed.manifest;
+                let own = |env: &str| {
+                    env == m.canonical_env("api_key")
+                        || m.fields
+                            .get("api_key")
+                            .is_some_and(|f| f.aliases.iter().any(|a| a == env))
+                };
+                let provider = self.entry(Key::Provider);
+                if let (Some(Value::Plain(id)), Some(k)) = (&provider.value, key_from) {
+                    if !own(&k.env) {
+                        w.extend(redirected(
+                            provider.spec.env,
+                            id,
+                            provider.source,
+                            k.source,
+                            &secrets,
+                        ));
+                    }
+                }
             }
             Ok(None) => {
                 if let Ok((_, key_from, _)) = self.credential() {
