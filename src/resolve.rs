@@ -18,6 +18,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
@@ -115,7 +116,53 @@ impl tower_service::Service<Name> for LocalResolver {
             return Box::pin(std::future::ready(Ok(addrs.into_iter())));
         }
         let lookup = self.lookups.resolve(name.as_str().to_owned());
-        Box::pin(async move { Ok(lookup.await?.into_iter()) })
+        let looking = LOOKING_UP.try_with(|l| l.0.clone()).ok();
+        let set = move |now: bool| {
+            if let Some(l) = &looking {
+                l.store(now, Ordering::Relaxed);
+            }
+        };
+        set(true);
+        Box::pin(async move {
+            let found = lookup.await;
+            set(false);
+            Ok(found?.into_iter())
+        })
+    }
+}
+
+/// A resolver whose look-ups hang, as getaddrinfo does when the DNS server has stopped
+/// answering (each holds a thread for a minute; the test process does not wait for it).
+#[cfg(test)]
+pub(crate) fn stalled() -> LocalResolver {
+    fn stalls(_: &str) -> io::Result<Vec<SocketAddr>> {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        Err(io::Error::other("stalled"))
+    }
+    static STALLED: Lookups = Lookups::new(8, stalls, thread);
+    LocalResolver { lookups: &STALLED }
+}
+
+tokio::task_local! {
+    static LOOKING_UP: LookingUp;
+}
+
+/// Whether a connect is waiting for its name (a look-up, or a place for one): a connect
+/// that runs out of time then says "name look-up timed out", as nginx says "could not be
+/// resolved", not "connect timed out", which sent operators to the upstream's network
+/// while the DNS server had stopped answering.
+#[derive(Clone, Default)]
+pub struct LookingUp(Arc<AtomicBool>);
+
+impl LookingUp {
+    /// `connect`, with the look-ups of its [`LocalResolver`]s told here.
+    pub async fn watch<F: Future>(&self, connect: F) -> F::Output {
+        LOOKING_UP.scope(self.clone(), connect).await
+    }
+
+    /// Whether the connect is waiting for its name now.
+    pub fn now(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
     }
 }
 

@@ -27,7 +27,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::descriptors::{Slot, Slots};
 use crate::error::Error;
-pub use crate::resolve::{LocalResolver, Names};
+pub use crate::resolve::{LocalResolver, LookingUp, Names};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body type of every upstream request and every response the proxy sends.
@@ -113,8 +113,11 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
 
 /// TCP connections to upstreams: names through [`LocalResolver`], `https` URIs accepted
 /// (TLS is layered above), TCP_NODELAY, keep-alive probes after 60 s idle.
-pub fn connector(connect_timeout: Duration, names: Names) -> HttpConnector<LocalResolver> {
-    let mut http = HttpConnector::new_with_resolver(LocalResolver::new(names));
+pub fn connector(
+    connect_timeout: Duration,
+    resolver: LocalResolver,
+) -> HttpConnector<LocalResolver> {
+    let mut http = HttpConnector::new_with_resolver(resolver);
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));
@@ -195,7 +198,7 @@ pub fn counted_client(
     max_idle: usize,
     names: Names,
 ) -> HttpClient {
-    let http = connector(connect_timeout, names);
+    let http = connector(connect_timeout, LocalResolver::new(names));
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
@@ -221,12 +224,32 @@ pub fn counted_client(
         })
 }
 
-/// The error of a connection set-up that took longer than `--connect-timeout`.
-pub fn connect_timed_out() -> BoxError {
-    Box::new(std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        "connect timed out",
-    ))
+/// The error of a connection set-up that took longer than `--connect-timeout`;
+/// `looking_up`: while it waited for its name (see [`LookingUp`]).
+pub fn connect_timed_out(looking_up: bool) -> BoxError {
+    let words = if looking_up {
+        LOOKUP_TIMED_OUT
+    } else {
+        "connect timed out"
+    };
+    Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, words))
+}
+
+const LOOKUP_TIMED_OUT: &str = "name look-up timed out";
+
+/// How a connect that timed out is said: [`connect_timed_out`]'s words when `e` holds them.
+pub fn timed_out_words(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            io.get_ref()
+                .is_some_and(|w| w.to_string() == LOOKUP_TIMED_OUT)
+        }) {
+            return LOOKUP_TIMED_OUT;
+        }
+        next = e.source();
+    }
+    "connect timed out"
 }
 
 /// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
@@ -261,12 +284,13 @@ where
         let slots = self.slots.clone();
         Box::pin(async move {
             let slot = slots.take(timeout).await?;
-            match tokio::time::timeout(timeout, connect).await {
+            let looking = LookingUp::default();
+            match tokio::time::timeout(timeout, looking.watch(connect)).await {
                 Ok(conn) => Ok(Slotted {
                     io: conn.map_err(Into::into)?,
                     _slot: slot,
                 }),
-                Err(_) => Err(connect_timed_out()),
+                Err(_) => Err(connect_timed_out(looking.now())),
             }
         })
     }
@@ -328,6 +352,55 @@ impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for Slotted<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connect that runs out of time waiting for its name says so; one whose name was
+    /// answered says "connect timed out" (the upstream's network, not DNS).
+    #[tokio::test]
+    async fn a_connect_out_of_time_says_whether_it_waited_for_its_name() {
+        use tower_service::Service as _;
+        /// Resolves through `http`, then never connects.
+        #[derive(Clone)]
+        struct ResolvesThenHangs(HttpConnector<LocalResolver>);
+        impl tower_service::Service<http::Uri> for ResolvesThenHangs {
+            type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+            type Error = BoxError;
+            type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+                Poll::Ready(Ok(()))
+            }
+            fn call(&mut self, uri: http::Uri) -> Self::Future {
+                let mut http = self.0.clone();
+                Box::pin(async move {
+                    let _ = http.call(uri).await;
+                    std::future::pending().await
+                })
+            }
+        }
+        let timeout = Duration::from_millis(300);
+        let mut waits = TimedConnect {
+            inner: connector(timeout, crate::resolve::stalled()),
+            timeout,
+            slots: Slots::unlimited(),
+        };
+        let Err(e) = waits
+            .call("http://dns-stopped.test/".parse().unwrap())
+            .await
+        else {
+            panic!("connected through a stalled look-up");
+        };
+        assert_eq!(timed_out_words(e.as_ref()), "name look-up timed out");
+        // `localhost` is answered here; the connect then hangs.
+        let answered = connector(timeout, LocalResolver::new(Names::Sandboxes));
+        let mut hangs = TimedConnect {
+            inner: ResolvesThenHangs(answered),
+            timeout,
+            slots: Slots::unlimited(),
+        };
+        let Err(e) = hangs.call("http://localhost:9/".parse().unwrap()).await else {
+            panic!("connected");
+        };
+        assert_eq!(timed_out_words(e.as_ref()), "connect timed out");
+    }
 
     /// Pings every half of the request timeout, at most every 20 s and at least every
     /// millisecond.

@@ -324,7 +324,7 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
     }
     match find_io(e) {
         Some(ConnectionRefused) => "connect refused".into(),
-        Some(TimedOut) => "connect timed out".into(),
+        Some(TimedOut) => crate::upstream::timed_out_words(e).into(),
         Some(ConnectionReset) => "connection reset".into(),
         Some(UnexpectedEof | BrokenPipe) => "connection closed early".into(),
         _ if e.is_connect() => connect_failed(e),

@@ -174,7 +174,7 @@ impl UpstreamError {
             UpstreamError::ClientBody(_) => "the request body could not be read".into(),
             UpstreamError::Connect(e) => match forward::find_io(e.as_ref()) {
                 Some(ConnectionRefused) => "connect refused".into(),
-                Some(TimedOut) => "connect timed out".into(),
+                Some(TimedOut) => upstream::timed_out_words(e.as_ref()).into(),
                 _ => forward::connect_failed(e.as_ref()),
             },
             UpstreamError::Tls(e) => match forward::find_rustls(e) {
@@ -329,6 +329,31 @@ impl Upstream {
         slots: Arc<Slots>,
         names: upstream::Names,
     ) -> Self {
+        let resolver = upstream::LocalResolver::new(names);
+        Self::resolving(
+            tls,
+            versions,
+            connect_timeout,
+            upstream_timeout,
+            broken,
+            slots,
+            names,
+            resolver,
+        )
+    }
+
+    /// [`Upstream::new`], the pool's names looked up through `resolver`.
+    #[allow(clippy::too_many_arguments)]
+    fn resolving(
+        tls: rustls::ClientConfig,
+        versions: Versions,
+        connect_timeout: Duration,
+        upstream_timeout: Duration,
+        broken: BrokenBodies,
+        slots: Arc<Slots>,
+        names: upstream::Names,
+        resolver: upstream::LocalResolver,
+    ) -> Self {
         let mut h1 = tls.clone();
         h1.alpn_protocols = vec![b"http/1.1".to_vec()];
         // Over HTTP/1 only (envd), the legacy client carries nothing but upgrades, whose
@@ -357,7 +382,7 @@ impl Upstream {
                     })
                 })
                 .collect(),
-            tcp: upstream::connector(connect_timeout, names),
+            tcp: upstream::connector(connect_timeout, resolver),
             connect_timeout,
             tls: TlsConnector::from(Arc::new(h1)),
             broken,
@@ -687,10 +712,11 @@ impl Pool {
     ) -> Result<Conn, UpstreamError> {
         let slot = self.slots.take(self.connect_timeout).await;
         let slot = slot.map_err(|e| UpstreamError::Connect(e.into()))?;
-        let io = tokio::time::timeout(self.connect_timeout, self.open(uri, tls, host));
-        let io = io
-            .await
-            .map_err(|_| UpstreamError::Connect(upstream::connect_timed_out()))??;
+        let looking = upstream::LookingUp::default();
+        let open = looking.watch(self.open(uri, tls, host));
+        let io = tokio::time::timeout(self.connect_timeout, open).await;
+        let io =
+            io.map_err(|_| UpstreamError::Connect(upstream::connect_timed_out(looking.now())))??;
         Ok(Conn {
             io,
             _slot: slot,
@@ -3291,6 +3317,39 @@ mod tests {
             assert_eq!(e.kind(), FailKind::Reset, "{url}: {e:?}");
             assert_eq!(e.describe(), "connection reset", "{url}: {e:?}");
         }
+    }
+
+    /// A connect that runs out of time waiting for its name says so, not "connect timed
+    /// out": the DNS server stopped answering, not the upstream.
+    #[tokio::test]
+    async fn a_connect_waiting_for_its_name_says_the_look_up_timed_out() {
+        let client = Upstream::resolving(
+            config(rustls::RootCertStore::empty()),
+            Versions::Http1,
+            Duration::from_millis(300),
+            LONG,
+            None,
+            Slots::unlimited(),
+            upstream::Names::Sandboxes,
+            crate::resolve::stalled(),
+        );
+        let e = within(client.request("api", get("http://dns-stopped.test/"), LONG))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FailKind::Timeout, "{e:?}");
+        assert_eq!(e.describe(), "name look-up timed out");
+        // A TLS handshake that never answers: its name (none) was no part of it.
+        let silent = Fake::start(|s, _| async move {
+            let _held = s;
+            std::future::pending::<()>().await
+        })
+        .await;
+        let client = counted_with(Slots::unlimited(), Duration::from_millis(300));
+        let url = format!("https://{}/", silent.addr);
+        let e = within(client.request("api", get(&url), LONG))
+            .await
+            .unwrap_err();
+        assert_eq!(e.describe(), "connect timed out");
     }
 
     #[tokio::test]
