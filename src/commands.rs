@@ -293,7 +293,9 @@ fn abx_home() -> Result<std::path::PathBuf, Error> {
     crate::settings::layers::abx_home(|name| std::env::var_os(name)).ok_or_else(|| {
         Error::InvalidSetting {
             key: "ABX_HOME".into(),
-            reason: "neither ABX_HOME nor HOME is set".into(),
+            reason: "neither ABX_HOME nor HOME names a directory (an unset HOME or \
+                     HOME=/dev/null: set ABX_HOME)"
+                .into(),
         }
     })
 }
@@ -305,7 +307,9 @@ pub fn provider_list() -> Result<i32, Error> {
         providers::BUILTIN,
         "built-in"
     );
-    for entry in providers::list(&abx_home()?) {
+    // No home, no installed provider: the built-in one is all there is to list.
+    let installed = abx_home().map_or_else(|_| Vec::new(), |home| providers::list(&home));
+    for entry in installed {
         match entry {
             Ok(p) => outln!(
                 "{:18} {:10} {}",

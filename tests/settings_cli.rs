@@ -445,6 +445,32 @@ fn key_for(level: Level) -> &'static str {
 // ---------------------------------------------------------------------------------------
 // The chain: every pair of levels
 
+/// `HOME=/dev/null` (services and containers set it so) or a `HOME` that is a file: no
+/// `~/.abx`, as git finds no `~/.gitconfig` there. Every command failed with E1006 "Not a
+/// directory" reading `~/.abx/.env`.
+#[test]
+fn a_home_that_is_no_directory_holds_no_abx_files() {
+    let mut c = Case::without_abx_home();
+    let file = c.home.join("a-file");
+    std::fs::write(&file, "").expect("write");
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    for home in [PathBuf::from("/dev/null"), file] {
+        c.home = home;
+        let r = c.row("sandbox_api_key");
+        assert_eq!(r.source, "env", "{:?}", c.home);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 0, "{:?}: {}", c.home, out.stderr);
+        let out = c.run(&["provider", "list"]);
+        assert_eq!(out.code, 0, "{:?}: {}", c.home, out.stderr);
+        assert!(out.stdout.contains("alicloud-express"), "{}", out.stdout);
+        c.env("ABX_PROVIDER", "some-plugin");
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 78, "{}", out.stderr);
+        assert!(!out.stderr.contains("Not a directory"), "{}", out.stderr);
+        c.vars.retain(|(k, _)| k != "ABX_PROVIDER");
+    }
+}
+
 #[test]
 fn region_every_pair_of_levels_higher_wins() {
     // Each level alone beats the default; each pair is won by the higher level.

@@ -670,12 +670,19 @@ pub(crate) fn config_label(path: &Path) -> String {
 }
 
 /// `$ABX_HOME`, else `$HOME/.abx`, from `var` (the process environment's `var_os`). A
-/// path need not be UTF-8 on Unix: such a home directory is used as it is.
+/// path need not be UTF-8 on Unix: such a home directory is used as it is. A `HOME` that
+/// is no directory (`HOME=/dev/null`, as services and containers set it) is no home, as
+/// an unset one is: git finds no `~/.gitconfig` there; every command failed with E1006
+/// "Not a directory". (An `ABX_HOME` that is no directory was set on purpose: its error
+/// stands.)
 pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
     let nonblank = |k: &str| var(k).filter(|v| !v.to_str().is_some_and(|s| s.trim().is_empty()));
-    nonblank("ABX_HOME")
-        .map(PathBuf::from)
-        .or_else(|| nonblank("HOME").map(|h| Path::new(&h).join(".abx")))
+    let a_directory = |h: &OsString| std::fs::metadata(h).map_or(true, |m| m.is_dir());
+    nonblank("ABX_HOME").map(PathBuf::from).or_else(|| {
+        nonblank("HOME")
+            .filter(a_directory)
+            .map(|h| Path::new(&h).join(".abx"))
+    })
 }
 
 #[cfg(test)]
