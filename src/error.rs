@@ -157,7 +157,7 @@ impl Error {
             Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
             Error::WriteFile { .. } => "Check that this user may write to the directory named above (ABX_HOME, else ~/.abx, holds the installed providers).",
             Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
-            Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges); or choose another address with --listen / --admin-listen.",
+            Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges, the process's open-file or thread limit: LimitNOFILE= / ulimit -n, TasksMax= / ulimit -u); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
             Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (the proxy retries its token exchange by itself). If it persists, check that host's status and the URL setting that names it.",

@@ -99,6 +99,10 @@ fn run(rx: &mpsc::Receiver<Msg>) {
             QUEUED_BYTES.fetch_sub(bytes.len(), Ordering::Relaxed);
             if written {
                 reported = report_drops(std::mem::take(&mut reported));
+            } else {
+                // Lost all the same (a full disk, a file at its size limit, a reader
+                // gone): counted, and said once writing works again.
+                DROPPED.fetch_add(Msg::Write(bytes).lines(), Ordering::Relaxed);
             }
         }
         Msg::Flush(done) => drop(done.send(())),
@@ -146,7 +150,8 @@ fn report_drops(reported: Reported) -> Reported {
     }
     tracing::warn!(
         dropped = dropped - reported.dropped,
-        "log lines dropped: stderr was not read fast enough (abx_proxy_log_lines_dropped_total)"
+        "log lines dropped: stderr was not read fast enough, or could not be written \
+         (abx_proxy_log_lines_dropped_total)"
     );
     Reported {
         dropped,
@@ -248,6 +253,11 @@ pub fn mask(secrets: Vec<Secret>) {
         }
     }
     MASKING.store(true, Ordering::Release);
+}
+
+/// [`write`], with the secrets given to [`mask`] starred, as in every event's line.
+pub fn write_masked(bytes: Vec<u8>) {
+    write(masked(bytes));
 }
 
 /// `line` through [`secrets_masked`]. tracing's lines are UTF-8 (its formatter writes

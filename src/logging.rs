@@ -86,6 +86,42 @@ pub fn refused(json: bool, text: &str) {
     }
 }
 
+/// From now on a panic is one line through the log writer, an ERROR object where the logs
+/// are JSON. The default hook wrote a plain-text block straight to stderr: among
+/// `--log-format json` lines, and, with a log reader that had stalled, blocking the thread
+/// that panicked (the main runtime's stopped accepts, probes and signals with it).
+pub fn panics_as_lines() {
+    std::panic::set_hook(Box::new(|info| {
+        let what = (info.payload().downcast_ref::<&str>().copied())
+            .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("Box<dyn Any>");
+        let at = info.location().map(|l| l.to_string()).unwrap_or_default();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        let mut text = format!("thread '{name}' panicked at {at}: {what}");
+        // RUST_BACKTRACE asks for one, as of the default hook.
+        let trace = std::backtrace::Backtrace::capture();
+        if trace.status() == std::backtrace::BacktraceStatus::Captured {
+            text.push_str(&format!("\n{trace}"));
+        }
+        let json = JSON_LOGS.load(Ordering::Acquire);
+        crate::log_writer::write_masked(panic_line(&text, json));
+    }));
+}
+
+/// A panic's line: an ERROR object, or a text line as the subscriber's ERROR lines are.
+fn panic_line(text: &str, json: bool) -> Vec<u8> {
+    if json {
+        return error_object(text, None, None);
+    }
+    let mut line = Vec::with_capacity(text.len() + 64);
+    write_timestamp(&mut line, SystemTime::now());
+    line.extend_from_slice(b" ERROR abx_proxy: ");
+    line.extend_from_slice(text.as_bytes());
+    line.push(b'\n');
+    line
+}
+
 /// An ERROR line as the JSON subscriber prints one, written whatever the filter says: the
 /// line that says why the process ends must not be filtered away (`--log-level off`).
 fn error_object(message: &str, code: Option<&str>, suggestion: Option<&str>) -> Vec<u8> {
@@ -644,6 +680,23 @@ mod tests {
     use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
+
+    /// A panic is one line: an ERROR object that parses whole, or a text line.
+    #[test]
+    fn a_panic_is_one_line_in_either_format() {
+        let text = "thread 'abx-worker-1' panicked at src/x.rs:1:2: \"quoted\"\nand a trace";
+        let json = panic_line(text, true);
+        assert_eq!(json.iter().filter(|b| **b == b'\n').count(), 1);
+        let object: serde_json::Value = serde_json::from_slice(&json).expect("one object");
+        assert_eq!(object["level"], "ERROR");
+        assert_eq!(object["message"], text);
+        let line = String::from_utf8(panic_line("thread 'main' panicked at a:1:1: x", false));
+        let line = line.expect("utf-8");
+        assert!(
+            line.ends_with(" ERROR abx_proxy: thread 'main' panicked at a:1:1: x\n"),
+            "{line}"
+        );
+    }
 
     /// A `MakeWriter` collecting everything the subscriber writes.
     #[derive(Clone, Default)]

@@ -43,6 +43,7 @@ fn main() -> ExitCode {
             // where they log, in order with their output on stdout.
             abx_proxy::log_writer::start();
             logging::init(args.log_format, args.log_level.as_deref(), "info");
+            logging::panics_as_lines();
             serve::run(args).map(|()| 0)
         }
         Command::Check(args) => {

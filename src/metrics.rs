@@ -176,7 +176,7 @@ impl Metrics {
         )?;
         let log_lines_dropped = IntCounter::new(
             "abx_proxy_log_lines_dropped_total",
-            "Log lines dropped because stderr was not read fast enough.",
+            "Log lines dropped because stderr was not read fast enough, or could not be written.",
         )?;
         let tls_handshake_failures = IntCounter::new(
             "abx_proxy_tls_handshake_failures_total",

@@ -36,6 +36,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // must end it, as before; there is nothing to drain yet.
     let hangups = runtime.as_ref().ok().and_then(|runtime| {
         let _in = runtime.enter();
+        signals::survive_file_size_limit();
         signals::hangups()
     });
     // Before the first read: a secret rotated while the proxy starts is a change to apply.

@@ -72,3 +72,14 @@ impl Stop {
 pub fn hangups() -> Option<Signal> {
     signal(SignalKind::hangup()).ok()
 }
+
+/// SIGXFSZ, on Linux (every architecture the proxy builds for but the MIPS and SPARC ones).
+const SIGXFSZ: i32 = 25;
+
+/// SIGXFSZ handled (and never waited for): stderr written to a file that reaches the
+/// file-size limit (`LimitFSIZE=`, `ulimit -f`) killed the process at once, undrained, its
+/// last line cut mid-word. The write fails with EFBIG instead, a log line lost and counted
+/// as any line stderr did not take. tokio keeps a handler for the process's lifetime.
+pub fn survive_file_size_limit() {
+    drop(signal(SignalKind::from_raw(SIGXFSZ)));
+}

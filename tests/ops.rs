@@ -2757,6 +2757,57 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
     assert!(status.success(), "{status}; stderr:\n{}", proxy.stderr());
 }
 
+/// Logs written to a file that reaches the file-size limit (`LimitFSIZE=`, `ulimit -f`):
+/// SIGXFSZ killed the proxy at once, undrained, mid-line. It serves on, the lines stderr
+/// refuses are counted as dropped, and a SIGTERM drains and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_at_the_file_size_limit_neither_end_nor_stop_the_proxy() {
+    const LIMIT: u64 = 16 * 1024;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let log = dir.path().join("proxy.log");
+    let file = std::fs::File::create(&log).expect("log file");
+    let limit = format!("--fsize={LIMIT}");
+    let (mut proxy, _home) = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", &limit, "--"])
+        .spawn_logging_to(file)
+        .await;
+    let listening = within("the listening line", async {
+        let mut every = poll_ticker();
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| l.contains("abx-proxy listening")) {
+                break line.to_string();
+            }
+            every.tick().await;
+        }
+    })
+    .await;
+    let addr: SocketAddr = field(&listening, "listen")
+        .expect("listen=")
+        .parse()
+        .unwrap();
+    let admin: SocketAddr = field(&listening, "admin").expect("admin=").parse().unwrap();
+    // Each request's debug lines take the file towards its limit; then a few more.
+    let mut past = 0;
+    for _ in 0..2_000 {
+        assert_eq!(get(addr, "/sandboxes").await.0, 200, "{}", past);
+        let full = std::fs::metadata(&log).map(|m| m.len()).unwrap_or_default() >= LIMIT;
+        past += usize::from(full);
+        if past == 20 {
+            break;
+        }
+    }
+    assert_eq!(past, 20, "the log file never reached its limit");
+    let text = scrape(admin).await;
+    let dropped = metric(&text, "abx_proxy_log_lines_dropped_total").unwrap_or_default();
+    assert!(dropped > 0.0, "{text}");
+    proxy.signal("TERM");
+    let status = proxy.exit("the drain").await;
+    assert_eq!(status.code(), Some(0), "{status}");
+}
+
 /// With `--log-format json`, the error that ends a start is a JSON object like every other
 /// line (with its code and suggestion), not the house format's bare two lines, which a
 /// pipeline reading one object per line refused: the one line that says why the unit

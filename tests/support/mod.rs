@@ -1026,6 +1026,16 @@ impl ProxyCmd {
         proc
     }
 
+    /// Starts the proxy with its stderr on `stderr` (a file), not waiting for anything:
+    /// the process and its home, which must outlive it.
+    pub async fn spawn_logging_to(self, stderr: std::fs::File) -> (Spawned, tempfile::TempDir) {
+        let home = tempfile::tempdir().expect("home");
+        let mut command = self.command(home.path());
+        self.prepare(home.path()).await;
+        command.stderr(stderr);
+        (Spawned::spawn(&mut command, "abx-proxy"), home)
+    }
+
     /// Runs a proxy that is expected to refuse to start: its exit status and stderr.
     pub async fn run_to_exit(self) -> (ExitStatus, String) {
         let home = tempfile::tempdir().expect("home");
