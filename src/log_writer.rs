@@ -95,7 +95,7 @@ fn run(rx: &mpsc::Receiver<Msg>) {
         // A failing stderr is not worth stopping for (tracing-subscriber ignores it too):
         // the next line may go through.
         Msg::Write(bytes) => {
-            let written = std::io::stderr().write_all(&bytes).is_ok();
+            let written = write_whole(&bytes).is_ok();
             QUEUED_BYTES.fetch_sub(bytes.len(), Ordering::Relaxed);
             if written {
                 reported = report_drops(std::mem::take(&mut reported));
@@ -125,6 +125,40 @@ fn run(rx: &mpsc::Receiver<Msg>) {
             }
         }
     }
+}
+
+/// `bytes` to stderr, whole. A stderr whose open file is non-blocking (one shared with a
+/// parent that set `O_NONBLOCK` on it) took part of a line and refused the rest with
+/// EAGAIN: `write_all` gave up mid-line, uncounted, and the next line was glued to the
+/// torn one. This thread waits for room instead, as it waits on a blocking stderr.
+fn write_whole(bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::ErrorKind::{Interrupted, WouldBlock, WriteZero};
+    let mut stderr = std::io::stderr().lock();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        match stderr.write(rest) {
+            Ok(0) => return Err(WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == Interrupted => {}
+            Err(e) if e.kind() == WouldBlock => room(&stderr)?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Waits until `out` takes a write, or has failed (a reader gone: the write says so).
+#[cfg(target_os = "linux")]
+fn room(out: &impl std::os::fd::AsFd) -> std::io::Result<()> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    poll(&mut [PollFd::new(out, PollFlags::OUT)], None)?;
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn room(_: &impl std::os::fd::AsFd) -> std::io::Result<()> {
+    std::thread::sleep(Duration::from_millis(1));
+    Ok(())
 }
 
 /// The drops said so far, and when.

@@ -2808,6 +2808,75 @@ async fn logs_at_the_file_size_limit_neither_end_nor_stop_the_proxy() {
     assert_eq!(status.code(), Some(0), "{status}");
 }
 
+/// A stderr whose open file is non-blocking (shared with a parent that set `O_NONBLOCK`
+/// on it) and a reader that falls behind: the writer waits for room, and every line comes
+/// out whole. `write_all` gave up at EAGAIN mid-line, and the next line was glued to the
+/// torn one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_blocking_stderr_gets_whole_lines() {
+    use std::io::BufRead as _;
+    const REQUESTS: usize = 64;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    let flags = rustix::fs::fcntl_getfl(&writer).expect("flags");
+    rustix::fs::fcntl_setfl(&writer, flags | rustix::fs::OFlags::NONBLOCK).expect("O_NONBLOCK");
+    let (mut proxy, _home) = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--log-format", "json"])
+        .log_level("info")
+        .spawn_logging_to(writer)
+        .await;
+    // Read up to the listening line, then not until the requests are answered.
+    let (go_on, gate) = std::sync::mpsc::channel::<()>();
+    let (tell, listening) = oneshot::channel();
+    let reading = std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(reader).lines();
+        let mut all = Vec::new();
+        let mut tell = Some(tell);
+        for line in lines.by_ref() {
+            let Ok(line) = line else { break };
+            if line.contains("abx-proxy listening") {
+                if let Some(tell) = tell.take() {
+                    let _ = tell.send(line.clone());
+                }
+                all.push(line);
+                break;
+            }
+            all.push(line);
+        }
+        let _ = gate.recv();
+        all.extend(lines.map_while(Result::ok));
+        all
+    });
+    let line = within("the listening line", listening)
+        .await
+        .expect("listening");
+    let object: serde_json::Value = serde_json::from_str(&line).expect("json");
+    let addr: SocketAddr = object["listen"].as_str().expect("listen").parse().unwrap();
+    // Access lines of ~8 KiB each: the pipe's 64 KiB fill within a few.
+    let path = format!("/sandboxes/{}", "x".repeat(8 * 1024));
+    for _ in 0..REQUESTS {
+        assert_eq!(get(addr, &path).await.0, 200);
+    }
+    drop(go_on);
+    proxy.signal("TERM");
+    let status = proxy.exit("the drain").await;
+    assert_eq!(status.code(), Some(0), "{status}");
+    let lines = reading.join().expect("reader");
+    for line in &lines {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "a torn line: {}...",
+            &line[..line.len().min(200)]
+        );
+    }
+    let access = lines
+        .iter()
+        .filter(|l| l.contains("\"path\":\"/sandboxes/x"))
+        .count();
+    assert_eq!(access, REQUESTS, "every request's line");
+}
+
 /// With `--log-format json`, the error that ends a start is a JSON object like every other
 /// line (with its code and suggestion), not the house format's bare two lines, which a
 /// pipeline reading one object per line refused: the one line that says why the unit

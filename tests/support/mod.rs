@@ -1026,9 +1026,9 @@ impl ProxyCmd {
         proc
     }
 
-    /// Starts the proxy with its stderr on `stderr` (a file), not waiting for anything:
+    /// Starts the proxy with its stderr on `stderr` (a file, a pipe), not waiting for anything:
     /// the process and its home, which must outlive it.
-    pub async fn spawn_logging_to(self, stderr: std::fs::File) -> (Spawned, tempfile::TempDir) {
+    pub async fn spawn_logging_to(self, stderr: impl Into<Stdio>) -> (Spawned, tempfile::TempDir) {
         let home = tempfile::tempdir().expect("home");
         let mut command = self.command(home.path());
         self.prepare(home.path()).await;
