@@ -244,6 +244,8 @@ fn answer(req: &Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
         }
         "/healthz" => text(StatusCode::OK, "ok\n"),
         "/readyz" if proxy.ready() => text(StatusCode::OK, "ready\n"),
+        // Which of the two: a drain is expected, a missing credential is not.
+        "/readyz" if proxy.draining() => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }

@@ -205,7 +205,16 @@ async fn serve(
     }
     // Connections still open now are closed by the exit, without their log lines.
     let left = proxy.metrics.open_connections.get();
-    tracing::info!(clean, left, "stopped");
+    if clean {
+        tracing::info!(clean, left, "stopped");
+    } else {
+        // Requests and tunnels were cut: worth a WARN, as the second signal's is.
+        tracing::warn!(
+            clean,
+            left,
+            "stopped; what was still open at the end of the drain was cut"
+        );
+    }
     Ok(())
 }
 

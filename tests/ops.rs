@@ -290,7 +290,8 @@ async fn readiness_follows_the_credential_and_the_drain() {
 
     // The first exchange started at startup and is held: not ready, and liveness is fine.
     fake.until_calls(1).await;
-    assert_eq!(get(admin, "/readyz").await.0, 503);
+    let (status, body) = get(admin, "/readyz").await;
+    assert_eq!((status, &body[..]), (503, &b"not ready\n"[..]));
     assert_eq!(get(admin, "/healthz").await.0, 200);
 
     fake.release();
@@ -328,7 +329,9 @@ async fn readiness_follows_the_credential_and_the_drain() {
     upstream.next_request().await;
     proxy.signal("TERM");
     proxy.wait_for_line("listener closed").await;
-    assert_eq!(get(admin, "/readyz").await.0, 503);
+    // Said as what it is: an expected drain, not a credential missing.
+    let (status, body) = get(admin, "/readyz").await;
+    assert_eq!((status, &body[..]), (503, &b"draining\n"[..]));
     release_tx.send_replace(true);
     assert_eq!(within("the slow request", slow).await.expect("join"), 200);
     let status = proxy.wait_exit().await;

@@ -2195,6 +2195,7 @@ async fn tunnel_cut_when_the_grace_ends(grace: &str) {
     );
     let stopped = proxy.wait_for_line("stopped").await;
     assert!(stopped.contains("clean=false"), "{stopped}");
+    assert!(stopped.contains(" WARN "), "requests were cut: {stopped}");
     // Closed by the proxy at the end of the grace, not left to the exit.
     assert!(stopped.contains("left=0"), "{stopped}");
 

@@ -220,6 +220,11 @@ impl Proxy {
         !self.draining.load(Ordering::Relaxed) && self.credential.load().ready()
     }
 
+    /// Whether the drain has begun.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
     }
