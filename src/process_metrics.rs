@@ -90,11 +90,30 @@ impl Collector for ProcessCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
+        let fds = std::fs::read_dir("/proc/self/fd")
+            .ok()
+            .map(|e| e.count() as u64);
+        let max_fds = rlimit::Resource::NOFILE.get().ok().map(|(soft, _)| soft);
+        self.collect_from(read_stat(), fds, max_fds)
+    }
+}
+
+impl ProcessCollector {
+    /// The families of what could be read: one that could not (no `/proc` in a sandbox,
+    /// a hardened mount) is left out, as the Go client leaves it, not given as 0 (a start
+    /// time of 0 read as 56 years up; a memory of 0 never fired an alert).
+    fn collect_from(
+        &self,
+        stat: Option<Stat>,
+        fds: Option<u64>,
+        max_fds: Option<u64>,
+    ) -> Vec<MetricFamily> {
         let _one_at_a_time = self
             .collecting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(stat) = read_stat() {
+        let mut read: Vec<&dyn Collector> = Vec::with_capacity(7);
+        if let Some(stat) = stat {
             let cpu = stat.cpu_ticks as f64 / ticks_per_second();
             let gone = cpu - self.cpu.get();
             if gone > 0.0 {
@@ -105,17 +124,25 @@ impl Collector for ProcessCollector {
             let page = rustix::param::page_size() as u64;
             self.resident_memory
                 .set(clamp(stat.resident_pages.saturating_mul(page)));
+            read.extend([
+                &self.cpu as &dyn Collector,
+                &self.threads,
+                &self.virtual_memory,
+                &self.resident_memory,
+            ]);
         }
-        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
-            self.open_fds.set(clamp(entries.count() as u64));
+        if self.start_time.get() > 0.0 {
+            read.push(&self.start_time);
         }
-        if let Ok((soft, _)) = rlimit::Resource::NOFILE.get() {
+        if let Some(n) = fds {
+            self.open_fds.set(clamp(n));
+            read.push(&self.open_fds);
+        }
+        if let Some(soft) = max_fds {
             self.max_fds.set(clamp(soft));
+            read.push(&self.max_fds);
         }
-        self.metrics()
-            .into_iter()
-            .flat_map(|m| m.collect())
-            .collect()
+        read.into_iter().flat_map(|m| m.collect()).collect()
     }
 }
 
@@ -242,5 +269,18 @@ mod tests {
         // A second scrape counts on from the first, never backwards.
         let again = value(&collector.collect(), "process_cpu_seconds_total");
         assert!(again >= cpu, "{again} >= {cpu}");
+    }
+
+    /// What cannot be read is left out, not given as 0.
+    #[test]
+    fn what_cannot_be_read_is_left_out() {
+        let collector = ProcessCollector::for_self().expect("collector");
+        let names = |families: Vec<MetricFamily>| -> Vec<String> {
+            families.iter().map(|f| f.get_name().to_string()).collect()
+        };
+        let none = names(collector.collect_from(None, None, Some(1024)));
+        // The start time was read when the collector was made.
+        assert_eq!(none, ["process_start_time_seconds", "process_max_fds"]);
+        assert_eq!(names(collector.collect()).len(), 7);
     }
 }
