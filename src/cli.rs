@@ -232,7 +232,7 @@ pub struct NetArgs {
     /// Also trust these CA certificates (PEM) for upstream TLS.
     #[arg(long, value_name = "FILE")]
     pub upstream_ca: Option<PathBuf>,
-    /// Upstream TCP+TLS connect timeout.
+    /// Upstream connect timeout: name look-up, TCP and TLS.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout)]
     pub connect_timeout: Duration,
     /// Time an upstream may take to send response headers [default: 300s; check: 30s]

@@ -132,15 +132,28 @@ impl tower_service::Service<Name> for LocalResolver {
 }
 
 /// A resolver whose look-ups hang, as getaddrinfo does when the DNS server has stopped
-/// answering (each holds a thread for a minute; the test process does not wait for it).
+/// answering (each holds its thread for good; the test process does not wait for it).
 #[cfg(test)]
 pub(crate) fn stalled() -> LocalResolver {
     fn stalls(_: &str) -> io::Result<Vec<SocketAddr>> {
-        std::thread::sleep(std::time::Duration::from_secs(60));
-        Err(io::Error::other("stalled"))
+        loop {
+            std::thread::park();
+        }
     }
     static STALLED: Lookups = Lookups::new(8, stalls, thread);
     LocalResolver { lookups: &STALLED }
+}
+
+/// A resolver that answers every name at once, with 127.0.0.1, through a look-up.
+#[cfg(test)]
+pub(crate) fn answering() -> LocalResolver {
+    fn answers(_: &str) -> io::Result<Vec<SocketAddr>> {
+        Ok(vec![SocketAddr::from((Ipv4Addr::LOCALHOST, 0))])
+    }
+    static ANSWERING: Lookups = Lookups::new(8, answers, thread);
+    LocalResolver {
+        lookups: &ANSWERING,
+    }
 }
 
 tokio::task_local! {

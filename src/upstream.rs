@@ -183,12 +183,12 @@ pub fn client(
         request_timeout,
         Slots::unlimited(),
         MAX_IDLE_HTTP1,
-        Names::Own,
+        LocalResolver::new(Names::Own),
     )
 }
 
 /// [`client`], its connections counted in `slots` (the proxy's own upstream clients), at
-/// most `max_idle` of them kept idle per origin, its host names looked up as `names`.
+/// most `max_idle` of them kept idle per origin, its host names looked up by `resolver`.
 pub fn counted_client(
     tls: rustls::ClientConfig,
     versions: Versions,
@@ -196,9 +196,9 @@ pub fn counted_client(
     request_timeout: Duration,
     slots: Arc<Slots>,
     max_idle: usize,
-    names: Names,
+    resolver: LocalResolver,
 ) -> HttpClient {
-    let http = connector(connect_timeout, LocalResolver::new(names));
+    let http = connector(connect_timeout, resolver);
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
@@ -354,52 +354,53 @@ mod tests {
     use super::*;
 
     /// A connect that runs out of time waiting for its name says so; one whose name was
-    /// answered says "connect timed out" (the upstream's network, not DNS).
+    /// answered says "connect timed out" (the upstream's network, not DNS). Through
+    /// hyper-util's client, as the control plane, the token exchange and `check` ask.
     #[tokio::test]
     async fn a_connect_out_of_time_says_whether_it_waited_for_its_name() {
-        use tower_service::Service as _;
-        /// Resolves through `http`, then never connects.
-        #[derive(Clone)]
-        struct ResolvesThenHangs(HttpConnector<LocalResolver>);
-        impl tower_service::Service<http::Uri> for ResolvesThenHangs {
-            type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
-            type Error = BoxError;
-            type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
-            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-                Poll::Ready(Ok(()))
-            }
-            fn call(&mut self, uri: http::Uri) -> Self::Future {
-                let mut http = self.0.clone();
-                Box::pin(async move {
-                    let _ = http.call(uri).await;
-                    std::future::pending().await
-                })
-            }
-        }
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let tls = tls_config(None).expect("tls");
         let timeout = Duration::from_millis(300);
-        let mut waits = TimedConnect {
-            inner: connector(timeout, crate::resolve::stalled()),
-            timeout,
-            slots: Slots::unlimited(),
+        let client = |resolver| {
+            counted_client(
+                tls.clone(),
+                Versions::Negotiate,
+                timeout,
+                Duration::from_secs(60),
+                Slots::unlimited(),
+                MAX_IDLE_HTTP1,
+                resolver,
+            )
         };
-        let Err(e) = waits
-            .call("http://dns-stopped.test/".parse().unwrap())
-            .await
-        else {
-            panic!("connected through a stalled look-up");
+        let get = |url: &str| {
+            http::Request::get(url)
+                .body(crate::proxy::body::empty())
+                .unwrap()
         };
-        assert_eq!(timed_out_words(e.as_ref()), "name look-up timed out");
-        // `localhost` is answered here; the connect then hangs.
-        let answered = connector(timeout, LocalResolver::new(Names::Sandboxes));
-        let mut hangs = TimedConnect {
-            inner: ResolvesThenHangs(answered),
-            timeout,
-            slots: Slots::unlimited(),
-        };
-        let Err(e) = hangs.call("http://localhost:9/".parse().unwrap()).await else {
-            panic!("connected");
-        };
-        assert_eq!(timed_out_words(e.as_ref()), "connect timed out");
+        let cases = [
+            (
+                crate::resolve::stalled(),
+                "http://stalled-h.test/",
+                "name look-up timed out",
+            ),
+            // Looked up, then a TLS handshake nobody answers.
+            (
+                crate::resolve::answering(),
+                "https://answered-h.test",
+                "connect timed out",
+            ),
+        ];
+        for (resolver, url, said) in cases {
+            let url = if url.starts_with("https") {
+                format!("{url}:{port}/")
+            } else {
+                url.into()
+            };
+            let e = client(resolver).request(get(&url)).await.unwrap_err();
+            assert_eq!(crate::proxy::forward::describe(&e), said, "{url}");
+        }
+        drop(silent);
     }
 
     /// Pings every half of the request timeout, at most every 20 s and at least every

@@ -337,13 +337,11 @@ impl Upstream {
             upstream_timeout,
             broken,
             slots,
-            names,
             resolver,
         )
     }
 
     /// [`Upstream::new`], the pool's names looked up through `resolver`.
-    #[allow(clippy::too_many_arguments)]
     fn resolving(
         tls: rustls::ClientConfig,
         versions: Versions,
@@ -351,7 +349,6 @@ impl Upstream {
         upstream_timeout: Duration,
         broken: BrokenBodies,
         slots: Arc<Slots>,
-        names: upstream::Names,
         resolver: upstream::LocalResolver,
     ) -> Self {
         let mut h1 = tls.clone();
@@ -371,7 +368,7 @@ impl Upstream {
             upstream_timeout,
             slots.clone(),
             max_idle,
-            names,
+            resolver.clone(),
         );
         let pool = Arc::new(Pool {
             idle: (0..=crate::workers::count())
@@ -3323,30 +3320,32 @@ mod tests {
     /// out": the DNS server stopped answering, not the upstream.
     #[tokio::test]
     async fn a_connect_waiting_for_its_name_says_the_look_up_timed_out() {
-        let client = Upstream::resolving(
-            config(rustls::RootCertStore::empty()),
-            Versions::Http1,
-            Duration::from_millis(300),
-            LONG,
-            None,
-            Slots::unlimited(),
-            upstream::Names::Sandboxes,
-            crate::resolve::stalled(),
-        );
-        let e = within(client.request("api", get("http://dns-stopped.test/"), LONG))
+        let client = |resolver| {
+            Upstream::resolving(
+                config(rustls::RootCertStore::empty()),
+                Versions::Http1,
+                Duration::from_millis(300),
+                LONG,
+                None,
+                Slots::unlimited(),
+                resolver,
+            )
+        };
+        let stalled = client(crate::resolve::stalled());
+        let e = within(stalled.request("api", get("http://stalled-p.test/"), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Timeout, "{e:?}");
         assert_eq!(e.describe(), "name look-up timed out");
-        // A TLS handshake that never answers: its name (none) was no part of it.
+        // Looked up, then a TLS handshake that never answers: its name was no part of it.
         let silent = Fake::start(|s, _| async move {
             let _held = s;
             std::future::pending::<()>().await
         })
         .await;
-        let client = counted_with(Slots::unlimited(), Duration::from_millis(300));
-        let url = format!("https://{}/", silent.addr);
-        let e = within(client.request("api", get(&url), LONG))
+        let url = format!("https://answered-p.test:{}/", silent.addr.port());
+        let answered = client(crate::resolve::answering());
+        let e = within(answered.request("api", get(&url), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.describe(), "connect timed out");
