@@ -245,9 +245,13 @@ fn arg(args: &[String], i: usize, default: u64) -> u64 {
 
 fn main() -> io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let ca_out = args
-        .get(1)
-        .expect("usage: soak_upstream CA_OUT [RESET ERROR CUT SLOW]");
+    const USAGE: &str = "usage: soak_upstream CA_OUT [RESET ERROR CUT SLOW]";
+    // `--help` was taken for CA_OUT: a certificate written to a file named `--help` and a
+    // server left running.
+    let Some(ca_out) = args.get(1).filter(|a| !a.starts_with('-')) else {
+        println!("{USAGE}");
+        return Ok(());
+    };
     let every = Arc::new(Every {
         reset: arg(&args, 2, 97),
         error: arg(&args, 3, 89),

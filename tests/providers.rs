@@ -31,6 +31,7 @@ auth.scheme = "header"
 auth.header = "X-Borrower-Key"
 [config.fields.api_key]
 secret = true
+env = ["BORROWER_KEY"]
 [config.fields.base_url]
 [core]
 inherit = ["sandbox_api_key"]
@@ -236,10 +237,11 @@ async fn inherit_needs_consent_for_that_exact_manifest() {
             // for a selection made elsewhere.
             std::fs::write(home.path().join(".env"), "ABX_PROVIDER=borrower\n").expect(".env");
             let moved = "./.env in this directory sets ABX_PROVIDER=borrower: the credential \
-                         from env goes there";
+                         from env goes to borrower's hosts";
             for (env, warned) in [
                 (("ABX_SANDBOX_API_KEY", API_KEY), true),
                 (("ABX_BORROWER_API_KEY", API_KEY), false),
+                (("BORROWER_KEY", API_KEY), false),
             ] {
                 let out = abx(home.path(), &[env], &["check", "--offline"]).await;
                 let said = text(&out);
@@ -356,7 +358,9 @@ async fn a_manifest_that_would_hide_its_inherit_list_from_the_terminal_is_refuse
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_without_an_api_key_field_is_not_installed_even_with_consent() {
     let home = tempfile::tempdir().expect("home");
-    let without = INHERITING.replace("[config.fields.api_key]\nsecret = true\n", "");
+    let field = "[config.fields.api_key]\nsecret = true\nenv = [\"BORROWER_KEY\"]\n";
+    let without = INHERITING.replace(field, "");
+    assert_ne!(without, INHERITING);
     let (_dir, manifest) = manifest_file(&without);
     let out = abx(
         home.path(),

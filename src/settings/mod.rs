@@ -849,13 +849,11 @@ impl Resolved {
                 let provider = self.entry(Key::Provider);
                 if let (Some(Value::Plain(id)), Some(k)) = (&provider.value, key_from) {
                     if !own(&k.env) {
-                        w.extend(redirected(
-                            provider.spec.env,
-                            id,
-                            provider.source,
-                            k.source,
-                            &secrets,
-                        ));
+                        // "there" would be a provider's id: said as the hosts it names.
+                        let said =
+                            redirected(provider.spec.env, id, provider.source, k.source, &secrets);
+                        let hosts = format!(" goes to {}'s hosts", m.id);
+                        w.extend(said.map(|said| said.replace(" goes there", &hosts)));
                     }
                 }
             }
