@@ -72,6 +72,8 @@ thread_local! {
     /// This is the writer thread: what it logs itself is written at once, not queued
     /// behind the queue that it is there to say was full.
     static WRITER: Cell<bool> = const { Cell::new(false) };
+    /// A line this thread wrote itself ([`direct`]) did not go through.
+    static UNWRITTEN: Cell<bool> = const { Cell::new(false) };
 }
 
 /// From now on lines go through the writer thread. Idempotent. Should the thread not
@@ -182,11 +184,17 @@ fn report_drops(reported: Reported) -> Reported {
     if dropped == reported.dropped || !due {
         return reported;
     }
+    UNWRITTEN.with(|u| u.set(false));
     tracing::warn!(
         dropped = dropped - reported.dropped,
         "log lines dropped: stderr was not read fast enough, or could not be written \
          (abx_proxy_log_lines_dropped_total)"
     );
+    if UNWRITTEN.with(Cell::get) {
+        // Not said after all (the file at its size limit again): said with the next line
+        // that goes through, its count and all.
+        return reported;
+    }
     Reported {
         dropped,
         at: Some(std::time::Instant::now()),
@@ -235,10 +243,13 @@ fn direct(bytes: &[u8]) {
             Some(std::fs::File::from(fd))
         });
         // `Write` for `&File`: no `&mut` needed, the descriptor is the thread's own.
-        let _ = match own {
+        let written = match own {
             Some(file) => (&*file).write_all(bytes),
             None => std::io::stderr().lock().write_all(bytes),
         };
+        if written.is_err() {
+            UNWRITTEN.with(|u| u.set(true));
+        }
     });
 }
 
@@ -289,9 +300,23 @@ pub fn mask(secrets: Vec<Secret>) {
     MASKING.store(true, Ordering::Release);
 }
 
-/// [`write`], with the secrets given to [`mask`] starred, as in every event's line.
+/// [`write`], with the secrets given to [`mask`] starred, as in every event's line. For
+/// the panic hook: a thread that panicked while holding the secrets' lock (or with a
+/// writer waiting for it) must not wait on it; the line is not written then, rather than
+/// written unmasked.
 pub fn write_masked(bytes: Vec<u8>) {
-    write(masked(bytes));
+    if !MASKING.load(Ordering::Acquire) {
+        return write(bytes);
+    }
+    let Ok(secrets) = MASKED.try_read() else {
+        return;
+    };
+    let line = match String::from_utf8(bytes) {
+        Ok(text) => secrets_masked(&text, &secrets).into_bytes(),
+        Err(e) => e.into_bytes(),
+    };
+    drop(secrets);
+    write(line);
 }
 
 /// `line` through [`secrets_masked`]. tracing's lines are UTF-8 (its formatter writes

@@ -44,7 +44,15 @@ fn main() -> ExitCode {
             abx_proxy::log_writer::start();
             logging::init(args.log_format, args.log_level.as_deref(), "info");
             logging::panics_as_lines();
-            serve::run(args).map(|()| 0)
+            // A panic that ends the process: its line is queued (see the hook), and the
+            // writer thread must be given the moment it is given at any other exit.
+            let served =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve::run(args)));
+            let Ok(served) = served else {
+                logging::finish();
+                return ExitCode::from(101);
+            };
+            served.map(|()| 0)
         }
         Command::Check(args) => {
             logging::init(Default::default(), None, "warn");

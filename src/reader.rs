@@ -59,7 +59,9 @@ impl Reader {
         work: impl FnOnce() -> T + Send + 'static,
     ) -> io::Result<T> {
         let Some(jobs) = &self.jobs else {
-            return Ok(work());
+            // As on the thread: a read that panics fails alone.
+            return catch_unwind(AssertUnwindSafe(work))
+                .map_err(|_| io::Error::other("the read ended without a result"));
         };
         let (done, result) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move || drop(done.send(work())));
@@ -111,5 +113,8 @@ mod tests {
         let here = thread::current().id();
         let read = Reader::inline().run(|| thread::current().id()).await;
         assert_eq!(read.expect("read"), here);
+        let inline = Reader::inline();
+        let failed = inline.run(|| -> u8 { panic!("a read that panics") }).await;
+        assert!(failed.is_err());
     }
 }

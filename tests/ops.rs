@@ -2032,18 +2032,17 @@ fn thread_limited(uid: u32, limit: usize) -> Vec<String> {
     .into()
 }
 
-/// Whether this test process may change its children's uid (root) and has `setpriv`.
-fn may_limit_threads() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let root = status
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"));
-    let setpriv = Command::new("setpriv")
-        .arg("--help")
+/// Whether this test process may give its children `uid` as their real one (root, with
+/// `setpriv`, and the uid mapped: not in a user namespace that maps root alone).
+fn may_limit_threads(uid: u32) -> bool {
+    let launcher = thread_limited(uid, 64);
+    Command::new(&launcher[0])
+        .args(&launcher[1..])
+        .arg("true")
         .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .status()
-        .is_ok_and(|s| s.success());
-    root && setpriv
+        .is_ok_and(|s| s.success())
 }
 
 /// A process that takes one of `uid`'s tasks, if one is left: `None` once none is (the
@@ -2074,17 +2073,19 @@ async fn filler(uid: u32, limit: usize) -> Option<Spawned> {
 /// plain-text block among the log lines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_at_its_thread_limit_still_reloads() {
-    if !may_limit_threads() {
+    const LIMIT: usize = 24;
+    let uid = 3_000_000 + std::process::id();
+    if !may_limit_threads(uid) {
         eprintln!("skipped: needs root and setpriv to set a thread limit");
         return;
     }
-    const LIMIT: usize = 24;
-    let uid = 3_000_000 + std::process::id();
     let launcher = thread_limited(uid, LIMIT);
     let launcher: Vec<&str> = launcher.iter().map(String::as_str).collect();
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    // Two workers whatever the cores: one each would not fit the limit on 21 of them.
     let mut proxy = key_in_env_file(&upstream, &pki, "sk-limited-one")
+        .env("TOKIO_WORKER_THREADS", Some("2"))
         .launcher(&launcher)
         .spawn()
         .await;
@@ -2121,11 +2122,11 @@ async fn a_proxy_at_its_thread_limit_still_reloads() {
 /// not start.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thread_limit_with_no_room_for_a_worker_fails_the_start_with_its_error() {
-    if !may_limit_threads() {
+    let uid = 3_100_000 + std::process::id();
+    if !may_limit_threads(uid) {
         eprintln!("skipped: needs root and setpriv to set a thread limit");
         return;
     }
-    let uid = 3_100_000 + std::process::id();
     let launcher = thread_limited(uid, 2);
     let launcher: Vec<&str> = launcher.iter().map(String::as_str).collect();
     let pki = Pki::new();
@@ -2758,6 +2759,46 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
     proxy.signal("TERM");
     let status = proxy.wait_exit().await;
     assert!(status.success(), "{status}; stderr:\n{}", proxy.stderr());
+}
+
+/// A panic that ends the process is said, one JSON object, before the exit (101). The
+/// panic hook only queues its line; unwinding out of `main` left the writer thread no
+/// moment to write it, and most such exits said nothing at all. The one panic the start
+/// has: tokio's signal set-up, at an open-file limit of 6 or 7 (their count varies with
+/// what the proxy inherits: each limit up to 12 is tried, three times).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_that_ends_the_process_is_said_before_the_exit() {
+    let pki = Pki::new();
+    let mut panicked = 0;
+    for n in 4..=12 {
+        for _ in 0..3 {
+            let limit = format!("--nofile={n}");
+            let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
+                .args(&["--log-format", "json"])
+                .launcher(&["prlimit", &limit, "--"])
+                .run_to_exit()
+                .await;
+            if status.code() != Some(101) {
+                continue;
+            }
+            panicked += 1;
+            let said: Vec<serde_json::Value> = stderr
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("a JSON object a line"))
+                .collect();
+            assert!(
+                said.iter().any(|o| o["level"] == "ERROR"
+                    && o["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("panicked at"))),
+                "{n}: {stderr}"
+            );
+        }
+    }
+    assert!(
+        panicked > 0,
+        "no open-file limit made the start panic: find another panic"
+    );
 }
 
 /// Logs written to a file that reaches the file-size limit (`LimitFSIZE=`, `ulimit -f`):

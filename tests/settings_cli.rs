@@ -445,7 +445,8 @@ fn key_for(level: Level) -> &'static str {
 // ---------------------------------------------------------------------------------------
 // The chain: every pair of levels
 
-/// `HOME=/dev/null` (services and containers set it so) or a `HOME` that is a file: no
+/// `HOME=/dev/null` (services and containers set it so) or a `HOME` that is a file (or a
+/// path through one, as `/dev/null/`): no
 /// `~/.abx`, as git finds no `~/.gitconfig` there. Every command failed with E1006 "Not a
 /// directory" reading `~/.abx/.env`.
 #[test]
@@ -454,7 +455,9 @@ fn a_home_that_is_no_directory_holds_no_abx_files() {
     let file = c.home.join("a-file");
     std::fs::write(&file, "").expect("write");
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    for home in [PathBuf::from("/dev/null"), file] {
+    let through_file = file.join("");
+    let homes = ["/dev/null".into(), "/dev/null/".into(), file, through_file];
+    for home in homes {
         c.home = home;
         let r = c.row("sandbox_api_key");
         assert_eq!(r.source, "env", "{:?}", c.home);

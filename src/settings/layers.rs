@@ -677,7 +677,12 @@ pub(crate) fn config_label(path: &Path) -> String {
 /// stands.)
 pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
     let nonblank = |k: &str| var(k).filter(|v| !v.to_str().is_some_and(|s| s.trim().is_empty()));
-    let a_directory = |h: &OsString| std::fs::metadata(h).map_or(true, |m| m.is_dir());
+    // A path through something that is no directory (`HOME=/dev/null/`) is none either;
+    // one that cannot be looked at is left to the read's own error.
+    let a_directory = |h: &OsString| match std::fs::metadata(h) {
+        Ok(m) => m.is_dir(),
+        Err(e) => e.kind() != std::io::ErrorKind::NotADirectory,
+    };
     nonblank("ABX_HOME").map(PathBuf::from).or_else(|| {
         nonblank("HOME")
             .filter(a_directory)
