@@ -314,8 +314,11 @@ pub struct CheckArgs {
 fn allowed_host(raw: &str) -> Result<String, String> {
     let lower = raw.trim().to_ascii_lowercase();
     let name = lower.strip_suffix('.').unwrap_or(&lower);
-    if name.parse::<std::net::Ipv6Addr>().is_ok() {
-        return Ok(format!("[{name}]"));
+    // One spelling of an address, whichever the flag and the client's Host use (curl
+    // writes `[::1]` for `[0:0:0:0:0:0:0:1]`, httpx as given).
+    let inside = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
+    if let Ok(addr) = inside.unwrap_or(name).parse::<std::net::Ipv6Addr>() {
+        return Ok(format!("[{addr}]"));
     }
     let bracketed = name.starts_with('[') && name.ends_with(']');
     if name.contains(':') && !bracketed {

@@ -1146,6 +1146,8 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
             "Other.Example.",
             "--allowed-host",
             "FD00::1",
+            "--allowed-host",
+            "[2001:db8:0:0::5]",
         ])
         .args(&["--allowed-host", " "])
         .spawn()
@@ -1171,10 +1173,14 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         "E5003",
     );
 
+    // An address in any spelling, whichever the flag used (curl shortens it, httpx
+    // sends it as written).
     for host in [
         "other.example",
         "other.example.",
         "[fd00::1]:8443",
+        "[fd00:0::1]",
+        "[2001:DB8::5]:1",
         "proxy.internal.",
     ] {
         let resp = with_host(listed.addr(), host, "/served").await;

@@ -1342,7 +1342,8 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
 /// A port that is not one (`:99999`, `:abc`, `:`) or a missing host was taken as the URL
 /// and the connector used the scheme's default port: the key went to port 443 (or 80) of
 /// that host while every error named the port written. Now E1005 before anything starts;
-/// so is an address given as `sandbox_domain` (envd hosts are `PORT-ID.DOMAIN`).
+/// so is an address given as `sandbox_domain` (envd hosts are `PORT-ID.DOMAIN`), and
+/// brackets around what is no IPv6 address.
 #[test]
 fn a_url_or_domain_whose_port_is_not_one_is_refused() {
     for (flag, value, named) in [
@@ -1358,6 +1359,18 @@ fn a_url_or_domain_whose_port_is_not_one_is_refused() {
         ),
         ("--sandbox-base-url", "https://:443", "sandbox_base_url"),
         ("--sandbox-url", "https://envd.example:", "sandbox_url"),
+        // Brackets hold an IPv6 address, or the host went to DNS at every request.
+        (
+            "--sandbox-base-url",
+            "http://[1::1::1]:1",
+            "sandbox_base_url",
+        ),
+        ("--sandbox-url", "http://[localhost]:1", "sandbox_url"),
+        (
+            "--sandbox-base-url",
+            "http://[::1%25lo]:1",
+            "sandbox_base_url",
+        ),
         ("--sandbox-domain", "envd.example:70000", "sandbox_domain"),
         ("--sandbox-domain", "[::1]:1", "sandbox_domain"),
         // An address is no domain: `49983-ID.127.0.0.1` resolves nowhere.

@@ -57,9 +57,13 @@ impl HostPolicy {
             HostPolicy::Any => true,
             HostPolicy::Loopback => is_local_name(host),
             HostPolicy::Listed(names) => {
-                // The names are kept without a trailing dot (see `cli::allowed_host`).
+                // The names are kept without a trailing dot, an address in one spelling
+                // (see `cli::allowed_host`).
                 let name = host.strip_suffix('.').unwrap_or(host);
-                is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(name))
+                let inside = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
+                let addr = inside.and_then(|a| a.parse::<std::net::Ipv6Addr>().ok());
+                let name = addr.map_or_else(|| name.to_string(), |a| format!("[{a}]"));
+                is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(&name))
             }
         }
     }

@@ -293,6 +293,14 @@ fn check_authority(authority: &Authority) -> Result<(), &'static str> {
     if host.is_empty() {
         return Err("missing host");
     }
+    // `Authority` takes anything in brackets (`[1::1::1]`, `[localhost]`, a zone id): it
+    // passed, and every request went to DNS and came back 502 (`[127.0.0.1]` even reached
+    // past the self-loop check). curl refuses them as it parses the URL.
+    if let Some(inside) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        if inside.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err("brackets must hold an IPv6 address (zone ids are not supported)");
+        }
+    }
     // `host()` is the authority's start when it has no user info (refused before).
     let Some(written) = authority.as_str().get(host.len()..) else {
         return Err("missing host");
