@@ -114,6 +114,10 @@ fn main() -> std::io::Result<()> {
     let addr = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:0".into());
+    if addr.starts_with('-') {
+        println!("usage: bench_upstream [ADDR (default 127.0.0.1:0)]");
+        return Ok(());
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -153,8 +153,12 @@ fn write_whole(bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(target_os = "linux")]
 fn room(out: &impl std::os::fd::AsFd) -> std::io::Result<()> {
     use rustix::event::{poll, PollFd, PollFlags};
-    poll(&mut [PollFd::new(out, PollFlags::OUT)], None)?;
-    Ok(())
+    match poll(&mut [PollFd::new(out, PollFlags::OUT)], None) {
+        // A signal this thread took (poll(2) is never restarted): look again. Given up,
+        // the line was torn all the same.
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -302,14 +306,19 @@ pub fn mask(secrets: Vec<Secret>) {
 
 /// [`write`], with the secrets given to [`mask`] starred, as in every event's line. For
 /// the panic hook: a thread that panicked while holding the secrets' lock (or with a
-/// writer waiting for it) must not wait on it; the line is not written then, rather than
-/// written unmasked.
+/// writer waiting for it) must not wait on it; the line is dropped (and counted) then,
+/// rather than written unmasked.
 pub fn write_masked(bytes: Vec<u8>) {
     if !MASKING.load(Ordering::Acquire) {
         return write(bytes);
     }
-    let Ok(secrets) = MASKED.try_read() else {
-        return;
+    let secrets = match MASKED.try_read() {
+        Ok(secrets) => secrets,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
     };
     let line = match String::from_utf8(bytes) {
         Ok(text) => secrets_masked(&text, &secrets).into_bytes(),

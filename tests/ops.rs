@@ -2764,13 +2764,20 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
 /// A panic that ends the process is said, one JSON object, before the exit (101). The
 /// panic hook only queues its line; unwinding out of `main` left the writer thread no
 /// moment to write it, and most such exits said nothing at all. The one panic the start
-/// has: tokio's signal set-up, at an open-file limit of 6 or 7 (their count varies with
-/// what the proxy inherits: each limit up to 12 is tried, three times).
+/// has: tokio's signal set-up, at an open-file limit of 6 or 7 beside the standard three
+/// (each limit from 4 to 12 past what a child of this test inherits is tried, three times).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_that_ends_the_process_is_said_before_the_exit() {
+    let listed = Command::new("ls")
+        .arg("/proc/self/fd")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("ls");
+    // Its own three, and the directory it lists.
+    let inherited = (String::from_utf8_lossy(&listed.stdout).lines().count()).saturating_sub(4);
     let pki = Pki::new();
     let mut panicked = 0;
-    for n in 4..=12 {
+    for n in (4..=12).map(|n| n + inherited) {
         for _ in 0..3 {
             let limit = format!("--nofile={n}");
             let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)
@@ -2853,9 +2860,9 @@ async fn logs_at_the_file_size_limit_neither_end_nor_stop_the_proxy() {
 }
 
 /// A stderr whose open file is non-blocking (shared with a parent that set `O_NONBLOCK`
-/// on it) and a reader that falls behind: the writer waits for room, and every line comes
-/// out whole. `write_all` gave up at EAGAIN mid-line, and the next line was glued to the
-/// torn one.
+/// on it) and a reader that falls behind: the writer waits for room, signals or not, and
+/// every line comes out whole. `write_all` gave up at EAGAIN mid-line, and the next line
+/// was glued to the torn one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_blocking_stderr_gets_whole_lines() {
     use std::io::BufRead as _;
@@ -2901,6 +2908,20 @@ async fn a_non_blocking_stderr_gets_whole_lines() {
     let path = format!("/sandboxes/{}", "x".repeat(8 * 1024));
     for _ in 0..REQUESTS {
         assert_eq!(get(addr, &path).await.0, 200);
+    }
+    // The writer waits for room now. A signal the proxy handles (and then ignores), taken
+    // by the writer: its wait (poll(2), never restarted) ends early with EINTR, on which
+    // it gave up mid-line. kill(2) given a thread's id prefers that thread.
+    let writer = std::fs::read_dir(format!("/proc/{}/task", proxy.pid))
+        .expect("tasks")
+        .filter_map(Result::ok)
+        .find(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "abx-log")
+        })
+        .map(|t| t.file_name().to_string_lossy().into_owned())
+        .expect("the writer thread");
+    for _ in 0..20 {
+        signal(writer.parse().expect("tid"), "XFSZ");
     }
     drop(go_on);
     proxy.signal("TERM");
