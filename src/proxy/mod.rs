@@ -40,7 +40,7 @@ use crate::descriptors::Slots;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
-use crate::upstream::{self, Names, Versions};
+use crate::upstream::{self, LocalResolver, Names, Versions};
 use headers::{AuthScheme, CachedAuth};
 use pool::Upstream;
 use route::HostPolicy;
@@ -189,7 +189,7 @@ impl Proxy {
                 options.upstream_timeout,
                 Some(metrics.upstream_errors.clone()),
                 slots.clone(),
-                Names::Own,
+                LocalResolver::new(Names::Own),
             ),
             envd_client: Upstream::new(
                 tls,
@@ -198,7 +198,7 @@ impl Proxy {
                 options.upstream_timeout,
                 Some(metrics.upstream_errors.clone()),
                 slots.clone(),
-                Names::Sandboxes,
+                LocalResolver::new(Names::Sandboxes),
             ),
             slots,
             auth: CachedAuth::new(AuthScheme::from(&settings.auth)),

@@ -319,30 +319,9 @@ impl Http1Origins {
 
 impl Upstream {
     /// `upstream_timeout` is the `timeout` requests will pass to [`Upstream::request`]: the
-    /// legacy client's HTTP/2 pings keep pace with it (see [`upstream::client`]).
+    /// legacy client's HTTP/2 pings keep pace with it (see [`upstream::client`]). Host
+    /// names are looked up through `resolver` (by both clients).
     pub fn new(
-        tls: rustls::ClientConfig,
-        versions: Versions,
-        connect_timeout: Duration,
-        upstream_timeout: Duration,
-        broken: BrokenBodies,
-        slots: Arc<Slots>,
-        names: upstream::Names,
-    ) -> Self {
-        let resolver = upstream::LocalResolver::new(names);
-        Self::resolving(
-            tls,
-            versions,
-            connect_timeout,
-            upstream_timeout,
-            broken,
-            slots,
-            resolver,
-        )
-    }
-
-    /// [`Upstream::new`], the pool's names looked up through `resolver`.
-    fn resolving(
         tls: rustls::ClientConfig,
         versions: Versions,
         connect_timeout: Duration,
@@ -1822,7 +1801,7 @@ mod tests {
             LONG,
             None,
             slots,
-            upstream::Names::Sandboxes,
+            upstream::LocalResolver::new(upstream::Names::Sandboxes),
         )
     }
 
@@ -3321,7 +3300,7 @@ mod tests {
     #[tokio::test]
     async fn a_connect_waiting_for_its_name_says_the_look_up_timed_out() {
         let client = |resolver| {
-            Upstream::resolving(
+            Upstream::new(
                 config(rustls::RootCertStore::empty()),
                 Versions::Http1,
                 Duration::from_millis(300),
@@ -3455,7 +3434,7 @@ mod tests {
             LONG,
             None,
             Slots::unlimited(),
-            upstream::Names::Own,
+            upstream::LocalResolver::new(upstream::Names::Own),
         )
     }
 
@@ -3592,7 +3571,7 @@ mod tests {
             LONG,
             None,
             Slots::unlimited(),
-            upstream::Names::Own,
+            upstream::LocalResolver::new(upstream::Names::Own),
         );
         for _ in 0..2 {
             let resp = within(trusting.request("api", get(&url), LONG))
