@@ -87,9 +87,10 @@ pub fn refused(json: bool, text: &str) {
 }
 
 /// From now on a panic is one line through the log writer, an ERROR object where the logs
-/// are JSON (with `RUST_BACKTRACE`, its backtrace follows in the object, or after the line). The default hook wrote a plain-text block straight to stderr: among
+/// are JSON (with `RUST_BACKTRACE`, the backtrace follows, in the object or after the
+/// line). The default hook wrote a plain-text block straight to stderr: among
 /// `--log-format json` lines, and, with a log reader that had stalled, blocking the thread
-/// that panicked (the main runtime's stopped accepts, probes and signals with it).
+/// that panicked (on the main runtime, accepts, probes and signals stopped with it).
 pub fn panics_as_lines() {
     std::panic::set_hook(Box::new(|info| {
         let what = (info.payload().downcast_ref::<&str>().copied())

@@ -474,7 +474,11 @@ impl Running {
         let read = match self.reader.run(move || read_files(&cert, &key)).await {
             Ok(read) => read,
             Err(e) => {
-                tracing::warn!(error = %e, "listener certificate reload failed: its files could not be read; the one in use keeps serving");
+                tracing::warn!(
+                    error = %e,
+                    "listener certificate reload failed: its files could not be read; the \
+                     one in use keeps serving"
+                );
                 return false;
             }
         };
