@@ -304,7 +304,7 @@ pub fn mask(secrets: Vec<Secret>) {
     MASKING.store(true, Ordering::Release);
 }
 
-/// [`write`], with the secrets given to [`mask`] starred, as in every event's line. For
+/// [`write()`], with the secrets given to [`mask`] starred, as in every event's line. For
 /// the panic hook: a thread that panicked while holding the secrets' lock (or with a
 /// writer waiting for it) must not wait on it; the line is dropped (and counted) then,
 /// rather than written unmasked.
