@@ -115,8 +115,13 @@ fn main() -> std::io::Result<()> {
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:0".into());
     if addr.starts_with('-') {
-        println!("usage: bench_upstream [ADDR (default 127.0.0.1:0)]");
-        return Ok(());
+        let usage = "usage: bench_upstream [ADDR (default 127.0.0.1:0)]";
+        if addr == "--help" || addr == "-h" {
+            println!("{usage}");
+            return Ok(());
+        }
+        eprintln!("{usage}");
+        std::process::exit(2);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

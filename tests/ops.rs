@@ -2765,7 +2765,8 @@ async fn a_stalled_log_reader_stops_neither_requests_nor_the_drain() {
 /// panic hook only queues its line; unwinding out of `main` left the writer thread no
 /// moment to write it, and most such exits said nothing at all. The one panic the start
 /// has: tokio's signal set-up, at an open-file limit of 6 or 7 beside the standard three
-/// (each limit from 4 to 12 past what a child of this test inherits is tried, three times).
+/// (each limit from 4 to 12 and as many more as a child of this test inherits is tried,
+/// three times).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_that_ends_the_process_is_said_before_the_exit() {
     let listed = Command::new("ls")
@@ -2777,7 +2778,9 @@ async fn a_panic_that_ends_the_process_is_said_before_the_exit() {
     let inherited = (String::from_utf8_lossy(&listed.stdout).lines().count()).saturating_sub(4);
     let pki = Pki::new();
     let mut panicked = 0;
-    for n in (4..=12).map(|n| n + inherited) {
+    // The limit caps descriptor numbers: an inherited one numbered above the panic's
+    // moves nothing, so the range only grows.
+    for n in 4..=12 + inherited {
         for _ in 0..3 {
             let limit = format!("--nofile={n}");
             let (status, stderr) = ProxyCmd::new("https://127.0.0.1:9", &pki)

@@ -62,7 +62,11 @@ impl HostPolicy {
                 let name = host.strip_suffix('.').unwrap_or(host);
                 let inside = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
                 let addr = inside.and_then(|a| a.parse::<std::net::Ipv6Addr>().ok());
-                let name = addr.map_or_else(|| name.to_string(), |a| format!("[{a}]"));
+                // Only an address is spelt anew (and allocated for).
+                let name = match addr {
+                    Some(a) => std::borrow::Cow::Owned(format!("[{a}]")),
+                    None => std::borrow::Cow::Borrowed(name),
+                };
                 is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(&name))
             }
         }

@@ -298,7 +298,10 @@ fn check_authority(authority: &Authority) -> Result<(), &'static str> {
     // past the self-loop check). curl refuses them as it parses the URL.
     if let Some(inside) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         if inside.parse::<std::net::Ipv6Addr>().is_err() {
-            return Err("brackets must hold an IPv6 address (zone ids are not supported)");
+            return Err(
+                "brackets hold an IPv6 address only (a name or an IPv4 address goes without \
+                 them; zone ids are not supported)",
+            );
         }
     }
     // `host()` is the authority's start when it has no user info (refused before).
