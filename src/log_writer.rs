@@ -320,23 +320,24 @@ pub fn write_masked(bytes: Vec<u8>) {
             return;
         }
     };
-    let line = match String::from_utf8(bytes) {
-        Ok(text) => secrets_masked(&text, &secrets).into_bytes(),
-        Err(e) => e.into_bytes(),
-    };
+    let line = starred(bytes, &secrets);
     drop(secrets);
     write(line);
 }
 
-/// `line` through [`secrets_masked`]. tracing's lines are UTF-8 (its formatter writes
-/// `str`s); should one not be, it has no secret of a setting's in it either.
+/// `line` with the secrets given to [`mask`] starred.
 fn masked(line: Vec<u8>) -> Vec<u8> {
     if !MASKING.load(Ordering::Acquire) {
         return line;
     }
-    let secrets = MASKED.read().unwrap_or_else(PoisonError::into_inner);
+    starred(line, &MASKED.read().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// `line` through [`secrets_masked`]. tracing's lines are UTF-8 (its formatter writes
+/// `str`s); should one not be, it has no secret of a setting's in it either.
+fn starred(line: Vec<u8>, secrets: &[Secret]) -> Vec<u8> {
     match String::from_utf8(line) {
-        Ok(text) => secrets_masked(&text, &secrets).into_bytes(),
+        Ok(text) => secrets_masked(&text, secrets).into_bytes(),
         Err(e) => e.into_bytes(),
     }
 }

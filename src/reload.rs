@@ -341,11 +341,6 @@ impl FileWatch {
         }
     }
 
-    /// Where the watch reads, for the reloads it asks for.
-    pub fn reader(&self) -> &Reader {
-        &self.reader
-    }
-
     async fn changed(&mut self) -> FileEvent {
         if self.paths.is_empty() {
             return std::future::pending().await;
@@ -416,8 +411,6 @@ pub struct Running {
     pub settings: Settings,
     /// The listener's pair, when it serves TLS.
     pub tls: Option<ListenerCert>,
-    /// Where the files a reload reads are read.
-    pub reader: Reader,
 }
 
 /// Waits for SIGHUPs (and changed watched files), re-reads the listener's pair and applies
@@ -439,7 +432,8 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
             },
         }
         let read = files.reading().await;
-        let applied = running.reload().await;
+        // On the thread the watch reads on.
+        let applied = running.reload(&files.reader).await;
         // A rotated key or certificate that does not take effect is only a warning line
         // otherwise: the old one keeps serving, /readyz stays 200, until it is revoked.
         let metrics = &running.proxy.metrics;
@@ -456,22 +450,22 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
 
 impl Running {
     /// One reload; `false` when what was read did not take effect (failed or refused).
-    async fn reload(&mut self) -> bool {
+    async fn reload(&mut self, reader: &Reader) -> bool {
         // Both, whatever the other's outcome: a broken `.env` must not hold back a renewed
         // certificate, nor a half-rotated pair a new key.
-        let tls = self.reload_tls().await;
-        let settings = self.reload_settings().await;
+        let tls = self.reload_tls(reader).await;
+        let settings = self.reload_settings(reader).await;
         tls && settings
     }
 
     /// The listener's pair; `false` when a new one was read and not applied.
-    async fn reload_tls(&mut self) -> bool {
+    async fn reload_tls(&mut self, reader: &Reader) -> bool {
         let Some(tls) = &mut self.tls else {
             return true;
         };
         let (cert, key) = tls.paths();
         let (cert, key) = (cert.to_path_buf(), key.to_path_buf());
-        let read = match self.reader.run(move || read_files(&cert, &key)).await {
+        let read = match reader.run(move || read_files(&cert, &key)).await {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(
@@ -506,7 +500,7 @@ impl Running {
         }
     }
 
-    async fn reload_settings(&mut self) -> bool {
+    async fn reload_settings(&mut self, reader: &Reader) -> bool {
         let failed = |e: Error| {
             tracing::warn!(error = %e.line(), "reload failed; keeping the running settings");
             false
@@ -514,7 +508,7 @@ impl Running {
         // Read on the reading thread: this one also accepts connections and answers the
         // probes, which a slow read (a stalled network mount) would leave unanswered.
         let flags = self.flags.clone();
-        let read = self.reader.run(move || commands::resolve_unsaid(&flags));
+        let read = reader.run(move || commands::resolve_unsaid(&flags));
         let (resolved, warnings) = match read.await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),

@@ -51,7 +51,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
             .chain(args.exposure.tls_cert.iter().cloned())
             .chain(args.exposure.tls_key.iter().cloned())
             .collect(),
-        reader.clone(),
+        reader,
     );
     let resolved = commands::resolve(&args.settings)?;
     let settings = resolved.validate()?;
@@ -168,7 +168,6 @@ async fn serve(
         seen: resolved,
         settings: settings.clone(),
         tls,
-        reader: files.reader().clone(),
     };
     tokio::spawn(crate::reload::on_hangup(running, hangups, files));
 

@@ -217,7 +217,7 @@ impl Proxy {
 
     /// `/readyz`: a credential can be attached and we are not draining.
     pub fn ready(&self) -> bool {
-        !self.draining.load(Ordering::Relaxed) && self.credential.load().ready()
+        !self.draining() && self.credential.load().ready()
     }
 
     /// Whether the drain has begun.
