@@ -227,25 +227,30 @@ pub fn counted_client(
 /// The error of a connection set-up that took longer than `--connect-timeout`;
 /// `looking_up`: while it waited for its name (see [`LookingUp`]).
 pub fn connect_timed_out(looking_up: bool) -> BoxError {
-    let words = if looking_up {
-        LOOKUP_TIMED_OUT
+    use std::io::{Error, ErrorKind::TimedOut};
+    Box::new(if looking_up {
+        Error::new(TimedOut, LookupTimedOut)
     } else {
-        "connect timed out"
-    };
-    Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, words))
+        Error::new(TimedOut, "connect timed out")
+    })
 }
 
-const LOOKUP_TIMED_OUT: &str = "name look-up timed out";
+/// A connect out of time while its name was being looked up.
+#[derive(Debug, thiserror::Error)]
+#[error("name look-up timed out")]
+struct LookupTimedOut;
 
-/// How a connect that timed out is said: [`connect_timed_out`]'s words when `e` holds them.
+/// How a connect that timed out is said: "name look-up timed out" when `e` holds a
+/// [`LookupTimedOut`], else "connect timed out".
 pub fn timed_out_words(e: &(dyn std::error::Error + 'static)) -> &'static str {
     let mut next = Some(e);
     while let Some(e) = next {
-        if e.downcast_ref::<std::io::Error>().is_some_and(|io| {
-            io.get_ref()
-                .is_some_and(|w| w.to_string() == LOOKUP_TIMED_OUT)
-        }) {
-            return LOOKUP_TIMED_OUT;
+        let io = e.downcast_ref::<std::io::Error>();
+        if io
+            .and_then(|io| io.get_ref())
+            .is_some_and(|w| w.is::<LookupTimedOut>())
+        {
+            return "name look-up timed out";
         }
         next = e.source();
     }

@@ -833,7 +833,14 @@ impl Resolved {
                     .filter(|f| f.field == "base_url" || f.field == "envd_domain");
                 for field in hosts {
                     if let (Some(Value::Plain(v)), Some(k)) = (&field.value, key_from) {
-                        w.extend(redirected(&field.env, v, field.source, k.source, &secrets));
+                        w.extend(redirected(
+                            &field.env,
+                            v,
+                            field.source,
+                            k.source,
+                            &secrets,
+                            "there",
+                        ));
                     }
                 }
                 // A key inherited from the built-in provider's settings follows a `./.env`
@@ -849,11 +856,10 @@ impl Resolved {
                 let provider = self.entry(Key::Provider);
                 if let (Some(Value::Plain(id)), Some(k)) = (&provider.value, key_from) {
                     if !own(&k.env) {
-                        // "there" would be a provider's id: said as the hosts it names.
-                        let said =
-                            redirected(provider.spec.env, id, provider.source, k.source, &secrets);
-                        let hosts = format!(" goes to {}'s hosts", m.id);
-                        w.extend(said.map(|said| said.replace(" goes there", &hosts)));
+                        // "There" would be a provider's id: the hosts it names.
+                        let to = format!("to {}'s hosts", m.id);
+                        let (env, source) = (provider.spec.env, provider.source);
+                        w.extend(redirected(env, id, source, k.source, &secrets, &to));
                     }
                 }
             }
@@ -862,7 +868,9 @@ impl Resolved {
                     for key in UPSTREAM_KEYS {
                         let e = self.entry(key);
                         if let Some(Value::Plain(v)) = &e.value {
-                            w.extend(redirected(e.spec.env, v, e.source, key_from, &secrets));
+                            w.extend(redirected(
+                                e.spec.env, v, e.source, key_from, &secrets, "there",
+                            ));
                         }
                     }
                 }
@@ -985,18 +993,20 @@ const UPSTREAM_KEYS: [Key; 4] = [
 /// upstream would send a key kept elsewhere (the environment, ~/.abx/.env) to its host.
 /// Said rather than refused: in the user's own projects the layer is theirs. The warning
 /// comes before validation refuses a password or a query string, and `serve` logs it.
+/// The credential goes `to` ("there": the host the value names).
 fn redirected(
     env: &str,
     value: &str,
     source: Source,
     key_from: Source,
     secrets: &[Secret],
+    to: &str,
 ) -> Option<String> {
     // With no key at all nothing goes there (and that is an error of its own).
     let elsewhere = key_from != Source::DotEnvCwd && key_from != Source::Unset;
     (source == Source::DotEnvCwd && elsewhere).then(|| {
         format!(
-            "./.env in this directory sets {env}={}: the credential from {} goes there",
+            "./.env in this directory sets {env}={}: the credential from {} goes {to}",
             shown(value, secrets),
             key_from.label()
         )
