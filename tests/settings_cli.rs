@@ -1162,6 +1162,21 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             "sandbox_base_url",
         ),
         (&["--sandbox-url", "http://[::1]:49982"][..], "sandbox_url"),
+        // IPv4 loopback spelt as an IPv6 address, as upstream and as listener.
+        (
+            &["--sandbox-base-url", "http://[::ffff:127.0.0.1]:49982"][..],
+            "sandbox_base_url",
+        ),
+        (
+            &[
+                "--sandbox-base-url",
+                "http://10.0.0.5:7000",
+                "--listen",
+                "[::ffff:10.0.0.5]:7000",
+                "--allow-remote",
+            ][..],
+            "sandbox_base_url",
+        ),
         // Connecting to the unspecified address reaches this host.
         (
             &["--sandbox-base-url", "http://0.0.0.0:49982"][..],

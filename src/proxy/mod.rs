@@ -151,8 +151,7 @@ impl Proxy {
         // silently refused those Hosts), elsewhere the only names to accept (ignoring them
         // silently left a user who asked for the restriction without it). Without them a
         // unix socket, where access is by file permission, accepts any Host.
-        let local_only = matches!(&settings.listen,
-            ListenAddr::Tcp(a) if a.ip().is_loopback() && !options.allow_remote);
+        let local_only = settings.listen.is_loopback() && !options.allow_remote;
         let host_policy = if !options.allowed_hosts.is_empty() {
             HostPolicy::Listed(options.allowed_hosts.clone())
         } else if local_only {
@@ -277,7 +276,7 @@ pub(crate) fn test_proxy_with(key: &str, plain: &[(crate::settings::Key, &str)])
 /// `check` applies it too, so that it says ok only for what `serve` would start with.
 pub fn check_exposure(listen: &ListenAddr, tls: bool, allow_remote: bool) -> Result<(), Error> {
     match listen {
-        ListenAddr::Tcp(addr) if !addr.ip().is_loopback() && !tls && !allow_remote => {
+        ListenAddr::Tcp(addr) if !listen.is_loopback() && !tls && !allow_remote => {
             Err(Error::RemoteListen {
                 addr: addr.to_string(),
             })

@@ -181,9 +181,10 @@ pub fn is_local_name(host: &str) -> bool {
         return true;
     }
     if let Some(v6) = h.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
+        // `[::ffff:127.0.0.1]` reaches IPv4 loopback from an IPv6 socket.
         return v6
             .parse::<std::net::Ipv6Addr>()
-            .is_ok_and(|a| a.is_loopback());
+            .is_ok_and(|a| a.to_canonical().is_loopback());
     }
     h.parse::<std::net::Ipv4Addr>()
         .is_ok_and(|a| a.is_loopback())
@@ -649,6 +650,7 @@ mod tests {
             "127.0.0.1",
             "127.1.2.3:80",
             "[::1]:49982",
+            "[::ffff:127.0.0.1]:49982",
             "localhost",
             "LOCALHOST:1",
             "a.localhost",
@@ -660,6 +662,8 @@ mod tests {
             "localhost.evil.com",
             "10.0.0.1",
             "[::2]",
+            "[::ffff:10.0.0.1]",
+            "[::127.0.0.1]",
             "127.0.0.1.evil.com",
         ] {
             let e = route(&parts("/", &[("host", bad)]), &p).unwrap_err();

@@ -1088,7 +1088,8 @@ impl Settings {
             let local = crate::proxy::route::is_local_name(host)
                 || literal
                     .parse::<std::net::IpAddr>()
-                    .is_ok_and(|ip| ip == bound.ip() || ip.is_unspecified());
+                    .map(|ip| ip.to_canonical())
+                    .is_ok_and(|ip| ip == bound.ip().to_canonical() || ip.is_unspecified());
             if local && port == bound.port() {
                 return Err(Error::InvalidSetting {
                     key,

@@ -152,7 +152,8 @@ impl ListenAddr {
 
     /// Loopback TCP: the Host check applies; remote exposure needs consent.
     pub fn is_loopback(&self) -> bool {
-        matches!(self, ListenAddr::Tcp(a) if a.ip().is_loopback())
+        // `[::ffff:127.0.0.1]` is loopback too: an IPv6 socket bound there takes IPv4 loopback.
+        matches!(self, ListenAddr::Tcp(a) if a.ip().to_canonical().is_loopback())
     }
 }
 
@@ -464,6 +465,9 @@ mod tests {
             .unwrap()
             .is_loopback());
         assert!(!ListenAddr::parse(Key::Listen, "0.0.0.0:1")
+            .unwrap()
+            .is_loopback());
+        assert!(ListenAddr::parse(Key::Listen, "[::ffff:127.0.0.1]:1")
             .unwrap()
             .is_loopback());
         assert_eq!(
