@@ -36,6 +36,28 @@ const RESERVED_LEAST: u64 = 96;
 /// connections), on top of the reserve: 64 workers held 269 at rest, more than a limit of
 /// 256 would have left the probes.
 const PER_WORKER: u64 = 4;
+/// What the process holds at rest besides its workers' own: listeners, stdio, the main
+/// runtime's poller and waker, the signal pipe.
+const AT_REST: u64 = 13;
+/// The least beyond what is held at rest: a client's, its upstream's and a probe's. Under
+/// that (a hard limit of 20 with two workers) the proxy started, said it listened, and
+/// answered nothing.
+const ONE_CONNECTION: u64 = 3;
+
+/// The open-file limit leaves no room for one connection beside what the proxy holds at
+/// rest.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the open-file limit ({limit}) leaves no room for a connection: the proxy holds about \
+     {at_rest} descriptors of its own with {workers} worker threads; raise it to at least \
+     {least} (LimitNOFILE=, ulimit -n)"
+)]
+pub struct NoRoom {
+    limit: u64,
+    at_rest: u64,
+    workers: usize,
+    least: u64,
+}
 
 /// What the open-file limit leaves room for: client connections served at once, upstream
 /// connections (see [`Slots`]), and splices' pipes.
@@ -56,8 +78,8 @@ pub struct Budget {
 /// systemd services (and many container runtimes) start with a soft limit of 1024, which
 /// ends every accept and upstream connect with EMFILE at about 500 connections, far below
 /// the default 10 000. Go's runtime raises it at start likewise; nginx has
-/// `worker_rlimit_nofile`.
-pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
+/// `worker_rlimit_nofile`. A limit that leaves no room for one connection is an error.
+pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<Budget, NoRoom> {
     let needed = needed(max_connections, workers);
     let limit = match rlimit::increase_nofile_limit(needed) {
         Ok(limit) if limit >= needed => {
@@ -83,16 +105,26 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Budget {
             match rlimit::getrlimit(rlimit::Resource::NOFILE) {
                 Ok((soft, _)) => soft,
                 Err(_) => {
-                    return Budget {
+                    return Ok(Budget {
                         clients: max_connections,
                         upstream: Slots::UNLIMITED,
                         pipes: Slots::UNLIMITED,
-                    }
+                    })
                 }
             }
         }
     };
-    budget(limit, max_connections, workers)
+    let at_rest = AT_REST.saturating_add(PER_WORKER.saturating_mul(workers as u64));
+    let least = at_rest.saturating_add(ONE_CONNECTION);
+    if limit < least {
+        return Err(NoRoom {
+            limit,
+            at_rest,
+            workers,
+            least,
+        });
+    }
+    Ok(budget(limit, max_connections, workers))
 }
 
 /// The limit that serves `max_connections` clients: two descriptors each, the reserve and

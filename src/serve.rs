@@ -70,7 +70,11 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         );
     }
     let mut options = options(args);
-    let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count());
+    let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count())
+        .map_err(|e| Error::Bind {
+            addr: settings.shown(&settings.listen),
+            reason: e.to_string(),
+        })?;
     options.max_connections = budget.clients;
     options.upstream_slots = budget.upstream;
     options.splice_pipes = budget.pipes;

@@ -1193,6 +1193,46 @@ async fn a_short_open_file_limit_holds_clients_to_its_share_and_keeps_the_probes
     );
 }
 
+/// An open-file limit with no room for one connection beside what the proxy holds at rest
+/// (about 21 descriptors with two workers) fails the start with E1008, naming the least
+/// it needs. (Under a hard limit of 20 the proxy said it listened and answered nothing.)
+/// At that least, a request and a probe are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_file_limit_with_no_room_for_a_connection_fails_the_start() {
+    const LEAST: u64 = 24;
+    let (_, hard) = nofile(std::process::id());
+    if hard < LEAST {
+        eprintln!("skipped: the hard open-file limit ({hard}) is under {LEAST}");
+        return;
+    }
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let short = LEAST - 1;
+    let (status, stderr) = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", &format!("--nofile={short}:{short}"), "--"])
+        .env("TOKIO_WORKER_THREADS", Some("2"))
+        .run_to_exit()
+        .await;
+    assert_eq!(status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("[E1008]"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the open-file limit ({short}) leaves no room for a connection"
+        )) && stderr.contains(&format!("raise it to at least {LEAST}")),
+        "{stderr}"
+    );
+
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&["prlimit", &format!("--nofile={LEAST}:{LEAST}"), "--"])
+        .env("TOKIO_WORKER_THREADS", Some("2"))
+        .spawn()
+        .await;
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    assert_eq!(probe(proxy.admin_addr()).await, 200);
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("accept failed"), "{stderr}");
+}
+
 /// A proxy started with `args`, for tests of its admin listener alone; the upstream and
 /// the PKI are returned to live as long as it.
 async fn admin_proxy(args: &[&str]) -> (ProxyProc, Upstream, Pki) {
