@@ -18,10 +18,11 @@
 //! - [`error`] and [`secret`]: the E-code catalogue and the masked secret type.
 //!
 //! The binary's commands live in [`serve`] (with [`reload`] for SIGHUP and changed secret
-//! files, [`reader`] for the files it reads, [`signals`], and [`notify`] for systemd's
-//! readiness), [`commands`] and [`check`], parsed by [`cli`]; [`logging`] formats the access log and the rest of stderr, which
-//! [`log_writer`]'s thread writes (a stalled reader stops no worker), and
-//! [`providers`] holds the built-in provider and installed plugin ones.
+//! files, [`reader`] and [`watched`] for the files it reads, [`signals`], and [`notify`]
+//! for systemd's readiness), [`commands`] and [`check`], parsed by [`cli`]; [`logging`]
+//! formats the access log and the rest of stderr, which [`log_writer`]'s thread writes (a
+//! stalled reader stops no worker), and [`providers`] holds the built-in provider and
+//! installed plugin ones.
 #![forbid(unsafe_code)]
 
 /// `println!` for the commands' output. `println!` panics (exit 101 and a panic message)

@@ -3,9 +3,10 @@
 //! `localhost` and every `*.localhost` name are loopback without asking DNS (RFC 6761
 //! §6.3; many system resolvers do not answer `foo.localhost`), so `sandbox_domain =
 //! localhost:PORT` reaches a local envd as `https://{port}-{id}.localhost:PORT`. Every other
-//! name goes to getaddrinfo on a blocking thread, as hyper-util's `GaiResolver` does, with
-//! two bounds it lacks ([`Lookups`]): a few look-ups at once for each kind of name
-//! ([`Names`]), and one look-up for callers asking for the same name at once.
+//! name goes to getaddrinfo on a thread of its own (hyper-util's `GaiResolver` uses tokio's
+//! blocking pool: a pool at its thread limit never ran them), with two bounds it lacks
+//! ([`Lookups`]): a few look-ups at once for each kind of name ([`Names`]), and one
+//! look-up for callers asking for the same name at once.
 //!
 //! getaddrinfo cannot be cancelled. A look-up whose connect gave up at `--connect-timeout`
 //! ran on in its thread, with its socket, until the resolver gave up (5 s a server and try

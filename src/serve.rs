@@ -101,9 +101,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
         files,
         hangups,
     ));
-    // Dropping the runtime would wait for its blocking threads, and a name look-up of the
-    // token exchange (getaddrinfo cannot be cancelled) can hold one for as long as the
-    // resolver takes: well past the drain, with no signal handled any more.
+    // Dropping the runtime would wait for its blocking threads: none is used now (name
+    // look-ups have threads of their own, file reads the reader's), but one that hung (a
+    // getaddrinfo cannot be cancelled) would keep the process past the drain, with no
+    // signal handled any more.
     runtime.shutdown_background();
     served
 }

@@ -1,5 +1,6 @@
 //! Signals: SIGTERM/SIGINT start the drain, and a second one of the same kind ends it;
-//! SIGHUP asks for a reload.
+//! SIGHUP asks for a reload; SIGXFSZ (a log file at `LimitFSIZE=`) is caught, so that the
+//! write fails (EFBIG) and its line is counted as dropped.
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
 

@@ -3,14 +3,15 @@
 //! ([`read_regular`]), at the start and at every reload (SIGHUP, or the file watch of
 //! [`crate::reload`]).
 //!
-//! A reload runs on the runtime that accepts connections and answers the probes, so a read
-//! must end, and soon: a file past [`MAX_LEN`] (a disk image written over a certificate)
-//! is refused, not read on; and a pipe or a terminal (`<(…)`, `/dev/stdin`), which the
-//! start read to its end and which cannot be read again, keeps what the start read. A path
-//! that was a regular file and is now something else (a FIFO swapped in, which would block
-//! until someone writes to it) is refused, and what runs keeps running. A file is opened
-//! without waiting and its type checked on the open file, so a FIFO swapped in between a
-//! look at the path and the open cannot block it either.
+//! A read must end, and soon: reloads' reads queue on one thread ([`crate::reader`]), and
+//! one that never ended would hold every later reload and the file watch. So a file past
+//! [`MAX_LEN`] (a disk image written over a certificate) is refused, not read on; and a
+//! pipe or a terminal (`<(…)`, `/dev/stdin`), which the start read to its end and which
+//! cannot be read again, keeps what the start read. A path that was a regular file and is
+//! now something else (a FIFO swapped in, which would block until someone writes to it) is
+//! refused, and what runs keeps running. A file is opened without waiting and its type
+//! checked on the open file, so a FIFO swapped in between a look at the path and the open
+//! cannot block it either.
 
 use std::collections::HashMap;
 use std::io::{self, Read};

@@ -1,11 +1,14 @@
 //! Limits, request smuggling and fault injection (SPEC §4–§7), through the real binary.
 //!
-//! Every proxy here runs at `--log-level trace` with `RUST_BACKTRACE=1`, and every test ends
-//! with a [`Sweep`]: whatever the client got (status lines, headers, bodies), `/metrics`,
+//! Most proxies here run at `--log-level trace` with `RUST_BACKTRACE=1` ([`traced`]; the
+//! others where trace lines would be too many), and every proxy's stderr is searched for
+//! the key when it finishes. Tests of secrets and of faults a proxy must survive end with a
+//! [`Sweep`]: whatever the client got (status lines, headers, bodies), `/metrics`,
 //! `config list` and `config list --json` with the same settings, and the proxy's whole
 //! stderr must hold none of the secrets in play (the API key, the AccessKey secret, every
-//! temporary key the token endpoint issued, envd tokens), and nothing may have panicked.
-//! After every fault a normal request still succeeds and `/healthz` is 200.
+//! temporary key the token endpoint issued, envd tokens), and nothing may have panicked;
+//! after such a fault a normal request still succeeds and `/healthz` is 200
+//! ([`assert_healthy`]).
 //!
 //! Waits are on events (log lines, requests reaching an upstream, metrics reaching a
 //! value), each bounded by [`GUARD`]. The only deliberate pacing is the slow client of the

@@ -4,7 +4,9 @@
 //!
 //! Only the background task of an [`ExchangedKey`] ever calls the endpoint, so any number of
 //! concurrent requests cause exactly one exchange. Requests read the key from an `ArcSwap`
-//! snapshot and never wait on the refresher, except before the very first answer.
+//! snapshot and never wait on the refresher, except before the very first answer, when the
+//! key ran out with its refresh late (a machine that slept), and after the control plane
+//! refused it (401): see [`ExchangedKey::current`] and [`ExchangedKey::replacement`].
 //!
 //! Key expiry is wall-clock time (the endpoint states it so, and a laptop that slept through
 //! it must not send a dead key); every deadline here is read through a [`Clock`] so tests can
