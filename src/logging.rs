@@ -672,6 +672,47 @@ fn fractional_bits(v: f64) -> i32 {
     (1075 - biased_exp - mantissa.trailing_zeros() as i32).max(0)
 }
 
+/// Log lines captured for a unit test: [`Captured::subscriber`] writes into it.
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+#[cfg(test)]
+impl Captured {
+    /// A plain-text subscriber (no colours) writing into this capture.
+    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        let writer = self.clone();
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish()
+    }
+
+    /// What has been written so far.
+    pub fn text(&self) -> String {
+        let held = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        String::from_utf8_lossy(&held).into_owned()
+    }
+}
+
+#[cfg(test)]
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut held = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::{Arc, Mutex};

@@ -12,8 +12,14 @@
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce() + Send>;
+
+/// How long a read may take before a warning says it has not ended: reads are of small
+/// local files, done in milliseconds. One that hangs (an NFS or FUSE mount gone away)
+/// holds every later reload and the file watch, which said nothing about it.
+const SLOW: Duration = Duration::from_secs(10);
 
 /// Where reads are done: the reading thread, or (should it not start) the caller's.
 #[derive(Clone)]
@@ -53,9 +59,11 @@ impl Reader {
         Reader { jobs: None }
     }
 
-    /// `work`'s result, done on the reading thread.
+    /// `work`'s result, done on the reading thread; `what` names what it reads, for the
+    /// warning should it not end within [`SLOW`].
     pub async fn run<T: Send + 'static>(
         &self,
+        what: &'static str,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> io::Result<T> {
         let Some(jobs) = &self.jobs else {
@@ -63,13 +71,30 @@ impl Reader {
             return catch_unwind(AssertUnwindSafe(work))
                 .map_err(|_| io::Error::other("the read ended without a result"));
         };
-        let (done, result) = tokio::sync::oneshot::channel();
+        let (done, mut result) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move || drop(done.send(work())));
+        let asked = Instant::now();
         jobs.send(job)
             .map_err(|_| io::Error::other("the reading thread has ended"))?;
-        result
-            .await
-            .map_err(|_| io::Error::other("the read ended without a result"))
+        let answer = match tokio::time::timeout(SLOW, &mut result).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                tracing::warn!(
+                    reading = what,
+                    waited_s = SLOW.as_secs(),
+                    "a reload's read has not ended (a stalled mount?): this reload, later \
+                     ones and the file watch wait for it"
+                );
+                let answer = result.await;
+                tracing::info!(
+                    reading = what,
+                    took_s = asked.elapsed().as_secs_f64(),
+                    "the slow read has ended"
+                );
+                answer
+            }
+        };
+        answer.map_err(|_| io::Error::other("the read ended without a result"))
     }
 }
 
@@ -87,12 +112,17 @@ mod tests {
     #[tokio::test]
     async fn every_read_runs_on_the_one_reading_thread() {
         let reader = Reader::start();
-        let first = reader.run(|| (thread::current().id(), name())).await;
+        let first = reader
+            .run("a test", || (thread::current().id(), name()))
+            .await;
         let (id, named) = first.expect("read");
         assert_ne!(id, thread::current().id(), "off the caller's thread");
         assert_eq!(named.as_deref(), Some("abx-read"));
         for _ in 0..3 {
-            let again = reader.clone().run(|| thread::current().id()).await;
+            let again = reader
+                .clone()
+                .run("a test", || thread::current().id())
+                .await;
             assert_eq!(again.expect("read"), id, "the same thread");
         }
     }
@@ -101,20 +131,64 @@ mod tests {
     #[tokio::test]
     async fn a_read_that_panics_fails_alone() {
         let reader = Reader::start();
-        let id = reader.run(|| thread::current().id()).await.expect("read");
-        let failed = reader.run(|| -> u8 { panic!("a read that panics") }).await;
+        let id = reader
+            .run("a test", || thread::current().id())
+            .await
+            .expect("read");
+        let failed = reader
+            .run("a test", || -> u8 { panic!("a read that panics") })
+            .await;
         assert!(failed.is_err());
-        let after = reader.run(|| thread::current().id()).await;
+        let after = reader.run("a test", || thread::current().id()).await;
         assert_eq!(after.expect("read after the panic"), id);
     }
 
     #[tokio::test]
     async fn an_inline_reader_reads_on_the_callers_thread() {
         let here = thread::current().id();
-        let read = Reader::inline().run(|| thread::current().id()).await;
+        let read = Reader::inline()
+            .run("a test", || thread::current().id())
+            .await;
         assert_eq!(read.expect("read"), here);
         let inline = Reader::inline();
-        let failed = inline.run(|| -> u8 { panic!("a read that panics") }).await;
+        let failed = inline
+            .run("a test", || -> u8 { panic!("a read that panics") })
+            .await;
         assert!(failed.is_err());
+    }
+
+    /// A read that does not end (a stalled mount) is said once it has taken [`SLOW`], what
+    /// it reads named, and its end is said too. (The clock is paused: tokio moves it on
+    /// while the runtime waits for the reading thread.)
+    #[tokio::test(start_paused = true)]
+    async fn a_read_that_does_not_end_is_said() {
+        let logs = crate::logging::Captured::default();
+        let _logging = tracing::subscriber::set_default(logs.subscriber());
+        let reader = Reader::start();
+        let (release, held) = mpsc::channel::<()>();
+        let read = reader.run("the stalled file", move || held.recv().is_ok());
+        tokio::pin!(read);
+        tokio::select! {
+            _ = &mut read => panic!("the read ended before it was let go"),
+            () = tokio::time::sleep(SLOW - Duration::from_millis(1)) => {}
+        }
+        assert!(!logs.text().contains("WARN"), "{}", logs.text());
+        tokio::select! {
+            _ = &mut read => panic!("the read ended before it was let go"),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let text = logs.text();
+        assert!(
+            text.contains("WARN") && text.contains("a reload's read has not ended"),
+            "{text}"
+        );
+        assert!(text.contains("reading=\"the stalled file\""), "{text}");
+        release.send(()).expect("the read waits");
+        assert!(read.await.expect("read"));
+        assert!(
+            logs.text().contains("the slow read has ended"),
+            "{}",
+            logs.text()
+        );
     }
 }

@@ -276,7 +276,10 @@ impl FileSnapshot {
             return Some(FileSnapshot(Vec::new()));
         }
         let paths = paths.to_vec();
-        reader.run(move || FileSnapshot::take(&paths)).await.ok()
+        reader
+            .run("the watched files", move || FileSnapshot::take(&paths))
+            .await
+            .ok()
     }
 }
 
@@ -465,7 +468,12 @@ impl Running {
         };
         let (cert, key) = tls.paths();
         let (cert, key) = (cert.to_path_buf(), key.to_path_buf());
-        let read = match reader.run(move || read_files(&cert, &key)).await {
+        let read = match reader
+            .run("the listener's certificate and key", move || {
+                read_files(&cert, &key)
+            })
+            .await
+        {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(
@@ -508,7 +516,7 @@ impl Running {
         // Read on the reading thread: this one also accepts connections and answers the
         // probes, which a slow read (a stalled network mount) would leave unanswered.
         let flags = self.flags.clone();
-        let read = reader.run(move || commands::resolve_unsaid(&flags));
+        let read = reader.run("the settings", move || commands::resolve_unsaid(&flags));
         let (resolved, warnings) = match read.await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),

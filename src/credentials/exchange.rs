@@ -1298,23 +1298,6 @@ mod tests {
         );
     }
 
-    /// A shared buffer the test subscriber writes log lines into.
-    #[derive(Clone, Default)]
-    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Logs {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
     /// An expiry that cannot be read, or `null`, gives `token_ttl`; each unreadable one is
     /// logged once, naming its field, quoting neither it nor the key. One test for every
     /// answer that reaches the warning: a sibling test reaching it first without a
@@ -1322,14 +1305,9 @@ mod tests {
     /// binary, and the capture here would miss its line (seen under load).
     #[test]
     fn unreadable_or_null_expiry_falls_back_to_ttl_and_is_logged_once() {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .finish();
+        let logs = crate::logging::Captured::default();
         let key = "tmpkey-secret-value";
-        let expiries = tracing::subscriber::with_default(subscriber, || {
+        let expiries = tracing::subscriber::with_default(logs.subscriber(), || {
             [
                 json!({"ApiKey": {"ApiKeyValue": key, "ExpireTime": "next Tuesday"}}),
                 json!({"apiKey": {"apiKeyValue": key, "expireTime": "any minute"}}),
@@ -1338,8 +1316,7 @@ mod tests {
             .map(|body| parse(200, body).map(|k| k.expires_at).ok())
         });
         assert_eq!(expiries, [Some(now() + TTL); 3]);
-        let text = String::from_utf8_lossy(&logs.0.lock().unwrap_or_else(PoisonError::into_inner))
-            .into_owned();
+        let text = logs.text();
         let lines: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
         assert_eq!(lines.len(), 2, "{text}");
         assert!(lines[0].contains("field=\"ExpireTime\""), "{text}");
