@@ -88,8 +88,10 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
             path: path.display().to_string(),
             reason,
         };
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-            .map_err(|e| bad(pem_reason(&e)))?
+        // Bounded, as every file the proxy reads: `/dev/zero` given here grew the process
+        // by gigabytes, and a directory or a FIFO is said as such.
+        let pem = crate::watched::read(path).map_err(|e| bad(crate::watched::reason(&e)))?;
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
             .collect::<Result<_, _>>()
             .map_err(|e| bad(pem_reason(&e)))?;
         if certs.is_empty() {

@@ -3542,6 +3542,27 @@ fn aksk(upstream_url: &str, pki: &Pki, exchange_url: &str) -> ProxyCmd {
         .args(&["--token-exchange-url", exchange_url])
 }
 
+/// `--upstream-ca` from a pipe (`<(…)`, `/dev/stdin`) with an AccessKey pair: the token
+/// exchange's client and the proxy's each read the trust store, and the second read of the
+/// pipe found it empty: "no PEM certificate in file", exit 78. What a pipe gave is kept,
+/// as for the other files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_ca_from_a_pipe_serves_with_an_access_key_pair() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let ca = std::fs::read(&pki.ca_pem).expect("the CA");
+    let proxy = aksk(&upstream.url(), &pki, &fake.url)
+        .omit(&["--upstream-ca"])
+        .args(&["--upstream-ca=/dev/stdin"])
+        .stdin(&ca)
+        .spawn()
+        .await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_eq!((resp.status, resp.text().as_str()), (200, "ok"));
+    proxy.finish().await;
+}
+
 /// The token endpoint hangs at startup, then answers 500s, then recovers: `/readyz` is 503
 /// throughout the outage (liveness 200), requests get 503 E1004 once an answer came, the
 /// failure count rises with each retry, and after the recovery `/readyz` is 200 and a

@@ -2668,6 +2668,21 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
     ]);
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(out.stderr.contains("ca.pem"), "{}", out.stderr);
+    // Read as every other file is: bounded (`/dev/zero` grew the process by gigabytes),
+    // and what is no file said as such.
+    let dir = c.cwd.to_str().unwrap().to_string();
+    for (ca, said) in [
+        ("/dev/zero", "larger than 1 MiB"),
+        (dir.as_str(), "is a directory"),
+    ] {
+        let out = c.run(&["check", "--offline", "--upstream-ca", ca]);
+        assert_eq!(out.code, 78, "{ca}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("[E1006]") && out.stderr.contains(said),
+            "{ca}: {}",
+            out.stderr
+        );
+    }
 
     // `--shutdown-grace 0` is a choice: close what is left at once.
     let out = c.run(&[
