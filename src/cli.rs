@@ -474,7 +474,10 @@ fn log_filter(raw: &str) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-/// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline.
+/// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline. A
+/// byte-order mark before it is dropped, as the `.env` reader drops one: Notepad and
+/// PowerShell 5's `Set-Content -Encoding utf8` write one, and it was sent as part of the
+/// key (401 on every request, where `check --offline` said ok).
 ///
 /// The path is named in the error only when something exists there: a value that names
 /// nothing may well be the key itself, pasted in place of its path, and errors end up in
@@ -500,16 +503,33 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
         path: path.display().to_string(),
         reason: std::io::ErrorKind::InvalidData.to_string(),
     })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let trimmed = text
         .strip_suffix("\r\n")
         .or_else(|| text.strip_suffix('\n'))
-        .unwrap_or(&text);
+        .unwrap_or(text);
     Ok(Secret::new(trimmed))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_file_loses_its_byte_order_mark_and_one_line_end() {
+        let dir = tempfile::tempdir().expect("dir");
+        for (written, read) in [
+            ("\u{feff}sk-bom\r\n", "sk-bom"),
+            ("\u{feff}sk-bom", "sk-bom"),
+            ("sk-plain\n", "sk-plain"),
+            ("sk-two\n\n", "sk-two\n"),
+        ] {
+            let path = dir.path().join("key");
+            std::fs::write(&path, written).expect("write");
+            let secret = read_secret_file("--sandbox-api-key-file", &path).expect("read");
+            assert_eq!(secret.expose(), read, "{written:?}");
+        }
+    }
 
     /// clap suggests the nearest flag, hidden ones included: a misspelt secret flag is
     /// pointed at the file flag, never at the flag that refuses the secret.
