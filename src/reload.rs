@@ -540,7 +540,14 @@ impl Running {
                 .filter(|w| !untrue.contains(w))
                 .for_each(|w| logging::warning(w));
         };
-        let next = match resolved.validate() {
+        // What the next start would refuse, as `check` and `serve` refuse it: a `listen`
+        // beyond loopback without TLS or consent was said to apply at the restart, which
+        // then exited 78.
+        let options = &self.options;
+        let tls = options.tls_cert.is_some() && options.tls_key.is_some();
+        let next = match resolved.validate().and_then(|next| {
+            crate::proxy::check_exposure(&next.listen, tls, options.allow_remote).map(|()| next)
+        }) {
             Ok(next) => next,
             Err(e) => {
                 say(false);

@@ -1620,6 +1620,36 @@ async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
     assert_eq!(said(&stderr), 1, "{stderr}");
 }
 
+/// A `listen` a `.env` moves beyond loopback, with no TLS and no `--allow-remote`, fails
+/// the reload with E1007, as `check` and the next start refuse it: the reload said it
+/// would apply at the restart, which then exited 78. One the start would take passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_refuses_a_listen_address_the_next_start_would_refuse() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .omit(&["--listen"])
+        .abx_file(".env", "ABX_PROXY_LISTEN=127.0.0.1:0\n")
+        .spawn()
+        .await;
+    let line = proxy
+        .reload_env("ABX_PROXY_LISTEN=0.0.0.0:0\n", "reload failed")
+        .await;
+    assert!(
+        line.contains("[E1007]") && line.contains("0.0.0.0:0"),
+        "{line}"
+    );
+    let line = proxy
+        .reload_env(
+            "ABX_PROXY_LISTEN=127.0.0.2:0\n",
+            "apply at the next restart",
+        )
+        .await;
+    assert!(line.contains("listen"), "{line}");
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+    proxy.finish().await;
+}
+
 /// A request refused with a temporary key after a reload replaced the credential (here
 /// the pair by an API key) is sent again with the new credential's key, and so is an envd
 /// token look-up: the retired pair has no refresh coming, and such a request waited 10 s
