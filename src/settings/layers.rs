@@ -210,20 +210,16 @@ enum Dollar {
 /// whitespace that ends an unquoted value (a comment may follow). `defined`: whether a
 /// variable has a value to expand to.
 fn risky_dollar(value: &str, defined: &dyn Fn(&str) -> bool) -> Option<Dollar> {
-    let (mut single, mut double, mut escaped) = (false, false, false);
+    let mut quoting = Quoting::default();
     let value = value.trim_start_matches([' ', '\t']);
     let mut chars = value.chars().peekable();
     while let Some(c) = chars.next() {
-        if escaped {
-            escaped = false;
+        if !quoting.live(c) {
             continue;
         }
         match c {
-            '\'' if !double => single = !single,
-            '"' if !single => double = !double,
-            '\\' if !single => escaped = true,
-            ' ' | '\t' if !single && !double => return None,
-            '$' if !single => match chars.peek() {
+            ' ' | '\t' if !quoting.double => return None,
+            '$' => match chars.peek() {
                 Some('{') => {
                     chars.next();
                     let inner: String = chars.by_ref().take_while(|c| *c != '}').collect();
@@ -396,7 +392,21 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
         // The text may hold a secret, so it is only used to find where the entry starts (an
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => match entry_line(text, entry, after) {
-            Some(line) => return syntax_error(shown, line.number),
+            Some(line) => {
+                let first = text[line.start..].lines().next().unwrap_or_default();
+                if dollar_before_closing_quote(first) {
+                    return Error::ReadFile {
+                        path: shown.to_string(),
+                        reason: format!(
+                            "syntax error at line {}: dotenvy reads no `$` (or `$NAME`) just \
+                             before a closing double quote; write `${{NAME}}`, or `\\$` for a \
+                             dollar sign",
+                            line.number
+                        ),
+                    };
+                }
+                return syntax_error(shown, line.number);
+            }
             None => format!("syntax error at byte {idx} of an entry"),
         },
         dotenvy::Error::Io(io) => io.to_string(),
@@ -405,6 +415,51 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
     Error::ReadFile {
         path: shown.to_string(),
         reason,
+    }
+}
+
+/// Whether a double-quoted value on `line` ends in `$` or `$NAME`: dotenvy 0.15 fails such
+/// a line (`URL="http://127.0.0.1:$PORT"`, which python-dotenv and compose read), and a
+/// bare "syntax error" left the user guessing.
+fn dollar_before_closing_quote(line: &str) -> bool {
+    let mut quoting = Quoting::default();
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if quoting.live(c) && c == '$' && quoting.double {
+            while chars
+                .next_if(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .is_some()
+            {}
+            if chars.peek() == Some(&'"') {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Quotes and backslashes as dotenvy reads them, a character at a time.
+#[derive(Default)]
+struct Quoting {
+    single: bool,
+    double: bool,
+    escaped: bool,
+}
+
+impl Quoting {
+    /// Takes `c`: whether it is text where dotenvy substitutes (not a quote or a backslash
+    /// of the syntax, not escaped, not inside single quotes).
+    fn live(&mut self, c: char) -> bool {
+        if std::mem::take(&mut self.escaped) {
+            return false;
+        }
+        match c {
+            '\'' if !self.double => self.single = !self.single,
+            '"' if !self.single => self.double = !self.double,
+            '\\' if !self.single => self.escaped = true,
+            _ => return !self.single,
+        }
+        false
     }
 }
 
@@ -877,6 +932,41 @@ mod tests {
         );
         let text = "\u{feff}ABX_REGION=x y\n";
         let err = parse_dotenv_str(text, "./.env", None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot read ./.env: syntax error at line 1"
+        );
+    }
+
+    /// dotenvy fails a double-quoted value ending in `$NAME` (or `$`): the error says so
+    /// and how to write it, without the value.
+    #[test]
+    fn a_dollar_before_a_closing_quote_is_named_as_the_syntax_error() {
+        for line in [
+            "ABX_SANDBOX_BASE_URL=\"http://127.0.0.1:$PORT\"",
+            "ABX_REGION=\"$R\"",
+            "export ABX_REGION=\"${A}$R\"",
+            "ABX_REGION=\"cn-$\"",
+        ] {
+            let text = format!("PORT=1\nR=2\nA=3\n{line}\n");
+            let err = parse_dotenv_str(&text, "./.env", None).unwrap_err();
+            let said = err.to_string();
+            assert!(
+                said.starts_with(
+                    "cannot read ./.env: syntax error at line 4: dotenvy reads no `$`"
+                ) && said.contains("write `${NAME}`"),
+                "{line}: {said}"
+            );
+        }
+        // Other syntax errors stay plain; single quotes and `\$` hold no substitution.
+        for line in [
+            "ABX_REGION=x y",
+            "ABX_REGION='$R\"",
+            "ABX_REGION=\"\\$R\" x",
+        ] {
+            assert!(!dollar_before_closing_quote(line), "{line}");
+        }
+        let err = parse_dotenv_str("ABX_REGION=x y\n", "./.env", None).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot read ./.env: syntax error at line 1"
