@@ -645,6 +645,58 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     assert!(text(&out).contains("alicloud-express") && text(&out).contains("opensandbox"));
 }
 
+/// An installed plugin whose manifest cannot be read is said by `provider list` (it listed
+/// only the built-in provider, without a word), and a manifest that is a dangling link is
+/// E1006 naming it where the plugin is selected (it was E8002 "unknown provider", with a
+/// suggestion to install what is installed).
+#[tokio::test]
+async fn a_broken_installed_manifest_is_said_not_left_out() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    let (_dir, manifest) = manifest_file(BEARER);
+    install(h, &manifest).await;
+    let path = h.join(".abx/providers/bearerco/abx-provider.toml");
+    let shown = path.display().to_string();
+    let selected = [
+        ("ABX_PROVIDER", "bearerco"),
+        ("ABX_BEARERCO_API_KEY", BEARER_KEY),
+    ];
+    let breakages: [(&str, &dyn Fn()); 3] = [
+        ("a dangling link", &|| {
+            std::os::unix::fs::symlink(h.join("nowhere"), &path).expect("link")
+        }),
+        ("a directory", &|| std::fs::create_dir(&path).expect("dir")),
+        ("a FIFO", &|| {
+            let made = std::process::Command::new("mkfifo").arg(&path).status();
+            assert!(made.expect("mkfifo").success());
+        }),
+    ];
+    for (kind, break_it) in breakages {
+        std::fs::remove_file(&path).expect("remove the manifest");
+        break_it();
+        let out = abx(h, &[], &["provider", "list"]).await;
+        let all = text(&out);
+        assert!(out.status.success(), "{kind}: {all}");
+        assert!(
+            all.contains("warning: [E1006]") && all.contains(&shown) && all.contains(kind),
+            "{kind}: {all}"
+        );
+        let out = abx(h, &selected, &["check", "--offline"]).await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(78), "{kind}: {all}");
+        assert!(
+            all.contains("[E1006]") && all.contains(&shown),
+            "{kind}: {all}"
+        );
+        assert!(!all.contains(BEARER_KEY), "{all}");
+        // Put back as the next breakage expects it.
+        if kind == "a directory" {
+            std::fs::remove_dir(&path).expect("remove the directory");
+            std::fs::write(&path, BEARER).expect("manifest");
+        }
+    }
+}
+
 /// A plugin's URL field printed by `config list|get` hid neither a password, nor a query
 /// value, nor the plugin's own secret field put into it by `${VAR}` in a `.env` file.
 #[tokio::test]

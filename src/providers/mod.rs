@@ -225,12 +225,20 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
     // Through the bounded reader: a reload reads it again, on the runtime that serves.
     let (text, receipt) = match read_in_step(&dir) {
         Ok(pair) => pair,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
+            let reason = match e.kind() {
+                // A link to nothing is a broken install, not none: "unknown provider" sent
+                // the user to install what is installed.
+                std::io::ErrorKind::NotFound if path.symlink_metadata().is_ok() => {
+                    crate::watched::kind_of(&path).to_string()
+                }
+                std::io::ErrorKind::NotFound => return Ok(None),
+                _ => crate::watched::reason(&e),
+            };
             return Err(Error::ReadFile {
                 path: path.display().to_string(),
-                reason: crate::watched::reason(&e),
-            })
+                reason,
+            });
         }
     };
     let manifest = Manifest::parse(&String::from_utf8_lossy(&text), &path.display().to_string())?;
@@ -305,16 +313,33 @@ fn read_receipt(dir: &Path) -> Option<Receipt> {
     serde_json::from_slice(&bytes).ok()
 }
 
-/// Every installed plugin, by id.
+/// Every installed plugin, by id; one that cannot be read is its error (as `check` and
+/// `serve` would say it), not left out: `provider list` showed only the built-in one,
+/// with no word, when a manifest was a FIFO, a dangling link or unreadable.
 pub fn list(abx_home: &Path) -> Vec<Result<Installed, Error>> {
-    let mut ids: Vec<String> = std::fs::read_dir(providers_dir(abx_home))
-        .map(|rd| {
-            rd.filter_map(Result::ok)
-                .filter(|e| e.path().join(MANIFEST_FILE).is_file())
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect()
-        })
-        .unwrap_or_default();
+    use std::io::ErrorKind;
+    let dir = providers_dir(abx_home);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            return vec![Err(Error::ReadFile {
+                path: dir.display().to_string(),
+                reason: crate::watched::reason(&e),
+            })]
+        }
+    };
+    // Something at the manifest's path, of whatever kind, or a directory that cannot be
+    // looked into: not a file beside the plugins, nor a directory holding no manifest.
+    let installed = |e: &std::fs::DirEntry| match e.path().join(MANIFEST_FILE).symlink_metadata() {
+        Ok(_) => true,
+        Err(e) => !matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory),
+    };
+    let mut ids: Vec<String> = entries
+        .filter_map(Result::ok)
+        .filter(installed)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
     ids.sort();
     ids.into_iter()
         .filter_map(|id| load(abx_home, &id).transpose())
