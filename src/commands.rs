@@ -170,6 +170,15 @@ fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Erro
 pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
     let resolved = resolve(args)?;
     let rows = rows(&resolved);
+    // A value `check` and `serve` refuse (E1005): listed as it resolved, and said, as a
+    // provider that cannot be loaded is. (A region with a space was shown in usable-looking
+    // URLs, with no word.) The missing credential is its row's `unset`.
+    if let Err(e @ Error::InvalidSetting { .. }) = resolved.validate() {
+        crate::logging::stderr_line(&format!(
+            "warning: {} (check and serve stop on it)",
+            e.line()
+        ));
+    }
     if json {
         let arr: Vec<serde_json::Value> = rows
             .iter()

@@ -1136,6 +1136,34 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     }
 }
 
+/// `config list` shows a value `check` and `serve` refuse (E1005) as it resolved, and
+/// says so: a region with a space was listed in usable-looking URLs, exit 0, no word.
+#[test]
+fn config_list_says_a_value_check_and_serve_refuse() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+        .env("ALIBABA_CLOUD_REGION_ID", "cn hangzhou");
+    let check = c.run(&["check", "--offline"]);
+    assert_eq!(check.code, 78, "{}", check.stderr);
+    for args in [&["config", "list"][..], &["config", "list", "--json"]] {
+        let out = c.run(args);
+        assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("warning: [E1005] invalid value for region")
+                && out.stderr.contains("(check and serve stop on it)"),
+            "{args:?}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+    }
+    // Nothing said of values that are fine, nor of the key left unset (its row says so).
+    let mut c = Case::new();
+    c.env("ALIBABA_CLOUD_REGION_ID", "cn-shanghai");
+    let out = c.run(&["config", "list"]);
+    assert!(!out.stderr.contains("E10"), "{}", out.stderr);
+}
+
 /// `check` refuses what `serve` refuses before it binds: an upstream that is the proxy's
 /// own listener (it would call itself forever), and the admin listener on the proxy's own
 /// address (the second bind fails, blaming "another process"). Both said ok.
