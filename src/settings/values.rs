@@ -57,6 +57,11 @@ impl UpstreamUrl {
         if uri.query().is_some() {
             return Err(bad("a query string is not accepted"));
         }
+        // Sent as written, before every client path: `/a/../..` reached the upstream so,
+        // where a client's own dot segments are refused (400 E5003).
+        if uri.path().split('/').any(|s| s == "." || s == "..") {
+            return Err(bad("a path with `.` or `..` segments is not accepted"));
+        }
         let path = uri.path().trim_end_matches('/').to_string();
         Ok(UpstreamUrl {
             scheme,
@@ -305,6 +310,13 @@ fn check_authority(authority: &Authority) -> Result<(), &'static str> {
             );
         }
     }
+    // A name may end in a dot (the root); an address may not: `127.0.0.1.` went to DNS,
+    // and every request came back 502.
+    if let Some(address) = host.strip_suffix('.') {
+        if address.parse::<std::net::Ipv4Addr>().is_ok() {
+            return Err("an IPv4 address takes no trailing dot");
+        }
+    }
     // `host()` is the authority's start when it has no user info (refused before).
     let Some(written) = authority.as_str().get(host.len()..) else {
         return Err("missing host");
@@ -434,6 +446,11 @@ mod tests {
             "https://h:+1",
             "https://:443",
             "http://[::1]:65536/",
+            // An address with a root dot went to DNS; dot segments went upstream as written.
+            "http://127.0.0.1.:8080",
+            "https://h/a/../..",
+            "https://h/./api",
+            "https://h/api/..",
         ] {
             let e = UpstreamUrl::parse(Key::SandboxBaseUrl, bad).expect_err(bad);
             assert!(e.to_string().contains("sandbox_base_url"), "{e}");
@@ -443,6 +460,8 @@ mod tests {
             "https://h:65535/p",
             "http://[::1]:8080",
             "https://h",
+            "https://h.example.:1",
+            "https://h/a..b/.well-known",
         ] {
             assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, ok).is_ok(), "{ok}");
         }
