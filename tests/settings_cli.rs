@@ -1108,6 +1108,25 @@ fn other_tools_lines_in_the_cwd_env_are_skipped_with_a_warning() {
         out.stderr
     );
     assert!(!out.stderr.contains("hello"), "{}", out.stderr);
+
+    // Ten such lines are said one by one, the rest in one line: 170 000 of them printed
+    // as many warnings at every command and reload.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let lines: String = (0..2_000)
+        .map(|i| format!("GREETING_{i}=hello world\n"))
+        .collect();
+    c.cwd_dotenv(&lines);
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let skipped = out.stderr.lines().filter(|l| l.contains("skipped")).count();
+    assert_eq!(skipped, 11, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("1990 more lines skipped likewise, up to line 2000"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A credential sent over plain `http://` beyond this machine crosses the network in

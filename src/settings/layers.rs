@@ -111,7 +111,7 @@ pub fn parse_dotenv_str(
     let mut skipped = Vec::new();
     let vars = collect_dotenv(text, label, shared.is_some().then_some(&mut skipped))?;
     if let Some(warnings) = shared {
-        warnings.extend(skipped.iter().map(SkippedLine::warning));
+        warnings.extend(SkippedLine::warnings(&skipped));
         warnings.extend(substitution_warnings(text, label, &vars));
     }
     Ok(vars)
@@ -257,6 +257,9 @@ fn lines_ended(text: String) -> String {
     text.replace("\r\n", "\n").replace('\r', "\n")
 }
 
+/// How many skipped lines of a `./.env` get a warning each.
+const SKIPPED_SAID: usize = 10;
+
 /// A line of a shared `./.env` that dotenvy cannot parse and that sets none of the
 /// variables abx-proxy always reads. Whether it is skipped waits until the provider is
 /// known: a selected plugin's vendor aliases (`OPEN_SANDBOX_API_KEY`) are abx-proxy's too,
@@ -282,6 +285,23 @@ impl SkippedLine {
             "{}: line {} skipped: not dotenv syntax, and it sets no setting abx-proxy reads",
             self.shown, self.line
         )
+    }
+
+    /// A warning for each of the first [`SKIPPED_SAID`] lines, then one for the rest: a
+    /// `./.env` of another tool's 170 000 lines printed as many warnings (100 MB) at every
+    /// command and reload.
+    pub fn warnings(skipped: &[SkippedLine]) -> Vec<String> {
+        let (said, rest) = skipped.split_at(skipped.len().min(SKIPPED_SAID));
+        let mut lines: Vec<String> = said.iter().map(SkippedLine::warning).collect();
+        if let Some(last) = rest.last() {
+            lines.push(format!(
+                "{}: {} more lines skipped likewise, up to line {}",
+                last.shown,
+                rest.len(),
+                last.line
+            ));
+        }
+        lines
     }
 
     /// The error a broken line of abx-proxy's own gets.
@@ -912,6 +932,25 @@ mod tests {
             .map(|w| w.split(" skipped").next().unwrap_or_default())
             .collect();
         assert_eq!(lines, ["./.env: line 1", "./.env: line 2"]);
+    }
+
+    /// Another tool's lines get a warning each, up to ten; the rest one between them.
+    #[test]
+    fn skipped_lines_past_ten_are_said_once() {
+        let text: String = (1..=25)
+            .map(|i| format!("GREETING_{i}=hello world\n"))
+            .collect();
+        let mut warnings = Vec::new();
+        parse_dotenv_str(&text, "./.env", Some(&mut warnings)).expect("skipped");
+        assert_eq!(warnings.len(), 11, "{warnings:?}");
+        assert!(
+            warnings[9].starts_with("./.env: line 10 skipped"),
+            "{warnings:?}"
+        );
+        assert_eq!(
+            warnings[10],
+            "./.env: 15 more lines skipped likewise, up to line 25"
+        );
     }
 
     /// The text of a failing entry may also appear earlier, in a comment or inside another

@@ -422,8 +422,8 @@ impl Resolved {
         if let Some(first) = ours.into_iter().next() {
             return Err(first.into_error());
         }
-        let lines = others.iter().map(layers::SkippedLine::warning);
-        self.warnings.splice(at..at, lines);
+        self.warnings
+            .splice(at..at, layers::SkippedLine::warnings(&others));
         Ok(())
     }
 
