@@ -697,6 +697,29 @@ async fn a_broken_installed_manifest_is_said_not_left_out() {
     }
 }
 
+/// A manifest that is not UTF-8 is refused as a `.env` is, naming the line: it was read
+/// lossily and installed with U+FFFD in place of its bytes.
+#[tokio::test]
+async fn a_manifest_that_is_not_utf8_is_refused_naming_its_line() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    let (dir, manifest) = manifest_file("");
+    // A Latin-1 comment line: the 0xe9 of "café" is no UTF-8.
+    let marked = BEARER.replace("[endpoint]", "# caf\u{1}\n[endpoint]");
+    let bytes: Vec<u8> = (marked.into_bytes().into_iter())
+        .map(|b| if b == 1 { 0xe9 } else { b })
+        .collect();
+    std::fs::write(&manifest, bytes).expect("manifest");
+    let out = abx(h, &[], &["provider", "install", &manifest]).await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(78), "{all}");
+    assert!(
+        all.contains("[E1006]") && all.contains("not UTF-8 text (line 4)"),
+        "{all}"
+    );
+    drop(dir);
+}
+
 /// A plugin's URL field printed by `config list|get` hid neither a password, nor a query
 /// value, nor the plugin's own secret field put into it by `${VAR}` in a `.env` file.
 #[tokio::test]

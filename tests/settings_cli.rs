@@ -1633,7 +1633,7 @@ fn a_dotenv_that_is_not_utf8_says_so() {
     assert_eq!(out.code, 78, "{}", out.stderr);
     assert!(
         out.stderr.contains("[E1006] cannot read ./.env")
-            && out.stderr.contains("did not contain valid UTF-8"),
+            && out.stderr.contains("not UTF-8 text (line 1)"),
         "{}",
         out.stderr
     );

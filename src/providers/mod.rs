@@ -95,7 +95,9 @@ fn install_observed(
             path: file.display().to_string(),
             reason: crate::watched::reason(&e),
         })?;
-    let text_str = String::from_utf8_lossy(&text);
+    // Refused as a `.env` or config.toml that is not UTF-8 is: read lossily, a manifest
+    // was installed with U+FFFD where its bytes were.
+    let text_str = utf8_text(&text, file)?;
     let manifest = Manifest::parse(&text_str, &file.display().to_string())?;
     shares_no_secret(abx_home, &manifest, &file.display().to_string(), true)?;
     let dir = providers_dir(abx_home).join(&manifest.id);
@@ -241,7 +243,7 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             });
         }
     };
-    let manifest = Manifest::parse(&String::from_utf8_lossy(&text), &path.display().to_string())?;
+    let manifest = Manifest::parse(&utf8_text(&text, &path)?, &path.display().to_string())?;
     if manifest.id != id {
         return Err(Error::Manifest {
             path: path.display().to_string(),
@@ -311,6 +313,14 @@ fn read_in_step_with(
 fn read_receipt(dir: &Path) -> Option<Receipt> {
     let bytes = crate::watched::read_regular(&dir.join(RECEIPT_FILE)).ok()?;
     serde_json::from_slice(&bytes).ok()
+}
+
+/// A manifest's text; E1006 naming `path` and where when it is not UTF-8.
+fn utf8_text(bytes: &[u8], path: &Path) -> Result<String, Error> {
+    crate::settings::layers::utf8(bytes.to_vec()).map_err(|e| Error::ReadFile {
+        path: path.display().to_string(),
+        reason: crate::watched::reason(&e),
+    })
 }
 
 /// Every installed plugin, by id; one that cannot be read is its error (as `check` and

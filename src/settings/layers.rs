@@ -573,12 +573,20 @@ fn warn_if_shared(path: &Path, label: &str, warnings: &mut Vec<String>) {
 }
 
 /// Text as `read_to_string` takes it, in its words.
-fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
-    String::from_utf8(bytes).map_err(|_| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "stream did not contain valid UTF-8",
-        )
+/// The text of a settings file or manifest; not UTF-8, an error saying where (or that it is
+/// UTF-16, which PowerShell 5's `>` and `Out-File` write) instead of std's "stream did not
+/// contain valid UTF-8".
+pub fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
+    String::from_utf8(bytes).map_err(|e| {
+        let bytes = e.as_bytes();
+        let reason = if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
+            "UTF-16 text: save it as UTF-8".to_string()
+        } else {
+            let valid = &bytes[..e.utf8_error().valid_up_to()];
+            let line = valid.iter().filter(|&&b| b == b'\n').count() + 1;
+            format!("not UTF-8 text (line {line})")
+        };
+        std::io::Error::new(std::io::ErrorKind::InvalidData, reason)
     })
 }
 
@@ -932,6 +940,17 @@ mod tests {
             .map(|w| w.split(" skipped").next().unwrap_or_default())
             .collect();
         assert_eq!(lines, ["./.env: line 1", "./.env: line 2"]);
+    }
+
+    /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
+    #[test]
+    fn text_that_is_not_utf8_is_said_where() {
+        let said = |bytes: &[u8]| utf8(bytes.to_vec()).unwrap_err().to_string();
+        assert_eq!(said(b"A=1\nB=2\nC=caf\xe9\n"), "not UTF-8 text (line 3)");
+        assert_eq!(said(b"\xe9"), "not UTF-8 text (line 1)");
+        let utf16: Vec<u8> = [0xff, 0xfe, b'A', 0, b'=', 0, b'1', 0].to_vec();
+        assert_eq!(said(&utf16), "UTF-16 text: save it as UTF-8");
+        assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
     }
 
     /// Another tool's lines get a warning each, up to ten; the rest one between them.
