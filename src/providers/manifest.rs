@@ -498,7 +498,12 @@ fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
                     ));
                 }
             }
-            inherit = list;
+            // Once each: a key listed twice was asked for (and shown) twice.
+            for key in list {
+                if !inherit.contains(&key) {
+                    inherit.push(key);
+                }
+            }
         }
     }
     Ok(inherit)
@@ -712,6 +717,14 @@ inherit = ["sandbox_api_key"]
         assert_eq!(m.auth, AuthKind::Header("OPEN-SANDBOX-API-KEY".into()));
         assert!(m.fields["api_key"].secret);
         assert_eq!(m.fields["base_url"].aliases, vec!["OPEN_SANDBOX_DOMAIN"]);
+        assert_eq!(m.inherit, vec!["sandbox_api_key"]);
+        // Listed twice, inherited (and asked for) once.
+        let twice = OPEN.replace(
+            r#"inherit = ["sandbox_api_key"]"#,
+            r#"inherit = ["sandbox_api_key", "sandbox_api_key"]"#,
+        );
+        assert_ne!(twice, OPEN);
+        let m = Manifest::parse(&twice, "m.toml").unwrap();
         assert_eq!(m.inherit, vec!["sandbox_api_key"]);
         assert_eq!(m.canonical_env("api_key"), "ABX_OPENSANDBOX_API_KEY");
     }

@@ -681,8 +681,8 @@ fn take(
     warnings: &mut Vec<String>,
 ) {
     let shown = match section {
-        Some(s) => format!("[{s}] {key}"),
-        None => key.to_string(),
+        Some(s) => format!("[{}] {}", toml_key(s), toml_key(key)),
+        None => toml_key(key).into_owned(),
     };
     match KEYS.iter().find(|k| k.name == key) {
         Some(spec) if spec.secret => warnings.push(format!(
@@ -708,6 +708,20 @@ fn take(
             spec.section.unwrap_or("")
         )),
         None => warnings.push(format!("{}: unknown key {shown} ignored", config_label(path))),
+    }
+}
+
+/// A key as TOML writes it: bare when it can be, else quoted, so that `"region "` is not
+/// shown as `region` followed by a space no one sees.
+fn toml_key(key: &str) -> std::borrow::Cow<'_, str> {
+    let bare = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if bare {
+        key.into()
+    } else {
+        format!("{key:?}").into()
     }
 }
 
@@ -940,6 +954,18 @@ mod tests {
             .map(|w| w.split(" skipped").next().unwrap_or_default())
             .collect();
         assert_eq!(lines, ["./.env: line 1", "./.env: line 2"]);
+    }
+
+    /// A key no bare TOML key spells is quoted where a warning names it.
+    #[test]
+    fn keys_in_config_warnings_are_spelt_as_toml_writes_them() {
+        let mut warnings = Vec::new();
+        let text = "\"region \" = \"x\"\n[transport]\nlisten = \"y\"\n[\"a b\"]\nk = 1\n";
+        parse_config_toml_str(text, Path::new("c.toml"), &mut warnings).expect("read");
+        let all = warnings.join("\n");
+        assert!(all.contains("unknown key \"region \" ignored"), "{all}");
+        assert!(all.contains("[transport] listen ignored"), "{all}");
+        assert!(all.contains("[\"a b\"]"), "{all}");
     }
 
     /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
