@@ -426,13 +426,26 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
                 None => std::future::pending().await,
             }
         };
+        // Draining, the watch stops: a changed file would be said, and skipped, every poll.
+        let watched = async {
+            match running.proxy.draining() {
+                true => std::future::pending().await,
+                false => files.changed().await,
+            }
+        };
         tokio::select! {
             got = hangup => if got.is_none() { return },
-            event = files.changed() => match event {
+            event = watched => match event {
                 FileEvent::Changed => tracing::info!("a watched file changed: reloading"),
                 FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),
                 FileEvent::Restored => tracing::info!("watched files are back to their last applied contents: reloading"),
             },
+        }
+        // The process is on its way out: a new pair's trial exchange would mint a key no
+        // one uses (keys are never deleted), and the next start reads the files anyway.
+        if running.proxy.draining() {
+            tracing::info!("reload skipped: the proxy is draining");
+            continue;
         }
         let read = files.reading().await;
         // On the thread the watch reads on.

@@ -332,6 +332,11 @@ async fn readiness_follows_the_credential_and_the_drain() {
     // Said as what it is: an expected drain, not a credential missing.
     let (status, body) = get(admin, "/readyz").await;
     assert_eq!((status, &body[..]), (503, &b"draining\n"[..]));
+    // A reload asked for now is not done: the next start reads the files.
+    proxy.signal("HUP");
+    proxy
+        .wait_for_line("reload skipped: the proxy is draining")
+        .await;
     release_tx.send_replace(true);
     assert_eq!(within("the slow request", slow).await.expect("join"), 200);
     let status = proxy.wait_exit().await;
