@@ -622,10 +622,11 @@ impl Running {
                     tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
                     false
                 };
-                let credential = match ApiCredential::start(&swapped, &self.options, metrics) {
-                    Ok(credential) => credential,
-                    Err(e) => return kept(e),
-                };
+                let (credential, counted) =
+                    match ApiCredential::trial(&swapped, &self.options, metrics) {
+                        Ok(trial) => trial,
+                        Err(e) => return kept(e),
+                    };
                 // An AK/SK pair: its first exchange must answer before it replaces a key
                 // that works. A static key answers at once.
                 if let Err(e) = credential.current().await {
@@ -634,6 +635,14 @@ impl Running {
                 say(true);
                 let expiry = credential.expiry_unix();
                 self.proxy.credential.swap(Arc::new(credential)).retire();
+                counted.from_now();
+                if expiry.is_some() {
+                    // The trial's exchange, which answered: the running credential's first.
+                    metrics
+                        .token_exchanges
+                        .with_label_values(&["success"])
+                        .inc();
+                }
                 // The running key's expiry, whatever the replaced refresher reported last
                 // (0 for a static key: left at an old temporary key's expiry, the gauge
                 // would pass that time and look like a key about to expire).

@@ -1625,6 +1625,54 @@ async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
     assert_eq!(said(&stderr), 1, "{stderr}");
 }
 
+/// A reload's candidate pair whose exchange fails is a failed reload, not a failing
+/// exchange of the running credential: under a static key (expiry 0) its failures, retried
+/// by the watch, paged `AbxProxyTokenMissing` ("every request is answered 503") while
+/// every request was served. Once a pair is applied its exchanges count, the trial's too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_trial_exchange_is_a_failed_reload_not_a_failing_exchange() {
+    const STATIC_KEY: &str = "sk-trial-static-GGGG7777hhhh8888";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", &format!("ABX_SANDBOX_API_KEY={STATIC_KEY}\n"))
+        .args(&["--token-exchange-url", &fake.url])
+        .spawn()
+        .await;
+    let admin = proxy.admin_addr();
+    fake.set_mode(Mode::Fail500);
+    proxy.reload_env(&dotenv_pair(), "reload failed").await;
+    assert_eq!(fake.calls(), 1, "the trial asked once");
+    let text = scrape(admin).await;
+    let exchanges = |text: &str, result| {
+        series(
+            text,
+            "abx_proxy_token_exchanges_total",
+            &[("result", result)],
+        )
+    };
+    assert_eq!(exchanges(&text, "failure"), Some(0.0), "{text}");
+    assert_eq!(
+        series(&text, "abx_proxy_reloads_total", &[("result", "failure")]),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
+
+    fake.set_mode(Mode::Ok);
+    proxy.reload_env(&dotenv_pair(), "reloaded").await;
+    let text = scrape(admin).await;
+    assert_eq!(exchanges(&text, "success"), Some(1.0), "{text}");
+    assert_eq!(exchanges(&text, "failure"), Some(0.0), "{text}");
+    assert!(
+        series(&text, "abx_proxy_token_expiry_timestamp_seconds", &[]).unwrap_or(0.0) > 1.7e9,
+        "{text}"
+    );
+    proxy.finish().await;
+}
+
 /// A `listen` a `.env` moves beyond loopback, with no TLS and no `--allow-remote`, fails
 /// the reload with E1007, as `check` and the next start refuse it: the reload said it
 /// would apply at the restart, which then exited 78. One the start would take passes.

@@ -12,6 +12,7 @@ pub mod exchange;
 
 pub use exchange::exchange_once;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::error::Error;
@@ -39,6 +40,26 @@ pub enum ApiCredential {
     Exchanged(exchange::ExchangedKey),
 }
 
+/// Whether a credential's exchanges count in the metrics yet. A reload's candidate counts
+/// from the moment it replaces the running credential: its trial exchange failing (a new
+/// pair with a wrong secret, retried by the file watch for as long as the file stays so)
+/// was counted as the running credential's, and under a static key, whose expiry reads 0,
+/// that paged `AbxProxyTokenMissing` ("every request is answered 503") while every request
+/// was served. The failed reload is counted, and alerted on, as a reload.
+#[derive(Clone)]
+pub struct Counted(Arc<AtomicBool>);
+
+impl Counted {
+    /// Counted from now on.
+    pub fn from_now(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    fn yes(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 impl ApiCredential {
     /// The credential the settings call for; an AK/SK pair starts its first exchange now.
     /// Must run inside the runtime: the exchange task is spawned here.
@@ -46,6 +67,32 @@ impl ApiCredential {
         settings: &Settings,
         options: &crate::proxy::Options,
         metrics: &Arc<Metrics>,
+    ) -> Result<Self, Error> {
+        Self::counted(
+            settings,
+            options,
+            metrics,
+            Counted(Arc::new(AtomicBool::new(true))),
+        )
+    }
+
+    /// A reload's candidate, as [`ApiCredential::start`] makes it, but its exchanges not
+    /// counted in the metrics until [`Counted::from_now`].
+    pub fn trial(
+        settings: &Settings,
+        options: &crate::proxy::Options,
+        metrics: &Arc<Metrics>,
+    ) -> Result<(Self, Counted), Error> {
+        let counted = Counted(Arc::new(AtomicBool::new(false)));
+        let credential = Self::counted(settings, options, metrics, counted.clone())?;
+        Ok((credential, counted))
+    }
+
+    fn counted(
+        settings: &Settings,
+        options: &crate::proxy::Options,
+        metrics: &Arc<Metrics>,
+        counted: Counted,
     ) -> Result<Self, Error> {
         let Some(config) = exchange::ExchangeConfig::from_settings(settings) else {
             return match &settings.credential {
@@ -70,6 +117,7 @@ impl ApiCredential {
             metrics.token_expiry.clone(),
         );
         let observer: exchange::Observer = Arc::new(move |event| match event {
+            _ if !counted.yes() => {}
             exchange::ExchangeEvent::Success { expiry_unix } => {
                 success.inc();
                 expiry.set(expiry_unix as f64);
