@@ -449,7 +449,7 @@ fn host_of(authority: &str) -> Option<&str> {
 /// parameters after it (`..;`, `..%3b`, which Tomcat reads as `..`), and between any of
 /// the separators an upstream may read as `/`: `\` (WHATWG URL parsers, as in Node) and
 /// `%2f` or `%5c` (gateways that decode before they resolve, nginx among them).
-fn has_dot_segment(path: &str) -> bool {
+pub fn has_dot_segment(path: &str) -> bool {
     // Most paths have neither: no scan then.
     if !path.bytes().any(|b| b == b'.' || b == b'%') {
         return false;

@@ -58,8 +58,9 @@ impl UpstreamUrl {
             return Err(bad("a query string is not accepted"));
         }
         // Sent as written, before every client path: `/a/../..` reached the upstream so,
-        // where a client's own dot segments are refused (400 E5003).
-        if uri.path().split('/').any(|s| s == "." || s == "..") {
+        // where a client's own dot segments are refused (400 E5003), in every spelling
+        // they are refused in (`%2e%2e`, `..;`, `%2f..`).
+        if crate::proxy::route::has_dot_segment(uri.path()) {
             return Err(bad("a path with `.` or `..` segments is not accepted"));
         }
         let path = uri.path().trim_end_matches('/').to_string();
@@ -311,9 +312,17 @@ fn check_authority(authority: &Authority) -> Result<(), &'static str> {
         }
     }
     // A name may end in a dot (the root); an address may not: `127.0.0.1.` went to DNS,
-    // and every request came back 502.
+    // and every request came back 502. A name whose last label is a number is an address
+    // to URL parsers (`127.1`, `0x7f.0.0.1`), and no name has an empty label.
+    if !host.starts_with('[') && (host.starts_with('.') || host.contains("..")) {
+        return Err("a host name has no empty label (`..`)");
+    }
     if let Some(address) = host.strip_suffix('.') {
-        if address.parse::<std::net::Ipv4Addr>().is_ok() {
+        let last = address.rsplit('.').next().unwrap_or_default();
+        let hex = last.strip_prefix("0x").or_else(|| last.strip_prefix("0X"));
+        let numeric = (!last.is_empty() && last.bytes().all(|b| b.is_ascii_digit()))
+            || hex.is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()));
+        if numeric {
             return Err("an IPv4 address takes no trailing dot");
         }
     }
@@ -451,6 +460,14 @@ mod tests {
             "https://h/a/../..",
             "https://h/./api",
             "https://h/api/..",
+            "https://h/api/%2e%2e",
+            "https://h/a/.%2E",
+            "https://h/a%2f..%2fb",
+            "https://h/..;/x",
+            "http://127.1.:8080",
+            "http://0x7f.0.0.1.:8080",
+            "http://127.0.0.1..:8080",
+            "http://.h:8080",
         ] {
             let e = UpstreamUrl::parse(Key::SandboxBaseUrl, bad).expect_err(bad);
             assert!(e.to_string().contains("sandbox_base_url"), "{e}");
