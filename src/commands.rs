@@ -167,18 +167,22 @@ fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Erro
     }
 }
 
-pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
-    let resolved = resolve(args)?;
-    let rows = rows(&resolved);
-    // A value `check` and `serve` refuse (E1005): listed as it resolved, and said, as a
-    // provider that cannot be loaded is. (A region with a space was shown in usable-looking
-    // URLs, with no word.) The missing credential is its row's `unset`.
+/// A value `check` and `serve` refuse (E1005), said by `config list|get`, which show it as
+/// it resolved (a region with a space was shown in usable-looking URLs, with no word), as
+/// a provider that cannot be loaded is. The missing credential is its row's `unset`.
+fn warn_if_refused(resolved: &Resolved) {
     if let Err(e @ Error::InvalidSetting { .. }) = resolved.validate() {
         crate::logging::stderr_line(&format!(
             "warning: {} (check and serve stop on it)",
             e.line()
         ));
     }
+}
+
+pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
+    let resolved = resolve(args)?;
+    let rows = rows(&resolved);
+    warn_if_refused(&resolved);
     if json {
         let arr: Vec<serde_json::Value> = rows
             .iter()
@@ -217,6 +221,7 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
 
 pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     let resolved = resolve(args)?;
+    warn_if_refused(&resolved);
     match rows(&resolved).into_iter().find(|r| r.key == key) {
         Some(row) => {
             if let Some(v) = row.value {

@@ -697,8 +697,9 @@ async fn a_broken_installed_manifest_is_said_not_left_out() {
     }
 }
 
-/// A manifest that is not UTF-8 is refused as a `.env` is, naming the line: it was read
-/// lossily and installed with U+FFFD in place of its bytes.
+/// A manifest that is not UTF-8 is refused by `provider install` as a `.env` is, naming
+/// the line: it was read lossily and installed with U+FFFD in place of its bytes. One
+/// installed before that still loads, as it did (an upgrade must not stop the start).
 #[tokio::test]
 async fn a_manifest_that_is_not_utf8_is_refused_naming_its_line() {
     let home = tempfile::tempdir().expect("home");
@@ -717,6 +718,22 @@ async fn a_manifest_that_is_not_utf8_is_refused_naming_its_line() {
         all.contains("[E1006]") && all.contains("not UTF-8 text (line 4)"),
         "{all}"
     );
+
+    std::fs::write(&manifest, BEARER).expect("manifest");
+    install(h, &manifest).await;
+    let installed = h.join(".abx/providers/bearerco/abx-provider.toml");
+    let with_latin1: Vec<u8> = (BEARER.replace("[endpoint]", "# caf\u{1}\n[endpoint]"))
+        .into_bytes()
+        .into_iter()
+        .map(|b| if b == 1 { 0xe9 } else { b })
+        .collect();
+    std::fs::write(&installed, with_latin1).expect("an older install's copy");
+    let selected = [
+        ("ABX_PROVIDER", "bearerco"),
+        ("ABX_BEARERCO_API_KEY", BEARER_KEY),
+    ];
+    let out = abx(h, &selected, &["check", "--offline"]).await;
+    assert!(out.status.success(), "{}", text(&out));
     drop(dir);
 }
 

@@ -1155,8 +1155,8 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     }
 }
 
-/// `config list` shows a value `check` and `serve` refuse (E1005) as it resolved, and
-/// says so: a region with a space was listed in usable-looking URLs, exit 0, no word.
+/// `config list|get` show a value `check` and `serve` refuse (E1005) as it resolved, and
+/// say so: a region with a space was listed in usable-looking URLs, exit 0, no word.
 #[test]
 fn config_list_says_a_value_check_and_serve_refuse() {
     let mut c = Case::new();
@@ -1164,7 +1164,11 @@ fn config_list_says_a_value_check_and_serve_refuse() {
         .env("ALIBABA_CLOUD_REGION_ID", "cn hangzhou");
     let check = c.run(&["check", "--offline"]);
     assert_eq!(check.code, 78, "{}", check.stderr);
-    for args in [&["config", "list"][..], &["config", "list", "--json"]] {
+    for args in [
+        &["config", "list"][..],
+        &["config", "list", "--json"],
+        &["config", "get", "region"],
+    ] {
         let out = c.run(args);
         assert_eq!(out.code, 0, "{args:?}: {}", out.stderr);
         assert!(

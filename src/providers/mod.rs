@@ -243,7 +243,9 @@ pub fn load(abx_home: &Path, id: &str) -> Result<Option<Installed>, Error> {
             });
         }
     };
-    let manifest = Manifest::parse(&utf8_text(&text, &path)?, &path.display().to_string())?;
+    // Lossily, as before `provider install` refused what is not UTF-8: a manifest
+    // installed then (a Latin-1 byte in a comment) must not stop the next start.
+    let manifest = Manifest::parse(&String::from_utf8_lossy(&text), &path.display().to_string())?;
     if manifest.id != id {
         return Err(Error::Manifest {
             path: path.display().to_string(),

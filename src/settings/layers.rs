@@ -294,11 +294,13 @@ impl SkippedLine {
         let (said, rest) = skipped.split_at(skipped.len().min(SKIPPED_SAID));
         let mut lines: Vec<String> = said.iter().map(SkippedLine::warning).collect();
         if let Some(last) = rest.last() {
+            let more = match rest.len() {
+                1 => "1 more line".to_string(),
+                n => format!("{n} more lines"),
+            };
             lines.push(format!(
-                "{}: {} more lines skipped likewise, up to line {}",
-                last.shown,
-                rest.len(),
-                last.line
+                "{}: {more} skipped likewise, up to line {}",
+                last.shown, last.line
             ));
         }
         lines
@@ -414,7 +416,7 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
         dotenvy::Error::LineParse(entry, idx) => match entry_line(text, entry, after) {
             Some(line) => {
                 let first = text[line.start..].lines().next().unwrap_or_default();
-                if dollar_before_closing_quote(first) {
+                if dollar_is_the_cause(first) {
                     return Error::ReadFile {
                         path: shown.to_string(),
                         reason: format!(
@@ -438,24 +440,36 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
     }
 }
 
-/// Whether a double-quoted value on `line` ends in `$` or `$NAME`: dotenvy 0.15 fails such
-/// a line (`URL="http://127.0.0.1:$PORT"`, which python-dotenv and compose read), and a
-/// bare "syntax error" left the user guessing.
-fn dollar_before_closing_quote(line: &str) -> bool {
+/// Whether a double-quoted value on `line` ending in `$` or `$NAME` is why dotenvy fails
+/// it: dotenvy 0.15 fails such a line (`URL="http://127.0.0.1:$PORT"`, which python-dotenv
+/// and compose read), and a bare "syntax error" left the user guessing. The cause only if
+/// the line parses once each is braced (`${NAME}`, `\$`): a line failing for another
+/// reason (an unquoted space) is not blamed on it.
+fn dollar_is_the_cause(line: &str) -> bool {
     let mut quoting = Quoting::default();
     let mut chars = line.chars().peekable();
+    let (mut braced, mut any) = (String::with_capacity(line.len() + 8), false);
     while let Some(c) = chars.next() {
-        if quoting.live(c) && c == '$' && quoting.double {
-            while chars
-                .next_if(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .is_some()
-            {}
-            if chars.peek() == Some(&'"') {
-                return true;
-            }
+        if !(quoting.live(c) && c == '$' && quoting.double) {
+            braced.push(c);
+            continue;
+        }
+        let mut name = String::new();
+        while let Some(n) = chars.next_if(|c| c.is_ascii_alphanumeric() || *c == '_') {
+            name.push(n);
+        }
+        if chars.peek() != Some(&'"') {
+            braced.push('$');
+            braced.push_str(&name);
+        } else if name.is_empty() {
+            any = true;
+            braced.push_str("\\$");
+        } else {
+            any = true;
+            braced.push_str(&format!("${{{name}}}"));
         }
     }
-    false
+    any && dotenvy::from_read_iter(braced.as_bytes()).all(|entry| entry.is_ok())
 }
 
 /// Quotes and backslashes as dotenvy reads them, a character at a time.
@@ -577,7 +591,7 @@ fn warn_if_shared(path: &Path, label: &str, warnings: &mut Vec<String>) {
 /// UTF-16, which PowerShell 5's `>` and `Out-File` write) instead of std's "stream did not
 /// contain valid UTF-8".
 pub fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
-    String::from_utf8(bytes).map_err(|e| {
+    let text = String::from_utf8(bytes).map_err(|e| {
         let bytes = e.as_bytes();
         let reason = if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
             "UTF-16 text: save it as UTF-8".to_string()
@@ -587,7 +601,17 @@ pub fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
             format!("not UTF-8 text (line {line})")
         };
         std::io::Error::new(std::io::ErrorKind::InvalidData, reason)
-    })
+    })?;
+    // UTF-16 with no byte-order mark is valid UTF-8 (ASCII and NUL bytes): read on, it
+    // was a bare "syntax error at line 1". No text file of these holds a NUL.
+    if let Some(at) = text.find('\0') {
+        let line = text[..at].matches('\n').count() + 1;
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a NUL byte at line {line} (UTF-16 text? save it as UTF-8)"),
+        ));
+    }
+    Ok(text)
 }
 
 /// The non-secret keys of `config.toml` by canonical name, plus `[providers.<id>]` tables
@@ -644,6 +668,7 @@ pub fn parse_config_toml_str(
             toml::Value::Table(section) if name == "providers" => {
                 for (id, fields) in section {
                     let toml::Value::Table(fields) = fields else {
+                        let id = toml_key(id);
                         warnings.push(format!(
                             "{}: [providers] {id} ignored; a provider's fields go in [providers.{id}]",
                             config_label(path)
@@ -655,8 +680,10 @@ pub fn parse_config_toml_str(
                             Some(v) => {
                                 out.insert(format!("{id}.{field}"), v);
                             }
-                            None => warnings
-                                .push(not_scalar(path, &format!("[providers.{id}] {field}"))),
+                            None => warnings.push(not_scalar(
+                                path,
+                                &format!("[providers.{}] {}", toml_key(id), toml_key(field)),
+                            )),
                         }
                     }
                 }
@@ -719,10 +746,20 @@ fn toml_key(key: &str) -> std::borrow::Cow<'_, str> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     if bare {
-        key.into()
-    } else {
-        format!("{key:?}").into()
+        return key.into();
     }
+    let mut quoted = String::with_capacity(key.len() + 2);
+    quoted.push('"');
+    for c in key.chars() {
+        match c {
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            c if c.is_control() => quoted.push_str(&format!("\\u{:04X}", u32::from(c))),
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('"');
+    quoted.into()
 }
 
 /// An array, table or date where a setting's value goes: ignored, as an unknown key is,
@@ -966,6 +1003,15 @@ mod tests {
         assert!(all.contains("unknown key \"region \" ignored"), "{all}");
         assert!(all.contains("[transport] listen ignored"), "{all}");
         assert!(all.contains("[\"a b\"]"), "{all}");
+        let text = "\"a\\u001B[31m\\\"\" = 1\n[providers]\n\"bad id\" = 1\n[providers.e2b]\n\"x y\" = [1]\n";
+        parse_config_toml_str(text, Path::new("c.toml"), &mut warnings).expect("read");
+        let all = warnings.join("\n");
+        assert!(
+            all.contains("unknown key \"a\\u001B[31m\\\"\" ignored"),
+            "{all}"
+        );
+        assert!(all.contains("[providers] \"bad id\" ignored"), "{all}");
+        assert!(all.contains("[providers.e2b] \"x y\" ignored"), "{all}");
     }
 
     /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
@@ -976,6 +1022,14 @@ mod tests {
         assert_eq!(said(b"\xe9"), "not UTF-8 text (line 1)");
         let utf16: Vec<u8> = [0xff, 0xfe, b'A', 0, b'=', 0, b'1', 0].to_vec();
         assert_eq!(said(&utf16), "UTF-16 text: save it as UTF-8");
+        assert_eq!(
+            said(&utf16[2..]),
+            "a NUL byte at line 1 (UTF-16 text? save it as UTF-8)"
+        );
+        assert_eq!(
+            said(b"A=1\nB=\0\n"),
+            "a NUL byte at line 2 (UTF-16 text? save it as UTF-8)"
+        );
         assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
     }
 
@@ -995,6 +1049,15 @@ mod tests {
         assert_eq!(
             warnings[10],
             "./.env: 15 more lines skipped likewise, up to line 25"
+        );
+        let text: String = (1..=11)
+            .map(|i| format!("GREETING_{i}=hello world\n"))
+            .collect();
+        let mut warnings = Vec::new();
+        parse_dotenv_str(&text, "./.env", Some(&mut warnings)).expect("skipped");
+        assert_eq!(
+            warnings.last().map(String::as_str),
+            Some("./.env: 1 more line skipped likewise, up to line 11")
         );
     }
 
@@ -1042,13 +1105,16 @@ mod tests {
                 "{line}: {said}"
             );
         }
-        // Other syntax errors stay plain; single quotes and `\$` hold no substitution.
+        // Other syntax errors stay plain, a `$` beside them too; single quotes and `\$`
+        // hold no substitution.
         for line in [
             "ABX_REGION=x y",
             "ABX_REGION='$R\"",
             "ABX_REGION=\"\\$R\" x",
+            "ABX_REGION=x y # \"$R\"",
+            "ABX_REGION=\"x\" \"$R\"",
         ] {
-            assert!(!dollar_before_closing_quote(line), "{line}");
+            assert!(!dollar_is_the_cause(line), "{line}");
         }
         let err = parse_dotenv_str("ABX_REGION=x y\n", "./.env", None).unwrap_err();
         assert_eq!(
