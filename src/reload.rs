@@ -414,6 +414,8 @@ pub struct Running {
     pub settings: Settings,
     /// The listener's pair, when it serves TLS.
     pub tls: Option<ListenerCert>,
+    /// The upstream trust store built at the start, for a new pair's exchange client.
+    pub trust: rustls::ClientConfig,
 }
 
 /// Waits for SIGHUPs (and changed watched files), re-reads the listener's pair and applies
@@ -623,7 +625,7 @@ impl Running {
                     false
                 };
                 let (credential, counted) =
-                    match ApiCredential::trial(&swapped, &self.options, metrics) {
+                    match ApiCredential::trial(&swapped, &self.options, &self.trust, metrics) {
                         Ok(trial) => trial,
                         Err(e) => return kept(e),
                     };

@@ -122,8 +122,12 @@ async fn serve(
         addr: settings.shown(&settings.admin_listen),
         reason: format!("metrics registry: {e}"),
     })?);
-    let credential = ApiCredential::start(&settings, &options, &metrics)?;
-    let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics)?);
+    // Once: a reload swapping in a new pair uses it too, never reading the files again.
+    let trust = crate::upstream::tls_config(options.upstream_ca.as_deref())?;
+    let credential = ApiCredential::start(&settings, &options, &trust, &metrics)?;
+    let proxy = Arc::new(Proxy::new(
+        &settings, &options, &trust, credential, metrics,
+    )?);
 
     // Before the listening line: from then on SIGTERM must drain, not end the process.
     let mut terminate = signals::Terminate::install();
@@ -173,6 +177,7 @@ async fn serve(
         seen: resolved,
         settings: settings.clone(),
         tls,
+        trust,
     };
     tokio::spawn(crate::reload::on_hangup(running, hangups, files));
 

@@ -1149,7 +1149,9 @@ async fn a_key_is_taken_after_a_rewritten_body_so_it_never_goes_out_expired() {
     };
     let metrics = Arc::new(Metrics::new().expect("metrics"));
     let credential = ApiCredential::Exchanged(key);
-    let proxy = Arc::new(Proxy::new(&settings, &options, credential, metrics).expect("proxy"));
+    let trust = abx_proxy::upstream::tls_config(options.upstream_ca.as_deref()).expect("trust");
+    let proxy =
+        Arc::new(Proxy::new(&settings, &options, &trust, credential, metrics).expect("proxy"));
 
     let (tx, rx) = mpsc::channel(1);
     let req = http::Request::post("/v2/sandboxes")

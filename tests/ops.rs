@@ -1629,6 +1629,7 @@ async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
 /// exchange of the running credential: under a static key (expiry 0) its failures, retried
 /// by the watch, paged `AbxProxyTokenMissing` ("every request is answered 503") while
 /// every request was served. Once a pair is applied its exchanges count, the trial's too.
+/// The pair's client uses the trust store built at the start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_trial_exchange_is_a_failed_reload_not_a_failing_exchange() {
     const STATIC_KEY: &str = "sk-trial-static-GGGG7777hhhh8888";
@@ -1661,6 +1662,10 @@ async fn a_failing_trial_exchange_is_a_failed_reload_not_a_failing_exchange() {
     );
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);
 
+    // The pair's exchange client takes the trust store built at the start: the reload
+    // read `--upstream-ca` (and the system's certificates) again, on the thread that
+    // answers the probes; gone now, it would fail the reload.
+    std::fs::remove_file(&pki.ca_pem).expect("remove the CA file");
     fake.set_mode(Mode::Ok);
     proxy.reload_env(&dotenv_pair(), "reloaded").await;
     let text = scrape(admin).await;

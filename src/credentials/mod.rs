@@ -63,17 +63,17 @@ impl Counted {
 impl ApiCredential {
     /// The credential the settings call for; an AK/SK pair starts its first exchange now.
     /// Must run inside the runtime: the exchange task is spawned here.
+    /// `trust`: the upstream trust store, built once at the start (its files are not read
+    /// again here: a reload that swapped in a pair read `--upstream-ca` and the system's
+    /// certificates on the thread that accepts connections and answers the probes).
     pub fn start(
         settings: &Settings,
         options: &crate::proxy::Options,
+        trust: &rustls::ClientConfig,
         metrics: &Arc<Metrics>,
     ) -> Result<Self, Error> {
-        Self::counted(
-            settings,
-            options,
-            metrics,
-            Counted(Arc::new(AtomicBool::new(true))),
-        )
+        let counted = Counted(Arc::new(AtomicBool::new(true)));
+        Self::counted(settings, options, trust, metrics, counted)
     }
 
     /// A reload's candidate, as [`ApiCredential::start`] makes it, but its exchanges not
@@ -81,16 +81,18 @@ impl ApiCredential {
     pub fn trial(
         settings: &Settings,
         options: &crate::proxy::Options,
+        trust: &rustls::ClientConfig,
         metrics: &Arc<Metrics>,
     ) -> Result<(Self, Counted), Error> {
         let counted = Counted(Arc::new(AtomicBool::new(false)));
-        let credential = Self::counted(settings, options, metrics, counted.clone())?;
+        let credential = Self::counted(settings, options, trust, metrics, counted.clone())?;
         Ok((credential, counted))
     }
 
     fn counted(
         settings: &Settings,
         options: &crate::proxy::Options,
+        trust: &rustls::ClientConfig,
         metrics: &Arc<Metrics>,
         counted: Counted,
     ) -> Result<Self, Error> {
@@ -104,9 +106,8 @@ impl ApiCredential {
                 Credential::AccessKey { .. } => Err(Error::MissingCredential),
             };
         };
-        let tls = crate::upstream::tls_config(options.upstream_ca.as_deref())?;
         let client = crate::upstream::client(
-            tls,
+            trust.clone(),
             crate::upstream::Versions::Negotiate,
             options.connect_timeout,
             exchange::CALL_TIMEOUT,

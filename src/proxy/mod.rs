@@ -40,7 +40,7 @@ use crate::descriptors::Slots;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::settings::{CompatMode, ListenAddr, Settings, UpstreamUrl};
-use crate::upstream::{self, LocalResolver, Names, Versions};
+use crate::upstream::{LocalResolver, Names, Versions};
 use headers::{AuthScheme, CachedAuth};
 use pool::Upstream;
 use route::HostPolicy;
@@ -137,15 +137,18 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// `trust`: the upstream trust store ([`crate::upstream::tls_config`]), one for the
+    /// process.
     pub fn new(
         settings: &Settings,
         options: &Options,
+        trust: &rustls::ClientConfig,
         credential: ApiCredential,
         metrics: Arc<Metrics>,
     ) -> Result<Self, Error> {
         let tls = options.tls_cert.is_some() && options.tls_key.is_some();
         check_exposure(&settings.listen, tls, options.allow_remote)?;
-        let tls = upstream::tls_config(options.upstream_ca.as_deref())?;
+        let tls = trust.clone();
         // Names given add to the local ones on every listener, a unix socket too: on
         // loopback an /etc/hosts alias or the listener certificate's name (ignoring them
         // silently refused those Hosts), elsewhere the only names to accept (ignoring them
@@ -268,8 +271,10 @@ pub(crate) fn test_proxy_with(key: &str, plain: &[(crate::settings::Key, &str)])
         .expect("settings");
     let options = Options::default();
     let metrics = Arc::new(Metrics::new().expect("metrics"));
-    let credential = ApiCredential::start(&settings, &options, &metrics).expect("credential");
-    Arc::new(Proxy::new(&settings, &options, credential, metrics).expect("proxy"))
+    let trust = crate::upstream::tls_config(None).expect("trust store");
+    let credential =
+        ApiCredential::start(&settings, &options, &trust, &metrics).expect("credential");
+    Arc::new(Proxy::new(&settings, &options, &trust, credential, metrics).expect("proxy"))
 }
 
 /// Whoever reaches a non-loopback plaintext port spends the key: that needs consent.
