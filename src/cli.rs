@@ -318,7 +318,12 @@ fn allowed_host(raw: &str) -> Result<String, String> {
     // writes `[::1]` for `[0:0:0:0:0:0:0:1]`, httpx as given).
     let inside = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
     if let Ok(addr) = inside.unwrap_or(name).parse::<std::net::Ipv6Addr>() {
-        return Ok(format!("[{addr}]"));
+        // An IPv4 address written as IPv6 (`[::ffff:10.0.0.5]`, a listen address copied)
+        // is that IPv4 address, which clients send as such.
+        return Ok(match addr.to_canonical() {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        });
     }
     let bracketed = name.starts_with('[') && name.ends_with(']');
     if name.contains(':') && !bracketed {
@@ -499,9 +504,10 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
             }
         }
     })?;
-    let text = String::from_utf8(bytes).map_err(|_| Error::ReadFile {
+    // Where, or that it is UTF-16 (PowerShell 5's `"key" > file`), never what.
+    let text = crate::settings::layers::utf8(bytes).map_err(|e| Error::ReadFile {
         path: path.display().to_string(),
-        reason: std::io::ErrorKind::InvalidData.to_string(),
+        reason: crate::watched::reason(&e),
     })?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let trimmed = text
@@ -529,6 +535,15 @@ mod tests {
             let secret = read_secret_file("--sandbox-api-key-file", &path).expect("read");
             assert_eq!(secret.expose(), read, "{written:?}");
         }
+        // PowerShell 5's `"sk-utf16" > key`: said as UTF-16, never quoted.
+        let path = dir.path().join("utf16");
+        let utf16: Vec<u8> = [0xff, 0xfe]
+            .into_iter()
+            .chain("sk-utf16".bytes().flat_map(|b| [b, 0]))
+            .collect();
+        std::fs::write(&path, utf16).expect("write");
+        let e = read_secret_file("--sandbox-api-key-file", &path).expect_err("UTF-16");
+        assert!(e.to_string().contains("UTF-16 text"), "{e}");
     }
 
     /// clap suggests the nearest flag, hidden ones included: a misspelt secret flag is

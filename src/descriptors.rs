@@ -49,8 +49,9 @@ const ONE_CONNECTION: u64 = 3;
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the open-file limit ({limit}) leaves no room for a connection: the proxy holds about \
-     {at_rest} descriptors of its own with {workers} worker threads; raise it to at least \
-     {least} (LimitNOFILE=, ulimit -n)"
+     {at_rest} descriptors of its own with {workers} worker thread{s}; raise it to at least \
+     {least} (LimitNOFILE=, ulimit -n)",
+    s = if *.workers == 1 { "" } else { "s" }
 )]
 pub struct NoRoom {
     limit: u64,
@@ -86,6 +87,8 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
             tracing::debug!(limit, "open-file limit");
             limit
         }
+        // No warning of what a limit that is refused below would serve.
+        Ok(limit) if limit < least(workers) => limit,
         Ok(limit) => {
             let serving = budget(limit, max_connections, workers).clients;
             tracing::warn!(
@@ -114,17 +117,25 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
             }
         }
     };
-    let at_rest = AT_REST.saturating_add(PER_WORKER.saturating_mul(workers as u64));
-    let least = at_rest.saturating_add(ONE_CONNECTION);
-    if limit < least {
+    if limit < least(workers) {
         return Err(NoRoom {
             limit,
-            at_rest,
+            at_rest: at_rest(workers),
             workers,
-            least,
+            least: least(workers),
         });
     }
     Ok(budget(limit, max_connections, workers))
+}
+
+/// What the process holds at rest with `workers`.
+fn at_rest(workers: usize) -> u64 {
+    AT_REST.saturating_add(PER_WORKER.saturating_mul(workers as u64))
+}
+
+/// The least open-file limit that serves one connection beside what is held at rest.
+fn least(workers: usize) -> u64 {
+    at_rest(workers).saturating_add(ONE_CONNECTION)
 }
 
 /// The limit that serves `max_connections` clients: two descriptors each, the reserve and

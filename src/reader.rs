@@ -11,7 +11,8 @@
 
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -20,6 +21,11 @@ type Job = Box<dyn FnOnce() + Send>;
 /// local files, done in milliseconds. One that hangs (an NFS or FUSE mount gone away)
 /// holds every later reload and the file watch, which said nothing about it.
 const SLOW: Duration = Duration::from_secs(10);
+
+/// A read's states, for the lines said of a slow one: running, said slow, ended.
+const RUNNING: u8 = 0;
+const WARNED: u8 = 1;
+const ENDED: u8 = 2;
 
 /// Where reads are done: the reading thread, or (should it not start) the caller's.
 #[derive(Clone)]
@@ -72,26 +78,43 @@ impl Reader {
                 .map_err(|_| io::Error::other("the read ended without a result"));
         };
         let (done, mut result) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || drop(done.send(work())));
+        // The end of a read said slow is said by the reading thread: the caller may be
+        // gone by then (a SIGHUP drops the watch's poll), and its warning was left open.
+        let state = Arc::new(AtomicU8::new(RUNNING));
+        let (ending, dispatch) = (
+            state.clone(),
+            tracing::dispatcher::get_default(Clone::clone),
+        );
         let asked = Instant::now();
+        let job: Job = Box::new(move || {
+            let read = work();
+            if ending.swap(ENDED, Ordering::AcqRel) == WARNED {
+                tracing::dispatcher::with_default(&dispatch, || {
+                    tracing::info!(
+                        reading = what,
+                        took_s = asked.elapsed().as_secs_f64(),
+                        "the slow read has ended"
+                    );
+                });
+            }
+            drop(done.send(read));
+        });
         jobs.send(job)
             .map_err(|_| io::Error::other("the reading thread has ended"))?;
         let answer = match tokio::time::timeout(SLOW, &mut result).await {
             Ok(answer) => answer,
             Err(_) => {
-                tracing::warn!(
-                    reading = what,
-                    waited_s = SLOW.as_secs(),
-                    "a reload's read has not ended (a stalled mount?): this reload, later \
-                     ones and the file watch wait for it"
-                );
-                let answer = result.await;
-                tracing::info!(
-                    reading = what,
-                    took_s = asked.elapsed().as_secs_f64(),
-                    "the slow read has ended"
-                );
-                answer
+                let slow =
+                    state.compare_exchange(RUNNING, WARNED, Ordering::AcqRel, Ordering::Acquire);
+                if slow.is_ok() {
+                    tracing::warn!(
+                        reading = what,
+                        waited_s = SLOW.as_secs(),
+                        "a reload's read has not ended (a stalled mount?): this reload, later \
+                         ones and the file watch wait for it"
+                    );
+                }
+                result.await
             }
         };
         answer.map_err(|_| io::Error::other("the read ended without a result"))
@@ -190,5 +213,34 @@ mod tests {
             "{}",
             logs.text()
         );
+    }
+
+    /// A slow read whose caller has gone (a SIGHUP drops the watch's poll) is still said
+    /// to end, by the reading thread: the warning was left open.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_read_whose_caller_has_gone_is_still_said_to_end() {
+        let logs = crate::logging::Captured::default();
+        let _logging = tracing::subscriber::set_default(logs.subscriber());
+        let reader = Reader::start();
+        let (release, held) = mpsc::channel::<()>();
+        {
+            let read = reader.run("the abandoned file", move || held.recv().is_ok());
+            tokio::pin!(read);
+            tokio::select! {
+                _ = &mut read => panic!("the read ended before it was let go"),
+                () = tokio::time::sleep(SLOW + Duration::from_secs(1)) => {}
+            }
+        }
+        assert!(logs.text().contains("has not ended"), "{}", logs.text());
+        release.send(()).expect("the read waits");
+        // Queued behind it on the one thread: once this is read, that one has ended. (The
+        // paused clock may call this one slow too, while the thread finishes the other.)
+        reader.run("the next file", || ()).await.expect("read");
+        let text = logs.text();
+        let ended = (text.lines())
+            .filter(|l| l.contains("the slow read has ended"))
+            .filter(|l| l.contains("reading=\"the abandoned file\""))
+            .count();
+        assert_eq!(ended, 1, "{text}");
     }
 }

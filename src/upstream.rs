@@ -60,6 +60,13 @@ pub enum Versions {
     Http1,
 }
 
+/// PEM text without the UTF-8 byte-order mark an editor may have put before it (Notepad,
+/// PowerShell 5): the parser found no section after one, where openssl and curl read the
+/// file.
+pub(crate) fn without_bom(pem: &[u8]) -> &[u8] {
+    pem.strip_prefix(b"\xef\xbb\xbf").unwrap_or(pem)
+}
+
 /// Why a PEM file could not be read, in words: the parser's own text shows the expected
 /// end line as a list of byte values (`missing section end marker: [45, 45, …]`), which
 /// is what a file caught half-written during a certificate rotation prints.
@@ -90,8 +97,9 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
         };
         // Bounded, as every file the proxy reads: `/dev/zero` given here grew the process
         // by gigabytes, and a directory or a FIFO is said as such.
-        let pem = crate::watched::read(path).map_err(|e| bad(crate::watched::reason(&e)))?;
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+        let pem = crate::watched::read_up_to(path, crate::watched::Limit::Bundle)
+            .map_err(|e| bad(crate::watched::reason(&e)))?;
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(without_bom(&pem))
             .collect::<Result<_, _>>()
             .map_err(|e| bad(pem_reason(&e)))?;
         if certs.is_empty() {

@@ -40,9 +40,28 @@ fn seen<T>(f: impl FnOnce(&mut HashMap<PathBuf, Option<Kept>>) -> T) -> T {
 
 /// The file's bytes: see the module's doc for what is refused and what is kept.
 pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+    read_up_to(path, Limit::File)
+}
+
+/// How much a read takes before it refuses the file.
+#[derive(Clone, Copy)]
+pub enum Limit {
+    /// [`MAX_LEN`]: a key, certificate, settings or manifest file.
+    File,
+    /// [`MAX_BUNDLE_LEN`]: `--upstream-ca`, which may hold a whole trust store.
+    Bundle,
+}
+
+/// A trust bundle may hold every CA a system trusts, and more: Debian's is ~200 KB, one
+/// written with `openssl x509 -text` for each certificate several times that (1 MiB
+/// refused such bundles, which curl and nginx take).
+pub const MAX_BUNDLE_LEN: u64 = 16 << 20;
+
+/// [`read`], refusing past `limit`.
+pub fn read_up_to(path: &Path, limit: Limit) -> io::Result<Vec<u8>> {
     let kind = match open_if_regular(path)? {
         Ok(file) => {
-            let bytes = read_bounded(file)?;
+            let bytes = read_bounded_to(file, limit)?;
             seen(|s| s.insert(path.to_path_buf(), None));
             return Ok(bytes);
         }
@@ -56,7 +75,7 @@ pub fn read(path: &Path) -> io::Result<Vec<u8>> {
         // The first read of a pipe: the start's, which waits for its end (a key typed at
         // a terminal ends with Ctrl-D).
         None => {
-            let bytes = read_bounded(std::fs::File::open(path)?)?;
+            let bytes = read_bounded_to(std::fs::File::open(path)?, limit)?;
             seen(|s| s.insert(path.to_path_buf(), Some(Kept(bytes.clone()))));
             Ok(bytes)
         }
@@ -135,14 +154,25 @@ fn kind_word(kind: std::fs::FileType) -> &'static str {
 
 /// The file's bytes, refused past [`MAX_LEN`].
 pub fn read_bounded(file: std::fs::File) -> io::Result<Vec<u8>> {
-    let mut bytes = Vec::new();
-    file.take(MAX_LEN + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_LEN {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
+    read_bounded_to(file, Limit::File)
+}
+
+fn read_bounded_to(file: std::fs::File, limit: Limit) -> io::Result<Vec<u8>> {
+    let (max, refused) = match limit {
+        Limit::File => (
+            MAX_LEN,
             "larger than 1 MiB, the most a key, certificate, settings or provider manifest \
              file may hold",
-        ));
+        ),
+        Limit::Bundle => (
+            MAX_BUNDLE_LEN,
+            "larger than 16 MiB, the most a trust bundle may hold",
+        ),
+    };
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, refused));
     }
     Ok(bytes)
 }

@@ -3563,6 +3563,35 @@ async fn an_upstream_ca_from_a_pipe_serves_with_an_access_key_pair() {
     proxy.finish().await;
 }
 
+/// A trust bundle past the 1 MiB a key or certificate file may hold is taken (curl and
+/// nginx take any): one written with `openssl x509 -text` for each certificate, or a
+/// whole system store with a few more, passes it. A byte-order mark before it is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_ca_bundle_past_one_mib_is_taken() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let ca = std::fs::read_to_string(&pki.ca_pem).expect("the CA");
+    let dir = tempfile::tempdir().expect("dir");
+    let copies = (2 << 20) / ca.len() + 1;
+    // Saved by an editor that puts a byte-order mark first, which openssl and curl read:
+    // before the one certificate of a file, it hid it.
+    for (name, text) in [
+        ("bundle.pem", ca.repeat(copies)),
+        ("one.pem", format!("\u{feff}{ca}")),
+    ] {
+        let path = dir.path().join(name);
+        std::fs::write(&path, &text).expect("the bundle");
+        let proxy = ProxyCmd::new(&upstream.url(), &pki)
+            .omit(&["--upstream-ca"])
+            .args(&[&format!("--upstream-ca={}", path.display())])
+            .spawn()
+            .await;
+        let resp = get(proxy.addr(), "/sandboxes").await;
+        assert_eq!((resp.status, resp.text().as_str()), (200, "ok"), "{name}");
+        proxy.finish().await;
+    }
+}
+
 /// The token endpoint hangs at startup, then answers 500s, then recovers: `/readyz` is 503
 /// throughout the outage (liveness 200), requests get 503 E1004 once an answer came, the
 /// failure count rises with each retry, and after the recovery `/readyz` is 200 and a

@@ -1226,6 +1226,8 @@ async fn an_open_file_limit_with_no_room_for_a_connection_fails_the_start() {
         )) && stderr.contains(&format!("raise it to at least {LEAST}")),
         "{stderr}"
     );
+    // Not first told what it would serve.
+    assert!(!stderr.contains("serving 1 connections"), "{stderr}");
 
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
         .launcher(&["prlimit", &format!("--nofile={LEAST}:{LEAST}"), "--"])

@@ -1148,6 +1148,11 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
             "FD00::1",
             "--allowed-host",
             "[2001:db8:0:0::5]",
+            // IPv4 written as IPv6, both ways round.
+            "--allowed-host",
+            "[::ffff:10.0.0.6]",
+            "--allowed-host",
+            "10.0.0.7",
         ])
         .args(&["--allowed-host", " "])
         .spawn()
@@ -1182,6 +1187,9 @@ async fn allow_remote_and_allowed_host_decide_which_hosts_are_served() {
         "[fd00:0::1]",
         "[2001:DB8::5]:1",
         "proxy.internal.",
+        "10.0.0.6:8080",
+        "[::ffff:10.0.0.7]:8080",
+        "[::ffff:a00:6]",
     ] {
         let resp = with_host(listed.addr(), host, "/served").await;
         assert_eq!(resp.status, 200, "listed: Host {host}: {:?}", resp.text());

@@ -1284,6 +1284,16 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             ][..],
             "admin_listen",
         ),
+        // One address in two spellings.
+        (
+            &[
+                "--listen",
+                "127.0.0.1:7000",
+                "--admin-listen",
+                "[::ffff:127.0.0.1]:7000",
+            ][..],
+            "admin_listen",
+        ),
     ] {
         let out = check_offline(flags);
         assert_eq!(out.code, 78, "{flags:?}: {}", out.stderr);
@@ -2723,7 +2733,10 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
     // and what is no file said as such.
     let dir = c.cwd.to_str().unwrap().to_string();
     for (ca, said) in [
-        ("/dev/zero", "larger than 1 MiB"),
+        (
+            "/dev/zero",
+            "larger than 16 MiB, the most a trust bundle may hold",
+        ),
         (dir.as_str(), "is a directory"),
     ] {
         let out = c.run(&["check", "--offline", "--upstream-ca", ca]);

@@ -244,6 +244,10 @@ fn parse_pair(
     key: &Path,
     key_pem: &[u8],
 ) -> Result<CertifiedKey, Error> {
+    let (cert_pem, key_pem) = (
+        crate::upstream::without_bom(cert_pem),
+        crate::upstream::without_bom(key_pem),
+    );
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<_, _>>()
         .map_err(|e| read_err(cert, crate::upstream::pem_reason(&e)))?;
@@ -338,6 +342,15 @@ mod tests {
         params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
         let cert = params.self_signed(&key).expect("certificate");
         (cert.pem(), key.serialize_pem())
+    }
+
+    /// A byte-order mark before either file (Notepad, PowerShell 5) is not a parse error:
+    /// openssl and curl read such files.
+    #[test]
+    fn a_byte_order_mark_before_the_pem_is_read_past() {
+        let (cert, key) = dated((2020, 1, 1), (2040, 1, 1));
+        let bom = |pem: &str| format!("\u{feff}{pem}");
+        assert!(load(&bom(&cert), &bom(&key)).is_ok());
     }
 
     /// A leaf outside its validity is said (a warning: it still loads), with the date;

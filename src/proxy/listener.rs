@@ -123,7 +123,10 @@ const BACKLOG: i32 = 1024;
 fn bind_tcp(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    if addr.is_ipv6() && addr.ip().is_unspecified() {
+    // An IPv4-mapped address (`[::ffff:127.0.0.1]`) is IPv4's: refused (EINVAL) on an
+    // IPv6-only socket.
+    let mapped = matches!(addr.ip(), std::net::IpAddr::V6(a) if a.to_ipv4_mapped().is_some());
+    if addr.is_ipv6() && (addr.ip().is_unspecified() || mapped) {
         socket.set_only_v6(false)?;
     }
     socket.set_reuse_address(true)?;

@@ -62,9 +62,11 @@ impl HostPolicy {
                 let name = host.strip_suffix('.').unwrap_or(host);
                 let inside = name.strip_prefix('[').and_then(|n| n.strip_suffix(']'));
                 let addr = inside.and_then(|a| a.parse::<std::net::Ipv6Addr>().ok());
-                // Only an address is spelt anew (and allocated for).
-                let name = match addr {
-                    Some(a) => std::borrow::Cow::Owned(format!("[{a}]")),
+                // Only an address is spelt anew (and allocated for), an IPv4 one written as
+                // IPv6 as IPv4.
+                let name = match addr.map(|a| a.to_canonical()) {
+                    Some(std::net::IpAddr::V6(a)) => std::borrow::Cow::Owned(format!("[{a}]")),
+                    Some(std::net::IpAddr::V4(a)) => std::borrow::Cow::Owned(a.to_string()),
                     None => std::borrow::Cow::Borrowed(name),
                 };
                 is_local_name(host) || names.iter().any(|n| n.eq_ignore_ascii_case(&name))

@@ -1110,9 +1110,11 @@ impl Settings {
     fn refuse_shared_listen(&self) -> Result<(), Error> {
         let shared = match (&self.listen, &self.admin_listen) {
             (ListenAddr::Tcp(a), ListenAddr::Tcp(b)) => {
+                // As bound: `[::ffff:127.0.0.1]` is 127.0.0.1.
+                let (ia, ib) = (a.ip().to_canonical(), b.ip().to_canonical());
                 a.port() == b.port()
                     && a.port() != 0
-                    && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+                    && (ia == ib || ia.is_unspecified() || ib.is_unspecified())
             }
             (ListenAddr::Unix(a), ListenAddr::Unix(b)) => a == b,
             _ => false,
