@@ -98,8 +98,9 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
                 serving,
                 "the open-file limit is below what --max-connections needs (two per \
                  connection, a reserve and four per worker thread): serving {serving} \
-                 connections at once, the others wait in the kernel's accept queue; raise it \
-                 (LimitNOFILE=, ulimit -n) or lower --max-connections"
+                 connection{s} at once, the others wait in the kernel's accept queue; raise \
+                 it (LimitNOFILE=, ulimit -n) or lower --max-connections",
+                s = if serving == 1 { "" } else { "s" }
             );
             limit
         }

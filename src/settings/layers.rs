@@ -603,12 +603,15 @@ pub fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
         std::io::Error::new(std::io::ErrorKind::InvalidData, reason)
     })?;
     // UTF-16 with no byte-order mark is valid UTF-8 (ASCII and NUL bytes): read on, it
-    // was a bare "syntax error at line 1". No text file of these holds a NUL.
-    if let Some(at) = text.find('\0') {
-        let line = text[..at].matches('\n').count() + 1;
+    // was a bare "syntax error at line 1". Told by its start, every other byte NUL: a NUL
+    // on another tool's line of a shared `./.env` is that line's affair (skipped, as any
+    // line abx-proxy does not read).
+    let head = &text.as_bytes()[..text.len().min(64)];
+    let nul = head.iter().filter(|&&b| b == 0).count();
+    if head.len() >= 4 && nul * 2 + 1 >= head.len() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("a NUL byte at line {line} (UTF-16 text? save it as UTF-8)"),
+            "UTF-16 text (no byte-order mark): save it as UTF-8",
         ));
     }
     Ok(text)
@@ -754,12 +757,22 @@ fn toml_key(key: &str) -> std::borrow::Cow<'_, str> {
         match c {
             '"' => quoted.push_str("\\\""),
             '\\' => quoted.push_str("\\\\"),
-            c if c.is_control() => quoted.push_str(&format!("\\u{:04X}", u32::from(c))),
+            c if c.is_control() || invisible(c) => {
+                quoted.push_str(&format!("\\u{:04X}", u32::from(c)));
+            }
             c => quoted.push(c),
         }
     }
     quoted.push('"');
     quoted.into()
+}
+
+/// Characters that show as nothing or turn the text around (Unicode's format
+/// characters): `re\u{200b}gion` read as `region`.
+fn invisible(c: char) -> bool {
+    matches!(c, '\u{00ad}' | '\u{061c}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
+        | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}'
+        | '\u{feff}' | '\u{fff9}'..='\u{fffb}')
 }
 
 /// An array, table or date where a setting's value goes: ignored, as an unknown key is,
@@ -1012,6 +1025,12 @@ mod tests {
         );
         assert!(all.contains("[providers] \"bad id\" ignored"), "{all}");
         assert!(all.contains("[providers.e2b] \"x y\" ignored"), "{all}");
+        let mut warnings = Vec::new();
+        let text = "\"re\u{200b}gion\" = 1\n\"x\u{202e}y\" = 1\n";
+        parse_config_toml_str(text, Path::new("c.toml"), &mut warnings).expect("read");
+        let all = warnings.join("\n");
+        assert!(all.contains("\"re\\u200Bgion\""), "{all}");
+        assert!(all.contains("\"x\\u202Ey\""), "{all}");
     }
 
     /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
@@ -1024,12 +1043,15 @@ mod tests {
         assert_eq!(said(&utf16), "UTF-16 text: save it as UTF-8");
         assert_eq!(
             said(&utf16[2..]),
-            "a NUL byte at line 1 (UTF-16 text? save it as UTF-8)"
+            "UTF-16 text (no byte-order mark): save it as UTF-8"
         );
+        let big_endian: Vec<u8> = "A=1\n".bytes().flat_map(|b| [0, b]).collect();
         assert_eq!(
-            said(b"A=1\nB=\0\n"),
-            "a NUL byte at line 2 (UTF-16 text? save it as UTF-8)"
+            said(&big_endian),
+            "UTF-16 text (no byte-order mark): save it as UTF-8"
         );
+        // A NUL on a line is that line's: another tool's line in a shared `./.env`.
+        assert!(utf8(b"ABX_REGION=cn-hangzhou\nOTHER=a\0b\n".to_vec()).is_ok());
         assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
     }
 
