@@ -23,10 +23,7 @@ pub enum Error {
     ClockSkew { reason: String },
     /// E1003: one half of the AccessKey pair, and no API key.
     #[error("incomplete AccessKey pair: {present} is set but {missing} is not")]
-    IncompletePair {
-        present: &'static str,
-        missing: &'static str,
-    },
+    IncompletePair { present: String, missing: String },
     /// E1004: no usable temporary key (exchange failed, or the key expired).
     #[error("token exchange failed: {reason}")]
     TokenExchange { reason: String },
@@ -152,27 +149,28 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
-            Error::TokenExchange { .. } => "Check the AccessKey pair, token_exchange_url and network access; `abx-proxy check` performs one exchange and reports the cause.",
+            // Said by `check` too: not "run check".
+            Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access; the endpoint's reason is above.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
-            Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
+            Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed (a --tls-key must be its --tls-cert's key).",
             Error::WriteFile { .. } => "Check that this user may write to the directory named above (ABX_HOME, else ~/.abx, holds the installed providers).",
             Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
             Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges, the process's open-file or thread limit: LimitNOFILE= / ulimit -n, TasksMax= / ulimit -u); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
-            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (the proxy retries its token exchange by itself). If it persists, check that host's status and the URL setting that names it.",
+            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (a running proxy retries a failed token exchange by itself). If it persists, check that host's status and the URL setting that names it.",
             Error::UpstreamRedirect { .. } => "Set the base URL to the API's own address (an http:// one for an https:// API, or a path added or missing, is redirected); `abx-proxy config list` shows where it comes from.",
             // The exchange's own bound is fixed: the flag alone would not change its answer.
             Error::UpstreamTimeout { .. } => {
                 return Some(format!(
-                    "The upstream is slow or unreachable; retry, or raise --upstream-timeout (the token exchange endpoint always gets {}s).",
+                    "The upstream is slow or unreachable; retry, or raise --upstream-timeout for a slow upstream (a token exchange endpoint always gets {}s: the flag does not change it).",
                     crate::credentials::exchange::CALL_TIMEOUT.as_secs()
                 ))
             }
             Error::UpstreamSilent { .. } => "The upstream, or a load balancer or NAT on the way, stopped answering on an open connection: retry, the next request opens a new one.",
             Error::Manifest { .. } => "Fix the manifest and install it again with `abx-proxy provider install FILE`.",
             Error::UnknownProvider { .. } => "`abx-proxy provider list` shows the providers known; install a manifest with `abx-proxy provider install FILE`.",
-            Error::ProviderOption { .. } => "Give FIELD=VALUE for a non-secret field of the selected plugin (secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
+            Error::ProviderOption { .. } => "--provider-option takes FIELD=VALUE for a non-secret field of a selected plugin provider (ABX_PROVIDER; the built-in one takes none; secret fields are read only from the environment or a .env file); `abx-proxy provider info ID` lists the fields.",
             Error::Provider { id, .. } => {
                 return Some(format!(
                     "`abx-proxy provider info {id}` lists its fields, the variables each is read from, and what it inherits."
@@ -261,7 +259,7 @@ mod tests {
         };
         assert_eq!(
             e.render(),
-            "[E5002] upstream timeout: no response within 10s (fcsandbox.example)\n  Suggestion: The upstream is slow or unreachable; retry, or raise --upstream-timeout (the token exchange endpoint always gets 10s)."
+            "[E5002] upstream timeout: no response within 10s (fcsandbox.example)\n  Suggestion: The upstream is slow or unreachable; retry, or raise --upstream-timeout for a slow upstream (a token exchange endpoint always gets 10s: the flag does not change it)."
         );
         assert_eq!(e.exit_code(), 69);
     }
@@ -301,8 +299,8 @@ mod tests {
             ),
             (
                 Error::IncompletePair {
-                    present: "ALICLOUD_ACCESS_KEY_ID",
-                    missing: "ALICLOUD_ACCESS_KEY_SECRET",
+                    present: "ALICLOUD_ACCESS_KEY_ID".into(),
+                    missing: "ALICLOUD_ACCESS_KEY_SECRET".into(),
                 },
                 78,
                 503,

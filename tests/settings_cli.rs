@@ -2129,11 +2129,14 @@ fn missing_credential_is_e1001_and_half_pair_is_e1003() {
         c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID);
         let out = c.run(cmd);
         assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
-        let want = e1003("ALICLOUD_ACCESS_KEY_ID", "ALICLOUD_ACCESS_KEY_SECRET");
+        let want = e1003(
+            "ALICLOUD_ACCESS_KEY_ID",
+            "ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file)",
+        );
         assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
         assert_eq!(out.stderr.lines().count(), 2, "{}", out.stderr);
 
-        // Only the secret, from its file flag.
+        // Only the secret, from its file flag: named so (it was said to be the variable).
         let mut c = Case::new();
         let p = c.file("ak-secret", &format!("{AK_SECRET_FILE}\n"));
         c.flag("--access-key-secret-file", p.to_str().expect("utf-8"));
@@ -2141,7 +2144,7 @@ fn missing_credential_is_e1001_and_half_pair_is_e1003() {
             .flag("--admin-listen", "127.0.0.1:0");
         let out = c.run(cmd);
         assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
-        let want = e1003("ALICLOUD_ACCESS_KEY_SECRET", "ALICLOUD_ACCESS_KEY_ID");
+        let want = e1003("--access-key-secret-file", "ALICLOUD_ACCESS_KEY_ID");
         assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
         assert_eq!(out.stderr.lines().count(), 2, "{}", out.stderr);
     }

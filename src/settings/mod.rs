@@ -495,9 +495,18 @@ impl Resolved {
             (Some(_), Some(_)) => Some(id.source.max(secret.source)),
             _ => None,
         };
+        // Each half by where it was given: a secret from --access-key-secret-file was said
+        // to be ALICLOUD_ACCESS_KEY_SECRET, which the user had not set.
+        let named = |e: &Entry| match e.source {
+            Source::Flag => e.spec.key.flag(),
+            _ => e.spec.env.to_string(),
+        };
         let half = match (&id.value, &secret.value) {
-            (Some(_), None) => Some(("ALICLOUD_ACCESS_KEY_ID", "ALICLOUD_ACCESS_KEY_SECRET")),
-            (None, Some(_)) => Some(("ALICLOUD_ACCESS_KEY_SECRET", "ALICLOUD_ACCESS_KEY_ID")),
+            (Some(_), None) => Some((
+                named(id),
+                "ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file)".to_string(),
+            )),
+            (None, Some(_)) => Some((named(secret), "ALICLOUD_ACCESS_KEY_ID".to_string())),
             _ => None,
         };
         match (key.value.is_some(), pair, half) {
