@@ -149,16 +149,16 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
-            // Said by `check` too: not "run check".
-            Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access; the endpoint's reason is above.",
+            // Said by `check` too ("run check" was no advice there), and in serve's log line.
+            Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
-            Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed (a --tls-key must be its --tls-cert's key).",
+            Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
             Error::WriteFile { .. } => "Check that this user may write to the directory named above (ABX_HOME, else ~/.abx, holds the installed providers).",
             Error::RemoteListen { .. } => "Pass --allow-remote to accept connections from other hosts, or listen on 127.0.0.1, or give --tls-cert and --tls-key.",
             Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges, the process's open-file or thread limit: LimitNOFILE= / ulimit -n, TasksMax= / ulimit -u); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key (ABX_SANDBOX_API_KEY, or a plugin's ABX_<ID>_API_KEY) or the AccessKey pair.",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
-            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later (a running proxy retries a failed token exchange by itself). If it persists, check that host's status and the URL setting that names it.",
+            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later. If it persists, check that host's status and the URL setting that names it.",
             Error::UpstreamRedirect { .. } => "Set the base URL to the API's own address (an http:// one for an https:// API, or a path added or missing, is redirected); `abx-proxy config list` shows where it comes from.",
             // The exchange's own bound is fixed: the flag alone would not change its answer.
             Error::UpstreamTimeout { .. } => {
@@ -247,6 +247,26 @@ mod tests {
             "[E1001] API key cannot be empty\n  Suggestion: Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file."
         );
         assert_eq!(Error::MissingCredential.exit_code(), 78);
+    }
+
+    /// Each suggestion fits every path to its code: E1004 is said by `serve`'s log line
+    /// too (where "above" was nothing and "run check" fitted), E5001 under an API key.
+    #[test]
+    fn suggestions_fit_every_path_to_their_code() {
+        let exchange = Error::TokenExchange {
+            reason: "connect refused".into(),
+        };
+        let said = exchange.suggestion().unwrap_or_default();
+        assert!(
+            !said.contains("above") && !said.contains("abx-proxy check"),
+            "{said}"
+        );
+        let unavailable = Error::UpstreamUnavailable {
+            reason: "it answered 503".into(),
+            host: "h".into(),
+        };
+        let said = unavailable.suggestion().unwrap_or_default();
+        assert!(!said.contains("token exchange"), "{said}");
     }
 
     /// `check` against a stalled exchange endpoint said to raise `--upstream-timeout`,

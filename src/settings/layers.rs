@@ -374,7 +374,10 @@ fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, 
     let dotenvy::Error::LineParse(entry, _) = e else {
         return None;
     };
-    if OURS.iter().any(|name| entry.contains(name)) {
+    // A line in UTF-16 (`A\0B\0X\0_`) hides its name from the comparison: judged without
+    // its NULs, or a key appended so was skipped as another tool's line.
+    let plain = entry.replace('\0', "");
+    if OURS.iter().any(|name| plain.contains(name)) {
         return None;
     }
     let line = entry_line(text, entry, after)?;
@@ -416,6 +419,15 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
         dotenvy::Error::LineParse(entry, idx) => match entry_line(text, entry, after) {
             Some(line) => {
                 let first = text[line.start..].lines().next().unwrap_or_default();
+                if first.contains('\0') {
+                    return Error::ReadFile {
+                        path: shown.to_string(),
+                        reason: format!(
+                            "syntax error at line {}: NUL bytes (UTF-16 text? save it as UTF-8)",
+                            line.number
+                        ),
+                    };
+                }
                 if dollar_is_the_cause(first) {
                     return Error::ReadFile {
                         path: shown.to_string(),
@@ -758,7 +770,12 @@ fn toml_key(key: &str) -> std::borrow::Cow<'_, str> {
             '"' => quoted.push_str("\\\""),
             '\\' => quoted.push_str("\\\\"),
             c if c.is_control() || invisible(c) => {
-                quoted.push_str(&format!("\\u{:04X}", u32::from(c)));
+                let code = u32::from(c);
+                // TOML's escapes: four hex digits, or eight past the first plane.
+                quoted.push_str(&match code {
+                    0..=0xffff => format!("\\u{code:04X}"),
+                    _ => format!("\\U{code:08X}"),
+                });
             }
             c => quoted.push(c),
         }
@@ -770,9 +787,12 @@ fn toml_key(key: &str) -> std::borrow::Cow<'_, str> {
 /// Characters that show as nothing or turn the text around (Unicode's format
 /// characters): `re\u{200b}gion` read as `region`.
 fn invisible(c: char) -> bool {
-    matches!(c, '\u{00ad}' | '\u{061c}' | '\u{180e}' | '\u{200b}'..='\u{200f}'
-        | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{206f}'
-        | '\u{feff}' | '\u{fff9}'..='\u{fffb}')
+    matches!(c, '\u{00ad}' | '\u{034f}' | '\u{0600}'..='\u{0605}' | '\u{061c}' | '\u{06dd}'
+        | '\u{070f}' | '\u{08e2}' | '\u{115f}' | '\u{1160}' | '\u{180b}'..='\u{180f}'
+        | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{206f}'
+        | '\u{3164}' | '\u{fe00}'..='\u{fe0f}' | '\u{feff}' | '\u{ffa0}'
+        | '\u{fff9}'..='\u{fffb}' | '\u{110bd}' | '\u{110cd}' | '\u{1d173}'..='\u{1d17a}'
+        | '\u{e0001}' | '\u{e0020}'..='\u{e007f}' | '\u{e0100}'..='\u{e01ef}')
 }
 
 /// An array, table or date where a setting's value goes: ignored, as an unknown key is,
@@ -1026,11 +1046,12 @@ mod tests {
         assert!(all.contains("[providers] \"bad id\" ignored"), "{all}");
         assert!(all.contains("[providers.e2b] \"x y\" ignored"), "{all}");
         let mut warnings = Vec::new();
-        let text = "\"re\u{200b}gion\" = 1\n\"x\u{202e}y\" = 1\n";
+        let text = "\"re\u{200b}gion\" = 1\n\"x\u{202e}y\" = 1\n\"t\u{e0067}g\" = 1\n";
         parse_config_toml_str(text, Path::new("c.toml"), &mut warnings).expect("read");
         let all = warnings.join("\n");
         assert!(all.contains("\"re\\u200Bgion\""), "{all}");
         assert!(all.contains("\"x\\u202Ey\""), "{all}");
+        assert!(all.contains("\"t\\U000E0067g\""), "{all}");
     }
 
     /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
@@ -1052,6 +1073,20 @@ mod tests {
         );
         // A NUL on a line is that line's: another tool's line in a shared `./.env`.
         assert!(utf8(b"ABX_REGION=cn-hangzhou\nOTHER=a\0b\n".to_vec()).is_ok());
+        // A line of ours appended in UTF-16 fails the file, naming it: judged by its NULs'
+        // bytes, it was skipped as another tool's and the key came from a lower level.
+        let mixed: String = "ABX_REGION=cn-beijing\n".to_string()
+            + &"ABX_SANDBOX_API_KEY=sk-new\n"
+                .chars()
+                .flat_map(|c| [c, '\0'])
+                .collect::<String>()
+            + "NODE_ENV=dev\n";
+        let mut warnings = Vec::new();
+        let e = parse_dotenv_str(&mixed, "./.env", Some(&mut warnings)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "cannot read ./.env: syntax error at line 2: NUL bytes (UTF-16 text? save it as UTF-8)"
+        );
         assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
     }
 
