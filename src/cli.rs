@@ -505,7 +505,7 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
         }
     })?;
     // Where, or that it is UTF-16 (PowerShell 5's `"key" > file`), never what.
-    let text = crate::settings::layers::utf8(bytes).map_err(|e| Error::ReadFile {
+    let text = crate::watched::utf8(bytes).map_err(|e| Error::ReadFile {
         path: path.display().to_string(),
         reason: crate::watched::reason(&e),
     })?;

@@ -66,7 +66,7 @@ impl Reader {
     }
 
     /// `work`'s result, done on the reading thread; `what` names what it reads, for the
-    /// warning should it not end within [`SLOW`].
+    /// warning should it not end within 10 s (`SLOW`).
     pub async fn run<T: Send + 'static>(
         &self,
         what: &'static str,

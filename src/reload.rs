@@ -559,10 +559,10 @@ impl Running {
         // beyond loopback without TLS or consent was said to apply at the restart, which
         // then exited 78.
         let options = &self.options;
-        let tls = options.tls_cert.is_some() && options.tls_key.is_some();
-        let next = match resolved.validate().and_then(|next| {
-            crate::proxy::check_exposure(&next.listen, tls, options.allow_remote).map(|()| next)
-        }) {
+        let next = match resolved
+            .validate()
+            .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next))
+        {
             Ok(next) => next,
             Err(e) => {
                 say(false);

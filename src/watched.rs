@@ -111,6 +111,36 @@ fn open_typed(path: &Path) -> io::Result<Result<std::fs::File, &'static str>> {
     Ok(if kind == REGULAR { Ok(file) } else { Err(kind) })
 }
 
+/// The text of a settings, key or manifest file; not UTF-8, an error saying where (or that
+/// it is UTF-16, which PowerShell 5's `>` and `Out-File` write) instead of std's "stream
+/// did not contain valid UTF-8".
+pub fn utf8(bytes: Vec<u8>) -> io::Result<String> {
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let bytes = e.as_bytes();
+        let reason = if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
+            "UTF-16 text: save it as UTF-8".to_string()
+        } else {
+            let valid = &bytes[..e.utf8_error().valid_up_to()];
+            let line = valid.iter().filter(|&&b| b == b'\n').count() + 1;
+            format!("not UTF-8 text (line {line})")
+        };
+        io::Error::new(io::ErrorKind::InvalidData, reason)
+    })?;
+    // UTF-16 with no byte-order mark is valid UTF-8 (ASCII and NUL bytes): read on, it
+    // was a bare "syntax error at line 1". Told by its start, every other byte NUL: a NUL
+    // on another tool's line of a shared `./.env` is that line's affair (skipped, as any
+    // line abx-proxy does not read).
+    let head = &text.as_bytes()[..text.len().min(64)];
+    let nul = head.iter().filter(|&&b| b == 0).count();
+    if head.len() >= 4 && nul * 2 + 1 >= head.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "UTF-16 text (no byte-order mark): save it as UTF-8",
+        ));
+    }
+    Ok(text)
+}
+
 /// An error of these reads in words: the proxy's own reasons in full, the OS's by their kind.
 pub fn reason(e: &io::Error) -> String {
     match e.get_ref() {
@@ -182,6 +212,28 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
+
+    /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
+    #[test]
+    fn text_that_is_not_utf8_is_said_where() {
+        let said = |bytes: &[u8]| utf8(bytes.to_vec()).unwrap_err().to_string();
+        assert_eq!(said(b"A=1\nB=2\nC=caf\xe9\n"), "not UTF-8 text (line 3)");
+        assert_eq!(said(b"\xe9"), "not UTF-8 text (line 1)");
+        let utf16: Vec<u8> = [0xff, 0xfe, b'A', 0, b'=', 0, b'1', 0].to_vec();
+        assert_eq!(said(&utf16), "UTF-16 text: save it as UTF-8");
+        assert_eq!(
+            said(&utf16[2..]),
+            "UTF-16 text (no byte-order mark): save it as UTF-8"
+        );
+        let big_endian: Vec<u8> = "A=1\n".bytes().flat_map(|b| [0, b]).collect();
+        assert_eq!(
+            said(&big_endian),
+            "UTF-16 text (no byte-order mark): save it as UTF-8"
+        );
+        // A NUL on a line is that line's: another tool's line in a shared `./.env`.
+        assert!(utf8(b"ABX_REGION=cn-hangzhou\nOTHER=a\0b\n".to_vec()).is_ok());
+        assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
+    }
 
     /// A pipe is read to its end once; a reload's read gets the same bytes, not an empty
     /// pipe (or, at a terminal, a read that waits for the user).

@@ -319,7 +319,7 @@ fn read_receipt(dir: &Path) -> Option<Receipt> {
 
 /// A manifest's text; E1006 naming `path` and where when it is not UTF-8.
 fn utf8_text(bytes: &[u8], path: &Path) -> Result<String, Error> {
-    crate::settings::layers::utf8(bytes.to_vec()).map_err(|e| Error::ReadFile {
+    crate::watched::utf8(bytes.to_vec()).map_err(|e| Error::ReadFile {
         path: path.display().to_string(),
         reason: crate::watched::reason(&e),
     })

@@ -67,6 +67,15 @@ pub struct Options {
     pub splice_pipes: usize,
 }
 
+impl Options {
+    /// [`check_exposure`] of `listen` with these flags: what `serve` refuses, and so a
+    /// reload that would move the next start there.
+    pub fn refuse_exposure(&self, listen: &ListenAddr) -> Result<(), Error> {
+        let tls = self.tls_cert.is_some() && self.tls_key.is_some();
+        check_exposure(listen, tls, self.allow_remote)
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
@@ -146,8 +155,7 @@ impl Proxy {
         credential: ApiCredential,
         metrics: Arc<Metrics>,
     ) -> Result<Self, Error> {
-        let tls = options.tls_cert.is_some() && options.tls_key.is_some();
-        check_exposure(&settings.listen, tls, options.allow_remote)?;
+        options.refuse_exposure(&settings.listen)?;
         let tls = trust.clone();
         // Names given add to the local ones on every listener, a unix socket too: on
         // loopback an /etc/hosts alias or the listener certificate's name (ignoring them

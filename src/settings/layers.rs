@@ -87,7 +87,7 @@ pub fn read_dotenv(
     warn_if_shared(path, label, warnings);
     // Read once: the parser, the line numbers of its errors and the warnings share it.
     let text = crate::watched::read_regular(path)
-        .and_then(utf8)
+        .and_then(crate::watched::utf8)
         .map_err(|e| Error::ReadFile {
             path: shown.clone(),
             reason: e.to_string(),
@@ -287,7 +287,7 @@ impl SkippedLine {
         )
     }
 
-    /// A warning for each of the first [`SKIPPED_SAID`] lines, then one for the rest: a
+    /// A warning for each of the first ten (`SKIPPED_SAID`) lines, then one for the rest: a
     /// `./.env` of another tool's 170 000 lines printed as many warnings (100 MB) at every
     /// command and reload.
     pub fn warnings(skipped: &[SkippedLine]) -> Vec<String> {
@@ -598,44 +598,13 @@ fn warn_if_shared(path: &Path, label: &str, warnings: &mut Vec<String>) {
     }
 }
 
-/// Text as `read_to_string` takes it, in its words.
-/// The text of a settings file or manifest; not UTF-8, an error saying where (or that it is
-/// UTF-16, which PowerShell 5's `>` and `Out-File` write) instead of std's "stream did not
-/// contain valid UTF-8".
-pub fn utf8(bytes: Vec<u8>) -> std::io::Result<String> {
-    let text = String::from_utf8(bytes).map_err(|e| {
-        let bytes = e.as_bytes();
-        let reason = if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
-            "UTF-16 text: save it as UTF-8".to_string()
-        } else {
-            let valid = &bytes[..e.utf8_error().valid_up_to()];
-            let line = valid.iter().filter(|&&b| b == b'\n').count() + 1;
-            format!("not UTF-8 text (line {line})")
-        };
-        std::io::Error::new(std::io::ErrorKind::InvalidData, reason)
-    })?;
-    // UTF-16 with no byte-order mark is valid UTF-8 (ASCII and NUL bytes): read on, it
-    // was a bare "syntax error at line 1". Told by its start, every other byte NUL: a NUL
-    // on another tool's line of a shared `./.env` is that line's affair (skipped, as any
-    // line abx-proxy does not read).
-    let head = &text.as_bytes()[..text.len().min(64)];
-    let nul = head.iter().filter(|&&b| b == 0).count();
-    if head.len() >= 4 && nul * 2 + 1 >= head.len() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "UTF-16 text (no byte-order mark): save it as UTF-8",
-        ));
-    }
-    Ok(text)
-}
-
 /// The non-secret keys of `config.toml` by canonical name, plus `[providers.<id>]` tables
 /// keyed `<id>.<field>`. Secrets found there are dropped with a warning.
 pub fn read_config_toml(
     path: &Path,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    let text = match crate::watched::read_regular(path).and_then(utf8) {
+    let text = match crate::watched::read_regular(path).and_then(crate::watched::utf8) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             // As for a `.env`: a link whose file is gone (a ConfigMap volume's link after a
@@ -1054,27 +1023,10 @@ mod tests {
         assert!(all.contains("\"t\\U000E0067g\""), "{all}");
     }
 
-    /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
+    /// A line of ours appended to a `./.env` in UTF-16 fails the file, naming it: judged by
+    /// its NULs' bytes, it was skipped as another tool's and the key came from a lower level.
     #[test]
-    fn text_that_is_not_utf8_is_said_where() {
-        let said = |bytes: &[u8]| utf8(bytes.to_vec()).unwrap_err().to_string();
-        assert_eq!(said(b"A=1\nB=2\nC=caf\xe9\n"), "not UTF-8 text (line 3)");
-        assert_eq!(said(b"\xe9"), "not UTF-8 text (line 1)");
-        let utf16: Vec<u8> = [0xff, 0xfe, b'A', 0, b'=', 0, b'1', 0].to_vec();
-        assert_eq!(said(&utf16), "UTF-16 text: save it as UTF-8");
-        assert_eq!(
-            said(&utf16[2..]),
-            "UTF-16 text (no byte-order mark): save it as UTF-8"
-        );
-        let big_endian: Vec<u8> = "A=1\n".bytes().flat_map(|b| [0, b]).collect();
-        assert_eq!(
-            said(&big_endian),
-            "UTF-16 text (no byte-order mark): save it as UTF-8"
-        );
-        // A NUL on a line is that line's: another tool's line in a shared `./.env`.
-        assert!(utf8(b"ABX_REGION=cn-hangzhou\nOTHER=a\0b\n".to_vec()).is_ok());
-        // A line of ours appended in UTF-16 fails the file, naming it: judged by its NULs'
-        // bytes, it was skipped as another tool's and the key came from a lower level.
+    fn a_line_of_ours_in_utf16_fails_the_file() {
         let mixed: String = "ABX_REGION=cn-beijing\n".to_string()
             + &"ABX_SANDBOX_API_KEY=sk-new\n"
                 .chars()
@@ -1087,7 +1039,6 @@ mod tests {
             e.to_string(),
             "cannot read ./.env: syntax error at line 2: NUL bytes (UTF-16 text? save it as UTF-8)"
         );
-        assert_eq!(utf8(b"A=1\n".to_vec()).expect("UTF-8"), "A=1\n");
     }
 
     /// Another tool's lines get a warning each, up to ten; the rest one between them.
