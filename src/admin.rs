@@ -5,7 +5,7 @@
 use std::convert::Infallible;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -13,6 +13,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
 use crate::proxy::body;
 use crate::proxy::listener::{AcceptFailures, Io, Listener};
@@ -29,6 +30,13 @@ const MAX_CONNECTIONS: usize = 64;
 /// `send_timeout`, for the same reason). The largest answer, `/metrics`, is tens of KiB.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection keeps its slot, from its accept or its head, before a new one may
+/// close it. Without it a burst of 65 probes and scrapes closed one of its own at once (a
+/// slot would have come back within milliseconds), and a probe that sent its head a few
+/// milliseconds late was closed by the next client in. A slot held by one that sends
+/// nothing goes to a new connection at most this late: the kubelet's probes wait 1 s.
+const GRACE: Duration = Duration::from_millis(250);
+
 /// The most a request head may buffer (hyper's least; its default is ~400 KiB). A probe's
 /// or a scrape's head is under 1 KiB; 64 connections each holding a large unfinished head
 /// raised the resident memory by 25 MiB, for good, in a sidecar with a 128 MiB limit.
@@ -44,8 +52,9 @@ const MAX_HEAD_BUFFER: usize = 8 * 1024;
 ///
 /// When all slots are taken, a new connection closes the one that has waited longest for
 /// its request head (nginx reuses its connections likewise), or, when every one has its
-/// request, the one that has been answering longest: the probe that just came in is
-/// served, not left in the kernel's accept queue.
+/// request, the one that has been answering longest, of those that have had their
+/// [`GRACE`]: the probe that just came in is served, not left in the kernel's accept
+/// queue.
 pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Duration) {
     let table = Arc::new(Table::new());
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -149,8 +158,15 @@ impl Table {
                     index,
                 };
             }
-            self.evict();
-            freed.await;
+            match self.evict() {
+                Some(look_again) => {
+                    tokio::select! {
+                        _ = &mut freed => {}
+                        _ = tokio::time::sleep_until(look_again) => {}
+                    }
+                }
+                None => freed.await,
+            }
         }
     }
 
@@ -171,23 +187,32 @@ impl Table {
         }
     }
 
-    /// Ends the connection still waiting for its head the longest, else the one answering
-    /// the longest. One already told to end is not told again: its slot is on its way.
-    fn evict(&self) {
-        let victim = self
-            .lock()
+    /// Of the connections past their [`GRACE`], ends the one still waiting for its head
+    /// the longest, else the one answering the longest. When none is past it yet, says
+    /// when the first will be. One already told to end is not told again: its slot is on
+    /// its way.
+    fn evict(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut slots = self.lock();
+        let (past, within): (Vec<_>, Vec<_>) = slots
             .iter_mut()
             .flatten()
             .filter(|e| e.task.is_some())
+            .partition(|e| e.since + GRACE <= now);
+        let victim = past
+            .into_iter()
             .min_by_key(|e| (e.answering, e.since))
             .and_then(|e| e.task.take());
-        if let Some(task) = victim {
-            tracing::debug!(
-                connections = MAX_CONNECTIONS,
-                "admin listener full: closing its longest-waiting connection for a new one"
-            );
-            task.abort();
-        }
+        let Some(task) = victim else {
+            return within.iter().map(|e| e.since + GRACE).min();
+        };
+        drop(slots);
+        tracing::debug!(
+            connections = MAX_CONNECTIONS,
+            "admin listener full: closing its longest-waiting connection for a new one"
+        );
+        task.abort();
+        None
     }
 }
 
@@ -256,11 +281,12 @@ mod tests {
     use super::*;
     use tokio::task::JoinHandle;
 
-    /// Takes every slot of `table` for connections that never end on their own, the
-    /// `i`th one answering when `answering(i)`.
+    /// Takes every slot of `table` for connections that never end on their own, a
+    /// millisecond apart, the `i`th one answering when `answering(i)`.
     async fn fill(table: &Arc<Table>, answering: impl Fn(usize) -> bool) -> Vec<JoinHandle<()>> {
         let mut tasks = Vec::new();
         for i in 0..MAX_CONNECTIONS {
+            tokio::time::advance(Duration::from_millis(1)).await;
             let slot = table.claim().await;
             if answering(i) {
                 slot.answering();
@@ -294,18 +320,52 @@ mod tests {
         );
     }
 
-    #[tokio::test]
+    // The clock is tokio's, paused: it moves on only when every task waits.
+
+    #[tokio::test(start_paused = true)]
     async fn a_new_connection_beyond_the_limit_closes_the_one_waiting_longest_for_its_head() {
         let table = Arc::new(Table::new());
         // The first (oldest) is answering: it is not the one to go.
         let tasks = fill(&table, |i| i % 2 == 0).await;
+        tokio::time::advance(GRACE).await;
         one_more_closes(&table, tasks, 1).await;
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_connection_being_answered_is_closed_only_when_every_one_is() {
         let table = Arc::new(Table::new());
         let tasks = fill(&table, |_| true).await;
+        tokio::time::advance(GRACE).await;
         one_more_closes(&table, tasks, 0).await;
+    }
+
+    /// A connection within its grace is not closed: the new one waits until the oldest
+    /// has had it (a burst of probes closed one of its own).
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_closed_for_a_new_one_only_once_past_its_grace() {
+        let table = Arc::new(Table::new());
+        let tasks = fill(&table, |_| false).await;
+        // The first was accepted 64 ms before the last.
+        let oldest_past_grace = Instant::now() + GRACE - Duration::from_millis(63);
+        one_more_closes(&table, tasks, 0).await;
+        assert_eq!(Instant::now(), oldest_past_grace);
+    }
+
+    /// A slot given back within the grace goes to the new connection, and no connection
+    /// is closed for it.
+    #[tokio::test(start_paused = true)]
+    async fn a_slot_given_back_within_the_grace_is_taken_and_none_closed() {
+        let table = Arc::new(Table::new());
+        let mut tasks = fill(&table, |_| false).await;
+        let claim = tokio::spawn({
+            let table = table.clone();
+            async move { (table.claim().await.index, Instant::now()) }
+        });
+        tokio::time::advance(GRACE / 2).await;
+        // Connection 5 ends on its own.
+        tasks.swap_remove(5).abort();
+        let ended = Instant::now();
+        assert_eq!(claim.await.expect("claim"), (5, ended), "taken at once");
+        assert!(tasks.iter().all(|t| !t.is_finished()), "none closed");
     }
 }
