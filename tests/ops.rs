@@ -344,6 +344,52 @@ async fn readiness_follows_the_credential_and_the_drain() {
     assert_no_aksk_secret(&proxy.stderr(), &fake.issued_keys(), "the proxy's stderr");
 }
 
+/// A reload whose new pair's first exchange is still out when the drain begins is stopped:
+/// the process is on its way out. It went on, and its key, minted for no one, was swapped
+/// in during the drain (or a read slow to end let it start one then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_stops_a_reload_whose_new_pair_is_still_exchanging() {
+    let pki = Pki::new();
+    let (release_tx, release_rx) = watch::channel(false);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |_req| {
+        let mut release = release_rx.clone();
+        async move {
+            let _ = release.wait_for(|r| *r).await;
+            response(200, "ok")
+        }
+    })
+    .await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let mut proxy = aksk_proxy_from_dotenv(&upstream, &pki, &fake).spawn().await;
+    proxy.wait_for_line("token exchange succeeded").await;
+    // A request in flight holds the drain open.
+    let addr = proxy.addr();
+    let held = tokio::spawn(async move { get(addr, "/sandboxes").await.0 });
+    upstream.next_request().await;
+
+    fake.hold();
+    let rotated = "ALICLOUD_ACCESS_KEY_ID=LTAI5tRotatedPair000\nALICLOUD_ACCESS_KEY_SECRET=rotated-secret-QQQQ9999rrrr0000\n";
+    std::fs::write(proxy.abx_home().join(".env"), rotated).expect("rewrite .env");
+    proxy.signal("HUP");
+    // The new pair's first exchange has arrived, and waits.
+    fake.until_calls(2).await;
+    proxy.signal("TERM");
+    proxy
+        .wait_for_line("reload stopped: the proxy is draining")
+        .await;
+    fake.release();
+    release_tx.send_replace(true);
+    assert_eq!(within("the held request", held).await.expect("join"), 200);
+    assert!(proxy.wait_exit().await.success());
+    let stderr = proxy.stderr();
+    assert!(!stderr.contains("reloaded"), "{stderr}");
+    assert!(
+        !stderr.contains("QQQQ9999rrrr0000"),
+        "the new secret in the log"
+    );
+    assert_no_aksk_secret(&stderr, &fake.issued_keys(), "the proxy's stderr");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn temporary_key_rotates_before_expiry_under_load_without_a_failure() {
     let pki = Pki::new();

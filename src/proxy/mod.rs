@@ -27,7 +27,6 @@ mod tunnel;
 pub use h1::write_one;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -140,7 +139,8 @@ pub struct Proxy {
     pub(crate) upstream_timeout: Duration,
     /// For tunnels, which outlive the connection's own watchdog.
     pub(crate) idle_timeout: Duration,
-    draining: AtomicBool,
+    /// Set when the drain begins; a watch, for a reload to be stopped by it.
+    draining: tokio::sync::watch::Sender<bool>,
     /// Set when the drain's grace is over: every connection ends now (see [`Proxy::abort`]).
     pub(crate) aborting: tokio::sync::watch::Sender<bool>,
 }
@@ -220,7 +220,7 @@ impl Proxy {
             compat,
             upstream_timeout: options.upstream_timeout,
             idle_timeout: options.idle_timeout,
-            draining: AtomicBool::new(false),
+            draining: tokio::sync::watch::Sender::new(false),
             aborting: tokio::sync::watch::Sender::new(false),
         })
     }
@@ -232,11 +232,16 @@ impl Proxy {
 
     /// Whether the drain has begun.
     pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
+        *self.draining.borrow()
+    }
+
+    /// Returns once the drain has begun.
+    pub async fn drain_begun(&self) {
+        let _ = self.draining.subscribe().wait_for(|d| *d).await;
     }
 
     pub fn start_draining(&self) {
-        self.draining.store(true, Ordering::Relaxed);
+        self.draining.send_replace(true);
     }
 
     /// Ends every connection still open when the drain's grace is over (or a second
