@@ -1185,6 +1185,33 @@ fn config_list_says_a_value_check_and_serve_refuse() {
     c.env("ALIBABA_CLOUD_REGION_ID", "cn-shanghai");
     let out = c.run(&["config", "list"]);
     assert!(!out.stderr.contains("E10"), "{}", out.stderr);
+    // With no key yet, or half a pair, the value is still said (the missing key hid it):
+    // `check` names it first too.
+    for half in [
+        None,
+        Some(("ALICLOUD_ACCESS_KEY_ID", "LTAI5tHalfAPairOnly00")),
+    ] {
+        let mut c = Case::new();
+        c.flag("--sandbox-base-url", "https://sandbox.example/a/../b");
+        if let Some((name, value)) = half {
+            c.env(name, value);
+        }
+        let check = c.run(&["check", "--offline"]);
+        assert!(
+            check.code == 78 && check.stderr.contains("[E1005]"),
+            "{half:?}: {}",
+            check.stderr
+        );
+        let out = c.run(&["config", "get", "sandbox_base_url"]);
+        assert!(
+            out.code == 0
+                && out
+                    .stderr
+                    .contains("warning: [E1005] invalid value for sandbox_base_url"),
+            "{half:?}: {}",
+            out.stderr
+        );
+    }
 }
 
 /// `check` refuses what `serve` refuses before it binds: an upstream that is the proxy's

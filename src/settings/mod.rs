@@ -660,13 +660,39 @@ impl Resolved {
                 ),
             ));
         }
-        let (credential, auth, sandbox_base_url, envd_domain) = match &plugin {
+        // The values before the credential: a missing key must not hide a value `check`
+        // and `serve` refuse, which `config list` warns about (it said nothing then).
+        let (auth, sandbox_base_url, envd_domain) = match &plugin {
             None => (
-                self.builtin_credential()?,
                 AuthKind::Bearer,
                 UpstreamUrl::parse(Key::SandboxBaseUrl, get(Key::SandboxBaseUrl))?,
                 Some(values::domain(get(Key::SandboxDomain))?),
             ),
+            Some(p) => (
+                p.installed.manifest.auth.clone(),
+                p.base_url()?,
+                p.envd_domain()?,
+            ),
+        };
+        let sandbox_url = match &plugin {
+            None => self
+                .plain(Key::SandboxUrl)
+                .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
+                .transpose()?,
+            Some(_) => None,
+        };
+        // Read only where no `sandbox_url` stands in for it (a leftover value is no error).
+        if let (None, None, Some(domain)) = (&plugin, &sandbox_url, &envd_domain) {
+            values::domain_names_hosts(domain)?;
+        }
+        let token_exchange_url =
+            UpstreamUrl::parse(Key::TokenExchangeUrl, get(Key::TokenExchangeUrl))?;
+        let token_exchange = ExchangeScheme::parse(get(Key::TokenExchange))?;
+        let compat_v2_paths = CompatMode::parse(get(Key::CompatV2Paths))?;
+        let listen = ListenAddr::parse(Key::Listen, get(Key::Listen))?;
+        let admin_listen = ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?;
+        let credential = match &plugin {
+            None => self.builtin_credential()?,
             Some(p) => {
                 let m = &p.installed.manifest;
                 let inherit = "sandbox_api_key";
@@ -696,25 +722,9 @@ impl Resolved {
                         unconsented.unwrap_or_default()
                     ),
                 })?;
-                (
-                    Credential::ApiKey(key),
-                    m.auth.clone(),
-                    p.base_url()?,
-                    p.envd_domain()?,
-                )
+                Credential::ApiKey(key)
             }
         };
-        let sandbox_url = match &plugin {
-            None => self
-                .plain(Key::SandboxUrl)
-                .map(|u| UpstreamUrl::parse(Key::SandboxUrl, u))
-                .transpose()?,
-            Some(_) => None,
-        };
-        // Read only where no `sandbox_url` stands in for it (a leftover value is no error).
-        if let (None, None, Some(domain)) = (&plugin, &sandbox_url, &envd_domain) {
-            values::domain_names_hosts(domain)?;
-        }
         let settings = Settings {
             provider: get(Key::Provider).to_string(),
             sandbox_base_url,
@@ -722,16 +732,13 @@ impl Resolved {
             // `sandbox_url` is the built-in provider's envd address (SPEC §2): a plugin's
             // envd tokens must not follow a variable left set for another provider.
             sandbox_url,
-            token_exchange_url: UpstreamUrl::parse(
-                Key::TokenExchangeUrl,
-                get(Key::TokenExchangeUrl),
-            )?,
-            token_exchange: ExchangeScheme::parse(get(Key::TokenExchange))?,
+            token_exchange_url,
+            token_exchange,
             token_ttl,
             token_refresh_before,
-            compat_v2_paths: CompatMode::parse(get(Key::CompatV2Paths))?,
-            listen: ListenAddr::parse(Key::Listen, get(Key::Listen))?,
-            admin_listen: ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?,
+            compat_v2_paths,
+            listen,
+            admin_listen,
             secrets: self.secrets(),
             region,
             credential,
