@@ -385,9 +385,10 @@ fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, 
     // be a key pasted without its name.
     let name = line_name(text[line.start..].lines().next()?)?;
     let ours = is_ours(name);
+    // Without NULs too: a selected plugin's alias set in UTF-16 is still its alias.
     let names = std::iter::once(name)
         .chain(entry.split('\n').skip(1).filter_map(line_name))
-        .map(str::to_string)
+        .map(|n| n.replace('\0', ""))
         .collect();
     (!ours).then_some((line, names))
 }
@@ -1039,6 +1040,21 @@ mod tests {
             e.to_string(),
             "cannot read ./.env: syntax error at line 2: NUL bytes (UTF-16 text? save it as UTF-8)"
         );
+    }
+
+    /// A line in UTF-16 that sets a selected plugin's alias is known as such: its name was
+    /// read with its NULs, and the key was skipped as another tool's line.
+    #[test]
+    fn a_line_in_utf16_keeps_its_name() {
+        let text = "NODE_ENV=dev\n".to_string()
+            + &"OPEN_SANDBOX_API_KEY=os-new"
+                .chars()
+                .flat_map(|c| [c, '\0'])
+                .collect::<String>();
+        let mut skipped = Vec::new();
+        collect_dotenv(&text, "./.env", Some(&mut skipped)).expect("read");
+        assert_eq!(skipped.len(), 1);
+        assert!(skipped[0].sets_any(&["OPEN_SANDBOX_API_KEY".to_string()]));
     }
 
     /// Another tool's lines get a warning each, up to ten; the rest one between them.
