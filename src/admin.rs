@@ -33,9 +33,13 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a connection keeps its slot, from its accept or its head, before a new one may
 /// close it. Without it a burst of 65 probes and scrapes closed one of its own at once (a
 /// slot would have come back within milliseconds), and a probe that sent its head a few
-/// milliseconds late was closed by the next client in. A slot held by one that sends
-/// nothing goes to a new connection at most this late: the kubelet's probes wait 1 s.
-const GRACE: Duration = Duration::from_millis(250);
+/// milliseconds late was closed by the next client in.
+///
+/// Short, since it paces the accepts while every slot is that young: at most 64 a grace,
+/// so a probe behind a full accept queue (1024) of clients that send nothing waits 16 of
+/// them, 320 ms, within the kubelet's 1 s. At 250 ms, a few hundred such connections from
+/// anywhere on the pod network timed every probe out.
+const GRACE: Duration = Duration::from_millis(20);
 
 /// The most a request head may buffer (hyper's least; its default is ~400 KiB). A probe's
 /// or a scrape's head is under 1 KiB; 64 connections each holding a large unfinished head
@@ -54,7 +58,7 @@ const MAX_HEAD_BUFFER: usize = 8 * 1024;
 /// its request head (nginx reuses its connections likewise), or, when every one has its
 /// request, the one that has been answering longest, of those that have had their
 /// [`GRACE`]: the probe that just came in is served, not left in the kernel's accept
-/// queue.
+/// queue for longer than that.
 pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Duration) {
     let table = Arc::new(Table::new());
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -147,6 +151,7 @@ impl Table {
     /// A free slot, once there is one: while all are taken, one connection is told to
     /// close (see [`Table::evict`]).
     async fn claim(self: &Arc<Self>) -> Slot {
+        let mut yielded = false;
         loop {
             // Registered before the look: a slot given back in between still wakes it.
             let freed = self.freed.notified();
@@ -157,6 +162,14 @@ impl Table {
                     table: self.clone(),
                     index,
                 };
+            }
+            // Once, before choosing: connections whose heads have come in read them (tokio
+            // polls the sockets before a yielded task runs again), and are then answering,
+            // not waiting the longest.
+            if !yielded {
+                yielded = true;
+                tokio::task::yield_now().await;
+                continue;
             }
             match self.evict() {
                 Some(look_again) => {
@@ -281,12 +294,15 @@ mod tests {
     use super::*;
     use tokio::task::JoinHandle;
 
+    /// Between two connections [`fill`] makes: all 64 within one grace.
+    const STEP: Duration = Duration::from_micros(100);
+
     /// Takes every slot of `table` for connections that never end on their own, a
-    /// millisecond apart, the `i`th one answering when `answering(i)`.
+    /// [`STEP`] apart, the `i`th one answering when `answering(i)`.
     async fn fill(table: &Arc<Table>, answering: impl Fn(usize) -> bool) -> Vec<JoinHandle<()>> {
         let mut tasks = Vec::new();
         for i in 0..MAX_CONNECTIONS {
-            tokio::time::advance(Duration::from_millis(1)).await;
+            tokio::time::advance(STEP).await;
             let slot = table.claim().await;
             if answering(i) {
                 slot.answering();
@@ -345,10 +361,15 @@ mod tests {
     async fn a_connection_is_closed_for_a_new_one_only_once_past_its_grace() {
         let table = Arc::new(Table::new());
         let tasks = fill(&table, |_| false).await;
-        // The first was accepted 64 ms before the last.
-        let oldest_past_grace = Instant::now() + GRACE - Duration::from_millis(63);
+        // The first was accepted 63 steps before the last.
+        let oldest_past_grace = Instant::now() + GRACE - STEP * 63;
         one_more_closes(&table, tasks, 0).await;
-        assert_eq!(Instant::now(), oldest_past_grace);
+        // Timers fire on whole milliseconds of the clock: up to two late.
+        let late = Instant::now().checked_duration_since(oldest_past_grace);
+        assert!(
+            late.is_some_and(|l| l < Duration::from_millis(2)),
+            "{late:?}"
+        );
     }
 
     /// A slot given back within the grace goes to the new connection, and no connection
@@ -367,5 +388,34 @@ mod tests {
         let ended = Instant::now();
         assert_eq!(claim.await.expect("claim"), (5, ended), "taken at once");
         assert!(tasks.iter().all(|t| !t.is_finished()), "none closed");
+    }
+
+    /// A head that has come in is read before a connection is chosen: the one it came on
+    /// is answering then, not the longest waiting (a probe that had sent its request was
+    /// closed as silent when its task had not run yet).
+    #[tokio::test(start_paused = true)]
+    async fn a_head_that_came_in_is_read_before_a_connection_is_chosen() {
+        let table = Arc::new(Table::new());
+        let (mut heads, mut tasks) = (Vec::new(), Vec::new());
+        for _ in 0..MAX_CONNECTIONS {
+            tokio::time::advance(STEP).await;
+            let slot = table.claim().await;
+            let index = slot.index;
+            let (head, arrives) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(async move {
+                if arrives.await.is_ok() {
+                    slot.answering();
+                }
+                std::future::pending::<()>().await;
+                drop(slot)
+            });
+            table.attach(index, task.abort_handle());
+            heads.push(head);
+            tasks.push(task);
+        }
+        tokio::time::advance(GRACE).await;
+        // The oldest's head comes in; its task has not run since.
+        let _ = heads.swap_remove(0).send(());
+        one_more_closes(&table, tasks, 1).await;
     }
 }
