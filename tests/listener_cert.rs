@@ -260,9 +260,11 @@ async fn sni_refused_quietly(pki: &Pki, proxy: ProxyProc) {
     assert_eq!(status_on(&mut served, proxy.addr()).await, StatusCode::OK);
     // Counted instead, for the operator: a count that climbs after a renewal says that
     // clients refuse the certificate.
-    let scraped = scrape(proxy.admin_addr()).await;
-    let failed = metric(&scraped, "abx_proxy_tls_handshake_failures_total");
-    assert_eq!(failed, Some(3.0), "{scraped}");
+    // Waited for: the count follows the connection's close, which the client may see
+    // first.
+    let failures = "abx_proxy_tls_handshake_failures_total";
+    let failed = wait_metric_at_least(proxy.admin_addr(), failures, 3.0).await;
+    assert_eq!(failed, 3.0);
     let stderr = proxy.finish().await;
     assert!(!stderr.contains("SNI"), "{stderr}");
     assert!(!stderr.contains("rustls"), "{stderr}");

@@ -2048,7 +2048,9 @@ async fn the_drain_does_not_wait_for_an_idle_keep_alive_connection_over_tls() {
 async fn over_tls_the_header_timeout_cuts_a_slow_second_head_but_not_an_idle_connection() {
     let pki = Pki::new();
     let (upstream, proxy) =
-        tls_proxy_to_ok(&pki, |cmd| cmd.args(&["--header-timeout", "1s"])).await;
+        // 3 s: the slow first head's clock runs from the accept, its handshake and the
+        // client's 400 ms included, on a loaded machine (at 1 s, 0.55 s to spare).
+        tls_proxy_to_ok(&pki, |cmd| cmd.args(&["--header-timeout", "3s"])).await;
     let addr = proxy.addr();
     let mut idle = handshake(pki.tls_connect(addr, &[b"http/1.1"]).await).await;
     let resp = list_sandboxes_on(&mut idle, addr).await;
