@@ -452,15 +452,17 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
         let read = files.reading().await;
         // On the thread the watch reads on. A drain that begins meanwhile (after a slow
         // read, or with a new pair's first exchange still out) stops it: the process is on
-        // its way out, and a dropped exchange may yet mint no key. The swap comes after
-        // the last wait: nothing is left half applied.
+        // its way out, and a dropped exchange may yet mint no key. The credential's swap
+        // comes after the last wait; the listener's pair, read first, may be in place.
         let proxy = running.proxy.clone();
         let applied = tokio::select! {
-            applied = running.reload(&files.reader) => applied,
+            // The drain first, when both are ready.
+            biased;
             () = proxy.drain_begun() => {
                 tracing::info!("reload stopped: the proxy is draining");
                 continue;
             }
+            applied = running.reload(&files.reader) => applied,
         };
         // A rotated key or certificate that does not take effect is only a warning line
         // otherwise: the old one keeps serving, /readyz stays 200, until it is revoked.

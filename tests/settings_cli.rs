@@ -1186,31 +1186,56 @@ fn config_list_says_a_value_check_and_serve_refuse() {
     let out = c.run(&["config", "list"]);
     assert!(!out.stderr.contains("E10"), "{}", out.stderr);
     // With no key yet, or half a pair, the value is still said (the missing key hid it):
-    // `check` names it first too.
-    for half in [
-        None,
-        Some(("ALICLOUD_ACCESS_KEY_ID", "LTAI5tHalfAPairOnly00")),
-    ] {
-        let mut c = Case::new();
-        c.flag("--sandbox-base-url", "https://sandbox.example/a/../b");
-        if let Some((name, value)) = half {
-            c.env(name, value);
+    // `check` names it first too. Dot segments; an admin listener on the proxy's own
+    // address; an upstream that is the proxy itself (nothing is bound).
+    let refused: [(&[&str], &str); 3] = [
+        (
+            &["--sandbox-base-url", "https://sandbox.example/a/../b"],
+            "sandbox_base_url",
+        ),
+        (
+            &[
+                "--listen",
+                "127.0.0.1:18431",
+                "--admin-listen",
+                "127.0.0.1:18431",
+            ],
+            "admin_listen",
+        ),
+        (
+            &[
+                "--listen",
+                "127.0.0.1:18432",
+                "--sandbox-base-url",
+                "http://localhost:18432",
+            ],
+            "sandbox_base_url",
+        ),
+    ];
+    for (flags, key) in refused {
+        for half in [
+            None,
+            Some(("ALICLOUD_ACCESS_KEY_ID", "LTAI5tHalfAPairOnly00")),
+        ] {
+            let mut c = Case::new();
+            c.flags.extend(flags.iter().map(|f| f.to_string()));
+            if let Some((name, value)) = half {
+                c.env(name, value);
+            }
+            let check = c.run(&["check", "--offline"]);
+            assert!(
+                check.code == 78 && check.stderr.contains("[E1005]"),
+                "{flags:?} {half:?}: {}",
+                check.stderr
+            );
+            let out = c.run(&["config", "get", key]);
+            let said = format!("warning: [E1005] invalid value for {key}");
+            assert!(
+                out.code == 0 && out.stderr.contains(&said),
+                "{flags:?} {half:?}: {}",
+                out.stderr
+            );
         }
-        let check = c.run(&["check", "--offline"]);
-        assert!(
-            check.code == 78 && check.stderr.contains("[E1005]"),
-            "{half:?}: {}",
-            check.stderr
-        );
-        let out = c.run(&["config", "get", "sandbox_base_url"]);
-        assert!(
-            out.code == 0
-                && out
-                    .stderr
-                    .contains("warning: [E1005] invalid value for sandbox_base_url"),
-            "{half:?}: {}",
-            out.stderr
-        );
     }
 }
 

@@ -271,6 +271,8 @@ pub struct SkippedLine {
     shown: String,
     line: usize,
     names: Vec<String>,
+    /// What a broken line of ours says (its line, and a hint: NULs, a `$`), never its text.
+    error: Error,
 }
 
 impl SkippedLine {
@@ -306,9 +308,10 @@ impl SkippedLine {
         lines
     }
 
-    /// The error a broken line of abx-proxy's own gets.
+    /// The error a broken line of abx-proxy's own gets: a selected plugin's alias line
+    /// says what any other line of ours would.
     pub fn into_error(self) -> Error {
-        syntax_error(&self.shown, self.line)
+        self.error
     }
 }
 
@@ -351,11 +354,13 @@ fn collect_dotenv(
             }
             Err(e) => match (skippable_line(&e, text, failed_at), skipped.as_deref_mut()) {
                 (Some((line, names)), Some(skipped)) => {
+                    let error = read_error(shown, &e, text, failed_at);
                     failed_at = line;
                     skipped.push(SkippedLine {
                         shown: shown.to_string(),
                         line: line.number,
                         names,
+                        error,
                     })
                 }
                 // The dotenvy error names the line and byte offset only, never the value.
@@ -1042,8 +1047,9 @@ mod tests {
         );
     }
 
-    /// A line in UTF-16 that sets a selected plugin's alias is known as such: its name was
-    /// read with its NULs, and the key was skipped as another tool's line.
+    /// A line in UTF-16 that sets a selected plugin's alias is known as such, and refused
+    /// with the hint a line of ours gets: its name was read with its NULs, and the key was
+    /// skipped as another tool's line.
     #[test]
     fn a_line_in_utf16_keeps_its_name() {
         let text = "NODE_ENV=dev\n".to_string()
@@ -1055,6 +1061,11 @@ mod tests {
         collect_dotenv(&text, "./.env", Some(&mut skipped)).expect("read");
         assert_eq!(skipped.len(), 1);
         assert!(skipped[0].sets_any(&["OPEN_SANDBOX_API_KEY".to_string()]));
+        // Refused as a line of ours is: with the hint.
+        assert_eq!(
+            skipped.remove(0).into_error().to_string(),
+            "cannot read ./.env: syntax error at line 2: NUL bytes (UTF-16 text? save it as UTF-8)"
+        );
     }
 
     /// Another tool's lines get a warning each, up to ten; the rest one between them.

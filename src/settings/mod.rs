@@ -691,41 +691,12 @@ impl Resolved {
         let compat_v2_paths = CompatMode::parse(get(Key::CompatV2Paths))?;
         let listen = ListenAddr::parse(Key::Listen, get(Key::Listen))?;
         let admin_listen = ListenAddr::parse(Key::AdminListen, get(Key::AdminListen))?;
+        // Said once the values that need no credential are checked (below).
         let credential = match &plugin {
-            None => self.builtin_credential()?,
-            Some(p) => {
-                let m = &p.installed.manifest;
-                let inherit = "sandbox_api_key";
-                // Only `provider info` said why an inheriting plugin had no key.
-                let unconsented = (m.inherit.iter().any(|i| i == inherit)
-                    && !p.installed.consented.iter().any(|c| c == inherit))
-                .then(|| {
-                    format!(
-                        " (its manifest asks to inherit {inherit}, which was not consented \
-                         to for this manifest, or the manifest changed since: `abx-proxy \
-                         provider install FILE --consent` grants it)"
-                    )
-                });
-                let key = p.api_key().ok_or_else(|| Error::Provider {
-                    id: m.id.clone(),
-                    reason: format!(
-                        "api_key is not set: set {}{}{}",
-                        m.canonical_env("api_key"),
-                        m.fields
-                            .get("api_key")
-                            .map(|f| f
-                                .aliases
-                                .iter()
-                                .map(|a| format!(" or {a}"))
-                                .collect::<String>())
-                            .unwrap_or_default(),
-                        unconsented.unwrap_or_default()
-                    ),
-                })?;
-                Credential::ApiKey(key)
-            }
+            None => self.builtin_credential(),
+            Some(p) => plugin_credential(p),
         };
-        let settings = Settings {
+        let mut settings = Settings {
             provider: get(Key::Provider).to_string(),
             sandbox_base_url,
             sandbox_domain: envd_domain,
@@ -741,20 +712,22 @@ impl Resolved {
             admin_listen,
             secrets: self.secrets(),
             region,
-            credential,
+            // Replaced below, once the checks that need none are passed.
+            credential: Credential::ApiKey(Secret::new(String::new())),
             auth,
             plugin,
         };
-        // Here rather than when serve attaches it, so that check refuses what serve would:
-        // a key pasted with a control character, or a key file of more than one line.
-        if let Credential::ApiKey(key) = &settings.credential {
-            crate::credentials::header_value(&settings, key)?;
-        }
         settings.refuse_shared_listen()?;
         if let ListenAddr::Tcp(addr) = settings.listen {
             if addr.port() != 0 {
                 settings.refuse_self_loop(addr)?;
             }
+        }
+        settings.credential = credential?;
+        // Here rather than when serve attaches it, so that check refuses what serve would:
+        // a key pasted with a control character, or a key file of more than one line.
+        if let Credential::ApiKey(key) = &settings.credential {
+            crate::credentials::header_value(&settings, key)?;
         }
         Ok(settings)
     }
@@ -1035,6 +1008,39 @@ pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 pub const MIN_TOKEN_TTL: Duration = Duration::from_secs(20);
 /// The shortest `token_refresh_before`: twice that margin.
 pub const MIN_REFRESH_BEFORE: Duration = Duration::from_secs(10);
+
+/// A plugin provider's key, or why there is none.
+fn plugin_credential(p: &PluginSettings) -> Result<Credential, Error> {
+    let m = &p.installed.manifest;
+    let inherit = "sandbox_api_key";
+    // Only `provider info` said why an inheriting plugin had no key.
+    let unconsented = (m.inherit.iter().any(|i| i == inherit)
+        && !p.installed.consented.iter().any(|c| c == inherit))
+    .then(|| {
+        format!(
+            " (its manifest asks to inherit {inherit}, which was not consented \
+             to for this manifest, or the manifest changed since: `abx-proxy \
+             provider install FILE --consent` grants it)"
+        )
+    });
+    let key = p.api_key().ok_or_else(|| Error::Provider {
+        id: m.id.clone(),
+        reason: format!(
+            "api_key is not set: set {}{}{}",
+            m.canonical_env("api_key"),
+            m.fields
+                .get("api_key")
+                .map(|f| f
+                    .aliases
+                    .iter()
+                    .map(|a| format!(" or {a}"))
+                    .collect::<String>())
+                .unwrap_or_default(),
+            unconsented.unwrap_or_default()
+        ),
+    })?;
+    Ok(Credential::ApiKey(key))
+}
 
 /// The credential to attach, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
