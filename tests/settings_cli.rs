@@ -2199,6 +2199,25 @@ fn missing_credential_is_e1001_and_half_pair_is_e1003() {
         let want = e1003("--access-key-secret-file", "ALICLOUD_ACCESS_KEY_ID");
         assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
         assert_eq!(out.stderr.lines().count(), 2, "{}", out.stderr);
+
+        // Only the id, left in a file: named with its file, where it is to be found.
+        for (in_home, label) in [(false, "./.env"), (true, "~/.abx/.env")] {
+            let mut c = Case::new();
+            c.flag("--listen", "127.0.0.1:0")
+                .flag("--admin-listen", "127.0.0.1:0");
+            let path = match in_home {
+                true => c.abx_dir().join(".env"),
+                false => c.cwd.join(".env"),
+            };
+            append(&path, &format!("ALICLOUD_ACCESS_KEY_ID={AK_ID}"), 0o600);
+            let out = c.run(cmd);
+            assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
+            let want = e1003(
+                &format!("ALICLOUD_ACCESS_KEY_ID in {label}"),
+                "ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file)",
+            );
+            assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);
+        }
     }
 
     // config list still works without a credential: the credential row is unset.

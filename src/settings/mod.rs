@@ -496,9 +496,14 @@ impl Resolved {
             _ => None,
         };
         // Each half by where it was given: a secret from --access-key-secret-file was said
-        // to be ALICLOUD_ACCESS_KEY_SECRET, which the user had not set.
+        // to be ALICLOUD_ACCESS_KEY_SECRET, which the user had not set; a half left in a
+        // file, by its file (the environment has no such variable to look for).
         let named = |e: &Entry| match e.source {
             Source::Flag => e.spec.key.flag(),
+            Source::ConfigToml => format!("{} in {}", e.spec.key.name(), e.source.label()),
+            Source::DotEnvCwd | Source::DotEnvHome => {
+                format!("{} in {}", e.spec.env, e.source.label())
+            }
             _ => e.spec.env.to_string(),
         };
         let half = match (&id.value, &secret.value) {
