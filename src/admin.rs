@@ -35,10 +35,13 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// slot would have come back within milliseconds), and a probe that sent its head a few
 /// milliseconds late was closed by the next client in.
 ///
-/// Short, since it paces the accepts while every slot is that young: at most 64 a grace,
-/// so a probe behind a full accept queue (1024) of clients that send nothing waits 16 of
-/// them, 320 ms, within the kubelet's 1 s. At 250 ms, a few hundred such connections from
-/// anywhere on the pod network timed every probe out.
+/// Short, since it paces the accepts while every slot is that young: at most 64 a grace
+/// (timers fire on whole milliseconds: about 3 000 a second), so a probe behind a full
+/// accept queue (1024) of clients that send nothing waits about 17 of them, 350 ms as
+/// measured, within the kubelet's 1 s. At 250 ms, a few hundred such connections from
+/// anywhere on the pod network timed every probe out. The other side of it: under such a
+/// load, a client whose head comes more than 20 ms after its accept may be closed (the
+/// kubelet and Prometheus send theirs with the connect).
 const GRACE: Duration = Duration::from_millis(20);
 
 /// The most a request head may buffer (hyper's least; its default is ~400 KiB). A probe's
