@@ -2212,8 +2212,9 @@ fn missing_credential_is_e1001_and_half_pair_is_e1003() {
             append(&path, &format!("ALICLOUD_ACCESS_KEY_ID={AK_ID}"), 0o600);
             let out = c.run(cmd);
             assert_eq!(out.code, 78, "{cmd:?}: {}", out.stderr);
+            // With its path: a service's `~/.abx` is its ABX_HOME.
             let want = e1003(
-                &format!("ALICLOUD_ACCESS_KEY_ID in {label}"),
+                &format!("ALICLOUD_ACCESS_KEY_ID in {label} ({})", path.display()),
                 "ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file)",
             );
             assert!(out.stderr.starts_with(&want), "{cmd:?}: {}", out.stderr);

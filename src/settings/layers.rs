@@ -271,8 +271,8 @@ pub struct SkippedLine {
     shown: String,
     line: usize,
     names: Vec<String>,
-    /// What a broken line of ours says (its line, and a hint: NULs, a `$`), never its text.
-    error: Error,
+    /// Why dotenvy failed it, for the error it gets as a line of ours (never its text).
+    cause: Cause,
 }
 
 impl SkippedLine {
@@ -311,7 +311,7 @@ impl SkippedLine {
     /// The error a broken line of abx-proxy's own gets: a selected plugin's alias line
     /// says what any other line of ours would.
     pub fn into_error(self) -> Error {
-        self.error
+        line_error(&self.shown, self.line, self.cause)
     }
 }
 
@@ -354,13 +354,12 @@ fn collect_dotenv(
             }
             Err(e) => match (skippable_line(&e, text, failed_at), skipped.as_deref_mut()) {
                 (Some((line, names)), Some(skipped)) => {
-                    let error = read_error(shown, &e, text, failed_at);
                     failed_at = line;
                     skipped.push(SkippedLine {
                         shown: shown.to_string(),
                         line: line.number,
                         names,
-                        error,
+                        cause: Cause::of(&text[line.start..]),
                     })
                 }
                 // The dotenvy error names the line and byte offset only, never the value.
@@ -424,28 +423,7 @@ fn read_error(shown: &str, e: &dotenvy::Error, text: &str, after: Line) -> Error
         // unterminated quote runs to the end of the file: its start is the useful line).
         dotenvy::Error::LineParse(entry, idx) => match entry_line(text, entry, after) {
             Some(line) => {
-                let first = text[line.start..].lines().next().unwrap_or_default();
-                if first.contains('\0') {
-                    return Error::ReadFile {
-                        path: shown.to_string(),
-                        reason: format!(
-                            "syntax error at line {}: NUL bytes (UTF-16 text? save it as UTF-8)",
-                            line.number
-                        ),
-                    };
-                }
-                if dollar_is_the_cause(first) {
-                    return Error::ReadFile {
-                        path: shown.to_string(),
-                        reason: format!(
-                            "syntax error at line {}: dotenvy reads no `$` (or `$NAME`) just \
-                             before a closing double quote; write `${{NAME}}`, or `\\$` for a \
-                             dollar sign",
-                            line.number
-                        ),
-                    };
-                }
-                return syntax_error(shown, line.number);
+                return line_error(shown, line.number, Cause::of(&text[line.start..]));
             }
             None => format!("syntax error at byte {idx} of an entry"),
         },
@@ -519,6 +497,46 @@ fn syntax_error(shown: &str, line: usize) -> Error {
     Error::ReadFile {
         path: shown.to_string(),
         reason: format!("syntax error at line {line}"),
+    }
+}
+
+/// What a failing line says beside its number: a byte, kept per skipped line of another
+/// tool's (a `./.env` may have 170 000 of them), not an error built for each.
+#[derive(Clone, Copy)]
+enum Cause {
+    Syntax,
+    /// UTF-16 text.
+    Nul,
+    /// A `$` dotenvy does not read (see [`dollar_is_the_cause`]).
+    Dollar,
+}
+
+impl Cause {
+    /// The cause of a failure on the line `from` begins.
+    fn of(from: &str) -> Cause {
+        let first = from.lines().next().unwrap_or_default();
+        if first.contains('\0') {
+            Cause::Nul
+        } else if first.contains('$') && dollar_is_the_cause(first) {
+            Cause::Dollar
+        } else {
+            Cause::Syntax
+        }
+    }
+}
+
+fn line_error(shown: &str, line: usize, cause: Cause) -> Error {
+    let hint = match cause {
+        Cause::Syntax => return syntax_error(shown, line),
+        Cause::Nul => "NUL bytes (UTF-16 text? save it as UTF-8)",
+        Cause::Dollar => {
+            "dotenvy reads no `$` (or `$NAME`) just before a closing double quote; write \
+             `${NAME}`, or `\\$` for a dollar sign"
+        }
+    };
+    Error::ReadFile {
+        path: shown.to_string(),
+        reason: format!("syntax error at line {line}: {hint}"),
     }
 }
 

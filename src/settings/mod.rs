@@ -228,6 +228,8 @@ pub struct RawLayers {
     pub toml: HashMap<String, String>,
     /// The config.toml read, for warnings about its plugin tables.
     pub toml_path: Option<std::path::PathBuf>,
+    /// The `./.env` read (in the working directory of the start), for messages.
+    pub dotenv_cwd_path: Option<std::path::PathBuf>,
 }
 
 /// The env and `.env` layers hold secrets as read: only their names are shown. (Plugin
@@ -243,6 +245,7 @@ impl std::fmt::Debug for RawLayers {
             .field("dotenv_home", &names(&self.dotenv_home))
             .field("toml", &names(&self.toml))
             .field("toml_path", &self.toml_path)
+            .field("dotenv_cwd_path", &self.dotenv_cwd_path)
             .finish()
     }
 }
@@ -334,6 +337,7 @@ impl Resolved {
             dotenv_home,
             toml,
             toml_path: inputs.abx_home.as_ref().map(|h| h.join("config.toml")),
+            dotenv_cwd_path: Some(inputs.cwd.join(".env")),
         };
 
         let mut entries: Vec<Entry> = KEYS
@@ -485,6 +489,20 @@ impl Resolved {
             .collect()
     }
 
+    /// A file layer as messages name it: as the user knows it, and where it is.
+    fn file_shown(&self, source: Source) -> String {
+        let path = match source {
+            Source::DotEnvCwd => self.layers.dotenv_cwd_path.clone(),
+            Source::DotEnvHome => self.abx_home.as_ref().map(|h| h.join(".env")),
+            Source::ConfigToml => self.layers.toml_path.clone(),
+            _ => None,
+        };
+        match path {
+            Some(path) => format!("{} ({})", source.label(), path.display()),
+            None => source.label().to_string(),
+        }
+    }
+
     /// The credential rule of SPEC §2: the highest level decides, a pair counts at the level
     /// of its lower half, a tie goes to the API key. Also the warning for a stray half pair.
     pub fn credential(&self) -> Result<(CredentialKind, Source, Option<String>), Error> {
@@ -497,12 +515,13 @@ impl Resolved {
         };
         // Each half by where it was given: a secret from --access-key-secret-file was said
         // to be ALICLOUD_ACCESS_KEY_SECRET, which the user had not set; a half left in a
-        // file, by its file (the environment has no such variable to look for).
+        // file, by its file (the environment has no such variable to look for), with its
+        // path: a service's `~/.abx` is its `ABX_HOME`, not the reader's.
         let named = |e: &Entry| match e.source {
             Source::Flag => e.spec.key.flag(),
-            Source::ConfigToml => format!("{} in {}", e.spec.key.name(), e.source.label()),
+            Source::ConfigToml => format!("{} in {}", e.spec.key.name(), self.file_shown(e.source)),
             Source::DotEnvCwd | Source::DotEnvHome => {
-                format!("{} in {}", e.spec.env, e.source.label())
+                format!("{} in {}", e.spec.env, self.file_shown(e.source))
             }
             _ => e.spec.env.to_string(),
         };
