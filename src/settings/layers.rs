@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::expansion::Expansion;
 use super::keys::KEYS;
@@ -267,10 +268,16 @@ const SKIPPED_SAID: usize = 10;
 ///
 /// No `Debug`: `names` is the text before a `=` on each line of the entry, and a line
 /// inside an unterminated quote may be part of a value.
+///
+/// Small, one allocation of its own: a `./.env` of another tool's may have 170 000 such
+/// lines, each kept until the provider is known (a copy of the file's path in each held
+/// 58 MB, more with a long path).
 pub struct SkippedLine {
-    shown: String,
+    /// The file, shared by its lines.
+    shown: Arc<str>,
     line: usize,
-    names: Vec<String>,
+    /// One name a line, `\n` between them.
+    names: Box<str>,
     /// Why dotenvy failed it, for the error it gets as a line of ours (never its text).
     cause: Cause,
 }
@@ -278,7 +285,7 @@ pub struct SkippedLine {
 impl SkippedLine {
     /// Whether the line sets (or, as a bare `export`, names) one of `env`.
     pub fn sets_any(&self, env: &[String]) -> bool {
-        self.names.iter().any(|n| env.contains(n))
+        self.names.split('\n').any(|n| env.iter().any(|e| e == n))
     }
 
     /// Names the file and the line, never the text.
@@ -330,6 +337,7 @@ fn collect_dotenv(
     mut skipped: Option<&mut Vec<SkippedLine>>,
 ) -> Result<HashMap<String, String>, Error> {
     let mut out = HashMap::new();
+    let shown_once: Arc<str> = Arc::from(shown);
     // An editor's byte-order mark: dotenvy strips it only when it loads a file into the
     // environment, not in the iterator read here, where it made line 1 a syntax error.
     let body = text.strip_prefix(BOM).unwrap_or(text);
@@ -356,7 +364,7 @@ fn collect_dotenv(
                 (Some((line, names)), Some(skipped)) => {
                     failed_at = line;
                     skipped.push(SkippedLine {
-                        shown: shown.to_string(),
+                        shown: shown_once.clone(),
                         line: line.number,
                         names,
                         cause: Cause::of(&text[line.start..]),
@@ -374,7 +382,7 @@ fn collect_dotenv(
 /// names its entry sets. The failing entry may run over several lines (an unterminated
 /// quote runs to the end of the file): it counts as ours if any of it names one of ours,
 /// and each of its lines that reads as `NAME=…` gives a name.
-fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, Vec<String>)> {
+fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, Box<str>)> {
     let dotenvy::Error::LineParse(entry, _) = e else {
         return None;
     };
@@ -393,7 +401,9 @@ fn skippable_line(e: &dotenvy::Error, text: &str, after: Line) -> Option<(Line, 
     let names = std::iter::once(name)
         .chain(entry.split('\n').skip(1).filter_map(line_name))
         .map(|n| n.replace('\0', ""))
-        .collect();
+        .collect::<Vec<_>>()
+        .join("\n")
+        .into();
     (!ours).then_some((line, names))
 }
 

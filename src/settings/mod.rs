@@ -406,7 +406,7 @@ impl Resolved {
     /// is reported when it is resolved.
     fn settle_skipped(
         &mut self,
-        skipped: Vec<layers::SkippedLine>,
+        mut skipped: Vec<layers::SkippedLine>,
         at: usize,
     ) -> Result<(), Error> {
         if skipped.is_empty() {
@@ -421,13 +421,11 @@ impl Resolved {
                 .unwrap_or_default(),
             _ => Vec::new(),
         };
-        let (ours, others): (Vec<_>, Vec<_>) =
-            skipped.into_iter().partition(|l| l.sets_any(&plugin_env));
-        if let Some(first) = ours.into_iter().next() {
-            return Err(first.into_error());
+        if let Some(first) = skipped.iter().position(|l| l.sets_any(&plugin_env)) {
+            return Err(skipped.swap_remove(first).into_error());
         }
         self.warnings
-            .splice(at..at, layers::SkippedLine::warnings(&others));
+            .splice(at..at, layers::SkippedLine::warnings(&skipped));
         Ok(())
     }
 
