@@ -541,10 +541,22 @@ impl Running {
             false
         };
         // Read on the reading thread: this one also accepts connections and answers the
-        // probes, which a slow read (a stalled network mount) would leave unanswered.
+        // probes, which a slow read (a stalled network mount) would leave unanswered. The
+        // validation and the selection's warnings too: each reads a plugin's manifest and
+        // receipt again, and lists the installed ones.
         let flags = self.flags.clone();
-        let read = reader.run("the settings", move || commands::resolve_unsaid(&flags));
-        let (resolved, warnings) = match read.await {
+        let options = self.options.clone();
+        let read = reader.run("the settings", move || {
+            let (resolved, warnings) = commands::resolve_unsaid(&flags)?;
+            // What the next start would refuse, as `check` and `serve` refuse it: a
+            // `listen` beyond loopback without TLS or consent was said to apply at the
+            // restart, which then exited 78.
+            let next = (resolved.validate())
+                .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next));
+            let selection = resolved.selection_warnings();
+            Ok::<_, Error>((resolved, warnings, next, selection))
+        });
+        let (resolved, warnings, next, selection) = match read.await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),
             Err(e) => {
@@ -558,23 +570,12 @@ impl Running {
         // may be why it failed or a host moved). Said once the outcome is known, before
         // its line: a new pair's first exchange can still fail the reload.
         let say = |applies: bool| {
-            let untrue = if applies {
-                Vec::new()
-            } else {
-                resolved.selection_warnings()
-            };
+            let untrue = if applies { &[][..] } else { &selection[..] };
             (warnings.iter())
                 .filter(|w| !untrue.contains(w))
                 .for_each(|w| logging::warning(w));
         };
-        // What the next start would refuse, as `check` and `serve` refuse it: a `listen`
-        // beyond loopback without TLS or consent was said to apply at the restart, which
-        // then exited 78.
-        let options = &self.options;
-        let next = match resolved
-            .validate()
-            .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next))
-        {
+        let next = match next {
             Ok(next) => next,
             Err(e) => {
                 say(false);
