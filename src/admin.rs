@@ -59,9 +59,9 @@ const MAX_HEAD_BUFFER: usize = 8 * 1024;
 ///
 /// When all slots are taken, a new connection closes the one that has waited longest for
 /// its request head (nginx reuses its connections likewise), or, when every one has its
-/// request, the one that has been answering longest, of those that have had their
-/// [`GRACE`]: the probe that just came in is served, not left in the kernel's accept
-/// queue for longer than that.
+/// request, the one that has been answering longest, of those that have had their grace
+/// (20 ms): the probe that just came in is served, not left in the kernel's accept queue
+/// for longer than that.
 pub async fn serve(listener: Listener, proxy: Arc<Proxy>, header_timeout: Duration) {
     let table = Arc::new(Table::new());
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -225,7 +225,7 @@ impl Table {
         drop(slots);
         tracing::debug!(
             connections = MAX_CONNECTIONS,
-            "admin listener full: closing its longest-waiting connection for a new one"
+            "admin listener full: closing the connection waiting or answering longest for a new one"
         );
         task.abort();
         None

@@ -50,7 +50,7 @@ pub enum Plan {
 }
 
 /// Compares the settings the proxy runs on with the next ones. `changed` names every key
-/// whose value or source differs.
+/// whose value differs from what the proxy started with: what a restart would change.
 pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
     let moved = destination_changes(running, next);
     if !moved.is_empty() {
@@ -405,7 +405,8 @@ pub struct Running {
     pub proxy: Arc<Proxy>,
     pub flags: SettingsArgs,
     pub options: Options,
-    /// The settings as last read (with sources), to name what a reload changes.
+    /// The settings of the last reload that took effect, or of the start (with sources),
+    /// to name what the next reload changes.
     pub seen: Resolved,
     /// The settings as read at the start, which the proxy runs on (its credential aside):
     /// what a restart would change is measured from them, not from the last reload. A

@@ -96,7 +96,8 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
             reason,
         };
         // Bounded, as every file the proxy reads: `/dev/zero` given here grew the process
-        // by gigabytes, and a directory or a FIFO is said as such.
+        // by gigabytes. A directory is said as such; a pipe is read once, at the start (it
+        // waits for its writer), as a key file's is.
         let pem = crate::watched::read_up_to(path, crate::watched::Limit::Bundle)
             .map_err(|e| bad(crate::watched::reason(&e)))?;
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(without_bom(&pem))

@@ -842,8 +842,10 @@ impl ExchangedKey {
 
     /// The key to attach now. Lock-free while a usable key is cached; before the first
     /// exchange has answered, waits for it up to [`STARTUP_WAIT`]; after a key ran out with
-    /// no failed refresh behind it, waits for the refresh up to [`CALL_TIMEOUT`]. E1004 (or
-    /// E1002 after a clock-skew answer) when there is no usable key.
+    /// no failed refresh behind it and its refresh late (none begun on time: the machine
+    /// slept), waits for that refresh up to [`CALL_TIMEOUT`]; a refresh begun on time and
+    /// still out gets E1004 at once. E1004 (or E1002 after a clock-skew answer) when there
+    /// is no usable key.
     pub async fn current(&self) -> Result<Secret, Error> {
         let shared = &*self.shared;
         let now = shared.clock.now();

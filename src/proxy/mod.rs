@@ -137,7 +137,8 @@ pub struct Proxy {
     pub(crate) host_policy: HostPolicy,
     pub(crate) compat: CompatMode,
     pub(crate) upstream_timeout: Duration,
-    /// For tunnels, which outlive the connection's own watchdog.
+    /// `--idle-timeout`, for what outlives the connection's own watchdog: tunnels, each
+    /// HTTP/2 answer's idle limit, and the keepalive pace asked of envd.
     pub(crate) idle_timeout: Duration,
     /// Set when the drain begins; a watch, for a reload to be stopped by it.
     draining: tokio::sync::watch::Sender<bool>,

@@ -36,7 +36,8 @@ pub struct Inputs {
     /// setting reads one: a stray variable of another program must not stop the proxy.
     pub env_not_unicode: BTreeSet<String>,
     pub cwd: PathBuf,
-    /// `~/.abx` (or `$ABX_HOME`); `None` when neither HOME nor ABX_HOME is set.
+    /// `~/.abx` (or `$ABX_HOME`); `None` when ABX_HOME is unset or blank and HOME is
+    /// unset, blank or no directory.
     pub abx_home: Option<PathBuf>,
 }
 
@@ -228,7 +229,7 @@ pub struct RawLayers {
     pub toml: HashMap<String, String>,
     /// The config.toml read, for warnings about its plugin tables.
     pub toml_path: Option<std::path::PathBuf>,
-    /// The `./.env` read (in the working directory of the start), for messages.
+    /// The `./.env` read (in the working directory at the time), for messages.
     pub dotenv_cwd_path: Option<std::path::PathBuf>,
 }
 
@@ -548,8 +549,8 @@ impl Resolved {
         }
     }
 
-    /// Validates every key into typed settings; the first problem is the error.
-    /// The selected plugin provider, resolved; `None` for the built-in one.
+    /// The selected plugin provider, resolved (its manifest and receipt read again);
+    /// `None` for the built-in one.
     pub fn plugin(&self) -> Result<Option<PluginSettings>, Error> {
         let id = self.plain(Key::Provider).unwrap_or(providers::BUILTIN);
         if id == providers::BUILTIN {
