@@ -49,8 +49,10 @@ pub enum Plan {
     Refuse { moved: Vec<String> },
 }
 
-/// Compares the settings the proxy runs on with the next ones. `changed` names every key
-/// whose value differs from what the proxy started with: what a restart would change.
+/// Compares the settings the proxy runs on with the next ones. `changed` names every
+/// built-in key whose value differs from what the proxy started with (what a restart
+/// would change), and each plugin field that differs from the running settings' (since
+/// the start, or the last reload that swapped the key).
 pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
     let moved = destination_changes(running, next);
     if !moved.is_empty() {

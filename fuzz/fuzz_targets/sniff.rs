@@ -26,10 +26,14 @@ fuzz_target!(|data: &[u8]| {
                 assert!(!id.is_empty() && !id.contains('/'), "{id:?}");
             }
             // `/v2/sandboxes…` too: the plan reads both spellings (the `/v2` rewrite).
-            Sniff::Learn => assert!(
-                path.starts_with("/sandboxes") || path.starts_with("/v2/sandboxes"),
-                "{path:?}"
-            ),
+            Sniff::Learn => {
+                let rest = path.strip_prefix("/v2").unwrap_or(path);
+                let rest = rest.strip_prefix("/sandboxes");
+                assert!(
+                    rest.is_some_and(|r| r.is_empty() || r.starts_with('/')),
+                    "{path:?}"
+                );
+            }
             Sniff::None => {}
         }
     }

@@ -37,7 +37,8 @@ pub struct Inputs {
     pub env_not_unicode: BTreeSet<String>,
     pub cwd: PathBuf,
     /// `~/.abx` (or `$ABX_HOME`); `None` when ABX_HOME is unset or blank and HOME is
-    /// unset, blank or no directory.
+    /// unset, blank, or names a file or a path through one (a HOME not made yet still
+    /// gives `HOME/.abx`).
     pub abx_home: Option<PathBuf>,
 }
 
