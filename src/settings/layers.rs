@@ -50,7 +50,7 @@ pub fn read_dotenv(
     skipped: Option<&mut Vec<SkippedLine>>,
     warnings: &mut Vec<String>,
 ) -> Result<HashMap<String, String>, Error> {
-    let shown = format!("{label} ({})", path.display());
+    let shown = labelled(label, path);
     let absent = match std::fs::metadata(path) {
         Ok(meta) => !meta.is_file(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
@@ -834,9 +834,15 @@ pub(crate) fn line_of(text: &str, offset: usize) -> usize {
         + 1
 }
 
-/// How warnings name a config.toml: as the user knows it, and where it is.
+/// How messages name a file: as the user knows it (`~/.abx/.env`), and where it is (a
+/// service's `~/.abx` is its `ABX_HOME`).
+pub(crate) fn labelled(label: &str, path: &Path) -> String {
+    format!("{label} ({})", path.display())
+}
+
+/// How warnings name a config.toml (see [`labelled`]).
 pub(crate) fn config_label(path: &Path) -> String {
-    format!("~/.abx/config.toml ({})", path.display())
+    labelled(Source::ConfigToml.label(), path)
 }
 
 /// `$ABX_HOME`, else `$HOME/.abx`, from `var` (the process environment's `var_os`). A

@@ -498,7 +498,7 @@ impl Resolved {
             _ => None,
         };
         match path {
-            Some(path) => format!("{} ({})", source.label(), path.display()),
+            Some(path) => layers::labelled(source.label(), &path),
             None => source.label().to_string(),
         }
     }
