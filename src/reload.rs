@@ -408,12 +408,17 @@ pub struct Running {
     pub flags: SettingsArgs,
     pub options: Options,
     /// The settings of the last reload that took effect, or of the start (with sources),
-    /// to name what the next reload changes.
+    /// to name what the next reload changes; a plugin's fields from `seen_settings`.
     pub seen: Resolved,
+    pub seen_settings: Settings,
     /// The settings as read at the start, which the proxy runs on (its credential aside):
     /// what a restart would change is measured from them, not from the last reload. A
-    /// change undone was still said to "apply at the next restart".
+    /// change undone was still said to "apply at the next restart". A plugin's fields too:
+    /// measured from `settings`, which a key swap brings up to date, a field changed with
+    /// the key and then undone was said to wait for a restart.
     pub started: Resolved,
+    pub started_settings: Settings,
+    /// What runs: the start's settings, with the credential of the last swap.
     pub settings: Settings,
     /// The listener's pair, when it serves TLS.
     pub tls: Option<ListenerCert>,
@@ -588,7 +593,7 @@ impl Running {
         let changed = changed_names(
             &self.seen,
             &resolved,
-            &self.settings,
+            &self.seen_settings,
             &next,
             Change::ValueOrSource,
         );
@@ -607,13 +612,14 @@ impl Running {
             // What was read is what runs: a key shadowed in a file is said once, not again
             // at every later reload until some other change is applied.
             self.seen = resolved;
+            self.seen_settings = next;
             return true;
         }
         // By value: a restart on the same value from another file changes nothing.
         let pending = changed_names(
             &self.started,
             &resolved,
-            &self.settings,
+            &self.started_settings,
             &next,
             Change::Value,
         );
@@ -676,6 +682,7 @@ impl Running {
             tracing::warn!(keys = %restart.join(","), "these settings apply at the next restart");
         }
         self.seen = resolved;
+        self.seen_settings = next;
         true
     }
 }

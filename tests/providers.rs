@@ -1214,6 +1214,72 @@ async fn a_plugin_key_rotated_under_one_the_environment_decides_is_said() {
     assert!(!stderr.contains("os-key-file"), "a key value in the log");
 }
 
+/// A plugin field beside the key, that only a restart applies: changed with a key
+/// rotation it is said to wait for the restart; changed back it is not (it is what the
+/// process runs on), nor is it a change again at the next reload. Plugin fields were
+/// measured from the running settings, which the key's swap brought up to date.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_field_changed_with_the_key_and_back_is_not_said_to_wait_for_a_restart() {
+    const MANIFEST: &str = r#"manifest_version = 1
+[provider]
+id = "zoned"
+[endpoint]
+base_url = "http://localhost:9"
+auth.scheme = "header"
+auth.header = "X-Zoned-Key"
+[config.fields.api_key]
+secret = true
+[config.fields.base_url]
+[config.fields.zone]
+default = "a"
+"#;
+    const KEY1: &str = "zoned-key-one-Bc3De5Fg7Hj";
+    const KEY2: &str = "zoned-key-two-Kl2Mn4Pq6Rs";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let (_dir, manifest) = manifest_file(MANIFEST);
+    let key = |k: &str| format!("ABX_ZONED_API_KEY={k}\n");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .setup(&["provider", "install", &manifest])
+        .env("ABX_PROVIDER", Some("zoned"))
+        .env("ABX_ZONED_BASE_URL", Some(&upstream.url()))
+        .abx_file(".env", &key(KEY1))
+        .spawn()
+        .await;
+    let restart_lines = |stderr: &str| {
+        (stderr.lines())
+            .filter(|l| l.contains("apply at the next restart"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let moved = format!("{}ABX_ZONED_ZONE=b\n", key(KEY2));
+    let line = proxy.reload_env(&moved, "apply at the next restart").await;
+    assert!(line.contains("zoned.zone"), "{line}");
+    // Back to the zone it started with, the rotated key kept.
+    let line = proxy.reload_env(&key(KEY2), "reloaded").await;
+    assert!(
+        line.contains("credential is unchanged") && line.contains("zoned.zone"),
+        "{line}"
+    );
+    let line = proxy.reload_env(&key(KEY2), "reload").await;
+    assert!(line.contains("no setting changed"), "{line}");
+    // A zone changed without the key: said, once; the same file again is no change.
+    let zone_c = format!("{}ABX_ZONED_ZONE=c\n", key(KEY2));
+    let line = proxy.reload_env(&zone_c, "apply at the next restart").await;
+    assert!(line.contains("zoned.zone"), "{line}");
+    let line = proxy.reload_env(&zone_c, "reload").await;
+    assert!(line.contains("no setting changed"), "{line}");
+    let (status, body) = send_with_client_credentials(proxy.addr(), "/x").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        upstream.seen().last().map(|s| s.all("x-zoned-key")),
+        Some(vec![KEY2.to_string()])
+    );
+    let stderr = proxy.finish().await;
+    assert_eq!(restart_lines(&stderr).len(), 2, "{stderr}");
+    assert!(!stderr.contains("zoned-key-"), "a key value in the log");
+}
+
 /// A plugin that inherits the built-in key from the environment, and whose own key in a
 /// `.env` file is removed: the reload applies the inherited key, and says nothing of a
 /// file's key that a higher level decides (the file's own key had been the one in use).
