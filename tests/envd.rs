@@ -1716,6 +1716,36 @@ async fn tokens_are_learned_from_connect_and_v2_answers() {
     proxy.finish().await;
 }
 
+/// e2b Python 2.10-2.20 sends `E2b-Sandbox-Id` and `E2b-Sandbox-Port: 49983` on its
+/// control-plane connect as well: E2B's API ignores them. Routed to envd by the header,
+/// the connect got envd's 404 and `Sandbox.connect` failed; it is the control plane's,
+/// with the key, and its token is learned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_carrying_envd_headers_goes_to_the_control_plane() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.cloud.exists("isb-h1", "tok-h1");
+    let req = request("POST", addr, "/sandboxes/isb-h1/connect")
+        .header("x-api-key", "dummy-key")
+        .header("e2b-sandbox-id", "isb-h1")
+        .header("e2b-sandbox-port", "49983")
+        .header("content-type", "application/json")
+        .body(full(r#"{"timeout":300}"#))
+        .unwrap();
+    let (status, body) = text(send(addr, req).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let seen = env.api.seen().pop().expect("the control plane was asked");
+    assert_eq!(
+        (seen.method.as_str(), seen.uri.path()),
+        ("POST", "/sandboxes/isb-h1/connect")
+    );
+    assert_eq!(seen.all("authorization"), vec![format!("Bearer {API_KEY}")]);
+    assert!(env.envd.seen().is_empty(), "envd was sent the connect");
+    env.assert_token_known(&proxy, "isb-h1", "tok-h1").await;
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 9. The 1 MiB bound on bodies the proxy reads
 // ---------------------------------------------------------------------------------------

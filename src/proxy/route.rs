@@ -368,6 +368,13 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
                 "E2b-Sandbox-Id/E2b-Sandbox-Port name another sandbox or port than Host",
             ));
         }
+        // e2b Python 2.10-2.20 sends these headers on its control-plane connect too
+        // (`POST /sandboxes/{id}/connect`), which E2B's API ignores: sent to envd, which
+        // serves no `/sandboxes` path, the connect got a 404 and `Sandbox.connect` failed.
+        // On envd's port only: another port is a sandbox app's, whose paths are its own.
+        if named.is_none() && port == DEFAULT_ENVD_PORT && is_control_plane_path(parts.uri.path()) {
+            return Ok(Route::Api);
+        }
         // A Host that names it too says how the cloud spells it (see below).
         let sandbox_id = match named {
             Some((_, named_id)) => named_id.to_ascii_lowercase(),
@@ -384,6 +391,13 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
         });
     }
     Ok(Route::Api)
+}
+
+/// The control plane's sandbox collection (`/sandboxes…`, `/v2/sandboxes…`): no envd path.
+fn is_control_plane_path(path: &str) -> bool {
+    let rest = path.strip_prefix("/v2").unwrap_or(path);
+    rest.strip_prefix("/sandboxes")
+        .is_some_and(|r| r.is_empty() || r.starts_with('/'))
 }
 
 /// `<port>-<sandboxId>.localhost`: the port is the digits before the first dash. A name of
@@ -516,6 +530,59 @@ mod tests {
             b = b.header(*k, *v);
         }
         b.body(()).unwrap().into_parts().0
+    }
+
+    /// e2b Python 2.10-2.20's connect carries the routing headers (envd's port): it is the
+    /// control plane's; an app's port, or a Host naming the sandbox, keeps it envd's.
+    #[test]
+    fn a_control_plane_path_with_envd_headers_is_the_control_planes() {
+        let p = HostPolicy::Loopback;
+        let routed = |path: &str, port: Option<&str>, host: &str| {
+            let mut h = vec![("host", host), ("e2b-sandbox-id", "isb-a1")];
+            h.extend(port.map(|p| ("e2b-sandbox-port", p)));
+            route(&parts(path, &h), &p).unwrap()
+        };
+        let envd = |port| Route::Envd {
+            sandbox_id: "isb-a1".into(),
+            port,
+        };
+        for path in [
+            "/sandboxes/isb-a1/connect",
+            "/v2/sandboxes/isb-a1/connect",
+            "/sandboxes",
+            "/v2/sandboxes?state=running",
+            "/sandboxes/isb-a1",
+        ] {
+            assert_eq!(
+                routed(path, Some("49983"), "localhost"),
+                Route::Api,
+                "{path}"
+            );
+            assert_eq!(routed(path, None, "localhost"), Route::Api, "{path}");
+            assert_eq!(
+                routed(path, Some("8080"), "localhost"),
+                envd(8080),
+                "{path}"
+            );
+            assert_eq!(
+                routed(path, None, "49983-isb-a1.localhost"),
+                envd(49983),
+                "{path}"
+            );
+        }
+        for path in [
+            "/sandboxesx",
+            "/v2/sandboxesx/a",
+            "/files",
+            "/v3/sandboxes",
+            "/x/sandboxes",
+        ] {
+            assert_eq!(
+                routed(path, Some("49983"), "localhost"),
+                envd(49983),
+                "{path}"
+            );
+        }
     }
 
     #[test]
