@@ -1848,6 +1848,9 @@ async fn requests_total_counts_envd_requests_but_not_the_proxys_lookups() {
     let (status, _) = text(send(addr, envd_request(addr, "isb-none", "/health")).await).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "E2009 after a look-up");
     env.create(&proxy, "isb-n", "tok-n").await;
+    // Refused while routing, it is still envd's: it names a sandbox (SPEC §4).
+    let (status, _) = text(send(addr, envd_request(addr, "isb_bad!", "/health")).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "an id that is none");
     assert_eq!(
         (env.lookups("isb-m").len(), env.lookups("isb-none").len()),
         (2, 1)
@@ -1859,13 +1862,14 @@ async fn requests_total_counts_envd_requests_but_not_the_proxys_lookups() {
         .lines()
         .filter(|l| l.starts_with("abx_proxy_requests_total"))
         .collect();
-    assert_eq!(counted.len(), 3, "only the client's requests: {counted:#?}");
+    assert_eq!(counted.len(), 4, "only the client's requests: {counted:#?}");
     let series = |labels: &str| metric(&metrics, &format!("abx_proxy_requests_total{{{labels}}}"));
     assert_eq!(series(r#"plane="envd",method="GET",code="200""#), Some(2.0));
     assert_eq!(series(r#"plane="envd",method="GET",code="404""#), Some(1.0));
+    assert_eq!(series(r#"plane="envd",method="GET",code="400""#), Some(1.0));
     assert_eq!(series(r#"plane="api",method="POST",code="201""#), Some(1.0));
     let envd_timed = r#"abx_proxy_request_duration_seconds_count{plane="envd"}"#;
-    assert_eq!(metric(&metrics, envd_timed), Some(3.0));
+    assert_eq!(metric(&metrics, envd_timed), Some(4.0));
     proxy.finish().await;
 }
 

@@ -2239,19 +2239,22 @@ async fn tunnel_cut_when_the_grace_ends(grace: &str) {
 }
 
 /// A tunnel that moves no bytes for `--idle-timeout` is closed like any idle connection,
-/// and the log says the proxy cut it, and what had gone through.
+/// and the log says the proxy cut it, and what had gone through. Its path is written as
+/// the access line writes it: raw, U+2028 ended the line for a Unicode-aware reader and
+/// U+202E turned its display around.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_websocket_tunnel_is_closed_at_the_idle_timeout() {
     let pki = Pki::new();
     let (_upstream, mut proxy) = behind_websocket_upstream(&pki, &["--idle-timeout", "1s"]).await;
-    let mut s = open_tunnel(proxy.addr()).await;
+    let mut s = open_tunnel_to(proxy.addr(), "/ws/\u{202e}gnp.exe\u{2028}?x=1").await;
     let said = b"then silence";
     echo(&mut s, said).await;
     expect_closed(&mut s, &[]).await;
     let cut = proxy.wait_for_line("tunnel cut").await;
     let up = format!("bytes_up={}", said.len());
     let down = format!("bytes_down={}", GREETING.len() + said.len());
-    for field in ["end=\"idle\"", "path=/ws", &up, &down] {
+    let path = "path=/ws/%E2%80%AEgnp.exe%E2%80%A8 ";
+    for field in ["end=\"idle\"", path, &up, &down] {
         assert!(cut.contains(field), "{field} not in: {cut}");
     }
     assert!(!cut.contains("x=1"), "the query reached the log: {cut}");

@@ -125,7 +125,14 @@ impl Proxy {
                 start,
             };
             let (plane, result) = match route::route(&parts, &self.host_policy) {
-                Err(e) => ("api", Err(Failure::from(e))),
+                Err(e) => {
+                    let plane = match self.envd {
+                        Some(_) => route::refused_plane(&parts),
+                        None => "api",
+                    };
+                    unanswered.plane = plane;
+                    (plane, Err(Failure::from(e)))
+                }
                 Ok(route) => {
                     // A provider without envd gets everything on its control plane.
                     let route = match route {

@@ -393,6 +393,24 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     Ok(Route::Api)
 }
 
+/// The plane a request [`route`] refused is counted under (SPEC §4): envd's when it names
+/// a sandbox, by `E2b-Sandbox-Id` or by a Host of the `<port>-<id>.localhost` shape, however
+/// ill-formed. Counted as the control plane's, envd's refusals left per-plane error ratios.
+pub fn refused_plane(parts: &Parts) -> &'static str {
+    let host = match parts.uri.authority() {
+        Some(a) => Some(a.as_str()),
+        None => (parts.headers.get(http::header::HOST)).and_then(|h| h.to_str().ok()),
+    };
+    let by_host = host
+        .and_then(host_of)
+        .is_some_and(|h| !matches!(sandbox_host(h), Ok(None)));
+    if by_host || parts.headers.contains_key(&E2B_SANDBOX_ID) {
+        "envd"
+    } else {
+        "api"
+    }
+}
+
 /// The control plane's sandbox collection (`/sandboxes…`, `/v2/sandboxes…`): no envd path.
 fn is_control_plane_path(path: &str) -> bool {
     let rest = path.strip_prefix("/v2").unwrap_or(path);
@@ -583,6 +601,39 @@ mod tests {
                 "{path}"
             );
         }
+    }
+
+    #[test]
+    fn a_refused_request_naming_a_sandbox_is_envds() {
+        let plane = |uri: &str, headers: &[(&str, &str)]| refused_plane(&parts(uri, headers));
+        let p = HostPolicy::Loopback;
+        for headers in [
+            &[("host", "localhost"), ("e2b-sandbox-id", "isb_bad!")][..],
+            &[("host", "49983-isb_BAD.localhost:1")],
+            &[("host", "0-isb-a.localhost")],
+            &[
+                ("host", "localhost"),
+                ("e2b-sandbox-id", "isb-a"),
+                ("e2b-sandbox-port", "99999"),
+            ],
+            &[("host", "evil.example"), ("e2b-sandbox-id", "isb-a")],
+        ] {
+            assert!(route(&parts("/files", headers), &p).is_err(), "{headers:?}");
+            assert_eq!(plane("/files", headers), "envd", "{headers:?}");
+        }
+        assert_eq!(
+            plane("/a/%2e%2e/b", &[("host", "49983-isb-a.localhost")]),
+            "envd"
+        );
+        for headers in [
+            &[("host", "evil.example")][..],
+            &[("host", "localhost")],
+            &[("host", "api.localhost")],
+            &[],
+        ] {
+            assert_eq!(plane("/a/%2e%2e/b", headers), "api", "{headers:?}");
+        }
+        assert_eq!(plane("http://49983-isb-a.localhost/x", &[]), "envd");
     }
 
     #[test]

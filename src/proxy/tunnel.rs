@@ -28,7 +28,7 @@ pub(super) struct Upgrade {
     /// The client connection's place among the open ones, from the listener. `None` only
     /// for a request that did not come through a listener.
     connection: Option<Arc<OpenConnection>>,
-    /// The request's path, never its query (as in the access line).
+    /// The request's path, never its query, escaped as in the access line.
     path: String,
 }
 
@@ -37,7 +37,7 @@ impl Upgrade {
         Upgrade {
             connection: req.extensions_mut().remove(),
             client: hyper::upgrade::on(&mut *req),
-            path: req.uri().path().to_owned(),
+            path: crate::logging::shown_path(req.uri().path()).into_owned(),
         }
     }
 }
