@@ -422,12 +422,19 @@ fn is_control_plane_path(path: &str) -> bool {
 /// that shape whose port or id cannot be one (`0-…`, `65536-…`, `49983-isb_a`) is an
 /// error, not another local name: served as one, a sandbox's request (its signed URL's
 /// query included) would go to the control plane with the key.
+///
+/// The first label names the sandbox, under `.localhost` or a name below it
+/// (`49983-<id>.e2b.localhost`): SDKs without `E2B_SANDBOX_URL` (e2b 1.x to 2.5) reach envd
+/// only at `https://<port>-<id>.<E2B_DOMAIN>`, and no TLS stack takes a `*.localhost`
+/// certificate for it; `*.e2b.localhost` they take (`api.e2b.localhost` is then the
+/// control plane's).
 fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
     let h = host.trim_end_matches('.');
     if !ends_with_ignore_case(h, ".localhost") {
         return Ok(None);
     }
-    let label = &h[..h.len() - ".localhost".len()];
+    let name = &h[..h.len() - ".localhost".len()];
+    let label = name.split('.').next().unwrap_or(name);
     let Some((port, id)) = label.split_once('-') else {
         return Ok(None);
     };
@@ -600,6 +607,29 @@ mod tests {
                 envd(49983),
                 "{path}"
             );
+        }
+    }
+
+    /// The first label names the sandbox under a name below `.localhost` too: the host
+    /// form of SDKs without `E2B_SANDBOX_URL` given `E2B_DOMAIN=e2b.localhost:49982` (a
+    /// `*.e2b.localhost` certificate covers it; no TLS stack takes `*.localhost`).
+    #[test]
+    fn a_sandbox_host_below_a_name_under_localhost_is_the_sandbox() {
+        for p in [HostPolicy::Loopback, HostPolicy::Any] {
+            for (host, port, id) in [
+                ("49983-isb-a1.e2b.localhost:49982", 49983, "isb-a1"),
+                ("3000-ISB-A1.E2B.localhost", 3000, "isb-a1"),
+                ("49983-isb-a1.a.b.localhost.", 49983, "isb-a1"),
+            ] {
+                assert_eq!(
+                    route(&parts("/files", &[("host", host)]), &p).unwrap(),
+                    Route::Envd {
+                        sandbox_id: id.into(),
+                        port
+                    },
+                    "{host}"
+                );
+            }
         }
     }
 
@@ -1020,7 +1050,8 @@ mod tests {
                 "65536-isb-a.localhost:49982",
                 "99999-isb-a.localhost",
                 "49983-isb_a.localhost",
-                "49983-isb.a.localhost",
+                "49983-isb_a.e2b.localhost",
+                "0-isb-a.e2b.localhost",
                 "49983-isb%2Da.localhost",
                 "49983-.localhost",
                 long.as_str(),
@@ -1037,6 +1068,8 @@ mod tests {
                 "app.localhost",
                 "my-app.localhost",
                 "x-1.localhost",
+                "api.e2b.localhost:49982",
+                "x.49983-isb-a.localhost",
             ] {
                 assert_eq!(
                     route(&parts("/", &[("host", host)]), &p).unwrap(),
