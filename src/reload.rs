@@ -50,9 +50,8 @@ pub enum Plan {
 }
 
 /// Compares the settings the proxy runs on with the next ones. `changed` names every
-/// built-in key whose value differs from what the proxy started with (what a restart
-/// would change), and each plugin field that differs from the running settings' (since
-/// the start, or the last reload that swapped the key).
+/// key, built-in or a plugin's field, whose value differs from what the proxy started
+/// with (what a restart would change).
 pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
     let moved = destination_changes(running, next);
     if !moved.is_empty() {
@@ -412,10 +411,8 @@ pub struct Running {
     pub seen: Resolved,
     pub seen_settings: Settings,
     /// The settings as read at the start, which the proxy runs on (its credential aside):
-    /// what a restart would change is measured from them, not from the last reload. A
-    /// change undone was still said to "apply at the next restart". A plugin's fields too:
-    /// measured from `settings`, which a key swap brings up to date, a field changed with
-    /// the key and then undone was said to wait for a restart.
+    /// what a restart would change is measured from them, a plugin's fields included, not
+    /// from the last reload nor from `settings` (which a key swap brings up to date).
     pub started: Resolved,
     pub started_settings: Settings,
     /// What runs: the start's settings, with the credential of the last swap.

@@ -1746,6 +1746,56 @@ async fn a_connect_carrying_envd_headers_goes_to_the_control_plane() {
     proxy.finish().await;
 }
 
+/// e2b Python 2.10-2.20 send the commands and files of a sandbox got by `Sandbox.connect`
+/// with `X-Access-Token` alone, and JS 2.9 its file and health requests: no sandbox named.
+/// On envd's paths, a token the proxy learned names its sandbox; they went to the control
+/// plane with the key, and got its 404. Another path, or a token it never learned, stays
+/// the control plane's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-t1", "tok-t1").await;
+    env.create(&proxy, "isb-t2", "tok-t2").await;
+    let with_token = |path: &str, token: &str| {
+        request("GET", addr, path)
+            .header("x-access-token", token)
+            .body(empty())
+            .unwrap()
+    };
+    for path in ["/health", "/files?path=%2Fetc%2Fhostname"] {
+        let (status, body) = text(send(addr, with_token(path, "tok-t2")).await).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+        let seen = env.envd.seen().pop().expect("envd was asked");
+        assert_envd_head(
+            &seen,
+            &env.envd.addr.to_string(),
+            "isb-t2",
+            ENVD_PORT,
+            "tok-t2",
+            DEFAULT_BASIC,
+        );
+    }
+    let api_before = env.api.seen().len();
+    let envd_before = env.envd.seen().len();
+    // A token it never learned, or a path that is no envd's: the control plane's.
+    let (status, _) = text(send(addr, with_token("/health", "tok-unknown")).await).await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "the control plane's own answer"
+    );
+    let (status, _) = text(send(addr, with_token("/sandboxes/isb-t2", "tok-t2")).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(env.api.seen().len(), api_before + 2);
+    assert_eq!(env.envd.seen().len(), envd_before);
+    let (status, body) = text(send(addr, with_token("/files", "tok-unknown")).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("/files is envd's"), "{body}");
+    proxy.finish().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // 9. The 1 MiB bound on bodies the proxy reads
 // ---------------------------------------------------------------------------------------

@@ -195,6 +195,23 @@ impl TokenStore {
         self.tokens.load().len()
     }
 
+    /// The sandbox whose learned token is `token` (none for an empty one, nor for one
+    /// past [`MAX_AGE`]): a scan of the store, for the envd requests that name no sandbox
+    /// but carry its token (see `Proxy::by_token`), never for those that name one.
+    pub fn sandbox_of(&self, token: &[u8]) -> Option<Arc<str>> {
+        if token.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        let tokens = self.tokens.load();
+        tokens
+            .iter()
+            .find(|(_, (t, at))| {
+                t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
+            })
+            .map(|(id, _)| id.clone())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -626,6 +643,29 @@ mod tests {
             let kept = store.get("isb-1").map(|t| t.expose().to_string());
             let newer = (!deleted).then_some("fresh");
             assert_eq!(kept.as_deref(), newer, "deleted: {deleted}");
+        }
+    }
+
+    #[test]
+    fn a_token_names_its_sandbox() {
+        let store = TokenStore::new();
+        store.insert("isb-a", Secret::new("tok-a"));
+        store.insert("isb-b", Secret::new("tok-b"));
+        store.insert("isb-open", Secret::new(""));
+        assert_eq!(store.sandbox_of(b"tok-b").as_deref(), Some("isb-b"));
+        assert_eq!(store.sandbox_of(b"tok-"), None);
+        assert_eq!(store.sandbox_of(b"tok-bb"), None);
+        assert_eq!(
+            store.sandbox_of(b""),
+            None,
+            "an unsecured sandbox's empty token"
+        );
+        store.remove("isb-b");
+        assert_eq!(store.sandbox_of(b"tok-b"), None, "a deleted sandbox's");
+        let old = Instant::now().checked_sub(MAX_AGE + Duration::from_secs(1));
+        if let Some(old) = old {
+            store.insert_at("isb-old", Secret::new("tok-old"), old);
+            assert_eq!(store.sandbox_of(b"tok-old"), None, "one past its age");
         }
     }
 

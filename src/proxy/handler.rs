@@ -137,6 +137,9 @@ impl Proxy {
                     // A provider without envd gets everything on its control plane.
                     let route = match route {
                         Route::Envd { .. } if self.envd.is_none() => Route::Api,
+                        Route::Api if self.envd.is_some() => {
+                            self.by_token(&parts).unwrap_or(Route::Api)
+                        }
                         route => route,
                     };
                     let plane = route.plane();
@@ -350,6 +353,24 @@ impl Drop for Unanswered<'_> {
 }
 
 impl Proxy {
+    /// An envd request that names no sandbox but carries the token the proxy learned for
+    /// one: that sandbox's, on envd's port. e2b Python 2.10-2.20 send commands and files
+    /// of a sandbox got by `Sandbox.connect` so, as JS 2.9 sends its file and health
+    /// requests: on the control plane they got its 404 (or its `/health`'s 200 for a
+    /// sandbox killed). Only envd's paths, only a token the store holds: the client could
+    /// name that sandbox itself.
+    fn by_token(&self, parts: &Parts) -> Option<Route> {
+        let token = parts.headers.get(X_ACCESS_TOKEN)?;
+        if !route::is_envd_path(parts.uri.path()) {
+            return None;
+        }
+        let sandbox_id = self.tokens.sandbox_of(token.as_bytes())?;
+        Some(Route::Envd {
+            sandbox_id: sandbox_id.to_string(),
+            port: DEFAULT_ENVD_PORT,
+        })
+    }
+
     /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
     /// Not an `async fn`, for the reason given at [`Proxy::handle`].
     #[allow(clippy::manual_async_fn)] // on purpose: see above

@@ -90,6 +90,7 @@ impl HostPolicy {
 fn check_origin(
     fields: &Fields<'_>,
     policy: &HostPolicy,
+    hostname: &str,
     own: Option<(u16, &str)>,
 ) -> Result<(), Error> {
     if matches!(policy, HostPolicy::Any) {
@@ -109,13 +110,28 @@ fn check_origin(
         };
     }
     // No `Origin`: a navigation, or a `no-cors` GET (`<img>`, `<script>`). Browsers mark
-    // those from another site; a local page's own requests carry `Origin`.
-    match fields.site {
-        Some(site) if site.as_bytes().eq_ignore_ascii_case(b"cross-site") => Err(refused(
+    // those from another site; a local page's own requests carry `Origin`. Each
+    // `<port>-<id>.localhost` is a site of its own (no public suffix list names
+    // `localhost`, so it is one); below a deeper name (`*.e2b.localhost`) every sandbox
+    // and `api.e2b.localhost` share one, and a sandbox's page is `same-site` to them all.
+    match fields.site.map(HeaderValue::as_bytes) {
+        Some(site) if site.eq_ignore_ascii_case(b"cross-site") => Err(refused(
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
         )),
+        Some(site) if site.eq_ignore_ascii_case(b"same-site") && shares_a_site(hostname) => {
+            Err(refused(
+                "same-site request from a browser to a name sandboxes share a site with                  (Sec-Fetch-Site: same-site, no Origin)",
+            ))
+        }
         _ => Ok(()),
     }
+}
+
+/// A name two or more labels below `localhost` (`api.e2b.localhost`,
+/// `49983-<id>.e2b.localhost`): its site is shared by every name below the same parent.
+fn shares_a_site(hostname: &str) -> bool {
+    let h = hostname.trim_end_matches('.');
+    ends_with_ignore_case(h, ".localhost") && h[..h.len() - ".localhost".len()].contains('.')
 }
 
 /// Whether a page's origin may reach the request's Host: any origin that is not a
@@ -333,7 +349,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
         return Err(refused("missing Host header"));
     }
     let named = sandbox_host(hostname)?;
-    check_origin(&fields, policy, named)?;
+    check_origin(&fields, policy, hostname, named)?;
     // Dot segments are the upstream's to resolve, or not: under a base URL with a path
     // (`https://gateway/api`), `/../admin` left the prefix the key was set up for at any
     // upstream that resolves them. nginx resolves them before mapping the path; curl and
@@ -404,11 +420,25 @@ pub fn refused_plane(parts: &Parts) -> &'static str {
     let by_host = host
         .and_then(host_of)
         .is_some_and(|h| !matches!(sandbox_host(h), Ok(None)));
-    if by_host || parts.headers.contains_key(&E2B_SANDBOX_ID) {
+    // As `route` sends them: the control plane's paths with envd's port are its own.
+    let envd_port = match parts.headers.get(&E2B_SANDBOX_PORT) {
+        None => true,
+        Some(p) => (p.to_str().ok()).and_then(|p| port_number(p.trim())) == Some(DEFAULT_ENVD_PORT),
+    };
+    let by_header = parts.headers.contains_key(&E2B_SANDBOX_ID)
+        && !(envd_port && is_control_plane_path(parts.uri.path()));
+    if by_host || by_header {
         "envd"
     } else {
         "api"
     }
+}
+
+/// envd's own paths (its Connect services and its HTTP API), which no control plane serves.
+pub fn is_envd_path(path: &str) -> bool {
+    path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+        || matches!(path, "/files" | "/health" | "/envs" | "/init" | "/metrics")
 }
 
 /// The control plane's sandbox collection (`/sandboxes…`, `/v2/sandboxes…`): no envd path.
@@ -664,6 +694,14 @@ mod tests {
             assert_eq!(plane("/a/%2e%2e/b", headers), "api", "{headers:?}");
         }
         assert_eq!(plane("http://49983-isb-a.localhost/x", &[]), "envd");
+        // The control plane's paths with envd's port are the control plane's, as routed.
+        let connect = "/sandboxes/isb-a/./connect";
+        let headers = [("host", "localhost"), ("e2b-sandbox-id", "isb-a")];
+        assert_eq!(plane(connect, &headers), "api");
+        let port = |p| [headers[0], headers[1], ("e2b-sandbox-port", p)];
+        assert_eq!(plane(connect, &port("49983")), "api");
+        assert_eq!(plane(connect, &port("3000")), "envd");
+        assert_eq!(plane(connect, &[("host", "49983-isb-a.localhost")]), "envd");
     }
 
     #[test]
@@ -1178,6 +1216,28 @@ mod tests {
             for site in ["none", "same-site", "same-origin"] {
                 let r = route(&parts("/", &[host, ("sec-fetch-site", site)]), &p);
                 assert!(r.is_ok(), "{site}");
+            }
+            // Below a deeper name every sandbox shares the site: a sandbox's page is
+            // `same-site` to the others and to the control plane's name.
+            for shared in [
+                "api.e2b.localhost",
+                "49983-isb-b.e2b.localhost:1",
+                "3000-isb-a.x.y.localhost.",
+            ] {
+                let same_site = [("host", shared), ("sec-fetch-site", "same-site")];
+                let e = route(&parts("/", &same_site), &p).unwrap_err();
+                assert!(e.to_string().contains("same-site request"), "{shared}: {e}");
+                for site in ["none", "same-origin"] {
+                    let r = route(
+                        &parts("/", &[("host", shared), ("sec-fetch-site", site)]),
+                        &p,
+                    );
+                    assert!(r.is_ok(), "{shared}: {site}");
+                }
+            }
+            for own in ["49983-isb-b.localhost", "app.localhost", "localhost:1"] {
+                let same_site = [("host", own), ("sec-fetch-site", "same-site")];
+                assert!(route(&parts("/", &same_site), &p).is_ok(), "{own}");
             }
         }
         let ok = route(
