@@ -1793,6 +1793,26 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     let (status, body) = text(send(addr, with_token("/files", "tok-unknown")).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains("/files is envd's"), "{body}");
+
+    // Killed through the proxy, its token still names it: the SDKs ask envd's `/health`
+    // after a kill, and the control plane's own `/health` (E2B's answers 204) read as the
+    // sandbox running.
+    let kill = request("DELETE", addr, "/sandboxes/isb-t2")
+        .header("x-api-key", "dummy-key")
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(addr, kill).await.status(), StatusCode::NO_CONTENT);
+    let api_before = env.api.seen().len();
+    let _ = text(send(addr, with_token("/health", "tok-t2")).await).await;
+    let seen = env.envd.seen().pop().expect("envd was asked");
+    assert_eq!(
+        (seen.uri.path(), seen.all("e2b-sandbox-id")),
+        ("/health", vec!["isb-t2".to_string()])
+    );
+    let asked: Vec<String> = (env.api.seen().into_iter().skip(api_before))
+        .map(|s| s.uri.path().to_string())
+        .collect();
+    assert!(!asked.contains(&"/health".to_string()), "{asked:?}");
     proxy.finish().await;
 }
 

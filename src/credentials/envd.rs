@@ -17,10 +17,10 @@
 //! names many sandboxes and hangs up at once cannot make the proxy hold more look-ups
 //! (each an upstream request with the key) than requests it holds open itself.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -36,6 +36,8 @@ pub const MAX_ORPHANS: usize = 16;
 
 /// Sandboxes remembered at most (about 1 MiB of tokens).
 pub const MAX_TOKENS: usize = 10_000;
+/// Deleted sandboxes' tokens kept for [`TokenStore::sandbox_of`], newest last.
+const MAX_FORGOTTEN: usize = 1024;
 /// A token is forgotten this long after it was learned: longer than a sandbox runs
 /// without a pause.
 pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -52,6 +54,10 @@ pub struct TokenStore {
     /// the lock; changed under it.
     running: AtomicUsize,
     max_tokens: usize,
+    /// The tokens of sandboxes deleted through the proxy, by sandbox: an envd request
+    /// carrying one names its sandbox still (see [`TokenStore::sandbox_of`]). Bounded, and
+    /// never attached to a request: the client sent it.
+    forgotten: Mutex<VecDeque<(Secret, Arc<str>)>>,
 }
 
 /// The look-ups running, by sandbox, and how many of them no request waits for.
@@ -124,6 +130,7 @@ impl TokenStore {
             inflight: Mutex::default(),
             running: AtomicUsize::new(0),
             max_tokens,
+            forgotten: Mutex::default(),
         }
     }
 
@@ -168,13 +175,23 @@ impl TokenStore {
     /// The sandbox was deleted.
     pub fn remove(&self, sandbox_id: &str) {
         self.supersede(sandbox_id);
-        if self.tokens.load().contains_key(sandbox_id) {
-            self.tokens.rcu(|map| {
-                let mut next = HashMap::clone(map);
-                next.remove(sandbox_id);
-                next
-            });
+        let known = (self.tokens.load().get_key_value(sandbox_id))
+            .map(|(id, (token, _))| (id.clone(), token.clone()));
+        let Some((id, token)) = known else {
+            return;
+        };
+        if !token.expose().is_empty() {
+            let mut forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
+            if forgotten.len() >= MAX_FORGOTTEN {
+                forgotten.pop_front();
+            }
+            forgotten.push_back((token, id));
         }
+        self.tokens.rcu(|map| {
+            let mut next = HashMap::clone(map);
+            next.remove(sandbox_id);
+            next
+        });
     }
 
     /// Forgets `sandbox_id`'s token only while it is still `stale` (the one envd refused):
@@ -196,20 +213,29 @@ impl TokenStore {
     }
 
     /// The sandbox whose learned token is `token` (none for an empty one, nor for one
-    /// past [`MAX_AGE`]): a scan of the store, for the envd requests that name no sandbox
-    /// but carry its token (see `Proxy::by_token`), never for those that name one.
+    /// past [`MAX_AGE`]), or a sandbox deleted through the proxy whose token it was: a
+    /// scan, for the envd requests that name no sandbox but carry its token (see
+    /// `Proxy::by_token`), never for those that name one. A deleted one's: an SDK asks
+    /// envd's `/health` after a kill, and the control plane's own `/health` said "running".
     pub fn sandbox_of(&self, token: &[u8]) -> Option<Arc<str>> {
         if token.is_empty() {
             return None;
         }
         let now = Instant::now();
         let tokens = self.tokens.load();
-        tokens
-            .iter()
-            .find(|(_, (t, at))| {
-                t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
-            })
-            .map(|(id, _)| id.clone())
+        let learned = tokens.iter().find(|(_, (t, at))| {
+            t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
+        });
+        if let Some((id, _)) = learned {
+            return Some(id.clone());
+        }
+        let forgotten = self
+            .forgotten
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        (forgotten.iter().rev())
+            .find(|(t, _)| t.expose().as_bytes() == token)
+            .map(|(_, id)| id.clone())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -661,7 +687,30 @@ mod tests {
             "an unsecured sandbox's empty token"
         );
         store.remove("isb-b");
-        assert_eq!(store.sandbox_of(b"tok-b"), None, "a deleted sandbox's");
+        assert_eq!(store.get("isb-b"), None);
+        assert_eq!(
+            store.sandbox_of(b"tok-b").as_deref(),
+            Some("isb-b"),
+            "a deleted sandbox's, to ask its envd (a kill's health check)"
+        );
+        store.remove("isb-open");
+        assert_eq!(store.sandbox_of(b""), None);
+        for i in 0..MAX_FORGOTTEN {
+            let id = format!("isb-{i}");
+            store.insert(&id, Secret::new(format!("tok-{i}")));
+            store.remove(&id);
+        }
+        assert_eq!(
+            store.sandbox_of(b"tok-b"),
+            None,
+            "the oldest deleted ones go"
+        );
+        let last = format!("tok-{}", MAX_FORGOTTEN - 1);
+        let want = format!("isb-{}", MAX_FORGOTTEN - 1);
+        assert_eq!(
+            store.sandbox_of(last.as_bytes()).as_deref(),
+            Some(want.as_str())
+        );
         let old = Instant::now().checked_sub(MAX_AGE + Duration::from_secs(1));
         if let Some(old) = old {
             store.insert_at("isb-old", Secret::new("tok-old"), old);
