@@ -1793,6 +1793,21 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     let (status, body) = text(send(addr, with_token("/files", "tok-unknown")).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains("/files is envd's"), "{body}");
+    // Refused while routing (a dot segment), it is counted as the sandbox's, as routed.
+    let dotted = "/filesystem.Filesystem/./ListDir";
+    let (status, _) = text(send(addr, with_token(dotted, "tok-t1")).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let metrics = scrape(proxy.admin_addr()).await;
+    let refused = |plane: &str| {
+        let series =
+            format!(r#"abx_proxy_requests_total{{plane="{plane}",method="GET",code="400"}}"#);
+        metric(&metrics, &series)
+    };
+    assert_eq!(
+        (refused("envd"), refused("api")),
+        (Some(1.0), Some(1.0)),
+        "{metrics}"
+    );
 
     // Killed through the proxy, its token still names it: the SDKs ask envd's `/health`
     // after a kill, and the control plane's own `/health` (E2B's answers 204) read as the

@@ -217,25 +217,23 @@ impl TokenStore {
     /// scan, for the envd requests that name no sandbox but carry its token (see
     /// `Proxy::by_token`), never for those that name one. A deleted one's: an SDK asks
     /// envd's `/health` after a kill, and the control plane's own `/health` said "running".
+    /// A token two sandboxes hold names neither: which one a client meant is unknowable,
+    /// and the first found changed with every write to the store.
     pub fn sandbox_of(&self, token: &[u8]) -> Option<Arc<str>> {
         if token.is_empty() {
             return None;
         }
         let now = Instant::now();
         let tokens = self.tokens.load();
-        let learned = tokens.iter().find(|(_, (t, at))| {
+        let learned = (tokens.iter()).filter(|(_, (t, at))| {
             t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
         });
-        if let Some((id, _)) = learned {
-            return Some(id.clone());
+        if let Some(id) = only_one(learned.map(|(id, _)| id)) {
+            return id.cloned();
         }
-        let forgotten = self
-            .forgotten
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        (forgotten.iter().rev())
-            .find(|(t, _)| t.expose().as_bytes() == token)
-            .map(|(_, id)| id.clone())
+        let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
+        let deleted = (forgotten.iter()).filter(|(t, _)| t.expose().as_bytes() == token);
+        only_one(deleted.map(|(_, id)| id)).flatten().cloned()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -413,6 +411,12 @@ impl Drop for Waiting<'_> {
             self.store.forget(&mut inflight, self.id);
         }
     }
+}
+
+/// `None` for no item, `Some(None)` for two or more different ones, else the one.
+fn only_one<'a>(mut items: impl Iterator<Item = &'a Arc<str>>) -> Option<Option<&'a Arc<str>>> {
+    let first = items.next()?;
+    Some(items.all(|other| other == first).then_some(first))
 }
 
 impl std::fmt::Debug for TokenStore {
@@ -695,6 +699,14 @@ mod tests {
         );
         store.remove("isb-open");
         assert_eq!(store.sandbox_of(b""), None);
+        // Two sandboxes with one token: neither (a deleted one's names it no better).
+        store.insert("isb-c", Secret::new("tok-shared"));
+        store.insert("isb-d", Secret::new("tok-shared"));
+        assert_eq!(store.sandbox_of(b"tok-shared"), None);
+        store.remove("isb-c");
+        assert_eq!(store.sandbox_of(b"tok-shared").as_deref(), Some("isb-d"));
+        store.remove("isb-d");
+        assert_eq!(store.sandbox_of(b"tok-shared"), None, "two deleted ones");
         for i in 0..MAX_FORGOTTEN {
             let id = format!("isb-{i}");
             store.insert(&id, Secret::new(format!("tok-{i}")));

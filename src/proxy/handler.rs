@@ -126,8 +126,12 @@ impl Proxy {
             };
             let (plane, result) = match route::route(&parts, &self.host_policy) {
                 Err(e) => {
+                    // A token-only envd request is envd's as `by_token` would route it.
                     let plane = match self.envd {
-                        Some(_) => route::refused_plane(&parts),
+                        Some(_) => match route::refused_plane(&parts) {
+                            "api" if self.by_token(&parts).is_some() => "envd",
+                            plane => plane,
+                        },
                         None => "api",
                     };
                     unanswered.plane = plane;

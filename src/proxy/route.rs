@@ -110,28 +110,29 @@ fn check_origin(
         };
     }
     // No `Origin`: a navigation, or a `no-cors` GET (`<img>`, `<script>`). Browsers mark
-    // those from another site; a local page's own requests carry `Origin`. Each
-    // `<port>-<id>.localhost` is a site of its own (no public suffix list names
-    // `localhost`, so it is one); below a deeper name (`*.e2b.localhost`) every sandbox
-    // and `api.e2b.localhost` share one, and a sandbox's page is `same-site` to them all.
+    // those from another site; a local page's own requests carry `Origin`. A name below
+    // `localhost` shares its site with every name below it (no public suffix list names
+    // `localhost`, so `X.localhost` is a site): under `*.e2b.localhost` every sandbox, the
+    // control plane's `api.e2b.localhost` and `e2b.localhost` itself are one site, and a
+    // sandbox's page at `3000-<a>.49983-<b>.localhost` is `same-site` to `<b>`'s envd.
+    // `localhost` itself is a site no sandbox shares.
     match fields.site.map(HeaderValue::as_bytes) {
         Some(site) if site.eq_ignore_ascii_case(b"cross-site") => Err(refused(
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
         )),
-        Some(site) if site.eq_ignore_ascii_case(b"same-site") && shares_a_site(hostname) => {
+        Some(site) if site.eq_ignore_ascii_case(b"same-site") && below_localhost(hostname) => {
             Err(refused(
-                "same-site request from a browser to a name sandboxes share a site with                  (Sec-Fetch-Site: same-site, no Origin)",
+                "same-site request from a browser to a name below localhost, whose site \
+                 sandboxes may share (Sec-Fetch-Site: same-site, no Origin)",
             ))
         }
         _ => Ok(()),
     }
 }
 
-/// A name two or more labels below `localhost` (`api.e2b.localhost`,
-/// `49983-<id>.e2b.localhost`): its site is shared by every name below the same parent.
-fn shares_a_site(hostname: &str) -> bool {
-    let h = hostname.trim_end_matches('.');
-    ends_with_ignore_case(h, ".localhost") && h[..h.len() - ".localhost".len()].contains('.')
+/// A name below `localhost` (`app.localhost`, `api.e2b.localhost`).
+fn below_localhost(hostname: &str) -> bool {
+    ends_with_ignore_case(hostname.trim_end_matches('.'), ".localhost")
 }
 
 /// Whether a page's origin may reach the request's Host: any origin that is not a
@@ -1217,12 +1218,15 @@ mod tests {
                 let r = route(&parts("/", &[host, ("sec-fetch-site", site)]), &p);
                 assert!(r.is_ok(), "{site}");
             }
-            // Below a deeper name every sandbox shares the site: a sandbox's page is
-            // `same-site` to the others and to the control plane's name.
+            // A name below `localhost` shares its site with the names below it: a sandbox's
+            // page is `same-site` to the others and to the control plane's name.
             for shared in [
                 "api.e2b.localhost",
+                "e2b.localhost",
                 "49983-isb-b.e2b.localhost:1",
                 "3000-isb-a.x.y.localhost.",
+                "49983-isb-b.localhost",
+                "app.localhost",
             ] {
                 let same_site = [("host", shared), ("sec-fetch-site", "same-site")];
                 let e = route(&parts("/", &same_site), &p).unwrap_err();
@@ -1235,7 +1239,7 @@ mod tests {
                     assert!(r.is_ok(), "{shared}: {site}");
                 }
             }
-            for own in ["49983-isb-b.localhost", "app.localhost", "localhost:1"] {
+            for own in ["localhost:1", "127.0.0.1:49982", "[::1]"] {
                 let same_site = [("host", own), ("sec-fetch-site", "same-site")];
                 assert!(route(&parts("/", &same_site), &p).is_ok(), "{own}");
             }
