@@ -3,6 +3,7 @@
 # idempotently, every package pinned (tests/e2e/python/*.txt, tests/e2e/package-lock.json):
 #   $E2E_DIR/py-latest       Python venv with `e2b==2.63.0`, the newest the tests were checked against
 #   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
+#   $E2E_DIR/py220           Python venv with `e2b==2.20.0` (token-only envd requests)
 #   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK
 #   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0)
 # E2E_DIR is $ABX_E2E_DIR, else e2e/ in cargo's target directory (scripts/target-dir.sh).
@@ -85,6 +86,7 @@ venv() {
 # machine without npm still gets the venvs, and the JS step says what is missing.
 venv py-latest e2b
 venv py250 e2b
+venv py220 e2b
 venv py-opensandbox opensandbox.sync.sandbox
 
 # JS: reinstall when package.json or the lockfile changed since the last install, or a

@@ -1,6 +1,6 @@
 //! End-to-end gate: the real, unmodified E2B SDKs ("latest": Python 2.63.0 and JS 2.51.0,
-//! the newest checked, pinned in `tests/e2e/python/` and `tests/e2e/package.json`; and
-//! both at 2.50.0) talk to `abx-proxy` with a dummy key; the proxy talks to the fake E2B cloud
+//! the newest checked, pinned in `tests/e2e/python/` and `tests/e2e/package.json`; both
+//! at 2.50.0; Python 2.20.0, whose connected sandbox names itself by its token alone) talk to `abx-proxy` with a dummy key; the proxy talks to the fake E2B cloud
 //! (`examples/fake_e2b.rs`), which checks every request it gets (the real key as Bearer on
 //! the control plane, no client key anywhere, the right envd token per sandbox, …).
 //!
@@ -148,7 +148,8 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
     let run = Outcome::new(run, rig.report(), rig.logs());
 
     // What every driver does: 1 create, 1 set_timeout, 1 get_info, 1 connect, 1 kill;
-    // 4 commands, 2 uploads, 2 downloads, 2 health checks, 1 ListDir. `/v2/…` create and
+    // 4 commands, 2 uploads, 2 downloads, 3 health checks (the connected sandbox's after
+    // the kill too), 1 ListDir. `/v2/…` create and
     // connect reach the upstream as `/sandboxes…` (compat_v2_paths = rewrite).
     let expected: &[(&str, u64)] = &[
         ("api POST /sandboxes", 1),
@@ -159,7 +160,7 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
         ("envd POST /process.Process/Start", 4),
         ("envd POST /files", 2),
         ("envd GET /files", 2),
-        ("envd GET /health", 2),
+        ("envd GET /health", 3),
         ("envd POST /filesystem.Filesystem/ListDir", 1),
     ];
     run.assert_clean("through abx-proxy", expected);
@@ -215,6 +216,13 @@ fn python_sdk_latest_through_proxy() {
 #[test]
 fn python_sdk_2_50_through_proxy() {
     sdk_through_proxy(Sdk::Python("py250"), Upstreams::Plain);
+}
+
+/// e2b 2.10-2.20: the connect carries envd's routing headers (it is the control plane's
+/// all the same), and the connected sandbox's requests carry its token alone.
+#[test]
+fn python_sdk_2_20_through_proxy() {
+    sdk_through_proxy(Sdk::Python("py220"), Upstreams::Plain);
 }
 
 #[test]

@@ -128,6 +128,10 @@ async function runSteps(Sandbox, sbx, sid) {
   step('isRunning after kill')
   expect((await sbx.isRunning()) === false, 'isRunning() is not false after kill')
   ok('false')
+
+  step('isRunning after kill (the connected sandbox)')
+  expect((await again.isRunning()) === false, 'isRunning() is not false after kill')
+  ok('false')
 }
 
 try {

@@ -4,9 +4,11 @@
 Run with E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL set (the test sets them to the
 proxy). Prints one line per step; exits 1 with a message naming the failed step.
 
-Works with e2b 2.50 (POST /sandboxes) and 2.51+ (POST /v2/sandboxes).
+Works with e2b 2.20 (whose connected sandbox names itself by its token alone), 2.50
+(POST /sandboxes) and 2.51+ (POST /v2/sandboxes).
 """
 
+import inspect
 import os
 import sys
 import traceback
@@ -87,7 +89,11 @@ def run_steps(Sandbox, sbx, sid):
     bin_path = "/tmp/bin.dat"
     payload = b"\x00\x01binary\xff" * 1000
     step("files.write (octet-stream)")
-    info = sbx.files.write(bin_path, payload, use_octet_stream=True)
+    # Before 2.50 every upload is multipart: the octet-stream form came later.
+    if "use_octet_stream" in inspect.signature(sbx.files.write).parameters:
+        info = sbx.files.write(bin_path, payload, use_octet_stream=True)
+    else:
+        info = sbx.files.write(bin_path, payload)
     expect(info.path == bin_path, f"write returned path {info.path!r}")
     ok(f"{len(payload)} bytes")
 
@@ -133,6 +139,10 @@ def run_steps(Sandbox, sbx, sid):
 
     step("is_running after kill")
     expect(sbx.is_running() is False, "is_running() is not False after kill")
+    ok("False")
+
+    step("is_running after kill (the connected sandbox)")
+    expect(again.is_running() is False, "is_running() is not False after kill")
     ok("False")
 
 
