@@ -1828,6 +1828,21 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
         .map(|s| s.uri.path().to_string())
         .collect();
     assert!(!asked.contains(&"/health".to_string()), "{asked:?}");
+
+    // An id given again to a new sandbox (a provider that reuses ids): the old token goes
+    // as the client sent it, and envd's 401 is the answer. The proxy put the new
+    // sandbox's token in its place and ran the request there.
+    env.create(&proxy, "isb-t2", "tok-t2-again").await;
+    let lookups = env.lookups("isb-t2").len();
+    let (status, _) = text(send(addr, with_token("/health", "tok-t2")).await).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let seen = env.envd.seen().pop().expect("envd was asked");
+    assert_eq!(seen.all("x-access-token"), vec!["tok-t2".to_string()]);
+    assert_eq!(
+        env.lookups("isb-t2").len(),
+        lookups,
+        "looked up after the 401"
+    );
     proxy.finish().await;
 }
 

@@ -219,7 +219,7 @@ impl TokenStore {
     /// envd's `/health` after a kill, and the control plane's own `/health` said "running".
     /// A token two sandboxes hold names neither: which one a client meant is unknowable,
     /// and the first found changed with every write to the store.
-    pub fn sandbox_of(&self, token: &[u8]) -> Option<Arc<str>> {
+    pub fn sandbox_of(&self, token: &[u8]) -> Option<TokenOwner> {
         if token.is_empty() {
             return None;
         }
@@ -229,11 +229,18 @@ impl TokenStore {
             t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
         });
         if let Some(id) = only_one(learned.map(|(id, _)| id)) {
-            return id.cloned();
+            return id.map(|id| TokenOwner {
+                id: id.clone(),
+                deleted: false,
+            });
         }
         let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
         let deleted = (forgotten.iter()).filter(|(t, _)| t.expose().as_bytes() == token);
-        only_one(deleted.map(|(_, id)| id)).flatten().cloned()
+        let id = only_one(deleted.map(|(_, id)| id)).flatten()?;
+        Some(TokenOwner {
+            id: id.clone(),
+            deleted: true,
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -411,6 +418,15 @@ impl Drop for Waiting<'_> {
             self.store.forget(&mut inflight, self.id);
         }
     }
+}
+
+/// The sandbox a token names (see [`TokenStore::sandbox_of`]).
+#[derive(Debug, PartialEq)]
+pub struct TokenOwner {
+    pub id: Arc<str>,
+    /// Deleted through the proxy: its id may have been given to another sandbox since
+    /// (a provider that reuses ids), whose token the proxy must not put in its place.
+    pub deleted: bool,
 }
 
 /// `None` for no item, `Some(None)` for two or more different ones, else the one.
@@ -679,54 +695,46 @@ mod tests {
     #[test]
     fn a_token_names_its_sandbox() {
         let store = TokenStore::new();
+        let owner = |token: &[u8]| (store.sandbox_of(token)).map(|o| (o.id.to_string(), o.deleted));
+        let live = |id: &str| Some((id.to_string(), false));
+        let deleted = |id: &str| Some((id.to_string(), true));
         store.insert("isb-a", Secret::new("tok-a"));
         store.insert("isb-b", Secret::new("tok-b"));
         store.insert("isb-open", Secret::new(""));
-        assert_eq!(store.sandbox_of(b"tok-b").as_deref(), Some("isb-b"));
-        assert_eq!(store.sandbox_of(b"tok-"), None);
-        assert_eq!(store.sandbox_of(b"tok-bb"), None);
-        assert_eq!(
-            store.sandbox_of(b""),
-            None,
-            "an unsecured sandbox's empty token"
-        );
+        assert_eq!(owner(b"tok-b"), live("isb-b"));
+        assert_eq!(owner(b"tok-"), None);
+        assert_eq!(owner(b"tok-bb"), None);
+        assert_eq!(owner(b""), None, "an unsecured sandbox's empty token");
         store.remove("isb-b");
         assert_eq!(store.get("isb-b"), None);
         assert_eq!(
-            store.sandbox_of(b"tok-b").as_deref(),
-            Some("isb-b"),
+            owner(b"tok-b"),
+            deleted("isb-b"),
             "a deleted sandbox's, to ask its envd (a kill's health check)"
         );
         store.remove("isb-open");
-        assert_eq!(store.sandbox_of(b""), None);
+        assert_eq!(owner(b""), None);
         // Two sandboxes with one token: neither (a deleted one's names it no better).
         store.insert("isb-c", Secret::new("tok-shared"));
         store.insert("isb-d", Secret::new("tok-shared"));
-        assert_eq!(store.sandbox_of(b"tok-shared"), None);
+        assert_eq!(owner(b"tok-shared"), None);
         store.remove("isb-c");
-        assert_eq!(store.sandbox_of(b"tok-shared").as_deref(), Some("isb-d"));
+        assert_eq!(owner(b"tok-shared"), live("isb-d"));
         store.remove("isb-d");
-        assert_eq!(store.sandbox_of(b"tok-shared"), None, "two deleted ones");
+        assert_eq!(owner(b"tok-shared"), None, "two deleted ones");
         for i in 0..MAX_FORGOTTEN {
             let id = format!("isb-{i}");
             store.insert(&id, Secret::new(format!("tok-{i}")));
             store.remove(&id);
         }
-        assert_eq!(
-            store.sandbox_of(b"tok-b"),
-            None,
-            "the oldest deleted ones go"
-        );
-        let last = format!("tok-{}", MAX_FORGOTTEN - 1);
-        let want = format!("isb-{}", MAX_FORGOTTEN - 1);
-        assert_eq!(
-            store.sandbox_of(last.as_bytes()).as_deref(),
-            Some(want.as_str())
-        );
+        assert_eq!(owner(b"tok-b"), None, "the oldest deleted ones go");
+        let last = MAX_FORGOTTEN - 1;
+        let want = format!("isb-{last}");
+        assert_eq!(owner(format!("tok-{last}").as_bytes()), deleted(&want));
         let old = Instant::now().checked_sub(MAX_AGE + Duration::from_secs(1));
         if let Some(old) = old {
             store.insert_at("isb-old", Secret::new("tok-old"), old);
-            assert_eq!(store.sandbox_of(b"tok-old"), None, "one past its age");
+            assert_eq!(owner(b"tok-old"), None, "one past its age");
         }
     }
 

@@ -24,6 +24,7 @@ use super::route::{self, Route, DEFAULT_ENVD_PORT};
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
+use crate::credentials::envd::TokenOwner;
 use crate::credentials::ApiCredential;
 use crate::error::{Error, Within};
 use crate::metrics::GaugeGuard;
@@ -141,9 +142,15 @@ impl Proxy {
                     // A provider without envd gets everything on its control plane.
                     let route = match route {
                         Route::Envd { .. } if self.envd.is_none() => Route::Api,
-                        Route::Api if self.envd.is_some() => {
-                            self.by_token(&parts).unwrap_or(Route::Api)
-                        }
+                        Route::Api if self.envd.is_some() => match self.by_token(&parts) {
+                            Some((route, owner)) => {
+                                if owner.deleted {
+                                    parts.extensions.insert(DeletedSandbox);
+                                }
+                                route
+                            }
+                            None => Route::Api,
+                        },
                         route => route,
                     };
                     let plane = route.plane();
@@ -322,6 +329,13 @@ fn h2_head_size(parts: &Parts) -> usize {
     })
 }
 
+/// Marks a request routed by the token of a sandbox deleted through the proxy (see
+/// [`Proxy::by_token`]): it goes with the client's token alone, neither the store's nor
+/// one looked up after envd's 401. Its id may name another sandbox by now (a provider
+/// that reuses ids): the proxy sent that one's token, and ran the request in it.
+#[derive(Clone, Copy)]
+struct DeletedSandbox;
+
 /// Marks the answer to a request its client gave up (see [`Proxy::handle`]): no answer
 /// reaches it, and its connection counts it as cancelled.
 #[derive(Clone, Copy)]
@@ -363,16 +377,17 @@ impl Proxy {
     /// requests: on the control plane they got its 404 (or its `/health`'s 200 for a
     /// sandbox killed). Only envd's paths, only a token the store holds: the client could
     /// name that sandbox itself.
-    fn by_token(&self, parts: &Parts) -> Option<Route> {
+    fn by_token(&self, parts: &Parts) -> Option<(Route, TokenOwner)> {
         let token = parts.headers.get(X_ACCESS_TOKEN)?;
         if !route::is_envd_path(parts.uri.path()) {
             return None;
         }
-        let sandbox_id = self.tokens.sandbox_of(token.as_bytes())?;
-        Some(Route::Envd {
-            sandbox_id: sandbox_id.to_string(),
+        let owner = self.tokens.sandbox_of(token.as_bytes())?;
+        let route = Route::Envd {
+            sandbox_id: owner.id.to_string(),
             port: DEFAULT_ENVD_PORT,
-        })
+        };
+        Some((route, owner))
     }
 
     /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
@@ -544,7 +559,8 @@ impl Proxy {
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map(Secret::new);
-        let stored = (port == DEFAULT_ENVD_PORT)
+        let deleted = parts.extensions.remove::<DeletedSandbox>().is_some();
+        let stored = (port == DEFAULT_ENVD_PORT && !deleted)
             .then(|| self.tokens.get(sandbox_id))
             .flatten();
         let (token, client_sent) = match (&stored, client_token) {
@@ -553,7 +569,7 @@ impl Proxy {
             (Some(t), Some(c)) if t.expose().is_empty() => (c, true),
             (Some(t), _) => (t.clone(), false),
             (None, Some(t)) => (t, true),
-            (None, None) if port == DEFAULT_ENVD_PORT => {
+            (None, None) if port == DEFAULT_ENVD_PORT && !deleted => {
                 (self.lookup_token(sandbox_id).await?, false)
             }
             (None, None) => (Secret::new(""), false),
@@ -593,7 +609,7 @@ impl Proxy {
         // Only envd's own 401 is about the token. An app's (another port) answers the
         // client's credential for the app: fetching the token again would let any client
         // drive look-ups with the proxy's key, and would send the request twice.
-        if resp.status() == StatusCode::UNAUTHORIZED && port == DEFAULT_ENVD_PORT {
+        if resp.status() == StatusCode::UNAUTHORIZED && port == DEFAULT_ENVD_PORT && !deleted {
             // The token may have been rotated: fetch it again, once. Only the refused token
             // is dropped, so concurrent 401s share one look-up instead of each discarding
             // the token the previous one just fetched.
