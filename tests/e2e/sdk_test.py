@@ -88,11 +88,12 @@ def run_steps(Sandbox, sbx, sid):
 
     bin_path = "/tmp/bin.dat"
     payload = b"\x00\x01binary\xff" * 1000
-    step("files.write (octet-stream)")
     # Before 2.50 every upload is multipart: the octet-stream form came later.
     if "use_octet_stream" in inspect.signature(sbx.files.write).parameters:
+        step("files.write (octet-stream)")
         info = sbx.files.write(bin_path, payload, use_octet_stream=True)
     else:
+        step("files.write (bytes, multipart)")
         info = sbx.files.write(bin_path, payload)
     expect(info.path == bin_path, f"write returned path {info.path!r}")
     ok(f"{len(payload)} bytes")
