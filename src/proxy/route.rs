@@ -369,14 +369,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             .ok()
             .filter(|s| valid_sandbox_id(s))
             .ok_or_else(|| refused("invalid E2b-Sandbox-Id"))?;
-        let port = match parts.headers.get(&E2B_SANDBOX_PORT) {
-            None => DEFAULT_ENVD_PORT,
-            Some(p) => p
-                .to_str()
-                .ok()
-                .and_then(|p| port_number(p.trim()))
-                .ok_or_else(|| refused("invalid E2b-Sandbox-Port"))?,
-        };
+        let port = header_port(parts).ok_or_else(|| refused("invalid E2b-Sandbox-Port"))?;
         // A Host that names a sandbox and headers that name another: which one a client
         // meant is unknowable, and a page served from the Host's sandbox could otherwise
         // send its own origin's requests (no `Origin` on a same-origin GET) to another.
@@ -385,11 +378,7 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
                 "E2b-Sandbox-Id/E2b-Sandbox-Port name another sandbox or port than Host",
             ));
         }
-        // e2b Python 2.10-2.20 sends these headers on its control-plane connect too
-        // (`POST /sandboxes/{id}/connect`), which E2B's API ignores: sent to envd, which
-        // serves no `/sandboxes` path, the connect got a 404 and `Sandbox.connect` failed.
-        // On envd's port only: another port is a sandbox app's, whose paths are its own.
-        if named.is_none() && port == DEFAULT_ENVD_PORT && is_control_plane_path(parts.uri.path()) {
+        if named.is_none() && control_planes_despite_headers(port, parts.uri.path()) {
             return Ok(Route::Api);
         }
         // A Host that names it too says how the cloud spells it (see below).
@@ -421,18 +410,29 @@ pub fn refused_plane(parts: &Parts) -> &'static str {
     let by_host = host
         .and_then(host_of)
         .is_some_and(|h| !matches!(sandbox_host(h), Ok(None)));
-    // As `route` sends them: the control plane's paths with envd's port are its own.
-    let envd_port = match parts.headers.get(&E2B_SANDBOX_PORT) {
-        None => true,
-        Some(p) => (p.to_str().ok()).and_then(|p| port_number(p.trim())) == Some(DEFAULT_ENVD_PORT),
-    };
     let by_header = parts.headers.contains_key(&E2B_SANDBOX_ID)
-        && !(envd_port && is_control_plane_path(parts.uri.path()));
+        && !header_port(parts).is_some_and(|p| control_planes_despite_headers(p, parts.uri.path()));
     if by_host || by_header {
         "envd"
     } else {
         "api"
     }
+}
+
+/// `E2b-Sandbox-Port`, envd's when absent; `None` when it names no port.
+fn header_port(parts: &Parts) -> Option<u16> {
+    match parts.headers.get(&E2B_SANDBOX_PORT) {
+        None => Some(DEFAULT_ENVD_PORT),
+        Some(p) => p.to_str().ok().and_then(|p| port_number(p.trim())),
+    }
+}
+
+/// e2b Python 2.10-2.20 send the routing headers on their control-plane connect too
+/// (`POST /sandboxes/{id}/connect`), which E2B's API ignores: sent to envd, which serves no
+/// `/sandboxes` path, the connect got a 404 and `Sandbox.connect` failed. On envd's port
+/// only: another port is a sandbox app's, whose paths are its own.
+fn control_planes_despite_headers(port: u16, path: &str) -> bool {
+    port == DEFAULT_ENVD_PORT && is_control_plane_path(path)
 }
 
 /// envd's own paths (its Connect services and its HTTP API), which no control plane serves.
