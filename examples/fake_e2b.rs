@@ -26,6 +26,14 @@
 //! equal to the token issued for the sandbox named by `E2b-Sandbox-Id`, `E2b-Sandbox-Port`
 //! present, `Authorization` (if any) only `Basic`, the real key in no header. Both planes:
 //! `Host` is the listener's own authority.
+//!
+//! The envd listener also plays the code interpreter of E2B's `code-interpreter-v1`
+//! template (`E2b-Sandbox-Port: 49999`): `/execute` streams NDJSON as its server does
+//! (`print('…')` lines and a last `a + b` line are understood), `/contexts…` keep a list.
+//! Its checks: a sent `X-Access-Token` is the sandbox's (the SDKs send it with `/execute`
+//! only), and a sandbox created with `network.allowPublicTraffic: false` (which gets a
+//! `trafficAccessToken`) is reached with `E2B-Traffic-Access-Token`, as E2B's edge asks on
+//! every port but envd's. Log entries of envd requests say whether a token came.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -46,6 +54,8 @@ use support::{empty, full, json_response, Body, Locked, Tally};
 
 /// Default port of envd inside a sandbox; the SDKs send it as `E2b-Sandbox-Port`.
 const ENVD_PORT: &str = "49983";
+/// Port of the code interpreter's server in E2B's `code-interpreter-v1` template.
+const JUPYTER_PORT: &str = "49999";
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -98,6 +108,11 @@ const SANDBOX_DOMAIN: &str = "sandbox.localhost";
 #[derive(Debug)]
 struct Sandbox {
     token: String,
+    /// Issued when the create asked for no public traffic (`allowPublicTraffic: false`).
+    traffic_token: Option<String>,
+    /// The code interpreter's contexts, by id (`/contexts`).
+    contexts: Vec<String>,
+    executions: u64,
     template_id: String,
     metadata: Value,
     timeout: u64,
@@ -305,7 +320,7 @@ fn sandbox_json(id: &str, sb: &Sandbox, envd_version: &str) -> Value {
         "clientID": "fake-client",
         "envdVersion": envd_version,
         "envdAccessToken": sb.token,
-        "trafficAccessToken": Value::Null,
+        "trafficAccessToken": sb.traffic_token,
         "domain": Value::Null,
     })
 }
@@ -355,11 +370,11 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
         }
     };
 
-    let route = route_name(plane, &method, &path);
+    let route = route_name(plane, &method, &path, &parts.headers);
     let mut violations = check_common(plane, &parts.uri, &parts.headers, state);
     let resp = if let Some(v) = match plane {
         Plane::Api => check_api(&parts.headers, state),
-        Plane::Envd => check_envd(&parts.headers, state),
+        Plane::Envd => check_envd(&parts.headers, &path, state),
     } {
         violations.push(v.1.clone());
         error(v.0, &v.1)
@@ -401,6 +416,9 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
     if let Some(a) = header(&parts.headers, "authorization").filter(|a| a.starts_with("Basic ")) {
         entry["basic"] = Value::String(a.to_string());
     }
+    if plane == Plane::Envd {
+        entry["token"] = Value::Bool(parts.headers.contains_key("x-access-token"));
+    }
     for v in &violations {
         eprintln!("fake_e2b: VIOLATION: {v}");
     }
@@ -409,9 +427,19 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
     resp
 }
 
-/// Route names for the report: the method and the path with the sandbox id replaced.
-fn route_name(plane: Plane, method: &Method, path: &str) -> String {
+/// Route names for the report: the method and the path with the sandbox id replaced; the
+/// code interpreter's requests are named `jupyter …`.
+fn route_name(plane: Plane, method: &Method, path: &str, h: &HeaderMap) -> String {
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    if plane == Plane::Envd && header(h, "e2b-sandbox-port") == Some(JUPYTER_PORT) {
+        let shape = match segs.as_slice() {
+            ["execute" | "contexts" | "health"] => path.to_string(),
+            ["contexts", _] => "/contexts/{id}".to_string(),
+            ["contexts", _, "restart"] => "/contexts/{id}/restart".to_string(),
+            _ => return format!("jupyter {method} (unknown)"),
+        };
+        return format!("jupyter {method} {shape}");
+    }
     let shape = match (plane, segs.as_slice()) {
         (Plane::Api, ["sandboxes"]) => "/sandboxes".to_string(),
         (Plane::Api, ["v2", "sandboxes"]) => "/v2/sandboxes".to_string(),
@@ -498,8 +526,8 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
     None
 }
 
-/// envd checks; `Some((status, message))` on a violation.
-fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
+/// envd checks (and the code interpreter's); `Some((status, message))` on a violation.
+fn check_envd(h: &HeaderMap, path: &str, state: &State) -> Option<(StatusCode, String)> {
     let a = &state.args;
     if let Some(key) = a.common.expect_key.as_deref().filter(|k| !k.is_empty()) {
         if h.values()
@@ -531,14 +559,14 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             "envd: no E2b-Sandbox-Id header".into(),
         ));
     };
-    match header(h, "e2b-sandbox-port") {
-        Some(ENVD_PORT) => {}
-        other => {
-            return Some((
-                StatusCode::BAD_REQUEST,
-                format!("envd: E2b-Sandbox-Port is {other:?}, expected {ENVD_PORT:?}"),
-            ))
-        }
+    let port = header(h, "e2b-sandbox-port");
+    if !matches!(port, Some(ENVD_PORT | JUPYTER_PORT)) {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            format!(
+                "envd: E2b-Sandbox-Port is {port:?}, expected {ENVD_PORT:?} or {JUPYTER_PORT:?}"
+            ),
+        ));
     }
     let inner = state.inner.lock();
     let Some(sb) = inner.sandboxes.get(id) else {
@@ -547,6 +575,9 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             format!("envd: unknown sandbox {id:?}"),
         ));
     };
+    if port == Some(JUPYTER_PORT) {
+        return check_jupyter(h, path, id, sb);
+    }
     match header(h, "x-access-token") {
         Some(t) if t == sb.token => None,
         Some(_) => Some((
@@ -557,6 +588,36 @@ fn check_envd(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             StatusCode::UNAUTHORIZED,
             format!("envd: no X-Access-Token for {id}"),
         )),
+    }
+}
+
+/// The code interpreter's checks: E2B's edge asks for the traffic token on every port but
+/// envd's; its server takes a sent `X-Access-Token` only if it is the sandbox's, and
+/// `/execute` comes with one (both SDKs send it there, and only there).
+fn check_jupyter(
+    h: &HeaderMap,
+    path: &str,
+    id: &str,
+    sb: &Sandbox,
+) -> Option<(StatusCode, String)> {
+    if let Some(want) = &sb.traffic_token {
+        if header(h, "e2b-traffic-access-token") != Some(want.as_str()) {
+            return Some((
+                StatusCode::FORBIDDEN,
+                format!("jupyter: {id} restricts public traffic and its E2B-Traffic-Access-Token is missing or wrong"),
+            ));
+        }
+    }
+    match header(h, "x-access-token") {
+        Some(t) if t != sb.token => Some((
+            StatusCode::UNAUTHORIZED,
+            format!("jupyter: X-Access-Token for {id} is not the token issued for it"),
+        )),
+        None if path == "/execute" => Some((
+            StatusCode::UNAUTHORIZED,
+            format!("jupyter: /execute for {id} without X-Access-Token"),
+        )),
+        _ => None,
     }
 }
 
@@ -581,8 +642,19 @@ fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body
                 Err(e) => return error(StatusCode::BAD_REQUEST, &format!("bad JSON body: {e}")),
             };
             let id = new_sandbox_id();
+            let network = req.get("network");
+            let public = network
+                .and_then(|n| {
+                    n.get("allowPublicTraffic")
+                        .or_else(|| n.get("allow_public_traffic"))
+                })
+                .and_then(Value::as_bool);
             let sb = Sandbox {
                 token: format!("envd-tok-{}", uuid::Uuid::new_v4().simple()),
+                traffic_token: (public == Some(false))
+                    .then(|| format!("traffic-tok-{}", uuid::Uuid::new_v4().simple())),
+                contexts: Vec::new(),
+                executions: 0,
                 template_id: req
                     .get("templateID")
                     .and_then(Value::as_str)
@@ -653,8 +725,9 @@ fn envd(
     body: &Bytes,
     state: &State,
 ) -> Response<Body> {
-    // check_envd has verified the id and that the sandbox exists.
+    // check_envd has verified the id, the port and that the sandbox exists.
     let id = header(h, "e2b-sandbox-id").unwrap_or_default().to_string();
+    let jupyter = header(h, "e2b-sandbox-port") == Some(JUPYTER_PORT);
     let mut inner = state.inner.lock();
     let pid = inner.next_pid;
     let Some(sb) = inner.sandboxes.get_mut(&id) else {
@@ -666,6 +739,9 @@ fn envd(
             StatusCode::BAD_GATEWAY,
             &format!("sandbox {id} is not running"),
         );
+    }
+    if jupyter {
+        return code_interpreter(method, path, body, sb);
     }
     match (method, path) {
         (&Method::GET, "/health") => empty(StatusCode::NO_CONTENT),
@@ -914,4 +990,113 @@ fn list_dir(sb: &Sandbox, body: &Bytes) -> Response<Body> {
         .collect();
     entries.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
     json_response(StatusCode::OK, &json!({"entries": entries}))
+}
+
+// ---------------------------------------------------------------------------------------
+// the code interpreter (port 49999)
+
+fn code_interpreter(method: &Method, path: &str, body: &Bytes, sb: &mut Sandbox) -> Response<Body> {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let context =
+        |id: &str, language: &str| json!({"id": id, "language": language, "cwd": "/home/user"});
+    match (method, segs.as_slice()) {
+        (&Method::GET, ["health"]) => empty(StatusCode::NO_CONTENT),
+        (&Method::POST, ["contexts"]) => {
+            let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let language = req
+                .get("language")
+                .and_then(Value::as_str)
+                .unwrap_or("python");
+            let id = uuid::Uuid::new_v4().to_string();
+            sb.contexts.push(id.clone());
+            json_response(StatusCode::OK, &context(&id, language))
+        }
+        (&Method::GET, ["contexts"]) => {
+            let list: Vec<Value> = sb.contexts.iter().map(|id| context(id, "python")).collect();
+            json_response(StatusCode::OK, &Value::Array(list))
+        }
+        (&Method::DELETE, ["contexts", id]) => match sb.contexts.iter().position(|c| c == id) {
+            Some(i) => {
+                sb.contexts.remove(i);
+                empty(StatusCode::NO_CONTENT)
+            }
+            None => error(StatusCode::NOT_FOUND, &format!("context {id} not found")),
+        },
+        (&Method::POST, ["contexts", id, "restart"]) if sb.contexts.iter().any(|c| c == id) => {
+            empty(StatusCode::NO_CONTENT)
+        }
+        (&Method::POST, ["execute"]) => execute(body, sb),
+        _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),
+    }
+}
+
+/// `/execute`: the code's outputs as NDJSON, a line per chunk (as the server streams them).
+/// Understands `print('TEXT')` lines and a last line `A + B` (its value is the main
+/// result); any other line is a `NameError` that ends the run.
+fn execute(body: &Bytes, sb: &mut Sandbox) -> Response<Body> {
+    let req: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("bad execute request: {e}"),
+            )
+        }
+    };
+    if let Some(ctx) = req.get("context_id").and_then(Value::as_str) {
+        if !sb.contexts.iter().any(|c| c == ctx) {
+            return error(StatusCode::NOT_FOUND, &format!("context {ctx} not found"));
+        }
+    }
+    let code = req.get("code").and_then(Value::as_str).unwrap_or("");
+    sb.executions += 1;
+    let now = "2025-01-01T00:00:00Z";
+    let mut lines = vec![json!({"type": "number_of_executions", "execution_count": sb.executions})];
+    let code_lines: Vec<&str> = code
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    for (i, line) in code_lines.iter().enumerate() {
+        let printed = line
+            .strip_prefix("print(")
+            .and_then(|r| r.strip_suffix(')'))
+            .and_then(|q| q.strip_prefix('\'').and_then(|q| q.strip_suffix('\'')));
+        let sum = line
+            .split_once('+')
+            .and_then(|(a, b)| Some(a.trim().parse::<i64>().ok()? + b.trim().parse::<i64>().ok()?));
+        match (printed, sum) {
+            (Some(text), _) => {
+                lines.push(json!({"type": "stdout", "text": format!("{text}\n"), "timestamp": now}))
+            }
+            (None, Some(n)) if i + 1 == code_lines.len() => lines.push(json!({
+                "type": "result", "text": n.to_string(), "is_main_result": true,
+            })),
+            _ => {
+                let name = line
+                    .split(|c: char| !c.is_alphanumeric() && c != '_')
+                    .next()
+                    .unwrap_or(line);
+                lines.push(json!({
+                    "type": "error",
+                    "name": "NameError",
+                    "value": format!("name '{name}' is not defined"),
+                    "traceback": format!("NameError: name '{name}' is not defined"),
+                }));
+                break;
+            }
+        }
+    }
+    lines.push(json!({"type": "end_of_execution"}));
+    let stream = futures_util::stream::iter(
+        lines
+            .into_iter()
+            .map(|l| Ok::<_, Infallible>(Frame::data(Bytes::from(format!("{l}\n"))))),
+    );
+    let mut r = Response::new(StreamBody::new(stream).boxed());
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    r
 }

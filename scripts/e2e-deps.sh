@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end SDK tests (tests/e2e_sdk.rs, tests/e2e_opensandbox.rs) run,
 # idempotently, every package pinned (tests/e2e/python/*.txt, tests/e2e/package-lock.json):
-#   $E2E_DIR/py-latest       Python venv with `e2b==2.63.0`, the newest the tests were checked against
+#   $E2E_DIR/py-latest       Python venv with `e2b==2.63.0`, the newest the tests were checked against,
+#                            and `e2b-code-interpreter==2.11.5`
 #   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
 #   $E2E_DIR/py220           Python venv with `e2b==2.20.0` (token-only envd requests)
 #   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK
-#   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0)
+#   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0,
+#                            @e2b/code-interpreter 2.8.0)
 # E2E_DIR is $ABX_E2E_DIR, else e2e/ in cargo's target directory (scripts/target-dir.sh).
 # Uses the machine's python3 and npm (Node.js 20.18.1 or newer). Quiet on success; fast when already installed (a marker per
 # install, and every file the installed packages list still there); on failure prints the
@@ -80,11 +82,12 @@ venv() {
 }
 
 # Pinned, so a new release cannot turn CI red with no change here: e2b 2.63.0 is the release
-# the captured wire traffic comes from, and opensandbox 1.1.1 the one
+# the captured wire traffic comes from, e2b-code-interpreter 2.11.5 the one the fake's code
+# interpreter (examples/fake_e2b.rs) was written against, and opensandbox 1.1.1 the one
 # examples/fake_opensandbox.rs was written against. Raise them on purpose (the marker makes
 # every machine reinstall), as tests/e2e/package.json does for the JS SDK. Python first: a
 # machine without npm still gets the venvs, and the JS step says what is missing.
-venv py-latest e2b
+venv py-latest e2b_code_interpreter
 venv py250 e2b
 venv py220 e2b
 venv py-opensandbox opensandbox.sync.sandbox

@@ -4,6 +4,9 @@
 //! (`examples/fake_e2b.rs`), which checks every request it gets (the real key as Bearer on
 //! the control plane, no client key anywhere, the right envd token per sandbox, …).
 //!
+//! The code-interpreter SDKs (Python `e2b-code-interpreter` 2.11.5, JS `@e2b/code-interpreter`
+//! 2.8.0, on the latest core SDKs) run code through the proxy on the sandbox's port 49999.
+//!
 //! `scripts/e2e-deps.sh` installs the SDKs into `target/e2e` and `tests/e2e/node_modules`
 //! (first run: about a minute, from PyPI and npm; later runs: instant).
 
@@ -109,20 +112,36 @@ impl Rig {
 enum Sdk {
     Python(&'static str),
     Js(&'static str),
+    /// `e2b-code-interpreter` in the py-latest venv.
+    PythonCodeInterpreter,
+    /// `@e2b/code-interpreter`.
+    JsCodeInterpreter,
 }
 
 /// Runs one SDK driver with `E2B_API_URL`/`E2B_SANDBOX_URL` set to the given URLs.
 fn run_driver(rig: &Rig, sdk: &Sdk, api_url: &str, sandbox_url: &str) -> (bool, String) {
+    let python =
+        |venv: &str| -> OsString { e2e_dir().join(venv).join("bin").join("python").into() };
     let (name, program, script): (_, OsString, _) = match sdk {
         Sdk::Python(venv) => (
             format!("driver-{venv}"),
-            e2e_dir().join(venv).join("bin").join("python").into(),
+            python(venv),
             "tests/e2e/sdk_test.py",
         ),
         Sdk::Js(pkg) => (
             format!("driver-js-{pkg}"),
             "node".into(),
             "tests/e2e/sdk_test.mjs",
+        ),
+        Sdk::PythonCodeInterpreter => (
+            "driver-code-interpreter".to_string(),
+            python("py-latest"),
+            "tests/e2e/code_interpreter_test.py",
+        ),
+        Sdk::JsCodeInterpreter => (
+            "driver-js-code-interpreter".to_string(),
+            "node".into(),
+            "tests/e2e/code_interpreter_test.mjs",
         ),
     };
     // `driver` keeps E2B_DOMAIN/E2B_DEBUG and HTTP(S)_PROXY of the caller out.
@@ -137,15 +156,27 @@ fn run_driver(rig: &Rig, sdk: &Sdk, api_url: &str, sandbox_url: &str) -> (bool, 
     Proc::run(&name, cmd, DRIVER_TIMEOUT)
 }
 
+/// The fake with abx-proxy in front of it, and one driver's run through them.
+fn through_proxy(sdk: &Sdk, upstreams: Upstreams) -> (Rig, Outcome) {
+    deps();
+    let rig = Rig::start(Some(upstreams));
+    let run = run_driver(&rig, sdk, &rig.proxy_url, &rig.proxy_url);
+    let run = Outcome::new(run, rig.report(), rig.logs());
+    (rig, run)
+}
+
+/// The key in nothing the proxy printed, its drain and stop included.
+fn key_not_logged(rig: &mut Rig) {
+    let proxy_log = rig.proxy.as_mut().expect("the proxy").stopped_output();
+    assert!(!proxy_log.contains(REAL_KEY), "the key in abx-proxy's log");
+}
+
 /// One SDK through the proxy: the driver passes, the fake saw no violation, and exactly
 /// the requests the driver makes arrived, on the paths the proxy is meant to use, over
 /// TLS where the upstreams are `https` (the control plane over HTTP/2, which it offers;
 /// envd over HTTP/1.1, as SPEC §4 has it).
 fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
-    deps();
-    let mut rig = Rig::start(Some(upstreams));
-    let run = run_driver(&rig, &sdk, &rig.proxy_url, &rig.proxy_url);
-    let run = Outcome::new(run, rig.report(), rig.logs());
+    let (mut rig, run) = through_proxy(&sdk, upstreams);
 
     // What every driver does: 1 create, 1 set_timeout, 1 get_info, 1 connect, 1 kill;
     // 4 commands, 2 uploads, 2 downloads, 3 health checks (the connected sandbox's after
@@ -203,9 +234,7 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
         );
     }
 
-    // The key in nothing the proxy printed, its drain and stop included.
-    let proxy_log = rig.proxy.as_mut().expect("the proxy").stopped_output();
-    assert!(!proxy_log.contains(REAL_KEY), "the key in abx-proxy's log");
+    key_not_logged(&mut rig);
 }
 
 #[test]
@@ -245,6 +274,54 @@ fn python_sdk_latest_through_proxy_to_tls_upstreams() {
 #[test]
 fn js_sdk_latest_through_proxy_to_tls_upstreams() {
     sdk_through_proxy(Sdk::Js("e2b"), Upstreams::Tls);
+}
+
+/// The code interpreter through the proxy: `run_code` streams its NDJSON back, contexts are
+/// made, listed and removed, on port 49999 of a sandbox that restricts public traffic. The
+/// SDK's own `X-Access-Token` on `/execute` and its `E2B-Traffic-Access-Token` everywhere
+/// pass as sent (the fake checks both); the proxy adds no token of its own on that port,
+/// so `/contexts…`, which the SDKs send without one, arrive without one.
+fn code_interpreter_through_proxy(sdk: Sdk, upstreams: Upstreams) {
+    let (mut rig, run) = through_proxy(&sdk, upstreams);
+
+    let expected: &[(&str, u64)] = &[
+        ("api POST /sandboxes", 1),
+        ("api DELETE /sandboxes/{id}", 1),
+        ("jupyter POST /execute", 3),
+        ("jupyter POST /contexts", 1),
+        ("jupyter GET /contexts", 1),
+        ("jupyter DELETE /contexts/{id}", 1),
+    ];
+    run.assert_clean("through abx-proxy", expected);
+
+    let dump = &run.dump;
+    let log = run.report["log"].as_array().cloned().unwrap_or_default();
+    let tls = upstreams == Upstreams::Tls;
+    for entry in log.iter().filter(|e| e["plane"] == "envd") {
+        let execute = entry["route"] == "jupyter POST /execute";
+        assert_eq!(
+            entry["token"].as_bool(),
+            Some(execute),
+            "X-Access-Token on port 49999 only where the SDK sent it (/execute): {entry}\n{dump}"
+        );
+        assert_eq!(
+            (entry["tls"].as_bool(), entry["version"].as_str()),
+            (Some(tls), Some("HTTP/1.1")),
+            "{entry}\n{dump}"
+        );
+    }
+    key_not_logged(&mut rig);
+}
+
+#[test]
+fn python_code_interpreter_through_proxy() {
+    code_interpreter_through_proxy(Sdk::PythonCodeInterpreter, Upstreams::Plain);
+}
+
+/// Production's shape: the code interpreter at `https://49999-{id}.{sandbox_domain}`.
+#[test]
+fn js_code_interpreter_through_proxy_to_tls_upstreams() {
+    code_interpreter_through_proxy(Sdk::JsCodeInterpreter, Upstreams::Tls);
 }
 
 /// The fake has teeth: the SDK talking to it directly (dummy key as X-API-Key, no Bearer)

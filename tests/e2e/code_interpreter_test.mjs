@@ -1,0 +1,95 @@
+#!/usr/bin/env node
+// End-to-end driver: the real `@e2b/code-interpreter` JS SDK against abx-proxy.
+//
+// Run with E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL set (the test sets them to the
+// proxy). The sandbox restricts public traffic, so every request to the code interpreter's
+// port (49999) carries `E2B-Traffic-Access-Token` as well as the SDK's own `X-Access-Token`
+// on `/execute`. Prints one line per step; exits 1 with a message naming the failed step.
+
+import { readFileSync } from 'node:fs'
+import { createRequire } from 'node:module'
+
+let STEP = 'import'
+const step = (name) => {
+  STEP = name
+}
+const ok = (msg) => console.log(`ok   ${STEP}: ${msg}`)
+const expect = (cond, msg) => {
+  if (!cond) throw new Error(msg)
+}
+
+async function main() {
+  for (const v of ['E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL']) {
+    if (!process.env[v]) throw new Error(`${v} must be set`)
+  }
+  const require = createRequire(import.meta.url)
+  const version = (pkg) =>
+    JSON.parse(readFileSync(require.resolve(`${pkg}/package.json`), 'utf8')).version
+  const { Sandbox } = await import('@e2b/code-interpreter')
+  console.log(
+    `@e2b/code-interpreter js SDK ${version('@e2b/code-interpreter')} (e2b ${version('e2b')}), node ${process.version}`
+  )
+
+  step('create (no public traffic)')
+  const sbx = await Sandbox.create({ timeoutMs: 60_000, network: { allowPublicTraffic: false } })
+  expect(sbx.sandboxId, 'no sandbox id')
+  expect(sbx.trafficAccessToken, 'no traffic access token in the create answer')
+  ok(sbx.sandboxId)
+
+  try {
+    await runSteps(sbx)
+  } catch (e) {
+    // Do not leave the sandbox behind when a middle step fails.
+    await sbx.kill().catch(() => {})
+    throw e
+  }
+}
+
+async function runSteps(sbx) {
+  step('runCode (stdout and a result, streamed)')
+  const seen = []
+  let ex = await sbx.runCode("print('hello')\n40 + 2", { onStdout: (m) => seen.push(m.line) })
+  expect(!ex.error, `error ${JSON.stringify(ex.error)}`)
+  expect(JSON.stringify(ex.logs.stdout) === '["hello\\n"]', `stdout ${JSON.stringify(ex.logs.stdout)}`)
+  expect(JSON.stringify(seen) === '["hello\\n"]', `onStdout saw ${JSON.stringify(seen)}`)
+  expect(ex.text === '42', `result ${JSON.stringify(ex.text)}, expected "42"`)
+  ok(`stdout ${JSON.stringify(ex.logs.stdout)}, result ${JSON.stringify(ex.text)}`)
+
+  step('createCodeContext')
+  const ctx = await sbx.createCodeContext()
+  expect(ctx.id, 'no context id')
+  ok(ctx.id)
+
+  step('runCode in the context')
+  ex = await sbx.runCode('1 + 2', { context: ctx })
+  expect(ex.text === '3', `result ${JSON.stringify(ex.text)}, expected "3"`)
+  ok(JSON.stringify(ex.text))
+
+  step('listCodeContexts')
+  const ids = (await sbx.listCodeContexts()).map((c) => c.id)
+  expect(JSON.stringify(ids) === JSON.stringify([ctx.id]), `contexts ${JSON.stringify(ids)}`)
+  ok(JSON.stringify(ids))
+
+  step('runCode raising (the error comes back in the stream)')
+  ex = await sbx.runCode('undefined_name')
+  expect(ex.error, 'no error')
+  expect(ex.error.name === 'NameError', `error ${JSON.stringify(ex.error.name)}`)
+  ok(`${ex.error.name}: ${ex.error.value}`)
+
+  step('removeCodeContext')
+  await sbx.removeCodeContext(ctx)
+  ok(ctx.id)
+
+  step('kill')
+  await sbx.kill()
+  ok('killed')
+}
+
+main().then(
+  () => console.log('PASS js code interpreter'),
+  (e) => {
+    console.error(e)
+    console.error(`FAIL ${STEP}: ${e?.name ?? 'Error'}: ${e?.message ?? e}`)
+    process.exit(1)
+  }
+)

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""End-to-end driver: the real `e2b-code-interpreter` Python SDK against abx-proxy.
+
+Run with E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL set (the test sets them to the
+proxy). The sandbox restricts public traffic, so every request to the code interpreter's
+port (49999) carries `E2B-Traffic-Access-Token` as well as the SDK's own `X-Access-Token`
+on `/execute`. Prints one line per step; exits 1 with a message naming the failed step.
+"""
+
+import os
+import sys
+import traceback
+
+STEP = "import"
+
+
+def step(name):
+    global STEP
+    STEP = name
+
+
+def ok(msg):
+    print(f"ok   {STEP}: {msg}", flush=True)
+
+
+def expect(cond, msg):
+    if not cond:
+        raise AssertionError(msg)
+
+
+def main():
+    for var in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
+        if not os.environ.get(var):
+            raise AssertionError(f"{var} must be set")
+
+    from importlib.metadata import version
+
+    from e2b_code_interpreter import Sandbox
+
+    print(
+        f"e2b-code-interpreter python SDK {version('e2b-code-interpreter')}"
+        f" (e2b {version('e2b')})",
+        flush=True,
+    )
+
+    step("create (no public traffic)")
+    sbx = Sandbox.create(timeout=60, network={"allow_public_traffic": False})
+    expect(sbx.sandbox_id, "no sandbox id")
+    expect(sbx.traffic_access_token, "no traffic access token in the create answer")
+    ok(sbx.sandbox_id)
+
+    try:
+        run_steps(sbx)
+    except BaseException:
+        # Do not leave the sandbox behind when a middle step fails.
+        try:
+            sbx.kill()
+        except Exception:
+            pass
+        raise
+
+
+def run_steps(sbx):
+    step("run_code (stdout and a result, streamed)")
+    seen = []
+    ex = sbx.run_code("print('hello')\n40 + 2", on_stdout=lambda m: seen.append(m.line))
+    expect(ex.error is None, f"error {ex.error!r}")
+    expect(ex.logs.stdout == ["hello\n"], f"stdout {ex.logs.stdout!r}")
+    expect(seen == ["hello\n"], f"on_stdout saw {seen!r}")
+    expect(ex.text == "42", f"result {ex.text!r}, expected '42'")
+    ok(f"stdout {ex.logs.stdout!r}, result {ex.text!r}")
+
+    step("create_code_context")
+    ctx = sbx.create_code_context()
+    expect(ctx.id, "no context id")
+    ok(ctx.id)
+
+    step("run_code in the context")
+    ex = sbx.run_code("1 + 2", context=ctx)
+    expect(ex.text == "3", f"result {ex.text!r}, expected '3'")
+    ok(repr(ex.text))
+
+    step("list_code_contexts")
+    ids = [c.id for c in sbx.list_code_contexts()]
+    expect(ids == [ctx.id], f"contexts {ids!r}")
+    ok(repr(ids))
+
+    step("run_code raising (the error comes back in the stream)")
+    ex = sbx.run_code("undefined_name")
+    expect(ex.error is not None, "no error")
+    expect(ex.error.name == "NameError", f"error {ex.error.name!r}")
+    ok(f"{ex.error.name}: {ex.error.value}")
+
+    step("remove_code_context")
+    sbx.remove_code_context(ctx)
+    ok(ctx.id)
+
+    step("kill")
+    sbx.kill()
+    ok("killed")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001 - report every failure the same way
+        traceback.print_exc()
+        print(f"FAIL {STEP}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print("PASS python code interpreter", flush=True)
