@@ -135,6 +135,23 @@ fn credential_read(c: &mut Criterion) {
     c.bench_function("envd token lookup (1000 sandboxes)", |b| {
         b.iter(|| store.get(black_box("isb-0500")))
     });
+    // A request that names no sandbox but carries its token (older SDKs), at the store's
+    // bound.
+    let store = TokenStore::new();
+    for i in 0..10_000 {
+        store.insert(&format!("isb-{i:05}"), Secret::new(format!("tok-{i:05}")));
+    }
+    c.bench_function("envd sandbox by token (10000 sandboxes)", |b| {
+        b.iter(|| store.sandbox_of(black_box(b"tok-05000")))
+    });
+    // A token learned anew (a create's answer): the store is copied, at its bound.
+    let mut n = 0u64;
+    c.bench_function("envd token learned (10000 sandboxes)", |b| {
+        b.iter(|| {
+            n += 1;
+            store.insert("isb-05000", Secret::new(format!("tok-new-{n}")))
+        })
+    });
 }
 
 fn signing(c: &mut Criterion) {

@@ -2,23 +2,31 @@
 //! envd token).
 //!
 //! `Debug` and `Display` never show the value, so a secret cannot reach a log line, an error
-//! or a panic message by accident. The raw value is handed out only by [`Secret::expose`],
-//! which the code that writes a header or computes a signature calls — grep for it to audit
-//! every place a secret leaves this type.
+//! or a panic message by accident. The raw value is handed out only by [`Secret::expose`]:
+//! to write a header or compute a signature (where it leaves the process), and to compare
+//! it, test it for emptiness or mask it — grep for it to audit every place a secret leaves
+//! this type.
 
 use std::fmt;
 use std::sync::Arc;
 
-/// A credential value. Cheap to clone (shared), never printed.
-#[derive(Clone, PartialEq, Eq)]
+/// A credential value. Cheap to clone (shared), never printed. Hashed as its text, so a map
+/// keyed by secrets is looked up by a `&str`.
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Secret(Arc<str>);
+
+impl std::borrow::Borrow<str> for Secret {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
 
 impl Secret {
     pub fn new(value: impl Into<Arc<str>>) -> Self {
         Secret(value.into())
     }
 
-    /// The raw value, for a header or a signature only.
+    /// The raw value: for a header or a signature, or to compare, test or mask it.
     pub fn expose(&self) -> &str {
         &self.0
     }

@@ -5,10 +5,16 @@
 //! Bounded: most sandboxes end by timing out, not by a `DELETE` through this proxy, so
 //! without a bound every sandbox ever created would stay. Each time a token is learned,
 //! those older than [`MAX_AGE`] are dropped, and beyond [`MAX_TOKENS`] the oldest goes;
-//! reads do not look at the age, so a request pays no clock read for it (an old token
-//! still served is at worst refused by envd, which triggers a fresh look-up). Forgetting
-//! costs little: the SDKs send the token themselves, and without it the next request looks
-//! it up again.
+//! [`TokenStore::get`] does not look at the age, so a request naming its sandbox pays no
+//! clock read for it (an old token still served is at worst refused by envd, which
+//! triggers a fresh look-up). Forgetting costs little: the SDKs send the token themselves,
+//! and without it the next request looks it up again.
+//!
+//! The other way round, [`TokenStore::sandbox_of`] finds the sandbox a token belongs to,
+//! for the envd requests of older SDKs that carry a token and name no sandbox: an index by
+//! token kept in the same snapshot, and the tokens of the last [`MAX_FORGOTTEN`] sandboxes
+//! deleted through the proxy (a `Mutex`, asked only when the index has no answer), so that
+//! such an SDK's health check after a kill still reaches envd.
 //!
 //! A look-up runs in a task of its own, not in the request that started it: a client that
 //! gives up waiting (an SDK whose timeout is shorter than a slow control plane's answer,
@@ -48,7 +54,7 @@ const RELEARN_AFTER: Duration = Duration::from_secs(3600);
 pub struct TokenStore {
     // Copy-on-write: reads are a pointer load; writes (one per sandbox created, and one an
     // hour per sandbox still in use) copy.
-    tokens: ArcSwap<HashMap<Arc<str>, (Secret, Instant)>>,
+    tokens: ArcSwap<Snapshot>,
     inflight: Mutex<Inflight>,
     /// How many look-ups `inflight` holds, for [`TokenStore::supersede`]'s check without
     /// the lock; changed under it.
@@ -58,6 +64,45 @@ pub struct TokenStore {
     /// carrying one names its sandbox still (see [`TokenStore::sandbox_of`]). Bounded, and
     /// never attached to a request: the client sent it.
     forgotten: Mutex<VecDeque<(Secret, Arc<str>)>>,
+}
+
+/// One version of the store: each sandbox's token and when it was learned, and the index
+/// back from each token to the sandboxes holding it. A write clones both (a table copy
+/// and reference counts, no rehashing) and changes the few entries it concerns.
+#[derive(Clone, Default)]
+struct Snapshot {
+    by_id: HashMap<Arc<str>, (Secret, Instant)>,
+    /// Non-empty tokens only; two sandboxes hold one only if the control plane said so.
+    by_token: HashMap<Secret, Arc<[Arc<str>]>>,
+}
+
+impl Snapshot {
+    fn insert(&mut self, id: Arc<str>, token: Secret, at: Instant) {
+        self.remove(&id);
+        if !token.expose().is_empty() {
+            let holders = match self.by_token.get(&token) {
+                Some(h) => h.iter().cloned().chain([id.clone()]).collect(),
+                None => Arc::from([id.clone()]),
+            };
+            self.by_token.insert(token.clone(), holders);
+        }
+        self.by_id.insert(id, (token, at));
+    }
+
+    fn remove(&mut self, id: &str) {
+        let Some((token, _)) = self.by_id.remove(id) else {
+            return;
+        };
+        let Some(holders) = self.by_token.get(&token) else {
+            return;
+        };
+        let rest: Arc<[Arc<str>]> = holders.iter().filter(|h| ***h != *id).cloned().collect();
+        if rest.is_empty() {
+            self.by_token.remove(&token);
+        } else {
+            self.by_token.insert(token, rest);
+        }
+    }
 }
 
 /// The look-ups running, by sandbox, and how many of them no request waits for.
@@ -135,7 +180,11 @@ impl TokenStore {
     }
 
     pub fn get(&self, sandbox_id: &str) -> Option<Secret> {
-        self.tokens.load().get(sandbox_id).map(|(t, _)| t.clone())
+        self.tokens
+            .load()
+            .by_id
+            .get(sandbox_id)
+            .map(|(t, _)| t.clone())
     }
 
     /// A token learned from the control plane's answer to a client.
@@ -146,36 +195,45 @@ impl TokenStore {
 
     /// Inserts as learned at `now`, dropping what is too old or one too many.
     fn insert_at(&self, sandbox_id: &str, token: Secret, now: Instant) {
-        let known = self.tokens.load().get(sandbox_id).is_some_and(|(t, at)| {
-            *t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
-        });
+        let known = self
+            .tokens
+            .load()
+            .by_id
+            .get(sandbox_id)
+            .is_some_and(|(t, at)| {
+                *t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
+            });
         if known {
             return;
         }
-        self.tokens.rcu(|map| {
-            let mut next: HashMap<_, _> = map
-                .iter()
-                .filter(|(_, (_, at))| now.saturating_duration_since(*at) < MAX_AGE)
-                .map(|(k, v)| (k.clone(), v.clone()))
+        self.tokens.rcu(|snapshot| {
+            let mut next = Snapshot::clone(snapshot);
+            let aged: Vec<Arc<str>> = (next.by_id.iter())
+                .filter(|(_, (_, at))| now.saturating_duration_since(*at) >= MAX_AGE)
+                .map(|(id, _)| id.clone())
                 .collect();
-            if next.len() >= self.max_tokens && !next.contains_key(sandbox_id) {
-                let oldest = next
-                    .iter()
+            for id in &aged {
+                next.remove(id);
+            }
+            if next.by_id.len() >= self.max_tokens && !next.by_id.contains_key(sandbox_id) {
+                let oldest = (next.by_id.iter())
                     .min_by_key(|(_, (_, at))| *at)
-                    .map(|(k, _)| k.clone());
+                    .map(|(id, _)| id.clone());
                 if let Some(oldest) = oldest {
                     next.remove(&oldest);
                 }
             }
-            next.insert(Arc::from(sandbox_id), (token.clone(), now));
+            next.insert(Arc::from(sandbox_id), token.clone(), now);
             next
         });
     }
 
-    /// The sandbox was deleted.
+    /// The sandbox was deleted: its token is dropped, and kept among the last
+    /// [`MAX_FORGOTTEN`] deleted ones for [`TokenStore::sandbox_of`] (never sent by the
+    /// proxy again).
     pub fn remove(&self, sandbox_id: &str) {
         self.supersede(sandbox_id);
-        let known = (self.tokens.load().get_key_value(sandbox_id))
+        let known = (self.tokens.load().by_id.get_key_value(sandbox_id))
             .map(|(id, (token, _))| (id.clone(), token.clone()));
         let Some((id, token)) = known else {
             return;
@@ -187,8 +245,8 @@ impl TokenStore {
             }
             forgotten.push_back((token, id));
         }
-        self.tokens.rcu(|map| {
-            let mut next = HashMap::clone(map);
+        self.tokens.rcu(|snapshot| {
+            let mut next = Snapshot::clone(snapshot);
             next.remove(sandbox_id);
             next
         });
@@ -198,9 +256,9 @@ impl TokenStore {
     /// a fresher token, fetched after the same 401 by a concurrent request, is kept.
     pub fn remove_stale(&self, sandbox_id: &str, stale: &Secret) {
         if self.get(sandbox_id).as_ref() == Some(stale) {
-            self.tokens.rcu(|map| {
-                let mut next = HashMap::clone(map);
-                if next.get(sandbox_id).map(|(t, _)| t) == Some(stale) {
+            self.tokens.rcu(|snapshot| {
+                let mut next = Snapshot::clone(snapshot);
+                if next.by_id.get(sandbox_id).map(|(t, _)| t) == Some(stale) {
                     next.remove(sandbox_id);
                 }
                 next
@@ -208,43 +266,39 @@ impl TokenStore {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.tokens.load().len()
+    fn len(&self) -> usize {
+        self.tokens.load().by_id.len()
     }
 
     /// The sandbox whose learned token is `token` (none for an empty one, nor for one
-    /// past [`MAX_AGE`]), or a sandbox deleted through the proxy whose token it was: a
-    /// scan, for the envd requests that name no sandbox but carry its token (see
-    /// `Proxy::by_token`), never for those that name one. A deleted one's: an SDK asks
-    /// envd's `/health` after a kill, and the control plane's own `/health` said "running".
-    /// A token two sandboxes hold names neither: which one a client meant is unknowable,
-    /// and the first found changed with every write to the store.
+    /// past [`MAX_AGE`]), or a sandbox deleted through the proxy whose token it was: for
+    /// the envd requests that name no sandbox but carry its token (see `Proxy::by_token`),
+    /// never for those that name one. A deleted one's: an SDK asks envd's `/health` after a
+    /// kill, and the control plane's own `/health` said "running". A token two sandboxes
+    /// hold names neither: which one a client meant is unknowable.
     pub fn sandbox_of(&self, token: &[u8]) -> Option<TokenOwner> {
-        if token.is_empty() {
-            return None;
-        }
+        // Tokens are text: bytes that are not match none.
+        let token = std::str::from_utf8(token).ok().filter(|t| !t.is_empty())?;
         let now = Instant::now();
-        let tokens = self.tokens.load();
-        let learned = (tokens.iter()).filter(|(_, (t, at))| {
-            t.expose().as_bytes() == token && now.saturating_duration_since(*at) < MAX_AGE
+        let snapshot = self.tokens.load();
+        let holders = snapshot.by_token.get(token).map_or(&[][..], |h| &h[..]);
+        let learned = holders.iter().filter(|id| {
+            (snapshot.by_id.get(*id))
+                .is_some_and(|(_, at)| now.saturating_duration_since(*at) < MAX_AGE)
         });
-        if let Some(id) = only_one(learned.map(|(id, _)| id)) {
+        if let Some(id) = only_one(learned) {
             return id.map(|id| TokenOwner {
                 id: id.clone(),
                 deleted: false,
             });
         }
         let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
-        let deleted = (forgotten.iter()).filter(|(t, _)| t.expose().as_bytes() == token);
+        let deleted = (forgotten.iter()).filter(|(t, _)| t.expose() == token);
         let id = only_one(deleted.map(|(_, id)| id)).flatten()?;
         Some(TokenOwner {
             id: id.clone(),
             deleted: true,
         })
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Sandboxes with a token (`abx_proxy_envd_tokens`): not those remembered as having
@@ -257,8 +311,7 @@ impl TokenStore {
 
     fn with_token_at(&self, now: Instant) -> usize {
         let tokens = self.tokens.load();
-        tokens
-            .values()
+        (tokens.by_id.values())
             .filter(|(t, at)| {
                 !t.expose().is_empty() && now.saturating_duration_since(*at) < MAX_AGE
             })
@@ -460,7 +513,7 @@ mod tests {
 
         store.insert_at("isb-1", Secret::new("tok"), t0 + RELEARN_AFTER);
         assert!(!Arc::ptr_eq(&before, &store.tokens.load_full()));
-        let learned = store.tokens.load().get("isb-1").map(|(_, at)| *at);
+        let learned = store.tokens.load().by_id.get("isb-1").map(|(_, at)| *at);
         assert_eq!(learned, Some(t0 + RELEARN_AFTER));
 
         let before = store.tokens.load_full();
@@ -735,6 +788,65 @@ mod tests {
         if let Some(old) = old {
             store.insert_at("isb-old", Secret::new("tok-old"), old);
             assert_eq!(owner(b"tok-old"), None, "one past its age");
+        }
+    }
+
+    /// The index by token is kept by each write, not rebuilt: after every kind of write it
+    /// says what a rebuild from the tokens by sandbox would.
+    #[test]
+    fn the_index_by_token_follows_every_write() {
+        let store = TokenStore::with_max(3);
+        let check = |what: &str| {
+            let snapshot = store.tokens.load();
+            let mut want: Vec<(String, String)> = (snapshot.by_id.iter())
+                .filter(|(_, (t, _))| !t.expose().is_empty())
+                .map(|(id, (t, _))| (t.expose().to_string(), id.to_string()))
+                .collect();
+            let mut got: Vec<(String, String)> = (snapshot.by_token.iter())
+                .flat_map(|(t, ids)| {
+                    ids.iter()
+                        .map(|id| (t.expose().to_string(), id.to_string()))
+                })
+                .collect();
+            want.sort();
+            got.sort();
+            assert_eq!(got, want, "after {what}");
+        };
+        let owner = |token: &[u8]| store.sandbox_of(token).map(|o| o.id.to_string());
+        store.insert("isb-a", Secret::new("tok-1"));
+        store.insert("isb-b", Secret::new("tok-1"));
+        check("a shared token");
+        store.insert("isb-a", Secret::new("tok-2"));
+        check("a token replaced");
+        assert_eq!(
+            owner(b"tok-1").as_deref(),
+            Some("isb-b"),
+            "no longer shared"
+        );
+        assert_eq!(owner(b"tok-2").as_deref(), Some("isb-a"));
+        store.insert("isb-c", Secret::new(""));
+        store.insert("isb-d", Secret::new("tok-4"));
+        check("one over the bound");
+        assert_eq!(store.len(), 3);
+        assert!(store.get("isb-b").is_none(), "the oldest learned went");
+        assert_eq!(owner(b"tok-1"), None);
+        store.remove_stale("isb-d", &Secret::new("tok-4"));
+        check("a stale token dropped");
+        assert_eq!(owner(b"tok-4"), None);
+        store.remove("isb-c");
+        check("an unsecured sandbox deleted");
+        store.insert("isb-b", Secret::new("tok-1"));
+        if let Some(old) = Instant::now().checked_sub(MAX_AGE + Duration::from_secs(1)) {
+            store.insert_at("isb-old", Secret::new("tok-1"), old);
+            check("an old one learned");
+            assert_eq!(
+                owner(b"tok-1").as_deref(),
+                Some("isb-b"),
+                "a holder past its age does not make the token shared"
+            );
+            store.insert("isb-e", Secret::new("tok-5"));
+            check("an old one dropped");
+            assert!(store.get("isb-old").is_none());
         }
     }
 

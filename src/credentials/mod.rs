@@ -5,7 +5,9 @@
 //! - [`envd::TokenStore`]: each sandbox's envd access token.
 //!
 //! Both are read on the request path without waiting on writers: snapshots behind
-//! `ArcSwap`; refresh and reload happen beside the traffic.
+//! `ArcSwap`; refresh and reload happen beside the traffic. (The deleted sandboxes' tokens
+//! that [`envd::TokenStore::sandbox_of`] also asks sit behind a `Mutex`, held for a scan
+//! of at most 1024 and only for a token the snapshot does not know.)
 
 pub mod envd;
 pub mod exchange;
