@@ -453,7 +453,7 @@ impl AcceptFailures {
 /// the last receiver of `stop` is gone, see [`drain`]).
 ///
 /// Shared: after an HTTP Upgrade hyper's connection is over and the connection's task ends,
-/// but the connection lives on as a tunnel (see `handler::tunnel`), which keeps a clone.
+/// but the connection lives on as a tunnel (see `tunnel::run`), which keeps a clone.
 /// Released when both are done, so a drain waits for live tunnels too.
 pub(super) struct OpenConnection {
     _permit: OwnedSemaphorePermit,

@@ -400,8 +400,11 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
 }
 
 /// The plane a request [`route`] refused is counted under (SPEC §4): envd's when it names
-/// a sandbox, by `E2b-Sandbox-Id` or by a Host of the `<port>-<id>.localhost` shape, however
-/// ill-formed. Counted as the control plane's, envd's refusals left per-plane error ratios.
+/// a sandbox, by a Host of the `<port>-<id>.localhost` shape, however ill-formed, or by
+/// `E2b-Sandbox-Id` (but on the paths [`control_planes_despite_headers`] gives the control
+/// plane, as `route` does). Counted as the control plane's, envd's refusals left per-plane
+/// error ratios. The caller adds the requests that name a sandbox by a token alone
+/// (`Proxy::by_token`, which needs the token store).
 pub fn refused_plane(parts: &Parts) -> &'static str {
     let host = match parts.uri.authority() {
         Some(a) => Some(a.as_str()),
