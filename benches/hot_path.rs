@@ -144,7 +144,8 @@ fn credential_read(c: &mut Criterion) {
     c.bench_function("envd sandbox by token (10000 sandboxes)", |b| {
         b.iter(|| store.sandbox_of(black_box(b"tok-05000")))
     });
-    // A token learned anew (a create's answer): the store is copied, at its bound.
+    // A sandbox's token replaced (a connect's answer with a new one): the store is copied,
+    // at its bound. (A create's new id pays a scan for the oldest besides.)
     let mut n = 0u64;
     c.bench_function("envd token learned (10000 sandboxes)", |b| {
         b.iter(|| {

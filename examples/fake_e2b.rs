@@ -29,11 +29,14 @@
 //!
 //! The envd listener also plays the code interpreter of E2B's `code-interpreter-v1`
 //! template (`E2b-Sandbox-Port: 49999`): `/execute` streams NDJSON as its server does
-//! (`print('…')` lines and a last `a + b` line are understood), `/contexts…` keep a list.
-//! Its checks: a sent `X-Access-Token` is the sandbox's (the SDKs send it with `/execute`
+//! (`print('…')` lines and a last `a + b` line are understood; at a `wait_until_seen()`
+//! line the stream pauses until the client makes a context, at most 20 s: a client that
+//! does so on seeing the output before it proves that output was streamed to it, not held
+//! until the end), `/contexts…` keep a list beside the two default contexts. Its checks: a
+//! sent `X-Access-Token` is the sandbox's and comes once (the SDKs send it with `/execute`
 //! only), and a sandbox created with `network.allowPublicTraffic: false` (which gets a
-//! `trafficAccessToken`) is reached with `E2B-Traffic-Access-Token`, as E2B's edge asks on
-//! every port but envd's. Log entries of envd requests say whether a token came.
+//! `trafficAccessToken`) is reached with one `E2B-Traffic-Access-Token`, as E2B's edge asks
+//! on every port but envd's. Log entries of envd requests say whether a token came.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -110,8 +113,9 @@ struct Sandbox {
     token: String,
     /// Issued when the create asked for no public traffic (`allowPublicTraffic: false`).
     traffic_token: Option<String>,
-    /// The code interpreter's contexts, by id (`/contexts`).
+    /// The code interpreter's contexts, by id (`/contexts`), and how many were ever made.
     contexts: Vec<String>,
+    contexts_made: tokio::sync::watch::Sender<u64>,
     executions: u64,
     template_id: String,
     metadata: Value,
@@ -600,6 +604,14 @@ fn check_jupyter(
     id: &str,
     sb: &Sandbox,
 ) -> Option<(StatusCode, String)> {
+    for name in ["x-access-token", "e2b-traffic-access-token"] {
+        if h.get_all(name).iter().count() > 1 {
+            return Some((
+                StatusCode::UNAUTHORIZED,
+                format!("jupyter: more than one {name} for {id}"),
+            ));
+        }
+    }
     if let Some(want) = &sb.traffic_token {
         if header(h, "e2b-traffic-access-token") != Some(want.as_str()) {
             return Some((
@@ -654,6 +666,7 @@ fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body
                 traffic_token: (public == Some(false))
                     .then(|| format!("traffic-tok-{}", uuid::Uuid::new_v4().simple())),
                 contexts: Vec::new(),
+                contexts_made: tokio::sync::watch::channel(0).0,
                 executions: 0,
                 template_id: req
                     .get("templateID")
@@ -1009,16 +1022,24 @@ fn code_interpreter(method: &Method, path: &str, body: &Bytes, sb: &mut Sandbox)
                 .unwrap_or("python");
             let id = uuid::Uuid::new_v4().to_string();
             sb.contexts.push(id.clone());
+            sb.contexts_made.send_modify(|n| *n += 1);
             json_response(StatusCode::OK, &context(&id, language))
         }
         (&Method::GET, ["contexts"]) => {
-            let list: Vec<Value> = sb.contexts.iter().map(|id| context(id, "python")).collect();
+            // The server lists its default contexts too.
+            let defaults = [
+                ("default-python", "python"),
+                ("default-javascript", "javascript"),
+            ];
+            let list: Vec<Value> = (defaults.iter().map(|(id, language)| context(id, language)))
+                .chain(sb.contexts.iter().map(|id| context(id, "python")))
+                .collect();
             json_response(StatusCode::OK, &Value::Array(list))
         }
         (&Method::DELETE, ["contexts", id]) => match sb.contexts.iter().position(|c| c == id) {
             Some(i) => {
                 sb.contexts.remove(i);
-                empty(StatusCode::NO_CONTENT)
+                json_response(StatusCode::OK, &Value::Null)
             }
             None => error(StatusCode::NOT_FOUND, &format!("context {id} not found")),
         },
@@ -1030,9 +1051,20 @@ fn code_interpreter(method: &Method, path: &str, body: &Bytes, sb: &mut Sandbox)
     }
 }
 
+/// How long `wait_until_seen()` waits for the client to make a context.
+const SEEN_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// A step of an execution's stream.
+enum Step {
+    Line(Value),
+    /// `wait_until_seen()`: hold the rest until a context is made.
+    AwaitContext,
+}
+
 /// `/execute`: the code's outputs as NDJSON, a line per chunk (as the server streams them).
-/// Understands `print('TEXT')` lines and a last line `A + B` (its value is the main
-/// result); any other line is a `NameError` that ends the run.
+/// Understands `print('TEXT')` lines, `wait_until_seen()` (see the module's doc) and a
+/// last line `A + B` (its value is the main result); any other line is a `NameError` that
+/// ends the run.
 fn execute(body: &Bytes, sb: &mut Sandbox) -> Response<Body> {
     let req: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
@@ -1051,7 +1083,9 @@ fn execute(body: &Bytes, sb: &mut Sandbox) -> Response<Body> {
     let code = req.get("code").and_then(Value::as_str).unwrap_or("");
     sb.executions += 1;
     let now = "2025-01-01T00:00:00Z";
-    let mut lines = vec![json!({"type": "number_of_executions", "execution_count": sb.executions})];
+    let mut lines = vec![Step::Line(
+        json!({"type": "number_of_executions", "execution_count": sb.executions}),
+    )];
     let code_lines: Vec<&str> = code
         .lines()
         .map(str::trim)
@@ -1066,32 +1100,56 @@ fn execute(body: &Bytes, sb: &mut Sandbox) -> Response<Body> {
             .split_once('+')
             .and_then(|(a, b)| Some(a.trim().parse::<i64>().ok()? + b.trim().parse::<i64>().ok()?));
         match (printed, sum) {
-            (Some(text), _) => {
-                lines.push(json!({"type": "stdout", "text": format!("{text}\n"), "timestamp": now}))
-            }
-            (None, Some(n)) if i + 1 == code_lines.len() => lines.push(json!({
+            (Some(text), _) => lines.push(Step::Line(
+                json!({"type": "stdout", "text": format!("{text}\n"), "timestamp": now}),
+            )),
+            _ if *line == "wait_until_seen()" => lines.push(Step::AwaitContext),
+            (None, Some(n)) if i + 1 == code_lines.len() => lines.push(Step::Line(json!({
                 "type": "result", "text": n.to_string(), "is_main_result": true,
-            })),
+            }))),
             _ => {
                 let name = line
                     .split(|c: char| !c.is_alphanumeric() && c != '_')
                     .next()
                     .unwrap_or(line);
-                lines.push(json!({
+                lines.push(Step::Line(json!({
                     "type": "error",
                     "name": "NameError",
                     "value": format!("name '{name}' is not defined"),
                     "traceback": format!("NameError: name '{name}' is not defined"),
-                }));
+                })));
                 break;
             }
         }
     }
-    lines.push(json!({"type": "end_of_execution"}));
-    let stream = futures_util::stream::iter(
-        lines
-            .into_iter()
-            .map(|l| Ok::<_, Infallible>(Frame::data(Bytes::from(format!("{l}\n"))))),
+    lines.push(Step::Line(json!({"type": "end_of_execution"})));
+    let made = sb.contexts_made.subscribe();
+    let before = *made.borrow();
+    let frame = |l: Value| Ok::<_, Infallible>(Frame::data(Bytes::from(format!("{l}\n"))));
+    let stream = futures_util::stream::unfold(
+        (lines.into_iter(), made),
+        move |(mut steps, mut made)| async move {
+            loop {
+                match steps.next()? {
+                    Step::Line(l) => return Some((frame(l), (steps, made))),
+                    Step::AwaitContext => {
+                        let seen = tokio::time::timeout(SEEN_WAIT, made.wait_for(|n| *n > before));
+                        if matches!(seen.await, Ok(Ok(_))) {
+                            continue;
+                        }
+                        eprintln!("fake_e2b: wait_until_seen(): no context made in {SEEN_WAIT:?}");
+                        let end = vec![Step::Line(json!({"type": "end_of_execution"}))];
+                        let l = json!({
+                            "type": "error",
+                            "name": "TimeoutError",
+                            "value": "no context made while the output before wait_until_seen() was out: the client did not see it (held until the end?)",
+                            "traceback": "",
+                        });
+                        return Some((frame(l), (end.into_iter(), made)));
+                    }
+                }
+            }
+        },
     );
     let mut r = Response::new(StreamBody::new(stream).boxed());
     r.headers_mut().insert(

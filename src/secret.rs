@@ -5,7 +5,8 @@
 //! or a panic message by accident. The raw value is handed out only by [`Secret::expose`]:
 //! to write a header or compute a signature (where it leaves the process), and to compare
 //! it, test it for emptiness or mask it — grep for it to audit every place a secret leaves
-//! this type.
+//! this type. (`Borrow<str>` lends it too, only for a map keyed by secrets to be looked up
+//! by a `&str`: no code calls `borrow()` on one.)
 
 use std::fmt;
 use std::sync::Arc;

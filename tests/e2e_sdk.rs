@@ -276,7 +276,8 @@ fn js_sdk_latest_through_proxy_to_tls_upstreams() {
     sdk_through_proxy(Sdk::Js("e2b"), Upstreams::Tls);
 }
 
-/// The code interpreter through the proxy: `run_code` streams its NDJSON back, contexts are
+/// The code interpreter through the proxy: `run_code` streams its NDJSON back (the fake holds
+/// the run until the client, on seeing its first line, makes a context), contexts are
 /// made, listed and removed, on port 49999 of a sandbox that restricts public traffic. The
 /// SDK's own `X-Access-Token` on `/execute` and its `E2B-Traffic-Access-Token` everywhere
 /// pass as sent (the fake checks both); the proxy adds no token of its own on that port,
