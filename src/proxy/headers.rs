@@ -1,5 +1,6 @@
-//! Phase 3, rewrite: header hygiene both ways and credential attachment. Works in place on
-//! the request's own `HeaderMap`: no copies on the hot path.
+//! Phases 2 and 3, authorize and rewrite: credential attachment (the credential itself is
+//! found by the handler: the key, the envd token) and header hygiene both ways. Works in
+//! place on the request's own `HeaderMap`: no copies on the hot path.
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
