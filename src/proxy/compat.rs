@@ -8,6 +8,8 @@
 use bytes::Bytes;
 use http::Method;
 
+use super::sandbox_path::{self, SandboxPath};
+
 /// What the rewrite does to one request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Rewrite {
@@ -24,16 +26,16 @@ pub fn plan(method: &Method, path: &str) -> Rewrite {
     if method != Method::POST {
         return Rewrite::None;
     }
-    match path.strip_prefix("/v2/sandboxes") {
-        Some("") | Some("/") => Rewrite::Create,
-        Some(rest) => match rest
-            .strip_prefix('/')
-            .and_then(|r| r.strip_suffix("/connect"))
-        {
-            Some(id) if !id.is_empty() && !id.contains('/') => Rewrite::Connect,
-            _ => Rewrite::None,
-        },
-        None => Rewrite::None,
+    match sandbox_path::parse(path) {
+        Some(SandboxPath {
+            v2: true, id: None, ..
+        }) => Rewrite::Create,
+        Some(SandboxPath {
+            v2: true,
+            id: Some(_),
+            action: Some("connect"),
+        }) => Rewrite::Connect,
+        _ => Rewrite::None,
     }
 }
 
@@ -135,6 +137,12 @@ mod tests {
             plan(&Method::POST, "/v2/sandboxes/a/b/connect"),
             Rewrite::None
         );
+        // As token learning and the retry rule read it: a trailing slash is none.
+        assert_eq!(
+            plan(&Method::POST, "/v2/sandboxes/isb-1/connect/"),
+            Rewrite::Connect
+        );
+        assert_eq!(plan(&Method::POST, "/v2/sandboxes//connect"), Rewrite::None);
         assert_eq!(
             rewritten_path("/v2/sandboxes/x/connect"),
             "/sandboxes/x/connect"

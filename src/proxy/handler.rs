@@ -21,6 +21,7 @@ use super::framing::Refusal;
 use super::headers::{self, X_ACCESS_TOKEN};
 use super::listener::{MAX_HEAD, MAX_HEADERS};
 use super::route::{self, Route, DEFAULT_ENVD_PORT};
+use super::sandbox_path;
 use super::sniff::{self, Sniff};
 use super::tunnel::{self, Upgrade};
 use super::{EnvdTarget, Proxy};
@@ -224,16 +225,13 @@ impl Proxy {
 /// retry is kept for them (a 502 is as often a request that never reached the control
 /// plane).
 fn harmless_to_repeat(path: &str) -> bool {
-    let Some((sandbox, action)) = path.trim_end_matches('/').rsplit_once('/') else {
-        return false;
-    };
-    let id =
-        (sandbox.strip_prefix("/sandboxes/")).or_else(|| sandbox.strip_prefix("/v2/sandboxes/"));
-    id.is_some_and(|id| !id.is_empty() && !id.contains('/'))
-        && matches!(
-            action,
-            "connect" | "timeout" | "pause" | "resume" | "refreshes"
-        )
+    sandbox_path::parse(path).is_some_and(|p| {
+        p.id.is_some()
+            && matches!(
+                p.action,
+                Some("connect" | "timeout" | "pause" | "resume" | "refreshes")
+            )
+    })
 }
 
 /// A gateway in front of the control plane answering 502 or 504 to a request that is not

@@ -18,6 +18,7 @@ pub mod headers;
 pub mod listener;
 pub mod pool;
 pub mod route;
+pub mod sandbox_path;
 pub mod sniff;
 #[cfg(target_os = "linux")]
 mod splice;

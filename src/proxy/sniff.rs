@@ -3,6 +3,7 @@
 
 use http::Method;
 
+use super::sandbox_path;
 use crate::secret::Secret;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -18,30 +19,16 @@ pub enum Sniff {
 /// `path` is the upstream path: after the `/v2` rewrite, or still `/v2/…` where paths
 /// pass unchanged (`compat_v2_paths = pass`, plugin providers).
 pub fn plan(method: &Method, path: &str) -> Sniff {
-    let path = path
-        .strip_prefix("/v2")
-        .filter(|p| p.starts_with("/sandboxes"))
-        .unwrap_or(path);
-    let Some(rest) = path.strip_prefix("/sandboxes") else {
+    let Some(path) = sandbox_path::parse(path) else {
         return Sniff::None;
     };
-    let rest = rest.trim_end_matches('/');
-    if rest.is_empty() {
-        return if method == Method::POST {
-            Sniff::Learn
-        } else {
-            Sniff::None
-        };
-    }
-    let Some(rest) = rest.strip_prefix('/') else {
-        return Sniff::None;
-    };
-    match rest.split_once('/') {
-        None if method == Method::GET => Sniff::Learn,
-        None if method == Method::DELETE => Sniff::Forget(rest.to_string()),
+    match (path.id, path.action) {
+        (None, _) if method == Method::POST => Sniff::Learn,
+        (Some(_), None) if method == Method::GET => Sniff::Learn,
+        (Some(id), None) if method == Method::DELETE => Sniff::Forget(id.to_string()),
         // Resume is connect's older form (E2B SDKs before 2.x): it answers the sandbox too,
         // with the token a resumed sandbox may have changed.
-        Some((_, "connect" | "resume")) if method == Method::POST => Sniff::Learn,
+        (Some(_), Some("connect" | "resume")) if method == Method::POST => Sniff::Learn,
         _ => Sniff::None,
     }
 }
@@ -116,6 +103,15 @@ mod tests {
         );
         assert_eq!(plan(&Method::GET, "/v2/templates"), Sniff::None);
         assert_eq!(plan(&Method::POST, "/v2sandboxes"), Sniff::None);
+        assert_eq!(
+            plan(&Method::POST, "/sandboxes//connect"),
+            Sniff::None,
+            "no id"
+        );
+        assert_eq!(
+            plan(&Method::DELETE, "/sandboxes/isb-1/"),
+            Sniff::Forget("isb-1".into())
+        );
     }
 
     #[test]
