@@ -2,7 +2,8 @@
 //! [`crate::serve::run`] binds it, serves until a signal and drains.
 //!
 //! Submodules are the phases of a request (`route`, `headers`/`compat` for the rewrite,
-//! `forward`, `sniff` for the response filter) and the plumbing around them (`listener`,
+//! `forward`, `sniff` for the response filter; `sandbox_path` reads the control plane's
+//! sandbox paths for them) and the plumbing around them (`listener`,
 //! `certs` its TLS certificate, `h1` the HTTP/1.1 fast path, `framing`, `body`, `pool` the
 //! upstream client, `splice`, `tunnel` for upgraded connections). `handler` strings the
 //! phases together.
