@@ -144,6 +144,21 @@ async fn control_plane(cloud: Arc<Cloud>, req: Request<Incoming>) -> Response<Te
         ("POST", id) if id.ends_with("/connect") => {
             describe(&cloud, id.trim_end_matches("/connect"))
         }
+        // A fork: 201 and a result per fork, the sandboxes named `{id}-f…` (made by the test
+        // with `Cloud::exists`), and one that failed.
+        ("POST", id) if id.ends_with("/fork") => {
+            let parent = format!("{}-f", id.trim_end_matches("/fork"));
+            let mut forks: Vec<(String, String)> = (cloud.sandboxes.lock().unwrap().iter())
+                .filter(|(id, _)| id.starts_with(&parent))
+                .map(|(id, token)| (id.clone(), token.clone()))
+                .collect();
+            forks.sort();
+            let mut results: Vec<serde_json::Value> = (forks.iter())
+                .map(|(id, token)| json!({"sandbox": sandbox_json(id, token)}))
+                .collect();
+            results.push(json!({"error": {"code": 500, "message": "no room for this fork"}}));
+            json_response(201, &json!(results))
+        }
         // The older resume: 201 and the sandbox, as connect's.
         ("POST", id) if id.ends_with("/resume") => {
             let mut answer = describe(&cloud, id.trim_end_matches("/resume"));
@@ -1712,6 +1727,29 @@ async fn tokens_are_learned_from_connect_and_v2_answers() {
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(collect(resp.into_body()).await.ends_with(b"}"));
     assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(3.0));
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
+/// A fork (`POST /sandboxes/{id}/fork`, e2b 2.6x's `Sandbox.fork`) answers a result per
+/// new sandbox: each one's token is learned, so a request naming a fork by id alone costs
+/// no look-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_learned_from_a_forks_answer() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.cloud.exists("isb-p", "tok-p");
+    env.cloud.exists("isb-p-f1", "tok-f1");
+    env.cloud.exists("isb-p-f2", "tok-f2");
+    let resp = post_json(addr, "/sandboxes/isb-p/fork", r#"{"count":3}"#).await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let answer: serde_json::Value =
+        serde_json::from_slice(&collect(resp.into_body()).await).unwrap();
+    assert_eq!(answer.as_array().map(Vec::len), Some(3), "{answer}");
+    env.assert_token_known(&proxy, "isb-p-f1", "tok-f1").await;
+    env.assert_token_known(&proxy, "isb-p-f2", "tok-f2").await;
+    assert_eq!(gauge(&proxy, ENVD_TOKENS).await, Some(2.0));
     env.assert_envd_clean();
     proxy.finish().await;
 }

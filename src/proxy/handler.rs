@@ -850,7 +850,7 @@ impl Proxy {
                 };
                 let body = match read {
                     Ok(Bounded::Complete(b, room)) => {
-                        if let Some((id, token)) = sniff::learn(&b) {
+                        for (id, token) in sniff::learn(&b) {
                             if route::valid_sandbox_id(&id) {
                                 self.tokens.insert(&id, token);
                             }

@@ -9,8 +9,8 @@ use crate::secret::Secret;
 #[derive(Debug, PartialEq, Eq)]
 pub enum Sniff {
     None,
-    /// create, connect, resume, `GET /sandboxes/{id}`: the body may carry
-    /// `envdAccessToken`.
+    /// create, connect, resume, fork, `GET /sandboxes/{id}`: the body may carry
+    /// `envdAccessToken`s.
     Learn,
     /// `DELETE /sandboxes/{id}`: forget the sandbox's token.
     Forget(String),
@@ -27,15 +27,35 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
         (Some(_), None) if method == Method::GET => Sniff::Learn,
         (Some(id), None) if method == Method::DELETE => Sniff::Forget(id.to_string()),
         // Resume is connect's older form (E2B SDKs before 2.x): it answers the sandbox too,
-        // with the token a resumed sandbox may have changed.
-        (Some(_), Some("connect" | "resume")) if method == Method::POST => Sniff::Learn,
+        // with the token a resumed sandbox may have changed. A fork answers the new ones.
+        (Some(_), Some("connect" | "resume" | "fork")) if method == Method::POST => Sniff::Learn,
         _ => Sniff::None,
     }
 }
 
-/// `(sandboxID, envdAccessToken)` from a JSON body, when both are there.
-pub fn learn(body: &[u8]) -> Option<(String, Secret)> {
-    sandbox(body).filter(|(_, token)| !token.expose().is_empty())
+/// Each `(sandboxID, envdAccessToken)` with a token in a JSON answer: the one sandbox it
+/// describes (create, connect, resume, `GET /sandboxes/{id}`), or a fork's list of
+/// results, each `{"sandbox": …}` or, for a fork that failed, `{"error": …}`.
+pub fn learn(body: &[u8]) -> Vec<(String, Secret)> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Answer {
+        One(Sandbox),
+        Forks(Vec<Fork>),
+    }
+    #[derive(serde::Deserialize)]
+    struct Fork {
+        sandbox: Option<Sandbox>,
+    }
+    let sandboxes = match serde_json::from_slice(body) {
+        Ok(Answer::One(s)) => vec![s],
+        Ok(Answer::Forks(forks)) => forks.into_iter().filter_map(|f| f.sandbox).collect(),
+        Err(_) => Vec::new(),
+    };
+    (sandboxes.into_iter())
+        .map(Sandbox::into_pair)
+        .filter(|(_, token)| !token.expose().is_empty())
+        .collect()
 }
 
 /// The envd token in the answer to a token look-up (`GET /sandboxes/{id}`) for
@@ -57,18 +77,28 @@ pub fn looked_up(body: &[u8], sandbox_id: &str) -> Result<Secret, &'static str> 
     }
 }
 
+/// A sandbox as the control plane describes it: its id and envd token.
+#[derive(serde::Deserialize)]
+struct Sandbox {
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "envdAccessToken")]
+    envd_access_token: Option<String>,
+}
+
+impl Sandbox {
+    /// The id, and the token, `""` when it has none.
+    fn into_pair(self) -> (String, Secret) {
+        let token = self.envd_access_token.unwrap_or_default();
+        (self.sandbox_id, Secret::new(token))
+    }
+}
+
 /// The sandbox a JSON body describes, with its envd token, `""` when it has none.
 fn sandbox(body: &[u8]) -> Option<(String, Secret)> {
-    #[derive(serde::Deserialize)]
-    struct Sandbox {
-        #[serde(rename = "sandboxID")]
-        sandbox_id: String,
-        #[serde(rename = "envdAccessToken")]
-        envd_access_token: Option<String>,
-    }
-    let s: Sandbox = serde_json::from_slice(body).ok()?;
-    let token = s.envd_access_token.unwrap_or_default();
-    Some((s.sandbox_id, Secret::new(token)))
+    serde_json::from_slice::<Sandbox>(body)
+        .ok()
+        .map(Sandbox::into_pair)
 }
 
 #[cfg(test)]
@@ -116,12 +146,27 @@ mod tests {
 
     #[test]
     fn learns_token() {
-        let (id, tok) =
-            learn(br#"{"sandboxID":"isb-1","envdAccessToken":"t0k","domain":null}"#).unwrap();
-        assert_eq!(id, "isb-1");
-        assert_eq!(tok.expose(), "t0k");
-        assert!(learn(br#"{"sandboxID":"isb-1"}"#).is_none());
-        assert!(learn(b"[]").is_none());
+        let learned = |body: &[u8]| -> Vec<(String, String)> {
+            (learn(body).into_iter())
+                .map(|(id, t)| (id, t.expose().to_string()))
+                .collect()
+        };
+        let one = |id: &str, t: &str| (id.to_string(), t.to_string());
+        assert_eq!(
+            learned(br#"{"sandboxID":"isb-1","envdAccessToken":"t0k","domain":null}"#),
+            [one("isb-1", "t0k")]
+        );
+        assert!(learned(br#"{"sandboxID":"isb-1"}"#).is_empty());
+        assert!(learned(b"[]").is_empty());
+        assert!(learned(b"not json").is_empty());
+        // A fork's answer: a result per fork, a sandbox or an error.
+        let forks = br#"[{"sandbox":{"sandboxID":"isb-f1","envdAccessToken":"tf1"}},
+            {"error":{"code":500,"message":"no room"}},
+            {"sandbox":{"sandboxID":"isb-f2","envdAccessToken":"tf2"}},
+            {"sandbox":{"sandboxID":"isb-f3"}}]"#;
+        assert_eq!(learned(forks), [one("isb-f1", "tf1"), one("isb-f2", "tf2")]);
+        assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/fork"), Sniff::Learn);
+        assert_eq!(plan(&Method::GET, "/sandboxes/isb-1/fork"), Sniff::None);
     }
 
     #[test]
