@@ -33,10 +33,12 @@
 //! line the stream pauses until the client makes a context, at most 20 s: a client that
 //! does so on seeing the output before it proves that output was streamed to it, not held
 //! until the end), `/contexts…` keep a list beside the two default contexts. Its checks: a
-//! sent `X-Access-Token` is the sandbox's and comes once (the SDKs send it with `/execute`
-//! only), and a sandbox created with `network.allowPublicTraffic: false` (which gets a
-//! `trafficAccessToken`) is reached with one `E2B-Traffic-Access-Token`, as E2B's edge asks
-//! on every port but envd's. Log entries of envd requests say whether a token came.
+//! sent `X-Access-Token` is the sandbox's (the SDKs send it with `/execute` only), and a
+//! sandbox created with `network.allowPublicTraffic: false` (which gets a
+//! `trafficAccessToken`) is reached with its `E2B-Traffic-Access-Token`, as E2B's edge asks
+//! on every port but envd's; either one twice is refused (the SDKs send one: a second would
+//! be a token the proxy added; E2B's server would read the first). Log entries of envd
+//! requests say whether a token came.
 
 #[path = "support/mod.rs"]
 mod support;

@@ -143,6 +143,7 @@ mod tests {
             Rewrite::Connect
         );
         assert_eq!(plan(&Method::POST, "/v2/sandboxes//connect"), Rewrite::None);
+        assert_eq!(plan(&Method::POST, "/v2/sandboxes//"), Rewrite::Create);
         assert_eq!(
             rewritten_path("/v2/sandboxes/x/connect"),
             "/sandboxes/x/connect"
