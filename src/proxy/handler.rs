@@ -154,19 +154,25 @@ impl Proxy {
                         },
                         route => route,
                     };
-                    let plane = route.plane();
-                    unanswered.plane = plane;
-                    let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
-                    let result = match route {
-                        Route::Api => self.api(parts, body, upgrade).await,
-                        // Boxed: with its token look-up and 401 replay the envd plane's state is
-                        // several times the control plane's, and would size every request.
-                        Route::Envd { sandbox_id, port } => {
-                            Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
-                        }
-                    };
-                    drop(in_flight);
-                    (plane, result)
+                    if let Some(refused) = self.files_naming_no_sandbox(&route, &parts) {
+                        unanswered.plane = "envd";
+                        ("envd", Err(refused))
+                    } else {
+                        let plane = route.plane();
+                        unanswered.plane = plane;
+                        let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
+                        let result = match route {
+                            Route::Api => self.api(parts, body, upgrade).await,
+                            // Boxed: with its token look-up and 401 replay the envd plane's
+                            // state is several times the control plane's, and would size
+                            // every request.
+                            Route::Envd { sandbox_id, port } => {
+                                Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
+                            }
+                        };
+                        drop(in_flight);
+                        (plane, result)
+                    }
                 }
             };
             // An HTTP/2 client that reset its stream before the end of its upload has given
@@ -398,18 +404,6 @@ impl Proxy {
         upgrade: Option<Upgrade>,
     ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failure>> + Send + '_ {
         async move {
-            // envd's file API has no place on the control plane: a signed file URL the SDK
-            // builds while E2B_SANDBOX_URL points here names no sandbox, and sent on it
-            // would come back as the control plane's bare 404.
-            if self.envd.is_some() && parts.uri.path() == "/files" {
-                return Err(Error::Refused {
-                    reason: "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or \
-                             the host 49983-<sandboxID>.localhost)"
-                        .into(),
-                }
-                .into());
-            }
-
             // rewrite
             let path = parts.uri.path();
             let rewrite = match self.compat {
@@ -636,6 +630,19 @@ impl Proxy {
         // respond
         let resp = self.respond(resp, Sniff::None, upgrade).await?;
         Ok((resp, host))
+    }
+
+    /// envd's file API has no place on the control plane: a signed file URL the SDK builds
+    /// while E2B_SANDBOX_URL points here names no sandbox, and sent on it would come back as
+    /// the control plane's bare 404. Refused, and counted as envd's, where it was meant to go.
+    fn files_naming_no_sandbox(&self, route: &Route, parts: &Parts) -> Option<Failure> {
+        (*route == Route::Api && self.envd.is_some() && parts.uri.path() == "/files").then(|| {
+            Failure::from(Error::Refused {
+                reason: "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the \
+                         host 49983-<sandboxID>.localhost)"
+                    .into(),
+            })
+        })
     }
 
     /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).
