@@ -153,6 +153,22 @@ fn credential_read(c: &mut Criterion) {
             store.insert("isb-05000", Secret::new(format!("tok-new-{n}")))
         })
     });
+    // A fork's answer of 100 new sandboxes, at the bound: one copy, 100 oldest dropped.
+    let mut round = 0u64;
+    c.bench_function("envd 100 tokens learned at once (10000 sandboxes)", |b| {
+        b.iter(|| {
+            round += 1;
+            let forks: Vec<(String, Secret)> = (0..100)
+                .map(|i| {
+                    (
+                        format!("isb-r{round}-{i}"),
+                        Secret::new(format!("tok-r{round}-{i}")),
+                    )
+                })
+                .collect();
+            store.insert_all(&forks)
+        })
+    });
 }
 
 fn signing(c: &mut Criterion) {

@@ -189,21 +189,37 @@ impl TokenStore {
 
     /// A token learned from the control plane's answer to a client.
     pub fn insert(&self, sandbox_id: &str, token: Secret) {
-        self.supersede(sandbox_id);
-        self.insert_at(sandbox_id, token, Instant::now());
+        self.insert_all(&[(sandbox_id, token)]);
     }
 
-    /// Inserts as learned at `now`, dropping what is too old or one too many.
+    /// The tokens one answer carries (a fork's carries one per fork): one copy of the store
+    /// for them all, however many.
+    pub fn insert_all<S: AsRef<str>>(&self, learned: &[(S, Secret)]) {
+        for (id, _) in learned {
+            self.supersede(id.as_ref());
+        }
+        self.insert_all_at(learned, Instant::now());
+    }
+
+    /// Inserts as learned at `now`, dropping what is too old and, beyond the bound, the
+    /// oldest.
     fn insert_at(&self, sandbox_id: &str, token: Secret, now: Instant) {
-        let known = self
-            .tokens
-            .load()
-            .by_id
-            .get(sandbox_id)
-            .is_some_and(|(t, at)| {
-                *t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
-            });
-        if known {
+        self.insert_all_at(&[(sandbox_id, token)], now);
+    }
+
+    fn insert_all_at<S: AsRef<str>>(&self, learned: &[(S, Secret)], now: Instant) {
+        // The bound holds however many one answer names: its last ones.
+        let learned = &learned[learned.len().saturating_sub(self.max_tokens)..];
+        let current = self.tokens.load();
+        let fresh: Vec<&(S, Secret)> = (learned.iter())
+            .filter(|(id, token)| {
+                !(current.by_id.get(id.as_ref())).is_some_and(|(t, at)| {
+                    t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
+                })
+            })
+            .collect();
+        drop(current);
+        if fresh.is_empty() {
             return;
         }
         self.tokens.rcu(|snapshot| {
@@ -215,15 +231,25 @@ impl TokenStore {
             for id in &aged {
                 next.remove(id);
             }
-            if next.by_id.len() >= self.max_tokens && !next.by_id.contains_key(sandbox_id) {
-                let oldest = (next.by_id.iter())
-                    .min_by_key(|(_, (_, at))| *at)
-                    .map(|(id, _)| id.clone());
-                if let Some(oldest) = oldest {
-                    next.remove(&oldest);
+            let new = (fresh.iter())
+                .filter(|(id, _)| !next.by_id.contains_key(id.as_ref()))
+                .count();
+            let over = (next.by_id.len() + new).saturating_sub(self.max_tokens);
+            if over > 0 {
+                let mut by_age: Vec<(Instant, Arc<str>)> = (next.by_id.iter())
+                    .map(|(id, (_, at))| (*at, id.clone()))
+                    .collect();
+                // The `over` oldest first, in linear time.
+                if over < by_age.len() {
+                    by_age.select_nth_unstable_by_key(over, |(at, _)| *at);
+                }
+                for (_, id) in by_age.iter().take(over) {
+                    next.remove(id);
                 }
             }
-            next.insert(Arc::from(sandbox_id), token.clone(), now);
+            for (id, token) in &fresh {
+                next.insert(Arc::from(id.as_ref()), token.clone(), now);
+            }
             next
         });
     }
@@ -848,6 +874,50 @@ mod tests {
             check("an old one dropped");
             assert!(store.get("isb-old").is_none());
         }
+    }
+
+    /// A fork's answer learns many tokens in one write, and the bound holds: the oldest go
+    /// first, and of an answer naming more than the bound, its last ones stay.
+    #[test]
+    fn many_tokens_learned_at_once_keep_the_bound() {
+        let store = TokenStore::with_max(3);
+        let ids = |store: &TokenStore| {
+            let mut ids: Vec<String> = (store.tokens.load().by_id.keys())
+                .map(|id| id.to_string())
+                .collect();
+            ids.sort();
+            ids
+        };
+        let t = |s: &str| Secret::new(s);
+        store.insert("isb-a", t("tok-a"));
+        store.insert("isb-b", t("tok-b"));
+        let before = store.tokens.load_full();
+        store.insert_all(&[("isb-a", t("tok-a")), ("isb-b", t("tok-b"))]);
+        assert!(
+            Arc::ptr_eq(&before, &store.tokens.load_full()),
+            "known: no copy"
+        );
+        store.insert_all(&[("isb-b", t("tok-b")), ("isb-c", t("tok-c"))]);
+        assert_eq!(ids(&store), ["isb-a", "isb-b", "isb-c"]);
+        store.insert_all(&[("isb-d", t("tok-d")), ("isb-e", t("tok-e"))]);
+        assert_eq!(
+            ids(&store),
+            ["isb-c", "isb-d", "isb-e"],
+            "the two oldest went"
+        );
+        let many: Vec<(String, Secret)> = (0..5)
+            .map(|i| (format!("isb-f{i}"), t(&format!("tok-f{i}"))))
+            .collect();
+        store.insert_all(&many);
+        assert_eq!(ids(&store), ["isb-f2", "isb-f3", "isb-f4"]);
+        assert_eq!(
+            store
+                .sandbox_of(b"tok-f4")
+                .map(|o| o.id.to_string())
+                .as_deref(),
+            Some("isb-f4")
+        );
+        assert_eq!(store.sandbox_of(b"tok-c"), None);
     }
 
     #[test]

@@ -857,11 +857,9 @@ impl Proxy {
                 };
                 let body = match read {
                     Ok(Bounded::Complete(b, room)) => {
-                        for (id, token) in sniff::learn(&b) {
-                            if route::valid_sandbox_id(&id) {
-                                self.tokens.insert(&id, token);
-                            }
-                        }
+                        let mut learned = sniff::learn(&b);
+                        learned.retain(|(id, _)| route::valid_sandbox_id(id));
+                        self.tokens.insert_all(&learned);
                         body::full(room.hold(b))
                     }
                     // Past the bound, or without room: on unread, the token looked up when
