@@ -3,10 +3,11 @@
 //!
 //! Input: `METHOD PATH\nBODY` (without a space, the whole first line is the path and the
 //! method is GET); `learn` also sees the whole input. Invariants: no panic; `Forget` names a
-//! non-empty id without `/`; a learned token is non-empty and never printed.
+//! non-empty id without `/`; at most `MAX_LEARNED` sandboxes learned from one answer (a
+//! fork's list); a learned token is non-empty and never printed.
 #![no_main]
 
-use abx_proxy::proxy::sniff::{learn, plan, Sniff};
+use abx_proxy::proxy::sniff::{learn, plan, Sniff, MAX_LEARNED};
 use http::Method;
 use libfuzzer_sys::fuzz_target;
 
@@ -38,7 +39,9 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for bytes in [body, data] {
-        for (_id, token) in learn(bytes) {
+        let learned = learn(bytes);
+        assert!(learned.len() <= MAX_LEARNED);
+        for (_id, token) in learned {
             assert!(!token.expose().is_empty());
             assert_eq!(format!("{token:?}"), "Secret(****)");
             assert_eq!(token.to_string(), "****");

@@ -33,29 +33,59 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
     }
 }
 
+/// Results of one fork answer read at most: e2b asks for up to 20 forks (its
+/// `MAX_FORK_COUNT`). A longer list, from a buggy or hostile control plane, would push
+/// every other learned token out of the store.
+pub const MAX_LEARNED: usize = 64;
+
 /// Each `(sandboxID, envdAccessToken)` with a token in a JSON answer: the one sandbox it
 /// describes (create, connect, resume, `GET /sandboxes/{id}`), or a fork's list of
-/// results, each `{"sandbox": …}` or, for a fork that failed, `{"error": …}`.
+/// results, each `{"sandbox": …}` or, for a fork that failed, `{"error": …}` (the first
+/// [`MAX_LEARNED`]). Told apart by the first byte, not by serde's untagged enums, which
+/// copy a whole body into memory before they try a shape.
 pub fn learn(body: &[u8]) -> Vec<(String, Secret)> {
-    #[derive(serde::Deserialize)]
-    #[serde(untagged)]
-    enum Answer {
-        One(Sandbox),
-        Forks(Vec<Fork>),
-    }
-    #[derive(serde::Deserialize)]
-    struct Fork {
-        sandbox: Option<Sandbox>,
-    }
-    let sandboxes = match serde_json::from_slice(body) {
-        Ok(Answer::One(s)) => vec![s],
-        Ok(Answer::Forks(forks)) => forks.into_iter().filter_map(|f| f.sandbox).collect(),
-        Err(_) => Vec::new(),
+    let sandboxes = match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'[') => serde_json::from_slice::<Forks>(body).map_or(Vec::new(), |f| f.0),
+        _ => serde_json::from_slice::<Sandbox>(body).map_or(Vec::new(), |s| vec![s]),
     };
     (sandboxes.into_iter())
         .map(Sandbox::into_pair)
         .filter(|(_, token)| !token.expose().is_empty())
         .collect()
+}
+
+/// The sandboxes of a fork answer's first [`MAX_LEARNED`] results; the rest are read past,
+/// into nothing.
+struct Forks(Vec<Sandbox>);
+
+impl<'de> serde::Deserialize<'de> for Forks {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, SeqAccess, Visitor};
+
+        #[derive(serde::Deserialize)]
+        struct Fork {
+            sandbox: Option<Sandbox>,
+        }
+        struct Results;
+        impl<'de> Visitor<'de> for Results {
+            type Value = Forks;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of fork results")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Forks, A::Error> {
+                let mut sandboxes = Vec::new();
+                for _ in 0..MAX_LEARNED {
+                    match seq.next_element::<Fork>()? {
+                        Some(fork) => sandboxes.extend(fork.sandbox),
+                        None => return Ok(Forks(sandboxes)),
+                    }
+                }
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Forks(sandboxes))
+            }
+        }
+        d.deserialize_seq(Results)
+    }
 }
 
 /// The envd token in the answer to a token look-up (`GET /sandboxes/{id}`) for
@@ -165,6 +195,22 @@ mod tests {
             {"sandbox":{"sandboxID":"isb-f2","envdAccessToken":"tf2"}},
             {"sandbox":{"sandboxID":"isb-f3"}}]"#;
         assert_eq!(learned(forks), [one("isb-f1", "tf1"), one("isb-f2", "tf2")]);
+        // At most MAX_LEARNED results are read; one that is no result spoils the answer.
+        let fork = |i: usize| {
+            format!(r#"{{"sandbox":{{"sandboxID":"isb-{i}","envdAccessToken":"t{i}"}}}}"#)
+        };
+        let long = format!("[{}]", (0..1000).map(fork).collect::<Vec<_>>().join(","));
+        let got = learned(long.as_bytes());
+        assert_eq!(got.len(), MAX_LEARNED);
+        assert_eq!(
+            got.last(),
+            Some(&one(
+                &format!("isb-{}", MAX_LEARNED - 1),
+                &format!("t{}", MAX_LEARNED - 1)
+            ))
+        );
+        assert!(learned(format!("[{},0]", fork(1)).as_bytes()).is_empty());
+        assert!(learned(b"  [[]]").is_empty());
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/fork"), Sniff::Learn);
         assert_eq!(plan(&Method::GET, "/sandboxes/isb-1/fork"), Sniff::None);
     }
