@@ -23,7 +23,7 @@
 //! names many sandboxes and hangs up at once cannot make the proxy hold more look-ups
 //! (each an upstream request with the key) than requests it holds open itself.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -208,10 +208,16 @@ impl TokenStore {
     }
 
     fn insert_all_at<S: AsRef<str>>(&self, learned: &[(S, Secret)], now: Instant) {
-        // The bound holds however many one answer names: its last ones.
+        // One token per sandbox, the answer's last for it (as one at a time would leave),
+        // in the answer's order; and the bound holds however many it names: its last ones.
+        let mut named = HashSet::new();
+        let mut learned: Vec<&(S, Secret)> = (learned.iter().rev())
+            .filter(|(id, _)| named.insert(id.as_ref()))
+            .collect();
+        learned.reverse();
         let learned = &learned[learned.len().saturating_sub(self.max_tokens)..];
         let current = self.tokens.load();
-        let fresh: Vec<&(S, Secret)> = (learned.iter())
+        let fresh: Vec<&(S, Secret)> = (learned.iter().copied())
             .filter(|(id, token)| {
                 !(current.by_id.get(id.as_ref())).is_some_and(|(t, at)| {
                     t == token && now.saturating_duration_since(*at) < RELEARN_AFTER
@@ -236,7 +242,10 @@ impl TokenStore {
                 .count();
             let over = (next.by_id.len() + new).saturating_sub(self.max_tokens);
             if over > 0 {
+                // Not the answer's own: those stay, with their new tokens.
+                let answer: HashSet<&str> = fresh.iter().map(|(id, _)| id.as_ref()).collect();
                 let mut by_age: Vec<(Instant, Arc<str>)> = (next.by_id.iter())
+                    .filter(|(id, _)| !answer.contains(&***id))
                     .map(|(id, (_, at))| (*at, id.clone()))
                     .collect();
                 // The `over` oldest first, in linear time.
@@ -918,6 +927,26 @@ mod tests {
             Some("isb-f4")
         );
         assert_eq!(store.sandbox_of(b"tok-c"), None);
+        // An answer naming the oldest stored sandbox anew, and a new one: the stored one
+        // stays, with its new token, and the next oldest goes.
+        let at = Instant::now();
+        let second = |n: u64| at + Duration::from_secs(n);
+        let store = TokenStore::with_max(3);
+        store.insert_at("isb-f2", t("tok-f2"), second(0));
+        store.insert_at("isb-f3", t("tok-f3"), second(1));
+        store.insert_at("isb-f4", t("tok-f4"), second(2));
+        store.insert_all_at(
+            &[("isb-f2", t("tok-f2b")), ("isb-g", t("tok-g"))],
+            second(3),
+        );
+        assert_eq!(ids(&store), ["isb-f2", "isb-f4", "isb-g"]);
+        assert_eq!(store.get("isb-f2"), Some(t("tok-f2b")));
+        // A sandbox named twice is one: one goes, and its last token stays.
+        store.insert_all(&[("isb-h", t("tok-h1")), ("isb-h", t("tok-h2"))]);
+        assert_eq!(ids(&store), ["isb-f2", "isb-g", "isb-h"]);
+        assert_eq!(store.get("isb-h"), Some(t("tok-h2")));
+        store.insert_all(&[("isb-h", t("tok-h3")), ("isb-h", t("tok-h2"))]);
+        assert_eq!(store.get("isb-h"), Some(t("tok-h2")), "the answer's last");
     }
 
     #[test]

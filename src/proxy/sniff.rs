@@ -195,7 +195,8 @@ mod tests {
             {"sandbox":{"sandboxID":"isb-f2","envdAccessToken":"tf2"}},
             {"sandbox":{"sandboxID":"isb-f3"}}]"#;
         assert_eq!(learned(forks), [one("isb-f1", "tf1"), one("isb-f2", "tf2")]);
-        // At most MAX_LEARNED results are read; one that is no result spoils the answer.
+        // At most MAX_LEARNED results are read; among them, one that is no result spoils
+        // the answer (those after are read past unchecked).
         let fork = |i: usize| {
             format!(r#"{{"sandbox":{{"sandboxID":"isb-{i}","envdAccessToken":"t{i}"}}}}"#)
         };
