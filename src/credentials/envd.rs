@@ -242,8 +242,9 @@ impl TokenStore {
                 .count();
             let over = (next.by_id.len() + new).saturating_sub(self.max_tokens);
             if over > 0 {
-                // Not the answer's own: those stay, with their new tokens.
-                let answer: HashSet<&str> = fresh.iter().map(|(id, _)| id.as_ref()).collect();
+                // Not the answer's own, new or known: those stay (there is room for them:
+                // the answer is capped to the bound).
+                let answer: HashSet<&str> = learned.iter().map(|(id, _)| id.as_ref()).collect();
                 let mut by_age: Vec<(Instant, Arc<str>)> = (next.by_id.iter())
                     .filter(|(id, _)| !answer.contains(&***id))
                     .map(|(id, (_, at))| (*at, id.clone()))
@@ -941,9 +942,19 @@ mod tests {
         );
         assert_eq!(ids(&store), ["isb-f2", "isb-f4", "isb-g"]);
         assert_eq!(store.get("isb-f2"), Some(t("tok-f2b")));
+        // Named with the token it has (known, nothing to write for it), the oldest stays too.
+        store.insert_all_at(&[("isb-f4", t("tok-f4")), ("isb-k", t("tok-k"))], second(4));
+        let kept = ids(&store);
+        assert_eq!(kept.len(), 3, "{kept:?}");
+        assert!(kept.contains(&"isb-f4".to_string()), "{kept:?}");
+        assert!(kept.contains(&"isb-k".to_string()), "{kept:?}");
         // A sandbox named twice is one: one goes, and its last token stays.
-        store.insert_all(&[("isb-h", t("tok-h1")), ("isb-h", t("tok-h2"))]);
-        assert_eq!(ids(&store), ["isb-f2", "isb-g", "isb-h"]);
+        let store = TokenStore::with_max(3);
+        store.insert_at("isb-a", t("tok-a"), second(0));
+        store.insert_at("isb-b", t("tok-b"), second(1));
+        store.insert_at("isb-c", t("tok-c"), second(2));
+        store.insert_all_at(&[("isb-h", t("tok-h1")), ("isb-h", t("tok-h2"))], second(3));
+        assert_eq!(ids(&store), ["isb-b", "isb-c", "isb-h"]);
         assert_eq!(store.get("isb-h"), Some(t("tok-h2")));
         store.insert_all(&[("isb-h", t("tok-h3")), ("isb-h", t("tok-h2"))]);
         assert_eq!(store.get("isb-h"), Some(t("tok-h2")), "the answer's last");
