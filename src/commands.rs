@@ -60,7 +60,10 @@ fn empty_secret_files(args: &SettingsArgs, inputs: &Inputs, resolved: &Resolved)
         }
         let entry = resolved.entry(key);
         let instead = match (&entry.value, entry.source) {
-            (Some(_), source) => format!("{} comes from {}", entry.spec.name, source.label()),
+            (Some(_), source) => {
+                let from = resolved.file_shown(source);
+                format!("{} comes from {from}", entry.spec.name)
+            }
             (None, _) => format!("{} is not set", entry.spec.name),
         };
         found.push(format!(

@@ -209,7 +209,7 @@ fn shadowed(before: &Resolved, after: &Resolved, next: &Settings) -> Vec<String>
                     found.push(format!(
                         "{} in {} ({} wins)",
                         field.key,
-                        file.label(),
+                        after.file_shown(*file),
                         field.source.label()
                     ));
                 }
@@ -227,7 +227,7 @@ fn shadowed(before: &Resolved, after: &Resolved, next: &Settings) -> Vec<String>
                 found.push(format!(
                     "{} in {} ({} wins)",
                     e.spec.name,
-                    file.label(),
+                    after.file_shown(*file),
                     e.source.label()
                 ));
             }

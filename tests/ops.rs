@@ -951,7 +951,10 @@ async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
         .reload_env(&format!("ABX_SANDBOX_API_KEY={FILE_KEY}\n"), "higher level")
         .await;
     assert!(
-        line.contains("sandbox_api_key in ~/.abx/.env (env wins)"),
+        line.contains(&format!(
+            "sandbox_api_key in ~/.abx/.env ({}) (env wins)",
+            proxy.abx_home().join(".env").display()
+        )),
         "names the key, the file and what wins: {line}"
     );
     assert_eq!(get(proxy.addr(), "/sandboxes").await.0, 200);

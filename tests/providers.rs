@@ -1200,7 +1200,10 @@ async fn a_plugin_key_rotated_under_one_the_environment_decides_is_said() {
             .reload_env(rotated, "a .env file changed a credential")
             .await;
         assert!(
-            line.contains("opensandbox.api_key in ~/.abx/.env (env wins)"),
+            line.contains(&format!(
+                "opensandbox.api_key in ~/.abx/.env ({}) (env wins)",
+                proxy.abx_home().join(".env").display()
+            )),
             "{line}"
         );
     }

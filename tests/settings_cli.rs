@@ -177,6 +177,24 @@ impl Case {
         self
     }
 
+    /// `text` with each file layer's label closing a parenthesis (`(ABX_X from ./.env)`,
+    /// `(./.env)`) followed by where the file is, as messages name a file: a service's
+    /// `~/.abx` is its `ABX_HOME`.
+    fn with_paths(&self, text: &str) -> String {
+        let files = [
+            ("./.env)", self.cwd.join(".env")),
+            ("~/.abx/.env)", self.abx_dir().join(".env")),
+            ("~/.abx/config.toml)", self.abx_dir().join("config.toml")),
+        ];
+        files.iter().fold(text.to_string(), |t, (label, path)| {
+            let label = label.trim_end_matches(')');
+            t.replace(
+                &format!("{label})"),
+                &format!("{label} ({}))", path.display()),
+            )
+        })
+    }
+
     /// `text` into `~/.abx/.env` (`in_home`) or `./.env`; the file's source label.
     fn dotenv_in(&self, in_home: bool, text: &str) -> &'static str {
         if in_home {
@@ -1451,7 +1469,8 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
         // A real name, where it has no effect.
         "ABX_HOME (./.env) is read from the environment only (it says where ~/.abx is)",
     ] {
-        assert!(out.stderr.contains(said), "{said}: {}", out.stderr);
+        let said = c.with_paths(said);
+        assert!(out.stderr.contains(&said), "{said}: {}", out.stderr);
     }
     assert!(!out.stderr.contains("ABX_TARGETS"), "{}", out.stderr);
     assert!(!out.stderr.contains("sk-typo") && !out.stderr.contains("cn-shanghai"));
@@ -1981,10 +2000,10 @@ fn check_output_and_its_errors_mask_a_secret_embedded_in_an_upstream() {
         let out = c.run(args);
         assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
         assert!(
-            out.stderr.starts_with(
+            out.stderr.starts_with(&c.with_paths(
                 "[E1005] invalid value for sandbox_base_url (ABX_SANDBOX_BASE_URL from ./.env): \
                  http://127.0.0.1:49982/**** is this proxy's own listener"
-            ),
+            )),
             "{args:?}: {}",
             out.stderr
         );
@@ -2990,8 +3009,11 @@ fn an_empty_secret_file_is_skipped_with_a_warning() {
             c.flag(flag, &path);
             let out = c.run(&["config", "list"]);
             assert_eq!(out.code, 0, "{flag} {empty:?}: {}", out.stderr);
-            let warning =
-                format!("{path} is empty: skipped as a blank value; {key} comes from ~/.abx/.env");
+            // The whole line, with where that file is.
+            let warning = format!(
+                "{path} is empty: skipped as a blank value; {key} comes from ~/.abx/.env ({})\n",
+                c.abx_dir().join(".env").display()
+            );
             assert!(
                 out.stderr.contains(&warning),
                 "{flag} {empty:?}: {}",
@@ -3140,6 +3162,7 @@ fn an_invalid_value_names_where_it_came_from() {
         let mut c = Case::new();
         c.env("ABX_SANDBOX_API_KEY", KEY_HOME);
         set(&mut c);
+        let says = c.with_paths(says);
         for args in [&["check", "--offline"][..], SERVE] {
             let out = c.run(args);
             assert_eq!(out.code, 78, "{says} {args:?}: {}", out.stderr);
@@ -3172,9 +3195,9 @@ fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
             assert_eq!(out.code, 78, "{layer} {args:?}: {}", out.stderr);
             assert!(out.stderr.ends_with(E1001), "{}", out.stderr);
             assert!(
-                out.stderr.contains(&format!(
+                out.stderr.contains(&c.with_paths(&format!(
                     "ALIBABA_CLOUD_ACCESS_KEY_ID ({layer}), ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
-                )),
+                ))),
                 "{layer} {args:?}: {}",
                 out.stderr
             );

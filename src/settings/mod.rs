@@ -489,8 +489,10 @@ impl Resolved {
             .collect()
     }
 
-    /// A file layer as messages name it: as the user knows it, and where it is.
-    fn file_shown(&self, source: Source) -> String {
+    /// A layer as messages name it: a file as the user knows it and where it is (a
+    /// service's `~/.abx` is its `ABX_HOME`, a `./.env` is the working directory's), the
+    /// others by their label.
+    pub(crate) fn file_shown(&self, source: Source) -> String {
         let path = match source {
             Source::DotEnvCwd => self.layers.dotenv_cwd_path.clone(),
             Source::DotEnvHome => self.abx_home.as_ref().map(|h| h.join(".env")),
@@ -624,11 +626,12 @@ impl Resolved {
                 },
             ),
             Some((src @ (Source::Env | Source::DotEnvCwd | Source::DotEnvHome), Some(env))) => {
-                Some(format!("{env} from {}", src.label()))
+                Some(format!("{env} from {}", self.file_shown(src)))
             }
-            Some((Source::ConfigToml, _)) => {
-                Some(format!("{key} from {}", Source::ConfigToml.label()))
-            }
+            Some((Source::ConfigToml, _)) => Some(format!(
+                "{key} from {}",
+                self.file_shown(Source::ConfigToml)
+            )),
             _ => None,
         };
         Error::InvalidSetting {
@@ -939,7 +942,7 @@ impl Resolved {
                         return Some(format!(
                             "ABX_HOME ({}) is read from the environment only (it says where \
                              ~/.abx is): export it, or pass it to the service",
-                            source.label()
+                            self.file_shown(*source)
                         ));
                     }
                     if read.contains(&name.as_str()) || name == "ABX_HOME" {
@@ -948,7 +951,7 @@ impl Resolved {
                     let (_, meant) = spellings.iter().find(|(s, _)| *s == squash(rest))?;
                     Some(format!(
                         "{name} ({}) is not a variable abx-proxy reads: did you mean {meant}?",
-                        source.label()
+                        self.file_shown(*source)
                     ))
                 })
             })
@@ -975,7 +978,7 @@ impl Resolved {
                 layers.iter().filter_map(move |(map, src)| {
                     map.get(*name)
                         .and_then(|v| nonblank(v))
-                        .map(|_| format!("{name} ({})", src.label()))
+                        .map(|_| format!("{name} ({})", self.file_shown(*src)))
                 })
             })
             .collect();
