@@ -140,13 +140,13 @@ pub fn connector(
 /// one connection; an `https` origin that negotiated HTTP/1.1 is the proxy's own pool's
 /// after its first answer (`proxy::pool`), so these serve only the requests made before
 /// it, and would otherwise hold upstream connection slots (`crate::descriptors`) that no
-/// waiting request can take from them, for the 90 s they stay idle.
+/// waiting request can take from them, for the 90 s they stay idle (`proxy::pool::IDLE_TIMEOUT`).
 pub const MAX_IDLE_HTTP1: usize = 8;
 
 /// The largest HTTP/2 answer head accepted, in HTTP/2's measure (RFC 9113 §6.5.2: names
 /// and values, plus 32 a field): the 64 KiB the proxy's HTTP/1.1 pool takes. h2's default
 /// is 16 KiB, so a head an HTTP/1.1 control plane passed was 502 over HTTP/2.
-const MAX_ANSWER_HEAD: u32 = 64 * 1024;
+const MAX_ANSWER_HEAD: u32 = crate::proxy::pool::codec::MAX_HEAD as u32;
 
 /// The longest wait between HTTP/2 keep-alive pings, and for their answer.
 const MAX_PING_INTERVAL: Duration = Duration::from_secs(20);
@@ -218,7 +218,7 @@ pub fn counted_client(
         Versions::Http1 => builder.enable_http1().wrap_connector(http),
     };
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_idle_timeout(crate::proxy::pool::IDLE_TIMEOUT)
         .pool_max_idle_per_host(max_idle)
         // Idle ages that count the machine's sleeps (see `crate::clock`).
         .pool_timer(crate::clock::AwakeTimer::default())

@@ -41,7 +41,7 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tower_service::Service;
 
-mod codec;
+pub(crate) mod codec;
 #[doc(hidden)]
 pub use codec::replay;
 
@@ -65,7 +65,9 @@ const FIRST_READ: usize = 8 * 1024;
 /// the encryption) and within the noise on plain chunked answers.
 const MAX_READ: usize = 64 * 1024;
 const MAX_IDLE_PER_ORIGIN: usize = 256;
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long an idle upstream connection is kept; hyper-util's pool, beside this one, keeps
+/// its own as long (`crate::upstream`).
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// How often a worker with idle connections drops those expired or closed by the upstream
 /// (see [`sweep`]).
 const SWEEP_EVERY: Duration = Duration::from_secs(30);

@@ -17,8 +17,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, Version};
 use super::UpstreamError;
 use crate::proxy::headers::has_token;
 
-/// The largest response head (and trailer section) accepted.
-const MAX_HEAD: usize = 64 * 1024;
+/// The largest response head (and trailer section) accepted; HTTP/2 answers get the same
+/// (`crate::upstream`).
+pub(crate) const MAX_HEAD: usize = 64 * 1024;
 /// Header lines in a response head; more is a protocol error (hyper's own limit is 100).
 const MAX_HEADERS: usize = 128;
 /// Trailer lines after a chunked body.
