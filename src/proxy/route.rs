@@ -241,7 +241,29 @@ fn refused(reason: impl Into<String>) -> Error {
 #[derive(Clone, Copy)]
 pub struct PlainOnTls;
 
+/// Which plane a request goes to, and whether it may be sent at all: its form, its Host
+/// (the DNS-rebinding defence of SPEC §4) and its page origin, its path, then the sandbox
+/// it names, by Host or by the `E2b-Sandbox-*` headers.
 pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
+    refuse_unforwardable(parts)?;
+    let named = checked_host(parts, policy)?;
+    // Dot segments are the upstream's to resolve, or not: under a base URL with a path
+    // (`https://gateway/api`), `/../admin` left the prefix the key was set up for at any
+    // upstream that resolves them. nginx resolves them before mapping the path; curl and
+    // browsers send none.
+    if has_dot_segment(parts.uri.path()) {
+        return Err(refused(
+            "a path with a `.` or `..` segment: send the path resolved (the proxy does \
+             not rewrite paths)",
+        ));
+    }
+    plane(parts, named)
+}
+
+/// The requests no upstream is sent, whatever their Host: the forms a forward proxy or a
+/// server itself would answer, and those framed so that a peer on the path may read them
+/// otherwise.
+fn refuse_unforwardable(parts: &Parts) -> Result<(), Error> {
     if parts.extensions.get::<PlainOnTls>().is_some() {
         return Err(refused(
             "plain HTTP sent to the TLS listener: use https:// to reach this proxy",
@@ -283,6 +305,15 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
             "asterisk-form request target (*): it names no resource to forward",
         ));
     }
+    Ok(())
+}
+
+/// The Host the request names, checked against the listener's policy and the page origin
+/// that sent it; the sandbox it names in the `<port>-<id>.localhost` form, if any.
+fn checked_host<'p>(
+    parts: &'p Parts,
+    policy: &HostPolicy,
+) -> Result<Option<(u16, &'p str)>, Error> {
     let fields = Fields::of(&parts.headers);
     if fields.hosts > 1 {
         // RFC 9112 §3.2: which one a peer on the path reads is anyone's guess.
@@ -351,17 +382,12 @@ pub fn route(parts: &Parts, policy: &HostPolicy) -> Result<Route, Error> {
     }
     let named = sandbox_host(hostname)?;
     check_origin(&fields, policy, hostname, named)?;
-    // Dot segments are the upstream's to resolve, or not: under a base URL with a path
-    // (`https://gateway/api`), `/../admin` left the prefix the key was set up for at any
-    // upstream that resolves them. nginx resolves them before mapping the path; curl and
-    // browsers send none.
-    if has_dot_segment(parts.uri.path()) {
-        return Err(refused(
-            "a path with a `.` or `..` segment: send the path resolved (the proxy does \
-             not rewrite paths)",
-        ));
-    }
+    Ok(named)
+}
 
+/// The plane of a request that passed the checks: envd's when it names a sandbox by the
+/// `E2b-Sandbox-*` headers or by its Host (`named`), the control plane's otherwise.
+fn plane(parts: &Parts, named: Option<(u16, &str)>) -> Result<Route, Error> {
     // The constants, not strings: a `&str` key is parsed into a name on every call.
     if let Some(id) = parts.headers.get(&E2B_SANDBOX_ID) {
         let id = id
