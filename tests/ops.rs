@@ -1581,6 +1581,61 @@ async fn a_temporary_key_the_control_plane_refuses_is_replaced_and_the_request_s
     }
 }
 
+/// Volume content (`/volumecontent/…`) carries the client's own token, not the key: its
+/// 401 is the volume token's, passed to the client, and says nothing of the temporary key
+/// (no early exchange, no request sent again with a new key).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_contents_401_is_not_the_temporary_keys() {
+    let pki = Pki::new();
+    let bearers = Arc::new(Mutex::new(Vec::<(String, String)>::new()));
+    let seeing = bearers.clone();
+    let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let seeing = seeing.clone();
+        async move {
+            let bearer = (req.headers().get("authorization"))
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            let path = req.uri().path().to_string();
+            seeing.lock().unwrap().push((path.clone(), bearer));
+            match path.starts_with("/volumecontent/") {
+                true => response(401, r#"{"code":401,"message":"invalid volume token"}"#),
+                false => response(200, "ok"),
+            }
+        }
+    })
+    .await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    let proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let addr = proxy.addr();
+    let successes = r#"abx_proxy_token_exchanges_total{result="success"}"#;
+    wait_metric_at_least(proxy.admin_addr(), successes, 1.0).await;
+    let req = request("GET", addr, "/volumecontent/vol-1/file?path=%2Fa")
+        .header("authorization", "Bearer expired-volume-token")
+        .body(empty())
+        .expect("request");
+    assert_eq!(send(addr, req).await.status().as_u16(), 401);
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let issued = fake.issued_keys();
+    let first = format!("Bearer {}", issued[0]);
+    assert_eq!(
+        *bearers.lock().unwrap(),
+        vec![
+            (
+                "/volumecontent/vol-1/file".to_string(),
+                "Bearer expired-volume-token".to_string()
+            ),
+            ("/sandboxes".to_string(), first),
+        ],
+        "sent once, with its own token; the key after it is the same"
+    );
+    let stderr = proxy.finish().await;
+    // Said, in the request's own task, before its answer, had the 401 been the key's.
+    assert!(!stderr.contains("refused the temporary key"), "{stderr}");
+    assert_eq!(fake.issued_keys().len(), 1, "no early exchange");
+    assert_no_aksk_secret(&stderr, &issued, "the log");
+}
+
 /// A run of refusals ends when the control plane answers the key in use with anything but
 /// a 401 or a 5xx, whether to a proxied request or to an envd token look-up: the log says
 /// so (and the refusals after it back off from 30 s again, as the exchange tests show).

@@ -135,6 +135,58 @@ async fn key_attached_client_credentials_and_hop_by_hop_removed() {
     proxy.finish().await;
 }
 
+/// E2B's volume content API (`/volumecontent/…`, the SDKs' `Volume` file calls) is on the
+/// control plane's host but takes the volume's own token: the client's `Authorization`
+/// goes up as sent and no key is attached (the key put in its place failed every call),
+/// read on the client's path under a base URL with a path of its own too. Its dummy
+/// `X-API-Key` still goes nowhere; the control plane's other paths get the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_content_goes_with_the_clients_token_and_no_key() {
+    let pki = Pki::new();
+    let mut upstream =
+        Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    for prefix in ["", "/api"] {
+        let proxy = ProxyCmd::new(&format!("{}{prefix}", upstream.url()), &pki)
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        let req = request("PUT", addr, "/volumecontent/vol-1/file?path=%2Fa%20b")
+            .header("authorization", "Bearer volume-token-1")
+            .header("x-api-key", "dummy")
+            .body(full("contents"))
+            .unwrap();
+        assert_eq!(send(addr, req).await.status(), StatusCode::OK, "{prefix}");
+        let seen = upstream.next_request().await;
+        assert_eq!(
+            seen.path_and_query(),
+            format!("{prefix}/volumecontent/vol-1/file?path=%2Fa%20b")
+        );
+        assert_eq!(seen.all("authorization"), vec!["Bearer volume-token-1"]);
+        assert!(seen.header("x-api-key").is_none(), "{:?}", seen.headers);
+
+        // None sent, none added.
+        let req = request("GET", addr, "/volumecontent/vol-1/dir?path=%2F")
+            .header("x-api-key", "dummy")
+            .body(empty())
+            .unwrap();
+        assert_eq!(send(addr, req).await.status(), StatusCode::OK, "{prefix}");
+        let seen = upstream.next_request().await;
+        assert!(seen.header("authorization").is_none(), "{:?}", seen.headers);
+        assert!(seen.header("x-api-key").is_none(), "{:?}", seen.headers);
+
+        // The volumes themselves are the control plane's, as is any other path.
+        for path in ["/volumes", "/volumecontent/"] {
+            let req = request("GET", addr, path)
+                .header("authorization", "Bearer volume-token-1")
+                .body(empty())
+                .unwrap();
+            assert_eq!(send(addr, req).await.status(), StatusCode::OK, "{path}");
+            assert_authorized(&upstream.next_request().await, &upstream);
+        }
+        proxy.finish().await;
+    }
+}
+
 /// An HTTP/2 client connection (prior knowledge) to the proxy's plain listener.
 async fn h2_prior_knowledge(
     addr: std::net::SocketAddr,

@@ -406,6 +406,8 @@ impl Proxy {
         async move {
             // rewrite
             let path = parts.uri.path();
+            // Read on the client's path: a base URL's own path goes before it upstream.
+            let own_credential = headers::is_volume_content(path);
             let rewrite = match self.compat {
                 CompatMode::Rewrite => compat::plan(&parts.method, path),
                 CompatMode::Pass => Rewrite::None,
@@ -486,17 +488,26 @@ impl Proxy {
 
             // authorize: once the body is in. A rewritten one may take up to the upstream
             // timeout to arrive, and a key taken before it could go out expired (SPEC §5:
-            // never later than 5 s before its expiry).
-            let (credential, key) = self.api_key().await?;
-            let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
-            headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+            // never later than 5 s before its expiry). Volume content carries the client's
+            // own token: no key, and its 401 says nothing of the key.
+            let keyed = if own_credential {
+                headers::authorize_own(&mut parts.headers, self.auth.scheme());
+                None
+            } else {
+                let (credential, key) = self.api_key().await?;
+                let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
+                headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+                Some((credential, key))
+            };
             let req = Request::from_parts(parts, body);
             // A temporary key can be refused before its expiry (revoked, or a clock behind
             // the endpoint's): a request the proxy holds whole, one without a body or a
             // rewritten one, is sent again with the key that replaces it, as after envd's
             // 401 (SPEC §4). A static key refused is the user's to mend.
-            let replay = match &*credential {
-                ApiCredential::Exchanged(_) if upgrade.is_none() => super::pool::Again::of(&req),
+            let replay = match keyed.as_ref().map(|(c, _)| &**c) {
+                Some(ApiCredential::Exchanged(_)) if upgrade.is_none() => {
+                    super::pool::Again::of(&req)
+                }
                 _ => None,
             };
 
@@ -508,17 +519,20 @@ impl Proxy {
                 None => &self.api_client,
             };
             let mut resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
-            judge(&credential, &key, resp.status());
-            if let Some(again) = replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED) {
-                let fresh = self.replacement(&credential, &key).await;
-                if let Some((credential, fresh, value)) =
-                    fresh.and_then(|(c, k)| self.auth.value(&k).map(|v| (c, k, v)))
-                {
-                    let mut req = again.into_request(None);
-                    headers::authorize_api(req.headers_mut(), self.auth.scheme(), value);
-                    drop(resp);
-                    resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
-                    judge(&credential, &fresh, resp.status());
+            if let Some((credential, key)) = keyed {
+                judge(&credential, &key, resp.status());
+                if let Some(again) = replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED) {
+                    let fresh = self.replacement(&credential, &key).await;
+                    if let Some((credential, fresh, value)) =
+                        fresh.and_then(|(c, k)| self.auth.value(&k).map(|v| (c, k, v)))
+                    {
+                        let mut req = again.into_request(None);
+                        headers::authorize_api(req.headers_mut(), self.auth.scheme(), value);
+                        drop(resp);
+                        resp =
+                            forward::send(client, "api", req, self.upstream_timeout, &host).await?;
+                        judge(&credential, &fresh, resp.status());
+                    }
                 }
             }
 

@@ -348,6 +348,26 @@ impl std::fmt::Debug for CachedAuth {
     }
 }
 
+/// E2B's volume content API (`/volumecontent/{volumeID}/…`: the SDKs' `Volume` file calls,
+/// sent to `E2B_VOLUME_API_URL`) is served on the control plane's host but takes the
+/// volume's own token as `Authorization: Bearer`, not the key: the key put in its place
+/// failed every call, and spent the account's key where a token scoped to one volume was
+/// meant to go.
+pub fn is_volume_content(path: &str) -> bool {
+    path.strip_prefix("/volumecontent/")
+        .is_some_and(|rest| !rest.is_empty())
+}
+
+/// Control plane, on a path whose credential is the client's own
+/// ([`is_volume_content`]): its `Authorization` passes as sent; the fields a client puts
+/// its dummy key in (`X-API-Key`, a provider's own header) do not, and no key is added.
+pub fn authorize_own(headers: &mut HeaderMap, scheme: &AuthScheme) {
+    headers.remove(X_API_KEY);
+    if let AuthScheme::Header(name) = scheme {
+        headers.remove(name);
+    }
+}
+
 /// Control plane: every client credential out, the resolved key in.
 pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: HeaderValue) {
     headers.remove(X_API_KEY);
@@ -608,6 +628,46 @@ mod tests {
         assert!(!h.contains_key("authorization"), "{h:?}");
         assert_eq!(h["open-sandbox-api-key"], "real");
         assert_eq!(h["x-kept"], "1");
+    }
+
+    #[test]
+    fn volume_content_keeps_its_own_token() {
+        for path in [
+            "/volumecontent/vol-1/file",
+            "/volumecontent/v/dir",
+            "/volumecontent/v",
+        ] {
+            assert!(is_volume_content(path), "{path}");
+        }
+        for path in [
+            "/volumecontent/",
+            "/volumecontent",
+            "/volumes/vol-1",
+            "/v2/volumecontent/v/file",
+            "/VOLUMECONTENT/v/file",
+            "/sandboxes",
+        ] {
+            assert!(!is_volume_content(path), "{path}");
+        }
+        let sent = [
+            ("x-api-key", "dummy"),
+            ("authorization", "Bearer volume-token"),
+            ("open-sandbox-api-key", "dummy"),
+            ("x-kept", "1"),
+        ];
+        let mut h = map(&sent);
+        authorize_own(&mut h, &AuthScheme::Bearer);
+        assert_eq!(h["authorization"], "Bearer volume-token");
+        assert!(!h.contains_key("x-api-key"), "{h:?}");
+        assert_eq!(
+            (h["open-sandbox-api-key"].as_bytes(), h.len()),
+            (&b"dummy"[..], 3)
+        );
+        let scheme = AuthScheme::Header(HeaderName::from_static("open-sandbox-api-key"));
+        let mut h = map(&sent);
+        authorize_own(&mut h, &scheme);
+        assert_eq!(h["authorization"], "Bearer volume-token");
+        assert_eq!(h.len(), 2, "{h:?}");
     }
 
     #[test]
