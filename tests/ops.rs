@@ -1485,6 +1485,14 @@ async fn pipelined_scrapes_nobody_reads_do_not_keep_a_probe_out() {
     proxy.finish().await;
 }
 
+/// A request's path and `Authorization` (empty when none), as an upstream records them.
+fn path_and_bearer<B>(req: &http::Request<B>) -> (String, String) {
+    let bearer = (req.headers().get("authorization"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    (req.uri().path().to_string(), bearer.to_string())
+}
+
 /// A temporary key the control plane refuses (401) is replaced before its planned
 /// refresh, and a request the proxy holds whole is sent again with the new key, as after
 /// envd's 401: one without a body, a rewritten `/v2` create, an envd token look-up. A body
@@ -1501,11 +1509,7 @@ async fn a_temporary_key_the_control_plane_refuses_is_replaced_and_the_request_s
     let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
         let (refusing, seeing) = (refusing.clone(), seeing.clone());
         async move {
-            let bearer = (req.headers().get("authorization"))
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_string();
-            let path = req.uri().path().to_string();
+            let (path, bearer) = path_and_bearer(&req);
             let body = req.into_body().collect().await.expect("body").to_bytes();
             let refuse = refusing.lock().unwrap().contains(&bearer);
             seeing.lock().unwrap().push((path.clone(), bearer, body));
@@ -1592,11 +1596,7 @@ async fn a_volume_contents_401_is_not_the_temporary_keys() {
     let upstream = Upstream::start(&pki, Proto::Http1, move |req| {
         let seeing = seeing.clone();
         async move {
-            let bearer = (req.headers().get("authorization"))
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_string();
-            let path = req.uri().path().to_string();
+            let (path, bearer) = path_and_bearer(&req);
             seeing.lock().unwrap().push((path.clone(), bearer));
             match path.starts_with("/volumecontent/") {
                 true => response(401, r#"{"code":401,"message":"invalid volume token"}"#),
