@@ -39,6 +39,11 @@
 //! on every port but envd's; either one twice is refused (the SDKs send one: a second would
 //! be a token the proxy added; E2B's server would read the first). Log entries of envd
 //! requests say whether a token came.
+//!
+//! Volumes (`/volumes…` on the control plane) and their contents (`/volumecontent/{id}/…`,
+//! on the same listener, as E2B serves them beside its API): a volume's contents are
+//! reached with `Authorization: Bearer <the volume's token>` (from its create), exactly
+//! one, and no key, real or dummy, in any header.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -126,10 +131,18 @@ struct Sandbox {
     files: HashMap<String, Vec<u8>>,
 }
 
+#[derive(Debug)]
+struct Volume {
+    name: String,
+    token: String,
+    files: HashMap<String, Vec<u8>>,
+}
+
 #[derive(Default)]
 struct Inner {
     tally: Tally,
     sandboxes: HashMap<String, Sandbox>,
+    volumes: HashMap<String, Volume>,
     next_pid: u32,
 }
 
@@ -379,6 +392,9 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
     let route = route_name(plane, &method, &path, &parts.headers);
     let mut violations = check_common(plane, &parts.uri, &parts.headers, state);
     let resp = if let Some(v) = match plane {
+        Plane::Api if path.starts_with("/volumecontent/") => {
+            check_volume(&parts.headers, &path, state)
+        }
         Plane::Api => check_api(&parts.headers, state),
         Plane::Envd => check_envd(&parts.headers, &path, state),
     } {
@@ -386,7 +402,7 @@ async fn handle(req: Request<Incoming>, plane: Plane, state: &State) -> Response
         error(v.0, &v.1)
     } else {
         match plane {
-            Plane::Api => api(&method, &path, &body, state),
+            Plane::Api => api(&method, &path, query.as_deref(), &body, state),
             Plane::Envd => envd(
                 &method,
                 &path,
@@ -452,6 +468,9 @@ fn route_name(plane: Plane, method: &Method, path: &str, h: &HeaderMap) -> Strin
         (Plane::Api, ["sandboxes", _]) => "/sandboxes/{id}".to_string(),
         (Plane::Api, ["sandboxes", _, rest]) => format!("/sandboxes/{{id}}/{rest}"),
         (Plane::Api, ["v2", "sandboxes", _, rest]) => format!("/v2/sandboxes/{{id}}/{rest}"),
+        (Plane::Api, ["volumes"]) => "/volumes".to_string(),
+        (Plane::Api, ["volumes", _]) => "/volumes/{id}".to_string(),
+        (Plane::Api, ["volumecontent", _, rest]) => format!("/volumecontent/{{id}}/{rest}"),
         (Plane::Envd, ["files" | "health" | "process.Process" | "filesystem.Filesystem", ..]) => {
             path.to_string()
         }
@@ -526,6 +545,46 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
                 } else {
                     ""
                 }
+            ),
+        ));
+    }
+    None
+}
+
+/// Volume-content checks: the volume's own token, once, and no key of any kind.
+fn check_volume(h: &HeaderMap, path: &str, state: &State) -> Option<(StatusCode, String)> {
+    let a = &state.args;
+    let keys = [a.common.expect_key.as_deref().unwrap_or(""), &a.dummy_key];
+    for key in keys.iter().filter(|k| !k.is_empty()) {
+        if h.values()
+            .any(|v| v.as_bytes().windows(key.len()).any(|w| w == key.as_bytes()))
+        {
+            return Some((
+                StatusCode::UNAUTHORIZED,
+                "volume: an API key (real or dummy) appears in a volume-content request header"
+                    .into(),
+            ));
+        }
+    }
+    if h.contains_key("x-api-key") {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            "volume: request carries an X-API-Key header".into(),
+        ));
+    }
+    let id = path.split('/').nth(2).unwrap_or_default();
+    let expected = match state.inner.lock().volumes.get(id) {
+        Some(v) => format!("Bearer {}", v.token),
+        None => return Some((StatusCode::NOT_FOUND, format!("volume {id} not found"))),
+    };
+    let auths: Vec<_> = h.get_all("authorization").iter().collect();
+    if auths.len() != 1 || auths[0].as_bytes() != expected.as_bytes() {
+        return Some((
+            StatusCode::UNAUTHORIZED,
+            format!(
+                "volume: expected exactly one `Authorization: Bearer <the volume's token>`, got {} \
+                 Authorization header(s)",
+                auths.len()
             ),
         ));
     }
@@ -638,7 +697,13 @@ fn check_jupyter(
 // ---------------------------------------------------------------------------------------
 // control plane
 
-fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body> {
+fn api(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    body: &[u8],
+    state: &State,
+) -> Response<Body> {
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let ev = state.args.envd_version.as_str();
     let v2 = segs.first() == Some(&"v2");
@@ -723,6 +788,68 @@ fn api(method: &Method, path: &str, body: &[u8], state: &State) -> Response<Body
                 }
                 (Some(_), None) => error(StatusCode::BAD_REQUEST, "body needs a numeric timeout"),
                 (None, _) => error(StatusCode::NOT_FOUND, &format!("sandbox {id} not found")),
+            }
+        }
+        (&Method::POST, ["volumes"]) => {
+            let Some(name) = serde_json::from_slice::<Value>(body)
+                .ok()
+                .and_then(|v| v.get("name").and_then(Value::as_str).map(str::to_string))
+            else {
+                return error(StatusCode::BAD_REQUEST, "body needs a name");
+            };
+            let id = format!("vol-{}", uuid::Uuid::new_v4().simple());
+            let token = format!("volume-tok-{}", uuid::Uuid::new_v4().simple());
+            let resp = json!({"volumeID": id, "name": name, "token": token});
+            let files = HashMap::new();
+            inner.volumes.insert(id, Volume { name, token, files });
+            json_response(StatusCode::CREATED, &resp)
+        }
+        (&Method::GET, ["volumes", id]) => match inner.volumes.get(*id) {
+            Some(v) => json_response(
+                StatusCode::OK,
+                &json!({"volumeID": id, "name": v.name, "token": v.token}),
+            ),
+            None => error(StatusCode::NOT_FOUND, &format!("volume {id} not found")),
+        },
+        (&Method::DELETE, ["volumes", id]) => match inner.volumes.remove(*id) {
+            Some(_) => empty(StatusCode::NO_CONTENT),
+            None => error(StatusCode::NOT_FOUND, &format!("volume {id} not found")),
+        },
+        (_, ["volumecontent", id, what]) => {
+            let Some(vol) = inner.volumes.get_mut(*id) else {
+                return error(StatusCode::NOT_FOUND, &format!("volume {id} not found"));
+            };
+            let Some(file) = query_param(query, "path") else {
+                return error(StatusCode::BAD_REQUEST, "no path in the query");
+            };
+            match (method, *what) {
+                (&Method::PUT, "file") => {
+                    vol.files.insert(file.clone(), body.to_vec());
+                    let name = file.rsplit('/').next().unwrap_or_default();
+                    let now = "2026-01-01T00:00:00Z";
+                    json_response(
+                        StatusCode::CREATED,
+                        &json!({"name": name, "type": "file", "path": file,
+                                "size": body.len(), "mode": 0o644, "uid": 1000, "gid": 1000,
+                                "atime": now, "mtime": now, "ctime": now}),
+                    )
+                }
+                (&Method::GET, "file") => match vol.files.get(&file) {
+                    Some(data) => {
+                        let mut r = Response::new(full(Bytes::from(data.clone())));
+                        r.headers_mut().insert(
+                            CONTENT_TYPE,
+                            HeaderValue::from_static("application/octet-stream"),
+                        );
+                        r
+                    }
+                    None => error(StatusCode::NOT_FOUND, &format!("{file} not found")),
+                },
+                (&Method::DELETE, "path") => match vol.files.remove(&file) {
+                    Some(_) => empty(StatusCode::NO_CONTENT),
+                    None => error(StatusCode::NOT_FOUND, &format!("{file} not found")),
+                },
+                _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),
             }
         }
         _ => error(StatusCode::NOT_FOUND, &format!("no route {method} {path}")),

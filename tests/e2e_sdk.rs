@@ -116,6 +116,10 @@ enum Sdk {
     PythonCodeInterpreter,
     /// `@e2b/code-interpreter`.
     JsCodeInterpreter,
+    /// Volumes, with e2b in the py-latest venv.
+    PythonVolumes,
+    /// Volumes, with the latest `e2b` JS package.
+    JsVolumes,
 }
 
 /// Runs one SDK driver with `E2B_API_URL`/`E2B_SANDBOX_URL` set to the given URLs.
@@ -143,13 +147,25 @@ fn run_driver(rig: &Rig, sdk: &Sdk, api_url: &str, sandbox_url: &str) -> (bool, 
             "node".into(),
             "tests/e2e/code_interpreter_test.mjs",
         ),
+        Sdk::PythonVolumes => (
+            "driver-volumes".to_string(),
+            python("py-latest"),
+            "tests/e2e/volume_test.py",
+        ),
+        Sdk::JsVolumes => (
+            "driver-js-volumes".to_string(),
+            "node".into(),
+            "tests/e2e/volume_test.mjs",
+        ),
     };
     // `driver` keeps E2B_DOMAIN/E2B_DEBUG and HTTP(S)_PROXY of the caller out.
     let mut cmd = driver(program, rig.dir.path());
     cmd.arg(repo().join(script))
         .env("E2B_API_KEY", DUMMY_KEY)
         .env("E2B_API_URL", api_url)
-        .env("E2B_SANDBOX_URL", sandbox_url);
+        .env("E2B_SANDBOX_URL", sandbox_url)
+        // As the README asks when volumes are used: their contents go where the API does.
+        .env("E2B_VOLUME_API_URL", api_url);
     if let Sdk::Js(pkg) = sdk {
         cmd.env("E2B_JS_PACKAGE", pkg);
     }
@@ -323,6 +339,35 @@ fn python_code_interpreter_through_proxy() {
 #[test]
 fn js_code_interpreter_through_proxy_to_tls_upstreams() {
     code_interpreter_through_proxy(Sdk::JsCodeInterpreter, Upstreams::Tls);
+}
+
+/// Volumes through the proxy: made, looked up and destroyed on the control plane with the
+/// key; their contents written, read and removed with the volume's own token, which the
+/// proxy passes as sent (the fake refuses the key, real or dummy, there, and any token but
+/// the volume's), with `E2B_VOLUME_API_URL` pointing at the proxy.
+fn volumes_through_proxy(sdk: Sdk, upstreams: Upstreams) {
+    let (mut rig, run) = through_proxy(&sdk, upstreams);
+    let expected: &[(&str, u64)] = &[
+        ("api POST /volumes", 1),
+        ("api GET /volumes/{id}", 1),
+        ("api DELETE /volumes/{id}", 1),
+        ("api PUT /volumecontent/{id}/file", 1),
+        ("api GET /volumecontent/{id}/file", 2),
+        ("api DELETE /volumecontent/{id}/path", 1),
+    ];
+    run.assert_clean("through abx-proxy", expected);
+    key_not_logged(&mut rig);
+}
+
+#[test]
+fn python_volumes_through_proxy() {
+    volumes_through_proxy(Sdk::PythonVolumes, Upstreams::Plain);
+}
+
+/// Production's shape: an `https` control plane offering HTTP/2.
+#[test]
+fn js_volumes_through_proxy_to_tls_upstreams() {
+    volumes_through_proxy(Sdk::JsVolumes, Upstreams::Tls);
 }
 
 /// The fake has teeth: the SDK talking to it directly (dummy key as X-API-Key, no Bearer)

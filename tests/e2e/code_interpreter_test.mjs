@@ -6,25 +6,10 @@
 // port (49999) carries `E2B-Traffic-Access-Token` as well as the SDK's own `X-Access-Token`
 // on `/execute`. Prints one line per step; exits 1 with a message naming the failed step.
 
-import { readFileSync } from 'node:fs'
-import { createRequire } from 'node:module'
-
-let STEP = 'import'
-const step = (name) => {
-  STEP = name
-}
-const ok = (msg) => console.log(`ok   ${STEP}: ${msg}`)
-const expect = (cond, msg) => {
-  if (!cond) throw new Error(msg)
-}
+import { expect, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
 
 async function main() {
-  for (const v of ['E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL']) {
-    if (!process.env[v]) throw new Error(`${v} must be set`)
-  }
-  const require = createRequire(import.meta.url)
-  const version = (pkg) =>
-    JSON.parse(readFileSync(require.resolve(`${pkg}/package.json`), 'utf8')).version
+  requireEnv('E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL')
   const { Sandbox } = await import('@e2b/code-interpreter')
   console.log(
     `@e2b/code-interpreter js SDK ${version('@e2b/code-interpreter')} (e2b ${version('e2b')}), node ${process.version}`
@@ -89,11 +74,4 @@ async function runSteps(sbx) {
   ok('killed')
 }
 
-main().then(
-  () => console.log('PASS js code interpreter'),
-  (e) => {
-    console.error(e)
-    console.error(`FAIL ${STEP}: ${e?.name ?? 'Error'}: ${e?.message ?? e}`)
-    process.exit(1)
-  }
-)
+await run(main, 'PASS js code interpreter')

@@ -7,31 +7,12 @@ port (49999) carries `E2B-Traffic-Access-Token` as well as the SDK's own `X-Acce
 on `/execute`. Prints one line per step; exits 1 with a message naming the failed step.
 """
 
-import os
-import sys
-import traceback
 
-STEP = "import"
-
-
-def step(name):
-    global STEP
-    STEP = name
-
-
-def ok(msg):
-    print(f"ok   {STEP}: {msg}", flush=True)
-
-
-def expect(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
+from e2b_driver import expect, ok, require_env, run, step
 
 
 def main():
-    for var in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
-        if not os.environ.get(var):
-            raise AssertionError(f"{var} must be set")
+    require_env("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL")
 
     from importlib.metadata import version
 
@@ -106,10 +87,4 @@ def run_steps(sbx):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException as e:  # noqa: BLE001 - report every failure the same way
-        traceback.print_exc()
-        print(f"FAIL {STEP}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    print("PASS python code interpreter", flush=True)
+    run(main, "PASS python code interpreter")

@@ -6,28 +6,13 @@
 // E2B_JS_PACKAGE selects the installed package: `e2b` (latest, default) or `e2b-250`
 // (e2b 2.50.0, which uses POST /sandboxes instead of POST /v2/sandboxes).
 
-import { readFileSync } from 'node:fs'
-import { createRequire } from 'node:module'
-
-let STEP = 'import'
-const step = (name) => {
-  STEP = name
-}
-const ok = (msg) => console.log(`ok   ${STEP}: ${msg}`)
-const expect = (cond, msg) => {
-  if (!cond) throw new Error(msg)
-}
+import { expect, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
 
 async function main() {
-  for (const v of ['E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL']) {
-    if (!process.env[v]) throw new Error(`${v} must be set`)
-  }
+  requireEnv('E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL')
   const pkg = process.env.E2B_JS_PACKAGE || 'e2b'
-  const require = createRequire(import.meta.url)
-  const pkgJson = require.resolve(`${pkg}/package.json`)
-  const version = JSON.parse(readFileSync(pkgJson, 'utf8')).version
   const { Sandbox } = await import(pkg)
-  console.log(`e2b js SDK ${version} (package ${pkg}), node ${process.version}`)
+  console.log(`e2b js SDK ${version(pkg)} (package ${pkg}), node ${process.version}`)
 
   step('create')
   const sbx = await Sandbox.create('base', { timeoutMs: 60_000, metadata: { k: 'v' } })
@@ -134,11 +119,4 @@ async function runSteps(Sandbox, sbx, sid) {
   ok('false')
 }
 
-try {
-  await main()
-  console.log('PASS js')
-} catch (e) {
-  console.error(e)
-  console.error(`FAIL ${STEP}: ${e?.name ?? 'Error'}: ${e?.message ?? e}`)
-  process.exit(1)
-}
+await run(main, 'PASS js')

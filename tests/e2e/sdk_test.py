@@ -9,31 +9,12 @@ Works with e2b 2.20 (whose connected sandbox names itself by its token alone), 2
 """
 
 import inspect
-import os
-import sys
-import traceback
 
-STEP = "import"
-
-
-def step(name):
-    global STEP
-    STEP = name
-
-
-def ok(msg):
-    print(f"ok   {STEP}: {msg}", flush=True)
-
-
-def expect(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
+from e2b_driver import expect, ok, require_env, run, step
 
 
 def main():
-    for var in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
-        if not os.environ.get(var):
-            raise AssertionError(f"{var} must be set")
+    require_env("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL")
 
     from importlib.metadata import version
 
@@ -148,10 +129,4 @@ def run_steps(Sandbox, sbx, sid):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException as e:  # noqa: BLE001 - report every failure the same way
-        traceback.print_exc()
-        print(f"FAIL {STEP}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    print("PASS python", flush=True)
+    run(main, "PASS python")
