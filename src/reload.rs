@@ -649,9 +649,18 @@ impl Running {
                         Err(e) => return kept(e),
                     };
                 // An AK/SK pair: its first exchange must answer before it replaces a key
-                // that works. A static key answers at once.
+                // that works. A static key answers at once. The candidate's refresher has
+                // said its failure as the running one's would, retry time and all: this
+                // line says whose it was, and that the candidate goes (the next reload, or
+                // the file watch's next change, tries again).
                 if let Err(e) = credential.current().await {
-                    return kept(e);
+                    say(false);
+                    tracing::warn!(
+                        error = %e.line(),
+                        "reload failed: the new credential's first token exchange failed, and \
+                         it is dropped (no retry); keeping the running credential"
+                    );
+                    return false;
                 }
                 say(true);
                 let expiry = credential.expiry_unix();

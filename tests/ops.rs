@@ -1939,7 +1939,8 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     proxy
         .reload_env(
             &refused_pair,
-            "reload failed; keeping the running credential",
+            "reload failed: the new credential's first token exchange failed, and it is \
+             dropped (no retry); keeping the running credential",
         )
         .await;
     assert_eq!(fake.rejected(), 1);
