@@ -115,15 +115,32 @@ fn destination_changes(a: &Settings, b: &Settings) -> Vec<String> {
         );
         return moved;
     }
-    check("region", a.region == b.region);
-    check("sandbox_base_url", a.sandbox_base_url == b.sandbox_base_url);
-    check("sandbox_domain", a.sandbox_domain == b.sandbox_domain);
-    check("sandbox_url", a.sandbox_url == b.sandbox_url);
-    check(
-        "token_exchange_url",
-        a.token_exchange_url == b.token_exchange_url,
-    );
-    check("token_exchange", a.token_exchange == b.token_exchange);
+    // Where requests go as the proxy uses them: a value nothing reads (a domain beside
+    // `sandbox_url`, the exchange's settings under a static key, the region once every
+    // host is set) moved no key, and refusing for it kept a rotated key out until a
+    // restart. The region is named when it moved something, as it is what the user set.
+    let exchanging = [a, b]
+        .iter()
+        .any(|s| matches!(s.credential, settings::Credential::AccessKey { .. }));
+    let base_moved = a.sandbox_base_url != b.sandbox_base_url;
+    let url_moved = a.sandbox_url != b.sandbox_url;
+    let domain_read = a.sandbox_url.is_none() || b.sandbox_url.is_none();
+    let domain_moved = domain_read && a.sandbox_domain != b.sandbox_domain;
+    let exchange_moved = exchanging
+        && (a.token_exchange_url != b.token_exchange_url || a.token_exchange != b.token_exchange);
+    let region_moved = a.region != b.region
+        && (exchanging || base_moved || url_moved || domain_moved || exchange_moved);
+    check("region", !region_moved);
+    check("sandbox_base_url", !base_moved);
+    check("sandbox_domain", !domain_moved);
+    check("sandbox_url", !url_moved);
+    if exchanging {
+        check(
+            "token_exchange_url",
+            a.token_exchange_url == b.token_exchange_url,
+        );
+        check("token_exchange", a.token_exchange == b.token_exchange);
+    }
     moved
 }
 
@@ -911,6 +928,54 @@ mod tests {
                 }
                 other => panic!("{name}: {other:?}"),
             }
+        }
+        // Every host set: a region, a domain beside `sandbox_url`, the exchange's URL and
+        // style under a static key move nothing; the new key is swapped, they wait.
+        let hosts = [
+            (Key::SandboxBaseUrl, "https://api.example"),
+            (Key::SandboxUrl, "https://envd.example"),
+        ];
+        let set = settings(&[&hosts[..], &[(Key::SandboxApiKey, "sk-one")]].concat());
+        let unused_moved = settings(
+            &[
+                &hosts[..],
+                &[
+                    (Key::SandboxApiKey, "sk-two"),
+                    (Key::Region, "cn-shanghai"),
+                    (Key::SandboxDomain, "elsewhere.example"),
+                    (Key::TokenExchangeUrl, "https://elsewhere.example"),
+                    (Key::TokenExchange, "acs3"),
+                ],
+            ]
+            .concat(),
+        );
+        let unread = [
+            "region",
+            "sandbox_domain",
+            "token_exchange_url",
+            "token_exchange",
+        ];
+        let changed = [&["sandbox_api_key"][..], &unread[..]].concat();
+        assert_eq!(
+            plan(&set, &unused_moved, &names(&changed)),
+            Plan::Swap {
+                restart: names(&unread)
+            }
+        );
+        // Under an AccessKey pair (either side) the exchange's settings and the region
+        // (its `RegionId`) are where and how the pair goes.
+        let pair = [(Key::AccessKeyId, "LTAI-id"), (Key::AccessKeySecret, "s")];
+        let c = settings(&[&hosts[..], &pair[..]].concat());
+        let d = settings(&[&hosts[..], &pair[..], &[(Key::Region, "cn-shanghai")]].concat());
+        match plan(&c, &d, &names(&["region"])) {
+            // The exchange's default host is the region's.
+            Plan::Refuse { moved } => assert_eq!(moved, names(&["region", "token_exchange_url"])),
+            other => panic!("{other:?}"),
+        }
+        let e = settings(&[&hosts[..], &[(Key::TokenExchange, "acs3")], &pair[..]].concat());
+        match plan(&set, &e, &names(&["token_exchange", "access_key_id"])) {
+            Plan::Refuse { moved } => assert_eq!(moved, names(&["token_exchange"])),
+            other => panic!("{other:?}"),
         }
         let mut other_provider = settings(&[(Key::SandboxApiKey, "sk-two")]);
         other_provider.provider = "opensandbox".into();
