@@ -981,81 +981,87 @@ fn write_response<'a>(
 /// what came with it) goes out when the body has nothing more right now; at most `left`
 /// bytes of a sized body, chunks of an unsized one. Whether the connection may serve
 /// another request.
-async fn stream_body(
-    sock: &Sock,
-    activity: &Activity,
+///
+/// Not an `async fn`: one would hold its arguments and its own copies of them (+64 bytes
+/// in every streamed answer's future).
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+fn stream_body<'a>(
+    sock: &'a Sock,
+    activity: &'a Activity,
     mut body: ProxyBody,
     mut out: Vec<u8>,
     mut left: u64,
     chunked: bool,
-) -> bool {
-    loop {
-        // Frames already there join what is queued; the queue goes out when the body has
-        // nothing more right now, so a stream is never held back and a small answer
-        // leaves in one write.
-        let next = match body.frame().now_or_never() {
-            Some(f) => f,
-            None => {
-                if !out.is_empty() {
-                    if write_all(sock, activity, &out, &[]).await.is_err() {
-                        return false;
+) -> impl Future<Output = bool> + 'a {
+    async move {
+        loop {
+            // Frames already there join what is queued; the queue goes out when the body has
+            // nothing more right now, so a stream is never held back and a small answer
+            // leaves in one write.
+            let next = match body.frame().now_or_never() {
+                Some(f) => f,
+                None => {
+                    if !out.is_empty() {
+                        if write_all(sock, activity, &out, &[]).await.is_err() {
+                            return false;
+                        }
+                        out.clear();
                     }
-                    out.clear();
+                    body.frame().await
                 }
-                body.frame().await
+            };
+            let frame = match next {
+                None => break,
+                Some(Ok(f)) => f,
+                Some(Err(_)) => {
+                    // The upstream broke mid-answer: what was sent stands, the client sees the
+                    // connection close before the end.
+                    let _ = write_all(sock, activity, &out, &[]).await;
+                    return false;
+                }
+            };
+            // Trailers are dropped: a client that takes them said `TE: trailers`, and such a
+            // request is hyper's, whose rule (only fields the `Trailer` field announces) is
+            // then the one rule on every path.
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if data.is_empty() {
+                continue;
             }
-        };
-        let frame = match next {
-            None => break,
-            Some(Ok(f)) => f,
-            Some(Err(_)) => {
-                // The upstream broke mid-answer: what was sent stands, the client sees the
-                // connection close before the end.
-                let _ = write_all(sock, activity, &out, &[]).await;
+            let data = if chunked {
+                chunk_size(&mut out, data.len());
+                data
+            } else if (data.len() as u64) > left {
+                // More than the declared length: the rest cannot be framed.
+                let cut = data.slice(..left as usize);
+                let _ = write_all(sock, activity, &out, &cut).await;
                 return false;
+            } else {
+                left -= data.len() as u64;
+                data
+            };
+            if data.len() <= 16 * 1024 && out.len() < 64 * 1024 {
+                out.extend_from_slice(&data);
+            } else {
+                if write_all(sock, activity, &out, &data).await.is_err() {
+                    return false;
+                }
+                out.clear();
             }
-        };
-        // Trailers are dropped: a client that takes them said `TE: trailers`, and such a
-        // request is hyper's, whose rule (only fields the `Trailer` field announces) is
-        // then the one rule on every path.
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        if data.is_empty() {
-            continue;
-        }
-        let data = if chunked {
-            chunk_size(&mut out, data.len());
-            data
-        } else if (data.len() as u64) > left {
-            // More than the declared length: the rest cannot be framed.
-            let cut = data.slice(..left as usize);
-            let _ = write_all(sock, activity, &out, &cut).await;
-            return false;
-        } else {
-            left -= data.len() as u64;
-            data
-        };
-        if data.len() <= 16 * 1024 && out.len() < 64 * 1024 {
-            out.extend_from_slice(&data);
-        } else {
-            if write_all(sock, activity, &out, &data).await.is_err() {
-                return false;
+            if chunked {
+                out.extend_from_slice(b"\r\n");
             }
-            out.clear();
         }
         if chunked {
-            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(b"0\r\n\r\n");
+        } else if left != 0 {
+            // Shorter than declared: the client must not wait for the rest.
+            let _ = write_all(sock, activity, &out, &[]).await;
+            return false;
         }
+        write_all(sock, activity, &out, &[]).await.is_ok()
     }
-    if chunked {
-        out.extend_from_slice(b"0\r\n\r\n");
-    } else if left != 0 {
-        // Shorter than declared: the client must not wait for the rest.
-        let _ = write_all(sock, activity, &out, &[]).await;
-        return false;
-    }
-    write_all(sock, activity, &out, &[]).await.is_ok()
 }
 
 /// [`write_response`] on a socket of the caller's, the fast path's writer as the connection
