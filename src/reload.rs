@@ -613,8 +613,9 @@ impl Running {
         );
         let shadowed = shadowed(&self.seen, &resolved, &next);
         if !shadowed.is_empty() {
+            // The files' paths are in it: a directory's name may hold a newline.
             tracing::warn!(
-                keys = %shadowed.join(","),
+                keys = %crate::providers::manifest::printable(&shadowed.join(",")),
                 "reload: a .env file changed a credential that a higher level still decides; \
                  the file's value is not used (unset the variable or flag and restart)"
             );

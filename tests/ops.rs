@@ -974,6 +974,46 @@ async fn sighup_names_a_rotated_key_the_environment_still_overrides() {
     }
 }
 
+/// The rotated key's file is named with its path: a directory whose name holds a newline
+/// (and a forged log line after it) is escaped, as every other message escapes it, not
+/// written as two lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_keys_file_path_cannot_forge_a_log_line() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let odd = tempfile::tempdir().expect("tempdir");
+    let home = odd
+        .path()
+        .join("abx\n2026-01-01T00:00:00Z  INFO abx_proxy::serve: forged");
+    std::fs::create_dir_all(&home).expect("mkdir");
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env(
+            "ABX_SANDBOX_API_KEY",
+            Some("sk-from-the-environment-JJJJ0000"),
+        )
+        .env("ABX_HOME", Some(home.to_str().expect("utf-8")))
+        .spawn()
+        .await;
+    let rotated = (
+        home.join(".env"),
+        "ABX_SANDBOX_API_KEY=sk-rotated-KKKK1111\n",
+    );
+    let line = proxy.reload_files(&[rotated], "higher level").await;
+    assert!(
+        line.contains(
+            "abx\\u{a}2026-01-01T00:00:00Z  INFO abx_proxy::serve: forged/.env) (env wins)"
+        ),
+        "{line}"
+    );
+    let stderr = proxy.finish().await;
+    assert!(
+        !stderr
+            .lines()
+            .any(|l| l.starts_with("2026-01-01T00:00:00Z")),
+        "{stderr}"
+    );
+}
+
 /// The `Authorization` the upstream saw last.
 fn last_bearer(upstream: &Upstream) -> Option<String> {
     upstream
