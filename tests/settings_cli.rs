@@ -3196,7 +3196,7 @@ fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
             assert!(out.stderr.ends_with(E1001), "{}", out.stderr);
             assert!(
                 out.stderr.contains(&c.with_paths(&format!(
-                    "ALIBABA_CLOUD_ACCESS_KEY_ID ({layer}), ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
+                    "ALIBABA_CLOUD_ACCESS_KEY_ID, ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
                 ))),
                 "{layer} {args:?}: {}",
                 out.stderr

@@ -972,14 +972,14 @@ impl Resolved {
             (&self.layers.dotenv_cwd, Source::DotEnvCwd),
             (&self.layers.dotenv_home, Source::DotEnvHome),
         ];
-        let found: Vec<String> = VENDOR_PAIR
-            .iter()
-            .flat_map(|name| {
-                layers.iter().filter_map(move |(map, src)| {
-                    map.get(*name)
-                        .and_then(|v| nonblank(v))
-                        .map(|_| format!("{name} ({})", self.file_shown(*src)))
-                })
+        // By layer: a file's path is said once for both names.
+        let found: Vec<String> = (layers.iter())
+            .filter_map(|(map, src)| {
+                let names: Vec<&str> = (VENDOR_PAIR.iter().copied())
+                    .filter(|name| map.get(*name).and_then(|v| nonblank(v)).is_some())
+                    .collect();
+                (!names.is_empty())
+                    .then(|| format!("{} ({})", names.join(", "), self.file_shown(*src)))
             })
             .collect();
         (!found.is_empty()).then(|| {
