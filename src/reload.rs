@@ -116,20 +116,30 @@ fn destination_changes(a: &Settings, b: &Settings) -> Vec<String> {
         return moved;
     }
     // Where requests go as the proxy uses them: a value nothing reads (a domain beside
-    // `sandbox_url`, the exchange's settings under a static key, the region once every
-    // host is set) moved no key, and refusing for it kept a rotated key out until a
-    // restart. The region is named when it moved something, as it is what the user set.
-    let exchanging = [a, b]
-        .iter()
-        .any(|s| matches!(s.credential, settings::Credential::AccessKey { .. }));
+    // `sandbox_url`, the exchange's settings when no pair will be exchanged, the region
+    // once every host is set) moved no key, and refusing for it kept a rotated key out
+    // until a restart. The next credential decides: a pair swapped in is made with the
+    // running settings, its exchange's among them; a static key swapped in exchanges
+    // nothing.
+    let exchanging = matches!(b.credential, settings::Credential::AccessKey { .. });
     let base_moved = a.sandbox_base_url != b.sandbox_base_url;
     let url_moved = a.sandbox_url != b.sandbox_url;
     let domain_read = a.sandbox_url.is_none() || b.sandbox_url.is_none();
     let domain_moved = domain_read && a.sandbox_domain != b.sandbox_domain;
-    let exchange_moved = exchanging
-        && (a.token_exchange_url != b.token_exchange_url || a.token_exchange != b.token_exchange);
+    // The region is named where it counts: it signs a pair's exchange (`RegionId`), and
+    // it is what the user changed when a host that moved is its default.
+    let follows_region = |key: settings::Key, value: Option<String>| {
+        value.is_some() && key.default_value(&b.region) == value
+    };
     let region_moved = a.region != b.region
-        && (exchanging || base_moved || url_moved || domain_moved || exchange_moved);
+        && (exchanging
+            || (base_moved
+                && follows_region(
+                    settings::Key::SandboxBaseUrl,
+                    Some(b.sandbox_base_url.to_string()),
+                ))
+            || (domain_moved
+                && follows_region(settings::Key::SandboxDomain, b.sandbox_domain.clone())));
     check("region", !region_moved);
     check("sandbox_base_url", !base_moved);
     check("sandbox_domain", !domain_moved);
@@ -667,16 +677,15 @@ impl Running {
                         Err(e) => return kept(e),
                     };
                 // An AK/SK pair: its first exchange must answer before it replaces a key
-                // that works. A static key answers at once. The candidate's refresher has
-                // said its failure as the running one's would, retry time and all: this
-                // line says whose it was, and that the candidate goes (the next reload, or
-                // the file watch's next change, tries again).
+                // that works. A static key answers at once. Dropped when it fails (its
+                // refresher said so as the new credential's): a file watch tries the
+                // reload again, a SIGHUP is needed otherwise.
                 if let Err(e) = credential.current().await {
                     say(false);
                     tracing::warn!(
                         error = %e.line(),
-                        "reload failed: the new credential's first token exchange failed, and \
-                         it is dropped (no retry); keeping the running credential"
+                        "reload failed: the new credential's first token exchange failed; \
+                         keeping the running credential"
                     );
                     return false;
                 }
@@ -963,19 +972,69 @@ mod tests {
                 restart: names(&unread)
             }
         );
-        // Under an AccessKey pair (either side) the exchange's settings and the region
-        // (its `RegionId`) are where and how the pair goes.
+        // A pair swapped in is exchanged with the running settings: a region (its
+        // `RegionId`) or an exchange setting of the new ones would not apply. Every host
+        // and the exchange's URL set, so that only the region moves.
+        let exchange = (Key::TokenExchangeUrl, "https://exchange.example");
         let pair = [(Key::AccessKeyId, "LTAI-id"), (Key::AccessKeySecret, "s")];
+        let shanghai = (Key::Region, "cn-shanghai");
+        let c = settings(&[&hosts[..], &[exchange], &pair[..]].concat());
+        let d = settings(&[&hosts[..], &[exchange, shanghai], &pair[..]].concat());
+        let other_pair = [(Key::AccessKeyId, "LTAI-two"), (Key::AccessKeySecret, "t")];
+        let d2 = settings(&[&hosts[..], &[exchange, shanghai], &other_pair[..]].concat());
+        let static_key =
+            settings(&[&hosts[..], &[exchange, (Key::SandboxApiKey, "sk-one")]].concat());
+        for (from, to) in [(&c, &d), (&c, &d2), (&static_key, &d)] {
+            match plan(from, to, &names(&["region", "access_key_id"])) {
+                Plan::Refuse { moved } => assert_eq!(moved, names(&["region"])),
+                other => panic!("{other:?}"),
+            }
+        }
+        // With its default host, the exchange's URL moves with the region, and is named.
         let c = settings(&[&hosts[..], &pair[..]].concat());
-        let d = settings(&[&hosts[..], &pair[..], &[(Key::Region, "cn-shanghai")]].concat());
+        let d = settings(&[&hosts[..], &pair[..], &[shanghai]].concat());
         match plan(&c, &d, &names(&["region"])) {
-            // The exchange's default host is the region's.
             Plan::Refuse { moved } => assert_eq!(moved, names(&["region", "token_exchange_url"])),
             other => panic!("{other:?}"),
         }
         let e = settings(&[&hosts[..], &[(Key::TokenExchange, "acs3")], &pair[..]].concat());
         match plan(&set, &e, &names(&["token_exchange", "access_key_id"])) {
             Plan::Refuse { moved } => assert_eq!(moved, names(&["token_exchange"])),
+            other => panic!("{other:?}"),
+        }
+        // A static key swapped in for a pair exchanges nothing: the exchange's settings
+        // and the region wait for a restart with the rest.
+        let to_static = settings(
+            &[
+                &hosts[..],
+                &[
+                    shanghai,
+                    (Key::TokenExchange, "acs3"),
+                    (Key::SandboxApiKey, "sk-two"),
+                ],
+            ]
+            .concat(),
+        );
+        let changed = names(&["sandbox_api_key", "region", "token_exchange"]);
+        assert_eq!(
+            plan(&c, &to_static, &changed),
+            Plan::Swap {
+                restart: names(&["region", "token_exchange"])
+            }
+        );
+        // A region that moved no host is not named beside one the user moved.
+        let url_moved = settings(&[
+            (Key::SandboxBaseUrl, "https://api.example"),
+            (Key::SandboxUrl, "https://elsewhere.example"),
+            (Key::SandboxApiKey, "sk-two"),
+            shanghai,
+        ]);
+        match plan(
+            &set,
+            &url_moved,
+            &names(&["sandbox_api_key", "region", "sandbox_url"]),
+        ) {
+            Plan::Refuse { moved } => assert_eq!(moved, names(&["sandbox_url"])),
             other => panic!("{other:?}"),
         }
         let mut other_provider = settings(&[(Key::SandboxApiKey, "sk-two")]);
