@@ -1979,11 +1979,19 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     proxy
         .reload_env(
             &refused_pair,
-            "reload failed: the new credential's first token exchange failed, and it is \
-             dropped (no retry); keeping the running credential",
+            "reload failed: the new credential's first token exchange failed; keeping the \
+             running credential",
         )
         .await;
     assert_eq!(fake.rejected(), 1);
+    // The candidate's failure is said as the new credential's, with no retry promised:
+    // it is dropped, and the running key has not failed.
+    let said = proxy.stderr();
+    assert!(
+        said.contains("token exchange failed for the reload's new credential"),
+        "{said}"
+    );
+    assert!(!said.contains("retry_in_ms"), "{said}");
     assert_eq!(
         goes_there(&proxy),
         2,

@@ -627,6 +627,9 @@ pub struct RefreshOptions {
     pub refresh_before: Duration,
     pub clock: Arc<dyn Clock>,
     pub observer: Option<Observer>,
+    /// A reload's candidate until this is set (see `credentials::Counted`); `None`: the
+    /// running credential from the start.
+    pub running: Option<Arc<AtomicBool>>,
 }
 
 impl RefreshOptions {
@@ -635,6 +638,7 @@ impl RefreshOptions {
             refresh_before,
             clock: Arc::new(SystemClock),
             observer: None,
+            running: None,
         }
     }
 
@@ -718,6 +722,8 @@ struct Shared {
     refusal_streak: AtomicBool,
     /// A reload replaced this source ([`ExchangedKey::retire`]): no refresh is coming.
     retired: AtomicBool,
+    /// See [`RefreshOptions::running`].
+    running: Option<Arc<AtomicBool>>,
 }
 
 /// The early refreshes of a run of 401s.
@@ -807,9 +813,15 @@ pub struct ExchangedKey {
 
 impl ExchangedKey {
     /// Starts the first exchange now. Must be called within a Tokio runtime.
-    pub fn new(config: ExchangeConfig, client: HttpClient, observer: Option<Observer>) -> Self {
+    pub fn new(
+        config: ExchangeConfig,
+        client: HttpClient,
+        observer: Option<Observer>,
+        running: Option<Arc<AtomicBool>>,
+    ) -> Self {
         let mut options = RefreshOptions::new(config.refresh_before);
         options.observer = observer;
+        options.running = running;
         Self::with_exchanger(Arc::new(HttpExchanger::new(config, client)), options)
     }
 
@@ -831,6 +843,7 @@ impl ExchangedKey {
             refusals: std::sync::Mutex::new(Refusals::default()),
             refusal_streak: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            running: options.running,
         });
         let task = tokio::spawn(refresher(
             Arc::clone(&shared),
@@ -1182,13 +1195,26 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 shared.failures.fetch_add(1, Ordering::Relaxed);
                 shared.notify(ExchangeEvent::Failure);
                 // Logged once the failure is recorded, like a success: whoever reads this
-                // line and asks finds this reason in the 503 (not the previous state's).
-                tracing::warn!(
-                    error = %line,
-                    suggestion,
-                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                    "token exchange failed"
-                );
+                // line and asks finds this reason in the 503 (not the previous state's). A
+                // reload's candidate is not the key in use, and is not retried: the
+                // reload drops it (and says so next).
+                let candidate = (shared.running.as_ref())
+                    .is_some_and(|running| !running.load(Ordering::Relaxed));
+                if candidate {
+                    tracing::warn!(
+                        error = %line,
+                        suggestion,
+                        "token exchange failed for the reload's new credential (not the one \
+                         in use)"
+                    );
+                } else {
+                    tracing::warn!(
+                        error = %line,
+                        suggestion,
+                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        "token exchange failed"
+                    );
+                }
                 shared.attempts.send_modify(|n| *n += 1);
                 failed_in_row = failed_in_row.saturating_add(1);
                 shared.clock.sleep(delay).await;

@@ -119,6 +119,7 @@ impl ApiCredential {
             metrics.token_exchanges.with_label_values(&["failure"]),
             metrics.token_expiry.clone(),
         );
+        let running = Arc::clone(&counted.0);
         let observer: exchange::Observer = Arc::new(move |event| match event {
             _ if !counted.yes() => {}
             exchange::ExchangeEvent::Success { expiry_unix } => {
@@ -131,6 +132,7 @@ impl ApiCredential {
             config,
             client,
             Some(observer),
+            Some(running),
         )))
     }
 
