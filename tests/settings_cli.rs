@@ -3196,7 +3196,7 @@ fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
             assert!(out.stderr.ends_with(E1001), "{}", out.stderr);
             assert!(
                 out.stderr.contains(&c.with_paths(&format!(
-                    "ALIBABA_CLOUD_ACCESS_KEY_ID, ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
+                    "ALIBABA_CLOUD_ACCESS_KEY_ID, ALIBABA_CLOUD_ACCESS_KEY_SECRET ({layer}) are set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET"
                 ))),
                 "{layer} {args:?}: {}",
                 out.stderr
@@ -3208,6 +3208,21 @@ fn alibaba_cloud_pair_names_get_a_hint_and_are_not_read() {
         assert_eq!(find(&rows, "access_key_secret").source, "unset");
         assert_eq!(find(&rows, "credential").value, None);
     }
+    // Split across layers: each layer's file said once, layers apart by `;`; one name alone
+    // "is" set.
+    let mut split = Case::new();
+    split.env("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID);
+    split.cwd_dotenv(&format!("ALIBABA_CLOUD_ACCESS_KEY_SECRET={AK_SECRET_CWD}"));
+    let out = split.run(&["check", "--offline"]);
+    let want = split.with_paths(
+        "ALIBABA_CLOUD_ACCESS_KEY_ID (env); ALIBABA_CLOUD_ACCESS_KEY_SECRET (./.env) are set, but",
+    );
+    assert!(out.stderr.contains(&want), "{want}\n{}", out.stderr);
+    let mut one = Case::new();
+    one.env("ALIBABA_CLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+    let out = one.run(&["check", "--offline"]);
+    let want = "ALIBABA_CLOUD_ACCESS_KEY_SECRET (env) is set, but";
+    assert!(out.stderr.contains(want), "{}", out.stderr);
     // With a credential, nothing to say.
     let mut c = Case::new();
     c.env("ALIBABA_CLOUD_ACCESS_KEY_ID", AK_ID)

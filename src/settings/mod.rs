@@ -973,19 +973,25 @@ impl Resolved {
             (&self.layers.dotenv_home, Source::DotEnvHome),
         ];
         // By layer: a file's path is said once for both names.
-        let found: Vec<String> = (layers.iter())
+        let found: Vec<(usize, String)> = (layers.iter())
             .filter_map(|(map, src)| {
                 let names: Vec<&str> = (VENDOR_PAIR.iter().copied())
                     .filter(|name| map.get(*name).and_then(|v| nonblank(v)).is_some())
                     .collect();
-                (!names.is_empty())
-                    .then(|| format!("{} ({})", names.join(", "), self.file_shown(*src)))
+                (!names.is_empty()).then(|| {
+                    let group = format!("{} ({})", names.join(", "), self.file_shown(*src));
+                    (names.len(), group)
+                })
             })
             .collect();
         (!found.is_empty()).then(|| {
+            // Layers apart by `;`, as the names within one are by `,`.
+            let names: usize = found.iter().map(|(n, _)| n).sum();
+            let groups: Vec<&str> = found.iter().map(|(_, g)| g.as_str()).collect();
             format!(
-                "{} is set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET: set those (e.g. ALICLOUD_ACCESS_KEY_ID=$ALIBABA_CLOUD_ACCESS_KEY_ID)",
-                found.join(", ")
+                "{} {} set, but abx-proxy reads the AccessKey pair from ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET: set those (e.g. ALICLOUD_ACCESS_KEY_ID=$ALIBABA_CLOUD_ACCESS_KEY_ID)",
+                groups.join("; "),
+                if names == 1 { "is" } else { "are" }
             )
         })
     }
