@@ -121,7 +121,9 @@ fn destination_changes(a: &Settings, b: &Settings) -> Vec<String> {
     // until a restart. The next credential decides: a pair swapped in is made with the
     // running settings, its exchange's among them; a static key swapped in exchanges
     // nothing.
-    let exchanging = matches!(b.credential, settings::Credential::AccessKey { .. });
+    // A pair kept goes on exchanging as it started: the new values wait for a restart.
+    let exchanging = a.credential != b.credential
+        && matches!(b.credential, settings::Credential::AccessKey { .. });
     let base_moved = a.sandbox_base_url != b.sandbox_base_url;
     let url_moved = a.sandbox_url != b.sandbox_url;
     let domain_read = a.sandbox_url.is_none() || b.sandbox_url.is_none();
@@ -984,7 +986,7 @@ mod tests {
         let d2 = settings(&[&hosts[..], &[exchange, shanghai], &other_pair[..]].concat());
         let static_key =
             settings(&[&hosts[..], &[exchange, (Key::SandboxApiKey, "sk-one")]].concat());
-        for (from, to) in [(&c, &d), (&c, &d2), (&static_key, &d)] {
+        for (from, to) in [(&c, &d2), (&static_key, &d)] {
             match plan(from, to, &names(&["region", "access_key_id"])) {
                 Plan::Refuse { moved } => assert_eq!(moved, names(&["region"])),
                 other => panic!("{other:?}"),
@@ -992,7 +994,7 @@ mod tests {
         }
         // With its default host, the exchange's URL moves with the region, and is named.
         let c = settings(&[&hosts[..], &pair[..]].concat());
-        let d = settings(&[&hosts[..], &pair[..], &[shanghai]].concat());
+        let d = settings(&[&hosts[..], &other_pair[..], &[shanghai]].concat());
         match plan(&c, &d, &names(&["region"])) {
             Plan::Refuse { moved } => assert_eq!(moved, names(&["region", "token_exchange_url"])),
             other => panic!("{other:?}"),
@@ -1022,6 +1024,31 @@ mod tests {
                 restart: names(&["region", "token_exchange"])
             }
         );
+        // A pair kept: its exchange goes on as it started, the new values wait.
+        let kept = settings(&[&hosts[..], &[exchange, shanghai], &pair[..]].concat());
+        let running = settings(&[&hosts[..], &[exchange], &pair[..]].concat());
+        assert_eq!(
+            plan(&running, &kept, &names(&["region"])),
+            Plan::Keep {
+                restart: names(&["region"])
+            }
+        );
+        // A region beside an explicit host that is no region's default: only the host is
+        // named (the region moved nothing).
+        let moved_base = settings(&[
+            (Key::SandboxBaseUrl, "https://api2.example"),
+            (Key::SandboxUrl, "https://envd.example"),
+            (Key::SandboxApiKey, "sk-two"),
+            shanghai,
+        ]);
+        match plan(
+            &set,
+            &moved_base,
+            &names(&["sandbox_api_key", "region", "sandbox_base_url"]),
+        ) {
+            Plan::Refuse { moved } => assert_eq!(moved, names(&["sandbox_base_url"])),
+            other => panic!("{other:?}"),
+        }
         // A region that moved no host is not named beside one the user moved.
         let url_moved = settings(&[
             (Key::SandboxBaseUrl, "https://api.example"),

@@ -2003,10 +2003,19 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
     let expiry = "abx_proxy_token_expiry_timestamp_seconds";
     assert!(series(&scrape(admin).await, expiry, &[]) > Some(0.0));
 
-    // The exchange's signing style is how the pair goes out: a change is refused as the
-    // hosts' is, and said so (it read "the provider or its hosts changed").
+    // The exchange's signing style, the pair kept: the running refresher goes on as it
+    // started, and the style waits for a restart as other settings do.
     let restyled = format!("{}ABX_TOKEN_EXCHANGE=acs3\n", dotenv_pair());
-    let line = proxy.reload_env(&restyled, "reload refused").await;
+    let line = proxy
+        .reload_env(&restyled, "these settings apply at the next restart")
+        .await;
+    assert!(line.contains("token_exchange"), "{line}");
+    assert_eq!(fake.calls(), 2, "a reload that kept the pair exchanged");
+    // With a new pair it would be how that pair goes out: refused as the hosts' change is,
+    // and said so (it read "the provider or its hosts changed").
+    let restyled_new = "ALICLOUD_ACCESS_KEY_ID=LTAI-other-pair\n\
+                        ALICLOUD_ACCESS_KEY_SECRET=other-secret\nABX_TOKEN_EXCHANGE=acs3\n";
+    let line = proxy.reload_env(restyled_new, "reload refused").await;
     assert!(
         line.contains("key exchange changed") && line.contains("token_exchange"),
         "{line}"
