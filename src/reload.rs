@@ -12,10 +12,10 @@
 //! settings' outcome does not depend on it.
 //!
 //! Two rules keep a reload from breaking a proxy that works:
-//! - the credential is swapped only while the provider, every host it is sent to and the
-//!   key exchange (its URL and signing style) stay the same: the running proxy still
-//!   routes to the hosts it started with, and a key must never reach another provider's
-//!   host (SPEC §3);
+//! - the credential is swapped only while the provider, how it attaches the key and every
+//!   host in use stay the same, and, for a new AK/SK pair, its exchange (URL, signing
+//!   style, region): the running proxy still routes, and exchanges, as it started, and a
+//!   key must never reach another provider's host (SPEC §3; [`destination_changes`]);
 //! - a new AK/SK pair replaces the running key only once its first exchange has answered:
 //!   until then, and if it fails, the old temporary key keeps serving (SPEC §5).
 
