@@ -24,6 +24,9 @@
 //! stalled reader stops no worker), and [`providers`] holds the built-in provider and
 //! installed plugin ones.
 #![forbid(unsafe_code)]
+// The library is the binary's, and its docs are read as its code is: they link private
+// items, which `cargo doc --document-private-items` renders.
+#![allow(rustdoc::private_intra_doc_links)]
 
 /// `println!` for the commands' output. `println!` panics (exit 101 and a panic message)
 /// when the reader has gone, as in `abx-proxy config list | head -1`; this ends quietly

@@ -342,7 +342,7 @@ fn starred(line: Vec<u8>, secrets: &[Secret]) -> Vec<u8> {
     }
 }
 
-/// tracing-subscriber's writer: each event, formatted whole, is one [`write`].
+/// tracing-subscriber's writer: each event, formatted whole, is one [`write()`].
 pub struct Stderr;
 
 /// One event's bytes, written when the subscriber is done with it.
