@@ -6,7 +6,7 @@
 // port (49999) carries `E2B-Traffic-Access-Token` as well as the SDK's own `X-Access-Token`
 // on `/execute`. Prints one line per step; exits 1 with a message naming the failed step.
 
-import { expect, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
+import { expect, killingOnFailure, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
 
 async function main() {
   requireEnv('E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL')
@@ -21,13 +21,7 @@ async function main() {
   expect(sbx.trafficAccessToken, 'no traffic access token in the create answer')
   ok(sbx.sandboxId)
 
-  try {
-    await runSteps(sbx)
-  } catch (e) {
-    // Do not leave the sandbox behind when a middle step fails.
-    await sbx.kill().catch(() => {})
-    throw e
-  }
+  await killingOnFailure(sbx, runSteps, sbx)
 }
 
 async function runSteps(sbx) {

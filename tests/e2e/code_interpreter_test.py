@@ -8,7 +8,7 @@ on `/execute`. Prints one line per step; exits 1 with a message naming the faile
 """
 
 
-from e2b_driver import expect, ok, require_env, run, step
+from e2b_driver import expect, killing_on_failure, ok, require_env, run, step
 
 
 def main():
@@ -30,15 +30,7 @@ def main():
     expect(sbx.traffic_access_token, "no traffic access token in the create answer")
     ok(sbx.sandbox_id)
 
-    try:
-        run_steps(sbx)
-    except BaseException:
-        # Do not leave the sandbox behind when a middle step fails.
-        try:
-            sbx.kill()
-        except Exception:
-            pass
-        raise
+    killing_on_failure(sbx, run_steps, sbx)
 
 
 def run_steps(sbx):

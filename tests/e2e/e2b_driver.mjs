@@ -27,6 +27,16 @@ const require = createRequire(import.meta.url)
 export const version = (pkg) =>
   JSON.parse(readFileSync(require.resolve(`${pkg}/package.json`), 'utf8')).version
 
+// Runs `steps(...args)`; a step that fails does not leave the sandbox behind.
+export async function killingOnFailure(sbx, steps, ...args) {
+  try {
+    await steps(...args)
+  } catch (e) {
+    await sbx.kill().catch(() => {})
+    throw e
+  }
+}
+
 export async function run(main, passed) {
   try {
     await main()

@@ -32,6 +32,18 @@ def require_env(*names):
             raise AssertionError(f"{name} must be set")
 
 
+def killing_on_failure(sbx, steps, *args):
+    """Runs `steps(*args)`; a step that fails does not leave the sandbox behind."""
+    try:
+        steps(*args)
+    except BaseException:
+        try:
+            sbx.kill()
+        except Exception:
+            pass
+        raise
+
+
 def run(main, passed):
     try:
         main()

@@ -6,7 +6,7 @@
 // E2B_JS_PACKAGE selects the installed package: `e2b` (latest, default) or `e2b-250`
 // (e2b 2.50.0, which uses POST /sandboxes instead of POST /v2/sandboxes).
 
-import { expect, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
+import { expect, killingOnFailure, ok, requireEnv, run, step, version } from './e2b_driver.mjs'
 
 async function main() {
   requireEnv('E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL')
@@ -20,13 +20,7 @@ async function main() {
   expect(sid, 'no sandbox id')
   ok(sid)
 
-  try {
-    await runSteps(Sandbox, sbx, sid)
-  } catch (e) {
-    // Do not leave the sandbox behind when a middle step fails.
-    await sbx.kill().catch(() => {})
-    throw e
-  }
+  await killingOnFailure(sbx, runSteps, Sandbox, sbx, sid)
 }
 
 async function runSteps(Sandbox, sbx, sid) {

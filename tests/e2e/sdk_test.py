@@ -10,7 +10,7 @@ Works with e2b 2.20 (whose connected sandbox names itself by its token alone), 2
 
 import inspect
 
-from e2b_driver import expect, ok, require_env, run, step
+from e2b_driver import expect, killing_on_failure, ok, require_env, run, step
 
 
 def main():
@@ -28,15 +28,7 @@ def main():
     expect(sid, "no sandbox id")
     ok(sid)
 
-    try:
-        run_steps(Sandbox, sbx, sid)
-    except BaseException:
-        # Do not leave the sandbox behind when a middle step fails.
-        try:
-            sbx.kill()
-        except Exception:
-            pass
-        raise
+    killing_on_failure(sbx, run_steps, Sandbox, sbx, sid)
 
 
 def run_steps(Sandbox, sbx, sid):
