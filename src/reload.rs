@@ -118,10 +118,9 @@ fn destination_changes(a: &Settings, b: &Settings) -> Vec<String> {
     // Where requests go as the proxy uses them: a value nothing reads (a domain beside
     // `sandbox_url`, the exchange's settings when no pair will be exchanged, the region
     // once every host is set) moved no key, and refusing for it kept a rotated key out
-    // until a restart. The next credential decides: a pair swapped in is made with the
-    // running settings, its exchange's among them; a static key swapped in exchanges
-    // nothing.
-    // A pair kept goes on exchanging as it started: the new values wait for a restart.
+    // until a restart. The exchange counts only for a new pair: one swapped in is made
+    // with the running settings, its exchange's among them; a pair kept goes on as it
+    // started, and a static key exchanges nothing (the new values wait for a restart).
     let exchanging = a.credential != b.credential
         && matches!(b.credential, settings::Credential::AccessKey { .. });
     let base_moved = a.sandbox_base_url != b.sandbox_base_url;
@@ -749,6 +748,14 @@ mod tests {
         xs.iter().map(|s| s.to_string()).collect()
     }
 
+    /// What a reload from `a` to `b` is refused for (what else changed plays no part).
+    fn refused_for(a: &Settings, b: &Settings) -> Vec<String> {
+        match plan(a, b, &[]) {
+            Plan::Refuse { moved } => moved,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
     /// A key file holding `sk-one`, watched.
     fn watched_key_file() -> (tempfile::TempDir, PathBuf, FileWatch) {
         let dir = tempfile::tempdir().expect("dir");
@@ -934,12 +941,8 @@ mod tests {
             (Key::SandboxUrl, "https://elsewhere.example", "sandbox_url"),
         ] {
             let b = settings(&[(Key::SandboxApiKey, "sk-two"), (key, value)]);
-            match plan(&a, &b, &names(&["sandbox_api_key", name])) {
-                Plan::Refuse { moved } => {
-                    assert!(moved.iter().any(|m| m == name), "{name}: {moved:?}")
-                }
-                other => panic!("{name}: {other:?}"),
-            }
+            let moved = refused_for(&a, &b);
+            assert!(moved.iter().any(|m| m == name), "{name}: {moved:?}");
         }
         // Every host set: a region, a domain beside `sandbox_url`, the exchange's URL and
         // style under a static key move nothing; the new key is swapped, they wait.
@@ -987,23 +990,17 @@ mod tests {
         let static_key =
             settings(&[&hosts[..], &[exchange, (Key::SandboxApiKey, "sk-one")]].concat());
         for (from, to) in [(&c, &d2), (&static_key, &d)] {
-            match plan(from, to, &names(&["region", "access_key_id"])) {
-                Plan::Refuse { moved } => assert_eq!(moved, names(&["region"])),
-                other => panic!("{other:?}"),
-            }
+            assert_eq!(refused_for(from, to), names(&["region"]));
         }
         // With its default host, the exchange's URL moves with the region, and is named.
         let c = settings(&[&hosts[..], &pair[..]].concat());
         let d = settings(&[&hosts[..], &other_pair[..], &[shanghai]].concat());
-        match plan(&c, &d, &names(&["region"])) {
-            Plan::Refuse { moved } => assert_eq!(moved, names(&["region", "token_exchange_url"])),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(
+            refused_for(&c, &d),
+            names(&["region", "token_exchange_url"])
+        );
         let e = settings(&[&hosts[..], &[(Key::TokenExchange, "acs3")], &pair[..]].concat());
-        match plan(&set, &e, &names(&["token_exchange", "access_key_id"])) {
-            Plan::Refuse { moved } => assert_eq!(moved, names(&["token_exchange"])),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(refused_for(&set, &e), names(&["token_exchange"]));
         // A static key swapped in for a pair exchanges nothing: the exchange's settings
         // and the region wait for a restart with the rest.
         let to_static = settings(
@@ -1041,14 +1038,7 @@ mod tests {
             (Key::SandboxApiKey, "sk-two"),
             shanghai,
         ]);
-        match plan(
-            &set,
-            &moved_base,
-            &names(&["sandbox_api_key", "region", "sandbox_base_url"]),
-        ) {
-            Plan::Refuse { moved } => assert_eq!(moved, names(&["sandbox_base_url"])),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(refused_for(&set, &moved_base), names(&["sandbox_base_url"]));
         // A region that moved no host is not named beside one the user moved.
         let url_moved = settings(&[
             (Key::SandboxBaseUrl, "https://api.example"),
@@ -1056,14 +1046,7 @@ mod tests {
             (Key::SandboxApiKey, "sk-two"),
             shanghai,
         ]);
-        match plan(
-            &set,
-            &url_moved,
-            &names(&["sandbox_api_key", "region", "sandbox_url"]),
-        ) {
-            Plan::Refuse { moved } => assert_eq!(moved, names(&["sandbox_url"])),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(refused_for(&set, &url_moved), names(&["sandbox_url"]));
         let mut other_provider = settings(&[(Key::SandboxApiKey, "sk-two")]);
         other_provider.provider = "opensandbox".into();
         other_provider.credential = Credential::ApiKey(Secret::new("sk-two"));
