@@ -101,7 +101,10 @@ fi
 
 if [[ -z ${SKIP_BUILD:-} ]]; then
     log "cargo build --release --locked"
-    (cd "$ROOT" && cargo build --release --locked --bin abx-proxy --example bench_upstream)
+    # Two builds: one that takes in an example also takes in the dev-dependencies' features
+    # (tokio's multi-thread scheduler), and is not the binary users run.
+    (cd "$ROOT" && cargo build --release --locked --bin abx-proxy)
+    (cd "$ROOT" && cargo build --release --locked --example bench_upstream)
     if [[ -n ${PGO:-} ]]; then
         log "scripts/pgo.sh (instrumented build, training, build with the profile)"
         bash "$ROOT/scripts/pgo.sh" >/dev/null

@@ -77,7 +77,9 @@ for tool in curl timeout; do
 done
 if [[ -z "${SKIP_BUILD:-}" ]]; then
     log "building (release)"
-    (cd "$ROOT" && cargo build --release --locked --quiet --bin abx-proxy --example soak_upstream)
+    # Apart: with an example in it, a build takes in the dev-dependencies' features.
+    (cd "$ROOT" && cargo build --release --locked --quiet --bin abx-proxy)
+    (cd "$ROOT" && cargo build --release --locked --quiet --example soak_upstream)
 fi
 # Where cargo puts its builds, as cargo resolves it (CARGO_TARGET_DIR and the rest).
 TARGET="$("$ROOT/scripts/target-dir.sh")"
