@@ -39,8 +39,37 @@ pub struct Metrics {
 /// The plane label values.
 pub const PLANES: [&str; 2] = ["api", "envd"];
 
-/// The `kind` label values of `abx_proxy_upstream_errors_total` (SPEC §7).
-pub const UPSTREAM_ERROR_KINDS: [&str; 5] = ["connect", "tls", "timeout", "reset", "protocol"];
+/// Why an upstream exchange failed: the `kind` label of `abx_proxy_upstream_errors_total`
+/// (SPEC §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    Connect,
+    Tls,
+    Timeout,
+    Reset,
+    Protocol,
+}
+
+impl FailKind {
+    /// Every kind, each a series from the start.
+    pub const ALL: [FailKind; 5] = [
+        FailKind::Connect,
+        FailKind::Tls,
+        FailKind::Timeout,
+        FailKind::Reset,
+        FailKind::Protocol,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            FailKind::Connect => "connect",
+            FailKind::Tls => "tls",
+            FailKind::Timeout => "timeout",
+            FailKind::Reset => "reset",
+            FailKind::Protocol => "protocol",
+        }
+    }
+}
 
 /// Methods and status codes common enough to get a cached series; others take the
 /// `with_label_values` path.
@@ -211,8 +240,8 @@ impl Metrics {
         for plane in PLANES {
             in_flight.with_label_values(&[plane]);
             duration.with_label_values(&[plane]);
-            for kind in UPSTREAM_ERROR_KINDS {
-                upstream_errors.with_label_values(&[plane, kind]);
+            for kind in FailKind::ALL {
+                upstream_errors.with_label_values(&[plane, kind.label()]);
             }
         }
         registry.register(Box::new(requests.clone()))?;
@@ -267,10 +296,12 @@ impl Metrics {
         }
     }
 
-    /// Counts one upstream failure: `kind` is a `FailKind` label.
+    /// Counts one upstream failure.
     #[cold]
-    pub fn upstream_error(&self, plane: &str, kind: &str) {
-        self.upstream_errors.with_label_values(&[plane, kind]).inc();
+    pub fn upstream_error(&self, plane: &str, kind: FailKind) {
+        self.upstream_errors
+            .with_label_values(&[plane, kind.label()])
+            .inc();
     }
 
     /// Counts an answered request and observes its duration (to response headers).
@@ -357,7 +388,7 @@ mod tests {
         for plane in PLANES {
             let count = format!("abx_proxy_request_duration_seconds_count{{plane=\"{plane}\"}} 0");
             assert!(fresh.contains(&count), "{count}");
-            for kind in UPSTREAM_ERROR_KINDS {
+            for kind in FailKind::ALL.map(FailKind::label) {
                 let series = format!(
                     "abx_proxy_upstream_errors_total{{kind=\"{kind}\",plane=\"{plane}\"}} 0"
                 );

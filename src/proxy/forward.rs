@@ -13,27 +13,7 @@ use super::pool::{Upstream, UpstreamError};
 use crate::error::{Error, Within};
 use crate::upstream::ProxyBody;
 
-/// Why an upstream exchange failed, as `abx_proxy_upstream_errors_total{kind}` labels it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailKind {
-    Connect,
-    Tls,
-    Timeout,
-    Reset,
-    Protocol,
-}
-
-impl FailKind {
-    pub fn label(self) -> &'static str {
-        match self {
-            FailKind::Connect => "connect",
-            FailKind::Tls => "tls",
-            FailKind::Timeout => "timeout",
-            FailKind::Reset => "reset",
-            FailKind::Protocol => "protocol",
-        }
-    }
-}
+pub use crate::metrics::FailKind;
 
 /// A forward that failed: the proxy's answer, its metric kind (none when the client's own
 /// body broke), and whether the upstream may have received the request.

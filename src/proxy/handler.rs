@@ -194,7 +194,7 @@ impl Proxy {
                 }
                 Err(f) => {
                     if let Some(kind) = f.kind {
-                        self.metrics.upstream_error(plane, kind.label());
+                        self.metrics.upstream_error(plane, kind);
                     }
                     let host = match &f.error {
                         Error::UpstreamUnreachable { host, .. }
@@ -748,7 +748,7 @@ impl Proxy {
                 .await
                 .map_err(|f| {
                     if let Some(kind) = f.kind {
-                        self.metrics.upstream_error("api", kind.label());
+                        self.metrics.upstream_error("api", kind);
                     }
                     f.error
                 })?;
@@ -787,7 +787,7 @@ impl Proxy {
         let read = body::read_bounded(resp.into_body(), SNIFF_LIMIT, None);
         let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
             let (error, kind) = self.body_timeout();
-            self.metrics.upstream_error("api", kind.label());
+            self.metrics.upstream_error("api", kind);
             return Err(error);
         };
         let reason = match read {
@@ -809,8 +809,7 @@ impl Proxy {
         // An answer the proxy cannot use (a login page, a reshaped body) fails every envd
         // request for the sandbox: counted as a malformed answer is, or no upstream-error
         // alert fires while they all get 502.
-        self.metrics
-            .upstream_error("api", FailKind::Protocol.label());
+        self.metrics.upstream_error("api", FailKind::Protocol);
         Err(Error::UpstreamUnavailable {
             reason: reason.into(),
             host,
