@@ -181,6 +181,78 @@ async fn each_key_reaches_only_its_own_provider() {
     );
 }
 
+/// OpenSandbox's route to a sandbox's app through its server (`use_server_proxy`'s
+/// endpoint) asks no key and hands the request to the app: the key stays out (the client's
+/// own `Authorization` passes, its dummy does not), however the path spells the route, and
+/// the app's page, served on the proxy's own origin, is sandboxed: its requests carry
+/// `Origin: null`, refused. Paths the server does not read as the route get the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxed_page() {
+    let pki = Pki::new();
+    let opensandbox =
+        Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "<html>") }).await;
+    let proxy = ProxyCmd::new("http://127.0.0.1:9", &pki)
+        .setup(&["provider", "install", OPENSANDBOX])
+        .env("ABX_PROVIDER", Some("opensandbox"))
+        .env("OPEN_SANDBOX_API_KEY", Some(OS_KEY))
+        .env("ABX_OPENSANDBOX_BASE_URL", Some(&opensandbox.url()))
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let get = |path: &'static str| async move {
+        let req = request("GET", addr, path)
+            .header("authorization", "Bearer app-token")
+            .header(OS_HEADER, "dummy")
+            .body(empty())
+            .expect("request");
+        send(addr, req).await
+    };
+    const SANDBOXED: &str =
+        "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads";
+    let app = [
+        "/v1/sandboxes/osb-1/proxy/3000/index.html",
+        "/sandboxes/osb-1/proxy/3000",
+        "/v1/sandboxes/osb-1/%70roxy/3000/",
+        "/v1/%73andboxes/osb-1/proxy/80?x=1",
+    ];
+    let keyed = [
+        "/v1/sandboxes/osb-1",
+        "/v1/sandboxes/osb-1/proxy",
+        "/v1/sandboxes/osb-1/proxy/web/",
+        "/v1/sandboxes//proxy/3000/",
+        "/v1/sandboxes/a..b/proxy/3000/",
+        "/v2/sandboxes/osb-1/proxy/3000/",
+    ];
+    for path in app.iter().chain(keyed.iter()) {
+        let resp = get(path).await;
+        assert_eq!(resp.status(), 200, "{path}");
+        let csp = resp.headers().get("content-security-policy");
+        let want = app.contains(path).then_some(SANDBOXED);
+        assert_eq!(csp.map(|v| v.to_str().unwrap()), want, "{path}");
+    }
+    // A sandboxed page's request, to the lifecycle API or to its own route.
+    for path in ["/v1/sandboxes", "/v1/sandboxes/osb-1/proxy/3000/api"] {
+        let req = request("POST", addr, path)
+            .header("origin", "null")
+            .body(empty())
+            .expect("request");
+        assert_eq!(send(addr, req).await.status(), 400, "{path}");
+    }
+    proxy.finish().await;
+    let seen = opensandbox.seen();
+    assert_eq!(seen.len(), app.len() + keyed.len(), "{seen:?}");
+    for (s, path) in seen.iter().zip(app.iter().chain(keyed.iter())) {
+        assert_eq!(s.path_and_query(), *path);
+        if app.contains(path) {
+            assert!(s.header(OS_HEADER).is_none(), "{path}: {:?}", s.headers);
+            assert_eq!(s.all("authorization"), vec!["Bearer app-token"], "{path}");
+        } else {
+            assert_eq!(s.all(OS_HEADER), vec![OS_KEY.to_string()], "{path}");
+            assert!(s.header("authorization").is_none(), "{path}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inherit_needs_consent_for_that_exact_manifest() {
     let pki = Pki::new();

@@ -407,7 +407,8 @@ impl Proxy {
             // rewrite
             let path = parts.uri.path();
             // Read on the client's path: a base URL's own path goes before it upstream.
-            let own_credential = headers::is_volume_content(path);
+            let app_route = headers::is_sandbox_proxy_route(path);
+            let own_credential = app_route || headers::is_volume_content(path);
             let rewrite = match self.compat {
                 CompatMode::Rewrite => compat::plan(&parts.method, path),
                 CompatMode::Pass => Rewrite::None,
@@ -489,7 +490,8 @@ impl Proxy {
             // authorize: once the body is in. A rewritten one may take up to the upstream
             // timeout to arrive, and a key taken before it could go out expired (SPEC §5:
             // never later than 5 s before its expiry). Volume content carries the client's
-            // own token: no key, and its 401 says nothing of the key.
+            // own token, a sandbox's app through the server its own or none: no key, and
+            // their 401 says nothing of the key.
             let keyed = if own_credential {
                 headers::authorize_own(&mut parts.headers, self.auth.scheme());
                 None
@@ -540,7 +542,10 @@ impl Proxy {
             }
 
             // respond
-            let resp = self.respond(resp, sniff, upgrade).await?;
+            let mut resp = self.respond(resp, sniff, upgrade).await?;
+            if app_route {
+                headers::sandbox_the_page(resp.headers_mut());
+            }
             Ok((resp, host))
         }
     }

@@ -358,9 +358,80 @@ pub fn is_volume_content(path: &str) -> bool {
         .is_some_and(|rest| !rest.is_empty())
 }
 
+/// OpenSandbox's route to a sandbox's app through its server
+/// (`[/v1]/sandboxes/{id}/proxy/{port}/…`, the endpoint `use_server_proxy` gives): the
+/// server asks no key there and hands the request on to the app, an older server with
+/// every field the client sent (the key among them) to code anyone may have written.
+/// Read as the server reads it, percent-decoded, and no path holding `..` (which the
+/// server does not take for the route, and asks the key for).
+pub fn is_sandbox_proxy_route(path: &str) -> bool {
+    // Most paths name no route like it: no decoding then.
+    if !path.contains("/sandboxes/") && !path.contains('%') {
+        return false;
+    }
+    let decoded = percent_decoded(path.as_bytes());
+    if decoded.windows(2).any(|w| w == b"..") {
+        return false;
+    }
+    let rest = decoded.strip_prefix(b"/v1").unwrap_or(&decoded);
+    let Some(rest) = rest.strip_prefix(b"/sandboxes/") else {
+        return false;
+    };
+    let Some(slash) = rest.iter().position(|&b| b == b'/').filter(|&i| i > 0) else {
+        return false;
+    };
+    let Some(port) = rest[slash..].strip_prefix(b"/proxy/") else {
+        return false;
+    };
+    let digits = port.iter().take_while(|b| b.is_ascii_digit()).count();
+    digits > 0 && matches!(port.get(digits), None | Some(b'/'))
+}
+
+/// `path` with its percent escapes decoded; an escape that is none is kept as written.
+fn percent_decoded(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if !path.contains(&b'%') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut out = Vec::with_capacity(path.len());
+    let mut i = 0;
+    while i < path.len() {
+        let escaped = match path.get(i..i + 3) {
+            Some([b'%', h, l]) => hex(*h).zip(hex(*l)),
+            _ => None,
+        };
+        match escaped {
+            Some((h, l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            None => {
+                out.push(path[i]);
+                i += 1;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// An answer from a sandbox's app served on the proxy's own origin (OpenSandbox's
+/// [`is_sandbox_proxy_route`]) is shown to a browser as a page of no origin: a same-origin
+/// page's requests to the proxy pass the Origin check and would go out with the key; a
+/// sandboxed page's carry `Origin: null`, which is refused. Scripts, forms and pop-ups
+/// still work, within the page.
+pub fn sandbox_the_page(headers: &mut HeaderMap) {
+    headers.append(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
+        ),
+    );
+}
+
 /// Control plane, on a path whose credential is the client's own
-/// ([`is_volume_content`]): its `Authorization` passes as sent; the fields a client puts
-/// its dummy key in (`X-API-Key`, a provider's own header) do not, and no key is added.
+/// ([`is_volume_content`], [`is_sandbox_proxy_route`]): its `Authorization` passes as
+/// sent; the fields a client puts its dummy key in (`X-API-Key`, a provider's own header)
+/// do not, and no key is added.
 pub fn authorize_own(headers: &mut HeaderMap, scheme: &AuthScheme) {
     headers.remove(X_API_KEY);
     if let AuthScheme::Header(name) = scheme {
@@ -668,6 +739,41 @@ mod tests {
         authorize_own(&mut h, &scheme);
         assert_eq!(h["authorization"], "Bearer volume-token");
         assert_eq!(h.len(), 2, "{h:?}");
+    }
+
+    #[test]
+    fn the_sandbox_proxy_route_as_the_server_reads_it() {
+        for path in [
+            "/sandboxes/osb-1/proxy/3000",
+            "/sandboxes/osb-1/proxy/3000/",
+            "/v1/sandboxes/osb-1/proxy/8080/a/b?c",
+            "/v1/sandboxes/osb-1/%70roxy/1/",
+            "/v1/sandboxes/osb%2D1/proxy/%31",
+            "/%76%31/sandboxes/x/proxy/1",
+        ] {
+            assert!(is_sandbox_proxy_route(path), "{path}");
+        }
+        for path in [
+            "/sandboxes/osb-1/proxy",
+            "/sandboxes/osb-1/proxy/",
+            "/sandboxes/osb-1/proxy/x",
+            "/sandboxes/osb-1/proxy/3000x",
+            "/sandboxes//proxy/3000",
+            "/sandboxes/a/b/proxy/3000",
+            "/sandboxes/a%2Fb/proxy/3000",
+            "/sandboxes/a..b/proxy/3000",
+            "/sandboxes/x/proxy/1/%2e%2e/y",
+            "/v1/v1/sandboxes/x/proxy/1",
+            "/v2/sandboxes/x/proxy/1",
+            "/v1sandboxes/x/proxy/1",
+            "/Sandboxes/x/proxy/1",
+            "/sandboxes/x/PROXY/1",
+            "/sandboxes",
+        ] {
+            assert!(!is_sandbox_proxy_route(path), "{path}");
+        }
+        assert_eq!(&*percent_decoded(b"/a%2fb%zz%4"), b"/a/b%zz%4");
+        assert_eq!(&*percent_decoded(b"%ff%00"), b"\xff\x00");
     }
 
     #[test]
