@@ -225,17 +225,20 @@ pub fn config_list(args: &SettingsArgs, json: bool) -> Result<i32, Error> {
 pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     let resolved = resolve(args)?;
     warn_if_refused(&resolved);
-    match rows(&resolved).into_iter().find(|r| r.key == key) {
+    let rows = rows(&resolved);
+    match rows.iter().find(|r| r.key == key) {
         Some(row) => {
-            if let Some(v) = row.value {
+            if let Some(v) = &row.value {
                 outln!("{v}");
             }
             Ok(0)
         }
         None => {
+            // The selected plugin's keys among them: they are `config get`'s too.
+            let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
             crate::logging::stderr_line(&format!(
-                "error: unknown key {key:?}; keys: {}, credential",
-                KEYS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+                "error: unknown key {key:?}; keys: {}",
+                keys.join(", ")
             ));
             Ok(EXIT_USAGE)
         }

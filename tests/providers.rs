@@ -667,6 +667,15 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
     std::fs::remove_file(h.join(".abx/config.toml")).expect("remove config.toml");
     let out = abx(h, &sdk_env, &["config", "get", "opensandbox.base_url"]).await;
     assert!(text(&out).contains("127.0.0.1:49982"), "{}", text(&out));
+    // A key mistyped is told the keys there are, the plugin's among them.
+    let out = abx(h, &sdk_env, &["config", "get", "opensandbox.nope"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("unknown key \"opensandbox.nope\"; keys: sandbox_api_key, ")
+            && said.contains(", opensandbox.api_key, opensandbox.base_url, credential\n"),
+        "{said}"
+    );
     // And the row names the variable that gave it, not the canonical one nobody set.
     let out = abx(h, &sdk_env, &["config", "list", "--json"]).await;
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("json");
