@@ -823,6 +823,7 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     let (_wr, mut frames, first) = goaway_then_drip().await;
     assert_eq!(first + h2_until_closed(&mut frames, 1).await, whole);
 
+    // Cancelled by the client: said at debug, the client's end.
     let (mut wr, mut frames, _) = goaway_then_drip().await;
     let cancel = h2_frame(RST_STREAM, 0, 1, &[0, 0, 0, 0x8]);
     wr.write_all(&cancel).await.expect("RST_STREAM");
@@ -851,7 +852,11 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     assert_eq!(h2_until_closed(&mut frames, 1).await, whole);
 
     let stderr = proxy.finish().await;
-    // Only the answer cut with the open head's connection is said, and why.
+    // Only the answer cut with the open head's connection is the proxy's, and why; the
+    // cancelled one was the client's.
+    let clients = stderr.lines().filter(|l| l.contains("answer cut"));
+    let clients = clients.filter(|l| l.contains(r#"end="client""#)).count();
+    assert_eq!(clients, 1, "{stderr}");
     the_one_answer_cut(&stderr, r#"end="header-timeout""#);
     assert_eq!(timed_out_heads(&stderr), 1, "{stderr}");
     // The open block began after the GOAWAY's cut began: its time runs to its own cut
@@ -864,11 +869,12 @@ async fn an_http2_request_sent_as_the_idle_goaway_goes_out_is_answered_whole() {
     assert!(ms.is_some_and(|ms| ms >= 400.0), "{line}");
 }
 
-/// The one `answer cut` line in `stderr`, which says `end`.
+/// The one `answer cut` line in `stderr` that is the proxy's (not a client's leaving),
+/// which says `end`.
 fn the_one_answer_cut<'a>(stderr: &'a str, end: &str) -> &'a str {
     let cuts: Vec<&str> = stderr
         .lines()
-        .filter(|l| l.contains("answer cut"))
+        .filter(|l| l.contains("answer cut") && !l.contains(r#"end="client""#))
         .collect();
     assert_eq!(cuts.len(), 1, "{stderr}");
     assert!(cuts[0].contains(end), "{}", cuts[0]);
@@ -4424,8 +4430,9 @@ async fn a_stalled_http2_answer_is_cut_while_other_streams_are_busy() {
 /// drain's grace ran out, is said in an `answer cut` line with its path and why: the
 /// access line went out with the head, and the client saw only a connection closed
 /// mid-answer (the SDKs report the sandbox gone); nothing at all said the proxy had cut
-/// it. On the fast path and hyper's alike (`TE: trailers` is hyper's). An answer the
-/// client hangs up on, or that ends, is no cut of the proxy's: no line.
+/// it. On the fast path and hyper's alike (`TE: trailers` is hyper's). An answer that
+/// ends is no cut: no line; one the client hangs up on is said at `debug`
+/// (`end="client"`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_proxy_cuts_is_said_in_the_log() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -4492,14 +4499,27 @@ async fn an_answer_the_proxy_cuts_is_said_in_the_log() {
     let cut = stderr.lines().filter(|l| l.contains("answer cut")).count();
     assert_eq!(cut, 2, "{stderr}");
 
-    // Hung up on: no line. Here, where only the hang-up can end it (with the 1 s idle
-    // timeout, a hang-up a second late on a loaded machine was cut first, and said).
+    // Hung up on: said at debug, on either path. Here, where only the hang-up can end it
+    // (with the 1 s idle timeout, a hang-up a second late on a loaded machine was cut
+    // first, and said so).
     let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
         .args(&["--idle-timeout", "120s"])
         .shutdown_grace("1s")
         .spawn()
         .await;
-    drop(stalled(proxy.addr(), "/stall-gone", "", false).await);
+    for (path, extra) in [
+        ("/stall-gone", ""),
+        ("/stall-gone-hyper", "TE: trailers\r\n"),
+    ] {
+        drop(stalled(proxy.addr(), path, extra, false).await);
+        let line = proxy.wait_for_line("answer cut").await;
+        assert!(
+            line.contains("DEBUG")
+                && line.contains(&format!("path={path} "))
+                && line.contains("end=\"client\""),
+            "{line}"
+        );
+    }
     let open = "abx_proxy_open_connections";
     wait_metric(proxy.admin_addr(), open, "0", |v| v == Some(0.0)).await;
     // Cut by the drain's end, long before the idle timeout.
@@ -4518,8 +4538,72 @@ async fn an_answer_the_proxy_cuts_is_said_in_the_log() {
     );
     let stderr = proxy.finish().await;
     let cut = stderr.lines().filter(|l| l.contains("answer cut")).count();
-    assert_eq!(cut, 1, "{stderr}");
+    assert_eq!(cut, 3, "{stderr}");
     drop(senders);
+}
+
+/// An answer the upstream breaks after its head (closed short of its length, or within a
+/// chunked body) is said in a WARN `answer cut` line with `end="upstream"`, as nginx says
+/// "upstream prematurely closed connection": `upstream_errors_total` counted it, and no
+/// line said which request. Copied and spliced from a plain upstream (the proxy's own
+/// client), from a TLS one (hyper's client), and written by hyper's server (`TE:
+/// trailers`) alike. An upstream answer ended by its connection's close, whole, says
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_upstream_breaks_is_said_in_the_log() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const SHORT: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten..";
+    const LARGE: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\n\r\nonly ten..";
+    const CHUNKED: &[u8] = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n";
+    const BY_CLOSE: &[u8] = b"HTTP/1.0 200 OK\r\n\r\nall of it";
+    let pki = Pki::new();
+    let cases = [
+        (SHORT, None, "", "copied"),
+        (LARGE, None, "", "spliced"),
+        (CHUNKED, None, "", "chunked"),
+        (SHORT, Some(&pki), "", "over TLS"),
+        (SHORT, None, "TE: trailers\r\n", "by hyper"),
+        (
+            CHUNKED,
+            Some(&pki),
+            "TE: trailers\r\n",
+            "by hyper, over TLS",
+        ),
+    ];
+    for (answer, tls, extra, what) in cases {
+        let upstream = RawUpstream::start(tls, AfterHead::WriteAndClose(answer)).await;
+        let mut proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
+        let addr = proxy.addr();
+        let mut sock = connect_raw(addr).await;
+        let head = format!("GET /broken HTTP/1.1\r\nHost: {addr}\r\n{extra}\r\n");
+        sock.write_all(head.as_bytes()).await.expect("request");
+        let mut got = Vec::new();
+        within("the broken answer", sock.read_to_end(&mut got))
+            .await
+            .ok();
+        // hyper's writer may not have flushed the head when the body failed: it closes.
+        let head_or_none = got.is_empty() && !extra.is_empty();
+        assert!(
+            got.starts_with(b"HTTP/1.1 200") || head_or_none,
+            "{what}: {got:?}"
+        );
+        let line = proxy.wait_for_line("answer cut").await;
+        assert!(
+            line.contains("WARN")
+                && line.contains("path=/broken ")
+                && line.contains("end=\"upstream\""),
+            "{what}: {line}"
+        );
+        proxy.finish().await;
+    }
+    let upstream = RawUpstream::start(None, AfterHead::WriteAndClose(BY_CLOSE)).await;
+    let proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
+    let (head, body) = get_to_close(proxy.addr(), "/whole").await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    // Chunked to an HTTP/1.1 client: the chunk, and the last one.
+    assert_eq!(body, "9\r\nall of it\r\n0\r\n\r\n".len());
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("answer cut"), "{stderr}");
 }
 
 /// An HTTP/2 upload that the upstream answers 2xx at once, and then says nothing more

@@ -578,7 +578,7 @@ where
                 if e.is::<StreamIdle>() {
                     this.cut.cut_idle();
                 } else {
-                    this.cut.ended();
+                    this.cut.broke_upstream();
                 }
                 Poll::Ready(Some(Err(e)))
             }

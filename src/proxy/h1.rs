@@ -359,7 +359,11 @@ async fn cut_logged(
 ) -> bool {
     let mut cut = AnswerCut::new(activity, path.uri());
     let written = writing.await;
-    cut.ended();
+    if written {
+        cut.ended();
+    } else {
+        cut.fell_short();
+    }
     written
 }
 
@@ -964,10 +968,11 @@ fn write_response<'a>(
             // What came is sent, and the connection ends: the client must not wait for
             // the rest, nor read past a cut.
             Taken::Broken => {
+                activity.upstream_broke();
                 return Write::Later(Box::pin(async move {
                     let _ = write_all(sock, activity, &out, &[]).await;
                     false
-                }))
+                }));
             }
             Taken::Later => {}
         }
@@ -1016,6 +1021,7 @@ fn stream_body<'a>(
                 Some(Err(_)) => {
                     // The upstream broke mid-answer: what was sent stands, the client sees the
                     // connection close before the end.
+                    activity.upstream_broke();
                     let _ = write_all(sock, activity, &out, &[]).await;
                     return false;
                 }
@@ -1034,6 +1040,7 @@ fn stream_body<'a>(
                 data
             } else if (data.len() as u64) > left {
                 // More than the declared length: the rest cannot be framed.
+                activity.upstream_broke();
                 let cut = data.slice(..left as usize);
                 let _ = write_all(sock, activity, &out, &cut).await;
                 return false;
@@ -1057,6 +1064,7 @@ fn stream_body<'a>(
             out.extend_from_slice(b"0\r\n\r\n");
         } else if left != 0 {
             // Shorter than declared: the client must not wait for the rest.
+            activity.upstream_broke();
             let _ = write_all(sock, activity, &out, &[]).await;
             return false;
         }
@@ -1151,10 +1159,17 @@ async fn splice_body(
     if write_all(sock, activity, &head, &first).await.is_err() {
         return false;
     }
-    source
-        .splice_to(pipe, tcp, || activity.touch())
-        .await
-        .is_ok()
+    match source.splice_to(pipe, tcp, || activity.touch()).await {
+        Ok(()) => true,
+        Err(super::splice::Broken::Source(_)) => {
+            activity.upstream_broke();
+            false
+        }
+        Err(super::splice::Broken::Sink(_)) => {
+            activity.client_broke();
+            false
+        }
+    }
 }
 
 /// An answer whose `Content-Length` is unusable: sent without it, ended by the close.
@@ -1171,7 +1186,12 @@ async fn write_close_delimited(
     if write_all(sock, activity, &out, &[]).await.is_err() {
         return false;
     }
-    while let Some(Ok(frame)) = body.frame().await {
+    // Ended by the close, whole or not: a failed side is said (see `AnswerCut`).
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            activity.upstream_broke();
+            break;
+        };
         if let Ok(data) = frame.into_data() {
             if write_all(sock, activity, &data, &[]).await.is_err() {
                 break;
@@ -1271,17 +1291,24 @@ async fn write_all(sock: &Sock, activity: &Activity, a: &[u8], b: &[u8]) -> io::
     let (mut a, mut b) = (a, b);
     while !a.is_empty() || !b.is_empty() {
         let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
-        match sock.try_write_vectored(&slices) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+        let failed = match sock.try_write_vectored(&slices) {
+            Ok(0) => io::ErrorKind::WriteZero.into(),
             Ok(n) => {
                 activity.touch();
                 let from_a = n.min(a.len());
                 a = &a[from_a..];
                 b = &b[n - from_a..];
+                continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => sock.writable().await?,
-            Err(e) => return Err(e),
-        }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => match sock.writable().await {
+                Ok(()) => continue,
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        // For the `answer cut` line, should this end an answer (see `AnswerCut`).
+        activity.client_broke();
+        return Err(failed);
     }
     Ok(())
 }

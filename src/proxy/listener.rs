@@ -1022,6 +1022,10 @@ struct Clocks {
     flush_blocked: AtomicBool,
     /// Why the proxy is cutting the connection (see [`AnswerCut`]); 0 while it is not.
     cut: AtomicU8,
+    /// How an answer ended short on the fast path, whose writer only says whether the
+    /// connection may go on (see [`AnswerCut::fell_short`]).
+    upstream_broke: AtomicBool,
+    client_broke: AtomicBool,
     /// When the watchdog began to cut the connection, in [`Activity::now_ms`] plus one; 0
     /// while it has not. A 408's time ends there, not after the GOAWAY's wait. Here, not
     /// in [`Told`]: every connection's task holds that inline.
@@ -1039,12 +1043,15 @@ const CUT_DRAIN: u8 = 2;
 /// An HTTP/2 connection cut for a header block left open: its other streams with it.
 const CUT_HEAD: u8 = 3;
 
-/// An answer on its way to the client, from its head to its end. Dropped before its end
-/// because the proxy cut the connection under it (no byte moved for `--idle-timeout`, or
-/// the drain's grace ran out), it says so in an `answer cut` line, as a tunnel's `tunnel
-/// cut` does: the access line went out with the head, and the client only sees a
-/// connection closed mid-answer, which the SDKs report as the sandbox gone. A client that
-/// hangs up, or an upstream that breaks, is no cut of the proxy's: no line.
+/// An answer on its way to the client, from its head to its end. Ended short, it says so
+/// in an `answer cut` line, as a tunnel's `tunnel cut` does: the access line went out with
+/// the head, and said 200. Cut by the proxy (no byte moved for `--idle-timeout`, or the
+/// drain's grace ran out), at `info`: the client only sees a connection closed
+/// mid-answer, which the SDKs report as the sandbox gone. Broken by the upstream (closed
+/// or reset mid-answer, short of its length), at `warn`, as nginx's "upstream prematurely
+/// closed": `upstream_errors_total` counted it, and no line said which request. Left by
+/// the client (a cancelled stream, a watch stopped), at `debug`, as a tunnel's side that
+/// closes it is.
 pub(super) struct AnswerCut {
     clocks: Arc<Clocks>,
     uri: http::Uri,
@@ -1071,6 +1078,25 @@ impl AnswerCut {
     /// The proxy cut the answer itself (an HTTP/2 stream whose upstream went silent).
     pub(super) fn cut_idle(&mut self) {
         self.log("idle");
+        self.ended = true;
+    }
+
+    /// The upstream's body failed mid-answer.
+    pub(super) fn broke_upstream(&mut self) {
+        self.log("upstream");
+        self.ended = true;
+    }
+
+    /// The fast path's writer ended the answer before its end: which side failed, as
+    /// [`Activity::upstream_broke`] and [`Activity::client_broke`] said; neither, it
+    /// ended whole (an answer ended by the connection's close).
+    pub(super) fn fell_short(&mut self) {
+        let clocks = &self.clocks;
+        if clocks.upstream_broke.swap(false, Ordering::Relaxed) {
+            self.log("upstream");
+        } else if clocks.client_broke.swap(false, Ordering::Relaxed) {
+            self.log("client");
+        }
         self.ended = true;
     }
 
@@ -1101,7 +1127,11 @@ impl AnswerCut {
 fn log_cut(uri: &http::Uri, began: Instant, end: &str) {
     let duration_ms = began.elapsed().as_millis() as u64;
     let path = crate::logging::shown_path(uri.path());
-    tracing::info!(path = %path, end, duration_ms, "answer cut");
+    match end {
+        "upstream" => tracing::warn!(path = %path, end, duration_ms, "answer cut"),
+        "client" => tracing::debug!(path = %path, end, duration_ms, "answer cut"),
+        _ => tracing::info!(path = %path, end, duration_ms, "answer cut"),
+    }
 }
 
 impl Drop for AnswerCut {
@@ -1114,7 +1144,9 @@ impl Drop for AnswerCut {
             CUT_IDLE => self.log("idle"),
             CUT_DRAIN => self.log("drain"),
             CUT_HEAD => self.log("header-timeout"),
-            _ => {}
+            // hyper dropped it (the client reset its stream, or closed), or the fast path
+            // stopped writing when the client went.
+            _ => self.log("client"),
         }
     }
 }
@@ -1171,6 +1203,17 @@ impl Activity {
 
     pub fn touch(&self) {
         self.clocks.last.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// The fast path's writer: the upstream's body broke mid-answer (see
+    /// [`AnswerCut::fell_short`]).
+    pub(super) fn upstream_broke(&self) {
+        self.clocks.upstream_broke.store(true, Ordering::Relaxed);
+    }
+
+    /// The fast path's writer: a write to the client failed.
+    pub(super) fn client_broke(&self) {
+        self.clocks.client_broke.store(true, Ordering::Relaxed);
     }
 
     fn last_moved(&self) -> Instant {

@@ -1702,7 +1702,7 @@ impl SpliceSource {
         pipe: super::splice::Pipe,
         to: &TcpStream,
         progress: impl FnMut(),
-    ) -> io::Result<()> {
+    ) -> Result<(), super::splice::Broken> {
         let left = match self.body.state {
             Decode::Length(n) => n,
             _ => 0,
@@ -1713,11 +1713,15 @@ impl SpliceSource {
             ..
         }) = self.body.conn.as_ref()
         else {
-            return Err(io::ErrorKind::InvalidInput.into());
+            return Err(super::splice::Broken::Source(
+                io::ErrorKind::InvalidInput.into(),
+            ));
         };
         if !rbuf.is_empty() && left > 0 {
             // `buffered` first: those bytes come before the socket's.
-            return Err(io::ErrorKind::InvalidInput.into());
+            return Err(super::splice::Broken::Source(
+                io::ErrorKind::InvalidInput.into(),
+            ));
         }
         match super::splice::copy(pipe, from, to, left, progress).await {
             Ok(()) => {
@@ -1728,9 +1732,9 @@ impl SpliceSource {
                 self.body
                     .pool
                     .count_broken(self.body.plane, forward::io_kind(e.kind()));
-                Err(e)
+                Err(super::splice::Broken::Source(e))
             }
-            Err(super::splice::Broken::Sink(e)) => Err(e),
+            Err(sink) => Err(sink),
         }
     }
 }
