@@ -2804,17 +2804,22 @@ async fn broken_upstreams_get_clean_errors_and_the_proxy_stays_healthy() {
 
     // The head arrives and is passed on; the body stops short: the client sees the stream
     // end early, not a clean end, and the upstream's failure is counted as it happens, after
-    // the head was answered (`reset`). A small body is copied, a large one spliced: both.
-    for (fault, len) in [
-        (Fault::TruncatedBody, 100),
-        (Fault::TruncatedLargeBody, TRUNCATED_LARGE),
+    // the head was answered (`reset`). A small body is copied, a large one spliced: both,
+    // every byte the upstream sent (the splice lost what its pipe held at the break).
+    for (fault, len, sent) in [
+        (Fault::TruncatedBody, 100, "only twenty-one bytes".len()),
+        (
+            Fault::TruncatedLargeBody,
+            TRUNCATED_LARGE,
+            TRUNCATED_LARGE / 3,
+        ),
     ] {
         upstream.set(fault);
         let (head, body) = get_to_close(addr, "/download").await;
         sweep.text(format!("{fault:?}"), head.clone());
         assert!(head.starts_with("http/1.1 200"), "{head}");
         assert!(head.contains(&format!("content-length: {len}")), "{head}");
-        assert!(body < len, "{fault:?}: a {len}-byte body arrived whole");
+        assert_eq!(body, sent, "{fault:?}: of a {len}-byte body");
         *counted.entry("reset").or_default() += 1.0;
         let text = scrape(proxy.admin_addr()).await;
         assert_eq!(
@@ -4540,6 +4545,29 @@ async fn an_answer_the_proxy_cuts_is_said_in_the_log() {
     let cut = stderr.lines().filter(|l| l.contains("answer cut")).count();
     assert_eq!(cut, 3, "{stderr}");
     drop(senders);
+}
+
+/// A spliced download the upstream cuts short reaches the client with every byte the
+/// upstream sent, as a copied one does (nginx sends all it received): the splice stopped at
+/// the upstream's end and dropped what its pipe still held, up to a megabyte. Over a few
+/// rounds: the pipe holds bytes at the end only when the client reads slower than the
+/// upstream sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spliced_download_cut_short_delivers_every_byte_sent() {
+    const SENT: usize = 8 << 20;
+    let mut answer =
+        format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", 2 * SENT).into_bytes();
+    answer.resize(answer.len() + SENT, b'x');
+    let answer: &'static [u8] = Box::leak(answer.into_boxed_slice());
+    let pki = Pki::new();
+    let upstream = RawUpstream::start(None, AfterHead::WriteAndClose(answer)).await;
+    let proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
+    for round in 0..4 {
+        let (head, body) = get_to_close(proxy.addr(), "/download").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert_eq!(body, SENT, "round {round}");
+    }
+    proxy.finish().await;
 }
 
 /// An answer the upstream breaks after its head (closed short of its length, or within a

@@ -54,6 +54,8 @@ pub struct Pipe {
     inn: OwnedFd,
     capacity: usize,
     held: usize,
+    /// The source's early end or failure, said once the pipe has given `to` what it holds.
+    broken: Option<io::Error>,
 }
 
 impl Pipe {
@@ -68,12 +70,14 @@ impl Pipe {
             inn,
             capacity,
             held: 0,
+            broken: None,
         })
     }
 
     /// Moves bytes from `from` to `to` until `len` (what is still to take from `from`) is
     /// 0 and the pipe is empty; `progress` runs after every write to `to`. Fails on an
-    /// early end of `from` (`UnexpectedEof`) or a socket error; bytes moved stay moved.
+    /// early end of `from` (`UnexpectedEof`) or a socket error; bytes moved stay moved,
+    /// and those the pipe holds when `from` fails go to `to` first, as a copy's would.
     fn poll_copy(
         &mut self,
         cx: &mut Context<'_>,
@@ -84,10 +88,15 @@ impl Pipe {
     ) -> Poll<Result<(), Broken>> {
         let flags = SpliceFlags::NONBLOCK | SpliceFlags::MOVE;
         loop {
-            if *len == 0 && self.held == 0 {
-                return Poll::Ready(Ok(()));
+            if self.held == 0 {
+                if let Some(e) = self.broken.take() {
+                    return Poll::Ready(Err(Broken::Source(e)));
+                }
+                if *len == 0 {
+                    return Poll::Ready(Ok(()));
+                }
             }
-            let can_take = *len > 0 && self.held < self.capacity;
+            let can_take = *len > 0 && self.held < self.capacity && self.broken.is_none();
             let mut moved = false;
             // A pipe has a slot per segment spliced in, so after small segments it is full
             // with far fewer bytes than its size, and the splice fails with EAGAIN though the
@@ -108,8 +117,8 @@ impl Pipe {
                 }) {
                     Ok(None) => maybe_full = true,
                     Ok(Some(0)) => {
-                        let eof = io::ErrorKind::UnexpectedEof.into();
-                        return Poll::Ready(Err(Broken::Source(eof)));
+                        self.broken = Some(io::ErrorKind::UnexpectedEof.into());
+                        continue;
                     }
                     Ok(Some(n)) => {
                         self.held += n;
@@ -117,7 +126,10 @@ impl Pipe {
                         moved = true;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(Broken::Source(e))),
+                    Err(e) => {
+                        self.broken = Some(e);
+                        continue;
+                    }
                 }
             }
             if self.held > 0 {
