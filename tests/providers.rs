@@ -185,7 +185,7 @@ async fn each_key_reaches_only_its_own_provider() {
 /// endpoint) asks no key and hands the request to the app: the key stays out (the client's
 /// own `Authorization` passes, its dummy does not), however the path spells the route, and
 /// the app's page, served on the proxy's own origin, is sandboxed: its requests carry
-/// `Origin: null`, refused. Paths the server does not read as the route get the key.
+/// `Origin: null`, refused. Paths the server cannot route to an app get the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxed_page() {
     let pki = Pki::new();
@@ -209,18 +209,22 @@ async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxe
     };
     const SANDBOXED: &str =
         "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads";
+    // Any path that begins as the route does: the server asks the key for some (`..`, a
+    // port that is no number) but may route them to the app all the same.
     let app = [
         "/v1/sandboxes/osb-1/proxy/3000/index.html",
         "/sandboxes/osb-1/proxy/3000",
         "/v1/sandboxes/osb-1/%70roxy/3000/",
         "/v1/%73andboxes/osb-1/proxy/80?x=1",
+        "/v1/sandboxes/osb-1/proxy/3000/app..min.js",
+        "/v1/sandboxes/osb-1/proxy/3000/a%3F..",
+        "/v1/sandboxes/osb-1/proxy/web/",
     ];
     let keyed = [
         "/v1/sandboxes/osb-1",
         "/v1/sandboxes/osb-1/proxy",
-        "/v1/sandboxes/osb-1/proxy/web/",
         "/v1/sandboxes//proxy/3000/",
-        "/v1/sandboxes/a..b/proxy/3000/",
+        "/v1/sandboxes/a%2Fb/proxy/3000/",
         "/v2/sandboxes/osb-1/proxy/3000/",
     ];
     for path in app.iter().chain(keyed.iter()) {
