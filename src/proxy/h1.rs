@@ -1159,12 +1159,11 @@ async fn splice_body(
     if write_all(sock, activity, &head, &first).await.is_err() {
         return false;
     }
-    match source.splice_to(pipe, tcp, || activity.touch()).await {
+    let (moved, broke) = (|| activity.touch(), || activity.upstream_broke());
+    match source.splice_to(pipe, tcp, moved, broke).await {
         Ok(()) => true,
-        Err(super::splice::Broken::Source(_)) => {
-            activity.upstream_broke();
-            false
-        }
+        // Marked by `broke` as it happened.
+        Err(super::splice::Broken::Source(_)) => false,
         Err(super::splice::Broken::Sink(_)) => {
             activity.client_broke();
             false

@@ -1145,7 +1145,9 @@ impl Drop for AnswerCut {
             CUT_DRAIN => self.log("drain"),
             CUT_HEAD => self.log("header-timeout"),
             // hyper dropped it (the client reset its stream, or closed), or the fast path
-            // stopped writing when the client went.
+            // stopped writing when the client went: after the upstream broke, if it did (a
+            // splice gives the client what its pipe holds first).
+            _ if self.clocks.upstream_broke.swap(false, Ordering::Relaxed) => self.log("upstream"),
             _ => self.log("client"),
         }
     }

@@ -1702,6 +1702,7 @@ impl SpliceSource {
         pipe: super::splice::Pipe,
         to: &TcpStream,
         progress: impl FnMut(),
+        mut source_failed: impl FnMut(),
     ) -> Result<(), super::splice::Broken> {
         let left = match self.body.state {
             Decode::Length(n) => n,
@@ -1723,19 +1724,18 @@ impl SpliceSource {
                 io::ErrorKind::InvalidInput.into(),
             ));
         }
-        match super::splice::copy(pipe, from, to, left, progress).await {
-            Ok(()) => {
-                self.body.release();
-                Ok(())
-            }
-            Err(super::splice::Broken::Source(e)) => {
-                self.body
-                    .pool
-                    .count_broken(self.body.plane, forward::io_kind(e.kind()));
-                Err(super::splice::Broken::Source(e))
-            }
-            Err(sink) => Err(sink),
+        // Counted as it happens: what the pipe still holds goes to the client first, who may
+        // never take it.
+        let (pool, plane) = (&self.body.pool, self.body.plane);
+        let failed = |e: &io::Error| {
+            pool.count_broken(plane, forward::io_kind(e.kind()));
+            source_failed();
+        };
+        let copied = super::splice::copy(pipe, from, to, left, progress, failed).await;
+        if copied.is_ok() {
+            self.body.release();
         }
+        copied
     }
 }
 

@@ -78,6 +78,8 @@ impl Pipe {
     /// 0 and the pipe is empty; `progress` runs after every write to `to`. Fails on an
     /// early end of `from` (`UnexpectedEof`) or a socket error; bytes moved stay moved,
     /// and those the pipe holds when `from` fails go to `to` first, as a copy's would.
+    /// `source_failed` hears of that failure when it happens: the client may never take
+    /// the rest (it goes, or the idle timeout or the drain ends the copy first).
     fn poll_copy(
         &mut self,
         cx: &mut Context<'_>,
@@ -85,6 +87,7 @@ impl Pipe {
         to: &TcpStream,
         len: &mut u64,
         mut progress: impl FnMut(),
+        mut source_failed: impl FnMut(&io::Error),
     ) -> Poll<Result<(), Broken>> {
         let flags = SpliceFlags::NONBLOCK | SpliceFlags::MOVE;
         loop {
@@ -117,7 +120,9 @@ impl Pipe {
                 }) {
                     Ok(None) => maybe_full = true,
                     Ok(Some(0)) => {
-                        self.broken = Some(io::ErrorKind::UnexpectedEof.into());
+                        let eof = io::ErrorKind::UnexpectedEof.into();
+                        source_failed(&eof);
+                        self.broken = Some(eof);
                         continue;
                     }
                     Ok(Some(n)) => {
@@ -127,6 +132,7 @@ impl Pipe {
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) => {
+                        source_failed(&e);
                         self.broken = Some(e);
                         continue;
                     }
@@ -176,15 +182,20 @@ impl Pipe {
 }
 
 /// Moves exactly `len` bytes from `from` to `to` through `pipe`; `progress` runs after
-/// every write, for the idle clock.
+/// every write, for the idle clock; `source_failed` when `from` fails (see
+/// [`Pipe::poll_copy`]).
 pub async fn copy(
     mut pipe: Pipe,
     from: &TcpStream,
     to: &TcpStream,
     mut len: u64,
     mut progress: impl FnMut(),
+    mut source_failed: impl FnMut(&io::Error),
 ) -> Result<(), Broken> {
-    poll_fn(|cx| pipe.poll_copy(cx, from, to, &mut len, &mut progress)).await
+    let mut copying = |cx: &mut Context<'_>| {
+        pipe.poll_copy(cx, from, to, &mut len, &mut progress, &mut source_failed)
+    };
+    poll_fn(&mut copying).await
 }
 
 /// A body offered to whoever ends up writing it: one that writes to a plain TCP socket may
@@ -300,9 +311,16 @@ mod tests {
             got
         });
         let mut calls = 0;
-        copy(Pipe::new().unwrap(), &from, &to, len as u64, || calls += 1)
-            .await
-            .unwrap();
+        copy(
+            Pipe::new().unwrap(),
+            &from,
+            &to,
+            len as u64,
+            || calls += 1,
+            |_| {},
+        )
+        .await
+        .unwrap();
         let got = read.await.unwrap();
         assert!(got.iter().enumerate().all(|(i, b)| *b == pattern(i)));
         assert!(calls > 0);
@@ -372,8 +390,9 @@ mod tests {
                         break;
                     }
                 }
-                let step =
-                    poll_fn(|cx| Poll::Ready(pipe.poll_copy(cx, &from, &to, &mut left, || {})));
+                let step = poll_fn(|cx| {
+                    Poll::Ready(pipe.poll_copy(cx, &from, &to, &mut left, || {}, |_| {}))
+                });
                 assert!(step.await.is_pending(), "the client has not read yet");
             }
         };
@@ -388,7 +407,7 @@ mod tests {
             reader.read_exact(&mut got).await.unwrap();
             got
         };
-        let copy = poll_fn(|cx| pipe.poll_copy(cx, &from, &to, &mut left, || {}));
+        let copy = poll_fn(|cx| pipe.poll_copy(cx, &from, &to, &mut left, || {}, |_| {}));
         let Ok((copied, got)) = timeout(limit, async { tokio::join!(copy, read) }).await else {
             panic!("the copy stalled: {queued} bytes were in the source socket, {left} left");
         };
@@ -405,7 +424,7 @@ mod tests {
         std::thread::spawn(move || {
             let mut cx = Context::from_waker(std::task::Waker::noop());
             let pending = pipe
-                .poll_copy(&mut cx, &from, &to, &mut len, || {})
+                .poll_copy(&mut cx, &from, &to, &mut len, || {}, |_| {})
                 .is_pending();
             let _ = done.send((pending, len));
         });
@@ -437,23 +456,27 @@ mod tests {
         let len = 48 << 10;
         writer.write_all(&vec![7u8; len]).await.unwrap();
         // All of it in the source socket before the poll, the readiness left set.
-        let arrived = async {
-            loop {
-                from.readable().await.unwrap();
-                if ioctl_fionread(&from).unwrap() as usize >= len {
-                    break;
-                }
-                let _ = from.try_io(Interest::READABLE, || {
-                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
-                });
-            }
-        };
+        let arrived = until(&from, |_| ioctl_fionread(&from).unwrap() as usize >= len);
         timeout(Duration::from_secs(10), arrived)
             .await
             .expect("the upstream's bytes arrive");
         let (pending, left) = poll_alone(pipe, from, to, len as u64);
         assert!(pending);
         assert!(left > 0, "the client took it all: no wait to test");
+    }
+
+    /// Waits on `sock`'s readiness to read until `done` says so, clearing what was found
+    /// each time it does not.
+    async fn until(sock: &TcpStream, mut done: impl FnMut(tokio::io::Ready) -> bool) {
+        loop {
+            let ready = sock.ready(Interest::READABLE).await.unwrap();
+            if done(ready) {
+                return;
+            }
+            let _ = sock.try_io(Interest::READABLE, || {
+                Err::<(), _>(io::ErrorKind::WouldBlock.into())
+            });
+        }
     }
 
     /// The source ends before `len`: an error, not a short success.
@@ -463,11 +486,51 @@ mod tests {
         let (to, _reader) = pair().await;
         writer.write_all(b"only this").await.unwrap();
         drop(writer);
-        let Err(Broken::Source(e)) = copy(Pipe::new().unwrap(), &from, &to, 100, || {}).await
+        let Err(Broken::Source(e)) =
+            copy(Pipe::new().unwrap(), &from, &to, 100, || {}, |_| {}).await
         else {
             panic!("an early end of the source is the source's failure");
         };
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    /// The source ends early while the pipe holds bytes a client that does not read has
+    /// yet to take: the end is heard at once (counted, said), not when the pipe is empty,
+    /// which a client that goes, or the idle timeout or the drain, may never let happen.
+    /// The copy still waits to give the client what the pipe holds.
+    #[tokio::test]
+    async fn a_source_that_fails_is_heard_before_the_pipe_is_given_out() {
+        let (from, mut writer) = pair().await;
+        let (to, _reader) = narrow_pair().await;
+        // Our own registration of the source socket (see the test above).
+        let arrivals = from.as_fd().try_clone_to_owned().unwrap();
+        let arrivals = TcpStream::from_std(std::net::TcpStream::from(arrivals)).unwrap();
+        // Beyond what the narrow client holds, within what the pipe does.
+        let sent = 64 << 10;
+        writer.write_all(&vec![7u8; sent]).await.unwrap();
+        drop(writer);
+        let ended = until(&arrivals, |ready| ready.is_read_closed());
+        timeout(Duration::from_secs(10), ended)
+            .await
+            .expect("the source's bytes and its end arrive");
+        let mut pipe = Pipe::new().unwrap();
+        let mut left = 2 * sent as u64;
+        let mut heard = Vec::new();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let polled = pipe.poll_copy(
+            &mut cx,
+            &from,
+            &to,
+            &mut left,
+            || {},
+            |e| heard.push(e.kind()),
+        );
+        assert!(polled.is_pending(), "{polled:?}");
+        assert!(
+            pipe.held > 0,
+            "the client took it all: nothing held to test"
+        );
+        assert_eq!(heard, [io::ErrorKind::UnexpectedEof]);
     }
 
     /// The client goes away mid-body: the sink's failure, reported at once, not retried
@@ -483,7 +546,7 @@ mod tests {
             let part = vec![7u8; 64 * 1024];
             while writer.write_all(&part).await.is_ok() {}
         });
-        let copy = copy(Pipe::new().unwrap(), &from, &to, len, || {});
+        let copy = copy(Pipe::new().unwrap(), &from, &to, len, || {}, |_| {});
         let copied = timeout(Duration::from_secs(10), copy).await;
         let Ok(Err(Broken::Sink(_))) = copied else {
             panic!("a gone client is the sink's failure: {copied:?}");
