@@ -5,6 +5,8 @@
 //! `"timeout": 300` in a connect (`/v2` makes it optional with that default, the v1 schema
 //! requires it; SDKs 2.51+ send `{}`).
 
+use std::cell::Cell;
+
 use bytes::Bytes;
 use http::Method;
 
@@ -55,18 +57,49 @@ const CONNECT_TIMEOUT: u64 = 300;
 /// sent it: the body re-encoded from its parse had its keys sorted, `1.5e1` as `15.0`,
 /// and an integer past 64 bits cut to a float's digits.
 pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
-    let (name, field) = match rewrite {
-        Rewrite::None => return body,
+    if *rewrite == Rewrite::None {
+        return body;
+    }
+    match scan(&body, field_of(rewrite).0) {
+        Scan::Whole(keys) => add_field(rewrite, body, keys),
+        Scan::Cut(_) | Scan::NotObject => body,
+    }
+}
+
+/// The first bytes of a rewritten body too long to be read whole (past the 1 MiB bound),
+/// with the field added as [`complete_body`] adds it, when they are the start of a JSON
+/// object whose keys so far do not name it. e2b 2.63 sends a create's `envs` and
+/// `metadata` in it: past the bound, such a sandbox was created without `"secure": true`.
+/// The field may still come after these bytes: a JSON object's last value for a key is
+/// the one the upstream's decoder keeps (Go's, Python's, JavaScript's), the client's.
+pub fn complete_head(rewrite: &Rewrite, head: Bytes) -> Bytes {
+    if *rewrite == Rewrite::None {
+        return head;
+    }
+    match scan(&head, field_of(rewrite).0) {
+        // No key yet: whether the object is empty is past the head.
+        Scan::Cut(keys) if !keys.empty => add_field(rewrite, head, keys),
+        Scan::Whole(keys) => add_field(rewrite, head, keys),
+        Scan::Cut(_) | Scan::NotObject => head,
+    }
+}
+
+/// The field a rewrite adds: its name, and the name with its value as JSON.
+fn field_of(rewrite: &Rewrite) -> (&'static str, String) {
+    match rewrite {
+        Rewrite::None => ("", String::new()),
         Rewrite::Create => ("secure", "\"secure\":true".to_string()),
         Rewrite::Connect => ("timeout", format!("\"timeout\":{CONNECT_TIMEOUT}")),
-    };
-    let Some(Keys {
-        named: false,
-        empty,
-    }) = keys(&body, name)
-    else {
+    }
+}
+
+/// `body`, a JSON object (or its start) whose keys are `keys`, with the rewrite's field
+/// after its opening brace unless a key names it.
+fn add_field(rewrite: &Rewrite, body: Bytes, keys: Keys) -> Bytes {
+    let (_, field) = field_of(rewrite);
+    if keys.named {
         return body;
-    };
+    }
     // An object parsed: its first byte that is not JSON whitespace is its brace.
     let Some(open) = body.iter().position(|b| *b == b'{') else {
         return body;
@@ -74,7 +107,7 @@ pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
     let mut out = Vec::with_capacity(body.len() + field.len() + 1);
     out.extend_from_slice(&body[..=open]);
     out.extend_from_slice(field.as_bytes());
-    if !empty {
+    if !keys.empty {
         out.push(b',');
     }
     out.extend_from_slice(&body[open + 1..]);
@@ -82,42 +115,62 @@ pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
 }
 
 /// What the rewrite needs to know of a JSON object's keys.
+#[derive(Clone, Copy)]
 struct Keys {
     /// One of them is `name`.
     named: bool,
     empty: bool,
 }
 
-/// The keys of `body` when it is a JSON object, read without building it: a 1 MiB body of
-/// small values made a tree of 15 MB.
-fn keys(body: &[u8], name: &str) -> Option<Keys> {
-    struct Visit<'a>(&'a str);
+/// What a body's bytes are, read as JSON.
+enum Scan {
+    /// One JSON object, and its keys.
+    Whole(Keys),
+    /// The bytes end inside a JSON value: the top-level object's keys read before that,
+    /// if it is one.
+    Cut(Keys),
+    NotObject,
+}
+
+/// The top-level keys of `body` as a JSON object, read without building it: a 1 MiB body
+/// of small values made a tree of 15 MB. Each key is noted as it is read, so that bytes
+/// that end mid-object still tell the keys before their end.
+fn scan(body: &[u8], name: &str) -> Scan {
+    struct Visit<'a> {
+        name: &'a str,
+        seen: &'a Cell<Keys>,
+    }
 
     impl<'de> serde::de::Visitor<'de> for Visit<'_> {
-        type Value = Keys;
+        type Value = ();
 
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a JSON object")
         }
 
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
-            let mut keys = Keys {
-                named: false,
-                empty: true,
-            };
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
             while let Some(key) = map.next_key::<String>()? {
+                let mut keys = self.seen.get();
                 keys.empty = false;
-                keys.named |= key == self.0;
+                keys.named |= key == self.name;
+                self.seen.set(keys);
                 map.next_value::<serde::de::IgnoredAny>()?;
             }
-            Ok(keys)
+            Ok(())
         }
     }
 
+    let seen = Cell::new(Keys {
+        named: false,
+        empty: true,
+    });
     let mut json = serde_json::Deserializer::from_slice(body);
-    let keys = serde::Deserializer::deserialize_map(&mut json, Visit(name)).ok()?;
-    json.end().ok()?;
-    Some(keys)
+    let visit = Visit { name, seen: &seen };
+    match serde::Deserializer::deserialize_map(&mut json, visit).and_then(|()| json.end()) {
+        Ok(()) => Scan::Whole(seen.get()),
+        Err(e) if e.is_eof() => Scan::Cut(seen.get()),
+        Err(_) => Scan::NotObject,
+    }
 }
 
 #[cfg(test)]
@@ -178,6 +231,45 @@ mod tests {
         assert_eq!(&add_secure(escaped)[..], escaped);
         let nested = add_secure(br#"{"a":{"secure":false}}"#);
         assert_eq!(&nested[..], br#"{"secure":true,"a":{"secure":false}}"#);
+    }
+
+    #[test]
+    fn the_start_of_a_body_too_long_to_hold_gets_the_field_when_its_keys_lack_it() {
+        let head = |r: &Rewrite, b: &'static [u8]| complete_head(r, Bytes::from_static(b));
+        let create = |b| head(&Rewrite::Create, b);
+        // e2b's create, cut inside its `envs`.
+        let b = create(br#"{"templateID":"base","envs":{"BIG":"xxxx"#);
+        assert_eq!(
+            &b[..],
+            br#"{"secure":true,"templateID":"base","envs":{"BIG":"xxxx"#
+        );
+        // Cut inside a key: the keys before it are known.
+        let b = create(br#" {"templateID":"base","sec"#);
+        assert_eq!(&b[..], br#" {"secure":true,"templateID":"base","sec"#);
+        // A nested `secure` is not the create's.
+        let b = create(br#"{"metadata":{"secure":"no"},"envs":{"A":"x"#);
+        assert_eq!(
+            &b[..],
+            br#"{"secure":true,"metadata":{"secure":"no"},"envs":{"A":"x"#
+        );
+        let b = head(&Rewrite::Connect, br#"{"memory":tr"#);
+        assert_eq!(&b[..], br#"{"timeout":300,"memory":tr"#);
+        // As sent: the client's own field, no key yet (the object may be empty), not an
+        // object, an object and more, and no rewrite.
+        for sent in [
+            &br#"{"templateID":"base","secure":false,"envs":{"A":"x"#[..],
+            br#"{ "#,
+            br#"{"#,
+            b"",
+            br#"[{"a":1},"#,
+            br#""{\"a\":"#,
+            br#"{"a":1} {"b":"#,
+            br#"{"a":1,,"#,
+        ] {
+            assert_eq!(&create(sent)[..], sent, "{}", String::from_utf8_lossy(sent));
+        }
+        let b = head(&Rewrite::None, br#"{"a":"x"#);
+        assert_eq!(&b[..], br#"{"a":"x"#);
     }
 
     #[test]

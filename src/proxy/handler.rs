@@ -458,7 +458,11 @@ impl Proxy {
                         parts.extensions.insert(super::pool::Replay(b.clone()));
                         body::full(b)
                     }
-                    Ok(Bounded::Partial(head, rest)) => body::boxed(Prefixed::new(head, rest)),
+                    // Too long to hold: streamed, the field added to its first bytes.
+                    Ok(Bounded::Partial(head, rest)) => {
+                        let head = compat::complete_head(&rewrite, head);
+                        body::boxed(Prefixed::new(head, rest))
+                    }
                     // Passed on unread, it would go up without the field the rewrite adds
                     // (`"secure": true`: a sandbox whose envd anyone may use).
                     Ok(Bounded::NoRoom(..)) => {
