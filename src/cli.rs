@@ -255,7 +255,14 @@ pub struct ExposureArgs {
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    // A value starting with `-` is taken as the value: a key pasted in place of its path
+    // (`-----BEGIN …`) was otherwise an unknown argument, which clap quotes back whole.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_cert",
+        allow_hyphen_values = true
+    )]
     pub tls_key: Option<PathBuf>,
 }
 
@@ -484,26 +491,11 @@ fn log_filter(raw: &str) -> Result<String, String> {
 /// PowerShell 5's `Set-Content -Encoding utf8` write one, and it was sent as part of the
 /// key (401 on every request, where `check --offline` said ok).
 ///
-/// The path is named in the error only when something exists there: a value that names
-/// nothing may well be the key itself, pasted in place of its path, and errors end up in
-/// logs. Whoever typed a wrong path still has it in their command line.
+/// The path is named in the error only when something exists there (see
+/// [`crate::watched::unread`]).
 fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
-    let bytes = crate::watched::read(path).map_err(|e| {
-        let reason = crate::watched::reason(&e);
-        if std::fs::symlink_metadata(path).is_ok() {
-            Error::ReadFile {
-                path: path.display().to_string(),
-                reason,
-            }
-        } else {
-            Error::ReadFile {
-                path: format!("the file given to {flag}"),
-                reason: format!(
-                    "{reason} (the value is not repeated: it may be a secret pasted in place of a path)"
-                ),
-            }
-        }
-    })?;
+    let bytes = crate::watched::read(path)
+        .map_err(|e| crate::watched::unread(flag, path, crate::watched::reason(&e)))?;
     // Where, or that it is UTF-16 (PowerShell 5's `"key" > file`), never what.
     let text = crate::watched::utf8(bytes).map_err(|e| Error::ReadFile {
         path: path.display().to_string(),

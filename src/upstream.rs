@@ -98,8 +98,9 @@ pub fn tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, Error
         // Bounded, as every file the proxy reads: `/dev/zero` given here grew the process
         // by gigabytes. A directory is said as such; a pipe is read once, at the start (it
         // waits for its writer), as a key file's is.
-        let pem = crate::watched::read_up_to(path, crate::watched::Limit::Bundle)
-            .map_err(|e| bad(crate::watched::reason(&e)))?;
+        let pem = crate::watched::read_up_to(path, crate::watched::Limit::Bundle).map_err(|e| {
+            crate::watched::unread("--upstream-ca", path, crate::watched::reason(&e))
+        })?;
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(without_bom(&pem))
             .collect::<Result<_, _>>()
             .map_err(|e| bad(pem_reason(&e)))?;

@@ -141,6 +141,26 @@ pub fn utf8(bytes: Vec<u8>) -> io::Result<String> {
     Ok(text)
 }
 
+/// A file flag's read that failed, as errors say it: the path when something is there;
+/// else the flag, since a value that names nothing may well be a secret (a key, a PEM)
+/// pasted in place of its path, and errors end up in logs. Whoever typed a wrong path
+/// still has it in their command line.
+pub fn unread(flag: &str, path: &Path, reason: String) -> crate::error::Error {
+    if std::fs::symlink_metadata(path).is_ok() {
+        crate::error::Error::ReadFile {
+            path: path.display().to_string(),
+            reason,
+        }
+    } else {
+        crate::error::Error::ReadFile {
+            path: format!("the file given to {flag}"),
+            reason: format!(
+                "{reason} (the value is not repeated: it may be a secret pasted in place of a path)"
+            ),
+        }
+    }
+}
+
 /// An error of these reads in words: the proxy's own reasons in full, the OS's by their kind.
 pub fn reason(e: &io::Error) -> String {
     match e.get_ref() {

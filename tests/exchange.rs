@@ -955,6 +955,28 @@ async fn throttling_is_unavailable_not_a_configuration_error() {
     assert!(h.source.ready());
 }
 
+/// The endpoint's error code is said, but not a secret it repeats: a gateway answering
+/// `InvalidAccessKeySecret.<the secret>` put it in every client's 503 and the log.
+#[tokio::test]
+async fn an_error_code_that_repeats_the_secret_is_said_without_it() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    for (status, code, prefix) in [
+        (400, "E1004", "InvalidAccessKeySecret."),
+        (429, "E5001", "Throttling."),
+    ] {
+        fake.set_mode(Mode::EchoSecret(status));
+        for scheme in SCHEMES {
+            let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+            let e = ex.exchange_at(clock.now()).await.expect_err("refused");
+            assert_eq!(e.code(), code, "{scheme:?}: {}", e.line());
+            let line = e.line();
+            assert!(line.contains(&format!("{prefix}****")), "{line}");
+            assert!(!line.contains(&ACCESS_KEY_SECRET[5..]), "{line}");
+        }
+    }
+}
+
 /// An exchanger with a bug: the first call panics before its future exists, the second
 /// inside it; later calls go to the real exchange.
 struct PanicsTwice {

@@ -2822,7 +2822,11 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
         missing.to_str().unwrap(),
     ]);
     assert_eq!(out.code, 78, "{}", out.stderr);
-    assert!(out.stderr.contains("ca.pem"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("the file given to --upstream-ca"),
+        "{}",
+        out.stderr
+    );
     // Read as every other file is: bounded (`/dev/zero` grew the process by gigabytes),
     // and what is no file said as such.
     let dir = c.cwd.to_str().unwrap().to_string();
@@ -2982,12 +2986,69 @@ fn check_refuses_what_serve_refuses() {
         let out = c.run(&args);
         assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
         assert!(
-            out.stderr.lines().any(|l| l.starts_with("[E1006]"))
-                && out.stderr.contains("no-such-cert.pem"),
+            out.stderr
+                .lines()
+                .any(|l| l.starts_with("[E1006] cannot read the file given to --tls-cert: ")),
             "{args:?}: {}",
             out.stderr
         );
     }
+}
+
+/// A file flag's value that names nothing is not repeated in its error: it may be the
+/// secret pasted in place of its path, a listener's key (which starts with `-`: clap,
+/// taking it for an argument, quoted it back whole) or the API key given as a CA file.
+/// Something there is a path, and is named.
+#[test]
+fn a_secret_pasted_in_place_of_a_file_flags_path_is_not_repeated() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let cert = c.file("cert.pem", "not read");
+    let cert = cert.to_str().expect("utf-8").to_string();
+    let pem = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7VJTUt9Us8cKj\n-----END PRIVATE KEY-----\n";
+    let cases: [(&[&str], &str, &str); 3] = [
+        (
+            &["--tls-cert", &cert, "--tls-key", pem],
+            "--tls-key",
+            "MIIEvQIBADAN",
+        ),
+        (
+            &["--tls-cert", KEY_FLAG, "--tls-key", &cert],
+            "--tls-cert",
+            &KEY_FLAG[5..],
+        ),
+        (
+            &["--upstream-ca", KEY_FLAG],
+            "--upstream-ca",
+            &KEY_FLAG[5..],
+        ),
+    ];
+    for (flags, flag, secret) in cases {
+        for command in ["check", "serve"] {
+            let args: Vec<&str> = [command, "--offline"][..if command == "check" { 2 } else { 1 }]
+                .iter()
+                .copied()
+                .chain(flags.iter().copied())
+                .collect();
+            let out = c.run(&args);
+            assert_eq!(out.code, 78, "{args:?}: {}", out.stderr);
+            let said = format!("[E1006] cannot read the file given to {flag}: ");
+            assert!(
+                out.stderr.lines().any(|l| l.starts_with(&said)),
+                "{args:?}: {}",
+                out.stderr
+            );
+            assert!(!out.stderr.contains(secret), "{args:?}: {}", out.stderr);
+        }
+    }
+    let dir = c.cwd.to_str().expect("utf-8").to_string();
+    let out = c.run(&["check", "--offline", "--upstream-ca", &dir]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(&format!("[E1006] cannot read {dir}: ")),
+        "{}",
+        out.stderr
+    );
 }
 
 /// An empty key file is a blank value, skipped like any (SPEC §2), but not silently: the

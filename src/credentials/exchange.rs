@@ -387,6 +387,14 @@ fn is_temporary(status: u16, body: &[u8]) -> bool {
             .is_some_and(|c| c.starts_with("Throttling"))
 }
 
+/// `reason` with the pair's secret as `****`: the endpoint's error code is its own text,
+/// kept to a code's characters (see [`sanitize_code`]), which a secret is made of too; a
+/// gateway that repeats what it checked (`InvalidAccessKeySecret.<the secret>`) would put
+/// it in every client's 503 and the log.
+fn without(secret: &Secret, reason: String) -> String {
+    crate::settings::shown::secrets_masked(&reason, std::slice::from_ref(secret))
+}
+
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
     let code = code.map(sanitize_code).filter(|c| !c.is_empty());
     match code {
@@ -467,14 +475,21 @@ impl HttpExchanger {
                     Err(e) => broke_off(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
+            let secret = &self.config.access_key_secret;
             let issued =
                 parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
                     Error::TokenExchange { reason } if is_temporary(status, &body) => {
                         Error::UpstreamUnavailable {
-                            reason,
+                            reason: without(secret, reason),
                             host: host.clone(),
                         }
                     }
+                    Error::TokenExchange { reason } => Error::TokenExchange {
+                        reason: without(secret, reason),
+                    },
+                    Error::ClockSkew { reason } => Error::ClockSkew {
+                        reason: without(secret, reason),
+                    },
                     e => e,
                 })?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,

@@ -185,6 +185,9 @@ pub enum Mode {
     BadKey,
     /// 429 `Throttling.User`.
     Throttle,
+    /// The given status with a code that repeats the AccessKey secret, as a gateway might
+    /// repeat what it checked.
+    EchoSecret(u16),
 }
 
 struct State {
@@ -443,6 +446,13 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
                 "InvalidTimeStamp.Expired",
                 "Specified time stamp or date value is expired.",
             )
+        }
+        Mode::EchoSecret(status) => {
+            let code = match status {
+                429 => format!("Throttling.{ACCESS_KEY_SECRET}"),
+                _ => format!("InvalidAccessKeySecret.{ACCESS_KEY_SECRET}"),
+            };
+            return alibaba_error(status, &code, "echoed");
         }
         Mode::Throttle => {
             return alibaba_error(
