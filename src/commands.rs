@@ -40,6 +40,7 @@ pub fn resolve_unsaid(args: &SettingsArgs) -> Result<(Resolved, Vec<String>), Er
         _ => {}
     }
     crate::log_writer::mask(resolved.embedded_secrets());
+    crate::log_writer::mask_when_verbose(resolved.secrets());
     let mut warnings = resolved.all_warnings();
     warnings.extend(empty_secret_files(args, &inputs, &resolved));
     Ok((resolved, warnings))

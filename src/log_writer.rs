@@ -14,15 +14,22 @@
 //! made, as before.
 //!
 //! Every event's line is written with the secrets given to [`mask`] as `****`: those a
-//! setting's plain value carries, which other crates' debug lines print as resolved.
+//! setting's plain value carries, which other crates' debug lines print as resolved; and
+//! at debug and trace, where other crates print what an upstream sent (h2 an HTTP/2
+//! GOAWAY's debug data, which a server may fill with the header it refused), every
+//! resolved secret and the last temporary keys issued ([`mask_when_verbose`],
+//! [`mask_issued`]). At info and above no line carries those, and lines are not scanned.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, SyncSender, TryRecvError, TrySendError};
-use std::sync::{OnceLock, PoisonError, RwLock};
+use std::sync::{Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
+
+use tracing::level_filters::LevelFilter;
 
 use crate::secret::Secret;
 use crate::settings::shown::secrets_masked;
@@ -67,6 +74,11 @@ static DROPPED: AtomicU64 = AtomicU64::new(0);
 /// usual case of none.
 static MASKED: RwLock<Vec<Secret>> = RwLock::new(Vec::new());
 static MASKING: AtomicBool = AtomicBool::new(false);
+/// The temporary keys among [`MASKED`], oldest first (see [`mask_issued`]).
+static ISSUED: Mutex<VecDeque<Secret>> = Mutex::new(VecDeque::new());
+/// Temporary keys masked at once: a key is replaced minutes before it expires, and one
+/// older than its successor's successor has expired.
+const ISSUED_KEPT: usize = 4;
 
 thread_local! {
     /// This is the writer thread: what it logs itself is written at once, not queued
@@ -304,6 +316,47 @@ pub fn mask(secrets: Vec<Secret>) {
     MASKING.store(true, Ordering::Release);
 }
 
+/// Whether the logs let through other crates' debug lines, which print what an upstream
+/// sent. Set by `logging::init` before any setting is read.
+fn verbose() -> bool {
+    LevelFilter::current() >= LevelFilter::DEBUG
+}
+
+/// [`mask`], at debug and trace only: the resolved secrets themselves, which no line of
+/// the proxy's own carries.
+pub fn mask_when_verbose(secrets: Vec<Secret>) {
+    if verbose() {
+        mask(secrets);
+    }
+}
+
+/// A temporary key the exchange issued, masked as [`mask_when_verbose`] masks the
+/// settings' secrets: the last [`ISSUED_KEPT`] of them, so that months of hourly keys do
+/// not grow the list every line is scanned against.
+pub fn mask_issued(key: &Secret) {
+    if verbose() {
+        remember_issued(key.clone());
+    }
+}
+
+fn remember_issued(key: Secret) {
+    let mut issued = ISSUED.lock().unwrap_or_else(PoisonError::into_inner);
+    if issued.iter().any(|k| k.expose() == key.expose()) {
+        return;
+    }
+    let mut masked = MASKED.write().unwrap_or_else(PoisonError::into_inner);
+    if issued.len() == ISSUED_KEPT {
+        if let Some(old) = issued.pop_front() {
+            masked.retain(|m| m.expose() != old.expose());
+        }
+    }
+    if !masked.iter().any(|m| m.expose() == key.expose()) {
+        masked.push(key.clone());
+    }
+    issued.push_back(key);
+    MASKING.store(true, Ordering::Release);
+}
+
 /// [`write()`], with the secrets given to [`mask`] starred, as in every event's line. For
 /// the panic hook: a thread that panicked while holding the secrets' lock (or with a
 /// writer waiting for it) must not wait on it; the line is dropped (and counted) then,
@@ -394,5 +447,24 @@ mod tests {
             "DnsName(\"****.example\") **** ****\n"
         );
         assert_eq!(masked(b"nothing here\n".to_vec()), b"nothing here\n");
+    }
+
+    /// The last few temporary keys are masked, the older ones let go.
+    #[test]
+    fn the_last_issued_keys_are_starred() {
+        let key = |n: usize| Secret::new(format!("tmp-issued-key-{n}"));
+        for n in 0..ISSUED_KEPT + 2 {
+            remember_issued(key(n));
+            remember_issued(key(n));
+        }
+        let line = |n: usize| format!("k={}\n", key(n).expose());
+        let starred = |n: usize| String::from_utf8(masked(line(n).into_bytes())).unwrap();
+        for n in 0..2 {
+            assert_eq!(starred(n), line(n), "key {n} let go");
+        }
+        for n in 2..ISSUED_KEPT + 2 {
+            assert_eq!(starred(n), "k=****\n", "key {n}");
+        }
+        assert_eq!(ISSUED.lock().unwrap().len(), ISSUED_KEPT);
     }
 }

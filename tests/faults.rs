@@ -2038,6 +2038,28 @@ async fn an_http2_upstream_reset_with_no_error_mid_body_reaches_the_client_as_an
     proxy.finish().await;
 }
 
+/// At debug and trace other crates print what an upstream sent: h2 an HTTP/2 GOAWAY's
+/// debug data, which a server may fill with the header it refused, the key. Every
+/// resolved secret is masked at those levels, not only those inside other values (the
+/// secret-hygiene audit found the key in h2's line).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_an_http2_upstream_echoes_in_its_goaway_is_masked_in_debug_lines() {
+    let pki = Pki::new();
+    let echoing = RawH2Upstream::start(&pki, |_| {
+        // Last stream 0, PROTOCOL_ERROR, and the debug data.
+        let mut payload = [0, 0, 0, 0, 0, 0, 0, 1].to_vec();
+        payload.extend_from_slice(format!("bad header: Bearer {API_KEY}").as_bytes());
+        h2_frame(GOAWAY, 0, 0, &payload)
+    })
+    .await;
+    let proxy = traced(ProxyCmd::new(&echoing.url, &pki)).spawn().await;
+    let resp = get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 502, "E5001");
+    let stderr = proxy.finish().await;
+    assert!(stderr.contains("bad header: Bearer ****"), "{stderr}");
+    assert!(!stderr.contains(&API_KEY[8..]), "{stderr}");
+}
+
 /// An `https` control plane (hyper's client) held to the framing rules of the proxy's own
 /// client: an answer framed both ways, or in a coding other than chunked, is 502 E5001
 /// (it reached the client cut at its length yet looking complete, or still compressed

@@ -495,6 +495,7 @@ impl HttpExchanger {
             // Stored, such a key would make /readyz say 200 while every request got a 503,
             // until the next refresh an hour later; as a failure it is retried with backoff.
             // The reason never quotes the value: it is the key.
+            crate::log_writer::mask_issued(&issued.key);
             if self.config.auth.value(&issued.key).is_none() {
                 return Err(Error::TokenExchange {
                     reason: format!(
