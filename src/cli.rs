@@ -37,7 +37,8 @@ impl Cli {
         T: Into<OsString> + Clone,
     {
         use clap::error::{ContextKind, ContextValue};
-        Cli::try_parse_from(args).map_err(|mut e| {
+        Cli::try_parse_from(args).map_err(|e| {
+            let mut e = without_pasted_text(e);
             let refused = match e.get(ContextKind::SuggestedArg) {
                 Some(ContextValue::String(s)) => refused_flag_tip(s),
                 _ => None,
@@ -49,19 +50,48 @@ impl Cli {
                     e
                 }
                 // clap renders any suggestion it holds: the same error without one.
-                Some(None) => {
-                    let cmd = <Cli as clap::CommandFactory>::command();
-                    let mut plain = clap::Error::new(e.kind()).with_cmd(&cmd);
-                    for (kind, value) in e.context() {
-                        if kind != ContextKind::SuggestedArg {
-                            plain.insert(kind, value.clone());
-                        }
-                    }
-                    plain
-                }
+                Some(None) => rebuilt(&e, ContextKind::SuggestedArg, None),
             }
         })
     }
+}
+
+/// `e` with `kind`'s context replaced by `value`, or left out.
+fn rebuilt(
+    e: &clap::Error,
+    kind: clap::error::ContextKind,
+    value: Option<clap::error::ContextValue>,
+) -> clap::Error {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let mut plain = clap::Error::new(e.kind()).with_cmd(&cmd);
+    for (k, v) in e.context() {
+        if k != kind {
+            plain.insert(k, v.clone());
+        }
+    }
+    if let Some(value) = value {
+        plain.insert(kind, value);
+    }
+    plain
+}
+
+/// clap quotes an argument it did not expect whole: a key's PEM pasted in place of a
+/// file flag's path starts with `-`, and was taken for an argument and printed. An
+/// argument of several lines is quoted by its first (a PEM's is its `-----BEGIN …`).
+fn without_pasted_text(e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue};
+    let first = match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => match arg.split_once('\n') {
+            Some((first, _)) => format!("{} … (the rest is not repeated)", first.trim_end()),
+            None => return e,
+        },
+        _ => return e,
+    };
+    rebuilt(
+        &e,
+        ContextKind::InvalidArg,
+        Some(ContextValue::String(first)),
+    )
 }
 
 /// For a suggested flag that only refuses a secret: the flag to suggest instead (`None`:
@@ -255,14 +285,7 @@ pub struct ExposureArgs {
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.
-    // A value starting with `-` is taken as the value: a key pasted in place of its path
-    // (`-----BEGIN …`) was otherwise an unknown argument, which clap quotes back whole.
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "tls_cert",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 }
 

@@ -971,8 +971,11 @@ async fn an_error_code_that_repeats_the_secret_is_said_without_it() {
             let e = ex.exchange_at(clock.now()).await.expect_err("refused");
             assert_eq!(e.code(), code, "{scheme:?}: {}", e.line());
             let line = e.line();
-            assert!(line.contains(&format!("{prefix}****")), "{line}");
-            assert!(!line.contains(&ACCESS_KEY_SECRET[5..]), "{line}");
+            assert!(line.contains(prefix), "{line}");
+            for part in ACCESS_KEY_SECRET.as_bytes().chunks(8) {
+                let part = std::str::from_utf8(part).expect("ascii");
+                assert!(part.len() < 8 || !line.contains(part), "{line}");
+            }
         }
     }
 }

@@ -387,12 +387,26 @@ fn is_temporary(status: u16, body: &[u8]) -> bool {
             .is_some_and(|c| c.starts_with("Throttling"))
 }
 
-/// `reason` with the pair's secret as `****`: the endpoint's error code is its own text,
-/// kept to a code's characters (see [`sanitize_code`]), which a secret is made of too; a
-/// gateway that repeats what it checked (`InvalidAccessKeySecret.<the secret>`) would put
-/// it in every client's 503 and the log.
-fn without(secret: &Secret, reason: String) -> String {
-    crate::settings::shown::secrets_masked(&reason, std::slice::from_ref(secret))
+/// The endpoint's answer with the pair's secret taken out, before anything reads it. Its
+/// error code is said, kept to a code's characters (see [`sanitize_code`]), which a secret
+/// is made of too: a gateway that repeats what it checked (`InvalidAccessKeySecret.<the
+/// secret>`) put it in every client's 503 and the log. Out of the answer, not the message:
+/// a code cut to its 80 characters kept part of a secret that no longer matched whole.
+fn without(secret: &Secret, body: Bytes) -> Bytes {
+    let secret = secret.expose().as_bytes();
+    let found = |b: &[u8]| !secret.is_empty() && b.windows(secret.len()).any(|w| w == secret);
+    if !found(&body) {
+        return body;
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let mut rest = &body[..];
+    while let Some(at) = rest.windows(secret.len()).position(|w| w == secret) {
+        out.extend_from_slice(&rest[..at]);
+        out.extend_from_slice(b"****");
+        rest = &rest[at + secret.len()..];
+    }
+    out.extend_from_slice(rest);
+    Bytes::from(out)
 }
 
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
@@ -475,21 +489,15 @@ impl HttpExchanger {
                     Err(e) => broke_off(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
-            let secret = &self.config.access_key_secret;
+            let body = without(&self.config.access_key_secret, body);
             let issued =
                 parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
                     Error::TokenExchange { reason } if is_temporary(status, &body) => {
                         Error::UpstreamUnavailable {
-                            reason: without(secret, reason),
+                            reason,
                             host: host.clone(),
                         }
                     }
-                    Error::TokenExchange { reason } => Error::TokenExchange {
-                        reason: without(secret, reason),
-                    },
-                    Error::ClockSkew { reason } => Error::ClockSkew {
-                        reason: without(secret, reason),
-                    },
                     e => e,
                 })?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,

@@ -57,61 +57,64 @@ const CONNECT_TIMEOUT: u64 = 300;
 /// sent it: the body re-encoded from its parse had its keys sorted, `1.5e1` as `15.0`,
 /// and an integer past 64 bits cut to a float's digits.
 pub fn complete_body(rewrite: &Rewrite, body: Bytes) -> Bytes {
-    if *rewrite == Rewrite::None {
+    let Some((open, field)) = (match scan(&body, rewrite) {
+        Scan::Whole(keys) => insertion(rewrite, &body, keys),
+        Scan::Cut(_) | Scan::NotObject => None,
+    }) else {
         return body;
-    }
-    match scan(&body, field_of(rewrite).0) {
-        Scan::Whole(keys) => add_field(rewrite, body, keys),
-        Scan::Cut(_) | Scan::NotObject => body,
-    }
+    };
+    let mut out = Vec::with_capacity(body.len() + field.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(&field);
+    out.extend_from_slice(&body[open + 1..]);
+    Bytes::from(out)
 }
 
 /// The first bytes of a rewritten body too long to be read whole (past the 1 MiB bound),
-/// with the field added as [`complete_body`] adds it, when they are the start of a JSON
-/// object whose keys so far do not name it. e2b 2.63 sends a create's `envs` and
-/// `metadata` in it: past the bound, such a sandbox was created without `"secure": true`.
-/// The field may still come after these bytes: a JSON object's last value for a key is
-/// the one the upstream's decoder keeps (Go's, Python's, JavaScript's), the client's.
-pub fn complete_head(rewrite: &Rewrite, head: Bytes) -> Bytes {
-    if *rewrite == Rewrite::None {
-        return head;
-    }
-    match scan(&head, field_of(rewrite).0) {
+/// in pieces to send in order: with the field added as [`complete_body`] adds it, when
+/// they are the start of a JSON object whose keys so far do not name it. e2b 2.63 sends a
+/// create's `envs` and `metadata` in it: past the bound, such a sandbox was created
+/// without `"secure": true`. The field may still come after these bytes: a JSON object's
+/// last value for a key is the one the upstream's decoder keeps (Go's, Python's,
+/// JavaScript's), the client's. The pieces around the field are slices of `head`, not a
+/// copy: they keep its room in the bound on bodies read whole (see `body::Held`).
+pub fn complete_head(rewrite: &Rewrite, head: Bytes) -> Vec<Bytes> {
+    let found = match scan(&head, rewrite) {
         // No key yet: whether the object is empty is past the head.
-        Scan::Cut(keys) if !keys.empty => add_field(rewrite, head, keys),
-        Scan::Whole(keys) => add_field(rewrite, head, keys),
-        Scan::Cut(_) | Scan::NotObject => head,
-    }
-}
-
-/// The field a rewrite adds: its name, and the name with its value as JSON.
-fn field_of(rewrite: &Rewrite) -> (&'static str, String) {
-    match rewrite {
-        Rewrite::None => ("", String::new()),
-        Rewrite::Create => ("secure", "\"secure\":true".to_string()),
-        Rewrite::Connect => ("timeout", format!("\"timeout\":{CONNECT_TIMEOUT}")),
-    }
-}
-
-/// `body`, a JSON object (or its start) whose keys are `keys`, with the rewrite's field
-/// after its opening brace unless a key names it.
-fn add_field(rewrite: &Rewrite, body: Bytes, keys: Keys) -> Bytes {
-    let (_, field) = field_of(rewrite);
-    if keys.named {
-        return body;
-    }
-    // An object parsed: its first byte that is not JSON whitespace is its brace.
-    let Some(open) = body.iter().position(|b| *b == b'{') else {
-        return body;
+        Scan::Cut(keys) if !keys.empty => insertion(rewrite, &head, keys),
+        Scan::Whole(keys) => insertion(rewrite, &head, keys),
+        Scan::Cut(_) | Scan::NotObject => None,
     };
-    let mut out = Vec::with_capacity(body.len() + field.len() + 1);
-    out.extend_from_slice(&body[..=open]);
-    out.extend_from_slice(field.as_bytes());
-    if !keys.empty {
-        out.push(b',');
+    match found {
+        Some((open, field)) => vec![head.slice(..=open), field, head.slice(open + 1..)],
+        None => vec![head],
     }
-    out.extend_from_slice(&body[open + 1..]);
-    Bytes::from(out)
+}
+
+/// The key a rewrite adds.
+fn name_of(rewrite: &Rewrite) -> Option<&'static str> {
+    match rewrite {
+        Rewrite::None => None,
+        Rewrite::Create => Some("secure"),
+        Rewrite::Connect => Some("timeout"),
+    }
+}
+
+/// Where the rewrite's field goes in `body`, a JSON object (or its start) whose keys are
+/// `keys`: after the object's opening brace (its first byte that is not JSON whitespace),
+/// with a comma when keys follow; none when a key names it.
+fn insertion(rewrite: &Rewrite, body: &[u8], keys: Keys) -> Option<(usize, Bytes)> {
+    let field = match rewrite {
+        Rewrite::None => return None,
+        Rewrite::Create => "\"secure\":true".to_string(),
+        Rewrite::Connect => format!("\"timeout\":{CONNECT_TIMEOUT}"),
+    };
+    if keys.named {
+        return None;
+    }
+    let open = body.iter().position(|b| *b == b'{')?;
+    let comma = if keys.empty { "" } else { "," };
+    Some((open, Bytes::from(format!("{field}{comma}"))))
 }
 
 /// What the rewrite needs to know of a JSON object's keys.
@@ -135,7 +138,31 @@ enum Scan {
 /// The top-level keys of `body` as a JSON object, read without building it: a 1 MiB body
 /// of small values made a tree of 15 MB. Each key is noted as it is read, so that bytes
 /// that end mid-object still tell the keys before their end.
-fn scan(body: &[u8], name: &str) -> Scan {
+fn scan(body: &[u8], rewrite: &Rewrite) -> Scan {
+    let Some(name) = name_of(rewrite) else {
+        return Scan::NotObject;
+    };
+    match scan_keys(body, name) {
+        // serde_json says a number cut at the end (`-`, `1.`, `1e`, `1e+`) is an invalid
+        // number, not a cut: without its last characters the bytes say what they are.
+        Scan::NotObject => {
+            let number =
+                |b: &u8| b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.' | b'e' | b'E');
+            let kept = body.len() - body.iter().rev().take_while(|b| number(b)).count();
+            match kept < body.len() {
+                true => match scan_keys(&body[..kept], name) {
+                    cut @ Scan::Cut(_) => cut,
+                    _ => Scan::NotObject,
+                },
+                false => Scan::NotObject,
+            }
+        }
+        scanned => scanned,
+    }
+}
+
+/// See [`scan`].
+fn scan_keys(body: &[u8], name: &str) -> Scan {
     struct Visit<'a> {
         name: &'a str,
         seen: &'a Cell<Keys>,
@@ -235,7 +262,17 @@ mod tests {
 
     #[test]
     fn the_start_of_a_body_too_long_to_hold_gets_the_field_when_its_keys_lack_it() {
-        let head = |r: &Rewrite, b: &'static [u8]| complete_head(r, Bytes::from_static(b));
+        let head = |r: &Rewrite, b: &'static [u8]| {
+            let pieces = complete_head(r, Bytes::from_static(b));
+            // Around the field, slices of what was read: its room stays held.
+            if pieces.len() == 3 {
+                let around = [&pieces[0], &pieces[2]];
+                assert!(around
+                    .iter()
+                    .all(|p| b.as_ptr_range().contains(&p.as_ptr()) || p.is_empty()));
+            }
+            Bytes::from(pieces.concat())
+        };
         let create = |b| head(&Rewrite::Create, b);
         // e2b's create, cut inside its `envs`.
         let b = create(br#"{"templateID":"base","envs":{"BIG":"xxxx"#);
@@ -254,6 +291,23 @@ mod tests {
         );
         let b = head(&Rewrite::Connect, br#"{"memory":tr"#);
         assert_eq!(&b[..], br#"{"timeout":300,"memory":tr"#);
+        // Cut inside a number, which serde_json calls invalid rather than cut.
+        for cut in [
+            &br#"{"n":-"#[..],
+            br#"{"n":1."#,
+            br#"{"n":1e"#,
+            br#"{"n":1e+"#,
+            br#"{"n":12"#,
+        ] {
+            let b = create(cut);
+            assert_eq!(
+                &b[..15],
+                br#"{"secure":true,"#,
+                "{}",
+                String::from_utf8_lossy(cut)
+            );
+            assert_eq!(&b[15..], &cut[1..]);
+        }
         // As sent: the client's own field, no key yet (the object may be empty), not an
         // object, an object and more, and no rewrite.
         for sent in [
@@ -265,6 +319,8 @@ mod tests {
             br#""{\"a\":"#,
             br#"{"a":1} {"b":"#,
             br#"{"a":1,,"#,
+            br#"{"a":1}5"#,
+            br#"{"a":1,,"b":1."#,
         ] {
             assert_eq!(&create(sent)[..], sent, "{}", String::from_utf8_lossy(sent));
         }

@@ -459,10 +459,12 @@ impl Proxy {
                         body::full(b)
                     }
                     // Too long to hold: streamed, the field added to its first bytes.
-                    Ok(Bounded::Partial(head, rest)) => {
-                        let head = compat::complete_head(&rewrite, head);
-                        body::boxed(Prefixed::new(head, rest))
-                    }
+                    Ok(Bounded::Partial(head, rest)) => compat::complete_head(&rewrite, head)
+                        .into_iter()
+                        .rev()
+                        .fold(body::boxed(rest), |b, piece| {
+                            body::boxed(Prefixed::new(piece, b))
+                        }),
                     // Passed on unread, it would go up without the field the rewrite adds
                     // (`"secure": true`: a sandbox whose envd anyone may use).
                     Ok(Bounded::NoRoom(..)) => {
