@@ -899,23 +899,8 @@ async fn an_http2_client_that_stopped_reading_is_cut_at_the_idle_timeout() {
         .spawn()
         .await;
     let addr = proxy.addr();
-    let (mut wr, mut frames) = raw_h2(addr).await;
-    let block = h2_get_block("/big", &addr.to_string());
-    wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block))
-        .await
-        .expect("HEADERS");
     // HTTP/2's initial window, 65 535 bytes, then nothing: no WINDOW_UPDATE is sent.
-    let mut data = 0;
-    while data < 65_535 {
-        match within("the first window's DATA", frames.recv())
-            .await
-            .flatten()
-        {
-            Some((DATA, _, 1, payload)) => data += payload.len(),
-            Some(_) => {}
-            None => panic!("the connection ended before the window filled"),
-        }
-    }
+    let (_wr, mut frames) = h2_get_big_first_window(addr).await;
     let stalled = Instant::now();
     let mut goaway = None;
     let closed = tokio::time::timeout(BOUND, async {
@@ -942,6 +927,60 @@ async fn an_http2_client_that_stopped_reading_is_cut_at_the_idle_timeout() {
     );
     let stderr = proxy.finish().await;
     the_one_answer_cut(&stderr, r#"end="idle""#);
+}
+
+/// An HTTP/2 client that opens no window for an answer, but keeps its connection alive
+/// (PINGs, as a client with other streams does), stops hyper polling the answer's body:
+/// the stream held its upstream connection for as long as the connection lasted (the TLS
+/// audit: a hundred such streams on one connection). The answer is given up after
+/// `--idle-timeout` without a byte taken, as nginx's `send_timeout` ends one: the upstream
+/// connection closes, and once the window opens the stream is reset and said cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_answer_its_client_takes_nothing_of_is_given_up_at_the_idle_timeout() {
+    const PING: u8 = 0x6;
+    const WINDOW_UPDATE: u8 = 0x8;
+    let pki = Pki::new();
+    let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\n\r\n".to_vec();
+    answer.extend(vec![b'x'; 256 * 1024]);
+    let mut upstream = RawUpstream::start(None, AfterHead::WriteAndRead(answer.leak())).await;
+    let mut proxy = traced(ProxyCmd::new(&upstream.url, &pki))
+        .args(&["--idle-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut wr, mut frames) = h2_get_big_first_window(addr).await;
+    // No WINDOW_UPDATE; a PING every 200 ms keeps the connection from its idle timeout.
+    let given_up = within("the upstream connection's close", async {
+        loop {
+            tokio::select! {
+                closed = upstream.closed.recv() => break closed,
+                () = tokio::time::sleep(Duration::from_millis(200)) => {
+                    wr.write_all(&h2_frame(PING, 0, 0, &[0; 8])).await.expect("PING");
+                }
+            }
+        }
+    })
+    .await;
+    assert!(given_up.is_some());
+    // The windows open (the connection's and the stream's): the stream is reset, the
+    // connection stays.
+    for stream in [0, 1] {
+        let more = h2_frame(WINDOW_UPDATE, 0, stream, &1_000_000u32.to_be_bytes());
+        wr.write_all(&more).await.expect("WINDOW_UPDATE");
+    }
+    loop {
+        match within("the stream's reset", frames.recv()).await.flatten() {
+            Some((RST_STREAM, _, 1, _)) => break,
+            Some((GOAWAY, ..)) | None => panic!("the connection ended"),
+            Some(_) => {}
+        }
+    }
+    let line = proxy.wait_for_line("answer cut").await;
+    assert!(
+        line.contains("path=/big ") && line.contains("end=\"idle\""),
+        "{line}"
+    );
+    proxy.finish().await;
 }
 
 /// An HTTP/2 header block left open is cut at `--header-timeout` while another stream
@@ -1275,6 +1314,33 @@ async fn raw_h2(addr: SocketAddr) -> (tokio::net::tcp::OwnedWriteHalf, H2Frames)
         .await
         .expect("SETTINGS ack");
     (wr, rx)
+}
+
+/// `GET /big` on a new prior-knowledge HTTP/2 connection, its answer read up to HTTP/2's
+/// initial window.
+async fn h2_get_big_first_window(addr: SocketAddr) -> (tokio::net::tcp::OwnedWriteHalf, H2Frames) {
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_get_block("/big", &addr.to_string());
+    wr.write_all(&h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block))
+        .await
+        .expect("HEADERS");
+    h2_first_window(&mut frames).await;
+    (wr, frames)
+}
+
+/// Reads stream 1's DATA up to HTTP/2's initial window, 65 535 bytes.
+async fn h2_first_window(frames: &mut H2Frames) {
+    let mut data = 0;
+    while data < 65_535 {
+        match within("the first window's DATA", frames.recv())
+            .await
+            .flatten()
+        {
+            Some((DATA, _, 1, payload)) => data += payload.len(),
+            Some(_) => {}
+            None => panic!("the connection ended before the window filled"),
+        }
+    }
 }
 
 /// Reads the proxy's frames until the connection ends (bounded by [`BOUND`]); the DATA

@@ -595,7 +595,7 @@ where
 }
 
 /// An answer's body to an HTTP/2 client, ended with an error once no frame has come for
-/// the idle timeout.
+/// the idle timeout, or once the client has taken none for as long.
 ///
 /// On HTTP/1.1 the connection's idle timeout ends an answer whose upstream went silent.
 /// An HTTP/2 connection's other streams keep that clock going, so such a stream (a dead
@@ -603,18 +603,57 @@ where
 /// as they did. nginx's `proxy_read_timeout` is per request likewise. The timer is reset
 /// lazily: a frame costs a clock read, not a timer-wheel update. The clock is tokio's (the
 /// system's outside tests), so a paused test clock drives the timer and the reading alike.
+///
+/// A client that opens no flow-control window for the stream (its reader gone, or a
+/// hostile one, which may hold a hundred such streams on a connection it keeps alive with
+/// PINGs) stops hyper polling the body, and with it the timer: the stream held its upstream
+/// connection for as long as the connection lasted. A guard task ([`guard`]) takes the
+/// upstream's body away once the client has taken nothing for the idle timeout, as nginx's
+/// `send_timeout` ends such an answer; hyper resets the stream when it next polls.
 pub struct IdleLimited<B> {
-    body: B,
+    answer: Arc<Answer<B>>,
     timeout: Duration,
     last: tokio::time::Instant,
     timer: Pin<Box<tokio::time::Sleep>>,
     /// The request's upload, when it has one: its bytes moving keep the clock going too.
     upload: Option<Moved>,
-    /// The stream's place among its connection's open ones, given up with the answer.
+    guard: tokio::task::AbortHandle,
+    /// The stream's place among its connection's open ones, given up with the answer:
+    /// not with the body the guard takes, as hyper still holds the stream (a draining or
+    /// idle connection that counted it closed would end before saying why).
     _open: Option<OpenStream>,
 }
 
-impl<B> IdleLimited<B> {
+/// What [`IdleLimited`] shares with its [`guard`].
+struct Answer<B> {
+    /// The upstream's body, taken by the guard (see [`IdleLimited`]).
+    body: std::sync::Mutex<Option<B>>,
+    /// 0 while hyper waits on the body; else when it last took a frame, in milliseconds
+    /// from `since`, plus one: from then on it holds the frame until the client's window
+    /// lets it go. It holds one from the start, before it first polls.
+    handed: AtomicU64,
+    since: tokio::time::Instant,
+}
+
+impl<B> Answer<B> {
+    fn handed_now(&self) {
+        let ms = self.since.elapsed().as_millis();
+        self.handed.store(
+            u64::try_from(ms).unwrap_or(u64::MAX - 1) + 1,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Since when hyper has held a frame of the body, if it does.
+    fn handed_since(&self) -> Option<tokio::time::Instant> {
+        match self.handed.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.since + Duration::from_millis(ms - 1)),
+        }
+    }
+}
+
+impl<B: Send + 'static> IdleLimited<B> {
     pub(super) fn new(
         body: B,
         timeout: Duration,
@@ -622,14 +661,50 @@ impl<B> IdleLimited<B> {
         open: Option<OpenStream>,
     ) -> Self {
         let last = tokio::time::Instant::now();
+        let answer = Arc::new(Answer {
+            body: std::sync::Mutex::new(Some(body)),
+            handed: AtomicU64::new(1),
+            since: last,
+        });
+        let guard = tokio::spawn(guard(answer.clone(), timeout)).abort_handle();
         IdleLimited {
-            body,
+            answer,
             timeout,
             last,
             timer: Box::pin(tokio::time::sleep_until(last + timeout)),
             upload,
+            guard,
             _open: open,
         }
+    }
+}
+
+/// Takes the upstream's body away from an answer whose client has taken nothing of it
+/// for `timeout` (see [`IdleLimited`]). Waiting on the upstream is the body's own timer's.
+async fn guard<B>(answer: Arc<Answer<B>>, timeout: Duration) {
+    let mut due = answer.since + timeout;
+    loop {
+        tokio::time::sleep_until(due).await;
+        let now = tokio::time::Instant::now();
+        match answer.handed_since() {
+            Some(since) if now >= since + timeout => {
+                let taken = answer
+                    .body
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take();
+                drop(taken);
+                return;
+            }
+            Some(since) => due = since + timeout,
+            None => due = now + timeout,
+        }
+    }
+}
+
+impl<B> Drop for IdleLimited<B> {
+    fn drop(&mut self) {
+        self.guard.abort();
     }
 }
 
@@ -646,10 +721,24 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+        let polled = {
+            let mut slot = this
+                .answer
+                .body
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match slot.as_mut() {
+                Some(body) => Pin::new(body).poll_frame(cx),
+                // Taken by the guard: the client took nothing for the idle timeout.
+                None => return Poll::Ready(Some(Err(StreamIdle.into()))),
+            }
+        };
+        if let Poll::Ready(frame) = polled {
             this.last = tokio::time::Instant::now();
+            this.answer.handed_now();
             return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
         }
+        this.answer.handed.store(0, Ordering::Relaxed);
         loop {
             ready!(this.timer.as_mut().poll(cx));
             let moved = this.upload.as_ref().and_then(Moved::last);
@@ -662,11 +751,22 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        let slot = self
+            .answer
+            .body
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        slot.as_ref().is_some_and(|body| body.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        let slot = self
+            .answer
+            .body
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        slot.as_ref()
+            .map_or_else(SizeHint::default, |body| body.size_hint())
     }
 }
 
@@ -877,19 +977,31 @@ mod tests {
         assert!(!moved.awaiting_client(), "ended");
     }
 
-    /// The idle clock runs from the last frame, not from the start: a frame at 8 s of a
-    /// 10 s limit moves the failure to 18 s.
-    #[tokio::test(start_paused = true)]
-    async fn an_answer_fails_the_idle_timeout_after_its_last_frame() {
-        let (tx, rx) = mpsc::channel::<Step>(1);
+    /// A 10 s [`IdleLimited`] answer of the frames sent on the channel.
+    #[allow(clippy::type_complexity)]
+    fn idle_limited_feed() -> (
+        mpsc::Sender<Step>,
+        IdleLimited<StreamBody<Pin<Box<dyn futures_util::Stream<Item = Step> + Send>>>>,
+    ) {
+        let (tx, rx) = mpsc::channel::<Step>(4);
         let feed = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
-        let start = tokio::time::Instant::now();
-        let mut body = IdleLimited::new(
-            StreamBody::new(Box::pin(feed)),
+        let body = IdleLimited::new(
+            StreamBody::new(
+                Box::pin(feed) as Pin<Box<dyn futures_util::Stream<Item = Step> + Send>>
+            ),
             Duration::from_secs(10),
             None,
             None,
         );
+        (tx, body)
+    }
+
+    /// The idle clock runs from the last frame, not from the start: a frame at 8 s of a
+    /// 10 s limit moves the failure to 18 s.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_fails_the_idle_timeout_after_its_last_frame() {
+        let (tx, mut body) = idle_limited_feed();
+        let start = tokio::time::Instant::now();
         assert!(!body.is_end_stream());
         assert_eq!(exact(body.size_hint()), (0, None));
 
@@ -932,6 +1044,36 @@ mod tests {
             "the upstream sent nothing more for the idle timeout"
         );
         assert_eq!(start.elapsed(), Duration::from_secs(26));
+    }
+
+    /// A client that takes nothing of an answer (hyper holds the frame it took and polls
+    /// no more) has the upstream's body taken away after the idle timeout, and the next
+    /// poll ends the answer; a client that takes a frame now and then keeps it going.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_its_client_takes_nothing_of_is_given_up_after_the_idle_timeout() {
+        let (tx, mut body) = idle_limited_feed();
+        let start = tokio::time::Instant::now();
+        // Taken every 6 s: kept.
+        for _ in 0..3 {
+            tx.send(data("a")).await.expect("the body is listening");
+            body.frame().await.expect("a frame").expect("data");
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            assert!(!tx.is_closed(), "given up at {:?}", start.elapsed());
+        }
+        // Taken at 18 s, then not polled: given up at 28 s.
+        tx.send(data("b")).await.expect("the body is listening");
+        body.frame().await.expect("a frame").expect("data");
+        tx.closed().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(28));
+        let err = body.frame().await.expect("an end").expect_err("given up");
+        assert!(err.is::<StreamIdle>(), "{err}");
+
+        // Never polled at all (a window of 0 from the start): the same.
+        let (tx, body) = idle_limited_feed();
+        let start = tokio::time::Instant::now();
+        tx.closed().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        drop(body);
     }
 
     #[tokio::test]

@@ -952,7 +952,8 @@ pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
     // hyper's defaults allow 200 streams with 400 KiB of answer buffered for each: a
     // client that opens them all and reads nothing held ~160 MiB per connection (each
     // stream also holds an upstream connection). 100 streams (envoy's and nginx's
-    // figure) with 64 KiB each bound it to a few MiB.
+    // figure) with 64 KiB each, beside the upstream reads each holds (see `pool`'s
+    // `MAX_READ`), bound it to ~19 MiB, until `--idle-timeout` (`body::IdleLimited`).
     b.http2()
         .timer(TokioTimer::new())
         .max_header_list_size(H2_MAX_HEAD_LIST as u32)
