@@ -489,9 +489,12 @@ impl HttpExchanger {
                     Err(e) => broke_off(format!("HTTP {status}: the answer broke off: {e}")),
                 })?
                 .to_bytes();
-            let body = without(&self.config.access_key_secret, body);
-            let issued =
-                parse_response(status, &body, now, self.config.token_ttl).map_err(|e| match e {
+            let ttl = self.config.token_ttl;
+            // A key is read from the answer as it came (the secret could be part of it); a
+            // failure is said from the answer rid of the secret.
+            let issued = parse_response(status, &body, now, ttl).or_else(|_| {
+                let body = without(&self.config.access_key_secret, body);
+                parse_response(status, &body, now, ttl).map_err(|e| match e {
                     Error::TokenExchange { reason } if is_temporary(status, &body) => {
                         Error::UpstreamUnavailable {
                             reason,
@@ -499,7 +502,8 @@ impl HttpExchanger {
                         }
                     }
                     e => e,
-                })?;
+                })
+            })?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,
             // until the next refresh an hour later; as a failure it is retried with backoff.
             // The reason never quotes the value: it is the key.
