@@ -732,6 +732,14 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
         if !this.rest.is_empty() {
+            let taken = (this.answer.body.lock())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_none();
+            if taken {
+                // The guard gave the answer up: what is left of the frame goes with it.
+                this.rest = Bytes::new();
+                return Poll::Ready(Some(Err(StreamIdle.into())));
+            }
             let piece = this.rest.split_to(this.rest.len().min(PIECE));
             this.last = tokio::time::Instant::now();
             this.answer.handed_now();
@@ -1097,8 +1105,10 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(6)).await;
             assert!(!tx.is_closed(), "given up at {:?}", start.elapsed());
         }
-        // Taken at 18 s, then not polled: given up at 28 s.
-        tx.send(data("b")).await.expect("the body is listening");
+        // A frame of 40 KiB, its first piece taken at 18 s, then not polled: given up at
+        // 28 s, the rest of the frame with it.
+        let large = Frame::data(Bytes::from(vec![b'b'; 40 * 1024]));
+        tx.send(Ok(large)).await.expect("the body is listening");
         body.frame().await.expect("a frame").expect("data");
         tx.closed().await;
         assert_eq!(start.elapsed(), Duration::from_secs(28));
