@@ -387,15 +387,14 @@ fn is_temporary(status: u16, body: &[u8]) -> bool {
             .is_some_and(|c| c.starts_with("Throttling"))
 }
 
-/// The endpoint's answer with the pair's secret taken out, before anything reads it. Its
+/// A failed answer with the pair's secret taken out, before its failure is worded. Its
 /// error code is said, kept to a code's characters (see [`sanitize_code`]), which a secret
 /// is made of too: a gateway that repeats what it checked (`InvalidAccessKeySecret.<the
 /// secret>`) put it in every client's 503 and the log. Out of the answer, not the message:
 /// a code cut to its 80 characters kept part of a secret that no longer matched whole.
 fn without(secret: &Secret, body: Bytes) -> Bytes {
     let secret = secret.expose().as_bytes();
-    let found = |b: &[u8]| !secret.is_empty() && b.windows(secret.len()).any(|w| w == secret);
-    if !found(&body) {
+    if secret.is_empty() || !body.windows(secret.len()).any(|w| w == secret) {
         return body;
     }
     let mut out = Vec::with_capacity(body.len());

@@ -91,12 +91,12 @@ pub fn complete_head(rewrite: &Rewrite, head: Bytes) -> Vec<Bytes> {
     }
 }
 
-/// The key a rewrite adds.
-fn name_of(rewrite: &Rewrite) -> Option<&'static str> {
+/// The field a rewrite adds: its key, and the key with its value as JSON.
+fn field_of(rewrite: &Rewrite) -> Option<(&'static str, String)> {
     match rewrite {
         Rewrite::None => None,
-        Rewrite::Create => Some("secure"),
-        Rewrite::Connect => Some("timeout"),
+        Rewrite::Create => Some(("secure", "\"secure\":true".to_string())),
+        Rewrite::Connect => Some(("timeout", format!("\"timeout\":{CONNECT_TIMEOUT}"))),
     }
 }
 
@@ -104,11 +104,7 @@ fn name_of(rewrite: &Rewrite) -> Option<&'static str> {
 /// `keys`: after the object's opening brace (its first byte that is not JSON whitespace),
 /// with a comma when keys follow; none when a key names it.
 fn insertion(rewrite: &Rewrite, body: &[u8], keys: Keys) -> Option<(usize, Bytes)> {
-    let field = match rewrite {
-        Rewrite::None => return None,
-        Rewrite::Create => "\"secure\":true".to_string(),
-        Rewrite::Connect => format!("\"timeout\":{CONNECT_TIMEOUT}"),
-    };
+    let (_, field) = field_of(rewrite)?;
     if keys.named {
         return None;
     }
@@ -139,7 +135,7 @@ enum Scan {
 /// of small values made a tree of 15 MB. Each key is noted as it is read, so that bytes
 /// that end mid-object still tell the keys before their end.
 fn scan(body: &[u8], rewrite: &Rewrite) -> Scan {
-    let Some(name) = name_of(rewrite) else {
+    let Some((name, _)) = field_of(rewrite) else {
         return Scan::NotObject;
     };
     match scan_keys(body, name) {
