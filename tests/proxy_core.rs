@@ -1076,7 +1076,23 @@ async fn foreign_targets_and_hosts_are_refused_without_contacting_upstream() {
         let resp = with_host(addr, &local, path).await;
         assert_eq!(resp.status, 200, "{path}: {:?}", resp.text());
     }
-    proxy.finish().await;
+    // A refused CONNECT's line names what it asked for (its target has no path), without
+    // a password a client put before its host.
+    let connect = "CONNECT user:hunter2@example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n";
+    assert_proxy_error(&raw_exchange(addr, connect.as_bytes()).await, 400, "E5003");
+    let stderr = proxy.finish().await;
+    let connects: Vec<_> = stderr
+        .lines()
+        .filter(|l| l.contains("abx_proxy::access") && l.contains("method=CONNECT"))
+        .collect();
+    assert_eq!(connects.len(), 3, "{stderr}");
+    for target in ["path=example.com:443 ", &format!("path={local} ")] {
+        assert!(
+            connects.iter().any(|l| l.contains(target)),
+            "{target}: {connects:?}"
+        );
+    }
+    assert!(!stderr.contains("hunter2"), "{stderr}");
 }
 
 /// An absolute-form target without a path (`GET http://localhost:PORT?q=1`) has the path

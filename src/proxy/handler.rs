@@ -122,7 +122,7 @@ impl Proxy {
             let mut unanswered = Unanswered {
                 proxy: &self,
                 method: &method,
-                path: uri.path(),
+                path: logged_target(&uri),
                 plane: "api",
                 start,
             };
@@ -172,7 +172,8 @@ impl Proxy {
             let status = resp.status().as_u16();
             self.metrics.request_done(plane, &method, status, elapsed);
             // Never the query string: signed file URLs carry secrets there.
-            crate::logging::access(&method, uri.path(), plane, status, elapsed, &upstream);
+            let path = logged_target(&uri);
+            crate::logging::access(&method, path, plane, status, elapsed, &upstream);
             Ok(resp)
         }
     }
@@ -243,6 +244,19 @@ impl Proxy {
                 .insert(SHOULD_RETRY, http::HeaderValue::from_static("false"));
         }
         (resp, host)
+    }
+}
+
+/// A request's target as its access line shows it: the path, never the query (signed file
+/// URLs carry secrets there); a `CONNECT`'s authority, which has no path (RFC 9112
+/// §3.2.3: its line said `""`), without the userinfo a client may put in it.
+fn logged_target(uri: &Uri) -> &str {
+    match uri.path() {
+        "" => uri
+            .authority()
+            .and_then(|a| a.as_str().rsplit('@').next())
+            .unwrap_or(""),
+        path => path,
     }
 }
 
