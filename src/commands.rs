@@ -157,7 +157,7 @@ fn rows(resolved: &Resolved) -> Vec<Row> {
 
 /// Which credential is attached and where it comes from: the built-in rule of SPEC §2, or
 /// the selected plugin's `api_key`.
-fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Error> {
+pub(crate) fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, Source), Error> {
     match resolved.plugin()? {
         None => resolved
             .credential()

@@ -705,7 +705,17 @@ impl Running {
                 // (0 for a static key: left at an old temporary key's expiry, the gauge
                 // would pass that time and look like a key about to expire).
                 metrics.token_expiry.set(expiry.map_or(0.0, |t| t as f64));
-                tracing::info!(changed = %changed.join(","), "reloaded");
+                // Where the key now comes from: a `./.env` deleted (a release directory
+                // removed) lets a lower layer's key through, as SPEC §2 orders them, and
+                // a forgotten `~/.abx/.env` one went into service said as a changed key alone.
+                let from = commands::credential_in_use(&resolved)
+                    .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
+                    .unwrap_or_default();
+                tracing::info!(
+                    changed = %changed.join(","),
+                    credential = %crate::providers::manifest::printable(&from),
+                    "reloaded"
+                );
                 self.settings.credential = next.credential.clone();
                 self.settings.plugin = next.plugin.clone();
                 self.settings.secrets = next.secrets.clone();

@@ -1772,6 +1772,31 @@ async fn a_restart_setting_changed_back_is_not_said_to_wait_for_a_restart() {
     assert_eq!(said(&stderr), 1, "{stderr}");
 }
 
+/// A `./.env` key removed lets `~/.abx/.env`'s through (SPEC §2's order, as a release
+/// directory deleted under a service does): the `reloaded` line says where the key now
+/// comes from, where `changed=sandbox_api_key` alone put a forgotten key in service unsaid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_takes_the_key_from_a_lower_layer_says_which() {
+    const HERE: &str = "sk-fall-here-LLLL1111mmmm2222";
+    const HOME: &str = "sk-fall-home-NNNN3333oooo4444";
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_API_KEY", None)
+        .abx_file(".env", &format!("ABX_SANDBOX_API_KEY={HOME}\n"))
+        .cwd_dotenv(&format!("ABX_SANDBOX_API_KEY={HERE}\n"))
+        .spawn()
+        .await;
+    std::fs::remove_file(proxy.cwd().join(".env")).expect("remove ./.env");
+    proxy.signal("HUP");
+    let line = proxy.wait_for_line("reloaded").await;
+    assert!(line.contains("changed=sandbox_api_key"), "{line}");
+    let home = proxy.abx_home().join(".env");
+    let from = format!("credential=api_key from ~/.abx/.env ({})", home.display());
+    assert!(line.contains(&from), "{line}");
+    proxy.finish().await;
+}
+
 /// A reload's candidate pair whose exchange fails is a failed reload, not a failing
 /// exchange of the running credential: under a static key (expiry 0) its failures, retried
 /// by the watch, paged `AbxProxyTokenMissing` ("every request is answered 503") while
