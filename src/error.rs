@@ -41,7 +41,9 @@ pub enum Error {
         "refusing to listen on {addr} without TLS: anyone who reaches this port spends your key"
     )]
     RemoteListen { addr: String },
-    /// E1008: a listener could not be bound.
+    /// E1008: the proxy cannot serve: a listener could not be bound, or what serving
+    /// needs could not be had (the open-file limit's room, the runtime and its threads,
+    /// the metrics registry).
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
     /// E1009: the upstream answered 401/403 to the credential (`check`, or the envd token

@@ -1,16 +1,17 @@
 //! abx-proxy: a local, streaming, credential-injecting reverse proxy for E2B-compatible
 //! sandbox clouds.
 //!
-//! Module map, in the order a request meets them:
+//! Module map: the settings read once at start, then the modules in the order a request
+//! meets them:
 //! - [`settings`]: the key table and the layered resolution (flags → env → `./.env` →
 //!   `~/.abx/.env` → `~/.abx/config.toml` → default), read once into typed data;
-//! - [`credentials`]: where the key attached to a request comes from (static key, AK/SK
-//!   exchange, envd token store);
-//! - [`signing`]: Alibaba Cloud request signatures, pure functions;
 //! - [`workers`]: one single-threaded runtime per core, serving connections;
 //! - [`proxy`]: listeners, routing, header rewriting, forwarding, drain;
+//! - [`credentials`]: where the key attached to a request comes from (static key, AK/SK
+//!   exchange, envd token store), with [`signing`]: Alibaba Cloud request signatures,
+//!   pure functions;
 //! - [`upstream`]: the TLS client stack shared by the proxy and its own calls, with
-//!   [`descriptors`] counting the upstream connections the open-file limit has room for
+//!   [`descriptors`] counting the upstream connections the open-file limit has room for,
 //!   [`clock`] ageing idle ones through the machine's sleeps and [`resolve`] looking up
 //!   their names;
 //! - [`admin`] and [`metrics`]: `/metrics`, `/healthz`, `/readyz` (with

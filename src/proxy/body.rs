@@ -19,14 +19,15 @@ use super::listener::{AnswerCut, OpenStream};
 use crate::error::Error;
 use crate::upstream::{BoxError, ProxyBody};
 
-/// The size bound for bodies the proxy reads itself (create bodies, token responses).
-pub const SNIFF_LIMIT: usize = 1024 * 1024;
+/// The size bound for a body the proxy reads whole itself (a rewritten create or connect
+/// body, an answer it learns envd tokens from); a longer one streams on.
+pub const READ_WHOLE_LIMIT: usize = 1024 * 1024;
 
 /// What the proxy holds at once, in all, of the bodies it reads whole ([`Held`]).
 pub const HELD_LIMIT: usize = 32 * 1024 * 1024;
 
 /// Room for the bodies the proxy reads whole: one bound for the process, where each body
-/// alone is bound by [`SNIFF_LIMIT`]. A rewritten create is read before it goes up and kept
+/// alone is bound by [`READ_WHOLE_LIMIT`]. A rewritten create is read before it goes up and kept
 /// until its answer (to be sent again); over HTTP/2 a client may have a hundred on a
 /// connection, and four such connections held 500 MB. Room is taken as bytes arrive, never
 /// waited for: a body that finds none stops being read (see [`read_bounded`]), so bodies

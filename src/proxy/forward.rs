@@ -1,5 +1,6 @@
 //! Phase 4, forward: send the rewritten request upstream with a deadline for the response
-//! head, and turn failures into E5001/E5002 with a metric kind.
+//! head, and turn failures into E5001/E5002 with a metric kind (or, when the client's own
+//! body stalled or broke, into E5003's 400, which counts as no upstream error).
 //!
 //! The request goes through [`Upstream`] (`proxy::pool`): its own HTTP/1.1 pool, or
 //! hyper-util's client for HTTP/2 and upgrades. The legacy error helpers below also serve
@@ -23,6 +24,17 @@ pub struct Failed {
     pub kind: Option<FailKind>,
     /// False only when no connection was set up: the request cannot have been carried out.
     pub reached: bool,
+}
+
+/// A request that failed before it was forwarded: nothing reached the upstream.
+impl From<Error> for Failed {
+    fn from(error: Error) -> Self {
+        Failed {
+            error,
+            kind: None,
+            reached: false,
+        }
+    }
 }
 
 pub async fn send(

@@ -1329,7 +1329,8 @@ pub(super) async fn first_byte(sock: &Sock) -> Option<u8> {
 }
 
 /// Bytes already read from a connection, served before the rest of it: how a connection
-/// the fast path started goes on under hyper.
+/// the fast path started goes on under hyper, and how the TLS listener gives back the
+/// first byte it read to tell TLS from plain HTTP (`listener::tls_or_plain`).
 pub struct Rewind {
     prefix: Bytes,
     inner: Sock,

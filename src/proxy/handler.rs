@@ -14,9 +14,9 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 
-use super::body::{self, Bounded, Moved, Prefixed, SNIFF_LIMIT};
+use super::body::{self, Bounded, Moved, Prefixed, READ_WHOLE_LIMIT};
 use super::compat::{self, Rewrite};
-use super::forward::{self, FailKind};
+use super::forward::{self, FailKind, Failed};
 use super::framing::Refusal;
 use super::headers::{self, X_ACCESS_TOKEN};
 use super::listener::{MAX_HEAD, MAX_HEADERS};
@@ -32,34 +32,6 @@ use crate::metrics::GaugeGuard;
 use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
 use crate::upstream::ProxyBody;
-
-/// A failed request: the error answered, the upstream failure kind when there was one, and
-/// whether the upstream may have received (and carried out) the request.
-struct Failure {
-    error: Error,
-    kind: Option<FailKind>,
-    reached: bool,
-}
-
-impl From<Error> for Failure {
-    fn from(error: Error) -> Self {
-        Failure {
-            error,
-            kind: None,
-            reached: false,
-        }
-    }
-}
-
-impl From<forward::Failed> for Failure {
-    fn from(f: forward::Failed) -> Self {
-        Failure {
-            error: f.error,
-            kind: f.kind,
-            reached: f.reached,
-        }
-    }
-}
 
 /// The header with which the E2B SDKs let a server say whether a 429/502/503/504 may be sent
 /// again; without it they send the request again, a `POST` included (Python SDK 2.63: three
@@ -78,7 +50,9 @@ fn unusable_key() -> Error {
     }
 }
 
-fn internal(reason: impl std::fmt::Display) -> Error {
+/// A request the proxy cannot build for its upstream (a target no URI holds): the
+/// client's, refused 400 E5003.
+fn unbuildable(reason: impl std::fmt::Display) -> Error {
     Error::Refused {
         reason: format!("cannot build the upstream request: {reason}"),
     }
@@ -181,7 +155,7 @@ impl Proxy {
 
 impl Proxy {
     /// route: where a request goes, or why it goes nowhere and which plane counts it.
-    fn route_of(&self, parts: &mut Parts) -> Result<Route, (&'static str, Failure)> {
+    fn route_of(&self, parts: &mut Parts) -> Result<Route, (&'static str, Failed)> {
         let route = match route::route(parts, &self.host_policy) {
             Ok(route) => route,
             Err(e) => {
@@ -193,7 +167,7 @@ impl Proxy {
                     },
                     None => "api",
                 };
-                return Err((plane, Failure::from(e)));
+                return Err((plane, Failed::from(e)));
             }
         };
         // A provider without envd gets everything on its control plane.
@@ -221,7 +195,7 @@ impl Proxy {
     fn failure_answer(
         &self,
         plane: &'static str,
-        f: Failure,
+        f: Failed,
         repeatable: bool,
     ) -> (Response<ProxyBody>, Arc<str>) {
         if let Some(kind) = f.kind {
@@ -436,7 +410,7 @@ impl Proxy {
         mut parts: Parts,
         body: ProxyBody,
         upgrade: Option<Upgrade>,
-    ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failure>> + Send + '_ {
+    ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failed>> + Send + '_ {
         async move {
             // rewrite
             let path = parts.uri.path();
@@ -462,7 +436,7 @@ impl Proxy {
                     None => self.api_base.join(upstream_path),
                 }
             }
-            .map_err(internal)?;
+            .map_err(unbuildable)?;
             headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
             parts.headers.remove(HOST);
             if sniff == Sniff::Learn {
@@ -555,8 +529,8 @@ impl Proxy {
         rewrite: &Rewrite,
         body: ProxyBody,
         extensions: &mut http::Extensions,
-    ) -> Result<ProxyBody, Failure> {
-        let read = body::read_bounded(body, SNIFF_LIMIT, Some(&self.held));
+    ) -> Result<ProxyBody, Failed> {
+        let read = body::read_bounded(body, READ_WHOLE_LIMIT, Some(&self.held));
         let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
             return Err(Error::Refused {
                 reason: format!(
@@ -607,9 +581,9 @@ impl Proxy {
         sandbox_id: &str,
         port: u16,
         upgrade: Option<Upgrade>,
-    ) -> Result<(Response<ProxyBody>, Arc<str>), Failure> {
+    ) -> Result<(Response<ProxyBody>, Arc<str>), Failed> {
         // route, to the end: where the request goes, before a look-up is spent on it.
-        let pq = origin_form(&parts.uri).map_err(internal)?;
+        let pq = origin_form(&parts.uri).map_err(unbuildable)?;
         let (target, host) = self.envd_uri(sandbox_id, port, pq.as_str())?;
 
         // authorize: the store, else the client's own token, else ask the control plane.
@@ -706,9 +680,9 @@ impl Proxy {
     /// envd's file API has no place on the control plane: a signed file URL the SDK builds
     /// while E2B_SANDBOX_URL points here names no sandbox, and sent on it would come back as
     /// the control plane's bare 404. Refused, and counted as envd's, where it was meant to go.
-    fn files_naming_no_sandbox(&self, route: &Route, parts: &Parts) -> Option<Failure> {
+    fn files_naming_no_sandbox(&self, route: &Route, parts: &Parts) -> Option<Failed> {
         (*route == Route::Api && self.envd.is_some() && parts.uri.path() == "/files").then(|| {
-            Failure::from(Error::Refused {
+            Failed::from(Error::Refused {
                 reason: "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the \
                          host 49983-<sandboxID>.localhost)"
                     .into(),
@@ -719,9 +693,10 @@ impl Proxy {
     /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).
     fn envd_uri(&self, sandbox_id: &str, port: u16, pq: &str) -> Result<(Uri, Arc<str>), Error> {
         match &self.envd {
-            None => Err(internal("this provider has no envd plane")),
+            // Not reached: `route_of` sends a provider without envd to its control plane.
+            None => Err(unbuildable("this provider has no envd plane")),
             Some(EnvdTarget::Url { url, shown_host }) => {
-                Ok((url.join(pq).map_err(internal)?, shown_host.clone()))
+                Ok((url.join(pq).map_err(unbuildable)?, shown_host.clone()))
             }
             Some(EnvdTarget::Domain {
                 scheme,
@@ -754,7 +729,7 @@ impl Proxy {
                     .authority(host.as_str())
                     .path_and_query(pq)
                     .build()
-                    .map_err(internal)?;
+                    .map_err(unbuildable)?;
                 let shown = match shown_domain {
                     None => Arc::from(host),
                     Some(shown) => Arc::from(format!("{port}-{sandbox_id}.{shown}")),
@@ -788,7 +763,7 @@ impl Proxy {
         let uri = self
             .api_base
             .join(&format!("/sandboxes/{sandbox_id}"))
-            .map_err(internal)?;
+            .map_err(unbuildable)?;
         let host = self.api_host.to_string();
         let mut first = true;
         let resp = loop {
@@ -838,7 +813,7 @@ impl Proxy {
         // A body that breaks has counted itself; one that stalls is a timeout, as a head
         // would be (every request for this sandbox waits on this look-up).
         // Not in the room: one look-up per sandbox at a time, its answer dropped once read.
-        let read = body::read_bounded(resp.into_body(), SNIFF_LIMIT, None);
+        let read = body::read_bounded(resp.into_body(), READ_WHOLE_LIMIT, None);
         let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
             let (error, kind) = self.body_timeout();
             self.metrics.upstream_error("api", kind);
@@ -885,7 +860,7 @@ impl Proxy {
         mut resp: Response<ProxyBody>,
         sniff: Sniff,
         upgrade: Option<Upgrade>,
-    ) -> Result<Response<ProxyBody>, Failure> {
+    ) -> Result<Response<ProxyBody>, Failed> {
         // An intermediary answers in its own version (RFC 9110 §6.2): an HTTP/1.0 upstream's
         // "HTTP/1.0" status line, written by hyper's server, told 1.1 clients to close.
         *resp.version_mut() = Version::HTTP_11;
@@ -916,10 +891,14 @@ impl Proxy {
                 let (parts, incoming) = resp.into_parts();
                 // Bounded in time too: the head came, and `--upstream-timeout` covers a body
                 // that then stalls as it would the head (the client sees nothing until then).
-                let read = Box::pin(body::read_bounded(incoming, SNIFF_LIMIT, Some(&self.held)));
+                let read = Box::pin(body::read_bounded(
+                    incoming,
+                    READ_WHOLE_LIMIT,
+                    Some(&self.held),
+                ));
                 let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
                     let (error, kind) = self.body_timeout();
-                    return Err(Failure {
+                    return Err(Failed {
                         error,
                         kind: Some(kind),
                         reached: true,
@@ -941,7 +920,7 @@ impl Proxy {
                     }
                     // Not counted here: the body counted itself as it broke.
                     Err(_) => {
-                        return Err(Failure {
+                        return Err(Failed {
                             error: Error::UpstreamUnreachable {
                                 reason: "connection closed mid-response".into(),
                                 host: self.api_host.to_string(),

