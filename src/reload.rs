@@ -451,6 +451,32 @@ pub struct Running {
     pub trust: rustls::ClientConfig,
 }
 
+impl Running {
+    /// What runs at the start: every baseline a reload measures from is the start's.
+    pub fn at_start(
+        proxy: Arc<Proxy>,
+        flags: SettingsArgs,
+        options: Options,
+        resolved: Resolved,
+        settings: &Settings,
+        tls: Option<ListenerCert>,
+        trust: rustls::ClientConfig,
+    ) -> Self {
+        Running {
+            proxy,
+            flags,
+            options,
+            started: resolved.clone(),
+            started_settings: settings.clone(),
+            seen: resolved,
+            seen_settings: settings.clone(),
+            settings: settings.clone(),
+            tls,
+            trust,
+        }
+    }
+}
+
 /// Waits for SIGHUPs (and changed watched files), re-reads the listener's pair and applies
 /// each settings reload's [`Plan`]. A reload that fails, or that is refused, keeps what runs.
 pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut files: FileWatch) {

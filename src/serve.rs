@@ -169,18 +169,15 @@ async fn serve(
         workers,
         stop_rx,
     ));
-    let running = Running {
-        proxy: proxy.clone(),
+    let running = Running::at_start(
+        proxy.clone(),
         flags,
-        options: options.clone(),
-        started: resolved.clone(),
-        started_settings: settings.clone(),
-        seen: resolved,
-        seen_settings: settings.clone(),
-        settings: settings.clone(),
+        options.clone(),
+        resolved,
+        &settings,
         tls,
         trust,
-    };
+    );
     tokio::spawn(crate::reload::on_hangup(running, hangups, files));
 
     let first = terminate.next().await;
@@ -197,12 +194,32 @@ async fn serve(
         addr: settings.shown(&settings.listen),
         reason: e.to_string(),
     })?;
+    drain(
+        &proxy,
+        &stop_tx,
+        &mut terminate,
+        first,
+        options.shutdown_grace,
+    )
+    .await;
+    Ok(())
+}
+
+/// The drain, once the listener is closed: what is in flight finishes within `grace`
+/// (or the same signal again), then what is left is closed.
+async fn drain(
+    proxy: &Proxy,
+    stop_tx: &watch::Sender<bool>,
+    terminate: &mut signals::Terminate,
+    first: signals::Stop,
+    grace: Duration,
+) {
     // From here a connect is refused: operators (and tests) can tell the drain has begun.
     // The gauge, not the drain watch's receivers: a connection holds several of those.
     let open = proxy.metrics.open_connections.get();
     tracing::info!(open, "listener closed");
     let clean = tokio::select! {
-        clean = listener::drain(&stop_tx, options.shutdown_grace) => clean,
+        clean = listener::drain(stop_tx, grace) => clean,
         () = terminate.again(first) => {
             tracing::warn!("second signal: closing what is left now");
             false
@@ -226,7 +243,6 @@ async fn serve(
             "stopped; what was still open at the end of the drain was cut"
         );
     }
-    Ok(())
 }
 
 /// The shortest idle timeout envd's keepalives keep a quiet stream alive under: the proxy
