@@ -27,6 +27,10 @@ pub enum Error {
     /// E1004: no usable temporary key (exchange failed, or the key expired).
     #[error("token exchange failed: {reason}")]
     TokenExchange { reason: String },
+    /// E1004 too: the endpoint issued a key already (nearly) expired by this machine's
+    /// clock. Of its own for its suggestion, and because each such exchange minted a key.
+    #[error("token exchange failed: {reason}")]
+    KeyExpiredOnArrival { reason: String },
     /// E1005: a setting has a value we cannot use.
     #[error("invalid value for {key}: {reason}")]
     InvalidSetting { key: String, reason: String },
@@ -126,7 +130,7 @@ impl Error {
             Error::MissingCredential => "E1001",
             Error::ClockSkew { .. } => "E1002",
             Error::IncompletePair { .. } => "E1003",
-            Error::TokenExchange { .. } => "E1004",
+            Error::TokenExchange { .. } | Error::KeyExpiredOnArrival { .. } => "E1004",
             Error::InvalidSetting { .. } => "E1005",
             Error::ReadFile { .. } | Error::WriteFile { .. } => "E1006",
             Error::RemoteListen { .. } => "E1007",
@@ -152,6 +156,7 @@ impl Error {
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
             // Said by `check` too ("run check" was no advice there), and in serve's log line.
+            Error::KeyExpiredOnArrival { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. Each exchange creates a key; they are retried up to 5 minutes apart.",
             Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
             Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",
@@ -330,6 +335,12 @@ mod tests {
             ),
             (
                 Error::TokenExchange { reason: s("r") },
+                78,
+                503,
+                "[E1004] token exchange failed: r",
+            ),
+            (
+                Error::KeyExpiredOnArrival { reason: s("r") },
                 78,
                 503,
                 "[E1004] token exchange failed: r",

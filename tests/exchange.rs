@@ -83,6 +83,22 @@ async fn harness(
 }
 
 impl Harness {
+    /// Each next attempt fails, after a delay in the upper half of its step (in seconds).
+    async fn assert_failures_back_off(&mut self, steps: &[u64]) {
+        let mut last = self.now();
+        for &step in steps {
+            self.clock.advance_to_next_sleeper().await;
+            assert_eq!(self.next_event().await, ExchangeEvent::Failure);
+            let waited = self.now().duration_since(last).expect("forward");
+            let step = Duration::from_secs(step);
+            assert!(
+                waited >= step / 2 && waited <= step,
+                "waited {waited:?} for a {step:?} step"
+            );
+            last = self.now();
+        }
+    }
+
     /// The next event, which must be a successful exchange.
     async fn next_success(&mut self) {
         let event = self.next_event().await;
@@ -532,6 +548,26 @@ async fn a_key_that_ran_out_on_the_way_is_a_failed_exchange() {
     );
 }
 
+/// Keys that arrive already expired (a clock ahead of the endpoint's) were each minted and
+/// dropped every 15-30 s for good: 120 keys an hour that nobody deletes. Their exchanges
+/// back off to 5 minutes.
+#[tokio::test]
+async fn keys_that_arrive_expired_are_asked_for_ever_more_slowly() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        // Expiring within the 5 s margin of its issue: never usable.
+        f.set_ttl(Some(Duration::from_secs(5)))
+    })
+    .await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    h.assert_failures_back_off(&[1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300])
+        .await;
+    let e = h.source.current().await.expect_err("no usable key");
+    assert_eq!(e.code(), "E1004", "{}", e.line());
+    assert!(e.line().contains("already (nearly) past"), "{}", e.line());
+    let said = e.suggestion().unwrap_or_default();
+    assert!(said.contains("clock"), "{said}");
+}
+
 /// A retired source (a reload replaced the pair) or a dropped one stops refreshing: its
 /// refresher is gone, and no exchange is made with the pair however far time moves.
 #[tokio::test]
@@ -730,18 +766,7 @@ async fn retries_back_off_exponentially() {
     })
     .await;
     assert_eq!(h.next_event().await, ExchangeEvent::Failure);
-    let mut last = h.now();
-    for step in [1u64, 2, 4, 8, 16, 30, 30] {
-        h.clock.advance_to_next_sleeper().await;
-        assert_eq!(h.next_event().await, ExchangeEvent::Failure);
-        let waited = h.now().duration_since(last).expect("forward");
-        let step = Duration::from_secs(step);
-        assert!(
-            waited >= step / 2 && waited <= step,
-            "waited {waited:?} for a {step:?} step"
-        );
-        last = h.now();
-    }
+    h.assert_failures_back_off(&[1, 2, 4, 8, 16, 30, 30]).await;
 }
 
 /// An answer with more in it than the key is read whole up to 64 KiB; a larger one is
@@ -767,6 +792,26 @@ async fn answers_are_read_up_to_64_kib() {
         "{}",
         e.line()
     );
+}
+
+/// A gateway's error page for an outage can be long: over 64 KiB it is still the endpoint
+/// unavailable, by its status (`check` exits 69), not an answer that cannot be used (it was
+/// E1004, exit 78, with the advice to check the AccessKey pair).
+#[tokio::test]
+async fn a_long_error_page_for_an_outage_is_the_endpoint_unavailable() {
+    let clock = ManualClock::new();
+    let fake = FakeExchange::start(clock.clone()).await;
+    let ex = HttpExchanger::new(
+        config(&fake.url, ExchangeScheme::RpcV1, ACCESS_KEY_SECRET),
+        client(),
+    );
+    for (status, code) in [(502, "E5001"), (429, "E5001"), (403, "E1004")] {
+        fake.set_mode(Mode::GatewayPage(status));
+        let e = ex.exchange_at(clock.now()).await.expect_err("a page");
+        assert_eq!(e.code(), code, "{status}: {}", e.line());
+        let over = format!("HTTP {status}: the answer is over 64 KiB");
+        assert!(e.to_string().contains(&over), "{}", e.line());
+    }
 }
 
 #[tokio::test]

@@ -2733,7 +2733,8 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     fake.set_ttl(Some(Duration::from_secs(3600)));
     fake.set_mode(Mode::Fail500);
     fake.release();
-    proxy.wait_for_line("token exchange failed").await;
+    let line = proxy.wait_for_line("token exchange failed").await;
+    assert!(line.contains("key=none usable"), "{line}");
     let resp = raw_get(addr, "/sandboxes").await;
     assert_proxy_error(&resp, 503, "E1004");
     assert!(resp.text().contains("HTTP 500"), "{}", resp.text());

@@ -50,6 +50,10 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 /// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// The longest delay after exchanges whose keys arrived already expired (a clock ahead of
+/// the endpoint's): each was minted, and is never deleted (see [`REFUSAL_GAP_MAX`]); at
+/// [`BACKOFF_MAX`] that was 120 keys an hour for as long as the clocks disagree.
+pub const EXPIRED_ON_ARRIVAL_MAX: Duration = Duration::from_secs(300);
 /// A key issued for less than this is short, usable for under [`BACKOFF_MIN`] before
 /// [`EXPIRY_MARGIN`], and exchanges for such keys are paced as failed ones. Not longer:
 /// a key of 9 s, refreshed every 4 s, serves without a gap, and paced it lapsed for most
@@ -223,7 +227,7 @@ pub fn parse_response(
         },
     };
     if expires_at <= now + EXPIRY_MARGIN {
-        return Err(Error::TokenExchange {
+        return Err(Error::KeyExpiredOnArrival {
             reason: format!(
                 "the endpoint issued a key that expires at {}, already (nearly) past by this machine's clock",
                 iso8601(expires_at)
@@ -482,6 +486,12 @@ impl HttpExchanger {
                 .collect()
                 .await
                 .map_err(|e| match e.downcast::<LengthLimitError>() {
+                    // A gateway's error page for an outage is often that long: by its
+                    // status, as a short one is (`check` exits 69, not 78).
+                    Ok(_) if is_temporary(status, b"") => Error::UpstreamUnavailable {
+                        reason: format!("HTTP {status}: the answer is over 64 KiB"),
+                        host: host.clone(),
+                    },
                     Ok(_) => Error::TokenExchange {
                         reason: format!("HTTP {status}: the answer is over 64 KiB"),
                     },
@@ -1095,7 +1105,9 @@ impl fmt::Debug for ExchangedKey {
 /// 503), not an upstream failure of the request itself.
 fn as_credential_error(e: Error) -> Error {
     match e {
-        Error::TokenExchange { .. } | Error::ClockSkew { .. } => e,
+        Error::TokenExchange { .. }
+        | Error::KeyExpiredOnArrival { .. }
+        | Error::ClockSkew { .. } => e,
         other => Error::TokenExchange {
             reason: other.to_string(),
         },
@@ -1105,9 +1117,13 @@ fn as_credential_error(e: Error) -> Error {
 /// Delay before retry number `n` (from 0): 1 s doubling to 30 s, each drawn from the upper
 /// half of its step so a fleet restarted together does not retry in lockstep.
 fn backoff(n: u32) -> Duration {
+    backoff_up_to(n, BACKOFF_MAX)
+}
+
+fn backoff_up_to(n: u32, max: Duration) -> Duration {
     let step = BACKOFF_MIN
         .saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX))
-        .min(BACKOFF_MAX);
+        .min(max);
     step.mul_f64(0.5 + fastrand::f64() * 0.5)
 }
 
@@ -1145,7 +1161,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 if token.usable_until > now {
                     Ok(token)
                 } else {
-                    Err(Error::TokenExchange {
+                    Err(Error::KeyExpiredOnArrival {
                         reason: "the issued key expired before it could be used".into(),
                     })
                 }
@@ -1216,7 +1232,12 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
             }
             Err(e) => {
                 let e = as_credential_error(e);
-                let delay = backoff(failed_in_row);
+                let delay = match e {
+                    Error::KeyExpiredOnArrival { .. } => {
+                        backoff_up_to(failed_in_row, EXPIRED_ON_ARRIVAL_MAX)
+                    }
+                    _ => backoff(failed_in_row),
+                };
                 let (line, suggestion) = (e.line(), e.suggestion().unwrap_or_default());
                 shared.last_error.store(Some(Arc::new(e)));
                 shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -1235,10 +1256,12 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                          in use)"
                     );
                 } else {
+                    let key = key_in_use(shared.token.load().as_deref(), shared.clock.now());
                     tracing::warn!(
                         error = %line,
                         suggestion,
                         retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        key = %key,
                         "token exchange failed"
                     );
                 }
@@ -1247,6 +1270,16 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 shared.clock.sleep(delay).await;
             }
         }
+    }
+}
+
+/// Whether requests still get a key while its refresh fails, for the failure's log line:
+/// the first failures of a refresh and those after the key ran out read the same, though
+/// only the later ones leave every request a 503.
+fn key_in_use(token: Option<&Token>, now: SystemTime) -> String {
+    match token {
+        Some(t) if t.usable_until > now => format!("usable until {}", iso8601(t.usable_until)),
+        _ => "none usable: requests are answered 503".to_string(),
     }
 }
 
@@ -1381,6 +1414,23 @@ mod tests {
         }
     }
 
+    /// A failure's line says whether the key still serves.
+    #[test]
+    fn a_failures_line_says_whether_a_key_still_serves() {
+        let issued = |secs| IssuedKey {
+            key: Secret::new("k"),
+            expires_at: at(secs),
+        };
+        let token = Token::new(issued(1_000), at(900), Duration::from_secs(60));
+        assert_eq!(
+            super::key_in_use(Some(&token), at(990)),
+            "usable until 1970-01-01T00:16:35Z"
+        );
+        let none = "none usable: requests are answered 503";
+        assert_eq!(super::key_in_use(Some(&token), at(995)), none);
+        assert_eq!(super::key_in_use(None, at(0)), none);
+    }
+
     /// A key past its expiry, or within the 5 s margin of it, is refused, naming the
     /// expiry; one just beyond the margin is taken.
     #[test]
@@ -1392,7 +1442,7 @@ mod tests {
             (start + 5, "2025-01-01T00:00:05Z"),
         ] {
             match parse(200, json!({"apiKey": "k", "expireTime": exp})) {
-                Err(Error::TokenExchange { reason }) => assert!(
+                Err(Error::KeyExpiredOnArrival { reason }) => assert!(
                     reason.contains(&format!("expires at {shown}, already (nearly) past")),
                     "{reason}"
                 ),

@@ -188,6 +188,8 @@ pub enum Mode {
     /// The given status with a code that repeats the AccessKey secret, as a gateway might
     /// repeat what it checked.
     EchoSecret(u16),
+    /// The given status with a gateway's HTML page of 100 KiB.
+    GatewayPage(u16),
 }
 
 struct State {
@@ -457,6 +459,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
                 ),
             };
             return alibaba_error(status, &code, "echoed");
+        }
+        Mode::GatewayPage(status) => {
+            let page = format!("<html>{}</html>", " ".repeat(100 * 1024));
+            let mut resp = Response::new(Full::new(Bytes::from(page)));
+            *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+            return resp;
         }
         Mode::Throttle => {
             return alibaba_error(
