@@ -613,9 +613,17 @@ impl Running {
             let next = (resolved.validate())
                 .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next));
             let selection = resolved.selection_warnings();
-            Ok::<_, Error>((resolved, warnings, next, selection))
+            // Where the key would come from, for the line of a reload that swaps it: a
+            // `./.env` deleted (a release directory removed) lets a lower layer's key
+            // through, as SPEC §2 orders them, and a forgotten `~/.abx/.env` one went into
+            // service said as a changed key alone. Here: a plugin's is found by reading
+            // its manifest.
+            let from = commands::credential_in_use(&resolved)
+                .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
+                .unwrap_or_default();
+            Ok::<_, Error>((resolved, warnings, next, selection, from))
         });
-        let (resolved, warnings, next, selection) = match read.await {
+        let (resolved, warnings, next, selection, from) = match read.await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => return failed(e),
             Err(e) => {
@@ -731,12 +739,6 @@ impl Running {
                 // (0 for a static key: left at an old temporary key's expiry, the gauge
                 // would pass that time and look like a key about to expire).
                 metrics.token_expiry.set(expiry.map_or(0.0, |t| t as f64));
-                // Where the key now comes from: a `./.env` deleted (a release directory
-                // removed) lets a lower layer's key through, as SPEC §2 orders them, and
-                // a forgotten `~/.abx/.env` one went into service said as a changed key alone.
-                let from = commands::credential_in_use(&resolved)
-                    .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
-                    .unwrap_or_default();
                 tracing::info!(
                     changed = %changed.join(","),
                     credential = %crate::providers::manifest::printable(&from),

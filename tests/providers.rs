@@ -1395,6 +1395,8 @@ async fn a_plugins_own_key_removed_from_a_file_gives_way_to_the_inherited_one() 
     assert_eq!(key_sent(proxy.addr()).await, Some(vec![OWN.to_string()]));
     let line = proxy.reload_env("", "reloaded").await;
     assert!(line.contains("borrower.api_key"), "{line}");
+    // The inherited key's source, read with the plugin's manifest on the reading thread.
+    assert!(line.contains("credential=api_key from env"), "{line}");
     assert_eq!(
         key_sent(proxy.addr()).await,
         Some(vec![API_KEY.to_string()])
