@@ -288,8 +288,9 @@ impl TokenStore {
         });
     }
 
-    /// Forgets `sandbox_id`'s token only while it is still `stale` (the one envd refused):
-    /// a fresher token, fetched after the same 401 by a concurrent request, is kept.
+    /// Forgets `sandbox_id`'s token only while it is still `stale` (one envd refused, for
+    /// a sandbox the control plane no longer has): a fresher token, fetched after the same
+    /// 401 by a concurrent request, is kept.
     pub fn remove_stale(&self, sandbox_id: &str, stale: &Secret) {
         if self.get(sandbox_id).as_ref() == Some(stale) {
             self.tokens.rcu(|snapshot| {
@@ -367,7 +368,43 @@ impl TokenStore {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
     {
-        if let Some(t) = self.get(sandbox_id) {
+        self.fetch_unless_stored(sandbox_id, None, fetch).await
+    }
+
+    /// After envd refused `refused`: the token that replaces it, fetched by `fetch` (one
+    /// look-up for all the requests refused with it) unless a fresher one is stored
+    /// already. `refused` stays stored until a look-up replaces it: dropped first, a
+    /// look-up that failed left the next request to send the SDK's own copy of it as a
+    /// token of the client's, which envd's bare 401 answered, where the look-up's failure
+    /// said why the token could not be replaced (the control plane down, the key revoked).
+    pub async fn replace<F, Fut>(
+        self: &Arc<Self>,
+        sandbox_id: &str,
+        refused: &Secret,
+        fetch: F,
+    ) -> Option<Result<Option<Secret>, Error>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
+    {
+        self.fetch_unless_stored(sandbox_id, Some(refused), fetch)
+            .await
+    }
+
+    /// The stored token (other than `refused`), else `fetch`'s, shared with the look-up
+    /// for the sandbox already running.
+    async fn fetch_unless_stored<F, Fut>(
+        self: &Arc<Self>,
+        sandbox_id: &str,
+        refused: Option<&Secret>,
+        fetch: F,
+    ) -> Option<Result<Option<Secret>, Error>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
+    {
+        let stored = || self.get(sandbox_id).filter(|t| Some(t) != refused);
+        if let Some(t) = stored() {
             return Some(Ok(Some(t)));
         }
         let mut answer = {
@@ -383,7 +420,7 @@ impl TokenStore {
                 }
                 None => {
                     // A token learned while we queued makes the fetch unnecessary.
-                    if let Some(t) = self.get(sandbox_id) {
+                    if let Some(t) = stored() {
                         return Some(Ok(Some(t)));
                     }
                     let (tx, rx) = watch::channel(None);
@@ -968,5 +1005,40 @@ mod tests {
         assert_eq!(store.get("isb-1").unwrap().expose(), "new");
         store.remove_stale("isb-1", &Secret::new("new"));
         assert!(store.get("isb-1").is_none());
+    }
+
+    /// A refused token is looked up again, and stays until a look-up replaces it; one that
+    /// a concurrent request's look-up replaced already is not looked up again.
+    #[tokio::test]
+    async fn a_refused_token_stays_until_a_look_up_replaces_it() {
+        let store = Arc::new(TokenStore::new());
+        let (old, new) = (Secret::new("old"), Secret::new("new"));
+        store.insert("isb-1", old.clone());
+        let failed = store
+            .replace("isb-1", &old, || async {
+                Err(Error::UpstreamUnavailable {
+                    reason: "down".into(),
+                    host: "h".into(),
+                })
+            })
+            .await;
+        assert!(matches!(failed, Some(Err(_))), "{failed:?}");
+        assert_eq!(
+            store.get("isb-1"),
+            Some(old.clone()),
+            "kept after a failure"
+        );
+        let fetched = new.clone();
+        let got = store
+            .replace("isb-1", &old, || async move { Ok(Some(fetched)) })
+            .await;
+        assert_eq!(got.and_then(Result::ok).flatten(), Some(new.clone()));
+        assert_eq!(store.get("isb-1"), Some(new.clone()));
+        let again = store.replace("isb-1", &old, std::future::pending).await;
+        assert_eq!(
+            again.and_then(Result::ok).flatten(),
+            Some(new),
+            "no look-up"
+        );
     }
 }
