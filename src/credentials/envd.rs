@@ -45,6 +45,8 @@ pub const MAX_ORPHANS: usize = 16;
 pub const MAX_TOKENS: usize = 10_000;
 /// Deleted sandboxes' tokens kept for [`TokenStore::sandbox_of`], newest last.
 const MAX_FORGOTTEN: usize = 1024;
+/// Tokens of the proxy's that envd refused, kept for [`TokenStore::was_refused`].
+const MAX_REFUSED: usize = 1024;
 /// A token is forgotten this long after it was learned: longer than a sandbox runs
 /// without a pause.
 pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -67,6 +69,8 @@ pub struct TokenStore {
     /// carrying one names its sandbox still (see [`TokenStore::sandbox_of`]). Bounded, and
     /// never attached to a request: the client sent it.
     forgotten: Mutex<VecDeque<(Secret, Arc<str>)>>,
+    /// See [`TokenStore::refused`]; bounded, oldest first.
+    refused: Mutex<VecDeque<(Arc<str>, Secret)>>,
 }
 
 /// One version of the store: each sandbox's token and when it was learned, and the index
@@ -180,6 +184,7 @@ impl TokenStore {
             running: AtomicUsize::new(0),
             max_tokens,
             forgotten: Mutex::default(),
+            refused: Mutex::default(),
         }
     }
 
@@ -304,9 +309,8 @@ impl TokenStore {
         self.tokens.store(Arc::new(next));
     }
 
-    /// Forgets `sandbox_id`'s token only while it is still `stale` (one envd refused, for
-    /// a sandbox the control plane no longer has): a fresher token, fetched after the same
-    /// 401 by a concurrent request, is kept.
+    /// Forgets `sandbox_id`'s token only while it is still `stale` (the one envd refused):
+    /// a fresher token, fetched after the same 401 by a concurrent request, is kept.
     pub fn remove_stale(&self, sandbox_id: &str, stale: &Secret) {
         if self.get(sandbox_id).as_ref() == Some(stale) {
             self.write(|snapshot| {
@@ -317,6 +321,29 @@ impl TokenStore {
                 next
             });
         }
+    }
+
+    /// envd refused `token`, the proxy's own for `sandbox_id` (then dropped, and looked up
+    /// again). The SDKs send their copy of it with every request: no token of the client's,
+    /// but one known to fail (see [`TokenStore::was_refused`]).
+    pub fn refused(&self, sandbox_id: &str, token: &Secret) {
+        if token.expose().is_empty() || self.was_refused(sandbox_id, token) {
+            return;
+        }
+        let mut refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
+        if refused.len() >= MAX_REFUSED {
+            refused.pop_front();
+        }
+        refused.push_back((Arc::from(sandbox_id), token.clone()));
+    }
+
+    /// Whether envd refused `token` as the proxy's own for `sandbox_id`. Asked only for a
+    /// request that finds no token stored and sends one.
+    pub fn was_refused(&self, sandbox_id: &str, token: &Secret) -> bool {
+        let refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
+        refused
+            .iter()
+            .any(|(id, t)| **id == *sandbox_id && t == token)
     }
 
     fn len(&self) -> usize {
@@ -384,43 +411,7 @@ impl TokenStore {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
     {
-        self.fetch_unless_stored(sandbox_id, None, fetch).await
-    }
-
-    /// After envd refused `refused`: the token that replaces it, fetched by `fetch` (one
-    /// look-up for all the requests refused with it) unless a fresher one is stored
-    /// already. `refused` stays stored until a look-up replaces it: dropped first, a
-    /// look-up that failed left the next request to send the SDK's own copy of it as a
-    /// token of the client's, which envd's bare 401 answered, where the look-up's failure
-    /// said why the token could not be replaced (the control plane down, the key revoked).
-    pub async fn replace<F, Fut>(
-        self: &Arc<Self>,
-        sandbox_id: &str,
-        refused: &Secret,
-        fetch: F,
-    ) -> Option<Result<Option<Secret>, Error>>
-    where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
-    {
-        self.fetch_unless_stored(sandbox_id, Some(refused), fetch)
-            .await
-    }
-
-    /// The stored token (other than `refused`), else `fetch`'s, shared with the look-up
-    /// for the sandbox already running.
-    async fn fetch_unless_stored<F, Fut>(
-        self: &Arc<Self>,
-        sandbox_id: &str,
-        refused: Option<&Secret>,
-        fetch: F,
-    ) -> Option<Result<Option<Secret>, Error>>
-    where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Option<Secret>, Error>> + Send + 'static,
-    {
-        let stored = || self.get(sandbox_id).filter(|t| Some(t) != refused);
-        if let Some(t) = stored() {
+        if let Some(t) = self.get(sandbox_id) {
             return Some(Ok(Some(t)));
         }
         let mut answer = {
@@ -436,7 +427,7 @@ impl TokenStore {
                 }
                 None => {
                     // A token learned while we queued makes the fetch unnecessary.
-                    if let Some(t) = stored() {
+                    if let Some(t) = self.get(sandbox_id) {
                         return Some(Ok(Some(t)));
                     }
                     let (tx, rx) = watch::channel(None);
@@ -1017,6 +1008,24 @@ mod tests {
         assert_eq!(store.get("isb-h"), Some(t("tok-h2")), "the answer's last");
     }
 
+    /// Refused tokens are known by sandbox and token, never the empty one, and bounded.
+    #[test]
+    fn refused_tokens_are_known_by_sandbox_and_bounded() {
+        let store = TokenStore::new();
+        let t = |s: &str| Secret::new(s);
+        store.refused("isb-1", &t("old"));
+        store.refused("isb-1", &t(""));
+        assert!(store.was_refused("isb-1", &t("old")));
+        assert!(!store.was_refused("isb-2", &t("old")), "another sandbox's");
+        assert!(!store.was_refused("isb-1", &t("new")));
+        assert!(!store.was_refused("isb-1", &t("")), "the empty one");
+        for i in 0..MAX_REFUSED {
+            store.refused(&format!("isb-x{i}"), &t("x"));
+        }
+        assert!(!store.was_refused("isb-1", &t("old")), "the oldest went");
+        assert!(store.was_refused("isb-x0", &t("x")));
+    }
+
     #[test]
     fn remove_stale_keeps_a_fresher_token() {
         let store = TokenStore::new();
@@ -1025,40 +1034,5 @@ mod tests {
         assert_eq!(store.get("isb-1").unwrap().expose(), "new");
         store.remove_stale("isb-1", &Secret::new("new"));
         assert!(store.get("isb-1").is_none());
-    }
-
-    /// A refused token is looked up again, and stays until a look-up replaces it; one that
-    /// a concurrent request's look-up replaced already is not looked up again.
-    #[tokio::test]
-    async fn a_refused_token_stays_until_a_look_up_replaces_it() {
-        let store = Arc::new(TokenStore::new());
-        let (old, new) = (Secret::new("old"), Secret::new("new"));
-        store.insert("isb-1", old.clone());
-        let failed = store
-            .replace("isb-1", &old, || async {
-                Err(Error::UpstreamUnavailable {
-                    reason: "down".into(),
-                    host: "h".into(),
-                })
-            })
-            .await;
-        assert!(matches!(failed, Some(Err(_))), "{failed:?}");
-        assert_eq!(
-            store.get("isb-1"),
-            Some(old.clone()),
-            "kept after a failure"
-        );
-        let fetched = new.clone();
-        let got = store
-            .replace("isb-1", &old, || async move { Ok(Some(fetched)) })
-            .await;
-        assert_eq!(got.and_then(Result::ok).flatten(), Some(new.clone()));
-        assert_eq!(store.get("isb-1"), Some(new.clone()));
-        let again = store.replace("isb-1", &old, std::future::pending).await;
-        assert_eq!(
-            again.and_then(Result::ok).flatten(),
-            Some(new),
-            "no look-up"
-        );
     }
 }

@@ -605,9 +605,21 @@ impl Proxy {
             // answer without it): the client's own, when it sent one, is the better guess.
             (Some(t), Some(c)) if t.expose().is_empty() => (c, true),
             (Some(t), _) => (t.clone(), false),
+            // The SDKs' copy of a token of the proxy's that envd refused (they send the one
+            // their create got with every request): no token of the client's to mend, but
+            // one known to fail. Looked up as if none was sent: after a look-up that
+            // failed, it went to envd and its bare 401 was the answer, where the first
+            // request was told why (the SDKs raised "invalid access token" for an outage).
+            (None, Some(c))
+                if port == DEFAULT_ENVD_PORT
+                    && !deleted
+                    && self.tokens.was_refused(sandbox_id, &c) =>
+            {
+                (self.lookup_token(sandbox_id).await?, false)
+            }
             (None, Some(t)) => (t, true),
             (None, None) if port == DEFAULT_ENVD_PORT && !deleted => {
-                (self.lookup_token(sandbox_id, None).await?, false)
+                (self.lookup_token(sandbox_id).await?, false)
             }
             (None, None) => (Secret::new(""), false),
         };
@@ -647,27 +659,23 @@ impl Proxy {
         // client's credential for the app: fetching the token again would let any client
         // drive look-ups with the proxy's key, and would send the request twice.
         if resp.status() == StatusCode::UNAUTHORIZED && port == DEFAULT_ENVD_PORT && !deleted {
-            // The token may have been rotated: fetch it again, once; concurrent 401s share
-            // one look-up, and one that a look-up replaced already is not looked up again.
-            // The refused token is the one sent, or the empty one the client's stood in for.
+            // The token may have been rotated: fetch it again, once. Only the refused token
+            // is dropped, so concurrent 401s share one look-up instead of each discarding
+            // the token the previous one just fetched.
+            // That is the token sent, or the empty one the client's stood in for.
+            self.tokens
+                .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
+            if !client_sent {
+                self.tokens.refused(sandbox_id, &token);
+            }
             // A look-up that fails says why the proxy's token could not be replaced (the
             // control plane down, the key exchange failing, the sandbox gone), as it does
             // for a sandbox with no token stored: envd's 401 alone read as a bad key. A
             // token the client sent is the client's to mend: envd's 401 is its answer.
-            let refused = stored.as_ref().unwrap_or(&token);
-            let fresh = match self.lookup_token(sandbox_id, Some(refused)).await {
+            let fresh = match self.lookup_token(sandbox_id).await {
                 Ok(fresh) => Some(fresh),
-                Err(e) => {
-                    // Gone, as the control plane says: its token with it. Any other
-                    // failure keeps it, and the next request is answered the same way.
-                    if matches!(e, Error::SandboxNotFound { .. }) {
-                        self.tokens.remove_stale(sandbox_id, refused);
-                    }
-                    if !client_sent {
-                        return Err(e.into());
-                    }
-                    None
-                }
+                Err(_) if client_sent => None,
+                Err(e) => return Err(e.into()),
             };
             if let (Some((method, uri, mut headers)), Some(fresh)) =
                 (replay, fresh.filter(|fresh| *fresh != token))
@@ -750,21 +758,12 @@ impl Proxy {
     /// A sandbox that exists without a token (not `secure`) gets an empty one.
     /// The fetch runs in a task of its own (see `TokenStore::get_or_fetch`): a client that
     /// gives up waiting does not take the look-up with it.
-    /// `refused`: a token envd refused, which the look-up is to replace (see
-    /// `TokenStore::replace`).
-    async fn lookup_token(
-        self: &Arc<Self>,
-        sandbox_id: &str,
-        refused: Option<&Secret>,
-    ) -> Result<Secret, Error> {
+    async fn lookup_token(self: &Arc<Self>, sandbox_id: &str) -> Result<Secret, Error> {
         let fetch = || {
             let (proxy, id) = (Arc::clone(self), sandbox_id.to_string());
             async move { proxy.fetch_token(&id).await }
         };
-        let found = match refused {
-            Some(refused) => self.tokens.replace(sandbox_id, refused, fetch).await,
-            None => self.tokens.get_or_fetch(sandbox_id, fetch).await,
-        };
+        let found = self.tokens.get_or_fetch(sandbox_id, fetch).await;
         let found = found.ok_or_else(|| Error::UpstreamUnavailable {
             reason: "the envd token look-up did not finish".into(),
             host: self.api_host.to_string(),
