@@ -28,7 +28,7 @@ pub enum Error {
     #[error("token exchange failed: {reason}")]
     TokenExchange { reason: String },
     /// E1004 too: the endpoint issued a key already (nearly) expired by this machine's
-    /// clock. Of its own for its suggestion, and because each such exchange minted a key.
+    /// clock. Of its own for its suggestion: the pair is not what to check.
     #[error("token exchange failed: {reason}")]
     KeyExpiredOnArrival { reason: String },
     /// E1005: a setting has a value we cannot use.
@@ -47,7 +47,7 @@ pub enum Error {
     RemoteListen { addr: String },
     /// E1008: the proxy cannot serve: a listener could not be bound, or what serving
     /// needs could not be had (the open-file limit's room, the runtime and its threads,
-    /// the metrics registry).
+    /// the metrics registry), or its accept loop ended.
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
     /// E1009: the upstream answered 401/403 to the credential (`check`, or the envd token
@@ -155,8 +155,8 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
+            Error::KeyExpiredOnArrival { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired.",
             // Said by `check` too ("run check" was no advice there), and in serve's log line.
-            Error::KeyExpiredOnArrival { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. Each exchange creates a key; they are retried up to 5 minutes apart.",
             Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
             Error::ReadFile { .. } => "Check that the file exists, is readable by this user and is well formed.",

@@ -50,10 +50,6 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 /// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
-/// The longest delay after exchanges whose keys arrived already expired (a clock ahead of
-/// the endpoint's): each was minted, and is never deleted (see [`REFUSAL_GAP_MAX`]); at
-/// [`BACKOFF_MAX`] that was 120 keys an hour for as long as the clocks disagree.
-pub const EXPIRED_ON_ARRIVAL_MAX: Duration = Duration::from_secs(300);
 /// A key issued for less than this is short, usable for under [`BACKOFF_MIN`] before
 /// [`EXPIRY_MARGIN`], and exchanges for such keys are paced as failed ones. Not longer:
 /// a key of 9 s, refreshed every 4 s, serves without a gap, and paced it lapsed for most
@@ -1117,13 +1113,9 @@ fn as_credential_error(e: Error) -> Error {
 /// Delay before retry number `n` (from 0): 1 s doubling to 30 s, each drawn from the upper
 /// half of its step so a fleet restarted together does not retry in lockstep.
 fn backoff(n: u32) -> Duration {
-    backoff_up_to(n, BACKOFF_MAX)
-}
-
-fn backoff_up_to(n: u32, max: Duration) -> Duration {
     let step = BACKOFF_MIN
         .saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX))
-        .min(max);
+        .min(BACKOFF_MAX);
     step.mul_f64(0.5 + fastrand::f64() * 0.5)
 }
 
@@ -1161,7 +1153,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 if token.usable_until > now {
                     Ok(token)
                 } else {
-                    Err(Error::KeyExpiredOnArrival {
+                    Err(Error::TokenExchange {
                         reason: "the issued key expired before it could be used".into(),
                     })
                 }
@@ -1232,12 +1224,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
             }
             Err(e) => {
                 let e = as_credential_error(e);
-                let delay = match e {
-                    Error::KeyExpiredOnArrival { .. } => {
-                        backoff_up_to(failed_in_row, EXPIRED_ON_ARRIVAL_MAX)
-                    }
-                    _ => backoff(failed_in_row),
-                };
+                let delay = backoff(failed_in_row);
                 let (line, suggestion) = (e.line(), e.suggestion().unwrap_or_default());
                 shared.last_error.store(Some(Arc::new(e)));
                 shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -1278,6 +1265,10 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
 /// only the later ones leave every request a 503.
 fn key_in_use(token: Option<&Token>, now: SystemTime) -> String {
     match token {
+        // Its refresh was brought forward by the control plane's 401 to it.
+        Some(t) if t.usable_until > now && t.early => {
+            "refused by the control plane: requests get its 401".to_string()
+        }
         Some(t) if t.usable_until > now => format!("usable until {}", iso8601(t.usable_until)),
         _ => "none usable: requests are answered 503".to_string(),
     }
@@ -1425,6 +1416,12 @@ mod tests {
         assert_eq!(
             super::key_in_use(Some(&token), at(990)),
             "usable until 1970-01-01T00:16:35Z"
+        );
+        let mut refused = Token::new(issued(1_000), at(900), Duration::from_secs(60));
+        refused.early = true;
+        assert_eq!(
+            super::key_in_use(Some(&refused), at(990)),
+            "refused by the control plane: requests get its 401"
         );
         let none = "none usable: requests are answered 503";
         assert_eq!(super::key_in_use(Some(&token), at(995)), none);

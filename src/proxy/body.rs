@@ -19,8 +19,9 @@ use super::listener::{AnswerCut, OpenStream};
 use crate::error::Error;
 use crate::upstream::{BoxError, ProxyBody};
 
-/// The size bound for a body the proxy reads whole itself (a rewritten create or connect
-/// body, an answer it learns envd tokens from); a longer one streams on.
+/// The size bound for a body the proxy reads whole itself: a rewritten create or connect
+/// body, or an answer it learns envd tokens from (a longer one of these streams on,
+/// unread), or its own token look-up's answer (a longer one fails the look-up).
 pub const READ_WHOLE_LIMIT: usize = 1024 * 1024;
 
 /// What the proxy holds at once, in all, of the bodies it reads whole ([`Held`]).

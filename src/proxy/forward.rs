@@ -26,7 +26,8 @@ pub struct Failed {
     pub reached: bool,
 }
 
-/// A request that failed before it was forwarded: nothing reached the upstream.
+/// A failure of the proxy's own, not of a forward (a request refused, a token look-up
+/// failed): no upstream carried the request out.
 impl From<Error> for Failed {
     fn from(error: Error) -> Self {
         Failed {
