@@ -5,7 +5,7 @@
 //! Bounded: most sandboxes end by timing out, not by a `DELETE` through this proxy, so
 //! without a bound every sandbox ever created would stay. Each time a token is learned,
 //! those older than [`MAX_AGE`] are dropped, and beyond [`MAX_TOKENS`] the oldest go (a
-//! 64th of the bound more at once);
+//! 64th of the bound at once, so that a full store is not sorted on every write);
 //! [`TokenStore::get`] does not look at the age, so a request naming its sandbox pays no
 //! clock read for it (an old token still served is at worst refused by envd, which
 //! triggers a fresh look-up). Forgetting costs little: the SDKs send the token themselves,
