@@ -1791,6 +1791,31 @@ async fn a_connect_carrying_envd_headers_goes_to_the_control_plane() {
     proxy.finish().await;
 }
 
+/// An older SDK (e2b Python 2.10-2.20, JS 2.9) names no sandbox, only its token. Rotated
+/// while the control plane fails its look-ups, the token envd refused still names its
+/// sandbox: every such request gets the look-up's error (the second got 400 E5003, "name
+/// the sandbox", and commands the control plane's 404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_sent_alone_still_names_its_sandbox() {
+    let env = Env::start(Pki::new()).await;
+    let proxy = env.proxy().await;
+    let addr = proxy.addr();
+    env.create(&proxy, "isb-busy-t", "tok-bt").await;
+    env.cloud.exists("isb-busy-t", "tok-bt-rotated");
+    for n in 1..=3 {
+        let raw = format!(
+            "GET /files?path=%2Ftmp%2Fx HTTP/1.1\r\nHost: {addr}\r\n\
+             X-Access-Token: tok-bt\r\nConnection: close\r\n\r\n"
+        );
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_proxy_error(&resp, 502, "E5001");
+        assert_eq!(env.lookups("isb-busy-t").len(), n);
+    }
+    assert_eq!(env.envd.seen().len(), 1, "only the first went to envd");
+    env.assert_envd_clean();
+    proxy.finish().await;
+}
+
 /// e2b Python 2.10-2.20 send the commands and files of a sandbox got by `Sandbox.connect`
 /// with `X-Access-Token` alone, and JS 2.9 its file and health requests: no sandbox named.
 /// On envd's paths, a token the proxy learned names its sandbox; they went to the control

@@ -26,7 +26,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,9 @@ pub struct TokenStore {
     forgotten: Mutex<VecDeque<(Secret, Arc<str>)>>,
     /// See [`TokenStore::refused`]; bounded, oldest first.
     refused: Mutex<VecDeque<(Arc<str>, Secret)>>,
+    /// Whether `refused` was ever written: until then no request takes its lock (after a
+    /// restart every SDK request for a sandbox the proxy has not learned would).
+    any_refused: AtomicBool,
 }
 
 /// One version of the store: each sandbox's token and when it was learned, and the index
@@ -185,6 +188,7 @@ impl TokenStore {
             max_tokens,
             forgotten: Mutex::default(),
             refused: Mutex::default(),
+            any_refused: AtomicBool::new(false),
         }
     }
 
@@ -288,17 +292,24 @@ impl TokenStore {
     /// proxy again).
     pub fn remove(&self, sandbox_id: &str) {
         self.supersede(sandbox_id);
+        // Its tokens envd refused too (dropped from the store then): an older SDK may hold
+        // one, and its health check after the kill names the sandbox by it.
+        let mut gone = self.take_refused(sandbox_id);
         let known = (self.tokens.load().by_id.get_key_value(sandbox_id))
             .map(|(id, (token, _))| (id.clone(), token.clone()));
-        let Some((id, token)) = known else {
-            return;
-        };
-        if !token.expose().is_empty() {
+        gone.extend(known.clone().map(|(id, token)| (token, id)));
+        gone.retain(|(token, _)| !token.expose().is_empty());
+        if !gone.is_empty() {
             let mut forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
-            if forgotten.len() >= MAX_FORGOTTEN {
-                forgotten.pop_front();
+            for (token, id) in gone {
+                if forgotten.len() >= MAX_FORGOTTEN {
+                    forgotten.pop_front();
+                }
+                forgotten.push_back((token, id));
             }
-            forgotten.push_back((token, id));
+        }
+        if known.is_none() {
+            return;
         }
         self.write(|snapshot| {
             let mut next = Snapshot::clone(snapshot);
@@ -346,15 +357,36 @@ impl TokenStore {
             refused.pop_front();
         }
         refused.push_back((Arc::from(sandbox_id), token.clone()));
+        self.any_refused.store(true, Ordering::Relaxed);
     }
 
     /// Whether envd refused `token` as the proxy's own for `sandbox_id`. Asked only for a
     /// request that finds no token stored and sends one.
     pub fn was_refused(&self, sandbox_id: &str, token: &Secret) -> bool {
+        if !self.any_refused.load(Ordering::Relaxed) {
+            return false;
+        }
         let refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
         refused
             .iter()
             .any(|(id, t)| **id == *sandbox_id && t == token)
+    }
+
+    /// Takes `sandbox_id`'s refused tokens out, as `(token, id)`.
+    fn take_refused(&self, sandbox_id: &str) -> Vec<(Secret, Arc<str>)> {
+        if !self.any_refused.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let mut refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
+        let mut taken = Vec::new();
+        refused.retain(|(id, t)| {
+            let this = **id == *sandbox_id;
+            if this {
+                taken.push((t.clone(), id.clone()));
+            }
+            !this
+        });
+        taken
     }
 
     fn len(&self) -> usize {
@@ -382,6 +414,19 @@ impl TokenStore {
                 id: id.clone(),
                 deleted: false,
             });
+        }
+        // A token of the proxy's envd refused (dropped from the index then): its sandbox
+        // still, for an older SDK that sends it alone; `Proxy::envd` looks it up again
+        // (a failing look-up's error, or the new token once it answers).
+        if self.any_refused.load(Ordering::Relaxed) {
+            let refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
+            let holders = (refused.iter()).filter(|(_, t)| t.expose() == token);
+            if let Some(id) = only_one(holders.map(|(id, _)| id)) {
+                return id.map(|id| TokenOwner {
+                    id: id.clone(),
+                    deleted: false,
+                });
+            }
         }
         let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
         let deleted = (forgotten.iter()).filter(|(t, _)| t.expose() == token);
@@ -1036,6 +1081,28 @@ mod tests {
         }
         assert!(!store.was_refused("isb-1", &t("old")), "the oldest went");
         assert!(store.was_refused("isb-x0", &t("x")));
+    }
+
+    /// A refused token names its sandbox for token-only requests, and once the sandbox is
+    /// deleted through the proxy, names it as deleted.
+    #[test]
+    fn a_refused_token_names_its_sandbox_until_deleted() {
+        let store = TokenStore::new();
+        let owner = |token: &[u8]| {
+            store
+                .sandbox_of(token)
+                .map(|o| (o.id.to_string(), o.deleted))
+        };
+        store.insert("isb-1", Secret::new("old"));
+        store.refused("isb-1", &Secret::new("old"));
+        store.remove_stale("isb-1", &Secret::new("old"));
+        assert_eq!(owner(b"old"), Some(("isb-1".into(), false)));
+        store.remove("isb-1");
+        assert_eq!(owner(b"old"), Some(("isb-1".into(), true)));
+        assert!(
+            !store.was_refused("isb-1", &Secret::new("old")),
+            "taken out"
+        );
     }
 
     #[test]

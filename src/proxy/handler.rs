@@ -663,11 +663,13 @@ impl Proxy {
             // is dropped, so concurrent 401s share one look-up instead of each discarding
             // the token the previous one just fetched.
             // That is the token sent, or the empty one the client's stood in for.
-            self.tokens
-                .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
+            // Said refused before it is dropped: a request between the two would find
+            // neither, and send the SDK's copy as a token of the client's.
             if !client_sent {
                 self.tokens.refused(sandbox_id, &token);
             }
+            self.tokens
+                .remove_stale(sandbox_id, stored.as_ref().unwrap_or(&token));
             // A look-up that fails says why the proxy's token could not be replaced (the
             // control plane down, the key exchange failing, the sandbox gone), as it does
             // for a sandbox with no token stored: envd's 401 alone read as a bad key. A
