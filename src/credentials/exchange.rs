@@ -1241,7 +1241,9 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                          in use)"
                     );
                 } else {
-                    let key = key_in_use(shared.token.load().as_deref(), shared.clock.now());
+                    let refusing = shared.refusal_streak.load(Ordering::Relaxed);
+                    let key =
+                        key_in_use(shared.token.load().as_deref(), refusing, shared.clock.now());
                     tracing::warn!(
                         error = %line,
                         suggestion,
@@ -1261,12 +1263,11 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
 /// Whether requests still get a key while its refresh fails, for the failure's log line:
 /// the first failures of a refresh and those after the key ran out read the same, though
 /// only the later ones leave every request a 503.
-fn key_in_use(token: Option<&Token>, now: SystemTime) -> String {
+/// `refusing`: the control plane's 401s to the key are being backed off (until it accepts
+/// one again, or a refresh on the key's own schedule).
+fn key_in_use(token: Option<&Token>, refusing: bool, now: SystemTime) -> String {
     match token {
-        // Its refresh was brought forward by the control plane's 401 to it.
-        Some(t) if t.usable_until > now && t.early => {
-            "refused by the control plane: requests get its 401".to_string()
-        }
+        Some(t) if t.usable_until > now && refusing => "refused by the control plane".to_string(),
         Some(t) if t.usable_until > now => format!("usable until {}", iso8601(t.usable_until)),
         _ => "none usable: requests are answered 503".to_string(),
     }
@@ -1412,18 +1413,16 @@ mod tests {
         };
         let token = Token::new(issued(1_000), at(900), Duration::from_secs(60));
         assert_eq!(
-            super::key_in_use(Some(&token), at(990)),
+            super::key_in_use(Some(&token), false, at(990)),
             "usable until 1970-01-01T00:16:35Z"
         );
-        let mut refused = Token::new(issued(1_000), at(900), Duration::from_secs(60));
-        refused.early = true;
         assert_eq!(
-            super::key_in_use(Some(&refused), at(990)),
-            "refused by the control plane: requests get its 401"
+            super::key_in_use(Some(&token), true, at(990)),
+            "refused by the control plane"
         );
         let none = "none usable: requests are answered 503";
-        assert_eq!(super::key_in_use(Some(&token), at(995)), none);
-        assert_eq!(super::key_in_use(None, at(0)), none);
+        assert_eq!(super::key_in_use(Some(&token), true, at(995)), none);
+        assert_eq!(super::key_in_use(None, false, at(0)), none);
     }
 
     /// A key past its expiry, or within the 5 s margin of it, is refused, naming the
