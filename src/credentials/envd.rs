@@ -47,6 +47,8 @@ pub const MAX_TOKENS: usize = 10_000;
 const MAX_FORGOTTEN: usize = 1024;
 /// Tokens of the proxy's that envd refused, kept for [`TokenStore::was_refused`].
 const MAX_REFUSED: usize = 1024;
+/// A deleted sandbox's refused tokens kept among the deleted ones, at most.
+const REFUSED_KEPT_ON_DELETE: usize = 4;
 /// A token is forgotten this long after it was learned: longer than a sandbox runs
 /// without a pause.
 pub const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -69,8 +71,8 @@ pub struct TokenStore {
     /// carrying one names its sandbox still (see [`TokenStore::sandbox_of`]). Bounded, and
     /// never attached to a request: the client sent it.
     forgotten: Mutex<VecDeque<(Secret, Arc<str>)>>,
-    /// See [`TokenStore::refused`]; bounded, oldest first.
-    refused: Mutex<VecDeque<(Arc<str>, Secret)>>,
+    /// See [`TokenStore::refused`].
+    refused: Mutex<Refused>,
     /// Whether `refused` was ever written: until then no request takes its lock (after a
     /// restart every SDK request for a sandbox the proxy has not learned would).
     any_refused: AtomicBool,
@@ -112,6 +114,59 @@ impl Snapshot {
         } else {
             self.by_token.insert(token, rest);
         }
+    }
+}
+
+/// The tokens of the proxy's own that envd refused (see [`TokenStore::refused`]), by
+/// token: a request's look-up is one hash, not a scan. Bounded, the oldest going first.
+#[derive(Default)]
+struct Refused {
+    order: VecDeque<(Secret, Arc<str>)>,
+    by_token: HashMap<Secret, Vec<Arc<str>>>,
+}
+
+impl Refused {
+    fn holds(&self, id: &str, token: &str) -> bool {
+        (self.by_token.get(token)).is_some_and(|ids| ids.iter().any(|i| **i == *id))
+    }
+
+    fn add(&mut self, id: &str, token: &Secret) {
+        if self.holds(id, token.expose()) {
+            return;
+        }
+        if self.order.len() >= MAX_REFUSED {
+            if let Some((t, i)) = self.order.pop_front() {
+                self.unindex(&t, &i);
+            }
+        }
+        let id: Arc<str> = Arc::from(id);
+        self.order.push_back((token.clone(), id.clone()));
+        self.by_token.entry(token.clone()).or_default().push(id);
+    }
+
+    fn unindex(&mut self, token: &Secret, id: &Arc<str>) {
+        if let Some(ids) = self.by_token.get_mut(token) {
+            ids.retain(|i| i != id);
+            if ids.is_empty() {
+                self.by_token.remove(token);
+            }
+        }
+    }
+
+    /// Takes the entries of the sandboxes `of` names out, oldest first.
+    fn take(&mut self, of: impl Fn(&str) -> bool) -> Vec<(Secret, Arc<str>)> {
+        let mut taken = Vec::new();
+        self.order.retain(|(t, i)| {
+            let this = of(i);
+            if this {
+                taken.push((t.clone(), i.clone()));
+            }
+            !this
+        });
+        for (t, i) in &taken {
+            self.unindex(t, i);
+        }
+        taken
     }
 }
 
@@ -229,6 +284,8 @@ impl TokenStore {
             .collect();
         learned.reverse();
         let learned = &learned[learned.len().saturating_sub(self.max_tokens)..];
+        // A token learned for a sandbox ends what was refused for it.
+        self.take_refused(|id| named.contains(id));
         // What `snapshot` holds already, learned again lately.
         let fresh_in = |snapshot: &Snapshot| -> Vec<&(S, Secret)> {
             (learned.iter().copied())
@@ -294,7 +351,9 @@ impl TokenStore {
         self.supersede(sandbox_id);
         // Its tokens envd refused too (dropped from the store then): an older SDK may hold
         // one, and its health check after the kill names the sandbox by it.
-        let mut gone = self.take_refused(sandbox_id);
+        // The last few: one sandbox's refusals must not push every other deleted one out.
+        let mut gone = self.take_refused(|id| id == sandbox_id);
+        gone.drain(..gone.len().saturating_sub(REFUSED_KEPT_ON_DELETE));
         let known = (self.tokens.load().by_id.get_key_value(sandbox_id))
             .map(|(id, (token, _))| (id.clone(), token.clone()));
         gone.extend(known.clone().map(|(id, token)| (token, id)));
@@ -348,15 +407,13 @@ impl TokenStore {
     /// envd refused `token`, the proxy's own for `sandbox_id` (then dropped, and looked up
     /// again). The SDKs send their copy of it with every request: no token of the client's,
     /// but one known to fail (see [`TokenStore::was_refused`]).
+    /// Forgotten when the sandbox's id is learned again (a provider that reuses ids must
+    /// not have an old token run requests in the new sandbox) or deleted.
     pub fn refused(&self, sandbox_id: &str, token: &Secret) {
-        if token.expose().is_empty() || self.was_refused(sandbox_id, token) {
+        if token.expose().is_empty() {
             return;
         }
-        let mut refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
-        if refused.len() >= MAX_REFUSED {
-            refused.pop_front();
-        }
-        refused.push_back((Arc::from(sandbox_id), token.clone()));
+        self.lock_refused().add(sandbox_id, token);
         self.any_refused.store(true, Ordering::Relaxed);
     }
 
@@ -366,27 +423,19 @@ impl TokenStore {
         if !self.any_refused.load(Ordering::Relaxed) {
             return false;
         }
-        let refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
-        refused
-            .iter()
-            .any(|(id, t)| **id == *sandbox_id && t == token)
+        self.lock_refused().holds(sandbox_id, token.expose())
     }
 
-    /// Takes `sandbox_id`'s refused tokens out, as `(token, id)`.
-    fn take_refused(&self, sandbox_id: &str) -> Vec<(Secret, Arc<str>)> {
+    /// Takes the refused tokens of the sandboxes `of` names out, as `(token, id)`.
+    fn take_refused(&self, of: impl Fn(&str) -> bool) -> Vec<(Secret, Arc<str>)> {
         if !self.any_refused.load(Ordering::Relaxed) {
             return Vec::new();
         }
-        let mut refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
-        let mut taken = Vec::new();
-        refused.retain(|(id, t)| {
-            let this = **id == *sandbox_id;
-            if this {
-                taken.push((t.clone(), id.clone()));
-            }
-            !this
-        });
-        taken
+        self.lock_refused().take(of)
+    }
+
+    fn lock_refused(&self) -> std::sync::MutexGuard<'_, Refused> {
+        self.refused.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn len(&self) -> usize {
@@ -415,25 +464,29 @@ impl TokenStore {
                 deleted: false,
             });
         }
+        // Deleted through the proxy first: a refusal that lands after the delete (its
+        // request was in flight) must not bring the sandbox back as a live one.
+        let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
+        let deleted = (forgotten.iter()).filter(|(t, _)| t.expose() == token);
+        if let Some(id) = only_one(deleted.map(|(_, id)| id)) {
+            return id.map(|id| TokenOwner {
+                id: id.clone(),
+                deleted: true,
+            });
+        }
+        drop(forgotten);
         // A token of the proxy's envd refused (dropped from the index then): its sandbox
         // still, for an older SDK that sends it alone; `Proxy::envd` looks it up again
         // (a failing look-up's error, or the new token once it answers).
-        if self.any_refused.load(Ordering::Relaxed) {
-            let refused = (self.refused.lock()).unwrap_or_else(PoisonError::into_inner);
-            let holders = (refused.iter()).filter(|(_, t)| t.expose() == token);
-            if let Some(id) = only_one(holders.map(|(id, _)| id)) {
-                return id.map(|id| TokenOwner {
-                    id: id.clone(),
-                    deleted: false,
-                });
-            }
+        if !self.any_refused.load(Ordering::Relaxed) {
+            return None;
         }
-        let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
-        let deleted = (forgotten.iter()).filter(|(t, _)| t.expose() == token);
-        let id = only_one(deleted.map(|(_, id)| id)).flatten()?;
+        let refused = self.lock_refused();
+        let holders = refused.by_token.get(token)?;
+        let id = only_one(holders.iter()).flatten()?;
         Some(TokenOwner {
             id: id.clone(),
-            deleted: true,
+            deleted: false,
         })
     }
 
@@ -1103,6 +1156,32 @@ mod tests {
             !store.was_refused("isb-1", &Secret::new("old")),
             "taken out"
         );
+
+        // A refusal that lands after the delete (its request was in flight): still deleted.
+        store.refused("isb-1", &Secret::new("old"));
+        assert_eq!(owner(b"old"), Some(("isb-1".into(), true)));
+
+        // An id learned again (a provider that reuses ids): its old refused token names
+        // nothing, nor is it taken for a refused one.
+        store.insert("isb-2", Secret::new("two"));
+        store.refused("isb-2", &Secret::new("two"));
+        store.remove_stale("isb-2", &Secret::new("two"));
+        assert_eq!(owner(b"two"), Some(("isb-2".into(), false)));
+        store.insert("isb-2", Secret::new("two-new"));
+        assert_eq!(owner(b"two"), None);
+        assert!(!store.was_refused("isb-2", &Secret::new("two")));
+
+        // One sandbox's many refusals keep the other deleted sandboxes' tokens.
+        store.insert("isb-3", Secret::new("three"));
+        store.remove("isb-3");
+        for i in 0..MAX_FORGOTTEN {
+            store.refused("isb-4", &Secret::new(format!("four-{i}")));
+        }
+        store.remove("isb-4");
+        assert_eq!(owner(b"three"), Some(("isb-3".into(), true)));
+        let last = format!("four-{}", MAX_FORGOTTEN - 1);
+        assert_eq!(owner(last.as_bytes()), Some(("isb-4".into(), true)));
+        assert_eq!(owner(b"four-0"), None, "only the last few");
     }
 
     #[test]
