@@ -659,12 +659,12 @@ impl Proxy {
         // client's credential for the app: fetching the token again would let any client
         // drive look-ups with the proxy's key, and would send the request twice.
         if resp.status() == StatusCode::UNAUTHORIZED && port == DEFAULT_ENVD_PORT && !deleted {
-            // The token may have been rotated: fetch it again, once. Only the refused token
-            // is dropped, so concurrent 401s share one look-up instead of each discarding
-            // the token the previous one just fetched.
-            // That is the token sent, or the empty one the client's stood in for.
-            // Said refused before it is dropped: a request between the two would find
-            // neither, and send the SDK's copy as a token of the client's.
+            // The token may have been rotated: fetch it again, once. A token of the
+            // proxy's is said refused first, then dropped (a request between the two would
+            // find neither, and send the SDK's copy as a token of the client's). Only the
+            // refused token is dropped, so concurrent 401s share one look-up instead of
+            // each discarding the token the previous one just fetched; that is the token
+            // sent, or the empty one the client's stood in for.
             if !client_sent {
                 self.tokens.refused(sandbox_id, &token);
             }
