@@ -1812,6 +1812,30 @@ async fn a_refused_token_sent_alone_still_names_its_sandbox() {
         assert_eq!(env.lookups("isb-busy-t").len(), n);
     }
     assert_eq!(env.envd.seen().len(), 1, "only the first went to envd");
+
+    // Rotated while the control plane answers: every request by the old token alone
+    // reaches envd with the new one (after the first's look-up, the second went to the
+    // control plane and the third was refused 400, when the answer ended the refusal).
+    env.create(&proxy, "isb-rot", "tok-r").await;
+    env.cloud.exists("isb-rot", "tok-r2");
+    for n in 1..=3 {
+        let raw = format!(
+            "GET /health HTTP/1.1\r\nHost: {addr}\r\n\
+             X-Access-Token: tok-r\r\nConnection: close\r\n\r\n"
+        );
+        let resp = raw_exchange(addr, raw.as_bytes()).await;
+        assert_eq!(resp.status, 200, "request {n}: {:?}", resp.text());
+        let seen = env.envd.seen().pop().expect("envd was asked");
+        assert_envd_head(
+            &seen,
+            &env.envd.addr.to_string(),
+            "isb-rot",
+            ENVD_PORT,
+            "tok-r2",
+            DEFAULT_BASIC,
+        );
+    }
+    assert_eq!(env.lookups("isb-rot").len(), 1);
     env.assert_envd_clean();
     proxy.finish().await;
 }

@@ -284,8 +284,6 @@ impl TokenStore {
             .collect();
         learned.reverse();
         let learned = &learned[learned.len().saturating_sub(self.max_tokens)..];
-        // A token learned for a sandbox ends what was refused for it.
-        self.take_refused(|id| named.contains(id));
         // What `snapshot` holds already, learned again lately.
         let fresh_in = |snapshot: &Snapshot| -> Vec<&(S, Secret)> {
             (learned.iter().copied())
@@ -407,8 +405,9 @@ impl TokenStore {
     /// envd refused `token`, the proxy's own for `sandbox_id` (then dropped, and looked up
     /// again). The SDKs send their copy of it with every request: no token of the client's,
     /// but one known to fail (see [`TokenStore::was_refused`]).
-    /// Forgotten when the sandbox's id is learned again (a provider that reuses ids must
-    /// not have an old token run requests in the new sandbox) or deleted.
+    /// Kept while the sandbox lives (a look-up's new token does not end it: an older SDK
+    /// keeps sending the refused one alone, which must still name its sandbox); taken to
+    /// the deleted ones when it is deleted through the proxy.
     pub fn refused(&self, sandbox_id: &str, token: &Secret) {
         if token.expose().is_empty() {
             return;
@@ -1118,6 +1117,18 @@ mod tests {
         assert_eq!(store.get("isb-h"), Some(t("tok-h2")), "the answer's last");
     }
 
+    /// A pair refused twice is kept once: evicting one copy would leave the other out of
+    /// the index.
+    #[test]
+    fn a_pair_refused_twice_is_kept_once() {
+        let mut refused = Refused::default();
+        refused.add("isb-1", &Secret::new("t"));
+        refused.add("isb-1", &Secret::new("t"));
+        assert_eq!(refused.order.len(), 1);
+        assert_eq!(refused.take(|id| id == "isb-1").len(), 1);
+        assert!(refused.by_token.is_empty() && refused.order.is_empty());
+    }
+
     /// Refused tokens are known by sandbox and token, never the empty one, and bounded.
     #[test]
     fn refused_tokens_are_known_by_sandbox_and_bounded() {
@@ -1161,15 +1172,15 @@ mod tests {
         store.refused("isb-1", &Secret::new("old"));
         assert_eq!(owner(b"old"), Some(("isb-1".into(), true)));
 
-        // An id learned again (a provider that reuses ids): its old refused token names
-        // nothing, nor is it taken for a refused one.
+        // A look-up's new token for it: the refused one (an older SDK's, sent alone) still
+        // names the sandbox, and the SDK's copy is still known refused.
         store.insert("isb-2", Secret::new("two"));
         store.refused("isb-2", &Secret::new("two"));
         store.remove_stale("isb-2", &Secret::new("two"));
         assert_eq!(owner(b"two"), Some(("isb-2".into(), false)));
         store.insert("isb-2", Secret::new("two-new"));
-        assert_eq!(owner(b"two"), None);
-        assert!(!store.was_refused("isb-2", &Secret::new("two")));
+        assert_eq!(owner(b"two"), Some(("isb-2".into(), false)));
+        assert!(store.was_refused("isb-2", &Secret::new("two")));
 
         // One sandbox's many refusals keep the other deleted sandboxes' tokens.
         store.insert("isb-3", Secret::new("three"));
