@@ -116,7 +116,14 @@ fn framing_and_metrics(c: &mut Criterion) {
     let metrics = abx_proxy::metrics::Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
     let took = Duration::from_micros(850);
     c.bench_function("metrics/request_done (api GET 200)", |b| {
-        b.iter(|| metrics.request_done("api", black_box(&http::Method::GET), black_box(200), took))
+        b.iter(|| {
+            metrics.request_done(
+                abx_proxy::metrics::Plane::Api,
+                black_box(&http::Method::GET),
+                black_box(200),
+                took,
+            )
+        })
     });
 }
 

@@ -36,8 +36,32 @@ pub struct Metrics {
     hot: Hot,
 }
 
-/// The plane label values.
-pub const PLANES: [&str; 2] = ["api", "envd"];
+/// Which plane a request belongs to (SPEC §4): the `plane` label of the per-request
+/// series and the access line's `plane` field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plane {
+    /// The provider's control plane, where the key goes.
+    Api,
+    /// A sandbox's envd and the ports of its apps, where its access token goes.
+    Envd,
+}
+
+impl Plane {
+    /// Every plane, each a series from the start.
+    pub const ALL: [Plane; 2] = [Plane::Api, Plane::Envd];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Plane::Api => "api",
+            Plane::Envd => "envd",
+        }
+    }
+
+    /// Its place in [`Plane::ALL`] and in [`Hot`]'s arrays.
+    fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// Why an upstream exchange failed: the `kind` label of `abx_proxy_upstream_errors_total`
 /// (SPEC §7).
@@ -137,10 +161,6 @@ fn code_label(status: u16) -> Cow<'static, str> {
     })
 }
 
-fn plane_index(plane: &str) -> Option<usize> {
-    PLANES.iter().position(|p| *p == plane)
-}
-
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
@@ -238,7 +258,7 @@ impl Metrics {
         }
         // Every fixed label set exists from the start at 0, so that `rate()` sees the first
         // error and a dashboard shows 0 rather than no data.
-        for plane in PLANES {
+        for plane in Plane::ALL.map(Plane::label) {
             in_flight.with_label_values(&[plane]);
             duration.with_label_values(&[plane]);
             for kind in FailKind::ALL {
@@ -264,9 +284,9 @@ impl Metrics {
             crate::process_metrics::ProcessCollector::for_self()?,
         ))?;
         let hot = Hot {
-            in_flight: PLANES.map(|p| in_flight.with_label_values(&[p])),
-            duration: PLANES.map(|p| duration.with_label_values(&[p])),
-            requests: (0..PLANES.len() * HOT_METHODS.len() * HOT_CODES.len())
+            in_flight: Plane::ALL.map(|p| in_flight.with_label_values(&[p.label()])),
+            duration: Plane::ALL.map(|p| duration.with_label_values(&[p.label()])),
+            requests: (0..Plane::ALL.len() * HOT_METHODS.len() * HOT_CODES.len())
                 .map(|_| OnceLock::new())
                 .collect(),
         };
@@ -290,30 +310,22 @@ impl Metrics {
     }
 
     /// `abx_proxy_in_flight_requests{plane}`.
-    pub fn in_flight_for(&self, plane: &str) -> Cow<'_, IntGauge> {
-        match plane_index(plane) {
-            Some(i) => Cow::Borrowed(&self.hot.in_flight[i]),
-            None => Cow::Owned(self.in_flight.with_label_values(&[plane])),
-        }
+    pub fn in_flight_for(&self, plane: Plane) -> &IntGauge {
+        &self.hot.in_flight[plane.index()]
     }
 
     /// Counts one upstream failure.
     #[cold]
-    pub fn upstream_error(&self, plane: &str, kind: FailKind) {
+    pub fn upstream_error(&self, plane: Plane, kind: FailKind) {
         self.upstream_errors
-            .with_label_values(&[plane, kind.label()])
+            .with_label_values(&[plane.label(), kind.label()])
             .inc();
     }
 
     /// Counts an answered request and observes its duration (to response headers).
-    pub fn request_done(&self, plane: &str, method: &Method, status: u16, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        let Some(p) = plane_index(plane) else {
-            self.count_slow(plane, method, status);
-            self.duration.with_label_values(&[plane]).observe(secs);
-            return;
-        };
-        self.hot.duration[p].observe(secs);
+    pub fn request_done(&self, plane: Plane, method: &Method, status: u16, elapsed: Duration) {
+        let p = plane.index();
+        self.hot.duration[p].observe(elapsed.as_secs_f64());
         let m = HOT_METHODS.iter().position(|m| m == method);
         let c = HOT_CODES.binary_search(&status).ok();
         match (m, c) {
@@ -322,7 +334,7 @@ impl Metrics {
                 self.hot.requests[slot]
                     .get_or_init(|| {
                         self.requests.with_label_values(&[
-                            plane,
+                            plane.label(),
                             method.as_str(),
                             &status.to_string(),
                         ])
@@ -336,13 +348,13 @@ impl Metrics {
     /// Counts a head refused before it became a request (see `Proxy::head_refused`): no
     /// duration observed.
     #[cold]
-    pub fn head_refused(&self, plane: &str, method: &Method, status: u16) {
+    pub fn head_refused(&self, plane: Plane, method: &Method, status: u16) {
         self.count_slow(plane, method, status);
     }
 
-    fn count_slow(&self, plane: &str, method: &Method, status: u16) {
+    fn count_slow(&self, plane: Plane, method: &Method, status: u16) {
         self.requests
-            .with_label_values(&[plane, method_label(method), &code_label(status)])
+            .with_label_values(&[plane.label(), method_label(method), &code_label(status)])
             .inc();
     }
 
@@ -386,7 +398,7 @@ mod tests {
         let fresh = text(&m);
         assert!(!fresh.contains("abx_proxy_requests_total{"));
         // The fixed label sets exist before anything happens.
-        for plane in PLANES {
+        for plane in Plane::ALL.map(Plane::label) {
             let count = format!("abx_proxy_request_duration_seconds_count{{plane=\"{plane}\"}} 0");
             assert!(fresh.contains(&count), "{count}");
             for kind in FailKind::ALL.map(FailKind::label) {
@@ -397,13 +409,13 @@ mod tests {
             }
         }
         let ms = Duration::from_millis(3);
-        m.request_done("api", &Method::GET, 200, ms);
-        m.request_done("api", &Method::GET, 200, ms);
-        m.request_done("envd", &Method::POST, 599, ms);
-        m.request_done("envd", &Method::TRACE, 405, ms);
+        m.request_done(Plane::Api, &Method::GET, 200, ms);
+        m.request_done(Plane::Api, &Method::GET, 200, ms);
+        m.request_done(Plane::Envd, &Method::POST, 599, ms);
+        m.request_done(Plane::Envd, &Method::TRACE, 405, ms);
         for other in ["PROPFIND", "X1", "X2"] {
             m.request_done(
-                "envd",
+                Plane::Envd,
                 &Method::from_bytes(other.as_bytes()).unwrap(),
                 207,
                 ms,
@@ -418,7 +430,7 @@ mod tests {
         assert!(!t.contains("PROPFIND"));
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="api"} 2"#));
         assert!(t.contains(r#"abx_proxy_request_duration_seconds_count{plane="envd"} 5"#));
-        m.in_flight_for("envd").inc();
+        m.in_flight_for(Plane::Envd).inc();
         assert!(text(&m).contains(r#"abx_proxy_in_flight_requests{plane="envd"} 1"#));
     }
 
@@ -428,7 +440,7 @@ mod tests {
     fn statuses_without_a_meaning_count_as_their_class() {
         let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
         for status in 100..=999 {
-            m.request_done("envd", &Method::GET, status, Duration::from_millis(1));
+            m.request_done(Plane::Envd, &Method::GET, status, Duration::from_millis(1));
         }
         let t = text(&m);
         let series: Vec<&str> = t
@@ -465,7 +477,7 @@ mod tests {
     fn every_cached_series_counts_only_its_own_requests() {
         let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
         let ms = Duration::from_millis(3);
-        for plane in PLANES {
+        for plane in Plane::ALL {
             for method in &HOT_METHODS {
                 for code in HOT_CODES {
                     m.request_done(plane, method, code, ms);
@@ -474,7 +486,7 @@ mod tests {
         }
         let t = text(&m);
         let mut series = 0;
-        for plane in PLANES {
+        for plane in Plane::ALL.map(Plane::label) {
             for method in &HOT_METHODS {
                 for code in HOT_CODES {
                     let line = format!(
@@ -498,7 +510,7 @@ mod tests {
         ];
         for name in names {
             let method = Method::from_bytes(name.as_bytes()).unwrap();
-            m.request_done("api", &method, 207, Duration::from_millis(3));
+            m.request_done(Plane::Api, &method, 207, Duration::from_millis(3));
         }
         let t = text(&m);
         for name in names {
@@ -513,9 +525,9 @@ mod tests {
     #[test]
     fn a_gauge_guard_gives_its_count_back_when_dropped() {
         let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
-        let gauge = m.in_flight_for("api");
-        let first = GaugeGuard::new(&gauge);
-        let second = GaugeGuard::new(&gauge);
+        let gauge = m.in_flight_for(Plane::Api);
+        let first = GaugeGuard::new(gauge);
+        let second = GaugeGuard::new(gauge);
         assert_eq!(gauge.get(), 2);
         drop(first);
         assert_eq!(gauge.get(), 1);

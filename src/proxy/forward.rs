@@ -12,6 +12,7 @@ use http::{Request, Response};
 
 use super::pool::{Upstream, UpstreamError};
 use crate::error::{Error, Within};
+use crate::metrics::Plane;
 use crate::upstream::ProxyBody;
 
 pub use crate::metrics::FailKind;
@@ -40,7 +41,7 @@ impl From<Error> for Failed {
 
 pub async fn send(
     client: &Upstream,
-    plane: &'static str,
+    plane: Plane,
     req: Request<ProxyBody>,
     timeout: Duration,
     host: &str,

@@ -28,7 +28,7 @@ use super::{EnvdTarget, Proxy};
 use crate::credentials::envd::TokenOwner;
 use crate::credentials::ApiCredential;
 use crate::error::{Error, Within};
-use crate::metrics::GaugeGuard;
+use crate::metrics::{GaugeGuard, Plane};
 use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
 use crate::upstream::ProxyBody;
@@ -97,7 +97,7 @@ impl Proxy {
                 proxy: &self,
                 method: &method,
                 path: logged_target(&uri),
-                plane: "api",
+                plane: Plane::Api,
                 start,
             };
             let (plane, result) = match self.route_of(&mut parts) {
@@ -108,7 +108,7 @@ impl Proxy {
                 Ok(route) => {
                     let plane = route.plane();
                     unanswered.plane = plane;
-                    let in_flight = GaugeGuard::new(&self.metrics.in_flight_for(plane));
+                    let in_flight = GaugeGuard::new(self.metrics.in_flight_for(plane));
                     let result = match route {
                         Route::Api => self.api(parts, body, upgrade).await,
                         // Boxed: with its token look-up and 401 replay the envd plane's
@@ -134,7 +134,7 @@ impl Proxy {
             }
             let (resp, upstream) = match result {
                 Ok((mut resp, upstream)) => {
-                    if !repeatable && plane == "api" {
+                    if !repeatable && plane == Plane::Api {
                         say_not_to_retry_a_gateway_failure(&mut resp);
                     }
                     (resp, upstream)
@@ -147,7 +147,7 @@ impl Proxy {
             self.metrics.request_done(plane, &method, status, elapsed);
             // Never the query string: signed file URLs carry secrets there.
             let path = logged_target(&uri);
-            crate::logging::access(&method, path, plane, status, elapsed, &upstream);
+            crate::logging::access(&method, path, plane.label(), status, elapsed, &upstream);
             Ok(resp)
         }
     }
@@ -155,17 +155,17 @@ impl Proxy {
 
 impl Proxy {
     /// route: where a request goes, or why it goes nowhere and which plane counts it.
-    fn route_of(&self, parts: &mut Parts) -> Result<Route, (&'static str, Failed)> {
+    fn route_of(&self, parts: &mut Parts) -> Result<Route, (Plane, Failed)> {
         let route = match route::route(parts, &self.host_policy) {
             Ok(route) => route,
             Err(e) => {
                 // A token-only envd request is envd's as `by_token` would route it.
                 let plane = match self.envd {
                     Some(_) => match route::refused_plane(parts) {
-                        "api" if self.by_token(parts).is_some() => "envd",
+                        Plane::Api if self.by_token(parts).is_some() => Plane::Envd,
                         plane => plane,
                     },
-                    None => "api",
+                    None => Plane::Api,
                 };
                 return Err((plane, Failed::from(e)));
             }
@@ -185,7 +185,7 @@ impl Proxy {
             route => route,
         };
         match self.files_naming_no_sandbox(&route, parts) {
-            Some(refused) => Err(("envd", refused)),
+            Some(refused) => Err((Plane::Envd, refused)),
             None => Ok(route),
         }
     }
@@ -194,7 +194,7 @@ impl Proxy {
     /// it names for the access line.
     fn failure_answer(
         &self,
-        plane: &'static str,
+        plane: Plane,
         f: Failed,
         repeatable: bool,
     ) -> (Response<ProxyBody>, Arc<str>) {
@@ -315,9 +315,9 @@ impl Proxy {
     #[cold]
     pub(super) fn head_refused(&self, status: StatusCode, took: Duration) {
         let unknown = Method::from_bytes(b"-").unwrap_or_default();
-        let (plane, status) = ("api", status.as_u16());
+        let (plane, status) = (Plane::Api, status.as_u16());
         self.metrics.head_refused(plane, &unknown, status);
-        crate::logging::access(&unknown, "-", plane, status, took, "");
+        crate::logging::access(&unknown, "-", plane.label(), status, took, "");
     }
 }
 
@@ -360,7 +360,7 @@ struct Unanswered<'a> {
     proxy: &'a Proxy,
     method: &'a Method,
     path: &'a str,
-    plane: &'static str,
+    plane: Plane,
     start: Instant,
 }
 
@@ -374,7 +374,7 @@ impl Drop for Unanswered<'_> {
         crate::logging::access(
             self.method,
             self.path,
-            self.plane,
+            self.plane.label(),
             CLIENT_CLOSED,
             elapsed,
             "",
@@ -490,7 +490,8 @@ impl Proxy {
                 Some(_) => &self.envd_client,
                 None => &self.api_client,
             };
-            let mut resp = forward::send(client, "api", req, self.upstream_timeout, &host).await?;
+            let mut resp =
+                forward::send(client, Plane::Api, req, self.upstream_timeout, &host).await?;
             // Borrowed, and the replay decided outside: moved into the branch, they took
             // slots of their own in every request's future (+224 bytes).
             let again = replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED);
@@ -504,8 +505,8 @@ impl Proxy {
                         let mut req = again.into_request(None);
                         headers::authorize_api(req.headers_mut(), self.auth.scheme(), value);
                         drop(resp);
-                        resp =
-                            forward::send(client, "api", req, self.upstream_timeout, &host).await?;
+                        resp = forward::send(client, Plane::Api, req, self.upstream_timeout, &host)
+                            .await?;
                         judge(&credential, &fresh, resp.status());
                     }
                 }
@@ -653,8 +654,14 @@ impl Proxy {
 
         // forward
         let req = Request::from_parts(parts, body);
-        let mut resp =
-            forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host).await?;
+        let mut resp = forward::send(
+            &self.envd_client,
+            Plane::Envd,
+            req,
+            self.upstream_timeout,
+            &host,
+        )
+        .await?;
         // Only envd's own 401 is about the token. An app's (another port) answers the
         // client's credential for the app: fetching the token again would let any client
         // drive look-ups with the proxy's key, and would send the request twice.
@@ -684,8 +691,14 @@ impl Proxy {
             {
                 headers::authorize_envd(&mut headers, self.auth.scheme(), &fresh, sandbox_id, port);
                 let req = rebuild(method, uri, headers);
-                resp = forward::send(&self.envd_client, "envd", req, self.upstream_timeout, &host)
-                    .await?;
+                resp = forward::send(
+                    &self.envd_client,
+                    Plane::Envd,
+                    req,
+                    self.upstream_timeout,
+                    &host,
+                )
+                .await?;
             }
         }
 
@@ -790,14 +803,20 @@ impl Proxy {
             headers.insert(ACCEPT_ENCODING, IDENTITY);
             let req = rebuild(Method::GET, uri.clone(), headers);
             // The control plane failing a look-up is counted like any other upstream failure.
-            let resp = forward::send(&self.api_client, "api", req, self.upstream_timeout, &host)
-                .await
-                .map_err(|f| {
-                    if let Some(kind) = f.kind {
-                        self.metrics.upstream_error("api", kind);
-                    }
-                    f.error
-                })?;
+            let resp = forward::send(
+                &self.api_client,
+                Plane::Api,
+                req,
+                self.upstream_timeout,
+                &host,
+            )
+            .await
+            .map_err(|f| {
+                if let Some(kind) = f.kind {
+                    self.metrics.upstream_error(Plane::Api, kind);
+                }
+                f.error
+            })?;
             judge(&credential, &key, resp.status());
             if resp.status() != StatusCode::UNAUTHORIZED || !std::mem::take(&mut first) {
                 break resp;
@@ -833,7 +852,7 @@ impl Proxy {
         let read = body::read_bounded(resp.into_body(), READ_WHOLE_LIMIT, None);
         let Ok(read) = tokio::time::timeout(self.upstream_timeout, read).await else {
             let (error, kind) = self.body_timeout();
-            self.metrics.upstream_error("api", kind);
+            self.metrics.upstream_error(Plane::Api, kind);
             return Err(error);
         };
         let reason = match read {
@@ -855,7 +874,7 @@ impl Proxy {
         // An answer the proxy cannot use (a login page, a reshaped body) fails every envd
         // request for the sandbox: counted as a malformed answer is, or no upstream-error
         // alert fires while they all get 502.
-        self.metrics.upstream_error("api", FailKind::Protocol);
+        self.metrics.upstream_error(Plane::Api, FailKind::Protocol);
         Err(Error::UpstreamUnavailable {
             reason: reason.into(),
             host,

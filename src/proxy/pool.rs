@@ -53,6 +53,7 @@ use codec::{
 use super::body;
 use super::forward::{self, FailKind};
 use crate::descriptors::{IdleConnections, NoSlot, PipeSlot, Slot, Slots};
+use crate::metrics::Plane;
 use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Versions};
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
@@ -384,7 +385,7 @@ impl Upstream {
     /// would otherwise carry (and move) a copy of it.
     pub fn request(
         &self,
-        plane: &'static str,
+        plane: Plane,
         req: Request<ProxyBody>,
         timeout: Duration,
     ) -> Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, UpstreamError>> + Send + '_>> {
@@ -402,7 +403,7 @@ impl Upstream {
 
     async fn legacy(
         &self,
-        plane: &'static str,
+        plane: Plane,
         req: Request<ProxyBody>,
         timeout: Duration,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
@@ -440,7 +441,7 @@ impl Upstream {
                         return Err(e.into());
                     };
                     tracing::debug!(
-                        plane,
+                        plane = plane.label(),
                         "the upstream refused a stream unprocessed: sending it again"
                     );
                     let mut req = again.into_request(moved.as_ref());
@@ -598,9 +599,11 @@ struct OriginIdle {
 
 impl Pool {
     #[cold]
-    fn count_broken(&self, plane: &'static str, kind: FailKind) {
+    fn count_broken(&self, plane: Plane, kind: FailKind) {
         if let Some(counter) = &self.broken {
-            counter.with_label_values(&[plane, kind.label()]).inc();
+            counter
+                .with_label_values(&[plane.label(), kind.label()])
+                .inc();
         }
     }
 
@@ -743,7 +746,7 @@ impl Pool {
     #[allow(clippy::manual_async_fn)] // on purpose: see above
     fn send(
         self: &Arc<Self>,
-        plane: &'static str,
+        plane: Plane,
         parts: Parts,
         mut body: ProxyBody,
         tls: bool,
@@ -788,7 +791,7 @@ impl Pool {
 
     fn response(
         self: &Arc<Self>,
-        plane: &'static str,
+        plane: Plane,
         mut conn: Conn,
         head: Head,
         sent: Sent,
@@ -1484,7 +1487,7 @@ struct PoolBody {
     conn: Option<Conn>,
     pool: Arc<Pool>,
     /// Where a failure of this body is counted.
-    plane: &'static str,
+    plane: Plane,
     state: Decode,
     reusable: bool,
     pending: Option<Deferred>,
@@ -1925,7 +1928,9 @@ mod tests {
 
     /// A GET through `client` that must get an answer; the answer's body.
     async fn get_text(client: &Upstream, url: &str) -> String {
-        let resp = within(client.request("api", get(url), LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, get(url), LONG))
+            .await
+            .unwrap();
         text(resp).await
     }
 
@@ -1984,7 +1989,7 @@ mod tests {
         let (tx, body) = channel();
         tx.send(Ok(Bytes::from_static(first))).await.unwrap();
         let put = with_body("PUT", url, body);
-        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, put, LONG)).await.unwrap();
         (tx, resp)
     }
 
@@ -2004,7 +2009,7 @@ mod tests {
         .await;
         let client = client();
         for path in ["/a", "/big", "/b", "/big", "/c"] {
-            let resp = within(client.request("api", get(&fake.url(path)), LONG))
+            let resp = within(client.request(Plane::Api, get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
             assert_eq!(resp.status(), 200);
@@ -2035,7 +2040,7 @@ mod tests {
         for pipes in [0, 1] {
             let slots = Slots::new(1, pipes);
             let pool = counted(slots.clone());
-            let resp = within(pool.request("api", get(&up.url("/")), LONG)).await;
+            let resp = within(pool.request(Plane::Api, get(&up.url("/")), LONG)).await;
             let resp = resp.expect("the answer");
             let offer = resp.extensions().get::<Splice>().cloned().expect("offered");
             let taken = offer.take(LEN as u64);
@@ -2079,11 +2084,11 @@ mod tests {
 
         assert_eq!(get_text(&api, &a.url("/")).await, "ok");
         assert_eq!(slots.in_use(), 1, "the idle connection holds its slot");
-        let held = within(envd.request("envd", get(&b.url("/")), LONG)).await;
+        let held = within(envd.request(Plane::Envd, get(&b.url("/")), LONG)).await;
         let held = held.expect("the idle connection to a gave its slot up");
         assert_eq!(slots.in_use(), 1);
 
-        let Err(e) = within(envd.request("envd", get(&a.url("/")), LONG)).await else {
+        let Err(e) = within(envd.request(Plane::Envd, get(&a.url("/")), LONG)).await else {
             panic!("a second connection with one slot");
         };
         assert!(matches!(e, UpstreamError::Connect(_)), "{e:?}");
@@ -2143,7 +2148,9 @@ mod tests {
         // the channel need not have let run: a yield polls it before this task goes on.
         tokio::task::yield_now().await;
         let pause = with_body("POST", &fake.url("/2"), body::empty());
-        let resp = within(client.request("api", pause, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, pause, LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
         assert_eq!(fake.accepts(), 2);
     }
@@ -2270,7 +2277,7 @@ mod tests {
         let n = MAX_IDLE_PER_ORIGIN + 1;
         let mut held = Vec::with_capacity(n);
         for _ in 0..n {
-            let resp = within(client.request("api", get(&fake.url("/")), LONG)).await;
+            let resp = within(client.request(Plane::Api, get(&fake.url("/")), LONG)).await;
             held.push(resp.unwrap());
         }
         assert_eq!(fake.accepts(), n, "each request holds a connection");
@@ -2304,9 +2311,10 @@ mod tests {
         .await;
         let client = client();
         assert_eq!(get_text(&client, &fake.url("/1")).await, "ok");
-        let e = within(client.request("api", get(&fake.url("/2")), Duration::from_millis(100)))
-            .await
-            .unwrap_err();
+        let e =
+            within(client.request(Plane::Api, get(&fake.url("/2")), Duration::from_millis(100)))
+                .await
+                .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
         assert_eq!(e.kind(), FailKind::Timeout);
         assert_eq!(
@@ -2316,9 +2324,10 @@ mod tests {
         );
         // A timed-out exchange leaves its connection unusable: the next one opens another,
         // and times out as well.
-        let e = within(client.request("api", get(&fake.url("/3")), Duration::from_millis(100)))
-            .await
-            .unwrap_err();
+        let e =
+            within(client.request(Plane::Api, get(&fake.url("/3")), Duration::from_millis(100)))
+                .await
+                .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
         assert_eq!(fake.accepts(), 2);
     }
@@ -2343,7 +2352,9 @@ mod tests {
             .await
             .unwrap();
         let put = with_body("PUT", &fake.url("/stalled"), body);
-        let e = within(client.request("api", put, short)).await.unwrap_err();
+        let e = within(client.request(Plane::Api, put, short))
+            .await
+            .unwrap_err();
         assert!(matches!(e, UpstreamError::BodyStalled), "{e:?}");
         drop(tx);
 
@@ -2354,7 +2365,9 @@ mod tests {
             while tx.send(Ok(chunk.clone())).await.is_ok() {}
         });
         let put = with_body("PUT", &fake.url("/unread"), body);
-        let e = within(client.request("api", put, short)).await.unwrap_err();
+        let e = within(client.request(Plane::Api, put, short))
+            .await
+            .unwrap_err();
         assert!(matches!(e, UpstreamError::Timeout), "{e:?}");
         within(feed).await.unwrap();
     }
@@ -2397,7 +2410,9 @@ mod tests {
 
         // Connection 2 served /2; the POST reuses it and is lost: not sent again.
         let post = with_body("POST", &fake.url("/3"), body::full("data"));
-        let e = within(client.request("api", post, LONG)).await.unwrap_err();
+        let e = within(client.request(Plane::Api, post, LONG))
+            .await
+            .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
         assert_eq!(fake.accepts(), 2, "a body is never sent twice");
@@ -2405,7 +2420,7 @@ mod tests {
         // A POST without a body (`/sandboxes/{id}/pause`) is not sent twice either.
         assert_eq!(get_text(&client, &fake.url("/4")).await, "ok");
         let pause = with_body("POST", &fake.url("/5"), body::empty());
-        let e = within(client.request("api", pause, LONG))
+        let e = within(client.request(Plane::Api, pause, LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
@@ -2414,7 +2429,9 @@ mod tests {
         // DELETE is idempotent: it goes again.
         assert_eq!(get_text(&client, &fake.url("/6")).await, "ok");
         let delete = with_body("DELETE", &fake.url("/7"), body::empty());
-        let resp = within(client.request("api", delete, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, delete, LONG))
+            .await
+            .unwrap();
         assert_eq!(text(resp).await, "ok");
         assert_eq!(fake.accepts(), 5, "the retry took a new connection");
         let methods: Vec<String> = heads
@@ -2483,7 +2500,7 @@ mod tests {
 
         shut_the_idle_connections_writing_half(&client);
         let pause = with_body("POST", &fake.url("/2"), body::empty());
-        let mut request = client.request("api", pause, LONG);
+        let mut request = client.request(Plane::Api, pause, LONG);
         // The first poll takes the pooled connection and fails to write; the answer waits
         // for the server's close, which tells a dead connection from a slow one.
         assert!(poll_once(&mut request).await.is_pending());
@@ -2494,7 +2511,7 @@ mod tests {
 
         shut_the_idle_connections_writing_half(&client);
         let upload = with_body("POST", &fake.url("/3"), body::full("data"));
-        let mut request = client.request("api", upload, LONG);
+        let mut request = client.request(Plane::Api, upload, LONG);
         assert!(poll_once(&mut request).await.is_pending());
         close.add_permits(1);
         let e = within(request).await.unwrap_err();
@@ -2526,13 +2543,13 @@ mod tests {
         })
         .await;
         let client = client();
-        let e = within(client.request("api", get(&fake.url("/head")), LONG))
+        let e = within(client.request(Plane::Api, get(&fake.url("/head")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Reset, "{e:?}");
         assert_eq!(e.describe(), "connection closed early");
 
-        let resp = within(client.request("api", get(&fake.url("/body")), LONG))
+        let resp = within(client.request(Plane::Api, get(&fake.url("/body")), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -2552,7 +2569,7 @@ mod tests {
         .await;
         let client = client();
         for _ in 0..2 {
-            let resp = within(client.request("api", get(&fake.url("/")), LONG))
+            let resp = within(client.request(Plane::Api, get(&fake.url("/")), LONG))
                 .await
                 .unwrap();
             let collected = within(resp.into_body().collect()).await.unwrap();
@@ -2599,12 +2616,14 @@ mod tests {
         let head = Request::head(fake.url("/head"))
             .body(body::empty())
             .unwrap();
-        let resp = within(client.request("api", head, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, head, LONG))
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.headers()["content-length"], "1000");
         assert!(resp.body().is_end_stream());
         for path in ["/204", "/304"] {
-            let resp = within(client.request("api", get(&fake.url(path)), LONG))
+            let resp = within(client.request(Plane::Api, get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
             assert_eq!(resp.status().as_str(), &path[1..]);
@@ -2640,7 +2659,7 @@ mod tests {
             ("/304-chunked", 4),
         ];
         for (path, accepts) in answers {
-            let resp = within(client.request("api", get(&fake.url(path)), LONG))
+            let resp = within(client.request(Plane::Api, get(&fake.url(path)), LONG))
                 .await
                 .unwrap();
             let status = if path.starts_with("/304") { 304 } else { 204 };
@@ -2715,7 +2734,9 @@ mod tests {
         .await;
         let client = client();
         let post = with_body("POST", &fake.url("/"), body::full("x"));
-        let resp = within(client.request("api", post, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, post, LONG))
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 201);
         assert!(resp.headers().get("link").is_none());
         assert_eq!(text(resp).await, "ok");
@@ -2775,7 +2796,7 @@ mod tests {
         paths: &[&str],
     ) {
         for path in paths {
-            let e = within(client.request("api", get(&url(path)), LONG))
+            let e = within(client.request(Plane::Api, get(&url(path)), LONG))
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), FailKind::Protocol, "{path}: {e:?}");
@@ -2790,7 +2811,9 @@ mod tests {
 
     /// Equal lengths, listed and repeated, are one length, and the client gets it plain.
     async fn assert_plain_length(client: &Upstream, url: &str) {
-        let resp = within(client.request("api", get(url), LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, get(url), LONG))
+            .await
+            .unwrap();
         let lengths: Vec<_> = resp.headers().get_all(CONTENT_LENGTH).iter().collect();
         assert_eq!(lengths, ["2"]);
         assert_eq!(text(resp).await, "ok");
@@ -2823,7 +2846,7 @@ mod tests {
         let fake = tls_answering(&tls, ambiguous).await;
         let client = negotiating(&tls);
         let url = format!("https://localhost:{}", fake.addr.port());
-        let e = within(client.request("api", get(&format!("{url}/101")), LONG))
+        let e = within(client.request(Plane::Api, get(&format!("{url}/101")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Protocol, "{e:?}");
@@ -2831,11 +2854,11 @@ mod tests {
             e.describe(),
             "invalid response: unexpected 101 Switching Protocols"
         );
-        let resp = within(client.request("api", upgrade(&format!("{url}/101")), LONG))
+        let resp = within(client.request(Plane::Api, upgrade(&format!("{url}/101")), LONG))
             .await
             .unwrap();
         assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-        let e = within(client.request("api", upgrade(&format!("{url}/h2c")), LONG))
+        let e = within(client.request(Plane::Api, upgrade(&format!("{url}/h2c")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Protocol, "{e:?}");
@@ -3023,7 +3046,7 @@ mod tests {
         let client = client();
         let (_tx, body) = channel();
         let put = with_body("PUT", &fake.url("/up"), body);
-        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, put, LONG)).await.unwrap();
         assert_eq!(resp.status(), 413);
     }
 
@@ -3057,7 +3080,7 @@ mod tests {
             .header("x-big", big.as_str())
             .body(body::full(Bytes::from_static(b"done")))
             .unwrap();
-        let resp = within(client.request("api", put, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, put, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, body) = within(seen.recv()).await.unwrap();
         assert!(head.starts_with("PUT /big HTTP/1.1\r\n"));
@@ -3103,10 +3126,13 @@ mod tests {
         tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
         tx.send(Ok(Bytes::from_static(b"second!"))).await.unwrap();
         drop(tx);
-        let resp =
-            within(client.request("api", with_body("POST", &fake.url("/c?q=1"), body), LONG))
-                .await
-                .unwrap();
+        let resp = within(client.request(
+            Plane::Api,
+            with_body("POST", &fake.url("/c?q=1"), body),
+            LONG,
+        ))
+        .await
+        .unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, sent) = within(seen.recv()).await.unwrap();
         assert!(head.starts_with("POST /c?q=1 HTTP/1.1\r\n"), "{head}");
@@ -3123,7 +3149,7 @@ mod tests {
 
         // Known size: Content-Length, the body right behind the head.
         let resp = within(client.request(
-            "api",
+            Plane::Api,
             with_body("PUT", &fake.url("/k"), body::full("hello")),
             LONG,
         ))
@@ -3144,7 +3170,7 @@ mod tests {
         let mut req = with_body("PUT", &fake.url("/d"), body);
         req.headers_mut()
             .insert(CONTENT_LENGTH, HeaderValue::from_static("11"));
-        let resp = within(client.request("api", req, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, req, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, sent) = within(seen.recv()).await.unwrap();
         assert_eq!(head.matches("content-length: 11\r\n").count(), 1, "{head}");
@@ -3155,7 +3181,7 @@ mod tests {
         let mut req = get(&fake.url("/"));
         req.headers_mut()
             .insert(HOST, HeaderValue::from_static("example.test"));
-        let resp = within(client.request("api", req, LONG)).await.unwrap();
+        let resp = within(client.request(Plane::Api, req, LONG)).await.unwrap();
         assert_eq!(text(resp).await, "ok");
         let (head, _) = within(seen.recv()).await.unwrap();
         assert!(!head.contains("content-length"), "{head}");
@@ -3163,7 +3189,7 @@ mod tests {
         assert_eq!(head.matches("host: ").count(), 1, "{head}");
         assert!(head.contains("\r\nhost: example.test\r\n"), "{head}");
         let resp = within(client.request(
-            "api",
+            Plane::Api,
             with_body("POST", &fake.url("/"), body::empty()),
             LONG,
         ))
@@ -3217,7 +3243,7 @@ mod tests {
         let (tx, body) = channel();
         tx.send(Ok(Bytes::from_static(b"some"))).await.unwrap();
         tx.send(Err("the client went away".into())).await.unwrap();
-        let e = within(client().request("api", with_body("POST", &fake.url("/"), body), LONG))
+        let e = within(client().request(Plane::Api, with_body("POST", &fake.url("/"), body), LONG))
             .await
             .unwrap_err();
         assert!(e.is_client_body(), "{e:?}");
@@ -3262,7 +3288,7 @@ mod tests {
         ];
         let client = client();
         for (url, kind, reason) in cases {
-            let e = within(client.request("api", upgrade(&url), LONG))
+            let e = within(client.request(Plane::Api, upgrade(&url), LONG))
                 .await
                 .unwrap_err();
             assert!(matches!(e, UpstreamError::Legacy(_)), "{url}: {e:?}");
@@ -3293,7 +3319,7 @@ mod tests {
         ];
         for (client, scheme) in clients {
             let url = format!("{scheme}://{}/reset", fake.addr);
-            let e = within(client.request("api", get(&url), LONG))
+            let e = within(client.request(Plane::Api, get(&url), LONG))
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), FailKind::Reset, "{url}: {e:?}");
@@ -3317,7 +3343,7 @@ mod tests {
             )
         };
         let stalled = client(crate::resolve::stalled());
-        let e = within(stalled.request("api", get("http://stalled-p.test/"), LONG))
+        let e = within(stalled.request(Plane::Api, get("http://stalled-p.test/"), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Timeout, "{e:?}");
@@ -3330,7 +3356,7 @@ mod tests {
         .await;
         let url = format!("https://answered-p.test:{}/", silent.addr.port());
         let answered = client(crate::resolve::answering());
-        let e = within(answered.request("api", get(&url), LONG))
+        let e = within(answered.request(Plane::Api, get(&url), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.describe(), "connect timed out");
@@ -3342,7 +3368,7 @@ mod tests {
         // `support::refused_addr`: a port bound and released here could be taken by a
         // concurrent test's listener before the connect.
         let addr = "127.0.0.1:9";
-        let e = within(client().request("api", get(&format!("http://{addr}/")), LONG))
+        let e = within(client().request(Plane::Api, get(&format!("http://{addr}/")), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Connect, "{e:?}");
@@ -3461,7 +3487,7 @@ mod tests {
         let url = format!("https://localhost:{}/", fake.addr.port());
         let client = negotiating(&tls);
         for _ in 0..3 {
-            let resp = within(client.request("api", get(&url), LONG)).await;
+            let resp = within(client.request(Plane::Api, get(&url), LONG)).await;
             assert_eq!(
                 text(resp.unwrap()).await,
                 r#"Some("localhost") Some("http/1.1")"#
@@ -3506,7 +3532,7 @@ mod tests {
         client.http1.add(&url.parse().unwrap(), Instant::now());
         // Its time is up.
         client.http1.list.write().unwrap()[0].1 = Instant::now();
-        let resp = within(client.request("api", get(&url), LONG))
+        let resp = within(client.request(Plane::Api, get(&url), LONG))
             .await
             .unwrap();
         assert_eq!(resp.version(), Version::HTTP_2);
@@ -3580,14 +3606,14 @@ mod tests {
             upstream::LocalResolver::new(upstream::Names::Own),
         );
         for _ in 0..2 {
-            let resp = within(trusting.request("api", get(&url), LONG))
+            let resp = within(trusting.request(Plane::Api, get(&url), LONG))
                 .await
                 .unwrap();
             assert_eq!(text(resp).await, r#"Some("localhost") Some("http/1.1")"#);
         }
         assert_eq!(fake.accepts(), 1, "kept alive over TLS");
 
-        let e = within(client().request("api", get(&url), LONG))
+        let e = within(client().request(Plane::Api, get(&url), LONG))
             .await
             .unwrap_err();
         assert_eq!(e.kind(), FailKind::Tls, "{e:?}");

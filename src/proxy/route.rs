@@ -8,6 +8,7 @@ use http::{HeaderValue, Method};
 use super::framing::{AmbiguousLength, Refusal};
 use super::headers::{E2B_SANDBOX_ID, E2B_SANDBOX_PORT};
 use crate::error::Error;
+use crate::metrics::Plane;
 
 pub const DEFAULT_ENVD_PORT: u16 = 49983;
 
@@ -21,10 +22,10 @@ pub enum Route {
 }
 
 impl Route {
-    pub fn plane(&self) -> &'static str {
+    pub fn plane(&self) -> Plane {
         match self {
-            Route::Api => "api",
-            Route::Envd { .. } => "envd",
+            Route::Api => Plane::Api,
+            Route::Envd { .. } => Plane::Envd,
         }
     }
 }
@@ -431,7 +432,7 @@ fn plane(parts: &Parts, named: Option<(u16, &str)>) -> Result<Route, Error> {
 /// plane, as `route` does). Counted as the control plane's, envd's refusals left per-plane
 /// error ratios. The caller adds the requests that name a sandbox by a token alone
 /// (`Proxy::by_token`, which needs the token store).
-pub fn refused_plane(parts: &Parts) -> &'static str {
+pub fn refused_plane(parts: &Parts) -> Plane {
     let host = match parts.uri.authority() {
         Some(a) => Some(a.as_str()),
         None => (parts.headers.get(http::header::HOST)).and_then(|h| h.to_str().ok()),
@@ -442,9 +443,9 @@ pub fn refused_plane(parts: &Parts) -> &'static str {
     let by_header = parts.headers.contains_key(&E2B_SANDBOX_ID)
         && !header_port(parts).is_some_and(|p| control_planes_despite_headers(p, parts.uri.path()));
     if by_host || by_header {
-        "envd"
+        Plane::Envd
     } else {
-        "api"
+        Plane::Api
     }
 }
 
@@ -709,11 +710,11 @@ mod tests {
             &[("host", "evil.example"), ("e2b-sandbox-id", "isb-a")],
         ] {
             assert!(route(&parts("/files", headers), &p).is_err(), "{headers:?}");
-            assert_eq!(plane("/files", headers), "envd", "{headers:?}");
+            assert_eq!(plane("/files", headers), Plane::Envd, "{headers:?}");
         }
         assert_eq!(
             plane("/a/%2e%2e/b", &[("host", "49983-isb-a.localhost")]),
-            "envd"
+            Plane::Envd
         );
         for headers in [
             &[("host", "evil.example")][..],
@@ -721,17 +722,20 @@ mod tests {
             &[("host", "api.localhost")],
             &[],
         ] {
-            assert_eq!(plane("/a/%2e%2e/b", headers), "api", "{headers:?}");
+            assert_eq!(plane("/a/%2e%2e/b", headers), Plane::Api, "{headers:?}");
         }
-        assert_eq!(plane("http://49983-isb-a.localhost/x", &[]), "envd");
+        assert_eq!(plane("http://49983-isb-a.localhost/x", &[]), Plane::Envd);
         // The control plane's paths with envd's port are the control plane's, as routed.
         let connect = "/sandboxes/isb-a/./connect";
         let headers = [("host", "localhost"), ("e2b-sandbox-id", "isb-a")];
-        assert_eq!(plane(connect, &headers), "api");
+        assert_eq!(plane(connect, &headers), Plane::Api);
         let port = |p| [headers[0], headers[1], ("e2b-sandbox-port", p)];
-        assert_eq!(plane(connect, &port("49983")), "api");
-        assert_eq!(plane(connect, &port("3000")), "envd");
-        assert_eq!(plane(connect, &[("host", "49983-isb-a.localhost")]), "envd");
+        assert_eq!(plane(connect, &port("49983")), Plane::Api);
+        assert_eq!(plane(connect, &port("3000")), Plane::Envd);
+        assert_eq!(
+            plane(connect, &[("host", "49983-isb-a.localhost")]),
+            Plane::Envd
+        );
     }
 
     #[test]
@@ -923,12 +927,12 @@ mod tests {
 
     #[test]
     fn planes_are_named_as_in_metrics() {
-        assert_eq!(Route::Api.plane(), "api");
+        assert_eq!(Route::Api.plane().label(), "api");
         let envd = Route::Envd {
             sandbox_id: "isb-1".into(),
             port: 49983,
         };
-        assert_eq!(envd.plane(), "envd");
+        assert_eq!(envd.plane().label(), "envd");
     }
 
     fn versioned(version: http::Version, uri: &str, headers: &[(&str, &str)]) -> Parts {
