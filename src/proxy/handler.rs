@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use http::header::{ACCEPT_ENCODING, CONTENT_LENGTH, HOST};
 use http::request::Parts;
-use http::uri::PathAndQuery;
+use http::uri::{PathAndQuery, Scheme};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 
@@ -729,7 +729,6 @@ impl Proxy {
                 Ok((url.join(pq).map_err(unbuildable)?, shown_host.clone()))
             }
             Some(EnvdTarget::Domain {
-                scheme,
                 domain,
                 shown_domain,
             }) => {
@@ -755,7 +754,7 @@ impl Proxy {
                 }
                 let host = format!("{port}-{sandbox_id}.{domain}");
                 let uri = Uri::builder()
-                    .scheme(scheme.clone())
+                    .scheme(Scheme::HTTPS)
                     .authority(host.as_str())
                     .path_and_query(pq)
                     .build()

@@ -33,7 +33,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::uri::Scheme;
 
 use crate::credentials::envd::TokenStore;
 use crate::credentials::ApiCredential;
@@ -102,10 +101,10 @@ impl Default for Options {
 /// line and into the errors a client gets.
 #[derive(Debug, Clone)]
 pub enum EnvdTarget {
-    /// `https://{port}-{id}.{domain}`; `shown_domain` is `None` when nothing in `domain` is
+    /// `https://{port}-{id}.{domain}`, always HTTPS (SPEC §2: an envd over plain HTTP is
+    /// reached through `sandbox_url`); `shown_domain` is `None` when nothing in `domain` is
     /// masked (the usual case: no second string per request).
     Domain {
-        scheme: Scheme,
         domain: String,
         shown_domain: Option<String>,
     },
@@ -179,7 +178,6 @@ impl Proxy {
                 shown_host: Arc::from(settings.shown(&url.authority())),
             }),
             (None, Some(domain)) => Some(EnvdTarget::Domain {
-                scheme: Scheme::HTTPS,
                 domain: domain.clone(),
                 shown_domain: Some(settings.shown(domain)).filter(|shown| shown != domain),
             }),
