@@ -238,7 +238,12 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         }
         // The head is bound inside the match arm only: a local in scope across the
         // `.await`s below would be kept in every connection's task state, moved out or not.
-        let (req, length, is_head, mut close) = match read_head(
+        let FastRequest {
+            req,
+            length,
+            is_head,
+            mut close,
+        } = match read_head(
             &shared.sock,
             &mut buf,
             ctx.activity,
@@ -481,15 +486,26 @@ async fn linger(
     }
 }
 
+/// A request the fast path read, and what the connection still needs of its head once the
+/// request has gone to the handler.
+struct FastRequest {
+    req: Request<ProxyBody>,
+    /// The body's length: `Content-Length`, or 0 without one (a `Transfer-Encoding` goes
+    /// to hyper).
+    length: u64,
+    is_head: bool,
+    /// The client asked to close after the answer.
+    close: bool,
+}
+
 /// The request for a parsed head, with its body reader: the body's first bytes are those
-/// already in `buf`. Also its length, whether it is a HEAD, and whether the client asked
-/// to close.
+/// already in `buf`.
 fn request(
     head: Head,
     shared: &Arc<Shared>,
     buf: &mut BytesMut,
     activity: &Activity,
-) -> (Request<ProxyBody>, u64, bool, bool) {
+) -> FastRequest {
     let length = head.content_length;
     let body = if length == 0 {
         body::empty()
@@ -505,9 +521,12 @@ fn request(
             buf: BytesMut::new(),
         })
     };
-    let is_head = head.method == Method::HEAD;
-    let close = head.close;
-    (head.into_request(body), length, is_head, close)
+    FastRequest {
+        is_head: head.method == Method::HEAD,
+        close: head.close,
+        req: head.into_request(body),
+        length,
+    }
 }
 
 /// Resolves when the client closes its side while a request is being answered. Bytes it
