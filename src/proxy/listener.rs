@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::header::{CONNECTION, CONTENT_LENGTH};
-use http::{HeaderValue, Method, Request, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
+use super::body::Moved;
 use super::framing;
 use super::h1::{self, Sock, StdSock};
 use super::handler::GaveUp;
@@ -27,6 +28,7 @@ use super::headers;
 use super::route::PlainOnTls;
 use super::Proxy;
 use crate::metrics::GaugeGuard;
+use crate::upstream::ProxyBody;
 use crate::workers::Workers;
 
 mod activity;
@@ -411,14 +413,7 @@ async fn with_hyper(
             }
             req.extensions_mut().insert(why);
         }
-        let connect = req.method() == Method::CONNECT;
-        let head = req.method() == Method::HEAD;
         let http2 = req.version() == http::Version::HTTP_2;
-        let http10 = req.version() == http::Version::HTTP_10;
-        let stream = http2.then(|| activity.open_stream());
-        let idle = proxy.idle_timeout;
-        // The upload's progress, when there is one: on HTTP/2 for its answer's idle limit
-        // (see `IdleLimited`), on HTTP/1 whether it had ended when the answer came.
         let mut upload = None;
         let req = if http2 {
             let mut req =
@@ -431,79 +426,34 @@ async fn with_hyper(
         } else {
             req.map(|b| super::body::marked(b, &mut upload))
         };
-        // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
-        let uri = req.uri().clone();
+        let answer = Answer {
+            http2,
+            http10: req.version() == http::Version::HTTP_10,
+            head: req.method() == Method::HEAD,
+            connect: req.method() == Method::CONNECT,
+            verdict,
+            plain: plain.is_some(),
+            idle: proxy.idle_timeout,
+            stream: http2.then(|| activity.open_stream()),
+            // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
+            uri: req.uri().clone(),
+            activity: activity.clone(),
+            upload,
+        };
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
         let handled = Box::pin(proxy.clone().handle(req));
         let waiting = activity.awaiting();
-        let answering = activity.clone();
         async move {
-            let mut resp = handled.await?;
+            let resp = handled.await?;
             // The client gave the request up: a cancel, as if hyper had dropped it.
             if resp.extensions().get::<GaveUp>().is_some() {
                 return Ok(resp);
             }
             guard.answered();
             drop(waiting);
-            let status = resp.status();
-            let tunnel =
-                status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success());
-            // A refusal: what follows on this connection was framed by a guess. The last
-            // request the watch followed, answered without a tunnel: hyper would read on,
-            // and the rest would pass unchecked (see `framing`). Plain HTTP on the TLS
-            // listener: nothing on it will be served. An HTTP/1 upload not read to its end
-            // (a client's stalled body refused, an early answer): hyper drops the rest and
-            // closes, as the fast path does, and says so.
-            let unread = !http2 && upload.as_ref().is_some_and(|m| !m.ended());
-            let last = verdict.last || unread;
-            // An answer of no known length reaches an HTTP/1.0 client delimited by the
-            // close (RFC 9112 §6.3), and hyper still told a keep-alive client
-            // `Connection: keep-alive`: it would send its next request into a closing
-            // connection, or wait there for more.
-            let close_delimited = http10
-                && !resp.headers().contains_key(CONTENT_LENGTH)
-                && http_body::Body::size_hint(resp.body()).exact().is_none();
-            if verdict.refusal.is_some()
-                || plain.is_some()
-                || ((last || close_delimited) && !tunnel)
-            {
-                resp.headers_mut()
-                    .insert(CONNECTION, HeaderValue::from_static("close"));
-                if http10 {
-                    // hyper adds `keep-alive` to a 1.1 answer for a 1.0 client that asked
-                    // for it (`close, keep-alive`); an answer in the client's own version
-                    // it closes as the header says.
-                    *resp.version_mut() = http::Version::HTTP_10;
-                }
-            }
-            let unsent = body_unsent(head, status);
-            if unsent && http2 && !http_body::Body::is_end_stream(resp.body()) {
-                // hyper's HTTP/2 server sends what the body holds, as DATA that such an
-                // answer may not carry (curl and h2 reset the stream: PROTOCOL_ERROR).
-                resp = resp.map(|_| super::body::empty());
-            }
-            // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
-            if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
-                let cut = AnswerCut::new(&answering, uri);
-                resp = resp.map(|b| {
-                    use super::body::{boxed, CutLogged, IdleLimited};
-                    if http2 {
-                        boxed(CutLogged::new(
-                            IdleLimited::new(b, idle, upload, stream),
-                            cut,
-                        ))
-                    } else {
-                        boxed(CutLogged::http1(b, cut))
-                    }
-                });
-            } else if !tunnel && !http2 {
-                // No body to end: hyper never polls it, and the head alone may wait in its
-                // buffer for a client that does not read (see `AnswerCut::written_later`).
-                AnswerCut::new(&answering, uri).written_later();
-            }
-            Ok::<_, Infallible>(resp)
+            Ok::<_, Infallible>(answer.shaped(resp))
         }
     });
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
@@ -549,6 +499,89 @@ async fn with_hyper(
         _ = conn.as_mut() => {}
         () = settled(activity, GOAWAY_WAIT, heard) => {}
         () = cancels.abusive.notified() => said_rapid_reset(),
+    }
+}
+
+/// What the answer to a request on hyper's path needs of the request, taken before the
+/// request goes to the handler.
+struct Answer {
+    http2: bool,
+    http10: bool,
+    head: bool,
+    connect: bool,
+    /// The framing watch's word on the request (see `framing`).
+    verdict: framing::Verdict,
+    /// Plain HTTP on the TLS listener: nothing on it will be served.
+    plain: bool,
+    idle: Duration,
+    /// The HTTP/2 stream, counted open until its answer ends.
+    stream: Option<OpenStream>,
+    uri: http::Uri,
+    activity: Activity,
+    /// The upload's progress, when there is one: on HTTP/2 for the answer's idle limit
+    /// (see `IdleLimited`), on HTTP/1 whether it had ended when the answer came.
+    upload: Option<Moved>,
+}
+
+impl Answer {
+    /// The handler's answer as hyper is to send it: `Connection: close` where nothing more
+    /// may be read on the connection, no body where none may go, and a body given the idle
+    /// limit and its `answer cut` line.
+    fn shaped(self, mut resp: Response<ProxyBody>) -> Response<ProxyBody> {
+        let status = resp.status();
+        let tunnel =
+            status == StatusCode::SWITCHING_PROTOCOLS || (self.connect && status.is_success());
+        // A refusal: what follows on this connection was framed by a guess. The last
+        // request the watch followed, answered without a tunnel: hyper would read on,
+        // and the rest would pass unchecked (see `framing`). Plain HTTP on the TLS
+        // listener: nothing on it will be served. An HTTP/1 upload not read to its end
+        // (a client's stalled body refused, an early answer): hyper drops the rest and
+        // closes, as the fast path does, and says so.
+        let unread = !self.http2 && self.upload.as_ref().is_some_and(|m| !m.ended());
+        let last = self.verdict.last || unread;
+        // An answer of no known length reaches an HTTP/1.0 client delimited by the
+        // close (RFC 9112 §6.3), and hyper still told a keep-alive client
+        // `Connection: keep-alive`: it would send its next request into a closing
+        // connection, or wait there for more.
+        let close_delimited = self.http10
+            && !resp.headers().contains_key(CONTENT_LENGTH)
+            && http_body::Body::size_hint(resp.body()).exact().is_none();
+        if self.verdict.refusal.is_some() || self.plain || ((last || close_delimited) && !tunnel) {
+            resp.headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+            if self.http10 {
+                // hyper adds `keep-alive` to a 1.1 answer for a 1.0 client that asked
+                // for it (`close, keep-alive`); an answer in the client's own version
+                // it closes as the header says.
+                *resp.version_mut() = http::Version::HTTP_10;
+            }
+        }
+        let unsent = body_unsent(self.head, status);
+        if unsent && self.http2 && !http_body::Body::is_end_stream(resp.body()) {
+            // hyper's HTTP/2 server sends what the body holds, as DATA that such an
+            // answer may not carry (curl and h2 reset the stream: PROTOCOL_ERROR).
+            resp = resp.map(|_| super::body::empty());
+        }
+        // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
+        if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
+            let cut = AnswerCut::new(&self.activity, self.uri);
+            resp = resp.map(|b| {
+                use super::body::{boxed, CutLogged, IdleLimited};
+                if self.http2 {
+                    boxed(CutLogged::new(
+                        IdleLimited::new(b, self.idle, self.upload, self.stream),
+                        cut,
+                    ))
+                } else {
+                    boxed(CutLogged::http1(b, cut))
+                }
+            });
+        } else if !tunnel && !self.http2 {
+            // No body to end: hyper never polls it, and the head alone may wait in its
+            // buffer for a client that does not read (see `AnswerCut::written_later`).
+            AnswerCut::new(&self.activity, self.uri).written_later();
+        }
+        resp
     }
 }
 
