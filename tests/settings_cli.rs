@@ -1334,6 +1334,21 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
             ][..],
             "sandbox_base_url",
         ),
+        // envd's hosts, `{port}-{id}.{domain}`, below `localhost` on the listener's port
+        // (HTTPS's 443 when none is written).
+        (
+            &["--sandbox-domain", "localhost:49982"][..],
+            "sandbox_domain",
+        ),
+        (
+            &[
+                "--sandbox-domain",
+                "e2b.localhost",
+                "--listen",
+                "127.0.0.1:443",
+            ][..],
+            "sandbox_domain",
+        ),
         (&["--listen", "127.0.0.1:9464"][..], "admin_listen"),
         (
             &[
@@ -1378,6 +1393,8 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
     // another path another socket.
     for flags in [
         &["--sandbox-base-url", "http://127.0.0.1:49983"][..],
+        &["--sandbox-domain", "localhost:49983"][..],
+        &["--sandbox-domain", "e2b.localhost"][..],
         &[
             "--sandbox-base-url",
             "http://10.0.0.6:7000",

@@ -1082,6 +1082,21 @@ pub enum Credential {
     AccessKey { id: String, secret: Secret },
 }
 
+/// `host` (an upstream's, as written) reaches the listener bound at `bound`: a local name,
+/// the listener's own address, or the unspecified one (connecting to it reaches this host).
+fn names_this_host(host: &str, bound: std::net::SocketAddr) -> bool {
+    // An IPv6 host comes bracketed (`[::]`), which no address parser takes.
+    let literal = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    crate::proxy::route::is_local_name(host)
+        || literal
+            .parse::<std::net::IpAddr>()
+            .map(|ip| ip.to_canonical())
+            .is_ok_and(|ip| ip == bound.ip().to_canonical() || ip.is_unspecified())
+}
+
 /// Validated, typed settings: what the proxy runs on.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -1130,32 +1145,40 @@ impl Settings {
                 self.sandbox_url.as_ref(),
             ),
         ];
+        let own = |key: String, shown: String| Error::InvalidSetting {
+            key,
+            reason: format!(
+                "{shown} is this proxy's own listener ({bound}): the upstream must be the \
+                 sandbox cloud (a variable set for the SDK, such as OPEN_SANDBOX_DOMAIN, may \
+                 have been read as the upstream)"
+            ),
+        };
         for (key, url) in upstreams {
             let Some(url) = url else { continue };
             let default_port = if url.is_https() { 443 } else { 80 };
             let port = url.authority.port_u16().unwrap_or(default_port);
-            // An IPv6 host comes bracketed (`[::]`), which no address parser takes.
-            let host = url.host();
-            let literal = host
-                .strip_prefix('[')
-                .and_then(|h| h.strip_suffix(']'))
-                .unwrap_or(host);
-            let local = crate::proxy::route::is_local_name(host)
-                || literal
-                    .parse::<std::net::IpAddr>()
-                    .map(|ip| ip.to_canonical())
-                    .is_ok_and(|ip| ip == bound.ip().to_canonical() || ip.is_unspecified());
-            if local && port == bound.port() {
-                return Err(Error::InvalidSetting {
-                    key,
-                    reason: format!(
-                        "{} is this proxy's own listener ({bound}): the upstream must be \
-                         the sandbox cloud (a variable set for the SDK, such as \
-                         OPEN_SANDBOX_DOMAIN, may have been read as the upstream)",
-                        self.shown(url)
-                    ),
-                });
+            if port == bound.port() && names_this_host(url.host(), bound) {
+                return Err(own(key, self.shown(url)));
             }
+        }
+        // envd's hosts are `{port}-{id}.{domain}`, over HTTPS: below `localhost` they are
+        // this machine, and with the TLS listener's port every envd request called the
+        // proxy again, a connection each, until the connection limit was reached.
+        let Some(domain) = &self.sandbox_domain else {
+            return Ok(());
+        };
+        let Ok(authority) = domain.parse::<http::uri::Authority>() else {
+            return Ok(());
+        };
+        let sandbox_host = format!("49983-sandbox.{}", authority.host());
+        if authority.port_u16().unwrap_or(443) == bound.port()
+            && crate::proxy::route::is_local_name(&sandbox_host)
+        {
+            let key = match &self.plugin {
+                Some(p) => format!("{}.envd_domain", p.installed.manifest.id),
+                None => Key::SandboxDomain.name().to_string(),
+            };
+            return Err(own(key, self.shown(domain)));
         }
         Ok(())
     }
