@@ -429,8 +429,18 @@ pub fn sandbox_the_page(headers: &mut HeaderMap) {
 /// do not, and no key is added.
 pub fn authorize_own(headers: &mut HeaderMap, scheme: &AuthScheme) {
     headers.remove(X_API_KEY);
+    remove_own_header(headers, scheme);
+}
+
+/// A plugin's own header goes, where the client's dummy key would be: unless it is
+/// `Authorization`, whose rules are the caller's (as for a bearer scheme): removed, a
+/// client's `Authorization: Basic` on envd ran its command as the default user, and an
+/// app's or a volume's own token went missing.
+fn remove_own_header(headers: &mut HeaderMap, scheme: &AuthScheme) {
     if let AuthScheme::Header(name) = scheme {
-        headers.remove(name);
+        if name != header::AUTHORIZATION {
+            headers.remove(name);
+        }
     }
 }
 
@@ -462,9 +472,7 @@ pub fn authorize_envd(
     port: u16,
 ) {
     headers.remove(X_API_KEY);
-    if let AuthScheme::Header(name) = scheme {
-        headers.remove(name);
-    }
+    remove_own_header(headers, scheme);
     if port == DEFAULT_ENVD_PORT {
         // Exactly one Authorization goes to envd: the client's first Basic, or the default
         // user.
@@ -734,6 +742,29 @@ mod tests {
         authorize_own(&mut h, &scheme);
         assert_eq!(h["authorization"], "Bearer volume-token");
         assert_eq!(h.len(), 2, "{h:?}");
+    }
+
+    /// A plugin whose header is `Authorization` (some APIs take a raw key there) leaves
+    /// the client's own to the rules a bearer scheme has: a `Basic` on envd still picks the
+    /// user, an app's or a volume's token still passes.
+    #[test]
+    fn a_plugin_header_named_authorization_keeps_the_clients_own_rules() {
+        let scheme = AuthScheme::Header(header::AUTHORIZATION);
+        let token = Secret::new("tok");
+        let mut h = map(&[("authorization", "Basic cm9vdDo="), ("x-api-key", "dummy")]);
+        authorize_envd(&mut h, &scheme, &token, "isb-1", DEFAULT_ENVD_PORT);
+        assert_eq!(h["authorization"], "Basic cm9vdDo=", "{h:?}");
+        assert!(!h.contains_key("x-api-key"), "{h:?}");
+        // The dummy key the client put there is no user: the default one goes instead.
+        let mut h = map(&[("authorization", "dummy")]);
+        authorize_envd(&mut h, &scheme, &token, "isb-1", DEFAULT_ENVD_PORT);
+        assert_eq!(h["authorization"], DEFAULT_BASIC, "{h:?}");
+        let mut h = map(&[("authorization", "Bearer app-token")]);
+        authorize_envd(&mut h, &scheme, &Secret::new(""), "isb-1", 8080);
+        assert_eq!(h["authorization"], "Bearer app-token", "{h:?}");
+        let mut h = map(&[("authorization", "Bearer volume-token")]);
+        authorize_own(&mut h, &scheme);
+        assert_eq!(h["authorization"], "Bearer volume-token", "{h:?}");
     }
 
     #[test]
