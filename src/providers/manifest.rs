@@ -17,9 +17,17 @@ pub const MANIFEST_FILE: &str = "abx-provider.toml";
 /// Built-in keys a plugin may ask to inherit (with consent).
 pub const INHERITABLE: &[&str] = &["sandbox_api_key"];
 
-/// Env name prefixes that belong to abx-proxy, the E2B SDKs or Alibaba Cloud: a plugin
-/// alias there could read another provider's credential.
-const RESERVED_PREFIXES: &[&str] = &["ABX_", "E2B_", "ALICLOUD_", "ALIBABA_CLOUD_"];
+/// Env name prefixes that belong to abx-proxy, the E2B SDKs or Alibaba Cloud (the proxy's
+/// own names, and those Alibaba's CLI and credentials chain read, `ALIBABACLOUD_` and
+/// `ALIYUN_` among them): a plugin alias there could read another provider's credential.
+const RESERVED_PREFIXES: &[&str] = &[
+    "ABX_",
+    "E2B_",
+    "ALICLOUD_",
+    "ALIBABA_CLOUD_",
+    "ALIBABACLOUD_",
+    "ALIYUN_",
+];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AuthKind {
@@ -426,7 +434,7 @@ fn field(name: &str, def: &toml::Value, at: &At) -> Result<Field, Error> {
         }
         if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
             return Err(at.mention(alias, format!(
-                "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_ and ALIBABA_CLOUD_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
+                "env alias {alias:?} is reserved (ABX_, E2B_, ALICLOUD_, ALIBABA_CLOUD_, ALIBABACLOUD_ and ALIYUN_ names belong to abx-proxy, the E2B SDKs and Alibaba Cloud)"
             )));
         }
         if alias.is_empty() || !alias.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -1017,6 +1025,16 @@ inherit = ["sandbox_api_key"]
             (
                 OPEN.replace("OPEN_SANDBOX_DOMAIN", "ALICLOUD_ACCESS_KEY_ID"),
                 12,
+                "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY", "ALIBABACLOUD_ACCESS_KEY_SECRET"),
+                10,
+                "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY", "ALIYUN_ACCESS_KEY_SECRET"),
+                10,
                 "reserved",
             ),
             (
