@@ -757,6 +757,86 @@ async fn failing_refresh_serves_the_old_key_until_5s_before_expiry_then_recovers
     assert_eq!(h.fake.calls(), 4);
 }
 
+/// The lines a subscriber writes, for a test that reads the refresher's own log lines.
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    /// The "token exchange failed" lines so far.
+    fn failures(&self) -> Vec<String> {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        (text.lines())
+            .filter(|l| l.contains("token exchange failed"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// Each "token exchange failed" line says, in `key=`, whether the key in use still serves
+/// (`key_in_use` given the stored key, the refusal streak and the source's own clock): a
+/// refused key still valid, a key still valid, none once the source's clock passed its
+/// margin (by the wall clock it is valid for an hour more). The refresher logs on this
+/// test's thread (a current-thread runtime), so a subscriber set here sees its lines, and
+/// each is written before the refresher next waits, so before its event is read here.
+#[tokio::test]
+async fn a_failures_line_says_whether_the_key_in_use_still_serves() {
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _logs = tracing::subscriber::set_default(subscriber);
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(3600)))
+    })
+    .await;
+    h.next_success().await;
+    let key = h.key().await;
+    let issued_at = h.now();
+    // A test elsewhere in this binary may have reached the line first, with no subscriber
+    // anywhere, and left it disabled: asked again, now that this one exists.
+    tracing::callsite::rebuild_interest_cache();
+    h.fake.set_mode(Mode::Fail500);
+
+    // Refused by the control plane: the early refresh fails.
+    assert!(h.source.refused(&Secret::new(key.as_str())));
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    // Accepted again: the refusals end, the retries go on.
+    h.source.accepted(&Secret::new(key.as_str()));
+    h.clock.advance_to_next_sleeper().await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    // Past the 5 s margin by the source's clock.
+    h.clock
+        .advance_to(issued_at + Duration::from_secs(3600 - 5));
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+
+    let said = lines.failures();
+    assert_eq!(said.len(), 3, "{said:#?}");
+    let wants = [
+        "key=refused by the control plane",
+        "key=usable until ",
+        "key=none usable: requests are answered 503",
+    ];
+    for (line, want) in said.iter().zip(wants) {
+        assert!(line.contains(want), "want {want:?} in: {line}");
+    }
+    assert!(
+        !said.iter().any(|l| l.contains(key.as_str())),
+        "the key in a line: {said:#?}"
+    );
+}
+
 #[tokio::test]
 async fn retries_back_off_exponentially() {
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {

@@ -347,17 +347,20 @@ impl TokenStore {
     /// proxy again).
     pub fn remove(&self, sandbox_id: &str) {
         self.supersede(sandbox_id);
+        // Held until the deleted list has them: a refusal landing meanwhile (see
+        // [`TokenStore::refused`]) finds the sandbox among the deleted, not in neither list.
+        let mut refused = self.lock_refused();
         // Its tokens envd refused too (dropped from the store then): an older SDK may hold
         // one, and its health check after the kill names the sandbox by it.
         // The last few: one sandbox's refusals must not push every other deleted one out.
-        let mut gone = self.take_refused(|id| id == sandbox_id);
+        let mut gone = refused.take(|id| id == sandbox_id);
         gone.drain(..gone.len().saturating_sub(REFUSED_KEPT_ON_DELETE));
         let known = (self.tokens.load().by_id.get_key_value(sandbox_id))
             .map(|(id, (token, _))| (id.clone(), token.clone()));
         gone.extend(known.clone().map(|(id, token)| (token, id)));
         gone.retain(|(token, _)| !token.expose().is_empty());
         if !gone.is_empty() {
-            let mut forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
+            let mut forgotten = self.lock_forgotten();
             for (token, id) in gone {
                 if forgotten.len() >= MAX_FORGOTTEN {
                     forgotten.pop_front();
@@ -365,6 +368,7 @@ impl TokenStore {
                 forgotten.push_back((token, id));
             }
         }
+        drop(refused);
         if known.is_none() {
             return;
         }
@@ -412,8 +416,17 @@ impl TokenStore {
         if token.expose().is_empty() {
             return;
         }
-        self.lock_refused().add(sandbox_id, token);
-        self.any_refused.store(true, Ordering::Relaxed);
+        let mut refused = self.lock_refused();
+        // A refusal landing after the sandbox's delete through the proxy (its request was
+        // in flight when the delete was answered): deleted, not refused. Refused, the
+        // SDK's health check after the kill was looked up (404 E2009, which e2b raises)
+        // instead of reaching envd (whose 502 it reads as "not running").
+        let deleted =
+            (self.lock_forgotten().iter()).any(|(t, id)| t == token && **id == *sandbox_id);
+        if !deleted {
+            refused.add(sandbox_id, token);
+            self.any_refused.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Whether envd refused `token` as the proxy's own for `sandbox_id`. Asked only for a
@@ -425,16 +438,22 @@ impl TokenStore {
         self.lock_refused().holds(sandbox_id, token.expose())
     }
 
-    /// Takes the refused tokens of the sandboxes `of` names out, as `(token, id)`.
-    fn take_refused(&self, of: impl Fn(&str) -> bool) -> Vec<(Secret, Arc<str>)> {
-        if !self.any_refused.load(Ordering::Relaxed) {
-            return Vec::new();
-        }
-        self.lock_refused().take(of)
+    /// Holds back every write to the store until dropped, for a test of what a request
+    /// finds between two of them (readers still load the snapshot in place).
+    #[cfg(test)]
+    pub(crate) fn hold_writes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.writing.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Taken before [`TokenStore::lock_forgotten`] when both are held.
     fn lock_refused(&self) -> std::sync::MutexGuard<'_, Refused> {
         self.refused.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock_forgotten(&self) -> std::sync::MutexGuard<'_, VecDeque<(Secret, Arc<str>)>> {
+        self.forgotten
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn len(&self) -> usize {
@@ -465,7 +484,7 @@ impl TokenStore {
         }
         // Deleted through the proxy first: a refusal that lands after the delete (its
         // request was in flight) must not bring the sandbox back as a live one.
-        let forgotten = (self.forgotten.lock()).unwrap_or_else(PoisonError::into_inner);
+        let forgotten = self.lock_forgotten();
         let deleted = (forgotten.iter()).filter(|(t, _)| t.expose() == token);
         if let Some(id) = only_one(deleted.map(|(_, id)| id)) {
             return id.map(|id| TokenOwner {
@@ -1168,9 +1187,11 @@ mod tests {
             "taken out"
         );
 
-        // A refusal that lands after the delete (its request was in flight): still deleted.
+        // A refusal that lands after the delete (its request was in flight): still deleted,
+        // and the SDK's health check, which names the sandbox, is not looked up.
         store.refused("isb-1", &Secret::new("old"));
         assert_eq!(owner(b"old"), Some(("isb-1".into(), true)));
+        assert!(!store.was_refused("isb-1", &Secret::new("old")));
 
         // A look-up's new token for it: the refused one (an older SDK's, sent alone) still
         // names the sandbox, and the SDK's copy is still known refused.

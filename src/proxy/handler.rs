@@ -1073,6 +1073,82 @@ mod tests {
         }
     }
 
+    /// After envd's 401 the proxy's token is said refused before it is dropped: a request
+    /// in between finds the one or the other. (Dropped first, a request there found
+    /// neither, took the SDK's copy of the refused token, sent with every request, for a
+    /// token of the client's, and answered envd's bare 401 when the look-up failed.) The
+    /// store's writes are held, so the drop waits: the refusal must be seen meanwhile.
+    #[test]
+    fn a_token_envd_refused_is_said_refused_before_it_is_dropped() {
+        use std::io::{Read, Write};
+        use std::time::{Duration, Instant};
+
+        use crate::secret::Secret;
+
+        // Both planes on one listener: envd refuses every token, the look-up fails.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        std::thread::spawn(move || {
+            for stream in listener.incoming().take(2) {
+                let Ok(mut stream) = stream else { continue };
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let answer: &[u8] = if head.starts_with(b"GET /sandboxes/") {
+                    b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy"
+                } else {
+                    b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 16\r\n\r\nbad access token"
+                };
+                let _ = stream.write_all(answer);
+            }
+        });
+        let proxy = test_proxy_with(
+            "sk-test",
+            &[(Key::SandboxBaseUrl, &url), (Key::SandboxUrl, &url)],
+        );
+        let token = Secret::new("tok-refused");
+        proxy.tokens.insert("isb-1", token.clone());
+
+        let writes = proxy.tokens.hold_writes();
+        let req = http::Request::builder()
+            .uri("/health")
+            .header("host", "127.0.0.1")
+            .header("e2b-sandbox-id", "isb-1")
+            .body(crate::proxy::body::empty())
+            .expect("request");
+        let handler = std::thread::spawn({
+            let proxy = proxy.clone();
+            move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(proxy.handle(req)).map(|resp| resp.status())
+            }
+        });
+        // Not a wait for time to pass: the handler needs nothing from this thread to say
+        // the token refused, and cannot drop it before this one lets writes go.
+        let start = Instant::now();
+        while !proxy.tokens.was_refused("isb-1", &token) {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "envd's 401 did not say the token refused while it was stored"
+            );
+            std::thread::yield_now();
+        }
+        assert_eq!(proxy.tokens.get("isb-1"), Some(token.clone()));
+        drop(writes);
+        let status = handler.join().expect("handler").expect("answer");
+        assert_eq!(
+            status,
+            http::StatusCode::BAD_GATEWAY,
+            "the look-up's failure"
+        );
+        assert_eq!(proxy.tokens.get("isb-1"), None, "dropped after");
+    }
+
     /// The host an envd request is sent to is the resolved one; the host its access line
     /// and errors give hides a secret a `${VAR}` put into `sandbox_domain` (a flag value
     /// stands in for the expansion here: any resolved secret in a value is masked).
