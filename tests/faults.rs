@@ -1963,6 +1963,7 @@ const DATA: u8 = 0x0;
 const HEADERS: u8 = 0x1;
 const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
 const CONTINUATION: u8 = 0x9;
 const END_STREAM: u8 = 0x1;
@@ -2056,6 +2057,148 @@ impl Drop for RawH2Upstream {
     fn drop(&mut self) {
         self.server.abort();
     }
+}
+
+/// An HTTP/2-only TLS upstream with room for one stream (`SETTINGS_MAX_CONCURRENT_STREAMS`
+/// 1): it answers stream 1's head with part of a body, and ends that body when `release`
+/// is notified. Every frame it receives is kept as `(type, flags, stream)`, `seen` told.
+async fn one_stream_upstream(
+    pki: &Pki,
+    release: Arc<tokio::sync::Notify>,
+    frames: Arc<Mutex<Vec<(u8, u8, u32)>>>,
+    seen: Arc<tokio::sync::Notify>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+    let server = tokio::spawn(async move {
+        let Ok((tcp, _)) = listener.accept().await else {
+            return;
+        };
+        let Ok(mut s) = acceptor.accept(tcp).await else {
+            return;
+        };
+        // SETTINGS_MAX_CONCURRENT_STREAMS (0x3) = 1.
+        let settings = h2_frame(SETTINGS, 0, 0, &[0, 3, 0, 0, 0, 1]);
+        if s.write_all(&settings).await.is_err() {
+            return;
+        }
+        let (mut got, mut at) = (Vec::new(), 24);
+        loop {
+            while let Some(head) = got.get(at..at + 9) {
+                let len =
+                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+                if got.len() < at + 9 + len {
+                    break;
+                }
+                let (kind, flags) = (head[3], head[4]);
+                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+                frames.lock().unwrap().push((kind, flags, stream));
+                let reply = match (kind, flags & ACK, stream) {
+                    (SETTINGS, 0, _) => h2_frame(SETTINGS, ACK, 0, &[]),
+                    // The client's keep-alive: unanswered, it ends the connection.
+                    (PING, 0, _) => h2_frame(PING, ACK, 0, &got[at + 9..at + 9 + len]),
+                    (HEADERS, _, 1) => {
+                        let mut r = h2_frame(HEADERS, END_HEADERS, 1, &[0x88]);
+                        r.extend(h2_frame(DATA, 0, 1, b"held"));
+                        r
+                    }
+                    _ => Vec::new(),
+                };
+                at += 9 + len;
+                if s.write_all(&reply).await.is_err() {
+                    return;
+                }
+            }
+            seen.notify_one();
+            let mut tmp = [0u8; 4096];
+            tokio::select! {
+                read = s.read(&mut tmp) => match read {
+                    Ok(n) if n > 0 => got.extend_from_slice(&tmp[..n]),
+                    _ => return,
+                },
+                () = release.notified() => {
+                    if s.write_all(&h2_frame(DATA, END_STREAM, 1, b"")).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    (url, server)
+}
+
+/// A create waiting for a stream of an HTTP/2 control plane that has no room (its one
+/// stream held by another request) times out 504, and is never sent whole afterwards:
+/// hyper's client sent the one request it held for a stream when room came, given up or
+/// not, and the control plane made a sandbox nobody waited for. Its body not a byte sent,
+/// the upstream holds no request: the SDK's retry is kept (no `Should-Retry: false`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_given_up_while_waiting_for_an_http2_stream_is_never_sent_whole() {
+    let pki = Pki::new();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let seen = Arc::new(tokio::sync::Notify::new());
+    let frames = Arc::new(Mutex::new(Vec::new()));
+    let (url, _server) =
+        one_stream_upstream(&pki, release.clone(), frames.clone(), seen.clone()).await;
+    let proxy = traced(ProxyCmd::new(&url, &pki))
+        .args(&["--upstream-timeout", "1s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let held = send(
+        addr,
+        request("GET", addr, "/sandboxes")
+            .body(empty())
+            .expect("req"),
+    )
+    .await;
+    assert_eq!(held.status(), 200);
+
+    let create = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: 22\r\nConnection: close\r\n\r\n{{\"templateID\":\"base\"}}"
+    );
+    let resp = raw_exchange(addr, create.as_bytes()).await;
+    assert_proxy_error(&resp, 504, "E5002");
+    assert_eq!(resp.header("should-retry"), None, "no byte of it was sent");
+
+    // Room comes: the create's stream is opened, and reset before its body. (hyper's
+    // client goes on with the request it held once something else wakes it: another
+    // request, which gets no answer. Whether the body would have gone without the fix
+    // depends on when hyper finds room to send it: an audit saw it go whole, this
+    // test's timing does not; the fix's own test is `Uploading`'s, in `body.rs`.)
+    release.notify_one();
+    let next = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let resp = raw_exchange(addr, next.as_bytes()).await;
+    assert_proxy_error(&resp, 504, "E5002");
+    let on_create = |frames: &[(u8, u8, u32)]| {
+        frames
+            .iter()
+            .filter(|(_, _, stream)| *stream == 3)
+            .map(|(kind, flags, _)| (*kind, *flags))
+            .collect::<Vec<_>>()
+    };
+    within("the create's stream to end", async {
+        loop {
+            let create = on_create(&frames.lock().unwrap());
+            if create
+                .iter()
+                .any(|&(kind, flags)| kind == RST_STREAM || flags & END_STREAM != 0)
+            {
+                return;
+            }
+            seen.notified().await;
+        }
+    })
+    .await;
+    let create = on_create(&frames.lock().unwrap());
+    assert!(
+        !create.iter().any(|&(kind, _)| kind == DATA),
+        "the create's body went up: {create:?}"
+    );
+    drop(held);
+    proxy.finish().await;
 }
 
 /// `GET /sandboxes` over HTTP/1.1, answered 200: its body as it reaches the client, and

@@ -336,6 +336,8 @@ struct Progress {
     ended: AtomicBool,
     /// The client reset its HTTP/2 stream before the body's end (set by [`Marked`]).
     reset: AtomicBool,
+    /// The request was given up before its answer's head (see [`Moved::give_up`]).
+    given_up: AtomicBool,
 }
 
 impl Default for Moved {
@@ -347,6 +349,7 @@ impl Default for Moved {
             broken: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             reset: AtomicBool::new(false),
+            given_up: AtomicBool::new(false),
         }))
     }
 }
@@ -394,6 +397,16 @@ impl Moved {
     pub fn reset_by_client(&self) -> bool {
         self.0.reset.load(Ordering::Relaxed)
     }
+
+    /// The proxy gave the request up before its answer's head (its timeout, or its client
+    /// gone): what [`Uploading`] has not sent of the body is never sent. hyper's HTTP/2
+    /// client sends a request that waited for a stream the upstream had no room for when
+    /// room comes, whether or not anyone still waits for it: a create timed out (504) or
+    /// left by its client went up whole seconds later, and made a sandbox nobody asked for.
+    /// Its body failing first, the stream is reset before the request is whole.
+    pub fn give_up(&self) {
+        self.0.given_up.store(true, Ordering::Relaxed);
+    }
 }
 
 /// A request body on its way to an upstream client that pulls it: each data frame taken
@@ -418,6 +431,11 @@ impl Body for Uploading {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.moved.0.given_up.load(Ordering::Relaxed) {
+            return Poll::Ready(Some(Err(
+                "the request was given up before its body went".into()
+            )));
+        }
         loop {
             let poll = Pin::new(&mut self.inner).poll_frame(cx);
             self.moved.polled(&poll);
@@ -871,6 +889,20 @@ mod tests {
         let third = frames(vec![data("0123456789")]);
         let read = read_bounded(third, 100, Some(&held)).await;
         assert!(matches!(read, Ok(Bounded::Complete(..))), "ten of ten");
+    }
+
+    /// A request given up before its answer's head sends no more of its body: the next
+    /// poll fails, the client's bytes untouched; one not given up passes them on.
+    #[tokio::test]
+    async fn an_upload_given_up_sends_nothing_more() {
+        let moved = Moved::default();
+        let body = boxed(frames(vec![data("first"), data("second")]));
+        let mut upload = Uploading::new(body, moved.clone());
+        let frame = upload.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().ok(), Some(Bytes::from("first")));
+        moved.give_up();
+        assert!(matches!(upload.frame().await, Some(Err(_))));
+        assert!(!moved.broken(), "the proxy's doing, not the client's");
     }
 
     /// The data frames left in `body`, and whether it ended cleanly.

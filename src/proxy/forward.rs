@@ -52,7 +52,7 @@ pub async fn send(
     };
     let reached = e.reached_upstream();
     let (error, kind) = match e {
-        UpstreamError::Timeout => (
+        UpstreamError::Timeout | UpstreamError::Unsent => (
             Error::UpstreamTimeout {
                 within: Within(timeout),
                 host: host.to_string(),

@@ -110,6 +110,11 @@ pub enum UpstreamError {
     /// before its end: the upstream waits for the rest, so the fault is the client's.
     #[error("the request body stalled")]
     BodyStalled,
+    /// No response head within `--upstream-timeout`, and no byte of the request's body
+    /// sent (over HTTP/2, a request waiting for a stream the upstream had no room for):
+    /// the upstream holds no whole request, and never will (see [`body::Moved::give_up`]).
+    #[error("timed out")]
+    Unsent,
 }
 
 impl UpstreamError {
@@ -138,7 +143,7 @@ impl UpstreamError {
     pub fn reached_upstream(&self) -> bool {
         match self {
             UpstreamError::Legacy(e) => !e.is_connect() && !forward::refused(e),
-            UpstreamError::Connect(_) | UpstreamError::Tls(_) => false,
+            UpstreamError::Connect(_) | UpstreamError::Tls(_) | UpstreamError::Unsent => false,
             UpstreamError::ClientBody(_)
             | UpstreamError::Io(_)
             | UpstreamError::Closed
@@ -162,7 +167,9 @@ impl UpstreamError {
             UpstreamError::Tls(_) => FailKind::Tls,
             UpstreamError::Io(e) => forward::io_kind(e.kind()),
             UpstreamError::Closed => FailKind::Reset,
-            UpstreamError::Timeout | UpstreamError::PingUnanswered => FailKind::Timeout,
+            UpstreamError::Timeout | UpstreamError::Unsent | UpstreamError::PingUnanswered => {
+                FailKind::Timeout
+            }
             UpstreamError::ClientBody(_)
             | UpstreamError::BodyStalled
             | UpstreamError::Protocol(_) => FailKind::Protocol,
@@ -186,7 +193,7 @@ impl UpstreamError {
             },
             UpstreamError::Io(e) => describe_io(e.kind(), "upstream connection failed"),
             UpstreamError::Closed => "connection closed early".into(),
-            UpstreamError::Timeout => "timed out".into(),
+            UpstreamError::Timeout | UpstreamError::Unsent => "timed out".into(),
             UpstreamError::PingUnanswered => "keep-alive ping unanswered".into(),
             UpstreamError::BodyStalled => "the request body stalled".into(),
             UpstreamError::Protocol(what) => format!("invalid response: {what}"),
@@ -416,6 +423,9 @@ impl Upstream {
             Some(m) => req.map(|b| body::boxed(body::Uploading::new(b, m.clone()))),
             None => req,
         };
+        // Given up before the answer's head (dropped at its timeout, or with its client):
+        // what of the body has not gone is never sent.
+        let mut give_up = GiveUp(moved.clone());
         let upgrade = req.headers().contains_key(UPGRADE);
         let mut again = if upgrade { None } else { Again::of(&req) };
         // The origin, to remember should it answer in HTTP/1.1 (a refcount, not a copy).
@@ -458,11 +468,16 @@ impl Upstream {
                         None if moved.as_ref().is_some_and(body::Moved::awaiting_client) => {
                             return Err(UpstreamError::BodyStalled)
                         }
+                        None if moved.is_some() && last.is_none() => {
+                            return Err(UpstreamError::Unsent)
+                        }
                         None => return Err(UpstreamError::Timeout),
                     }
                 }
             }
         };
+        // Answered: the rest of the body goes on (an upstream may answer before its end).
+        give_up.0 = None;
         if let Err(e) = admit(upgrade, &mut resp) {
             if let Some(conn) = &*conn.connection_metadata() {
                 conn.poison();
@@ -500,6 +515,18 @@ impl Upstream {
                 body::boxed(incoming.map_err(BoxError::from).map_err(count))
             }
         }))
+    }
+}
+
+/// Gives the request up ([`body::Moved::give_up`]) when dropped still holding its body's
+/// progress: before the answer's head.
+struct GiveUp(Option<body::Moved>);
+
+impl Drop for GiveUp {
+    fn drop(&mut self) {
+        if let Some(moved) = &self.0 {
+            moved.give_up();
+        }
     }
 }
 
