@@ -1981,6 +1981,16 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// The whole frame at `at` in `got`, when all of it has come: its type, flags, stream and
+/// the end of its payload (which starts 9 bytes in).
+fn whole_frame(got: &[u8], at: usize) -> Option<(u8, u8, u32, usize)> {
+    let head = got.get(at..at + 9)?;
+    let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+    let end = at + 9 + len;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    (got.len() >= end).then_some((head[3], head[4], stream, end))
+}
+
 /// `:status: 200` without a length, `partial`, then `RST_STREAM(NO_ERROR)`; the data
 /// frame says END_STREAM when `ended`.
 fn reset_after_partial(stream: u32, ended: bool) -> Vec<u8> {
@@ -2023,19 +2033,13 @@ impl RawH2Upstream {
         loop {
             // Every whole frame received so far: its SETTINGS acknowledged, each HEADERS
             // (a request) answered.
-            while let Some(head) = got.get(at..at + 9) {
-                let len =
-                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-                if got.len() < at + 9 + len {
-                    break;
-                }
-                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
-                let reply = match (head[3], head[4] & ACK) {
+            while let Some((kind, flags, stream, end)) = whole_frame(&got, at) {
+                let reply = match (kind, flags & ACK) {
                     (SETTINGS, 0) => h2_frame(SETTINGS, ACK, 0, &[]),
                     (HEADERS, _) => answer(stream),
                     _ => Vec::new(),
                 };
-                at += 9 + len;
+                at = end;
                 if s.write_all(&reply).await.is_err() {
                     return;
                 }
@@ -2085,19 +2089,12 @@ async fn one_stream_upstream(
         }
         let (mut got, mut at) = (Vec::new(), 24);
         loop {
-            while let Some(head) = got.get(at..at + 9) {
-                let len =
-                    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-                if got.len() < at + 9 + len {
-                    break;
-                }
-                let (kind, flags) = (head[3], head[4]);
-                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            while let Some((kind, flags, stream, end)) = whole_frame(&got, at) {
                 frames.lock().unwrap().push((kind, flags, stream));
                 let reply = match (kind, flags & ACK, stream) {
                     (SETTINGS, 0, _) => h2_frame(SETTINGS, ACK, 0, &[]),
                     // The client's keep-alive: unanswered, it ends the connection.
-                    (PING, 0, _) => h2_frame(PING, ACK, 0, &got[at + 9..at + 9 + len]),
+                    (PING, 0, _) => h2_frame(PING, ACK, 0, &got[at + 9..end]),
                     (HEADERS, _, 1) => {
                         let mut r = h2_frame(HEADERS, END_HEADERS, 1, &[0x88]);
                         r.extend(h2_frame(DATA, 0, 1, b"held"));
@@ -2105,7 +2102,7 @@ async fn one_stream_upstream(
                     }
                     _ => Vec::new(),
                 };
-                at += 9 + len;
+                at = end;
                 if s.write_all(&reply).await.is_err() {
                     return;
                 }
