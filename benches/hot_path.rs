@@ -219,6 +219,7 @@ fn access_log(c: &mut Criterion) {
         status: 201,
         elapsed: Duration::from_micros(772),
         upstream: "api.sandbox.example.com",
+        error: None,
     };
     let mut group = c.benchmark_group("access_log");
     let mut buf = Vec::with_capacity(256);

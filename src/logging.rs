@@ -233,6 +233,10 @@ pub struct AccessLine<'a> {
     pub status: u16,
     pub elapsed: Duration,
     pub upstream: &'a str,
+    /// The E-code of an answer the proxy gave itself (SPEC §6), printed after the SPEC's
+    /// fields; none for the upstream's own answers. A 502 of the proxy's and one of the
+    /// upstream's looked alike in the log.
+    pub error: Option<&'static str>,
 }
 
 impl AccessLine<'_> {
@@ -251,6 +255,7 @@ pub fn access(
     status: u16,
     elapsed: Duration,
     upstream: &str,
+    error: Option<&'static str>,
 ) {
     let escaped;
     let path = if path.is_ascii() {
@@ -266,6 +271,7 @@ pub fn access(
         status,
         elapsed,
         upstream,
+        error,
     };
     let format = match FAST_FORMAT.load(Ordering::Acquire) {
         TEXT => LogFormat::Text,
@@ -419,6 +425,7 @@ pub fn access_via_tracing(line: &AccessLine<'_>) {
         status = line.status,
         duration_ms = line.duration_ms(),
         upstream = %line.upstream,
+        error = line.error,
     );
 }
 
@@ -445,6 +452,10 @@ pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line
             write_debug_f64(buf, duration_ms);
             buf.extend_from_slice(b" upstream=");
             buf.extend_from_slice(line.upstream.as_bytes());
+            if let Some(code) = line.error {
+                buf.extend_from_slice(b" error=");
+                write_debug_str(buf, code);
+            }
         }
         // Keys in the order the layer emits them: timestamp, level, the event's fields,
         // target. The float, and any string that needs escaping, go through serde_json,
@@ -465,6 +476,10 @@ pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line
             let _ = serde_json::to_writer(&mut *buf, &duration_ms);
             buf.extend_from_slice(b",\"upstream\":");
             write_json_str(buf, line.upstream);
+            if let Some(code) = line.error {
+                buf.extend_from_slice(b",\"error\":");
+                write_json_str(buf, code);
+            }
             buf.extend_from_slice(b",\"target\":\"abx_proxy::access\"}");
         }
     }
@@ -863,13 +878,19 @@ mod tests {
             .iter()
             .zip(elapsed.into_iter().cycle())
             .zip([0u16, 7, 200, 502, 65535].into_iter().cycle())
-            .map(move |((path, elapsed), status)| AccessLine {
+            .zip(
+                [None, Some("E5001"), None, Some("E5002")]
+                    .into_iter()
+                    .cycle(),
+            )
+            .map(move |(((path, elapsed), status), error)| AccessLine {
                 method,
                 path,
                 plane,
                 status,
                 elapsed,
                 upstream,
+                error,
             })
     }
 
@@ -955,6 +976,7 @@ mod tests {
             status: 200,
             elapsed: Duration::from_micros(1234),
             upstream: "127.0.0.1",
+            error: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             let capture = Capture::default();
@@ -1046,6 +1068,7 @@ mod tests {
             status: 200,
             elapsed: Duration::from_nanos(nanos),
             upstream: "u",
+            error: None,
         };
         for i in 0..20_000u64 {
             let nanos = match i % 4 {
@@ -1172,6 +1195,7 @@ mod tests {
                     status: 200,
                     elapsed: Duration::from_millis(1),
                     upstream: "u",
+                    error: None,
                 };
                 let printed = tracing_output(LogFormat::Text, filter, Fixed(UNIX_EPOCH), || {
                     enabled = access_enabled();
@@ -1197,13 +1221,14 @@ mod tests {
             status: 201,
             elapsed: Duration::from_micros(4321),
             upstream: "sbx.example:49983",
+            error: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             let via_access =
                 tracing_output(format, "info", Fixed(UNIX_EPOCH), || log_access(&line));
             assert_eq!(via_access, ours(format, UNIX_EPOCH, &line));
             let filtered = tracing_output(format, "warn", Fixed(UNIX_EPOCH), || {
-                access(&method, "/files", "envd", 201, line.elapsed, "u")
+                access(&method, "/files", "envd", 201, line.elapsed, "u", None)
             });
             assert_eq!(filtered, "");
         }
@@ -1270,6 +1295,7 @@ mod tests {
             status: 201,
             elapsed: Duration::from_micros(987),
             upstream: "127.0.0.1",
+            error: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             for (filter, expected) in [
@@ -1471,6 +1497,7 @@ mod tests {
             line.status,
             line.elapsed,
             line.upstream,
+            line.error,
         );
     }
 
@@ -1482,6 +1509,7 @@ mod tests {
             status: 502,
             elapsed: Duration::from_nanos(772_670),
             upstream: "127.0.0.1",
+            error: None,
         }
     }
 

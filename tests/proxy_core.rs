@@ -1321,6 +1321,44 @@ async fn upstream_down_is_502_e5001() {
     proxy.finish().await;
 }
 
+/// An answer the proxy gave itself says its E-code on the access line; the upstream's own
+/// 502 says none (the two looked alike in the log: the E-code reached only the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_own_answers_say_their_e_code_on_the_access_line() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        response(502, "bad gateway")
+    })
+    .await;
+    let refused = format!("http://{}", refused_addr().await);
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--sandbox-url", &refused])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let api = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    assert_eq!(raw_exchange(addr, api.as_bytes()).await.status, 502);
+    let envd = format!(
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nE2b-Sandbox-Id: isb-1\r\n\
+         X-Access-Token: t\r\nConnection: close\r\n\r\n"
+    );
+    assert_proxy_error(&raw_exchange(addr, envd.as_bytes()).await, 502, "E5001");
+    let log = proxy.finish().await;
+    let line = |plane: &str| {
+        let plane = format!("plane=\"{plane}\" status=502");
+        let found = log.lines().find(|l| l.contains(&plane));
+        found
+            .unwrap_or_else(|| panic!("no {plane} line: {log}"))
+            .to_string()
+    };
+    assert!(!line("api").contains("error="), "{}", line("api"));
+    assert!(
+        line("envd").ends_with(" error=\"E5001\""),
+        "{}",
+        line("envd")
+    );
+}
+
 /// A `${VAR}` in a `.env` file can put a secret into an upstream's host. `config` and
 /// `check` showed it as `****`, but a failed request's error body (which the client gets)
 /// and every access line gave the host as resolved, on both planes. The secret here is

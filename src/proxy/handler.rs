@@ -132,14 +132,18 @@ impl Proxy {
                 gone.extensions_mut().insert(GaveUp);
                 return Ok(gone);
             }
-            let (resp, upstream) = match result {
+            let (resp, upstream, error) = match result {
                 Ok((mut resp, upstream)) => {
                     if !repeatable && plane == Plane::Api {
                         say_not_to_retry_a_gateway_failure(&mut resp);
                     }
-                    (resp, upstream)
+                    (resp, upstream, None)
                 }
-                Err(f) => self.failure_answer(plane, f, repeatable),
+                Err(f) => {
+                    let code = f.error.code();
+                    let (resp, host) = self.failure_answer(plane, f, repeatable);
+                    (resp, host, Some(code))
+                }
             };
             std::mem::forget(unanswered);
             let elapsed = start.elapsed();
@@ -147,7 +151,8 @@ impl Proxy {
             self.metrics.request_done(plane, &method, status, elapsed);
             // Never the query string: signed file URLs carry secrets there.
             let path = logged_target(&uri);
-            crate::logging::access(&method, path, plane.label(), status, elapsed, &upstream);
+            let (label, upstream) = (plane.label(), &upstream);
+            crate::logging::access(&method, path, label, status, elapsed, upstream, error);
             Ok(resp)
         }
     }
@@ -317,7 +322,7 @@ impl Proxy {
         let unknown = Method::from_bytes(b"-").unwrap_or_default();
         let (plane, status) = (Plane::Api, status.as_u16());
         self.metrics.head_refused(plane, &unknown, status);
-        crate::logging::access(&unknown, "-", plane.label(), status, took, "");
+        crate::logging::access(&unknown, "-", plane.label(), status, took, "", None);
     }
 }
 
@@ -378,6 +383,7 @@ impl Drop for Unanswered<'_> {
             CLIENT_CLOSED,
             elapsed,
             "",
+            None,
         );
     }
 }
