@@ -2198,6 +2198,93 @@ async fn a_create_given_up_while_waiting_for_an_http2_stream_is_never_sent_whole
     proxy.finish().await;
 }
 
+/// An HTTP/2-only TLS upstream whose first connection closes (no GOAWAY, no answer) when
+/// the first request's head arrives, as a server ending an idle connection may; later
+/// connections answer every request 200. The heads it received, by method, in `heads`.
+async fn losing_first_connection_upstream(
+    pki: &Pki,
+    heads: Arc<Mutex<Vec<String>>>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let acceptor = tokio_rustls::TlsAcceptor::from(pki.server_config(&[b"h2"]));
+    let server = tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, heads) = (acceptor.clone(), heads.clone());
+            let lose = std::mem::replace(&mut first, false);
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                if s.write_all(&h2_frame(SETTINGS, 0, 0, &[])).await.is_err() {
+                    return;
+                }
+                let (mut got, mut at) = (Vec::new(), 24);
+                loop {
+                    while let Some((kind, flags, stream, end)) = whole_frame(&got, at) {
+                        let reply = match (kind, flags & ACK) {
+                            (SETTINGS, 0) => h2_frame(SETTINGS, ACK, 0, &[]),
+                            (PING, 0) => h2_frame(PING, ACK, 0, &got[at + 9..end]),
+                            (HEADERS, _) => {
+                                // HPACK: `:method` is index 2 (GET) or 3 (POST) of the
+                                // static table, the first field the client sends.
+                                let method = match got.get(at + 9) {
+                                    Some(0x82) => "GET",
+                                    Some(0x83) => "POST",
+                                    _ => "other",
+                                };
+                                heads.lock().unwrap().push(method.to_string());
+                                if lose {
+                                    return;
+                                }
+                                h2_frame(HEADERS, END_HEADERS | END_STREAM, stream, &[0x88])
+                            }
+                            _ => Vec::new(),
+                        };
+                        at = end;
+                        if s.write_all(&reply).await.is_err() {
+                            return;
+                        }
+                    }
+                    let mut tmp = [0u8; 4096];
+                    match s.read(&mut tmp).await {
+                        Ok(n) if n > 0 => got.extend_from_slice(&tmp[..n]),
+                        _ => return,
+                    }
+                }
+            });
+        }
+    });
+    (url, server)
+}
+
+/// An HTTP/2 control plane's connection lost under a request before its answer, with no
+/// GOAWAY (closed, as a server ending an idle connection may): a request that may be done
+/// twice is sent once more on a new connection, as the HTTP/1.1 pool does (it was 502);
+/// one that may not (a `POST`, here one with no body, which could be sent again) is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_lost_with_its_http2_connection_goes_again_when_it_may() {
+    let pki = Pki::new();
+    for (method, path, status, sent) in [
+        ("GET", "/sandboxes", 200, &["GET", "GET"][..]),
+        ("POST", "/sandboxes/isb-1/pause", 502, &["POST"][..]),
+    ] {
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let (url, _server) = losing_first_connection_upstream(&pki, heads.clone()).await;
+        let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+        let addr = proxy.addr();
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\n\
+             Connection: close\r\n\r\n"
+        );
+        let resp = raw_exchange(addr, req.as_bytes()).await;
+        assert_eq!(resp.status, status, "{method}: {}", resp.text());
+        assert_eq!(*heads.lock().unwrap(), sent, "{method}");
+        proxy.finish().await;
+    }
+}
+
 /// `GET /sandboxes` over HTTP/1.1, answered 200: its body as it reaches the client, and
 /// whether its end was an error.
 async fn get_200_body(addr: SocketAddr) -> (Vec<u8>, bool) {
@@ -3427,7 +3514,8 @@ async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
     proxy.finish().await;
 
     // At or below the GOAWAY's stream the upstream may have acted: cut by the connection's
-    // end (GOAWAY with INTERNAL_ERROR, then the close), it is not sent again.
+    // end (GOAWAY with INTERNAL_ERROR, then the close), a create is not sent again; a GET,
+    // which may be done twice, is (once: cut again, it is answered 502).
     static CUT: AtomicUsize = AtomicUsize::new(0);
     let upstream = RawH2Upstream::start(&pki, |stream| {
         CUT.fetch_add(1, Ordering::SeqCst);
@@ -3448,7 +3536,11 @@ async fn a_stream_above_an_http2_upstreams_goaway_goes_once_more() {
     let resp = raw_exchange(addr, create(addr).as_bytes()).await;
     assert_proxy_error(&resp, 502, "E5001");
     assert_eq!(resp.header("should-retry"), Some("false"));
-    assert_eq!(CUT.load(Ordering::SeqCst), 2, "neither was sent again");
+    assert_eq!(
+        CUT.load(Ordering::SeqCst),
+        3,
+        "the GET alone was sent again"
+    );
     proxy.finish().await;
 
     // Above it every time, with an error code (a server shedding load): sent once more,

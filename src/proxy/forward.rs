@@ -147,6 +147,28 @@ pub(crate) fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
     })
 }
 
+/// The upstream's connection ended under the request before its answer, with no word
+/// on whether it was processed (closed or reset without a GOAWAY): hyper's "connection
+/// closed before message completed", or an I/O error that ends a connection.
+pub(crate) fn connection_lost(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::*;
+    let ended = |kind| {
+        matches!(
+            kind,
+            UnexpectedEof | BrokenPipe | ConnectionReset | ConnectionAborted
+        )
+    };
+    chain(e).any(|e| {
+        e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+            || e.downcast_ref::<h2::Error>()
+                .and_then(h2::Error::get_io)
+                .is_some_and(|io| ended(io.kind()))
+            || e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| ended(io.kind()))
+    })
+}
+
 /// hyper's HTTP/2 keep-alive found the upstream's connection dead: a ping unanswered for
 /// as long as half a request's timeout (see `upstream::ping_interval`). An upstream gone
 /// quiet, as the request's own timeout would have said a moment later.

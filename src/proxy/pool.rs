@@ -428,6 +428,7 @@ impl Upstream {
         let mut give_up = GiveUp(moved.clone());
         let upgrade = req.headers().contains_key(UPGRADE);
         let mut again = if upgrade { None } else { Again::of(&req) };
+        let idempotent = is_idempotent(req.method());
         // The origin, to remember should it answer in HTTP/1.1 (a refcount, not a copy).
         let origin = (self.negotiate && !upgrade).then(|| req.uri().clone());
         // To poison the connection of an answer refused below: hyper would reuse it, though
@@ -445,14 +446,19 @@ impl Upstream {
                 Ok(Err(e)) if forward::timed_out(&e) => return Err(UpstreamError::PingUnanswered),
                 // Not processed at all (RFC 9113 §8.7): sent once more, as curl and Go's
                 // client do, whatever the method. hyper-util sends again only what it never
-                // wrote. Once: an upstream refusing every stream is answered.
-                Ok(Err(e)) if forward::refused(&e) => {
+                // wrote. Once: an upstream refusing every stream is answered. So is a
+                // request that may be done twice whose connection was lost under it with no
+                // word (closed or reset without a GOAWAY, as a server ending an idle
+                // connection may), as the pool's HTTP/1.1 connections and Go's client do.
+                Ok(Err(e))
+                    if forward::refused(&e) || idempotent && forward::connection_lost(&e) =>
+                {
                     let Some(again) = again.take() else {
                         return Err(e.into());
                     };
                     tracing::debug!(
                         plane = plane.label(),
-                        "the upstream refused a stream unprocessed: sending it again"
+                        "the upstream's connection refused or lost the request: sending it again"
                     );
                     let mut req = again.into_request(moved.as_ref());
                     conn = capture_connection(&mut req);
