@@ -42,7 +42,8 @@ pub struct Metrics {
 pub enum Plane {
     /// The provider's control plane, where the key goes.
     Api,
-    /// A sandbox's envd and the ports of its apps, where its access token goes.
+    /// A sandbox's envd and the ports of its apps (the access token goes to envd's port
+    /// only).
     Envd,
 }
 
@@ -59,7 +60,10 @@ impl Plane {
 
     /// Its place in [`Plane::ALL`] and in [`Hot`]'s arrays.
     fn index(self) -> usize {
-        self as usize
+        match self {
+            Plane::Api => 0,
+            Plane::Envd => 1,
+        }
     }
 }
 
@@ -395,6 +399,9 @@ mod tests {
     #[test]
     fn cached_and_uncached_series_read_the_same() {
         let m = Metrics::new().unwrap_or_else(|e| panic!("{e}"));
+        for plane in Plane::ALL {
+            assert_eq!(Plane::ALL[plane.index()], plane, "its cached series' slot");
+        }
         let fresh = text(&m);
         assert!(!fresh.contains("abx_proxy_requests_total{"));
         // The fixed label sets exist before anything happens.

@@ -1034,7 +1034,7 @@ mod tests {
     /// is memory per request, a stalled download's included.
     #[test]
     fn a_requests_future_stays_small() {
-        // 2,088 bytes today in debug (2,160 before the body rewrite went into a boxed
+        // 2,056 bytes today in debug (2,160 before the body rewrite went into a boxed
         // function of its own); 2,376 when the volume-content branch (0460693) moved the
         // credential and the replay into it. The room above is for small changes.
         const BUDGET: usize = 2200;

@@ -1,6 +1,7 @@
-//! Listeners: TCP or unix socket (bound, and accepted on, in `bind`), optional TLS,
-//! HTTP/1.1 and HTTP/2 (h2c by prior knowledge or ALPN), the connection limit, the idle
-//! timeout, the framing watch, and the graceful drain.
+//! Serving connections: TCP or unix socket (bound, and accepted on, in `bind`), optional
+//! TLS, HTTP/1.1 and HTTP/2 (h2c by prior knowledge or ALPN), the connection limit and the
+//! graceful drain. A connection's clocks, the idle/header watchdog and the I/O wrapper
+//! that feeds the framing watch are in `activity`.
 
 use std::convert::Infallible;
 use std::io;
@@ -286,7 +287,7 @@ struct Told {
     /// The watchdog found an HTTP/2 connection idle.
     idle: Notify,
     /// The watchdog found the connection idle with a head begun: that head's mark
-    /// ([`Clocks::head`]), 0 for none. It stalled, and the connection closes with it unless
+    /// ([`Activity::head_mark`]), 0 for none. It stalled, and the connection closes with it unless
     /// it ends meanwhile (see [`connection_task`]): a head begun later has another mark.
     stalled: AtomicU64,
 }
@@ -426,16 +427,15 @@ async fn with_hyper(
         } else {
             req.map(|b| super::body::marked(b, &mut upload))
         };
-        let answer = Answer {
+        let shaping = Shaping {
             http2,
             http10: req.version() == http::Version::HTTP_10,
-            head: req.method() == Method::HEAD,
-            connect: req.method() == Method::CONNECT,
+            is_head: req.method() == Method::HEAD,
+            is_connect: req.method() == Method::CONNECT,
             verdict,
             plain: plain.is_some(),
             idle: proxy.idle_timeout,
             stream: http2.then(|| activity.open_stream()),
-            // For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
             uri: req.uri().clone(),
             activity: activity.clone(),
             upload,
@@ -453,7 +453,7 @@ async fn with_hyper(
             }
             guard.answered();
             drop(waiting);
-            Ok::<_, Infallible>(answer.shaped(resp))
+            Ok::<_, Infallible>(shaping.shaped(resp))
         }
     });
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
@@ -502,20 +502,27 @@ async fn with_hyper(
     }
 }
 
-/// What the answer to a request on hyper's path needs of the request, taken before the
-/// request goes to the handler.
-struct Answer {
+/// What shaping the answer to a request on hyper's path needs of the request, taken
+/// before the request goes to the handler.
+struct Shaping {
+    /// The request came over HTTP/2 (else HTTP/1.x).
     http2: bool,
+    /// An HTTP/1.0 client: an answer of no known length ends with the connection.
     http10: bool,
-    head: bool,
-    connect: bool,
+    /// A HEAD: its answer has no body on the wire.
+    is_head: bool,
+    /// A CONNECT: a 2xx answer turns the connection into a tunnel.
+    is_connect: bool,
     /// The framing watch's word on the request (see `framing`).
     verdict: framing::Verdict,
     /// Plain HTTP on the TLS listener: nothing on it will be served.
     plain: bool,
+    /// `--idle-timeout`, an HTTP/2 answer's idle limit (see `IdleLimited`).
     idle: Duration,
-    /// The HTTP/2 stream, counted open until its answer ends.
+    /// The HTTP/2 stream, counted open until its answer's body ends (or, for an answer
+    /// without one, until it is shaped).
     stream: Option<OpenStream>,
+    /// For the answer's `answer cut` line, should the proxy cut it (see `AnswerCut`).
     uri: http::Uri,
     activity: Activity,
     /// The upload's progress, when there is one: on HTTP/2 for the answer's idle limit
@@ -523,14 +530,14 @@ struct Answer {
     upload: Option<Moved>,
 }
 
-impl Answer {
+impl Shaping {
     /// The handler's answer as hyper is to send it: `Connection: close` where nothing more
     /// may be read on the connection, no body where none may go, and a body given the idle
     /// limit and its `answer cut` line.
     fn shaped(self, mut resp: Response<ProxyBody>) -> Response<ProxyBody> {
         let status = resp.status();
         let tunnel =
-            status == StatusCode::SWITCHING_PROTOCOLS || (self.connect && status.is_success());
+            status == StatusCode::SWITCHING_PROTOCOLS || (self.is_connect && status.is_success());
         // A refusal: what follows on this connection was framed by a guess. The last
         // request the watch followed, answered without a tunnel: hyper would read on,
         // and the rest would pass unchecked (see `framing`). Plain HTTP on the TLS
@@ -556,7 +563,7 @@ impl Answer {
                 *resp.version_mut() = http::Version::HTTP_10;
             }
         }
-        let unsent = body_unsent(self.head, status);
+        let unsent = body_unsent(self.is_head, status);
         if unsent && self.http2 && !http_body::Body::is_end_stream(resp.body()) {
             // hyper's HTTP/2 server sends what the body holds, as DATA that such an
             // answer may not carry (curl and h2 reset the stream: PROTOCOL_ERROR).

@@ -1,7 +1,9 @@
 //! A connection's clocks ([`Activity`]): when bytes last moved either way, where the head
-//! being read began, what answer the client is owed and how a cut ended it; the I/O
-//! wrapper that keeps them ([`IdleIo`]); and the [`watchdog`] that cuts a connection idle
-//! past `--idle-timeout` or slow past `--header-timeout`.
+//! being read began, what answer the client is owed and how a cut ended it (the `answer
+//! cut` lines, [`AnswerCut`]); the I/O wrapper that keeps them and reads heads through the
+//! framing watch ([`IdleIo`], with hyper's lingering close); and the [`watchdog`] that cuts
+//! a connection idle past `--idle-timeout` or slow past `--header-timeout`, telling the
+//! serving code through `Told` (in `listener`).
 
 use std::future::Future;
 use std::io;
@@ -259,14 +261,15 @@ impl Activity {
     }
 
     /// Held by an HTTP/2 request and then its answer's body, until the answer has ended:
-    /// a draining connection is closed once none is held (see [`settled`]).
+    /// a draining connection is closed once none is held (see [`settled`](super::settled)).
     pub(in crate::proxy) fn open_stream(&self) -> OpenStream {
         self.clocks.streams.fetch_add(1, Ordering::Relaxed);
         OpenStream(self.clocks.clone())
     }
 
     /// Reads that brought bytes from the client on hyper's path, counted (wrapping): a
-    /// draining HTTP/2 client that sends anything is still there (see [`settled`]).
+    /// draining HTTP/2 client that sends anything is still there (see
+    /// [`settled`](super::settled)).
     pub(super) fn reads(&self) -> u32 {
         self.clocks.reads.load(Ordering::Relaxed)
     }
@@ -323,8 +326,6 @@ impl Activity {
         }
     }
 
-    /// A request or an answer is under way: one waits for its head, an HTTP/2 stream or an
-    /// answer's body has not ended.
     /// When the connection was accepted.
     pub(super) fn opened(&self) -> Instant {
         self.opened
@@ -358,6 +359,8 @@ impl Activity {
             || c.flush_blocked.load(Ordering::Relaxed)
     }
 
+    /// A request or an answer is under way: one waits for its head, an HTTP/2 stream or an
+    /// answer's body has not ended.
     fn busy(&self) -> bool {
         let c = &self.clocks;
         c.waiting.load(Ordering::Relaxed) != 0
@@ -480,7 +483,8 @@ impl<T> IdleIo<T> {
 /// nothing, or a bit of the HTTP/2 preface, would otherwise hold its slot of
 /// `--max-connections` until the idle timeout. The third is hyper's header timeout, but
 /// from the head's first byte: hyper's own timer starts when it begins to wait for a head,
-/// so it also cut keep-alive connections idle between requests (see [`http_builder`]).
+/// so it also cut keep-alive connections idle between requests (see
+/// [`http_builder`](super::http_builder)).
 ///
 /// One timer for all: the connection's task polls every branch of its `select!` each time
 /// it wakes, a few times per request, and a second timer doubled that cost.
@@ -499,7 +503,7 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
         }
-        let head = activity.clocks.head.load(Ordering::Relaxed);
+        let head = activity.head_mark();
         if let Some(began) = activity.head_began() {
             deadline = deadline.min(began + config.header_timeout);
         }
@@ -523,7 +527,7 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
                     activity.clocks.head.store(0, Ordering::Relaxed);
                 }
                 if idle {
-                    let head = activity.clocks.head.load(Ordering::Relaxed);
+                    let head = activity.head_mark();
                     told.stalled.store(head, Ordering::Relaxed);
                 }
                 if activity.clocks.cut_ms.load(Ordering::Relaxed) == 0 {
@@ -586,7 +590,7 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
         // to register: a connection the fast path serves pays one load per poll.
         let mut sleep = pin!(tokio::time::sleep_until(deadline.into()));
         std::future::poll_fn(|cx| {
-            if activity.clocks.head.load(Ordering::Relaxed) != head {
+            if activity.head_mark() != head {
                 return Poll::Ready(());
             }
             sleep.as_mut().poll(cx)
