@@ -2128,74 +2128,73 @@ async fn one_stream_upstream(
 /// A create waiting for a stream of an HTTP/2 control plane that has no room (its one
 /// stream held by another request) times out 504, and is never sent whole afterwards:
 /// hyper's client sent the one request it held for a stream when room came, given up or
-/// not, and the control plane made a sandbox nobody waited for. Its body not a byte sent,
-/// the upstream holds no request: the SDK's retry is kept (no `Should-Retry: false`).
+/// not, and the control plane made a sandbox nobody waited for. Its body never taken, the
+/// upstream holds no request: the SDK's retry is kept (no `Should-Retry: false`). The room
+/// comes from the held request's client leaving, or from its answer's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_given_up_while_waiting_for_an_http2_stream_is_never_sent_whole() {
-    let pki = Pki::new();
-    let release = Arc::new(tokio::sync::Notify::new());
-    let seen = Arc::new(tokio::sync::Notify::new());
-    let frames = Arc::new(Mutex::new(Vec::new()));
-    let (url, _server) =
-        one_stream_upstream(&pki, release.clone(), frames.clone(), seen.clone()).await;
-    let proxy = traced(ProxyCmd::new(&url, &pki))
-        .args(&["--upstream-timeout", "1s"])
-        .spawn()
+    for leave in [true, false] {
+        let pki = Pki::new();
+        let release = Arc::new(tokio::sync::Notify::new());
+        let seen = Arc::new(tokio::sync::Notify::new());
+        let frames = Arc::new(Mutex::new(Vec::new()));
+        let (url, _server) =
+            one_stream_upstream(&pki, release.clone(), frames.clone(), seen.clone()).await;
+        let proxy = traced(ProxyCmd::new(&url, &pki))
+            .args(&["--upstream-timeout", "1s"])
+            .spawn()
+            .await;
+        let addr = proxy.addr();
+        let held = send(
+            addr,
+            request("GET", addr, "/sandboxes")
+                .body(empty())
+                .expect("req"),
+        )
         .await;
-    let addr = proxy.addr();
-    let held = send(
-        addr,
-        request("GET", addr, "/sandboxes")
-            .body(empty())
-            .expect("req"),
-    )
-    .await;
-    assert_eq!(held.status(), 200);
+        assert_eq!(held.status(), 200);
 
-    let create = format!(
-        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: 22\r\nConnection: close\r\n\r\n{{\"templateID\":\"base\"}}"
-    );
-    let resp = raw_exchange(addr, create.as_bytes()).await;
-    assert_proxy_error(&resp, 504, "E5002");
-    assert_eq!(resp.header("should-retry"), None, "no byte of it was sent");
+        // The SDKs' create: its body held whole by the proxy (the `/v2` rewrite), which
+        // hyper takes at once when the stream opens.
+        let create = format!(
+            "POST /v2/sandboxes HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 21\r\nConnection: close\r\n\r\n{{\"templateID\":\"base\"}}"
+        );
+        let resp = raw_exchange(addr, create.as_bytes()).await;
+        assert_proxy_error(&resp, 504, "E5002");
+        assert_eq!(resp.header("should-retry"), None, "its body never taken");
 
-    // Room comes: the create's stream is opened, and reset before its body. (hyper's
-    // client goes on with the request it held once something else wakes it: another
-    // request, which gets no answer. Whether the body would have gone without the fix
-    // depends on when hyper finds room to send it: an audit saw it go whole, this
-    // test's timing does not; the fix's own test is `Uploading`'s, in `body.rs`.)
-    release.notify_one();
-    let next = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    let resp = raw_exchange(addr, next.as_bytes()).await;
-    assert_proxy_error(&resp, 504, "E5002");
-    let on_create = |frames: &[(u8, u8, u32)]| {
-        frames
-            .iter()
-            .filter(|(_, _, stream)| *stream == 3)
-            .map(|(kind, flags, _)| (*kind, *flags))
-            .collect::<Vec<_>>()
-    };
-    within("the create's stream to end", async {
-        loop {
-            let create = on_create(&frames.lock().unwrap());
-            if create
-                .iter()
-                .any(|&(kind, flags)| kind == RST_STREAM || flags & END_STREAM != 0)
-            {
-                return;
-            }
-            seen.notified().await;
+        if leave {
+            drop(held);
+        } else {
+            release.notify_one();
+            let _ = within("the held answer's end", held.into_body().collect()).await;
         }
-    })
-    .await;
-    let create = on_create(&frames.lock().unwrap());
-    assert!(
-        !create.iter().any(|&(kind, _)| kind == DATA),
-        "the create's body went up: {create:?}"
-    );
-    drop(held);
-    proxy.finish().await;
+        let on_create = |frames: &[(u8, u8, u32)]| {
+            (frames.iter())
+                .filter(|(_, _, stream)| *stream == 3)
+                .map(|(kind, flags, _)| (*kind, *flags))
+                .collect::<Vec<_>>()
+        };
+        within("the create's stream to end", async {
+            loop {
+                let create = on_create(&frames.lock().unwrap());
+                if (create.iter())
+                    .any(|&(kind, flags)| kind == RST_STREAM || flags & END_STREAM != 0)
+                {
+                    return;
+                }
+                seen.notified().await;
+            }
+        })
+        .await;
+        let create = on_create(&frames.lock().unwrap());
+        assert!(
+            !create.iter().any(|&(kind, _)| kind == DATA),
+            "the create's body went up (leave {leave}): {create:?}"
+        );
+        proxy.finish().await;
+    }
 }
 
 /// An HTTP/2-only TLS upstream whose first connection closes (no GOAWAY, no answer) when

@@ -5,7 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -336,8 +336,8 @@ struct Progress {
     ended: AtomicBool,
     /// The client reset its HTTP/2 stream before the body's end (set by [`Marked`]).
     reset: AtomicBool,
-    /// The request was given up before its answer's head (see [`Moved::give_up`]).
-    given_up: AtomicBool,
+    /// [`FRESH`], [`TAKEN`] or [`GIVEN_UP`] (see [`Moved::give_up`]).
+    sending: AtomicU8,
 }
 
 impl Default for Moved {
@@ -349,7 +349,7 @@ impl Default for Moved {
             broken: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             reset: AtomicBool::new(false),
-            given_up: AtomicBool::new(false),
+            sending: AtomicU8::new(FRESH),
         }))
     }
 }
@@ -403,11 +403,19 @@ impl Moved {
     /// client sends a request that waited for a stream the upstream had no room for when
     /// room comes, whether or not anyone still waits for it: a create timed out (504) or
     /// left by its client went up whole seconds later, and made a sandbox nobody asked for.
-    /// Its body failing first, the stream is reset before the request is whole.
-    pub fn give_up(&self) {
-        self.0.given_up.store(true, Ordering::Relaxed);
+    /// Its body failing first, the stream is reset (CANCEL) before the request is whole.
+    /// Whether the body had been taken at all: if not, none of it ever goes.
+    pub fn give_up(&self) -> bool {
+        self.0.sending.swap(GIVEN_UP, Ordering::AcqRel) == FRESH
     }
 }
+
+/// What [`Uploading`] has done with its body: nothing yet, taken some (or its end), or been
+/// told to stop. One atomic, so that a give-up and the body's first poll, on two threads,
+/// agree on which came first.
+const FRESH: u8 = 0;
+const TAKEN: u8 = 1;
+const GIVEN_UP: u8 = 2;
 
 /// A request body on its way to an upstream client that pulls it: each data frame taken
 /// marks [`Moved`] (the client takes the next one once the last is written), and trailers
@@ -431,10 +439,17 @@ impl Body for Uploading {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if self.moved.0.given_up.load(Ordering::Relaxed) {
-            return Poll::Ready(Some(Err(
-                "the request was given up before its body went".into()
-            )));
+        let sending = &self.moved.0.sending;
+        let given_up = match sending.load(Ordering::Acquire) {
+            TAKEN => false,
+            _ => sending
+                .compare_exchange(FRESH, TAKEN, Ordering::AcqRel, Ordering::Acquire)
+                .is_err_and(|now| now == GIVEN_UP),
+        };
+        if given_up {
+            // CANCEL, the reason hyper finds in the error to reset the stream with (it says
+            // INTERNAL_ERROR for an error without one).
+            return Poll::Ready(Some(Err(Box::new(h2::Error::from(h2::Reason::CANCEL)))));
         }
         loop {
             let poll = Pin::new(&mut self.inner).poll_frame(cx);
@@ -900,7 +915,7 @@ mod tests {
         let mut upload = Uploading::new(body, moved.clone());
         let frame = upload.frame().await.expect("a frame").expect("data");
         assert_eq!(frame.into_data().ok(), Some(Bytes::from("first")));
-        moved.give_up();
+        assert!(!moved.give_up(), "the body was taken");
         assert!(matches!(upload.frame().await, Some(Err(_))));
         assert!(!moved.broken(), "the proxy's doing, not the client's");
     }

@@ -110,9 +110,9 @@ pub enum UpstreamError {
     /// before its end: the upstream waits for the rest, so the fault is the client's.
     #[error("the request body stalled")]
     BodyStalled,
-    /// No response head within `--upstream-timeout`, and no byte of the request's body
-    /// sent (over HTTP/2, a request waiting for a stream the upstream had no room for):
-    /// the upstream holds no whole request, and never will (see [`body::Moved::give_up`]).
+    /// No response head within `--upstream-timeout`, and the request's body never taken
+    /// (over HTTP/2, a request waiting for a stream the upstream had no room for): the
+    /// upstream holds no whole request, and never will (see [`body::Moved::give_up`]).
     #[error("timed out")]
     Unsent,
 }
@@ -474,7 +474,9 @@ impl Upstream {
                         None if moved.as_ref().is_some_and(body::Moved::awaiting_client) => {
                             return Err(UpstreamError::BodyStalled)
                         }
-                        None if moved.is_some() && last.is_none() => {
+                        // Given up here, so that the body's first poll, should it race this
+                        // on hyper's side, finds it so, or is seen to have come first.
+                        None if moved.as_ref().is_some_and(body::Moved::give_up) => {
                             return Err(UpstreamError::Unsent)
                         }
                         None => return Err(UpstreamError::Timeout),
@@ -531,7 +533,7 @@ struct GiveUp(Option<body::Moved>);
 impl Drop for GiveUp {
     fn drop(&mut self) {
         if let Some(moved) = &self.0 {
-            moved.give_up();
+            let _ = moved.give_up();
         }
     }
 }
