@@ -796,6 +796,10 @@ async fn a_failures_line_says_whether_the_key_in_use_still_serves() {
         .with_writer(move || writer.clone())
         .with_ansi(false)
         .finish();
+    // r1 experiment: a second live dispatcher, so callsites first hit on other threads
+    // consult every registered dispatcher (tracing-core's one-dispatcher shortcut asks only
+    // the registering thread's default).
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
     let _logs = tracing::subscriber::set_default(subscriber);
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
         f.set_ttl(Some(Duration::from_secs(3600)))

@@ -1124,8 +1124,6 @@ async fn an_upstream_that_is_the_proxy_itself_is_refused() {
     panic!("five released ports were all taken before the proxy could listen");
 }
 
-/// SPEC §7 for a plugin: SIGHUP rotates the plugin's own key. A reload that would switch
-/// the provider is refused: the running key stays with the upstream it belongs to.
 /// A plugin's envd domain below `localhost` on the listener's port names the proxy itself:
 /// envd requests called the proxy again, a connection each, until none was left. Refused
 /// as the upstreams are, naming the plugin's field.
@@ -1142,13 +1140,15 @@ async fn a_plugins_envd_domain_that_is_the_proxy_itself_is_refused() {
     assert_eq!(out.status.code(), Some(78), "{}", text(&out));
     let said = text(&out);
     let refused = "[E1005] invalid value for e2b.envd_domain (ABX_E2B_ENVD_DOMAIN from env): \
-                   localhost:49982 is this proxy's own listener";
+                   localhost:49982 names this proxy's own listener";
     assert!(said.contains(refused), "{said}");
     let env = [env[0], env[1], ("ABX_E2B_ENVD_DOMAIN", "localhost:49983")];
     let out = abx(home.path(), &env, &["check", "--offline"]).await;
     assert!(out.status.success(), "{}", text(&out));
 }
 
+/// SPEC §7 for a plugin: SIGHUP rotates the plugin's own key. A reload that would switch
+/// the provider is refused: the running key stays with the upstream it belongs to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_rotates_a_plugin_key_and_never_switches_the_provider() {
     const OS_KEY2: &str = "os-key-two-Xy3Za5Bc7De9Fg";

@@ -1395,6 +1395,13 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
         &["--sandbox-base-url", "http://127.0.0.1:49983"][..],
         &["--sandbox-domain", "localhost:49983"][..],
         &["--sandbox-domain", "e2b.localhost"][..],
+        // A domain `sandbox_url` stands in for is not read.
+        &[
+            "--sandbox-domain",
+            "localhost:49982",
+            "--sandbox-url",
+            "https://envd.example.com",
+        ][..],
         &[
             "--sandbox-base-url",
             "http://10.0.0.6:7000",
@@ -1412,6 +1419,26 @@ fn check_refuses_an_upstream_or_admin_address_that_is_the_proxys_own_listener() 
         let out = check_offline(flags);
         assert_eq!(out.code, 0, "{flags:?}: {}", out.stderr);
     }
+}
+
+/// Run from ABX_HOME (the systemd unit's working directory), `./.env` is ABX_HOME's own
+/// `.env`: read once, as ABX_HOME's. Read as both, the service's own settings file warned
+/// as a stray project file sending the key elsewhere, and about its mode twice.
+#[test]
+fn a_dotenv_that_is_abx_homes_own_is_read_once_as_abx_homes() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.home_dotenv("ABX_SANDBOX_BASE_URL=https://api.example.com\n");
+    c.cwd = c.abx_dir();
+    let out = c.run(&["config", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let line = (out.stdout.lines())
+        .find(|l| l.starts_with("sandbox_base_url "))
+        .expect("sandbox_base_url line");
+    assert!(line.contains("~/.abx/.env"), "{line}");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!out.stderr.contains("./.env"), "{}", out.stderr);
 }
 
 /// A value read from a `.env` file is printed with what a terminal acts on escaped: an

@@ -74,7 +74,8 @@ pub struct TokenStore {
     /// See [`TokenStore::refused`].
     refused: Mutex<Refused>,
     /// Whether `refused` was ever written: until then no request takes its lock (after a
-    /// restart every SDK request for a sandbox the proxy has not learned would).
+    /// restart every SDK request for a sandbox the proxy has not learned would); a delete
+    /// through the proxy takes it always.
     any_refused: AtomicBool,
 }
 

@@ -29,6 +29,17 @@ const RESERVED_PREFIXES: &[&str] = &[
     "ALIYUN_",
 ];
 
+/// Alibaba Cloud credential names without those prefixes, which its CLI (after the
+/// prefixed ones) and its OSS tools read.
+const RESERVED_NAMES: &[&str] = &[
+    "ACCESS_KEY_ID",
+    "ACCESS_KEY_SECRET",
+    "SECURITY_TOKEN",
+    "OSS_ACCESS_KEY_ID",
+    "OSS_ACCESS_KEY_SECRET",
+    "OSS_SESSION_TOKEN",
+];
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AuthKind {
     Bearer,
@@ -431,6 +442,12 @@ fn field(name: &str, def: &toml::Value, at: &At) -> Result<Field, Error> {
                 "env alias {alias:?} is reserved: it is the built-in setting {}'s variable, and a plugin never reads the built-in settings",
                 spec.name
             )));
+        }
+        if RESERVED_NAMES.contains(&alias.as_str()) {
+            return Err(at.mention(
+                alias,
+                format!("env alias {alias:?} is reserved (an Alibaba Cloud credential's variable)"),
+            ));
         }
         if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
             return Err(at.mention(alias, format!(
@@ -1036,6 +1053,11 @@ inherit = ["sandbox_api_key"]
                 OPEN.replace("OPEN_SANDBOX_API_KEY", "ALIYUN_ACCESS_KEY_SECRET"),
                 10,
                 "reserved",
+            ),
+            (
+                OPEN.replace("OPEN_SANDBOX_API_KEY", "ACCESS_KEY_SECRET"),
+                10,
+                "reserved (an Alibaba Cloud credential's variable)",
             ),
             (
                 OPEN.replace("secret = true", "secret = true\ndefault = \"x\""),

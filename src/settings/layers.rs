@@ -40,6 +40,14 @@ impl Source {
     }
 }
 
+/// Whether `a` and `b` name one file (device and inode, links followed); false when
+/// either is missing.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    id(a).is_some_and(|a| Some(a) == id(b))
+}
+
 /// A `.env` file's variables, in file order (later duplicates win, as in a shell).
 /// `skipped`: the file is read by other tools too (`./.env`), and lines it cannot parse
 /// that set none of abx-proxy's own variables go there rather than failing the file (see

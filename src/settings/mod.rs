@@ -316,12 +316,16 @@ impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
         let mut skipped = Vec::new();
-        let dotenv_cwd = layers::read_dotenv(
-            &inputs.cwd.join(".env"),
-            "./.env",
-            Some(&mut skipped),
-            &mut warnings,
-        )?;
+        let cwd_env = inputs.cwd.join(".env");
+        // Run from ABX_HOME (as the systemd unit is), `./.env` is ABX_HOME's own: one file,
+        // read once, as ABX_HOME's. Read as both, it warned about itself as a stray
+        // project file redirecting the key, twice about its mode, and shadowed itself.
+        let home_env = inputs.abx_home.as_ref().map(|h| h.join(".env"));
+        let dotenv_cwd = if home_env.is_some_and(|h| layers::same_file(&cwd_env, &h)) {
+            HashMap::new()
+        } else {
+            layers::read_dotenv(&cwd_env, "./.env", Some(&mut skipped), &mut warnings)?
+        };
         let skipped_at = warnings.len();
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
@@ -1145,26 +1149,31 @@ impl Settings {
                 self.sandbox_url.as_ref(),
             ),
         ];
-        let own = |key: String, shown: String| Error::InvalidSetting {
-            key,
-            reason: format!(
-                "{shown} is this proxy's own listener ({bound}): the upstream must be the \
-                 sandbox cloud (a variable set for the SDK, such as OPEN_SANDBOX_DOMAIN, may \
-                 have been read as the upstream)"
-            ),
-        };
         for (key, url) in upstreams {
             let Some(url) = url else { continue };
             let default_port = if url.is_https() { 443 } else { 80 };
             let port = url.authority.port_u16().unwrap_or(default_port);
             if port == bound.port() && names_this_host(url.host(), bound) {
-                return Err(own(key, self.shown(url)));
+                return Err(Error::InvalidSetting {
+                    key,
+                    reason: format!(
+                        "{} is this proxy's own listener ({bound}): the upstream must be the \
+                         sandbox cloud (a variable set for the SDK, such as \
+                         OPEN_SANDBOX_DOMAIN, may have been read as the upstream)",
+                        self.shown(url)
+                    ),
+                });
             }
         }
         // envd's hosts are `{port}-{id}.{domain}`, over HTTPS: below `localhost` they are
         // this machine, and with the TLS listener's port every envd request called the
-        // proxy again, a connection each, until the connection limit was reached.
-        let Some(domain) = &self.sandbox_domain else {
+        // proxy again, a connection each, until the connection limit was reached. Not when
+        // `sandbox_url` stands in for the domain (a leftover value is no error).
+        let Some(domain) = self
+            .sandbox_domain
+            .as_ref()
+            .filter(|_| self.sandbox_url.is_none())
+        else {
             return Ok(());
         };
         let Ok(authority) = domain.parse::<http::uri::Authority>() else {
@@ -1178,7 +1187,14 @@ impl Settings {
                 Some(p) => format!("{}.envd_domain", p.installed.manifest.id),
                 None => Key::SandboxDomain.name().to_string(),
             };
-            return Err(own(key, self.shown(domain)));
+            return Err(Error::InvalidSetting {
+                key,
+                reason: format!(
+                    "{} names this proxy's own listener ({bound}) as every sandbox's envd: \
+                     the domain must be the sandbox cloud's",
+                    self.shown(domain)
+                ),
+            });
         }
         Ok(())
     }
