@@ -456,9 +456,17 @@ impl Upstream {
                     let Some(again) = again.take() else {
                         return Err(e.into());
                     };
+                    let why = if forward::refused(&e) {
+                        "refused"
+                    } else {
+                        "lost"
+                    };
                     tracing::debug!(
                         plane = plane.label(),
-                        "the upstream's connection refused or lost the request: sending it again"
+                        method = %again.method,
+                        why,
+                        "the upstream refused the request unprocessed, or its connection was \
+                         lost: sending it again"
                     );
                     let mut req = again.into_request(moved.as_ref());
                     conn = capture_connection(&mut req);
