@@ -446,7 +446,7 @@ fn field(name: &str, def: &toml::Value, at: &At) -> Result<Field, Error> {
         if RESERVED_NAMES.contains(&alias.as_str()) {
             return Err(at.mention(
                 alias,
-                format!("env alias {alias:?} is reserved (an Alibaba Cloud credential's variable)"),
+                format!("env alias {alias:?} is reserved (an Alibaba Cloud credential's variable: the plugin would send that credential to its own host)"),
             ));
         }
         if RESERVED_PREFIXES.iter().any(|p| alias.starts_with(p)) {
@@ -1057,7 +1057,7 @@ inherit = ["sandbox_api_key"]
             (
                 OPEN.replace("OPEN_SANDBOX_API_KEY", "ACCESS_KEY_SECRET"),
                 10,
-                "reserved (an Alibaba Cloud credential's variable)",
+                "reserved (an Alibaba Cloud credential's variable: the plugin would send",
             ),
             (
                 OPEN.replace("secret = true", "secret = true\ndefault = \"x\""),
