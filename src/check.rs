@@ -77,7 +77,7 @@ async fn probe(
         }
         Ok(Err(e)) => {
             return Err(Error::UpstreamUnreachable {
-                reason: crate::proxy::forward::describe(&e),
+                reason: crate::proxy::failure::describe(&e),
                 host,
             })
         }

@@ -415,7 +415,7 @@ mod tests {
                 url.into()
             };
             let e = client(resolver).request(get(&url)).await.unwrap_err();
-            assert_eq!(crate::proxy::forward::describe(&e), said, "{url}");
+            assert_eq!(crate::proxy::failure::describe(&e), said, "{url}");
         }
         drop(silent);
     }

@@ -470,7 +470,7 @@ impl HttpExchanger {
                     .request(request)
                     .await
                     .map_err(|e| Error::UpstreamUnreachable {
-                        reason: crate::proxy::forward::describe(&e),
+                        reason: crate::proxy::failure::describe(&e),
                         host: host.clone(),
                     })?;
             let status = response.status().as_u16();

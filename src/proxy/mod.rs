@@ -11,6 +11,7 @@
 pub mod body;
 pub mod certs;
 pub(crate) mod compat;
+pub mod failure;
 pub mod forward;
 pub mod framing;
 mod h1;
