@@ -5,7 +5,7 @@
 
 use std::convert::Infallible;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +36,7 @@ mod activity;
 mod bind;
 
 pub use activity::Activity;
-use activity::{head_from, head_timed_out, watchdog};
+use activity::{head_from, head_timed_out, watchdog, Told, GOAWAY_WAIT};
 pub(super) use activity::{idle, AnswerCut, IdleIo, OpenStream};
 pub use bind::{Listener, SocketFile};
 
@@ -273,23 +273,6 @@ async fn connection_task(
     }
     crate::logging::flush_thread();
     drop(open);
-}
-
-/// How long an idle HTTP/2 connection has, once its GOAWAY is sent, to be closed
-/// gracefully (hyper waits for the client's answer to a PING) before it is cut.
-const GOAWAY_WAIT: Duration = Duration::from_secs(1);
-
-/// What a connection's serving code and its task's watchdog tell each other.
-#[derive(Default)]
-struct Told {
-    /// A request head has arrived: the first-head deadline no longer applies.
-    headed: AtomicBool,
-    /// The watchdog found an HTTP/2 connection idle.
-    idle: Notify,
-    /// The watchdog found the connection idle with a head begun: that head's mark
-    /// ([`Activity::head_mark`]), 0 for none. It stalled, and the connection closes with it unless
-    /// it ends meanwhile (see [`connection_task`]): a head begun later has another mark.
-    stalled: AtomicU64,
 }
 
 /// One client connection: the HTTP/1.1 fast path for plain sockets, hyper for TLS and for

@@ -3,7 +3,7 @@
 //! cut` lines, [`AnswerCut`]); the I/O wrapper that keeps them and reads heads through the
 //! framing watch ([`IdleIo`], with hyper's lingering close); and the [`watchdog`] that cuts
 //! a connection idle past `--idle-timeout` or slow past `--header-timeout`, telling the
-//! serving code through `Told` (in `listener`).
+//! serving code through [`Told`].
 
 use std::future::Future;
 use std::io;
@@ -14,8 +14,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 
-use super::{ServeConfig, Told, GOAWAY_WAIT};
+use super::ServeConfig;
 use crate::proxy::framing::{self, HeadWatch, Verdicts};
 use crate::proxy::h1;
 
@@ -473,6 +474,24 @@ impl<T> IdleIo<T> {
             self.activity.restart_head();
         }
     }
+}
+
+/// How long an idle HTTP/2 connection has, once its GOAWAY is sent, to be closed
+/// gracefully (hyper waits for the client's answer to a PING) before it is cut.
+pub(super) const GOAWAY_WAIT: Duration = Duration::from_secs(1);
+
+/// What a connection's serving code and its task's watchdog tell each other.
+#[derive(Default)]
+pub(super) struct Told {
+    /// A request head has arrived: the first-head deadline no longer applies.
+    pub(super) headed: AtomicBool,
+    /// The watchdog found an HTTP/2 connection idle.
+    pub(super) idle: Notify,
+    /// The watchdog found the connection idle with a head begun: that head's mark
+    /// ([`Activity::head_mark`]), 0 for none. It stalled, and the connection closes with
+    /// it unless it ends meanwhile (see `listener`'s `connection_task`): a head begun
+    /// later has another mark.
+    pub(super) stalled: AtomicU64,
 }
 
 /// Resolves when the connection is to be cut: it has moved no bytes for `--idle-timeout`,
