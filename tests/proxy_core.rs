@@ -1851,22 +1851,44 @@ async fn sigterm_drain_waits_for_an_open_websocket_tunnel() {
     assert_no_key(&stderr, "the proxy's stderr");
 }
 
-/// Half a request head is no request: the drain closes its connection at once rather than
-/// waiting out `--header-timeout` (here far longer than the test may take).
+/// A request whose head was coming in when the drain began is served (with `Connection:
+/// close`), as nginx serves it: closing lost it with no answer, and its client could not
+/// tell whether it was done. A head begun and left unfinished is bounded by its
+/// `--header-timeout`, not the grace: it does not hold the exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_drain_does_not_wait_for_the_rest_of_a_head() {
+async fn the_drain_finishes_a_head_begun_before_it_and_no_more() {
     let pki = Pki::new();
-    let mut proxy = ProxyCmd::new("https://127.0.0.1:9", &pki)
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
         .shutdown_grace("120s")
-        .args(&["--header-timeout", "120s"])
+        .args(&["--header-timeout", "3s"])
         .spawn()
         .await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /sandboxes HT").await.unwrap();
-    until_open_connections(admin, 1.0).await;
-    terminate(&mut proxy).await;
-    expect_closed(&mut s, &[]).await;
+    let mut begun = TcpStream::connect(addr).await.unwrap();
+    begun.write_all(b"GET /sandboxes HT").await.unwrap();
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled.write_all(b"GET /sandboxes HT").await.unwrap();
+    until_open_connections(admin, 2.0).await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    let rest = format!("TP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    begun.write_all(rest.as_bytes()).await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut begun, &mut leftover).await;
+    assert_eq!(
+        (resp.status, resp.header("connection")),
+        (200, Some("close"))
+    );
+    expect_closed(&mut begun, &leftover).await;
+    // The other head never ends: cut at its header timeout, and the drain with it.
+    expect_closed(&mut stalled, &[]).await;
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2102,19 +2124,39 @@ async fn a_stalled_tls_handshake_is_cut_at_the_header_timeout() {
     proxy.finish().await;
 }
 
-/// Nor for the first request head of a TLS connection, which hyper reads: half a head is
-/// no request.
+/// Over TLS, where hyper reads the heads, a first head begun before the drain is served
+/// too (see [`the_drain_finishes_a_head_begun_before_it_and_no_more`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_drain_does_not_wait_for_a_first_head_over_tls() {
+async fn the_drain_finishes_a_first_head_begun_over_tls() {
     let pki = Pki::new();
-    let mut proxy = patient_tls_proxy(&pki).await;
+    let (_upstream, mut proxy) = tls_proxy_to_ok(&pki, |cmd| {
+        cmd.shutdown_grace("120s")
+            .args(&["--header-timeout", "120s"])
+    })
+    .await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
     tls.write_all(b"GET /sandboxes HT").await.unwrap();
     tls.flush().await.unwrap();
     until_open_connections(admin, 1.0).await;
-    terminate(&mut proxy).await;
-    expect_closed(&mut tls, &[]).await;
+    proxy.signal("TERM");
+    proxy.wait_for_line("listener closed").await;
+    let rest = format!("TP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+    tls.write_all(rest.as_bytes()).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut tls, &mut leftover).await;
+    assert_eq!(
+        (resp.status, resp.header("connection")),
+        (200, Some("close"))
+    );
+    expect_closed(&mut tls, &leftover).await;
+    let status = proxy.wait_exit().await;
+    assert!(
+        status.success(),
+        "exit {status}; stderr:\n{}",
+        proxy.stderr()
+    );
 }
 
 /// Nor for a keep-alive connection over TLS idle between requests, which only the

@@ -243,15 +243,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             length,
             is_head,
             mut close,
-        } = match read_head(
-            &shared.sock,
-            &mut buf,
-            ctx.activity,
-            ctx.header_timeout,
-            stop,
-        )
-        .await
-        {
+        } = match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
             Read::Head(head) => {
                 ctx.headed.store(true, Ordering::Relaxed);
                 request(head, &shared, &mut buf, ctx.activity)
@@ -573,7 +565,6 @@ async fn read_head(
     buf: &mut BytesMut,
     activity: &Activity,
     header_timeout: Duration,
-    stop: &watch::Receiver<bool>,
 ) -> Read {
     let mut deadline = None;
     let mut scanned = 0;
@@ -601,21 +592,14 @@ async fn read_head(
                 }
                 let at = *deadline.get_or_insert_with(|| Instant::now() + header_timeout);
                 // Boxed: only a head arriving in pieces gets here, and the timer inline
-                // would size every connection's task. A drain does not wait for the rest
-                // of a head: that is no request yet, and could hold the exit for the
-                // whole header timeout.
-                let mut stop = stop.clone();
+                // would size every connection's task. A drain waits for the rest, as
+                // nginx's does: the client has begun its request, and closing would lose
+                // it with no answer (a POST's client could not tell whether it was
+                // done). The header timeout bounds the wait, and the grace the drain.
                 // A head cut here is logged by the connection's task (the head's mark,
                 // `Activity::fast_heading`, stays set).
-                let more = Box::pin(async move {
-                    tokio::select! {
-                        r = tokio::time::timeout_at(at.into(), sock.readable()) => {
-                            matches!(r, Ok(Ok(())))
-                        }
-                        _ = stop.wait_for(|s| *s) => false,
-                    }
-                });
-                if !more.await {
+                let more = Box::pin(tokio::time::timeout_at(at.into(), sock.readable()));
+                if !matches!(more.await, Ok(Ok(()))) {
                     return Read::Closed;
                 }
             }
@@ -1951,13 +1935,12 @@ mod tests {
             theirs
         });
         let sock = Sock::Unix(ours);
-        let (_stop, stop) = watch::channel(false);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
         // As the connection does: wait for the first byte, then read the head.
         let read = loop {
             sock.readable().await.expect("readable");
-            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &stop).await {
+            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10)).await {
                 Read::Nothing => continue,
                 read => break read,
             }
@@ -2017,10 +2000,9 @@ mod tests {
         let ours = accepted.expect("accept").0;
         ours.readable().await.expect("readable");
         let sock = Sock::Tcp(ours);
-        let (_stop, stop) = watch::channel(false);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
-        let read = read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &stop);
+        let read = read_head(&sock, &mut buf, &activity, Duration::from_secs(10));
         assert!(matches!(read.await, Read::Closed));
     }
 }

@@ -460,8 +460,10 @@ async fn with_hyper(
     }
     // Nothing begun: no request to finish. hyper's graceful shutdown would wait for a
     // first HTTP/1 head, up to the watchdog's deadline, so the connection just closes.
-    // An HTTP/2 one that has its preface is open for requests: it is told GOAWAY.
-    if !begun.load(Ordering::Relaxed) && !activity.is_http2() {
+    // A head of which some bytes are in is a request begun (see `h1::read_head`): its
+    // header timeout bounds the wait. An HTTP/2 connection that has its preface is open
+    // for requests: it is told GOAWAY.
+    if !begun.load(Ordering::Relaxed) && !activity.is_http2() && activity.head_began().is_none() {
         return;
     }
     // Draining, or an idle HTTP/2 connection, or an idle HTTP/1 one over TLS (see

@@ -377,7 +377,7 @@ impl Activity {
     }
 
     /// When the head in progress began (see [`Activity::heading`]).
-    fn head_began(&self) -> Option<Instant> {
+    pub(super) fn head_began(&self) -> Option<Instant> {
         match self.clocks.head.load(Ordering::Relaxed) {
             0 => None,
             ms => Some(self.opened + Duration::from_millis(ms - 1)),
