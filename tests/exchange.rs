@@ -300,8 +300,8 @@ async fn cold_start_with_500_concurrent_callers_makes_one_exchange() {
 /// failed ones are, 1 s doubling to 30 s, and a request between keys is told why at once.
 #[tokio::test]
 async fn keys_issued_for_seconds_are_paced_like_failures() {
-    // Due half a second after each exchange (5 s before expiry), as soon as the first
-    // pause ends: each wake of the refresher is one exchange.
+    // Due a quarter second after each exchange (half of the half second a key is handed
+    // out), as soon as the first pause ends: each wake of the refresher is one exchange.
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
         f.set_ttl(Some(Duration::from_millis(5500)))
     })
@@ -338,8 +338,8 @@ async fn keys_issued_for_seconds_are_paced_like_failures() {
     assert!(e.line().contains("paced"), "{}", e.line());
 }
 
-/// A key of 9 s is refreshed every 4 s, 5 s before its expiry: it serves without a gap,
-/// and is not paced as a key usable for under a second is.
+/// A key of 9 s is refreshed every 2 s, half of the 4 s it is handed out: it serves without
+/// a gap, and is not paced as a key usable for under a second is.
 #[tokio::test]
 async fn keys_of_nine_seconds_are_not_paced() {
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
@@ -349,10 +349,37 @@ async fn keys_of_nine_seconds_are_not_paced() {
     let start = h.now();
     for n in 0..6u32 {
         h.next_success().await;
-        assert_eq!(h.now(), start + Duration::from_secs(4) * n);
+        assert_eq!(h.now(), start + Duration::from_secs(2) * n);
         h.clock.until_sleepers(1).await;
         h.clock.advance_to_next_sleeper().await;
     }
+}
+
+/// A refresh begins with room for its exchange before the key stops being handed out.
+/// Begun at that point, a key of 8 s lapsed at every refresh until the exchange answered
+/// (503s and `/readyz` down every cycle, with every exchange a success).
+#[tokio::test]
+async fn a_short_keys_refresh_leaves_room_for_its_exchange() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(8)))
+    })
+    .await;
+    h.next_success().await;
+    let start = h.now();
+    let first = h.key().await;
+    h.fake.hold();
+    h.clock.until_sleepers(1).await;
+    h.clock.advance_to_next_sleeper().await;
+    h.fake.until_calls(2).await;
+    // The exchange takes a second; the key in use serves meanwhile.
+    h.clock.advance(Duration::from_secs(1));
+    assert_eq!(h.key().await, first);
+    h.fake.release();
+    h.next_success().await;
+    let handed_out_until = start + Duration::from_secs(3);
+    assert!(h.now() < handed_out_until, "refreshed with room to spare");
+    h.clock.advance_to(handed_out_until);
+    assert_ne!(h.key().await, first);
 }
 
 #[tokio::test]
@@ -1230,11 +1257,13 @@ async fn a_key_that_ran_out_during_a_slow_refresh_begun_on_time_is_refused_at_on
     let first = h.key().await;
     let expiry = UNIX_EPOCH + Duration::from_secs(u64::try_from(expiry_unix).unwrap());
     h.fake.hold();
-    // The refresh point (6 s before expiry): the refresh starts on time and is held.
-    h.clock.advance_to(expiry - Duration::from_secs(6));
+    // The refresh point: 6 s before expiry, brought forward to leave the exchange 5 s
+    // before the key stops being handed out (5 s before expiry). It starts on time and
+    // is held.
+    h.clock.advance_to(expiry - Duration::from_secs(10));
     h.fake.until_calls(2).await;
     // 4 s before expiry: past the 5 s margin, the refresh still under way.
-    h.clock.advance(Duration::from_secs(2));
+    h.clock.advance(Duration::from_secs(6));
     match tokio::time::timeout(GUARD, h.source.current()).await {
         Ok(Err(e)) => {
             assert_eq!(e.code(), "E1004", "{}", e.line());

@@ -2673,16 +2673,15 @@ async fn requests_waiting_on_a_pair_a_reload_replaces_get_the_new_credential() {
 }
 
 /// SPEC §5 and §7: a temporary key is not sent in its last 5 s. The fake issues a key that
-/// lives 10 s, so its refresh falls due (`min(refresh_before, lifetime / 2)` before expiry,
-/// never later than those 5 s) exactly when it stops being handed out: once the refresh call
-/// arrives, the key is unusable, whatever the machine's speed. That refresh is held, then
-/// fails. Meanwhile `/readyz` is 503 and requests get 503 E1004 without reaching the
-/// upstream; once the endpoint answers again, the retry's key is in use and `/readyz` is 200.
+/// lives 10 s, so its refresh falls due 2.5 s before it stops being handed out (room for
+/// the exchange: half of its 5 s of use). That refresh is held, so the key runs out during
+/// it, then fails. Meanwhile `/readyz` is 503 and requests get 503 E1004 without reaching
+/// the upstream; once the endpoint answers again, the retry's key is in use and `/readyz`
+/// is 200.
 ///
-/// The 10 s cannot grow: `refresh_before` is at least 10 s, so with a longer lifetime the
-/// refresh would come while the key is still served. The first request therefore waits
-/// inside the proxy before the key exists, and takes it the moment it is stored; sent after
-/// the success line, it had to be read from the log, connect and arrive within those 5 s.
+/// The first request waits inside the proxy before the key exists, and takes it the moment
+/// it is stored; sent after the success line, it had to be read from the log, connect and
+/// arrive within the key's 5 s of use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succeeds() {
     let pki = Pki::new();
@@ -2720,13 +2719,16 @@ async fn an_expiring_key_whose_refresh_fails_is_503_e1004_until_a_refresh_succee
     let first = format!("Bearer {}", fake.issued_keys()[0]);
     assert_eq!(bearers(&upstream), std::slice::from_ref(&first));
 
-    // The refresh arrives when the key is 5 s from expiry: no longer handed out.
+    // The refresh arrives, and is held until the key is 5 s from expiry: no longer handed
+    // out, the proxy unready.
     fake.until_calls(2).await;
-    assert_eq!(
-        get(admin, "/readyz").await.0,
-        503,
-        "ready with a key in its last 5 s"
-    );
+    within("the key's last 5 s", async {
+        let mut every = poll_ticker();
+        while get(admin, "/readyz").await.0 != 503 {
+            every.tick().await;
+        }
+    })
+    .await;
     assert_proxy_error(&raw_get(addr, "/sandboxes").await, 503, "E1004");
 
     // The refresh fails: requests name the endpoint's answer.
@@ -2908,6 +2910,27 @@ async fn clock_skew_is_e1002_with_its_suggestion_in_check_and_serve() {
         upstream.seen().is_empty(),
         "a request went upstream without a key"
     );
+    proxy.finish().await;
+}
+
+/// An endpoint failing for a while (a 5xx) is logged with its own suggestion, to retry
+/// later, not E1004's to check the AccessKey pair, which the log said before: requests
+/// still get E1004.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_exchange_endpoint_is_logged_with_its_own_suggestion() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "[]") }).await;
+    let fake = FakeExchange::start(Arc::new(SystemClock)).await;
+    fake.set_mode(Mode::Fail500);
+    let mut proxy = aksk_proxy(&upstream, &pki, &fake).spawn().await;
+    let line = proxy.wait_for_line("token exchange failed").await;
+    assert!(
+        line.contains("[E1004]") && line.contains("retry later"),
+        "{line}"
+    );
+    assert!(!line.contains("Check the AccessKey pair"), "{line}");
+    let resp = raw_get(proxy.addr(), "/sandboxes").await;
+    assert_proxy_error(&resp, 503, "E1004");
     proxy.finish().await;
 }
 

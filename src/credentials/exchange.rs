@@ -47,12 +47,15 @@ const LATE: Duration = Duration::from_secs(1);
 /// A key is never handed out later than this before its expiry: a request still has to
 /// reach the upstream and be checked there.
 pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+/// A refresh begins at least this long before its key stops being handed out (see
+/// `Token::new`): an exchange usually answers within it.
+const REFRESH_ROOM: Duration = Duration::from_secs(5);
 /// First retry delay after a failed exchange; doubles up to [`BACKOFF_MAX`].
 pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A key issued for less than this is short, usable for under [`BACKOFF_MIN`] before
 /// [`EXPIRY_MARGIN`], and exchanges for such keys are paced as failed ones. Not longer:
-/// a key of 9 s, refreshed every 4 s, serves without a gap, and paced it lapsed for most
+/// a key of 9 s, refreshed every 2 s, serves without a gap, and paced it lapsed for most
 /// of each pause.
 pub const SHORT_KEY: Duration = Duration::from_secs(6);
 
@@ -715,11 +718,17 @@ impl Token {
         let lifetime = expires_at.duration_since(now).unwrap_or_default();
         let usable_until = expires_at.checked_sub(EXPIRY_MARGIN).unwrap_or(UNIX_EPOCH);
         let lead = refresh_before.min(lifetime / 2);
-        // Refreshing after the key stopped being handed out would leave a gap every cycle.
+        // An exchange takes time: one begun as the key stops being handed out left a gap
+        // at every refresh until it answered (a burst of 503s and `/readyz` down, for keys
+        // issued for under 10 s). It begins [`REFRESH_ROOM`] before then, or half of the
+        // key's usable life before when that is shorter; for keys of `MIN_TOKEN_TTL` and
+        // longer, SPEC §5's point is earlier still.
+        let usable = usable_until.duration_since(now).unwrap_or_default();
+        let room = REFRESH_ROOM.min(usable / 2);
         let refresh_at = expires_at
             .checked_sub(lead)
             .unwrap_or(UNIX_EPOCH)
-            .min(usable_until);
+            .min(usable_until.checked_sub(room).unwrap_or(UNIX_EPOCH));
         Token {
             key: issued.key,
             expires_at,
@@ -1221,9 +1230,12 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 }
             }
             Err(e) => {
+                // The failure's own suggestion: an endpoint failing or throttling is to be
+                // waited out, where E1004's would have the pair checked.
+                let suggestion = e.suggestion().unwrap_or_default();
                 let e = as_credential_error(e);
                 let delay = backoff(failed_in_row);
-                let (line, suggestion) = (e.line(), e.suggestion().unwrap_or_default());
+                let line = e.line();
                 shared.last_error.store(Some(Arc::new(e)));
                 shared.failures.fetch_add(1, Ordering::Relaxed);
                 shared.notify(ExchangeEvent::Failure);
@@ -1580,10 +1592,17 @@ mod tests {
         assert_eq!(t.refresh_at, now() + Duration::from_secs(3300));
         let t = Token::new(issued(60), now(), Duration::from_secs(300));
         assert_eq!(t.refresh_at, now() + Duration::from_secs(30));
-        // Never after the key stops being handed out.
+        // With room for the exchange before the key stops being handed out: 5 s, or half
+        // of its usable life.
         let t = Token::new(issued(60), now(), Duration::ZERO);
-        assert_eq!(t.refresh_at, now() + Duration::from_secs(55));
+        assert_eq!(t.refresh_at, now() + Duration::from_secs(50));
         assert_eq!(t.usable_until, now() + Duration::from_secs(55));
+        let t = Token::new(issued(8), now(), Duration::from_secs(10));
+        assert_eq!(t.refresh_at, now() + Duration::from_millis(1500));
+        assert_eq!(t.usable_until, now() + Duration::from_secs(3));
+        // SPEC §5's point for the shortest keys the proxy asks for, at the least lead.
+        let t = Token::new(issued(20), now(), Duration::from_secs(10));
+        assert_eq!(t.usable_until - Duration::from_secs(5), t.refresh_at);
     }
 
     #[test]
