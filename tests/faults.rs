@@ -405,6 +405,7 @@ async fn refusals_are_logged_and_counted_once_on_every_path() {
             format!("Host: {addr}\r\nSec-Fetch-Site: cross-site\r\n"),
         ),
         ("TRACE", "/trace", format!("Host: {addr}\r\n")),
+        ("track", "/track", format!("Host: {addr}\r\n")),
         (
             "GET",
             "http://evil.example/absolute",
@@ -524,7 +525,8 @@ async fn refusals_are_logged_and_counted_once_on_every_path() {
     assert_eq!(counted("POST"), 2.0 + framing_cases.len() as f64, "{text}");
     assert_eq!(counted("TRACE"), 3.0, "{text}");
     assert_eq!(counted("CONNECT"), 1.0, "{text}");
-    assert_eq!(counted("OTHER"), 3.0, "{text}");
+    // PURGE twice and once over HTTP/2; `track` twice.
+    assert_eq!(counted("OTHER"), 5.0, "{text}");
     let family: f64 = ["GET", "POST", "TRACE", "CONNECT", "OTHER"]
         .into_iter()
         .map(counted)

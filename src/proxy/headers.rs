@@ -130,6 +130,9 @@ fn strip(headers: &mut HeaderMap, upgrade: bool, message: Message) {
     let present = headers
         .keys()
         .fold(0u16, |bits, name| bits | hop_by_hop_bit(name));
+    if present & UNDERSCORE_BIT != 0 && message == Message::Request {
+        drop_underscored_spellings(headers);
+    }
     if present & CONNECTION_BIT != 0 {
         // Every `Connection` line counts, not just the first: `Connection: close` followed
         // by `Connection: X-Secret` must still drop `X-Secret`. The list is only built when
@@ -233,15 +236,61 @@ const TRAILER_BIT: u16 = 1 << 5;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
 const HTTP2_SETTINGS_BIT: u16 = 1 << 9;
 const EXPECT_BIT: u16 = 1 << 10;
+/// A name with `_` in it (see [`drop_underscored_spellings`]).
+const UNDERSCORE_BIT: u16 = 1 << 11;
 
-/// Which hop-by-hop field `name` is, as a bit (0 for none).
+/// The fields that route or frame a request, or carry its credential, whose names have a
+/// `-` that a gateway may read a client's `_` as.
+const MANAGED: [&str; 8] = [
+    "content-length",
+    "e2b-sandbox-id",
+    "e2b-sandbox-port",
+    "keepalive-ping-interval",
+    "proxy-authorization",
+    "transfer-encoding",
+    "x-access-token",
+    "x-api-key",
+];
+
+/// Drops a request's fields spelt with `_` where `-` would make one the proxy manages
+/// (`e2b_sandbox_id`, `content_length`, `x_access_token`): passed on, they reached the
+/// upstream before the proxy's own, and a gateway there that reads `_` as `-` (nginx with
+/// `underscores_in_headers on`, matching `$http_e2b_sandbox_id` to both) could take the
+/// client's: another sandbox's port for the envd token, another length for the body.
+/// nginx drops every name with `_` by default; here others pass: the E2B Python SDK's own
+/// (`lang_version`, `sdk_runtime`) and an app's.
+#[cold]
+fn drop_underscored_spellings(headers: &mut HeaderMap) {
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str();
+            name.contains('_')
+                && MANAGED.iter().any(|m| {
+                    m.len() == name.len()
+                        && m.bytes()
+                            .zip(name.bytes())
+                            .all(|(m, n)| m == n || (m == b'-' && n == b'_'))
+                })
+        })
+        .cloned()
+        .collect();
+    for name in dropped {
+        headers.remove(&name);
+    }
+}
+
+/// Which hop-by-hop field `name` is, as a bit (0 for none), or [`UNDERSCORE_BIT`] for a
+/// name as long as a [`MANAGED`] one, with `_` in it.
 fn hop_by_hop_bit(name: &HeaderName) -> u16 {
-    // Lengths first: one comparison rules out most names (host, accept, x-api-key, …).
-    // `HTTP2-Settings` has its own: `content-length`, in most requests, is as long.
+    // Lengths first: one comparison rules out most names (host, accept, …); scanning every
+    // name for `_` doubled the rewrite's time. `HTTP2-Settings` has its own:
+    // `content-length`, in most requests, is as long.
     match name.as_str().len() {
         2 | 7 | 10 | 16..=19 => {}
         14 if name == HTTP2_SETTINGS => return HTTP2_SETTINGS_BIT,
         6 if name == header::EXPECT => return EXPECT_BIT,
+        9 | 14 | 23 => return underscored(name),
         _ => return 0,
     }
     if name == header::TE {
@@ -250,7 +299,28 @@ fn hop_by_hop_bit(name: &HeaderName) -> u16 {
     HOP_BY_HOP
         .iter()
         .position(|h| h == name)
-        .map_or(0, |i| 1 << i)
+        .map_or_else(|| underscored(name), |i| 1 << i)
+}
+
+/// `_` where a [`MANAGED`] name of the same length has `-` (its place is all a gateway's
+/// reading changes): a byte or two to look at, not the whole name. Scanning each name for
+/// `_` cost the rewrite 15%.
+fn underscored(name: &HeaderName) -> u16 {
+    let name = name.as_str().as_bytes();
+    let dashes: &[usize] = match name.len() {
+        9 => &[1, 5],
+        14 => &[1, 3, 7, 8, 11],
+        16 => &[3, 11],
+        17 => &[8],
+        19 => &[5],
+        23 => &[9, 14],
+        _ => return 0,
+    };
+    if dashes.iter().any(|&i| name.get(i) == Some(&b'_')) {
+        UNDERSCORE_BIT
+    } else {
+        0
+    }
 }
 
 /// `close`, `keep-alive` and `upgrade`: options, or fields handled by [`HOP_BY_HOP`].
@@ -584,6 +654,42 @@ mod tests {
         let mut h = map(&[("te", "gzip"), ("transfer-encoding", "chunked")]);
         strip_hop_by_hop(&mut h, false);
         assert!(h.is_empty(), "{h:?}");
+    }
+
+    /// A client's `e2b_sandbox_id` or `content_length` does not reach the upstream, where a
+    /// gateway reading `_` as `-` could take it for the field the proxy sets or checks; an
+    /// app's own name with `_` does, and a response keeps its fields.
+    #[test]
+    fn underscored_spellings_of_managed_fields_are_dropped_from_requests() {
+        let mut h = map(&[
+            ("e2b_sandbox_id", "isb-other"),
+            ("e2b_sandbox-port", "3000"),
+            ("content_length", "40"),
+            ("transfer_encoding", "chunked"),
+            ("x_access_token", "forged"),
+            ("x_api_key", "client"),
+            ("x_custom_app", "kept"),
+            ("e2b-sandbox-id", "isb-mine"),
+            ("x-api_keys", "kept"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["e2b-sandbox-id", "x-api_keys", "x_custom_app"]);
+        let mut h = map(&[("x_api_key", "a"), ("content_length", "1")]);
+        strip_response_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 2);
+        // Each `-` of each managed name, alone or with the others, read as `_`.
+        for m in MANAGED {
+            let spelt = HeaderName::from_bytes(m.replace('-', "_").as_bytes()).unwrap();
+            assert_eq!(hop_by_hop_bit(&spelt), UNDERSCORE_BIT, "{m}");
+            for (i, _) in m.match_indices('-') {
+                let mut one = m.as_bytes().to_vec();
+                one[i] = b'_';
+                let spelt = HeaderName::from_bytes(&one).unwrap();
+                assert_eq!(hop_by_hop_bit(&spelt), UNDERSCORE_BIT, "{spelt}");
+            }
+        }
     }
 
     #[test]

@@ -282,11 +282,13 @@ fn refuse_unforwardable(parts: &Parts) -> Result<(), Error> {
     }
     // TRACE asks the server to echo the request back, credential and all (RFC 9110
     // §9.3.8): a client that may only spend the key through the proxy would get a copy.
-    // nginx refuses it too.
-    if parts.method == Method::TRACE {
-        return Err(refused(
-            "TRACE is not forwarded: the answer would echo the credential",
-        ));
+    // nginx refuses it too. Methods are case-sensitive, but a server may not be: `trace`
+    // is refused as well, as is IIS's TRACK.
+    let method = parts.method.as_str();
+    if method.eq_ignore_ascii_case("TRACE") || method.eq_ignore_ascii_case("TRACK") {
+        return Err(refused(format!(
+            "{method} is not forwarded: the answer would echo the credential"
+        )));
     }
     // The authority form (`GET 127.0.0.1:80`) is CONNECT's alone (RFC 9112 §3.2.3), yet
     // hyper and the fast path parse it for any method. Served, its authority would stand
