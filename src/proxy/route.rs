@@ -550,7 +550,8 @@ fn host_of(authority: &str) -> Option<&str> {
 }
 
 /// Whether a segment of `path` is `.` or `..`: percent-encoded (`%2e`) or not, with
-/// parameters after it (`..;`, `..%3b`, which Tomcat reads as `..`), and between any of
+/// parameters after it (`..;`, `..%3b`, which Tomcat reads as `..`) or a NUL (`..%00`,
+/// which a server that decodes the path and cuts it there reads so), and between any of
 /// the separators an upstream may read as `/`: `\` (WHATWG URL parsers, as in Node) and
 /// `%2f` or `%5c` (gateways that decode before they resolve, nginx among them).
 pub fn has_dot_segment(path: &str) -> bool {
@@ -587,7 +588,7 @@ fn is_dot_segment(segment: &[u8]) -> bool {
     let mut dots = 0;
     loop {
         match rest {
-            [] | [b';', ..] => break,
+            [] | [b';', ..] | [b'%', b'0', b'0', ..] => break,
             [b'%', b'3', c, ..] if c.eq_ignore_ascii_case(&b'b') => break,
             [b'.', tail @ ..] => rest = tail,
             [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => rest = tail,
@@ -804,6 +805,8 @@ mod tests {
             "/a\\.\\b",
             "/a/..%3b/b",
             "/x%5C..%5cy",
+            "/a/..%00/b",
+            "/%2e%00",
         ] {
             assert!(has_dot_segment(path), "{path}");
         }
@@ -818,6 +821,8 @@ mod tests {
             "/a%2Fb",
             "/x..y/.well-known",
             "/process.Process/Start",
+            "/a%00b",
+            "/..x%00",
         ] {
             assert!(!has_dot_segment(path), "{path}");
         }
