@@ -96,7 +96,9 @@ pub fn has_token(value: &[u8], token: &[u8]) -> bool {
     tokens(value).any(|t| t.eq_ignore_ascii_case(token))
 }
 
-/// Removes a request's hop-by-hop headers and those named in `Connection`. With `upgrade`,
+/// Removes a request's hop-by-hop headers and those named in `Connection`, and the
+/// client's `_` spellings of fields the proxy manages ([`drop_underscored_spellings`]).
+/// With `upgrade`,
 /// the `Upgrade` header and `Connection: upgrade` survive (WebSocket needs them end to end),
 /// `Upgrade` naming WebSocket alone: another protocol offered beside it (`h2c, websocket`)
 /// is not one the proxy tunnels.
@@ -118,7 +120,7 @@ enum Message {
 }
 
 /// Removes the hop-by-hop fields: all of them from a request but `TE: trailers`, all of them
-/// from a response but `Trailer`.
+/// from a response but `Trailer`; from a request, the `_` spellings of managed fields.
 fn strip(headers: &mut HeaderMap, upgrade: bool, message: Message) {
     let keep = match message {
         Message::Request => 0,
@@ -236,7 +238,8 @@ const TRAILER_BIT: u16 = 1 << 5;
 const TE_BIT: u16 = 1 << 8; // HOP_BY_HOP.len()
 const HTTP2_SETTINGS_BIT: u16 = 1 << 9;
 const EXPECT_BIT: u16 = 1 << 10;
-/// A name with `_` in it (see [`drop_underscored_spellings`]).
+/// A name with `_` where a [`MANAGED`] one of its length has `-` (see
+/// [`drop_underscored_spellings`]).
 const UNDERSCORE_BIT: u16 = 1 << 11;
 
 /// The fields that route or frame a request, or carry its credential, whose names have a
@@ -264,14 +267,9 @@ fn drop_underscored_spellings(headers: &mut HeaderMap) {
     let dropped: Vec<HeaderName> = headers
         .keys()
         .filter(|name| {
-            let name = name.as_str();
-            name.contains('_')
-                && MANAGED.iter().any(|m| {
-                    m.len() == name.len()
-                        && m.bytes()
-                            .zip(name.bytes())
-                            .all(|(m, n)| m == n || (m == b'-' && n == b'_'))
-                })
+            MANAGED
+                .iter()
+                .any(|m| underscored_spelling(name.as_str(), m))
         })
         .cloned()
         .collect();
@@ -280,12 +278,35 @@ fn drop_underscored_spellings(headers: &mut HeaderMap) {
     }
 }
 
-/// Which hop-by-hop field `name` is, as a bit (0 for none), or [`UNDERSCORE_BIT`] for a
-/// name as long as a [`MANAGED`] one, with `_` in it.
+/// A plugin's own header, spelt with `_` for some of its `-` (as the fixed fields in
+/// [`drop_underscored_spellings`]): the client's would reach the upstream before the key.
+fn drop_underscored_spellings_of(headers: &mut HeaderMap, name: &HeaderName) {
+    let name = name.as_str();
+    if !name.contains('-') {
+        return;
+    }
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|spelt| underscored_spelling(spelt.as_str(), name))
+        .cloned()
+        .collect();
+    for spelt in dropped {
+        headers.remove(&spelt);
+    }
+}
+
+/// Whether `spelt` is `name` with some of its `-` written `_` (at least one).
+fn underscored_spelling(spelt: &str, name: &str) -> bool {
+    spelt.len() == name.len()
+        && spelt != name
+        && (spelt.bytes().zip(name.bytes())).all(|(s, n)| s == n || (s == b'_' && n == b'-'))
+}
+
+/// Which hop-by-hop field `name` is, as a bit (0 for none), or [`UNDERSCORE_BIT`].
 fn hop_by_hop_bit(name: &HeaderName) -> u16 {
-    // Lengths first: one comparison rules out most names (host, accept, …); scanning every
-    // name for `_` doubled the rewrite's time. `HTTP2-Settings` has its own:
-    // `content-length`, in most requests, is as long.
+    // Lengths first: one comparison rules out most names (host, accept, …); searching
+    // every name for `_` doubled the rewrite's time in criterion. `HTTP2-Settings` has its
+    // own: `content-length`, in most requests, is as long.
     match name.as_str().len() {
         2 | 7 | 10 | 16..=19 => {}
         14 if name == HTTP2_SETTINGS => return HTTP2_SETTINGS_BIT,
@@ -303,8 +324,8 @@ fn hop_by_hop_bit(name: &HeaderName) -> u16 {
 }
 
 /// `_` where a [`MANAGED`] name of the same length has `-` (its place is all a gateway's
-/// reading changes): a byte or two to look at, not the whole name. Scanning each name for
-/// `_` cost the rewrite 15%.
+/// reading changes): a byte or two to look at. A scan of the whole of each name of those
+/// lengths still cost the rewrite 15%.
 fn underscored(name: &HeaderName) -> u16 {
     let name = name.as_str().as_bytes();
     let dashes: &[usize] = match name.len() {
@@ -510,6 +531,7 @@ fn remove_own_header(headers: &mut HeaderMap, scheme: &AuthScheme) {
     if let AuthScheme::Header(name) = scheme {
         if name != header::AUTHORIZATION {
             headers.remove(name);
+            drop_underscored_spellings_of(headers, name);
         }
     }
 }
@@ -520,6 +542,7 @@ pub fn authorize_api(headers: &mut HeaderMap, scheme: &AuthScheme, value: Header
     let name = scheme.header();
     if name != header::AUTHORIZATION {
         headers.remove(header::AUTHORIZATION);
+        drop_underscored_spellings_of(headers, &name);
     }
     // `insert` replaces every value the client sent under this name.
     headers.insert(name, value);
@@ -654,6 +677,44 @@ mod tests {
         let mut h = map(&[("te", "gzip"), ("transfer-encoding", "chunked")]);
         strip_hop_by_hop(&mut h, false);
         assert!(h.is_empty(), "{h:?}");
+    }
+
+    /// A plugin's own header (its key's) goes in every `_` spelling of the client's too,
+    /// on both planes; its other fields stay.
+    #[test]
+    fn underscored_spellings_of_a_plugins_header_are_dropped() {
+        let scheme = AuthScheme::Header(HeaderName::from_static("open-sandbox-api-key"));
+        let client = || {
+            map(&[
+                ("open_sandbox_api_key", "client"),
+                ("open-sandbox_api-key", "client2"),
+                ("open-sandbox-api-key", "dummy"),
+                ("open_sandbox_region", "kept"),
+            ])
+        };
+        let mut h = client();
+        authorize_api(&mut h, &scheme, HeaderValue::from_static("osk-real"));
+        let mut left: Vec<(&str, &str)> = h
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        left.sort_unstable();
+        assert_eq!(
+            left,
+            [
+                ("open-sandbox-api-key", "osk-real"),
+                ("open_sandbox_region", "kept")
+            ]
+        );
+        let mut h = client();
+        authorize_envd(&mut h, &scheme, &Secret::new("tok"), "isb-1", 3000);
+        assert!(
+            h.keys()
+                .all(|k| !k.as_str().starts_with("open-sandbox")
+                    && k.as_str() != "open_sandbox_api_key"),
+            "{h:?}"
+        );
+        assert!(h.contains_key("open_sandbox_region"));
     }
 
     /// A client's `e2b_sandbox_id` or `content_length` does not reach the upstream, where a

@@ -2,7 +2,8 @@
 //! speak HTTP/2 (until one answers in HTTP/1.1: [`Http1Origins`]) and requests that carry
 //! `Upgrade`. Around it: the request given up when dropped before its answer's head
 //! ([`GiveUp`]: what of its body has not gone is never sent), and one more try of a request
-//! the upstream refused unprocessed or lost with its connection ([`Again`]).
+//! the upstream refused unprocessed or lost with its connection ([`Again`], which the
+//! handler also uses to send a request again after a 401 to a temporary key).
 
 use std::pin::pin;
 use std::sync::PoisonError;
