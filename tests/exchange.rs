@@ -944,9 +944,11 @@ async fn a_hanging_endpoint_fails_the_waiting_callers_after_the_call_timeout() {
     h.fake.until_calls(1).await;
     let source = Arc::clone(&h.source);
     let caller = tokio::spawn(async move { source.current().await });
-    h.clock.until_sleepers(2).await; // the 10 s call timeout and the 30 s startup wait
+    // The call's backstop (the exchanger's own 10 s bound, a second later) and the 30 s
+    // startup wait.
+    h.clock.until_sleepers(2).await;
     assert!(!caller.is_finished());
-    h.clock.advance(Duration::from_secs(10));
+    h.clock.advance(Duration::from_secs(11));
     assert_eq!(h.next_event().await, ExchangeEvent::Failure);
     let e = caller.await.expect("join").expect_err("no key");
     assert_eq!(e.code(), "E1004", "{}", e.line());

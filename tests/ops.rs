@@ -1676,6 +1676,41 @@ async fn a_volume_contents_401_is_not_the_temporary_keys() {
     assert_no_aksk_secret(&stderr, &issued, "the log");
 }
 
+/// A static key the control plane refuses is the operator's to mend, and the SDK user, who
+/// holds a dummy key, is told by the SDK to check theirs: the proxy's log says E1009 with
+/// its suggestion, once a minute however many requests get the 401, which goes to the
+/// client unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_key_the_control_plane_refuses_is_said_in_the_log() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        match req.uri().path() {
+            "/refuse" => response(401, r#"{"code":401,"message":"Invalid API key"}"#),
+            _ => response(200, ""),
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let addr = proxy.addr();
+    assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    for _ in 0..3 {
+        assert_eq!(get(addr, "/refuse").await.0, 401);
+    }
+    let stderr = proxy.finish().await;
+    let said: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("refused the configured API key"))
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(
+        said[0].contains("WARN") && said[0].contains("[E1009]"),
+        "{}",
+        said[0]
+    );
+    assert!(said[0].contains("check the provider's key"), "{}", said[0]);
+    assert!(!stderr.contains(API_KEY), "the key in the log");
+}
+
 /// A run of refusals ends when the control plane answers the key in use with anything but
 /// a 401 or a 5xx, whether to a proxied request or to an envd token look-up: the log says
 /// so (and the refusals after it back off from 30 s again, as the exchange tests show).

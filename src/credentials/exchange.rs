@@ -816,7 +816,8 @@ impl Shared {
         let mut attempts = self.attempts.subscribe();
         tokio::select! {
             _ = attempts.wait_for(|n| *n > seen) => {}
-            _ = self.clock.sleep(CALL_TIMEOUT) => {}
+            // As long as an attempt may take (see `refresher`).
+            _ = self.clock.sleep(CALL_TIMEOUT + LATE) => {}
         }
         self.usable_key(self.clock.now())
             .ok_or_else(|| self.unusable())
@@ -1032,7 +1033,7 @@ impl ExchangedKey {
         let mut attempts = shared.attempts.subscribe();
         tokio::select! {
             _ = attempts.wait_for(|n| *n > seen) => {}
-            _ = shared.clock.sleep(CALL_TIMEOUT) => {}
+            _ = shared.clock.sleep(CALL_TIMEOUT + LATE) => {}
         }
         shared
             .usable_key(shared.clock.now())
@@ -1148,9 +1149,11 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
             shared
                 .attempt_started_ms
                 .store(ms.max(1), Ordering::Relaxed);
+            // A backstop, a moment after the exchanger's own bound: at the same instant it
+            // won half the races, and its error names no host and had the pair checked.
             let outcome = tokio::select! {
                 r = exchanger.exchange(started) => r,
-                _ = shared.clock.sleep(CALL_TIMEOUT) => Err(Error::TokenExchange {
+                _ = shared.clock.sleep(CALL_TIMEOUT + LATE) => Err(Error::TokenExchange {
                     reason: format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
                 }),
             };
@@ -1160,7 +1163,8 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 if token.usable_until > now {
                     Ok(token)
                 } else {
-                    Err(Error::TokenExchange {
+                    // A slow answer, or a clock ahead of the endpoint's: not the pair.
+                    Err(Error::IssuedExpired {
                         reason: "the issued key expired before it could be used".into(),
                     })
                 }

@@ -15,7 +15,8 @@ pub mod exchange;
 pub use exchange::exchange_once;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -152,11 +153,16 @@ impl ApiCredential {
         }
     }
 
-    /// The control plane answered 401 to `key`: a temporary key is replaced early (see
-    /// [`exchange::ExchangedKey::refused`]); a static key is what the user gave.
-    pub fn refused(&self, key: &Secret) {
-        if let ApiCredential::Exchanged(source) = self {
-            source.refused(key);
+    /// The control plane (`host`) answered 401 to `key`: a temporary key is replaced early
+    /// (see [`exchange::ExchangedKey::refused`]); a static key is what the user gave, which
+    /// only the operator can mend: said in the log. The SDK user, who holds a dummy key, is
+    /// told by the SDK to check theirs.
+    pub fn refused(&self, key: &Secret, host: &str) {
+        match self {
+            ApiCredential::Exchanged(source) => {
+                source.refused(key);
+            }
+            ApiCredential::Static(_) => say_static_key_refused(host),
         }
     }
 
@@ -203,6 +209,29 @@ impl std::fmt::Debug for ApiCredential {
             ApiCredential::Exchanged(_) => f.write_str("ApiCredential::Exchanged(****)"),
         }
     }
+}
+
+/// A static key the control plane refused, said at most once a minute: every request gets
+/// the upstream's 401 until the key is mended, and nothing else in the log says why.
+#[cold]
+fn say_static_key_refused(host: &str) {
+    static SAID: Mutex<Option<Instant>> = Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(PoisonError::into_inner);
+    if said.is_some_and(|s| s.elapsed() < Duration::from_secs(60)) {
+        return;
+    }
+    *said = Some(Instant::now());
+    drop(said);
+    let e = Error::CredentialRejected {
+        status: 401,
+        host: host.to_string(),
+    };
+    tracing::warn!(
+        error = %e.line(),
+        suggestion = e.suggestion().unwrap_or_default(),
+        "the control plane refused the configured API key: its requests get the 401 \
+         (said at most once a minute)"
+    );
 }
 
 #[cfg(test)]

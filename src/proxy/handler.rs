@@ -502,7 +502,7 @@ impl Proxy {
             // slots of their own in every request's future (+224 bytes).
             let again = replay.filter(|_| resp.status() == StatusCode::UNAUTHORIZED);
             if let Some((credential, key)) = &keyed {
-                judge(credential, key, resp.status());
+                judge(credential, key, resp.status(), &host);
                 if let Some(again) = again {
                     let fresh = self.replacement(credential, key).await;
                     if let Some((credential, fresh, value)) =
@@ -513,7 +513,7 @@ impl Proxy {
                         drop(resp);
                         resp = forward::send(client, Plane::Api, req, self.upstream_timeout, &host)
                             .await?;
-                        judge(&credential, &fresh, resp.status());
+                        judge(&credential, &fresh, resp.status(), &host);
                     }
                 }
             }
@@ -822,7 +822,7 @@ impl Proxy {
                 }
                 f.error
             })?;
-            judge(&credential, &key, resp.status());
+            judge(&credential, &key, resp.status(), &host);
             if resp.status() != StatusCode::UNAUTHORIZED || !std::mem::take(&mut first) {
                 break resp;
             }
@@ -1009,9 +1009,9 @@ fn origin_form(client: &Uri) -> Result<PathAndQuery, http::uri::InvalidUri> {
 
 /// What the control plane's answer says of the key it was sent with. A 5xx may come from a
 /// gateway that never looked at the key: it neither refuses the key nor shows that it works.
-fn judge(credential: &ApiCredential, key: &Secret, status: StatusCode) {
+fn judge(credential: &ApiCredential, key: &Secret, status: StatusCode, host: &str) {
     if status == StatusCode::UNAUTHORIZED {
-        credential.refused(key);
+        credential.refused(key, host);
     } else if !status.is_server_error() {
         credential.accepted(key);
     }
