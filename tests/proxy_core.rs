@@ -2128,6 +2128,19 @@ async fn a_stalled_tls_handshake_is_cut_at_the_header_timeout() {
 /// too (see [`the_drain_finishes_a_head_begun_before_it_and_no_more`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_finishes_a_first_head_begun_over_tls() {
+    drain_over_tls_with_a_head_begun(false).await;
+}
+
+/// And a keep-alive connection's next head: hyper's graceful shutdown took the connection
+/// for idle and dropped that head with it, the client getting no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_finishes_a_next_head_begun_over_tls() {
+    drain_over_tls_with_a_head_begun(true).await;
+}
+
+/// A TLS client begins a head (after a request of its own, with `after_a_request`), the
+/// drain begins, the head ends: it is answered with `Connection: close`, and the exit is 0.
+async fn drain_over_tls_with_a_head_begun(after_a_request: bool) {
     let pki = Pki::new();
     let (_upstream, mut proxy) = tls_proxy_to_ok(&pki, |cmd| {
         cmd.shutdown_grace("120s")
@@ -2136,6 +2149,13 @@ async fn the_drain_finishes_a_first_head_begun_over_tls() {
     .await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let mut leftover = Vec::new();
+    if after_a_request {
+        let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
+        tls.write_all(req.as_bytes()).await.unwrap();
+        let resp = read_response(&mut tls, &mut leftover).await;
+        assert_eq!((resp.status, resp.header("connection")), (200, None));
+    }
     tls.write_all(b"GET /sandboxes HT").await.unwrap();
     tls.flush().await.unwrap();
     until_open_connections(admin, 1.0).await;
@@ -2144,7 +2164,6 @@ async fn the_drain_finishes_a_first_head_begun_over_tls() {
     let rest = format!("TP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
     tls.write_all(rest.as_bytes()).await.unwrap();
     tls.flush().await.unwrap();
-    let mut leftover = Vec::new();
     let resp = read_response(&mut tls, &mut leftover).await;
     assert_eq!(
         (resp.status, resp.header("connection")),
@@ -2157,6 +2176,32 @@ async fn the_drain_finishes_a_first_head_begun_over_tls() {
         "exit {status}; stderr:\n{}",
         proxy.stderr()
     );
+}
+
+/// An empty line after a request (a CRLF more after a body, which RFC 9112 §2.2 has
+/// servers ignore) is no head begun: a drain closes the connection at once, as any idle
+/// one, rather than waiting out `--header-timeout` (far longer here than the test may
+/// take) and logging a 408.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_line_after_a_request_does_not_hold_the_drain() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("120s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut leftover = Vec::new();
+    let resp = read_response(&mut s, &mut leftover).await;
+    assert_eq!((resp.status, resp.header("connection")), (200, None));
+    terminate(&mut proxy).await;
+    expect_closed(&mut s, &leftover).await;
+    let stderr = proxy.stderr();
+    assert!(!stderr.contains("status=408"), "{stderr}");
 }
 
 /// Nor for a keep-alive connection over TLS idle between requests, which only the

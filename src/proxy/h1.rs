@@ -568,7 +568,19 @@ async fn read_head(
 ) -> Read {
     let mut deadline = None;
     let mut scanned = 0;
+    // RFC 9112 §2.2: empty lines before a request line are ignored (a client may send a
+    // CRLF more after a body). Taken for a head begun, one held a drain for the whole
+    // header timeout and was logged 408. Four bytes of them at most: a client that sends
+    // line ends and nothing else is still bound by the header timeout.
+    let mut blank = 4;
     loop {
+        if blank > 0 && !buf.is_empty() {
+            let n = (buf.iter().take(blank))
+                .take_while(|b| matches!(b, b'\r' | b'\n'))
+                .count();
+            buf.advance(n);
+            blank = if buf.is_empty() { blank - n } else { 0 };
+        }
         if !buf.is_empty() {
             match parse(buf, &mut scanned) {
                 Parsed::Head(head) => {

@@ -4,9 +4,11 @@
 //! that feeds the framing watch are in `activity`.
 
 use std::convert::Infallible;
+use std::future::Future as _;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -465,6 +467,27 @@ async fn with_hyper(
     // for requests: it is told GOAWAY.
     if !begun.load(Ordering::Relaxed) && !activity.is_http2() && activity.head_began().is_none() {
         return;
+    }
+    // hyper's graceful shutdown closes an HTTP/1 connection idle between requests at once,
+    // and a next head it has begun to read with it (a keep-alive or pipelined request, lost
+    // with no answer): that head is let become a request first. The watchdog's header
+    // timeout bounds the wait, the grace the drain.
+    if draining && !activity.is_http2() && begun.load(Ordering::Relaxed) {
+        let before = cancels.begun.load(Ordering::Relaxed);
+        let waited = std::future::poll_fn(|cx| match conn.as_mut().poll(cx) {
+            Poll::Ready(done) => Poll::Ready(Some(done)),
+            Poll::Pending
+                if cancels.begun.load(Ordering::Relaxed) != before
+                    || activity.head_began().is_none() =>
+            {
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        })
+        .await;
+        if let Some(done) = waited {
+            return refused_by_hyper(proxy, done);
+        }
     }
     // Draining, or an idle HTTP/2 connection, or an idle HTTP/1 one over TLS (see
     // [`watchdog`]): finish what is in flight (GOAWAY), take no new request.
