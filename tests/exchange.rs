@@ -944,7 +944,7 @@ async fn a_hanging_endpoint_fails_the_waiting_callers_after_the_call_timeout() {
     h.fake.until_calls(1).await;
     let source = Arc::clone(&h.source);
     let caller = tokio::spawn(async move { source.current().await });
-    // The call's backstop (the exchanger's own 10 s bound, a second later) and the 30 s
+    // The attempt's backstop (a second after the exchanger's own 10 s bound) and the 30 s
     // startup wait.
     h.clock.until_sleepers(2).await;
     assert!(!caller.is_finished());
@@ -953,7 +953,7 @@ async fn a_hanging_endpoint_fails_the_waiting_callers_after_the_call_timeout() {
     let e = caller.await.expect("join").expect_err("no key");
     assert_eq!(e.code(), "E1004", "{}", e.line());
     assert!(
-        e.to_string().contains("no answer within 10s"),
+        e.to_string().contains("no answer within 11s"),
         "{}",
         e.line()
     );

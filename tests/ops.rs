@@ -1678,22 +1678,43 @@ async fn a_volume_contents_401_is_not_the_temporary_keys() {
 
 /// A static key the control plane refuses is the operator's to mend, and the SDK user, who
 /// holds a dummy key, is told by the SDK to check theirs: the proxy's log says E1009 with
-/// its suggestion, once a minute however many requests get the 401, which goes to the
-/// client unchanged.
+/// its suggestion, once a minute for a key however many requests get the refusal, which
+/// goes to the client unchanged; a token look-up's 403 too. A key a reload brings in,
+/// refused as well, is said at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_key_the_control_plane_refuses_is_said_in_the_log() {
+    const FIRST: &str = "sk-refused-one-AAAA1111bbbb2222";
+    const SECOND: &str = "sk-refused-two-CCCC3333dddd4444";
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
         match req.uri().path() {
             "/refuse" => response(401, r#"{"code":401,"message":"Invalid API key"}"#),
+            "/sandboxes/isb-1" => response(403, r#"{"code":403,"message":"Forbidden"}"#),
             _ => response(200, ""),
         }
     })
     .await;
-    let proxy = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let mut proxy = key_in_env_file(&upstream, &pki, FIRST)
+        .args(&["--sandbox-url", &upstream.url()])
+        .spawn()
+        .await;
     let addr = proxy.addr();
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
+    let look_up = request("GET", addr, "/health")
+        .header("e2b-sandbox-id", "isb-1")
+        .body(empty())
+        .expect("request");
+    assert_eq!(
+        send(addr, look_up).await.status(),
+        http::StatusCode::SERVICE_UNAVAILABLE
+    );
     for _ in 0..3 {
+        assert_eq!(get(addr, "/refuse").await.0, 401);
+    }
+    let home_env = proxy.abx_home().join(".env");
+    let env = format!("ABX_SANDBOX_API_KEY={SECOND}\n");
+    proxy.reload_files(&[(home_env, &env)], "reloaded").await;
+    for _ in 0..2 {
         assert_eq!(get(addr, "/refuse").await.0, 401);
     }
     let stderr = proxy.finish().await;
@@ -1701,14 +1722,15 @@ async fn a_static_key_the_control_plane_refuses_is_said_in_the_log() {
         .lines()
         .filter(|l| l.contains("refused the configured API key"))
         .collect();
-    assert_eq!(said.len(), 1, "{stderr}");
-    assert!(
-        said[0].contains("WARN") && said[0].contains("[E1009]"),
-        "{}",
-        said[0]
-    );
-    assert!(said[0].contains("check the provider's key"), "{}", said[0]);
-    assert!(!stderr.contains(API_KEY), "the key in the log");
+    assert_eq!(said.len(), 2, "{stderr}");
+    for (line, status) in said.iter().zip(["403", "401"]) {
+        assert!(line.contains("WARN") && line.contains("[E1009]"), "{line}");
+        assert!(line.contains(&format!("{status} from")), "{line}");
+        assert!(line.contains("check the provider's key"), "{line}");
+    }
+    for key in [FIRST, SECOND] {
+        assert!(!stderr.contains(key), "a key in the log");
+    }
 }
 
 /// A run of refusals ends when the control plane answers the key in use with anything but

@@ -40,6 +40,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// One exchange call may take this long before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an attempt may take at most: [`CALL_TIMEOUT`], the exchanger's own bound
+/// (whose error names the host), and a second beyond it, where the refresher's backstop
+/// fires (at the same instant the two raced, and the backstop won half the time).
+const ATTEMPT_MAX: Duration = Duration::from_secs(11);
 /// Requests that arrive before the first exchange has answered wait this long for it.
 pub const STARTUP_WAIT: Duration = Duration::from_secs(30);
 /// A refresh that began this long after its time was late (the machine slept), not slow.
@@ -805,7 +809,7 @@ impl Shared {
         }
     }
 
-    /// The key of the next exchange attempt, waited for up to [`CALL_TIMEOUT`] (the bound
+    /// The key of the next exchange attempt, waited for up to [`ATTEMPT_MAX`] (the bound
     /// of the attempt itself); the reason there is none otherwise.
     async fn refreshed(&self) -> Result<Secret, Error> {
         let seen = *self.attempts.borrow();
@@ -817,7 +821,7 @@ impl Shared {
         tokio::select! {
             _ = attempts.wait_for(|n| *n > seen) => {}
             // As long as an attempt may take (see `refresher`).
-            _ = self.clock.sleep(CALL_TIMEOUT + LATE) => {}
+            _ = self.clock.sleep(ATTEMPT_MAX) => {}
         }
         self.usable_key(self.clock.now())
             .ok_or_else(|| self.unusable())
@@ -899,7 +903,7 @@ impl ExchangedKey {
     /// The key to attach now. Lock-free while a usable key is cached; before the first
     /// exchange has answered, waits for it up to [`STARTUP_WAIT`]; after a key ran out with
     /// no failed refresh behind it and its refresh late (none begun on time: the machine
-    /// slept), waits for that refresh up to [`CALL_TIMEOUT`]; a refresh begun on time and
+    /// slept), waits for that refresh up to [`ATTEMPT_MAX`]; a refresh begun on time and
     /// still out gets E1004 at once. E1004 (or E1002 after a clock-skew answer) when there
     /// is no usable key.
     pub async fn current(&self) -> Result<Secret, Error> {
@@ -1008,7 +1012,7 @@ impl ExchangedKey {
 
     /// A key other than `refused`, for sending again a request the control plane refused
     /// with it (see [`ExchangedKey::refused`]): the key that has replaced it, or the one the
-    /// refresh it is due for brings, waited for up to [`CALL_TIMEOUT`]. `None` when no
+    /// refresh it is due for brings, waited for up to [`ATTEMPT_MAX`]. `None` when no
     /// refresh is coming (401s within the refusal gap are not about the key; a failing
     /// endpoint is in its backoff; a reload retired this source: its successor is the
     /// caller's to ask) or it brought no other key: the 401 is the answer.
@@ -1033,7 +1037,7 @@ impl ExchangedKey {
         let mut attempts = shared.attempts.subscribe();
         tokio::select! {
             _ = attempts.wait_for(|n| *n > seen) => {}
-            _ = shared.clock.sleep(CALL_TIMEOUT + LATE) => {}
+            _ = shared.clock.sleep(ATTEMPT_MAX) => {}
         }
         shared
             .usable_key(shared.clock.now())
@@ -1149,12 +1153,10 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
             shared
                 .attempt_started_ms
                 .store(ms.max(1), Ordering::Relaxed);
-            // A backstop, a moment after the exchanger's own bound: at the same instant it
-            // won half the races, and its error names no host and had the pair checked.
             let outcome = tokio::select! {
                 r = exchanger.exchange(started) => r,
-                _ = shared.clock.sleep(CALL_TIMEOUT + LATE) => Err(Error::TokenExchange {
-                    reason: format!("no answer within {}s", CALL_TIMEOUT.as_secs()),
+                _ = shared.clock.sleep(ATTEMPT_MAX) => Err(Error::TokenExchange {
+                    reason: format!("no answer within {}s", ATTEMPT_MAX.as_secs()),
                 }),
             };
             let now = shared.clock.now();
@@ -1164,8 +1166,13 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                     Ok(token)
                 } else {
                     // A slow answer, or a clock ahead of the endpoint's: not the pair.
+                    let took = now.duration_since(started).unwrap_or_default();
                     Err(Error::IssuedExpired {
-                        reason: "the issued key expired before it could be used".into(),
+                        reason: format!(
+                            "the issued key expired before it could be used (the answer \
+                             took {:.1}s)",
+                            took.as_secs_f64()
+                        ),
                     })
                 }
             })

@@ -162,7 +162,19 @@ impl ApiCredential {
             ApiCredential::Exchanged(source) => {
                 source.refused(key);
             }
-            ApiCredential::Static(_) => say_static_key_refused(host),
+            ApiCredential::Static(_) => self.rejected(key, 401, host),
+        }
+    }
+
+    /// The control plane (`host`) answered `status` (401, or 403 to a token look-up) to
+    /// `key`: said in the log for a static key that is still the one configured (a request
+    /// in flight over a reload may carry the one before), at most once a minute for the
+    /// same key.
+    pub fn rejected(&self, key: &Secret, status: u16, host: &str) {
+        if let ApiCredential::Static(current) = self {
+            if current == key {
+                say_static_key_refused(key, status, host);
+            }
         }
     }
 
@@ -211,25 +223,30 @@ impl std::fmt::Debug for ApiCredential {
     }
 }
 
-/// A static key the control plane refused, said at most once a minute: every request gets
-/// the upstream's 401 until the key is mended, and nothing else in the log says why.
+/// A static key the control plane refused, said at most once a minute for the same key
+/// (a key rotated in by a reload and refused too is said at once): every request gets
+/// the upstream's answer until the key is mended, and nothing else in the log says why.
+/// The key is remembered by a hash, never kept.
 #[cold]
-fn say_static_key_refused(host: &str) {
-    static SAID: Mutex<Option<Instant>> = Mutex::new(None);
+fn say_static_key_refused(key: &Secret, status: u16, host: &str) {
+    static SAID: Mutex<Option<(Instant, u64)>> = Mutex::new(None);
+    static HASHER: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let hashed = std::hash::BuildHasher::hash_one(HASHER.get_or_init(Default::default), key);
     let mut said = SAID.lock().unwrap_or_else(PoisonError::into_inner);
-    if said.is_some_and(|s| s.elapsed() < Duration::from_secs(60)) {
+    if said.is_some_and(|(at, was)| was == hashed && at.elapsed() < Duration::from_secs(60)) {
         return;
     }
-    *said = Some(Instant::now());
+    *said = Some((Instant::now(), hashed));
     drop(said);
     let e = Error::CredentialRejected {
-        status: 401,
+        status,
         host: host.to_string(),
     };
     tracing::warn!(
         error = %e.line(),
         suggestion = e.suggestion().unwrap_or_default(),
-        "the control plane refused the configured API key: its requests get the 401 \
+        "the control plane refused the configured API key: its requests get the refusal \
          (said at most once a minute)"
     );
 }

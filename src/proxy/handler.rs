@@ -840,6 +840,10 @@ impl Proxy {
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             // The key itself was turned away: no network fault, and no retry will help
             // until the key changes (SPEC §6: 503 when no valid credential can be attached).
+            // A 401 was said by `judge`.
+            if status == StatusCode::FORBIDDEN {
+                credential.rejected(&key, 403, &host);
+            }
             return Err(Error::CredentialRejected {
                 status: status.as_u16(),
                 host,
