@@ -2184,17 +2184,55 @@ async fn drain_over_tls_with_a_head_begun(after_a_request: bool) {
 /// take) and logging a 408.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_line_after_a_request_does_not_hold_the_drain() {
+    drain_after_an_empty_line(EmptyLineAfter::Plain).await;
+}
+
+/// The same over TLS (hyper's path), where the framing watch sees the empty line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_line_after_a_request_over_tls_does_not_hold_the_drain() {
+    drain_after_an_empty_line(EmptyLineAfter::Tls).await;
+}
+
+/// And after a chunked request, which the fast path hands to hyper.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_line_after_a_chunked_request_does_not_hold_the_drain() {
+    drain_after_an_empty_line(EmptyLineAfter::Chunked).await;
+}
+
+#[derive(PartialEq)]
+enum EmptyLineAfter {
+    Plain,
+    Tls,
+    Chunked,
+}
+
+async fn drain_after_an_empty_line(after: EmptyLineAfter) {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
-    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+    let mut cmd = ProxyCmd::new(&upstream.url(), &pki)
         .shutdown_grace("120s")
-        .args(&["--header-timeout", "120s"])
-        .spawn()
-        .await;
+        .args(&["--header-timeout", "120s"]);
+    if after == EmptyLineAfter::Tls {
+        cmd = cmd.tls_listener(&pki);
+    }
+    let mut proxy = cmd.spawn().await;
     let addr = proxy.addr();
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n\r\n");
+    let head = format!("Host: {addr}\r\nX-API-Key: dummy\r\n");
+    let req = match after {
+        EmptyLineAfter::Chunked => format!(
+            "POST /sandboxes HTTP/1.1\r\n{head}Transfer-Encoding: chunked\r\n\r\n\
+             2\r\n{{}}\r\n0\r\n\r\n\r\n"
+        ),
+        _ => format!("GET /sandboxes HTTP/1.1\r\n{head}\r\n\r\n"),
+    };
+    trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+    impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+    let mut s: Box<dyn Io> = match after {
+        EmptyLineAfter::Tls => Box::new(pki.tls_connect(addr, &[b"http/1.1"]).await),
+        _ => Box::new(TcpStream::connect(addr).await.unwrap()),
+    };
     s.write_all(req.as_bytes()).await.unwrap();
+    s.flush().await.unwrap();
     let mut leftover = Vec::new();
     let resp = read_response(&mut s, &mut leftover).await;
     assert_eq!((resp.status, resp.header("connection")), (200, None));

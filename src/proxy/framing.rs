@@ -509,6 +509,12 @@ impl HeadWatch {
         }
     }
 
+    /// Inside a head that has only empty lines so far (RFC 9112 §2.2: no request begun).
+    pub fn blank_so_far(&self) -> bool {
+        matches!(self.state, State::Head { first: true })
+            && self.line[..self.line_len].iter().all(|&b| b == b'\r')
+    }
+
     /// The connection opened with HTTP/2's preface: hyper serves it as HTTP/2, and the
     /// watch has nothing more to follow.
     pub fn is_http2(&self) -> bool {

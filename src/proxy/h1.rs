@@ -216,6 +216,9 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
     tokio::pin!(drained);
     let mut buf = BytesMut::new();
     let mut draining = false;
+    // Empty-line bytes a client may still send before its next request line (see
+    // `read_head`): four per gap between requests, not per read.
+    let mut blank = 4;
     loop {
         if buf.is_empty() {
             // `drained` is done: a drain serves what was in the socket when it began.
@@ -243,8 +246,17 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             length,
             is_head,
             mut close,
-        } = match read_head(&shared.sock, &mut buf, ctx.activity, ctx.header_timeout).await {
+        } = match read_head(
+            &shared.sock,
+            &mut buf,
+            ctx.activity,
+            ctx.header_timeout,
+            &mut blank,
+        )
+        .await
+        {
             Read::Head(head) => {
+                blank = 4;
                 ctx.headed.store(true, Ordering::Relaxed);
                 request(head, &shared, &mut buf, ctx.activity)
             }
@@ -565,21 +577,22 @@ async fn read_head(
     buf: &mut BytesMut,
     activity: &Activity,
     header_timeout: Duration,
+    blank: &mut usize,
 ) -> Read {
     let mut deadline = None;
     let mut scanned = 0;
     // RFC 9112 §2.2: empty lines before a request line are ignored (a client may send a
     // CRLF more after a body). Taken for a head begun, one held a drain for the whole
-    // header timeout and was logged 408. Four bytes of them at most: a client that sends
-    // line ends and nothing else is still bound by the header timeout.
-    let mut blank = 4;
+    // header timeout and was logged 408. `blank` bytes of them at most, four between two
+    // requests (`serve` keeps the count across reads): a client that sends line ends and
+    // nothing else is still bound by the header timeout.
     loop {
-        if blank > 0 && !buf.is_empty() {
-            let n = (buf.iter().take(blank))
+        if *blank > 0 && !buf.is_empty() {
+            let n = (buf.iter().take(*blank))
                 .take_while(|b| matches!(b, b'\r' | b'\n'))
                 .count();
             buf.advance(n);
-            blank = if buf.is_empty() { blank - n } else { 0 };
+            *blank = if buf.is_empty() { *blank - n } else { 0 };
         }
         if !buf.is_empty() {
             match parse(buf, &mut scanned) {
@@ -1952,7 +1965,7 @@ mod tests {
         // As the connection does: wait for the first byte, then read the head.
         let read = loop {
             sock.readable().await.expect("readable");
-            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10)).await {
+            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &mut 4).await {
                 Read::Nothing => continue,
                 read => break read,
             }
@@ -2014,7 +2027,39 @@ mod tests {
         let sock = Sock::Tcp(ours);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
-        let read = read_head(&sock, &mut buf, &activity, Duration::from_secs(10));
+        let mut blank = 4;
+        let read = read_head(
+            &sock,
+            &mut buf,
+            &activity,
+            Duration::from_secs(10),
+            &mut blank,
+        );
         assert!(matches!(read.await, Read::Closed));
+    }
+
+    /// Empty lines before a request line are skipped four bytes to a gap between requests,
+    /// counted across reads: a client that sends line ends and nothing else begins a head,
+    /// bound by the header timeout (four a read kept such a client's connection for good).
+    #[tokio::test]
+    async fn empty_lines_before_a_head_are_skipped_four_bytes_a_gap() {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let sock = Sock::Unix(ours);
+        let mut buf = BytesMut::new();
+        let activity = Activity::new();
+        let mut blank = 4;
+        let short = Duration::from_millis(50);
+        theirs.write_all(b"\r\n").await.expect("write");
+        sock.readable().await.expect("readable");
+        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        assert!(matches!(read, Read::Nothing));
+        assert_eq!(blank, 2);
+        theirs.write_all(b"\r\n\r").await.expect("write");
+        sock.readable().await.expect("readable");
+        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        assert!(
+            matches!(read, Read::Closed),
+            "the fifth byte is a head begun, cut"
+        );
     }
 }

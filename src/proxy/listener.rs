@@ -478,7 +478,8 @@ async fn with_hyper(
             Poll::Ready(done) => Poll::Ready(Some(done)),
             Poll::Pending
                 if cancels.begun.load(Ordering::Relaxed) != before
-                    || activity.head_began().is_none() =>
+                    || activity.head_began().is_none()
+                    || activity.head_is_blank() =>
             {
                 Poll::Ready(None)
             }

@@ -41,6 +41,8 @@ struct Clocks {
     head: AtomicU64,
     /// See [`Activity::is_http2`].
     http2: AtomicBool,
+    /// The head in progress has only empty lines so far (see [`Activity::head_is_blank`]).
+    blank: AtomicBool,
     /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
     streams: AtomicU32,
     /// Answers whose body has not ended (each an [`AnswerCut`]'s life).
@@ -376,6 +378,11 @@ impl Activity {
             || self.clocks.has_parked.load(Ordering::Relaxed)
     }
 
+    /// The head in progress is empty lines only (hyper's path): no request begun.
+    pub(super) fn head_is_blank(&self) -> bool {
+        self.clocks.blank.load(Ordering::Relaxed)
+    }
+
     /// When the head in progress began (see [`Activity::heading`]).
     pub(super) fn head_began(&self) -> Option<Instant> {
         match self.clocks.head.load(Ordering::Relaxed) {
@@ -661,6 +668,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
                 this.activity.heading(framing.in_head(), cx.waker());
+                (this.activity.clocks.blank).store(framing.blank_so_far(), Ordering::Relaxed);
                 if framing.is_http2() {
                     // No first-head deadline any more: the watchdog's deadline moves
                     // later, which it finds when it next wakes.
