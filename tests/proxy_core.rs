@@ -2199,6 +2199,22 @@ async fn an_empty_line_after_a_chunked_request_does_not_hold_the_drain() {
     drain_after_an_empty_line(EmptyLineAfter::Chunked).await;
 }
 
+/// And before a TLS connection's first request: hyper would wait for that head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_line_before_a_first_request_over_tls_does_not_hold_the_drain() {
+    let pki = Pki::new();
+    let mut proxy = patient_tls_proxy(&pki).await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    tls.write_all(b"\r\n").await.unwrap();
+    tls.flush().await.unwrap();
+    until_open_connections(admin, 1.0).await;
+    terminate(&mut proxy).await;
+    expect_closed(&mut tls, &[]).await;
+    let stderr = proxy.stderr();
+    assert!(!stderr.contains("status=408"), "{stderr}");
+}
+
 #[derive(PartialEq)]
 enum EmptyLineAfter {
     Plain,

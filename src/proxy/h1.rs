@@ -588,9 +588,16 @@ async fn read_head(
     // nothing else is still bound by the header timeout.
     loop {
         if *blank > 0 && !buf.is_empty() {
-            let n = (buf.iter().take(*blank))
-                .take_while(|b| matches!(b, b'\r' | b'\n'))
-                .count();
+            // Whole empty lines only, as hyper's parser skips them: a bare CR is no line end
+            // (RFC 9112 §2.2), and goes to the parser, which hands it to hyper's 400.
+            let mut n = 0;
+            loop {
+                match &buf[n..] {
+                    [b'\n', ..] if n < *blank => n += 1,
+                    [b'\r', b'\n', ..] if n + 2 <= *blank => n += 2,
+                    _ => break,
+                }
+            }
             buf.advance(n);
             *blank = if buf.is_empty() { *blank - n } else { 0 };
         }
@@ -2061,5 +2068,37 @@ mod tests {
             matches!(read, Read::Closed),
             "the fifth byte is a head begun, cut"
         );
+    }
+
+    /// Only whole empty lines are skipped: bytes hyper would refuse before a request line
+    /// (a bare CR) are not taken for one, and go to hyper's 400 as they did.
+    #[tokio::test]
+    async fn a_bare_cr_before_a_head_is_not_an_empty_line() {
+        for (sent, served) in [
+            (&b"\n\nGET / HTTP/1.1\r\nHost: a\r\n\r\n"[..], true),
+            (b"\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", true),
+            (b"\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", false),
+            (b"\r\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", false),
+            (b"\n\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", false),
+        ] {
+            let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+            let sock = Sock::Unix(ours);
+            let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), 4);
+            theirs.write_all(sent).await.expect("write");
+            sock.readable().await.expect("readable");
+            let read = read_head(
+                &sock,
+                &mut buf,
+                &activity,
+                Duration::from_secs(10),
+                &mut blank,
+            );
+            let read = read.await;
+            let name = String::from_utf8_lossy(sent);
+            match served {
+                true => assert!(matches!(read, Read::Head(_)), "{name:?}"),
+                false => assert!(matches!(read, Read::HandOver), "{name:?}"),
+            }
+        }
     }
 }

@@ -464,8 +464,9 @@ async fn with_hyper(
     // first HTTP/1 head, up to the watchdog's deadline, so the connection just closes.
     // A head of which some bytes are in is a request begun (see `h1::read_head`): its
     // header timeout bounds the wait. An HTTP/2 connection that has its preface is open
-    // for requests: it is told GOAWAY.
-    if !begun.load(Ordering::Relaxed) && !activity.is_http2() && activity.head_began().is_none() {
+    // for requests: it is told GOAWAY. Empty lines are no head (RFC 9112 §2.2).
+    let no_head = activity.head_began().is_none() || activity.head_is_blank();
+    if !begun.load(Ordering::Relaxed) && !activity.is_http2() && no_head {
         return;
     }
     // hyper's graceful shutdown closes an HTTP/1 connection idle between requests at once,
