@@ -218,7 +218,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
     let mut draining = false;
     // Empty-line bytes a client may still send before its next request line (see
     // `read_head`): four per gap between requests, not per read.
-    let mut blank = 4;
+    let mut blank = Blank::GAP;
     loop {
         if buf.is_empty() {
             // `drained` is done: a drain serves what was in the socket when it began.
@@ -256,7 +256,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
         .await
         {
             Read::Head(head) => {
-                blank = 4;
+                blank = Blank::GAP;
                 ctx.headed.store(true, Ordering::Relaxed);
                 request(head, &shared, &mut buf, ctx.activity)
             }
@@ -570,6 +570,49 @@ enum Read {
     HandOver,
 }
 
+/// Empty-line bytes still to be skipped before the next request line, and whether the
+/// last read ended in the CR of one (its LF may come with the next).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Blank {
+    left: usize,
+    cr: bool,
+}
+
+impl Blank {
+    /// Four bytes between two requests.
+    const GAP: Blank = Blank { left: 4, cr: false };
+
+    /// Skips the empty lines `buf` begins with, within the budget. Whole lines only, as
+    /// hyper's parser skips them: a bare CR is no line end (RFC 9112 §2.2), and goes to
+    /// the parser, which hands it to hyper's 400.
+    fn skip(&mut self, buf: &mut BytesMut) {
+        if std::mem::take(&mut self.cr) && buf[0] != b'\n' {
+            // Not an empty line after all: the CR goes back for the parser.
+            let mut back = BytesMut::with_capacity(buf.len() + 1);
+            back.put_u8(b'\r');
+            back.extend_from_slice(buf);
+            *buf = back;
+            self.left = 0;
+            return;
+        }
+        let mut n = 0;
+        loop {
+            match &buf[n..] {
+                [b'\n', ..] if n < self.left => n += 1,
+                [b'\r', b'\n', ..] if n + 2 <= self.left => n += 2,
+                // An empty line's CR at the end of the read, its LF to come.
+                [b'\r'] if n + 2 <= self.left => {
+                    n += 1;
+                    self.cr = true;
+                }
+                _ => break,
+            }
+        }
+        buf.advance(n);
+        self.left = if buf.is_empty() { self.left - n } else { 0 };
+    }
+}
+
 /// Reads until a whole head is buffered and parsed. The header timeout runs from the head's
 /// first byte (waiting for that byte is the keep-alive idle time, watched elsewhere).
 async fn read_head(
@@ -577,7 +620,7 @@ async fn read_head(
     buf: &mut BytesMut,
     activity: &Activity,
     header_timeout: Duration,
-    blank: &mut usize,
+    blank: &mut Blank,
 ) -> Read {
     let mut deadline = None;
     let mut scanned = 0;
@@ -587,19 +630,8 @@ async fn read_head(
     // requests (`serve` keeps the count across reads): a client that sends line ends and
     // nothing else is still bound by the header timeout.
     loop {
-        if *blank > 0 && !buf.is_empty() {
-            // Whole empty lines only, as hyper's parser skips them: a bare CR is no line end
-            // (RFC 9112 §2.2), and goes to the parser, which hands it to hyper's 400.
-            let mut n = 0;
-            loop {
-                match &buf[n..] {
-                    [b'\n', ..] if n < *blank => n += 1,
-                    [b'\r', b'\n', ..] if n + 2 <= *blank => n += 2,
-                    _ => break,
-                }
-            }
-            buf.advance(n);
-            *blank = if buf.is_empty() { *blank - n } else { 0 };
+        if blank.left > 0 && !buf.is_empty() {
+            blank.skip(buf);
         }
         if !buf.is_empty() {
             match parse(buf, &mut scanned) {
@@ -1969,10 +2001,19 @@ mod tests {
         let sock = Sock::Unix(ours);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
+        let mut blank = Blank::GAP;
         // As the connection does: wait for the first byte, then read the head.
         let read = loop {
             sock.readable().await.expect("readable");
-            match read_head(&sock, &mut buf, &activity, Duration::from_secs(10), &mut 4).await {
+            match read_head(
+                &sock,
+                &mut buf,
+                &activity,
+                Duration::from_secs(10),
+                &mut blank,
+            )
+            .await
+            {
                 Read::Nothing => continue,
                 read => break read,
             }
@@ -2034,7 +2075,7 @@ mod tests {
         let sock = Sock::Tcp(ours);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
-        let mut blank = 4;
+        let mut blank = Blank::GAP;
         let read = read_head(
             &sock,
             &mut buf,
@@ -2054,13 +2095,13 @@ mod tests {
         let sock = Sock::Unix(ours);
         let mut buf = BytesMut::new();
         let activity = Activity::new();
-        let mut blank = 4;
+        let mut blank = Blank::GAP;
         let short = Duration::from_millis(50);
         theirs.write_all(b"\r\n").await.expect("write");
         sock.readable().await.expect("readable");
         let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
         assert!(matches!(read, Read::Nothing));
-        assert_eq!(blank, 2);
+        assert_eq!(blank.left, 2);
         theirs.write_all(b"\r\n\r").await.expect("write");
         sock.readable().await.expect("readable");
         let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
@@ -2068,6 +2109,36 @@ mod tests {
             matches!(read, Read::Closed),
             "the fifth byte is a head begun, cut"
         );
+    }
+
+    /// An empty line split between two reads (its CR in one, its LF in the next) is one
+    /// all the same: no head begun, which held a drain and logged 408.
+    #[tokio::test]
+    async fn an_empty_line_split_between_reads_is_skipped() {
+        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+        let sock = Sock::Unix(ours);
+        let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), Blank::GAP);
+        let short = Duration::from_millis(50);
+        for (half, left) in [(&b"\r"[..], 3), (b"\n", 2)] {
+            theirs.write_all(half).await.expect("write");
+            sock.readable().await.expect("readable");
+            let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+            assert!(matches!(read, Read::Nothing));
+            assert_eq!(blank.left, left);
+        }
+        // A CR followed by anything but its LF is a bare one, for hyper's 400.
+        let mut blank = Blank::GAP;
+        theirs.write_all(b"\r").await.expect("write");
+        sock.readable().await.expect("readable");
+        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        assert!(matches!(read, Read::Nothing) && blank.cr);
+        theirs
+            .write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .expect("write");
+        sock.readable().await.expect("readable");
+        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        assert!(matches!(read, Read::HandOver));
     }
 
     /// Only whole empty lines are skipped: bytes hyper would refuse before a request line
@@ -2083,7 +2154,7 @@ mod tests {
         ] {
             let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
             let sock = Sock::Unix(ours);
-            let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), 4);
+            let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), Blank::GAP);
             theirs.write_all(sent).await.expect("write");
             sock.readable().await.expect("readable");
             let read = read_head(
