@@ -1870,19 +1870,34 @@ async fn the_drain_finishes_a_head_begun_before_it_and_no_more() {
     let mut stalled = TcpStream::connect(addr).await.unwrap();
     stalled.write_all(b"GET /sandboxes HT").await.unwrap();
     until_open_connections(admin, 2.0).await;
+    the_head_ends_in_the_drain(&mut proxy, &mut begun, Vec::new()).await;
+    // The other head never ends: cut at its header timeout, and the drain with it.
+    expect_closed(&mut stalled, &[]).await;
+    exits_0(&mut proxy).await;
+}
+
+/// SIGTERM; once the drain has begun, the client on `s` (with `leftover` of its earlier
+/// answers) ends the head it began: answered with `Connection: close`, then closed.
+async fn the_head_ends_in_the_drain<S>(proxy: &mut ProxyProc, s: &mut S, mut leftover: Vec<u8>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let addr = proxy.addr();
     proxy.signal("TERM");
     proxy.wait_for_line("listener closed").await;
     let rest = format!("TP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
-    begun.write_all(rest.as_bytes()).await.unwrap();
-    let mut leftover = Vec::new();
-    let resp = read_response(&mut begun, &mut leftover).await;
+    s.write_all(rest.as_bytes()).await.unwrap();
+    s.flush().await.unwrap();
+    let resp = read_response(s, &mut leftover).await;
     assert_eq!(
         (resp.status, resp.header("connection")),
         (200, Some("close"))
     );
-    expect_closed(&mut begun, &leftover).await;
-    // The other head never ends: cut at its header timeout, and the drain with it.
-    expect_closed(&mut stalled, &[]).await;
+    expect_closed(s, &leftover).await;
+}
+
+/// The proxy exits 0 within [`GUARD`].
+async fn exits_0(proxy: &mut ProxyProc) {
     let status = proxy.wait_exit().await;
     assert!(
         status.success(),
@@ -1948,12 +1963,7 @@ async fn list_sandboxes_on(
 /// SIGTERM, and exit 0 within [`GUARD`].
 async fn terminate(proxy: &mut ProxyProc) {
     proxy.signal("TERM");
-    let status = proxy.wait_exit().await;
-    assert!(
-        status.success(),
-        "exit {status}; stderr:\n{}",
-        proxy.stderr()
-    );
+    exits_0(proxy).await;
 }
 
 /// `--tls-cert`/`--tls-key`: clients reach the proxy over TLS, HTTP/1.x or HTTP/2 as ALPN
@@ -2159,23 +2169,8 @@ async fn drain_over_tls_with_a_head_begun(after_a_request: bool) {
     tls.write_all(b"GET /sandboxes HT").await.unwrap();
     tls.flush().await.unwrap();
     until_open_connections(admin, 1.0).await;
-    proxy.signal("TERM");
-    proxy.wait_for_line("listener closed").await;
-    let rest = format!("TP/1.1\r\nHost: {addr}\r\nX-API-Key: dummy\r\n\r\n");
-    tls.write_all(rest.as_bytes()).await.unwrap();
-    tls.flush().await.unwrap();
-    let resp = read_response(&mut tls, &mut leftover).await;
-    assert_eq!(
-        (resp.status, resp.header("connection")),
-        (200, Some("close"))
-    );
-    expect_closed(&mut tls, &leftover).await;
-    let status = proxy.wait_exit().await;
-    assert!(
-        status.success(),
-        "exit {status}; stderr:\n{}",
-        proxy.stderr()
-    );
+    the_head_ends_in_the_drain(&mut proxy, &mut tls, leftover).await;
+    exits_0(&mut proxy).await;
 }
 
 /// An empty line after a request (a CRLF more after a body, which RFC 9112 §2.2 has

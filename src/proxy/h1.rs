@@ -2086,25 +2086,53 @@ mod tests {
         assert!(matches!(read.await, Read::Closed));
     }
 
+    /// A client's socket and the connection's side of it, reading heads as `serve` does
+    /// (the header timeout short: a head begun and left is cut at once).
+    struct Heads {
+        sock: Sock,
+        theirs: UnixStream,
+        buf: BytesMut,
+        activity: Activity,
+        blank: Blank,
+    }
+
+    impl Heads {
+        fn new() -> Heads {
+            let (ours, theirs) = UnixStream::pair().expect("socket pair");
+            Heads {
+                sock: Sock::Unix(ours),
+                theirs,
+                buf: BytesMut::new(),
+                activity: Activity::new(),
+                blank: Blank::GAP,
+            }
+        }
+
+        /// The client sends `bytes`; what the next read of a head makes of them.
+        async fn after(&mut self, bytes: &[u8]) -> Read {
+            self.theirs.write_all(bytes).await.expect("write");
+            self.sock.readable().await.expect("readable");
+            let short = Duration::from_millis(50);
+            read_head(
+                &self.sock,
+                &mut self.buf,
+                &self.activity,
+                short,
+                &mut self.blank,
+            )
+            .await
+        }
+    }
+
     /// Empty lines before a request line are skipped four bytes to a gap between requests,
     /// counted across reads: a client that sends line ends and nothing else begins a head,
     /// bound by the header timeout (four a read kept such a client's connection for good).
     #[tokio::test]
     async fn empty_lines_before_a_head_are_skipped_four_bytes_a_gap() {
-        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
-        let sock = Sock::Unix(ours);
-        let mut buf = BytesMut::new();
-        let activity = Activity::new();
-        let mut blank = Blank::GAP;
-        let short = Duration::from_millis(50);
-        theirs.write_all(b"\r\n").await.expect("write");
-        sock.readable().await.expect("readable");
-        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
-        assert!(matches!(read, Read::Nothing));
-        assert_eq!(blank.left, 2);
-        theirs.write_all(b"\r\n\r").await.expect("write");
-        sock.readable().await.expect("readable");
-        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        let mut heads = Heads::new();
+        assert!(matches!(heads.after(b"\r\n").await, Read::Nothing));
+        assert_eq!(heads.blank.left, 2);
+        let read = heads.after(b"\r\n\r").await;
         assert!(
             matches!(read, Read::Closed),
             "the fifth byte is a head begun, cut"
@@ -2115,29 +2143,15 @@ mod tests {
     /// all the same: no head begun, which held a drain and logged 408.
     #[tokio::test]
     async fn an_empty_line_split_between_reads_is_skipped() {
-        let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
-        let sock = Sock::Unix(ours);
-        let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), Blank::GAP);
-        let short = Duration::from_millis(50);
+        let mut heads = Heads::new();
         for (half, left) in [(&b"\r"[..], 3), (b"\n", 2)] {
-            theirs.write_all(half).await.expect("write");
-            sock.readable().await.expect("readable");
-            let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
-            assert!(matches!(read, Read::Nothing));
-            assert_eq!(blank.left, left);
+            assert!(matches!(heads.after(half).await, Read::Nothing));
+            assert_eq!(heads.blank.left, left);
         }
         // A CR followed by anything but its LF is a bare one, for hyper's 400.
-        let mut blank = Blank::GAP;
-        theirs.write_all(b"\r").await.expect("write");
-        sock.readable().await.expect("readable");
-        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
-        assert!(matches!(read, Read::Nothing) && blank.cr);
-        theirs
-            .write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .expect("write");
-        sock.readable().await.expect("readable");
-        let read = read_head(&sock, &mut buf, &activity, short, &mut blank).await;
+        heads.blank = Blank::GAP;
+        assert!(matches!(heads.after(b"\r").await, Read::Nothing) && heads.blank.cr);
+        let read = heads.after(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").await;
         assert!(matches!(read, Read::HandOver));
     }
 
@@ -2152,19 +2166,7 @@ mod tests {
             (b"\r\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", false),
             (b"\n\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", false),
         ] {
-            let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
-            let sock = Sock::Unix(ours);
-            let (mut buf, activity, mut blank) = (BytesMut::new(), Activity::new(), Blank::GAP);
-            theirs.write_all(sent).await.expect("write");
-            sock.readable().await.expect("readable");
-            let read = read_head(
-                &sock,
-                &mut buf,
-                &activity,
-                Duration::from_secs(10),
-                &mut blank,
-            );
-            let read = read.await;
+            let read = Heads::new().after(sent).await;
             let name = String::from_utf8_lossy(sent);
             match served {
                 true => assert!(matches!(read, Read::Head(_)), "{name:?}"),
