@@ -5552,6 +5552,49 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
     holder.abort();
 }
 
+/// A client that sends its request and closes its side at once (`nc -N`, a script's
+/// `shutdown`) still has the request counted and logged: as 499 when it waits for the
+/// upstream, as the proxy's own answer when that is at hand. The fast path once lost the
+/// handler, never polled, to the client's end one time in two: sixteen of each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_followed_by_a_half_close_is_logged_and_counted() {
+    let (url, _accepted, holder) = silent_upstream().await;
+    let pki = Pki::new();
+    let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let before = scrape(admin).await;
+    let paths: Vec<_> = (0..32).map(|i| format!("/half-closed-{i}")).collect();
+    for (i, path) in paths.iter().enumerate() {
+        // Every other one refused by the proxy itself: a Host it does not serve.
+        let host = if i % 2 == 0 {
+            addr.to_string()
+        } else {
+            "evil.example".into()
+        };
+        let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        let mut s = connect_raw(addr).await;
+        s.write_all(head.as_bytes()).await.expect("write");
+        s.shutdown().await.expect("half-close");
+        // The proxy's end: its answer (the refusal) or none (the 499), then its close.
+        let mut rest = Vec::new();
+        within("the proxy to close", s.read_to_end(&mut rest))
+            .await
+            .expect("read");
+    }
+    let answers: Vec<_> = (paths.iter().enumerate())
+        .map(|(i, path)| Answer {
+            method: "GET",
+            path,
+            plane: "api",
+            status: if i % 2 == 0 { 499 } else { 400 },
+            upstream: "",
+        })
+        .collect();
+    assert_counted_once(admin, &before, &answers).await;
+    assert_logged_once(&proxy.finish().await, &answers);
+    holder.abort();
+}
+
 /// A request still in flight when `--shutdown-grace` runs out is cut, and still has its
 /// access line, as 499, before the exit (on the fast path and on hyper's): the cut
 /// connection's own task ends, writing its line, rather than vanishing with the process.

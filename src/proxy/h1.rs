@@ -293,8 +293,12 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             let waiting = ctx.activity.awaiting();
             // A client that hangs up while waiting takes its request with it (hyper does the
             // same): the handler is dropped, the upstream exchange cancelled.
+            // Biased, the handler first: a client that sent its request and closed its
+            // side at once would otherwise lose, one time in two, a handler never polled,
+            // and with it the request's 499 line and count.
             let resp = if length == 0 {
                 tokio::select! {
+                    biased;
                     r = handled => r,
                     () = client_gone(&shared.sock, &mut buf) => return Outcome::Closed,
                 }
@@ -311,6 +315,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
                     client_gone(&shared.sock, &mut buf).await
                 };
                 tokio::select! {
+                    biased;
                     r = handled => r,
                     () = gone => return Outcome::Closed,
                 }
