@@ -258,10 +258,10 @@ pub fn access(
     error: Option<&'static str>,
 ) {
     let escaped;
-    let path = if path.is_ascii() {
+    let path = if shown_as_is(path) {
         path
     } else {
-        escaped = escape_non_ascii(path);
+        escaped = escape_path(path);
         &escaped
     };
     let line = AccessLine {
@@ -281,22 +281,35 @@ pub fn access(
     access_with(format, &line, emit);
 }
 
-/// A request's path as the access line shows it (see [`escape_non_ascii`]).
+/// A request's path as the access line shows it (see [`escape_path`]).
 pub fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
-    if path.is_ascii() {
+    if shown_as_is(path) {
         std::borrow::Cow::Borrowed(path)
     } else {
-        std::borrow::Cow::Owned(escape_non_ascii(path))
+        std::borrow::Cow::Owned(escape_path(path))
     }
 }
 
-/// A path's non-ASCII bytes percent-encoded, as a client would have sent them: hyper and
-/// httparse accept raw UTF-8 in a target, and written as is, U+2028 or U+0085 end the line
-/// for a Unicode-aware reader and U+202E turns its display around.
-fn escape_non_ascii(path: &str) -> String {
+/// Whether [`escape_path`] leaves `path` as it is (nearly every path).
+fn shown_as_is(path: &str) -> bool {
+    path.bytes().all(|b| b.is_ascii() && !needs_percent(b))
+}
+
+/// ASCII bytes httparse takes in a target that RFC 3986 does not: unquoted in a text line,
+/// a `"` or `\` makes logfmt readers (Loki's, go-logfmt) refuse the line, and with it its
+/// status and upstream.
+fn needs_percent(b: u8) -> bool {
+    matches!(b, b'"' | b'\\')
+}
+
+/// A path's non-ASCII bytes, and those of [`needs_percent`], percent-encoded, as a client
+/// would have sent them: hyper and httparse accept raw UTF-8 in a target, and written as
+/// is, U+2028 or U+0085 end the line for a Unicode-aware reader and U+202E turns its
+/// display around.
+fn escape_path(path: &str) -> String {
     let mut out = String::with_capacity(path.len() * 3);
     for b in path.bytes() {
-        if b.is_ascii() {
+        if b.is_ascii() && !needs_percent(b) {
             out.push(char::from(b));
         } else {
             let _ = std::fmt::Write::write_fmt(&mut out, format_args!("%{b:02X}"));
@@ -1367,7 +1380,7 @@ mod tests {
         let line = child_line();
         log_access(&line);
         // `access` gives the path's non-ASCII bytes percent-encoded: tracing gets the same.
-        let escaped = escape_non_ascii(line.path);
+        let escaped = escape_path(line.path);
         access_via_tracing(&AccessLine {
             path: &escaped,
             ..line
@@ -1611,7 +1624,7 @@ mod tests {
                 } else {
                     LogFormat::Text
                 };
-                let escaped = escape_non_ascii(child_line().path);
+                let escaped = escape_path(child_line().path);
                 let line = AccessLine {
                     path: &escaped,
                     ..child_line()
