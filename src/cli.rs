@@ -340,7 +340,9 @@ pub struct CheckArgs {
 /// An `--allowed-host` value as the Host check compares it: lower case, without a trailing
 /// dot, an IPv6 address in brackets (as a Host writes it). A value with a port could never
 /// match (the check compares names; the port is the listener's) and is refused rather than
-/// left to refuse every request. A blank one stays blank, to be skipped.
+/// left to refuse every request, as is one no Host could be (`bad/host`, `a b`) and a
+/// pattern (`*.example.com`: the names are compared whole). A blank one stays blank, to be
+/// skipped.
 fn allowed_host(raw: &str) -> Result<String, String> {
     let lower = raw.trim().to_ascii_lowercase();
     let name = lower.strip_suffix('.').unwrap_or(&lower);
@@ -358,6 +360,13 @@ fn allowed_host(raw: &str) -> Result<String, String> {
     let bracketed = name.starts_with('[') && name.ends_with(']');
     if name.contains(':') && !bracketed {
         return Err("a host name or address without a port (the port is the listener's)".into());
+    }
+    if name.contains('*') {
+        return Err("a host name, not a pattern: give each name its own --allowed-host".into());
+    }
+    // The Host check refuses a Host that is no `host[:port]`: such a name matches none.
+    if !name.is_empty() && crate::proxy::route::host_of(name) != Some(name) {
+        return Err("a host name or address (letters, digits, `-` and `.`)".into());
     }
     Ok(name.to_string())
 }
@@ -535,6 +544,28 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_allowed_host_is_a_name_a_host_could_be() {
+        for (raw, kept) in [
+            ("Proxy.Internal.", "proxy.internal"),
+            ("[::ffff:10.0.0.7]", "10.0.0.7"),
+            ("[2001:DB8::5]", "[2001:db8::5]"),
+            ("my_service", "my_service"),
+            (" ", ""),
+        ] {
+            assert_eq!(allowed_host(raw).as_deref(), Ok(kept), "{raw}");
+        }
+        for (raw, said) in [
+            ("*.example.com", "not a pattern"),
+            ("bad/host", "letters, digits"),
+            ("a b", "letters, digits"),
+            ("proxy.internal:8443", "without a port"),
+        ] {
+            let e = allowed_host(raw).expect_err(raw);
+            assert!(e.contains(said), "{raw}: {e}");
+        }
+    }
 
     #[test]
     fn a_secret_file_loses_its_byte_order_mark_and_one_line_end() {
