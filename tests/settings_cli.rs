@@ -492,6 +492,35 @@ fn a_home_that_is_no_directory_holds_no_abx_files() {
     }
 }
 
+/// No HOME at all (a systemd service without `User=`, `env -i`) and no ABX_HOME: said,
+/// where `~/.abx/.env` was passed over without a word. A HOME that is no directory is
+/// "no home" on purpose, and ABX_HOME needs none: nothing said.
+#[test]
+fn a_missing_home_is_said() {
+    const SAID: &str = "~/.abx/.env and ~/.abx/config.toml are not read: HOME is not set";
+    let mut c = Case::without_abx_home();
+    c.home = PathBuf::new();
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 78, "{}", out.stderr);
+    assert!(out.stderr.contains(SAID), "{}", out.stderr);
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains(SAID), "{}", out.stderr);
+    c.home = "/dev/null".into();
+    let mut with_abx_home = Case::new();
+    with_abx_home.home = PathBuf::new();
+    for case in [&c, &with_abx_home] {
+        let out = case.run(&["config", "list"]);
+        assert!(
+            !out.stderr.contains(SAID),
+            "{:?}: {}",
+            case.home,
+            out.stderr
+        );
+    }
+}
+
 #[test]
 fn region_every_pair_of_levels_higher_wins() {
     // Each level alone beats the default; each pair is won by the higher level.
@@ -1254,6 +1283,34 @@ fn config_list_says_a_value_check_and_serve_refuse() {
                 out.stderr
             );
         }
+    }
+}
+
+/// An AccessKey ID with a control character or a space (pasted with it) is refused,
+/// E1005, as a key is; said by `config`, which still shows it.
+#[test]
+fn an_access_key_id_with_a_control_character_is_refused() {
+    for id in ["LTAI5t\u{1b}[31mRED", "LTAI5t two"] {
+        let mut c = Case::new();
+        c.env("ALICLOUD_ACCESS_KEY_ID", id)
+            .env("ALICLOUD_ACCESS_KEY_SECRET", KEY_ENV);
+        let check = c.run(&["check", "--offline"]);
+        assert!(
+            check.code == 78
+                && check
+                    .stderr
+                    .contains("[E1005] invalid value for access_key_id"),
+            "{id:?}: {}",
+            check.stderr
+        );
+        assert!(!check.stderr.contains(KEY_ENV), "{}", check.stderr);
+        let out = c.run(&["config", "get", "access_key_id"]);
+        assert!(
+            out.code == 0
+                && (out.stderr).contains("warning: [E1005] invalid value for access_key_id"),
+            "{id:?}: {}",
+            out.stderr
+        );
     }
 }
 

@@ -332,7 +332,19 @@ impl Resolved {
                 layers::read_dotenv(&home.join(".env"), "~/.abx/.env", None, &mut warnings)?,
                 layers::read_config_toml(&home.join("config.toml"), &mut warnings)?,
             ),
-            None => Default::default(),
+            None => {
+                // A service run without `User=` (systemd sets HOME only with one) or under
+                // `env -i`: its key in `/root/.abx/.env` was passed over without a word,
+                // and E1001 named `~/.abx/.env`. `HOME=/dev/null` says "no home" on purpose.
+                if inputs.env.get("HOME").is_none_or(|h| h.trim().is_empty()) {
+                    warnings.push(
+                        "~/.abx/.env and ~/.abx/config.toml are not read: HOME is not set \
+                         (set ABX_HOME to the directory that holds them)"
+                            .to_string(),
+                    );
+                }
+                Default::default()
+            }
         };
         let layers = RawLayers {
             flags: inputs.flags.clone(),
@@ -666,6 +678,9 @@ impl Resolved {
         };
         let region = get(Key::Region).to_string();
         values::check_region(&region)?;
+        if plugin.is_none() {
+            values::check_access_key_id(get(Key::AccessKeyId))?;
+        }
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
         // A key stops being sent 5 s before it expires, and its refresh needs time before
         // that: shorter values made every key unusable or left a gap at each refresh. The

@@ -144,14 +144,19 @@ impl ListenAddr {
             }
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
         }
-        if let Some(port) = raw.strip_prefix("localhost:") {
-            let port = self::port(port).ok_or_else(|| invalid(key, "bad port"))?;
-            return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
+        if let Some((host, port)) = raw.rsplit_once(':') {
+            if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case("localhost.") {
+                let port = self::port(port).ok_or_else(|| invalid(key, "bad port"))?;
+                return Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
+            }
         }
+        // Names are not looked up: which addresses one has is the resolver's, at each
+        // start, and a listener must be where the operator said.
         raw.parse::<SocketAddr>().map(ListenAddr::Tcp).map_err(|_| {
             invalid(
                 key,
-                "expected HOST:PORT (e.g. 127.0.0.1:49982) or unix:/path",
+                "expected ADDRESS:PORT with an IP address or localhost (e.g. 127.0.0.1:49982, \
+                 [::1]:49982; host names are not resolved) or unix:/path",
             )
         })
     }
@@ -221,6 +226,20 @@ pub(crate) fn check_region(region: &str) -> Result<(), Error> {
         Err(invalid(
             Key::Region,
             "expected a region id such as cn-hangzhou",
+        ))
+    }
+}
+
+/// An AccessKey ID is letters and digits (`LTAI…`, an STS one `STS.…`): a control
+/// character or a space pasted with one went into the signed call (in ACS3's
+/// `Authorization` field) and, by `config get`, to the terminal.
+pub(crate) fn check_access_key_id(id: &str) -> Result<(), Error> {
+    if id.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(())
+    } else {
+        Err(invalid(
+            Key::AccessKeyId,
+            "expected an AccessKey ID such as LTAI5t…: no spaces or control characters",
         ))
     }
 }
@@ -384,6 +403,16 @@ mod tests {
     /// The region goes into host names (`api.{region}.…`): nothing that would change
     /// which host that is, or make it no host at all.
     #[test]
+    fn access_key_ids_are_printable_and_unspaced() {
+        for ok in ["LTAI5tAbCdEf0123456789", "STS.NUabc-_x", ""] {
+            assert!(check_access_key_id(ok).is_ok(), "{ok}");
+        }
+        for bad in ["LTAI\u{1b}[31m", "LTAI 5t", "LTAI\n", "LTAIé"] {
+            assert!(check_access_key_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn regions_are_what_alibaba_names_them() {
         for ok in ["cn-hangzhou", "ap-southeast-1", "us-west-1"] {
             assert!(check_region(ok).is_ok(), "{ok}");
@@ -510,10 +539,20 @@ mod tests {
             ListenAddr::parse(Key::Listen, "unix:/tmp/x.sock").unwrap(),
             ListenAddr::Unix("/tmp/x.sock".into())
         );
-        assert_eq!(
-            ListenAddr::parse(Key::Listen, "localhost:8080").unwrap(),
-            ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8080)))
-        );
+        for local in ["localhost:8080", "LocalHost:8080", "localhost.:8080"] {
+            assert_eq!(
+                ListenAddr::parse(Key::Listen, local).unwrap(),
+                ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8080))),
+                "{local}"
+            );
+        }
+        // A name is not looked up: said so, where "expected HOST:PORT" read as a riddle.
+        let Err(Error::InvalidSetting { reason, .. }) =
+            ListenAddr::parse(Key::Listen, "myhost.local:8080")
+        else {
+            panic!("a host name taken")
+        };
+        assert!(reason.contains("host names are not resolved"), "{reason}");
         // What `serve` could never bind, refused where `check` sees it too.
         for bad in [
             "unix:/tmp/a\0b",
