@@ -460,9 +460,11 @@ impl SettingsArgs {
     /// `--provider-option FIELD=VALUE` pairs.
     /// One without `=` is a bad command line (E8004, exit 2); it is not quoted back, as it
     /// may be a value typed in the wrong place. A blank one is skipped, as a blank value of
-    /// any flag is (SPEC §2; `--provider-option "$UNSET"` in a unit file).
+    /// any flag is (SPEC §2; `--provider-option "$UNSET"` in a unit file). A field given
+    /// twice is refused, as any flag given twice is: the last one won without a word.
     pub fn provider_options(&self) -> Result<Vec<(String, String)>, Error> {
-        self.provider_option
+        let options: Vec<(String, String)> = self
+            .provider_option
             .iter()
             .enumerate()
             .filter(|(_, o)| !o.0.trim().is_empty())
@@ -479,7 +481,16 @@ impl SettingsArgs {
                     Some((k, v)) => Ok((k.trim().to_string(), v.to_string())),
                 }
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        for (i, (field, _)) in options.iter().enumerate() {
+            if options[..i].iter().any(|(f, _)| f == field) {
+                return Err(Error::ProviderOption {
+                    field: field.clone(),
+                    reason: "given more than once".into(),
+                });
+            }
+        }
+        Ok(options)
     }
 }
 
@@ -695,6 +706,18 @@ mod tests {
         assert_eq!(options, [("region".to_string(), "eu".to_string())]);
         let e = parse(&["--provider-option", "", "--provider-option", "oops"]).expect_err("no '='");
         assert!(e.to_string().contains("#2"), "{e}");
+        let e = parse(&[
+            "--provider-option",
+            "region=eu",
+            "--provider-option",
+            " region=us",
+        ])
+        .expect_err("a field twice");
+        assert!(
+            e.to_string()
+                .contains("--provider-option region: given more than once"),
+            "{e}"
+        );
         let e = parse(&["--provider-option", " =x"]).expect_err("no field");
         assert!(
             e.to_string()
