@@ -59,13 +59,27 @@ pub fn plan(running: &Settings, next: &Settings, changed: &[String]) -> Plan {
     }
     let restart = changed
         .iter()
-        .filter(|k| !is_credential(next, k))
+        .filter(|k| !is_credential(next, k) && !same_in_use(running, next, k))
         .cloned()
         .collect();
     if running.credential == next.credential {
         Plan::Keep { restart }
     } else {
         Plan::Swap { restart }
+    }
+}
+
+/// A key whose text changed and whose value as the proxy uses it did not: a URL respelt
+/// (`http://h:1/`, `HTTP://h:1`), an address written anew. A restart would change
+/// nothing, and "applies at the next restart" said one was owed.
+fn same_in_use(running: &Settings, next: &Settings, key: &str) -> bool {
+    match key {
+        "sandbox_base_url" => running.sandbox_base_url == next.sandbox_base_url,
+        "sandbox_url" => running.sandbox_url == next.sandbox_url,
+        "token_exchange_url" => running.token_exchange_url == next.token_exchange_url,
+        "listen" => running.listen == next.listen,
+        "admin_listen" => running.admin_listen == next.admin_listen,
+        _ => false,
     }
 }
 
@@ -924,6 +938,28 @@ mod tests {
             plan(&a, &c, &names(&["sandbox_api_key", "listen"])),
             Plan::Swap {
                 restart: names(&["listen"])
+            }
+        );
+    }
+
+    /// A URL or address respelt is the same as the proxy uses it: no restart is owed.
+    #[test]
+    fn a_respelt_url_owes_no_restart() {
+        let a = settings(&[
+            (Key::SandboxApiKey, "sk-one"),
+            (Key::SandboxBaseUrl, "http://127.0.0.1:22001"),
+            (Key::Listen, "127.0.0.1:1"),
+        ]);
+        let b = settings(&[
+            (Key::SandboxApiKey, "sk-one"),
+            (Key::SandboxBaseUrl, "HTTP://127.0.0.1:22001/"),
+            (Key::Listen, "localhost:1"),
+            (Key::TokenTtl, "600"),
+        ]);
+        assert_eq!(
+            plan(&a, &b, &names(&["sandbox_base_url", "listen", "token_ttl"])),
+            Plan::Keep {
+                restart: names(&["token_ttl"])
             }
         );
     }
