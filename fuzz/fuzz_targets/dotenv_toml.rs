@@ -133,10 +133,18 @@ fn config(text: &str) {
             let reason = msg
                 .strip_prefix("cannot read ~/.abx/config.toml (fuzz/config.toml): ")
                 .unwrap_or_else(|| panic!("unexpected error shape: {msg:?}"));
+            // The parser's message after the place: what is wrong, never what the line
+            // held (a name it quotes is `…`; its own tokens are a character or two).
+            let (place, said) = reason.split_once(": ").unwrap_or((reason, ""));
             assert!(
-                reason == "invalid TOML"
-                    || common::is_numbered(reason, "invalid TOML at line ", ""),
+                place == "invalid TOML" || common::is_numbered(place, "invalid TOML at line ", ""),
                 "unexpected config.toml error reason: {reason:?}"
+            );
+            let quoted_ok = (said.split('`').skip(1).step_by(2))
+                .all(|q| q == "…" || q.chars().count() <= 2);
+            assert!(
+                quoted_ok && common::key_like_runs(said.as_bytes(), 16).is_empty(),
+                "config.toml error quotes the file: {reason:?}"
             );
         }
         Ok(map) => {

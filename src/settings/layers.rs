@@ -669,6 +669,26 @@ pub fn read_config_toml(
     parse_config_toml_str(&text, path, warnings)
 }
 
+/// A TOML parser's message without what it quotes of the file: the names it puts in
+/// backticks (`duplicate key `region``) may be anything a line held, a secret pasted as a
+/// key among them. Its own tokens (`expected `"`, `'``) are a character or two.
+fn toml_said(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for (i, part) in message.split('`').enumerate() {
+        let quoted = i % 2 == 1;
+        match quoted {
+            true if part.chars().count() > 2 => out.push_str("`…`"),
+            true => {
+                out.push('`');
+                out.push_str(part);
+                out.push('`');
+            }
+            false => out.push_str(&part.replace('\n', "; ")),
+        }
+    }
+    out
+}
+
 /// [`read_config_toml`] on text already in memory; `path` only labels errors and warnings.
 pub fn parse_config_toml_str(
     text: &str,
@@ -678,12 +698,14 @@ pub fn parse_config_toml_str(
     let mut out = HashMap::new();
     let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::ReadFile {
         path: config_label(path),
-        // The parser's message quotes the offending line, which could be a secret.
+        // The parser's `Display` quotes the offending line, which could be a secret: its
+        // message alone, which says what is wrong ("duplicate key", "invalid string").
         reason: format!(
-            "invalid TOML{}",
+            "invalid TOML{}: {}",
             e.span()
                 .map(|s| format!(" at line {}", line_of(text, s.start)))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            toml_said(e.message())
         ),
     })?;
     // Top-level keys first, so that a key's own table, read after, wins whatever the
@@ -1041,6 +1063,32 @@ mod tests {
             .map(|w| w.split(" skipped").next().unwrap_or_default())
             .collect();
         assert_eq!(lines, ["./.env: line 1", "./.env: line 2"]);
+    }
+
+    /// A TOML error says what is wrong and where, and nothing of what the line held:
+    /// "invalid TOML at line 3" alone left a duplicate key to be guessed.
+    #[test]
+    fn toml_errors_say_what_is_wrong_without_the_line() {
+        for (text, said) in [
+            (
+                "[transport]\nregion = \"a\"\nregion = \"b\"\n",
+                "invalid TOML at line 3: duplicate key `…` in table `…`",
+            ),
+            (
+                "sandbox_api_key = sk-SECRET123\n",
+                "invalid TOML at line 1: invalid string; expected `\"`, `'`",
+            ),
+            (
+                "\"sk-SECRET123\" = 1\n\"sk-SECRET123\" = 2\n",
+                "invalid TOML at line 2: duplicate key `…` in document root",
+            ),
+        ] {
+            let e = parse_config_toml_str(text, Path::new("c.toml"), &mut Vec::new());
+            let Err(Error::ReadFile { reason, .. }) = e else {
+                panic!("{text:?}: {e:?}")
+            };
+            assert_eq!(reason, said, "{text:?}");
+        }
     }
 
     /// A key no bare TOML key spells is quoted where a warning names it.
