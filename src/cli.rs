@@ -364,9 +364,23 @@ fn allowed_host(raw: &str) -> Result<String, String> {
     if name.contains('*') {
         return Err("a host name, not a pattern: give each name its own --allowed-host".into());
     }
-    // The Host check refuses a Host that is no `host[:port]`: such a name matches none.
-    if !name.is_empty() && crate::proxy::route::host_of(name) != Some(name) {
-        return Err("a host name or address (letters, digits, `-` and `.`)".into());
+    if name.contains(',') {
+        return Err("one host name: give each its own --allowed-host".into());
+    }
+    // Names as DNS and the SDKs' Hosts spell them (an IDN as its `xn--` form; `_`, as
+    // Docker's service names have it); a `.`-only or empty label matches no Host, and a
+    // value that stripped to nothing would have turned the check off.
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if !raw.trim().is_empty() && !name.split('.').all(label_ok) {
+        return Err(
+            "a host name (letters, digits, `-`, `_`, labels between dots; an IDN in its \
+             xn-- form) or an IP address (IPv6 in brackets, without a zone)"
+                .into(),
+        );
     }
     Ok(name.to_string())
 }
@@ -563,14 +577,24 @@ mod tests {
             ("[::ffff:10.0.0.7]", "10.0.0.7"),
             ("[2001:DB8::5]", "[2001:db8::5]"),
             ("my_service", "my_service"),
+            ("xn--bcher-kva.example", "xn--bcher-kva.example"),
+            ("10.0.0.7.", "10.0.0.7"),
             (" ", ""),
         ] {
             assert_eq!(allowed_host(raw).as_deref(), Ok(kept), "{raw}");
         }
         for (raw, said) in [
             ("*.example.com", "not a pattern"),
+            ("a.example,b.example", "give each its own"),
             ("bad/host", "letters, digits"),
             ("a b", "letters, digits"),
+            ("a;b", "letters, digits"),
+            ("host'x", "letters, digits"),
+            ("a%20b", "letters, digits"),
+            ("bücher.example", "xn--"),
+            ("[fe80::1%eth0]", "without a zone"),
+            (".", "letters, digits"),
+            ("a..b", "letters, digits"),
             ("proxy.internal:8443", "without a port"),
         ] {
             let e = allowed_host(raw).expect_err(raw);

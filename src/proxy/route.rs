@@ -523,7 +523,7 @@ fn sandbox_host(host: &str) -> Result<Option<(u16, &str)>, Error> {
 /// characters (or an IP literal in brackets) and, after one `:`, digits only. By form, not
 /// only by characters: `x:1:49983-isb-a.localhost` and `[::1]junk` left a name that
 /// `strip_port` read otherwise.
-pub(crate) fn host_of(authority: &str) -> Option<&str> {
+fn host_of(authority: &str) -> Option<&str> {
     const SUB_DELIMS: &[u8] = b"-._~!$&'()*+,;=%";
     let host_char = |b: u8| b.is_ascii_alphanumeric() || SUB_DELIMS.contains(&b);
     let (host, host_ok, port) = match authority.strip_prefix('[') {
