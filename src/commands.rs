@@ -229,8 +229,10 @@ pub fn config_get(args: &SettingsArgs, key: &str) -> Result<i32, Error> {
     let rows = rows(&resolved);
     match rows.iter().find(|r| r.key == key) {
         Some(row) => {
+            // Escaped as `config list` shows it: a value a terminal acts on (an ESC pasted
+            // with an AccessKey ID) is said by its warning, not run.
             if let Some(v) = &row.value {
-                outln!("{v}");
+                outln!("{}", printable(v));
             }
             Ok(0)
         }

@@ -336,9 +336,11 @@ impl Resolved {
                 // A service run without `User=` (systemd sets HOME only with one) or under
                 // `env -i`: its key in `/root/.abx/.env` was passed over without a word,
                 // and E1001 named `~/.abx/.env`. `HOME=/dev/null` says "no home" on purpose.
-                if inputs.env.get("HOME").is_none_or(|h| h.trim().is_empty()) {
+                let home_unset = inputs.env.get("HOME").is_none_or(|h| h.trim().is_empty())
+                    && !inputs.env_not_unicode.contains("HOME");
+                if home_unset {
                     warnings.push(
-                        "~/.abx/.env and ~/.abx/config.toml are not read: HOME is not set \
+                        "~/.abx/.env and ~/.abx/config.toml are not read: HOME is unset or blank \
                          (set ABX_HOME to the directory that holds them)"
                             .to_string(),
                     );
@@ -678,9 +680,6 @@ impl Resolved {
         };
         let region = get(Key::Region).to_string();
         values::check_region(&region)?;
-        if plugin.is_none() {
-            values::check_access_key_id(get(Key::AccessKeyId))?;
-        }
         let token_ttl = values::seconds(Key::TokenTtl, get(Key::TokenTtl))?;
         // A key stops being sent 5 s before it expires, and its refresh needs time before
         // that: shorter values made every key unusable or left a gap at each refresh. The
@@ -786,8 +785,14 @@ impl Resolved {
                     .cloned()
                     .ok_or(Error::MissingCredential)?,
             ),
+            // Only the pair in use: an ID beside the key that is used (warned about) must
+            // not stop a start or a key's reload.
             CredentialKind::AccessKey => Credential::AccessKey {
-                id: self.plain(Key::AccessKeyId).unwrap_or_default().to_string(),
+                id: {
+                    let id = self.plain(Key::AccessKeyId).unwrap_or_default();
+                    values::check_access_key_id(id)?;
+                    id.to_string()
+                },
                 secret: self
                     .secret(Key::AccessKeySecret)
                     .cloned()
