@@ -79,6 +79,10 @@ fn same_in_use(running: &Settings, next: &Settings, key: &str) -> bool {
         "token_exchange_url" => running.token_exchange_url == next.token_exchange_url,
         "listen" => running.listen == next.listen,
         "admin_listen" => running.admin_listen == next.admin_listen,
+        // A plugin provider's own fields land in the same settings (see
+        // `destination_changes`).
+        k if k.ends_with(".base_url") => running.sandbox_base_url == next.sandbox_base_url,
+        k if k.ends_with(".envd_domain") => running.sandbox_domain == next.sandbox_domain,
         _ => false,
     }
 }
@@ -962,6 +966,16 @@ mod tests {
                 restart: names(&["token_ttl"])
             }
         );
+        // A plugin provider's fields are its settings' URL and domain.
+        assert!(same_in_use(&a, &b, "myco.base_url"));
+        let moved = settings(&[
+            (Key::SandboxApiKey, "sk-one"),
+            (Key::SandboxBaseUrl, "http://127.0.0.1:22002"),
+            (Key::SandboxDomain, "other.example"),
+        ]);
+        assert!(!same_in_use(&a, &moved, "myco.base_url"));
+        assert!(!same_in_use(&a, &moved, "myco.envd_domain"));
+        assert!(same_in_use(&a, &b, "myco.envd_domain"));
     }
 
     #[test]
