@@ -671,13 +671,28 @@ pub fn read_config_toml(
 
 /// A TOML parser's message without what it quotes of the file: the names it puts in
 /// backticks (`duplicate key `region``) may be anything a line held, a secret pasted as a
-/// key among them. Its own tokens (`expected `"`, `'``) are a character or two.
+/// key among them, backticks too. Its own tokens (`expected `"`, `'``) are kept; from the
+/// first other quoted piece to the last backtick, all is `…` (a name holding a backtick
+/// would shift any count of them).
 fn toml_said(message: &str) -> String {
+    const TOKENS: &[&str] = &[
+        "\"", "'", ".", "=", "]", "]]", "}", "#", ",", "[", "{", "\\", "b", "f", "n", "r", "t",
+        "u", "U", "e", "E", "x", "o", "+", "-", "_", ":", "Z", "T",
+    ];
     let mut out = String::with_capacity(message.len());
+    let pieces = message.split('`').count();
     for (i, part) in message.split('`').enumerate() {
-        let quoted = i % 2 == 1;
-        match quoted {
-            true if part.chars().count() > 2 => out.push_str("`…`"),
+        match i % 2 == 1 {
+            true if !TOKENS.contains(&part) => {
+                out.push_str("`…`");
+                // After the last backtick the text is the parser's own again (unless this
+                // piece is the last: a name never closed).
+                if i + 1 < pieces {
+                    let tail = message.rsplit('`').next().unwrap_or_default();
+                    out.push_str(&tail.replace('\n', "; "));
+                }
+                return out;
+            }
             true => {
                 out.push('`');
                 out.push_str(part);
@@ -1072,7 +1087,7 @@ mod tests {
         for (text, said) in [
             (
                 "[transport]\nregion = \"a\"\nregion = \"b\"\n",
-                "invalid TOML at line 3: duplicate key `…` in table `…`",
+                "invalid TOML at line 3: duplicate key `…`",
             ),
             (
                 "sandbox_api_key = sk-SECRET123\n",
@@ -1081,6 +1096,19 @@ mod tests {
             (
                 "\"sk-SECRET123\" = 1\n\"sk-SECRET123\" = 2\n",
                 "invalid TOML at line 2: duplicate key `…` in document root",
+            ),
+            // A backtick in the name shifted which pieces were taken for names.
+            (
+                "\"`LTAI5tSECRET`\" = 1\n\"`LTAI5tSECRET`\" = 2\n",
+                "invalid TOML at line 2: duplicate key `…` in document root",
+            ),
+            (
+                "\"sk-AAAA`BBBBSECRET\" = 1\n\"sk-AAAA`BBBBSECRET\" = 2\n",
+                "invalid TOML at line 2: duplicate key `…` in document root",
+            ),
+            (
+                "[\"`SECRETTABLE`\"]\nx = 1\nx = 2\n",
+                "invalid TOML at line 3: duplicate key `x` in table `…`",
             ),
         ] {
             let e = parse_config_toml_str(text, Path::new("c.toml"), &mut Vec::new());
