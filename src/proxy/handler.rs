@@ -85,22 +85,28 @@ impl Proxy {
         let repeatable = method.is_idempotent()
             || parts.headers.contains_key(IDEMPOTENCY_KEY)
             || harmless_to_repeat(uri.path());
+        // Before the future exists: hyper drops a future it never polled (its HTTP/1
+        // dispatcher reads the client's FIN right behind the head and closes first).
+        let mut unanswered = Unanswered {
+            proxy: self,
+            method,
+            uri,
+            plane: Plane::Api,
+            start,
+            // Answered with its 431 and its own line (`head_refused`).
+            answered: oversized,
+        };
         async move {
+            // A borrow of the one field: `unanswered` is still marked as the work goes.
+            let this = &unanswered.proxy;
             if oversized {
                 let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                self.head_refused(status, start.elapsed());
+                this.head_refused(status, start.elapsed());
                 let mut too_large = Response::new(body::empty());
                 *too_large.status_mut() = status;
                 return Ok(too_large);
             }
-            let mut unanswered = Unanswered {
-                proxy: &self,
-                method: &method,
-                path: logged_target(&uri),
-                plane: Plane::Api,
-                start,
-            };
-            let (plane, result) = match self.route_of(&mut parts) {
+            let (plane, result) = match this.route_of(&mut parts) {
                 Err((plane, refused)) => {
                     unanswered.plane = plane;
                     (plane, Err(refused))
@@ -108,14 +114,14 @@ impl Proxy {
                 Ok(route) => {
                     let plane = route.plane();
                     unanswered.plane = plane;
-                    let in_flight = GaugeGuard::new(self.metrics.in_flight_for(plane));
+                    let in_flight = GaugeGuard::new(this.metrics.in_flight_for(plane));
                     let result = match route {
-                        Route::Api => self.api(parts, body, upgrade).await,
+                        Route::Api => this.api(parts, body, upgrade).await,
                         // Boxed: with its token look-up and 401 replay the envd plane's
                         // state is several times the control plane's, and would size
                         // every request.
                         Route::Envd { sandbox_id, port } => {
-                            Box::pin(self.envd(parts, body, &sandbox_id, port, upgrade)).await
+                            Box::pin(this.envd(parts, body, &sandbox_id, port, upgrade)).await
                         }
                     };
                     drop(in_flight);
@@ -141,18 +147,19 @@ impl Proxy {
                 }
                 Err(f) => {
                     let code = f.error.code();
-                    let (resp, host) = self.failure_answer(plane, f, repeatable);
+                    let (resp, host) = this.failure_answer(plane, f, repeatable);
                     (resp, host, Some(code))
                 }
             };
-            std::mem::forget(unanswered);
+            unanswered.answered = true;
             let elapsed = start.elapsed();
             let status = resp.status().as_u16();
-            self.metrics.request_done(plane, &method, status, elapsed);
+            let method = &unanswered.method;
+            this.metrics.request_done(plane, method, status, elapsed);
             // Never the query string: signed file URLs carry secrets there.
-            let path = logged_target(&uri);
+            let path = logged_target(&unanswered.uri);
             let (label, upstream) = (plane.label(), &upstream);
-            crate::logging::access(&method, path, label, status, elapsed, upstream, error);
+            crate::logging::access(method, path, label, status, elapsed, upstream, error);
             Ok(resp)
         }
     }
@@ -358,33 +365,44 @@ struct DeletedSandbox;
 #[derive(Clone, Copy)]
 pub(super) struct GaveUp;
 
-/// A request dropped before its answer (the client hung up, or the connection was cut):
-/// counted and logged as 499, nginx's "client closed request", so that every request the
-/// proxy began has its access line and its count. Forgotten once the answer is there.
-struct Unanswered<'a> {
-    proxy: &'a Proxy,
-    method: &'a Method,
-    path: &'a str,
+/// A request dropped before its answer (the client hung up, or the connection was cut,
+/// even before the handler's future was first polled): counted and logged as 499, nginx's
+/// "client closed request", so that every request the proxy began has its access line
+/// and its count. Marked `answered` once the answer is there. It holds what the handler
+/// works with (the proxy, the method, the target), so that it exists before the future.
+struct Unanswered {
+    proxy: Arc<Proxy>,
+    method: Method,
+    uri: http::Uri,
     plane: Plane,
     start: Instant,
+    answered: bool,
 }
 
-impl Drop for Unanswered<'_> {
+impl Unanswered {
     #[cold]
-    fn drop(&mut self) {
+    fn client_closed(&self) {
         const CLIENT_CLOSED: u16 = 499;
         let elapsed = self.start.elapsed();
         let metrics = &self.proxy.metrics;
-        metrics.request_done(self.plane, self.method, CLIENT_CLOSED, elapsed);
+        metrics.request_done(self.plane, &self.method, CLIENT_CLOSED, elapsed);
         crate::logging::access(
-            self.method,
-            self.path,
+            &self.method,
+            logged_target(&self.uri),
             self.plane.label(),
             CLIENT_CLOSED,
             elapsed,
             "",
             None,
         );
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.client_closed();
+        }
     }
 }
 
