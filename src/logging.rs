@@ -295,11 +295,11 @@ fn shown_as_is(path: &str) -> bool {
     path.bytes().all(|b| b.is_ascii() && !needs_percent(b))
 }
 
-/// ASCII bytes httparse takes in a target that RFC 3986 does not: unquoted in a text line,
-/// a `"` or `\` makes logfmt readers (Loki's, go-logfmt) refuse the line, and with it its
-/// status and upstream.
+/// ASCII bytes that, unquoted in a text line, make logfmt readers (Loki's, go-logfmt)
+/// refuse the line, and with it its status and upstream: a `"` or `\` (httparse takes
+/// them in a target, RFC 3986 does not) and a `=` (a sub-delimiter paths may hold).
 fn needs_percent(b: u8) -> bool {
-    matches!(b, b'"' | b'\\')
+    matches!(b, b'"' | b'\\' | b'=')
 }
 
 /// A path's non-ASCII bytes, and those of [`needs_percent`], percent-encoded, as a client
