@@ -140,11 +140,21 @@ fn config(text: &str) {
                 place == "invalid TOML" || common::is_numbered(place, "invalid TOML at line ", ""),
                 "unexpected config.toml error reason: {reason:?}"
             );
-            // Spans that are no token of the parser's (an empty one: a name that held a
-            // backtick) are shown as `…`, once: anything else quoted is a token.
-            let tokens = said.replacen("`…`", "", 1);
-            let quoted_ok = (tokens.split('`').skip(1).step_by(2))
-                .all(|q| (1..=2).contains(&q.chars().count()));
+            // The parser's words, its "expected" lists of one- or two-character tokens,
+            // or its first words and `…` for a name: nothing quoted from the file.
+            let token = |i: &str| {
+                let inner = i.strip_prefix('`').and_then(|i| i.strip_suffix('`'));
+                inner.is_some_and(|t| (1..=2).contains(&t.chars().count()))
+            };
+            let quoted_ok = match said.strip_suffix("`…`") {
+                Some(words) => !words.contains('`'),
+                None => said.split("; ").all(|line| {
+                    !line.contains('`')
+                        || line.strip_prefix("expected ").is_some_and(|list| {
+                            list.split(", ").all(|i| !i.contains('`') || token(i))
+                        })
+                }),
+            };
             assert!(
                 quoted_ok && common::key_like_runs(said.as_bytes(), 16).is_empty(),
                 "config.toml error quotes the file: {reason:?}"

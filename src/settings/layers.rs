@@ -669,39 +669,32 @@ pub fn read_config_toml(
     parse_config_toml_str(&text, path, warnings)
 }
 
-/// A TOML parser's message without what it quotes of the file: the names it puts in
-/// backticks (`duplicate key `region``) may be anything a line held, a secret pasted as a
-/// key among them, backticks too. Its own tokens (`expected `"`, `'``) are kept; from the
-/// first other quoted piece to the last backtick, all is `…` (a name holding a backtick
-/// would shift any count of them).
+/// A TOML parser's message without what it quotes of the file. Its own lines are kept
+/// when they quote nothing or are an "expected" list of its tokens (`expected `"`, `'``);
+/// any other quotes a name, which may be anything a line held (a secret pasted as a key;
+/// backticks and newlines in it shift any count of them): the message is then its first
+/// line's words up to the quote, and `…`.
 fn toml_said(message: &str) -> String {
     const TOKENS: &[&str] = &[
         "\"", "'", ".", "=", "]", "]]", "}", "#", ",", "[", "{", "\\", "b", "f", "n", "r", "t",
         "u", "U", "e", "E", "x", "o", "+", "-", "_", ":", "Z", "T",
     ];
-    let mut out = String::with_capacity(message.len());
-    let pieces = message.split('`').count();
-    for (i, part) in message.split('`').enumerate() {
-        match i % 2 == 1 {
-            true if !TOKENS.contains(&part) => {
-                out.push_str("`…`");
-                // After the last backtick the text is the parser's own again (unless this
-                // piece is the last: a name never closed).
-                if i + 1 < pieces {
-                    let tail = message.rsplit('`').next().unwrap_or_default();
-                    out.push_str(&tail.replace('\n', "; "));
-                }
-                return out;
-            }
-            true => {
-                out.push('`');
-                out.push_str(part);
-                out.push('`');
-            }
-            false => out.push_str(&part.replace('\n', "; ")),
-        }
+    let item_ok = |item: &str| match item.strip_prefix('`').and_then(|i| i.strip_suffix('`')) {
+        Some(token) => TOKENS.contains(&token),
+        None => item.bytes().all(|b| b.is_ascii_lowercase() || b == b' '),
+    };
+    let line_ok = |line: &str| {
+        !line.contains('`')
+            || line
+                .strip_prefix("expected ")
+                .is_some_and(|list| list.split(", ").all(item_ok))
+    };
+    if message.lines().all(line_ok) {
+        return message.lines().collect::<Vec<_>>().join("; ");
     }
-    out
+    let first = message.lines().next().unwrap_or_default();
+    let words = first.split('`').next().unwrap_or_default();
+    format!("{words}`…`")
 }
 
 /// [`read_config_toml`] on text already in memory; `path` only labels errors and warnings.
@@ -1095,21 +1088,45 @@ mod tests {
             ),
             (
                 "\"sk-SECRET123\" = 1\n\"sk-SECRET123\" = 2\n",
-                "invalid TOML at line 2: duplicate key `…` in document root",
+                "invalid TOML at line 2: duplicate key `…`",
             ),
             // A backtick in the name shifted which pieces were taken for names.
             (
                 "\"`LTAI5tSECRET`\" = 1\n\"`LTAI5tSECRET`\" = 2\n",
-                "invalid TOML at line 2: duplicate key `…` in document root",
+                "invalid TOML at line 2: duplicate key `…`",
             ),
             (
                 "\"sk-AAAA`BBBBSECRET\" = 1\n\"sk-AAAA`BBBBSECRET\" = 2\n",
-                "invalid TOML at line 2: duplicate key `…` in document root",
+                "invalid TOML at line 2: duplicate key `…`",
             ),
             (
                 "[\"`SECRETTABLE`\"]\nx = 1\nx = 2\n",
-                "invalid TOML at line 3: duplicate key `x` in table `…`",
+                "invalid TOML at line 3: duplicate key `…`",
             ),
+            // A token's letter first, then the name: it passed for the parser's text.
+            (
+                "\"b`sk-live-9f8e7d6c5b4a3210\" = 1\n\"b`sk-live-9f8e7d6c5b4a3210\" = 2\n",
+                "invalid TOML at line 2: duplicate key `…`",
+            ),
+            (
+                "\"x`SECRETDOTTED\".y = 1\n\"x`SECRETDOTTED\".y.z = 2\n",
+                "invalid TOML at line 2: dotted key `…`",
+            ),
+            // A newline in the name, to forge an "expected" line.
+            (
+                "\"a\\nexpected `b`, secretword\" = 1\n\"a\\nexpected `b`, secretword\" = 2\n",
+                "invalid TOML at line 2: duplicate key `…`",
+            ),
+            (
+                "x = \"sk-SEC\\qRET\"\n",
+                "invalid TOML at line 1: invalid escape sequence; expected `b`, `f`, `n`, `r`, \
+                 `t`, `u`, `U`, `\\`, `\"`",
+            ),
+            (
+                "x = [1, sk-SECRET]\n",
+                "invalid TOML at line 1: invalid array; expected `]`",
+            ),
+            ("x = 1 2\n", "invalid TOML at line 1: expected newline, `#`"),
         ] {
             let e = parse_config_toml_str(text, Path::new("c.toml"), &mut Vec::new());
             let Err(Error::ReadFile { reason, .. }) = e else {
