@@ -146,15 +146,20 @@ fn config(text: &str) {
                 let inner = i.strip_prefix('`').and_then(|i| i.strip_suffix('`'));
                 inner.is_some_and(|t| (1..=2).contains(&t.chars().count()))
             };
-            let quoted_ok = match said.strip_suffix("`…`") {
-                Some(words) => !words.contains('`'),
-                None => said.split("; ").all(|line| {
-                    !line.contains('`')
-                        || line.strip_prefix("expected ").is_some_and(|list| {
-                            list.split(", ").all(|i| !i.contains('`') || token(i))
-                        })
-                }),
+            let line_ok = |line: &str| {
+                !line.contains('`')
+                    || line.strip_prefix("expected ").is_some_and(|list| {
+                        list.split(", ").all(|i| !i.contains('`') || token(i))
+                    })
             };
+            let (kept, cut) = match said.strip_suffix("`…`") {
+                Some(kept) => (kept, true),
+                None => (said, false),
+            };
+            let lines: Vec<&str> = kept.split("; ").collect();
+            let (last, before) = lines.split_last().unwrap_or((&"", &[]));
+            let quoted_ok =
+                before.iter().all(|l| line_ok(l)) && if cut { !last.contains('`') } else { line_ok(last) };
             assert!(
                 quoted_ok && common::key_like_runs(said.as_bytes(), 16).is_empty(),
                 "config.toml error quotes the file: {reason:?}"

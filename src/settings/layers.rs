@@ -672,8 +672,8 @@ pub fn read_config_toml(
 /// A TOML parser's message without what it quotes of the file. Its own lines are kept
 /// when they quote nothing or are an "expected" list of its tokens (`expected `"`, `'``);
 /// any other quotes a name, which may be anything a line held (a secret pasted as a key;
-/// backticks and newlines in it shift any count of them): the message is then its first
-/// line's words up to the quote, and `…`.
+/// backticks and newlines in it shift any count of them): that line is cut at the quote,
+/// `…` put for the rest, and the message ends there.
 fn toml_said(message: &str) -> String {
     const TOKENS: &[&str] = &[
         "\"", "'", ".", "=", "]", "]]", "}", "#", ",", "[", "{", "\\", "b", "f", "n", "r", "t",
@@ -689,12 +689,19 @@ fn toml_said(message: &str) -> String {
                 .strip_prefix("expected ")
                 .is_some_and(|list| list.split(", ").all(item_ok))
     };
-    if message.lines().all(line_ok) {
-        return message.lines().collect::<Vec<_>>().join("; ");
+    // The lines before the first that quotes a name, and that one's words; none after it
+    // (a newline in the name would make its rest a line of its own).
+    let mut said = Vec::new();
+    for line in message.lines() {
+        if line_ok(line) {
+            said.push(line.to_string());
+        } else {
+            let words = line.split('`').next().unwrap_or_default();
+            said.push(format!("{words}`…`"));
+            break;
+        }
     }
-    let first = message.lines().next().unwrap_or_default();
-    let words = first.split('`').next().unwrap_or_default();
-    format!("{words}`…`")
+    said.join("; ")
 }
 
 /// [`read_config_toml`] on text already in memory; `path` only labels errors and warnings.
@@ -1127,6 +1134,15 @@ mod tests {
                 "invalid TOML at line 1: invalid array; expected `]`",
             ),
             ("x = 1 2\n", "invalid TOML at line 1: expected newline, `#`"),
+            // A name on the parser's second line: its first kept.
+            (
+                "[tbl]\nx = 1\n[tbl]\n",
+                "invalid TOML at line 3: invalid table header; duplicate key `…`",
+            ),
+            (
+                "[\"a\\nsecretword\"]\n[\"a\\nsecretword\"]\n",
+                "invalid TOML at line 2: invalid table header; duplicate key `…`",
+            ),
         ] {
             let e = parse_config_toml_str(text, Path::new("c.toml"), &mut Vec::new());
             let Err(Error::ReadFile { reason, .. }) = e else {
