@@ -5554,7 +5554,8 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
 
 /// A client that sends its request and closes its side at once (`nc -N`, a script's
 /// `shutdown`) still has the request counted and logged: as 499 when it waits for the
-/// upstream, as the proxy's own answer when that is at hand. The fast path once lost the
+/// upstream, as the proxy's own answer when that is at hand on the fast path (hyper's drops
+/// such a request unanswered as often as not: a 499 then). The fast path once lost the
 /// handler, never polled, to the client's end one time in two; hyper's (HTTP/1.0 here, and
 /// TLS) nearly always, its dispatcher reading the FIN behind the head and closing first:
 /// sixteen of each kind.
