@@ -785,8 +785,8 @@ impl Resolved {
                     .cloned()
                     .ok_or(Error::MissingCredential)?,
             ),
-            // Only the pair in use: an ID beside the key that is used (warned about) must
-            // not stop a start or a key's reload.
+            // Only the pair in use: an ID beside the key that is used (its pair unused)
+            // must not stop a start or a key's reload.
             CredentialKind::AccessKey => Credential::AccessKey {
                 id: {
                     let id = self.plain(Key::AccessKeyId).unwrap_or_default();
