@@ -264,18 +264,9 @@ const MANAGED: [&str; 8] = [
 /// (`lang_version`, `sdk_runtime`) and an app's.
 #[cold]
 fn drop_underscored_spellings(headers: &mut HeaderMap) {
-    let dropped: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| {
-            MANAGED
-                .iter()
-                .any(|m| underscored_spelling(name.as_str(), m))
-        })
-        .cloned()
-        .collect();
-    for name in dropped {
-        headers.remove(&name);
-    }
+    drop_names(headers, |name| {
+        MANAGED.iter().any(|m| underscored_spelling(name, m))
+    });
 }
 
 /// A plugin's own header, spelt with `_` for some of its `-` (as the fixed fields in
@@ -285,13 +276,17 @@ fn drop_underscored_spellings_of(headers: &mut HeaderMap, name: &HeaderName) {
     if !name.contains('-') {
         return;
     }
-    let dropped: Vec<HeaderName> = headers
-        .keys()
-        .filter(|spelt| underscored_spelling(spelt.as_str(), name))
+    drop_names(headers, |spelt| underscored_spelling(spelt, name));
+}
+
+/// Removes every field whose name `named` picks (all its values).
+fn drop_names(headers: &mut HeaderMap, named: impl Fn(&str) -> bool) {
+    let dropped: Vec<HeaderName> = (headers.keys())
+        .filter(|name| named(name.as_str()))
         .cloned()
         .collect();
-    for spelt in dropped {
-        headers.remove(&spelt);
+    for name in dropped {
+        headers.remove(&name);
     }
 }
 
