@@ -940,7 +940,6 @@ async fn an_http2_client_that_stopped_reading_is_cut_at_the_idle_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_answer_its_client_takes_nothing_of_is_given_up_at_the_idle_timeout() {
     const PING: u8 = 0x6;
-    const WINDOW_UPDATE: u8 = 0x8;
     let pki = Pki::new();
     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\n\r\n".to_vec();
     answer.extend(vec![b'x'; 256 * 1024]);
@@ -1963,10 +1962,12 @@ struct RawH2Upstream {
 /// HTTP/2 frame types and flags (RFC 9113 §6).
 const DATA: u8 = 0x0;
 const HEADERS: u8 = 0x1;
+const PRIORITY: u8 = 0x2;
 const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
+const WINDOW_UPDATE: u8 = 0x8;
 const CONTINUATION: u8 = 0x9;
 const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
@@ -5813,6 +5814,95 @@ async fn http2_clients_that_cancel_every_request_are_cut_off() {
     );
     let stderr = proxy.finish().await;
     assert!(stderr.contains("rapid reset"), "{stderr}");
+}
+
+/// HTTP/2 floods of frames that carry no request (CVE-2019-9512 and its kin): PRIORITY
+/// frames, and PINGs the proxy answers, sent as fast as the socket takes them. The proxy
+/// closes the connection once they pass nginx's bound (8 MiB of them, less what requests
+/// and answers earned), with a line saying so; before, it spent a core for as long as the
+/// client went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_floods_of_frames_that_carry_no_request_are_cut_off() {
+    const MAX: usize = 64 << 20;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_| async { response(200, "ok") }).await;
+    // At `debug` h2 says every frame it reads: a line each, ten times the work.
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .log_level("info")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let priority = h2_frame(PRIORITY, 0, 1, &[0, 0, 0, 0, 16]);
+    let ping = h2_frame(PING, 0, 0, &[0; 8]);
+    for (what, frame) in [("PRIORITY", priority), ("PING", ping)] {
+        let (mut wr, frames) = raw_h2(addr).await;
+        // The PINGs' answers are still read, and dropped.
+        drop(frames);
+        let batch = frame.repeat(4096);
+        let mut sent = 0;
+        while sent < MAX && wr.write_all(&batch).await.is_ok() {
+            sent += batch.len();
+        }
+        assert!(sent < MAX, "{what}: still open after {sent} bytes");
+        assert!(
+            sent + batch.len() > 8 << 20,
+            "{what}: closed after {sent} bytes"
+        );
+    }
+    let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches("a flood of frames").count(), 2, "{stderr}");
+}
+
+/// What the proxy writes earns its client room for frames that carry no request: after a
+/// 32 MiB download, 12 MiB of PRIORITY frames (more than the 8 MiB a connection starts
+/// with) leave the connection open, and a PING is answered. A client downloading over one
+/// connection for days sends WINDOW_UPDATEs that would otherwise close it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_earns_its_client_room_for_frames_that_carry_no_request() {
+    const SIZE: usize = 32 << 20;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_| async {
+        response(200, vec![b'x'; SIZE])
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .log_level("info")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_get_block("/big", &addr.to_string());
+    let mut open = h2_frame(HEADERS, END_STREAM | END_HEADERS, 1, &block);
+    let room = (64u32 << 20).to_be_bytes();
+    open.extend(h2_frame(WINDOW_UPDATE, 0, 0, &room));
+    open.extend(h2_frame(WINDOW_UPDATE, 0, 1, &room));
+    wr.write_all(&open).await.expect("HEADERS");
+    let mut data = 0;
+    while data < SIZE {
+        match within("the download", frames.recv()).await.flatten() {
+            Some((DATA, _, 1, payload)) => data += payload.len(),
+            Some(_) => {}
+            None => panic!("closed after {data} bytes of the download"),
+        }
+    }
+    let batch = h2_frame(PRIORITY, 0, 3, &[0, 0, 0, 0, 16]).repeat(4096);
+    let mut sent = 0;
+    while sent < 12 << 20 {
+        wr.write_all(&batch).await.expect("the connection open");
+        sent += batch.len();
+    }
+    wr.write_all(&h2_frame(PING, 0, 0, b"stillopn"))
+        .await
+        .expect("PING");
+    loop {
+        match within("the PING's answer", frames.recv()).await.flatten() {
+            Some((PING, ACK, 0, payload)) if payload == b"stillopn" => break,
+            Some(_) => {}
+            None => panic!("closed after {sent} bytes of PRIORITY frames"),
+        }
+    }
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("a flood of frames"), "{stderr}");
 }
 
 /// Rapid reset after the idle GOAWAY: a client that leaves the GOAWAY's PING unanswered

@@ -26,7 +26,7 @@
 //! hyper keeps a connection open after a refused `CONNECT` or upgrade, so without this the
 //! next request would pass unchecked. HTTP/2 (the exact preface opening a connection) has
 //! framing of its own: the watch refuses nothing there, and follows only its frames'
-//! headers, for the header blocks ([`Frames`]). Only the exact preface: a head that merely
+//! headers, for the header blocks ([`Frames`]) and the frame budget ([`super::flood`]). Only the exact preface: a head that merely
 //! starts with `PRI` is HTTP/1 to hyper, and followed as such.
 //!
 //! Closing, rather than watching on: whether the bytes after a `CONNECT` or upgrade head
@@ -38,6 +38,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use super::flood::FrameBudget;
 use super::listener::MAX_HEAD;
 
 /// Marks a request (in its extensions) whose framing is refused: both `Content-Length` and
@@ -282,6 +283,7 @@ struct Frames {
     /// request's body and no head (a stalled one was cut as a head and logged 408 beside
     /// its request's own line).
     trailers: bool,
+    budget: FrameBudget,
 }
 
 impl Frames {
@@ -290,6 +292,7 @@ impl Frames {
     const END_HEADERS: u8 = 0x4;
 
     fn scan(&mut self, mut data: &[u8]) {
+        self.budget.read(data.len());
         while !data.is_empty() {
             if self.have < self.header.len() {
                 let n = (self.header.len() - self.have).min(data.len());
@@ -307,6 +310,7 @@ impl Frames {
                 }
                 let [a, b, c, _, flags, s0, s1, s2, s3] = self.header;
                 self.left = u32::from_be_bytes([0, a, b, c]) as usize;
+                self.budget.frame(kind, self.left);
                 self.ends_block = block && flags & Self::END_HEADERS != 0;
                 if kind == Self::HEADERS {
                     let stream = u32::from_be_bytes([s0, s1, s2, s3]) & 0x7fff_ffff;
@@ -519,6 +523,19 @@ impl HeadWatch {
     /// watch has nothing more to follow.
     pub fn is_http2(&self) -> bool {
         self.http2
+    }
+
+    /// `n` bytes went out to the client: over HTTP/2, room in its frame budget.
+    pub fn wrote(&mut self, n: usize) {
+        if self.state == State::Http2 {
+            self.frames.budget.wrote(n);
+        }
+    }
+
+    /// An HTTP/2 client has sent more frames that carry no request than its budget allows
+    /// (see [`flood`](super::flood)): the connection is to be closed.
+    pub fn flooded(&self) -> bool {
+        self.state == State::Http2 && self.frames.budget.spent()
     }
 
     /// Stops following: see the module's documentation for what becomes of the connection.

@@ -12,6 +12,7 @@ pub mod body;
 pub mod certs;
 pub(crate) mod compat;
 pub mod failure;
+mod flood;
 pub mod forward;
 pub mod framing;
 mod h1;

@@ -459,9 +459,14 @@ impl<T> IdleIo<T> {
         self.activity.touch();
     }
 
-    fn after_write(&self, r: &Poll<io::Result<usize>>) {
+    fn after_write(&mut self, r: &Poll<io::Result<usize>>) {
         match r {
-            Poll::Ready(Ok(n)) if *n > 0 => self.wrote(),
+            Poll::Ready(Ok(n)) if *n > 0 => {
+                if let Some(framing) = &mut self.framing {
+                    framing.wrote(*n);
+                }
+                self.wrote()
+            }
             Poll::Pending => {
                 let clocks = &self.activity.clocks;
                 clocks.write_blocked.store(true, Ordering::Relaxed);
@@ -640,6 +645,20 @@ pub(super) fn head_from(activity: &Activity, told: &Told) -> Option<Instant> {
     Some(if first { activity.opened } else { began })
 }
 
+/// The read error that ends a flooded HTTP/2 connection: hyper ends it at once, streams
+/// and all, without a GOAWAY (nginx sends one; a client that floods reads none of it).
+fn flood() -> io::Error {
+    io::Error::other("HTTP/2 frame flood")
+}
+
+#[cold]
+fn said_flood() {
+    tracing::warn!(
+        "closing an HTTP/2 connection whose client sent a flood of frames that carry no \
+         request (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM)"
+    );
+}
+
 /// A head in progress has had its `--header-timeout`. Not inline in [`watchdog`]: an
 /// instant held there would be held across its awaits, in every connection's task.
 fn head_overdue(activity: &Activity, config: &ServeConfig) -> bool {
@@ -654,6 +673,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.framing.as_ref().is_some_and(HeadWatch::flooded) {
+            return Poll::Ready(Err(flood()));
+        }
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() != before {
@@ -673,6 +695,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                     // No first-head deadline any more: the watchdog's deadline moves
                     // later, which it finds when it next wakes.
                     this.activity.opened_http2();
+                }
+                if framing.flooded() {
+                    said_flood();
+                    return Poll::Ready(Err(flood()));
                 }
             }
         }

@@ -1,0 +1,161 @@
+//! The HTTP/2 frame budget: how many bytes of frames that carry no request a client may
+//! send on one connection before it is closed.
+//!
+//! h2 (the library) takes PING, SETTINGS, PRIORITY, WINDOW_UPDATE and RST_STREAM on a closed
+//! stream as fast as a client sends them, and answers the first two: frames of 13-17
+//! bytes, millions a second from a client that writes one buffer over and over, and a
+//! core of the proxy's for as long as it goes on (CVE-2019-9512, -9513, -9514, -9515).
+//! nginx closes such a connection ("http2 flood detected") once the bytes it has read,
+//! divided by 8, pass the bytes of requests in them (header blocks and bodies) by more than
+//! 1 MiB. So does the proxy, with one difference: what it has written to the client earns
+//! room too, a sixteenth of it. nginx rotates an HTTP/2 connection after 1 000 requests;
+//! the proxy does not, and a client downloading over one connection for days sends
+//! WINDOW_UPDATEs (26 bytes per 16 KiB frame taken, from clients that answer each) that
+//! would reach nginx's bound after some 5 GiB. A PING or SETTINGS flood earns less by its
+//! answers (a sixteenth of 17 or 9 bytes) than it costs (an eighth), and is still closed.
+//!
+//! The budget is kept by the framing watch (`framing::Frames`), which follows every frame's
+//! header on its way into hyper, and by the listener's IO wrapper for the bytes written.
+
+/// The room every connection starts with: 8 MiB of frames that carry no request.
+const ALLOWANCE: u64 = 1 << 20;
+
+/// Bytes read earn their cost divided by this.
+const READ_COST: u64 = 8;
+
+/// Bytes written earn room divided by this.
+const WRITE_SHARE: u64 = 16;
+
+/// One HTTP/2 connection's budget.
+#[derive(Debug, Default)]
+pub(super) struct FrameBudget {
+    /// Every byte of frames read (headers and payloads).
+    read: u64,
+    /// Payload bytes of frames that carry requests: DATA, HEADERS, CONTINUATION.
+    requests: u64,
+    /// Bytes written to the client.
+    written: u64,
+}
+
+impl FrameBudget {
+    const DATA: u8 = 0x0;
+    const HEADERS: u8 = 0x1;
+    const CONTINUATION: u8 = 0x9;
+
+    /// `n` bytes of frames (headers or payload) were read.
+    pub(super) fn read(&mut self, n: usize) {
+        self.read = self.read.saturating_add(n as u64);
+    }
+
+    /// A frame's header announced `len` bytes of payload of type `kind`.
+    pub(super) fn frame(&mut self, kind: u8, len: usize) {
+        if matches!(kind, Self::DATA | Self::HEADERS | Self::CONTINUATION) {
+            self.requests = self.requests.saturating_add(len as u64);
+        }
+    }
+
+    /// `n` bytes went out to the client.
+    pub(super) fn wrote(&mut self, n: usize) {
+        self.written = self.written.saturating_add(n as u64);
+    }
+
+    /// The client has spent its room: the connection is to be closed.
+    pub(super) fn spent(&self) -> bool {
+        let earned = self.requests.saturating_add(self.written / WRITE_SHARE);
+        self.read / READ_COST > earned.saturating_add(ALLOWANCE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PING: (u8, usize) = (0x6, 8);
+    const SETTINGS: (u8, usize) = (0x4, 0);
+    const PRIORITY: (u8, usize) = (0x2, 5);
+    const WINDOW_UPDATE: (u8, usize) = (0x8, 4);
+    const RST_STREAM: (u8, usize) = (0x3, 4);
+
+    /// Feeds `(kind, payload length)` frames, each followed by `answer` bytes written,
+    /// until the budget is spent or `max` frames went in: the bytes read by then, if spent.
+    fn read_until_spent(frames: &[(u8, usize)], answer: usize, max: u64) -> Option<u64> {
+        let mut budget = FrameBudget::default();
+        for n in 0..max {
+            let (kind, len) = frames[(n as usize) % frames.len()];
+            budget.frame(kind, len);
+            budget.read(9 + len);
+            budget.wrote(answer);
+            if budget.spent() {
+                return Some(budget.read);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn floods_of_frames_that_carry_no_request_are_closed() {
+        const MAX: u64 = 10_000_000;
+        for (what, frames, answer) in [
+            ("PRIORITY", &[PRIORITY][..], 0),
+            ("WINDOW_UPDATE", &[WINDOW_UPDATE], 0),
+            ("RST_STREAM", &[RST_STREAM], 0),
+            ("PING, answered", &[PING], 17),
+            ("SETTINGS, answered", &[SETTINGS], 9),
+            (
+                "all of them",
+                &[PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM],
+                5,
+            ),
+        ] {
+            let read = read_until_spent(frames, answer, MAX);
+            let read = read.unwrap_or_else(|| panic!("{what}: never closed"));
+            // nginx's allowance, 8 MiB, and no more than about twice it for those answered.
+            assert!(
+                (8 << 20..20 << 20).contains(&read),
+                "{what}: closed after {read}"
+            );
+        }
+    }
+
+    /// 6 GiB downloaded over one connection in 16 KiB DATA frames, with a WINDOW_UPDATE
+    /// for the stream and one for the connection for every frame taken, and a stream
+    /// opened and reset for every MiB: no flood.
+    #[test]
+    fn a_long_download_with_its_window_updates_is_no_flood() {
+        let mut budget = FrameBudget::default();
+        let frames: u64 = 6 * (1 << 30) / (16 << 10);
+        for n in 0..frames {
+            budget.wrote(9 + (16 << 10));
+            for (kind, len) in [WINDOW_UPDATE, WINDOW_UPDATE] {
+                budget.frame(kind, len);
+                budget.read(9 + len);
+            }
+            if n % 64 == 0 {
+                for (kind, len) in [(FrameBudget::HEADERS, 20), RST_STREAM] {
+                    budget.frame(kind, len);
+                    budget.read(9 + len);
+                }
+            }
+            assert!(!budget.spent(), "spent after {n} frames");
+        }
+    }
+
+    /// Requests that are all overhead: a small header block (HPACK-indexed), cancelled at
+    /// once, a PING for each, and no more than a 30-byte answer head: ten million of them.
+    #[test]
+    fn small_requests_with_their_resets_and_pings_are_no_flood() {
+        let frames = [(FrameBudget::HEADERS, 6), RST_STREAM, PING];
+        assert_eq!(read_until_spent(&frames, 20, 30_000_000), None);
+    }
+
+    #[test]
+    fn counts_saturate() {
+        let mut budget = FrameBudget::default();
+        budget.read(usize::MAX);
+        budget.read(usize::MAX);
+        budget.frame(FrameBudget::DATA, usize::MAX);
+        budget.frame(FrameBudget::DATA, usize::MAX);
+        budget.wrote(usize::MAX);
+        assert!(!budget.spent());
+    }
+}
