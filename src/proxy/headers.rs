@@ -448,16 +448,19 @@ pub fn is_volume_content(path: &str) -> bool {
 /// (`[/v1]/sandboxes/{id}/proxy/{port}/…`, the endpoint `use_server_proxy` gives): the
 /// server asks no key there and hands the request on to the app, an older server with
 /// every field the client sent (the key among them) to code anyone may have written.
-/// Read as the server routes it, percent-decoded; and any path that begins as the route
+/// Read as the server routes it, percent-decoded, and as a hop in front of it may pass it
+/// on: slashes merged (nginx's `merge_slashes`, on by default) and `;` parameters dropped
+/// from each segment (as servlet containers do); and any path that begins as the route
 /// does, whatever follows: the server asks the key for some of those (a `..` anywhere, a
 /// port that is no number) yet may still route them to the app, and a 401 there costs
 /// less than the key in an app's hands.
 pub fn is_sandbox_proxy_route(path: &str) -> bool {
     // Most paths name no route like it: no decoding then.
-    if !path.contains("/sandboxes/") && !path.contains('%') {
+    if !path.contains("/sandboxes") && !path.contains('%') {
         return false;
     }
     let decoded = percent_decoded(path.as_bytes());
+    let decoded = merged(&decoded);
     let rest = decoded.strip_prefix(b"/v1").unwrap_or(&decoded);
     let Some(rest) = rest.strip_prefix(b"/sandboxes/") else {
         return false;
@@ -466,6 +469,28 @@ pub fn is_sandbox_proxy_route(path: &str) -> bool {
         return false;
     };
     rest[slash..].starts_with(b"/proxy/")
+}
+
+/// `path` with runs of `/` merged into one and each segment's `;` parameters dropped.
+fn merged(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if !path.contains(&b';') && !path.windows(2).any(|w| w == b"//") {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let mut out = Vec::with_capacity(path.len());
+    let mut parameters = false;
+    for &b in path {
+        if b == b'/' {
+            parameters = false;
+            if out.last() == Some(&b'/') {
+                continue;
+            }
+        } else if b == b';' || parameters {
+            parameters = true;
+            continue;
+        }
+        out.push(b);
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// `path` with its percent escapes decoded; an escape that is none is kept as written.
@@ -947,6 +972,15 @@ mod tests {
             "/sandboxes/x/proxy/3000/a%3F..",
             "/sandboxes/x/proxy/3000%0A",
             "/sandboxes/x/proxy%2F3000/",
+            // As a hop that merges slashes or drops parameters passes them on.
+            "/v1//sandboxes/x/proxy/8080/a",
+            "//sandboxes/x/proxy/8080",
+            "/v1/sandboxes/x//proxy/8080/a",
+            "/v1/sandboxes/x/proxy//8080",
+            "/v1/sandboxes/x/proxy;p/8080/a",
+            "/v1;p/sandboxes;q/x;r/proxy;s/1",
+            "/sandboxes/x/proxy%3Bp/1",
+            "/v1/%2Fsandboxes/x/proxy/1",
         ] {
             assert!(is_sandbox_proxy_route(path), "{path}");
         }
@@ -962,11 +996,15 @@ mod tests {
             "/Sandboxes/x/proxy/1",
             "/sandboxes/x/PROXY/1",
             "/sandboxes",
+            "/sandboxes/x/proxy;p",
+            "/sandboxes/;p/proxy/1",
+            "/sandboxes/x/prox;y/1",
         ] {
             assert!(!is_sandbox_proxy_route(path), "{path}");
         }
         assert_eq!(&*percent_decoded(b"/a%2fb%zz%4"), b"/a/b%zz%4");
         assert_eq!(&*percent_decoded(b"%ff%00"), b"\xff\x00");
+        assert_eq!(&*merged(b"//a;b//c;d;e/;f/g"), b"/a/c/g");
     }
 
     #[test]
