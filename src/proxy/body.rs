@@ -247,6 +247,8 @@ pub struct EndStreamed<B> {
     body: B,
     /// Who sent the body, for the error: "the client", "the upstream".
     sender: &'static str,
+    /// A client's connection, told of the bytes taken (see [`EndStreamed::counted`]).
+    taken: Option<super::listener::Activity>,
 }
 
 impl<B> EndStreamed<B> {
@@ -255,6 +257,7 @@ impl<B> EndStreamed<B> {
         EndStreamed {
             body,
             sender: "the client",
+            taken: None,
         }
     }
 
@@ -263,7 +266,17 @@ impl<B> EndStreamed<B> {
         EndStreamed {
             body,
             sender: "the upstream",
+            taken: None,
         }
+    }
+
+    /// Tells the client's connection of each byte of the body taken: room in its HTTP/2
+    /// frame budget (see [`flood`](super::flood)). Counted as taken, not as its DATA
+    /// frames are read: h2 drops DATA on a stream already reset, and a client credited
+    /// for it flooded PRIORITY frames without end.
+    pub(super) fn counted(mut self, activity: super::listener::Activity) -> Self {
+        self.taken = Some(activity);
+        self
     }
 }
 
@@ -283,7 +296,12 @@ where
             None if !self.body.is_end_stream() => Poll::Ready(Some(Err(Box::new(ResetEarly {
                 sender: self.sender,
             })))),
-            other => Poll::Ready(other.map(|r| r.map_err(Into::into))),
+            other => {
+                if let (Some(activity), Some(Ok(frame))) = (&self.taken, &other) {
+                    activity.took_body(frame.data_ref().map_or(0, Bytes::len));
+                }
+                Poll::Ready(other.map(|r| r.map_err(Into::into)))
+            }
         }
     }
 

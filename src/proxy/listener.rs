@@ -402,8 +402,10 @@ async fn with_hyper(
         let http2 = req.version() == http::Version::HTTP_2;
         let mut upload = None;
         let req = if http2 {
-            let mut req =
-                req.map(|b| super::body::marked(super::body::EndStreamed::request(b), &mut upload));
+            let mut req = req.map(|b| {
+                let body = super::body::EndStreamed::request(b).counted(activity.clone());
+                super::body::marked(body, &mut upload)
+            });
             // For the handler: a client that resets its stream mid-upload is gone.
             if let Some(moved) = &upload {
                 req.extensions_mut().insert(moved.clone());

@@ -49,6 +49,8 @@ struct Clocks {
     answers: AtomicU32,
     /// See [`Activity::reads`].
     reads: AtomicU32,
+    /// See [`Activity::took_body`].
+    bodies: AtomicU64,
     /// The last write found the socket full: bytes of an answer are still to go out.
     write_blocked: AtomicBool,
     /// The last flush could not finish: over TLS, bytes wait in rustls' buffer.
@@ -275,6 +277,12 @@ impl Activity {
     /// [`settled`](super::settled)).
     pub(super) fn reads(&self) -> u32 {
         self.clocks.reads.load(Ordering::Relaxed)
+    }
+
+    /// `n` bytes of an HTTP/2 request body were taken on their way upstream: room in the
+    /// connection's frame budget (see [`flood`](crate::proxy::flood)).
+    pub(in crate::proxy) fn took_body(&self, n: usize) {
+        self.clocks.bodies.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
@@ -673,7 +681,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.framing.as_ref().is_some_and(HeadWatch::flooded) {
+        let bodies = &self.activity.clocks.bodies;
+        if (self.framing.as_ref()).is_some_and(|f| f.flooded(bodies.load(Ordering::Relaxed))) {
             return Poll::Ready(Err(flood()));
         }
         let before = buf.filled().len();
@@ -696,7 +705,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                     // later, which it finds when it next wakes.
                     this.activity.opened_http2();
                 }
-                if framing.flooded() {
+                if framing.flooded(this.activity.clocks.bodies.load(Ordering::Relaxed)) {
                     said_flood();
                     return Poll::Ready(Err(flood()));
                 }
