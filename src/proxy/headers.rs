@@ -456,7 +456,7 @@ pub fn is_volume_content(path: &str) -> bool {
 /// less than the key in an app's hands.
 pub fn is_sandbox_proxy_route(path: &str) -> bool {
     // Most paths name no route like it: no decoding then.
-    if !path.contains("/sandboxes") && !path.contains('%') {
+    if !path.contains("sandboxes") && !path.contains('%') {
         return false;
     }
     let decoded = percent_decoded(path.as_bytes());
@@ -471,14 +471,16 @@ pub fn is_sandbox_proxy_route(path: &str) -> bool {
     rest[slash..].starts_with(b"/proxy/")
 }
 
-/// `path` with runs of `/` merged into one and each segment's `;` parameters dropped.
+/// `path` with runs of `/` merged into one and each segment's `;` parameters dropped; a
+/// `\` is a `/`, as WHATWG URL parsers read it (see `route`'s dot segments).
 fn merged(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    if !path.contains(&b';') && !path.windows(2).any(|w| w == b"//") {
+    let separator = |b: &u8| *b == b';' || *b == b'\\';
+    if !path.iter().any(separator) && !path.windows(2).any(|w| w == b"//") {
         return std::borrow::Cow::Borrowed(path);
     }
     let mut out = Vec::with_capacity(path.len());
     let mut parameters = false;
-    for &b in path {
+    for b in path.iter().map(|&b| if b == b'\\' { b'/' } else { b }) {
         if b == b'/' {
             parameters = false;
             if out.last() == Some(&b'/') {
@@ -981,6 +983,9 @@ mod tests {
             "/v1;p/sandboxes;q/x;r/proxy;s/1",
             "/sandboxes/x/proxy%3Bp/1",
             "/v1/%2Fsandboxes/x/proxy/1",
+            "/v1/sandboxes/x\\proxy/8080/a",
+            "/v1/sandboxes/x%5Cproxy/8080/a",
+            "/v1\\sandboxes\\x\\proxy\\1",
         ] {
             assert!(is_sandbox_proxy_route(path), "{path}");
         }
@@ -1005,6 +1010,7 @@ mod tests {
         assert_eq!(&*percent_decoded(b"/a%2fb%zz%4"), b"/a/b%zz%4");
         assert_eq!(&*percent_decoded(b"%ff%00"), b"\xff\x00");
         assert_eq!(&*merged(b"//a;b//c;d;e/;f/g"), b"/a/c/g");
+        assert_eq!(&*merged(b"/a\\\\b/\\c;"), b"/a/b/c");
     }
 
     #[test]
