@@ -157,7 +157,7 @@ impl PrivateDir {
     /// letters, then `/s`, would not fit) where there is no `/proc` to name the socket
     /// through (see [`PrivateDir::at`]): such a path is bound in place.
     fn beside(path: &Path) -> io::Result<Option<Self>> {
-        use std::os::unix::fs::DirBuilderExt;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
             return Ok(None);
         };
@@ -174,7 +174,14 @@ impl PrivateDir {
                 .collect();
             let dir = parent.join(format!(".abx-{name}"));
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => return PrivateDir::at(dir).map(Some),
+                Ok(()) => {
+                    let made = PrivateDir::at(dir)?;
+                    // The umask may have taken the owner's own write bit (0277 leaves
+                    // 0500), and with it the socket's bind in there.
+                    let mode = std::fs::Permissions::from_mode(0o700);
+                    std::fs::set_permissions(&made.dir, mode)?;
+                    return Ok(Some(made));
+                }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
             }
