@@ -5941,6 +5941,44 @@ async fn an_http2_upload_is_no_flood() {
     assert!(!stderr.contains("a flood of frames"), "{stderr}");
 }
 
+/// Uploads the proxy answers without taking (here a dot segment's 400; a 413, an upstream
+/// down) leave what their client had on the way, up to a stream window each, to h2 to
+/// drop: it earns room as a body taken would. 40 refused 4 MB uploads on one connection
+/// are each answered, and the connection serves on; before, it was closed as a flood
+/// after some 8 of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_http2_uploads_are_no_flood() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_| async { response(200, "ok") }).await;
+    let proxy = quiet_proxy(&upstream, &pki).await;
+    let addr = proxy.addr();
+    let (mut h2, open) = h2_client(addr).await;
+    let body = Bytes::from(vec![b'x'; 4_000_000]);
+    for n in 0..40 {
+        let upload = http::Request::post(format!("http://{addr}/a/../b"))
+            .header("x-api-key", "dummy")
+            .body(Full::new(body.clone()))
+            .expect("request");
+        let answer = within("a refused upload's answer", async {
+            h2.ready().await?;
+            h2.send_request(upload).await
+        })
+        .await;
+        let status = answer.map(|a| a.status().as_u16());
+        assert!(matches!(status, Ok(400)), "upload {n}: {status:?}");
+    }
+    let answer = within("a GET after them", async {
+        h2.ready().await?;
+        h2.send_request(h2_get(addr)).await
+    })
+    .await
+    .expect("an answer");
+    assert_eq!(answer.status(), 200);
+    assert!(*open.borrow());
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("a flood of frames"), "{stderr}");
+}
+
 /// Rapid reset after the idle GOAWAY: a client that leaves the GOAWAY's PING unanswered
 /// can still open streams, and one waiting request keeps the connection (a request the
 /// GOAWAY let in runs to its end). The bound on cancelled requests still closes it.

@@ -249,6 +249,16 @@ pub struct EndStreamed<B> {
     sender: &'static str,
     /// A client's connection, told of the bytes taken (see [`EndStreamed::counted`]).
     taken: Option<super::listener::Activity>,
+    /// The body is at its end: nothing more may come on its stream.
+    ended: bool,
+}
+
+impl<B> Drop for EndStreamed<B> {
+    fn drop(&mut self) {
+        if let (Some(activity), false) = (&self.taken, self.ended) {
+            activity.dropped_body();
+        }
+    }
 }
 
 impl<B> EndStreamed<B> {
@@ -258,6 +268,7 @@ impl<B> EndStreamed<B> {
             body,
             sender: "the client",
             taken: None,
+            ended: false,
         }
     }
 
@@ -267,14 +278,20 @@ impl<B> EndStreamed<B> {
             body,
             sender: "the upstream",
             taken: None,
+            ended: false,
         }
     }
 
-    /// Tells the client's connection of each byte of the body taken: room in its HTTP/2
-    /// frame budget (see [`flood`](super::flood)). Counted as taken, not as its DATA
-    /// frames are read: h2 drops DATA on a stream already reset, and a client credited
-    /// for it flooded PRIORITY frames without end.
-    pub(super) fn counted(mut self, activity: super::listener::Activity) -> Self {
+    /// Tells the client's connection of each byte of the body taken, and of the body
+    /// dropped before its end: room in its HTTP/2 frame budget (see
+    /// [`flood`](super::flood)). Counted as taken, not as its DATA frames are read: h2
+    /// drops DATA on a stream already reset, and a client credited for it flooded PRIORITY
+    /// frames without end.
+    pub(super) fn counted(mut self, activity: super::listener::Activity) -> Self
+    where
+        B: Body,
+    {
+        self.ended = self.body.is_end_stream();
         self.taken = Some(activity);
         self
     }
@@ -292,7 +309,9 @@ where
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+        let polled = ready!(Pin::new(&mut self.body).poll_frame(cx));
+        self.ended = self.body.is_end_stream();
+        match polled {
             None if !self.body.is_end_stream() => Poll::Ready(Some(Err(Box::new(ResetEarly {
                 sender: self.sender,
             })))),

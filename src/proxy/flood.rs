@@ -10,7 +10,11 @@
 //! 1 MiB. So does the proxy, with two differences:
 //! - a body's bytes count once the proxy has taken them (the listener's body wrapper tells
 //!   it), not as their DATA frames arrive: h2 drops DATA on a stream already reset, and a
-//!   client credited for such frames flooded PRIORITY frames between them without end;
+//!   client credited for such frames flooded PRIORITY frames between them without end.
+//!   A body the proxy drops before its end (answered without it: a 400, a 413, an
+//!   upstream down) lets the DATA read earn room up to a stream window more, what its
+//!   client had on the way: without it, a client whose uploads were refused was closed
+//!   after some 8 MiB of them;
 //! - what the proxy has written to the client earns room too, a 256th of it. nginx rotates
 //!   an HTTP/2 connection after 1 000 requests; the proxy does not, and a client
 //!   downloading over one connection for days sends WINDOW_UPDATEs (26 bytes per 16 KiB
@@ -38,11 +42,14 @@ pub(super) struct FrameBudget {
     read: u64,
     /// Payload bytes of header blocks: HEADERS and CONTINUATION frames.
     heads: u64,
+    /// Payload bytes of DATA frames.
+    data: u64,
     /// Bytes written to the client.
     written: u64,
 }
 
 impl FrameBudget {
+    const DATA: u8 = 0x0;
     const HEADERS: u8 = 0x1;
     const CONTINUATION: u8 = 0x9;
 
@@ -55,6 +62,8 @@ impl FrameBudget {
     pub(super) fn frame(&mut self, kind: u8, len: usize) {
         if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
             self.heads = self.heads.saturating_add(len as u64);
+        } else if kind == Self::DATA {
+            self.data = self.data.saturating_add(len as u64);
         }
     }
 
@@ -63,9 +72,12 @@ impl FrameBudget {
         self.written = self.written.saturating_add(n as u64);
     }
 
-    /// The client has spent its room, `bodies` being the bytes of its request bodies taken
-    /// so far: the connection is to be closed.
-    pub(super) fn spent(&self, bodies: u64) -> bool {
+    /// The client has spent its room: the connection is to be closed. `taken`: the bytes
+    /// of its request bodies the proxy has taken; `refunds`: a stream window for each body
+    /// it dropped before its end, of which the DATA read may earn room too (what the client
+    /// had on the way, which h2 drops as it comes).
+    pub(super) fn spent(&self, taken: u64, refunds: u64) -> bool {
+        let bodies = taken.saturating_add(refunds).min(self.data).max(taken);
         let earned = self.heads.saturating_add(bodies);
         let earned = earned.saturating_add(self.written / WRITE_SHARE);
         self.read / READ_COST > earned.saturating_add(ALLOWANCE)
@@ -102,7 +114,7 @@ mod tests {
                 bodies += len as u64;
             }
             budget.wrote(answer);
-            if budget.spent(bodies) {
+            if budget.spent(bodies, 0) {
                 return Some(budget.read);
             }
         }
@@ -142,6 +154,34 @@ mod tests {
         assert_eq!(read_until_spent(&frames, 0, 10_000_000, true), None);
     }
 
+    /// Bodies dropped before their end (the proxy answered without them: a 400, a 413, an
+    /// upstream down): the DATA their client still had on the way, up to a stream window
+    /// each, earns room as a body taken would; DATA past that on their streams does not.
+    #[test]
+    fn dropped_bodies_refund_a_window_of_data_each() {
+        let window = 1 << 20;
+        let read_data = |budget: &mut FrameBudget, bytes: usize| {
+            for _ in 0..bytes / (16 << 10) {
+                budget.frame(DATA, 16 << 10);
+                budget.read(9 + (16 << 10));
+            }
+        };
+        // 40 uploads refused, each with a window on the way.
+        let mut refused = FrameBudget::default();
+        for _ in 0..40 {
+            refused.frame(FrameBudget::HEADERS, 30);
+            refused.read(39);
+            read_data(&mut refused, window as usize);
+        }
+        assert!(!refused.spent(0, 40 * window));
+        assert!(refused.spent(0, 0));
+        // One refused, and its stream fed 100 MiB more.
+        let mut fed = FrameBudget::default();
+        read_data(&mut fed, 100 << 20);
+        assert!(fed.spent(0, window));
+        assert!(!fed.spent(100 << 20, 0));
+    }
+
     /// An upload: 2 GiB in 16 KiB DATA frames, taken, the proxy's WINDOW_UPDATE written
     /// for each.
     #[test]
@@ -169,7 +209,7 @@ mod tests {
                     budget.read(9 + len);
                 }
             }
-            assert!(!budget.spent(0), "spent after {n} frames");
+            assert!(!budget.spent(0, 0), "spent after {n} frames");
         }
     }
 
@@ -189,6 +229,7 @@ mod tests {
         budget.frame(FrameBudget::HEADERS, usize::MAX);
         budget.frame(FrameBudget::CONTINUATION, usize::MAX);
         budget.wrote(usize::MAX);
-        assert!(!budget.spent(u64::MAX));
+        budget.frame(DATA, usize::MAX);
+        assert!(!budget.spent(u64::MAX, u64::MAX));
     }
 }

@@ -533,10 +533,10 @@ impl HeadWatch {
     }
 
     /// An HTTP/2 client has sent more frames that carry no request than its budget allows,
-    /// `bodies` being the bytes of its request bodies taken so far (see
-    /// [`flood`](super::flood)): the connection is to be closed.
-    pub fn flooded(&self, bodies: u64) -> bool {
-        self.state == State::Http2 && self.frames.budget.spent(bodies)
+    /// given the bytes of its request bodies taken so far and the room given for bodies
+    /// dropped (see [`flood`](super::flood)): the connection is to be closed.
+    pub fn flooded(&self, taken: u64, refunds: u64) -> bool {
+        self.state == State::Http2 && self.frames.budget.spent(taken, refunds)
     }
 
     /// Stops following: see the module's documentation for what becomes of the connection.

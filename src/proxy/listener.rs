@@ -750,7 +750,9 @@ pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .max_header_list_size(H2_MAX_HEAD_LIST as u32)
         .max_concurrent_streams(H2_MAX_STREAMS)
-        .max_send_buf_size(H2_SEND_BUF);
+        .max_send_buf_size(H2_SEND_BUF)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_STREAM_WINDOW);
     b
 }
 
@@ -764,6 +766,10 @@ const H2_MAX_HEAD_LIST: usize = 4 * MAX_HEAD;
 const H2_MAX_STREAMS: u32 = 100;
 /// Answer bytes buffered per HTTP/2 stream for a client that does not read them.
 const H2_SEND_BUF: usize = 64 * 1024;
+/// What an HTTP/2 client may send of request bodies before the proxy takes them, on one
+/// stream and on the connection: hyper's defaults, named for the frame budget (see
+/// [`Activity::dropped_body`]).
+pub(super) const H2_STREAM_WINDOW: u32 = 1 << 20;
 
 pub(crate) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}

@@ -51,6 +51,8 @@ struct Clocks {
     reads: AtomicU32,
     /// See [`Activity::took_body`].
     bodies: AtomicU64,
+    /// See [`Activity::dropped_body`].
+    refunds: AtomicU64,
     /// The last write found the socket full: bytes of an answer are still to go out.
     write_blocked: AtomicBool,
     /// The last flush could not finish: over TLS, bytes wait in rustls' buffer.
@@ -283,6 +285,24 @@ impl Activity {
     /// connection's frame budget (see [`flood`](crate::proxy::flood)).
     pub(in crate::proxy) fn took_body(&self, n: usize) {
         self.clocks.bodies.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// An HTTP/2 request body was dropped before its end (the proxy answered without it):
+    /// what its client still had on the way, a stream window at most, is DATA h2 drops as
+    /// it comes, which may earn room in the frame budget as a body taken would. Without it
+    /// a client whose uploads were refused (400, 413, an upstream down) was closed as a
+    /// flood after some 8 MiB of them.
+    pub(in crate::proxy) fn dropped_body(&self) {
+        let window = u64::from(super::H2_STREAM_WINDOW);
+        self.clocks.refunds.fetch_add(window, Ordering::Relaxed);
+    }
+
+    /// Body bytes taken, and the room given for bodies dropped (see
+    /// [`Activity::took_body`], [`Activity::dropped_body`]).
+    fn bodies(&self) -> (u64, u64) {
+        let clocks = &self.clocks;
+        let taken = clocks.bodies.load(Ordering::Relaxed);
+        (taken, clocks.refunds.load(Ordering::Relaxed))
     }
 
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
@@ -681,8 +701,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let bodies = &self.activity.clocks.bodies;
-        if (self.framing.as_ref()).is_some_and(|f| f.flooded(bodies.load(Ordering::Relaxed))) {
+        let (taken, refunds) = self.activity.bodies();
+        if (self.framing.as_ref()).is_some_and(|f| f.flooded(taken, refunds)) {
             return Poll::Ready(Err(flood()));
         }
         let before = buf.filled().len();
@@ -705,7 +725,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                     // later, which it finds when it next wakes.
                     this.activity.opened_http2();
                 }
-                if framing.flooded(this.activity.clocks.bodies.load(Ordering::Relaxed)) {
+                let (taken, refunds) = this.activity.bodies();
+                if framing.flooded(taken, refunds) {
                     said_flood();
                     return Poll::Ready(Err(flood()));
                 }
