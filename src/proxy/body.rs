@@ -310,7 +310,10 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let polled = ready!(Pin::new(&mut self.body).poll_frame(cx));
-        self.ended = self.body.is_end_stream();
+        // A body whose length is all taken is at its end, its END_STREAM (an empty DATA
+        // frame, as python-h2 sends it, or trailers) perhaps still unread: hyper's HTTP/1
+        // client stops polling there.
+        self.ended = self.body.is_end_stream() || self.body.size_hint().exact() == Some(0);
         match polled {
             None if !self.body.is_end_stream() => Poll::Ready(Some(Err(Box::new(ResetEarly {
                 sender: self.sender,
@@ -1019,6 +1022,45 @@ mod tests {
         assert_eq!(first.into_data().ok(), Some(Bytes::from("ab")));
         assert!(body.is_end_stream());
         assert!(Prefixed::new(Bytes::new(), Empty::<Bytes>::new()).is_end_stream());
+    }
+
+    /// An HTTP/2 request body with its length: all of it taken, its END_STREAM not yet
+    /// read (python-h2 sends it in an empty DATA frame of its own).
+    struct LengthFirst(Option<Bytes>);
+
+    impl Body for LengthFirst {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            match self.0.take() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => Poll::Pending,
+            }
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.0.as_ref().map_or(0, |b| b.len() as u64))
+        }
+    }
+
+    /// The frame budget's counts (see `flood`): the bytes of a body taken, and a stream
+    /// window for a body dropped before its end; none for one taken whole or for none.
+    #[tokio::test]
+    async fn counted_bodies_tell_what_was_taken_and_what_was_dropped() {
+        let activity = super::super::listener::Activity::new();
+        let body = |b: &'static str| LengthFirst(Some(Bytes::from(b)));
+        let mut whole = EndStreamed::request(body("abc")).counted(activity.clone());
+        assert!(whole.frame().await.is_some());
+        drop(whole);
+        assert_eq!(activity.bodies(), (3, 0));
+        drop(EndStreamed::request(body("abc")).counted(activity.clone()));
+        assert_eq!(activity.bodies(), (3, 1 << 20));
+        drop(EndStreamed::request(Empty::<Bytes>::new()).counted(activity.clone()));
+        assert_eq!(activity.bodies(), (3, 1 << 20));
     }
 
     /// A body whose stream stops without END_STREAM is an error naming who stopped it; one

@@ -12,9 +12,11 @@
 //!   it), not as their DATA frames arrive: h2 drops DATA on a stream already reset, and a
 //!   client credited for such frames flooded PRIORITY frames between them without end.
 //!   A body the proxy drops before its end (answered without it: a 400, a 413, an
-//!   upstream down) lets the DATA read earn room up to a stream window more, what its
-//!   client had on the way: without it, a client whose uploads were refused was closed
-//!   after some 8 MiB of them;
+//!   upstream down) lets up to a stream window of the DATA read beyond the bodies taken,
+//!   what its client had on the way, cost nothing: without it, a client whose uploads
+//!   were refused was closed after some 8 MiB of them. Forgiven, not credited as a body
+//!   taken (which earns eight times its bytes): that let each refused request buy 7 MiB
+//!   of flood;
 //! - what the proxy has written to the client earns room too, a 256th of it. nginx rotates
 //!   an HTTP/2 connection after 1 000 requests; the proxy does not, and a client
 //!   downloading over one connection for days sends WINDOW_UPDATEs (26 bytes per 16 KiB
@@ -74,11 +76,17 @@ impl FrameBudget {
 
     /// The client has spent its room: the connection is to be closed. `taken`: the bytes
     /// of its request bodies the proxy has taken; `refunds`: a stream window for each body
-    /// it dropped before its end, of which the DATA read may earn room too (what the client
-    /// had on the way, which h2 drops as it comes).
+    /// it dropped before its end, up to which the DATA read beyond `taken` (what the
+    /// client had on the way, which h2 drops as it comes) costs nothing. Not credited as a
+    /// body taken: a refused request whose stream is then fed its window of DATA bought
+    /// 7 MiB of flood, and refunds pool across a connection's streams.
     pub(super) fn spent(&self, taken: u64, refunds: u64) -> bool {
-        let bodies = taken.saturating_add(refunds).min(self.data).max(taken);
-        let earned = self.heads.saturating_add(bodies);
+        let dropped = taken
+            .saturating_add(refunds)
+            .min(self.data)
+            .saturating_sub(taken);
+        let earned = self.heads.saturating_add(taken);
+        let earned = earned.saturating_add(dropped / READ_COST);
         let earned = earned.saturating_add(self.written / WRITE_SHARE);
         self.read / READ_COST > earned.saturating_add(ALLOWANCE)
     }
@@ -180,6 +188,20 @@ mod tests {
         read_data(&mut fed, 100 << 20);
         assert!(fed.spent(0, window));
         assert!(!fed.spent(100 << 20, 0));
+        // Refused requests, each followed by its window of DATA and 7 MiB of PRIORITY
+        // frames: a refund buys no flood.
+        let mut farmed = FrameBudget::default();
+        let farmed_at = (1..=10).find(|&n| {
+            farmed.frame(FrameBudget::HEADERS, 30);
+            farmed.read(39);
+            read_data(&mut farmed, window as usize);
+            for _ in 0..(7 << 20) / 14 {
+                farmed.frame(PRIORITY.0, PRIORITY.1);
+                farmed.read(14);
+            }
+            farmed.spent(0, n * window)
+        });
+        assert_eq!(farmed_at, Some(2));
     }
 
     /// An upload: 2 GiB in 16 KiB DATA frames, taken, the proxy's WINDOW_UPDATE written

@@ -299,7 +299,7 @@ impl Activity {
 
     /// Body bytes taken, and the room given for bodies dropped (see
     /// [`Activity::took_body`], [`Activity::dropped_body`]).
-    fn bodies(&self) -> (u64, u64) {
+    pub(in crate::proxy) fn bodies(&self) -> (u64, u64) {
         let clocks = &self.clocks;
         let taken = clocks.bodies.load(Ordering::Relaxed);
         (taken, clocks.refunds.load(Ordering::Relaxed))
