@@ -7,7 +7,8 @@
 //! core of the proxy's for as long as it goes on (CVE-2019-9512, -9513, -9514, -9515).
 //! nginx closes such a connection ("http2 flood detected") once the bytes it has read,
 //! divided by 8, pass the bytes of requests in them (header blocks and bodies) by more than
-//! 1 MiB. So does the proxy, with two differences:
+//! 1 MiB. So does the proxy (a header block counts only when it opens a stream: see
+//! [`FrameBudget::frame`]), with two differences:
 //! - a body's bytes count once the proxy has taken them (the listener's body wrapper tells
 //!   it), not as their DATA frames arrive: h2 drops DATA on a stream already reset, and a
 //!   client credited for such frames flooded PRIORITY frames between them without end.
@@ -60,8 +61,15 @@ impl FrameBudget {
         self.read = self.read.saturating_add(n as u64);
     }
 
-    /// A frame's header announced `len` bytes of payload of type `kind`.
-    pub(super) fn frame(&mut self, kind: u8, len: usize) {
+    /// A frame's header announced `len` bytes of payload of type `kind`; `trailers`: it is
+    /// part of a header block on a stream already opened. Only a block that opens a stream
+    /// is a request's head: h2 ignores trailers on a stream it has reset, for as long as
+    /// a client sends them, and a 15 KB field in each bought 100 KB of PRIORITY frames
+    /// without end.
+    pub(super) fn frame(&mut self, kind: u8, len: usize, trailers: bool) {
+        if trailers {
+            return;
+        }
         if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
             self.heads = self.heads.saturating_add(len as u64);
         } else if kind == Self::DATA {
@@ -116,7 +124,7 @@ mod tests {
         let mut bodies = 0;
         for n in 0..max {
             let (kind, len) = frames[(n as usize) % frames.len()];
-            budget.frame(kind, len);
+            budget.frame(kind, len, false);
             budget.read(9 + len);
             if kind == DATA && taken {
                 bodies += len as u64;
@@ -170,14 +178,14 @@ mod tests {
         let window = 1 << 20;
         let read_data = |budget: &mut FrameBudget, bytes: usize| {
             for _ in 0..bytes / (16 << 10) {
-                budget.frame(DATA, 16 << 10);
+                budget.frame(DATA, 16 << 10, false);
                 budget.read(9 + (16 << 10));
             }
         };
         // 40 uploads refused, each with a window on the way.
         let mut refused = FrameBudget::default();
         for _ in 0..40 {
-            refused.frame(FrameBudget::HEADERS, 30);
+            refused.frame(FrameBudget::HEADERS, 30, false);
             refused.read(39);
             read_data(&mut refused, window as usize);
         }
@@ -192,11 +200,11 @@ mod tests {
         // frames: a refund buys no flood.
         let mut farmed = FrameBudget::default();
         let farmed_at = (1..=10).find(|&n| {
-            farmed.frame(FrameBudget::HEADERS, 30);
+            farmed.frame(FrameBudget::HEADERS, 30, false);
             farmed.read(39);
             read_data(&mut farmed, window as usize);
             for _ in 0..(7 << 20) / 14 {
-                farmed.frame(PRIORITY.0, PRIORITY.1);
+                farmed.frame(PRIORITY.0, PRIORITY.1, false);
                 farmed.read(14);
             }
             farmed.spent(0, n * window)
@@ -222,12 +230,12 @@ mod tests {
         for n in 0..frames {
             budget.wrote(9 + (16 << 10));
             for (kind, len) in [WINDOW_UPDATE, WINDOW_UPDATE] {
-                budget.frame(kind, len);
+                budget.frame(kind, len, false);
                 budget.read(9 + len);
             }
             if n % 64 == 0 {
                 for (kind, len) in [(FrameBudget::HEADERS, 20), RST_STREAM] {
-                    budget.frame(kind, len);
+                    budget.frame(kind, len, false);
                     budget.read(9 + len);
                 }
             }
@@ -248,10 +256,10 @@ mod tests {
         let mut budget = FrameBudget::default();
         budget.read(usize::MAX);
         budget.read(usize::MAX);
-        budget.frame(FrameBudget::HEADERS, usize::MAX);
-        budget.frame(FrameBudget::CONTINUATION, usize::MAX);
+        budget.frame(FrameBudget::HEADERS, usize::MAX, false);
+        budget.frame(FrameBudget::CONTINUATION, usize::MAX, false);
         budget.wrote(usize::MAX);
-        budget.frame(DATA, usize::MAX);
+        budget.frame(DATA, usize::MAX, false);
         assert!(!budget.spent(u64::MAX, u64::MAX));
     }
 }

@@ -310,7 +310,6 @@ impl Frames {
                 }
                 let [a, b, c, _, flags, s0, s1, s2, s3] = self.header;
                 self.left = u32::from_be_bytes([0, a, b, c]) as usize;
-                self.budget.frame(kind, self.left);
                 self.ends_block = block && flags & Self::END_HEADERS != 0;
                 if kind == Self::HEADERS {
                     let stream = u32::from_be_bytes([s0, s1, s2, s3]) & 0x7fff_ffff;
@@ -318,6 +317,7 @@ impl Frames {
                     self.last_stream = self.last_stream.max(stream);
                     self.in_block &= !self.trailers;
                 }
+                self.budget.frame(kind, self.left, block && self.trailers);
             } else {
                 let take = self.left.min(data.len());
                 self.left -= take;
@@ -760,6 +760,38 @@ mod tests {
             }
             assert!(watch.is_http2());
         }
+    }
+
+    /// The frame budget (see `flood`) takes a header block for a request's head only when
+    /// it opens a stream: 15 KB blocks on new streams, each followed by 100 KB of PRIORITY
+    /// frames, are requests and their due; the same blocks as trailers on a stream already
+    /// opened (which h2 ignores on a stream it reset) are a flood.
+    #[test]
+    fn only_header_blocks_that_open_a_stream_earn_frame_budget() {
+        fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+            let len = (payload.len() as u32).to_be_bytes();
+            let mut f = vec![len[1], len[2], len[3], kind, flags];
+            f.extend_from_slice(&stream.to_be_bytes());
+            f.extend_from_slice(payload);
+            f
+        }
+        let block = vec![0u8; 15_000];
+        let priorities = frame(0x2, 0, 1, &[0, 0, 0, 0, 16]).repeat(100_000 / 14);
+        let flooded = |trailers: bool| {
+            let (mut watch, _verdicts) = watch();
+            watch.scan(H2_PREFACE);
+            for n in 0..200u32 {
+                let stream = if trailers { 1 } else { 2 * n + 1 };
+                watch.scan(&frame(0x1, 0x5, stream, &block));
+                watch.scan(&priorities);
+                if watch.flooded(0, 0) {
+                    return true;
+                }
+            }
+            false
+        };
+        assert!(!flooded(false));
+        assert!(flooded(true));
     }
 
     /// hyper-util serves HTTP/2 only when the connection opens with the exact preface; a
