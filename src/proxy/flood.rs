@@ -26,6 +26,15 @@
 //!
 //! A PING or SETTINGS flood earns next to nothing by its answers, and is closed.
 //!
+//! A gap remains: a header block that opens a stream earns its bytes as it is read, also
+//! when h2 refuses it itself (decoded over `H2_MAX_HEAD_LIST`: h2 answers 431; past the
+//! stream limit; malformed) and no request reaches the handler, so a client sending
+//! such blocks between its control frames is not closed (a review sent 310 KB blocks,
+//! each buying 2 MB of PRIORITY frames). nginx credits a head when its request runs
+//! (`ngx_http_v2_run_request`): the fix is to do the same, crediting a head's size as the
+//! listener's service receives it (through the connection's clocks, as bodies are) and
+//! nothing in the watch.
+//!
 //! The budget is kept by the framing watch (`framing::Frames`), which follows every frame's
 //! header on its way into hyper, and by the listener's IO wrapper for the bytes written.
 
