@@ -181,7 +181,7 @@ mod tests {
 
     /// Bodies dropped before their end (the proxy answered without them: a 400, a 413, an
     /// upstream down): the DATA their client still had on the way, up to a stream window
-    /// each, earns room as a body taken would; DATA past that on their streams does not.
+    /// each, costs nothing; DATA past that on their streams costs as any frame does.
     #[test]
     fn dropped_bodies_refund_a_window_of_data_each() {
         let window = 1 << 20;

@@ -26,8 +26,9 @@
 //! hyper keeps a connection open after a refused `CONNECT` or upgrade, so without this the
 //! next request would pass unchecked. HTTP/2 (the exact preface opening a connection) has
 //! framing of its own: the watch refuses nothing there, and follows only its frames'
-//! headers, for the header blocks ([`Frames`]) and the frame budget ([`super::flood`]). Only the exact preface: a head that merely
-//! starts with `PRI` is HTTP/1 to hyper, and followed as such.
+//! headers, for the header blocks ([`Frames`]) and the frame budget ([`super::flood`]).
+//! Only the exact preface: a head that merely starts with `PRI` is HTTP/1 to hyper, and
+//! followed as such.
 //!
 //! Closing, rather than watching on: whether the bytes after a `CONNECT` or upgrade head
 //! are HTTP is decided by the answer, after hyper may already have read them past the

@@ -289,8 +289,8 @@ impl Activity {
 
     /// An HTTP/2 request body was dropped before its end (the proxy answered without it):
     /// what its client still had on the way, a stream window at most, is DATA h2 drops as
-    /// it comes, which may earn room in the frame budget as a body taken would. Without it
-    /// a client whose uploads were refused (400, 413, an upstream down) was closed as a
+    /// it comes, which then costs the client nothing in the frame budget. Without it a
+    /// client whose uploads were refused (400, 413, an upstream down) was closed as a
     /// flood after some 8 MiB of them.
     pub(in crate::proxy) fn dropped_body(&self) {
         let window = u64::from(super::H2_STREAM_WINDOW);
