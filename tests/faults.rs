@@ -5943,7 +5943,7 @@ async fn an_http2_upload_is_no_flood() {
 
 /// Uploads the proxy answers without taking (here a dot segment's 400; a 413, an upstream
 /// down) leave what their client had on the way, up to a stream window each, to h2 to
-/// drop: it earns room as a body taken would. 40 refused 4 MB uploads on one connection
+/// drop: it costs the client nothing. 40 refused 4 MB uploads on one connection
 /// are each answered, and the connection serves on; before, it was closed as a flood
 /// after some 8 of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
