@@ -5979,6 +5979,105 @@ async fn refused_http2_uploads_are_no_flood() {
     assert!(!stderr.contains("a flood of frames"), "{stderr}");
 }
 
+/// `GET path` as an HPACK block with `fields` more literal fields of `size` bytes each.
+fn h2_padded_get_block(path: &str, authority: &str, fields: usize, size: usize) -> Vec<u8> {
+    let mut block = h2_get_block(path, authority);
+    for n in 0..fields {
+        let name = format!("x-pad-{n}");
+        block.extend_from_slice(&[0, name.len() as u8]);
+        block.extend_from_slice(name.as_bytes());
+        // HPACK's integer with a 7-bit prefix (RFC 7541 §5.1).
+        let mut left = size;
+        if left < 127 {
+            block.push(left as u8);
+        } else {
+            block.push(127);
+            left -= 127;
+            while left >= 128 {
+                block.push((left % 128) as u8 | 0x80);
+                left /= 128;
+            }
+            block.push(left as u8);
+        }
+        block.extend(std::iter::repeat_n(b'p', size));
+    }
+    block
+}
+
+/// A header block opening `stream` (its request has no body), in a HEADERS frame and as
+/// many CONTINUATIONs as 16 KiB frames need.
+fn h2_header_frames(stream: u32, block: &[u8]) -> Vec<u8> {
+    let pieces: Vec<&[u8]> = block.chunks(16 << 10).collect();
+    let mut frames = Vec::new();
+    for (n, piece) in pieces.iter().enumerate() {
+        let (kind, mut flags) = if n == 0 {
+            (HEADERS, END_STREAM)
+        } else {
+            (CONTINUATION, 0)
+        };
+        if n + 1 == pieces.len() {
+            flags |= END_HEADERS;
+        }
+        frames.extend(h2_frame(kind, flags, stream, piece));
+    }
+    frames
+}
+
+/// A request's head earns its client room for frames that carry no request once the
+/// proxy has the request, not as its header block is read. 200 requests with 15 KB heads,
+/// each followed by 40 KB of PRIORITY frames, are answered on one connection (without
+/// their heads' due it would be closed after some 150); 310 KB blocks the HTTP/2 layer
+/// refuses itself (over 256 KiB decoded: its own 431, and no request), each followed by
+/// 2 MB of PRIORITY frames, are a flood (credited as they were read, they went on without
+/// end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_heads_earn_room_only_as_their_requests_arrive() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_| async { response(200, "ok") }).await;
+    let proxy = quiet_proxy(&upstream, &pki).await;
+    let addr = proxy.addr();
+    let authority = addr.to_string();
+    let priorities = |stream| h2_frame(PRIORITY, 0, stream, &[0, 0, 0, 0, 16]);
+
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_padded_get_block("/sandboxes", &authority, 3, 5_000);
+    for n in 0..200 {
+        let stream = 2 * n + 1;
+        let mut request = h2_header_frames(stream, &block);
+        request.extend(priorities(stream).repeat(40_000 / 14));
+        wr.write_all(&request).await.expect("a request");
+        let status = loop {
+            match within("an answer", frames.recv()).await.flatten() {
+                Some((HEADERS, _, s, head)) if s == stream => break head.first().copied(),
+                Some(_) => {}
+                None => panic!("closed after {n} requests"),
+            }
+        };
+        // HPACK: index 8 of the static table is `:status: 200`.
+        assert_eq!(status, Some(0x88), "request {n}");
+    }
+    drop((wr, frames));
+
+    let (mut wr, _frames) = raw_h2(addr).await;
+    let block = h2_padded_get_block("/sandboxes", &authority, 62, 5_000);
+    let mut rounds = 0;
+    while rounds < 20 {
+        let stream = 2 * rounds + 1;
+        let mut refused = h2_header_frames(stream, &block);
+        refused.extend(priorities(stream).repeat(2_000_000 / 14));
+        if wr.write_all(&refused).await.is_err() {
+            break;
+        }
+        rounds += 1;
+    }
+    assert!(
+        (3..10).contains(&rounds),
+        "closed after {rounds} refused blocks"
+    );
+    let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches("a flood of frames").count(), 1, "{stderr}");
+}
+
 /// Rapid reset after the idle GOAWAY: a client that leaves the GOAWAY's PING unanswered
 /// can still open streams, and one waiting request keeps the connection (a request the
 /// GOAWAY let in runs to its end). The bound on cancelled requests still closes it.

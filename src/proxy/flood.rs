@@ -7,8 +7,15 @@
 //! core of the proxy's for as long as it goes on (CVE-2019-9512, -9513, -9514, -9515).
 //! nginx closes such a connection ("http2 flood detected") once the bytes it has read,
 //! divided by 8, pass the bytes of requests in them (header blocks and bodies) by more than
-//! 1 MiB. So does the proxy (a header block counts only when it opens a stream: see
-//! [`FrameBudget::frame`]), with two differences:
+//! 1 MiB. So does the proxy, with three differences:
+//! - a request's head counts once the listener's service has it (as nginx counts a head
+//!   when its request runs), as its size decoded, up to [`HEAD_CAP`]: not its header
+//!   block as it is read. h2 refuses some blocks itself (over `H2_MAX_HEAD_LIST` decoded,
+//!   which it answers 431; past the stream limit; malformed; trailers on a stream it has
+//!   reset, which it ignores for as long as they come), and no request follows them: a
+//!   client credited for them sent 310 KB blocks, each buying 2 MB of PRIORITY frames,
+//!   without end. Decoded, not compressed (hyper hands over no block's size), and so
+//!   capped: HPACK names a field indexed once in a byte or two;
 //! - a body's bytes count once the proxy has taken them (the listener's body wrapper tells
 //!   it), not as their DATA frames arrive: h2 drops DATA on a stream already reset, and a
 //!   client credited for such frames flooded PRIORITY frames between them without end.
@@ -26,17 +33,11 @@
 //!
 //! A PING or SETTINGS flood earns next to nothing by its answers, and is closed.
 //!
-//! A gap remains: a header block that opens a stream earns its bytes as it is read, also
-//! when h2 refuses it itself (decoded over `H2_MAX_HEAD_LIST`: h2 answers 431; past the
-//! stream limit; malformed) and no request reaches the handler, so a client sending
-//! such blocks between its control frames is not closed (a review sent 310 KB blocks,
-//! each buying 2 MB of PRIORITY frames). nginx credits a head when its request runs
-//! (`ngx_http_v2_run_request`): the fix is to do the same, crediting a head's size as the
-//! listener's service receives it (through the connection's clocks, as bodies are) and
-//! nothing in the watch.
-//!
-//! The budget is kept by the framing watch (`framing::Frames`), which follows every frame's
-//! header on its way into hyper, and by the listener's IO wrapper for the bytes written.
+//! The framing watch (`framing::Frames`) keeps the budget as it follows every frame's
+//! header on its way into hyper; the connection's clocks say what its requests have
+//! earned ([`Credit`]), and the listener's IO wrapper counts the bytes written.
+
+use http::Request;
 
 /// The room every connection starts with: 8 MiB of frames that carry no request.
 const ALLOWANCE: u64 = 1 << 20;
@@ -47,13 +48,49 @@ const READ_COST: u64 = 8;
 /// Bytes written earn room divided by this.
 const WRITE_SHARE: u64 = 256;
 
+/// The most a request's head earns: an eighth of [`MAX_HEAD`](super::listener::MAX_HEAD),
+/// so that every head the proxy serves, however little HPACK compressed it, pays for its
+/// own bytes read. More would let a client that names one indexed 4 KiB field sixty times
+/// (a hundred bytes) buy half a MiB of flood with each request.
+pub(super) const HEAD_CAP: u64 = super::listener::MAX_HEAD as u64 / READ_COST;
+
+/// What a connection's requests have earned so far, as the listener counts them (see
+/// [`Activity::credit`](super::listener::Activity::credit)).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(in crate::proxy) struct Credit {
+    /// Bytes of the request heads the listener's service has received, each as
+    /// [`head_credit`] counts it.
+    pub heads: u64,
+    /// Bytes of request bodies the proxy has taken.
+    pub taken: u64,
+    /// A stream window for each request body the proxy dropped before its end: up to this
+    /// much of the DATA read beyond `taken` (what the client had on the way, which h2
+    /// drops as it comes) costs nothing.
+    pub refunds: u64,
+}
+
+/// What a request's head earns: its size as h2 decoded it (method, URI, and each field's
+/// name and value), up to [`HEAD_CAP`].
+pub(in crate::proxy) fn head_credit<B>(req: &Request<B>) -> u64 {
+    let uri = req.uri();
+    let mut size = req.method().as_str().len()
+        + uri.scheme_str().map_or(0, str::len)
+        + uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.path_and_query().map_or(0, |p| p.as_str().len());
+    for (name, value) in req.headers() {
+        if size as u64 >= HEAD_CAP {
+            break;
+        }
+        size += name.as_str().len() + value.len();
+    }
+    (size as u64).min(HEAD_CAP)
+}
+
 /// One HTTP/2 connection's budget.
 #[derive(Debug, Default)]
 pub(super) struct FrameBudget {
     /// Every byte of frames read (headers and payloads).
     read: u64,
-    /// Payload bytes of header blocks: HEADERS and CONTINUATION frames.
-    heads: u64,
     /// Payload bytes of DATA frames.
     data: u64,
     /// Bytes written to the client.
@@ -62,26 +99,17 @@ pub(super) struct FrameBudget {
 
 impl FrameBudget {
     const DATA: u8 = 0x0;
-    const HEADERS: u8 = 0x1;
-    const CONTINUATION: u8 = 0x9;
 
     /// `n` bytes of frames (headers or payload) were read.
     pub(super) fn read(&mut self, n: usize) {
         self.read = self.read.saturating_add(n as u64);
     }
 
-    /// A frame's header announced `len` bytes of payload of type `kind`; `trailers`: it is
-    /// part of a header block on a stream already opened. Only a block that opens a stream
-    /// is a request's head: h2 ignores trailers on a stream it has reset, for as long as
-    /// a client sends them, and a 15 KB field in each bought 100 KB of PRIORITY frames
-    /// without end.
-    pub(super) fn frame(&mut self, kind: u8, len: usize, trailers: bool) {
-        if trailers {
-            return;
-        }
-        if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
-            self.heads = self.heads.saturating_add(len as u64);
-        } else if kind == Self::DATA {
+    /// A frame's header announced `len` bytes of payload of type `kind`. Of the frames
+    /// read, only DATA is kept apart (for the bodies dropped: see [`FrameBudget::spent`]);
+    /// a header block earns nothing here, but as its request reaches the listener.
+    pub(super) fn frame(&mut self, kind: u8, len: usize) {
+        if kind == Self::DATA {
             self.data = self.data.saturating_add(len as u64);
         }
     }
@@ -91,18 +119,22 @@ impl FrameBudget {
         self.written = self.written.saturating_add(n as u64);
     }
 
-    /// The client has spent its room: the connection is to be closed. `taken`: the bytes
-    /// of its request bodies the proxy has taken; `refunds`: a stream window for each body
-    /// it dropped before its end, up to which the DATA read beyond `taken` (what the
-    /// client had on the way, which h2 drops as it comes) costs nothing. Not credited as a
-    /// body taken: a refused request whose stream is then fed its window of DATA bought
-    /// 7 MiB of flood, and refunds pool across a connection's streams.
-    pub(super) fn spent(&self, taken: u64, refunds: u64) -> bool {
+    /// The client has spent its room, given what its requests have earned: the connection
+    /// is to be closed. Refunds forgive DATA dropped, up to the DATA read beyond the bodies
+    /// taken; they are not credited as a body taken: a refused request whose stream is
+    /// then fed its window of DATA bought 7 MiB of flood, and refunds pool across a
+    /// connection's streams.
+    pub(super) fn spent(&self, credit: Credit) -> bool {
+        let Credit {
+            heads,
+            taken,
+            refunds,
+        } = credit;
         let dropped = taken
             .saturating_add(refunds)
             .min(self.data)
             .saturating_sub(taken);
-        let earned = self.heads.saturating_add(taken);
+        let earned = heads.saturating_add(taken);
         let earned = earned.saturating_add(dropped / READ_COST);
         let earned = earned.saturating_add(self.written / WRITE_SHARE);
         self.read / READ_COST > earned.saturating_add(ALLOWANCE)
@@ -114,32 +146,44 @@ mod tests {
     use super::*;
 
     const DATA: u8 = 0x0;
+    const HEADERS: u8 = 0x1;
+    const CONTINUATION: u8 = 0x9;
     const PING: (u8, usize) = (0x6, 8);
     const SETTINGS: (u8, usize) = (0x4, 0);
     const PRIORITY: (u8, usize) = (0x2, 5);
     const WINDOW_UPDATE: (u8, usize) = (0x8, 4);
     const RST_STREAM: (u8, usize) = (0x3, 4);
 
+    /// One frame read whole: its header and payload.
+    fn read(budget: &mut FrameBudget, (kind, len): (u8, usize)) {
+        budget.frame(kind, len);
+        budget.read(9 + len);
+    }
+
     /// Feeds `(kind, payload length)` frames, each followed by `answer` bytes written,
     /// until the budget is spent or `max` frames went in: the bytes read by then, if spent.
-    /// DATA frames' payloads are taken as they come when `taken`.
+    /// DATA frames' payloads are taken as they come when `taken`; each HEADERS frame is a
+    /// request whose head, decoded, is `head` bytes.
     fn read_until_spent(
         frames: &[(u8, usize)],
         answer: usize,
         max: u64,
         taken: bool,
+        head: u64,
     ) -> Option<u64> {
         let mut budget = FrameBudget::default();
-        let mut bodies = 0;
+        let mut credit = Credit::default();
         for n in 0..max {
             let (kind, len) = frames[(n as usize) % frames.len()];
-            budget.frame(kind, len, false);
-            budget.read(9 + len);
+            read(&mut budget, (kind, len));
             if kind == DATA && taken {
-                bodies += len as u64;
+                credit.taken += len as u64;
+            }
+            if kind == HEADERS {
+                credit.heads += head;
             }
             budget.wrote(answer);
-            if budget.spent(bodies, 0) {
+            if budget.spent(credit) {
                 return Some(budget.read);
             }
         }
@@ -161,7 +205,7 @@ mod tests {
                 5,
             ),
         ] {
-            let read = read_until_spent(frames, answer, MAX, true);
+            let read = read_until_spent(frames, answer, MAX, true, 0);
             let read = read.unwrap_or_else(|| panic!("{what}: never closed"));
             // nginx's allowance, 8 MiB, and little more for those answered.
             let closed = (8 << 20..9 << 20).contains(&read);
@@ -169,14 +213,59 @@ mod tests {
         }
     }
 
+    /// A header block earns nothing as it is read: h2 refuses some itself (too large
+    /// decoded, past the stream limit, malformed, trailers on a stream it reset) and no
+    /// request follows. 310 KB blocks, each followed by 2 MB of PRIORITY frames, are a
+    /// flood; the same blocks as requests the listener receives, each earning its capped
+    /// head, are too (a head earns at most `HEAD_CAP`); 15 KB blocks as requests, each
+    /// followed by 40 KB of PRIORITY frames, are not.
+    #[test]
+    fn header_blocks_earn_only_as_their_requests_arrive() {
+        let blocks = |size: usize, priorities: usize, head: Option<u64>| {
+            let mut budget = FrameBudget::default();
+            let mut credit = Credit::default();
+            (1..=200).find(|_| {
+                read(&mut budget, (HEADERS, size.min(16 << 10)));
+                for piece in (16 << 10..size).step_by(16 << 10) {
+                    read(&mut budget, (CONTINUATION, (size - piece).min(16 << 10)));
+                }
+                credit.heads += head.unwrap_or(0);
+                for _ in 0..priorities / 14 {
+                    read(&mut budget, PRIORITY);
+                }
+                budget.spent(credit)
+            })
+        };
+        assert_eq!(blocks(310_000, 2_000_000, None), Some(4));
+        assert_eq!(blocks(310_000, 2_000_000, Some(HEAD_CAP)), Some(4));
+        assert_eq!(blocks(15_000, 40_000, Some(15_000.min(HEAD_CAP))), None);
+        assert_eq!(blocks(15_000, 40_000, None), Some(153));
+    }
+
+    #[test]
+    fn a_head_earns_its_size_decoded_up_to_a_cap() {
+        let small = Request::get("https://api.example.com/sandboxes?limit=1")
+            .header("x-api-key", "e2b_0123")
+            .body(())
+            .unwrap();
+        assert_eq!(head_credit(&small), 3 + 5 + 15 + 18 + 9 + 8);
+        let mut big = Request::get("/").body(()).unwrap();
+        for n in 0..100 {
+            let name = http::HeaderName::try_from(format!("x-{n}")).unwrap();
+            big.headers_mut()
+                .insert(name, "v".repeat(1000).parse().unwrap());
+        }
+        assert_eq!(head_credit(&big), HEAD_CAP);
+    }
+
     /// DATA that h2 drops (on a stream already reset) is no body taken: PRIORITY frames
     /// between such frames are still a flood. Taken, the same DATA earns their room.
     #[test]
     fn data_earns_room_only_as_it_is_taken() {
         let frames = [(DATA, 16 << 10), PRIORITY, PRIORITY, PRIORITY, PRIORITY];
-        let dropped = read_until_spent(&frames, 0, 10_000_000, false);
+        let dropped = read_until_spent(&frames, 0, 10_000_000, false, 0);
         assert!(dropped.is_some_and(|read| read < 9 << 20), "{dropped:?}");
-        assert_eq!(read_until_spent(&frames, 0, 10_000_000, true), None);
+        assert_eq!(read_until_spent(&frames, 0, 10_000_000, true, 0), None);
     }
 
     /// Bodies dropped before their end (the proxy answered without them: a 400, a 413, an
@@ -187,36 +276,40 @@ mod tests {
         let window = 1 << 20;
         let read_data = |budget: &mut FrameBudget, bytes: usize| {
             for _ in 0..bytes / (16 << 10) {
-                budget.frame(DATA, 16 << 10, false);
-                budget.read(9 + (16 << 10));
+                read(budget, (DATA, 16 << 10));
             }
+        };
+        let refunded = |refunds| Credit {
+            refunds,
+            ..Credit::default()
         };
         // 40 uploads refused, each with a window on the way.
         let mut refused = FrameBudget::default();
         for _ in 0..40 {
-            refused.frame(FrameBudget::HEADERS, 30, false);
-            refused.read(39);
+            read(&mut refused, (HEADERS, 30));
             read_data(&mut refused, window as usize);
         }
-        assert!(!refused.spent(0, 40 * window));
-        assert!(refused.spent(0, 0));
+        assert!(!refused.spent(refunded(40 * window)));
+        assert!(refused.spent(refunded(0)));
         // One refused, and its stream fed 100 MiB more.
         let mut fed = FrameBudget::default();
         read_data(&mut fed, 100 << 20);
-        assert!(fed.spent(0, window));
-        assert!(!fed.spent(100 << 20, 0));
+        assert!(fed.spent(refunded(window)));
+        let taken = Credit {
+            taken: 100 << 20,
+            ..Credit::default()
+        };
+        assert!(!fed.spent(taken));
         // Refused requests, each followed by its window of DATA and 7 MiB of PRIORITY
         // frames: a refund buys no flood.
         let mut farmed = FrameBudget::default();
         let farmed_at = (1..=10).find(|&n| {
-            farmed.frame(FrameBudget::HEADERS, 30, false);
-            farmed.read(39);
+            read(&mut farmed, (HEADERS, 30));
             read_data(&mut farmed, window as usize);
             for _ in 0..(7 << 20) / 14 {
-                farmed.frame(PRIORITY.0, PRIORITY.1, false);
-                farmed.read(14);
+                read(&mut farmed, PRIORITY);
             }
-            farmed.spent(0, n * window)
+            farmed.spent(refunded(n * window))
         });
         assert_eq!(farmed_at, Some(2));
     }
@@ -226,7 +319,7 @@ mod tests {
     #[test]
     fn an_upload_is_no_flood() {
         let frames = [(DATA, 16 << 10)];
-        assert_eq!(read_until_spent(&frames, 13, 2 << 16, true), None);
+        assert_eq!(read_until_spent(&frames, 13, 2 << 16, true, 0), None);
     }
 
     /// 6 GiB downloaded over one connection in 16 KiB DATA frames, with a WINDOW_UPDATE
@@ -238,26 +331,24 @@ mod tests {
         let frames: u64 = 6 * (1 << 30) / (16 << 10);
         for n in 0..frames {
             budget.wrote(9 + (16 << 10));
-            for (kind, len) in [WINDOW_UPDATE, WINDOW_UPDATE] {
-                budget.frame(kind, len, false);
-                budget.read(9 + len);
-            }
+            read(&mut budget, WINDOW_UPDATE);
+            read(&mut budget, WINDOW_UPDATE);
             if n % 64 == 0 {
-                for (kind, len) in [(FrameBudget::HEADERS, 20), RST_STREAM] {
-                    budget.frame(kind, len, false);
-                    budget.read(9 + len);
-                }
+                read(&mut budget, (HEADERS, 20));
+                read(&mut budget, RST_STREAM);
             }
-            assert!(!budget.spent(0, 0), "spent after {n} frames");
+            assert!(!budget.spent(Credit::default()), "spent after {n} frames");
         }
     }
 
-    /// Requests that are all overhead: a small header block (HPACK-indexed), cancelled at
-    /// once, a PING for each, and no more than a 30-byte answer head: ten million of them.
+    /// Requests that are all overhead: a small header block (HPACK-indexed, 30 bytes
+    /// decoded), cancelled at once, a PING for each, and no more than a 20-byte answer
+    /// head: ten million of them. Without their heads' credit they are closed.
     #[test]
     fn small_requests_with_their_resets_and_pings_are_no_flood() {
-        let frames = [(FrameBudget::HEADERS, 6), RST_STREAM, PING];
-        assert_eq!(read_until_spent(&frames, 20, 30_000_000, true), None);
+        let frames = [(HEADERS, 6), RST_STREAM, PING];
+        assert_eq!(read_until_spent(&frames, 20, 30_000_000, true, 30), None);
+        assert!(read_until_spent(&frames, 20, 30_000_000, true, 0).is_some());
     }
 
     #[test]
@@ -265,10 +356,15 @@ mod tests {
         let mut budget = FrameBudget::default();
         budget.read(usize::MAX);
         budget.read(usize::MAX);
-        budget.frame(FrameBudget::HEADERS, usize::MAX, false);
-        budget.frame(FrameBudget::CONTINUATION, usize::MAX, false);
+        budget.frame(HEADERS, usize::MAX);
         budget.wrote(usize::MAX);
-        budget.frame(DATA, usize::MAX, false);
-        assert!(!budget.spent(u64::MAX, u64::MAX));
+        budget.frame(DATA, usize::MAX);
+        budget.frame(DATA, usize::MAX);
+        let all = Credit {
+            heads: u64::MAX,
+            taken: u64::MAX,
+            refunds: u64::MAX,
+        };
+        assert!(!budget.spent(all));
     }
 }

@@ -402,6 +402,9 @@ async fn with_hyper(
         let http2 = req.version() == http::Version::HTTP_2;
         let mut upload = None;
         let req = if http2 {
+            // Its head earns room in the frame budget now, not as its block was read: h2
+            // refuses some blocks itself, and no request follows them.
+            activity.took_head(super::flood::head_credit(&req));
             let mut req = req.map(|b| {
                 let body = super::body::EndStreamed::request(b).counted(activity.clone());
                 super::body::marked(body, &mut upload)

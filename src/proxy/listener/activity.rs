@@ -17,6 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
 use super::ServeConfig;
+use crate::proxy::flood::Credit;
 use crate::proxy::framing::{self, HeadWatch, Verdicts};
 use crate::proxy::h1;
 
@@ -49,6 +50,8 @@ struct Clocks {
     answers: AtomicU32,
     /// See [`Activity::reads`].
     reads: AtomicU32,
+    /// See [`Activity::took_head`].
+    heads: AtomicU64,
     /// See [`Activity::took_body`].
     bodies: AtomicU64,
     /// See [`Activity::dropped_body`].
@@ -281,6 +284,13 @@ impl Activity {
         self.clocks.reads.load(Ordering::Relaxed)
     }
 
+    /// An HTTP/2 request's head reached the listener's service, earning `n` bytes of room
+    /// in the connection's frame budget (see
+    /// [`head_credit`](crate::proxy::flood::head_credit)).
+    pub(in crate::proxy) fn took_head(&self, n: u64) {
+        self.clocks.heads.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// `n` bytes of an HTTP/2 request body were taken on their way upstream: room in the
     /// connection's frame budget (see [`flood`](crate::proxy::flood)).
     pub(in crate::proxy) fn took_body(&self, n: usize) {
@@ -297,12 +307,15 @@ impl Activity {
         self.clocks.refunds.fetch_add(window, Ordering::Relaxed);
     }
 
-    /// Body bytes taken, and the room given for bodies dropped (see
-    /// [`Activity::took_body`], [`Activity::dropped_body`]).
-    pub(in crate::proxy) fn bodies(&self) -> (u64, u64) {
+    /// What the connection's requests have earned in its frame budget (see
+    /// [`Activity::took_head`], [`Activity::took_body`], [`Activity::dropped_body`]).
+    pub(in crate::proxy) fn credit(&self) -> Credit {
         let clocks = &self.clocks;
-        let taken = clocks.bodies.load(Ordering::Relaxed);
-        (taken, clocks.refunds.load(Ordering::Relaxed))
+        Credit {
+            heads: clocks.heads.load(Ordering::Relaxed),
+            taken: clocks.bodies.load(Ordering::Relaxed),
+            refunds: clocks.refunds.load(Ordering::Relaxed),
+        }
     }
 
     /// The connection opened with HTTP/2's preface (see [`HeadWatch::is_http2`]).
@@ -701,8 +714,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let (taken, refunds) = self.activity.bodies();
-        if (self.framing.as_ref()).is_some_and(|f| f.flooded(taken, refunds)) {
+        let credit = self.activity.credit();
+        if (self.framing.as_ref()).is_some_and(|f| f.flooded(credit)) {
             return Poll::Ready(Err(flood()));
         }
         let before = buf.filled().len();
@@ -725,8 +738,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                     // later, which it finds when it next wakes.
                     this.activity.opened_http2();
                 }
-                let (taken, refunds) = this.activity.bodies();
-                if framing.flooded(taken, refunds) {
+                if framing.flooded(this.activity.credit()) {
                     said_flood();
                     return Poll::Ready(Err(flood()));
                 }
