@@ -2564,6 +2564,80 @@ async fn a_half_closed_tunnels_wait_counts_from_the_end() {
     proxy.finish().await;
 }
 
+/// A plain-HTTP upstream that upgrades every request with a greeting, `hello`, then waits
+/// for a byte from the client; at `/reset` it then resets its connection, elsewhere it
+/// reads until the client's end.
+async fn resetting_websocket_upstream() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut tmp = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut tmp).await {
+                        Ok(n) if n > 0 => head.extend_from_slice(&tmp[..n]),
+                        _ => return,
+                    }
+                }
+                let switched = b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n\
+                    Upgrade: websocket\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\nhello";
+                if s.write_all(switched).await.is_err() {
+                    return;
+                }
+                let _ = s.read(&mut tmp).await;
+                if head.starts_with(b"GET /reset ") {
+                    let _ = s.set_zero_linger();
+                    return;
+                }
+                while matches!(s.read(&mut tmp).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    url
+}
+
+/// A tunnel's failure says whose it was. One the upstream resets (a WebSocket server that
+/// crashed) gets a `warn` line with `end="upstream"` and is counted in
+/// `upstream_errors_total`, as an answer the upstream breaks is; one the client resets, a
+/// `debug` line with `end="client"`, uncounted. Both were a `debug` line with
+/// `end="error"`, and uncounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnels_failure_says_whose_it_was() {
+    let pki = Pki::new();
+    let url = resetting_websocket_upstream().await;
+    let mut proxy = ProxyCmd::new(&url, &pki).spawn().await;
+    let addr = proxy.addr();
+    let reset = r#"abx_proxy_upstream_errors_total{kind="reset",plane="api"}"#;
+    for (target, end, level) in [("/ws", "client", "DEBUG"), ("/reset", "upstream", "WARN")] {
+        let (mut s, resp, mut buf) =
+            raw_open(addr, websocket_request_to(addr, target).as_bytes()).await;
+        assert_eq!(resp.status, 101, "{resp:?}");
+        while buf.len() < 5 {
+            let mut tmp = [0u8; 64];
+            let n = within("the greeting", s.read(&mut tmp)).await.unwrap();
+            assert!(n > 0, "tunnel closed before the greeting");
+            buf.extend_from_slice(&tmp[..n]);
+        }
+        assert_eq!(&buf[..], b"hello");
+        within("a byte up", s.write_all(b"x")).await.unwrap();
+        if end == "client" {
+            s.set_zero_linger().unwrap();
+            drop(s);
+        } else {
+            let mut rest = Vec::new();
+            let _ = within("the tunnel's end", s.read_to_end(&mut rest)).await;
+        }
+        let closed = proxy.wait_for_line("tunnel closed").await;
+        assert!(closed.contains(&format!("end=\"{end}\"")), "{closed}");
+        assert!(closed.contains(level), "{closed}");
+        let want = if end == "client" { 0.0 } else { 1.0 };
+        wait_metric(proxy.admin_addr(), reset, "the count", |v| v == Some(want)).await;
+    }
+    proxy.finish().await;
+}
+
 /// An envd upgrade the upstream turns down (a 204 here, a 401 or 404 alike) leaves no
 /// upstream connection behind: hyper's client kept it idle, out of reach of the waiting
 /// requests that close idle connections for a slot, 8 per sandbox and port, and 400 such

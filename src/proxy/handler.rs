@@ -537,7 +537,7 @@ impl Proxy {
             }
 
             // respond
-            let mut resp = self.respond(resp, sniff, upgrade).await?;
+            let mut resp = self.respond(Plane::Api, resp, sniff, upgrade).await?;
             if app_route {
                 headers::sandbox_the_page(resp.headers_mut());
             }
@@ -727,7 +727,9 @@ impl Proxy {
         }
 
         // respond
-        let resp = self.respond(resp, Sniff::None, upgrade).await?;
+        let resp = self
+            .respond(Plane::Envd, resp, Sniff::None, upgrade)
+            .await?;
         Ok((resp, host))
     }
 
@@ -920,6 +922,7 @@ impl Proxy {
     /// Phase 5, respond: hop-by-hop out, tunnels for upgrades, token learning.
     async fn respond(
         &self,
+        plane: Plane,
         mut resp: Response<ProxyBody>,
         sniff: Sniff,
         upgrade: Option<Upgrade>,
@@ -931,11 +934,16 @@ impl Proxy {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
                 let aborting = self.aborting.subscribe();
+                let count = tunnel::Count {
+                    metrics: self.metrics.clone(),
+                    plane,
+                };
                 tokio::spawn(tunnel::run(
                     client_side,
                     upstream_side,
                     self.idle_timeout,
                     aborting,
+                    count,
                 ));
                 headers::strip_response_hop_by_hop(resp.headers_mut(), true);
                 return Ok(resp.map(|_| body::empty()));

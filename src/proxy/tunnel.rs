@@ -18,7 +18,9 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 
+use super::failure::io_kind;
 use super::listener::{self, Activity, IdleIo, OpenConnection};
+use crate::metrics::{Metrics, Plane};
 use crate::upstream::ProxyBody;
 
 /// A client's request to switch protocols.
@@ -43,12 +45,17 @@ impl Upgrade {
 }
 
 /// How a tunnel ended.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum End {
-    /// A side closed it.
+    /// Both sides closed it.
     Closed,
-    /// A side failed (a reset, mostly).
-    Failed,
+    /// One way failed: `up` (client to upstream) or down; `other_ended`: the other way
+    /// had ended first. Whose failure it was, the upstream side's [`Watched`] says.
+    Failed { up: bool, other_ended: bool },
+    /// The client's side failed (a reset, mostly), or went while an answer was written.
+    Client,
+    /// The upstream's side failed: a reset, mostly (a WebSocket server that crashed).
+    Upstream(io::ErrorKind),
     /// No byte either way for `--idle-timeout`.
     Idle,
     /// One side ended, and no byte went the other way for [`HALF_CLOSED_IDLE`].
@@ -61,12 +68,36 @@ impl End {
     fn as_str(self) -> &'static str {
         match self {
             End::Closed => "closed",
-            End::Failed => "error",
+            End::Failed { .. } => "error",
+            End::Client => "client",
+            End::Upstream(_) => "upstream",
             End::Idle => "idle",
             End::HalfClosed => "half-closed",
             End::Drain => "drain",
         }
     }
+
+    /// A failure, told by whose side it was. A write to an upstream that had already
+    /// ended its side (a WebSocket server that closes its socket after its Close frame,
+    /// as many do, and is then sent the client's) is its close, not a failure.
+    fn blamed(self, upstream: &Watched<impl Sized>) -> End {
+        let End::Failed { up, other_ended } = self else {
+            return self;
+        };
+        match (up, upstream.read_failed, upstream.write_failed) {
+            (false, Some(kind), _) => End::Upstream(kind),
+            (true, _, Some(_)) if other_ended => End::Closed,
+            (true, _, Some(kind)) => End::Upstream(kind),
+            _ => End::Client,
+        }
+    }
+}
+
+/// Where a tunnel's upstream failures are counted: `upstream_errors_total`, as an answer
+/// the upstream breaks is.
+pub(super) struct Count {
+    pub metrics: Arc<Metrics>,
+    pub plane: Plane,
 }
 
 /// Bytes both ways between an upgraded client connection and the upstream's.
@@ -86,6 +117,7 @@ pub(super) async fn run(
     upstream: OnUpgrade,
     idle_timeout: Duration,
     mut aborting: watch::Receiver<bool>,
+    count: Count,
 ) {
     let Upgrade {
         client,
@@ -100,7 +132,8 @@ pub(super) async fn run(
     let activity = Activity::new();
     let client = Counted::new(IdleIo::tunnel(TokioIo::new(client), activity.clone()));
     let (mut from_client, mut to_client) = tokio::io::split(client);
-    let (mut from_upstream, mut to_upstream) = tokio::io::split(TokioIo::new(upstream));
+    let upstream = Watched::new(TokioIo::new(upstream));
+    let (mut from_upstream, mut to_upstream) = tokio::io::split(upstream);
     let end = both_ways(
         pass(&mut from_client, &mut to_upstream),
         pass(&mut from_upstream, &mut to_client),
@@ -110,6 +143,7 @@ pub(super) async fn run(
     )
     .await;
     let client = from_client.unsplit(to_client);
+    let end = end.blamed(&from_upstream.unsplit(to_upstream));
     let duration_ms = start.elapsed().as_millis() as u64;
     let (up, down) = (client.read, client.written);
     match end {
@@ -118,7 +152,16 @@ pub(super) async fn run(
             path = %path, end = end.as_str(), duration_ms, bytes_up = up, bytes_down = down,
             "tunnel cut"
         ),
-        End::Closed | End::Failed => tracing::debug!(
+        // As an answer the upstream breaks: nginx says "recv() failed … while proxying
+        // upgraded connection". Only a debug line before, the same as a client's reset.
+        End::Upstream(kind) => {
+            count.metrics.upstream_error(count.plane, io_kind(kind));
+            tracing::warn!(
+                path = %path, end = end.as_str(), duration_ms, bytes_up = up,
+                bytes_down = down, "tunnel closed"
+            );
+        }
+        End::Closed | End::Client | End::Failed { .. } => tracing::debug!(
             path = %path, end = end.as_str(), duration_ms, bytes_up = up, bytes_down = down,
             "tunnel closed"
         ),
@@ -184,11 +227,11 @@ async fn both_ways(
         tokio::select! {
             ended = &mut up, if !up_ended => match ended {
                 Ok(()) => up_ended = true,
-                Err(_) => return End::Failed,
+                Err(_) => return End::Failed { up: true, other_ended: down_ended },
             },
             ended = &mut down, if !down_ended => match ended {
                 Ok(()) => down_ended = true,
-                Err(_) => return End::Failed,
+                Err(_) => return End::Failed { up: false, other_ended: up_ended },
             },
             () = listener::idle(activity, idle) => {
                 return if half_closed { End::HalfClosed } else { End::Idle };
@@ -203,6 +246,72 @@ async fn both_ways(
         if !half_closed {
             activity.touch();
         }
+    }
+}
+
+/// The upstream's side of a tunnel, remembering how a read or a write to it failed. A
+/// read's `UnexpectedEof` (a TLS peer's end without `close_notify`) is an end, not a
+/// failure (see [`EndAtUnexpectedEof`]).
+struct Watched<T> {
+    inner: T,
+    read_failed: Option<io::ErrorKind>,
+    write_failed: Option<io::ErrorKind>,
+}
+
+impl<T> Watched<T> {
+    fn new(inner: T) -> Self {
+        Watched {
+            inner,
+            read_failed: None,
+            write_failed: None,
+        }
+    }
+}
+
+impl<T> Watched<T> {
+    /// A write's (or flush's, or shutdown's) outcome, its failure remembered.
+    fn wrote<R>(&mut self, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        if let Poll::Ready(Err(e)) = &polled {
+            self.write_failed = self.write_failed.or(Some(e.kind()));
+        }
+        polled
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Err(e)) = &polled {
+            if e.kind() != io::ErrorKind::UnexpectedEof {
+                self.read_failed = Some(e.kind());
+            }
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.wrote(polled)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.wrote(polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.wrote(polled)
     }
 }
 
@@ -279,6 +388,48 @@ mod tests {
             .expect("read");
         assert_eq!(buf.filled(), b"heldhello");
         assert_eq!(counted.read, 5);
+    }
+
+    /// A failed way is the upstream's when its read or write to the upstream failed; a
+    /// write to an upstream whose own side had ended first is its close; anything else
+    /// failed on the client's side.
+    #[test]
+    fn a_failure_is_blamed_on_its_side() {
+        use io::ErrorKind::{BrokenPipe, ConnectionReset};
+        let side = |read_failed, write_failed| Watched {
+            inner: (),
+            read_failed,
+            write_failed,
+        };
+        let failed = |up, other_ended| End::Failed { up, other_ended };
+        let cases = [
+            (
+                failed(false, false),
+                side(Some(ConnectionReset), None),
+                End::Upstream(ConnectionReset),
+            ),
+            (
+                failed(false, true),
+                side(Some(ConnectionReset), None),
+                End::Upstream(ConnectionReset),
+            ),
+            (failed(false, false), side(None, None), End::Client),
+            (
+                failed(true, false),
+                side(None, Some(BrokenPipe)),
+                End::Upstream(BrokenPipe),
+            ),
+            (
+                failed(true, true),
+                side(None, Some(BrokenPipe)),
+                End::Closed,
+            ),
+            (failed(true, false), side(None, None), End::Client),
+            (End::Idle, side(Some(ConnectionReset), None), End::Idle),
+        ];
+        for (end, upstream, blamed) in cases {
+            assert_eq!(end.blamed(&upstream), blamed, "{end:?}");
+        }
     }
 
     /// Bytes, then `UnexpectedEof` (a TLS peer's end without `close_notify`).
