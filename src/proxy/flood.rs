@@ -7,7 +7,7 @@
 //! core of the proxy's for as long as it goes on (CVE-2019-9512, -9513, -9514, -9515).
 //! nginx closes such a connection ("http2 flood detected") once the bytes it has read,
 //! divided by 8, pass the bytes of requests in them (header blocks and bodies) by more than
-//! 1 MiB. So does the proxy, with three differences:
+//! 1 MiB. So does the proxy, with four differences:
 //! - a request's head counts once the listener's service has it (as nginx counts a head
 //!   when its request runs), as its size decoded, up to [`HEAD_CAP`]: not its header
 //!   block as it is read. h2 refuses some blocks itself (over `H2_MAX_HEAD_LIST` decoded,
@@ -29,7 +29,11 @@
 //!   an HTTP/2 connection after 1 000 requests; the proxy does not, and a client
 //!   downloading over one connection for days sends WINDOW_UPDATEs (26 bytes per 16 KiB
 //!   frame taken, from clients that answer each) that would reach nginx's bound after some
-//!   5 GiB. A 256th: a sixteenth let a 1 GB download buy four seconds of a core's flood.
+//!   5 GiB. A 256th: a sixteenth let a 1 GB download buy four seconds of a core's flood;
+//! - what a connection earns fills its room only up to the 1 MiB it started with (see
+//!   [`FrameBudget::spent`]): nginx's totals run for a connection's life, which its
+//!   rotation bounds; without the bound 20 000 cheap requests, sent in 0.4 s, bought 1.3
+//!   GB of PRIORITY frames: 10 s of a core.
 //!
 //! A PING or SETTINGS flood earns next to nothing by its answers, and is closed.
 //!
@@ -87,7 +91,7 @@ pub(in crate::proxy) fn head_credit<B>(req: &Request<B>) -> u64 {
 }
 
 /// One HTTP/2 connection's budget.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct FrameBudget {
     /// Every byte of frames read (headers and payloads).
     read: u64,
@@ -95,6 +99,27 @@ pub(super) struct FrameBudget {
     data: u64,
     /// Bytes written to the client.
     written: u64,
+    /// What the connection had earned, and what its reads had cost, at the last look.
+    earned: u64,
+    cost: u64,
+    /// The room left: [`ALLOWANCE`] at the start, and never more.
+    room: u64,
+    /// The room ran out: the connection is to be closed.
+    spent: bool,
+}
+
+impl Default for FrameBudget {
+    fn default() -> Self {
+        FrameBudget {
+            read: 0,
+            data: 0,
+            written: 0,
+            earned: 0,
+            cost: 0,
+            room: ALLOWANCE,
+            spent: false,
+        }
+    }
 }
 
 impl FrameBudget {
@@ -119,12 +144,20 @@ impl FrameBudget {
         self.written = self.written.saturating_add(n as u64);
     }
 
-    /// The client has spent its room, given what its requests have earned: the connection
-    /// is to be closed. Refunds forgive DATA dropped, up to the DATA read beyond the bodies
-    /// taken; they are not credited as a body taken: a refused request whose stream is
-    /// then fed its window of DATA bought 7 MiB of flood, and refunds pool across a
-    /// connection's streams.
-    pub(super) fn spent(&self, credit: Credit) -> bool {
+    /// The client has spent its room, given what its requests have earned so far: the
+    /// connection is to be closed (and stays so). What was earned since the last look
+    /// fills the room, up to [`ALLOWANCE`], before what was read since costs it: nginx's
+    /// totals, kept for a connection's life, let a client bank what 20 000 cheap requests
+    /// earned (0.4 s of them) and spend it on 1.3 GB of PRIORITY frames, 10 s of a core
+    /// (nginx closes a connection after 1 000 requests; the proxy does not). Every
+    /// request's own bytes come before its credit (a block before its request, DATA
+    /// before its body is taken), so the bound takes nothing from a client that sends
+    /// no flood.
+    ///
+    /// Refunds forgive DATA dropped, up to the DATA read beyond the bodies taken; they are
+    /// not credited as a body taken: a refused request whose stream is then fed its window
+    /// of DATA bought 7 MiB of flood, and refunds pool across a connection's streams.
+    pub(super) fn spent(&mut self, credit: Credit) -> bool {
         let Credit {
             heads,
             taken,
@@ -137,7 +170,14 @@ impl FrameBudget {
         let earned = heads.saturating_add(taken);
         let earned = earned.saturating_add(dropped / READ_COST);
         let earned = earned.saturating_add(self.written / WRITE_SHARE);
-        self.read / READ_COST > earned.saturating_add(ALLOWANCE)
+        let cost = self.read / READ_COST;
+        let gain = earned.saturating_sub(self.earned);
+        let charge = cost.saturating_sub(self.cost);
+        (self.earned, self.cost) = (self.earned.max(earned), cost);
+        self.room = self.room.saturating_add(gain).min(ALLOWANCE);
+        self.spent |= charge > self.room;
+        self.room = self.room.saturating_sub(charge);
+        self.spent
     }
 }
 
@@ -274,44 +314,70 @@ mod tests {
     #[test]
     fn dropped_bodies_refund_a_window_of_data_each() {
         let window = 1 << 20;
-        let read_data = |budget: &mut FrameBudget, bytes: usize| {
-            for _ in 0..bytes / (16 << 10) {
+        // `bytes` of DATA in 16 KiB frames, the budget looked at after each: spent?
+        let read_data = |budget: &mut FrameBudget, bytes: u64, credit: Credit| {
+            (0..bytes / (16 << 10)).any(|_| {
                 read(budget, (DATA, 16 << 10));
-            }
+                budget.spent(credit)
+            })
         };
         let refunded = |refunds| Credit {
             refunds,
             ..Credit::default()
         };
         // 40 uploads refused, each with a window on the way.
-        let mut refused = FrameBudget::default();
-        for _ in 0..40 {
-            read(&mut refused, (HEADERS, 30));
-            read_data(&mut refused, window as usize);
-        }
-        assert!(!refused.spent(refunded(40 * window)));
-        assert!(refused.spent(refunded(0)));
+        let refused = |refund: u64| {
+            let mut budget = FrameBudget::default();
+            (1..=40).any(|n| {
+                read(&mut budget, (HEADERS, 30));
+                read_data(&mut budget, window, refunded(n * refund))
+            })
+        };
+        assert!(!refused(window));
+        assert!(refused(0));
         // One refused, and its stream fed 100 MiB more.
         let mut fed = FrameBudget::default();
-        read_data(&mut fed, 100 << 20);
-        assert!(fed.spent(refunded(window)));
-        let taken = Credit {
-            taken: 100 << 20,
-            ..Credit::default()
-        };
-        assert!(!fed.spent(taken));
+        assert!(read_data(&mut fed, 100 << 20, refunded(window)));
         // Refused requests, each followed by its window of DATA and 7 MiB of PRIORITY
         // frames: a refund buys no flood.
         let mut farmed = FrameBudget::default();
         let farmed_at = (1..=10).find(|&n| {
             read(&mut farmed, (HEADERS, 30));
-            read_data(&mut farmed, window as usize);
-            for _ in 0..(7 << 20) / 14 {
-                read(&mut farmed, PRIORITY);
-            }
-            farmed.spent(refunded(n * window))
+            let credit = refunded(n * window);
+            read_data(&mut farmed, window, credit)
+                || (0..(7 << 20) / 14).any(|_| {
+                    read(&mut farmed, PRIORITY);
+                    farmed.spent(credit)
+                })
         });
         assert_eq!(farmed_at, Some(2));
+    }
+
+    /// What requests earned is not banked past the room a connection starts with: 20 000
+    /// cheap requests (25-byte blocks whose heads, HPACK-indexed, earn 8 KiB each) and
+    /// then PRIORITY frames alone are closed after 8 MiB of them, as a flood without
+    /// the requests is. With nginx's totals the requests bought 1.3 GB of flood.
+    #[test]
+    fn earnings_are_not_banked_past_the_allowance() {
+        let mut budget = FrameBudget::default();
+        let mut credit = Credit::default();
+        for n in 0..20_000 {
+            read(&mut budget, (HEADERS, 25));
+            credit.heads += HEAD_CAP;
+            budget.wrote(30);
+            assert!(!budget.spent(credit), "request {n}");
+        }
+        let before = budget.read;
+        let flood = (1..10_000_000).find(|_| {
+            read(&mut budget, PRIORITY);
+            budget.spent(credit)
+        });
+        let flooded = flood.map(|_| budget.read - before);
+        // 8 MiB, give or take the eighths of bytes left over before.
+        let closed = flooded.is_some_and(|f| ((8 << 20) - 64..9 << 20).contains(&f));
+        assert!(closed, "{flooded:?}");
+        // And it stays closed.
+        assert!(budget.spent(credit));
     }
 
     /// An upload: 2 GiB in 16 KiB DATA frames, taken, the proxy's WINDOW_UPDATE written
@@ -354,9 +420,8 @@ mod tests {
     #[test]
     fn counts_saturate() {
         let mut budget = FrameBudget::default();
-        budget.read(usize::MAX);
-        budget.read(usize::MAX);
         budget.frame(HEADERS, usize::MAX);
+        budget.wrote(usize::MAX);
         budget.wrote(usize::MAX);
         budget.frame(DATA, usize::MAX);
         budget.frame(DATA, usize::MAX);
@@ -366,5 +431,8 @@ mod tests {
             refunds: u64::MAX,
         };
         assert!(!budget.spent(all));
+        budget.read(usize::MAX);
+        budget.read(usize::MAX);
+        assert!(budget.spent(all));
     }
 }

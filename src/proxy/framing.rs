@@ -536,7 +536,7 @@ impl HeadWatch {
     /// An HTTP/2 client has sent more frames that carry no request than its budget allows,
     /// given what its requests have earned (see [`flood`](super::flood)): the connection is
     /// to be closed.
-    pub(in crate::proxy) fn flooded(&self, credit: Credit) -> bool {
+    pub(in crate::proxy) fn flooded(&mut self, credit: Credit) -> bool {
         self.state == State::Http2 && self.frames.budget.spent(credit)
     }
 

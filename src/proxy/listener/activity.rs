@@ -715,7 +715,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let credit = self.activity.credit();
-        if (self.framing.as_ref()).is_some_and(|f| f.flooded(credit)) {
+        if (self.framing.as_mut()).is_some_and(|f| f.flooded(credit)) {
             return Poll::Ready(Err(flood()));
         }
         let before = buf.filled().len();
