@@ -2565,13 +2565,17 @@ async fn a_half_closed_tunnels_wait_counts_from_the_end() {
 }
 
 /// A plain-HTTP upstream that upgrades every request with a greeting, `hello`, then waits
-/// for a byte from the client; at `/reset` it then resets its connection, elsewhere it
-/// reads until the client's end.
-async fn resetting_websocket_upstream() -> String {
+/// for a byte from the client; at `/reset` it then resets its connection, at `/closing`
+/// it sends [`CLOSING_BYTES`] and closes its socket (and says so on `closed`), elsewhere
+/// it reads until the client's end.
+async fn resetting_websocket_upstream() -> (String, Arc<tokio::sync::Notify>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    let closed = Arc::new(tokio::sync::Notify::new());
+    let said = closed.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
+            let said = said.clone();
             tokio::spawn(async move {
                 let mut head = Vec::new();
                 let mut tmp = [0u8; 1024];
@@ -2591,11 +2595,36 @@ async fn resetting_websocket_upstream() -> String {
                     let _ = s.set_zero_linger();
                     return;
                 }
+                if head.starts_with(b"GET /closing ") {
+                    let _ = s.write_all(&vec![b'z'; CLOSING_BYTES]).await;
+                    drop(s);
+                    said.notify_one();
+                    return;
+                }
                 while matches!(s.read(&mut tmp).await, Ok(n) if n > 0) {}
             });
         }
     });
-    url
+    (url, closed)
+}
+
+/// What [`resetting_websocket_upstream`] sends at `/closing` before it closes.
+const CLOSING_BYTES: usize = 32 << 10;
+
+/// A WebSocket tunnel through the proxy at `addr` to `target`, past the 101 and the
+/// upstream's `hello`.
+async fn open_hello_tunnel(addr: std::net::SocketAddr, target: &str) -> TcpStream {
+    let (mut s, resp, mut buf) =
+        raw_open(addr, websocket_request_to(addr, target).as_bytes()).await;
+    assert_eq!(resp.status, 101, "{resp:?}");
+    while buf.len() < 5 {
+        let mut tmp = [0u8; 64];
+        let n = within("the greeting", s.read(&mut tmp)).await.unwrap();
+        assert!(n > 0, "tunnel closed before the greeting");
+        buf.extend_from_slice(&tmp[..n]);
+    }
+    assert_eq!(&buf[..], b"hello");
+    s
 }
 
 /// A tunnel's failure says whose it was. One the upstream resets (a WebSocket server that
@@ -2606,21 +2635,12 @@ async fn resetting_websocket_upstream() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tunnels_failure_says_whose_it_was() {
     let pki = Pki::new();
-    let url = resetting_websocket_upstream().await;
+    let (url, _) = resetting_websocket_upstream().await;
     let mut proxy = ProxyCmd::new(&url, &pki).spawn().await;
     let addr = proxy.addr();
     let reset = r#"abx_proxy_upstream_errors_total{kind="reset",plane="api"}"#;
     for (target, end, level) in [("/ws", "client", "DEBUG"), ("/reset", "upstream", "WARN")] {
-        let (mut s, resp, mut buf) =
-            raw_open(addr, websocket_request_to(addr, target).as_bytes()).await;
-        assert_eq!(resp.status, 101, "{resp:?}");
-        while buf.len() < 5 {
-            let mut tmp = [0u8; 64];
-            let n = within("the greeting", s.read(&mut tmp)).await.unwrap();
-            assert!(n > 0, "tunnel closed before the greeting");
-            buf.extend_from_slice(&tmp[..n]);
-        }
-        assert_eq!(&buf[..], b"hello");
+        let mut s = open_hello_tunnel(addr, target).await;
         within("a byte up", s.write_all(b"x")).await.unwrap();
         if end == "client" {
             s.set_zero_linger().unwrap();
@@ -2635,6 +2655,46 @@ async fn a_tunnels_failure_says_whose_it_was() {
         let want = if end == "client" { 0.0 } else { 1.0 };
         wait_metric(proxy.admin_addr(), reset, "the count", |v| v == Some(want)).await;
     }
+    proxy.finish().await;
+}
+
+/// An upstream that closes its socket after its last bytes resets what the client sends
+/// next (a WebSocket server after its Close frame, to a client that pings while it
+/// reads): the client's bytes from then on are dropped, and it still gets every byte the
+/// upstream sent, then the tunnel's end. Ending the tunnel at the refused write dropped
+/// the client's connection with its bytes unread, which reset it, and what it had not
+/// read yet was lost (a client lost 2 of 4 MiB and the Close frame).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
+    let pki = Pki::new();
+    let (url, closed) = resetting_websocket_upstream().await;
+    let mut proxy = ProxyCmd::new(&url, &pki).spawn().await;
+    let addr = proxy.addr();
+    let mut s = open_hello_tunnel(addr, "/closing").await;
+    within("a byte up", s.write_all(b"x")).await.unwrap();
+    within("the upstream's close", closed.notified()).await;
+    // Its bytes are all on their way to the client, which has read none of them yet.
+    proxy.wait_for_line("the upstream ended its side").await;
+    // Pings, unread by anyone now, until the proxy has found the upstream's side gone.
+    let (mut from_proxy, mut to_proxy) = s.split();
+    tokio::select! {
+        _ = proxy.wait_for_line("refused a write") => {}
+        _ = async {
+            while to_proxy.write_all(b"ping").await.is_ok() {
+                tokio::task::yield_now().await;
+            }
+        } => panic!("the client's side failed before the proxy refused a write"),
+    }
+    let mut got = Vec::new();
+    let read = within("the upstream's bytes", from_proxy.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "{read:?} after {} bytes", got.len());
+    assert_eq!(got.len(), CLOSING_BYTES);
+    assert!(got.iter().all(|&b| b == b'z'));
+    within("the client's end", to_proxy.shutdown())
+        .await
+        .unwrap();
+    let line = proxy.wait_for_line("tunnel closed").await;
+    assert!(line.contains("end=\"closed\""), "{line}");
     proxy.finish().await;
 }
 

@@ -49,12 +49,13 @@ impl Upgrade {
 enum End {
     /// Both sides closed it.
     Closed,
-    /// One way failed: `up` (client to upstream) or down; `other_ended`: the other way
-    /// had ended first. Whose failure it was, the upstream side's [`Watched`] says.
-    Failed { up: bool, other_ended: bool },
+    /// One way failed: `up` (client to upstream) or down. Whose failure it was, the
+    /// upstream side's [`Watched`] says.
+    Failed { up: bool },
     /// The client's side failed (a reset, mostly), or went while an answer was written.
     Client,
-    /// The upstream's side failed: a reset, mostly (a WebSocket server that crashed).
+    /// A read from the upstream failed: a reset, mostly (a server aborted, or one that
+    /// closed its socket with bytes unread).
     Upstream(io::ErrorKind),
     /// No byte either way for `--idle-timeout`.
     Idle,
@@ -77,18 +78,13 @@ impl End {
         }
     }
 
-    /// A failure, told by whose side it was. A write to an upstream that had already
-    /// ended its side (a WebSocket server that closes its socket after its Close frame,
-    /// as many do, and is then sent the client's) is its close, not a failure.
+    /// A failure, told by whose side it was: the upstream's when a read from it failed
+    /// (writes to it never fail the tunnel: see [`Watched`]), else the client's.
     fn blamed(self, upstream: &Watched<impl Sized>) -> End {
-        let End::Failed { up, other_ended } = self else {
-            return self;
-        };
-        match (up, upstream.read_failed, upstream.write_failed) {
-            (false, Some(kind), _) => End::Upstream(kind),
-            (true, _, Some(_)) if other_ended => End::Closed,
-            (true, _, Some(kind)) => End::Upstream(kind),
-            _ => End::Client,
+        match (self, upstream.read_failed) {
+            (End::Failed { up: false }, Some(kind)) => End::Upstream(kind),
+            (End::Failed { .. }, _) => End::Client,
+            (end, _) => end,
         }
     }
 }
@@ -157,7 +153,7 @@ pub(super) async fn run(
         End::Upstream(kind) => {
             count.metrics.upstream_error(count.plane, io_kind(kind));
             tracing::warn!(
-                path = %path, end = end.as_str(), duration_ms, bytes_up = up,
+                path = %path, end = end.as_str(), error = %kind, duration_ms, bytes_up = up,
                 bytes_down = down, "tunnel closed"
             );
         }
@@ -226,12 +222,18 @@ async fn both_ways(
         };
         tokio::select! {
             ended = &mut up, if !up_ended => match ended {
-                Ok(()) => up_ended = true,
-                Err(_) => return End::Failed { up: true, other_ended: down_ended },
+                Ok(()) => {
+                    tracing::debug!("the client ended its side of a tunnel");
+                    up_ended = true;
+                }
+                Err(_) => return End::Failed { up: true },
             },
             ended = &mut down, if !down_ended => match ended {
-                Ok(()) => down_ended = true,
-                Err(_) => return End::Failed { up: false, other_ended: up_ended },
+                Ok(()) => {
+                    tracing::debug!("the upstream ended its side of a tunnel");
+                    down_ended = true;
+                }
+                Err(_) => return End::Failed { up: false },
             },
             () = listener::idle(activity, idle) => {
                 return if half_closed { End::HalfClosed } else { End::Idle };
@@ -249,13 +251,22 @@ async fn both_ways(
     }
 }
 
-/// The upstream's side of a tunnel, remembering how a read or a write to it failed. A
-/// read's `UnexpectedEof` (a TLS peer's end without `close_notify`) is an end, not a
-/// failure (see [`EndAtUnexpectedEof`]).
+/// The upstream's side of a tunnel, remembering how a read from it failed. A read's
+/// `UnexpectedEof` (a TLS peer's end without `close_notify`) is an end, not a failure (see
+/// [`EndAtUnexpectedEof`]).
+///
+/// A write to it that fails makes it a sink: the client's bytes from then on are dropped,
+/// until the client's end (or the tunnel's idle cut), and the tunnel goes on while the
+/// upstream's way does. A server that closes its socket after its last bytes (a WebSocket
+/// server after its Close frame, as many do) resets what the client sends next; ending
+/// the tunnel there dropped the client's connection with its bytes unread, which reset it
+/// and lost the end of what the upstream had sent (2 of 4 MiB, and the Close frame, to a
+/// client that pinged while it read). Whether the upstream failed, its reads say.
 struct Watched<T> {
     inner: T,
     read_failed: Option<io::ErrorKind>,
-    write_failed: Option<io::ErrorKind>,
+    /// A write failed: everything written since was dropped.
+    sink: bool,
 }
 
 impl<T> Watched<T> {
@@ -263,18 +274,25 @@ impl<T> Watched<T> {
         Watched {
             inner,
             read_failed: None,
-            write_failed: None,
+            sink: false,
         }
     }
-}
 
-impl<T> Watched<T> {
-    /// A write's (or flush's, or shutdown's) outcome, its failure remembered.
-    fn wrote<R>(&mut self, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        if let Poll::Ready(Err(e)) = &polled {
-            self.write_failed = self.write_failed.or(Some(e.kind()));
+    /// A write's (or flush's, or shutdown's) outcome: a failure makes the upstream's side
+    /// a sink, and becomes `done`.
+    fn wrote<R>(&mut self, polled: Poll<io::Result<R>>, done: R) -> Poll<io::Result<R>> {
+        match polled {
+            Poll::Ready(Err(e)) => {
+                tracing::debug!(
+                    error = %e.kind(),
+                    "the upstream's side of a tunnel refused a write; the client's bytes are \
+                     dropped from now on"
+                );
+                self.sink = true;
+                Poll::Ready(Ok(done))
+            }
+            polled => polled,
         }
-        polled
     }
 }
 
@@ -287,7 +305,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if let Poll::Ready(Err(e)) = &polled {
             if e.kind() != io::ErrorKind::UnexpectedEof {
-                self.read_failed = Some(e.kind());
+                self.read_failed = self.read_failed.or(Some(e.kind()));
             }
         }
         polled
@@ -300,18 +318,27 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.sink {
+            return Poll::Ready(Ok(buf.len()));
+        }
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.wrote(polled)
+        self.wrote(polled, buf.len())
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.sink {
+            return Poll::Ready(Ok(()));
+        }
         let polled = Pin::new(&mut self.inner).poll_flush(cx);
-        self.wrote(polled)
+        self.wrote(polled, ())
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.sink {
+            return Poll::Ready(Ok(()));
+        }
         let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
-        self.wrote(polled)
+        self.wrote(polled, ())
     }
 }
 
@@ -390,46 +417,61 @@ mod tests {
         assert_eq!(counted.read, 5);
     }
 
-    /// A failed way is the upstream's when its read or write to the upstream failed; a
-    /// write to an upstream whose own side had ended first is its close; anything else
+    /// A failed way is the upstream's when a read from the upstream failed; anything else
     /// failed on the client's side.
     #[test]
     fn a_failure_is_blamed_on_its_side() {
-        use io::ErrorKind::{BrokenPipe, ConnectionReset};
-        let side = |read_failed, write_failed| Watched {
+        use io::ErrorKind::ConnectionReset;
+        let side = |read_failed| Watched {
             inner: (),
             read_failed,
-            write_failed,
+            sink: false,
         };
-        let failed = |up, other_ended| End::Failed { up, other_ended };
+        let reset = Some(ConnectionReset);
         let cases = [
             (
-                failed(false, false),
-                side(Some(ConnectionReset), None),
+                End::Failed { up: false },
+                side(reset),
                 End::Upstream(ConnectionReset),
             ),
-            (
-                failed(false, true),
-                side(Some(ConnectionReset), None),
-                End::Upstream(ConnectionReset),
-            ),
-            (failed(false, false), side(None, None), End::Client),
-            (
-                failed(true, false),
-                side(None, Some(BrokenPipe)),
-                End::Upstream(BrokenPipe),
-            ),
-            (
-                failed(true, true),
-                side(None, Some(BrokenPipe)),
-                End::Closed,
-            ),
-            (failed(true, false), side(None, None), End::Client),
-            (End::Idle, side(Some(ConnectionReset), None), End::Idle),
+            (End::Failed { up: false }, side(None), End::Client),
+            (End::Failed { up: true }, side(None), End::Client),
+            (End::Failed { up: true }, side(reset), End::Client),
+            (End::Idle, side(reset), End::Idle),
         ];
         for (end, upstream, blamed) in cases {
             assert_eq!(end.blamed(&upstream), blamed, "{end:?}");
         }
+    }
+
+    /// A write that fails makes the upstream's side a sink: it and every write after it
+    /// take their bytes, and a flush and the shutdown succeed.
+    #[tokio::test]
+    async fn a_refused_write_makes_a_sink() {
+        struct Refusing(usize);
+        impl AsyncWrite for Refusing {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+                _: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                self.0 += 1;
+                Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
+            }
+            fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
+            }
+            fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
+            }
+        }
+        let mut side = Watched::new(Refusing(0));
+        assert_eq!(side.write(b"close").await.expect("taken"), 5);
+        assert_eq!(side.write(b"ping").await.expect("taken"), 4);
+        side.flush().await.expect("flushed");
+        side.shutdown().await.expect("shut");
+        assert!(side.sink);
+        assert_eq!(side.inner.0, 1);
     }
 
     /// Bytes, then `UnexpectedEof` (a TLS peer's end without `close_notify`).
