@@ -2636,24 +2636,47 @@ async fn open_hello_tunnel(addr: std::net::SocketAddr, target: &str) -> TcpStrea
 async fn a_tunnels_failure_says_whose_it_was() {
     let pki = Pki::new();
     let (url, _) = resetting_websocket_upstream().await;
-    let mut proxy = ProxyCmd::new(&url, &pki).spawn().await;
+    let mut proxy = ProxyCmd::new(&url, &pki)
+        .args(&["--idle-timeout", "2s"])
+        .spawn()
+        .await;
     let addr = proxy.addr();
     let reset = r#"abx_proxy_upstream_errors_total{kind="reset",plane="api"}"#;
-    for (target, end, level) in [("/ws", "client", "DEBUG"), ("/reset", "upstream", "WARN")] {
+    // The client resets; the upstream resets while the client waits; the upstream resets
+    // while the client sends (the reset met by a write to the upstream, or by a read).
+    for (target, client, end, level, count) in [
+        ("/ws", "resets", "client", "DEBUG", 0.0),
+        ("/reset", "waits", "upstream", "WARN", 1.0),
+        ("/reset", "sends", "upstream", "WARN", 2.0),
+    ] {
         let mut s = open_hello_tunnel(addr, target).await;
         within("a byte up", s.write_all(b"x")).await.unwrap();
-        if end == "client" {
-            s.set_zero_linger().unwrap();
-            drop(s);
-        } else {
-            let mut rest = Vec::new();
-            let _ = within("the tunnel's end", s.read_to_end(&mut rest)).await;
-        }
-        let closed = proxy.wait_for_line("tunnel closed").await;
-        assert!(closed.contains(&format!("end=\"{end}\"")), "{closed}");
-        assert!(closed.contains(level), "{closed}");
-        let want = if end == "client" { 0.0 } else { 1.0 };
-        wait_metric(proxy.admin_addr(), reset, "the count", |v| v == Some(want)).await;
+        let closed = match client {
+            "resets" => {
+                s.set_zero_linger().unwrap();
+                drop(s);
+                proxy.wait_for_line("tunnel closed").await
+            }
+            "waits" => {
+                let mut rest = Vec::new();
+                let _ = within("the tunnel's end", s.read_to_end(&mut rest)).await;
+                proxy.wait_for_line("tunnel closed").await
+            }
+            _ => tokio::select! {
+                line = proxy.wait_for_line("tunnel closed") => line,
+                _ = async {
+                    while s.write_all(b"ping").await.is_ok() {
+                        tokio::task::yield_now().await;
+                    }
+                } => proxy.wait_for_line("tunnel closed").await,
+            },
+        };
+        assert!(
+            closed.contains(&format!("end=\"{end}\"")),
+            "{client}: {closed}"
+        );
+        assert!(closed.contains(level), "{client}: {closed}");
+        wait_metric(proxy.admin_addr(), reset, "the count", |v| v == Some(count)).await;
     }
     proxy.finish().await;
 }
@@ -2678,7 +2701,7 @@ async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
     // Pings, unread by anyone now, until the proxy has found the upstream's side gone.
     let (mut from_proxy, mut to_proxy) = s.split();
     tokio::select! {
-        _ = proxy.wait_for_line("refused a write") => {}
+        _ = proxy.wait_for_line("refused the client's bytes") => {}
         _ = async {
             while to_proxy.write_all(b"ping").await.is_ok() {
                 tokio::task::yield_now().await;
@@ -2695,6 +2718,34 @@ async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
         .unwrap();
     let line = proxy.wait_for_line("tunnel closed").await;
     assert!(line.contains("end=\"closed\""), "{line}");
+    proxy.finish().await;
+}
+
+/// A client that keeps sending after the upstream has closed and refused its bytes (an
+/// upload, pings) has the half-closed wait (here `--idle-timeout`, 2 s) to read the rest
+/// and end, and is then cut: its bytes went nowhere, and the tunnel lived for as long as
+/// it sent them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sending_into_an_upstream_gone_is_cut() {
+    let pki = Pki::new();
+    let (url, closed) = resetting_websocket_upstream().await;
+    let mut proxy = ProxyCmd::new(&url, &pki)
+        .args(&["--idle-timeout", "2s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut s = open_hello_tunnel(addr, "/closing").await;
+    within("a byte up", s.write_all(b"x")).await.unwrap();
+    within("the upstream's close", closed.notified()).await;
+    let cut = tokio::select! {
+        line = proxy.wait_for_line("tunnel cut") => line,
+        _ = async {
+            while s.write_all(b"ping").await.is_ok() {
+                tokio::task::yield_now().await;
+            }
+        } => proxy.wait_for_line("tunnel cut").await,
+    };
+    assert!(cut.contains("end=\"half-closed\""), "{cut}");
     proxy.finish().await;
 }
 

@@ -9,6 +9,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use super::failure::io_kind;
 use super::listener::{self, Activity, IdleIo, OpenConnection};
@@ -78,13 +79,21 @@ impl End {
         }
     }
 
-    /// A failure, told by whose side it was: the upstream's when a read from it failed
-    /// (writes to it never fail the tunnel: see [`Watched`]), else the client's.
+    /// An end, told by whose doing it was. The upstream failed when a read from it failed,
+    /// or a write met a reset (`EPIPE` is the reset of a peer that had ended its side: a
+    /// close), however the tunnel then ended, but for the proxy's own cuts; a failed way
+    /// is otherwise the client's.
     fn blamed(self, upstream: &Watched<impl Sized>) -> End {
-        match (self, upstream.read_failed) {
-            (End::Failed { up: false }, Some(kind)) => End::Upstream(kind),
-            (End::Failed { .. }, _) => End::Client,
-            (end, _) => end,
+        let reset = upstream
+            .write_failed
+            .filter(|&k| k != io::ErrorKind::BrokenPipe);
+        match (self, upstream.read_failed, reset) {
+            (End::Failed { up: false }, Some(kind), _) => End::Upstream(kind),
+            (End::Closed | End::HalfClosed | End::Failed { .. }, _, Some(kind)) => {
+                End::Upstream(kind)
+            }
+            (End::Failed { .. }, _, _) => End::Client,
+            (end, _, _) => end,
         }
     }
 }
@@ -128,7 +137,8 @@ pub(super) async fn run(
     let activity = Activity::new();
     let client = Counted::new(IdleIo::tunnel(TokioIo::new(client), activity.clone()));
     let (mut from_client, mut to_client) = tokio::io::split(client);
-    let upstream = Watched::new(TokioIo::new(upstream));
+    let refused = Arc::new(Refused::default());
+    let upstream = Watched::new(TokioIo::new(upstream), refused.clone());
     let (mut from_upstream, mut to_upstream) = tokio::io::split(upstream);
     let end = both_ways(
         pass(&mut from_client, &mut to_upstream),
@@ -136,6 +146,8 @@ pub(super) async fn run(
         &activity,
         idle_timeout,
         &mut aborting,
+        &refused,
+        &path,
     )
     .await;
     let client = from_client.unsplit(to_client);
@@ -204,33 +216,58 @@ impl<R: AsyncRead + Unpin> AsyncRead for EndAtUnexpectedEof<R> {
 }
 
 /// Runs both ways of a tunnel until both have ended, one fails, the tunnel is idle (see
-/// [`HALF_CLOSED_IDLE`] once one way has ended) or the drain's grace is over.
+/// [`HALF_CLOSED_IDLE`] once one way has ended), the client has had [`HALF_CLOSED_IDLE`]
+/// since the upstream's way ended and refused its bytes (see [`Watched`]), or the drain's
+/// grace is over.
 async fn both_ways(
     up: impl std::future::Future<Output = io::Result<()>>,
     down: impl std::future::Future<Output = io::Result<()>>,
     activity: &Activity,
     idle_timeout: Duration,
     aborting: &mut watch::Receiver<bool>,
+    refused: &Refused,
+    path: &str,
 ) -> End {
     let (mut up, mut down) = (std::pin::pin!(up), std::pin::pin!(down));
     let (mut up_ended, mut down_ended) = (false, false);
+    // When the client's time to read the rest and end is over, once the upstream's way has
+    // ended and its side refused the client's bytes: they go nowhere, and a client that
+    // kept sending (an upload, pings) held the tunnel for as long as it did.
+    let mut lingering: Option<tokio::time::Instant> = None;
     loop {
         let half_closed = up_ended || down_ended;
         let idle = match half_closed {
             true => HALF_CLOSED_IDLE.min(idle_timeout),
             false => idle_timeout,
         };
+        if lingering.is_none() && down_ended && refused.set.load(Ordering::Relaxed) {
+            let wait = HALF_CLOSED_IDLE.min(idle_timeout);
+            lingering = Some(tokio::time::Instant::now() + wait);
+        }
+        let lingered = async {
+            match lingering {
+                Some(until) => tokio::time::sleep_until(until).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            // Looked at again at the top: the refusal may start the client's last wait.
+            () = refused.told.notified(), if lingering.is_none() => tracing::debug!(
+                path,
+                "the upstream's side of a tunnel refused the client's bytes; they are dropped \
+                 from now on"
+            ),
+            () = lingered => return End::HalfClosed,
             ended = &mut up, if !up_ended => match ended {
                 Ok(()) => {
-                    tracing::debug!("the client ended its side of a tunnel");
+                    tracing::debug!(path, "the client ended its side of a tunnel");
                     up_ended = true;
                 }
                 Err(_) => return End::Failed { up: true },
             },
             ended = &mut down, if !down_ended => match ended {
                 Ok(()) => {
-                    tracing::debug!("the upstream ended its side of a tunnel");
+                    tracing::debug!(path, "the upstream ended its side of a tunnel");
                     down_ended = true;
                 }
                 Err(_) => return End::Failed { up: false },
@@ -256,25 +293,35 @@ async fn both_ways(
 /// [`EndAtUnexpectedEof`]).
 ///
 /// A write to it that fails makes it a sink: the client's bytes from then on are dropped,
-/// until the client's end (or the tunnel's idle cut), and the tunnel goes on while the
-/// upstream's way does. A server that closes its socket after its last bytes (a WebSocket
-/// server after its Close frame, as many do) resets what the client sends next; ending
-/// the tunnel there dropped the client's connection with its bytes unread, which reset it
-/// and lost the end of what the upstream had sent (2 of 4 MiB, and the Close frame, to a
-/// client that pinged while it read). Whether the upstream failed, its reads say.
+/// while the upstream's way goes on, and for [`HALF_CLOSED_IDLE`] after its end (see
+/// [`both_ways`]): the client's time to read the rest and end. A server that closes its
+/// socket after its last bytes (a WebSocket server after its Close frame, as many do)
+/// resets what the client sends next; ending the tunnel there dropped the client's
+/// connection with its bytes unread, which reset it and lost the end of what the upstream
+/// had sent (2 of 4 MiB, and the Close frame, to a client that pinged while it read).
 struct Watched<T> {
     inner: T,
     read_failed: Option<io::ErrorKind>,
-    /// A write failed: everything written since was dropped.
-    sink: bool,
+    /// How the first write that failed did; everything written since was dropped.
+    write_failed: Option<io::ErrorKind>,
+    refused: Arc<Refused>,
+}
+
+/// Whether the upstream's side of a tunnel has refused a write (see [`Watched`]), shared
+/// with [`both_ways`].
+#[derive(Default)]
+struct Refused {
+    set: AtomicBool,
+    told: Notify,
 }
 
 impl<T> Watched<T> {
-    fn new(inner: T) -> Self {
+    fn new(inner: T, refused: Arc<Refused>) -> Self {
         Watched {
             inner,
             read_failed: None,
-            sink: false,
+            write_failed: None,
+            refused,
         }
     }
 
@@ -283,12 +330,9 @@ impl<T> Watched<T> {
     fn wrote<R>(&mut self, polled: Poll<io::Result<R>>, done: R) -> Poll<io::Result<R>> {
         match polled {
             Poll::Ready(Err(e)) => {
-                tracing::debug!(
-                    error = %e.kind(),
-                    "the upstream's side of a tunnel refused a write; the client's bytes are \
-                     dropped from now on"
-                );
-                self.sink = true;
+                self.write_failed = Some(e.kind());
+                self.refused.set.store(true, Ordering::Relaxed);
+                self.refused.told.notify_one();
                 Poll::Ready(Ok(done))
             }
             polled => polled,
@@ -318,7 +362,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.sink {
+        if self.write_failed.is_some() {
             return Poll::Ready(Ok(buf.len()));
         }
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
@@ -326,7 +370,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.sink {
+        if self.write_failed.is_some() {
             return Poll::Ready(Ok(()));
         }
         let polled = Pin::new(&mut self.inner).poll_flush(cx);
@@ -334,7 +378,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.sink {
+        if self.write_failed.is_some() {
             return Poll::Ready(Ok(()));
         }
         let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
@@ -417,27 +461,33 @@ mod tests {
         assert_eq!(counted.read, 5);
     }
 
-    /// A failed way is the upstream's when a read from the upstream failed; anything else
-    /// failed on the client's side.
+    /// The upstream failed when a read from it failed, or a write met a reset (not the
+    /// `EPIPE` of a peer that had closed), however the tunnel then ended but for the
+    /// proxy's own cuts; a failed way is otherwise the client's.
     #[test]
-    fn a_failure_is_blamed_on_its_side() {
-        use io::ErrorKind::ConnectionReset;
-        let side = |read_failed| Watched {
+    fn an_end_is_blamed_on_its_side() {
+        use io::ErrorKind::{BrokenPipe, ConnectionReset};
+        let side = |read_failed, write_failed| Watched {
             inner: (),
             read_failed,
-            sink: false,
+            write_failed,
+            refused: Arc::default(),
         };
-        let reset = Some(ConnectionReset);
+        let (reset, pipe) = (Some(ConnectionReset), Some(BrokenPipe));
+        let upstream = End::Upstream(ConnectionReset);
         let cases = [
-            (
-                End::Failed { up: false },
-                side(reset),
-                End::Upstream(ConnectionReset),
-            ),
-            (End::Failed { up: false }, side(None), End::Client),
-            (End::Failed { up: true }, side(None), End::Client),
-            (End::Failed { up: true }, side(reset), End::Client),
-            (End::Idle, side(reset), End::Idle),
+            (End::Failed { up: false }, side(reset, None), upstream),
+            (End::Failed { up: false }, side(None, None), End::Client),
+            (End::Failed { up: true }, side(None, None), End::Client),
+            (End::Failed { up: true }, side(reset, None), End::Client),
+            (End::Failed { up: true }, side(None, reset), upstream),
+            (End::Failed { up: true }, side(None, pipe), End::Client),
+            (End::Closed, side(None, reset), upstream),
+            (End::Closed, side(None, pipe), End::Closed),
+            (End::HalfClosed, side(None, reset), upstream),
+            (End::HalfClosed, side(None, pipe), End::HalfClosed),
+            (End::Idle, side(reset, reset), End::Idle),
+            (End::Drain, side(None, reset), End::Drain),
         ];
         for (end, upstream, blamed) in cases {
             assert_eq!(end.blamed(&upstream), blamed, "{end:?}");
@@ -465,12 +515,13 @@ mod tests {
                 Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
             }
         }
-        let mut side = Watched::new(Refusing(0));
+        let mut side = Watched::new(Refusing(0), Arc::default());
         assert_eq!(side.write(b"close").await.expect("taken"), 5);
         assert_eq!(side.write(b"ping").await.expect("taken"), 4);
         side.flush().await.expect("flushed");
         side.shutdown().await.expect("shut");
-        assert!(side.sink);
+        assert_eq!(side.write_failed, Some(io::ErrorKind::BrokenPipe));
+        assert!(side.refused.set.load(Ordering::Relaxed));
         assert_eq!(side.inner.0, 1);
     }
 
