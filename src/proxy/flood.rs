@@ -7,7 +7,7 @@
 //! core of the proxy's for as long as it goes on (CVE-2019-9512, -9513, -9514, -9515).
 //! nginx closes such a connection ("http2 flood detected") once the bytes it has read,
 //! divided by 8, pass the bytes of requests in them (header blocks and bodies) by more than
-//! 1 MiB. So does the proxy, with four differences:
+//! 1 MiB. So does the proxy, with five differences:
 //! - a request's head counts once the listener's service has it (as nginx counts a head
 //!   when its request runs), as its size decoded, up to [`HEAD_CAP`]: not its header
 //!   block as it is read. h2 refuses some blocks itself (over `H2_MAX_HEAD_LIST` decoded,
@@ -33,7 +33,9 @@
 //! - what a connection earns fills its room only up to the 1 MiB it started with (see
 //!   [`FrameBudget::spent`]): nginx's totals run for a connection's life, which its
 //!   rotation bounds; without the bound 20 000 cheap requests, sent in 0.4 s, bought 1.3
-//!   GB of PRIORITY frames: 10 s of a core.
+//!   GB of PRIORITY frames: 10 s of a core;
+//! - a SETTINGS frame weighs more than its bytes ([`SETTINGS_WEIGHT`]): h2 walks every
+//!   open stream for one.
 //!
 //! A PING or SETTINGS flood earns next to nothing by its answers, and is closed.
 //!
@@ -51,6 +53,14 @@ const READ_COST: u64 = 8;
 
 /// Bytes written earn room divided by this.
 const WRITE_SHARE: u64 = 256;
+
+/// What a SETTINGS frame costs beyond its bytes, counted as bytes read. One that changes
+/// INITIAL_WINDOW_SIZE makes h2 walk every open stream: with 99 streams held open (400s
+/// whose bodies the client's zero window kept back), 15-byte frames toggling it cost eight
+/// times the CPU per byte of PRIORITY frames, and a connection's allowance 0.7 s of a core
+/// instead of 0.06. So weighted, each costs about what the same CPU in PRIORITY frames
+/// does; a client sends one or two on a connection.
+const SETTINGS_WEIGHT: u64 = 256;
 
 /// The most a request's head earns: an eighth of [`MAX_HEAD`](super::listener::MAX_HEAD),
 /// so that every head the proxy serves, however little HPACK compressed it, pays for its
@@ -124,6 +134,7 @@ impl Default for FrameBudget {
 
 impl FrameBudget {
     const DATA: u8 = 0x0;
+    const SETTINGS: u8 = 0x4;
 
     /// `n` bytes of frames (headers or payload) were read.
     pub(super) fn read(&mut self, n: usize) {
@@ -131,11 +142,14 @@ impl FrameBudget {
     }
 
     /// A frame's header announced `len` bytes of payload of type `kind`. Of the frames
-    /// read, only DATA is kept apart (for the bodies dropped: see [`FrameBudget::spent`]);
-    /// a header block earns nothing here, but as its request reaches the listener.
+    /// read, DATA is kept apart (for the bodies dropped: see [`FrameBudget::spent`]) and
+    /// SETTINGS weighs more ([`SETTINGS_WEIGHT`]); a header block earns nothing here, but
+    /// as its request reaches the listener.
     pub(super) fn frame(&mut self, kind: u8, len: usize) {
         if kind == Self::DATA {
             self.data = self.data.saturating_add(len as u64);
+        } else if kind == Self::SETTINGS {
+            self.read = self.read.saturating_add(SETTINGS_WEIGHT);
         }
     }
 
@@ -149,10 +163,13 @@ impl FrameBudget {
     /// fills the room, up to [`ALLOWANCE`], before what was read since costs it: nginx's
     /// totals, kept for a connection's life, let a client bank what 20 000 cheap requests
     /// earned (0.4 s of them) and spend it on 1.3 GB of PRIORITY frames, 10 s of a core
-    /// (nginx closes a connection after 1 000 requests; the proxy does not). Every
-    /// request's own bytes come before its credit (a block before its request, DATA
-    /// before its body is taken), so the bound takes nothing from a client that sends
-    /// no flood.
+    /// (nginx closes a connection after 1 000 requests; the proxy does not). A request's
+    /// own bytes come before its credit (a block before its request, DATA before its body
+    /// is taken), so the bound takes nothing from a client whose frames each pay their way;
+    /// a download's WINDOW_UPDATEs come after the DATA that earned their room. A client
+    /// that acknowledges every DATA frame alone is closed on a long stream of frames under
+    /// about 800 bytes (26 bytes of acknowledgement cost more than a 256th of the frame
+    /// earns), as under nginx; httpx, curl and Node batch their acknowledgements.
     ///
     /// Refunds forgive DATA dropped, up to the DATA read beyond the bodies taken; they are
     /// not credited as a body taken: a refused request whose stream is then fed its window
@@ -228,6 +245,29 @@ mod tests {
             }
         }
         None
+    }
+
+    /// SETTINGS frames weigh [`SETTINGS_WEIGHT`] more: a flood of them is closed after a
+    /// sixteenth of the bytes of other frames; the two a connection opens with cost little.
+    #[test]
+    fn settings_frames_weigh_more() {
+        // The bytes of `frame`s sent by the time the budget is spent.
+        let closed_after = |frame: (u8, usize)| {
+            let mut budget = FrameBudget::default();
+            (1..10_000_000u64)
+                .find(|_| {
+                    read(&mut budget, frame);
+                    budget.spent(Credit::default())
+                })
+                .map(|n| n * (9 + frame.1 as u64))
+        };
+        let settings = closed_after((0x4, 6)).expect("closed");
+        let priority = closed_after(PRIORITY).expect("closed");
+        assert!(settings * 16 < priority, "{settings} against {priority}");
+        let mut budget = FrameBudget::default();
+        read(&mut budget, (0x4, 18));
+        read(&mut budget, SETTINGS);
+        assert!(budget.read < 1024, "{}", budget.read);
     }
 
     #[test]
