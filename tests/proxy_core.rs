@@ -2684,9 +2684,10 @@ async fn a_tunnels_failure_says_whose_it_was() {
 /// An upstream that closes its socket after its last bytes resets what the client sends
 /// next (a WebSocket server after its Close frame, to a client that pings while it
 /// reads): the client's bytes from then on are dropped, and it still gets every byte the
-/// upstream sent, then the tunnel's end. Ending the tunnel at the refused write dropped
-/// the client's connection with its bytes unread, which reset it, and what it had not
-/// read yet was lost (a client lost 2 of 4 MiB and the Close frame).
+/// upstream sent, then the tunnel's end, also when it reads them only after pinging for
+/// longer than the half-closed wait (5 s). Ending the tunnel at the refused write, or 5 s
+/// after it, dropped the client's connection with its bytes unread, which reset it, and
+/// what it had not read yet was lost (a client lost 2 of 4 MiB and the Close frame).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
     let pki = Pki::new();
@@ -2707,6 +2708,13 @@ async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
                 tokio::task::yield_now().await;
             }
         } => panic!("the client's side failed before the proxy refused a write"),
+    }
+    // A slow reader: pings (here every 100 ms, as the behaviour under test) past the
+    // half-closed wait before it reads.
+    let mut pings = tokio::time::interval(Duration::from_millis(100));
+    for _ in 0..60 {
+        pings.tick().await;
+        within("a ping", to_proxy.write_all(b"ping")).await.unwrap();
     }
     let mut got = Vec::new();
     let read = within("the upstream's bytes", from_proxy.read_to_end(&mut got)).await;
