@@ -2627,6 +2627,19 @@ async fn open_hello_tunnel(addr: std::net::SocketAddr, target: &str) -> TcpStrea
     s
 }
 
+/// A proxy (given `args`) in front of [`resetting_websocket_upstream`], and a tunnel
+/// through it to `/closing` whose upstream has sent its bytes and closed, and whose end
+/// the proxy has read.
+async fn closed_upstream_tunnel(pki: &Pki, args: &[&str]) -> (ProxyProc, TcpStream) {
+    let (url, closed) = resetting_websocket_upstream().await;
+    let mut proxy = ProxyCmd::new(&url, pki).args(args).spawn().await;
+    let mut s = open_hello_tunnel(proxy.addr(), "/closing").await;
+    within("a byte up", s.write_all(b"x")).await.unwrap();
+    within("the upstream's close", closed.notified()).await;
+    proxy.wait_for_line("the upstream ended its side").await;
+    (proxy, s)
+}
+
 /// A tunnel's failure says whose it was. One the upstream resets (a WebSocket server that
 /// crashed) gets a `warn` line with `end="upstream"` and is counted in
 /// `upstream_errors_total`, as an answer the upstream breaks is; one the client resets, a
@@ -2685,20 +2698,13 @@ async fn a_tunnels_failure_says_whose_it_was() {
 /// next (a WebSocket server after its Close frame, to a client that pings while it
 /// reads): the client's bytes from then on are dropped, and it still gets every byte the
 /// upstream sent, then the tunnel's end, also when it reads them only after pinging for
-/// longer than the half-closed wait (5 s). Ending the tunnel at the refused write, or 5 s
-/// after it, dropped the client's connection with its bytes unread, which reset it, and
-/// what it had not read yet was lost (a client lost 2 of 4 MiB and the Close frame).
+/// longer than 5 s. Ending the tunnel at the refused write, or 5 s after it, dropped the
+/// client's connection with its bytes unread, which reset it, and what it had not read
+/// yet was lost (a client lost 2 of 4 MiB and the Close frame).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
-    let pki = Pki::new();
-    let (url, closed) = resetting_websocket_upstream().await;
-    let mut proxy = ProxyCmd::new(&url, &pki).spawn().await;
-    let addr = proxy.addr();
-    let mut s = open_hello_tunnel(addr, "/closing").await;
-    within("a byte up", s.write_all(b"x")).await.unwrap();
-    within("the upstream's close", closed.notified()).await;
+    let (mut proxy, mut s) = closed_upstream_tunnel(&Pki::new(), &[]).await;
     // Its bytes are all on their way to the client, which has read none of them yet.
-    proxy.wait_for_line("the upstream ended its side").await;
     // Pings, unread by anyone now, until the proxy has found the upstream's side gone.
     let (mut from_proxy, mut to_proxy) = s.split();
     tokio::select! {
@@ -2709,8 +2715,8 @@ async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
             }
         } => panic!("the client's side failed before the proxy refused a write"),
     }
-    // A slow reader: pings (here every 100 ms, as the behaviour under test) past the
-    // half-closed wait before it reads.
+    // A slow reader: pings (here every 100 ms, as the behaviour under test) for longer
+    // than 5 s before it reads.
     let mut pings = tokio::time::interval(Duration::from_millis(100));
     for _ in 0..60 {
         pings.tick().await;
@@ -2729,22 +2735,32 @@ async fn a_client_still_sending_gets_all_an_upstream_sent_before_its_close() {
     proxy.finish().await;
 }
 
+/// A slow reader quiet for longer than 5 s after the upstream's end that then pings (the
+/// `websockets` library pings every 20 s) still gets every byte the upstream sent. Cut
+/// after 5 s without a byte, as a tunnel whose client ended is, its ping met a closed
+/// socket, which reset its connection and lost what it had not read (up to 1.6 of 8 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_slow_reader_gets_all_an_upstream_sent_before_its_close() {
+    let (mut proxy, mut s) = closed_upstream_tunnel(&Pki::new(), &[]).await;
+    // Quiet past the 5 s (the behaviour under test), then a ping, then the reading.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    within("a ping", s.write_all(b"ping")).await.unwrap();
+    let mut got = Vec::new();
+    let read = within("the upstream's bytes", s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "{read:?} after {} bytes", got.len());
+    assert_eq!(got.len(), CLOSING_BYTES);
+    within("the client's end", s.shutdown()).await.unwrap();
+    let line = proxy.wait_for_line("tunnel closed").await;
+    assert!(line.contains("end=\"closed\""), "{line}");
+    proxy.finish().await;
+}
+
 /// A client that keeps sending after the upstream has closed and refused its bytes (an
-/// upload, pings) has the half-closed wait (here `--idle-timeout`, 2 s) to read the rest
-/// and end, and is then cut: its bytes went nowhere, and the tunnel lived for as long as
-/// it sent them.
+/// upload, pings) has 30 s (here `--idle-timeout`, 2 s) to read the rest and end, and is
+/// then cut: its bytes went nowhere, and the tunnel lived for as long as it sent them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sending_into_an_upstream_gone_is_cut() {
-    let pki = Pki::new();
-    let (url, closed) = resetting_websocket_upstream().await;
-    let mut proxy = ProxyCmd::new(&url, &pki)
-        .args(&["--idle-timeout", "2s"])
-        .spawn()
-        .await;
-    let addr = proxy.addr();
-    let mut s = open_hello_tunnel(addr, "/closing").await;
-    within("a byte up", s.write_all(b"x")).await.unwrap();
-    within("the upstream's close", closed.notified()).await;
+    let (mut proxy, mut s) = closed_upstream_tunnel(&Pki::new(), &["--idle-timeout", "2s"]).await;
     let cut = tokio::select! {
         line = proxy.wait_for_line("tunnel cut") => line,
         _ = async {

@@ -9,7 +9,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -17,7 +16,7 @@ use std::time::{Duration, Instant};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
 use super::failure::io_kind;
 use super::listener::{self, Activity, IdleIo, OpenConnection};
@@ -137,8 +136,7 @@ pub(super) async fn run(
     let activity = Activity::new();
     let client = Counted::new(IdleIo::tunnel(TokioIo::new(client), activity.clone()));
     let (mut from_client, mut to_client) = tokio::io::split(client);
-    let refused = Arc::new(Refused::default());
-    let upstream = Watched::new(TokioIo::new(upstream), refused.clone());
+    let upstream = Watched::new(TokioIo::new(upstream), &path);
     let (mut from_upstream, mut to_upstream) = tokio::io::split(upstream);
     let end = both_ways(
         pass(&mut from_client, &mut to_upstream),
@@ -146,7 +144,6 @@ pub(super) async fn run(
         &activity,
         idle_timeout,
         &mut aborting,
-        &refused,
         &path,
     )
     .await;
@@ -176,19 +173,23 @@ pub(super) async fn run(
     }
 }
 
-/// How long the other way of a tunnel one side has ended goes on without a byte: 5 s, as
-/// HAProxy's `timeout client-fin` bounds it (nginx ends such a tunnel at once). WebSocket
-/// has no half-close: a client gone with a FIN (a killed process, a `close()` without a
-/// Close frame) towards a server that ignores it held the tunnel, its slot of
+/// How long the upstream's way of a tunnel whose client has ended goes on without a byte:
+/// 5 s, as HAProxy's `timeout client-fin` bounds it (nginx ends such a tunnel at once).
+/// WebSocket has no half-close: a client gone with a FIN (a killed process, a `close()`
+/// without a Close frame) towards a server that ignores it held the tunnel, its slot of
 /// `--max-connections` and the drain until `--idle-timeout`. An upstream still answering
 /// after the client's end goes on as long as its bytes move.
 const HALF_CLOSED_IDLE: Duration = Duration::from_secs(5);
 
-/// How long a client still sending after the upstream's way has ended, and its side
-/// refused the client's bytes, has to read the rest and end (a quiet one is cut after
-/// [`HALF_CLOSED_IDLE`]), as nginx's `lingering_time`. Several MiB can wait in the
-/// sockets' buffers for a slow reader; cut with its bytes unread, its connection resets
-/// and they are lost: at 5 s a client reading 320 KB/s and pinging lost 2.3 of 4 MiB.
+/// How long a client has, once the upstream's way has ended (its bytes all handed to the
+/// client's socket, and its end), to read the rest and end, as nginx's `lingering_time`;
+/// what it sends meanwhile goes upstream, or nowhere once the upstream refuses it (see
+/// [`Watched`]). Several MiB can wait in the sockets' buffers for a slow reader: cut with
+/// bytes of its unread (a ping sent after a quiet spell is enough), its connection resets
+/// and they are lost. At 5 s without a byte (the other way's bound) a reader taking 64 KiB
+/// each 0.2 s and pinging every 8 s lost up to 1.6 of 8 MiB; at 5 s in all, one pinging
+/// every 0.5 s lost 2.3 of 4 MiB; a client that kept sending into an upstream gone held
+/// the tunnel for as long as it sent.
 const LINGER: Duration = Duration::from_secs(30);
 
 /// One way of a tunnel: every byte, then the end passed on (the write side shut down).
@@ -223,33 +224,27 @@ impl<R: AsyncRead + Unpin> AsyncRead for EndAtUnexpectedEof<R> {
 }
 
 /// Runs both ways of a tunnel until both have ended, one fails, the tunnel is idle (see
-/// [`HALF_CLOSED_IDLE`] once one way has ended), the client has had [`LINGER`] since the
-/// upstream's way ended and refused its bytes (see [`Watched`]), or the drain's grace is
-/// over.
+/// [`HALF_CLOSED_IDLE`] once the client's way has ended), the client has had [`LINGER`]
+/// since the upstream's way ended, or the drain's grace is over.
 async fn both_ways(
     up: impl std::future::Future<Output = io::Result<()>>,
     down: impl std::future::Future<Output = io::Result<()>>,
     activity: &Activity,
     idle_timeout: Duration,
     aborting: &mut watch::Receiver<bool>,
-    refused: &Refused,
     path: &str,
 ) -> End {
     let (mut up, mut down) = (std::pin::pin!(up), std::pin::pin!(down));
     let (mut up_ended, mut down_ended) = (false, false);
-    // When the client's time to read the rest and end is over, once the upstream's way has
-    // ended and its side refused the client's bytes: they go nowhere, and a client that
-    // kept sending (an upload, pings) held the tunnel for as long as it did.
+    // When the client's time to read the rest and end is over (see [`LINGER`]).
     let mut lingering: Option<tokio::time::Instant> = None;
     loop {
-        let half_closed = up_ended || down_ended;
-        let idle = match half_closed {
+        let idle = match up_ended && !down_ended {
             true => HALF_CLOSED_IDLE.min(idle_timeout),
             false => idle_timeout,
         };
-        if lingering.is_none() && down_ended && refused.set.load(Ordering::Relaxed) {
-            let wait = LINGER.min(idle_timeout);
-            lingering = Some(tokio::time::Instant::now() + wait);
+        if lingering.is_none() && down_ended {
+            lingering = Some(tokio::time::Instant::now() + LINGER.min(idle_timeout));
         }
         let lingered = async {
             match lingering {
@@ -257,13 +252,8 @@ async fn both_ways(
                 None => std::future::pending().await,
             }
         };
+        let half_closed = up_ended || down_ended;
         tokio::select! {
-            // Looked at again at the top: the refusal may start the client's last wait.
-            () = refused.told.notified(), if lingering.is_none() => tracing::debug!(
-                path,
-                "the upstream's side of a tunnel refused the client's bytes; they are dropped \
-                 from now on"
-            ),
             () = lingered => return End::HalfClosed,
             ended = &mut up, if !up_ended => match ended {
                 Ok(()) => {
@@ -300,8 +290,8 @@ async fn both_ways(
 /// [`EndAtUnexpectedEof`]).
 ///
 /// A write to it that fails makes it a sink: the client's bytes from then on are dropped,
-/// while the upstream's way goes on, and for [`LINGER`] after its end (see
-/// [`both_ways`]): the client's time to read the rest and end. A server that closes its
+/// while the upstream's way goes on, and for [`LINGER`] after its end: the client's time
+/// to read the rest and end. A server that closes its
 /// socket after its last bytes (a WebSocket server after its Close frame, as many do)
 /// resets what the client sends next; ending the tunnel there dropped the client's
 /// connection with its bytes unread, which reset it and lost the end of what the upstream
@@ -311,24 +301,17 @@ struct Watched<T> {
     read_failed: Option<io::ErrorKind>,
     /// How the first write that failed did; everything written since was dropped.
     write_failed: Option<io::ErrorKind>,
-    refused: Arc<Refused>,
-}
-
-/// Whether the upstream's side of a tunnel has refused a write (see [`Watched`]), shared
-/// with [`both_ways`].
-#[derive(Default)]
-struct Refused {
-    set: AtomicBool,
-    told: Notify,
+    /// The tunnel's, for the line saying so.
+    path: String,
 }
 
 impl<T> Watched<T> {
-    fn new(inner: T, refused: Arc<Refused>) -> Self {
+    fn new(inner: T, path: &str) -> Self {
         Watched {
             inner,
             read_failed: None,
             write_failed: None,
-            refused,
+            path: path.to_owned(),
         }
     }
 
@@ -338,8 +321,11 @@ impl<T> Watched<T> {
         match polled {
             Poll::Ready(Err(e)) => {
                 self.write_failed = Some(e.kind());
-                self.refused.set.store(true, Ordering::Relaxed);
-                self.refused.told.notify_one();
+                tracing::debug!(
+                    path = %self.path,
+                    "the upstream's side of a tunnel refused the client's bytes; they are dropped \
+                     from now on"
+                );
                 Poll::Ready(Ok(done))
             }
             polled => polled,
@@ -478,7 +464,7 @@ mod tests {
             inner: (),
             read_failed,
             write_failed,
-            refused: Arc::default(),
+            path: String::new(),
         };
         let (reset, pipe) = (Some(ConnectionReset), Some(BrokenPipe));
         let upstream = End::Upstream(ConnectionReset);
@@ -522,13 +508,12 @@ mod tests {
                 Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))
             }
         }
-        let mut side = Watched::new(Refusing(0), Arc::default());
+        let mut side = Watched::new(Refusing(0), "/ws");
         assert_eq!(side.write(b"close").await.expect("taken"), 5);
         assert_eq!(side.write(b"ping").await.expect("taken"), 4);
         side.flush().await.expect("flushed");
         side.shutdown().await.expect("shut");
         assert_eq!(side.write_failed, Some(io::ErrorKind::BrokenPipe));
-        assert!(side.refused.set.load(Ordering::Relaxed));
         assert_eq!(side.inner.0, 1);
     }
 
