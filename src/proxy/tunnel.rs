@@ -291,11 +291,11 @@ async fn both_ways(
 ///
 /// A write to it that fails makes it a sink: the client's bytes from then on are dropped,
 /// while the upstream's way goes on, and for [`LINGER`] after its end: the client's time
-/// to read the rest and end. A server that closes its
-/// socket after its last bytes (a WebSocket server after its Close frame, as many do)
-/// resets what the client sends next; ending the tunnel there dropped the client's
-/// connection with its bytes unread, which reset it and lost the end of what the upstream
-/// had sent (2 of 4 MiB, and the Close frame, to a client that pinged while it read).
+/// to read the rest and end. A server that closes its socket after its last bytes (a
+/// WebSocket server after its Close frame, as many do) resets what the client sends next;
+/// ending the tunnel there dropped the client's connection with its bytes unread, which
+/// reset it and lost the end of what the upstream had sent (2 of 4 MiB, and the Close
+/// frame, to a client that pinged while it read).
 struct Watched<T> {
     inner: T,
     read_failed: Option<io::ErrorKind>,
