@@ -6025,6 +6025,18 @@ fn h2_header_frames(stream: u32, block: &[u8]) -> Vec<u8> {
     frames
 }
 
+/// The header block of the answer on `stream`, the `n`th request's, from a hand-written
+/// HTTP/2 client's frames; the frames of other streams are passed over.
+async fn answer_head(frames: &mut H2Frames, stream: u32, n: u32) -> Vec<u8> {
+    loop {
+        match within("an answer", frames.recv()).await.flatten() {
+            Some((HEADERS, _, s, head)) if s == stream => return head,
+            Some(_) => {}
+            None => panic!("closed after {n} requests"),
+        }
+    }
+}
+
 /// A request's head earns its client room for frames that carry no request once the
 /// proxy has the request, not as its header block is read. 200 requests with 15 KB heads,
 /// each followed by 40 KB of PRIORITY frames, are answered on one connection (without
@@ -6048,15 +6060,9 @@ async fn http2_heads_earn_room_only_as_their_requests_arrive() {
         let mut request = h2_header_frames(stream, &block);
         request.extend(priorities(stream).repeat(40_000 / 14));
         wr.write_all(&request).await.expect("a request");
-        let status = loop {
-            match within("an answer", frames.recv()).await.flatten() {
-                Some((HEADERS, _, s, head)) if s == stream => break head.first().copied(),
-                Some(_) => {}
-                None => panic!("closed after {n} requests"),
-            }
-        };
+        let head = answer_head(&mut frames, stream, n).await;
         // HPACK: index 8 of the static table is `:status: 200`.
-        assert_eq!(status, Some(0x88), "request {n}");
+        assert_eq!(head.first(), Some(&0x88), "request {n}");
     }
     drop((wr, frames));
 
@@ -6101,13 +6107,7 @@ async fn http2_requests_earnings_are_not_banked() {
         wr.write_all(&h2_header_frames(stream, &block))
             .await
             .expect("a request");
-        loop {
-            match within("an answer", frames.recv()).await.flatten() {
-                Some((HEADERS, _, s, _)) if s == stream => break,
-                Some(_) => {}
-                None => panic!("closed after {n} requests"),
-            }
-        }
+        answer_head(&mut frames, stream, n).await;
     }
     let batch = h2_frame(PRIORITY, 0, 1, &[0, 0, 0, 0, 16]).repeat(4096);
     let mut sent = 0;
