@@ -537,17 +537,19 @@ impl std::fmt::Debug for ProviderOption {
     }
 }
 
-/// `--log-level`: a filter that does not parse is a bad command line (exit 2), not a
-/// silent fall back to the default. A blank one is skipped like any blank flag (SPEC §2):
+/// `--log-level`: a filter that does not parse, or that would log nothing (`warning`, see
+/// [`crate::logging::filter_refusal`]), is a bad command line (exit 2), not a silent fall
+/// back to the default or silence. A blank one is skipped like any blank flag (SPEC §2):
 /// `logging::init` takes it for not given. (An empty filter parses, and lets almost
 /// nothing through: the listening line and every access line were gone.)
 fn log_filter(raw: &str) -> Result<String, String> {
     if raw.trim().is_empty() {
         return Ok(String::new());
     }
-    tracing_subscriber::EnvFilter::try_new(raw)
-        .map(|_| raw.to_string())
-        .map_err(|e| e.to_string())
+    match crate::logging::filter_refusal(raw) {
+        Some(why) => Err(why),
+        None => Ok(raw.to_string()),
+    }
 }
 
 /// A secret file as Kubernetes mounts it: the value, maybe with a trailing newline. A

@@ -205,6 +205,69 @@ fn quiet_rustls(level: &str) -> String {
     }
 }
 
+/// The crates whose lines reach the proxy's log (through `tracing`, or `log` records
+/// bridged to it): the targets a filter's directive can name.
+const TARGETS: [&str; 10] = [
+    "abx_proxy",
+    "h2",
+    "hyper",
+    "hyper_util",
+    "hyper_rustls",
+    "rustls",
+    "tokio",
+    "tokio_rustls",
+    "mio",
+    "tracing",
+];
+
+/// Why `filter` would not log what its writer meant, if it would not: it does not parse,
+/// or a directive names neither a level nor any of [`TARGETS`]. `tracing` reads a bare
+/// word as a target, so `--log-level warning` (journalctl's and syslog's spelling) was a
+/// filter for a module of that name: not one line was logged, warnings and errors
+/// included, and nothing said so. A target is matched as a prefix, as `tracing` matches
+/// it (`abx` chooses `abx_proxy`).
+pub fn filter_refusal(filter: &str) -> Option<String> {
+    if let Err(e) = EnvFilter::try_new(filter) {
+        return Some(e.to_string());
+    }
+    let directives = filter.split(',').map(str::trim).filter(|d| !d.is_empty());
+    for directive in directives {
+        if directive.parse::<LevelFilter>().is_ok() {
+            continue;
+        }
+        let target = directive
+            .split(['=', '['])
+            .next()
+            .unwrap_or_default()
+            .trim();
+        let known = |t: &&str| t.starts_with(target) || target.starts_with(&format!("{t}::"));
+        if target.is_empty() || TARGETS.iter().any(known) {
+            continue;
+        }
+        let meant = match target.to_ascii_lowercase().as_str() {
+            "warning" | "warnings" => Some("warn"),
+            "err" | "errors" | "crit" | "critical" | "fatal" | "alert" | "emerg" => Some("error"),
+            "notice" | "information" | "informational" => Some("info"),
+            "verbose" => Some("debug"),
+            "all" => Some("trace"),
+            "none" | "quiet" | "silent" => Some("off"),
+            _ => None,
+        };
+        let levels = "trace, debug, info, warn, error, off";
+        return Some(match meant {
+            Some(level) => {
+                format!("`{target}` is no level (did you mean `{level}`? levels: {levels})")
+            }
+            None => format!(
+                "`{target}` is no level ({levels}) and names no module whose lines the proxy \
+                 logs ({}): it would log nothing",
+                TARGETS.join(", ")
+            ),
+        });
+    }
+    None
+}
+
 /// `RUST_LOG`, when set to something: blank is unset, as for every setting (SPEC §2; a
 /// `RUST_LOG=${RUST_LOG}` in a manifest would otherwise turn every line off), and a filter
 /// that does not parse is said so in `refused`, not dropped without a word.
@@ -218,9 +281,13 @@ fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
         }
         _ => return None,
     };
-    EnvFilter::try_new(&raw)
-        .map_err(|e| *refused = Some(e.to_string()))
-        .ok()
+    match filter_refusal(&raw) {
+        Some(why) => {
+            *refused = Some(why);
+            None
+        }
+        None => EnvFilter::try_new(&raw).ok(),
+    }
 }
 
 /// The fields of one access line (SPEC §7), in the order they are printed.
@@ -750,6 +817,43 @@ mod tests {
     use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
+
+    /// A level, a known target (as a prefix or a module path in it) and a span directive
+    /// are filters; a word that is neither is refused, with the level it was likely meant
+    /// for when it is another tool's spelling of one.
+    #[test]
+    fn a_filter_that_would_log_nothing_is_refused() {
+        for fine in [
+            "warn",
+            "INFO",
+            "3",
+            "debug,",
+            "off,abx_proxy::notify=debug",
+            "warn,abx_proxy::serve=info",
+            "abx",
+            "abx_proxy",
+            "h2=info,hyper_util=debug",
+            "rustls::server=trace",
+            "[request]=debug",
+        ] {
+            assert_eq!(filter_refusal(fine), None, "{fine}");
+        }
+        for (refused, says) in [
+            ("warning", "`warning` is no level (did you mean `warn`?"),
+            ("info,Err", "`Err` is no level (did you mean `error`?"),
+            ("notice", "did you mean `info`?"),
+            (
+                "wran",
+                "`wran` is no level (trace, debug, info, warn, error, off) and names no module",
+            ),
+            ("abx_prxy=debug", "`abx_prxy` is no level"),
+            ("abx_proxyx=debug", "`abx_proxyx` is no level"),
+            ("abx_proxy=loud", "error parsing level filter"),
+        ] {
+            let why = filter_refusal(refused).unwrap_or_default();
+            assert!(why.contains(says), "{refused}: {why}");
+        }
+    }
 
     /// A panic is one line: an ERROR object that parses whole, or a text line.
     #[test]

@@ -2275,8 +2275,14 @@ async fn rust_log_applies_when_log_level_is_not_given() {
     assert!(stderr.contains("path=/sandboxes"), "{stderr}");
 
     // Blank is unset (a `RUST_LOG=${RUST_LOG}` in a manifest), and a filter that does not
-    // parse is said so: either way the default level, access lines included.
-    for (value, warned) in [("", false), ("warn,abx_proxy=verbose", true)] {
+    // parse, or names no level and no module (`warning`: tracing's filter for a module of
+    // that name logged nothing at all), is said so: either way the default level, access
+    // lines included.
+    for (value, warned) in [
+        ("", false),
+        ("warn,abx_proxy=verbose", true),
+        ("warning", true),
+    ] {
         let proxy = ProxyCmd::new(&upstream.url(), &pki)
             .omit(&["--log-level"])
             .env("RUST_LOG", Some(value))

@@ -2840,7 +2840,7 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
     // Bad command lines (exit 2): a --provider-option without '=' (not quoted back: it may
     // be a value typed in the wrong place), and a --log-level that is not a filter.
-    let bad: [(&[&str], &str, Option<&str>); 3] = [
+    let bad: [(&[&str], &str, Option<&str>); 4] = [
         (
             &[
                 "check",
@@ -2868,6 +2868,21 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
                 "127.0.0.1:0",
             ],
             "--log-level",
+            None,
+        ),
+        // journalctl's spelling: tracing reads a bare word as a module's name, and the
+        // proxy logged nothing at all, its warnings and errors included.
+        (
+            &[
+                "serve",
+                "--log-level",
+                "warning",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ],
+            "`warning` is no level (did you mean `warn`?",
             None,
         ),
     ];
