@@ -16,7 +16,8 @@ use crate::settings::{parse_duration, FlagValue, Key};
     name = "abx-proxy",
     version,
     about = "Credential-injecting streaming proxy for E2B-compatible sandbox clouds",
-    args_conflicts_with_subcommands = true
+    args_conflicts_with_subcommands = true,
+    args_override_self = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -578,6 +579,42 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flag given twice takes its last value, as curl and cloud-sql-proxy's flags do (a
+    /// wrapper's `abx-proxy $DEFAULTS --listen X` was refused: "cannot be used multiple
+    /// times"); a flag that takes many values keeps them all.
+    #[test]
+    fn a_flag_given_twice_takes_its_last_value() {
+        let args = [
+            "abx-proxy",
+            "serve",
+            "--listen",
+            "127.0.0.1:1",
+            "--region",
+            "cn-beijing",
+            "--listen",
+            "127.0.0.1:2",
+            "--region",
+            "cn-shanghai",
+            "--allowed-host",
+            "a.example",
+            "--allowed-host",
+            "b.example",
+        ];
+        let parsed = Cli::parse_args(args).map_err(|e| e.to_string());
+        let Ok(Cli {
+            command: Some(Command::Serve(serve)),
+            ..
+        }) = parsed
+        else {
+            panic!("{parsed:?}");
+        };
+        assert_eq!(serve.settings.listen.as_deref(), Some("127.0.0.1:2"));
+        assert_eq!(serve.settings.region.as_deref(), Some("cn-shanghai"));
+        assert_eq!(serve.exposure.allowed_host, ["a.example", "b.example"]);
+        let twice = ["abx-proxy", "check", "--offline", "--offline"];
+        assert!(Cli::parse_args(twice).is_ok());
+    }
 
     #[test]
     fn an_allowed_host_is_a_name_a_host_could_be() {

@@ -3559,34 +3559,35 @@ fn every_non_secret_flag_sets_its_own_key() {
     }
 }
 
-/// A settings flag given twice is a bad command line (exit 2), not "the last one wins".
+/// A settings flag given twice takes its last value, as curl's and cloud-sql-proxy's
+/// flags do (a wrapper's `abx-proxy $DEFAULTS --listen X` was refused, exit 2), in every
+/// command that takes settings flags.
 #[test]
-fn a_flag_given_twice_is_a_usage_error() {
+fn a_flag_given_twice_takes_its_last_value() {
     let mut c = Case::new();
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    for args in [
-        &[
-            "check",
-            "--offline",
-            "--region",
-            "cn-beijing",
-            "--region",
-            "cn-shanghai",
-        ][..],
-        &[
-            "config",
-            "list",
-            "--listen",
-            "127.0.0.1:1",
-            "--listen",
-            "127.0.0.1:2",
-        ],
-        &["serve", "--token-ttl", "60", "--token-ttl", "70"],
-    ] {
-        let out = c.run(args);
-        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
-        assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
-    }
+    let region = ["--region", "cn-beijing", "--region", "cn-shanghai"];
+    let out = c.run(&[&["config", "get", "region"][..], &region].concat());
+    assert_eq!(
+        (out.code, out.stdout.trim()),
+        (0, "cn-shanghai"),
+        "{}",
+        out.stderr
+    );
+    let out = c.run(&[&["check", "--offline"][..], &region].concat());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains(".cn-shanghai."), "{}", out.stdout);
+    let listen = ["--listen", "127.0.0.1:1", "--listen", "127.0.0.1:2"];
+    let out = c.run(&[&["config", "list", "--json"][..], &listen].concat());
+    let rows: Value = serde_json::from_str(&out.stdout).expect(&out.stderr);
+    let row = rows
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["key"] == "listen"));
+    assert_eq!(
+        row.map(|r| (&r["value"], &r["source"])),
+        Some((&"127.0.0.1:2".into(), &"flag".into())),
+        "{rows}"
+    );
 }
 
 /// The widest line `--help` may print: the help column starts at about 40, and these are
