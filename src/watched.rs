@@ -165,6 +165,8 @@ pub fn unread(flag: &str, path: &Path, reason: String) -> crate::error::Error {
 pub fn reason(e: &io::Error) -> String {
     match e.get_ref() {
         Some(own) => own.to_string(),
+        // The kind's own words for it are "entity not found".
+        None if e.kind() == io::ErrorKind::NotFound => "no such file or directory".into(),
         None => e.kind().to_string(),
     }
 }
@@ -180,6 +182,7 @@ const REGULAR: &str = "a regular file";
 pub fn kind_of(path: &Path) -> &'static str {
     match std::fs::metadata(path) {
         Ok(m) => kind_word(m.file_type()),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => "a link loop",
         Err(_) if path.symlink_metadata().is_ok() => "a dangling link",
         Err(_) => "nothing",
     }
@@ -232,6 +235,22 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
+
+    /// What is at a path, and why it could not be read, in words a user knows: a link to
+    /// itself is a loop (it was called dangling), a missing file is no such file (the
+    /// kind's own words are "entity not found").
+    #[test]
+    fn what_is_there_and_why_it_is_unread_are_said_plainly() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::os::unix::fs::symlink(&b, &a).expect("a -> b");
+        assert_eq!(kind_of(&a), "a dangling link");
+        std::os::unix::fs::symlink(&a, &b).expect("b -> a");
+        assert_eq!(kind_of(&a), "a link loop");
+        assert_eq!(kind_of(&dir.path().join("c")), "nothing");
+        let missing = std::fs::File::open(dir.path().join("c")).expect_err("no file");
+        assert_eq!(reason(&missing), "no such file or directory");
+    }
 
     /// Text that is not UTF-8 is said with its line, or as UTF-16 (PowerShell 5's `>`).
     #[test]

@@ -1712,15 +1712,15 @@ fn a_dotenv_that_is_not_a_file_is_named() {
             out.stderr
         );
     }
-    // A link that leads to no file otherwise (a loop) is a dangling one too; a FIFO (which
-    // a read would wait on) is said as what it is.
+    // A link that leads to itself is said as a loop (it was called dangling, and the user
+    // looked for a missing target); a FIFO (which a read would wait on) as what it is.
     let c = Case::new();
     std::os::unix::fs::symlink(".env", c.cwd.join(".env")).expect("link");
     mkfifo(&c.abx_dir().join(".env"));
     let out = c.run(&["config", "get", "region"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(
-        out.stderr.contains("not a readable file (a dangling link)"),
+        out.stderr.contains("not a readable file (a link loop)"),
         "{}",
         out.stderr
     );
@@ -3045,6 +3045,24 @@ fn environment_values_that_are_not_utf8_are_ignored_unless_read() {
         "{}",
         out.stdout
     );
+}
+
+/// A key file written as a `.env` line is read whole, as a Kubernetes secret is, and its
+/// name would go upstream with the key (401 on every request): `check` says so, naming
+/// the flag and nothing of the file.
+#[test]
+fn a_key_file_holding_a_dotenv_line_is_warned_about() {
+    let mut c = Case::new();
+    let p = c.file(
+        "api-key",
+        &format!("export ABX_SANDBOX_API_KEY={KEY_FLAG}\n"),
+    );
+    c.flag("--sandbox-api-key-file", p.to_str().expect("utf-8"));
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let said = "warning: the file given to --sandbox-api-key-file holds a NAME=value line";
+    assert!(out.stderr.contains(said), "{}", out.stderr);
+    assert!(!out.stderr.contains(KEY_FLAG), "{}", out.stderr);
 }
 
 /// `check --offline` said ok for settings `serve` refuses at start: a key that cannot be a

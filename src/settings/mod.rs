@@ -312,6 +312,41 @@ impl RawLayers {
     }
 }
 
+/// A key file that holds a `.env` line (`ABX_SANDBOX_API_KEY=…`, `export` or not) rather
+/// than the key alone: it is read whole, as Kubernetes mounts a secret, so the name went
+/// upstream with the key (401 on every request) while `check --offline` said ok. Said,
+/// never the line: a name must hold a `_` and only capitals, digits and `_` (a base32 key
+/// ends in `=` too), and nothing of the file is repeated.
+fn assignments_in_key_files(flags: &HashMap<Key, FlagValue>) -> Vec<String> {
+    let assignment = |v: &str| {
+        let v = v.strip_prefix("export ").unwrap_or(v).trim_start();
+        v.split_once('=').is_some_and(|(name, value)| {
+            name.contains('_')
+                && name.starts_with(|c: char| c.is_ascii_uppercase())
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+                && !value.is_empty()
+        })
+    };
+    [
+        (Key::SandboxApiKey, "--sandbox-api-key-file"),
+        (Key::AccessKeySecret, "--access-key-secret-file"),
+    ]
+    .into_iter()
+    .filter(
+        |(key, _)| matches!(flags.get(key), Some(FlagValue::Secret(s)) if assignment(s.expose())),
+    )
+    .map(|(_, flag)| {
+        format!(
+            "the file given to {flag} holds a NAME=value line, and all of it is sent as the \
+             key: write the value alone (as a Kubernetes secret holds it), or put the line \
+             in a .env file"
+        )
+    })
+    .collect()
+}
+
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
@@ -402,6 +437,7 @@ impl Resolved {
                 e.source = Source::Default;
             }
         }
+        warnings.extend(assignments_in_key_files(&inputs.flags));
         let installed_secrets = inputs
             .abx_home
             .as_deref()
@@ -1303,6 +1339,42 @@ pub fn is_credential_key(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key file holding a `.env` line is warned about, whatever key it is for; a key
+    /// alone is not, nor a base32 key with its `=` padding, and the warning repeats
+    /// nothing of the file.
+    #[test]
+    fn a_key_file_holding_a_dotenv_line_is_warned_about() {
+        let flags = |key: Key, v: &str| HashMap::from([(key, FlagValue::Secret(Secret::new(v)))]);
+        for line in [
+            "ABX_SANDBOX_API_KEY=sk-0123456789abcdef",
+            "export ALIBABA_CLOUD_ACCESS_KEY_SECRET=abc",
+            "E2B_API_KEY=e2b_0123",
+        ] {
+            for (key, flag) in [
+                (Key::SandboxApiKey, "--sandbox-api-key-file"),
+                (Key::AccessKeySecret, "--access-key-secret-file"),
+            ] {
+                let said = assignments_in_key_files(&flags(key, line));
+                assert_eq!(said.len(), 1, "{line}");
+                assert!(said[0].starts_with(&format!("the file given to {flag} ")));
+                let (name, value) = line.split_once('=').unwrap_or_default();
+                assert!(!said[0].contains(name.trim_start_matches("export ")));
+                assert!(!said[0].contains(value), "{}", said[0]);
+            }
+        }
+        for key in [
+            "sk-0123456789abcdef",
+            "MFRGGZDFMZTWQ2LK====",
+            "abc_DEF=ghi",
+            "ABX_SANDBOX_API_KEY=",
+        ] {
+            let said = assignments_in_key_files(&flags(Key::SandboxApiKey, key));
+            assert!(said.is_empty(), "{key}: {said:?}");
+        }
+        let plain = HashMap::from([(Key::Region, FlagValue::Plain("A_B=c".into()))]);
+        assert!(assignments_in_key_files(&plain).is_empty());
+    }
 
     /// The raw layers hold every variable as read, secrets included; their `Debug` (a
     /// library user's `{:?}`, an `unwrap` on a containing `Result`) shows names only.
