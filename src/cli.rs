@@ -304,6 +304,15 @@ pub struct ServeArgs {
     pub net: NetArgs,
     #[command(flatten)]
     pub exposure: ExposureArgs,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// What only a running proxy uses: its timeouts, its connection limit and its logs.
+/// `check` takes them too, so that a serve command line (a unit's `ExecStartPre=`) runs
+/// as a check of it; they were refused there ("unexpected argument", exit 2).
+#[derive(Debug, Args, Clone, Default)]
+pub struct RunArgs {
     /// Close a connection, or reset an HTTP/2 answer, idle this long.
     #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = timeout)]
     pub idle_timeout: Duration,
@@ -333,6 +342,8 @@ pub struct CheckArgs {
     pub net: NetArgs,
     #[command(flatten)]
     pub exposure: ExposureArgs,
+    #[command(flatten)]
+    pub run: RunArgs,
     /// Resolve and validate only; no network.
     #[arg(long)]
     pub offline: bool,

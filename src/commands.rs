@@ -267,6 +267,14 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
             crate::logging::warning(&w);
         }
     }
+    // And of its own flags: the open-file limit leaves room for a connection (E1008).
+    if let Some(w) = crate::serve::short_idle_timeout(&args.run) {
+        crate::logging::warning(&w);
+    }
+    crate::descriptors::room_for_one(crate::workers::count()).map_err(|e| Error::Bind {
+        addr: settings.shown(&settings.listen),
+        reason: e.to_string(),
+    })?;
     let (kind, source) = credential_in_use(&resolved)?;
     outln!("credential: {kind} ({})", source.label());
     outln!("provider: {}", settings.provider);

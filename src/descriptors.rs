@@ -129,6 +129,24 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
     Ok(budget(limit, max_connections, workers))
 }
 
+/// Whether the hard open-file limit leaves room for one connection, as
+/// [`raise_open_file_limit`] asks at start, without changing the limit or warning of one
+/// short of `--max-connections` (`check`'s question: will serve start?).
+pub fn room_for_one(workers: usize) -> Result<(), NoRoom> {
+    let Ok((_, hard)) = rlimit::getrlimit(rlimit::Resource::NOFILE) else {
+        return Ok(());
+    };
+    match hard < least(workers) {
+        true => Err(NoRoom {
+            limit: hard,
+            at_rest: at_rest(workers),
+            workers,
+            least: least(workers),
+        }),
+        false => Ok(()),
+    }
+}
+
 /// What the process holds at rest with `workers`.
 fn at_rest(workers: usize) -> u64 {
     AT_REST.saturating_add(PER_WORKER.saturating_mul(workers as u64))

@@ -29,7 +29,11 @@ fn main() -> ExitCode {
         Command::Provider { .. } => None,
     };
     if let Some(refused) = settings.and_then(|s| s.refused_secret()) {
-        let json = matches!(&command, Command::Serve(a) if a.log_format == LogFormat::Json);
+        let json = match &command {
+            Command::Serve(a) => a.run.log_format == LogFormat::Json,
+            Command::Check(a) => a.run.log_format == LogFormat::Json,
+            _ => false,
+        };
         logging::refused(json, &format!(
             "{} is not accepted: a secret on the command line is visible to every user in `ps` and in shell history; {}",
             refused.0, refused.1
@@ -42,7 +46,7 @@ fn main() -> ExitCode {
             // log reader that stalls stops nothing (see `log_writer`). The others write
             // where they log, in order with their output on stdout.
             abx_proxy::log_writer::start();
-            logging::init(args.log_format, args.log_level.as_deref(), "info");
+            logging::init(args.run.log_format, args.run.log_level.as_deref(), "info");
             logging::panics_as_lines();
             // A panic that ends the process: its line is queued (see the hook), and the
             // writer thread must be given the moment it is given at any other exit.
@@ -55,7 +59,7 @@ fn main() -> ExitCode {
             served.map(|()| 0)
         }
         Command::Check(args) => {
-            logging::init(Default::default(), None, "warn");
+            logging::init(args.run.log_format, args.run.log_level.as_deref(), "warn");
             commands::check(args)
         }
         Command::Config { command } => match command {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::cli::{ServeArgs, SettingsArgs};
+use crate::cli::{RunArgs, ServeArgs, SettingsArgs};
 use crate::commands;
 use crate::credentials::ApiCredential;
 use crate::descriptors;
@@ -61,13 +61,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in crate::upstream::unused_forward_proxies() {
         tracing::warn!("{w}");
     }
-    if args.idle_timeout < ENVD_KEEPALIVE_FLOOR {
-        tracing::warn!(
-            idle_timeout_ms = u64::try_from(args.idle_timeout.as_millis()).unwrap_or(u64::MAX),
-            "--idle-timeout is under 2 s: envd sends keepalives on a quiet command or watch \
-             stream at most once a second, so such a stream can be cut, and the SDK reports \
-             an error"
-        );
+    if let Some(w) = short_idle_timeout(&args.run) {
+        let idle_timeout_ms = u64::try_from(args.run.idle_timeout.as_millis()).unwrap_or(u64::MAX);
+        tracing::warn!(idle_timeout_ms, "{w}");
     }
     let mut options = options(args);
     let budget = descriptors::raise_open_file_limit(options.max_connections, workers::count())
@@ -250,6 +246,17 @@ async fn drain(
 /// `headers::pace_keepalives`).
 const ENVD_KEEPALIVE_FLOOR: Duration = Duration::from_secs(2);
 
+/// A warning for an `--idle-timeout` under [`ENVD_KEEPALIVE_FLOOR`], which `check` gives
+/// too.
+pub(crate) fn short_idle_timeout(run: &RunArgs) -> Option<String> {
+    (run.idle_timeout < ENVD_KEEPALIVE_FLOOR).then(|| {
+        "--idle-timeout is under 2 s: envd sends keepalives on a quiet command or watch \
+         stream at most once a second, so such a stream can be cut, and the SDK reports an \
+         error"
+            .to_string()
+    })
+}
+
 fn options(args: &ServeArgs) -> Options {
     // The durations were checked as the command line was parsed.
     Options {
@@ -266,10 +273,10 @@ fn options(args: &ServeArgs) -> Options {
             .net
             .upstream_timeout
             .unwrap_or(Duration::from_secs(300)),
-        idle_timeout: args.idle_timeout,
-        shutdown_grace: args.shutdown_grace,
-        header_timeout: args.header_timeout,
-        max_connections: args.max_connections,
+        idle_timeout: args.run.idle_timeout,
+        shutdown_grace: args.run.shutdown_grace,
+        header_timeout: args.run.header_timeout,
+        max_connections: args.run.max_connections,
         upstream_slots: descriptors::Slots::UNLIMITED,
         splice_pipes: descriptors::Slots::UNLIMITED,
     }

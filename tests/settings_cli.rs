@@ -2913,10 +2913,6 @@ fn values_out_of_range_and_malformed_flags_are_refused() {
         ("--max-connections", "18446744073709551615"),
     ] {
         for sub in ["serve", "check"] {
-            let check_only = ["--connect-timeout", "--upstream-timeout"];
-            if sub == "check" && !check_only.contains(&flag) {
-                continue;
-            }
             let args = [
                 sub,
                 flag,
@@ -3044,6 +3040,44 @@ fn environment_values_that_are_not_utf8_are_ignored_unless_read() {
         out.stdout.contains("credential: api_key (flag)"),
         "{}",
         out.stdout
+    );
+}
+
+/// `check` takes serve's own flags (timeouts, connection limit, logs), so that a serve
+/// command line runs as a check of it (a unit's `ExecStartPre=`): they were refused,
+/// "unexpected argument". It warns as serve does of an idle timeout envd's keepalives
+/// cannot keep a stream open under, and logs as those flags say.
+#[test]
+fn check_takes_a_serve_command_line() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    let serve_flags = [
+        "--log-format",
+        "json",
+        "--log-level",
+        "warn",
+        "--idle-timeout",
+        "1s",
+        "--header-timeout",
+        "10s",
+        "--shutdown-grace",
+        "5s",
+        "--max-connections",
+        "100",
+    ];
+    let out = c.run(&[&["check", "--offline"][..], &serve_flags].concat());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("ok (offline"), "{}", out.stdout);
+    let warned: Vec<Value> = (out.stderr.lines())
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(
+        warned.iter().any(|v| v["level"] == "WARN"
+            && v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("--idle-timeout is under 2 s"))),
+        "{}",
+        out.stderr
     );
 }
 
