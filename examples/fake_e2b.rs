@@ -6,6 +6,7 @@
 //! ```text
 //! fake_e2b [--api-port 0] [--envd-port 0] [--expect-key KEY] [--dummy-key dummy-key]
 //!          [--no-auth-check] [--envd-version 0.5.7] [--tls-ca-out PATH] [--stdin-lifeline]
+//!          [--key-in-x-api-key]
 //! ```
 //!
 //! On startup it prints one JSON line, `{"api":"http://127.0.0.1:X","envd":"http://127.0.0.1:Y"}`.
@@ -22,7 +23,9 @@
 //! `{"requests": N, "routes": {"api POST /sandboxes": 1, …}, "violations": […], "log": […]}`.
 //!
 //! Control-plane checks (off with `--no-auth-check`): `Authorization: Bearer <expect-key>`,
-//! no `X-API-Key` header, the dummy key in no header. Envd checks (always): `X-Access-Token`
+//! no `X-API-Key` header, the dummy key in no header; with `--key-in-x-api-key` (E2B's own
+//! cloud, as the `deploy/providers/e2b` plugin reaches it) one `X-API-Key: <expect-key>`
+//! and no `Authorization` instead. Envd checks (always): `X-Access-Token`
 //! equal to the token issued for the sandbox named by `E2b-Sandbox-Id`, `E2b-Sandbox-Port`
 //! present, `Authorization` (if any) only `Basic`, the real key in no header. Both planes:
 //! `Host` is the listener's own authority.
@@ -75,12 +78,15 @@ struct Args {
     dummy_key: String,
     envd_version: String,
     tls_ca_out: Option<String>,
+    /// `--key-in-x-api-key`: the control plane's key comes as `X-API-Key`.
+    key_in_x_api_key: bool,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: fake_e2b [--api-port N] [--envd-port N] [--expect-key KEY] [--dummy-key KEY] \
-         [--no-auth-check] [--envd-version V] [--tls-ca-out PATH] [--stdin-lifeline]"
+         [--no-auth-check] [--envd-version V] [--tls-ca-out PATH] [--stdin-lifeline] \
+         [--key-in-x-api-key]"
     );
     std::process::exit(2)
 }
@@ -90,6 +96,7 @@ fn parse_args() -> Args {
     let mut dummy_key = "dummy-key".to_string();
     let mut envd_version = "0.5.7".to_string();
     let mut tls_ca_out = None;
+    let mut key_in_x_api_key = false;
     let common = support::Options::parse("fake_e2b", usage, |name, opts| {
         match name {
             "--api-port" => api_port = opts.port(),
@@ -97,6 +104,7 @@ fn parse_args() -> Args {
             "--dummy-key" => dummy_key = opts.value(),
             "--envd-version" => envd_version = opts.value(),
             "--tls-ca-out" => tls_ca_out = Some(opts.value()),
+            "--key-in-x-api-key" => key_in_x_api_key = true,
             _ => return false,
         }
         true
@@ -108,6 +116,7 @@ fn parse_args() -> Args {
         dummy_key,
         envd_version,
         tls_ca_out,
+        key_in_x_api_key,
     }
 }
 
@@ -514,6 +523,9 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
     if a.common.no_auth_check {
         return None;
     }
+    if a.key_in_x_api_key {
+        return check_x_api_key(h, a);
+    }
     if h.contains_key("x-api-key") {
         return Some((
             StatusCode::UNAUTHORIZED,
@@ -549,6 +561,24 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
         ));
     }
     None
+}
+
+/// E2B's own cloud's control-plane key: one `X-API-Key` with the expected key, no
+/// `Authorization` (the client's Bearer or the built-in provider's), no dummy key.
+fn check_x_api_key(h: &HeaderMap, a: &Args) -> Option<(StatusCode, String)> {
+    let expected = a.common.expect_key.as_deref().unwrap_or("");
+    let keys: Vec<_> = h.get_all("x-api-key").iter().collect();
+    let violation = if keys.len() != 1 || keys[0].as_bytes() != expected.as_bytes() {
+        format!(
+            "api: expected exactly one `X-API-Key: <expected key>`, got {} X-API-Key header(s)",
+            keys.len()
+        )
+    } else if h.contains_key("authorization") {
+        "api: an Authorization header beside X-API-Key".to_string()
+    } else {
+        return None;
+    };
+    Some((StatusCode::UNAUTHORIZED, violation))
 }
 
 /// Volume-content checks: the volume's own token, once, and no key of any kind.

@@ -2,7 +2,9 @@
 //! the newest checked, pinned in `tests/e2e/python/` and `tests/e2e/package.json`; both
 //! at 2.50.0; Python 2.20.0, whose connected sandbox names itself by its token alone) talk to `abx-proxy` with a dummy key; the proxy talks to the fake E2B cloud
 //! (`examples/fake_e2b.rs`), which checks every request it gets (the real key as Bearer on
-//! the control plane, no client key anywhere, the right envd token per sandbox, …).
+//! the control plane, no client key anywhere, the right envd token per sandbox, …). The JS
+//! SDK also goes through the shipped `deploy/providers/e2b` plugin (E2B's own cloud: the key
+//! as `X-API-Key`, `/v2` passed on).
 //!
 //! The code-interpreter SDKs (Python `e2b-code-interpreter` 2.11.5, JS `@e2b/code-interpreter`
 //! 2.8.0, on the latest core SDKs) run code through the proxy on the sandbox's port 49999.
@@ -32,7 +34,13 @@ enum Upstreams {
     /// As in production: an `https` control plane (HTTP/2 offered) and envd at
     /// `https://{port}-{id}.{sandbox_domain}`, certificates from the fake's own CA.
     Tls,
+    /// As `Tls`, through the `deploy/providers/e2b` plugin (E2B's own cloud): the key as
+    /// `X-API-Key`, the upstreams from its `ABX_E2B_*` settings.
+    E2bPlugin,
 }
+
+/// The built-in provider's key beside the plugin's: it must reach no upstream.
+const BUILTIN_KEY: &str = "builtin-key-e2e-never-sent-0123";
 
 /// The fake E2B cloud and, optionally, abx-proxy in front of it.
 struct Rig {
@@ -50,8 +58,11 @@ impl Rig {
         let dir = tempfile::tempdir().expect("tempdir");
         let ca = dir.path().join("fake-ca.pem").display().to_string();
         let mut fake_args = vec!["--dummy-key", DUMMY_KEY];
-        if proxy == Some(Upstreams::Tls) {
+        if matches!(proxy, Some(Upstreams::Tls | Upstreams::E2bPlugin)) {
             fake_args.extend(["--tls-ca-out", &ca]);
+        }
+        if proxy == Some(Upstreams::E2bPlugin) {
+            fake_args.push("--key-in-x-api-key");
         }
         let (fake, ports) = start_fake("fake_e2b", REAL_KEY, &fake_args);
         let url = |k: &str| {
@@ -75,6 +86,17 @@ impl Rig {
                 "--upstream-ca".to_string(),
                 ca.clone(),
             ],
+            Some(Upstreams::E2bPlugin) => vec!["--upstream-ca".to_string(), ca.clone()],
+        };
+        let key_env = match proxy {
+            Some(Upstreams::E2bPlugin) => vec![
+                ("ABX_PROVIDER", "e2b".to_string()),
+                ("ABX_E2B_API_KEY", REAL_KEY.to_string()),
+                ("ABX_E2B_BASE_URL", url("tls_api")),
+                ("ABX_E2B_ENVD_DOMAIN", url("sandbox_domain")),
+                ("ABX_SANDBOX_API_KEY", BUILTIN_KEY.to_string()),
+            ],
+            _ => vec![("ABX_SANDBOX_API_KEY", REAL_KEY.to_string())],
         };
         let mut rig = Rig {
             dir,
@@ -84,10 +106,13 @@ impl Rig {
             envd,
             proxy_url: String::new(),
         };
+        if proxy == Some(Upstreams::E2bPlugin) {
+            install_e2b_plugin(rig.dir.path());
+        }
         if proxy.is_some() {
             let mut cmd = e2e::abx(rig.dir.path());
-            cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default())
-                .env("ABX_SANDBOX_API_KEY", REAL_KEY);
+            cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
+            cmd.envs(key_env);
             let args: Vec<&str> = upstream_args.iter().map(String::as_str).collect();
             let (proxy, addr) = e2e::serve(cmd, &args).unwrap_or_else(|e| panic!("{e}"));
             rig.proxy_url = format!("http://{addr}");
@@ -107,6 +132,17 @@ impl Rig {
         }
         s
     }
+}
+
+/// `abx-proxy provider install deploy/providers/e2b/abx-provider.toml` into the rig's
+/// `ABX_HOME`.
+fn install_e2b_plugin(root: &std::path::Path) {
+    let manifest = repo().join("deploy/providers/e2b/abx-provider.toml");
+    let mut cmd = e2e::abx(root);
+    cmd.args(["provider", "install"]).arg(&manifest);
+    let limit = Duration::from_secs(30);
+    let (ok, log) = Proc::run_without_input("abx-proxy provider install", cmd, limit);
+    assert!(ok, "abx-proxy provider install failed:\n{log}");
 }
 
 enum Sdk {
@@ -198,11 +234,19 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
     // 4 commands, 2 uploads, 2 downloads, 3 health checks (the connected sandbox's after
     // the kill too), 1 ListDir. `/v2/…` create and
     // connect reach the upstream as `/sandboxes…` (compat_v2_paths = rewrite).
+    // The e2b plugin passes `/v2/…` on: E2B's own cloud serves it.
+    let (create, connect) = match upstreams {
+        Upstreams::E2bPlugin => (
+            "api POST /v2/sandboxes",
+            "api POST /v2/sandboxes/{id}/connect",
+        ),
+        _ => ("api POST /sandboxes", "api POST /sandboxes/{id}/connect"),
+    };
     let expected: &[(&str, u64)] = &[
-        ("api POST /sandboxes", 1),
+        (create, 1),
         ("api POST /sandboxes/{id}/timeout", 1),
         ("api GET /sandboxes/{id}", 1),
-        ("api POST /sandboxes/{id}/connect", 1),
+        (connect, 1),
         ("api DELETE /sandboxes/{id}", 1),
         ("envd POST /process.Process/Start", 4),
         ("envd POST /files", 2),
@@ -221,15 +265,21 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
         "{dump}"
     );
     assert!(
-        log.iter().any(|e| e["route"] == "api POST /sandboxes"),
+        log.iter().any(|e| e["route"] == create),
         "no create in the fake's log\n{dump}"
     );
     for entry in &log {
-        if entry["route"] == "api POST /sandboxes" {
+        // The built-in provider's `/v1` create asks for a secure sandbox (Alibaba Cloud's
+        // default is not); E2B's own cloud gets the SDK's `/v2` create as sent, which has
+        // no such field.
+        if entry["route"] == create {
+            let secure = match upstreams {
+                Upstreams::E2bPlugin => Value::Null,
+                _ => Value::Bool(true),
+            };
             assert_eq!(
-                entry["secure"],
-                Value::Bool(true),
-                "create must reach the upstream with \"secure\": true\n{dump}"
+                entry["secure"], secure,
+                "create must reach the upstream with \"secure\": {secure}\n{dump}"
             );
         }
         if entry["plane"] == "envd" {
@@ -238,7 +288,7 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
                 "envd request without Authorization: Basic (the proxy adds `Basic dXNlcjo=`): {entry}\n{dump}"
             );
         }
-        let tls = upstreams == Upstreams::Tls;
+        let tls = upstreams != Upstreams::Plain;
         let version = match (tls, entry["plane"].as_str()) {
             (true, Some("api")) => "HTTP/2.0",
             _ => "HTTP/1.1",
@@ -292,6 +342,13 @@ fn js_sdk_latest_through_proxy_to_tls_upstreams() {
     sdk_through_proxy(Sdk::Js("e2b"), Upstreams::Tls);
 }
 
+/// E2B's own cloud through the shipped `deploy/providers/e2b` plugin: the key as
+/// `X-API-Key` (the fake refuses a Bearer), the built-in provider's key in no header.
+#[test]
+fn js_sdk_latest_through_the_e2b_plugin() {
+    sdk_through_proxy(Sdk::Js("e2b"), Upstreams::E2bPlugin);
+}
+
 /// The code interpreter through the proxy: `run_code` streams its NDJSON back (the fake holds
 /// the run until the client, on seeing its first line, makes a context), contexts are
 /// made, listed and removed, on port 49999 of a sandbox that restricts public traffic. The
@@ -313,7 +370,7 @@ fn code_interpreter_through_proxy(sdk: Sdk, upstreams: Upstreams) {
 
     let dump = &run.dump;
     let log = run.report["log"].as_array().cloned().unwrap_or_default();
-    let tls = upstreams == Upstreams::Tls;
+    let tls = upstreams != Upstreams::Plain;
     for entry in log.iter().filter(|e| e["plane"] == "envd") {
         let execute = entry["route"] == "jupyter POST /execute";
         assert_eq!(
