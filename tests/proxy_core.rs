@@ -2757,7 +2757,8 @@ async fn a_quiet_slow_reader_gets_all_an_upstream_sent_before_its_close() {
 
 /// A client that keeps sending after the upstream has closed and refused its bytes (an
 /// upload, pings) has 30 s (here `--idle-timeout`, 2 s) to read the rest and end, and is
-/// then cut: its bytes went nowhere, and the tunnel lived for as long as it sent them.
+/// then cut while it still sends: its bytes go nowhere (such a client once held the
+/// tunnel for as long as it sent them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sending_into_an_upstream_gone_is_cut() {
     let (mut proxy, mut s) = closed_upstream_tunnel(&Pki::new(), &["--idle-timeout", "2s"]).await;
@@ -2770,6 +2771,13 @@ async fn a_client_sending_into_an_upstream_gone_is_cut() {
         } => proxy.wait_for_line("tunnel cut").await,
     };
     assert!(cut.contains("end=\"half-closed\""), "{cut}");
+    // Not before its time: the tunnel's whole life is the upstream's bytes and the 2 s.
+    let lived = cut
+        .split("duration_ms=")
+        .nth(1)
+        .and_then(|d| d.split_whitespace().next())
+        .and_then(|d| d.parse::<f64>().ok());
+    assert!(lived.is_some_and(|ms| ms >= 2000.0), "{cut}");
     proxy.finish().await;
 }
 

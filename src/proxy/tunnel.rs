@@ -1,7 +1,8 @@
 //! A switched protocol (WebSocket) after its 101: bytes both ways between the client's
-//! upgraded connection and the upstream's, until both sides end, the tunnel goes idle (or,
-//! once one side has ended, quiet) or the drain's grace is over, and a line at its end
-//! saying which, after how long, and how many bytes went each way.
+//! upgraded connection and the upstream's, until both sides end, the tunnel goes idle, a
+//! side's end leaves the other way's time run out (see [`HALF_CLOSED_IDLE`] and [`LINGER`])
+//! or the drain's grace is over, and a line at its end saying which, after how long, and
+//! how many bytes went each way.
 //!
 //! The request's access line is written when the 101 goes out, like every other answer's
 //! when its head does; a tunnel then lives on for hours, and without its own end line a
@@ -59,7 +60,9 @@ enum End {
     Upstream(io::ErrorKind),
     /// No byte either way for `--idle-timeout`.
     Idle,
-    /// One side ended, and no byte went the other way for [`HALF_CLOSED_IDLE`].
+    /// One side ended, and the other way's time ran out: after the client's end, no byte
+    /// went the upstream's way for [`HALF_CLOSED_IDLE`]; after the upstream's, the client
+    /// had [`LINGER`].
     HalfClosed,
     /// The drain's grace ran out.
     Drain,
@@ -114,8 +117,9 @@ pub(super) struct Count {
 ///
 /// A tunnel that moves no bytes either way for `--idle-timeout` is closed, like any
 /// connection: a client gone without a word would otherwise hold its place forever.
-/// One side's end is passed on to the other (its write side shut down) and the other
-/// way goes on while it moves; see [`HALF_CLOSED_IDLE`].
+/// One side's end is passed on to the other (its write side shut down); then the
+/// upstream's way goes on while it moves (see [`HALF_CLOSED_IDLE`]), the client's for
+/// [`LINGER`] at most.
 pub(super) async fn run(
     upgrade: Upgrade,
     upstream: OnUpgrade,
@@ -190,6 +194,13 @@ const HALF_CLOSED_IDLE: Duration = Duration::from_secs(5);
 /// each 0.2 s and pinging every 8 s lost up to 1.6 of 8 MiB; at 5 s in all, one pinging
 /// every 0.5 s lost 2.3 of 4 MiB; a client that kept sending into an upstream gone held
 /// the tunnel for as long as it sent.
+///
+/// The limit: the time runs from the upstream's last byte handed to the client's socket,
+/// and up to about 4 MiB can still be queued then (the proxy's send buffer and the
+/// client's receive buffer). A reader slower than about 140 KiB/s that sends after the cut
+/// loses what it had not read (a quiet one gets it all: the kernel goes on sending after
+/// the close). Cutting when that queue stops shrinking would need `SIOCOUTQ` or
+/// `TCP_INFO`, which no safe interface the proxy uses offers.
 const LINGER: Duration = Duration::from_secs(30);
 
 /// One way of a tunnel: every byte, then the end passed on (the write side shut down).
