@@ -3043,6 +3043,26 @@ fn environment_values_that_are_not_utf8_are_ignored_unless_read() {
     );
 }
 
+/// `ABX_HOME=~/.abx` (systemd's `Environment=` and a container's env expand no `~`) names
+/// `./~/.abx`, where the key is not: said, with the directory read; an absolute one is not.
+#[test]
+fn an_abx_home_that_is_no_absolute_path_is_warned_about() {
+    let mut c = Case::new();
+    c.env("ABX_HOME", "~/.abx");
+    let out = c.run(&["config", "get", "region"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let said = "warning: ABX_HOME (~/.abx) is not an absolute path: it is read from the \
+                working directory";
+    assert!(out.stderr.contains(said), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("a `~` is expanded by a shell"),
+        "{}",
+        out.stderr
+    );
+    let out = Case::new().run(&["config", "get", "region"]);
+    assert!(!out.stderr.contains("ABX_HOME"), "{}", out.stderr);
+}
+
 /// `check` takes serve's own flags (timeouts, connection limit, logs), so that a serve
 /// command line runs as a check of it (a unit's `ExecStartPre=`): they were refused,
 /// "unexpected argument". It warns as serve does of an idle timeout envd's keepalives

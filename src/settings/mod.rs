@@ -312,6 +312,29 @@ impl RawLayers {
     }
 }
 
+/// An `ABX_HOME` that is no absolute path is read from the working directory, as every
+/// relative path is: `ABX_HOME=~/.abx` from a systemd `Environment=` or a container's env
+/// (neither expands `~`) read `./~/.abx`, and `config list` showed the key unset without a
+/// word, while E1001 said to put it in `~/.abx/.env`, where it was.
+fn relative_abx_home(inputs: &Inputs) -> Option<String> {
+    let home = inputs
+        .env
+        .get("ABX_HOME")
+        .filter(|h| !h.trim().is_empty())?;
+    if std::path::Path::new(home).is_absolute() {
+        return None;
+    }
+    let tilde = match home.starts_with('~') {
+        true => " (a `~` is expanded by a shell, not by systemd or a container's env)",
+        false => "",
+    };
+    Some(format!(
+        "ABX_HOME ({home}) is not an absolute path: it is read from the working directory, \
+         {}{tilde}; write it out in full",
+        inputs.cwd.join(home).display()
+    ))
+}
+
 /// A key file that holds a `.env` line (`ABX_SANDBOX_API_KEY=…`, `export` or not) rather
 /// than the key alone: it is read whole, as Kubernetes mounts a secret, so the name went
 /// upstream with the key (401 on every request) while `check --offline` said ok. Said,
@@ -362,6 +385,7 @@ impl Resolved {
             layers::read_dotenv(&cwd_env, "./.env", Some(&mut skipped), &mut warnings)?
         };
         let skipped_at = warnings.len();
+        warnings.extend(relative_abx_home(inputs));
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
                 layers::read_dotenv(&home.join(".env"), "~/.abx/.env", None, &mut warnings)?,
