@@ -1566,6 +1566,7 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
     let mut c = Case::new();
     c.env("ABX_REGION", "cn-shanghai")
         .env("ABX_TARGETS", "all")
+        .env("ABX_API_KEY", "sk-guess-0123456789")
         .env("ABX_SANDBOX_API_KEY", KEY_ENV);
     c.cwd_dotenv("ABX_SANDBOX_APIKEY=sk-typo-0123456789\nABX_HOME=/elsewhere\n");
     c.home_dotenv("ABX_LISTEN=127.0.0.1:1\n");
@@ -1575,6 +1576,7 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
         "ABX_REGION (env) is not a variable abx-proxy reads: did you mean ALIBABA_CLOUD_REGION_ID?",
         "ABX_SANDBOX_APIKEY (./.env) is not a variable abx-proxy reads: did you mean ABX_SANDBOX_API_KEY?",
         "ABX_LISTEN (~/.abx/.env) is not a variable abx-proxy reads: did you mean ABX_PROXY_LISTEN?",
+        "ABX_API_KEY (env) is not a variable abx-proxy reads: did you mean ABX_SANDBOX_API_KEY?",
         // A real name, where it has no effect.
         "ABX_HOME (./.env) is read from the environment only (it says where ~/.abx is)",
     ] {
@@ -1583,6 +1585,7 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
     }
     assert!(!out.stderr.contains("ABX_TARGETS"), "{}", out.stderr);
     assert!(!out.stderr.contains("sk-typo") && !out.stderr.contains("cn-shanghai"));
+    assert!(!out.stderr.contains("sk-guess"), "{}", out.stderr);
     assert!(!out.stderr.contains("/elsewhere"), "{}", out.stderr);
     // Set where it is read, blank, or the environment's own value: no word.
     let mut c = Case::new();

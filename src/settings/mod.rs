@@ -999,6 +999,11 @@ impl Resolved {
         let read: Vec<&str> = (KEYS.iter().map(|k| k.env))
             .chain(plugin_env.iter().map(String::as_str))
             .collect();
+        // `ABX_API_KEY`, the likeliest guess at the key's name, squashes to no setting's:
+        // it means the selected provider's key.
+        let key_env = (plugin_env.iter())
+            .find(|e| e.starts_with("ABX_") && e.ends_with("_API_KEY"))
+            .map_or("ABX_SANDBOX_API_KEY", String::as_str);
         // Each read name, and each built-in setting's key, by its squashed spelling.
         let spellings: Vec<(String, &str)> = (KEYS.iter())
             .map(|k| (squash(k.name), k.env))
@@ -1006,6 +1011,7 @@ impl Resolved {
                 let rest = env.strip_prefix("ABX_").unwrap_or(env);
                 (squash(rest), *env)
             }))
+            .chain([("apikey".to_string(), key_env)])
             .collect();
         let layers = [
             (&self.layers.env, Source::Env),
