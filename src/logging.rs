@@ -21,7 +21,7 @@ use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
 
-/// The target of the access line; filters name it (`RUST_LOG=abx_proxy::access=off`).
+/// The target of the access line; filters name it (`RUST_LOG=info,abx_proxy::access=off`).
 pub const ACCESS_TARGET: &str = "abx_proxy::access";
 
 /// What [`init`] installed, as far as [`access`] needs to know: `FALLBACK` until a
@@ -205,67 +205,59 @@ fn quiet_rustls(level: &str) -> String {
     }
 }
 
-/// The crates whose lines reach the proxy's log (through `tracing`, or `log` records
-/// bridged to it): the targets a filter's directive can name.
-const TARGETS: [&str; 10] = [
-    "abx_proxy",
-    "h2",
-    "hyper",
-    "hyper_util",
-    "hyper_rustls",
-    "rustls",
-    "tokio",
-    "tokio_rustls",
-    "mio",
-    "tracing",
-];
-
-/// Why `filter` would not log what its writer meant, if it would not: it does not parse,
-/// or a directive names neither a level nor any of [`TARGETS`]. `tracing` reads a bare
-/// word as a target, so `--log-level warning` (journalctl's and syslog's spelling) was a
-/// filter for a module of that name: not one line was logged, warnings and errors
-/// included, and nothing said so. A target is matched as a prefix, as `tracing` matches
-/// it (`abx` chooses `abx_proxy`).
+/// Why `filter` would not log what its writer meant, if so: it does not parse, or it lets
+/// none of the proxy's own lines through. `tracing` reads a bare word as a target, so
+/// `--log-level warning` (journalctl's and syslog's spelling) chose a module of that name:
+/// not one line was logged, warnings and errors included, and nothing said so. A filter
+/// lets the proxy's lines through when it sets a level for everything (`off` too: silence
+/// asked for) or one above `off` for an `abx_proxy` target (matched as a prefix, as
+/// `tracing` matches it, and outside spans: the proxy opens none). Other crates'
+/// directives are left alone: `RUST_LOG` is often shared (`debug,reqwest=info`).
 pub fn filter_refusal(filter: &str) -> Option<String> {
     if let Err(e) = EnvFilter::try_new(filter) {
         return Some(e.to_string());
     }
-    let directives = filter.split(',').map(str::trim).filter(|d| !d.is_empty());
-    for directive in directives {
-        if directive.parse::<LevelFilter>().is_ok() {
-            continue;
+    let directives: Vec<&str> = (filter.split(',').map(str::trim))
+        .filter(|d| !d.is_empty())
+        .collect();
+    let lets_ours_through = |d: &&str| {
+        if d.parse::<LevelFilter>().is_ok() {
+            return true;
         }
-        let target = directive
-            .split(['=', '['])
-            .next()
-            .unwrap_or_default()
-            .trim();
-        let known = |t: &&str| t.starts_with(target) || target.starts_with(&format!("{t}::"));
-        if target.is_empty() || TARGETS.iter().any(known) {
-            continue;
+        if d.contains('[') {
+            return false;
         }
-        let meant = match target.to_ascii_lowercase().as_str() {
-            "warning" | "warnings" => Some("warn"),
-            "err" | "errors" | "crit" | "critical" | "fatal" | "alert" | "emerg" => Some("error"),
-            "notice" | "information" | "informational" => Some("info"),
-            "verbose" => Some("debug"),
-            "all" => Some("trace"),
-            "none" | "quiet" | "silent" => Some("off"),
-            _ => None,
-        };
-        let levels = "trace, debug, info, warn, error, off";
-        return Some(match meant {
-            Some(level) => {
-                format!("`{target}` is no level (did you mean `{level}`? levels: {levels})")
-            }
-            None => format!(
-                "`{target}` is no level ({levels}) and names no module whose lines the proxy \
-                 logs ({}): it would log nothing",
-                TARGETS.join(", ")
-            ),
-        });
+        let (target, level) = d.split_once('=').unwrap_or((d, "trace"));
+        let target = target.trim();
+        let ours = !target.is_empty()
+            && ("abx_proxy".starts_with(target) || target.starts_with("abx_proxy::"));
+        ours && (level.trim().parse::<LevelFilter>()).is_ok_and(|l| l != LevelFilter::OFF)
+    };
+    if directives.iter().any(lets_ours_through) {
+        return None;
     }
-    None
+    let levels = "trace, debug, info, warn, error, off";
+    let meant = directives.iter().find_map(|d| {
+        let level = match d.to_ascii_lowercase().as_str() {
+            "warning" | "warnings" => "warn",
+            "err" | "errors" | "crit" | "critical" | "fatal" | "alert" | "emerg" => "error",
+            "notice" | "information" | "informational" => "info",
+            "verbose" => "debug",
+            "all" => "trace",
+            "none" | "quiet" | "silent" => "off",
+            _ => return None,
+        };
+        Some((d, level))
+    });
+    Some(match meant {
+        Some((word, level)) => {
+            format!("`{word}` is no level (did you mean `{level}`? levels: {levels})")
+        }
+        None => format!(
+            "it lets none of the proxy's own lines through, its errors included: it sets no \
+             level ({levels}) and no `abx_proxy` module's (add one: `info,{filter}`)"
+        ),
+    })
 }
 
 /// `RUST_LOG`, when set to something: blank is unset, as for every setting (SPEC §2; a
@@ -818,36 +810,42 @@ mod tests {
 
     use super::*;
 
-    /// A level, a known target (as a prefix or a module path in it) and a span directive
-    /// are filters; a word that is neither is refused, with the level it was likely meant
-    /// for when it is another tool's spelling of one.
+    /// A filter that sets a level for everything, or for the proxy's own module, passes,
+    /// whatever else it names (a shared `RUST_LOG`); one that lets none of the proxy's
+    /// lines through is refused, with the level meant when a word is another tool's
+    /// spelling of one.
     #[test]
     fn a_filter_that_would_log_nothing_is_refused() {
         for fine in [
             "warn",
             "INFO",
             "3",
+            "off",
             "debug,",
+            "debug,reqwest=info",
+            "info,H2=debug",
             "off,abx_proxy::notify=debug",
             "warn,abx_proxy::serve=info",
             "abx",
             "abx_proxy",
-            "h2=info,hyper_util=debug",
-            "rustls::server=trace",
-            "[request]=debug",
+            "abx_proxy::access=info",
+            "warn,warning",
         ] {
             assert_eq!(filter_refusal(fine), None, "{fine}");
         }
+        let none = "it lets none of the proxy's own lines through";
         for (refused, says) in [
             ("warning", "`warning` is no level (did you mean `warn`?"),
-            ("info,Err", "`Err` is no level (did you mean `error`?"),
+            ("Err", "`Err` is no level (did you mean `error`?"),
             ("notice", "did you mean `info`?"),
-            (
-                "wran",
-                "`wran` is no level (trace, debug, info, warn, error, off) and names no module",
-            ),
-            ("abx_prxy=debug", "`abx_prxy` is no level"),
-            ("abx_proxyx=debug", "`abx_proxyx` is no level"),
+            ("wran", none),
+            ("mio", none),
+            ("h2=debug,hyper_util=debug", none),
+            ("abx_prxy=debug", none),
+            ("abx_proxyx=debug", none),
+            ("abx_proxy::access=off", none),
+            ("[request]=debug", none),
+            ("debug=info", none),
             ("abx_proxy=loud", "error parsing level filter"),
         ] {
             let why = filter_refusal(refused).unwrap_or_default();
@@ -1702,7 +1700,11 @@ mod tests {
             ("text:debug", None, 2),
             ("text:warn", None, 0),
             ("json:info,abx_proxy::access=off", None, 0),
-            ("json:", Some("abx_proxy::access=off"), 0),
+            ("json:", Some("info,abx_proxy::access=off"), 0),
+            // A filter that lets none of the proxy's lines through is warned about, and
+            // the default level applies: two access lines, and the warning, whose
+            // suggestion names the target.
+            ("json:", Some("abx_proxy::access=off"), 3),
             ("text:", Some("warn,abx_proxy::access=info"), 2),
         ] {
             let stderr = child_stderr(spec, rust_log.map(std::ffi::OsStr::new));
