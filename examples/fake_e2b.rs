@@ -6,7 +6,7 @@
 //! ```text
 //! fake_e2b [--api-port 0] [--envd-port 0] [--expect-key KEY] [--dummy-key dummy-key]
 //!          [--no-auth-check] [--envd-version 0.5.7] [--tls-ca-out PATH] [--stdin-lifeline]
-//!          [--key-in-x-api-key]
+//!          [--key-in-x-api-key] [--forbid KEY]...
 //! ```
 //!
 //! On startup it prints one JSON line, `{"api":"http://127.0.0.1:X","envd":"http://127.0.0.1:Y"}`.
@@ -25,7 +25,8 @@
 //! Control-plane checks (off with `--no-auth-check`): `Authorization: Bearer <expect-key>`,
 //! no `X-API-Key` header, the dummy key in no header; with `--key-in-x-api-key` (E2B's own
 //! cloud, as the `deploy/providers/e2b` plugin reaches it) one `X-API-Key: <expect-key>`
-//! and no `Authorization` instead. Envd checks (always): `X-Access-Token`
+//! and no `Authorization` instead. Every `--forbid KEY` (another provider's key, say) must
+//! appear in no header of either plane. Envd checks (always): `X-Access-Token`
 //! equal to the token issued for the sandbox named by `E2b-Sandbox-Id`, `E2b-Sandbox-Port`
 //! present, `Authorization` (if any) only `Basic`, the real key in no header. Both planes:
 //! `Host` is the listener's own authority.
@@ -80,13 +81,15 @@ struct Args {
     tls_ca_out: Option<String>,
     /// `--key-in-x-api-key`: the control plane's key comes as `X-API-Key`.
     key_in_x_api_key: bool,
+    /// `--forbid KEY`, any number: values no request may carry in any header.
+    forbidden: Vec<String>,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: fake_e2b [--api-port N] [--envd-port N] [--expect-key KEY] [--dummy-key KEY] \
          [--no-auth-check] [--envd-version V] [--tls-ca-out PATH] [--stdin-lifeline] \
-         [--key-in-x-api-key]"
+         [--key-in-x-api-key] [--forbid KEY]..."
     );
     std::process::exit(2)
 }
@@ -97,6 +100,7 @@ fn parse_args() -> Args {
     let mut envd_version = "0.5.7".to_string();
     let mut tls_ca_out = None;
     let mut key_in_x_api_key = false;
+    let mut forbidden = Vec::new();
     let common = support::Options::parse("fake_e2b", usage, |name, opts| {
         match name {
             "--api-port" => api_port = opts.port(),
@@ -105,6 +109,7 @@ fn parse_args() -> Args {
             "--envd-version" => envd_version = opts.value(),
             "--tls-ca-out" => tls_ca_out = Some(opts.value()),
             "--key-in-x-api-key" => key_in_x_api_key = true,
+            "--forbid" => forbidden.push(opts.value()),
             _ => return false,
         }
         true
@@ -117,6 +122,7 @@ fn parse_args() -> Args {
         envd_version,
         tls_ca_out,
         key_in_x_api_key,
+        forbidden,
     }
 }
 
@@ -489,6 +495,15 @@ fn route_name(plane: Plane, method: &Method, path: &str, h: &HeaderMap) -> Strin
 }
 
 fn check_common(plane: Plane, uri: &hyper::Uri, h: &HeaderMap, state: &State) -> Vec<String> {
+    let mut v: Vec<String> = (state.args.forbidden.iter())
+        .filter(|key| carries(h, key))
+        .map(|_| {
+            format!(
+                "{}: a forbidden key appears in a request header",
+                plane.name()
+            )
+        })
+        .collect();
     let own = match plane {
         Plane::Api => &state.api_authority,
         Plane::Envd => &state.envd_authority,
@@ -505,7 +520,6 @@ fn check_common(plane: Plane, uri: &hyper::Uri, h: &HeaderMap, state: &State) ->
         }
         _ => None,
     };
-    let mut v = Vec::new();
     // HTTP/2 carries the authority in the URI instead of a Host header.
     match header(h, "host").or_else(|| uri.authority().map(|a| a.as_str())) {
         Some(host) if host == own || Some(host) == named.as_deref() => {}
@@ -523,8 +537,16 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
     if a.common.no_auth_check {
         return None;
     }
+    let dummy = || {
+        (!a.dummy_key.is_empty() && carries(h, &a.dummy_key)).then(|| {
+            (
+                StatusCode::UNAUTHORIZED,
+                "api: the dummy key appears in a request header".to_string(),
+            )
+        })
+    };
     if a.key_in_x_api_key {
-        return check_x_api_key(h, a);
+        return dummy().or_else(|| check_x_api_key(h, a));
     }
     if h.contains_key("x-api-key") {
         return Some((
@@ -532,17 +554,8 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
             "api: request carries an X-API-Key header (client credential leaked upstream)".into(),
         ));
     }
-    if !a.dummy_key.is_empty()
-        && h.values().any(|v| {
-            v.as_bytes()
-                .windows(a.dummy_key.len())
-                .any(|w| w == a.dummy_key.as_bytes())
-        })
-    {
-        return Some((
-            StatusCode::UNAUTHORIZED,
-            "api: the dummy key appears in a request header".into(),
-        ));
+    if let Some(v) = dummy() {
+        return Some(v);
     }
     let expected = format!("Bearer {}", a.common.expect_key.as_deref().unwrap_or(""));
     let auths: Vec<_> = h.get_all("authorization").iter().collect();
@@ -561,6 +574,12 @@ fn check_api(h: &HeaderMap, state: &State) -> Option<(StatusCode, String)> {
         ));
     }
     None
+}
+
+/// Whether any header value holds `key`.
+fn carries(h: &HeaderMap, key: &str) -> bool {
+    h.values()
+        .any(|v| (v.as_bytes().windows(key.len())).any(|w| w == key.as_bytes()))
 }
 
 /// E2B's own cloud's control-plane key: one `X-API-Key` with the expected key, no

@@ -62,7 +62,7 @@ impl Rig {
             fake_args.extend(["--tls-ca-out", &ca]);
         }
         if proxy == Some(Upstreams::E2bPlugin) {
-            fake_args.push("--key-in-x-api-key");
+            fake_args.extend(["--key-in-x-api-key", "--forbid", BUILTIN_KEY]);
         }
         let (fake, ports) = start_fake("fake_e2b", REAL_KEY, &fake_args);
         let url = |k: &str| {
