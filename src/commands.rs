@@ -320,7 +320,14 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     crate::check::online(&settings, &args.net)
 }
 
+/// `ABX_HOME` for the `provider` commands, which read no settings: a relative one is
+/// warned about here as the settings chain warns about it.
 fn abx_home() -> Result<std::path::PathBuf, Error> {
+    let cwd = std::env::current_dir().unwrap_or_default();
+    let home = std::env::var("ABX_HOME").ok();
+    if let Some(w) = crate::settings::relative_abx_home(home.as_deref(), &cwd) {
+        crate::logging::warning(&w);
+    }
     crate::settings::layers::abx_home(|name| std::env::var_os(name)).ok_or_else(|| {
         Error::InvalidSetting {
             key: "ABX_HOME".into(),

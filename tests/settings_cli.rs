@@ -3062,6 +3062,10 @@ fn an_abx_home_that_is_no_absolute_path_is_warned_about() {
         "{}",
         out.stderr
     );
+    // The provider commands, which read no settings, too.
+    let out = c.run(&["provider", "list"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains(said), "{}", out.stderr);
     let out = Case::new().run(&["config", "get", "region"]);
     assert!(!out.stderr.contains("ABX_HOME"), "{}", out.stderr);
 }

@@ -316,11 +316,8 @@ impl RawLayers {
 /// relative path is: `ABX_HOME=~/.abx` from a systemd `Environment=` or a container's env
 /// (neither expands `~`) read `./~/.abx`, and `config list` showed the key unset without a
 /// word, while E1001 said to put it in `~/.abx/.env`, where it was.
-fn relative_abx_home(inputs: &Inputs) -> Option<String> {
-    let home = inputs
-        .env
-        .get("ABX_HOME")
-        .filter(|h| !h.trim().is_empty())?;
+pub(crate) fn relative_abx_home(home: Option<&str>, cwd: &std::path::Path) -> Option<String> {
+    let home = home.filter(|h| !h.trim().is_empty())?;
     if std::path::Path::new(home).is_absolute() {
         return None;
     }
@@ -331,7 +328,7 @@ fn relative_abx_home(inputs: &Inputs) -> Option<String> {
     Some(format!(
         "ABX_HOME ({home}) is not an absolute path: it is read from the working directory, \
          {}{tilde}; write it out in full",
-        inputs.cwd.join(home).display()
+        cwd.join(home).display()
     ))
 }
 
@@ -385,7 +382,8 @@ impl Resolved {
             layers::read_dotenv(&cwd_env, "./.env", Some(&mut skipped), &mut warnings)?
         };
         let skipped_at = warnings.len();
-        warnings.extend(relative_abx_home(inputs));
+        let home = inputs.env.get("ABX_HOME").map(String::as_str);
+        warnings.extend(relative_abx_home(home, &inputs.cwd));
         let (dotenv_home, toml) = match &inputs.abx_home {
             Some(home) => (
                 layers::read_dotenv(&home.join(".env"), "~/.abx/.env", None, &mut warnings)?,
