@@ -297,7 +297,7 @@ fn auth(endpoint: &toml::Table, at: &At) -> Result<AuthKind, Error> {
                 return Err(at.mention(
                     "auth.header",
                     format!(
-                        "auth.header {header:?}: the key cannot be sent as a header that frames or routes the request (host, content-length, transfer-encoding, connection, proxy-*, …) or that the proxy sets for envd"
+                        "auth.header {header:?}: the key cannot be sent as a header that frames, routes or qualifies the request (host, content-length, transfer-encoding, connection, proxy-*, accept-encoding, range, if-*, forwarded, …) or that the proxy sets for envd"
                     ),
                 ));
             }
@@ -539,7 +539,12 @@ fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
 /// `Host` it picked the upstream's virtual host and left the real one out), is hop-by-hop
 /// (stripped, or read by the next hop rather than the provider), or carries envd's token
 /// and routing, which the proxy sets itself. `Cookie` holds `name=value` pairs, never a
-/// bare key, and replacing it would drop the client's cookies.
+/// bare key, and replacing it would drop the client's cookies. Nor as one that changes
+/// what is asked or said (as `Accept-Encoding` the key went in place of the proxy's
+/// `identity` on the token look-ups, which then went without it; `Range`, `If-*`,
+/// `Content-Type`), or that says where the request came from (`Forwarded`, `Via`,
+/// `X-Forwarded-*`). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
+/// may (nginx's `underscores_in_headers`).
 pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
     const REFUSED: &[&str] = &[
         "host",
@@ -552,12 +557,24 @@ pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
         "upgrade",
         "expect",
         "cookie",
+        "set-cookie",
         "x-access-token",
         "e2b-sandbox-id",
         "e2b-sandbox-port",
+        "accept",
+        "accept-encoding",
+        "content-type",
+        "content-encoding",
+        "content-range",
+        "range",
+        "forwarded",
+        "via",
     ];
-    let name = name.as_str();
-    !REFUSED.contains(&name) && !name.starts_with("proxy-")
+    let name = name.as_str().replace('_', "-");
+    !REFUSED.contains(&name.as_str())
+        && !["proxy-", "if-", "x-forwarded-"]
+            .iter()
+            .any(|p| name.starts_with(p))
 }
 
 fn canonical_env(id: &str, field: &str) -> String {
@@ -891,6 +908,16 @@ inherit = ["sandbox_api_key"]
             "X-Access-Token",
             "e2b-sandbox-id",
             "E2B-Sandbox-Port",
+            "Accept-Encoding",
+            "content-type",
+            "Range",
+            "If-None-Match",
+            "Set-Cookie",
+            "Forwarded",
+            "via",
+            "X-Forwarded-For",
+            "x_access_token",
+            "Content_Length",
         ] {
             let text = OPEN.replace("OPEN-SANDBOX-API-KEY", refused_name);
             let (line, reason) = refused(&text);
