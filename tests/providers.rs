@@ -1703,6 +1703,34 @@ async fn the_shipped_e2b_manifest_sends_the_key_as_one_x_api_key() {
     assert_not_sent(&envd, E2B_KEY, "the e2b key");
 }
 
+/// Two plugins whose secret fields have one canonical name (`acme`'s `admin_api_key` and
+/// `acme-admin`'s `api_key` are both `ABX_ACME_ADMIN_API_KEY`): the second install is
+/// refused, either way round, as `acme-admin` selected sent `acme`'s admin key to its own
+/// host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_field_named_as_another_plugins_secret_is_refused() {
+    let acme = BEARER
+        .replace("id = \"bearerco\"", "id = \"acme\"")
+        .replace(
+        "[config.fields.api_key]\nsecret = true\n",
+        "[config.fields.api_key]\nsecret = true\n[config.fields.admin_api_key]\nsecret = true\n",
+    );
+    let admin = BEARER.replace("id = \"bearerco\"", "id = \"acme-admin\"");
+    for (first, second) in [(&acme, &admin), (&admin, &acme)] {
+        let home = tempfile::tempdir().expect("home");
+        let (_a, first) = manifest_file(first);
+        let (_b, second) = manifest_file(second);
+        install(home.path(), &first).await;
+        let out = abx(home.path(), &[], &["provider", "install", &second]).await;
+        assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+        assert!(
+            text(&out).contains("variable ABX_ACME_ADMIN_API_KEY holds a secret of provider"),
+            "{}",
+            text(&out)
+        );
+    }
+}
+
 /// A plain field reading another plugin's key is refused when settings are read, not only
 /// by `provider install`: a manifest placed by hand (or installed before the check) would
 /// show the key in clear and, as `base_url`, look it up and send to it.

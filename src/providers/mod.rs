@@ -175,8 +175,8 @@ pub fn installed_secrets(abx_home: &Path, layers: &RawLayers) -> Vec<Secret> {
         .collect()
 }
 
-/// Each provider's variables are its own: a plain field of one reading what a secret
-/// field of another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
+/// Each provider's variables are its own: a field of one reading what a secret field of
+/// another reads (`ABX_OPEN_SANDBOX_API_KEY` is provider `open`'s field
 /// `sandbox_api_key` and provider `open-sandbox`'s key) would show that key in clear and,
 /// as a host, send it there. Checked both ways against the plugins installed by `provider
 /// install` (`both_ways`), and for the selected plugin as the reader whenever settings are
@@ -188,9 +188,16 @@ pub fn shares_no_secret(
     path: &str,
     both_ways: bool,
 ) -> Result<(), Error> {
+    // A plain field's variables, and a secret field's own canonical name (`acme-admin`'s
+    // key and `acme`'s `admin_api_key` are both `ABX_ACME_ADMIN_API_KEY`): two plugins'
+    // secret fields may share an SDK's alias (the user picks which provider the key is
+    // for), not a name that says whose key it is.
     let clash = |reader: &Manifest, owner: &Manifest| {
         let secrets: Vec<String> = owner.env_names_of(true).collect();
-        reader.env_names_of(false).find(|v| secrets.contains(v))
+        let canonical = (reader.fields.values())
+            .filter(|f| f.secret)
+            .map(|f| reader.canonical_env(&f.name));
+        (reader.env_names_of(false).chain(canonical)).find(|v| secrets.contains(v))
     };
     for other in list(abx_home).into_iter().filter_map(Result::ok) {
         let other = other.manifest;
@@ -207,7 +214,7 @@ pub fn shares_no_secret(
             path: path.to_string(),
             line: 0,
             reason: format!(
-                "variable {variable} holds a secret of provider {owner} and is read by a plain field of provider {reader}: rename the field or the alias"
+                "variable {variable} holds a secret of provider {owner} and is read by a plain field, or as the own name of a secret field, of provider {reader}: rename the field or the alias"
             ),
         });
     }
