@@ -440,12 +440,20 @@ fn provider_lines(p: &providers::Installed) -> Vec<String> {
 }
 
 pub fn provider_install(file: &std::path::Path, consent: bool) -> Result<i32, Error> {
-    let installed = providers::install(&abx_home()?, file, consent)?;
+    let (installed, changes) = providers::install(&abx_home()?, file, consent)?;
     outln!(
         "installed {} in {}",
         installed.manifest.id,
         installed.dir.display()
     );
+    if !changes.is_empty() {
+        crate::logging::warning(&format!(
+            "this replaced the installed provider {id}, and changes where or how its key \
+             goes: {}; a proxy with {id} selected sends it so from its next start",
+            changes.join("; "),
+            id = installed.manifest.id
+        ));
+    }
     print_provider(&installed);
     if !installed.manifest.inherit.is_empty() && !consent {
         outln!(

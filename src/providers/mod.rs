@@ -76,7 +76,13 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// Installs `file` under `abx_home`; records consent for its inherit list only when given.
-pub fn install(abx_home: &Path, file: &Path, consent: bool) -> Result<Installed, Error> {
+/// With it, what the install changed of where and how the installed plugin of that id sent
+/// its key (see [`key_route_changes`]).
+pub fn install(
+    abx_home: &Path,
+    file: &Path,
+    consent: bool,
+) -> Result<(Installed, Vec<String>), Error> {
     install_observed(abx_home, file, consent, || {})
 }
 
@@ -87,7 +93,7 @@ fn install_observed(
     file: &Path,
     consent: bool,
     mut after_step: impl FnMut(),
-) -> Result<Installed, Error> {
+) -> Result<(Installed, Vec<String>), Error> {
     // Bounded as `load` reads the copy (a pipe is fine here: it is read once).
     let text = std::fs::File::open(file)
         .and_then(crate::watched::read_bounded)
@@ -115,9 +121,13 @@ fn install_observed(
     };
     // The consent a reader grants the manifest in place (under the lock, no other install
     // changes it), as `load` grants it: the receipt's id, the manifest's own inherit list.
+    let in_place = load(abx_home, &manifest.id).ok().flatten();
+    let changes = (in_place.as_ref())
+        .map(|old| key_route_changes(&old.manifest, &manifest))
+        .unwrap_or_default();
     let previous = crate::watched::read_regular(&dir.join(MANIFEST_FILE))
         .ok()
-        .zip(load(abx_home, &manifest.id).ok().flatten())
+        .zip(in_place)
         .map(|(old_text, old)| Previous {
             manifest_sha256: sha256_hex(&old_text),
             consent: Consent {
@@ -152,11 +162,46 @@ fn install_observed(
         replace(RECEIPT_FILE, &json(&receipt))?;
     }
     drop(lock);
-    Ok(Installed {
+    let installed = Installed {
         manifest,
         dir,
         consented,
-    })
+    };
+    Ok((installed, changes))
+}
+
+/// What `new` changes of where and how `old`, the plugin of the same id, sends its key:
+/// its hosts, its header, the variables its secrets are read from. A manifest of another
+/// author claiming an installed plugin's id replaced it without a word, and the user's
+/// key for the old host went to the new one at the next start.
+pub fn key_route_changes(old: &Manifest, new: &Manifest) -> Vec<String> {
+    let auth = |a: &AuthKind| match a {
+        AuthKind::Bearer => "Authorization: Bearer".to_string(),
+        AuthKind::Header(h) => format!("header {h}"),
+    };
+    let secrets = |m: &Manifest| {
+        m.env_names_of(true)
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let none = || "none".to_string();
+    [
+        ("base_url", old.base_url.clone(), new.base_url.clone()),
+        (
+            "envd_domain",
+            old.envd_domain.clone().unwrap_or_else(none),
+            new.envd_domain.clone().unwrap_or_else(none),
+        ),
+        ("auth", auth(&old.auth), auth(&new.auth)),
+        (
+            "secrets read from",
+            (secrets(old).into_iter()).collect::<Vec<_>>().join(", "),
+            (secrets(new).into_iter()).collect::<Vec<_>>().join(", "),
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, was, is)| was != is)
+    .map(|(what, was, is)| format!("{what} {was} -> {is}"))
+    .collect()
 }
 
 /// The values of every installed plugin's secret fields, as the layers hold them: what an
@@ -608,7 +653,37 @@ default = "eu-1"
     fn install_text(home: &Path, text: &str) -> Result<Installed, Error> {
         let file = home.join("m.toml");
         std::fs::write(&file, text).expect("manifest written");
-        install(home, &file, false)
+        install(home, &file, false).map(|(installed, _)| installed)
+    }
+
+    /// A reinstall says what it changes of where and how the plugin's key goes (its
+    /// hosts, its header, the variables its secrets come from), and nothing when none of
+    /// that changes.
+    #[test]
+    fn a_reinstall_says_where_the_key_now_goes() {
+        let home = tempfile::tempdir().expect("temp dir");
+        let h = home.path();
+        let file = h.join("m.toml");
+        let changes = |text: &str| {
+            std::fs::write(&file, text).expect("manifest written");
+            install(h, &file, false).expect("installed").1
+        };
+        assert!(changes(&manifest_of("acme", "")).is_empty());
+        assert!(changes(&manifest_of("acme", "[config.fields.region]\n")).is_empty());
+        let moved = manifest_of("acme", "[config.fields.admin_key]\nsecret = true\n")
+            .replace("https://api.acme.example", "http://127.0.0.1:9")
+            .replace(
+                "auth.scheme = \"bearer\"",
+                "auth.scheme = \"header\"\nauth.header = \"X-Key\"",
+            );
+        assert_eq!(
+            changes(&moved),
+            [
+                "base_url https://api.acme.example -> http://127.0.0.1:9",
+                "auth Authorization: Bearer -> header X-Key",
+                "secrets read from ABX_ACME_API_KEY -> ABX_ACME_ADMIN_KEY, ABX_ACME_API_KEY",
+            ]
+        );
     }
 
     /// `open`'s plain field `sandbox_api_key` is read from `ABX_OPEN_SANDBOX_API_KEY`,
