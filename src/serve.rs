@@ -131,6 +131,8 @@ async fn serve(
     // Validation checked the configured port; `--listen 127.0.0.1:0` is known only now.
     if let Ok(bound) = listener.local_addr().parse() {
         settings.refuse_self_loop(bound)?;
+        // And at every upstream connect, for the spellings of this host no setting reads.
+        crate::upstream::listening_on(bound);
     }
     let admin = Listener::bind(
         &settings.admin_listen,

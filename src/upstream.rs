@@ -9,6 +9,7 @@
 //! every other name through getaddrinfo, a few at once.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector, HttpInfo};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rustls::RootCertStore;
@@ -269,6 +270,38 @@ pub fn timed_out_words(e: &(dyn std::error::Error + 'static)) -> &'static str {
     "connect timed out"
 }
 
+/// The proxy's own listener, once bound (a `unix:` one cannot be dialled): an upstream
+/// connection that reaches it is a loop.
+static OWN_LISTENER: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
+
+/// Says where the proxy listens, for [`own_listener`].
+pub fn listening_on(addr: SocketAddr) {
+    let _ = OWN_LISTENER.set(addr);
+}
+
+/// `peer`, when a connection from `local` to it reached the proxy's own listener: it is on
+/// this host (loopback, or the connection's own address) at the listener's port, on its
+/// address, or on any when it listens on all. The settings refuse the spellings of this
+/// host they can read (`localhost`, `127.0.0.1`, `[::]`); the system's resolver reads more
+/// (`127.1`, `0x7f000001`, `0`, the machine's own name), and one request through such a
+/// loop (with `--allow-remote`) came back as thousands within seconds, each holding a
+/// connection until `--upstream-timeout`.
+pub fn own_listener(peer: SocketAddr, local: SocketAddr) -> Option<SocketAddr> {
+    let own = OWN_LISTENER.get()?;
+    let ip = peer.ip().to_canonical();
+    let this_host = ip.is_loopback() || ip == local.ip().to_canonical();
+    let listened = own.ip().is_unspecified() || own.ip().to_canonical() == ip;
+    (this_host && listened && own.port() == peer.port()).then_some(peer)
+}
+
+/// The error of a connection that reached the proxy's own listener (see [`own_listener`]).
+pub fn own_listener_reached(peer: SocketAddr) -> BoxError {
+    std::io::Error::other(format!(
+        "{peer} is this proxy's own listener: each request would come back to it"
+    ))
+    .into()
+}
+
 /// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
 /// TLS handshake. `HttpConnector`'s own timeout covers only the TCP connect, so an
 /// upstream that accepted and then never answered the ClientHello held a request until
@@ -284,6 +317,7 @@ pub struct TimedConnect<C> {
 impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
 where
     C: tower_service::Service<http::Uri>,
+    C::Response: Connection,
     C::Error: Into<BoxError>,
     C::Future: Send + 'static,
 {
@@ -303,10 +337,18 @@ where
             let slot = slots.take(timeout).await?;
             let looking = LookingUp::default();
             match tokio::time::timeout(timeout, looking.watch(connect)).await {
-                Ok(conn) => Ok(Slotted {
-                    io: conn.map_err(Into::into)?,
-                    _slot: slot,
-                }),
+                Ok(conn) => {
+                    let io = conn.map_err(Into::into)?;
+                    let mut extras = http::Extensions::new();
+                    io.connected().get_extras(&mut extras);
+                    let ends = extras.get::<HttpInfo>();
+                    if let Some(peer) =
+                        ends.and_then(|i| own_listener(i.remote_addr(), i.local_addr()))
+                    {
+                        return Err(own_listener_reached(peer));
+                    }
+                    Ok(Slotted { io, _slot: slot })
+                }
                 Err(_) => Err(connect_timed_out(looking.now())),
             }
         })
@@ -369,6 +411,38 @@ impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for Slotted<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection reaches the proxy's own listener when its peer is on this host at the
+    /// listener's port and address (any address for one that listens on all); another
+    /// host's, another port or another loopback address with a listener of its own does
+    /// not. (Port 1: no test listens there. The listener is process-wide, set once.)
+    #[test]
+    fn a_connection_to_the_proxys_own_listener_is_known() {
+        let at = |s: &str| s.parse::<SocketAddr>().expect("address");
+        assert_eq!(own_listener(at("127.0.0.1:1"), at("127.0.0.1:40000")), None);
+        listening_on(at("127.0.0.1:1"));
+        let looped = [
+            ("127.0.0.1:1", "127.0.0.1:40000"),
+            ("[::ffff:127.0.0.1]:1", "[::ffff:127.0.0.1]:40000"),
+        ];
+        for (peer, local) in looped {
+            assert_eq!(own_listener(at(peer), at(local)), Some(at(peer)), "{peer}");
+        }
+        let elsewhere = [
+            ("127.0.0.1:2", "127.0.0.1:40000"),
+            ("127.0.0.2:1", "127.0.0.1:40000"),
+            ("10.0.0.5:1", "10.0.0.4:40000"),
+            ("[::1]:1", "[::1]:40000"),
+        ];
+        for (peer, local) in elsewhere {
+            assert_eq!(own_listener(at(peer), at(local)), None, "{peer}");
+        }
+        let said = own_listener_reached(at("127.0.0.1:1")).to_string();
+        assert!(
+            said.contains("127.0.0.1:1 is this proxy's own listener"),
+            "{said}"
+        );
+    }
 
     /// A connect that runs out of time waiting for its name says so; one whose name was
     /// answered says "connect timed out" (the upstream's network, not DNS). Through

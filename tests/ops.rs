@@ -3458,3 +3458,29 @@ async fn an_ipv6_wildcard_admin_listener_takes_ipv4_whatever_the_hosts_default()
     }
     proxy.finish().await;
 }
+
+/// An upstream the settings cannot read as this host (`127.1`, which the system's resolver
+/// reads as 127.0.0.1) at the listener's own port: with `--allow-remote`, which lets the
+/// request back in, one request came back as thousands within seconds, each holding a
+/// connection. The connect that reaches the proxy's own listener is refused: 502 E5001
+/// saying so, and one access line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_reaches_the_proxys_own_listener_is_refused_at_connect() {
+    let pki = Pki::new();
+    // Known before the proxy starts only as a port bound and released.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+        l.local_addr().expect("addr").port()
+    };
+    let proxy = ProxyCmd::new(&format!("http://127.1:{port}"), &pki)
+        .listen(&format!("127.0.0.1:{port}"))
+        .arg("--allow-remote")
+        .spawn()
+        .await;
+    let (status, body) = get(proxy.addr(), "/sandboxes").await;
+    let body = String::from_utf8_lossy(&body).to_string();
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("is this proxy's own listener"), "{body}");
+    let log = proxy.finish().await;
+    assert_eq!(log.matches("path=/sandboxes").count(), 1, "{log}");
+}
