@@ -38,7 +38,8 @@ impl Cli {
         T: Into<OsString> + Clone,
     {
         use clap::error::{ContextKind, ContextValue};
-        Cli::try_parse_from(args).map_err(|e| {
+        let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+        Cli::try_parse_from(without_blank_repeats(args)).map_err(|e| {
             let mut e = without_pasted_text(e);
             let refused = match e.get(ContextKind::SuggestedArg) {
                 Some(ContextValue::String(s)) => refused_flag_tip(s),
@@ -55,6 +56,66 @@ impl Cli {
             }
         })
     }
+}
+
+/// `args` without a settings flag's blank value where the same flag is given a value too:
+/// a blank flag is skipped like any blank value (SPEC §2), so `$DEFAULTS --region "$R"`
+/// with `R` unset keeps the default's region, where the last value, blank, took it and
+/// the key fell through to the lower layers (a key file flag so given: E1001). A blank
+/// flag alone stays, to be skipped with its warning.
+fn without_blank_repeats(args: Vec<OsString>) -> Vec<OsString> {
+    use clap::Args as _;
+    let settings = SettingsArgs::augment_args(clap::Command::new("settings"));
+    let flags: Vec<String> = (settings.get_arguments())
+        .filter(|a| a.get_action().takes_values())
+        .filter_map(|a| Some(format!("--{}", a.get_long()?)))
+        .collect();
+    let blank = |v: &OsString| v.to_str().is_some_and(|v| v.trim().is_empty());
+    // Each argument as (flag, value given with it), for the flags above, up to `--`.
+    let mut given: Vec<Option<(&str, Option<usize>)>> = vec![None; args.len()];
+    let mut i = 1;
+    while i < args.len() {
+        let Some(arg) = args[i].to_str() else {
+            i += 1;
+            continue;
+        };
+        if arg == "--" {
+            break;
+        }
+        let (name, inline) = arg.split_once('=').map_or((arg, false), |(n, _)| (n, true));
+        if let Some(flag) = flags.iter().find(|f| *f == name) {
+            let value = (!inline && i + 1 < args.len()).then_some(i + 1);
+            given[i] = Some((flag.as_str(), value));
+            i += 1 + usize::from(value.is_some());
+            continue;
+        }
+        i += 1;
+    }
+    let is_blank = |i: usize, value: Option<usize>| match value {
+        Some(v) => blank(&args[v]),
+        None => args[i]
+            .to_str()
+            .and_then(|a| a.split_once('='))
+            .is_some_and(|(_, v)| v.trim().is_empty()),
+    };
+    let valued = |flag: &str| {
+        (given.iter().enumerate())
+            .any(|(i, g)| matches!(g, Some((f, v)) if *f == flag && !is_blank(i, *v)))
+    };
+    let mut dropped = vec![false; args.len()];
+    for (i, g) in given.iter().enumerate() {
+        if let Some((flag, value)) = g {
+            if is_blank(i, *value) && valued(flag) {
+                dropped[i] = true;
+                if let Some(v) = value {
+                    dropped[*v] = true;
+                }
+            }
+        }
+    }
+    (args.into_iter().zip(dropped))
+        .filter_map(|(a, d)| (!d).then_some(a))
+        .collect()
 }
 
 /// `e` with `kind`'s context replaced by `value`, or left out.
@@ -625,6 +686,33 @@ mod tests {
         assert_eq!(serve.exposure.allowed_host, ["a.example", "b.example"]);
         let twice = ["abx-proxy", "check", "--offline", "--offline"];
         assert!(Cli::parse_args(twice).is_ok());
+    }
+
+    /// A blank value given after (or before) a real one for the same settings flag is
+    /// skipped, as a blank flag is: the real one stands. A blank flag alone is kept, to be
+    /// skipped with its warning; other flags' values are left as given.
+    #[test]
+    fn a_blank_repeat_of_a_settings_flag_leaves_its_value() {
+        let settings = |args: &[&str]| {
+            let all = [&["abx-proxy", "serve"][..], args].concat();
+            match Cli::parse_args(all).map_err(|e| e.to_string()) {
+                Ok(Cli {
+                    command: Some(Command::Serve(serve)),
+                    ..
+                }) => serve.settings,
+                other => panic!("{args:?}: {other:?}"),
+            }
+        };
+        let region = |args: &[&str]| settings(args).region;
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(region(&["--region", "a", "--region", ""]), some("a"));
+        assert_eq!(region(&["--region", " ", "--region", "a"]), some("a"));
+        assert_eq!(region(&["--region=a", "--region="]), some("a"));
+        assert_eq!(region(&["--region", "a", "--region=  "]), some("a"));
+        assert_eq!(region(&["--region", ""]), some(""));
+        assert_eq!(region(&["--region", "a", "--region", "b"]), some("b"));
+        let files = ["--sandbox-api-key-file", "k", "--sandbox-api-key-file", ""];
+        assert_eq!(settings(&files).sandbox_api_key_file, Some("k".into()));
     }
 
     #[test]
