@@ -217,7 +217,9 @@ fn read_err(path: &Path, reason: impl Into<String>) -> Error {
 /// The certificate's and the key's PEM, each read whole (within [`crate::watched`]'s bound).
 /// A path with nothing there is not repeated (see [`crate::watched::unread`]).
 pub fn read_files(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), Error> {
-    let unread = |flag, path, e: std::io::Error| crate::watched::unread(flag, path, e.to_string());
+    let unread = |flag, path, e: std::io::Error| {
+        crate::watched::unread(flag, path, crate::watched::reason(&e))
+    };
     let cert_pem = crate::watched::read(cert).map_err(|e| unread("--tls-cert", cert, e))?;
     let key_pem = crate::watched::read(key).map_err(|e| unread("--tls-key", key, e))?;
     Ok((cert_pem, key_pem))
