@@ -288,10 +288,18 @@ pub fn listening_on(addr: SocketAddr) {
 /// connection until `--upstream-timeout`.
 pub fn own_listener(peer: SocketAddr, local: SocketAddr) -> Option<SocketAddr> {
     let own = OWN_LISTENER.get()?;
+    reaches(*own, peer, local).then_some(peer)
+}
+
+/// Whether a connection from `local` to `peer` reached a listener bound at `own`.
+fn reaches(own: SocketAddr, peer: SocketAddr, local: SocketAddr) -> bool {
     let ip = peer.ip().to_canonical();
     let this_host = ip.is_loopback() || ip == local.ip().to_canonical();
-    let listened = own.ip().is_unspecified() || own.ip().to_canonical() == ip;
-    (this_host && listened && own.port() == peer.port()).then_some(peer)
+    // `0.0.0.0` takes IPv4 only; `[::]` both (`[::1]` beside a `0.0.0.0` listener was
+    // another server).
+    let any = own.ip().is_unspecified() && (own.is_ipv6() || ip.is_ipv4());
+    let listened = any || own.ip().to_canonical() == ip;
+    this_host && listened && own.port() == peer.port()
 }
 
 /// The error of a connection that reached the proxy's own listener (see [`own_listener`]).
@@ -437,6 +445,15 @@ mod tests {
         for (peer, local) in elsewhere {
             assert_eq!(own_listener(at(peer), at(local)), None, "{peer}");
         }
+        // Listening on all addresses: IPv4's `0.0.0.0` takes no IPv6 peer, `[::]` both.
+        let all4 = at("0.0.0.0:1");
+        assert!(reaches(all4, at("127.0.0.1:1"), at("127.0.0.1:40000")));
+        assert!(reaches(all4, at("10.0.0.4:1"), at("10.0.0.4:40000")));
+        assert!(!reaches(all4, at("[::1]:1"), at("[::1]:40000")));
+        let all6 = at("[::]:1");
+        assert!(reaches(all6, at("[::1]:1"), at("[::1]:40000")));
+        assert!(reaches(all6, at("127.0.0.1:1"), at("127.0.0.1:40000")));
+        assert!(!reaches(all6, at("10.0.0.5:1"), at("10.0.0.4:40000")));
         let said = own_listener_reached(at("127.0.0.1:1")).to_string();
         assert!(
             said.contains("127.0.0.1:1 is this proxy's own listener"),
