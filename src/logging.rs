@@ -205,14 +205,16 @@ fn quiet_rustls(level: &str) -> String {
     }
 }
 
-/// Why `filter` would not log what its writer meant, if so: it does not parse, or it lets
-/// none of the proxy's own lines through. `tracing` reads a bare word as a target, so
-/// `--log-level warning` (journalctl's and syslog's spelling) chose a module of that name:
-/// not one line was logged, warnings and errors included, and nothing said so. A filter
-/// lets the proxy's lines through when it sets a level for everything (`off` too: silence
-/// asked for) or one above `off` for an `abx_proxy` target (matched as a prefix, as
-/// `tracing` matches it, and outside spans: the proxy opens none). Other crates'
-/// directives are left alone: `RUST_LOG` is often shared (`debug,reqwest=info`).
+/// Why `filter` would not log what its writer meant, if so: it does not parse, or no
+/// directive covers the proxy's own lines, its errors included. `tracing` reads a bare
+/// word as a target, so `--log-level warning` (journalctl's and syslog's spelling) chose a
+/// module of that name: not one line was logged, warnings and errors included, and nothing
+/// said so. A directive covers the proxy's lines when the line's target
+/// (`abx_proxy::serve`, where the start's and the listener's errors are) starts with its
+/// own, as `tracing` matches them, or when it is a level alone; spans' directives cover
+/// nothing (the proxy opens none). A covering `off` is silence asked for (`off`, `warn,abx_proxy=off`).
+/// Other crates' directives are left alone: `RUST_LOG` is often shared
+/// (`debug,reqwest=info`).
 pub fn filter_refusal(filter: &str) -> Option<String> {
     if let Err(e) = EnvFilter::try_new(filter) {
         return Some(e.to_string());
@@ -220,20 +222,15 @@ pub fn filter_refusal(filter: &str) -> Option<String> {
     let directives: Vec<&str> = (filter.split(',').map(str::trim))
         .filter(|d| !d.is_empty())
         .collect();
-    let lets_ours_through = |d: &&str| {
-        if d.parse::<LevelFilter>().is_ok() {
-            return true;
-        }
-        if d.contains('[') {
-            return false;
-        }
-        let (target, level) = d.split_once('=').unwrap_or((d, "trace"));
-        let target = target.trim();
-        let ours = !target.is_empty()
-            && ("abx_proxy".starts_with(target) || target.starts_with("abx_proxy::"));
-        ours && (level.trim().parse::<LevelFilter>()).is_ok_and(|l| l != LevelFilter::OFF)
+    // Whether a directive covers the proxy's lines, its target read as `tracing` reads it
+    // (not trimmed: `abx_proxy =info` names a target with a space, which no line has).
+    // Which of several covers them does not matter: any level, `off` included, was asked.
+    let covers = |d: &&str| {
+        let target = d.split_once('=').map_or(*d, |(t, _)| t);
+        !d.contains('[')
+            && (d.parse::<LevelFilter>().is_ok() || "abx_proxy::serve".starts_with(target))
     };
-    if directives.iter().any(lets_ours_through) {
+    if directives.iter().any(covers) {
         return None;
     }
     let levels = "trace, debug, info, warn, error, off";
@@ -255,7 +252,7 @@ pub fn filter_refusal(filter: &str) -> Option<String> {
         }
         None => format!(
             "it lets none of the proxy's own lines through, its errors included: it sets no \
-             level ({levels}) and no `abx_proxy` module's (add one: `info,{filter}`)"
+             level ({levels}) for everything or for `abx_proxy` (add one: `info,{filter}`)"
         ),
     })
 }
@@ -810,10 +807,10 @@ mod tests {
 
     use super::*;
 
-    /// A filter that sets a level for everything, or for the proxy's own module, passes,
-    /// whatever else it names (a shared `RUST_LOG`); one that lets none of the proxy's
-    /// lines through is refused, with the level meant when a word is another tool's
-    /// spelling of one.
+    /// A filter with a directive that covers the proxy's own lines (a level alone, or one
+    /// for `abx_proxy`, `off` included) passes, whatever else it names (a shared
+    /// `RUST_LOG`); one with none is refused, with the level meant when a word is another
+    /// tool's spelling of one.
     #[test]
     fn a_filter_that_would_log_nothing_is_refused() {
         for fine in [
@@ -828,8 +825,10 @@ mod tests {
             "warn,abx_proxy::serve=info",
             "abx",
             "abx_proxy",
-            "abx_proxy::access=info",
             "warn,warning",
+            // Silence asked for, of the proxy alone.
+            "warn,abx_proxy=off",
+            "off,h2=debug",
         ] {
             assert_eq!(filter_refusal(fine), None, "{fine}");
         }
@@ -844,6 +843,9 @@ mod tests {
             ("abx_prxy=debug", none),
             ("abx_proxyx=debug", none),
             ("abx_proxy::access=off", none),
+            ("abx_proxy::access=info", none),
+            ("abx_proxy::acess=info", none),
+            ("abx_proxy =info", none),
             ("[request]=debug", none),
             ("debug=info", none),
             ("abx_proxy=loud", "error parsing level filter"),
