@@ -109,7 +109,14 @@ fn parse_args() -> Args {
             "--envd-version" => envd_version = opts.value(),
             "--tls-ca-out" => tls_ca_out = Some(opts.value()),
             "--key-in-x-api-key" => key_in_x_api_key = true,
-            "--forbid" => forbidden.push(opts.value()),
+            "--forbid" => {
+                // An empty one would be in every header (and `windows(0)` panics).
+                let key = opts.value();
+                if key.is_empty() {
+                    usage();
+                }
+                forbidden.push(key);
+            }
             _ => return false,
         }
         true

@@ -542,8 +542,8 @@ fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
 /// bare key, and replacing it would drop the client's cookies. Nor as one that changes
 /// what is asked or said (as `Accept-Encoding` the key went in place of the proxy's
 /// `identity` on the token look-ups, which then went without it; `Range`, `If-*`,
-/// `Content-Type`), or that says where the request came from (`Forwarded`, `Via`,
-/// `X-Forwarded-*`). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
+/// `Content-Type`, `Cache-Control`, `Idempotency-Key`, a method override), or that says
+/// where the request came from (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
 /// may (nginx's `underscores_in_headers`).
 pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
     const REFUSED: &[&str] = &[
@@ -569,6 +569,15 @@ pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
         "range",
         "forwarded",
         "via",
+        "cache-control",
+        "max-forwards",
+        "http2-settings",
+        "idempotency-key",
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+        "x-forwarded",
+        "x-real-ip",
     ];
     let name = name.as_str().replace('_', "-");
     !REFUSED.contains(&name.as_str())
@@ -916,6 +925,9 @@ inherit = ["sandbox_api_key"]
             "Forwarded",
             "via",
             "X-Forwarded-For",
+            "Idempotency-Key",
+            "X-HTTP-Method-Override",
+            "HTTP2-Settings",
             "x_access_token",
             "Content_Length",
         ] {

@@ -179,9 +179,19 @@ pub fn key_route_changes(old: &Manifest, new: &Manifest) -> Vec<String> {
         AuthKind::Bearer => "Authorization: Bearer".to_string(),
         AuthKind::Header(h) => format!("header {h}"),
     };
-    let secrets = |m: &Manifest| {
-        m.env_names_of(true)
-            .collect::<std::collections::BTreeSet<_>>()
+    let joined = |names: std::collections::BTreeSet<String>| {
+        (names.into_iter()).collect::<Vec<_>>().join(", ")
+    };
+    let secrets = |m: &Manifest| joined(m.env_names_of(true).collect());
+    // A host field's own variables: an alias added to `base_url` moves the key as surely
+    // as a new default does.
+    let read_from = |m: &Manifest, field: &str| match m.fields.get(field) {
+        Some(f) => joined(
+            std::iter::once(m.canonical_env(field))
+                .chain(f.aliases.iter().cloned())
+                .collect(),
+        ),
+        None => "none".to_string(),
     };
     let none = || "none".to_string();
     [
@@ -192,14 +202,23 @@ pub fn key_route_changes(old: &Manifest, new: &Manifest) -> Vec<String> {
             new.envd_domain.clone().unwrap_or_else(none),
         ),
         ("auth", auth(&old.auth), auth(&new.auth)),
+        ("secrets read from", secrets(old), secrets(new)),
         (
-            "secrets read from",
-            (secrets(old).into_iter()).collect::<Vec<_>>().join(", "),
-            (secrets(new).into_iter()).collect::<Vec<_>>().join(", "),
+            "base_url read from",
+            read_from(old, "base_url"),
+            read_from(new, "base_url"),
+        ),
+        (
+            "envd_domain read from",
+            read_from(old, "envd_domain"),
+            read_from(new, "envd_domain"),
         ),
     ]
     .into_iter()
-    .filter(|(_, was, is)| was != is)
+    // Hosts, schemes and header names in another case, or a trailing `/`, are the same.
+    .filter(|(_, was, is)| {
+        !(was.trim_end_matches('/')).eq_ignore_ascii_case(is.trim_end_matches('/'))
+    })
     .map(|(what, was, is)| format!("{what} {was} -> {is}"))
     .collect()
 }
@@ -670,6 +689,13 @@ default = "eu-1"
         };
         assert!(changes(&manifest_of("acme", "")).is_empty());
         assert!(changes(&manifest_of("acme", "[config.fields.region]\n")).is_empty());
+        let respelt = manifest_of("acme", "").replace("https://api.acme", "HTTPS://API.acme");
+        assert!(changes(&respelt.replace(".example", ".example/")).is_empty());
+        let aliased = manifest_of("acme", "[config.fields.base_url]\nenv = [\"API_URL\"]\n");
+        assert_eq!(
+            changes(&aliased),
+            ["base_url read from none -> ABX_ACME_BASE_URL, API_URL"]
+        );
         let moved = manifest_of("acme", "[config.fields.admin_key]\nsecret = true\n")
             .replace("https://api.acme.example", "http://127.0.0.1:9")
             .replace(
@@ -682,6 +708,7 @@ default = "eu-1"
                 "base_url https://api.acme.example -> http://127.0.0.1:9",
                 "auth Authorization: Bearer -> header X-Key",
                 "secrets read from ABX_ACME_API_KEY -> ABX_ACME_ADMIN_KEY, ABX_ACME_API_KEY",
+                "base_url read from ABX_ACME_BASE_URL, API_URL -> none",
             ]
         );
     }
