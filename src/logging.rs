@@ -152,7 +152,7 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let mut refused = None;
     let filter = level
         .filter(|l| !l.trim().is_empty())
-        .and_then(|l| EnvFilter::try_new(quiet_rustls(l)).ok())
+        .and_then(|l| EnvFilter::try_new(quiet_h2(&quiet_rustls(l))).ok())
         .or_else(|| rust_log(&mut refused))
         .unwrap_or_else(|| EnvFilter::new(quiet_rustls(default)));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
@@ -202,6 +202,22 @@ fn quiet_rustls(level: &str) -> String {
             format!("{},rustls=error", level.trim())
         }
         _ => level.to_string(),
+    }
+}
+
+/// `filter` with h2 held to `info` when it sets `debug` or `trace` for everything and
+/// nothing for h2: h2's debug lines cost about ten times a request's own work (a line per
+/// frame), and one quotes an HTTP/2 `:path` it refused, query string and all (a signed
+/// URL's signature). A directive for h2 (`debug,h2=debug`) keeps them.
+fn quiet_h2(filter: &str) -> String {
+    let directives = || filter.split(',').map(str::trim);
+    let verbose = directives().any(|d| {
+        d.parse::<LevelFilter>()
+            .is_ok_and(|l| l >= LevelFilter::DEBUG)
+    });
+    match verbose && !directives().any(|d| d.starts_with("h2")) {
+        true => format!("{filter},h2=info"),
+        false => filter.to_string(),
     }
 }
 
@@ -275,7 +291,7 @@ fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
             *refused = Some(why);
             None
         }
-        None => EnvFilter::try_new(&raw).ok(),
+        None => EnvFilter::try_new(quiet_h2(&raw)).ok(),
     }
 }
 
@@ -806,6 +822,24 @@ mod tests {
     use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
+
+    /// h2 is held to `info` under `debug` or `trace` for everything, and left alone under
+    /// any other level or when the filter names it.
+    #[test]
+    fn h2_is_held_to_info_under_a_verbose_level() {
+        for (filter, held) in [
+            ("debug", "debug,h2=info"),
+            ("TRACE", "TRACE,h2=info"),
+            ("5", "5,h2=info"),
+            ("info,abx_proxy=debug", "info,abx_proxy=debug"),
+            ("debug,h2=debug", "debug,h2=debug"),
+            ("trace,h2::server=trace", "trace,h2::server=trace"),
+            ("off", "off"),
+            ("warn", "warn"),
+        ] {
+            assert_eq!(quiet_h2(filter), held, "{filter}");
+        }
+    }
 
     /// A filter with a directive that covers the proxy's own lines (a level alone, or one
     /// for `abx_proxy`, `off` included) passes, whatever else it names (a shared
