@@ -621,7 +621,7 @@ fn log_filter(raw: &str) -> Result<String, String> {
     }
     match crate::logging::filter_refusal(raw) {
         Some(why) => Err(why),
-        None => Ok(raw.to_string()),
+        None => Ok(crate::logging::normalized(raw)),
     }
 }
 

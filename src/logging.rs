@@ -215,36 +215,51 @@ fn quiet_h2(filter: &str) -> String {
         d.parse::<LevelFilter>()
             .is_ok_and(|l| l >= LevelFilter::DEBUG)
     });
-    match verbose && !directives().any(|d| d.starts_with("h2")) {
+    let names_h2 = |d: &str| {
+        let target = d.split(['=', '[']).next().unwrap_or_default();
+        target == "h2" || target.starts_with("h2::")
+    };
+    match verbose && !directives().any(names_h2) {
         true => format!("{filter},h2=info"),
         false => filter.to_string(),
     }
+}
+
+/// `filter` with each directive trimmed and empty ones dropped. tracing-subscriber trims a
+/// directive to parse it but keeps its spaces in what it takes: `info ` (a YAML block
+/// value's newline, a space after a comma) was a target named `info `, and not one line
+/// was logged; `warn, abx_proxy=debug` did not parse.
+pub fn normalized(filter: &str) -> String {
+    let directives = filter.split(',').map(str::trim).filter(|d| !d.is_empty());
+    directives.collect::<Vec<_>>().join(",")
 }
 
 /// Why `filter` would not log what its writer meant, if so: it does not parse, or no
 /// directive covers the proxy's own lines, its errors included. `tracing` reads a bare
 /// word as a target, so `--log-level warning` (journalctl's and syslog's spelling) chose a
 /// module of that name: not one line was logged, warnings and errors included, and nothing
-/// said so. A directive covers the proxy's lines when the line's target
-/// (`abx_proxy::serve`, where the start's and the listener's errors are) starts with its
-/// own, as `tracing` matches them, or when it is a level alone; spans' directives cover
-/// nothing (the proxy opens none). A covering `off` is silence asked for (`off`, `warn,abx_proxy=off`).
+/// said so. A directive covers the proxy's lines when it is a level alone, or when the
+/// crate's name starts with its target (`tracing` matches a line's target by prefix);
+/// spans' directives cover nothing (the proxy opens none). A covering `off` is silence asked for (`off`, `warn,abx_proxy=off`).
 /// Other crates' directives are left alone: `RUST_LOG` is often shared
 /// (`debug,reqwest=info`).
 pub fn filter_refusal(filter: &str) -> Option<String> {
+    let filter = &normalized(filter);
     if let Err(e) = EnvFilter::try_new(filter) {
         return Some(e.to_string());
     }
     let directives: Vec<&str> = (filter.split(',').map(str::trim))
         .filter(|d| !d.is_empty())
         .collect();
-    // Whether a directive covers the proxy's lines, its target read as `tracing` reads it
-    // (not trimmed: `abx_proxy =info` names a target with a space, which no line has).
-    // Which of several covers them does not matter: any level, `off` included, was asked.
+    // Whether a directive covers all of the proxy's lines: a level alone, or one for a
+    // target the crate's name starts with, read as `tracing` reads it (not trimmed inside:
+    // `abx_proxy =info` names a target with a space, which no line has). A module's alone
+    // (`abx_proxy::serve=info`) leaves the others' errors out: the reload's, the
+    // exchange's, the listener's. Which of several covers does not matter: any level,
+    // `off` included, was asked for.
     let covers = |d: &&str| {
         let target = d.split_once('=').map_or(*d, |(t, _)| t);
-        !d.contains('[')
-            && (d.parse::<LevelFilter>().is_ok() || "abx_proxy::serve".starts_with(target))
+        !d.contains('[') && (d.parse::<LevelFilter>().is_ok() || "abx_proxy".starts_with(target))
     };
     if directives.iter().any(covers) {
         return None;
@@ -291,7 +306,7 @@ fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
             *refused = Some(why);
             None
         }
-        None => EnvFilter::try_new(quiet_h2(&raw)).ok(),
+        None => EnvFilter::try_new(quiet_h2(&normalized(&raw))).ok(),
     }
 }
 
@@ -833,6 +848,7 @@ mod tests {
             ("5", "5,h2=info"),
             ("info,abx_proxy=debug", "info,abx_proxy=debug"),
             ("debug,h2=debug", "debug,h2=debug"),
+            ("debug,h2o=info", "debug,h2o=info,h2=info"),
             ("trace,h2::server=trace", "trace,h2::server=trace"),
             ("off", "off"),
             ("warn", "warn"),
@@ -863,6 +879,11 @@ mod tests {
             // Silence asked for, of the proxy alone.
             "warn,abx_proxy=off",
             "off,h2=debug",
+            // Spaces around a directive, as tracing would have kept them.
+            "info ",
+            "info\n",
+            " warn, abx_proxy=debug",
+            "info,abx_proxy::proxy=debug",
         ] {
             assert_eq!(filter_refusal(fine), None, "{fine}");
         }
@@ -878,6 +899,8 @@ mod tests {
             ("abx_proxyx=debug", none),
             ("abx_proxy::access=off", none),
             ("abx_proxy::access=info", none),
+            ("abx_proxy::serve=info", none),
+            ("abx_proxy::proxy=debug", none),
             ("abx_proxy::acess=info", none),
             ("abx_proxy =info", none),
             ("[request]=debug", none),

@@ -543,7 +543,9 @@ fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
 /// what is asked or said (as `Accept-Encoding` the key went in place of the proxy's
 /// `identity` on the token look-ups, which then went without it; `Range`, `If-*`,
 /// `Content-Type`, `Cache-Control`, `Idempotency-Key`, a method override), or that says
-/// where the request came from (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
+/// where the request came from (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`), or
+/// that a WebSocket handshake or a Connect call needs (`Sec-WebSocket-*`, `Connect-*`:
+/// envd's requests lose the client's field of the provider's header's name). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
 /// may (nginx's `underscores_in_headers`).
 pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
     const REFUSED: &[&str] = &[
@@ -581,9 +583,15 @@ pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
     ];
     let name = name.as_str().replace('_', "-");
     !REFUSED.contains(&name.as_str())
-        && !["proxy-", "if-", "x-forwarded-"]
-            .iter()
-            .any(|p| name.starts_with(p))
+        && ![
+            "proxy-",
+            "if-",
+            "x-forwarded-",
+            "sec-websocket-",
+            "connect-",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p))
 }
 
 fn canonical_env(id: &str, field: &str) -> String {
@@ -928,6 +936,8 @@ inherit = ["sandbox_api_key"]
             "Idempotency-Key",
             "X-HTTP-Method-Override",
             "HTTP2-Settings",
+            "Sec-WebSocket-Key",
+            "Connect-Timeout-Ms",
             "x_access_token",
             "Content_Length",
         ] {

@@ -194,32 +194,40 @@ pub fn key_route_changes(old: &Manifest, new: &Manifest) -> Vec<String> {
         None => "none".to_string(),
     };
     let none = || "none".to_string();
+    // Hosts, schemes and header names in another case, or a trailing `/`, are the same
+    // (`fold`); variables' names are not (`API_URL` and `api_url` are two).
+    let same = |was: &str, is: &str, fold: bool| match fold {
+        true => was
+            .trim_end_matches('/')
+            .eq_ignore_ascii_case(is.trim_end_matches('/')),
+        false => was == is,
+    };
     [
-        ("base_url", old.base_url.clone(), new.base_url.clone()),
+        ("base_url", old.base_url.clone(), new.base_url.clone(), true),
         (
             "envd_domain",
             old.envd_domain.clone().unwrap_or_else(none),
             new.envd_domain.clone().unwrap_or_else(none),
+            true,
         ),
-        ("auth", auth(&old.auth), auth(&new.auth)),
-        ("secrets read from", secrets(old), secrets(new)),
+        ("auth", auth(&old.auth), auth(&new.auth), true),
+        ("secrets read from", secrets(old), secrets(new), false),
         (
             "base_url read from",
             read_from(old, "base_url"),
             read_from(new, "base_url"),
+            false,
         ),
         (
             "envd_domain read from",
             read_from(old, "envd_domain"),
             read_from(new, "envd_domain"),
+            false,
         ),
     ]
     .into_iter()
-    // Hosts, schemes and header names in another case, or a trailing `/`, are the same.
-    .filter(|(_, was, is)| {
-        !(was.trim_end_matches('/')).eq_ignore_ascii_case(is.trim_end_matches('/'))
-    })
-    .map(|(what, was, is)| format!("{what} {was} -> {is}"))
+    .filter(|(_, was, is, fold)| !same(was, is, *fold))
+    .map(|(what, was, is, _)| format!("{what} {was} -> {is}"))
     .collect()
 }
 
@@ -696,6 +704,12 @@ default = "eu-1"
             changes(&aliased),
             ["base_url read from none -> ABX_ACME_BASE_URL, API_URL"]
         );
+        // Another variable, whatever its case.
+        assert_eq!(
+            changes(&aliased.replace("API_URL", "api_url")),
+            ["base_url read from ABX_ACME_BASE_URL, API_URL -> ABX_ACME_BASE_URL, api_url"]
+        );
+        changes(&aliased);
         let moved = manifest_of("acme", "[config.fields.admin_key]\nsecret = true\n")
             .replace("https://api.acme.example", "http://127.0.0.1:9")
             .replace(
