@@ -215,9 +215,11 @@ fn quiet_h2(filter: &str) -> String {
         d.parse::<LevelFilter>()
             .is_ok_and(|l| l >= LevelFilter::DEBUG)
     });
+    // A directive for h2 itself; one for a module below it (`h2::codec=info`) is more
+    // specific than `h2=info` and still wins, while the rest of h2 stays held.
     let names_h2 = |d: &str| {
         let target = d.split(['=', '[']).next().unwrap_or_default();
-        target == "h2" || target.starts_with("h2::")
+        !target.is_empty() && "h2".starts_with(target)
     };
     match verbose && !directives().any(names_h2) {
         true => format!("{filter},h2=info"),
@@ -238,8 +240,8 @@ pub fn normalized(filter: &str) -> String {
 /// directive covers the proxy's own lines, its errors included. `tracing` reads a bare
 /// word as a target, so `--log-level warning` (journalctl's and syslog's spelling) chose a
 /// module of that name: not one line was logged, warnings and errors included, and nothing
-/// said so. A directive covers the proxy's lines when it is a level alone, or when the
-/// crate's name starts with its target (`tracing` matches a line's target by prefix);
+/// said so. A directive covers the proxy's lines when it is a level alone, or when
+/// `abx_proxy::` starts with its target (`tracing` matches a line's target by prefix);
 /// spans' directives cover nothing (the proxy opens none). A covering `off` is silence asked for (`off`, `warn,abx_proxy=off`).
 /// Other crates' directives are left alone: `RUST_LOG` is often shared
 /// (`debug,reqwest=info`).
@@ -252,15 +254,27 @@ pub fn filter_refusal(filter: &str) -> Option<String> {
         .filter(|d| !d.is_empty())
         .collect();
     // Whether a directive covers all of the proxy's lines: a level alone, or one for a
-    // target the crate's name starts with, read as `tracing` reads it (not trimmed inside:
+    // target `abx_proxy::` starts with (`abx`, `abx_proxy`), read as `tracing` reads it (not trimmed inside:
     // `abx_proxy =info` names a target with a space, which no line has). A module's alone
     // (`abx_proxy::serve=info`) leaves the others' errors out: the reload's, the
     // exchange's, the listener's. Which of several covers does not matter: any level,
     // `off` included, was asked for.
     let covers = |d: &&str| {
         let target = d.split_once('=').map_or(*d, |(t, _)| t);
-        !d.contains('[') && (d.parse::<LevelFilter>().is_ok() || "abx_proxy".starts_with(target))
+        !d.contains('[') && (d.parse::<LevelFilter>().is_ok() || "abx_proxy::".starts_with(target))
     };
+    // A target with a space in it is no line's (a comma forgotten: `warn abx_proxy=debug`,
+    // or a YAML block's newline), whatever else covers the proxy's lines.
+    let spaced = directives.iter().find(|d| {
+        let target = d.split(['=', '[']).next().unwrap_or_default();
+        target.contains(char::is_whitespace)
+    });
+    if let Some(d) = spaced {
+        return Some(format!(
+            "`{}` names a target with a space in it, which no line has (a comma missing?)",
+            d.escape_debug()
+        ));
+    }
     if directives.iter().any(covers) {
         return None;
     }
@@ -282,8 +296,9 @@ pub fn filter_refusal(filter: &str) -> Option<String> {
             format!("`{word}` is no level (did you mean `{level}`? levels: {levels})")
         }
         None => format!(
-            "it lets none of the proxy's own lines through, its errors included: it sets no \
-             level ({levels}) for everything or for `abx_proxy` (add one: `info,{filter}`)"
+            "it leaves out the proxy's own lines, or all but a module's, errors included: it \
+             sets no level ({levels}) for everything or for `abx_proxy` (add one: \
+             `info,{filter}`)"
         ),
     })
 }
@@ -849,7 +864,8 @@ mod tests {
             ("info,abx_proxy=debug", "info,abx_proxy=debug"),
             ("debug,h2=debug", "debug,h2=debug"),
             ("debug,h2o=info", "debug,h2o=info,h2=info"),
-            ("trace,h2::server=trace", "trace,h2::server=trace"),
+            ("trace,h2::server=trace", "trace,h2::server=trace,h2=info"),
+            ("debug,h2::codec=info", "debug,h2::codec=info,h2=info"),
             ("off", "off"),
             ("warn", "warn"),
         ] {
@@ -884,10 +900,11 @@ mod tests {
             "info\n",
             " warn, abx_proxy=debug",
             "info,abx_proxy::proxy=debug",
+            "abx_proxy::=info",
         ] {
             assert_eq!(filter_refusal(fine), None, "{fine}");
         }
-        let none = "it lets none of the proxy's own lines through";
+        let none = "it leaves out the proxy's own lines";
         for (refused, says) in [
             ("warning", "`warning` is no level (did you mean `warn`?"),
             ("Err", "`Err` is no level (did you mean `error`?"),
@@ -902,7 +919,11 @@ mod tests {
             ("abx_proxy::serve=info", none),
             ("abx_proxy::proxy=debug", none),
             ("abx_proxy::acess=info", none),
-            ("abx_proxy =info", none),
+            ("abx_proxy =info", "names a target with a space in it"),
+            (
+                "warn,warn abx_proxy=debug",
+                "names a target with a space in it",
+            ),
             ("[request]=debug", none),
             ("debug=info", none),
             ("abx_proxy=loud", "error parsing level filter"),

@@ -580,6 +580,7 @@ pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
         "x-method-override",
         "x-forwarded",
         "x-real-ip",
+        "keepalive-ping-interval",
     ];
     let name = name.as_str().replace('_', "-");
     !REFUSED.contains(&name.as_str())
@@ -938,6 +939,7 @@ inherit = ["sandbox_api_key"]
             "HTTP2-Settings",
             "Sec-WebSocket-Key",
             "Connect-Timeout-Ms",
+            "Keepalive-Ping-Interval",
             "x_access_token",
             "Content_Length",
         ] {

@@ -194,8 +194,9 @@ pub fn key_route_changes(old: &Manifest, new: &Manifest) -> Vec<String> {
         None => "none".to_string(),
     };
     let none = || "none".to_string();
-    // Hosts, schemes and header names in another case, or a trailing `/`, are the same
-    // (`fold`); variables' names are not (`API_URL` and `api_url` are two).
+    // A URL or a header name in another case, or with a trailing `/`, is taken for the
+    // same (a path's case is the upstream's, the host stays: `fold`); variables' names are
+    // not (`API_URL` and `api_url` are two).
     let same = |was: &str, is: &str, fold: bool| match fold {
         true => was
             .trim_end_matches('/')
