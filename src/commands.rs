@@ -267,7 +267,8 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
             crate::logging::warning(&w);
         }
     }
-    // And of its own flags: the open-file limit leaves room for a connection (E1008).
+    // And of its own flags: the idle timeout's warning, and room under the open-file limit
+    // for a connection (E1008).
     if let Some(w) = crate::serve::short_idle_timeout(&args.run) {
         crate::logging::warning(&w);
     }

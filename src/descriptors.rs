@@ -118,32 +118,30 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
             }
         }
     };
-    if limit < least(workers) {
-        return Err(NoRoom {
+    room_for_one_under(limit, workers)?;
+    Ok(budget(limit, max_connections, workers))
+}
+
+/// Whether `limit` leaves room for one connection beside what `workers` hold at rest.
+fn room_for_one_under(limit: u64, workers: usize) -> Result<(), NoRoom> {
+    match limit < least(workers) {
+        true => Err(NoRoom {
             limit,
             at_rest: at_rest(workers),
             workers,
             least: least(workers),
-        });
+        }),
+        false => Ok(()),
     }
-    Ok(budget(limit, max_connections, workers))
 }
 
 /// Whether the hard open-file limit leaves room for one connection, as
 /// [`raise_open_file_limit`] asks at start, without changing the limit or warning of one
 /// short of `--max-connections` (`check`'s question: will serve start?).
 pub fn room_for_one(workers: usize) -> Result<(), NoRoom> {
-    let Ok((_, hard)) = rlimit::getrlimit(rlimit::Resource::NOFILE) else {
-        return Ok(());
-    };
-    match hard < least(workers) {
-        true => Err(NoRoom {
-            limit: hard,
-            at_rest: at_rest(workers),
-            workers,
-            least: least(workers),
-        }),
-        false => Ok(()),
+    match rlimit::getrlimit(rlimit::Resource::NOFILE) {
+        Ok((_, hard)) => room_for_one_under(hard, workers),
+        Err(_) => Ok(()),
     }
 }
 

@@ -242,23 +242,20 @@ pub fn normalized(filter: &str) -> String {
 /// module of that name: not one line was logged, warnings and errors included, and nothing
 /// said so. A directive covers the proxy's lines when it is a level alone, or when
 /// `abx_proxy::` starts with its target (`tracing` matches a line's target by prefix);
-/// spans' directives cover nothing (the proxy opens none). A covering `off` is silence asked for (`off`, `warn,abx_proxy=off`).
-/// Other crates' directives are left alone: `RUST_LOG` is often shared
-/// (`debug,reqwest=info`).
+/// spans' directives cover nothing (the proxy opens none). A covering `off` is silence
+/// asked for (`off`, `warn,abx_proxy=off`). Other crates' directives are left alone:
+/// `RUST_LOG` is often shared (`debug,reqwest=info`).
 pub fn filter_refusal(filter: &str) -> Option<String> {
     let filter = &normalized(filter);
     if let Err(e) = EnvFilter::try_new(filter) {
         return Some(e.to_string());
     }
-    let directives: Vec<&str> = (filter.split(',').map(str::trim))
-        .filter(|d| !d.is_empty())
-        .collect();
+    let directives: Vec<&str> = filter.split(',').collect();
     // Whether a directive covers all of the proxy's lines: a level alone, or one for a
-    // target `abx_proxy::` starts with (`abx`, `abx_proxy`), read as `tracing` reads it (not trimmed inside:
-    // `abx_proxy =info` names a target with a space, which no line has). A module's alone
-    // (`abx_proxy::serve=info`) leaves the others' errors out: the reload's, the
-    // exchange's, the listener's. Which of several covers does not matter: any level,
-    // `off` included, was asked for.
+    // target `abx_proxy::` starts with (`abx`, `abx_proxy`), read as `tracing` reads it.
+    // A module's alone (`abx_proxy::serve=info`) leaves the others' errors out: the
+    // reload's, the exchange's, the listener's. Which of several covers does not matter:
+    // any level, `off` included, was asked for.
     let covers = |d: &&str| {
         let target = d.split_once('=').map_or(*d, |(t, _)| t);
         !d.contains('[') && (d.parse::<LevelFilter>().is_ok() || "abx_proxy::".starts_with(target))

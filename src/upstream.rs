@@ -274,21 +274,26 @@ pub fn timed_out_words(e: &(dyn std::error::Error + 'static)) -> &'static str {
 /// connection that reaches it is a loop.
 static OWN_LISTENER: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
 
-/// Says where the proxy listens, for [`own_listener`].
+/// Says where the proxy listens, for [`not_own_listener`].
 pub fn listening_on(addr: SocketAddr) {
     let _ = OWN_LISTENER.set(addr);
 }
 
-/// `peer`, when a connection from `local` to it reached the proxy's own listener: it is on
-/// this host (loopback, or the connection's own address) at the listener's port, on its
-/// address, or on any when it listens on all. The settings refuse the spellings of this
+/// Refuses a connection from `local` to `peer` that reached the proxy's own listener: one
+/// on this host (loopback, or the connection's own address) at the listener's port, on
+/// its address, or on any when it listens on all. The settings refuse the spellings of this
 /// host they can read (`localhost`, `127.0.0.1`, `[::]`); the system's resolver reads more
 /// (`127.1`, `0x7f000001`, `0`, the machine's own name), and one request through such a
 /// loop (with `--allow-remote`) came back as thousands within seconds, each holding a
 /// connection until `--upstream-timeout`.
-pub fn own_listener(peer: SocketAddr, local: SocketAddr) -> Option<SocketAddr> {
-    let own = OWN_LISTENER.get()?;
-    reaches(*own, peer, local).then_some(peer)
+pub fn not_own_listener(peer: SocketAddr, local: SocketAddr) -> Result<(), BoxError> {
+    match OWN_LISTENER.get() {
+        Some(own) if reaches(*own, peer, local) => Err(std::io::Error::other(format!(
+            "{peer} is this proxy's own listener: each request would come back to it"
+        ))
+        .into()),
+        _ => Ok(()),
+    }
 }
 
 /// Whether a connection from `local` to `peer` reached a listener bound at `own`.
@@ -300,14 +305,6 @@ fn reaches(own: SocketAddr, peer: SocketAddr, local: SocketAddr) -> bool {
     let any = own.ip().is_unspecified() && (own.is_ipv6() || ip.is_ipv4());
     let listened = any || own.ip().to_canonical() == ip;
     this_host && listened && own.port() == peer.port()
-}
-
-/// The error of a connection that reached the proxy's own listener (see [`own_listener`]).
-pub fn own_listener_reached(peer: SocketAddr) -> BoxError {
-    std::io::Error::other(format!(
-        "{peer} is this proxy's own listener: each request would come back to it"
-    ))
-    .into()
 }
 
 /// A connector held to `--connect-timeout` as a whole: name resolution, TCP connect and
@@ -349,11 +346,8 @@ where
                     let io = conn.map_err(Into::into)?;
                     let mut extras = http::Extensions::new();
                     io.connected().get_extras(&mut extras);
-                    let ends = extras.get::<HttpInfo>();
-                    if let Some(peer) =
-                        ends.and_then(|i| own_listener(i.remote_addr(), i.local_addr()))
-                    {
-                        return Err(own_listener_reached(peer));
+                    if let Some(ends) = extras.get::<HttpInfo>() {
+                        not_own_listener(ends.remote_addr(), ends.local_addr())?;
                     }
                     Ok(Slotted { io, _slot: slot })
                 }
@@ -427,14 +421,18 @@ mod tests {
     #[test]
     fn a_connection_to_the_proxys_own_listener_is_known() {
         let at = |s: &str| s.parse::<SocketAddr>().expect("address");
-        assert_eq!(own_listener(at("127.0.0.1:1"), at("127.0.0.1:40000")), None);
+        let refused = |peer: &str, local: &str| not_own_listener(at(peer), at(local)).is_err();
+        assert!(
+            !refused("127.0.0.1:1", "127.0.0.1:40000"),
+            "before it listens"
+        );
         listening_on(at("127.0.0.1:1"));
         let looped = [
             ("127.0.0.1:1", "127.0.0.1:40000"),
             ("[::ffff:127.0.0.1]:1", "[::ffff:127.0.0.1]:40000"),
         ];
         for (peer, local) in looped {
-            assert_eq!(own_listener(at(peer), at(local)), Some(at(peer)), "{peer}");
+            assert!(refused(peer, local), "{peer}");
         }
         let elsewhere = [
             ("127.0.0.1:2", "127.0.0.1:40000"),
@@ -443,7 +441,7 @@ mod tests {
             ("[::1]:1", "[::1]:40000"),
         ];
         for (peer, local) in elsewhere {
-            assert_eq!(own_listener(at(peer), at(local)), None, "{peer}");
+            assert!(!refused(peer, local), "{peer}");
         }
         // Listening on all addresses: IPv4's `0.0.0.0` takes no IPv6 peer, `[::]` both.
         let all4 = at("0.0.0.0:1");
@@ -454,7 +452,8 @@ mod tests {
         assert!(reaches(all6, at("[::1]:1"), at("[::1]:40000")));
         assert!(reaches(all6, at("127.0.0.1:1"), at("127.0.0.1:40000")));
         assert!(!reaches(all6, at("10.0.0.5:1"), at("10.0.0.4:40000")));
-        let said = own_listener_reached(at("127.0.0.1:1")).to_string();
+        let said = not_own_listener(at("127.0.0.1:1"), at("127.0.0.1:40000"));
+        let said = said.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(
             said.contains("127.0.0.1:1 is this proxy's own listener"),
             "{said}"

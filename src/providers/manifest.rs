@@ -545,8 +545,9 @@ fn inherit(table: &toml::Table, at: &At) -> Result<Vec<String>, Error> {
 /// `Content-Type`, `Cache-Control`, `Idempotency-Key`, a method override), or that says
 /// where the request came from (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`), or
 /// that a WebSocket handshake or a Connect call needs (`Sec-WebSocket-*`, `Connect-*`:
-/// envd's requests lose the client's field of the provider's header's name). A name spelt with `_` for `-` is read as its `-` spelling: a gateway
-/// may (nginx's `underscores_in_headers`).
+/// envd's requests lose the client's field of the provider's header's name). A name spelt
+/// with `_` for `-` is read as its `-` spelling: a gateway may (nginx's
+/// `underscores_in_headers`).
 pub fn auth_header_allowed(name: &http::HeaderName) -> bool {
     const REFUSED: &[&str] = &[
         "host",

@@ -710,6 +710,7 @@ default = "eu-1"
             changes(&aliased.replace("API_URL", "api_url")),
             ["base_url read from ABX_ACME_BASE_URL, API_URL -> ABX_ACME_BASE_URL, api_url"]
         );
+        // Back to the aliased one, to move from.
         changes(&aliased);
         let moved = manifest_of("acme", "[config.fields.admin_key]\nsecret = true\n")
             .replace("https://api.acme.example", "http://127.0.0.1:9")

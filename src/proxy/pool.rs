@@ -262,9 +262,7 @@ impl Pool {
             .map_err(|e| UpstreamError::Connect(e.into()))?
             .into_inner();
         if let (Ok(peer), Ok(local)) = (stream.peer_addr(), stream.local_addr()) {
-            if let Some(peer) = upstream::own_listener(peer, local) {
-                return Err(UpstreamError::Connect(upstream::own_listener_reached(peer)));
-            }
+            upstream::not_own_listener(peer, local).map_err(UpstreamError::Connect)?;
         }
         if !tls {
             return Ok(Io::Plain(stream));
