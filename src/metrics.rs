@@ -115,15 +115,40 @@ const HOT_CODES: [u16; 24] = [
     431, 500, 502, 503, 504,
 ];
 
+/// The server errors whose request series exist at 0 from the start, for each plane and
+/// hot method. Prometheus takes a series' first sample as its start: a burst counted
+/// before the first scrape that sees the series is lost to `rate` and `increase`, and so
+/// to the alert on 5xx answers (five 502s in a burst read as 0). Other series appear at
+/// their first request, so that the exposition stays small.
+const COUNTED_FROM_ZERO: [u16; 4] = [500, 502, 503, 504];
+
 /// The series every request touches. `with_label_values` hashes the label strings and
 /// takes a lock on each call — three times per request; here each series is looked up
-/// once (the request counters on their first use, so that no method/code series appears
-/// before its first request), and after that is an index and an atomic load.
+/// once (the request counters on their first use, or at start for
+/// [`COUNTED_FROM_ZERO`]), and after that is an index and an atomic load.
 struct Hot {
     in_flight: [IntGauge; 2],
     duration: [Histogram; 2],
     /// plane × method × code, flattened.
     requests: Box<[OnceLock<IntCounter>]>,
+}
+
+impl Hot {
+    /// A hot method and code's request counter, made on its first use; `None` for others.
+    fn series(
+        &self,
+        requests: &IntCounterVec,
+        plane: Plane,
+        method: &Method,
+        status: u16,
+    ) -> Option<&IntCounter> {
+        let m = HOT_METHODS.iter().position(|m| m == method)?;
+        let c = HOT_CODES.binary_search(&status).ok()?;
+        let slot = (plane.index() * HOT_METHODS.len() + m) * HOT_CODES.len() + c;
+        Some(self.requests[slot].get_or_init(|| {
+            requests.with_label_values(&[plane.label(), method.as_str(), &status.to_string()])
+        }))
+    }
 }
 
 /// The `method` label: the methods of RFC 9110 and PATCH by name, any other `OTHER`. A
@@ -171,7 +196,7 @@ impl Metrics {
         let requests = IntCounterVec::new(
             Opts::new(
                 "abx_proxy_requests_total",
-                "Requests answered, by plane, method and status code.",
+                "Requests received, by plane, method and the status answered (499: the client left first).",
             ),
             &["plane", "method", "code"],
         )?;
@@ -218,7 +243,7 @@ impl Metrics {
         )?;
         let token_expiry = Gauge::new(
             "abx_proxy_token_expiry_timestamp_seconds",
-            "Expiry of the temporary API key in use (unix seconds; 0 when none).",
+            "Expiry of the last temporary API key obtained, past when its refresh keeps failing (unix seconds; 0 when none).",
         )?;
         let envd_tokens = IntGauge::new(
             "abx_proxy_envd_tokens",
@@ -294,6 +319,13 @@ impl Metrics {
                 .map(|_| OnceLock::new())
                 .collect(),
         };
+        for plane in Plane::ALL {
+            for method in &HOT_METHODS {
+                for status in COUNTED_FROM_ZERO {
+                    hot.series(&requests, plane, method, status);
+                }
+            }
+        }
         Ok(Metrics {
             registry,
             requests,
@@ -328,24 +360,10 @@ impl Metrics {
 
     /// Counts an answered request and observes its duration (to response headers).
     pub fn request_done(&self, plane: Plane, method: &Method, status: u16, elapsed: Duration) {
-        let p = plane.index();
-        self.hot.duration[p].observe(elapsed.as_secs_f64());
-        let m = HOT_METHODS.iter().position(|m| m == method);
-        let c = HOT_CODES.binary_search(&status).ok();
-        match (m, c) {
-            (Some(m), Some(c)) => {
-                let slot = (p * HOT_METHODS.len() + m) * HOT_CODES.len() + c;
-                self.hot.requests[slot]
-                    .get_or_init(|| {
-                        self.requests.with_label_values(&[
-                            plane.label(),
-                            method.as_str(),
-                            &status.to_string(),
-                        ])
-                    })
-                    .inc();
-            }
-            _ => self.count_slow(plane, method, status),
+        self.hot.duration[plane.index()].observe(elapsed.as_secs_f64());
+        match self.hot.series(&self.requests, plane, method, status) {
+            Some(counter) => counter.inc(),
+            None => self.count_slow(plane, method, status),
         }
     }
 
@@ -403,7 +421,25 @@ mod tests {
             assert_eq!(Plane::ALL[plane.index()], plane, "its cached series' slot");
         }
         let fresh = text(&m);
-        assert!(!fresh.contains("abx_proxy_requests_total{"));
+        // Only the server errors' series, at 0, so that a first burst of them is counted.
+        let at_start: Vec<&str> = fresh
+            .lines()
+            .filter(|l| l.starts_with("abx_proxy_requests_total{"))
+            .collect();
+        let made = Plane::ALL.len() * HOT_METHODS.len() * COUNTED_FROM_ZERO.len();
+        assert_eq!(at_start.len(), made, "{at_start:?}");
+        assert!(
+            at_start
+                .iter()
+                .all(|l| l.contains(r#"code="50"#) && l.ends_with("} 0")),
+            "{at_start:?}"
+        );
+        for line in [
+            r#"abx_proxy_requests_total{code="502",method="POST",plane="envd"} 0"#,
+            r#"abx_proxy_requests_total{code="503",method="GET",plane="api"} 0"#,
+        ] {
+            assert!(at_start.contains(&line), "{line}");
+        }
         // The fixed label sets exist before anything happens.
         for plane in Plane::ALL.map(Plane::label) {
             let count = format!("abx_proxy_request_duration_seconds_count{{plane=\"{plane}\"}} 0");
@@ -452,7 +488,7 @@ mod tests {
         let t = text(&m);
         let series: Vec<&str> = t
             .lines()
-            .filter(|l| l.starts_with("abx_proxy_requests_total{"))
+            .filter(|l| l.starts_with("abx_proxy_requests_total{") && !l.ends_with("} 0"))
             .collect();
         assert!(series.len() < 80, "{}", series.len());
         for (code, n) in [("200", 1), ("418", 1), ("499", 1), ("503", 1)] {
