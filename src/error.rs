@@ -33,6 +33,11 @@ pub enum Error {
     /// found in the answer as the answer repeated.)
     #[error("token exchange failed: {reason}")]
     IssuedExpired { reason: String },
+    /// E1004 too: the endpoint answered as if it issued a key (2xx), and the key cannot be
+    /// used: none this proxy can find, or one it cannot send. Of its own because each
+    /// exchange creates a key: retries are spaced further apart than failures are.
+    #[error("token exchange failed: {reason}")]
+    IssuedUnusable { reason: String },
     /// E1005: a setting has a value we cannot use.
     #[error("invalid value for {key}: {reason}")]
     InvalidSetting { key: String, reason: String },
@@ -132,7 +137,9 @@ impl Error {
             Error::MissingCredential => "E1001",
             Error::ClockSkew { .. } => "E1002",
             Error::IncompletePair { .. } => "E1003",
-            Error::TokenExchange { .. } | Error::IssuedExpired { .. } => "E1004",
+            Error::TokenExchange { .. }
+            | Error::IssuedExpired { .. }
+            | Error::IssuedUnusable { .. } => "E1004",
             Error::InvalidSetting { .. } => "E1005",
             Error::ReadFile { .. } | Error::WriteFile { .. } => "E1006",
             Error::RemoteListen { .. } => "E1007",
@@ -157,7 +164,8 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
-            Error::IssuedExpired { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. A key issued for seconds can also run out during a slow answer.",
+            Error::IssuedExpired { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. A key issued for seconds can also run out during a slow answer. Each exchange creates a key, so retries come 30 s doubling to 5 minutes apart.",
+            Error::IssuedUnusable { .. } => "Check that token_exchange_url is the CreateApiKey endpoint of the region's Agent Sandbox, and that the proxy is up to date with its answer's form. Each exchange creates a key, so retries come 30 s doubling to 5 minutes apart.",
             // Said by `check` too ("run check" was no advice there), and in serve's log line.
             Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",
@@ -343,6 +351,12 @@ mod tests {
             ),
             (
                 Error::IssuedExpired { reason: s("r") },
+                78,
+                503,
+                "[E1004] token exchange failed: r",
+            ),
+            (
+                Error::IssuedUnusable { reason: s("r") },
                 78,
                 503,
                 "[E1004] token exchange failed: r",

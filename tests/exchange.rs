@@ -576,7 +576,9 @@ async fn a_key_that_ran_out_on_the_way_is_a_failed_exchange() {
 }
 
 /// A key that arrives already expired (a clock ahead of the endpoint's) says to look at the
-/// clock, not at the AccessKey pair (still E1004, retried as other failures are).
+/// clock, not at the AccessKey pair (still E1004). Each such answer created a key: retried
+/// 30 s doubling to 5 minutes apart, not with the 1 s backoff of failures (which minted 120
+/// to 240 keys an hour for as long as the clock stayed ahead).
 #[tokio::test]
 async fn a_key_that_arrives_expired_says_to_look_at_the_clock() {
     let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
@@ -585,7 +587,8 @@ async fn a_key_that_arrives_expired_says_to_look_at_the_clock() {
     })
     .await;
     assert_eq!(h.next_event().await, ExchangeEvent::Failure);
-    h.assert_failures_back_off(&[1, 2, 4, 8, 16, 30]).await;
+    h.assert_failures_back_off(&[30, 60, 120, 240, 300, 300])
+        .await;
     let e = h.source.current().await.expect_err("no usable key");
     assert_eq!(e.code(), "E1004", "{}", e.line());
     assert!(e.line().contains("already (nearly) past"), "{}", e.line());
@@ -1058,10 +1061,14 @@ async fn a_key_that_cannot_be_a_header_value_is_a_failed_exchange() {
         );
     }
 
-    // Retried with backoff: once the endpoint issues a usable key, it is served.
+    // Retried 30 s later, not after a second's backoff: the endpoint created a key for each
+    // such answer. Once it issues a usable key, that is served.
+    let failed_at = h.now();
     h.fake.set_mode(Mode::Ok);
     h.clock.advance_to_next_sleeper().await;
     h.next_success().await;
+    let waited = h.now().duration_since(failed_at).expect("forward");
+    assert_eq!(waited, Duration::from_secs(30));
     assert!(h.source.ready());
     assert_eq!(h.key().await, h.fake.issued_keys()[0]);
 }

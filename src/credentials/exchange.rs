@@ -75,6 +75,11 @@ pub const REFUSAL_GAP: Duration = Duration::from_secs(30);
 /// The longest gap between early refreshes: a control plane that refuses every key (a
 /// region mismatch, a RAM policy denial) costs a key an hour, not 120.
 pub const REFUSAL_GAP_MAX: Duration = Duration::from_secs(3600);
+/// The longest gap between exchanges whose answers said they issued a key the proxy cannot
+/// use (expired by this machine's clock, not found, not sendable): each created a key, and
+/// retried with [`backoff`] they cost 120 to 240 keys an hour. Not an hour: a clock put
+/// right is to be noticed within minutes.
+pub const UNUSABLE_GAP_MAX: Duration = Duration::from_secs(300);
 
 // ---------------------------------------------------------------------------------------
 // Time
@@ -202,7 +207,7 @@ pub fn parse_response(
     let Some((key, holder)) = find_key(&json) else {
         return Err(match code {
             Some(c) => endpoint_error(status, Some(&c)),
-            None => Error::TokenExchange {
+            None => Error::IssuedUnusable {
                 reason: format!("HTTP {status}: the answer has no apiKey"),
             },
         });
@@ -521,7 +526,7 @@ impl HttpExchanger {
             // The reason never quotes the value: it is the key.
             crate::log_writer::mask_issued(&issued.key);
             if self.config.auth.value(&issued.key).is_none() {
-                return Err(Error::TokenExchange {
+                return Err(Error::IssuedUnusable {
                     reason: format!(
                         "HTTP {status}: the endpoint issued a key that cannot be sent as an HTTP header value"
                     ),
@@ -790,6 +795,15 @@ fn refusal_gap(in_row: u32) -> Duration {
     REFUSAL_GAP
         .saturating_mul(1u32 << doublings)
         .min(REFUSAL_GAP_MAX)
+}
+
+/// The wait after `in_row` exchanges in a row (from 1) that issued keys the proxy cannot
+/// use: 30 s doubling to [`UNUSABLE_GAP_MAX`].
+fn unusable_gap(in_row: u32) -> Duration {
+    let doublings = in_row.saturating_sub(1).min(16);
+    REFUSAL_GAP
+        .saturating_mul(1u32 << doublings)
+        .min(UNUSABLE_GAP_MAX)
 }
 
 impl Shared {
@@ -1115,7 +1129,10 @@ impl fmt::Debug for ExchangedKey {
 /// 503), not an upstream failure of the request itself.
 fn as_credential_error(e: Error) -> Error {
     match e {
-        Error::TokenExchange { .. } | Error::IssuedExpired { .. } | Error::ClockSkew { .. } => e,
+        Error::TokenExchange { .. }
+        | Error::IssuedExpired { .. }
+        | Error::IssuedUnusable { .. }
+        | Error::ClockSkew { .. } => e,
         other => Error::TokenExchange {
             reason: other.to_string(),
         },
@@ -1133,6 +1150,8 @@ fn backoff(n: u32) -> Duration {
 
 async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_before: Duration) {
     let mut failed_in_row: u32 = 0;
+    // Of those, answers that issued a key the proxy could not use, in a row.
+    let mut unusable_in_row: u32 = 0;
     // Keys issued for less than [`SHORT_KEY`] one after another (see below).
     let mut short_in_row: u32 = 0;
     loop {
@@ -1209,6 +1228,7 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 tracing::info!(expires_at = %expires_at, "token exchange succeeded");
                 shared.attempts.send_modify(|n| *n += 1);
                 failed_in_row = 0;
+                unusable_in_row = 0;
                 // An endpoint that chooses the lifetime (rpc-v1), or a clock running ahead
                 // of it, can issue keys of a few seconds: each was due for refresh at once,
                 // and the proxy minted keys five times a second for good. Such keys are
@@ -1245,7 +1265,16 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                 // waited out, where E1004's would have the pair checked.
                 let suggestion = e.suggestion().unwrap_or_default();
                 let e = as_credential_error(e);
-                let delay = backoff(failed_in_row);
+                let delay = if matches!(
+                    e,
+                    Error::IssuedExpired { .. } | Error::IssuedUnusable { .. }
+                ) {
+                    unusable_in_row = unusable_in_row.saturating_add(1);
+                    unusable_gap(unusable_in_row)
+                } else {
+                    unusable_in_row = 0;
+                    backoff(failed_in_row)
+                };
                 let line = e.line();
                 shared.last_error.store(Some(Arc::new(e)));
                 shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -1507,13 +1536,16 @@ mod tests {
             matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains("Throttling.User")),
             "{e:?}"
         );
+        // A success with no key found: the endpoint may have created one, so retries are
+        // spaced out (see `unusable_gap`).
         for blank in [
             json!({"apiKey": {"apiKeyValue": " "}}),
             json!({"apiKey": " "}),
+            json!({"RequestId": "r", "Data": {"Key": "k"}}),
         ] {
             let e = parse(200, blank.clone());
             assert!(
-                matches!(e, Err(Error::TokenExchange { .. })),
+                matches!(e, Err(Error::IssuedUnusable { .. })),
                 "{blank}: {e:?}"
             );
         }
@@ -1622,6 +1654,10 @@ mod tests {
             assert_eq!(refusal_gap(in_row), Duration::from_secs(secs), "{in_row}");
         }
         assert_eq!(refusal_gap(u32::MAX), REFUSAL_GAP_MAX);
+        for (in_row, secs) in [(1, 30), (2, 60), (4, 240), (5, 300), (9, 300)] {
+            assert_eq!(unusable_gap(in_row), Duration::from_secs(secs), "{in_row}");
+        }
+        assert_eq!(unusable_gap(u32::MAX), UNUSABLE_GAP_MAX);
     }
 
     #[test]
