@@ -3377,6 +3377,17 @@ async fn ambiguous_framing_is_400_and_closes() {
     expect_400_and_close(addr, &req).await;
     let req = format!("POST /sandboxes HTTP/1.1\r\n{host}Content-Length: 5, 6\r\n\r\nhello!");
     expect_400_and_close(addr, &req).await;
+    // Lengths over 2^63-1 (as nginx): hyper took them and sent them on.
+    for huge in ["9223372036854775808", "18446744073709551613"] {
+        let req = format!("POST /sandboxes HTTP/1.1\r\n{host}Content-Length: {huge}\r\n\r\nhello");
+        let resp = expect_400_and_close(addr, &req).await;
+        assert_proxy_error(&resp, 400, "E5003");
+        assert!(
+            resp.text().contains("Content-Length over"),
+            "{}",
+            resp.text()
+        );
+    }
     assert_eq!(upstream.connections(), 0);
 
     // Pipelined on one keep-alive connection: a clean chunked request, a clean sized one,

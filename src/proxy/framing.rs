@@ -65,6 +65,9 @@ pub enum Refusal {
     /// its own limit only while a head is incomplete, and its buffer grows by doubling: a
     /// head that one read completes passed up to about twice the limit.
     HeadTooLarge,
+    /// A `Content-Length` over 2^63-1, the most nginx (and many servers) can hold: hyper
+    /// took it and sent it on, but answered the last two values below 2^64 431.
+    HugeLength,
 }
 
 impl Refusal {
@@ -77,6 +80,7 @@ impl Refusal {
             Refusal::LongFramingField => "oversized Content-Length or Transfer-Encoding field",
             Refusal::Unfollowed => "an earlier request's framing could not be followed",
             Refusal::HeadTooLarge => "request head over 64 KiB",
+            Refusal::HugeLength => "Content-Length over 9223372036854775807",
         }
     }
 
@@ -88,6 +92,7 @@ impl Refusal {
             Refusal::LongFramingField => 4,
             Refusal::Unfollowed => 5,
             Refusal::HeadTooLarge => 6,
+            Refusal::HugeLength => 7,
         }
     }
 
@@ -98,6 +103,7 @@ impl Refusal {
             4 => Refusal::LongFramingField,
             5 => Refusal::Unfollowed,
             6 => Refusal::HeadTooLarge,
+            7 => Refusal::HugeLength,
             _ => Refusal::BothLengths,
         }
     }
@@ -559,6 +565,8 @@ impl HeadWatch {
             Some(Refusal::RepeatedLength)
         } else if head.transfer_encoding && !head.plain_chunked {
             Some(Refusal::TransferCoding)
+        } else if head.content_length.is_some_and(|n| n > i64::MAX as u64) {
+            Some(Refusal::HugeLength)
         } else {
             None
         };
@@ -916,7 +924,7 @@ mod tests {
 
     #[test]
     fn other_framings_hyper_accepts_are_refused() {
-        let cases: [(&[u8], Refusal); 6] = [
+        let cases: [(&[u8], Refusal); 8] = [
             (
                 b"POST / HTTP/1.1\r\nContent-Length: 5\r\ncontent-length: 5\r\n\r\nhello",
                 Refusal::RepeatedLength,
@@ -942,6 +950,14 @@ mod tests {
                 b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
                 Refusal::BothLengths,
             ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 9223372036854775808\r\n\r\nhello",
+                Refusal::HugeLength,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 18446744073709551613\r\n\r\nhello",
+                Refusal::HugeLength,
+            ),
         ];
         for (input, want) in cases {
             for step in [1, 3, 4096] {
@@ -961,6 +977,8 @@ mod tests {
         for step in [1, 7, 4096] {
             assert_eq!(refusals(input, step, 2), vec![(2, Refusal::RepeatedLength)]);
         }
+        let most = b"POST / HTTP/1.1\r\nContent-Length: 9223372036854775807\r\n\r\n";
+        assert_eq!(refusals(most, 4096, 1), vec![]);
     }
 
     /// The listener times a head from its first byte to its empty line, and an idle

@@ -329,8 +329,16 @@ fn checked_host<'p>(
         // refused here as the HTTP/1.1 framing watch refuses them, so that both versions
         // meet one rule and no upstream sees the field twice.
         let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
-        if lengths.next().is_some() && lengths.next().is_some() {
+        let length = lengths.next();
+        if length.is_some() && lengths.next().is_some() {
             return Err(refused(Refusal::RepeatedLength.reason()));
+        }
+        // The h2 layer takes up to 19 digits; HTTP/1.1's watch refuses what it does.
+        let huge = length
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .is_some_and(|n| n > i64::MAX as u64);
+        if huge {
+            return Err(refused(Refusal::HugeLength.reason()));
         }
         if let (Some(authority), Some(host)) = (parts.uri.authority(), fields.host) {
             if !host
@@ -1007,6 +1015,17 @@ mod tests {
             e.to_string().contains("more than one Content-Length"),
             "{e}"
         );
+        // Over 2^63-1, as HTTP/1.1's framing watch refuses it; at it, fine.
+        let most = [("content-length", "9223372036854775807")];
+        let most = versioned(Version::HTTP_2, uri, &most);
+        assert_eq!(route(&most, &HostPolicy::Loopback).unwrap(), Route::Api);
+        let over = [("content-length", "9223372036854775808")];
+        let e = route(
+            &versioned(Version::HTTP_2, uri, &over),
+            &HostPolicy::Loopback,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("Content-Length over"), "{e}");
     }
 
     /// An `Origin` is `scheme://host[:port]` and nothing else; anything more or less names
