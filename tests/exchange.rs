@@ -159,16 +159,18 @@ async fn both_schemes_are_accepted_by_the_verifying_fake() {
 }
 
 /// An endpoint below a path (a gateway's): ACS3 signs the whole path the server sees, the
-/// prefix once.
+/// prefix once, and an escape in it as the server reads it (it was encoded again).
 #[tokio::test]
 async fn acs3_below_a_path_prefix() {
     let clock = ManualClock::new();
     let fake = FakeExchange::start(clock.clone()).await;
-    fake.set_path_prefix("/gateway/v1");
-    for url in [
-        format!("{}/gateway/v1", fake.url),
-        format!("{}/gateway/v1/", fake.url),
+    for (prefix, written) in [
+        ("/gateway/v1", "/gateway/v1"),
+        ("/gateway/v1", "/gateway/v1/"),
+        ("/pre%20fix", "/pre%20fix"),
     ] {
+        fake.set_path_prefix(prefix);
+        let url = format!("{}{written}", fake.url);
         let ex = HttpExchanger::new(
             config(&url, ExchangeScheme::Acs3, ACCESS_KEY_SECRET),
             client(),
@@ -177,7 +179,7 @@ async fn acs3_below_a_path_prefix() {
             .await
             .unwrap_or_else(|e| panic!("{url}: {} {:?}", e.line(), fake.rejections()));
     }
-    assert_eq!(fake.accepted(), 2);
+    assert_eq!(fake.accepted(), 3);
 }
 
 #[tokio::test]

@@ -63,6 +63,13 @@ impl UpstreamUrl {
         if crate::proxy::route::has_dot_segment(uri.path()) {
             return Err(bad("a path with `.` or `..` segments is not accepted"));
         }
+        // The URI parser takes them, and they went upstream as raw bytes in the request
+        // line, which a server may refuse or read in another encoding.
+        if !uri.path().is_ascii() {
+            return Err(bad(
+                "a path with characters outside ASCII is not accepted: write them percent-encoded",
+            ));
+        }
         let path = uri.path().trim_end_matches('/').to_string();
         Ok(UpstreamUrl {
             scheme,
@@ -497,6 +504,9 @@ mod tests {
             "http://0x7f.0.0.1.:8080",
             "http://127.0.0.1..:8080",
             "http://.h:8080",
+            // Sent as raw bytes in the request line.
+            "https://h/ümlaut",
+            "https://h/gw/中",
         ] {
             let e = UpstreamUrl::parse(Key::SandboxBaseUrl, bad).expect_err(bad);
             assert!(e.to_string().contains("sandbox_base_url"), "{e}");
@@ -508,6 +518,7 @@ mod tests {
             "https://h",
             "https://h.example.:1",
             "https://h/a..b/.well-known",
+            "https://h/%C3%BCmlaut",
         ] {
             assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, ok).is_ok(), "{ok}");
         }

@@ -19,8 +19,12 @@ fn push_encoded(out: &mut String, b: u8) {
 
 /// Percent-encodes every byte outside `A-Z a-z 0-9 - _ . ~`.
 pub fn encode(value: &str) -> String {
-    let mut out = String::with_capacity(value.len() * 3 / 2);
-    for &b in value.as_bytes() {
+    encode_bytes(value.as_bytes())
+}
+
+fn encode_bytes(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 3 / 2);
+    for &b in bytes {
         if is_unreserved(b) {
             out.push(char::from(b));
         } else {
@@ -30,12 +34,40 @@ pub fn encode(value: &str) -> String {
     out
 }
 
-/// Encodes a URL path segment by segment, keeping the `/` separators; an empty path is `/`.
+/// Encodes a URL path as sent, segment by segment, keeping the `/` separators; an empty
+/// path is `/`. A `%XX` escape already in it is read as the byte it stands for, as the
+/// server reads it before it encodes the path to check the signature: a prefix written
+/// `/pre%20fix` was encoded again as `/pre%2520fix`, and every signature failed.
 pub fn encode_path(path: &str) -> String {
     if path.is_empty() {
         return "/".to_string();
     }
-    path.split('/').map(encode).collect::<Vec<_>>().join("/")
+    path.split('/')
+        .map(|segment| encode_bytes(&decoded(segment)))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// A path segment with its `%XX` escapes read; a `%` that starts none stays itself.
+fn decoded(segment: &str) -> Vec<u8> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |at: usize| bytes.get(at).and_then(|&b| char::from(b).to_digit(16));
+        match (bytes[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(hi), Some(lo)) => {
+                // Two hex digits make a byte: `hi * 16 + lo` is at most 255.
+                out.push(u8::try_from(hi * 16 + lo).unwrap_or(b'%'));
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -82,5 +114,24 @@ mod tests {
             "/pop/2026-05-09/api-keys"
         );
         assert_eq!(encode_path("/a b/c*d/"), "/a%20b/c%2Ad/");
+    }
+
+    /// A path as sent, escapes and all, is signed as the server reads it: each escape is
+    /// the byte it stands for, encoded once.
+    #[test]
+    fn path_escapes_are_read_before_encoding() {
+        let cases = [
+            ("/pre%20fix/pop", "/pre%20fix/pop"),
+            ("/pre%2afix", "/pre%2Afix"),
+            ("/%7Euser/%41", "/~user/A"),
+            ("/a%2Fb", "/a%2Fb"),
+            ("/%C3%A9", "/%C3%A9"),
+            // A `%` that starts no escape is itself.
+            ("/100%", "/100%25"),
+            ("/%zz%4", "/%25zz%254"),
+        ];
+        for (sent, signed) in cases {
+            assert_eq!(encode_path(sent), signed, "{sent}");
+        }
     }
 }

@@ -742,7 +742,10 @@ fn verify_acs3(
     let signed_at = parse_utc(&one("x-acs-date"))
         .ok_or_else(|| reject("InvalidTimeStamp.Format", "bad x-acs-date"))?;
 
-    let path: Vec<String> = parts.uri.path().split('/').map(pct).collect();
+    // As a server reads the path: each segment decoded, then encoded for the signature.
+    let path: Vec<String> = (parts.uri.path().split('/'))
+        .map(|segment| pct(&pct_decode(segment).unwrap_or_default()))
+        .collect();
     let mut query: Vec<(String, String)> = parts
         .uri
         .query()
