@@ -1121,16 +1121,18 @@ async fn throttling_is_unavailable_not_a_configuration_error() {
 }
 
 /// The endpoint's error code is said, but not a secret it repeats: a gateway answering
-/// `InvalidAccessKeySecret.<the secret>` put it in every client's 503 and the log.
+/// `InvalidAccessKeySecret.<the secret>` put it in every client's 503 and the log; so did
+/// one that spelled it with a JSON escape.
 #[tokio::test]
 async fn an_error_code_that_repeats_the_secret_is_said_without_it() {
     let clock = ManualClock::new();
     let fake = FakeExchange::start(clock.clone()).await;
-    for (status, code, prefix) in [
-        (400, "E1004", "InvalidAccessKeySecret."),
-        (429, "E5001", "Throttling."),
+    for (mode, code, prefix) in [
+        (Mode::EchoSecret(400), "E1004", "InvalidAccessKeySecret."),
+        (Mode::EchoSecret(429), "E5001", "Throttling."),
+        (Mode::EchoSecretEscaped, "E1004", "InvalidAccessKeySecret."),
     ] {
-        fake.set_mode(Mode::EchoSecret(status));
+        fake.set_mode(mode);
         for scheme in SCHEMES {
             let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
             let e = ex.exchange_at(clock.now()).await.expect_err("refused");

@@ -370,9 +370,13 @@ fn error_code(json: &Value) -> Option<String> {
 /// Keeps an endpoint-supplied code to the characters error codes use, so an odd answer
 /// cannot smuggle text (or anything echoed from the request) into a log line.
 fn sanitize_code(code: &str) -> String {
+    code_chars(code).chars().take(80).collect()
+}
+
+/// The characters of `code` that error codes use, all of them.
+fn code_chars(code: &str) -> String {
     code.chars()
         .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-        .take(80)
         .collect()
 }
 
@@ -405,7 +409,11 @@ fn is_temporary(status: u16, body: &[u8]) -> bool {
 /// secret>`) put it in every client's 503 and the log. Out of the answer, not the message:
 /// a code cut to its 80 characters kept part of a secret that no longer matched whole.
 fn without(secret: &Secret, body: Bytes) -> Bytes {
-    let secret = secret.expose().as_bytes();
+    let body = without_bytes(secret.expose().as_bytes(), body);
+    without_in_code(secret.expose(), body)
+}
+
+fn without_bytes(secret: &[u8], body: Bytes) -> Bytes {
     if secret.is_empty() || !body.windows(secret.len()).any(|w| w == secret) {
         return body;
     }
@@ -418,6 +426,33 @@ fn without(secret: &Secret, body: Bytes) -> Bytes {
     }
     out.extend_from_slice(rest);
     Bytes::from(out)
+}
+
+/// JSON can spell the secret in a code with escapes (`\u0041`, `\/`) that its bytes do not
+/// match: the code is looked at as read, and as the characters of it that are said.
+fn without_in_code(secret: &str, body: Bytes) -> Bytes {
+    let Ok(Value::Object(mut json)) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let said = code_chars(secret);
+    let mut masked = false;
+    for field in ["Code", "code"] {
+        let Some(Value::String(code)) = json.get_mut(field) else {
+            continue;
+        };
+        if !secret.is_empty() && code.contains(secret) {
+            *code = code.replace(secret, "****");
+            masked = true;
+        }
+        if !said.is_empty() && code_chars(code).contains(&said) {
+            *code = code_chars(code).replace(&said, "");
+            masked = true;
+        }
+    }
+    if !masked {
+        return body;
+    }
+    serde_json::to_vec(&json).map_or(body, Bytes::from)
 }
 
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
@@ -1497,6 +1532,27 @@ mod tests {
         }
         let k = parse(200, json!({"apiKey": "k", "expireTime": start + 6})).unwrap();
         assert_eq!(k.expires_at, at(start + 6));
+    }
+
+    /// A secret in a code is taken out however the JSON spells it, and however much of it
+    /// the code's characters keep.
+    #[test]
+    fn a_secret_in_a_code_is_taken_out_in_any_spelling() {
+        let secret = Secret::new("Ab/cd1234567890Ef");
+        for body in [
+            r#"{"Code": "InvalidAccessKeySecret.Ab/cd1234567890Ef"}"#,
+            r#"{"Code": "InvalidAccessKeySecret.Ab\/cd1234567890Ef"}"#,
+            r#"{"code": "InvalidAccessKeySecret.\u0041b/cd1234567890Ef"}"#,
+            r#"{"Code": "InvalidAccessKeySecret.Abcd1234567890Ef"}"#,
+        ] {
+            let rid = without(&secret, Bytes::from(body));
+            let e = parse_response(400, &rid, now(), TTL).err();
+            let said = e.map(|e| e.to_string()).unwrap_or_default();
+            assert!(said.contains("InvalidAccessKeySecret."), "{body}: {said}");
+            assert!(!said.contains("1234567890"), "{body}: {said}");
+        }
+        let other = Bytes::from(r#"{"Code": "SignatureDoesNotMatch"}"#);
+        assert_eq!(without(&secret, other.clone()), other);
     }
 
     #[test]

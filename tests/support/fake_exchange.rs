@@ -190,6 +190,9 @@ pub enum Mode {
     EchoSecret(u16),
     /// The given status with a gateway's HTML page of 100 KiB.
     GatewayPage(u16),
+    /// 400 with a code that repeats the AccessKey secret in JSON escapes (`\u0066` for its
+    /// first letter), which its bytes do not match.
+    EchoSecretEscaped,
 }
 
 struct State {
@@ -459,6 +462,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Full<Byte
                 ),
             };
             return alibaba_error(status, &code, "echoed");
+        }
+        Mode::EchoSecretEscaped => {
+            let mut chars = ACCESS_KEY_SECRET.chars();
+            let first = chars.next().map_or(0, u32::from);
+            let body = format!(
+                "{{\"Code\":\"InvalidAccessKeySecret.\\u{first:04x}{}\",\"Message\":\"echoed\"}}",
+                chars.as_str()
+            );
+            let mut resp = Response::new(Full::new(Bytes::from(body)));
+            *resp.status_mut() = hyper::StatusCode::BAD_REQUEST;
+            return resp;
         }
         Mode::GatewayPage(status) => {
             let page = format!("<html>{}</html>", " ".repeat(100 * 1024));
