@@ -3126,6 +3126,19 @@ fn a_key_file_holding_a_dotenv_line_is_warned_about() {
     assert!(!out.stderr.contains(KEY_FLAG), "{}", out.stderr);
 }
 
+/// A key copied with its scheme (`Bearer sk-…`, from a curl line) went upstream as
+/// `Bearer Bearer sk-…`: 401 on every request while `check --offline` said ok.
+#[test]
+fn a_key_with_an_auth_scheme_is_warned_about() {
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", &format!("Bearer {KEY_ENV}"));
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let said = "warning: the API key (from env) begins with `Bearer`, an auth scheme";
+    assert!(out.stderr.contains(said), "{}", out.stderr);
+    assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+}
+
 /// `check --offline` said ok for settings `serve` refuses at start: a key that cannot be a
 /// header value (a control character pasted with it, a key file of two lines) and a
 /// non-loopback listener without `--allow-remote`. Both now give the same answer, and

@@ -367,6 +367,37 @@ fn assignments_in_key_files(flags: &HashMap<Key, FlagValue>) -> Vec<String> {
     .collect()
 }
 
+/// An API key longer than this is no API key (they are tens of bytes): a file of
+/// something else, read whole. Servers refuse header fields far shorter (nginx's line
+/// buffer is 8 KiB): every request got the upstream's 431 while `/readyz` said 200.
+const LONGEST_PLAUSIBLE_KEY: usize = 4096;
+
+/// An API key that cannot be one as written: with an auth scheme before it (`Bearer sk-…`,
+/// copied from a curl line: the proxy writes the scheme itself, and the upstream got it
+/// twice), or far too long. Warned, not refused: the proxy cannot know a provider's key
+/// format. Never the key or any part of it.
+fn implausible_key(key: &Secret, source: Source) -> Option<String> {
+    let key = key.expose();
+    let from = source.label();
+    let scheme = ["Bearer ", "Basic ", "Token "].into_iter().find(|s| {
+        key.len() > s.len() && key.as_bytes()[..s.len()].eq_ignore_ascii_case(s.as_bytes())
+    });
+    if let Some(scheme) = scheme {
+        return Some(format!(
+            "the API key (from {from}) begins with `{}`, an auth scheme: the proxy writes the \
+             header around the key itself (`Authorization: Bearer <key>`); set the key alone",
+            scheme.trim_end()
+        ));
+    }
+    (key.len() > LONGEST_PLAUSIBLE_KEY).then(|| {
+        format!(
+            "the API key (from {from}) is {} bytes long, far longer than an API key: servers \
+             refuse a header that long (431); check that it holds the key alone",
+            key.len()
+        )
+    })
+}
+
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
@@ -460,6 +491,10 @@ impl Resolved {
             }
         }
         warnings.extend(assignments_in_key_files(&inputs.flags));
+        let key = &entries[Key::SandboxApiKey as usize];
+        if let Some(Value::Secret(secret)) = &key.value {
+            warnings.extend(implausible_key(secret, key.source));
+        }
         let installed_secrets = inputs
             .abx_home
             .as_deref()
@@ -1402,6 +1437,39 @@ mod tests {
         }
         let plain = HashMap::from([(Key::Region, FlagValue::Plain("A_B=c".into()))]);
         assert!(assignments_in_key_files(&plain).is_empty());
+    }
+
+    #[test]
+    fn a_key_with_a_scheme_or_of_no_key_length_is_warned_about() {
+        let key = "sk-0123456789abcdef";
+        for written in [
+            "Bearer sk-0123456789abcdef",
+            "bearer sk-0123456789abcdef",
+            "Token sk-0123456789abcdef",
+        ] {
+            let said = implausible_key(&Secret::new(written), Source::Env);
+            let said = said.unwrap_or_default();
+            assert!(
+                said.starts_with("the API key (from env) begins with `"),
+                "{said}"
+            );
+            assert!(!said.contains(key), "{said}");
+        }
+        let long = "k".repeat(LONGEST_PLAUSIBLE_KEY + 1);
+        let said = implausible_key(&Secret::new(long), Source::Flag).unwrap_or_default();
+        assert!(said.contains("4097 bytes long"), "{said}");
+        for fine in [
+            key,
+            "Bearer",
+            "Bearerish-key",
+            &"k".repeat(LONGEST_PLAUSIBLE_KEY),
+        ] {
+            assert_eq!(
+                implausible_key(&Secret::new(fine), Source::Env),
+                None,
+                "{fine}"
+            );
+        }
     }
 
     /// The raw layers hold every variable as read, secrets included; their `Debug` (a
