@@ -982,6 +982,9 @@ async fn clock_skew_answer_is_e1002() {
         let ahead = endpoint_clock.now() + Duration::from_secs(3600);
         let e = ex.exchange_at(ahead).await.expect_err("skewed");
         assert_eq!(e.code(), "E1002", "{scheme:?}: {}", e.line());
+        // How far, and which way, from the answer's `Date`.
+        let said = "this machine's clock is about 1 h ahead of the endpoint's";
+        assert!(e.line().contains(said), "{scheme:?}: {}", e.line());
     }
 }
 

@@ -455,6 +455,46 @@ fn without_in_code(secret: &str, body: Bytes) -> Bytes {
     serde_json::to_vec(&json).map_or(body, Bytes::from)
 }
 
+/// A failure that says the clocks disagree, with how far (from the answer's `Date`, against
+/// the time the request was signed with): "check NTP" alone left the user to find out
+/// whether by seconds or hours, and which way.
+fn with_skew(e: Error, signed: SystemTime, their_time: Option<SystemTime>) -> Error {
+    let Some(said) = their_time.and_then(|t| skew(signed, t)) else {
+        return e;
+    };
+    match e {
+        Error::ClockSkew { reason } => Error::ClockSkew {
+            reason: format!("{reason}; {said}"),
+        },
+        Error::IssuedExpired { reason } => Error::IssuedExpired {
+            reason: format!("{reason}; {said}"),
+        },
+        e => e,
+    }
+}
+
+/// "this machine's clock is about 2 h 3 min ahead of the endpoint's", when the two differ
+/// by more than the `Date`'s second and an answer's way can explain.
+fn skew(ours: SystemTime, theirs: SystemTime) -> Option<String> {
+    let (by, way) = match ours.duration_since(theirs) {
+        Ok(ahead) => (ahead, "ahead of"),
+        Err(behind) => (behind.duration(), "behind"),
+    };
+    if by < Duration::from_secs(5) {
+        return None;
+    }
+    let secs = by.as_secs();
+    let about = match (secs / 3600, secs % 3600 / 60) {
+        (0, 0) => format!("{secs} s"),
+        (0, m) => format!("{m} min"),
+        (h, 0) => format!("{h} h"),
+        (h, m) => format!("{h} h {m} min"),
+    };
+    Some(format!(
+        "this machine's clock is about {about} {way} the endpoint's"
+    ))
+}
+
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
     let code = code.map(sanitize_code).filter(|c| !c.is_empty());
     match code {
@@ -521,6 +561,10 @@ impl HttpExchanger {
                         host: host.clone(),
                     })?;
             let status = response.status().as_u16();
+            // The endpoint's clock, to size a skew it answers (to the second).
+            let their_time = (response.headers().get(http::header::DATE))
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| httpdate::parse_http_date(v).ok());
             let broke_off = |reason: String| Error::UpstreamUnreachable {
                 reason,
                 host: host.clone(),
@@ -544,18 +588,20 @@ impl HttpExchanger {
             let ttl = self.config.token_ttl;
             // A key is read from the answer as it came (the secret could be part of it); a
             // failure is said from the answer rid of the secret.
-            let issued = parse_response(status, &body, now, ttl).or_else(|_| {
-                let body = without(&self.config.access_key_secret, body);
-                parse_response(status, &body, now, ttl).map_err(|e| match e {
-                    Error::TokenExchange { reason } if is_temporary(status, &body) => {
-                        Error::UpstreamUnavailable {
-                            reason,
-                            host: host.clone(),
+            let issued = parse_response(status, &body, now, ttl)
+                .or_else(|_| {
+                    let body = without(&self.config.access_key_secret, body);
+                    parse_response(status, &body, now, ttl).map_err(|e| match e {
+                        Error::TokenExchange { reason } if is_temporary(status, &body) => {
+                            Error::UpstreamUnavailable {
+                                reason,
+                                host: host.clone(),
+                            }
                         }
-                    }
-                    e => e,
+                        e => e,
+                    })
                 })
-            })?;
+                .map_err(|e| with_skew(e, now, their_time))?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,
             // until the next refresh an hour later; as a failure it is retried with backoff.
             // The reason never quotes the value: it is the key.
@@ -1610,6 +1656,39 @@ mod tests {
         assert_eq!(k.key.expose(), "k2");
         let e = parse_response(200, b"not json", now(), TTL);
         assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn a_skew_is_said_with_its_size_and_way() {
+        let t = now();
+        let s = Duration::from_secs;
+        for (ours, theirs, said) in [
+            (t + s(7380), t, Some("about 2 h 3 min ahead of")),
+            (t, t + s(3600), Some("about 1 h behind")),
+            (t, t + s(1200), Some("about 20 min behind")),
+            (t + s(45), t, Some("about 45 s ahead of")),
+            (t + s(4), t, None),
+            (t, t + s(4), None),
+        ] {
+            let got = skew(ours, theirs);
+            assert_eq!(
+                got.as_deref().map(|g| g.contains(said.unwrap_or("-"))),
+                said.map(|_| true),
+                "{got:?}"
+            );
+        }
+        let e = Error::ClockSkew {
+            reason: "HTTP 400, InvalidTimeStamp.Expired".into(),
+        };
+        let e = with_skew(e, t + s(3600), Some(t));
+        assert!(
+            e.to_string().ends_with(
+                "(HTTP 400, InvalidTimeStamp.Expired; this machine's clock is about 1 h ahead of the endpoint's)"
+            ),
+            "{e}"
+        );
+        let other = Error::TokenExchange { reason: "r".into() };
+        assert_eq!(with_skew(other.clone(), t + s(3600), Some(t)), other);
     }
 
     #[test]

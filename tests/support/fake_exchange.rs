@@ -296,7 +296,15 @@ impl FakeExchange {
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
                         let state = Arc::clone(&state);
-                        async move { Ok::<_, Infallible>(handle(state, req).await) }
+                        async move {
+                            // The endpoint's own clock, as a real one's `Date` is.
+                            let date = httpdate::fmt_http_date(state.clock.now());
+                            let mut resp = handle(state, req).await;
+                            if let Ok(date) = hyper::header::HeaderValue::from_str(&date) {
+                                resp.headers_mut().insert(hyper::header::DATE, date);
+                            }
+                            Ok::<_, Infallible>(resp)
+                        }
                     });
                     let http = hyper::server::conn::http1::Builder::new();
                     match tls {
