@@ -579,7 +579,7 @@ async fn a_key_that_ran_out_on_the_way_is_a_failed_exchange() {
 
 /// A key that arrives already expired (a clock ahead of the endpoint's) says to look at the
 /// clock, not at the AccessKey pair (still E1004). Each such answer created a key: retried
-/// 30 s doubling to 5 minutes apart, not with the 1 s backoff of failures (which minted 120
+/// 30 s doubling to 2 minutes apart, not with the 1 s backoff of failures (which minted 120
 /// to 240 keys an hour for as long as the clock stayed ahead).
 #[tokio::test]
 async fn a_key_that_arrives_expired_says_to_look_at_the_clock() {
@@ -589,8 +589,7 @@ async fn a_key_that_arrives_expired_says_to_look_at_the_clock() {
     })
     .await;
     assert_eq!(h.next_event().await, ExchangeEvent::Failure);
-    h.assert_failures_back_off(&[30, 60, 120, 240, 300, 300])
-        .await;
+    h.assert_failures_back_off(&[30, 60, 120, 120, 120]).await;
     let e = h.source.current().await.expect_err("no usable key");
     assert_eq!(e.code(), "E1004", "{}", e.line());
     assert!(e.line().contains("already (nearly) past"), "{}", e.line());
@@ -744,6 +743,56 @@ async fn refusals_in_a_row_back_off_until_a_scheduled_refresh_or_an_accepted_key
         h.refuse(&key).await.is_some(),
         "the key in use worked: the next refusal waits only 30 s"
     );
+}
+
+/// A refresh that meets answers with unusable keys waits minutes between them, but tries
+/// once more before the key in use runs out: a passing fault must not leave requests 503
+/// for most of a 2-minute gap after the endpoint recovered.
+#[tokio::test]
+async fn unusable_answers_are_tried_again_before_the_key_in_use_runs_out() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_ttl(Some(Duration::from_secs(600)))
+    })
+    .await;
+    let start = h.now();
+    h.next_success().await;
+    let first = h.key().await;
+
+    h.fake.set_mode(Mode::BadKey);
+    h.clock.advance_to(start + Duration::from_secs(300)); // refresh due
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    // 30, 60, 120, then 80 (to 5 s before the key stops at 595 s), then 120 again.
+    h.assert_failures_back_off(&[30, 60, 120, 80]).await;
+    assert_eq!(h.now(), start + Duration::from_secs(590));
+    assert_eq!(h.key().await, first);
+    h.assert_failures_back_off(&[120]).await;
+    h.fake.set_mode(Mode::Ok);
+    h.clock.advance_to_next_sleeper().await;
+    h.next_success().await;
+    assert_ne!(h.key().await, first);
+}
+
+/// An ordinary failure between unusable answers (an endpoint that alternates) does not
+/// start their gap again: only a success does.
+#[tokio::test]
+async fn other_failures_between_unusable_answers_keep_their_gap_growing() {
+    let mut h = harness(ExchangeScheme::RpcV1, Duration::from_secs(300), |f| {
+        f.set_mode(Mode::BadKey)
+    })
+    .await;
+    assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+    h.fake.set_mode(Mode::Fail500);
+    h.assert_failures_back_off(&[30]).await;
+    h.fake.set_mode(Mode::BadKey);
+    h.assert_failures_back_off(&[2]).await;
+    // Exactly: the check above takes half a step (ordinary failures have jitter).
+    for gap in [60, 120] {
+        let failed_at = h.now();
+        h.clock.advance_to_next_sleeper().await;
+        assert_eq!(h.next_event().await, ExchangeEvent::Failure);
+        let waited = h.now().duration_since(failed_at).expect("forward");
+        assert_eq!(waited, Duration::from_secs(gap));
+    }
 }
 
 #[tokio::test]

@@ -77,9 +77,10 @@ pub const REFUSAL_GAP: Duration = Duration::from_secs(30);
 pub const REFUSAL_GAP_MAX: Duration = Duration::from_secs(3600);
 /// The longest gap between exchanges whose answers said they issued a key the proxy cannot
 /// use (expired by this machine's clock, not found, not sendable): each created a key, and
-/// retried with [`backoff`] they cost 120 to 240 keys an hour. Not an hour: a clock put
-/// right is to be noticed within minutes.
-pub const UNUSABLE_GAP_MAX: Duration = Duration::from_secs(300);
+/// retried with [`backoff`] they cost 120 to 240 keys an hour; at this gap, 30. Not more:
+/// a clock put right is to be noticed soon, and the shipped alerts read a failing exchange
+/// from a failure in every 5 minutes (with the attempt's own 11 s, one in every 131 s).
+pub const UNUSABLE_GAP_MAX: Duration = Duration::from_secs(120);
 
 // ---------------------------------------------------------------------------------------
 // Time
@@ -206,9 +207,11 @@ pub fn parse_response(
     };
     let Some((key, holder)) = find_key(&json) else {
         return Err(match code {
-            Some(c) => endpoint_error(status, Some(&c)),
-            None => Error::IssuedUnusable {
-                reason: format!("HTTP {status}: the answer has no apiKey"),
+            Some(c) if !says_success(&c) => endpoint_error(status, Some(&c)),
+            // A success wrapped in its own envelope (`{"code": "200", "data": {…}}`) is
+            // likelier a form this proxy does not read than no key made.
+            _ => Error::IssuedUnusable {
+                reason: format!("HTTP {status}: a success with no apiKey found in it"),
             },
         });
     };
@@ -367,6 +370,16 @@ fn error_code(json: &Value) -> Option<String> {
     })
 }
 
+/// A code that says the call succeeded, as wrapped answers write it: `200`, `0`, `OK`,
+/// `Success`.
+fn says_success(code: &str) -> bool {
+    let c = code.trim();
+    c == "0"
+        || (c.len() == 3 && c.starts_with('2') && c.bytes().all(|b| b.is_ascii_digit()))
+        || c.eq_ignore_ascii_case("ok")
+        || c.eq_ignore_ascii_case("success")
+}
+
 /// Keeps an endpoint-supplied code to the characters error codes use, so an odd answer
 /// cannot smuggle text (or anything echoed from the request) into a log line.
 fn sanitize_code(code: &str) -> String {
@@ -455,44 +468,59 @@ fn without_in_code(secret: &str, body: Bytes) -> Bytes {
     serde_json::to_vec(&json).map_or(body, Bytes::from)
 }
 
-/// A failure that says the clocks disagree, with how far (from the answer's `Date`, against
-/// the time the request was signed with): "check NTP" alone left the user to find out
-/// whether by seconds or hours, and which way.
-fn with_skew(e: Error, signed: SystemTime, their_time: Option<SystemTime>) -> Error {
-    let Some(said) = their_time.and_then(|t| skew(signed, t)) else {
+/// When the request was signed, and when its answer came, by this machine's clock.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    signed: SystemTime,
+    answered: SystemTime,
+}
+
+/// A failure that says the clocks disagree, with how far (from the answer's `Date`): "check
+/// NTP" alone left the user to find out whether by seconds or hours, and which way. A key
+/// that arrived expired is said to be so only when this machine's clock is ahead: behind,
+/// the endpoint issued it expired by its own clock, and the clock is not why.
+fn with_skew(e: Error, asked: Asked, their_time: Option<SystemTime>) -> Error {
+    let Some((said, ahead)) = their_time.and_then(|t| skew(asked, t)) else {
         return e;
     };
     match e {
         Error::ClockSkew { reason } => Error::ClockSkew {
             reason: format!("{reason}; {said}"),
         },
-        Error::IssuedExpired { reason } => Error::IssuedExpired {
+        Error::IssuedExpired { reason } if ahead => Error::IssuedExpired {
             reason: format!("{reason}; {said}"),
         },
         e => e,
     }
 }
 
-/// "this machine's clock is about 2 h 3 min ahead of the endpoint's", when the two differ
-/// by more than the `Date`'s second and an answer's way can explain.
-fn skew(ours: SystemTime, theirs: SystemTime) -> Option<String> {
-    let (by, way) = match ours.duration_since(theirs) {
-        Ok(ahead) => (ahead, "ahead of"),
-        Err(behind) => (behind.duration(), "behind"),
+/// "this machine's clock is about 2 h 3 min ahead of the endpoint's" (and whether ahead),
+/// when the endpoint's time falls outside the time the request took by more than the
+/// `Date`'s second and 5 s: a slow answer is no skew.
+fn skew(asked: Asked, theirs: SystemTime) -> Option<(String, bool)> {
+    let (by, ahead) = if let Ok(ahead) = asked.signed.duration_since(theirs) {
+        (ahead, true)
+    } else if let Ok(behind) = theirs.duration_since(asked.answered) {
+        (behind, false)
+    } else {
+        return None;
     };
     if by < Duration::from_secs(5) {
         return None;
     }
-    let secs = by.as_secs();
-    let about = match (secs / 3600, secs % 3600 / 60) {
-        (0, 0) => format!("{secs} s"),
-        (0, m) => format!("{m} min"),
-        (h, 0) => format!("{h} h"),
-        (h, m) => format!("{h} h {m} min"),
+    // Rounded to the nearest unit said; past a day, a `Date` nobody should believe.
+    let secs = by.as_secs() + u64::from(by.subsec_millis() >= 500);
+    let minutes = (secs + 30) / 60;
+    let size = match (minutes / 60, minutes % 60) {
+        _ if secs < 60 => format!("about {secs} s"),
+        _ if secs > 86_400 => "over a day".to_string(),
+        (0, m) => format!("about {m} min"),
+        (h, 0) => format!("about {h} h"),
+        (h, m) => format!("about {h} h {m} min"),
     };
-    Some(format!(
-        "this machine's clock is about {about} {way} the endpoint's"
-    ))
+    let way = if ahead { "ahead of" } else { "behind" };
+    let said = format!("this machine's clock is {size} {way} the endpoint's");
+    Some((said, ahead))
 }
 
 fn endpoint_error(status: u16, code: Option<&str>) -> Error {
@@ -551,6 +579,7 @@ impl HttpExchanger {
     pub async fn exchange_at(&self, now: SystemTime) -> Result<IssuedKey, Error> {
         let host = self.config.shown_host.clone();
         let request = self.request(now)?;
+        let sent = std::time::Instant::now();
         let call = async {
             let response =
                 self.client
@@ -601,9 +630,20 @@ impl HttpExchanger {
                         e => e,
                     })
                 })
-                .map_err(|e| with_skew(e, now, their_time))?;
+                .map_err(|e| {
+                    let answered = now + sent.elapsed();
+                    with_skew(
+                        e,
+                        Asked {
+                            signed: now,
+                            answered,
+                        },
+                        their_time,
+                    )
+                })?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,
-            // until the next refresh an hour later; as a failure it is retried with backoff.
+            // until the next refresh an hour later; as a failure it is retried (minutes
+            // apart: see `unusable_gap`).
             // The reason never quotes the value: it is the key.
             crate::log_writer::mask_issued(&issued.key);
             if self.config.auth.value(&issued.key).is_none() {
@@ -1122,8 +1162,8 @@ impl ExchangedKey {
         match &*shared.token.load() {
             Some(t) if t.key != *refused => return (now < t.usable_until).then(|| t.key.clone()),
             Some(t) if now < t.refresh_at => return None,
-            // After a failure the refresher sleeps out its backoff (up to 30 s): nothing
-            // answers within the wait.
+            // After a failure the refresher sleeps out its backoff (up to 30 s, or
+            // `unusable_gap`'s minutes): nothing answers within the wait.
             _ if shared.last_error.load().is_some() && shared.attempt_started().is_none() => {
                 return None
             }
@@ -1350,10 +1390,20 @@ async fn refresher(shared: Arc<Shared>, exchanger: Arc<dyn Exchanger>, refresh_b
                     e,
                     Error::IssuedExpired { .. } | Error::IssuedUnusable { .. }
                 ) {
+                    // Counted until a success: other failures between them (an endpoint
+                    // alternating) do not start the gap again.
                     unusable_in_row = unusable_in_row.saturating_add(1);
-                    unusable_gap(unusable_in_row)
+                    let gap = unusable_gap(unusable_in_row);
+                    // One more try before the key in use runs out, however long the gap:
+                    // a refresh that met a passing fault would otherwise leave requests
+                    // 503 for most of a gap after the endpoint recovered.
+                    let now = shared.clock.now();
+                    let left = (shared.token.load().as_ref())
+                        .and_then(|t| t.usable_until.duration_since(now).ok())
+                        .and_then(|left| left.checked_sub(REFRESH_ROOM))
+                        .filter(|&before| before >= BACKOFF_MIN);
+                    left.map_or(gap, |before| gap.min(before))
                 } else {
-                    unusable_in_row = 0;
                     backoff(failed_in_row)
                 };
                 let line = e.line();
@@ -1638,6 +1688,19 @@ mod tests {
             matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains("Throttling.User")),
             "{e:?}"
         );
+        // A success in an envelope of its own, with no key this proxy finds in it.
+        for wrapped in [
+            json!({"code": "200", "data": {"key": "k"}}),
+            json!({"Code": "OK", "Data": {"Token": "k"}}),
+            json!({"success": true, "code": 0, "result": {}}),
+            json!({"Code": "Success"}),
+        ] {
+            let e = parse(200, wrapped.clone());
+            assert!(
+                matches!(e, Err(Error::IssuedUnusable { .. })),
+                "{wrapped}: {e:?}"
+            );
+        }
         // A success with no key found: the endpoint may have created one, so retries are
         // spaced out (see `unusable_gap`).
         for blank in [
@@ -1662,15 +1725,23 @@ mod tests {
     fn a_skew_is_said_with_its_size_and_way() {
         let t = now();
         let s = Duration::from_secs;
-        for (ours, theirs, said) in [
-            (t + s(7380), t, Some("about 2 h 3 min ahead of")),
-            (t, t + s(3600), Some("about 1 h behind")),
-            (t, t + s(1200), Some("about 20 min behind")),
-            (t + s(45), t, Some("about 45 s ahead of")),
-            (t + s(4), t, None),
-            (t, t + s(4), None),
+        let at = |signed: SystemTime| Asked {
+            signed,
+            answered: signed + s(8),
+        };
+        for (asked, theirs, said) in [
+            (at(t + s(7380)), t, Some("about 2 h 3 min ahead of")),
+            (at(t + s(7199)), t, Some("about 2 h ahead of")),
+            (at(t), t + s(3608), Some("about 1 h behind")),
+            (at(t), t + s(1208), Some("about 20 min behind")),
+            (at(t + s(45)), t, Some("about 45 s ahead of")),
+            (at(t), t + s(2 * 86_400), Some("is over a day behind")),
+            (at(t + s(4)), t, None),
+            (at(t), t + s(12), None),
+            // A slow answer: the endpoint's time between asking and answering.
+            (at(t), t + s(7), None),
         ] {
-            let got = skew(ours, theirs);
+            let got = skew(asked, theirs).map(|(g, _)| g);
             assert_eq!(
                 got.as_deref().map(|g| g.contains(said.unwrap_or("-"))),
                 said.map(|_| true),
@@ -1680,7 +1751,7 @@ mod tests {
         let e = Error::ClockSkew {
             reason: "HTTP 400, InvalidTimeStamp.Expired".into(),
         };
-        let e = with_skew(e, t + s(3600), Some(t));
+        let e = with_skew(e, at(t + s(3600)), Some(t));
         assert!(
             e.to_string().ends_with(
                 "(HTTP 400, InvalidTimeStamp.Expired; this machine's clock is about 1 h ahead of the endpoint's)"
@@ -1688,7 +1759,15 @@ mod tests {
             "{e}"
         );
         let other = Error::TokenExchange { reason: "r".into() };
-        assert_eq!(with_skew(other.clone(), t + s(3600), Some(t)), other);
+        assert_eq!(with_skew(other.clone(), at(t + s(3600)), Some(t)), other);
+        // A key expired on arrival, this machine behind: the clock is not why.
+        let expired = Error::IssuedExpired { reason: "r".into() };
+        assert_eq!(
+            with_skew(expired.clone(), at(t), Some(t + s(3600))),
+            expired
+        );
+        let ahead = with_skew(expired, at(t + s(3600)), Some(t));
+        assert!(ahead.to_string().contains("1 h ahead of"), "{ahead}");
     }
 
     #[test]
@@ -1789,7 +1868,7 @@ mod tests {
             assert_eq!(refusal_gap(in_row), Duration::from_secs(secs), "{in_row}");
         }
         assert_eq!(refusal_gap(u32::MAX), REFUSAL_GAP_MAX);
-        for (in_row, secs) in [(1, 30), (2, 60), (4, 240), (5, 300), (9, 300)] {
+        for (in_row, secs) in [(1, 30), (2, 60), (3, 120), (4, 120), (9, 120)] {
             assert_eq!(unusable_gap(in_row), Duration::from_secs(secs), "{in_row}");
         }
         assert_eq!(unusable_gap(u32::MAX), UNUSABLE_GAP_MAX);
