@@ -80,6 +80,36 @@ async fn install(home: &Path, manifest: &str) -> Output {
     out
 }
 
+/// A plugin's key copied with its scheme is warned about as the built-in key is, with the
+/// header the plugin sends it in; the built-in key, unused beside a plugin, is not.
+#[tokio::test]
+async fn a_plugin_key_with_an_auth_scheme_is_warned_about() {
+    let home = tempfile::tempdir().expect("home");
+    let h = home.path();
+    install(h, OPENSANDBOX).await;
+    let bearer = format!("Bearer {OS_KEY}");
+    let env = [
+        ("ABX_PROVIDER", "opensandbox"),
+        ("OPEN_SANDBOX_API_KEY", bearer.as_str()),
+        ("ABX_OPENSANDBOX_BASE_URL", "http://127.0.0.1:9"),
+        ("ABX_SANDBOX_API_KEY", "Bearer sk-builtin-0123456789"),
+    ];
+    let out = abx(h, &env, &["check", "--offline"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let said = String::from_utf8_lossy(&out.stderr);
+    let warning = format!(
+        "the API key (from OPEN_SANDBOX_API_KEY in env) begins with `Bearer `: the proxy \
+         sends it whole as `{}: <key>`",
+        OS_HEADER.to_ascii_uppercase()
+    );
+    assert!(said.contains(&warning), "{said}");
+    assert_eq!(said.matches("the API key (from").count(), 1, "{said}");
+    assert!(
+        !said.contains(OS_KEY) && !said.contains("sk-builtin"),
+        "{said}"
+    );
+}
+
 /// The `config list --json` row of `key`.
 fn row_of(rows: &[serde_json::Value], key: &str) -> serde_json::Value {
     rows.iter()

@@ -368,34 +368,44 @@ fn assignments_in_key_files(flags: &HashMap<Key, FlagValue>) -> Vec<String> {
 }
 
 /// An API key longer than this is no API key (they are tens of bytes): a file of
-/// something else, read whole. Servers refuse header fields far shorter (nginx's line
+/// something else, read whole. Many servers refuse header fields far shorter (nginx's line
 /// buffer is 8 KiB): every request got the upstream's 431 while `/readyz` said 200.
 const LONGEST_PLAUSIBLE_KEY: usize = 4096;
 
-/// An API key that cannot be one as written: with an auth scheme before it (`Bearer sk-…`,
-/// copied from a curl line: the proxy writes the scheme itself, and the upstream got it
-/// twice), or far too long. Warned, not refused: the proxy cannot know a provider's key
-/// format. Never the key or any part of it.
-fn implausible_key(key: &Secret, source: Source) -> Option<String> {
+/// An API key that cannot be one as written: with an auth scheme or a header's name before
+/// it (`Bearer sk-…`, `X-API-Key: sk-…`, copied from a curl line: the proxy writes the
+/// header itself, and the upstream got it twice), with a space or a tab (no key has one),
+/// or far too long. Warned, not refused: the proxy cannot know a provider's key format.
+/// `from` says where it was read, `header` how it is sent. Never the key or any part of it
+/// but a scheme's or a header's name.
+fn implausible_key(key: &Secret, from: &str, header: &str) -> Option<String> {
     let key = key.expose();
-    let from = source.label();
-    let scheme = ["Bearer ", "Basic ", "Token "].into_iter().find(|s| {
-        key.len() > s.len() && key.as_bytes()[..s.len()].eq_ignore_ascii_case(s.as_bytes())
-    });
-    if let Some(scheme) = scheme {
-        return Some(format!(
-            "the API key (from {from}) begins with `{}`, an auth scheme: the proxy writes the \
-             header around the key itself (`Authorization: Bearer <key>`); set the key alone",
-            scheme.trim_end()
-        ));
-    }
-    (key.len() > LONGEST_PLAUSIBLE_KEY).then(|| {
+    let word_end = key
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .unwrap_or(key.len());
+    let (word, rest) = key.split_at(word_end);
+    let scheme = ["bearer", "basic", "token"]
+        .iter()
+        .any(|s| word.eq_ignore_ascii_case(s))
+        && rest.starts_with([' ', '\t', ':']);
+    let header_name = !word.is_empty() && (rest.starts_with(": ") || rest.starts_with(":\t"));
+    let said = if scheme || header_name {
+        format!("begins with `{word}{}`", &rest[..1])
+    } else if key.contains([' ', '\t']) {
+        "holds a space or a tab, which no API key has".to_string()
+    } else if key.len() > LONGEST_PLAUSIBLE_KEY {
         format!(
-            "the API key (from {from}) is {} bytes long, far longer than an API key: servers \
-             refuse a header that long (431); check that it holds the key alone",
+            "is {} bytes long, far longer than an API key (many servers refuse a header \
+             that long: 431)",
             key.len()
         )
-    })
+    } else {
+        return None;
+    };
+    Some(format!(
+        "the API key (from {from}) {said}: the proxy sends it whole as `{header}`; set the \
+         key alone"
+    ))
 }
 
 impl Resolved {
@@ -491,10 +501,6 @@ impl Resolved {
             }
         }
         warnings.extend(assignments_in_key_files(&inputs.flags));
-        let key = &entries[Key::SandboxApiKey as usize];
-        if let Some(Value::Secret(secret)) = &key.value {
-            warnings.extend(implausible_key(secret, key.source));
-        }
         let installed_secrets = inputs
             .abx_home
             .as_deref()
@@ -920,11 +926,15 @@ impl Resolved {
         match self.plugin() {
             Ok(Some(p)) => {
                 w.extend(self.redirect_warnings());
+                w.extend(plugin_key_warning(&p));
                 w.extend(p.warnings);
                 w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
             }
             Ok(None) => match self.credential() {
-                Ok((_, _, extra)) => {
+                Ok((kind, _, extra)) => {
+                    if kind == CredentialKind::ApiKey {
+                        w.extend(self.builtin_key_warning());
+                    }
                     w.extend(extra);
                     w.extend(self.redirect_warnings());
                 }
@@ -935,6 +945,21 @@ impl Resolved {
         }
         w.extend(self.misspelt_names());
         w
+    }
+
+    /// [`implausible_key`] of the built-in provider's key.
+    fn builtin_key_warning(&self) -> Option<String> {
+        let entry = self.entry(Key::SandboxApiKey);
+        let from = match entry.source {
+            // The one flag that gives it: naming it says which file, not showing its path.
+            Source::Flag => "--sandbox-api-key-file",
+            other => other.label(),
+        };
+        implausible_key(
+            self.secret(Key::SandboxApiKey)?,
+            from,
+            "Authorization: Bearer <key>",
+        )
     }
 
     /// Those of [`Resolved::all_warnings`] that speak of these settings as the ones
@@ -1164,6 +1189,17 @@ pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 pub const MIN_TOKEN_TTL: Duration = Duration::from_secs(20);
 /// The shortest `token_refresh_before`: twice that margin.
 pub const MIN_REFRESH_BEFORE: Duration = Duration::from_secs(10);
+
+/// [`implausible_key`] of a plugin provider's key, as its manifest sends it.
+fn plugin_key_warning(p: &PluginSettings) -> Option<String> {
+    let field = p.fields.iter().find(|f| f.field == "api_key")?;
+    let from = format!("{} in {}", field.env, field.source.label());
+    let header = match &p.installed.manifest.auth {
+        AuthKind::Bearer => "Authorization: Bearer <key>".to_string(),
+        AuthKind::Header(name) => format!("{name}: <key>"),
+    };
+    implausible_key(&p.api_key()?, &from, &header)
+}
 
 /// A plugin provider's key, or why there is none.
 fn plugin_credential(p: &PluginSettings) -> Result<Credential, Error> {
@@ -1442,33 +1478,42 @@ mod tests {
     #[test]
     fn a_key_with_a_scheme_or_of_no_key_length_is_warned_about() {
         let key = "sk-0123456789abcdef";
-        for written in [
-            "Bearer sk-0123456789abcdef",
-            "bearer sk-0123456789abcdef",
-            "Token sk-0123456789abcdef",
+        let said = |written: &str| implausible_key(&Secret::new(written), "env", "H: <key>");
+        for (written, begins) in [
+            ("Bearer sk-0123456789abcdef", "begins with `Bearer `"),
+            ("bearer\tsk-0123456789abcdef", "begins with `bearer\t`"),
+            ("bearer:sk-0123456789abcdef", "begins with `bearer:`"),
+            ("Token sk-0123456789abcdef", "begins with `Token `"),
+            (
+                "Authorization: Bearer sk-0123456789abcdef",
+                "begins with `Authorization:`",
+            ),
+            ("X-API-Key: sk-0123456789abcdef", "begins with `X-API-Key:`"),
+            ("sk-0123 456789abcdef", "holds a space or a tab"),
         ] {
-            let said = implausible_key(&Secret::new(written), Source::Env);
-            let said = said.unwrap_or_default();
+            let said = said(written).unwrap_or_default();
+            assert!(said.starts_with("the API key (from env) "), "{said}");
+            assert!(said.contains(begins), "{written}: {said}");
             assert!(
-                said.starts_with("the API key (from env) begins with `"),
+                said.ends_with("sends it whole as `H: <key>`; set the key alone"),
                 "{said}"
             );
-            assert!(!said.contains(key), "{said}");
+            assert!(!said.contains("0123"), "{said}");
         }
         let long = "k".repeat(LONGEST_PLAUSIBLE_KEY + 1);
-        let said = implausible_key(&Secret::new(long), Source::Flag).unwrap_or_default();
-        assert!(said.contains("4097 bytes long"), "{said}");
+        assert!(said(&long)
+            .unwrap_or_default()
+            .contains("is 4097 bytes long"));
+        let longest = "k".repeat(LONGEST_PLAUSIBLE_KEY);
         for fine in [
             key,
             "Bearer",
             "Bearerish-key",
-            &"k".repeat(LONGEST_PLAUSIBLE_KEY),
+            "bearer_x",
+            "keyid:secret",
+            &longest,
         ] {
-            assert_eq!(
-                implausible_key(&Secret::new(fine), Source::Env),
-                None,
-                "{fine}"
-            );
+            assert_eq!(said(fine), None, "{fine}");
         }
     }
 
