@@ -26,6 +26,20 @@ pub struct UpstreamUrl {
     pub path: String,
 }
 
+/// The first thing in an ASCII `path` that RFC 3986 does not let a path hold as it is, said
+/// for an error: a character outside its `pchar`s and `/` (`|`, `"`, `{`, `\`, `^`, a space:
+/// the URI parser takes several), or a `%` that starts no escape.
+fn not_in_a_path(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let hex = |at: usize| bytes.get(at).is_some_and(u8::is_ascii_hexdigit);
+    bytes.iter().enumerate().find_map(|(i, &b)| match b {
+        b'%' if hex(i + 1) && hex(i + 2) => None,
+        b'%' => Some("a `%` that starts no %XX escape".to_string()),
+        b if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&b) => None,
+        b => Some(format!("`{}`", char::from(b).escape_default())),
+    })
+}
+
 impl UpstreamUrl {
     pub fn parse(key: Key, raw: &str) -> Result<Self, Error> {
         Self::parse_named(key.name(), raw)
@@ -69,6 +83,11 @@ impl UpstreamUrl {
             return Err(bad(
                 "a path with characters outside ASCII is not accepted: write them percent-encoded",
             ));
+        }
+        if let Some(c) = not_in_a_path(uri.path()) {
+            return Err(bad(&format!(
+                "a path with {c} is not accepted: write it percent-encoded"
+            )));
         }
         let path = uri.path().trim_end_matches('/').to_string();
         Ok(UpstreamUrl {
@@ -507,6 +526,10 @@ mod tests {
             // Sent as raw bytes in the request line.
             "https://h/ümlaut",
             "https://h/gw/中",
+            "https://h/a|b",
+            "https://h/a%22b%zz",
+            "https://h/100%",
+            "https://h/a^b",
         ] {
             let e = UpstreamUrl::parse(Key::SandboxBaseUrl, bad).expect_err(bad);
             assert!(e.to_string().contains("sandbox_base_url"), "{e}");
@@ -519,6 +542,7 @@ mod tests {
             "https://h.example.:1",
             "https://h/a..b/.well-known",
             "https://h/%C3%BCmlaut",
+            "https://h/a;b=c/@x:y/~u/!$&'()*+,%2f",
         ] {
             assert!(UpstreamUrl::parse(Key::SandboxBaseUrl, ok).is_ok(), "{ok}");
         }
