@@ -261,6 +261,11 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     // What serve checks before it binds, from the same flags: check's ok means serve starts.
     let exposure = &args.exposure;
     crate::proxy::check_exposure(&settings.listen, exposure.tls(), exposure.allow_remote)?;
+    let remote =
+        crate::proxy::exposure_warning(&settings.listen, exposure.tls(), exposure.allow_remote);
+    if let Some(w) = remote {
+        crate::logging::warning(&w);
+    }
     if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
         let pair = crate::proxy::certs::ListenerCert::load(cert, key)?;
         if let Some(w) = pair.validity_warning(std::time::SystemTime::now()) {

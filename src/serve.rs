@@ -61,6 +61,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     for w in crate::upstream::unused_forward_proxies() {
         tracing::warn!("{w}");
     }
+    let exposure = &args.exposure;
+    if let Some(w) =
+        crate::proxy::exposure_warning(&settings.listen, exposure.tls(), exposure.allow_remote)
+    {
+        tracing::warn!("{w}");
+    }
     if let Some(w) = short_idle_timeout(&args.run) {
         let idle_timeout_ms = u64::try_from(args.run.idle_timeout.as_millis()).unwrap_or(u64::MAX);
         tracing::warn!(idle_timeout_ms, "{w}");

@@ -270,6 +270,25 @@ async fn sni_refused_quietly(pki: &Pki, proxy: ProxyProc) {
     assert!(!stderr.contains("rustls"), "{stderr}");
 }
 
+/// `check --offline` with this listener pair, in a cleared environment in `dir`.
+fn check(
+    dir: &std::path::Path,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> std::process::Command {
+    let mut check = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
+    check
+        .env_clear()
+        .env("ABX_HOME", dir.join("home"))
+        .env("ABX_SANDBOX_API_KEY", "sk-check-0123456789abcdef")
+        .current_dir(dir)
+        .args(["check", "--offline", "--tls-cert"])
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key);
+    check
+}
+
 /// A listener certificate that expired loads (as nginx serves one), but `check`, the start
 /// and a reload that swaps one in say so with the date: every client that checks it
 /// refuses the handshake, and the proxy sees no request to log.
@@ -289,17 +308,7 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     let said = "the listener certificate (";
     let when = "expired at 2021-01-01T00:00:00Z";
 
-    let mut check = std::process::Command::new(env!("CARGO_BIN_EXE_abx-proxy"));
-    check
-        .env_clear()
-        .env("ABX_HOME", dir.path().join("home"))
-        .env("ABX_SANDBOX_API_KEY", "sk-check-0123456789abcdef")
-        .current_dir(dir.path())
-        .args(["check", "--offline", "--tls-cert"])
-        .arg(&cert_path)
-        .arg("--tls-key")
-        .arg(&key_path);
-    let out = output_within(check, "check").await;
+    let out = output_within(check(dir.path(), &cert_path, &key_path), "check").await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains(said) && stderr.contains(when), "{stderr}");
@@ -320,6 +329,30 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     let line = proxy.wait_for_line(when).await;
     assert!(line.contains(said), "{line}");
     proxy.finish().await;
+}
+
+/// A TLS listener beyond loopback is taken without `--allow-remote` (SPEC §7), but TLS
+/// checks no client: `check` says whoever reaches the port spends the key, until
+/// `--allow-remote` says that is meant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_tls_listener_without_consent_is_warned_about() {
+    let dir = tempfile::tempdir().expect("dir");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let params = rcgen::CertificateParams::new(vec!["proxy.example".into()]).expect("params");
+    let cert = params.self_signed(&key).expect("certificate");
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert_path, cert.pem()).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    let said = "listening on 0.0.0.0:0, beyond this machine, with TLS: TLS encrypts the \
+                connections but checks no client, and whoever reaches the port spends the key";
+    for (consent, warned) in [(None, true), (Some("--allow-remote"), false)] {
+        let mut check = check(dir.path(), &cert_path, &key_path);
+        check.args(["--listen", "0.0.0.0:0"]).args(consent);
+        let out = output_within(check, "check").await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert_eq!(stderr.contains(said), warned, "{consent:?}: {stderr}");
+    }
 }
 
 /// A keep-alive connection over TLS that goes idle is closed with TLS's close_notify, as

@@ -306,9 +306,35 @@ pub fn check_exposure(listen: &ListenAddr, tls: bool, allow_remote: bool) -> Res
     }
 }
 
+/// A TLS port beyond loopback taken without `--allow-remote`: SPEC §7 lets TLS stand in for
+/// the consent, but TLS checks no client, and whoever reaches the port still spends the
+/// key. Said at start and by `check`; `--allow-remote` says it is meant.
+pub fn exposure_warning(listen: &ListenAddr, tls: bool, allow_remote: bool) -> Option<String> {
+    match listen {
+        ListenAddr::Tcp(addr) if !listen.is_loopback() && tls && !allow_remote => Some(format!(
+            "listening on {addr}, beyond this machine, with TLS: TLS encrypts the connections \
+             but checks no client, and whoever reaches the port spends the key; limit who \
+             reaches it (a firewall, a network policy), and pass --allow-remote to say that \
+             this is meant"
+        )),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TLS port beyond loopback is warned about unless consented to; nothing else is.
+    #[test]
+    fn a_remote_tls_port_without_consent_is_warned_about() {
+        let tcp = |a: &str| ListenAddr::Tcp(a.parse().expect("address"));
+        let said = exposure_warning(&tcp("0.0.0.0:49982"), true, false).unwrap_or_default();
+        assert!(said.starts_with("listening on 0.0.0.0:49982, beyond this machine, with TLS"));
+        assert_eq!(exposure_warning(&tcp("0.0.0.0:49982"), true, true), None);
+        assert_eq!(exposure_warning(&tcp("0.0.0.0:49982"), false, true), None);
+        assert_eq!(exposure_warning(&tcp("127.0.0.1:49982"), true, false), None);
+    }
 
     /// Only a plaintext TCP port beyond loopback needs `--allow-remote`; TLS or consent
     /// lifts the refusal, and loopback addresses and unix sockets never need it.
