@@ -370,11 +370,35 @@ pub(crate) fn tls_failed(e: &rustls::Error) -> String {
         Revoked => "it has been revoked".into(),
         InvalidPurpose => "it is not issued for TLS server authentication".into(),
         UnhandledCriticalExtension => "it has a critical extension that is not supported".into(),
-        Other(other) => format!("rejected: {other}"),
+        Other(other) => {
+            let name = other.to_string();
+            match webpki_words(&name) {
+                Some(words) => words.into(),
+                None => format!("rejected: {name}"),
+            }
+        }
         // Already in words: an expiry with its times, …
         _ => cert.to_string(),
     };
     format!("tls: invalid peer certificate: {words}")
+}
+
+/// The certificate path errors rustls passes on from webpki by their variant names, in
+/// words. `CaUsedAsEndEntity` is the usual self-signed certificate pinned with
+/// `--upstream-ca`: `openssl req -x509` makes a CA certificate unless told otherwise, which
+/// curl and Node take as a server's own and webpki does not.
+fn webpki_words(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "CaUsedAsEndEntity" => {
+            "it is a CA certificate, used as the server's own (a self-signed certificate given \
+             to --upstream-ca needs basicConstraints CA:FALSE, which `openssl req -x509` does \
+             not write unless asked; or have a CA issue the server's)"
+        }
+        "EndEntityUsedAsCa" => "its chain uses a server's certificate as an issuer",
+        "NameConstraintViolation" => "its issuer's name constraints do not allow this name",
+        "UnsupportedCertVersion" => "it is an X.509 v1 certificate (v3 is needed)",
+        _ => return None,
+    })
 }
 
 /// A short, secret-free reason: "connect refused", "tls: invalid peer certificate: …".
@@ -479,6 +503,29 @@ mod tests {
             said(other),
             "tls: invalid peer certificate: rejected: an error occurred when formatting an argument"
         );
+        // webpki's errors, which rustls passes on by their names.
+        #[derive(Debug)]
+        struct Named(&'static str);
+        impl std::fmt::Display for Named {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for Named {}
+        let named = |n| C::Other(rustls::OtherError(std::sync::Arc::new(Named(n))));
+        let ca = said(named("CaUsedAsEndEntity"));
+        assert!(
+            ca.starts_with("tls: invalid peer certificate: it is a CA certificate, used as")
+                && ca.contains("CA:FALSE"),
+            "{ca}"
+        );
+        for name in [
+            "NameConstraintViolation",
+            "UnsupportedCertVersion",
+            "EndEntityUsedAsCa",
+        ] {
+            assert!(!said(named(name)).contains(name), "{name}");
+        }
         for (variant, words) in [
             (C::BadSignature, "its signature does not verify"),
             (C::Revoked, "it has been revoked"),
