@@ -652,6 +652,24 @@ fn read_secret_file(flag: &str, path: &Path) -> Result<Secret, Error> {
 mod tests {
     use super::*;
 
+    /// Every flag the settings call flag-only is one of serve's, and none is a setting's.
+    #[test]
+    fn the_flag_only_names_are_serves_flags() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let serve = cli.find_subcommand("serve").expect("serve");
+        let longs: Vec<&str> = serve.get_arguments().filter_map(|a| a.get_long()).collect();
+        for flag in crate::settings::FLAG_ONLY {
+            assert!(
+                longs.contains(&flag),
+                "--{flag} is no flag of serve: {longs:?}"
+            );
+            let env = format!("ABX_{}", flag.replace('-', "_").to_ascii_uppercase());
+            let setting = crate::settings::KEYS.iter().any(|k| k.env == env);
+            assert!(!setting, "{env} is a setting's variable");
+        }
+    }
+
     /// A flag given twice takes its last value, as curl and cloud-sql-proxy's flags do (a
     /// wrapper's `abx-proxy $DEFAULTS --listen X` was refused: "cannot be used multiple
     /// times"); a flag that takes many values keeps them all.

@@ -1560,7 +1560,8 @@ fn config_list_and_errors_escape_control_characters_in_values() {
 
 /// An `ABX_*` variable that is another spelling of one abx-proxy reads was ignored in
 /// silence (`ABX_REGION`, `ABX_SANDBOX_APIKEY`, `ABX_LISTEN`): said, by name, with the
-/// variable meant. A script's own `ABX_*` names are not.
+/// variable meant; so is one named after a flag that no variable stands for
+/// (`ABX_IDLE_TIMEOUT`). A script's own `ABX_*` names are not.
 #[test]
 fn misspelt_abx_variables_are_named_with_the_one_meant() {
     let mut c = Case::new();
@@ -1569,10 +1570,14 @@ fn misspelt_abx_variables_are_named_with_the_one_meant() {
         .env("ABX_API_KEY", "sk-guess-0123456789")
         .env("ABX_SANDBOX_API_KEY", KEY_ENV);
     c.cwd_dotenv("ABX_SANDBOX_APIKEY=sk-typo-0123456789\nABX_HOME=/elsewhere\n");
-    c.home_dotenv("ABX_LISTEN=127.0.0.1:1\n");
+    c.home_dotenv("ABX_LISTEN=127.0.0.1:1\nABX_PROXY_LOG_LEVEL=debug\n");
+    c.env("ABX_IDLE_TIMEOUT", "1s");
     let out = c.run(&["check", "--offline"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     for said in [
+        // A flag's name, where no variable stands for it.
+        "ABX_IDLE_TIMEOUT (env) is not a variable abx-proxy reads: --idle-timeout is a command-line flag only",
+        "ABX_PROXY_LOG_LEVEL (~/.abx/.env) is not a variable abx-proxy reads: --log-level is a command-line flag only (RUST_LOG stands in for it)",
         "ABX_REGION (env) is not a variable abx-proxy reads: did you mean ALIBABA_CLOUD_REGION_ID?",
         "ABX_SANDBOX_APIKEY (./.env) is not a variable abx-proxy reads: did you mean ABX_SANDBOX_API_KEY?",
         "ABX_LISTEN (~/.abx/.env) is not a variable abx-proxy reads: did you mean ABX_PROXY_LISTEN?",

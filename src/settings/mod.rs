@@ -408,6 +408,24 @@ fn implausible_key(key: &Secret, from: &str, header: &str) -> Option<String> {
     ))
 }
 
+/// `serve`'s and `check`'s flags that are no setting of the chain: no variable, no
+/// `config.toml` key (checked against the command line in `cli`'s tests).
+pub const FLAG_ONLY: [&str; 13] = [
+    "allow-remote",
+    "allowed-host",
+    "tls-cert",
+    "tls-key",
+    "upstream-ca",
+    "connect-timeout",
+    "upstream-timeout",
+    "header-timeout",
+    "idle-timeout",
+    "shutdown-grace",
+    "max-connections",
+    "log-format",
+    "log-level",
+];
+
 impl Resolved {
     pub fn from_inputs(inputs: &Inputs) -> Result<Self, Error> {
         let mut warnings = Vec::new();
@@ -1095,6 +1113,21 @@ impl Resolved {
                     }
                     if read.contains(&name.as_str()) || name == "ABX_HOME" {
                         return None;
+                    }
+                    // `ABX_IDLE_TIMEOUT`, `ABX_PROXY_LOG_LEVEL`: set for a service (an
+                    // `EnvironmentFile`, a pod's `env:`), changing nothing.
+                    let bare = squash(rest.strip_prefix("PROXY_").unwrap_or(rest));
+                    if let Some(flag) = FLAG_ONLY.iter().find(|f| f.replace('-', "") == bare) {
+                        let instead = if *flag == "log-level" {
+                            " (RUST_LOG stands in for it)"
+                        } else {
+                            ""
+                        };
+                        return Some(format!(
+                            "{name} ({}) is not a variable abx-proxy reads: --{flag} is a \
+                             command-line flag only{instead}",
+                            self.file_shown(*source)
+                        ));
                     }
                     let (_, meant) = spellings.iter().find(|(s, _)| *s == squash(rest))?;
                     Some(format!(
