@@ -116,14 +116,15 @@ const HOT_CODES: [u16; 24] = [
 ];
 
 /// The request series that exist at 0 from the start, for each plane: the methods the SDKs
-/// use, with their usual successes and the server errors. Prometheus takes a series' first
+/// use, with their usual successes (202: OpenSandbox's creates, pauses and resumes) and
+/// the server errors. Prometheus takes a series' first
 /// sample as its start: a burst counted before the first scrape that sees the series is
 /// lost to `rate` and `increase` (five 502s in a burst read as 0). The successes too, or
 /// the 5xx alert's ratio would count the errors and not the requests beside them. Other
 /// series appear at their first request: every series is kept by every scrape of every
 /// pod.
 const FROM_ZERO_METHODS: [Method; 3] = [Method::GET, Method::POST, Method::DELETE];
-const FROM_ZERO_CODES: [u16; 7] = [200, 201, 204, 500, 502, 503, 504];
+const FROM_ZERO_CODES: [u16; 8] = [200, 201, 202, 204, 500, 502, 503, 504];
 
 /// The series every request touches. `with_label_values` hashes the label strings and
 /// takes a lock on each call — three times per request; here each series is looked up

@@ -624,12 +624,16 @@ impl Running {
         let flags = self.flags.clone();
         let options = self.options.clone();
         let read = reader.run("the settings", move || {
-            let (resolved, warnings) = commands::resolve_unsaid(&flags)?;
+            let (resolved, mut warnings) = commands::resolve_unsaid(&flags)?;
             // What the next start would refuse, as `check` and `serve` refuse it: a
             // `listen` beyond loopback without TLS or consent was said to apply at the
             // restart, which then exited 78.
             let next = (resolved.validate())
                 .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next));
+            // And what it would warn of (a TLS listener moved beyond loopback).
+            if let Ok(next) = &next {
+                warnings.extend(options.exposure_warning(&next.listen));
+            }
             let selection = resolved.selection_warnings();
             // Where the key would come from, for the line of a reload that swaps it: a
             // `./.env` deleted (a release directory removed) lets a lower layer's key

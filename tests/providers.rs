@@ -98,8 +98,8 @@ async fn a_plugin_key_with_an_auth_scheme_is_warned_about() {
     assert!(out.status.success(), "{}", text(&out));
     let said = String::from_utf8_lossy(&out.stderr);
     let warning = format!(
-        "the API key (from OPEN_SANDBOX_API_KEY in env) begins with `Bearer `: the proxy \
-         sends it whole as `{}: <key>`",
+        "the API key (from OPEN_SANDBOX_API_KEY in env) begins with `Bearer`, an auth \
+         scheme: the proxy sends it whole as `{}: <key>`",
         OS_HEADER.to_ascii_uppercase()
     );
     assert!(said.contains(&warning), "{said}");

@@ -3139,8 +3139,8 @@ fn a_key_with_an_auth_scheme_is_warned_about() {
     c.env("ABX_SANDBOX_API_KEY", &format!("Bearer {KEY_ENV}"));
     let out = c.run(&["check", "--offline"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let said = "warning: the API key (from env) begins with `Bearer `: the proxy sends it \
-                whole as `Authorization: Bearer <key>`; set the key alone";
+    let said = "warning: the API key (from env) begins with `Bearer`, an auth scheme: the \
+                proxy sends it whole as `Authorization: Bearer <key>`; set the key alone";
     assert!(out.stderr.contains(said), "{}", out.stderr);
     assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
 }

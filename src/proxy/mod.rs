@@ -76,6 +76,12 @@ impl Options {
         let tls = self.tls_cert.is_some() && self.tls_key.is_some();
         check_exposure(listen, tls, self.allow_remote)
     }
+
+    /// [`exposure_warning`] of `listen` with these flags: what `serve` would say of it.
+    pub fn exposure_warning(&self, listen: &ListenAddr) -> Option<String> {
+        let tls = self.tls_cert.is_some() && self.tls_key.is_some();
+        exposure_warning(listen, tls, self.allow_remote)
+    }
 }
 
 impl Default for Options {

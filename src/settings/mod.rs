@@ -376,21 +376,20 @@ const LONGEST_PLAUSIBLE_KEY: usize = 4096;
 /// it (`Bearer sk-…`, `X-API-Key: sk-…`, copied from a curl line: the proxy writes the
 /// header itself, and the upstream got it twice), with a space or a tab (no key has one),
 /// or far too long. Warned, not refused: the proxy cannot know a provider's key format.
-/// `from` says where it was read, `header` how it is sent. Never the key or any part of it
-/// but a scheme's or a header's name.
+/// `from` says where it was read, `header` the field it is sent in. Never the key or any
+/// part of it but a scheme's or a header's name, and only one of those known (`keyid:
+/// secret` would show its id).
 fn implausible_key(key: &Secret, from: &str, header: &str) -> Option<String> {
     let key = key.expose();
     let word_end = key
         .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
         .unwrap_or(key.len());
     let (word, rest) = key.split_at(word_end);
-    let scheme = ["bearer", "basic", "token"]
-        .iter()
-        .any(|s| word.eq_ignore_ascii_case(s))
-        && rest.starts_with([' ', '\t', ':']);
-    let header_name = !word.is_empty() && (rest.starts_with(": ") || rest.starts_with(":\t"));
-    let said = if scheme || header_name {
-        format!("begins with `{word}{}`", &rest[..1])
+    let is = |names: &[&str]| names.iter().any(|n| word.eq_ignore_ascii_case(n));
+    let said = if is(&["bearer", "basic", "token"]) && rest.starts_with([' ', '\t', ':']) {
+        format!("begins with `{word}`, an auth scheme")
+    } else if is(&["authorization", "x-api-key", header]) && rest.starts_with(':') {
+        format!("begins with `{word}:`, a header's name")
     } else if key.contains([' ', '\t']) {
         "holds a space or a tab, which no API key has".to_string()
     } else if key.len() > LONGEST_PLAUSIBLE_KEY {
@@ -402,15 +401,23 @@ fn implausible_key(key: &Secret, from: &str, header: &str) -> Option<String> {
     } else {
         return None;
     };
+    let sent = if header.eq_ignore_ascii_case("authorization") {
+        "Authorization: Bearer <key>".to_string()
+    } else {
+        format!("{header}: <key>")
+    };
     Some(format!(
-        "the API key (from {from}) {said}: the proxy sends it whole as `{header}`; set the \
-         key alone"
+        "the API key (from {from}) {said}: the proxy sends it whole as `{sent}`; set the key \
+         alone"
     ))
 }
 
 /// `serve`'s and `check`'s flags that are no setting of the chain: no variable, no
 /// `config.toml` key (checked against the command line in `cli`'s tests).
-pub const FLAG_ONLY: [&str; 13] = [
+pub const FLAG_ONLY: [&str; 16] = [
+    "sandbox-api-key-file",
+    "access-key-secret-file",
+    "provider-option",
     "allow-remote",
     "allowed-host",
     "tls-cert",
@@ -973,11 +980,7 @@ impl Resolved {
             Source::Flag => "--sandbox-api-key-file",
             other => other.label(),
         };
-        implausible_key(
-            self.secret(Key::SandboxApiKey)?,
-            from,
-            "Authorization: Bearer <key>",
-        )
+        implausible_key(self.secret(Key::SandboxApiKey)?, from, "Authorization")
     }
 
     /// Those of [`Resolved::all_warnings`] that speak of these settings as the ones
@@ -988,8 +991,14 @@ impl Resolved {
     pub fn selection_warnings(&self) -> Vec<String> {
         let mut w = self.redirect_warnings();
         match self.plugin() {
-            Ok(Some(p)) => w.extend(self.builtin_flags_unread(&p.installed.manifest.id)),
-            Ok(None) => w.extend(self.credential().ok().and_then(|(_, _, extra)| extra)),
+            Ok(Some(p)) => {
+                w.extend(plugin_key_warning(&p));
+                w.extend(self.builtin_flags_unread(&p.installed.manifest.id));
+            }
+            Ok(None) => {
+                w.extend(self.builtin_key_warning());
+                w.extend(self.credential().ok().and_then(|(_, _, extra)| extra));
+            }
             Err(_) => {}
         }
         w
@@ -1226,12 +1235,16 @@ pub const MIN_REFRESH_BEFORE: Duration = Duration::from_secs(10);
 /// [`implausible_key`] of a plugin provider's key, as its manifest sends it.
 fn plugin_key_warning(p: &PluginSettings) -> Option<String> {
     let field = p.fields.iter().find(|f| f.field == "api_key")?;
-    let from = format!("{} in {}", field.env, field.source.label());
-    let header = match &p.installed.manifest.auth {
-        AuthKind::Bearer => "Authorization: Bearer <key>".to_string(),
-        AuthKind::Header(name) => format!("{name}: <key>"),
+    let from = match field.source {
+        // An inherited built-in key, from its file.
+        Source::Flag => "--sandbox-api-key-file".to_string(),
+        source => format!("{} in {}", field.env, source.label()),
     };
-    implausible_key(&p.api_key()?, &from, &header)
+    let header = match &p.installed.manifest.auth {
+        AuthKind::Bearer => "Authorization",
+        AuthKind::Header(name) => name.as_str(),
+    };
+    implausible_key(&p.api_key()?, &from, header)
 }
 
 /// A plugin provider's key, or why there is none.
@@ -1511,28 +1524,51 @@ mod tests {
     #[test]
     fn a_key_with_a_scheme_or_of_no_key_length_is_warned_about() {
         let key = "sk-0123456789abcdef";
-        let said = |written: &str| implausible_key(&Secret::new(written), "env", "H: <key>");
+        let said = |written: &str| implausible_key(&Secret::new(written), "env", "Api-Key");
         for (written, begins) in [
-            ("Bearer sk-0123456789abcdef", "begins with `Bearer `"),
-            ("bearer\tsk-0123456789abcdef", "begins with `bearer\t`"),
-            ("bearer:sk-0123456789abcdef", "begins with `bearer:`"),
-            ("Token sk-0123456789abcdef", "begins with `Token `"),
+            (
+                "Bearer sk-0123456789abcdef",
+                "begins with `Bearer`, an auth scheme",
+            ),
+            (
+                "bearer\tsk-0123456789abcdef",
+                "begins with `bearer`, an auth scheme",
+            ),
+            (
+                "bearer:sk-0123456789abcdef",
+                "begins with `bearer`, an auth scheme",
+            ),
+            (
+                "Token sk-0123456789abcdef",
+                "begins with `Token`, an auth scheme",
+            ),
             (
                 "Authorization: Bearer sk-0123456789abcdef",
                 "begins with `Authorization:`",
             ),
-            ("X-API-Key: sk-0123456789abcdef", "begins with `X-API-Key:`"),
+            (
+                "X-API-Key: sk-0123456789abcdef",
+                "begins with `X-API-Key:`, a header's name",
+            ),
+            ("x-api-key:sk-0123456789abcdef", "begins with `x-api-key:`"),
+            ("api-key:sk-0123456789abcdef", "begins with `api-key:`"),
             ("sk-0123 456789abcdef", "holds a space or a tab"),
+            // An id before the colon is not said: it may be half the key.
+            ("LTAI0123id: sk-0123456789abcdef", "holds a space or a tab"),
         ] {
             let said = said(written).unwrap_or_default();
             assert!(said.starts_with("the API key (from env) "), "{said}");
             assert!(said.contains(begins), "{written}: {said}");
             assert!(
-                said.ends_with("sends it whole as `H: <key>`; set the key alone"),
+                said.ends_with("sends it whole as `Api-Key: <key>`; set the key alone"),
                 "{said}"
             );
-            assert!(!said.contains("0123"), "{said}");
+            assert!(!said.contains("0123") && !said.contains('\t'), "{said}");
         }
+        let bearer = implausible_key(&Secret::new("Bearer x"), "env", "authorization");
+        assert!(bearer
+            .unwrap_or_default()
+            .contains("as `Authorization: Bearer <key>`"));
         let long = "k".repeat(LONGEST_PLAUSIBLE_KEY + 1);
         assert!(said(&long)
             .unwrap_or_default()

@@ -36,6 +36,7 @@ fn not_in_a_path(path: &str) -> Option<String> {
         b'%' if hex(i + 1) && hex(i + 2) => None,
         b'%' => Some("a `%` that starts no %XX escape".to_string()),
         b if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&b) => None,
+        b if b.is_ascii_graphic() => Some(format!("`{}`", char::from(b))),
         b => Some(format!("`{}`", char::from(b).escape_default())),
     })
 }
