@@ -1873,16 +1873,21 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     }
     let api_before = env.api.seen().len();
     let envd_before = env.envd.seen().len();
-    // A token it never learned, or a path that is no envd's: the control plane's.
-    let (status, _) = text(send(addr, with_token("/health", "tok-unknown")).await).await;
-    assert_eq!(
-        status,
-        StatusCode::NOT_FOUND,
-        "the control plane's own answer"
+    // A token it never learned (one forgotten, from before a restart) on envd's path: no
+    // sandbox to send it to, and never the control plane's (it went there, token and all,
+    // and came back as its 404: "sandbox not found" to the SDK). Refused, saying so.
+    let (status, body) = text(send(addr, with_token("/health", "tok-unknown")).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(
+        body.contains("connect to the sandbox again through the proxy"),
+        "{body}"
     );
+    // A path that is no envd's: the control plane's, without the sandbox's token.
     let (status, _) = text(send(addr, with_token("/sandboxes/isb-t2", "tok-t2")).await).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(env.api.seen().len(), api_before + 2);
+    assert_eq!(env.api.seen().len(), api_before + 1);
+    let seen = env.api.seen().pop().expect("the control plane was asked");
+    assert_eq!(seen.header("x-access-token"), None, "{:?}", seen.headers);
     assert_eq!(env.envd.seen().len(), envd_before);
     // A signed file URL naming no sandbox is refused, and counted as envd's, where it was
     // meant to go; so is a request refused while routing (a dot segment), as routed.
@@ -1900,7 +1905,7 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     };
     assert_eq!(
         (refused("envd"), refused("api")),
-        (Some(2.0), None),
+        (Some(3.0), None),
         "{metrics}"
     );
 

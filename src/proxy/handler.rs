@@ -196,7 +196,7 @@ impl Proxy {
             },
             route => route,
         };
-        match self.files_naming_no_sandbox(&route, parts) {
+        match self.naming_no_sandbox(&route, parts) {
             Some(refused) => Err((Plane::Envd, refused)),
             None => Ok(route),
         }
@@ -493,6 +493,11 @@ impl Proxy {
                 let (credential, key) = self.api_key().await?;
                 let auth_value = self.auth.value(&key).ok_or_else(unusable_key)?;
                 headers::authorize_api(&mut parts.headers, self.auth.scheme(), auth_value);
+                if self.envd.is_some() {
+                    // A sandbox's envd token is envd's credential (SPEC §4), never the
+                    // control plane's.
+                    parts.headers.remove(X_ACCESS_TOKEN);
+                }
                 Some((credential, key))
             };
             let req = Request::from_parts(parts, body);
@@ -733,17 +738,32 @@ impl Proxy {
         Ok((resp, host))
     }
 
-    /// envd's file API has no place on the control plane: a signed file URL the SDK builds
-    /// while E2B_SANDBOX_URL points here names no sandbox, and sent on it would come back as
-    /// the control plane's bare 404. Refused, and counted as envd's, where it was meant to go.
-    fn files_naming_no_sandbox(&self, route: &Route, parts: &Parts) -> Option<Failed> {
-        (*route == Route::Api && self.envd.is_some() && parts.uri.path() == "/files").then(|| {
-            Failed::from(Error::Refused {
-                reason: "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the \
-                         host 49983-<sandboxID>.localhost)"
-                    .into(),
-            })
-        })
+    /// envd's requests that name no sandbox the proxy can find have no place on the control
+    /// plane: a signed file URL the SDK builds while E2B_SANDBOX_URL points here, and an
+    /// older SDK's requests by a token the store no longer holds (a day old, past its bound,
+    /// or from before a restart), which went there with the sandbox's token and came back
+    /// as its bare 404 ("sandbox not found" to the SDK). Refused, saying what to do, and
+    /// counted as envd's, where they were meant to go.
+    fn naming_no_sandbox(&self, route: &Route, parts: &Parts) -> Option<Failed> {
+        if *route != Route::Api || self.envd.is_none() {
+            return None;
+        }
+        let path = parts.uri.path();
+        let reason = if path == "/files" {
+            "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the host \
+             49983-<sandboxID>.localhost)"
+        } else if route::is_envd_path(path) && parts.headers.contains_key(X_ACCESS_TOKEN) {
+            "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns a \
+             sandbox's token when the sandbox is created, connected to or resumed through it, \
+             and forgets it after a day, past 10 000 sandboxes or at a restart): connect to \
+             the sandbox again through the proxy, or name it (E2b-Sandbox-Id header, or the \
+             host 49983-<sandboxID>.localhost)"
+        } else {
+            return None;
+        };
+        Some(Failed::from(Error::Refused {
+            reason: reason.into(),
+        }))
     }
 
     /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).
