@@ -206,8 +206,15 @@ pub fn parse_response(
         });
     };
     let Some((key, holder)) = find_key(&json) else {
+        // `{"success": false, "code": 0, …}`: a failure, whatever its code says.
+        let failed = ["success", "Success"]
+            .iter()
+            .any(|k| json.get(*k) == Some(&Value::Bool(false)));
         return Err(match code {
             Some(c) if !says_success(&c) => endpoint_error(status, Some(&c)),
+            _ if failed => Error::TokenExchange {
+                reason: format!("HTTP {status}: the answer says it failed (success: false)"),
+            },
             // A success wrapped in its own envelope (`{"code": "200", "data": {…}}`) is
             // likelier a form this proxy does not read than no key made.
             _ => Error::IssuedUnusable {
@@ -489,6 +496,11 @@ fn with_skew(e: Error, asked: Asked, their_time: Option<SystemTime>) -> Error {
         },
         Error::IssuedExpired { reason } if ahead => Error::IssuedExpired {
             reason: format!("{reason}; {said}"),
+        },
+        Error::IssuedExpired { reason } => Error::IssuedExpired {
+            reason: format!(
+                "{reason}; {said}, so the endpoint issued it expired by its own clock too"
+            ),
         },
         e => e,
     }
@@ -919,8 +931,14 @@ fn refusal_gap(in_row: u32) -> Duration {
 }
 
 /// The wait after `in_row` exchanges in a row (from 1) that issued keys the proxy cannot
-/// use: 30 s doubling to [`UNUSABLE_GAP_MAX`].
+/// use: 30 s doubling to [`UNUSABLE_GAP_MAX`], each drawn from the upper half of its step
+/// as [`backoff`]'s are (a fleet restarted together, on one image with its clock ahead,
+/// would otherwise ask in lockstep).
 fn unusable_gap(in_row: u32) -> Duration {
+    unusable_step(in_row).mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
+fn unusable_step(in_row: u32) -> Duration {
     let doublings = in_row.saturating_sub(1).min(16);
     REFUSAL_GAP
         .saturating_mul(1u32 << doublings)
@@ -1717,6 +1735,15 @@ mod tests {
         // A blank key is no key: the other spelling is still looked at.
         let k = parse(200, json!({"apiKey": " ", "ApiKey": "k2"})).unwrap();
         assert_eq!(k.key.expose(), "k2");
+        // One that says it failed is a failure, whatever its code.
+        let e = parse(
+            200,
+            json!({"success": false, "code": 0, "message": "AccessDenied"}),
+        );
+        assert!(
+            matches!(&e, Err(Error::TokenExchange { reason }) if reason.contains("success: false")),
+            "{e:?}"
+        );
         let e = parse_response(200, b"not json", now(), TTL);
         assert!(matches!(e, Err(Error::TokenExchange { .. })), "{e:?}");
     }
@@ -1762,10 +1789,8 @@ mod tests {
         assert_eq!(with_skew(other.clone(), at(t + s(3600)), Some(t)), other);
         // A key expired on arrival, this machine behind: the clock is not why.
         let expired = Error::IssuedExpired { reason: "r".into() };
-        assert_eq!(
-            with_skew(expired.clone(), at(t), Some(t + s(3600))),
-            expired
-        );
+        let behind = with_skew(expired.clone(), at(t), Some(t + s(3600))).to_string();
+        assert!(behind.ends_with("expired by its own clock too"), "{behind}");
         let ahead = with_skew(expired, at(t + s(3600)), Some(t));
         assert!(ahead.to_string().contains("1 h ahead of"), "{ahead}");
     }
@@ -1869,9 +1894,12 @@ mod tests {
         }
         assert_eq!(refusal_gap(u32::MAX), REFUSAL_GAP_MAX);
         for (in_row, secs) in [(1, 30), (2, 60), (3, 120), (4, 120), (9, 120)] {
-            assert_eq!(unusable_gap(in_row), Duration::from_secs(secs), "{in_row}");
+            let step = Duration::from_secs(secs);
+            assert_eq!(unusable_step(in_row), step, "{in_row}");
+            let gap = unusable_gap(in_row);
+            assert!(gap >= step / 2 && gap <= step, "{in_row}: {gap:?}");
         }
-        assert_eq!(unusable_gap(u32::MAX), UNUSABLE_GAP_MAX);
+        assert_eq!(unusable_step(u32::MAX), UNUSABLE_GAP_MAX);
     }
 
     #[test]
