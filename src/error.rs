@@ -164,8 +164,8 @@ impl Error {
             Error::MissingCredential => "Set ABX_SANDBOX_API_KEY (environment, ./.env or ~/.abx/.env) or pass --sandbox-api-key-file.",
             Error::ClockSkew { .. } => "Synchronise the system clock (NTP): Alibaba Cloud rejects signed requests whose Timestamp is more than 15 minutes off.",
             Error::IncompletePair { .. } => "Set both ALICLOUD_ACCESS_KEY_ID and ALICLOUD_ACCESS_KEY_SECRET (or --access-key-secret-file), or set ABX_SANDBOX_API_KEY instead.",
-            Error::IssuedExpired { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. A key issued for seconds can also run out during a slow answer. Each exchange creates a key: while serving, the proxy tries again 30 s doubling to 2 minutes apart.",
-            Error::IssuedUnusable { .. } => "Check that token_exchange_url is the CreateApiKey endpoint of the region's Agent Sandbox, and that the proxy is up to date with its answer's form. Each exchange creates a key: while serving, the proxy tries again 30 s doubling to 2 minutes apart.",
+            Error::IssuedExpired { .. } => "Compare this machine's clock with the endpoint's (NTP): a clock ahead of it reads fresh keys as expired. A key issued for seconds can also run out during a slow answer. Each exchange creates a key: while serving, the proxy tries again 15 to 30 s later, the gap doubling to at most 2 minutes.",
+            Error::IssuedUnusable { .. } => "Check that token_exchange_url is the CreateApiKey endpoint of the region's Agent Sandbox, and that the proxy is up to date with its answer's form. Each exchange creates a key: while serving, the proxy tries again 15 to 30 s later, the gap doubling to at most 2 minutes.",
             // Said by `check` too ("run check" was no advice there), and in serve's log line.
             Error::TokenExchange { .. } => "Check the AccessKey pair (and its permission to create API keys), token_exchange_url and network access to it; the error says which failed.",
             Error::InvalidSetting { .. } => "Fix the value; `abx-proxy config list` shows where each setting comes from.",

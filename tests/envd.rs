@@ -1893,6 +1893,12 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     // meant to go; so is a request refused while routing (a dot segment), as routed.
     let (status, body) = text(send(addr, with_token("/files", "tok-unknown")).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("connect to the sandbox again"), "{body}");
+    let unsigned = request("GET", addr, "/files?path=%2Fx")
+        .body(empty())
+        .unwrap();
+    let (status, body) = text(send(addr, unsigned).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains("/files is envd's"), "{body}");
     let dotted = "/filesystem.Filesystem/./ListDir";
     let (status, _) = text(send(addr, with_token(dotted, "tok-t1")).await).await;
@@ -1905,7 +1911,7 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     };
     assert_eq!(
         (refused("envd"), refused("api")),
-        (Some(3.0), None),
+        (Some(4.0), None),
         "{metrics}"
     );
 

@@ -749,15 +749,17 @@ impl Proxy {
             return None;
         }
         let path = parts.uri.path();
-        let reason = if path == "/files" {
-            "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the host \
-             49983-<sandboxID>.localhost)"
-        } else if route::is_envd_path(path) && parts.headers.contains_key(X_ACCESS_TOKEN) {
+        // A token first: an older SDK's file request by it needs connecting again, where a
+        // signed URL (no token) needs the sandbox named.
+        let reason = if route::is_envd_path(path) && parts.headers.contains_key(X_ACCESS_TOKEN) {
             "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns a \
              sandbox's token when the sandbox is created, connected to or resumed through it, \
              and forgets it after a day, past 10 000 sandboxes or at a restart): connect to \
              the sandbox again through the proxy, or name it (E2b-Sandbox-Id header, or the \
              host 49983-<sandboxID>.localhost)"
+        } else if path == "/files" {
+            "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the host \
+             49983-<sandboxID>.localhost)"
         } else {
             return None;
         };
