@@ -77,9 +77,10 @@ pub const REFUSAL_GAP: Duration = Duration::from_secs(30);
 pub const REFUSAL_GAP_MAX: Duration = Duration::from_secs(3600);
 /// The longest gap between exchanges whose answers said they issued a key the proxy cannot
 /// use (expired by this machine's clock, not found, not sendable): each created a key, and
-/// retried with [`backoff`] they cost 120 to 240 keys an hour; at this gap, 30. Not more:
-/// a clock put right is to be noticed soon, and the shipped alerts read a failing exchange
-/// from a failure in every 5 minutes (with the attempt's own 11 s, one in every 131 s).
+/// retried with [`backoff`] they cost 120 to 240 keys an hour; at this gap (drawn from its
+/// upper half), 30 to 60. Not more: a clock put right is to be noticed soon, and the
+/// shipped alerts read a failing exchange from a failure in every 5 minutes (with the
+/// attempt's own 11 s, one in every 131 s at most).
 pub const UNUSABLE_GAP_MAX: Duration = Duration::from_secs(120);
 
 // ---------------------------------------------------------------------------------------
