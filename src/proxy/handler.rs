@@ -752,20 +752,22 @@ impl Proxy {
         // A token first: an older SDK's file request by it needs connecting again, where a
         // signed URL (no token) needs the sandbox named.
         let reason = if route::is_envd_path(path) && parts.headers.contains_key(X_ACCESS_TOKEN) {
-            "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns a \
-             sandbox's token when the sandbox is created, connected to or resumed through it, \
-             and forgets it after a day, past 10 000 sandboxes or at a restart): connect to \
-             the sandbox again through the proxy, or name it (E2b-Sandbox-Id header, or the \
-             host 49983-<sandboxID>.localhost)"
+            format!(
+                "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns \
+                 a sandbox's token when the sandbox is created, connected to or resumed through \
+                 it, and forgets it after a day, past {} sandboxes or at a restart): connect \
+                 to the sandbox again through the proxy, or name it (E2b-Sandbox-Id header, or \
+                 the host 49983-<sandboxID>.localhost)",
+                crate::credentials::envd::MAX_TOKENS
+            )
         } else if path == "/files" {
             "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the host \
              49983-<sandboxID>.localhost)"
+                .to_string()
         } else {
             return None;
         };
-        Some(Failed::from(Error::Refused {
-            reason: reason.into(),
-        }))
+        Some(Failed::from(Error::Refused { reason }))
     }
 
     /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).

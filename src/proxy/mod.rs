@@ -73,14 +73,16 @@ impl Options {
     /// [`check_exposure`] of `listen` with these flags: what `serve` refuses, and so a
     /// reload that would move the next start there.
     pub fn refuse_exposure(&self, listen: &ListenAddr) -> Result<(), Error> {
-        let tls = self.tls_cert.is_some() && self.tls_key.is_some();
-        check_exposure(listen, tls, self.allow_remote)
+        check_exposure(listen, self.tls(), self.allow_remote)
     }
 
     /// [`exposure_warning`] of `listen` with these flags: what `serve` would say of it.
     pub fn exposure_warning(&self, listen: &ListenAddr) -> Option<String> {
-        let tls = self.tls_cert.is_some() && self.tls_key.is_some();
-        exposure_warning(listen, tls, self.allow_remote)
+        exposure_warning(listen, self.tls(), self.allow_remote)
+    }
+
+    fn tls(&self) -> bool {
+        self.tls_cert.is_some() && self.tls_key.is_some()
     }
 }
 
