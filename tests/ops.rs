@@ -1937,6 +1937,37 @@ async fn a_reload_refuses_a_listen_address_the_next_start_would_refuse() {
     proxy.finish().await;
 }
 
+/// A reload moving a TLS listener beyond loopback, without `--allow-remote`, applies at the
+/// next restart (SPEC §7 lets TLS stand in for the consent) and says the start's warning
+/// first: TLS checks no client, and the next start says it only to a log nobody reads then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_moving_a_tls_listener_beyond_loopback_warns_as_the_start_would() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .omit(&["--listen"])
+        .tls_listener(&pki)
+        .abx_file(".env", "ABX_PROXY_LISTEN=127.0.0.1:0\n")
+        .spawn()
+        .await;
+    let warning = "beyond this machine, with TLS";
+    assert!(!proxy.stderr().contains(warning), "{}", proxy.stderr());
+    let line = proxy
+        .reload_env("ABX_PROXY_LISTEN=0.0.0.0:0\n", "apply at the next restart")
+        .await;
+    assert!(line.contains("listen"), "{line}");
+    let stderr = proxy.stderr();
+    let said = (stderr.lines()).position(|l| l.contains(warning) && l.contains("--allow-remote"));
+    let applied = stderr
+        .lines()
+        .position(|l| l.contains("apply at the next restart"));
+    assert!(
+        matches!((said, applied), (Some(s), Some(a)) if s < a),
+        "{stderr}"
+    );
+    proxy.finish().await;
+}
+
 /// A request refused with a temporary key after a reload replaced the credential (here
 /// the pair by an API key) is sent again with the new credential's key, and so is an envd
 /// token look-up: the retired pair has no refresh coming, and such a request waited 10 s
