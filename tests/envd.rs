@@ -1843,8 +1843,8 @@ async fn a_refused_token_sent_alone_still_names_its_sandbox() {
 /// e2b Python 2.10-2.20 send the commands and files of a sandbox got by `Sandbox.connect`
 /// with `X-Access-Token` alone, and JS 2.9 its file and health requests: no sandbox named.
 /// On envd's paths, a token the proxy learned names its sandbox; they went to the control
-/// plane with the key, and got its 404. Another path, or a token it never learned, stays
-/// the control plane's.
+/// plane with the key, and got its 404. A token it never learned is refused; another path
+/// stays the control plane's, without the token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     let env = Env::start(Pki::new()).await;
@@ -1889,8 +1889,9 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     let seen = env.api.seen().pop().expect("the control plane was asked");
     assert_eq!(seen.header("x-access-token"), None, "{:?}", seen.headers);
     assert_eq!(env.envd.seen().len(), envd_before);
-    // A signed file URL naming no sandbox is refused, and counted as envd's, where it was
-    // meant to go; so is a request refused while routing (a dot segment), as routed.
+    // A file request by an unknown token is refused the same, and a signed file URL naming
+    // no sandbox (an empty token is none) is told to name it; each counted as envd's, where
+    // it was meant to go; so is a request refused while routing (a dot segment), as routed.
     let (status, body) = text(send(addr, with_token("/files", "tok-unknown")).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains("connect to the sandbox again"), "{body}");
@@ -1898,6 +1899,9 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
         .body(empty())
         .unwrap();
     let (status, body) = text(send(addr, unsigned).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("/files is envd's"), "{body}");
+    let (status, body) = text(send(addr, with_token("/files?path=%2Fx", "")).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.contains("/files is envd's"), "{body}");
     let dotted = "/filesystem.Filesystem/./ListDir";
@@ -1911,7 +1915,7 @@ async fn an_envd_request_with_only_a_learned_token_goes_to_its_sandbox() {
     };
     assert_eq!(
         (refused("envd"), refused("api")),
-        (Some(4.0), None),
+        (Some(5.0), None),
         "{metrics}"
     );
 

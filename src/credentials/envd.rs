@@ -15,7 +15,10 @@
 //! for the envd requests of older SDKs that carry a token and name no sandbox: an index by
 //! token kept in the same snapshot, and the tokens of the last [`MAX_FORGOTTEN`] sandboxes
 //! deleted through the proxy (a `Mutex`, asked only when the index has no answer), so that
-//! such an SDK's health check after a kill still reaches envd.
+//! such an SDK's health check after a kill still reaches envd. Such an SDK names its
+//! sandbox by nothing else: a token found by it counts as learned again (once an hour, as
+//! a poll's answer does), or a sandbox in use by one would be the first pushed out at the
+//! bound, and forgotten a day after its create however busy.
 //!
 //! A look-up runs in a task of its own, not in the request that started it: a client that
 //! gives up waiting (an SDK whose timeout is shorter than a slow control plane's answer,
@@ -41,8 +44,11 @@ type Answer = Option<Result<Option<Secret>, Error>>;
 /// Look-ups kept running with no request waiting for them, at most.
 pub const MAX_ORPHANS: usize = 16;
 
-/// Sandboxes remembered at most (about 1 MiB of tokens).
+/// Sandboxes remembered at most (about 1 MiB of E2B's tokens; 40 MiB at most of tokens
+/// at the 4 KiB a learned one may be, see `sniff::MAX_TOKEN_LEN`).
 pub const MAX_TOKENS: usize = 10_000;
+// Said in thousands in a refusal's words.
+const _: () = assert!(MAX_TOKENS.is_multiple_of(1000));
 /// Deleted sandboxes' tokens kept for [`TokenStore::sandbox_of`], newest last.
 const MAX_FORGOTTEN: usize = 1024;
 /// Tokens of the proxy's that envd refused, kept for [`TokenStore::was_refused`].
@@ -468,9 +474,12 @@ impl TokenStore {
     /// kill, and the control plane's own `/health` said "running". A token two sandboxes
     /// hold names neither: which one a client meant is unknowable.
     pub fn sandbox_of(&self, token: &[u8]) -> Option<TokenOwner> {
+        self.sandbox_of_at(token, Instant::now())
+    }
+
+    fn sandbox_of_at(&self, token: &[u8], now: Instant) -> Option<TokenOwner> {
         // Tokens are text: bytes that are not match none.
         let token = std::str::from_utf8(token).ok().filter(|t| !t.is_empty())?;
-        let now = Instant::now();
         let snapshot = self.tokens.load();
         let holders = snapshot.by_token.get(token).map_or(&[][..], |h| &h[..]);
         let learned = holders.iter().filter(|id| {
@@ -478,10 +487,15 @@ impl TokenStore {
                 .is_some_and(|(_, at)| now.saturating_duration_since(*at) < MAX_AGE)
         });
         if let Some(id) = only_one(learned) {
-            return id.map(|id| TokenOwner {
-                id: id.clone(),
-                deleted: false,
-            });
+            // Two holders name neither.
+            let id = id.cloned()?;
+            // In use: learned again (a write only past `RELEARN_AFTER`, as for a poll).
+            if let Some((token, _)) = snapshot.by_id.get(&id) {
+                let token = token.clone();
+                drop(snapshot);
+                self.insert_all_at(&[(&*id, token)], now);
+            }
+            return Some(TokenOwner { id, deleted: false });
         }
         // Deleted through the proxy first: a refusal that lands after the delete (its
         // request was in flight) must not bring the sandbox back as a live one.
@@ -728,6 +742,39 @@ mod tests {
         store.insert_at("isb-1", Secret::new("new"), t0 + RELEARN_AFTER);
         assert!(!Arc::ptr_eq(&before, &store.tokens.load_full()));
         assert_eq!(store.get("isb-1").unwrap().expose(), "new");
+    }
+
+    /// An older SDK's sandbox, named by its token alone, counts as learned again when used
+    /// so (past [`RELEARN_AFTER`], without a copy of the store before): at the bound the
+    /// idle ones go first, and a day after its create it is still found.
+    #[test]
+    fn a_token_in_use_alone_counts_as_learned_again() {
+        let store = TokenStore::with_max(3);
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        store.insert_at("isb-used", Secret::new("tok-used"), t0);
+        store.insert_at("isb-idle", Secret::new("tok-idle"), at(1));
+        store.insert_at("isb-new", Secret::new("tok-new"), at(2));
+        let owner = |now: Instant| (store.sandbox_of_at(b"tok-used", now)).map(|o| o.id);
+        let before = store.tokens.load_full();
+        assert_eq!(owner(at(60)).as_deref(), Some("isb-used"));
+        assert!(Arc::ptr_eq(&before, &store.tokens.load_full()), "copied");
+
+        let used = t0 + RELEARN_AFTER;
+        assert_eq!(owner(used).as_deref(), Some("isb-used"));
+        store.insert_at(
+            "isb-next",
+            Secret::new("tok-next"),
+            used + Duration::from_secs(1),
+        );
+        assert!(store.get("isb-idle").is_none(), "the idle one goes first");
+        assert!(store.get("isb-used").is_some(), "the one in use stays");
+        assert_eq!(owner(used + MAX_AGE / 2).as_deref(), Some("isb-used"));
+        assert_eq!(
+            owner(used + MAX_AGE / 2 + MAX_AGE - Duration::from_secs(1)).as_deref(),
+            Some("isb-used"),
+            "a day from its last use"
+        );
     }
 
     #[tokio::test]

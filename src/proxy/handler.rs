@@ -751,14 +751,15 @@ impl Proxy {
         let path = parts.uri.path();
         // A token first: an older SDK's file request by it needs connecting again, where a
         // signed URL (no token) needs the sandbox named.
-        let reason = if route::is_envd_path(path) && parts.headers.contains_key(X_ACCESS_TOKEN) {
+        let token = (parts.headers.get(X_ACCESS_TOKEN)).is_some_and(|t| !t.is_empty());
+        let reason = if route::is_envd_path(path) && token {
             format!(
                 "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns \
-                 a sandbox's token when the sandbox is created, connected to or resumed through \
-                 it, and forgets it after a day, past {} sandboxes or at a restart): connect \
-                 to the sandbox again through the proxy, or name it (E2b-Sandbox-Id header, or \
-                 the host 49983-<sandboxID>.localhost)",
-                crate::credentials::envd::MAX_TOKENS
+                 a sandbox's token from its create, connect, resume or look-up through it, and \
+                 forgets it a day after its last use, past {} 000 sandboxes or at a restart): \
+                 connect to the sandbox again through the proxy, or name it (E2b-Sandbox-Id \
+                 header, or the host 49983-<sandboxID>.localhost)",
+                crate::credentials::envd::MAX_TOKENS / 1000
             )
         } else if path == "/files" {
             "/files is envd's: name the sandbox (E2b-Sandbox-Id header, or the host \

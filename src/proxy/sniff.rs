@@ -38,6 +38,11 @@ pub fn plan(method: &Method, path: &str) -> Sniff {
 /// every other learned token out of the store.
 pub const MAX_LEARNED: usize = 64;
 
+/// A token's length at most: E2B's are ~40 characters. The store is bounded by count, and
+/// 10 000 tokens of the 1 MiB an answer may be, from a buggy or hostile control plane,
+/// would be gigabytes.
+pub const MAX_TOKEN_LEN: usize = 4096;
+
 /// Each `(sandboxID, envdAccessToken)` with a token in a JSON answer: the one sandbox it
 /// describes (create, connect, resume, `GET /sandboxes/{id}`), or a fork's list of
 /// results, each `{"sandbox": …}` or, for a fork that failed, `{"error": …}` (the first
@@ -50,7 +55,7 @@ pub fn learn(body: &[u8]) -> Vec<(String, Secret)> {
     };
     (sandboxes.into_iter())
         .map(Sandbox::into_pair)
-        .filter(|(_, token)| !token.expose().is_empty())
+        .filter(|(_, token)| !token.expose().is_empty() && token.expose().len() <= MAX_TOKEN_LEN)
         .collect()
 }
 
@@ -100,7 +105,9 @@ pub fn looked_up(body: &[u8], sandbox_id: &str) -> Result<Secret, &'static str> 
         || (sandbox_id.get(..id.len()))
             .is_some_and(|short| !id.is_empty() && short.eq_ignore_ascii_case(&id))
             && sandbox_id[id.len()..].starts_with('-');
-    if same {
+    if token.expose().len() > MAX_TOKEN_LEN {
+        Err("envd token look-up: the answer's token is over 4 KiB")
+    } else if same {
         Ok(token)
     } else {
         Err("envd token look-up: the answer describes another sandbox")
@@ -214,6 +221,15 @@ mod tests {
         assert!(learned(b"  [[]]").is_empty());
         assert_eq!(plan(&Method::POST, "/sandboxes/isb-1/fork"), Sniff::Learn);
         assert_eq!(plan(&Method::GET, "/sandboxes/isb-1/fork"), Sniff::None);
+        // A token over MAX_TOKEN_LEN is not learned; one at it is.
+        let sized = |n: usize| {
+            format!(
+                r#"{{"sandboxID":"isb-1","envdAccessToken":"{}"}}"#,
+                "t".repeat(n)
+            )
+        };
+        assert_eq!(learned(sized(MAX_TOKEN_LEN).as_bytes()).len(), 1);
+        assert!(learned(sized(MAX_TOKEN_LEN + 1).as_bytes()).is_empty());
     }
 
     #[test]
@@ -236,5 +252,13 @@ mod tests {
         );
         let unsecured = looked_up(br#"{"sandboxID":"isb-1"}"#, "isb-1").unwrap();
         assert_eq!(unsecured.expose(), "");
+        let huge = format!(
+            r#"{{"sandboxID":"isb-1","envdAccessToken":"{}"}}"#,
+            "t".repeat(5000)
+        );
+        assert_eq!(
+            looked_up(huge.as_bytes(), "isb-1").map(|_| ()),
+            Err("envd token look-up: the answer's token is over 4 KiB")
+        );
     }
 }
