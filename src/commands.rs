@@ -171,15 +171,25 @@ pub(crate) fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, So
     }
 }
 
-/// A value `check` and `serve` refuse (E1005), said by `config list|get`, which show it as
-/// it resolved (a region with a space was shown in usable-looking URLs, with no word), as
-/// a provider that cannot be loaded is. The missing credential is its row's `unset`.
+/// A value `check` and `serve` refuse (E1005, and half an AccessKey pair: E1003), said by
+/// `config list|get`, which show it as it resolved (a region with a space was shown in
+/// usable-looking URLs, with no word), as a provider that cannot be loaded is. The missing
+/// credential is its row's `unset`. Settings they take are warned of as they warn (a plain
+/// `http://` upstream): SPEC §2 has every command that resolves settings say them.
 fn warn_if_refused(resolved: &Resolved) {
-    if let Err(e @ Error::InvalidSetting { .. }) = resolved.validate() {
-        crate::logging::stderr_line(&format!(
-            "warning: {} (check and serve stop on it)",
-            e.line()
-        ));
+    match resolved.validate() {
+        Ok(settings) => {
+            for w in settings.cleartext_upstreams() {
+                crate::logging::warning(&w);
+            }
+        }
+        Err(e @ (Error::InvalidSetting { .. } | Error::IncompletePair { .. })) => {
+            crate::logging::stderr_line(&format!(
+                "warning: {} (check and serve stop on it)",
+                e.line()
+            ));
+        }
+        Err(_) => {}
     }
 }
 

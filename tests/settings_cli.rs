@@ -941,6 +941,25 @@ fn a_cwd_env_that_moves_the_upstream_of_a_key_kept_elsewhere_is_warned_about() {
         "{}",
         out.stderr
     );
+    // The exchange endpoint is the pair's alone: an API key never goes there.
+    for (home, warned) in [
+        (format!("ABX_SANDBOX_API_KEY={KEY_HOME}\n"), false),
+        (
+            "ALICLOUD_ACCESS_KEY_ID=LTAI5tHomePairId0000\n\
+             ALICLOUD_ACCESS_KEY_SECRET=home-secret-zq81\n"
+                .to_string(),
+            true,
+        ),
+    ] {
+        let c = Case::new();
+        c.home_dotenv(&home);
+        c.cwd_dotenv("ABX_TOKEN_EXCHANGE_URL=https://exchange.example\n");
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let said = "ABX_TOKEN_EXCHANGE_URL=https://exchange.example: the credential";
+        assert_eq!(out.stderr.contains(said), warned, "{}", out.stderr);
+        assert!(!out.stderr.contains("zq81"), "{}", out.stderr);
+    }
 }
 
 /// The same warning names where the key goes, never a password or a signature that the
@@ -1177,8 +1196,8 @@ fn other_tools_lines_in_the_cwd_env_are_skipped_with_a_warning() {
 }
 
 /// A credential sent over plain `http://` beyond this machine crosses the network in
-/// clear: `check` and `serve` say so (a warning: self-hosted OpenSandbox inside a cluster
-/// is often plain HTTP). Loopback and https upstreams get no warning.
+/// clear: `check`, `serve` and `config` say so (a warning: self-hosted OpenSandbox inside a
+/// cluster is often plain HTTP). Loopback and https upstreams get no warning.
 #[test]
 fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     for (url, warned) in [
@@ -1190,15 +1209,17 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
         let mut c = Case::new();
         c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
         c.flag("--sandbox-base-url", url);
-        let out = c.run(&["check", "--offline"]);
-        assert_eq!(out.code, 0, "{url}: {}", out.stderr);
-        assert_eq!(
-            out.stderr.contains("crosses the network unencrypted"),
-            warned,
-            "{url}: {}",
-            out.stderr
-        );
-        assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+        for args in [&["check", "--offline"][..], &["config", "list"]] {
+            let out = c.run(args);
+            assert_eq!(out.code, 0, "{url} {args:?}: {}", out.stderr);
+            assert_eq!(
+                out.stderr.contains("crosses the network unencrypted"),
+                warned,
+                "{url} {args:?}: {}",
+                out.stderr
+            );
+            assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
+        }
     }
 }
 
@@ -1232,6 +1253,22 @@ fn config_list_says_a_value_check_and_serve_refuse() {
     c.env("ALIBABA_CLOUD_REGION_ID", "cn-shanghai");
     let out = c.run(&["config", "list"]);
     assert!(!out.stderr.contains("E10"), "{}", out.stderr);
+    // Half an AccessKey pair and no key: `check` stops on it (E1003), `config` says it.
+    c.env("ALICLOUD_ACCESS_KEY_ID", "LTAI5tHalfAPairOnly00");
+    let check = c.run(&["check", "--offline"]);
+    assert!(
+        check.code == 78 && check.stderr.contains("[E1003]"),
+        "{}",
+        check.stderr
+    );
+    let out = c.run(&["config", "list"]);
+    assert!(
+        out.code == 0
+            && out.stderr.contains("warning: [E1003]")
+            && out.stderr.contains("(check and serve stop on it)"),
+        "{}",
+        out.stderr
+    );
     // With no key yet, or half a pair, the value is still said (the missing key hid it):
     // `check` names it first too. Dot segments; an admin listener on the proxy's own
     // address; an upstream that is the proxy itself (nothing is bound).

@@ -1049,8 +1049,11 @@ impl Resolved {
                 }
             }
             Ok(None) => {
-                if let Ok((_, key_from, _)) = self.credential() {
-                    for key in UPSTREAM_KEYS {
+                if let Ok((kind, key_from, _)) = self.credential() {
+                    // An API key never goes to the exchange endpoint.
+                    let exchanged = kind == CredentialKind::AccessKey;
+                    let keys = UPSTREAM_KEYS.into_iter();
+                    for key in keys.filter(|k| exchanged || *k != Key::TokenExchangeUrl) {
                         let e = self.entry(key);
                         if let Some(Value::Plain(v)) = &e.value {
                             w.extend(redirected(

@@ -140,6 +140,9 @@ impl fmt::Debug for UpstreamUrl {
     }
 }
 
+/// A unix socket path's length at most: `sun_path`'s size less the NUL it ends with.
+const MAX_SOCKET_PATH: usize = if cfg!(target_os = "linux") { 107 } else { 103 };
+
 /// A listener address: TCP, or a unix socket path (`unix:/path`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListenAddr {
@@ -167,6 +170,17 @@ impl ListenAddr {
                     "unix:@NAME is an abstract socket, which has no file permissions (anyone \
                      on the host could connect): give a path, such as \
                      unix:/run/abx-proxy/abx-proxy.sock (unix:./@NAME for a file so named)",
+                ));
+            }
+            // Nor a longer one than the kernel's `sun_path` holds, with its NUL.
+            if path.len() > MAX_SOCKET_PATH {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "a socket path is at most {MAX_SOCKET_PATH} bytes (the kernel's \
+                         sun_path); this one is {}",
+                        path.len()
+                    ),
                 ));
             }
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
@@ -599,5 +613,16 @@ mod tests {
         ] {
             assert!(ListenAddr::parse(Key::Listen, bad).is_err(), "{bad:?}");
         }
+        let path = |n: usize| format!("unix:/{}", "s".repeat(n - 1));
+        assert!(ListenAddr::parse(Key::Listen, &path(MAX_SOCKET_PATH)).is_ok());
+        let Err(Error::InvalidSetting { reason, .. }) =
+            ListenAddr::parse(Key::Listen, &path(MAX_SOCKET_PATH + 1))
+        else {
+            panic!("a path sun_path cannot hold taken")
+        };
+        assert!(
+            reason.contains(&format!("at most {MAX_SOCKET_PATH} bytes")),
+            "{reason}"
+        );
     }
 }
