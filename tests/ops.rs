@@ -2600,14 +2600,14 @@ async fn https_to_a_plain_http_port_says_to_use_http() {
     plain.abort();
 }
 
-/// A host name can carry a secret (a `.env`'s `${VAR}` in a URL, here the key itself): a
-/// certificate for another name is refused in words that do not quote the host, which is
-/// printed masked.
+/// A certificate for another name is refused in words that do not quote the host (a host
+/// name could carry a secret a `${VAR}` put there, before start-up refused that), which is
+/// printed once, as the upstream the error names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_for_another_name_is_refused_without_quoting_the_host() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "no") }).await;
-    let base = format!("https://{API_KEY}.localhost:{}", upstream.addr.port());
+    let base = format!("https://other-name.localhost:{}", upstream.addr.port());
     let proxy = ProxyCmd::new(&base, &pki).spawn().await;
     let resp = raw_exchange(
         proxy.addr(),
@@ -2617,15 +2617,11 @@ async fn a_certificate_for_another_name_is_refused_without_quoting_the_host() {
     assert_proxy_error(&resp, 502, "E5001");
     let text = resp.text();
     assert!(
-        text.contains("tls: invalid peer certificate: it is not valid for this host name")
-            && text.contains("****.localhost"),
+        text.contains("tls: invalid peer certificate: it is not valid for this host name"),
         "{text}"
     );
-    // A host name may come back in any case: the key must not appear in any.
-    let key = API_KEY["sk-abx-live-".len()..].to_ascii_lowercase();
-    assert!(!text.to_ascii_lowercase().contains(&key), "{text}");
-    let stderr = proxy.finish().await;
-    assert!(!stderr.to_ascii_lowercase().contains(&key), "{stderr}");
+    assert_eq!(text.matches("other-name").count(), 1, "{text}");
+    proxy.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2094,6 +2094,49 @@ fn config_list_and_get_mask_a_urls_password_and_query_values_and_an_embedded_sec
     assert!(!out.stdout.contains("mk7"), "{}", out.stdout);
 }
 
+/// A secret in an upstream's host name is masked wherever it is printed, but the host is
+/// looked up in DNS in clear: refused (E1005, the setting named, never the value) by
+/// `check --offline` as by `serve`. In a path it goes to the host alone, over TLS: taken.
+#[test]
+fn a_secret_in_an_upstream_host_name_is_refused() {
+    for (dotenv, key) in [
+        (
+            "ABX_SANDBOX_DOMAIN=${GITHUB_TOKEN}.x.example\n",
+            "sandbox_domain",
+        ),
+        (
+            "ABX_SANDBOX_BASE_URL=https://${ABX_SANDBOX_API_KEY}.example/v1\n",
+            "sandbox_base_url",
+        ),
+        (
+            "ABX_SANDBOX_URL=http://${GITHUB_TOKEN}:8080\n",
+            "sandbox_url",
+        ),
+        (
+            "ABX_TOKEN_EXCHANGE_URL=https://X${GITHUB_TOKEN}.example\n",
+            "token_exchange_url",
+        ),
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+            .env("GITHUB_TOKEN", GH_TOKEN);
+        c.cwd_dotenv(dotenv);
+        let out = c.run(&["check", "--offline"]);
+        let said = format!("[E1005] invalid value for {key}");
+        assert!(
+            out.code == 78 && out.stderr.contains(&said) && out.stderr.contains("holds a secret"),
+            "{dotenv}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains(KEY_ENV) && !out.stderr.contains(GH_TOKEN));
+    }
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.cwd_dotenv("ABX_SANDBOX_BASE_URL=https://api.example/${ABX_SANDBOX_API_KEY}/v1\n");
+    let out = c.run(&["check", "--offline"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}
+
 /// E1008 quotes the address it could not listen on: a secret a `${VAR}` put there is
 /// `****`, as `config get listen` shows it.
 #[test]
@@ -2120,20 +2163,21 @@ fn a_listen_error_masks_a_secret_embedded_in_the_address() {
 }
 
 /// `check` prints the upstreams it will use, and an error quotes the upstream that is the
-/// proxy's own listener: a secret a `${VAR}` put in one is `****` there too.
+/// proxy's own listener: a secret a `${VAR}` put in one's path is `****` there too (in a
+/// host it is refused).
 #[test]
 fn check_output_and_its_errors_mask_a_secret_embedded_in_an_upstream() {
     let c = Case::new();
     c.cwd_dotenv(&format!(
         "ABX_SANDBOX_API_KEY={KEY_CWD}\nGITHUB_TOKEN={GH_TOKEN}\n\
          ABX_SANDBOX_BASE_URL=https://api.example/${{ABX_SANDBOX_API_KEY}}\n\
-         ABX_SANDBOX_DOMAIN=${{GITHUB_TOKEN}}.x.example\n"
+         ABX_SANDBOX_URL=https://envd.example/${{GITHUB_TOKEN}}\n"
     ));
     let out = c.run(&["check", "--offline"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     for line in [
         "control plane: https://api.example/****",
-        "envd: https://{port}-{sandboxId}.****.x.example",
+        "envd: https://envd.example/**** (routed by E2b-Sandbox-* headers)",
     ] {
         assert!(
             out.stdout.lines().any(|l| l == line),

@@ -887,6 +887,7 @@ impl Resolved {
             plugin,
         };
         settings.refuse_shared_listen()?;
+        settings.refuse_secret_in_host()?;
         if let ListenAddr::Tcp(addr) = settings.listen {
             if addr.port() != 0 {
                 settings.refuse_self_loop(addr)?;
@@ -1335,6 +1336,52 @@ impl Settings {
     /// A setting's value as printed: [`shown()`] with every resolved secret.
     pub fn shown(&self, value: &impl std::fmt::Display) -> String {
         shown(&value.to_string(), &self.secrets)
+    }
+
+    /// A secret a `${VAR}` (or a paste) put into an upstream's host name: masked wherever
+    /// it is printed, but a host is looked up in DNS, in clear, by whatever resolver the
+    /// machine uses, before any TLS. Its path and query go to the host alone, over TLS.
+    pub fn refuse_secret_in_host(&self) -> Result<(), Error> {
+        let plugin_key = |field: &str| {
+            (self.plugin.as_ref()).map(|p| format!("{}.{field}", p.installed.manifest.id))
+        };
+        let domain = self.sandbox_domain.as_ref().and_then(|d| {
+            let host = d.parse::<http::uri::Authority>().ok()?;
+            Some((
+                plugin_key("envd_domain"),
+                Key::SandboxDomain,
+                host.host().to_string(),
+            ))
+        });
+        let urls = [
+            (
+                plugin_key("base_url"),
+                Key::SandboxBaseUrl,
+                Some(&self.sandbox_base_url),
+            ),
+            (None, Key::SandboxUrl, self.sandbox_url.as_ref()),
+            (None, Key::TokenExchangeUrl, Some(&self.token_exchange_url)),
+        ];
+        let hosts = (urls.into_iter())
+            .filter_map(|(p, k, url)| Some((p, k, url?.host().to_string())))
+            .chain(domain);
+        for (plugin_key, key, host) in hosts {
+            let host = host.to_ascii_lowercase();
+            let held = (self.secrets.iter())
+                .map(|s| s.expose().to_ascii_lowercase())
+                .filter(|s| s.chars().count() >= shown::MIN_EMBEDDED)
+                .any(|s| host.contains(&s));
+            if held {
+                return Err(Error::InvalidSetting {
+                    key: plugin_key.unwrap_or_else(|| key.name().to_string()),
+                    reason: "its host name holds a secret (a key or token a ${VAR} or a paste \
+                             put there): a host name is looked up in DNS in clear, before any \
+                             TLS; give the upstream's own host"
+                        .into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// An upstream that is this proxy's own listener (`bound`) would make every request
