@@ -132,8 +132,12 @@ impl Proxy {
             // the request up: whatever became of it, no answer reaches the client, and
             // `unanswered` logs and counts it as 499 (nginx's "client closed request"). So
             // would hyper's dropping the request on the reset, but only when it sees the
-            // reset before the handler sees the body's error and answers.
-            if upload.as_ref().is_some_and(Moved::reset_by_client) {
+            // reset before the handler sees the body's error and answers. So has one whose
+            // connection the end of the drain's grace closed: its upload broke with the
+            // connection, and its 400 was no refusal of the client's (HTTP/1's are dropped
+            // with their connection's task, 499 too).
+            let cut = |u: &Moved| u.reset_by_client() || *this.aborting.borrow();
+            if upload.as_ref().is_some_and(cut) {
                 let mut gone = Response::new(body::empty());
                 gone.extensions_mut().insert(GaveUp);
                 return Ok(gone);

@@ -434,9 +434,13 @@ async fn with_hyper(
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
         // idle keep-alive connection; boxed, it lives only while a request does.
         let handled = Box::pin(proxy.clone().handle(req));
+        let mut handled = StreamHeld {
+            handled: Some(handled),
+            open: http2.then(|| open.clone()),
+        };
         let waiting = activity.awaiting();
         async move {
-            let resp = handled.await?;
+            let resp = handled.run().await?;
             // The client gave the request up: a cancel, as if hyper had dropped it.
             if resp.extensions().get::<GaveUp>().is_some() {
                 return Ok(resp);
@@ -764,6 +768,38 @@ pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
 /// limit is set above ours, bounded all the same: a head up to it is decoded whole before
 /// it is refused (h2 ends the connection over four times it).
 const H2_MAX_HEAD_LIST: usize = 4 * MAX_HEAD;
+
+/// A request's handling, and for an HTTP/2 stream its share of the connection. hyper runs
+/// each stream as a task of its own, which outlives the connection's task when the drain's
+/// grace ends: without a share the drain was over at once, and the process exited before
+/// such a request was dropped and logged 499 (HTTP/1's are, by the connection's task).
+/// Dropped before its answer, the handling goes first (its 499), then this thread's lines,
+/// then the share; answered, the share goes, and the lines wait for the worker's batch.
+struct StreamHeld<F> {
+    handled: Option<std::pin::Pin<Box<F>>>,
+    open: Option<Arc<OpenConnection>>,
+}
+
+impl<F: std::future::Future> StreamHeld<F> {
+    async fn run(&mut self) -> F::Output {
+        let Some(handled) = self.handled.as_mut() else {
+            return std::future::pending().await;
+        };
+        let answered = handled.await;
+        self.open = None;
+        answered
+    }
+}
+
+impl<F> Drop for StreamHeld<F> {
+    fn drop(&mut self) {
+        self.handled = None;
+        if let Some(open) = self.open.take() {
+            crate::logging::flush_thread();
+            drop(open);
+        }
+    }
+}
 
 /// Streams one HTTP/2 client connection may have open at once.
 const H2_MAX_STREAMS: u32 = 100;
