@@ -5029,6 +5029,83 @@ async fn an_http2_answer_waiting_on_a_moving_upload_outlives_the_idle_timeout() 
     proxy.finish().await;
 }
 
+/// One upload on an HTTP/2 connection stalled unread (here its request waits for an envd
+/// token look-up the control plane never answers) holds its stream's window, a MiB, and
+/// no more: another upload on the connection goes through. The connection's window was
+/// the stream's, which the stalled stream took whole, and every other upload on the
+/// connection waited for the stalled one's `--upstream-timeout` (300 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upload_stalled_unread_leaves_room_for_the_others_on_its_connection() {
+    const MIB: usize = 1 << 20;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |req| async move {
+        if req.uri().path() == "/sandboxes/isb-stalled" {
+            std::future::pending::<()>().await;
+        }
+        let body = req.into_body().collect().await;
+        response(
+            200,
+            format!("got {}", body.map_or(0, |b| b.to_bytes().len())),
+        )
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .env("ABX_SANDBOX_URL", Some(&upstream.url()))
+        .shutdown_grace("1s")
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (client, conn) = h2::client::handshake(connect_raw(addr).await)
+        .await
+        .expect("h2 handshake");
+    let conn = tokio::spawn(conn);
+    // Sends `n` bytes as the windows allow, then the end if `end`.
+    async fn send(up: &mut h2::SendStream<Bytes>, n: usize, end: bool) {
+        up.reserve_capacity(n);
+        let mut sent = 0;
+        while sent < n {
+            let room = std::future::poll_fn(|cx| up.poll_capacity(cx)).await;
+            let room = room.expect("room").expect("the stream open");
+            up.send_data(Bytes::from(vec![b'x'; room.min(n - sent)]), false)
+                .expect("data");
+            sent += room.min(n - sent);
+        }
+        if end {
+            up.send_data(Bytes::new(), true).expect("the end");
+        }
+    }
+    let post = |path: &str, sandbox: Option<&str>| {
+        let mut req = http::Request::post(format!("http://{addr}{path}"));
+        if let Some(id) = sandbox {
+            req = req.header("e2b-sandbox-id", id);
+        }
+        req.header("x-api-key", "dummy").body(()).expect("request")
+    };
+    // The stalled upload: a whole stream window sent (the client's count: whatever the
+    // proxy had read of it, this much of the connection's window is spent).
+    let mut client = within("a stream", client.ready()).await.expect("ready");
+    let (stalled, mut stalled_up) =
+        (client.send_request(post("/files?path=/f", Some("isb-stalled")), false)).expect("send");
+    within("a stream window sent", send(&mut stalled_up, MIB, false)).await;
+    // Another, a MiB too, to the control plane: through while the first stays stalled.
+    let mut client = within("a stream", client.ready()).await.expect("ready");
+    let (answer, mut up) = client
+        .send_request(post("/upload", None), false)
+        .expect("send");
+    within("the other upload sent", send(&mut up, MIB, true)).await;
+    let answer = within("its answer", answer).await.expect("answer");
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    let mut got = Vec::new();
+    while let Some(chunk) = within("its body", body.data()).await {
+        got.extend_from_slice(&chunk.expect("chunk"));
+    }
+    assert_eq!(String::from_utf8_lossy(&got), format!("got {MIB}"));
+    drop((stalled, stalled_up, client));
+    conn.abort();
+    proxy.finish().await;
+}
+
 /// A connection that keeps a copy of every byte it reads.
 struct Recorded {
     inner: TcpStream,

@@ -759,7 +759,7 @@ pub fn http_builder(config: &ServeConfig) -> auto::Builder<TokioExecutor> {
         .max_concurrent_streams(H2_MAX_STREAMS)
         .max_send_buf_size(H2_SEND_BUF)
         .initial_stream_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_STREAM_WINDOW);
+        .initial_connection_window_size(H2_CONNECTION_WINDOW);
     b
 }
 
@@ -805,10 +805,15 @@ impl<F> Drop for StreamHeld<F> {
 const H2_MAX_STREAMS: u32 = 100;
 /// Answer bytes buffered per HTTP/2 stream for a client that does not read them.
 const H2_SEND_BUF: usize = 64 * 1024;
-/// What an HTTP/2 client may send of request bodies before the proxy takes them, on one
-/// stream and on the connection: hyper's defaults, named for the frame budget (see
-/// [`Activity::dropped_body`]).
+/// What an HTTP/2 client may send of a request body before the proxy takes it: hyper's
+/// default, named for the frame budget (see [`Activity::dropped_body`]).
 pub(super) const H2_STREAM_WINDOW: u32 = 1 << 20;
+/// And of all its request bodies on one connection. hyper's default is the stream's:
+/// one upload whose upstream stopped reading took all of it, and every other upload on
+/// the connection waited for that one's `--upstream-timeout` (the upstream side's window
+/// is wider for the same reason, see `upstream`). Three may stall and leave room; a
+/// connection buffers 4 MiB at most of what its client sent and the proxy has not taken.
+const H2_CONNECTION_WINDOW: u32 = 4 * H2_STREAM_WINDOW;
 
 pub(crate) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
