@@ -19,6 +19,9 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     pub in_flight: IntGaugeVec,
     pub open_connections: IntGauge,
+    /// The client connections served at once, at most: `open_connections` at it means new
+    /// ones wait in the accept queue (set at start).
+    pub max_connections: IntGauge,
     pub token_exchanges: IntCounterVec,
     pub token_expiry: Gauge,
     pub envd_tokens: IntGauge,
@@ -238,6 +241,10 @@ impl Metrics {
             "abx_proxy_open_connections",
             "Downstream (client) connections open.",
         )?;
+        let max_connections = IntGauge::new(
+            "abx_proxy_max_connections",
+            "Downstream connections served at once at most (--max-connections, or what the open-file limit leaves room for); past it new ones wait to be accepted.",
+        )?;
         let token_exchanges = IntCounterVec::new(
             Opts::new(
                 "abx_proxy_token_exchanges_total",
@@ -303,6 +310,7 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(open_connections.clone()))?;
+        registry.register(Box::new(max_connections.clone()))?;
         registry.register(Box::new(token_exchanges.clone()))?;
         registry.register(Box::new(token_expiry.clone()))?;
         registry.register(Box::new(envd_tokens.clone()))?;
@@ -337,6 +345,7 @@ impl Metrics {
             upstream_errors,
             in_flight,
             open_connections,
+            max_connections,
             token_exchanges,
             token_expiry,
             envd_tokens,

@@ -126,6 +126,7 @@ async fn serve(
     })?);
     // Once: a reload swapping in a new pair uses it too, never reading the files again.
     let trust = crate::upstream::tls_config(options.upstream_ca.as_deref())?;
+    (metrics.max_connections).set(i64::try_from(options.max_connections).unwrap_or(i64::MAX));
     let credential = ApiCredential::start(&settings, &options, &trust, &metrics)?;
     let proxy = Arc::new(Proxy::new(
         &settings, &options, &trust, credential, metrics,

@@ -152,6 +152,12 @@ async fn metrics_pass_promtool_and_count_exactly_the_requests_made() {
         ),
         Some(1.0)
     );
+    // The slots served: --max-connections's 10 000, or what the open-file limit leaves.
+    let slots = series(&before, "abx_proxy_max_connections", &[]);
+    assert!(
+        slots.is_some_and(|n| (1.0..=10_000.0).contains(&n)),
+        "{before}"
+    );
     for name in [
         "abx_proxy_open_connections",
         "abx_proxy_envd_tokens",
