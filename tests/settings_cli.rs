@@ -1863,20 +1863,66 @@ fn a_config_toml_that_cannot_be_read_stops_the_command() {
 }
 
 /// A `.env` that is not UTF-8 (saved in a legacy code page) fails naming the file and the
-/// reason, as python-dotenv fails on it; the bytes themselves are never printed.
+/// reason, as python-dotenv fails on it; the bytes themselves are never printed. In a
+/// shared `./.env`, a line that sets nothing abx-proxy reads (another tool's) is skipped
+/// with a warning, as a line of another syntax is (a comment without a word); one that
+/// sets ours, and any in `~/.abx/.env`, still fail the file.
 #[test]
 fn a_dotenv_that_is_not_utf8_says_so() {
     let c = Case::new();
-    std::fs::write(c.cwd.join(".env"), b"GREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\n").expect("write");
+    std::fs::write(
+        c.cwd.join(".env"),
+        b"# caf\xe9 au lait\nGREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\r\nALIBABA_CLOUD_REGION_ID=cn-beijing\n",
+    )
+    .expect("write");
     let out = c.run(&["config", "get", "region"]);
-    assert_eq!(out.code, 78, "{}", out.stderr);
-    assert!(
-        out.stderr.contains("[E1006] cannot read ./.env")
-            && out.stderr.contains("not UTF-8 text (line 1)"),
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "cn-beijing\n"),
         "{}",
         out.stderr
     );
-    assert!(!out.stderr.contains("sk-cwd"), "{}", out.stderr);
+    let said: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("skipped"))
+        .collect();
+    assert_eq!(said.len(), 1, "{}", out.stderr);
+    assert!(
+        said[0].starts_with("warning: ./.env (")
+            && said[0].ends_with(
+                "): line 2 skipped: not UTF-8 text, and it sets no setting abx-proxy reads"
+            ),
+        "{}",
+        out.stderr
+    );
+    for (file, text, line) in [
+        (
+            c.cwd.join(".env"),
+            &b"GREETING=hi\nABX_SANDBOX_API_KEY=gr\xfc\xdfe-sk-cwd-9f8e7d\n"[..],
+            2,
+        ),
+        (c.cwd.join(".env"), b"ABX_\xfcX=1\n", 1),
+        (
+            c.abx_dir().join(".env"),
+            b"GREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\n",
+            1,
+        ),
+    ] {
+        std::fs::write(&file, text).expect("write");
+        let out = c.run(&["config", "get", "region"]);
+        assert_eq!(out.code, 78, "{}", out.stderr);
+        assert!(
+            out.stderr.contains("[E1006] cannot read ")
+                && out
+                    .stderr
+                    .contains(&format!("not UTF-8 text (line {line})")),
+            "{}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("sk-cwd"), "{}", out.stderr);
+        std::fs::remove_file(&file).expect("unlink");
+    }
 }
 
 #[test]

@@ -94,17 +94,84 @@ pub fn read_dotenv(
         return Ok(HashMap::new());
     }
     warn_if_shared(path, label, warnings);
+    let unread = |e: std::io::Error| Error::ReadFile {
+        path: shown.clone(),
+        reason: e.to_string(),
+    };
     // Read once: the parser, the line numbers of its errors and the warnings share it.
-    let text = crate::watched::read_regular(path)
-        .and_then(crate::watched::utf8)
-        .map_err(|e| Error::ReadFile {
-            path: shown.clone(),
-            reason: e.to_string(),
-        })?;
+    let bytes = crate::watched::read_regular(path).map_err(unread)?;
+    let shown_once: Arc<str> = Arc::from(shown.as_str());
+    let (bytes, mut not_utf8) = match skipped {
+        Some(_) => foreign_not_utf8(bytes, &shown_once),
+        None => (bytes, Vec::new()),
+    };
+    let text = crate::watched::utf8(bytes).map_err(unread)?;
     let text = lines_ended(text);
-    let vars = collect_dotenv(&text, &shown, skipped)?;
+    let vars = match skipped {
+        Some(skipped) => {
+            let vars = collect_dotenv(&text, &shown, Some(&mut *skipped))?;
+            // In file order, the lines skipped for their bytes among those for their syntax.
+            skipped.append(&mut not_utf8);
+            skipped.sort_by_key(|s| s.line);
+            vars
+        }
+        None => collect_dotenv(&text, &shown, None)?,
+    };
     warnings.extend(substitution_warnings(&text, &shown, &vars));
     Ok(vars)
+}
+
+/// A shared `./.env`'s lines that are not UTF-8 (a Latin-1 `GREETING=café` another tool
+/// reads) and set nothing abx-proxy always reads: each blanked, its number kept, and set
+/// aside as a skipped line, as one dotenvy cannot parse is; such a comment is blanked.
+/// One that may set ours, or names nothing, or a file in UTF-16 (every line of which is
+/// not UTF-8), is left as it is: [`watched::utf8`] fails the file and says where.
+///
+/// [`watched::utf8`]: crate::watched::utf8
+fn foreign_not_utf8(bytes: Vec<u8>, shown: &Arc<str>) -> (Vec<u8>, Vec<SkippedLine>) {
+    let utf16 = bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]);
+    if utf16 || bytes.contains(&0) || std::str::from_utf8(&bytes).is_ok() {
+        return (bytes, Vec::new());
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut skipped = Vec::new();
+    // Numbered as `lines_ended` will number them: `\r\n`, `\r` and `\n` each end one.
+    let mut number = 1;
+    let mut rest = &bytes[..];
+    while !rest.is_empty() {
+        let end = rest.iter().position(|b| *b == b'\n' || *b == b'\r');
+        let (line, ending) = match end {
+            Some(i) => {
+                let len = if rest[i..].starts_with(b"\r\n") { 2 } else { 1 };
+                (&rest[..i], &rest[i..i + len])
+            }
+            None => (rest, &rest[rest.len()..]),
+        };
+        match std::str::from_utf8(line) {
+            Ok(_) => out.extend_from_slice(line),
+            // A comment sets nothing: blanked without a word.
+            Err(_) if String::from_utf8_lossy(line).trim_start().starts_with('#') => {}
+            Err(_) => {
+                let lossy = String::from_utf8_lossy(line);
+                let name = line_name(&lossy).filter(|n| !n.contains('\u{fffd}'));
+                let ours = OURS.iter().any(|n| lossy.contains(n));
+                match name {
+                    Some(name) if !ours && !is_ours(name) => skipped.push(SkippedLine {
+                        shown: shown.clone(),
+                        line: number,
+                        names: name.into(),
+                        cause: Cause::NotUtf8,
+                    }),
+                    // Left whole: the file fails, naming this line.
+                    _ => return (bytes, Vec::new()),
+                }
+            }
+        }
+        out.extend_from_slice(ending);
+        rest = &rest[line.len() + ending.len()..];
+        number += 1;
+    }
+    (out, skipped)
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
@@ -298,8 +365,12 @@ impl SkippedLine {
 
     /// Names the file and the line, never the text.
     pub fn warning(&self) -> String {
+        let why = match self.cause {
+            Cause::NotUtf8 => "not UTF-8 text",
+            _ => "not dotenv syntax",
+        };
         format!(
-            "{}: line {} skipped: not dotenv syntax, and it sets no setting abx-proxy reads",
+            "{}: line {} skipped: {why}, and it sets no setting abx-proxy reads",
             self.shown, self.line
         )
     }
@@ -527,6 +598,8 @@ enum Cause {
     Nul,
     /// A `$` dotenvy does not read (see [`dollar_is_the_cause`]).
     Dollar,
+    /// Bytes that are not UTF-8 (see [`foreign_not_utf8`]).
+    NotUtf8,
 }
 
 impl Cause {
@@ -547,6 +620,12 @@ fn line_error(shown: &str, line: usize, cause: Cause) -> Error {
     let hint = match cause {
         Cause::Syntax => return syntax_error(shown, line),
         Cause::Nul => "NUL bytes (UTF-16 text? save it as UTF-8)",
+        Cause::NotUtf8 => {
+            return Error::ReadFile {
+                path: shown.to_string(),
+                reason: format!("not UTF-8 text (line {line})"),
+            }
+        }
         Cause::Dollar => {
             "dotenvy reads no `$` (or `$NAME`) just before a closing double quote; write \
              `${NAME}`, or `\\$` for a dollar sign"
@@ -914,6 +993,32 @@ pub fn abx_home(var: impl Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shared file's lines that are not UTF-8 are blanked where they were, each line
+    /// ending kept (`\r\n`, a lone `\r`, `\n`, none at the end), and numbered as the
+    /// parser numbers them; a comment without a word, one of ours or one naming nothing
+    /// leaves the file whole, and so does UTF-16.
+    #[test]
+    fn lines_that_are_not_utf8_are_blanked_in_place() {
+        let shown: Arc<str> = Arc::from("./.env");
+        let (out, skipped) =
+            foreign_not_utf8(b"A=1\r\nB=\xff\rC=2\n# caf\xe9\nD=\xfe".to_vec(), &shown);
+        assert_eq!(out, b"A=1\r\n\rC=2\n\n");
+        let lines: Vec<usize> = skipped.iter().map(|s| s.line).collect();
+        assert_eq!(lines, [2, 5]);
+        assert!(skipped[1]
+            .warning()
+            .contains("line 5 skipped: not UTF-8 text"));
+        for whole in [
+            &b"A=1\nABX_SANDBOX_API_KEY=\xff\n"[..],
+            b"A=1\n\xff\n",
+            b"\xff\xfeA\x00=\x001\x00",
+            b"A=1\n",
+        ] {
+            let (out, skipped) = foreign_not_utf8(whole.to_vec(), &shown);
+            assert_eq!((out.as_slice(), skipped.len()), (whole, 0));
+        }
+    }
 
     /// Failing entries are found in order, each past the one before, with their numbers:
     /// on line 1 with or without its byte-order mark, and twice the same broken value.
