@@ -5771,6 +5771,71 @@ async fn requests_cut_by_a_drain(grace: &str) -> (String, Duration) {
     (stderr, took)
 }
 
+/// Every slot held, two by keep-alive connections idle between requests (a client's pool)
+/// and one by a request waiting for its answer: the idle ones are closed to make room and
+/// a new client is served at once, as nginx reuses keep-alive connections; the busy one
+/// stays. They kept their slots until `--idle-timeout` (300 s), and the new client got no
+/// answer at all while `/readyz` said 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_slot_in_use_idle_keep_alive_connections_make_room() {
+    let pki = Pki::new();
+    let (release_tx, release) = watch::channel(false);
+    let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
+        let mut release = release.clone();
+        async move {
+            if req.uri().path() == "/hold" {
+                let _ = release.wait_for(|r| *r).await;
+                return response(200, "held");
+            }
+            response(200, "ok")
+        }
+    })
+    .await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "3"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let mut busy = connect_raw(addr).await;
+    busy.write_all(get("/hold").as_bytes())
+        .await
+        .expect("write");
+    upstream.next_request().await;
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect_raw(addr).await;
+        s.write_all(get("/sandboxes").as_bytes())
+            .await
+            .expect("write");
+        let mut buf = Vec::new();
+        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
+        upstream.next_request().await;
+        idle.push(s);
+    }
+    let full = scrape(proxy.admin_addr()).await;
+    assert_eq!(metric(&full, "abx_proxy_open_connections"), Some(3.0));
+
+    let mut new = connect_raw(addr).await;
+    new.write_all(get("/sandboxes").as_bytes())
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let served = within("the new client's answer", read_response(&mut new, &mut buf)).await;
+    assert_eq!(served.status, 200);
+    for mut s in idle {
+        let mut rest = Vec::new();
+        let read = within("an idle connection closed", s.read_to_end(&mut rest)).await;
+        assert_eq!(read.expect("a clean close"), 0);
+    }
+    // The busy one was not closed: its request gets its answer.
+    release_tx.send_replace(true);
+    let mut buf = Vec::new();
+    let held = within("the held answer", read_response(&mut busy, &mut buf)).await;
+    assert_eq!((held.status, held.text().as_str()), (200, "held"));
+    proxy.finish().await;
+}
+
 /// An upstream that takes every request and never answers.
 async fn hanging_upstream(pki: &Pki) -> Upstream {
     Upstream::start(pki, Proto::Http1, |_req| async {

@@ -155,6 +155,9 @@ pub struct Proxy {
     draining: tokio::sync::watch::Sender<bool>,
     /// Set when the drain's grace is over: every connection ends now (see [`Proxy::abort`]).
     pub(crate) aborting: tokio::sync::watch::Sender<bool>,
+    /// The client connections' tasks, for those idle to be asked to close when every slot
+    /// is in use (see `listener::reuse`).
+    pub(crate) listed: listener::reuse::Listed,
 }
 
 impl Proxy {
@@ -233,6 +236,7 @@ impl Proxy {
             idle_timeout: options.idle_timeout,
             draining: tokio::sync::watch::Sender::new(false),
             aborting: tokio::sync::watch::Sender::new(false),
+            listed: listener::reuse::Listed::default(),
         })
     }
 

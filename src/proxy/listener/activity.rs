@@ -75,6 +75,9 @@ struct Clocks {
     /// holds the slot, idle ones included, and few ever fill it.
     parked: std::sync::Mutex<Option<Box<(http::Uri, Instant)>>>,
     has_parked: AtomicBool,
+    /// Every slot is in use, and this connection was asked to close if it is idle between
+    /// requests (see [`super::reuse`]).
+    asked: AtomicBool,
 }
 
 /// What [`Clocks::cut`] holds.
@@ -419,6 +422,18 @@ impl Activity {
             || self.clocks.has_parked.load(Ordering::Relaxed)
     }
 
+    /// Nothing in progress as far as the connection's clocks say: no request waiting for
+    /// its answer, no HTTP/2 stream open, no answer going out, no head begun. Whether it
+    /// served a request yet is its task's to say (see [`watchdog`]).
+    pub(super) fn between_requests(&self) -> bool {
+        !self.busy() && !self.answer_owed() && self.head_began().is_none()
+    }
+
+    /// Every slot is in use: close if idle between requests (see [`super::reuse`]).
+    pub(super) fn ask_to_close(&self) {
+        self.clocks.asked.store(true, Ordering::Relaxed);
+    }
+
     /// The head in progress is empty lines only (hyper's path): no request begun.
     pub(super) fn head_is_blank(&self) -> bool {
         self.clocks.blank.load(Ordering::Relaxed)
@@ -566,11 +581,18 @@ pub(super) struct Told {
 /// of seeing a reset it cannot judge. hyper's graceful shutdown sends it, told by
 /// [`Told::idle`]; the connection is cut [`GOAWAY_WAIT`] later if it has not closed,
 /// unless a request the GOAWAY let in is under way, which is then watched as any.
+///
+/// Asked to close while every slot is in use ([`Activity::ask_to_close`]), a connection
+/// that has served a request and is idle between requests closes as an idle one does,
+/// whatever its time; one that is not, or no longer, stays.
 pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     // The idle GOAWAY (or close_notify) has gone out.
     let mut told_idle = false;
     loop {
+        let reclaimed = activity.clocks.asked.swap(false, Ordering::Relaxed)
+            && told.headed.load(Ordering::Relaxed)
+            && activity.between_requests();
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
@@ -579,8 +601,8 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
         if let Some(began) = activity.head_began() {
             deadline = deadline.min(began + config.header_timeout);
         }
-        if Instant::now() >= deadline {
-            let idle = Instant::now() >= activity.last_moved() + config.idle_timeout;
+        if reclaimed || Instant::now() >= deadline {
+            let idle = reclaimed || Instant::now() >= activity.last_moved() + config.idle_timeout;
             let http2 = activity.is_http2();
             // A head sent on behind a request is not the client's to finish while it is
             // owed that request's answer: its head (a wait `--upstream-timeout` bounds, so
@@ -662,7 +684,8 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
         // to register: a connection the fast path serves pays one load per poll.
         let mut sleep = pin!(tokio::time::sleep_until(deadline.into()));
         std::future::poll_fn(|cx| {
-            if activity.head_mark() != head {
+            let asked = activity.clocks.asked.load(Ordering::Relaxed);
+            if activity.head_mark() != head || asked {
                 return Poll::Ready(());
             }
             sleep.as_mut().poll(cx)

@@ -275,6 +275,25 @@ async fn remove_stale_socket(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Whether a connection waits in the kernel's accept queue: a readiness check that takes
+/// none (`poll` with no wait), for the accept loop to know that a client waits for a slot.
+pub(super) fn has_waiting(listener: &Listener) -> bool {
+    use std::os::fd::AsFd;
+    let fd = match listener {
+        Listener::Tcp(l) => l.as_fd(),
+        Listener::Unix(l, _) => l.as_fd(),
+    };
+    let mut fds = [rustix::event::PollFd::new(
+        &fd,
+        rustix::event::PollFlags::IN,
+    )];
+    let now = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(n) if n > 0)
+}
+
 pub(super) async fn accept(listener: &Listener) -> io::Result<Sock> {
     match listener {
         Listener::Tcp(l) => {

@@ -1,0 +1,81 @@
+//! Connections that may be closed to make room: when every slot of `--max-connections` is
+//! in use, those idle between requests longest are told to close, as nginx reuses its
+//! keep-alive connections when it runs short ("worker_connections are not enough,
+//! reusing connections"). Without it, clients' pools holding idle connections kept every
+//! slot until `--idle-timeout` (300 s) while a new client got no answer at all, and
+//! `/readyz` said 200.
+//!
+//! Each connection's task lists itself here for its life (its [`Activity`] and its
+//! task's waker); the accept loop picks, from what each `Activity` says, the ones idle
+//! longest and asks them ([`Activity::ask_to_close`]); each one's watchdog decides again
+//! on its own task (a request may have begun meanwhile) and closes as an idle connection
+//! does: at once over plain HTTP/1, after a GOAWAY or TLS `close_notify` otherwise.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::task::Waker;
+use std::time::Instant;
+
+use super::Activity;
+
+/// Connections asked at once, at most (nginx's figure): a full proxy frees a few slots a
+/// round, not every idle connection of every client at once.
+const AT_ONCE: usize = 32;
+
+/// The connections' tasks, by a number of their own.
+#[derive(Default)]
+pub(crate) struct Listed {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    next: u64,
+    conns: HashMap<u64, (Activity, Waker)>,
+}
+
+/// A connection's place in [`Listed`], for its task's life.
+pub(super) struct Place<'a> {
+    listed: &'a Listed,
+    id: u64,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        self.listed.lock().conns.remove(&self.id);
+    }
+}
+
+impl Listed {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lists a connection until the returned place is dropped; `task` wakes its task.
+    pub(super) fn list(&self, activity: &Activity, task: Waker) -> Place<'_> {
+        let mut inner = self.lock();
+        let id = inner.next;
+        inner.next += 1;
+        inner.conns.insert(id, (activity.clone(), task));
+        Place { listed: self, id }
+    }
+
+    /// Asks the connections idle between requests longest, up to [`AT_ONCE`], to close.
+    /// How many were asked.
+    pub(super) fn reclaim(&self) -> usize {
+        let inner = self.lock();
+        let mut idle: Vec<(Instant, &(Activity, Waker))> = (inner.conns.values())
+            .filter(|(activity, _)| activity.between_requests())
+            .map(|entry| (entry.0.last_moved(), entry))
+            .collect();
+        if idle.len() > AT_ONCE {
+            idle.select_nth_unstable_by_key(AT_ONCE, |(since, _)| *since);
+            idle.truncate(AT_ONCE);
+        }
+        for (_, (activity, task)) in &idle {
+            activity.ask_to_close();
+            task.wake_by_ref();
+        }
+        idle.len()
+    }
+}
