@@ -90,17 +90,30 @@ pub fn raise_open_file_limit(max_connections: usize, workers: usize) -> Result<B
         // No warning of what a limit that is refused below would serve.
         Ok(limit) if limit < least(workers) => limit,
         Ok(limit) => {
-            let serving = budget(limit, max_connections, workers).clients;
+            let budget = budget(limit, max_connections, workers);
+            let serving = budget.clients;
+            // Every client served, the upstream connections are what is short.
+            let short = if serving >= max_connections {
+                format!(
+                    "every client connection is served, but upstream connections are held to \
+                     {}",
+                    budget.upstream
+                )
+            } else {
+                format!(
+                    "serving {serving} connection{} at once, the others wait in the kernel's \
+                     accept queue",
+                    if serving == 1 { "" } else { "s" }
+                )
+            };
             tracing::warn!(
                 limit,
                 needed,
                 max_connections,
                 serving,
                 "the open-file limit is below what --max-connections needs (two per \
-                 connection, a reserve and four per worker thread): serving {serving} \
-                 connection{s} at once, the others wait in the kernel's accept queue; raise \
-                 it (LimitNOFILE=, ulimit -n) or lower --max-connections",
-                s = if serving == 1 { "" } else { "s" }
+                 connection, a reserve and four per worker thread): {short}; raise it \
+                 (LimitNOFILE=, ulimit -n) or lower --max-connections"
             );
             limit
         }

@@ -243,7 +243,7 @@ impl Metrics {
         )?;
         let max_connections = IntGauge::new(
             "abx_proxy_max_connections",
-            "Downstream connections served at once at most (--max-connections, or what the open-file limit leaves room for); past it new ones wait to be accepted.",
+            "Downstream connections served at once at most (--max-connections, or what the open-file limit leaves room for); at it new ones wait to be accepted.",
         )?;
         let token_exchanges = IntCounterVec::new(
             Opts::new(

@@ -623,6 +623,7 @@ impl Running {
         // receipt again, and lists the installed ones.
         let flags = self.flags.clone();
         let options = self.options.clone();
+        let seen_listen = self.seen_settings.listen.clone();
         let read = reader.run("the settings", move || {
             let (resolved, mut warnings) = commands::resolve_unsaid(&flags)?;
             // What the next start would refuse, as `check` and `serve` refuse it: a
@@ -630,8 +631,9 @@ impl Running {
             // restart, which then exited 78.
             let next = (resolved.validate())
                 .and_then(|next| options.refuse_exposure(&next.listen).map(|()| next));
-            // And what it would warn of (a TLS listener moved beyond loopback).
-            if let Ok(next) = &next {
+            // And what it would warn of (a TLS listener moved beyond loopback), once: said
+            // again at every reload (a key rotated each hour), it was noise.
+            if let Some(next) = next.as_ref().ok().filter(|n| n.listen != seen_listen) {
                 warnings.extend(options.exposure_warning(&next.listen));
             }
             let selection = resolved.selection_warnings();

@@ -1097,7 +1097,25 @@ async fn the_open_file_limit_is_raised_for_max_connections() {
     );
     let stderr = proxy.finish().await;
     assert!(
-        stderr.contains("open-file limit is below what --max-connections needs"),
+        stderr.contains("open-file limit is below what --max-connections needs")
+            && stderr.contains("the others wait in the kernel's accept queue"),
+        "{stderr}"
+    );
+    // Short for the upstream connections alone: every client is served, and said so.
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .launcher(&[
+            "prlimit",
+            &format!("--nofile={START_SOFT}:{}", hard.min(256)),
+            "--",
+        ])
+        .env("TOKIO_WORKER_THREADS", Some("2"))
+        .args(&["--max-connections", "50"])
+        .spawn()
+        .await;
+    let stderr = proxy.finish().await;
+    assert!(
+        stderr.contains("every client connection is served, but upstream connections are held")
+            && !stderr.contains("the others wait"),
         "{stderr}"
     );
 }
@@ -1971,6 +1989,15 @@ async fn a_reload_moving_a_tls_listener_beyond_loopback_warns_as_the_start_would
         matches!((said, applied), (Some(s), Some(a)) if s < a),
         "{stderr}"
     );
+    // Said once: a reload that leaves it there (a key rotated) says nothing of it again.
+    proxy
+        .reload_env(
+            "ABX_PROXY_LISTEN=0.0.0.0:0\n# rotated\n",
+            "no setting changed",
+        )
+        .await;
+    let stderr = proxy.stderr();
+    assert_eq!(stderr.matches(warning).count(), 1, "{stderr}");
     proxy.finish().await;
 }
 

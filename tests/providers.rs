@@ -1117,6 +1117,30 @@ async fn a_plugin_upstream_moved_by_the_cwd_env_is_warned_about_and_errors_name_
         "{}",
         text(&out)
     );
+
+    // The plugin's key in one of its hosts: looked up in DNS in clear, refused by name.
+    for (name, field) in [
+        ("ABX_E2B_BASE_URL", "base_url"),
+        ("ABX_E2B_ENVD_DOMAIN", "envd_domain"),
+    ] {
+        let value = match field {
+            "base_url" => "https://e2b-key-in-home-7qw.example",
+            _ => "e2b-key-in-home-7qw.example",
+        };
+        let out = abx(home.path(), &[(name, value)], &["check", "--offline"]).await;
+        assert_eq!(out.status.code(), Some(78), "{}", text(&out));
+        let said = format!("[E1005] invalid value for e2b.{field} ({name} from env)");
+        assert!(
+            text(&out).contains(&said) && text(&out).contains("holds a secret"),
+            "{}",
+            text(&out)
+        );
+        assert!(
+            !text(&out).to_ascii_lowercase().contains("e2b-key-in-home"),
+            "{}",
+            text(&out)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

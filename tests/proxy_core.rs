@@ -1381,11 +1381,20 @@ async fn serve_refuses_a_secret_embedded_in_an_upstream_host() {
             format!("ABX_TOKEN_EXCHANGE_URL=http://${{GITHUB_TOKEN}}:{port}\n"),
         ),
     ] {
-        let (status, stderr) = ProxyCmd::new(&format!("http://127.0.0.1:{port}"), &pki)
+        let mut cmd = ProxyCmd::new(&format!("http://127.0.0.1:{port}"), &pki)
             .omit(&["--sandbox-base-url"])
-            .cwd_dotenv(&format!("GITHUB_TOKEN=localhost\n{dotenv}"))
-            .run_to_exit()
-            .await;
+            .cwd_dotenv(&format!("GITHUB_TOKEN=localhost\n{dotenv}"));
+        // The exchange endpoint is looked up for an AccessKey pair only.
+        if key == "token_exchange_url" {
+            cmd = cmd
+                .env("ABX_SANDBOX_API_KEY", None)
+                .env("ALICLOUD_ACCESS_KEY_ID", Some("LTAI5tPxMaskedHostId"))
+                .env(
+                    "ALICLOUD_ACCESS_KEY_SECRET",
+                    Some("masked-host-secret-0123456789"),
+                );
+        }
+        let (status, stderr) = cmd.run_to_exit().await;
         assert_eq!(status.code(), Some(78), "{key}: {stderr}");
         assert!(
             stderr.contains(&format!("[E1005] invalid value for {key}"))

@@ -1221,6 +1221,17 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
             assert!(!out.stderr.contains(KEY_ENV), "{}", out.stderr);
         }
     }
+    // Envd at the control plane's own address: said once.
+    let mut c = Case::new();
+    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+    c.flag("--sandbox-base-url", "http://sandbox.example:8080")
+        .flag("--sandbox-url", "http://sandbox.example:8080");
+    let out = c.run(&["check", "--offline"]);
+    let said = out
+        .stderr
+        .matches("crosses the network unencrypted")
+        .count();
+    assert_eq!((out.code, said), (0, 1), "{}", out.stderr);
 }
 
 /// `config list|get` show a value `check` and `serve` refuse (E1005) as it resolved, and
@@ -2145,27 +2156,37 @@ fn config_list_and_get_mask_a_urls_password_and_query_values_and_an_embedded_sec
 /// `check --offline` as by `serve`. In a path it goes to the host alone, over TLS: taken.
 #[test]
 fn a_secret_in_an_upstream_host_name_is_refused() {
-    for (dotenv, key) in [
+    // (a .env line, the setting refused, whether the credential is an AccessKey pair)
+    for (dotenv, key, pair) in [
         (
             "ABX_SANDBOX_DOMAIN=${GITHUB_TOKEN}.x.example\n",
             "sandbox_domain",
+            false,
         ),
         (
             "ABX_SANDBOX_BASE_URL=https://${ABX_SANDBOX_API_KEY}.example/v1\n",
             "sandbox_base_url",
+            false,
         ),
         (
             "ABX_SANDBOX_URL=http://${GITHUB_TOKEN}:8080\n",
             "sandbox_url",
+            false,
         ),
         (
-            "ABX_TOKEN_EXCHANGE_URL=https://X${GITHUB_TOKEN}.example\n",
+            "ABX_TOKEN_EXCHANGE_URL=https://X${ALICLOUD_ACCESS_KEY_SECRET}.example\n",
             "token_exchange_url",
+            true,
         ),
     ] {
         let mut c = Case::new();
-        c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
-            .env("GITHUB_TOKEN", GH_TOKEN);
+        c.env("GITHUB_TOKEN", GH_TOKEN);
+        if pair {
+            c.env("ALICLOUD_ACCESS_KEY_ID", AK_ID)
+                .env("ALICLOUD_ACCESS_KEY_SECRET", AK_SECRET_ENV);
+        } else {
+            c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
+        }
         c.cwd_dotenv(dotenv);
         let out = c.run(&["check", "--offline"]);
         let said = format!("[E1005] invalid value for {key}");
@@ -2174,13 +2195,24 @@ fn a_secret_in_an_upstream_host_name_is_refused() {
             "{dotenv}: {}",
             out.stderr
         );
-        assert!(!out.stderr.contains(KEY_ENV) && !out.stderr.contains(GH_TOKEN));
+        for secret in [KEY_ENV, GH_TOKEN, AK_SECRET_ENV] {
+            assert!(!out.stderr.contains(secret), "{}", out.stderr);
+        }
     }
-    let mut c = Case::new();
-    c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    c.cwd_dotenv("ABX_SANDBOX_BASE_URL=https://api.example/${ABX_SANDBOX_API_KEY}/v1\n");
-    let out = c.run(&["check", "--offline"]);
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    // Taken: a secret in a path (it goes to that host alone, over TLS), and hosts never
+    // looked up (the exchange endpoint with an API key, a domain sandbox_url stands in for).
+    for dotenv in [
+        "ABX_SANDBOX_BASE_URL=https://api.example/${ABX_SANDBOX_API_KEY}/v1\n",
+        "ABX_TOKEN_EXCHANGE_URL=https://${GITHUB_TOKEN}.example\n",
+        "ABX_SANDBOX_URL=https://envd.example\nABX_SANDBOX_DOMAIN=${GITHUB_TOKEN}.x.example\n",
+    ] {
+        let mut c = Case::new();
+        c.env("ABX_SANDBOX_API_KEY", KEY_ENV)
+            .env("GITHUB_TOKEN", GH_TOKEN);
+        c.cwd_dotenv(dotenv);
+        let out = c.run(&["check", "--offline"]);
+        assert_eq!(out.code, 0, "{dotenv}: {}", out.stderr);
+    }
 }
 
 /// E1008 quotes the address it could not listen on: a secret a `${VAR}` put there is

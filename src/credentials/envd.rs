@@ -349,6 +349,25 @@ impl TokenStore {
         });
     }
 
+    /// `sandbox_id`'s time set to `now`, if it still holds `token` and that time is
+    /// `RELEARN_AFTER` old: never an insert. Between the read that found it and this
+    /// write, a delete, envd's refusal or a newer token may have come, and must stand
+    /// (written back as learned, a deleted sandbox lived on, and a refused token came back).
+    fn touch(&self, sandbox_id: &str, token: &str, now: Instant) {
+        self.write(|snapshot| {
+            let (held, at) = snapshot.by_id.get(sandbox_id)?;
+            let due = now.saturating_duration_since(*at) >= RELEARN_AFTER;
+            if held.expose() != token || !due {
+                return None;
+            }
+            let mut next = Snapshot::clone(snapshot);
+            if let Some((_, at)) = next.by_id.get_mut(sandbox_id) {
+                *at = now;
+            }
+            Some(next)
+        });
+    }
+
     /// The sandbox was deleted: its token is dropped, and kept among the last
     /// [`MAX_FORGOTTEN`] deleted ones for [`TokenStore::sandbox_of`] (never sent by the
     /// proxy again).
@@ -489,11 +508,12 @@ impl TokenStore {
         if let Some(id) = only_one(learned) {
             // Two holders name neither.
             let id = id.cloned()?;
-            // In use: learned again (a write only past `RELEARN_AFTER`, as for a poll).
-            if let Some((token, _)) = snapshot.by_id.get(&id) {
-                let token = token.clone();
+            // In use: its time renewed (a write only past `RELEARN_AFTER`, as for a poll).
+            let due = (snapshot.by_id.get(&id))
+                .is_some_and(|(_, at)| now.saturating_duration_since(*at) >= RELEARN_AFTER);
+            if due {
                 drop(snapshot);
-                self.insert_all_at(&[(&*id, token)], now);
+                self.touch(&id, token, now);
             }
             return Some(TokenOwner { id, deleted: false });
         }
@@ -775,6 +795,34 @@ mod tests {
             Some("isb-used"),
             "a day from its last use"
         );
+    }
+
+    /// The renewal of a token in use only renews: read from an older version of the store,
+    /// it neither brings back a token deleted or refused since, nor overwrites a newer one.
+    #[test]
+    fn renewing_a_token_in_use_never_undoes_a_later_write() {
+        let store = TokenStore::with_max(10);
+        let t0 = Instant::now();
+        let due = t0 + RELEARN_AFTER;
+        let at = |store: &TokenStore| store.tokens.load().by_id.get("isb-a").map(|(_, at)| *at);
+        store.insert_at("isb-a", Secret::new("tok-a"), t0);
+        store.remove("isb-a");
+        store.touch("isb-a", "tok-a", due);
+        assert!(store.get("isb-a").is_none(), "a deleted sandbox came back");
+        store.insert_at("isb-a", Secret::new("tok-b"), t0);
+        store.touch("isb-a", "tok-a", due);
+        assert_eq!(
+            store
+                .get("isb-a")
+                .map(|t| t.expose().to_string())
+                .as_deref(),
+            Some("tok-b")
+        );
+        assert_eq!(at(&store), Some(t0), "another token's time renewed");
+        store.touch("isb-a", "tok-b", t0 + Duration::from_secs(60));
+        assert_eq!(at(&store), Some(t0), "renewed before RELEARN_AFTER");
+        store.touch("isb-a", "tok-b", due);
+        assert_eq!(at(&store), Some(due));
     }
 
     #[tokio::test]

@@ -391,8 +391,8 @@ fn webpki_words(name: &str) -> Option<&'static str> {
     Some(match name {
         "CaUsedAsEndEntity" => {
             "it is a CA certificate, used as the server's own (a self-signed server certificate \
-             trusted through --upstream-ca needs basicConstraints CA:FALSE, which `openssl req \
-             -x509` does not write unless asked; or have a CA issue the server's)"
+             needs basicConstraints CA:FALSE, which `openssl req -x509` does not write unless \
+             asked, and to be given to --upstream-ca; or have a CA issue the server's)"
         }
         "EndEntityUsedAsCa" => "its chain uses a server's certificate as an issuer",
         "NameConstraintViolation" => "its issuer's name constraints do not allow this name",

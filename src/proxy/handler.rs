@@ -759,8 +759,9 @@ impl Proxy {
         let reason = if route::is_envd_path(path) && token {
             format!(
                 "an envd request by an X-Access-Token of no sandbox this proxy knows (it learns \
-                 a sandbox's token from its create, connect, resume or look-up through it, and \
-                 forgets it a day after its last use, past {} 000 sandboxes or at a restart): \
+                 a sandbox's token from the answers to its create, connect or resume through \
+                 it, or to a request naming it, and forgets it a day after its last use, past \
+                 {} 000 sandboxes or at a restart): \
                  connect to the sandbox again through the proxy, or name it (E2b-Sandbox-Id \
                  header, or the host 49983-<sandboxID>.localhost)",
                 crate::credentials::envd::MAX_TOKENS / 1000

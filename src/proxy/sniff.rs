@@ -53,10 +53,31 @@ pub fn learn(body: &[u8]) -> Vec<(String, Secret)> {
         Some(b'[') => serde_json::from_slice::<Forks>(body).map_or(Vec::new(), |f| f.0),
         _ => serde_json::from_slice::<Sandbox>(body).map_or(Vec::new(), |s| vec![s]),
     };
-    (sandboxes.into_iter())
+    let mut learned: Vec<(String, Secret)> = (sandboxes.into_iter())
         .map(Sandbox::into_pair)
-        .filter(|(_, token)| !token.expose().is_empty() && token.expose().len() <= MAX_TOKEN_LEN)
-        .collect()
+        .filter(|(_, token)| !token.expose().is_empty())
+        .collect();
+    let before = learned.len();
+    learned.retain(|(_, token)| token.expose().len() <= MAX_TOKEN_LEN);
+    if learned.len() < before {
+        said_too_long();
+    }
+    learned
+}
+
+/// Once a process: a provider whose tokens are all too long would otherwise fail every
+/// request by a token alone, and every look-up, with no word of why at the create.
+#[cold]
+fn said_too_long() {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            max = MAX_TOKEN_LEN,
+            "an envd access token over 4 KiB was not learned: requests by the token alone \
+             are refused, and its look-up fails (requests that carry their own token and \
+             name their sandbox still pass)"
+        );
+    }
 }
 
 /// The sandboxes of a fork answer's first [`MAX_LEARNED`] results; the rest are read past,
@@ -106,6 +127,7 @@ pub fn looked_up(body: &[u8], sandbox_id: &str) -> Result<Secret, &'static str> 
             .is_some_and(|short| !id.is_empty() && short.eq_ignore_ascii_case(&id))
             && sandbox_id[id.len()..].starts_with('-');
     if token.expose().len() > MAX_TOKEN_LEN {
+        said_too_long();
         Err("envd token look-up: the answer's token is over 4 KiB")
     } else if same {
         Ok(token)
@@ -252,12 +274,16 @@ mod tests {
         );
         let unsecured = looked_up(br#"{"sandboxID":"isb-1"}"#, "isb-1").unwrap();
         assert_eq!(unsecured.expose(), "");
-        let huge = format!(
-            r#"{{"sandboxID":"isb-1","envdAccessToken":"{}"}}"#,
-            "t".repeat(5000)
-        );
+        let sized = |n: usize| {
+            let answer = format!(
+                r#"{{"sandboxID":"isb-1","envdAccessToken":"{}"}}"#,
+                "t".repeat(n)
+            );
+            looked_up(answer.as_bytes(), "isb-1").map(|t| t.expose().len())
+        };
+        assert_eq!(sized(MAX_TOKEN_LEN), Ok(MAX_TOKEN_LEN));
         assert_eq!(
-            looked_up(huge.as_bytes(), "isb-1").map(|_| ()),
+            sized(MAX_TOKEN_LEN + 1),
             Err("envd token look-up: the answer's token is over 4 KiB")
         );
     }

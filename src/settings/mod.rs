@@ -887,13 +887,14 @@ impl Resolved {
             plugin,
         };
         settings.refuse_shared_listen()?;
-        settings.refuse_secret_in_host()?;
         if let ListenAddr::Tcp(addr) = settings.listen {
             if addr.port() != 0 {
                 settings.refuse_self_loop(addr)?;
             }
         }
         settings.credential = credential?;
+        // Once the credential is known: the exchange endpoint is the pair's alone.
+        settings.refuse_secret_in_host()?;
         // Here rather than when serve attaches it, so that check refuses what serve would:
         // a key pasted with a control character, or a key file of more than one line.
         if let Credential::ApiKey(key) = &settings.credential {
@@ -1338,21 +1339,26 @@ impl Settings {
         shown(&value.to_string(), &self.secrets)
     }
 
-    /// A secret a `${VAR}` (or a paste) put into an upstream's host name: masked wherever
-    /// it is printed, but a host is looked up in DNS, in clear, by whatever resolver the
-    /// machine uses, before any TLS. Its path and query go to the host alone, over TLS.
+    /// A secret a `${VAR}` (or a paste) put into the host name of an upstream in use:
+    /// masked wherever it is printed, but a host is looked up in DNS, in clear, by whatever
+    /// resolver the machine uses, before any TLS. Its path and query go to the host alone,
+    /// over TLS. A host never looked up (the exchange endpoint with an API key, a domain
+    /// `sandbox_url` stands in for) is left, as a plugin's leftover built-in values are.
     pub fn refuse_secret_in_host(&self) -> Result<(), Error> {
         let plugin_key = |field: &str| {
             (self.plugin.as_ref()).map(|p| format!("{}.{field}", p.installed.manifest.id))
         };
-        let domain = self.sandbox_domain.as_ref().and_then(|d| {
-            let host = d.parse::<http::uri::Authority>().ok()?;
-            Some((
-                plugin_key("envd_domain"),
-                Key::SandboxDomain,
-                host.host().to_string(),
-            ))
-        });
+        let domain = (self.sandbox_domain.as_ref())
+            .filter(|_| self.sandbox_url.is_none())
+            .and_then(|d| {
+                let host = d.parse::<http::uri::Authority>().ok()?;
+                Some((
+                    plugin_key("envd_domain"),
+                    Key::SandboxDomain,
+                    host.host().to_string(),
+                ))
+            });
+        let exchanged = matches!(self.credential, Credential::AccessKey { .. });
         let urls = [
             (
                 plugin_key("base_url"),
@@ -1360,7 +1366,11 @@ impl Settings {
                 Some(&self.sandbox_base_url),
             ),
             (None, Key::SandboxUrl, self.sandbox_url.as_ref()),
-            (None, Key::TokenExchangeUrl, Some(&self.token_exchange_url)),
+            (
+                None,
+                Key::TokenExchangeUrl,
+                Some(&self.token_exchange_url).filter(|_| exchanged),
+            ),
         ];
         let hosts = (urls.into_iter())
             .filter_map(|(p, k, url)| Some((p, k, url?.host().to_string())))
@@ -1497,7 +1507,13 @@ impl Settings {
                     self.shown(u)
                 )
             })
-            .collect()
+            .fold(Vec::new(), |mut said, w| {
+                // Once for an address two settings name (envd at the control plane's).
+                if !said.contains(&w) {
+                    said.push(w);
+                }
+                said
+            })
     }
 }
 

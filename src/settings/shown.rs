@@ -23,19 +23,33 @@ pub fn shown(value: &str, secrets: &[Secret]) -> String {
 }
 
 /// `value` with each of `secrets` (of [`MIN_EMBEDDED`] characters or more) it contains
-/// verbatim as `****`: the first rule of [`shown`], and what the log writer does to every
-/// line with the secrets a setting's value carries.
+/// as `****`, in any ASCII case: the first rule of [`shown`], and what the log writer
+/// does to every line with the secrets a setting's value carries. Any case: a host name
+/// holding one is the same host in every case (and refused as such), and a copy in upper
+/// case leaves only each letter's case to guess.
 pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
-    let mut embedded: Vec<&str> = secrets
+    let mut embedded: Vec<String> = secrets
         .iter()
         .map(Secret::expose)
         .filter(|s| s.chars().count() >= MIN_EMBEDDED)
+        .map(str::to_ascii_lowercase)
         .collect();
     // The longer first: a secret that contains another is masked whole.
     embedded.sort_by_key(|s| std::cmp::Reverse(s.len()));
     let mut value = value.to_string();
     for secret in embedded {
-        value = value.replace(secret, MASK);
+        // ASCII case folding keeps every byte where it was: the offsets found in the
+        // folded copy are the value's.
+        let folded = value.to_ascii_lowercase();
+        let mut masked = String::with_capacity(value.len());
+        let mut from = 0;
+        for (at, _) in folded.match_indices(secret.as_str()) {
+            masked.push_str(&value[from..at]);
+            masked.push_str(MASK);
+            from = at + secret.len();
+        }
+        masked.push_str(&value[from..]);
+        value = masked;
     }
     value
 }
@@ -220,6 +234,14 @@ mod tests {
         assert_eq!(
             shown("https://u:ghp_embedded0001@h/", &secrets),
             "https://u:****@h/"
+        );
+        // In any ASCII case, among multi-byte text, each copy.
+        assert_eq!(
+            shown(
+                "https://GHP_EMBEDDED0001XYZ.example/é/Ghp_Embedded0001",
+                &secrets
+            ),
+            "https://****.example/é/****"
         );
     }
 }
