@@ -136,7 +136,9 @@ impl Proxy {
             // connection the end of the drain's grace closed: its upload broke with the
             // connection, and its 400 was no refusal of the client's (HTTP/1's are dropped
             // with their connection's task, 499 too).
-            let cut = |u: &Moved| u.reset_by_client() || *this.aborting.borrow();
+            // Unfinished, not only aborting: an upload whole, answered as the grace ended,
+            // is the upstream's answer still.
+            let cut = |u: &Moved| u.reset_by_client() || (!u.ended() && *this.aborting.borrow());
             if upload.as_ref().is_some_and(cut) {
                 let mut gone = Response::new(body::empty());
                 gone.extensions_mut().insert(GaveUp);

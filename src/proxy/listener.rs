@@ -809,18 +809,26 @@ const H2_MAX_HEAD_LIST: usize = 4 * MAX_HEAD;
 /// grace ends: without a share the drain was over at once, and the process exited before
 /// such a request was dropped and logged 499 (HTTP/1's are, by the connection's task).
 /// Dropped before its answer, the handling goes first (its 499), then this thread's lines,
-/// then the share; answered, the share goes, and the lines wait for the worker's batch.
+/// then the share; answered, the share goes, and the lines wait for the worker's batch,
+/// unless the request was given up (its client gone, or the drain's end), whose 499 is
+/// flushed first: the exit may come as soon as the last share goes.
 struct StreamHeld<F> {
     handled: Option<std::pin::Pin<Box<F>>>,
     open: Option<Arc<OpenConnection>>,
 }
 
-impl<F: std::future::Future> StreamHeld<F> {
-    async fn run(&mut self) -> F::Output {
+type Answered = Result<Response<ProxyBody>, Infallible>;
+
+impl<F: std::future::Future<Output = Answered>> StreamHeld<F> {
+    async fn run(&mut self) -> Answered {
         let Some(handled) = self.handled.as_mut() else {
             return std::future::pending().await;
         };
         let answered = handled.await;
+        let gave_up = (answered.as_ref()).is_ok_and(|r| r.extensions().get::<GaveUp>().is_some());
+        if gave_up && self.open.is_some() {
+            crate::logging::flush_thread();
+        }
         self.open = None;
         answered
     }
