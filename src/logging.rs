@@ -440,7 +440,7 @@ pub fn flush_thread() {
     let _ = PENDING.try_with(|p| {
         if let Ok(mut p) = p.try_borrow_mut() {
             if let Some(buf) = p.as_mut().filter(|b| !b.is_empty()) {
-                crate::log_writer::write(buf.to_vec());
+                crate::log_writer::write_starred(buf.to_vec());
                 buf.clear();
             }
         }
@@ -458,7 +458,7 @@ fn emit(line: &[u8]) {
                 return false;
             };
             if buf.len() + line.len() > BATCH_MAX && !buf.is_empty() {
-                crate::log_writer::write(buf.to_vec());
+                crate::log_writer::write_starred(buf.to_vec());
                 buf.clear();
             }
             // A line longer than a whole batch goes out on its own, after those before it.
@@ -470,7 +470,7 @@ fn emit(line: &[u8]) {
         })
         .unwrap_or(false);
     if !batched {
-        crate::log_writer::write(line.to_vec());
+        crate::log_writer::write_starred(line.to_vec());
     }
 }
 

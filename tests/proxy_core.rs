@@ -1405,6 +1405,31 @@ async fn serve_refuses_a_secret_embedded_in_an_upstream_host() {
     }
 }
 
+/// At debug, every resolved secret is `****` in every line (other crates print what an
+/// upstream sent there): the access lines too, which the proxy formats itself, outside
+/// tracing. A client's path holding the key went out as sent to a pipe (journald, a
+/// container runtime), where the same line on a terminal (through tracing) was starred.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_debug_an_access_line_stars_a_secret_in_the_path() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(404, "no") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .log_level("debug")
+        .spawn()
+        .await;
+    let shouted = API_KEY.to_ascii_uppercase();
+    let path = format!("/templates/{API_KEY}/{shouted}");
+    let addr = proxy.addr();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    assert_eq!(raw_exchange(addr, req.as_bytes()).await.status, 404);
+    // finish() fails on the key anywhere in the log.
+    let stderr = proxy.finish().await;
+    let line = (stderr.lines())
+        .find(|l| l.contains("abx_proxy::access") && l.contains("/templates/"))
+        .unwrap_or_else(|| panic!("no access line:\n{stderr}"));
+    assert!(line.contains("path=/templates/****/****"), "{line}");
+}
+
 /// An upstream that never completes TLS, and one that never answers, get 504 E5002 at
 /// `--upstream-timeout`, each counted as an upstream error of kind `timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
