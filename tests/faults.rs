@@ -5771,13 +5771,14 @@ async fn requests_cut_by_a_drain(grace: &str) -> (String, Duration) {
     (stderr, took)
 }
 
-/// Every slot held, two by keep-alive connections idle between requests (a client's pool)
-/// and one by a request waiting for its answer: the idle ones are closed to make room and
-/// a new client is served at once, as nginx reuses keep-alive connections; the busy one
-/// stays. They kept their slots until `--idle-timeout` (300 s), and the new client got no
-/// answer at all while `/readyz` said 200.
+/// Every slot held: one by a connection that never sent a request, one by a request
+/// waiting for its answer, one by a keep-alive connection idle between requests (a
+/// client's pool). A new client is served once the one idle longest (the silent one) has
+/// been idle a second, closed to make room as nginx reuses connections; the others stay.
+/// They all kept their slots until `--idle-timeout` (300 s), the new client got no answer
+/// at all while `/readyz` said 200; then silent ones, never asked, held back the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_every_slot_in_use_idle_keep_alive_connections_make_room() {
+async fn with_every_slot_in_use_the_connection_idle_longest_makes_room() {
     let pki = Pki::new();
     let (release_tx, release) = watch::channel(false);
     let mut upstream = Upstream::start(&pki, Proto::Http1, move |req| {
@@ -5791,28 +5792,26 @@ async fn with_every_slot_in_use_idle_keep_alive_connections_make_room() {
         }
     })
     .await;
+    // The silent connection is not cut by its own timeout within the test's bounds.
     let proxy = ProxyCmd::new(&upstream.url(), &pki)
-        .args(&["--max-connections", "3"])
+        .args(&["--max-connections", "3", "--header-timeout", "300s"])
         .spawn()
         .await;
     let addr = proxy.addr();
     let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let mut silent = connect_raw(addr).await;
     let mut busy = connect_raw(addr).await;
     busy.write_all(get("/hold").as_bytes())
         .await
         .expect("write");
     upstream.next_request().await;
-    let mut idle = Vec::new();
-    for _ in 0..2 {
-        let mut s = connect_raw(addr).await;
-        s.write_all(get("/sandboxes").as_bytes())
-            .await
-            .expect("write");
-        let mut buf = Vec::new();
-        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
-        upstream.next_request().await;
-        idle.push(s);
-    }
+    let mut idle = connect_raw(addr).await;
+    idle.write_all(get("/sandboxes").as_bytes())
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    assert_eq!(read_response(&mut idle, &mut buf).await.status, 200);
+    upstream.next_request().await;
     let full = scrape(proxy.admin_addr()).await;
     assert_eq!(metric(&full, "abx_proxy_open_connections"), Some(3.0));
 
@@ -5823,12 +5822,20 @@ async fn with_every_slot_in_use_idle_keep_alive_connections_make_room() {
     let mut buf = Vec::new();
     let served = within("the new client's answer", read_response(&mut new, &mut buf)).await;
     assert_eq!(served.status, 200);
-    for mut s in idle {
-        let mut rest = Vec::new();
-        let read = within("an idle connection closed", s.read_to_end(&mut rest)).await;
-        assert_eq!(read.expect("a clean close"), 0);
-    }
-    // The busy one was not closed: its request gets its answer.
+    let mut rest = Vec::new();
+    let read = within(
+        "the silent connection closed",
+        silent.read_to_end(&mut rest),
+    )
+    .await;
+    assert_eq!(read.expect("a clean close"), 0);
+    // The other two were not closed: the idle one serves its next request, the busy one
+    // gets its answer.
+    idle.write_all(get("/sandboxes").as_bytes())
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    assert_eq!(read_response(&mut idle, &mut buf).await.status, 200);
     release_tx.send_replace(true);
     let mut buf = Vec::new();
     let held = within("the held answer", read_response(&mut busy, &mut buf)).await;

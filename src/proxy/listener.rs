@@ -84,10 +84,10 @@ pub async fn accept_loop(
                 if full_warned.is_none_or(|w| w.elapsed() >= AcceptFailures::EVERY) {
                     tracing::warn!(
                         connections = config.max_connections,
-                        "every connection slot is in use: connections idle between \
-                         requests longest are closed to make room, and new ones wait in \
-                         the kernel's accept queue until one closes (--max-connections, \
-                         or what the open-file limit leaves room for)"
+                        "every connection slot is in use: connections idle for a second \
+                         or more may be closed to make room, and new ones wait in the \
+                         kernel's accept queue until one closes (--max-connections, or \
+                         what the open-file limit leaves room for)"
                     );
                     full_warned = Some(Instant::now());
                 }

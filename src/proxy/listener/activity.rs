@@ -423,8 +423,8 @@ impl Activity {
     }
 
     /// Nothing in progress as far as the connection's clocks say: no request waiting for
-    /// its answer, no HTTP/2 stream open, no answer going out, no head begun. Whether it
-    /// served a request yet is its task's to say (see [`watchdog`]).
+    /// its answer, no HTTP/2 stream open, no answer going out, no head begun (before its
+    /// first request too).
     pub(super) fn between_requests(&self) -> bool {
         !self.busy() && !self.answer_owed() && self.head_began().is_none()
     }
@@ -583,16 +583,16 @@ pub(super) struct Told {
 /// unless a request the GOAWAY let in is under way, which is then watched as any.
 ///
 /// Asked to close while every slot is in use ([`Activity::ask_to_close`]), a connection
-/// that has served a request and is idle between requests closes as an idle one does,
-/// whatever its time; one that is not, or no longer, stays.
+/// idle between requests (or before its first) for [`super::reuse::IDLE_FLOOR`] closes as
+/// an idle one does, whatever its time; one that is not, or no longer, stays.
 pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     // The idle GOAWAY (or close_notify) has gone out.
     let mut told_idle = false;
     loop {
         let reclaimed = activity.clocks.asked.swap(false, Ordering::Relaxed)
-            && told.headed.load(Ordering::Relaxed)
-            && activity.between_requests();
+            && activity.between_requests()
+            && activity.last_moved() + super::reuse::IDLE_FLOOR <= Instant::now();
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
