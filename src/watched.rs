@@ -120,9 +120,12 @@ pub fn utf8(bytes: Vec<u8>) -> io::Result<String> {
         let reason = if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
             "UTF-16 text: save it as UTF-8".to_string()
         } else {
+            // Lines end as a `.env`'s are read: `\r\n`, `\r` or `\n`.
             let valid = &bytes[..e.utf8_error().valid_up_to()];
-            let line = valid.iter().filter(|&&b| b == b'\n').count() + 1;
-            format!("not UTF-8 text (line {line})")
+            let ends = (valid.iter().enumerate())
+                .filter(|(i, &b)| b == b'\n' || (b == b'\r' && valid.get(i + 1) != Some(&b'\n')))
+                .count();
+            format!("not UTF-8 text (line {})", ends + 1)
         };
         io::Error::new(io::ErrorKind::InvalidData, reason)
     })?;
@@ -130,15 +133,24 @@ pub fn utf8(bytes: Vec<u8>) -> io::Result<String> {
     // was a bare "syntax error at line 1". Told by its start, every other byte NUL: a NUL
     // on another tool's line of a shared `./.env` is that line's affair (skipped, as any
     // line abx-proxy does not read).
-    let head = &text.as_bytes()[..text.len().min(64)];
-    let nul = head.iter().filter(|&&b| b == 0).count();
-    if head.len() >= 4 && nul * 2 + 1 >= head.len() {
+    if is_utf16(text.as_bytes()) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "UTF-16 text (no byte-order mark): save it as UTF-8",
         ));
     }
     Ok(text)
+}
+
+/// UTF-16 text, with a byte-order mark or told by its start, every other byte NUL (see
+/// [`utf8`]).
+pub fn is_utf16(bytes: &[u8]) -> bool {
+    if bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]) {
+        return true;
+    }
+    let head = &bytes[..bytes.len().min(64)];
+    let nul = head.iter().filter(|&&b| b == 0).count();
+    head.len() >= 4 && nul * 2 + 1 >= head.len()
 }
 
 /// A file flag's read that failed, as errors say it: the path when something is there;

@@ -1224,8 +1224,8 @@ fn a_plain_http_upstream_beyond_this_machine_is_warned_about() {
     // Envd at the control plane's own address: said once.
     let mut c = Case::new();
     c.env("ABX_SANDBOX_API_KEY", KEY_ENV);
-    c.flag("--sandbox-base-url", "http://sandbox.example:8080")
-        .flag("--sandbox-url", "http://sandbox.example:8080");
+    c.flag("--sandbox-base-url", "http://sandbox.example:8080/api")
+        .flag("--sandbox-url", "http://SANDBOX.example:8080");
     let out = c.run(&["check", "--offline"]);
     let said = out
         .stderr
@@ -1910,14 +1910,21 @@ fn a_dotenv_that_is_not_utf8_says_so() {
     for (file, text, line) in [
         (
             c.cwd.join(".env"),
-            &b"GREETING=hi\nABX_SANDBOX_API_KEY=gr\xfc\xdfe-sk-cwd-9f8e7d\n"[..],
+            &b"GREETING=caf\xe9\nABX_SANDBOX_API_KEY=gr\xfc\xdfe-sk-cwd-9f8e7d\n"[..],
             2,
+        ),
+        // Another tool's quoted value over lines: blanking its first would make the next
+        // a setting.
+        (
+            c.cwd.join(".env"),
+            b"NOTES=\"caf\xe9\nALIBABA_CLOUD_REGION_ID=cn-shanghai\n\"\n",
+            1,
         ),
         (c.cwd.join(".env"), b"ABX_\xfcX=1\n", 1),
         (
             c.abx_dir().join(".env"),
-            b"GREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\n",
-            1,
+            b"A=1\rGREETING=gr\xfc\xdfe-sk-cwd-9f8e7d\n",
+            2,
         ),
     ] {
         std::fs::write(&file, text).expect("write");

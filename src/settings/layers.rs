@@ -102,7 +102,8 @@ pub fn read_dotenv(
     let bytes = crate::watched::read_regular(path).map_err(unread)?;
     let shown_once: Arc<str> = Arc::from(shown.as_str());
     let (bytes, mut not_utf8) = match skipped {
-        Some(_) => foreign_not_utf8(bytes, &shown_once),
+        Some(_) => foreign_not_utf8(bytes, &shown_once)
+            .map_err(|line| line_error(&shown, line, Cause::NotUtf8))?,
         None => (bytes, Vec::new()),
     };
     let text = crate::watched::utf8(bytes).map_err(unread)?;
@@ -124,17 +125,23 @@ pub fn read_dotenv(
 /// A shared `./.env`'s lines that are not UTF-8 (a Latin-1 `GREETING=café` another tool
 /// reads) and set nothing abx-proxy always reads: each blanked, its number kept, and set
 /// aside as a skipped line, as one dotenvy cannot parse is; such a comment is blanked.
-/// One that may set ours, or names nothing, or a file in UTF-16 (every line of which is
-/// not UTF-8), is left as it is: [`watched::utf8`] fails the file and says where.
+/// `Err(line)`: the first such line that may be ours (it names one of ours, or nothing
+/// readable), or that opens or lies inside a quoted value running over lines (blanked,
+/// it would end or move another value, or let a quoted line be read as a setting): the
+/// file fails naming it. A file in UTF-16 is left whole: [`watched::utf8`] says so.
 ///
 /// [`watched::utf8`]: crate::watched::utf8
-fn foreign_not_utf8(bytes: Vec<u8>, shown: &Arc<str>) -> (Vec<u8>, Vec<SkippedLine>) {
-    let utf16 = bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]);
-    if utf16 || bytes.contains(&0) || std::str::from_utf8(&bytes).is_ok() {
-        return (bytes, Vec::new());
+fn foreign_not_utf8(
+    bytes: Vec<u8>,
+    shown: &Arc<str>,
+) -> Result<(Vec<u8>, Vec<SkippedLine>), usize> {
+    if crate::watched::is_utf16(&bytes) || std::str::from_utf8(&bytes).is_ok() {
+        return Ok((bytes, Vec::new()));
     }
     let mut out = Vec::with_capacity(bytes.len());
     let mut skipped = Vec::new();
+    // The quote a value opened and has not closed yet, as dotenvy reads one.
+    let mut open = None;
     // Numbered as `lines_ended` will number them: `\r\n`, `\r` and `\n` each end one.
     let mut number = 1;
     let mut rest = &bytes[..];
@@ -147,14 +154,17 @@ fn foreign_not_utf8(bytes: Vec<u8>, shown: &Arc<str>) -> (Vec<u8>, Vec<SkippedLi
             }
             None => (rest, &rest[rest.len()..]),
         };
+        let text = String::from_utf8_lossy(line);
+        let inside = open.is_some();
+        open = quote_left_open(&text, open);
         match std::str::from_utf8(line) {
             Ok(_) => out.extend_from_slice(line),
+            Err(_) if inside || open.is_some() => return Err(number),
             // A comment sets nothing: blanked without a word.
-            Err(_) if String::from_utf8_lossy(line).trim_start().starts_with('#') => {}
+            Err(_) if text.trim_start().starts_with('#') => {}
             Err(_) => {
-                let lossy = String::from_utf8_lossy(line);
-                let name = line_name(&lossy).filter(|n| !n.contains('\u{fffd}'));
-                let ours = OURS.iter().any(|n| lossy.contains(n));
+                let name = line_name(&text).filter(|n| !n.contains('\u{fffd}'));
+                let ours = OURS.iter().any(|n| text.contains(n));
                 match name {
                     Some(name) if !ours && !is_ours(name) => skipped.push(SkippedLine {
                         shown: shown.clone(),
@@ -162,8 +172,7 @@ fn foreign_not_utf8(bytes: Vec<u8>, shown: &Arc<str>) -> (Vec<u8>, Vec<SkippedLi
                         names: name.into(),
                         cause: Cause::NotUtf8,
                     }),
-                    // Left whole: the file fails, naming this line.
-                    _ => return (bytes, Vec::new()),
+                    _ => return Err(number),
                 }
             }
         }
@@ -171,7 +180,37 @@ fn foreign_not_utf8(bytes: Vec<u8>, shown: &Arc<str>) -> (Vec<u8>, Vec<SkippedLi
         rest = &rest[line.len() + ending.len()..];
         number += 1;
     }
-    (out, skipped)
+    Ok((out, skipped))
+}
+
+/// The quote still open after `line`: `open`, one the line was inside of, unless the line
+/// closes it; else one its value opens and does not close (`NAME="…` with no closing
+/// `"`). In double quotes a backslash escapes the next character; in single quotes
+/// nothing does.
+fn quote_left_open(line: &str, open: Option<char>) -> Option<char> {
+    let closes = |q: char, text: &str| {
+        let mut escaped = false;
+        for c in text.chars() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' if q == '"' => escaped = true,
+                c if c == q => return true,
+                _ => {}
+            }
+        }
+        false
+    };
+    if let Some(q) = open {
+        return (!closes(q, line)).then_some(q);
+    }
+    let line = line.trim_start();
+    if line.starts_with('#') {
+        return None;
+    }
+    let line = line.strip_prefix("export ").unwrap_or(line);
+    let value = line.split_once('=')?.1.trim_start();
+    let q = value.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+    (!closes(q, &value[1..])).then_some(q)
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
@@ -996,26 +1035,47 @@ mod tests {
 
     /// A shared file's lines that are not UTF-8 are blanked where they were, each line
     /// ending kept (`\r\n`, a lone `\r`, `\n`, none at the end), and numbered as the
-    /// parser numbers them; a comment without a word, one of ours or one naming nothing
-    /// leaves the file whole, and so does UTF-16.
+    /// parser numbers them; a comment without a word. One of ours, one naming nothing, and
+    /// one that opens or lies in a quoted value over lines fail the file, naming it (not
+    /// an earlier line that was skippable); UTF-16 is left whole, a NUL elsewhere is not.
     #[test]
     fn lines_that_are_not_utf8_are_blanked_in_place() {
         let shown: Arc<str> = Arc::from("./.env");
-        let (out, skipped) =
-            foreign_not_utf8(b"A=1\r\nB=\xff\rC=2\n# caf\xe9\nD=\xfe".to_vec(), &shown);
+        let blanked = |bytes: &[u8]| foreign_not_utf8(bytes.to_vec(), &shown);
+        let (out, skipped) = blanked(b"A=1\r\nB=\xff\rC=2\n# caf\xe9\nD=\xfe").expect("taken");
         assert_eq!(out, b"A=1\r\n\rC=2\n\n");
         let lines: Vec<usize> = skipped.iter().map(|s| s.line).collect();
         assert_eq!(lines, [2, 5]);
         assert!(skipped[1]
             .warning()
             .contains("line 5 skipped: not UTF-8 text"));
-        for whole in [
-            &b"A=1\nABX_SANDBOX_API_KEY=\xff\n"[..],
-            b"A=1\n\xff\n",
-            b"\xff\xfeA\x00=\x001\x00",
-            b"A=1\n",
+        let (out, skipped) = blanked(b"N=a\x00b\nG=caf\xe9\n").expect("taken");
+        assert_eq!((out.as_slice(), skipped.len()), (&b"N=a\x00b\n\n"[..], 1));
+        for (bytes, line) in [
+            (&b"G=caf\xe9\nABX_SANDBOX_API_KEY=\xff\n"[..], 2),
+            (b"A=1\n\xff\n", 2),
+            (b"A=1\rB=\xff\r", 0),
+            // Another tool's quoted value over lines, its first line blanked: the next
+            // would be read as a setting.
+            (
+                b"NOTES=\"caf\xe9\nALIBABA_CLOUD_REGION_ID=cn-shanghai\nX=1\"\n",
+                1,
+            ),
+            // Inside ours.
+            (b"ALIBABA_CLOUD_REGION_ID=\"cn-beijing\nY=caf\xe9\n\"\n", 2),
+            (b"J='{\"a\":\n\"caf\xe9\"}'\n", 2),
         ] {
-            let (out, skipped) = foreign_not_utf8(whole.to_vec(), &shown);
+            let got = blanked(bytes).map(|_| ());
+            if line == 0 {
+                assert!(got.is_ok(), "{bytes:?}");
+            } else {
+                assert_eq!(got, Err(line), "{bytes:?}");
+            }
+        }
+        // Closed on its line, escaped quotes and all: not open.
+        assert!(blanked(b"Q=\"say \\\"hi\\\"\"\nG=caf\xe9\n").is_ok());
+        for whole in [&b"\xff\xfeA\x00=\x001\x00"[..], b"A=1\n"] {
+            let (out, skipped) = blanked(whole).expect("whole");
             assert_eq!((out.as_slice(), skipped.len()), (whole, 0));
         }
     }

@@ -1497,23 +1497,26 @@ impl Settings {
     pub fn cleartext_upstreams(&self) -> Vec<String> {
         let exchange = matches!(self.credential, Credential::AccessKey { .. })
             .then_some(&self.token_exchange_url);
+        // Once for an address two settings name (envd at the control plane's), whatever
+        // the path or the host's case.
+        let mut said: Vec<(String, Option<u16>)> = Vec::new();
         [Some(&self.sandbox_base_url), self.sandbox_url.as_ref(), exchange]
             .into_iter()
             .flatten()
             .filter(|u| !u.is_https() && !crate::proxy::route::is_local_name(u.host()))
+            .filter(|u| {
+                let at = (u.host().to_ascii_lowercase(), u.authority.port_u16());
+                let new = !said.contains(&at);
+                said.push(at);
+                new
+            })
             .map(|u| {
                 format!(
                     "{} is plain http:// beyond this machine: the credential crosses the network unencrypted",
                     self.shown(u)
                 )
             })
-            .fold(Vec::new(), |mut said, w| {
-                // Once for an address two settings name (envd at the control plane's).
-                if !said.contains(&w) {
-                    said.push(w);
-                }
-                said
-            })
+            .collect()
     }
 }
 

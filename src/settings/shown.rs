@@ -28,30 +28,46 @@ pub fn shown(value: &str, secrets: &[Secret]) -> String {
 /// holding one is the same host in every case (and refused as such), and a copy in upper
 /// case leaves only each letter's case to guess.
 pub fn secrets_masked(value: &str, secrets: &[Secret]) -> String {
-    let mut embedded: Vec<String> = secrets
+    let embedded: Vec<String> = secrets
         .iter()
         .map(Secret::expose)
         .filter(|s| s.chars().count() >= MIN_EMBEDDED)
         .map(str::to_ascii_lowercase)
         .collect();
-    // The longer first: a secret that contains another is masked whole.
-    embedded.sort_by_key(|s| std::cmp::Reverse(s.len()));
-    let mut value = value.to_string();
-    for secret in embedded {
-        // ASCII case folding keeps every byte where it was: the offsets found in the
-        // folded copy are the value's.
-        let folded = value.to_ascii_lowercase();
-        let mut masked = String::with_capacity(value.len());
-        let mut from = 0;
-        for (at, _) in folded.match_indices(secret.as_str()) {
-            masked.push_str(&value[from..at]);
-            masked.push_str(MASK);
-            from = at + secret.len();
-        }
-        masked.push_str(&value[from..]);
-        value = masked;
+    if embedded.is_empty() {
+        return value.to_string();
     }
-    value
+    // ASCII case folding keeps every byte where it was: the offsets found in the folded
+    // copy are the value's. Every copy of every secret, overlapping ones too, then masked
+    // as one: masked one secret after another, two that overlapped left one's tail in
+    // clear (`AAAABBBB1234` then `1234CCCCDDDD` in `AAAABBBB1234CCCCDDDD`).
+    let folded = value.to_ascii_lowercase();
+    let mut found: Vec<(usize, usize)> = Vec::new();
+    for secret in &embedded {
+        let step = secret.chars().next().map_or(1, char::len_utf8);
+        let mut from = 0;
+        while let Some(at) = folded[from..].find(secret.as_str()).map(|i| from + i) {
+            found.push((at, at + secret.len()));
+            from = at + step;
+        }
+    }
+    found.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::new();
+    for (start, end) in found {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    let mut masked = String::with_capacity(value.len());
+    let mut from = 0;
+    for (start, end) in merged {
+        masked.push_str(&value[from..start]);
+        masked.push_str(MASK);
+        from = end;
+    }
+    masked.push_str(&value[from..]);
+    masked
 }
 
 /// The URL rule of [`shown`]. A value is read as a URL when it has a `://`, or when it
@@ -243,5 +259,11 @@ mod tests {
             ),
             "https://****.example/é/****"
         );
+        // Two that overlap, and one that overlaps itself: masked whole.
+        let two = [Secret::new("AAAABBBB1234"), Secret::new("1234CCCCDDDD")];
+        assert_eq!(shown("/AAAABBBB1234CCCCDDDD/x", &two), "/****/x");
+        let own = [Secret::new("abababab")];
+        assert_eq!(shown("/ababababab/x", &own), "/****/x");
+        assert_eq!(shown("abababab", &own), "****");
     }
 }
