@@ -183,34 +183,31 @@ fn foreign_not_utf8(
     Ok((out, skipped))
 }
 
-/// The quote still open after `line`: `open`, one the line was inside of, unless the line
-/// closes it; else one its value opens and does not close (`NAME="…` with no closing
-/// `"`). In double quotes a backslash escapes the next character; in single quotes
-/// nothing does.
+/// The quote still open after `line`, as dotenvy's line joiner reads one: `open`, one the
+/// line began inside of, unless it closes there; a `"` or `'` anywhere in a value opens
+/// one (`NOTES=a"b` too), a backslash escapes the next character in either, and a `#`
+/// after a blank outside quotes ends the line. A line with no `=` outside a quote opens
+/// none.
 fn quote_left_open(line: &str, open: Option<char>) -> Option<char> {
-    let closes = |q: char, text: &str| {
-        let mut escaped = false;
-        for c in text.chars() {
-            match c {
-                _ if escaped => escaped = false,
-                '\\' if q == '"' => escaped = true,
-                c if c == q => return true,
-                _ => {}
-            }
-        }
-        false
+    let text = match open {
+        Some(_) => line,
+        None if line.trim_start().starts_with('#') => return None,
+        None => line.split_once('=')?.1,
     };
-    if let Some(q) = open {
-        return (!closes(q, line)).then_some(q);
+    let (mut quote, mut escaped, mut after_blank) = (open, false, true);
+    for c in text.chars() {
+        match quote {
+            Some(_) if escaped => escaped = false,
+            Some(_) if c == '\\' => escaped = true,
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None if c == '#' && after_blank => break,
+            None if c == '"' || c == '\'' => quote = Some(c),
+            None => {}
+        }
+        after_blank = c.is_whitespace();
     }
-    let line = line.trim_start();
-    if line.starts_with('#') {
-        return None;
-    }
-    let line = line.strip_prefix("export ").unwrap_or(line);
-    let value = line.split_once('=')?.1.trim_start();
-    let q = value.chars().next().filter(|c| *c == '"' || *c == '\'')?;
-    (!closes(q, &value[1..])).then_some(q)
+    quote
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
@@ -1064,6 +1061,19 @@ mod tests {
             // Inside ours.
             (b"ALIBABA_CLOUD_REGION_ID=\"cn-beijing\nY=caf\xe9\n\"\n", 2),
             (b"J='{\"a\":\n\"caf\xe9\"}'\n", 2),
+            // A quote opened mid-value, double or single, and one a line's value opens
+            // after closing another.
+            (
+                b"NOTES=a\"caf\xe9\nALIBABA_CLOUD_REGION_ID=cn-shanghai\nX=1\"\n",
+                1,
+            ),
+            (
+                b"NOTES=a'caf\xe9\nALIBABA_CLOUD_REGION_ID=cn-shanghai\nX=1'\n",
+                1,
+            ),
+            (b"NOTES=a\"b\nG=caf\xe9\"\n", 2),
+            (b"NOTES='it\\'s\nG=caf\xe9'\n", 2),
+            (b"NOTES=\"a\" \"b\nG=caf\xe9\"\n", 2),
         ] {
             let got = blanked(bytes).map(|_| ());
             if line == 0 {
@@ -1074,6 +1084,10 @@ mod tests {
         }
         // Closed on its line, escaped quotes and all: not open.
         assert!(blanked(b"Q=\"say \\\"hi\\\"\"\nG=caf\xe9\n").is_ok());
+        // A quote in a comment after a value, or in a comment line, opens none.
+        assert!(blanked(b"Q=1 # it's\nG=caf\xe9\n").is_ok());
+        assert!(blanked(b"# it's\nG=caf\xe9\n").is_ok());
+        assert!(blanked(b"# a=it's\nG=caf\xe9\n").is_ok());
         for whole in [&b"\xff\xfeA\x00=\x001\x00"[..], b"A=1\n"] {
             let (out, skipped) = blanked(whole).expect("whole");
             assert_eq!((out.as_slice(), skipped.len()), (whole, 0));
