@@ -5843,6 +5843,54 @@ async fn with_every_slot_in_use_the_connection_idle_longest_makes_room() {
     proxy.finish().await;
 }
 
+/// Every slot held by a client that reuses its connection every 100 ms (pacing, so that
+/// none is ever idle a second): a new client is still served, once it has waited a
+/// second; it was kept out for good, the busy pools never reaching the floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_a_second_is_served_though_every_pool_stays_busy() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "2"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let mut pools = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let mut s = connect_raw(addr).await;
+        let mut buf = Vec::new();
+        s.write_all(get.as_bytes()).await.expect("write");
+        assert_eq!(read_response(&mut s, &mut buf).await.status, 200);
+        let get = get.clone();
+        pools.spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                every.tick().await;
+                if s.write_all(get.as_bytes()).await.is_err() {
+                    return;
+                }
+                // The whole answer (its body is `ok`), or the connection's end.
+                let mut answer = Vec::new();
+                while !answer.ends_with(b"ok") {
+                    let mut chunk = [0u8; 1024];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => answer.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            }
+        });
+    }
+    let mut new = connect_raw(addr).await;
+    new.write_all(get.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    let served = within("the new client's answer", read_response(&mut new, &mut buf)).await;
+    assert_eq!(served.status, 200);
+    pools.abort_all();
+    proxy.finish().await;
+}
+
 /// An upstream that takes every request and never answers.
 async fn hanging_upstream(pki: &Pki) -> Upstream {
     Upstream::start(pki, Proto::Http1, |_req| async {

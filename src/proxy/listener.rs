@@ -130,20 +130,27 @@ const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
 /// A slot, once one is free; `None` when the listener stops meanwhile. Until then, while a
 /// client waits in the accept queue, the connections idle between requests longest are
-/// asked to close (see [`reuse`]); with none waiting they stay, full or not.
+/// asked to close (see [`reuse`]): those idle a second, and once a client has waited that
+/// long, any (clients that each reuse their connection within a second kept a waiting one
+/// out for good). With none waiting they stay, full or not.
 async fn reclaim_until_free(
     limit: &Arc<Semaphore>,
     proxy: &Proxy,
     listener: &Listener,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<OwnedSemaphorePermit> {
+    let mut waiting_since: Option<Instant> = None;
     loop {
         if bind::has_waiting(listener) {
-            let asked = proxy.listed.reclaim();
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            let urgent = since.elapsed() >= reuse::IDLE_FLOOR;
+            let asked = proxy.listed.reclaim(urgent);
             tracing::debug!(
                 asked,
                 "every connection slot in use: idle ones asked to close"
             );
+        } else {
+            waiting_since = None;
         }
         tokio::select! {
             p = limit.clone().acquire_owned() => return p.ok(),

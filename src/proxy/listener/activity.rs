@@ -77,8 +77,12 @@ struct Clocks {
     has_parked: AtomicBool,
     /// Every slot is in use, and this connection was asked to close if it is idle between
     /// requests (see [`super::reuse`]).
-    asked: AtomicBool,
+    asked: AtomicU8,
 }
+
+/// What [`Clocks::asked`] holds, besides 0: asked to close if idle a second, or at all.
+const ASKED: u8 = 1;
+const ASKED_URGENTLY: u8 = 2;
 
 /// What [`Clocks::cut`] holds.
 const CUT_IDLE: u8 = 1;
@@ -429,9 +433,11 @@ impl Activity {
         !self.busy() && !self.answer_owed() && self.head_began().is_none()
     }
 
-    /// Every slot is in use: close if idle between requests (see [`super::reuse`]).
-    pub(super) fn ask_to_close(&self) {
-        self.clocks.asked.store(true, Ordering::Relaxed);
+    /// Every slot is in use: close if idle between requests for a second, or at all when
+    /// `urgent` (see [`super::reuse`]).
+    pub(super) fn ask_to_close(&self, urgent: bool) {
+        let level = if urgent { ASKED_URGENTLY } else { ASKED };
+        self.clocks.asked.fetch_max(level, Ordering::Relaxed);
     }
 
     /// The head in progress is empty lines only (hyper's path): no request begun.
@@ -590,9 +596,11 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
     // The idle GOAWAY (or close_notify) has gone out.
     let mut told_idle = false;
     loop {
-        let reclaimed = activity.clocks.asked.swap(false, Ordering::Relaxed)
+        let asked = activity.clocks.asked.swap(0, Ordering::Relaxed);
+        let reclaimed = asked != 0
             && activity.between_requests()
-            && activity.last_moved() + super::reuse::IDLE_FLOOR <= Instant::now();
+            && (asked == ASKED_URGENTLY
+                || activity.last_moved() + super::reuse::IDLE_FLOOR <= Instant::now());
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
@@ -684,7 +692,7 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
         // to register: a connection the fast path serves pays one load per poll.
         let mut sleep = pin!(tokio::time::sleep_until(deadline.into()));
         std::future::poll_fn(|cx| {
-            let asked = activity.clocks.asked.load(Ordering::Relaxed);
+            let asked = activity.clocks.asked.load(Ordering::Relaxed) != 0;
             if activity.head_mark() != head || asked {
                 return Poll::Ready(());
             }

@@ -14,9 +14,11 @@
 //! As nginx: an eighth of those idle, 1 to 32 a round, and one waiting for its first
 //! request counts as idle (nginx's "reusable"; 33 that never sent one held back every
 //! keep-alive one, asked first and refusing). Unlike nginx, none idle under
-//! [`IDLE_FLOOR`]: closed with its next request on the way, a client that does not
-//! check a pooled connection before it writes (Python's `http.client`) fails that
-//! request (a quarter of them, with slots turning over every few hundred ms).
+//! [`IDLE_FLOOR`] until a client has waited that long: closed with its next request on
+//! the way, a client that does not check a pooled connection before it writes (Python's
+//! `http.client`) fails that request (a quarter of them, with slots turning over every
+//! few hundred ms); but clients that all reuse theirs within a second must not keep a
+//! waiting one out for good.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -70,12 +72,15 @@ impl Listed {
         Place { listed: self, id }
     }
 
-    /// Asks the connections idle between requests longest (for [`IDLE_FLOOR`] at least),
-    /// an eighth of them, 1 to [`AT_ONCE`], to close. How many were asked.
-    pub(super) fn reclaim(&self) -> usize {
+    /// Asks the connections idle between requests longest (for [`IDLE_FLOOR`] at least,
+    /// unless `urgent`: a client has waited that long), an eighth of them, 1 to
+    /// [`AT_ONCE`], to close. How many were asked.
+    pub(super) fn reclaim(&self, urgent: bool) -> usize {
         let inner = self.lock();
-        let Some(floor) = Instant::now().checked_sub(IDLE_FLOOR) else {
-            return 0;
+        let now = Instant::now();
+        let floor = match urgent {
+            true => now,
+            false => now.checked_sub(IDLE_FLOOR).unwrap_or(now),
         };
         let mut idle: Vec<(Instant, &(Activity, Waker))> = (inner.conns.values())
             .filter(|(activity, _)| activity.between_requests())
@@ -88,7 +93,7 @@ impl Listed {
             idle.truncate(asked);
         }
         for (_, (activity, task)) in &idle {
-            activity.ask_to_close();
+            activity.ask_to_close(urgent);
             task.wake_by_ref();
         }
         idle.len()
