@@ -73,10 +73,17 @@ pub async fn accept_loop(
     let config = Arc::new(config);
     let mut failing = AcceptFailures::new("proxy");
     let mut full_warned: Option<Instant> = None;
+    // Since when a client has waited for a slot, across accepts: the next in the queue
+    // has waited as long as it has, not from the last accept.
+    let mut waiting: Option<Instant> = None;
     for turn in 0.. {
         // Beyond the limit new connections wait in the kernel's accept queue.
         let permit = match limit.clone().try_acquire_owned() {
-            Ok(p) => p,
+            Ok(p) => {
+                // A slot free at once: nobody has been kept waiting.
+                waiting = None;
+                p
+            }
             Err(tokio::sync::TryAcquireError::Closed) => break,
             Err(tokio::sync::TryAcquireError::NoPermits) => {
                 // Said, at most once a minute, as nginx says "worker_connections are not
@@ -84,14 +91,15 @@ pub async fn accept_loop(
                 if full_warned.is_none_or(|w| w.elapsed() >= AcceptFailures::EVERY) {
                     tracing::warn!(
                         connections = config.max_connections,
-                        "every connection slot is in use: connections idle for a second \
-                         or more may be closed to make room, and new ones wait in the \
+                        "every connection slot is in use: connections idle between \
+                         requests may be closed to make room, and new ones wait in the \
                          kernel's accept queue until one closes (--max-connections, or \
                          what the open-file limit leaves room for)"
                     );
                     full_warned = Some(Instant::now());
                 }
-                let Some(p) = reclaim_until_free(&limit, &proxy, &listener, &mut stop).await else {
+                let freed = reclaim_until_free(&limit, &proxy, &listener, &mut stop, &mut waiting);
+                let Some(p) = freed.await else {
                     break;
                 };
                 p
@@ -138,8 +146,8 @@ async fn reclaim_until_free(
     proxy: &Proxy,
     listener: &Listener,
     stop: &mut watch::Receiver<bool>,
+    waiting_since: &mut Option<Instant>,
 ) -> Option<OwnedSemaphorePermit> {
-    let mut waiting_since: Option<Instant> = None;
     loop {
         if bind::has_waiting(listener) {
             let since = *waiting_since.get_or_insert_with(Instant::now);
@@ -150,7 +158,7 @@ async fn reclaim_until_free(
                 "every connection slot in use: idle ones asked to close"
             );
         } else {
-            waiting_since = None;
+            *waiting_since = None;
         }
         tokio::select! {
             p = limit.clone().acquire_owned() => return p.ok(),

@@ -140,8 +140,8 @@ fn foreign_not_utf8(
     }
     let mut out = Vec::with_capacity(bytes.len());
     let mut skipped = Vec::new();
-    // The quote a value opened and has not closed yet, as dotenvy reads one.
-    let mut open = None;
+    // Where dotenvy's line joiner is: a quoted value may run over lines.
+    let mut joiner = Joiner::Complete;
     // Numbered as `lines_ended` will number them: `\r\n`, `\r` and `\n` each end one.
     let mut number = 1;
     let mut rest = &bytes[..];
@@ -155,11 +155,11 @@ fn foreign_not_utf8(
             None => (rest, &rest[rest.len()..]),
         };
         let text = String::from_utf8_lossy(line);
-        let inside = open.is_some();
-        open = quote_left_open(&text, open);
+        let inside = joiner != Joiner::Complete;
+        joiner = joiner_after(&text, joiner);
         match std::str::from_utf8(line) {
             Ok(_) => out.extend_from_slice(line),
-            Err(_) if inside || open.is_some() => return Err(number),
+            Err(_) if inside || joiner != Joiner::Complete => return Err(number),
             // A comment sets nothing: blanked without a word.
             Err(_) if text.trim_start().starts_with('#') => {}
             Err(_) => {
@@ -183,31 +183,62 @@ fn foreign_not_utf8(
     Ok((out, skipped))
 }
 
-/// The quote still open after `line`, as dotenvy's line joiner reads one: `open`, one the
-/// line began inside of, unless it closes there; a `"` or `'` anywhere in a value opens
-/// one (`NOTES=a"b` too), a backslash escapes the next character in either, and a `#`
-/// after a blank outside quotes ends the line. A line with no `=` outside a quote opens
-/// none.
-fn quote_left_open(line: &str, open: Option<char>) -> Option<char> {
-    let text = match open {
-        Some(_) => line,
-        None if line.trim_start().starts_with('#') => return None,
-        None => line.split_once('=')?.1,
-    };
-    let (mut quote, mut escaped, mut after_blank) = (open, false, true);
-    for c in text.chars() {
-        match quote {
-            Some(_) if escaped => escaped = false,
-            Some(_) if c == '\\' => escaped = true,
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None if c == '#' && after_blank => break,
-            None if c == '"' || c == '\'' => quote = Some(c),
-            None => {}
-        }
-        after_blank = c.is_whitespace();
+/// Where dotenvy's line joiner is at the end of a physical line: a logical line goes on
+/// (into the next physical one) in any state but `Complete`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Joiner {
+    Complete,
+    Escape,
+    Strong,
+    StrongEscape,
+    Weak,
+    WeakEscape,
+    WhiteSpace,
+}
+
+/// dotenvy 0.15.7's `eval_end_state`, state for state, over one physical line and its
+/// end (`\n`), from `state`: quotes anywhere, a backslash escaping in and out of them, a
+/// `#` after one blank (not two) ending the line. A logical line that begins with `#`
+/// (after blanks) is a comment, skipped whole, as its iterator skips it. Change it with a
+/// dotenvy upgrade.
+fn joiner_after(line: &str, state: Joiner) -> Joiner {
+    use Joiner::*;
+    if state == Complete && line.trim_start().starts_with('#') {
+        return Complete;
     }
-    quote
+    let mut state = state;
+    for c in line.chars().chain(['\n']) {
+        state = match state {
+            WhiteSpace => match c {
+                '#' => return Complete,
+                '\\' => Escape,
+                '"' => Weak,
+                '\'' => Strong,
+                _ => Complete,
+            },
+            Escape => Complete,
+            Complete => match c {
+                c if c.is_whitespace() && c != '\n' && c != '\r' => WhiteSpace,
+                '\\' => Escape,
+                '"' => Weak,
+                '\'' => Strong,
+                _ => Complete,
+            },
+            Weak => match c {
+                '\\' => WeakEscape,
+                '"' => Complete,
+                _ => Weak,
+            },
+            WeakEscape => Weak,
+            Strong => match c {
+                '\\' => StrongEscape,
+                '\'' => Complete,
+                _ => Strong,
+            },
+            StrongEscape => Strong,
+        };
+    }
+    state
 }
 
 /// [`read_dotenv`] on text already in memory: the same variables and the same errors, with
@@ -1074,6 +1105,12 @@ mod tests {
             (b"NOTES=a\"b\nG=caf\xe9\"\n", 2),
             (b"NOTES='it\\'s\nG=caf\xe9'\n", 2),
             (b"NOTES=\"a\" \"b\nG=caf\xe9\"\n", 2),
+            // dotenvy's joiner: two blanks before `#` end no line, nor a `#` right after
+            // `=`, nor an escaped blank; a quote in a line with no `=`.
+            (b"NOTES=see  # Bob's notes\nG=caf\xe9\nX=1 # '\n", 2),
+            (b"K=#Bob's\nG=caf\xe9'\n", 2),
+            (b"K=a\\ #Bob's\nG=caf\xe9'\n", 2),
+            (b"don't\nG=caf\xe9'\n", 2),
         ] {
             let got = blanked(bytes).map(|_| ());
             if line == 0 {
@@ -1088,6 +1125,8 @@ mod tests {
         assert!(blanked(b"Q=1 # it's\nG=caf\xe9\n").is_ok());
         assert!(blanked(b"# it's\nG=caf\xe9\n").is_ok());
         assert!(blanked(b"# a=it's\nG=caf\xe9\n").is_ok());
+        // An escaped quote outside quotes opens none (dotenvy reads `it's`).
+        assert!(blanked(b"K=it\\'s\nG=caf\xe9\n").is_ok());
         for whole in [&b"\xff\xfeA\x00=\x001\x00"[..], b"A=1\n"] {
             let (out, skipped) = blanked(whole).expect("whole");
             assert_eq!((out.as_slice(), skipped.len()), (whole, 0));

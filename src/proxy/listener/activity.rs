@@ -430,7 +430,8 @@ impl Activity {
     /// its answer, no HTTP/2 stream open, no answer going out, no head begun (before its
     /// first request too).
     pub(super) fn between_requests(&self) -> bool {
-        !self.busy() && !self.answer_owed() && self.head_began().is_none()
+        // Not while bytes of an answer wait to go out (an HTTP/2 stream's last piece).
+        !self.busy() && !self.answer_owed() && self.head_began().is_none() && !self.sending()
     }
 
     /// Every slot is in use: close if idle between requests for a second, or at all when
@@ -589,8 +590,9 @@ pub(super) struct Told {
 /// unless a request the GOAWAY let in is under way, which is then watched as any.
 ///
 /// Asked to close while every slot is in use ([`Activity::ask_to_close`]), a connection
-/// idle between requests (or before its first) for [`super::reuse::IDLE_FLOOR`] closes as
-/// an idle one does, whatever its time; one that is not, or no longer, stays.
+/// idle between requests (or before its first) for [`super::reuse::IDLE_FLOOR`], or at
+/// all when asked urgently (a client has waited that long), closes as an idle one does;
+/// one that is not, or no longer, stays.
 pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     // The idle GOAWAY (or close_notify) has gone out.

@@ -87,7 +87,12 @@ impl Listed {
             .map(|entry| (entry.0.last_moved(), entry))
             .filter(|(since, _)| *since <= floor)
             .collect();
-        let asked = (idle.len() / 8).clamp(1, AT_ONCE);
+        // Urgently, one a round: those are pools in use, each close a request's risk.
+        let asked = if urgent {
+            1
+        } else {
+            (idle.len() / 8).clamp(1, AT_ONCE)
+        };
         if idle.len() > asked {
             idle.select_nth_unstable_by_key(asked, |(since, _)| *since);
             idle.truncate(asked);
