@@ -139,8 +139,9 @@ const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 /// A slot, once one is free; `None` when the listener stops meanwhile. Until then, while a
 /// client waits in the accept queue, the connections idle between requests longest are
 /// asked to close (see [`reuse`]): those idle a second, and once a client has waited that
-/// long, any (clients that each reuse their connection within a second kept a waiting one
-/// out for good). With none waiting they stay, full or not.
+/// long (`waiting_since`, kept across accepts), one a round of any idle time (clients that
+/// each reuse their connection within a second kept a waiting one out for good). With
+/// none waiting they stay, full or not.
 async fn reclaim_until_free(
     limit: &Arc<Semaphore>,
     proxy: &Proxy,

@@ -14,11 +14,11 @@
 //! As nginx: an eighth of those idle, 1 to 32 a round, and one waiting for its first
 //! request counts as idle (nginx's "reusable"; 33 that never sent one held back every
 //! keep-alive one, asked first and refusing). Unlike nginx, none idle under
-//! [`IDLE_FLOOR`] until a client has waited that long: closed with its next request on
-//! the way, a client that does not check a pooled connection before it writes (Python's
-//! `http.client`) fails that request (a quarter of them, with slots turning over every
-//! few hundred ms); but clients that all reuse theirs within a second must not keep a
-//! waiting one out for good.
+//! [`IDLE_FLOOR`] until a client has waited that long, and then one a round: closed with
+//! its next request on the way, a client that does not check a pooled connection before
+//! it writes (Python's `http.client`) fails that request (a quarter of them, with slots
+//! turning over every few hundred ms); but clients that all reuse theirs within a second
+//! must not keep a waiting one out for good.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
