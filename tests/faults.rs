@@ -5891,6 +5891,146 @@ async fn a_client_waiting_a_second_is_served_though_every_pool_stays_busy() {
     proxy.finish().await;
 }
 
+/// A connection lingering after an early answer, its client still sending the body the
+/// proxy refused, is not idle: a client waiting for a slot had it closed (over TLS, after
+/// its `close_notify`), and the rest of the body arriving made the kernel reset it under
+/// the uploader's writes (its answer could go with it). The waiting client is served once
+/// the lingering ends. Plain, on the fast path, and over TLS, on hyper's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room() {
+    const CHUNK: usize = 16 * 1024;
+    // Sent one every 100 ms: past the second a connection must be idle to be asked, and
+    // the second after which a waiting client asks any.
+    const CHUNKS: usize = 30;
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    for tls in [false, true] {
+        let mut cmd =
+            traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--max-connections", "1"]);
+        if tls {
+            cmd = cmd.tls_listener(&pki);
+        }
+        let proxy = cmd.spawn().await;
+        let addr = proxy.addr();
+        let connect = || async {
+            match tls {
+                true => Box::new(pki.tls_connect(addr, &[b"http/1.1"]).await) as Box<dyn Io>,
+                false => Box::new(connect_raw(addr).await),
+            }
+        };
+        let mut s = connect().await;
+        let head = format!(
+            "POST /sandboxes HTTP/1.1\r\nHost: evil.example\r\nContent-Length: {}\r\n\r\n",
+            CHUNK * CHUNKS
+        );
+        s.write_all(head.as_bytes()).await.expect("write");
+        let mut buf = Vec::new();
+        assert_proxy_error(&read_response(&mut s, &mut buf).await, 400, "E5003");
+        let waiting = async {
+            let mut new = connect().await;
+            let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+            new.write_all(get.as_bytes()).await.expect("write");
+            let mut buf = Vec::new();
+            within("the waiting client", read_response(&mut new, &mut buf)).await
+        };
+        let uploading = async {
+            let mut every = tokio::time::interval(Duration::from_millis(100));
+            for sent in 0..CHUNKS {
+                every.tick().await;
+                let chunk = s.write_all(&[b'x'; CHUNK]).await;
+                assert!(chunk.is_ok(), "tls {tls}, chunk {sent}: {chunk:?}");
+            }
+            let shut = s.shutdown().await;
+            assert!(shut.is_ok(), "tls {tls}: {shut:?}");
+            let mut rest = Vec::new();
+            let closed = within("the lingering's end", s.read_to_end(&mut rest)).await;
+            assert!(
+                closed.is_ok() && rest.is_empty(),
+                "tls {tls}: {closed:?} {rest:?}"
+            );
+        };
+        let (served, ()) = tokio::join!(waiting, uploading);
+        assert_eq!(served.status, 200, "tls {tls}");
+        let stderr = proxy.finish().await;
+        let over: Vec<_> = stderr
+            .lines()
+            .filter(|l| l.contains("lingering close over"))
+            .collect();
+        // The fast path knows the body's length; hyper's reads to the client's close.
+        let end = if tls { "end=\"eof\"" } else { "end=\"body\"" };
+        assert!(
+            over.len() == 1 && over[0].contains(end),
+            "tls {tls}: {over:?}"
+        );
+    }
+}
+
+/// A plain connection hyper serves (its first request was chunked) is asked to make room
+/// as a fast-path one is, and closes cleanly: hyper is told, as of an idle one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_hyper_serves_closes_to_make_room() {
+    let pki = Pki::new();
+    let upstream = echo_upstream(&pki).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "1"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut chunked = connect_raw(addr).await;
+    let post = format!(
+        "POST /sandboxes HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n\
+         5\r\nhello\r\n0\r\n\r\n"
+    );
+    chunked.write_all(post.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    let echoed = read_response(&mut chunked, &mut buf).await;
+    assert_eq!(echoed.status, 200, "{echoed:?}");
+    let mut new = connect_raw(addr).await;
+    let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    new.write_all(get.as_bytes()).await.expect("write");
+    let mut rest = Vec::new();
+    let closed = within("the close", chunked.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
+    let mut buf = Vec::new();
+    let served = within("the waiting client", read_response(&mut new, &mut buf)).await;
+    assert_eq!(served.status, 200);
+    proxy.finish().await;
+}
+
+/// Several clients waiting at once for two slots held by silent connections, each keeping
+/// its own once served: every one is served, each in turn making room for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_waiting_clients_are_each_served_in_turn() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .args(&["--max-connections", "2", "--header-timeout", "300s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let _silent = [connect_raw(addr).await, connect_raw(addr).await];
+    let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let mut waiting = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let mut s = connect_raw(addr).await;
+        let get = get.clone();
+        waiting.spawn(async move {
+            s.write_all(get.as_bytes()).await.expect("write");
+            let mut buf = Vec::new();
+            let status = read_response(&mut s, &mut buf).await.status;
+            // Kept open: the next client's room is another's.
+            (status, s)
+        });
+    }
+    let mut served = Vec::new();
+    while let Some(done) = within("the waiting clients", waiting.join_next()).await {
+        served.push(done.expect("join"));
+    }
+    let statuses: Vec<_> = served.iter().map(|(status, _)| *status).collect();
+    assert_eq!(statuses, [200; 4]);
+    proxy.finish().await;
+}
+
 /// An upstream that takes every request and never answers.
 async fn hanging_upstream(pki: &Pki) -> Upstream {
     Upstream::start(pki, Proto::Http1, |_req| async {

@@ -231,10 +231,13 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
                 biased;
                 r = shared.sock.readable() => if r.is_err() { return Outcome::Closed } else { false },
                 _ = &mut drained => true,
+                // Asked to make room: as a drain, for this connection.
+                () = ctx.activity.left() => true,
             };
-            // Bytes already in the socket are a request sent before the drain began, which
-            // the runtime had not seen yet: it is served, and its answer closes the
-            // connection. An idle connection closes now.
+            // Bytes already in the socket are a request sent before the drain began (or
+            // the connection was asked to make room), which the runtime had not seen yet:
+            // it is served, and its answer closes the connection. An idle connection
+            // closes now.
             if draining && (!shared.sock.holds_bytes() || shared.sock.readable().await.is_err()) {
                 return Outcome::Closed;
             }
@@ -321,7 +324,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
                 }
             };
             drop(waiting);
-            close |= *stop.borrow();
+            close |= *stop.borrow() || ctx.activity.leaving();
             // Body bytes the handler left unread (an early answer: a refusal, a 503) would
             // be taken for the next request: the connection ends, and the client is told.
             close |= shared.body_left.load(Ordering::Relaxed) != 0;
@@ -354,6 +357,7 @@ pub async fn serve(sock: Sock, ctx: Ctx<'_>, stop: &mut watch::Receiver<bool>) -
             Write::Later(writing) => writing.await,
         };
         if written && shared.body_left.load(Ordering::Relaxed) != 0 {
+            ctx.activity.lingers();
             // Boxed: rare, and inline its timers would grow every connection's task.
             Box::pin(after_early_answer(&shared, &mut buf, stop)).await;
             return Outcome::Closed;
@@ -2034,18 +2038,49 @@ mod tests {
     /// after it: it was closed unanswered, as if idle.
     #[tokio::test]
     async fn a_request_in_the_socket_when_the_drain_begins_is_answered() {
+        let answer = served_unseen(true, Ending::Drain).await;
+        assert!(answer.starts_with("http/1.1 502"), "{answer}");
+        assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+    }
+
+    /// The same for a connection asked to make room (see `Activity::leaving`): a request
+    /// in its socket is answered, with `Connection: close`, and without one the connection
+    /// closes at once, unanswered.
+    #[tokio::test]
+    async fn a_connection_asked_to_leave_answers_what_its_socket_holds_first() {
+        let answer = served_unseen(true, Ending::Leave).await;
+        assert!(answer.starts_with("http/1.1 502"), "{answer}");
+        assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+        let answer = served_unseen(false, Ending::Leave).await;
+        assert!(answer.is_empty(), "{answer}");
+    }
+
+    enum Ending {
+        Drain,
+        Leave,
+    }
+
+    /// Serves a connection told to end (`ending`) before it is first polled, with a
+    /// request in its socket if `request` (to an upstream that refuses connections): what
+    /// its client reads, lowercased, once the connection has closed.
+    async fn served_unseen(request: bool, ending: Ending) -> String {
         use crate::settings::Key;
         let refused = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let url = format!("http://{}", refused.local_addr().expect("addr"));
         drop(refused);
         let proxy = crate::proxy::test_proxy_with("sk-test", &[(Key::SandboxBaseUrl, &url)]);
         let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
-        theirs
-            .write_all(b"GET /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            .await
-            .expect("request");
-        let (_stop, mut stop) = watch::channel(true);
+        if request {
+            theirs
+                .write_all(b"GET /sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                .await
+                .expect("request");
+        }
+        let (_stop, mut stop) = watch::channel(matches!(ending, Ending::Drain));
         let activity = Activity::new();
+        if let Ending::Leave = ending {
+            activity.leave();
+        }
         let headed = AtomicBool::new(false);
         let ctx = Ctx {
             proxy: &proxy,
@@ -2053,13 +2088,12 @@ mod tests {
             headed: &headed,
             header_timeout: Duration::from_secs(10),
         };
-        let outcome = serve(Sock::Unix(ours), ctx, &mut stop).await;
-        assert!(matches!(outcome, Outcome::Closed));
+        let served = serve(Sock::Unix(ours), ctx, &mut stop);
+        let outcome = tokio::time::timeout(Duration::from_secs(10), served).await;
+        assert!(matches!(outcome, Ok(Outcome::Closed)));
         let mut answer = Vec::new();
         theirs.read_to_end(&mut answer).await.expect("answer");
-        let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
-        assert!(answer.starts_with("http/1.1 502"), "{answer}");
-        assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+        String::from_utf8_lossy(&answer).to_ascii_lowercase()
     }
 
     /// A client that resets its connection ends the read of a head at once, as a close

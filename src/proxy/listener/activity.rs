@@ -78,6 +78,12 @@ struct Clocks {
     /// Every slot is in use, and this connection was asked to close if it is idle between
     /// requests (see [`super::reuse`]).
     asked: AtomicU8,
+    /// Asked, and found idle, a plain HTTP/1 connection is to close once nothing waits in
+    /// its socket (see [`Activity::leaving`]).
+    leaving: AtomicBool,
+    /// The connection is closing on its own, reading and dropping the rest of a body
+    /// after an early answer (see [`Activity::lingers`]).
+    lingering: AtomicBool,
 }
 
 /// What [`Clocks::asked`] holds, besides 0: asked to close if idle a second, or at all.
@@ -431,7 +437,40 @@ impl Activity {
     /// first request too).
     pub(super) fn between_requests(&self) -> bool {
         // Not while bytes of an answer wait to go out (an HTTP/2 stream's last piece).
-        !self.busy() && !self.answer_owed() && self.head_began().is_none() && !self.sending()
+        !self.busy()
+            && !self.answer_owed()
+            && self.head_began().is_none()
+            && !self.sending()
+            && !self.clocks.lingering.load(Ordering::Relaxed)
+    }
+
+    /// The connection lingers after an early answer (`h1::linger`, [`IdleIo::poll_linger`])
+    /// until it closes: not idle, though its clocks say nothing is under way. Closed to
+    /// make room, its client's body still arriving made the kernel reset the connection,
+    /// and the answer could be lost with it.
+    pub(in crate::proxy) fn lingers(&self) {
+        self.clocks.lingering.store(true, Ordering::Relaxed);
+    }
+
+    /// Asked to make room, a plain HTTP/1 connection idle between requests is to close
+    /// once nothing waits in its socket: the serving side looks (the watchdog cannot), and
+    /// a request written just then is answered, with `Connection: close`, instead of
+    /// reset unanswered (as a drain does).
+    pub(in crate::proxy) fn leaving(&self) -> bool {
+        self.clocks.leaving.load(Ordering::Relaxed)
+    }
+
+    pub(in crate::proxy) fn leave(&self) {
+        self.clocks.leaving.store(true, Ordering::Relaxed);
+    }
+
+    /// Resolves once [`Activity::leaving`]. Registers no waker: only the watchdog sets
+    /// it, which runs in the connection's own task and wakes it after.
+    pub(in crate::proxy) fn left(&self) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(|_| match self.leaving() {
+            true => Poll::Ready(()),
+            false => Poll::Pending,
+        })
     }
 
     /// Every slot is in use: close if idle between requests for a second, or at all when
@@ -591,8 +630,9 @@ pub(super) struct Told {
 ///
 /// Asked to close while every slot is in use ([`Activity::ask_to_close`]), a connection
 /// idle between requests (or before its first) for [`super::reuse::IDLE_FLOOR`], or at
-/// all when asked urgently (a client has waited that long), closes as an idle one does;
-/// one that is not, or no longer, stays.
+/// all when asked urgently (a client has waited that long), closes as an idle one does,
+/// but a plain HTTP/1 one once nothing waits in its socket ([`Activity::leaving`]); one
+/// that is not, or no longer, idle stays.
 pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeConfig) {
     let first_head = activity.opened + config.header_timeout;
     // The idle GOAWAY (or close_notify) has gone out.
@@ -603,6 +643,16 @@ pub(super) async fn watchdog(activity: &Activity, told: &Told, config: &ServeCon
             && activity.between_requests()
             && (asked == ASKED_URGENTLY
                 || activity.last_moved() + super::reuse::IDLE_FLOOR <= Instant::now());
+        if reclaimed && config.tls.is_none() && !activity.is_http2() {
+            // Plain HTTP/1: the serving side closes, having looked in the socket first (see
+            // `Activity::leaving`); hyper's, if it serves the connection, as an idle one.
+            // Then watched as any, until it does.
+            activity.leave();
+            told.idle.notify_one();
+            // It may have been polled before this, in this turn of the task.
+            tokio::task::yield_now().await;
+            continue;
+        }
         let mut deadline = activity.last_moved() + config.idle_timeout;
         if !told.headed.load(Ordering::Relaxed) && !activity.is_http2() {
             deadline = deadline.min(first_head);
@@ -834,6 +884,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
         if this.linger.is_none() {
+            this.activity.lingers();
             std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
             let now = tokio::time::Instant::now();
             this.linger = Some(Linger {

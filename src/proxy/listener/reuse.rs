@@ -9,7 +9,9 @@
 //! task's waker); the accept loop picks, from what each `Activity` says, the ones idle
 //! longest and asks them ([`Activity::ask_to_close`]); each one's watchdog decides again
 //! on its own task (a request may have begun meanwhile) and closes as an idle connection
-//! does: at once over plain HTTP/1, after a GOAWAY or TLS `close_notify` otherwise.
+//! does: after a GOAWAY or TLS `close_notify`, or over plain HTTP/1 once nothing waits in
+//! its socket (a request written just then is answered, with `Connection: close`). One
+//! lingering after an early answer, its client's body still arriving, is not idle.
 //!
 //! As nginx: an eighth of those idle, 1 to 32 a round, and one waiting for its first
 //! request counts as idle (nginx's "reusable"; 33 that never sent one held back every
