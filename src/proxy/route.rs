@@ -88,15 +88,19 @@ impl HostPolicy {
 /// anything. Its pages reach their own origin only (`own`, the sandbox the Host names): a
 /// form posted to `localhost:49982/sandboxes` or to another sandbox's envd would go out
 /// with the key or that sandbox's token.
+///
+/// A listener that serves any Host (`--allow-remote`, a unix socket) serves any site's
+/// pages: whoever can reach it may use it. Not a sandbox's, though, nor a page whose
+/// origin is hidden (`null`: a sandboxed frame, as OpenSandbox serves its apps): those
+/// pages are the proxy's own content, and a unix socket behind a loopback bridge (how the
+/// SDKs reach one) let them spend the key and every sandbox's token.
 fn check_origin(
     fields: &Fields<'_>,
     policy: &HostPolicy,
     hostname: &str,
     own: Option<(u16, &str)>,
 ) -> Result<(), Error> {
-    if matches!(policy, HostPolicy::Any) {
-        return Ok(());
-    }
+    // Under any Host, `accepts` takes every origin that names a host.
     if let Some(origin) = fields.origin {
         let host = origin.to_str().ok().and_then(origin_host);
         return match host {
@@ -117,8 +121,9 @@ fn check_origin(
     // control plane's `api.e2b.localhost` and `e2b.localhost` itself are one site, and a
     // sandbox's page at `3000-<a>.49983-<b>.localhost` is `same-site` to `<b>`'s envd.
     // `localhost` itself is a site no sandbox shares.
+    let any = matches!(policy, HostPolicy::Any);
     match fields.site.map(HeaderValue::as_bytes) {
-        Some(site) if site.eq_ignore_ascii_case(b"cross-site") => Err(refused(
+        Some(site) if site.eq_ignore_ascii_case(b"cross-site") && !any => Err(refused(
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
         )),
         Some(site) if site.eq_ignore_ascii_case(b"same-site") && below_localhost(hostname) => {
@@ -1308,12 +1313,33 @@ mod tests {
             &listed,
         );
         assert!(ok.is_ok());
-        // `--allow-remote` with any Host: whoever can reach it may use it.
-        let any = route(
-            &parts("/x", &[host, ("origin", "https://evil.example")]),
-            &HostPolicy::Any,
-        );
-        assert!(any.is_ok());
+        // `--allow-remote` with any Host: whoever can reach it may use it, from any site.
+        for site in [
+            ("origin", "https://evil.example"),
+            ("sec-fetch-site", "cross-site"),
+        ] {
+            let any = route(&parts("/x", &[host, site]), &HostPolicy::Any);
+            assert!(any.is_ok(), "{site:?}");
+        }
+        // But not from a sandbox's own pages beyond their sandbox, nor from a hidden
+        // origin: those are the proxy's own content (a unix socket behind a loopback
+        // bridge is how the SDKs reach one).
+        let page = ("origin", "http://3000-isb-a.localhost:49982");
+        for (to, ok) in [
+            ("localhost:49982", false),
+            ("49983-isb-b.localhost:49982", false),
+            ("3000-isb-a.localhost:49982", true),
+        ] {
+            let r = route(&parts("/x", &[("host", to), page]), &HostPolicy::Any);
+            assert_eq!(r.is_ok(), ok, "{to}: {r:?}");
+        }
+        let hidden = route(&parts("/x", &[host, ("origin", "null")]), &HostPolicy::Any);
+        assert!(hidden.is_err());
+        let below = [
+            ("host", "49983-isb-b.localhost"),
+            ("sec-fetch-site", "same-site"),
+        ];
+        assert!(route(&parts("/x", &below), &HostPolicy::Any).is_err());
     }
 
     #[test]
