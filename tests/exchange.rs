@@ -1036,6 +1036,36 @@ async fn clock_skew_answer_is_e1002() {
     }
 }
 
+/// This machine's clock behind the endpoint's: a stated expiry is a time by the endpoint's
+/// clock, which comes later here, and each key went out after it had expired there (every
+/// request with a body then failing on the control plane's 401). Its life counts from the
+/// answer's arrival instead. Ahead, or within a slow answer's time, nothing moves.
+#[tokio::test]
+async fn a_clock_behind_the_endpoints_counts_a_keys_life_from_its_arrival() {
+    let endpoint_clock = ManualClock::new();
+    let fake = FakeExchange::start(endpoint_clock.clone()).await;
+    for scheme in SCHEMES {
+        let ex = HttpExchanger::new(config(&fake.url, scheme, ACCESS_KEY_SECRET), client());
+        for (behind, life) in [(100, 3600), (3, 3603), (0, 3600)] {
+            let now = endpoint_clock.now() - Duration::from_secs(behind);
+            let issued = ex.exchange_at(now).await.expect("exchange");
+            let lives = issued.expires_at.duration_since(now).expect("after");
+            let expected = Duration::from_secs(life);
+            assert!(
+                lives >= expected && lives < expected + Duration::from_secs(2),
+                "{scheme:?}, {behind} s behind: {lives:?}"
+            );
+        }
+        // Behind by more than the key's life there: issued expired, by its own clock too.
+        fake.set_ttl(Some(Duration::from_secs(4)));
+        let now = endpoint_clock.now() - Duration::from_secs(100);
+        let e = ex.exchange_at(now).await.expect_err("expired");
+        let said = "this machine's clock is about 2 min behind the endpoint's";
+        assert!(e.line().contains(said), "{scheme:?}: {}", e.line());
+        fake.set_ttl(Some(Duration::from_secs(3600)));
+    }
+}
+
 #[tokio::test]
 async fn secrets_and_keys_never_show_in_debug_or_errors() {
     let mut h = harness(ExchangeScheme::Acs3, Duration::from_secs(10), |f| {

@@ -177,6 +177,9 @@ impl ExchangeConfig {
 pub struct IssuedKey {
     pub key: Secret,
     pub expires_at: SystemTime,
+    /// The answer said when: `expires_at` is by the endpoint's clock (see
+    /// [`on_our_clock`]), not `token_ttl` from this machine's.
+    pub stated: bool,
 }
 
 /// `now + token_ttl`; settings bound the TTL, and an overflow that slips past them reads as
@@ -226,6 +229,7 @@ pub fn parse_response(
     let stated = holder
         .and_then(expiry_field)
         .or_else(|| expiry_field(&json));
+    let said_when = stated.is_some();
     let expires_at = match stated {
         None => ttl_from(now, token_ttl),
         Some((field, value)) => match parse_expiry(value) {
@@ -256,7 +260,45 @@ pub fn parse_response(
     Ok(IssuedKey {
         key: Secret::new(key),
         expires_at,
+        stated: said_when,
     })
+}
+
+/// A stated expiry is a time by the endpoint's clock. With this machine's behind it (its
+/// `Date` later than the answer's arrival here, by more than a slow answer explains), that
+/// time comes later here than it does there: the key went out after it had expired, each
+/// request with a body then failing on the control plane's 401 (the signature passes up
+/// to 15 minutes off). Counted instead as the life the endpoint gave it, from the
+/// answer's arrival; said, as the clock is the operator's to mend. A clock ahead only
+/// makes keys look shorter-lived, and exchanges earlier.
+fn on_our_clock(
+    mut issued: IssuedKey,
+    asked: Asked,
+    theirs: Option<SystemTime>,
+) -> Result<IssuedKey, Error> {
+    let Some(theirs) = theirs.filter(|_| issued.stated) else {
+        return Ok(issued);
+    };
+    let Some((said, false)) = skew(asked, theirs) else {
+        return Ok(issued);
+    };
+    let lives = issued.expires_at.duration_since(theirs).unwrap_or_default();
+    let expires_at = asked.answered.checked_add(lives).unwrap_or(asked.answered);
+    if expires_at <= asked.answered + EXPIRY_MARGIN {
+        return Err(Error::IssuedExpired {
+            reason: format!(
+                "the endpoint issued a key that expires {} s after its own Date, already \
+                 (nearly) past; {said}",
+                lives.as_secs()
+            ),
+        });
+    }
+    tracing::warn!(
+        "token exchange: {said}: each key's expiry is counted from the endpoint's clock; \
+         set this machine's clock (NTP)"
+    );
+    issued.expires_at = issued.expires_at.min(expires_at);
+    Ok(issued)
 }
 
 /// The key and, when it came as an object, that object (the expiry may sit beside the value).
@@ -654,6 +696,11 @@ impl HttpExchanger {
                         their_time,
                     )
                 })?;
+            let asked = Asked {
+                signed: now,
+                answered: now + sent.elapsed(),
+            };
+            let issued = on_our_clock(issued, asked, their_time)?;
             // Stored, such a key would make /readyz say 200 while every request got a 503,
             // until the next refresh an hour later; as a failure it is retried (minutes
             // apart: see `unusable_gap`).
@@ -1612,6 +1659,7 @@ mod tests {
         let issued = |secs| IssuedKey {
             key: Secret::new("k"),
             expires_at: at(secs),
+            stated: true,
         };
         let token = Token::new(issued(1_000), at(900), Duration::from_secs(60));
         assert_eq!(
@@ -1867,6 +1915,7 @@ mod tests {
         let issued = |secs| IssuedKey {
             key: Secret::new("k"),
             expires_at: now() + Duration::from_secs(secs),
+            stated: true,
         };
         // min(refresh_before, lifetime / 2) before expiry.
         let t = Token::new(issued(20), now(), Duration::from_secs(10));
