@@ -79,6 +79,19 @@ for key in DynamicUser NoNewPrivileges ProtectSystem EnvironmentFile; do
   check "systemd unit sets $key" grep -q "^$key=" deploy/systemd/abx-proxy.service
 done
 
+# Debian's promtool is built without Kubernetes discovery and refuses the job's
+# `kubernetes_sd_configs`: checked with a static target in its place, so that a misspelt
+# relabel key or action fails here, not when an operator loads the job.
+check "promtool check config (the Kubernetes scrape job, its discovery swapped for a static target)" bash -c '
+  "$1/bin/python" - "$2/k8s-job.yml" <<"PY" && promtool check config "$2/k8s-job.yml"
+import sys, yaml
+doc = yaml.safe_load(open("deploy/prometheus/scrape-kubernetes.yml"))
+for job in doc["scrape_configs"]:
+    assert job.pop("kubernetes_sd_configs"), job["job_name"]
+    job["static_configs"] = [{"targets": ["127.0.0.1:9464"]}]
+yaml.safe_dump(doc, open(sys.argv[1], "w"))
+PY
+' _ "$venv" "$unit_dir"
 check "kubernetes-validate deploy/k8s" "$venv/bin/kubernetes-validate" --strict -k 1.30.0 deploy/k8s/agent-with-abx-proxy.yaml
 check "k8s scrape job keeps only annotated admin ports of abx-proxy containers" "$venv/bin/python" - <<'PY'
 import re, yaml

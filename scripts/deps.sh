@@ -22,10 +22,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   scripts/apt-install.sh "${need_apt[@]}"
   SUDO=()
   [ "$(id -u)" -eq 0 ] || SUDO=(sudo -n)
-  # The package is here for promtool; on a machine run by systemd it also starts a
-  # Prometheus server listening on every interface, which the tests do not want.
-  if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
-    timeout -k 10 60 "${SUDO[@]}" systemctl disable --now prometheus >/dev/null 2>&1 || true
+  # The package is here for promtool; it also starts a Prometheus server listening on
+  # every interface (through systemd, or its init script where there is none: sysvinit,
+  # LXC, WSL), and enables it at boot, which the tests do not want.
+  if [[ " ${need_apt[*]} " == *" prometheus "* ]]; then
+    if [ -d /run/systemd/system ]; then
+      timeout -k 10 60 "${SUDO[@]}" systemctl disable --now prometheus >/dev/null 2>&1 || true
+    else
+      timeout -k 10 60 "${SUDO[@]}" invoke-rc.d prometheus stop >/dev/null 2>&1 || true
+      timeout -k 10 60 "${SUDO[@]}" update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
     echo "== prometheus was installed for promtool only: its service is stopped and disabled"
   fi
 fi
