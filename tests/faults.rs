@@ -5895,7 +5895,9 @@ async fn a_client_waiting_a_second_is_served_though_every_pool_stays_busy() {
 /// proxy refused, is not idle: a client waiting for a slot had it closed (over TLS, after
 /// its `close_notify`), and the rest of the body arriving made the kernel reset it under
 /// the uploader's writes (its answer could go with it). The waiting client is served once
-/// the lingering ends. Plain, on the fast path, and over TLS, on hyper's.
+/// the lingering ends. Plain, on the fast path, and over TLS, on hyper's; and beside an
+/// idle connection, which makes room while the lingering goes on (the lingering one, asked
+/// and left open, was asked again every round, no other ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room() {
     const CHUNK: usize = 16 * 1024;
@@ -5904,9 +5906,10 @@ async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room
     const CHUNKS: usize = 30;
     let pki = Pki::new();
     let upstream = echo_upstream(&pki).await;
-    for tls in [false, true] {
+    for (tls, idle_too) in [(false, false), (true, false), (false, true)] {
+        let slots = if idle_too { "2" } else { "1" };
         let mut cmd =
-            traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--max-connections", "1"]);
+            traced(ProxyCmd::new(&upstream.url(), &pki)).args(&["--max-connections", slots]);
         if tls {
             cmd = cmd.tls_listener(&pki);
         }
@@ -5926,12 +5929,21 @@ async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room
         s.write_all(head.as_bytes()).await.expect("write");
         let mut buf = Vec::new();
         assert_proxy_error(&read_response(&mut s, &mut buf).await, 400, "E5003");
+        // Idle since after the lingering one's answer: the lingering one looks idle longer.
+        let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        let mut idle = None;
+        if idle_too {
+            let mut b = connect().await;
+            b.write_all(get.as_bytes()).await.expect("write");
+            assert_eq!(read_response(&mut b, &mut Vec::new()).await.status, 200);
+            idle = Some(b);
+        }
         let waiting = async {
             let mut new = connect().await;
-            let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
             new.write_all(get.as_bytes()).await.expect("write");
             let mut buf = Vec::new();
-            within("the waiting client", read_response(&mut new, &mut buf)).await
+            let served = within("the waiting client", read_response(&mut new, &mut buf)).await;
+            (served, Instant::now())
         };
         let uploading = async {
             let mut every = tokio::time::interval(Duration::from_millis(100));
@@ -5940,6 +5952,7 @@ async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room
                 let chunk = s.write_all(&[b'x'; CHUNK]).await;
                 assert!(chunk.is_ok(), "tls {tls}, chunk {sent}: {chunk:?}");
             }
+            let uploaded = Instant::now();
             let shut = s.shutdown().await;
             assert!(shut.is_ok(), "tls {tls}: {shut:?}");
             let mut rest = Vec::new();
@@ -5948,9 +5961,16 @@ async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room
                 closed.is_ok() && rest.is_empty(),
                 "tls {tls}: {closed:?} {rest:?}"
             );
+            uploaded
         };
-        let (served, ()) = tokio::join!(waiting, uploading);
+        let ((served, at), uploaded) = tokio::join!(waiting, uploading);
         assert_eq!(served.status, 200, "tls {tls}");
+        if let Some(mut idle) = idle {
+            assert!(at < uploaded, "served only once the lingering ended");
+            let mut rest = Vec::new();
+            let closed = within("the idle one's close", idle.read_to_end(&mut rest)).await;
+            assert!(closed.is_ok() && rest.is_empty(), "{closed:?} {rest:?}");
+        }
         let stderr = proxy.finish().await;
         let over: Vec<_> = stderr
             .lines()
@@ -5966,7 +5986,10 @@ async fn a_connection_lingering_after_an_early_answer_is_not_closed_to_make_room
 }
 
 /// A plain connection hyper serves (its first request was chunked) is asked to make room
-/// as a fast-path one is, and closes cleanly: hyper is told, as of an idle one.
+/// as a fast-path one is, and closes cleanly: hyper is told, as of an idle one. Its client
+/// sent an empty line after the body (as some do, RFC 9112 §2.2): no request begun, yet it
+/// was taken for a head, never closed to make room, and cut and logged 408 at
+/// `--header-timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_hyper_serves_closes_to_make_room() {
     let pki = Pki::new();
@@ -5985,6 +6008,7 @@ async fn a_connection_hyper_serves_closes_to_make_room() {
     let mut buf = Vec::new();
     let echoed = read_response(&mut chunked, &mut buf).await;
     assert_eq!(echoed.status, 200, "{echoed:?}");
+    chunked.write_all(b"\r\n").await.expect("an empty line");
     let mut new = connect_raw(addr).await;
     let get = format!("GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\n\r\n");
     new.write_all(get.as_bytes()).await.expect("write");
@@ -5994,7 +6018,8 @@ async fn a_connection_hyper_serves_closes_to_make_room() {
     let mut buf = Vec::new();
     let served = within("the waiting client", read_response(&mut new, &mut buf)).await;
     assert_eq!(served.status, 200);
-    proxy.finish().await;
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains("status=408"), "{stderr}");
 }
 
 /// Several clients waiting at once for two slots held by silent connections, each keeping

@@ -508,7 +508,9 @@ async fn with_hyper(
         biased;
         done = conn.as_mut() => return refused_by_hyper(proxy, done),
         _ = stop.wait_for(|s| *s) => true,
-        () = told.idle.notified() => false,
+        // Asked to make room, a plain connection looks as a drain does (see
+        // `Activity::leaving`); one found idle by the watchdog just closes.
+        () = told.idle.notified() => activity.leaving(),
         () = cancels.abusive.notified() => return said_rapid_reset(),
     };
     if draining {

@@ -447,7 +447,10 @@ impl Activity {
     /// The connection lingers after an early answer (`h1::linger`, [`IdleIo::poll_linger`])
     /// until it closes: not idle, though its clocks say nothing is under way. Closed to
     /// make room, its client's body still arriving made the kernel reset the connection,
-    /// and the answer could be lost with it.
+    /// and the answer could be lost with it. An HTTP/2 connection hyper has closed lingers
+    /// too (its client may still be reading the end of an answer): one whose client keeps
+    /// it open after its own GOAWAY holds its slot up to [`h1::LINGER_IDLE`] of silence
+    /// ([`h1::LINGER_TOTAL`] in all), no longer taken to make room.
     pub(in crate::proxy) fn lingers(&self) {
         self.clocks.lingering.store(true, Ordering::Relaxed);
     }
@@ -814,8 +817,13 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
             let this = &mut *self;
             if let Some(framing) = &mut this.framing {
                 framing.scan(&buf.filled()[before..]);
-                this.activity.heading(framing.in_head(), cx.waker());
-                (this.activity.clocks.blank).store(framing.blank_so_far(), Ordering::Relaxed);
+                // Empty lines begin no request (RFC 9112 §2.2), nor its clock: a keep-alive
+                // client that sent a CRLF after its body had its connection cut at
+                // `--header-timeout`, logged 408, and never closed to make room.
+                let blank = framing.blank_so_far();
+                this.activity
+                    .heading(framing.in_head() && !blank, cx.waker());
+                (this.activity.clocks.blank).store(blank, Ordering::Relaxed);
                 if framing.is_http2() {
                     // No first-head deadline any more: the watchdog's deadline moves
                     // later, which it finds when it next wakes.

@@ -85,7 +85,9 @@ impl Listed {
             false => now.checked_sub(IDLE_FLOOR).unwrap_or(now),
         };
         let mut idle: Vec<(Instant, &(Activity, Waker))> = (inner.conns.values())
-            .filter(|(activity, _)| activity.between_requests())
+            // One asked already and leaving closes by itself: asked again each round, a
+            // connection that could not close yet kept every other from being asked.
+            .filter(|(activity, _)| activity.between_requests() && !activity.leaving())
             .map(|entry| (entry.0.last_moved(), entry))
             .filter(|(since, _)| *since <= floor)
             .collect();
