@@ -1877,6 +1877,33 @@ async fn the_drain_finishes_a_head_begun_before_it_and_no_more() {
     exits_0(&mut proxy).await;
 }
 
+/// A head still unfinished when the drain's grace ends is cut with its connection, and
+/// logged and counted 408 as one its `--header-timeout` cuts (from where that counts):
+/// it left no line, and the stop ended `clean=false` with nothing to say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_the_grace_cuts_unfinished_is_logged_408() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("1s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let (addr, admin) = (proxy.addr(), proxy.admin_addr());
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled.write_all(b"GET /sandboxes HT").await.unwrap();
+    until_open_connections(admin, 1.0).await;
+    proxy.signal("TERM");
+    expect_closed(&mut stalled, &[]).await;
+    exits_0(&mut proxy).await;
+    let stderr = proxy.stderr();
+    let cut: Vec<_> = stderr
+        .lines()
+        .filter(|l| l.contains(" status=408 "))
+        .collect();
+    assert!(cut.len() == 1 && cut[0].contains("method=-"), "{stderr}");
+}
+
 /// SIGTERM; once the drain has begun, the client on `s` (with `leftover` of its earlier
 /// answers) ends the head it began: answered with `Connection: close`, then closed.
 async fn the_head_ends_in_the_drain<S>(proxy: &mut ProxyProc, s: &mut S, mut leftover: Vec<u8>)

@@ -311,7 +311,10 @@ async fn connection_task(
         0 => false,
         mark => activity.head_mark() == mark,
     };
-    if stalled || head_timed_out(&activity, &told, &config) {
+    // So is a head the drain's grace cut unfinished: its client had that long, and the
+    // stop ended `clean=false` with no line to say why.
+    let drained = activity.drain_cut() && head_from(&activity, &told).is_some();
+    if stalled || drained || head_timed_out(&activity, &told, &config) {
         // Logged with the head's time, from where its timeout counts to the cut, as
         // nginx's `$request_time` of a 408.
         let began = head_from(&activity, &told).unwrap_or(activity.opened());

@@ -399,6 +399,12 @@ impl Activity {
         self.clocks.cut.store(CUT_DRAIN, Ordering::Relaxed);
     }
 
+    /// The drain's grace ended with the connection still open (see
+    /// [`Activity::cut_by_drain`]).
+    pub(super) fn drain_cut(&self) -> bool {
+        self.clocks.cut.load(Ordering::Relaxed) == CUT_DRAIN
+    }
+
     /// When the watchdog began to cut the connection, if it has.
     pub(super) fn cut_began(&self) -> Option<Instant> {
         match self.clocks.cut_ms.load(Ordering::Relaxed) {
