@@ -270,7 +270,9 @@ pub fn parse_response(
 /// request with a body then failing on the control plane's 401 (the signature passes up
 /// to 15 minutes off). Counted instead as the life the endpoint gave it, from the
 /// answer's arrival; said, as the clock is the operator's to mend. A clock ahead only
-/// makes keys look shorter-lived, and exchanges earlier.
+/// makes keys look shorter-lived, and exchanges earlier. A `Date` further ahead than the
+/// signature's 15 minutes is not the issuer's clock (a gateway's that is wrong): the
+/// signature would have been refused by one that far off.
 fn on_our_clock(
     mut issued: IssuedKey,
     asked: Asked,
@@ -282,6 +284,9 @@ fn on_our_clock(
     let Some((said, false)) = skew(asked, theirs) else {
         return Ok(issued);
     };
+    if theirs.duration_since(asked.answered).unwrap_or_default() > SIGNATURE_SKEW {
+        return Ok(issued);
+    }
     let lives = issued.expires_at.duration_since(theirs).unwrap_or_default();
     let expires_at = asked.answered.checked_add(lives).unwrap_or(asked.answered);
     if expires_at <= asked.answered + EXPIRY_MARGIN {
@@ -300,6 +305,10 @@ fn on_our_clock(
     issued.expires_at = issued.expires_at.min(expires_at);
     Ok(issued)
 }
+
+/// How far a signature's time may be from the endpoint's clock (Alibaba's gateways, and
+/// the fake in the tests, refuse it beyond).
+const SIGNATURE_SKEW: Duration = Duration::from_secs(15 * 60);
 
 /// The key and, when it came as an object, that object (the expiry may sit beside the value).
 fn find_key(json: &Value) -> Option<(&str, Option<&Value>)> {
@@ -1650,6 +1659,27 @@ mod tests {
         assert!(lines[1].contains("field=\"expireTime\""), "{text}");
         for quoted in [key, "Tuesday", "minute"] {
             assert!(!text.contains(quoted), "{quoted} in: {text}");
+        }
+    }
+
+    /// A `Date` further ahead than a signature may be is a gateway's wrong clock, not the
+    /// issuer's: the stated expiry stands (counted from it, a year-ahead `Date` made every
+    /// key expired). Within that, the life counts from the answer's arrival.
+    #[test]
+    fn a_date_past_the_signatures_skew_is_not_believed() {
+        let issued = IssuedKey {
+            key: Secret::new("k"),
+            expires_at: at(10_000),
+            stated: true,
+        };
+        let asked = Asked {
+            signed: at(1_000),
+            answered: at(1_000),
+        };
+        for (theirs, expected) in [(1_600, 9_400), (2_000, 10_000), (400_000, 10_000)] {
+            let kept = on_our_clock(issued.clone(), asked, Some(at(theirs)));
+            let kept = kept.map(|k| k.expires_at);
+            assert_eq!(kept.ok(), Some(at(expected)), "Date at {theirs}");
         }
     }
 
