@@ -229,11 +229,15 @@ pub fn parse_response(
     let stated = holder
         .and_then(expiry_field)
         .or_else(|| expiry_field(&json));
-    let said_when = stated.is_some();
+    // Read, it is a time by the endpoint's clock; guessed, by this machine's.
+    let mut said_when = false;
     let expires_at = match stated {
         None => ttl_from(now, token_ttl),
         Some((field, value)) => match parse_expiry(value) {
-            Some(t) => t,
+            Some(t) => {
+                said_when = true;
+                t
+            }
             None => {
                 // token_ttl, not a shorter guess: an expiry we cannot read is far likelier
                 // a format we do not know than a short one (ACS3 asks for token_ttl), and
@@ -270,40 +274,37 @@ pub fn parse_response(
 /// request with a body then failing on the control plane's 401 (the signature passes up
 /// to 15 minutes off). Counted instead as the life the endpoint gave it, from the
 /// answer's arrival; said, as the clock is the operator's to mend. A clock ahead only
-/// makes keys look shorter-lived, and exchanges earlier. A `Date` further ahead than the
-/// signature's 15 minutes is not the issuer's clock (a gateway's that is wrong): the
-/// signature would have been refused by one that far off.
-fn on_our_clock(
-    mut issued: IssuedKey,
-    asked: Asked,
-    theirs: Option<SystemTime>,
-) -> Result<IssuedKey, Error> {
+/// makes keys look shorter-lived, and exchanges earlier.
+///
+/// The `Date` may not be the issuer's clock (a gateway's that is wrong): one further ahead
+/// than a signature's 15 minutes is not believed (the signature would have been refused),
+/// nor one that leaves the key no life: the stated time stands, as before. A key that
+/// dies early costs a 401 and an early refresh; a refusal cost every request a 503.
+fn on_our_clock(mut issued: IssuedKey, asked: Asked, theirs: Option<SystemTime>) -> IssuedKey {
     let Some(theirs) = theirs.filter(|_| issued.stated) else {
-        return Ok(issued);
+        return issued;
     };
     let Some((said, false)) = skew(asked, theirs) else {
-        return Ok(issued);
+        return issued;
     };
     if theirs.duration_since(asked.answered).unwrap_or_default() > SIGNATURE_SKEW {
-        return Ok(issued);
+        return issued;
     }
     let lives = issued.expires_at.duration_since(theirs).unwrap_or_default();
     let expires_at = asked.answered.checked_add(lives).unwrap_or(asked.answered);
     if expires_at <= asked.answered + EXPIRY_MARGIN {
-        return Err(Error::IssuedExpired {
-            reason: format!(
-                "the endpoint issued a key that expires {} s after its own Date, already \
-                 (nearly) past; {said}",
-                lives.as_secs()
-            ),
-        });
+        tracing::warn!(
+            "token exchange: {said}, by the answer's Date, which leaves the key no life: \
+             its stated expiry is kept"
+        );
+        return issued;
     }
     tracing::warn!(
-        "token exchange: {said}: each key's expiry is counted from the endpoint's clock; \
-         set this machine's clock (NTP)"
+        "token exchange: {said}: each key's life is counted from its arrival on this \
+         machine's clock; set the clock (NTP)"
     );
     issued.expires_at = issued.expires_at.min(expires_at);
-    Ok(issued)
+    issued
 }
 
 /// How far a signature's time may be from the endpoint's clock (Alibaba's gateways, and
@@ -709,7 +710,7 @@ impl HttpExchanger {
                 signed: now,
                 answered: now + sent.elapsed(),
             };
-            let issued = on_our_clock(issued, asked, their_time)?;
+            let issued = on_our_clock(issued, asked, their_time);
             // Stored, such a key would make /readyz say 200 while every request got a 503,
             // until the next refresh an hour later; as a failure it is retried (minutes
             // apart: see `unusable_gap`).
@@ -1649,9 +1650,10 @@ mod tests {
                 json!({"apiKey": {"apiKeyValue": key, "expireTime": "any minute"}}),
                 json!({"apiKey": {"apiKeyValue": key, "expireTime": null}}),
             ]
-            .map(|body| parse(200, body).map(|k| k.expires_at).ok())
+            .map(|body| parse(200, body).map(|k| (k.expires_at, k.stated)).ok())
         });
-        assert_eq!(expiries, [Some(now() + TTL); 3]);
+        // A guess by this machine's clock: not shifted by the endpoint's `Date`.
+        assert_eq!(expiries, [Some((now() + TTL, false)); 3]);
         let text = logs.text();
         let lines: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
         assert_eq!(lines.len(), 2, "{text}");
@@ -1664,22 +1666,29 @@ mod tests {
 
     /// A `Date` further ahead than a signature may be is a gateway's wrong clock, not the
     /// issuer's: the stated expiry stands (counted from it, a year-ahead `Date` made every
-    /// key expired). Within that, the life counts from the answer's arrival.
+    /// key expired and refused). Within that, the life counts from the answer's arrival,
+    /// unless it leaves none.
     #[test]
     fn a_date_past_the_signatures_skew_is_not_believed() {
-        let issued = IssuedKey {
-            key: Secret::new("k"),
-            expires_at: at(10_000),
-            stated: true,
-        };
         let asked = Asked {
             signed: at(1_000),
             answered: at(1_000),
         };
-        for (theirs, expected) in [(1_600, 9_400), (2_000, 10_000), (400_000, 10_000)] {
-            let kept = on_our_clock(issued.clone(), asked, Some(at(theirs)));
-            let kept = kept.map(|k| k.expires_at);
-            assert_eq!(kept.ok(), Some(at(expected)), "Date at {theirs}");
+        // (stated expiry, the answer's `Date`, the expiry kept): 600 s behind, counted from
+        // the arrival; past 15 minutes, or leaving the key no life, the stated time.
+        for (stated, theirs, kept) in [
+            (10_000, 1_600, 9_400),
+            (10_000, 2_000, 10_000),
+            (10_000, 400_000, 10_000),
+            (1_603, 1_600, 1_603),
+        ] {
+            let issued = IssuedKey {
+                key: Secret::new("k"),
+                expires_at: at(stated),
+                stated: true,
+            };
+            let got = on_our_clock(issued, asked, Some(at(theirs))).expires_at;
+            assert_eq!(got, at(kept), "Date at {theirs}");
         }
     }
 
