@@ -93,7 +93,9 @@ impl HostPolicy {
 /// pages: whoever can reach it may use it. Not a sandbox's, though, nor a page whose
 /// origin is hidden (`null`: a sandboxed frame, as OpenSandbox serves its apps): those
 /// pages are the proxy's own content, and a unix socket behind a loopback bridge (how the
-/// SDKs reach one) let them spend the key and every sandbox's token.
+/// SDKs reach one) let them spend the key and every sandbox's token. Their requests that
+/// carry no `Origin` (a `<script>`, a navigation) say `cross-site` to a local name, which
+/// no other site's page has reason to load from.
 fn check_origin(
     fields: &Fields<'_>,
     policy: &HostPolicy,
@@ -121,7 +123,7 @@ fn check_origin(
     // control plane's `api.e2b.localhost` and `e2b.localhost` itself are one site, and a
     // sandbox's page at `3000-<a>.49983-<b>.localhost` is `same-site` to `<b>`'s envd.
     // `localhost` itself is a site no sandbox shares.
-    let any = matches!(policy, HostPolicy::Any);
+    let any = matches!(policy, HostPolicy::Any) && !is_local_name(hostname);
     match fields.site.map(HeaderValue::as_bytes) {
         Some(site) if site.eq_ignore_ascii_case(b"cross-site") && !any => Err(refused(
             "cross-site request from a browser (Sec-Fetch-Site: cross-site)",
@@ -1313,13 +1315,20 @@ mod tests {
             &listed,
         );
         assert!(ok.is_ok());
-        // `--allow-remote` with any Host: whoever can reach it may use it, from any site.
-        for site in [
-            ("origin", "https://evil.example"),
-            ("sec-fetch-site", "cross-site"),
+        // `--allow-remote` with any Host: whoever can reach it may use it, from any site;
+        // without an `Origin`, by a name of its own.
+        let named = ("host", "proxy.example.com");
+        for fields in [
+            [host, ("origin", "https://evil.example")],
+            [named, ("sec-fetch-site", "cross-site")],
         ] {
-            let any = route(&parts("/x", &[host, site]), &HostPolicy::Any);
-            assert!(any.is_ok(), "{site:?}");
+            let any = route(&parts("/x", &fields), &HostPolicy::Any);
+            assert!(any.is_ok(), "{fields:?}");
+        }
+        for local in ["localhost:49982", "127.0.0.1", "49983-isb-b.localhost"] {
+            let fields = [("host", local), ("sec-fetch-site", "cross-site")];
+            let any = route(&parts("/x", &fields), &HostPolicy::Any);
+            assert!(any.is_err(), "{local}");
         }
         // But not from a sandbox's own pages beyond their sandbox, nor from a hidden
         // origin: those are the proxy's own content (a unix socket behind a loopback
