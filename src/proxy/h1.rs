@@ -836,12 +836,25 @@ fn parse_head(head: &Bytes) -> Option<Head> {
     })
 }
 
-/// A `Content-Length` value: digits only, no sign, no list, at most 18 of them.
+/// A request's `Content-Length`: digits only, no sign, no list, at most 18 of them (a
+/// longer one goes to hyper, which refuses it).
 fn decimal(v: &[u8]) -> Option<u64> {
-    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+    if v.len() > 18 {
         return None;
     }
-    Some(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+    length(v)
+}
+
+/// An answer's `Content-Length`, any that fits in 64 bits: the pool has checked its form,
+/// and one the writer could not read was dropped, the answer then ending with the
+/// connection, so that one the upstream cut short looked whole.
+fn length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    })
 }
 
 /// A request body of known length, read from the client socket as the upstream takes it.
@@ -986,7 +999,7 @@ fn write_response<'a>(
     let declared = parts
         .headers
         .get(CONTENT_LENGTH)
-        .map(|v| decimal(v.as_bytes()));
+        .map(|v| length(v.as_bytes()));
     let framing = match (declared, body.size_hint().exact()) {
         // A length that is not a number cannot frame anything: close-delimit instead.
         // Boxed: rare, and inline it would double this future's size.
