@@ -6069,6 +6069,43 @@ async fn several_waiting_clients_are_each_served_in_turn() {
     proxy.finish().await;
 }
 
+/// An HTTP/2 header block left open when a drain begins is the client's to finish within
+/// the grace, as an HTTP/1 head is, and logged and counted 408 when the grace cuts it: the
+/// connection was closed a second after the GOAWAY (its client silent, no stream open),
+/// with no line, whatever the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_header_block_left_open_in_a_drain_is_logged_408_at_the_grace() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "") }).await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .shutdown_grace("3s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let (mut wr, mut frames) = raw_h2(addr).await;
+    let block = h2_get_block("/open", &addr.to_string());
+    wr.write_all(&h2_frame(HEADERS, END_STREAM, 1, &block[..3]))
+        .await
+        .expect("HEADERS");
+    proxy.signal("TERM");
+    let began = Instant::now();
+    h2_until_closed(&mut frames, 1).await;
+    let status = proxy.wait_exit().await;
+    assert!(status.success(), "{status}");
+    assert!(
+        began.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        began.elapsed()
+    );
+    let stderr = proxy.stderr();
+    let cut: Vec<_> = stderr
+        .lines()
+        .filter(|l| l.contains(" status=408 "))
+        .collect();
+    assert_eq!(cut.len(), 1, "{stderr}");
+}
+
 /// An upstream that takes every request and never answers.
 async fn hanging_upstream(pki: &Pki) -> Upstream {
     Upstream::start(pki, Proto::Http1, |_req| async {

@@ -1904,6 +1904,38 @@ async fn a_head_the_grace_cuts_unfinished_is_logged_408() {
     assert!(cut.len() == 1 && cut[0].contains("method=-"), "{stderr}");
 }
 
+/// But not a head sent on behind a request still waiting for its answer (pipelined): held
+/// back, not slow, as the watchdog judges it; over TLS (hyper reads the heads) it was
+/// logged 408 beside the request's 499.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_held_back_behind_an_answer_is_no_408_when_the_grace_ends() {
+    let pki = Pki::new();
+    let mut upstream = Upstream::start(&pki, Proto::Http1, |_req| async {
+        std::future::pending::<()>().await;
+        response(200, "")
+    })
+    .await;
+    let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .tls_listener(&pki)
+        .shutdown_grace("1s")
+        .args(&["--header-timeout", "120s"])
+        .spawn()
+        .await;
+    let addr = proxy.addr();
+    let mut tls = pki.tls_connect(addr, &[b"http/1.1"]).await;
+    let pipelined = format!("GET /slow HTTP/1.1\r\nHost: {addr}\r\n\r\nGET /sandboxes HT");
+    tls.write_all(pipelined.as_bytes()).await.unwrap();
+    tls.flush().await.unwrap();
+    upstream.next_request().await;
+    proxy.signal("TERM");
+    let mut rest = Vec::new();
+    let _ = within("the cut", tls.read_to_end(&mut rest)).await;
+    exits_0(&mut proxy).await;
+    let stderr = proxy.stderr();
+    assert!(stderr.contains(" status=499 "), "{stderr}");
+    assert!(!stderr.contains(" status=408 "), "{stderr}");
+}
+
 /// SIGTERM; once the drain has begun, the client on `s` (with `leftover` of its earlier
 /// answers) ends the head it began: answered with `Connection: close`, then closed.
 async fn the_head_ends_in_the_drain<S>(proxy: &mut ProxyProc, s: &mut S, mut leftover: Vec<u8>)

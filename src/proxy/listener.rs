@@ -313,7 +313,7 @@ async fn connection_task(
     };
     // So is a head the drain's grace cut unfinished: its client had that long, and the
     // stop ended `clean=false` with no line to say why.
-    let drained = activity.drain_cut() && head_from(&activity, &told).is_some();
+    let drained = activity.drain_cut_head() && head_from(&activity, &told).is_some();
     if stalled || drained || head_timed_out(&activity, &told, &config) {
         // Logged with the head's time, from where its timeout counts to the cut, as
         // nginx's `$request_time` of a 408.
@@ -693,7 +693,9 @@ fn said_rapid_reset() {
 async fn settled(activity: &Activity, wait: Duration, heard: u32) {
     let goaway = Instant::now();
     loop {
-        if activity.reads() != heard {
+        // A header block left open is the client's to finish, within its
+        // `--header-timeout`, and the grace's: cut then, it is logged 408.
+        if activity.reads() != heard || activity.head_began().is_some() {
             return std::future::pending().await;
         }
         let quiet = activity.last_moved().max(goaway) + wait;

@@ -84,6 +84,9 @@ struct Clocks {
     /// The connection is closing on its own, reading and dropping the rest of a body
     /// after an early answer (see [`Activity::lingers`]).
     lingering: AtomicBool,
+    /// When the drain's grace cut the connection, a head was held back behind an answer
+    /// (see [`Activity::drain_cut_head`]).
+    held_at_cut: AtomicBool,
 }
 
 /// What [`Clocks::asked`] holds, besides 0: asked to close if idle a second, or at all.
@@ -396,13 +399,23 @@ impl Activity {
 
     /// The drain's grace ran out: the connection is cut for it.
     pub(super) fn cut_by_drain(&self) {
+        // Judged now: the requests it was held behind go with the connection.
+        (self.clocks.held_at_cut).store(self.head_held_back(), Ordering::Relaxed);
         self.clocks.cut.store(CUT_DRAIN, Ordering::Relaxed);
     }
 
     /// The drain's grace ended with the connection still open (see
-    /// [`Activity::cut_by_drain`]).
-    pub(super) fn drain_cut(&self) -> bool {
+    /// [`Activity::cut_by_drain`]), and any head it had was the client's to finish: not
+    /// one held back behind an answer still owed, which the watchdog does not cut either.
+    pub(super) fn drain_cut_head(&self) -> bool {
         self.clocks.cut.load(Ordering::Relaxed) == CUT_DRAIN
+            && !self.clocks.held_at_cut.load(Ordering::Relaxed)
+    }
+
+    /// An HTTP/1 head sent on behind a request whose answer the client is still owed: held
+    /// back, not slow (see [`watchdog`]).
+    fn head_held_back(&self) -> bool {
+        !self.is_http2() && (self.clocks.waiting.load(Ordering::Relaxed) != 0 || self.answer_owed())
     }
 
     /// When the watchdog began to cut the connection, if it has.
