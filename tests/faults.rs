@@ -4970,6 +4970,57 @@ async fn an_answer_the_upstream_breaks_is_said_in_the_log() {
     assert!(!stderr.contains("answer cut"), "{stderr}");
 }
 
+/// An answer the upstream gives early, while the upload goes on, that ends because the
+/// client's upload broke (it stopped short of its length, or sent a chunk that is none) is
+/// the client's doing: said at `debug` with `end="client"`, not a WARN naming the
+/// upstream, on the fast path (a length) and hyper's (chunked) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_cut_by_the_clients_broken_upload_is_not_the_upstreams() {
+    const EARLY: &[u8] = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n";
+    let pki = Pki::new();
+    for (framing, start, broken) in [
+        ("a length", "Content-Length: 100000\r\n\r\n0123456789", None),
+        (
+            "chunked",
+            "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+            Some(b"zz\r\n".as_slice()),
+        ),
+    ] {
+        let mut upstream = RawUpstream::start(None, AfterHead::WriteAndRead(EARLY)).await;
+        let proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
+        let addr = proxy.addr();
+        let mut sock = connect_raw(addr).await;
+        let head = format!("POST /up HTTP/1.1\r\nHost: {addr}\r\n{start}");
+        sock.write_all(head.as_bytes()).await.expect("request");
+        within("the upstream's head", upstream.heads.recv()).await;
+        let mut buf = Vec::new();
+        while !buf.ends_with(b"first\r\n") {
+            let mut chunk = [0u8; 1024];
+            let n = within("the early answer", sock.read(&mut chunk))
+                .await
+                .expect("read");
+            assert!(n > 0, "{framing}: closed before the early answer");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        match broken {
+            Some(bad) => sock.write_all(bad).await.expect("a bad chunk"),
+            None => sock.shutdown().await.expect("half-close"),
+        }
+        let mut rest = Vec::new();
+        let _ = within("the close", sock.read_to_end(&mut rest)).await;
+        let stderr = proxy.finish().await;
+        let cut: Vec<_> = stderr
+            .lines()
+            .filter(|l| l.contains("answer cut"))
+            .collect();
+        assert!(
+            cut.iter()
+                .all(|l| l.contains("end=\"client\"") && !l.contains("WARN")),
+            "{framing}: {cut:?}"
+        );
+    }
+}
+
 /// An HTTP/2 upload that the upstream answers 2xx at once, and then says nothing more
 /// until it has the whole body: the upload moving keeps the answer's idle clock going, as
 /// the connection's reads do on HTTP/1.1, on both planes (envd's upload goes on with the

@@ -652,6 +652,8 @@ where
                 let e: BoxError = e.into();
                 if e.is::<StreamIdle>() {
                     this.cut.cut_idle();
+                } else if super::failure::client_left(&e) {
+                    this.cut.left_by_client();
                 } else {
                     this.cut.broke_upstream();
                 }

@@ -51,6 +51,13 @@ pub enum UpstreamError {
     Unsent,
 }
 
+/// An answer's body ended in an error of the client's own: its upload broke while the
+/// upstream's answer was already coming (an early answer), which is no upstream's fault.
+pub(in crate::proxy) fn client_left(e: &BoxError) -> bool {
+    e.downcast_ref::<UpstreamError>()
+        .is_some_and(UpstreamError::is_client_body)
+}
+
 impl UpstreamError {
     /// The client's request body broke; forward answers 400 instead of blaming upstream.
     pub fn is_client_body(&self) -> bool {

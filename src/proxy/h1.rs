@@ -36,6 +36,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{watch, Notify};
 
 use super::body;
+use super::failure;
 use super::framing;
 use super::headers;
 use super::listener::{Activity, AnswerCut, MAX_HEAD, MAX_HEADERS};
@@ -1056,8 +1057,11 @@ fn write_response<'a>(
             }
             // What came is sent, and the connection ends: the client must not wait for
             // the rest, nor read past a cut.
-            Taken::Broken => {
-                activity.upstream_broke();
+            broken @ (Taken::Broken | Taken::Left) => {
+                match broken {
+                    Taken::Left => activity.client_broke(),
+                    _ => activity.upstream_broke(),
+                }
                 return Write::Later(Box::pin(async move {
                     let _ = write_all(sock, activity, &out, &[]).await;
                     false
@@ -1107,10 +1111,14 @@ fn stream_body<'a>(
             let frame = match next {
                 None => break,
                 Some(Ok(f)) => f,
-                Some(Err(_)) => {
+                Some(Err(e)) => {
                     // The upstream broke mid-answer: what was sent stands, the client sees the
-                    // connection close before the end.
-                    activity.upstream_broke();
+                    // connection close before the end. Or the client's upload broke under
+                    // an early answer: its doing.
+                    match failure::client_left(&e) {
+                        true => activity.client_broke(),
+                        false => activity.upstream_broke(),
+                    }
                     let _ = write_all(sock, activity, &out, &[]).await;
                     return false;
                 }
@@ -1188,6 +1196,8 @@ enum Taken {
     /// The body failed, was longer than declared, or ended short; `out` holds what may
     /// still be sent.
     Broken,
+    /// As `Broken`, by the client: its upload broke under an early answer.
+    Left,
     /// More is to come; `out` and `left` account for what was taken.
     Later,
 }
@@ -1201,6 +1211,7 @@ fn take_now(body: &mut ProxyBody, out: &mut Vec<u8>, left: &mut u64, bodyless: b
         let frame = match body.frame().now_or_never() {
             None => return Taken::Later,
             Some(None) if *left == 0 => return Taken::Whole,
+            Some(Some(Err(e))) if failure::client_left(&e) => return Taken::Left,
             Some(None) | Some(Some(Err(_))) => return Taken::Broken,
             Some(Some(Ok(frame))) => frame,
         };

@@ -137,6 +137,12 @@ impl AnswerCut {
         self.ended = true;
     }
 
+    /// The client's upload broke while the answer was coming (an early answer).
+    pub(in crate::proxy) fn left_by_client(&mut self) {
+        self.log("client");
+        self.ended = true;
+    }
+
     /// The upstream's body failed mid-answer.
     pub(in crate::proxy) fn broke_upstream(&mut self) {
         self.log("upstream");
