@@ -228,6 +228,9 @@ pub fn counted_client(
         .http2_keep_alive_interval(ping_interval(request_timeout))
         .http2_keep_alive_timeout(ping_interval(request_timeout))
         .http2_max_header_list_size(MAX_ANSWER_HEAD)
+        // An HTTP/1 answer's head is held to the pool's limit too (hyper's own is ~400 KB):
+        // a TLS origin's first answer, and upgrades, come this way.
+        .http1_max_buf_size(MAX_ANSWER_HEAD as usize)
         .http2_initial_stream_window_size(STREAM_WINDOW)
         .http2_initial_connection_window_size(CONNECTION_WINDOW)
         .build(TimedConnect {

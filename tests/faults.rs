@@ -4970,6 +4970,30 @@ async fn an_answer_the_upstream_breaks_is_said_in_the_log() {
     assert!(!stderr.contains("answer cut"), "{stderr}");
 }
 
+/// An answer head over 64 KiB is refused (502) whichever client reads it: the proxy's own
+/// pool did, hyper's (a TLS origin's first answer, before it is known to speak HTTP/1.1)
+/// took up to ~400 KB and passed it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_head_over_64_kib_is_refused_on_every_path() {
+    let big: &'static [u8] = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\nX-Big: {}\r\nContent-Length: 2\r\n\r\nok",
+            "x".repeat(200 * 1024)
+        )
+        .into_bytes()
+        .into_boxed_slice(),
+    );
+    let pki = Pki::new();
+    for tls in [None, Some(&pki)] {
+        let upstream = RawUpstream::start(tls, AfterHead::WriteAndClose(big)).await;
+        let proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
+        let addr = proxy.addr();
+        let resp = send(addr, request("GET", addr, "/big").body(empty()).unwrap()).await;
+        assert_eq!(resp.status(), 502, "tls {}", tls.is_some());
+        proxy.finish().await;
+    }
+}
+
 /// An answer the upstream gives early, while the upload goes on, that ends because the
 /// client's upload broke (it stopped short of its length, or sent a chunk that is none) is
 /// the client's doing: said at `debug` with `end="client"`, not a WARN naming the
