@@ -20,6 +20,9 @@ use crate::proxy::headers::has_token;
 /// The largest response head (and trailer section) accepted; HTTP/2 answers get the same
 /// (`crate::upstream`).
 pub(crate) const MAX_HEAD: usize = 64 * 1024;
+
+/// `HTTP/1.1 200 \r\n` and the head's closing CRLF, as [`admit`] counts a head hyper read.
+const STATUS_LINE: usize = 17;
 /// Header lines in a response head; more is a protocol error (hyper's own limit is 100).
 const MAX_HEADERS: usize = 128;
 /// Trailer lines after a chunked body.
@@ -109,6 +112,11 @@ fn parse_length(value: &[u8]) -> Option<u64> {
         let n = part.iter().try_fold(0u64, |n, d| {
             n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
         })?;
+        // Past i64::MAX, clients (curl) and nginx read no length at all: a cut answer
+        // would look whole. The request side refuses those too (`framing`'s `HugeLength`).
+        if n > i64::MAX as u64 {
+            return None;
+        }
         match found {
             Some(m) if m != n => return None,
             _ => found = Some(n),
@@ -223,6 +231,16 @@ impl Framing {
 /// upgrade, and passes on framing that nginx and the pool refuse. The client then gets
 /// what the pool would have given it, or the same 502.
 pub(super) fn admit<B>(upgrade: bool, resp: &mut Response<B>) -> Result<(), UpstreamError> {
+    // hyper's own bound is its read buffer's, loose by the buffer's growth (a 110 KB head
+    // passed one time in three): the head as written, its status line and each field's
+    // `: ` and CRLF, is held to the pool's.
+    let written = resp.headers().iter();
+    let size = written.fold(STATUS_LINE, |n, (name, value)| {
+        n + name.as_str().len() + value.len() + 4
+    });
+    if size > MAX_HEAD {
+        return Err(UpstreamError::Protocol("response head too large"));
+    }
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         return switched(upgrade, resp.headers());
     }

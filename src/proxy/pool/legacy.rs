@@ -219,8 +219,9 @@ impl Upstream {
         let count = move |e: BoxError| {
             // An answer cut because the client's upload broke (the stream reset with it)
             // is no upstream error.
+            // Said as the client's (see `failure::client_left`).
             if moved.as_ref().is_some_and(body::Moved::broken) {
-                return e;
+                return UpstreamError::ClientBody(e).into();
             }
             // The one error that is not hyper's: a stream reset before its END_STREAM.
             let kind = e
