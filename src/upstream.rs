@@ -231,6 +231,7 @@ pub fn counted_client(
         // An HTTP/1 answer's head is held to the pool's limit too (hyper's own is ~400 KB):
         // a TLS origin's first answer, and upgrades, come this way.
         .http1_max_buf_size(MAX_ANSWER_HEAD as usize)
+        .http1_max_headers(crate::proxy::pool::codec::MAX_HEADERS)
         .http2_initial_stream_window_size(STREAM_WINDOW)
         .http2_initial_connection_window_size(CONNECTION_WINDOW)
         .build(TimedConnect {

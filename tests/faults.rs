@@ -4973,25 +4973,33 @@ async fn an_answer_the_upstream_breaks_is_said_in_the_log() {
 /// An answer head over 64 KiB is refused (502) whichever client reads it: the proxy's own
 /// pool did, hyper's (a TLS origin's first answer, before it is known to speak HTTP/1.1)
 /// took up to ~400 KB and passed it on, and with its buffer bound alone ~110 KB one time
-/// in three. So is a `Content-Length` past i64::MAX, which clients read as none (a cut
-/// answer looked whole; hyper's client passed all but its two largest values).
+/// in three, or a long reason phrase. So is a `Content-Length` past i64::MAX, which
+/// clients read as none (a cut answer looked whole; hyper's client passed all but its two
+/// largest values). A head of 64 KiB exactly, its fields written without a space, and one
+/// of 120 fields are served on both paths (hyper's took 100 fields at most).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_head_over_64_kib_is_refused_on_every_path() {
-    let answer = |head: String| -> &'static [u8] {
-        Box::leak(
-            format!("HTTP/1.1 200 OK\r\n{head}\r\n\r\nok")
-                .into_bytes()
-                .into_boxed_slice(),
-        )
-    };
+    let leak = |text: String| -> &'static [u8] { Box::leak(text.into_bytes().into_boxed_slice()) };
+    let answer = |head: String| leak(format!("HTTP/1.1 200 OK\r\n{head}\r\n\r\nok"));
+    // 64 KiB to the byte: the status line, 90 fields `X-Fnn:…`, the length, the empty line.
+    let mut exact = String::from("HTTP/1.1 200 OK\r\nContent-Length:2\r\n");
+    for i in 0..90 {
+        exact.push_str(&format!("X-F{i:02}:{}\r\n", "v".repeat(700)));
+    }
+    let pad = 64 * 1024 - exact.len() - "X-Pad:\r\n\r\n".len();
+    exact.push_str(&format!("X-Pad:{}\r\n\r\nok", "p".repeat(pad)));
+    let cookies: String = (0..120)
+        .map(|i| format!("Set-Cookie: c{i}=v\r\n"))
+        .collect();
     let pki = Pki::new();
-    for (what, bytes) in [
+    for (what, bytes, status) in [
         (
             "200 KiB",
             answer(format!(
                 "X-Big: {}\r\nContent-Length: 2",
                 "x".repeat(200 * 1024)
             )),
+            502,
         ),
         (
             "70 KiB",
@@ -4999,18 +5007,39 @@ async fn an_answer_head_over_64_kib_is_refused_on_every_path() {
                 "X-Big: {}\r\nContent-Length: 2",
                 "x".repeat(70 * 1024)
             )),
+            502,
+        ),
+        (
+            "a long reason phrase",
+            leak(format!(
+                "HTTP/1.1 200 {}\r\nX-Big: {}\r\nContent-Length: 2\r\n\r\nok",
+                "R".repeat(60_000),
+                "x".repeat(30_000)
+            )),
+            502,
         ),
         (
             "a length past i64::MAX",
             answer("Content-Length: 9223372036854775808".into()),
+            502,
+        ),
+        ("64 KiB exactly, no spaces", leak(exact), 200),
+        (
+            "120 fields",
+            answer(format!("{cookies}Content-Length: 2")),
+            200,
         ),
     ] {
         for tls in [None, Some(&pki)] {
             let upstream = RawUpstream::start(tls, AfterHead::WriteAndClose(bytes)).await;
             let proxy = ProxyCmd::new(&upstream.url, &pki).spawn().await;
             let addr = proxy.addr();
-            let resp = send(addr, request("GET", addr, "/big").body(empty()).unwrap()).await;
-            assert_eq!(resp.status(), 502, "{what}, tls {}", tls.is_some());
+            // A raw client: hyper's own takes 100 fields at most.
+            let mut sock = connect_raw(addr).await;
+            let get = format!("GET /big HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+            sock.write_all(get.as_bytes()).await.expect("request");
+            let resp = read_response(&mut sock, &mut Vec::new()).await;
+            assert_eq!(resp.status, status, "{what}, tls {}", tls.is_some());
             proxy.finish().await;
         }
     }

@@ -23,8 +23,9 @@ pub(crate) const MAX_HEAD: usize = 64 * 1024;
 
 /// `HTTP/1.1 200 \r\n` and the head's closing CRLF, as [`admit`] counts a head hyper read.
 const STATUS_LINE: usize = 17;
-/// Header lines in a response head; more is a protocol error (hyper's own limit is 100).
-const MAX_HEADERS: usize = 128;
+/// Header lines in a response head; more is a protocol error (hyper's client is given the
+/// same: `crate::upstream`).
+pub(crate) const MAX_HEADERS: usize = 128;
 /// Trailer lines after a chunked body.
 const MAX_TRAILERS: usize = 64;
 /// A chunk-size line, extensions included.
@@ -232,11 +233,14 @@ impl Framing {
 /// what the pool would have given it, or the same 502.
 pub(super) fn admit<B>(upgrade: bool, resp: &mut Response<B>) -> Result<(), UpstreamError> {
     // hyper's own bound is its read buffer's, loose by the buffer's growth (a 110 KB head
-    // passed one time in three): the head as written, its status line and each field's
-    // `: ` and CRLF, is held to the pool's.
+    // passed one time in three): the head as written at its shortest (each field's `:`
+    // and CRLF, the status line with the reason phrase hyper keeps aside) is held to the
+    // pool's, which counts the bytes.
+    let reason = resp.extensions().get::<hyper::ext::ReasonPhrase>();
+    let status_line = STATUS_LINE + reason.map_or(0, |r| r.as_bytes().len());
     let written = resp.headers().iter();
-    let size = written.fold(STATUS_LINE, |n, (name, value)| {
-        n + name.as_str().len() + value.len() + 4
+    let size = written.fold(status_line, |n, (name, value)| {
+        n + name.as_str().len() + value.len() + 3
     });
     if size > MAX_HEAD {
         return Err(UpstreamError::Protocol("response head too large"));
