@@ -488,6 +488,7 @@ impl Activity {
         self.clocks.leaving.load(Ordering::Relaxed)
     }
 
+    /// Marks the connection [`Activity::leaving`] (the watchdog's, and tests').
     pub(in crate::proxy) fn leave(&self) {
         self.clocks.leaving.store(true, Ordering::Relaxed);
     }
