@@ -530,7 +530,7 @@ async fn with_hyper(
     // A head of which some bytes are in is a request begun (see `h1::read_head`): its
     // header timeout bounds the wait. An HTTP/2 connection that has its preface is open
     // for requests: it is told GOAWAY. Empty lines are no head (RFC 9112 §2.2).
-    let no_head = activity.head_began().is_none() || activity.head_is_blank();
+    let no_head = activity.head_began().is_none();
     if !begun.load(Ordering::Relaxed) && !activity.is_http2() && no_head {
         return;
     }
@@ -544,8 +544,7 @@ async fn with_hyper(
             Poll::Ready(done) => Poll::Ready(Some(done)),
             Poll::Pending
                 if cancels.begun.load(Ordering::Relaxed) != before
-                    || activity.head_began().is_none()
-                    || activity.head_is_blank() =>
+                    || activity.head_began().is_none() =>
             {
                 Poll::Ready(None)
             }

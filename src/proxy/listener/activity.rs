@@ -42,8 +42,6 @@ struct Clocks {
     head: AtomicU64,
     /// See [`Activity::is_http2`].
     http2: AtomicBool,
-    /// The head in progress has only empty lines so far (see [`Activity::head_is_blank`]).
-    blank: AtomicBool,
     /// HTTP/2 streams whose answer has not ended (see [`Activity::open_stream`]).
     streams: AtomicU32,
     /// Answers whose body has not ended (each an [`AnswerCut`]'s life).
@@ -509,11 +507,6 @@ impl Activity {
         self.clocks.asked.fetch_max(level, Ordering::Relaxed);
     }
 
-    /// The head in progress is empty lines only (hyper's path): no request begun.
-    pub(super) fn head_is_blank(&self) -> bool {
-        self.clocks.blank.load(Ordering::Relaxed)
-    }
-
     /// When the head in progress began (see [`Activity::heading`]).
     pub(super) fn head_began(&self) -> Option<Instant> {
         match self.clocks.head.load(Ordering::Relaxed) {
@@ -845,11 +838,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for IdleIo<T> {
                 framing.scan(&buf.filled()[before..]);
                 // Empty lines begin no request (RFC 9112 §2.2), nor its clock: a keep-alive
                 // client that sent a CRLF after its body had its connection cut at
-                // `--header-timeout`, logged 408, and never closed to make room.
-                let blank = framing.blank_so_far();
-                this.activity
-                    .heading(framing.in_head() && !blank, cx.waker());
-                (this.activity.clocks.blank).store(blank, Ordering::Relaxed);
+                // `--header-timeout`, logged 408, and never closed to make room; the drain
+                // waited for it as for a head begun.
+                let head = framing.in_head() && !framing.blank_so_far();
+                this.activity.heading(head, cx.waker());
                 if framing.is_http2() {
                     // No first-head deadline any more: the watchdog's deadline moves
                     // later, which it finds when it next wakes.
