@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end SDK tests (tests/e2e_sdk.rs, tests/e2e_opensandbox.rs) run,
 # idempotently, every package pinned (tests/e2e/python/*.txt, tests/e2e/package-lock.json):
-#   $E2E_DIR/py-latest       Python venv with `e2b==2.63.0`, the newest the tests were checked against,
+#   $E2E_DIR/py-latest       Python venv with `e2b==2.64.0`, the newest the tests were checked against,
 #                            and `e2b-code-interpreter==2.11.5`
 #   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
 #   $E2E_DIR/py220           Python venv with `e2b==2.20.0` (token-only envd requests)

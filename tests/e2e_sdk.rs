@@ -232,7 +232,8 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
 
     // What every driver does: 1 create, 1 set_timeout, 1 get_info, 1 connect, 1 kill;
     // 4 commands, 2 uploads, 2 downloads, 3 health checks (the connected sandbox's after
-    // the kill too), 1 ListDir. `/v2/…` create and
+    // the kill too), 1 ListDir; Python 2.64+ (py-latest) a second get_info, by an
+    // `Authorization` header alone (no key). `/v2/…` create and
     // connect reach the upstream as `/sandboxes…` (compat_v2_paths = rewrite).
     // The e2b plugin passes `/v2/…` on: E2B's own cloud serves it.
     let (create, connect) = match upstreams {
@@ -242,10 +243,14 @@ fn sdk_through_proxy(sdk: Sdk, upstreams: Upstreams) {
         ),
         _ => ("api POST /sandboxes", "api POST /sandboxes/{id}/connect"),
     };
+    let get_info = match sdk {
+        Sdk::Python("py-latest") => 2,
+        _ => 1,
+    };
     let expected: &[(&str, u64)] = &[
         (create, 1),
         ("api POST /sandboxes/{id}/timeout", 1),
-        ("api GET /sandboxes/{id}", 1),
+        ("api GET /sandboxes/{id}", get_info),
         (connect, 1),
         ("api DELETE /sandboxes/{id}", 1),
         ("envd POST /process.Process/Start", 4),
@@ -347,6 +352,13 @@ fn js_sdk_latest_through_proxy_to_tls_upstreams() {
 #[test]
 fn js_sdk_latest_through_the_e2b_plugin() {
     sdk_through_proxy(Sdk::Js("e2b"), Upstreams::E2bPlugin);
+}
+
+/// As above, with Python: e2b 2.64's `Authorization` header in place of a key must not
+/// reach E2B's cloud beside the plugin's `X-API-Key`.
+#[test]
+fn python_sdk_latest_through_the_e2b_plugin() {
+    sdk_through_proxy(Sdk::Python("py-latest"), Upstreams::E2bPlugin);
 }
 
 /// The code interpreter through the proxy: `run_code` streams its NDJSON back (the fake holds

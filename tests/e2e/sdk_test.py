@@ -9,6 +9,7 @@ Works with e2b 2.20 (whose connected sandbox names itself by its token alone), 2
 """
 
 import inspect
+import os
 
 from e2b_driver import expect, killing_on_failure, ok, require_env, run, step
 
@@ -96,6 +97,21 @@ def run_steps(Sandbox, sbx, sid):
     expect(info.metadata == {"k": "v"}, f"metadata {info.metadata!r}")
     ok(f"{info.sandbox_id} template={info.template_id} metadata={info.metadata}")
 
+    # e2b 2.64 takes an `Authorization` header (an OAuth token) in place of a key: a client
+    # with no key sends only that, which the proxy replaces with the real key as it does a
+    # dummy one (the fake refuses the token, the dummy key here, anywhere upstream).
+    step("get_info with an Authorization header and no key")
+    if sdk_version() >= (2, 64):
+        key = os.environ.pop("E2B_API_KEY")
+        try:
+            info = Sandbox.get_info(sid, api_headers={"Authorization": f"Bearer {key}"})
+        finally:
+            os.environ["E2B_API_KEY"] = key
+        expect(info.sandbox_id == sid, f"get_info sandbox_id {info.sandbox_id!r} != {sid!r}")
+        ok(info.sandbox_id)
+    else:
+        ok("skipped: this SDK needs a key")
+
     step("Sandbox.connect")
     again = Sandbox.connect(sid)
     expect(again.sandbox_id == sid, f"connect gave {again.sandbox_id!r}")
@@ -118,6 +134,12 @@ def run_steps(Sandbox, sbx, sid):
     step("is_running after kill (the connected sandbox)")
     expect(again.is_running() is False, "is_running() is not False after kill")
     ok("False")
+
+
+def sdk_version():
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("e2b").split(".")[:2])
 
 
 if __name__ == "__main__":
