@@ -5,7 +5,7 @@
 #                            and `e2b-code-interpreter==2.11.5`
 #   $E2E_DIR/py250           Python venv with `e2b==2.50.0` (the pre-/v2 paths)
 #   $E2E_DIR/py220           Python venv with `e2b==2.20.0` (token-only envd requests)
-#   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK
+#   $E2E_DIR/py-opensandbox  Python venv with the `opensandbox` SDK (1.2.1)
 #   tests/e2e/node_modules   `npm ci` from tests/e2e/package-lock.json (e2b 2.51.0 + 2.50.0,
 #                            @e2b/code-interpreter 2.8.0)
 # E2E_DIR is $ABX_E2E_DIR, else e2e/ in cargo's target directory (scripts/target-dir.sh).
@@ -81,12 +81,13 @@ venv() {
     printf '%s' "$want" >"$marker"
 }
 
-# Pinned, so a new release cannot turn CI red with no change here: e2b 2.63.0 is the release
-# the captured wire traffic comes from, e2b-code-interpreter 2.11.5 the one the fake's code
-# interpreter (examples/fake_e2b.rs) was written against, and opensandbox 1.1.1 the one
-# examples/fake_opensandbox.rs was written against. Raise them on purpose (the marker makes
-# every machine reinstall), as tests/e2e/package.json does for the JS SDK. Python first: a
-# machine without npm still gets the venvs, and the JS step says what is missing.
+# Pinned, so a new release cannot turn CI red with no change here: e2b 2.64.0 is the newest
+# checked (the captured wire traffic is 2.63.0's), e2b-code-interpreter 2.11.5 the one the
+# fake's code interpreter (examples/fake_e2b.rs) was written against, and opensandbox 1.2.1
+# the newest checked (examples/fake_opensandbox.rs was written against 1.1.1). Raise them
+# on purpose (the marker makes every machine reinstall), as tests/e2e/package.json does for
+# the JS SDK. Python first: a machine without npm still gets the venvs, and the JS step
+# says what is missing.
 venv py-latest e2b_code_interpreter
 venv py250 e2b
 venv py220 e2b
