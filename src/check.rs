@@ -59,6 +59,7 @@ async fn probe(
         key: "sandbox_base_url".into(),
         reason: e.to_string(),
     })?;
+    let probed = settings.shown(&uri);
     let scheme = AuthScheme::from(&settings.auth);
     let value = crate::credentials::header_value(settings, key)?;
     let req = http::Request::get(uri)
@@ -106,6 +107,14 @@ async fn probe(
         });
     }
     outln!("control plane: {host} answered {status}");
+    // The key heard, but nothing there: a base URL whose path is wrong (OpenSandbox's `/v1`
+    // left off) passes, and every SDK call then gets the same 404. Not refused: a provider
+    // may serve no list at this path.
+    if status == 404 {
+        crate::logging::warning(&format!(
+            "nothing at {probed}: the SDKs' requests go under the same base URL; check its path"
+        ));
+    }
     outln!("ok");
     Ok(0)
 }

@@ -1543,7 +1543,8 @@ async fn a_built_in_only_flag_with_a_plugin_is_said_to_be_unread() {
 /// would send it, and judges the answer: 401 or 403 is the key refused (E1009, exit 78);
 /// 500 and above, 429 (throttling) and a redirect (which the proxy would hand the SDKs) are
 /// a control plane reached but not serving (E5001, exit 69); anything else, a 404
-/// included, is a control plane that heard the key (exit 0).
+/// included, is a control plane that heard the key (exit 0), a 404 with a warning that
+/// the base URL's path may be wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_probes_with_the_providers_header_and_judges_the_answer() {
     let pki = Pki::new();
@@ -1614,6 +1615,12 @@ async fn check_probes_with_the_providers_header_and_judges_the_answer() {
                 "{status}: {said}"
             ),
         }
+        let nothing_there = format!("warning: nothing at {}/sandboxes: ", answering.url());
+        assert_eq!(
+            said.contains(&nothing_there),
+            status == 404,
+            "{status}: {said}"
+        );
         assert!(!said.contains(OS_KEY), "{said}");
         assert_eq!(answering.seen().len(), 1, "{status}");
     }
