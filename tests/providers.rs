@@ -7,6 +7,7 @@ mod support;
 use std::path::Path;
 use std::process::Output;
 
+use http::HeaderValue;
 use http_body_util::BodyExt;
 use support::*;
 
@@ -215,12 +216,24 @@ async fn each_key_reaches_only_its_own_provider() {
 /// endpoint) asks no key and hands the request to the app: the key stays out (the client's
 /// own `Authorization` passes, its dummy does not), however the path spells the route, and
 /// the app's page, served on the proxy's own origin, is sandboxed: its requests carry
-/// `Origin: null`, refused. Paths the server cannot route to an app get the key.
+/// `Origin: null`, refused. The browser's cookies there are every local site's (cookies
+/// know no port): the app gets none, and sets or clears none. Paths the server cannot
+/// route to an app get the key, and pass cookies both ways.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxed_page() {
     let pki = Pki::new();
-    let opensandbox =
-        Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "<html>") }).await;
+    let opensandbox = Upstream::start(&pki, Proto::Http1, |_r| async {
+        let mut resp = response(200, "<html>");
+        let h = resp.headers_mut();
+        h.append(
+            "set-cookie",
+            HeaderValue::from_static("grafana_session=planted; Path=/"),
+        );
+        h.append("set-cookie", HeaderValue::from_static("more=1"));
+        h.append("clear-site-data", HeaderValue::from_static("\"cookies\""));
+        resp
+    })
+    .await;
     let proxy = ProxyCmd::new("http://127.0.0.1:9", &pki)
         .setup(&["provider", "install", OPENSANDBOX])
         .env("ABX_PROVIDER", Some("opensandbox"))
@@ -233,6 +246,7 @@ async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxe
         let req = request("GET", addr, path)
             .header("authorization", "Bearer app-token")
             .header(OS_HEADER, "dummy")
+            .header("cookie", "grafana_session=LOCAL; jupyter=TOKEN")
             .body(empty())
             .expect("request");
         send(addr, req).await
@@ -263,6 +277,10 @@ async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxe
         let csp = resp.headers().get("content-security-policy");
         let want = app.contains(path).then_some(SANDBOXED);
         assert_eq!(csp.map(|v| v.to_str().unwrap()), want, "{path}");
+        let set = resp.headers().get_all("set-cookie").iter().count();
+        let clear = resp.headers().get_all("clear-site-data").iter().count();
+        let passed = if app.contains(path) { (0, 0) } else { (2, 1) };
+        assert_eq!((set, clear), passed, "{path}: {:?}", resp.headers());
     }
     // A sandboxed page's request, to the lifecycle API or to its own route.
     for path in ["/v1/sandboxes", "/v1/sandboxes/osb-1/proxy/3000/api"] {
@@ -280,9 +298,12 @@ async fn a_sandbox_app_through_the_opensandbox_server_gets_no_key_and_a_sandboxe
         if app.contains(path) {
             assert!(s.header(OS_HEADER).is_none(), "{path}: {:?}", s.headers);
             assert_eq!(s.all("authorization"), vec!["Bearer app-token"], "{path}");
+            assert!(s.header("cookie").is_none(), "{path}: {:?}", s.headers);
         } else {
             assert_eq!(s.all(OS_HEADER), vec![OS_KEY.to_string()], "{path}");
             assert!(s.header("authorization").is_none(), "{path}");
+            let cookie = vec!["grafana_session=LOCAL; jupyter=TOKEN"];
+            assert_eq!(s.all("cookie"), cookie, "{path}");
         }
     }
 }

@@ -469,6 +469,9 @@ impl Proxy {
             .map_err(unbuildable)?;
             headers::strip_hop_by_hop(&mut parts.headers, upgrade.is_some());
             parts.headers.remove(HOST);
+            if app_route {
+                headers::keep_local_cookies(&mut parts.headers);
+            }
             if sniff == Sniff::Learn {
                 // The token is read from the body: ask for it uncompressed. Saying so, as
                 // no field at all means any coding will do (RFC 9110 §12.5.3).

@@ -32,6 +32,9 @@ pub const X_ACCESS_TOKEN: HeaderName = HeaderName::from_static("x-access-token")
 pub const E2B_SANDBOX_ID: HeaderName = HeaderName::from_static("e2b-sandbox-id");
 pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-port");
 
+/// A site's order to wipe what the browser holds for it (cookies: every local site's).
+const CLEAR_SITE_DATA: HeaderName = HeaderName::from_static("clear-site-data");
+
 /// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
 /// stream (a command's output, a watch).
 const KEEPALIVE_PING_INTERVAL: HeaderName = HeaderName::from_static("keepalive-ping-interval");
@@ -526,14 +529,25 @@ fn percent_decoded(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
 /// [`is_sandbox_proxy_route`]) is shown to a browser as a page of no origin: a same-origin
 /// page's requests to the proxy pass the Origin check and would go out with the key; a
 /// sandboxed page's carry `Origin: null`, which is refused. Scripts, forms and pop-ups
-/// still work, within the page.
+/// still work, within the page. Nor may the app set or clear cookies here: cookies know no
+/// port, so they would be every local site's (a session planted for another local app, or
+/// enough of them that its every request is refused as too large).
 pub fn sandbox_the_page(headers: &mut HeaderMap) {
+    headers.remove(header::SET_COOKIE);
+    headers.remove(CLEAR_SITE_DATA);
     headers.append(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
             "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
         ),
     );
+}
+
+/// A request to a sandbox's app on the proxy's own origin (see [`sandbox_the_page`]): a
+/// browser sends it the cookies of every local site (cookies know no port: a notebook's,
+/// a dashboard's session), none of them the app's, which is code run in a sandbox.
+pub fn keep_local_cookies(headers: &mut HeaderMap) {
+    headers.remove(header::COOKIE);
 }
 
 /// Control plane, on a path whose credential is the client's own
