@@ -88,15 +88,20 @@ if ((${#missing[@]})); then
     "$ROOT/scripts/apt-install.sh" "${missing[@]}"
     SUDO=()
     [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
-    # On a machine run by systemd the packages also start nginx's default site (port 80 on
-    # every interface) and HAProxy's service: the runs below start their own on 127.0.0.1.
-    if [[ -d /run/systemd/system ]]; then
-        for unit in nginx haproxy; do
-            [[ " ${missing[*]} " == *" $unit "* ]] || continue
+    # The packages also start nginx's default site (port 80 on every interface) and
+    # HAProxy's service, through systemd or, where there is none (sysvinit, LXC, WSL),
+    # their init scripts, and enable them at boot: the runs below start their own on
+    # 127.0.0.1.
+    for unit in nginx haproxy; do
+        [[ " ${missing[*]} " == *" $unit "* ]] || continue
+        if [[ -d /run/systemd/system ]]; then
             timeout -k 10 60 "${SUDO[@]}" systemctl disable --now "$unit" >/dev/null 2>&1 || true
-            log "$unit was installed for this benchmark: its system service is stopped and disabled"
-        done
-    fi
+        else
+            timeout -k 10 60 "${SUDO[@]}" invoke-rc.d "$unit" stop >/dev/null 2>&1 || true
+            timeout -k 10 60 "${SUDO[@]}" update-rc.d "$unit" disable >/dev/null 2>&1 || true
+        fi
+        log "$unit was installed for this benchmark: its system service is stopped and disabled"
+    done
 fi
 
 if [[ -z ${SKIP_BUILD:-} ]]; then
@@ -342,6 +347,8 @@ with_peak_rss() { # target cmd...
     if ((CLEAR_REFS)); then
         for p in "${pids[@]}"; do echo 5 >"/proc/$p/clear_refs" 2>/dev/null || true; done
     else
+        # Without fd 3, the caller's `$(…)` pipe: a background job ignores Ctrl-C, and one
+        # holding the pipe kept the script waiting forever, its trap and cleanup not run.
         (
             max=0
             while :; do
@@ -349,7 +356,7 @@ with_peak_rss() { # target cmd...
                 ((cur > max)) && max=$cur && echo "$max" >"$peak_file"
                 sleep 0.1
             done
-        ) &
+        ) 3>&- &
         poller=$!
     fi
     "$@"
@@ -503,7 +510,9 @@ idle_test() { # target -> "conns rss_before_kB rss_after_kB"
     read -r -a pids <<<"$(pids_of "$1")"
     rm -f "$ready"
     before=$(sum_kb VmRSS "${pids[@]}")
-    timeout 120 python3 "$WORK/idle.py" "$port" "$IDLE_CONNS" "$ready" 30 &
+    # Not on the caller's `$(…)` pipe: a background job ignores Ctrl-C, and the pipe held
+    # open would keep the script waiting for it (up to its timeout), its trap not run.
+    timeout 120 python3 "$WORK/idle.py" "$port" "$IDLE_CONNS" "$ready" 30 >/dev/null &
     py=$!
     for i in $(seq 900); do [[ -s $ready ]] && break; kill -0 "$py" 2>/dev/null || break; sleep 0.1; done
     held=$(cat "$ready" 2>/dev/null || echo 0)

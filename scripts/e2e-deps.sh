@@ -72,8 +72,11 @@ venv() {
         return 0
     fi
     command -v python3 >/dev/null 2>&1 || fail "python3 not found"
-    rm -rf "$dir"
     : >"$LOG"
+    # Else pip's resolver says it, at length, of the first package that needs it.
+    python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || fail "Python $(python3 -c 'import platform; print(platform.python_version())') is too old: the pinned SDKs need 3.11 or newer"
+    rm -rf "$dir"
     python3 -m venv "$dir" >>"$LOG" 2>&1 || fail "python3 -m venv $dir failed"
     timeout -k 10 600 "$dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
         -r "$pins" >>"$LOG" 2>&1 || fail "pip install -r $pins failed (or took over 600 s)"

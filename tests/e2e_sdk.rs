@@ -1,4 +1,4 @@
-//! End-to-end gate: the real, unmodified E2B SDKs ("latest": Python 2.63.0 and JS 2.51.0,
+//! End-to-end gate: the real, unmodified E2B SDKs ("latest": Python 2.64.0 and JS 2.51.0,
 //! the newest checked, pinned in `tests/e2e/python/` and `tests/e2e/package.json`; both
 //! at 2.50.0; Python 2.20.0, whose connected sandbox names itself by its token alone) talk to `abx-proxy` with a dummy key; the proxy talks to the fake E2B cloud
 //! (`examples/fake_e2b.rs`), which checks every request it gets (the real key as Bearer on
