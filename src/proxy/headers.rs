@@ -32,8 +32,22 @@ pub const X_ACCESS_TOKEN: HeaderName = HeaderName::from_static("x-access-token")
 pub const E2B_SANDBOX_ID: HeaderName = HeaderName::from_static("e2b-sandbox-id");
 pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-port");
 
-/// A site's order to wipe what the browser holds for it (cookies: every local site's).
-const CLEAR_SITE_DATA: HeaderName = HeaderName::from_static("clear-site-data");
+/// What a browser keeps from an answer for its host or its origin, not for the page: from a
+/// sandbox's app on the proxy's own origin, for every local site (cookies and HSTS know no
+/// port): a session planted for another local app, or cookies enough that its every
+/// request is refused as too large; every local site's cookies wiped (`Clear-Site-Data`);
+/// HTTPS forced on every `http://localhost:*` site (with `includeSubDomains`, on the
+/// sandbox hosts too); the proxy's later requests sent elsewhere (`Alt-Svc`) or reported
+/// to the app's collector (`NEL`, `Report-To`, `Reporting-Endpoints`).
+const HOST_STATE: [HeaderName; 7] = [
+    header::SET_COOKIE,
+    HeaderName::from_static("clear-site-data"),
+    header::STRICT_TRANSPORT_SECURITY,
+    header::ALT_SVC,
+    HeaderName::from_static("nel"),
+    HeaderName::from_static("report-to"),
+    HeaderName::from_static("reporting-endpoints"),
+];
 
 /// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
 /// stream (a command's output, a watch).
@@ -529,12 +543,12 @@ fn percent_decoded(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
 /// [`is_sandbox_proxy_route`]) is shown to a browser as a page of no origin: a same-origin
 /// page's requests to the proxy pass the Origin check and would go out with the key; a
 /// sandboxed page's carry `Origin: null`, which is refused. Scripts, forms and pop-ups
-/// still work, within the page. Nor may the app set or clear cookies here: cookies know no
-/// port, so they would be every local site's (a session planted for another local app, or
-/// enough of them that its every request is refused as too large).
+/// still work, within the page. Nor may the app leave the browser anything it keeps for
+/// the host or the origin rather than the page ([`HOST_STATE`]).
 pub fn sandbox_the_page(headers: &mut HeaderMap) {
-    headers.remove(header::SET_COOKIE);
-    headers.remove(CLEAR_SITE_DATA);
+    for name in HOST_STATE {
+        headers.remove(name);
+    }
     headers.append(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
