@@ -107,9 +107,10 @@ async fn probe(
         });
     }
     outln!("control plane: {host} answered {status}");
-    // The key heard, but nothing there: a base URL whose path is wrong (OpenSandbox's `/v1`
-    // left off) passes, and every SDK call then gets the same 404. Not refused: a provider
-    // may serve no list at this path.
+    // The key heard, but nothing there: a base URL whose path is wrong (a prefix the API is
+    // not under) passes, and every SDK call then gets the same 404. Not refused: a provider
+    // may serve no list at this path (OpenSandbox's servers may serve it under `/v1` only,
+    // while its base URL is the server's root). A prefix pasted twice is not seen.
     if status == 404 {
         crate::logging::warning(&format!(
             "nothing at {probed}: the SDKs' requests go under the same base URL; check its path"
