@@ -6431,6 +6431,42 @@ async fn http2_floods_of_frames_that_carry_no_request_are_cut_off() {
     assert_eq!(stderr.matches("a flood of frames").count(), 2, "{stderr}");
 }
 
+/// An HTTP/2 client that goes on sending after the proxy ended its connection with an
+/// error (a frame no stream may carry, here a DATA frame on stream 0) is read and dropped
+/// for at most the linger's 8 MiB, twice the connection's window (all a well-behaved client
+/// may have in flight), and then closed: it was read for the linger's 30 s, at socket
+/// speed, most of a core.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_sending_on_after_an_error_goaway_is_closed() {
+    const MAX: usize = 64 << 20;
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_| async { response(200, "ok") }).await;
+    let proxy = quiet_proxy(&upstream, &pki).await;
+    let (mut wr, mut frames) = raw_h2(proxy.addr()).await;
+    wr.write_all(&h2_frame(DATA, 0, 0, b"no stream"))
+        .await
+        .expect("DATA on stream 0");
+    loop {
+        match within("the GOAWAY", frames.recv()).await.flatten() {
+            Some((GOAWAY, _, 0, payload)) => {
+                // PROTOCOL_ERROR.
+                assert_eq!(payload.get(4..8), Some(&[0, 0, 0, 1][..]), "{payload:?}");
+                break;
+            }
+            Some(_) => {}
+            None => panic!("closed without a GOAWAY"),
+        }
+    }
+    let batch = vec![0u8; 256 << 10];
+    let mut sent = 0;
+    while sent < MAX && wr.write_all(&batch).await.is_ok() {
+        sent += batch.len();
+    }
+    assert!(sent < MAX, "still open after {sent} bytes");
+    assert!(sent + batch.len() > 8 << 20, "closed after {sent} bytes");
+    proxy.finish().await;
+}
+
 /// What the proxy writes earns its client room for frames that carry no request, a 256th
 /// of it, as it goes: 9 MiB of PRIORITY frames sent along a 64 MiB download, in step with
 /// it (more than the 8 MiB a connection starts with), leave the connection open, and a

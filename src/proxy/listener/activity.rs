@@ -541,7 +541,8 @@ pub(in crate::proxy) struct IdleIo<T> {
     activity: Activity,
     framing: Option<HeadWatch>,
     /// Set once hyper closes the connection (see [`IdleIo::poll_linger`]).
-    linger: Option<Linger>,
+    /// Boxed: rare, and inline it would size every connection.
+    linger: Option<Box<Linger>>,
 }
 
 /// A closed connection's lingering: until when, in all, and the timer for the current
@@ -549,7 +550,17 @@ pub(in crate::proxy) struct IdleIo<T> {
 struct Linger {
     until: tokio::time::Instant,
     idle: Pin<Box<tokio::time::Sleep>>,
+    /// Bytes an HTTP/2 connection may still send (see [`H2_LINGER_BYTES`]); none for
+    /// HTTP/1's uploader, which may have a body's worth to come.
+    left: Option<usize>,
 }
+
+/// What an HTTP/2 client may send after the end, taken and dropped: once hyper is done,
+/// a well-behaved client has at most the connection's window of DATA in flight (4 MiB)
+/// and a few control frames. One that goes on sending (after a flood's or a protocol
+/// error's GOAWAY, often at socket speed) had the proxy read and drop it for the linger's
+/// 30 s, most of a core, as long as it liked to repeat.
+const H2_LINGER_BYTES: usize = 8 << 20;
 
 /// Reads one lingering close may do in one poll before it lets the worker's other
 /// connections run.
@@ -913,10 +924,11 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for IdleIo<T> {
             this.activity.lingers();
             std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
             let now = tokio::time::Instant::now();
-            this.linger = Some(Linger {
+            this.linger = Some(Box::new(Linger {
                 until: now + h1::LINGER_TOTAL,
                 idle: Box::pin(tokio::time::sleep_until(now + h1::LINGER_IDLE)),
-            });
+                left: this.activity.is_http2().then_some(H2_LINGER_BYTES),
+            }));
         }
         this.poll_linger(cx)
     }
@@ -927,7 +939,8 @@ impl<T: AsyncRead + Unpin> IdleIo<T> {
     /// a body when hyper closes (an early answer: a refusal, a 503, the upstream's 413)
     /// would have the kernel reset the connection under its writes and maybe lose the
     /// answer (RFC 9112 §9.6). What it sends is read and dropped until it closes, for at
-    /// most [`h1::LINGER_IDLE`] without a byte and [`h1::LINGER_TOTAL`] in all.
+    /// most [`h1::LINGER_IDLE`] without a byte and [`h1::LINGER_TOTAL`] in all; an HTTP/2
+    /// client, [`H2_LINGER_BYTES`] at most.
     fn poll_linger(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let Some(linger) = self.linger.as_mut() else {
             return Poll::Ready(Ok(()));
@@ -940,6 +953,12 @@ impl<T: AsyncRead + Unpin> IdleIo<T> {
                     let now = tokio::time::Instant::now();
                     if now >= linger.until {
                         return lingered("timer");
+                    }
+                    if let Some(left) = linger.left.as_mut() {
+                        *left = left.saturating_sub(buf.filled().len());
+                        if *left == 0 {
+                            return lingered("bytes");
+                        }
                     }
                     let next = (now + h1::LINGER_IDLE).min(linger.until);
                     linger.idle.as_mut().reset(next);
