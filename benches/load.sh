@@ -334,6 +334,7 @@ sum_kb() { # field pids...
     for p in "$@"; do total=$((total + $(status_kb "$p" "$f"))); done
     echo "$total"
 }
+export -f status_kb sum_kb # for the RSS poller (`with_peak_rss`)
 CLEAR_REFS=0
 if echo 5 >"/proc/$PID_ABX/clear_refs" 2>/dev/null; then CLEAR_REFS=1; fi
 
@@ -347,16 +348,18 @@ with_peak_rss() { # target cmd...
     if ((CLEAR_REFS)); then
         for p in "${pids[@]}"; do echo 5 >"/proc/$p/clear_refs" 2>/dev/null || true; done
     else
-        # Without fd 3, the caller's `$(…)` pipe: a background job ignores Ctrl-C, and one
-        # holding the pipe kept the script waiting forever, its trap and cleanup not run.
-        (
-            max=0
-            while :; do
-                cur=$(sum_kb VmRSS "${pids[@]}")
+        # Its own process, which ends with the script, and holds none of the caller's
+        # `$(…)` pipe: a subshell inherited it (as fd 3, and as the copy of stdout bash
+        # keeps while the call's redirections last; an exec'd one gets neither), and a
+        # background job ignores Ctrl-C, so the script waited on the pipe forever, its trap
+        # and cleanup not run, and the poller outlived it.
+        bash -c 'script=$1 peak_file=$2 max=0
+            shift 2
+            while kill -0 "$script" 2>/dev/null; do
+                cur=$(sum_kb VmRSS "$@")
                 ((cur > max)) && max=$cur && echo "$max" >"$peak_file"
                 sleep 0.1
-            done
-        ) 3>&- &
+            done' rss-poller "$$" "$peak_file" "${pids[@]}" 3>&- </dev/null >/dev/null 2>&1 &
         poller=$!
     fi
     "$@"
@@ -397,7 +400,9 @@ run_wrk() { # target conns round
     out="$WORK/wrk.out"
     read -r -a pids <<<"$(pids_of "$1")"
     cpu0=$(cpu_ticks "${pids[@]}")
-    rss=$(with_peak_rss "$1" timeout $((DUR + 20)) wrk -t2 -c"$2" -d"${DUR}s" --timeout 5s --latency \
+    # `--foreground`: in a process group of its own, wrk would not get a Ctrl-C, and the
+    # script would wait for the round's end.
+    rss=$(with_peak_rss "$1" timeout --foreground $((DUR + 20)) wrk -t2 -c"$2" -d"${DUR}s" --timeout 5s --latency \
         -H 'X-API-Key: dummy' "http://127.0.0.1:$port/bench" 3>&1 >"$out" 2>&1) || true
     cpu1=$(cpu_ticks "${pids[@]}")
     local rps p50 p99 errs n cpu
