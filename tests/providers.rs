@@ -213,7 +213,7 @@ async fn each_key_reaches_only_its_own_provider() {
 }
 
 /// What a browser keeps from an answer for its host or origin, beside cookies.
-const HOST_STATE: [(&str, &str); 6] = [
+const HOST_STATE: [(&str, &str); 8] = [
     ("clear-site-data", "\"cookies\""),
     (
         "strict-transport-security",
@@ -226,6 +226,8 @@ const HOST_STATE: [(&str, &str); 6] = [
         "{\"group\":\"app\",\"endpoints\":[{\"url\":\"https://evil.example/r\"}]}",
     ),
     ("reporting-endpoints", "app=\"https://evil.example/r\""),
+    ("accept-ch", "Sec-CH-UA-Full-Version-List"),
+    ("critical-ch", "Sec-CH-UA-Full-Version-List"),
 ];
 
 /// OpenSandbox's route to a sandbox's app through its server (`use_server_proxy`'s

@@ -38,8 +38,9 @@ pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-po
 /// request is refused as too large; every local site's cookies wiped (`Clear-Site-Data`);
 /// HTTPS forced on every `http://localhost:*` site (with `includeSubDomains`, on the
 /// sandbox hosts too); the proxy's later requests sent elsewhere (`Alt-Svc`) or reported
-/// to the app's collector (`NEL`, `Report-To`, `Reporting-Endpoints`).
-const HOST_STATE: [HeaderName; 7] = [
+/// to the app's collector (`NEL`, `Report-To`, `Reporting-Endpoints`); client hints asked
+/// of every later request there (`Accept-CH`, `Critical-CH`).
+const HOST_STATE: [HeaderName; 9] = [
     header::SET_COOKIE,
     HeaderName::from_static("clear-site-data"),
     header::STRICT_TRANSPORT_SECURITY,
@@ -47,6 +48,8 @@ const HOST_STATE: [HeaderName; 7] = [
     HeaderName::from_static("nel"),
     HeaderName::from_static("report-to"),
     HeaderName::from_static("reporting-endpoints"),
+    HeaderName::from_static("accept-ch"),
+    HeaderName::from_static("critical-ch"),
 ];
 
 /// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
