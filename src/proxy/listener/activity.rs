@@ -473,7 +473,8 @@ impl Activity {
     /// and the answer could be lost with it. An HTTP/2 connection hyper has closed lingers
     /// too (its client may still be reading the end of an answer): one whose client keeps
     /// it open after its own GOAWAY holds its slot up to [`h1::LINGER_IDLE`] of silence
-    /// ([`h1::LINGER_TOTAL`] in all), no longer taken to make room.
+    /// ([`h1::LINGER_TOTAL`] in all, or `H2_LINGER_BYTES` read), no longer taken to make
+    /// room.
     pub(in crate::proxy) fn lingers(&self) {
         self.clocks.lingering.store(true, Ordering::Relaxed);
     }
