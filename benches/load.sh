@@ -57,6 +57,7 @@ PIDS=()
 
 cleanup() {
     local pid
+    if [[ -s $WORK/idle.pid ]]; then kill "$(cat "$WORK/idle.pid")" 2>/dev/null || true; fi
     for pid in "${PIDS[@]}"; do
         kill "$pid" 2>/dev/null || true
     done
@@ -519,6 +520,8 @@ idle_test() { # target -> "conns rss_before_kB rss_after_kB"
     # open would keep the script waiting for it (up to its timeout), its trap not run.
     timeout 120 python3 "$WORK/idle.py" "$port" "$IDLE_CONNS" "$ready" 30 >/dev/null &
     py=$!
+    # For `cleanup`: a background job ignores Ctrl-C, and this runs in a `$(…)` subshell.
+    echo "$py" >"$WORK/idle.pid"
     for i in $(seq 900); do [[ -s $ready ]] && break; kill -0 "$py" 2>/dev/null || break; sleep 0.1; done
     held=$(cat "$ready" 2>/dev/null || echo 0)
     sleep 1 # let the proxy settle (pool and buffers)
