@@ -528,6 +528,8 @@ idle_test() { # target -> "conns rss_before_kB rss_after_kB"
     after=$(sum_kb VmRSS "${pids[@]}")
     kill "$py" 2>/dev/null || true
     wait "$py" 2>/dev/null || true
+    # Gone: a later `cleanup` would kill whatever process had its id by then.
+    rm -f "$WORK/idle.pid"
     echo "$held $before $after"
 }
 # "target:conns:before_kB:after_kB" for each target held idle.
