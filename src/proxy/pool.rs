@@ -64,6 +64,10 @@ use crate::upstream::{self, BoxError, HttpClient, LocalResolver, ProxyBody, Vers
 
 /// The first read of a connection; it doubles while reads fill it, up to [`MAX_READ`].
 const FIRST_READ: usize = 8 * 1024;
+/// A connection's write buffer (a request's head, then chunk-size lines), and the most
+/// of it kept once written.
+const WBUF_FIRST: usize = 1024;
+const WBUF_KEPT: usize = 8 * 1024;
 /// An answer's frames are slices of their read: a client that stops reading a download
 /// (on the TLS listener, or a chunked answer; sized plain ones are spliced) pins the frame
 /// it was handed and the read after it, and a fast upstream fills every read. At 256 KiB
@@ -237,7 +241,7 @@ impl Pool {
             io,
             _slot: slot,
             rbuf: BytesMut::with_capacity(FIRST_READ),
-            wbuf: Vec::with_capacity(1024),
+            wbuf: Vec::with_capacity(WBUF_FIRST),
             spans: Vec::new(),
             read_size: FIRST_READ,
             origin: Origin {
@@ -896,6 +900,12 @@ impl Outgoing {
         }
         n -= pre;
         wbuf.clear();
+        // A large head's buffer goes once it is out (an SDK's is under 1 KiB): kept, it
+        // held 60 KiB through each answer's wait (HPACK-indexed heads cost a client ~130
+        // bytes each) and then for as long as the connection stayed idle in the pool.
+        if wbuf.capacity() > WBUF_KEPT {
+            *wbuf = Vec::with_capacity(WBUF_FIRST);
+        }
         self.wpos = 0;
         let d = n.min(self.data.len());
         if d == self.data.len() {

@@ -938,6 +938,45 @@ async fn an_idle_connection_keeps_no_large_read_buffer() {
     assert_eq!(fake.accepts(), 1);
 }
 
+/// Nor a large request head's write buffer: a 60 KiB head's was kept through the answer's
+/// wait and then while the connection idled (an HPACK-indexed head costs its HTTP/2 client
+/// ~130 bytes). A small head's is kept (no allocation per request).
+#[tokio::test]
+async fn an_idle_connection_keeps_no_large_write_buffer() {
+    let fake = Fake::start(keep_alive(|_| OK.to_vec())).await;
+    let client = client();
+    let wbufs = || -> Vec<(usize, *const u8)> {
+        (client.pool.idle.iter())
+            .flat_map(|list| {
+                let idle = list.lock().unwrap();
+                let conns = idle.origins.iter().flat_map(|o| o.conns.iter());
+                conns
+                    .map(|c| (c.wbuf.capacity(), c.wbuf.as_ptr()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    assert_eq!(get_text(&client, &fake.url("/small")).await, "ok");
+    let kept = wbufs();
+    assert_eq!(kept.len(), 1);
+    assert_eq!(get_text(&client, &fake.url("/small")).await, "ok");
+    assert_eq!(wbufs(), kept, "a small head's buffer is kept");
+    let mut req = get(&fake.url("/big-head"));
+    let value = http::HeaderValue::from_str(&"v".repeat(4000)).unwrap();
+    for _ in 0..15 {
+        req.headers_mut().append("x-a", value.clone());
+    }
+    let resp = within(client.request(Plane::Api, req, LONG)).await.unwrap();
+    assert_eq!(text(resp).await, "ok");
+    let after = wbufs();
+    assert_eq!(after.len(), 1);
+    assert!(
+        after[0].0 <= WBUF_KEPT,
+        "a 60 KiB head's buffer kept: {after:?}"
+    );
+    assert_eq!(fake.accepts(), 1);
+}
+
 /// A slot wanted closes the longest idle connection, whatever its origin: the first
 /// origin's was closed, however recently used.
 #[tokio::test]
