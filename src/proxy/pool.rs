@@ -482,7 +482,8 @@ struct Conn {
     io: Io,
     /// Bytes read and not yet handed out; empty whenever the connection is idle.
     rbuf: BytesMut,
-    /// The request head, then chunk-size lines; reused across requests.
+    /// The request head, then chunk-size lines; reused across requests, unless it grew past
+    /// [`WBUF_KEPT`] (see `Outgoing::advance`).
     wbuf: Vec<u8>,
     /// Scratch for the head parser; reused across requests.
     spans: Vec<Span>,
