@@ -640,12 +640,16 @@ async fn a_look_up_outlives_the_client_that_gave_up_on_it() {
     let addr = proxy.addr();
 
     give_up_during_look_up(&mut env, &proxy, "isb-slow").await;
+    // Its 499 names the upstream it was going to (`--sandbox-url`'s).
+    let envd_host = env.envd.addr.to_string();
+    let gone = proxy.wait_for_line(" status=499 ").await;
+    let named = format!(" upstream={envd_host}");
+    assert!(gone.trim_end().ends_with(&named), "{gone}");
     let (status, body) = text(send(addr, envd_request(addr, "isb-slow", "/health")).await).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(env.lookups("isb-slow").len(), 1, "asked again");
     let seen = env.envd.seen();
     assert_eq!(seen.len(), 1, "the client that left reached envd");
-    let envd_host = env.envd.addr.to_string();
     assert_envd_head(
         &seen[0],
         &envd_host,
@@ -1318,13 +1322,19 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
         "49983-isb-1.localhost",
         "8080-isb-1.localhost",
     ]);
-    let env = Env::start(pki).await;
+    let mut env = Env::start(pki).await;
     let domain = format!("localhost:{}", env.envd.addr.port());
-    let proxy = ProxyCmd::new(&env.api.url(), &env.pki)
+    let mut proxy = ProxyCmd::new(&env.api.url(), &env.pki)
         .args(&["--sandbox-domain", &domain])
         .spawn()
         .await;
     let addr = proxy.addr();
+    // A client gone during a look-up (the control plane's first request here): its 499
+    // names the sandbox's host, where it was going.
+    give_up_during_look_up(&mut env, &proxy, "isb-gone").await;
+    let gone = proxy.wait_for_line(" status=499 ").await;
+    let named = format!(" upstream={ENVD_PORT}-isb-gone.{domain}");
+    assert!(gone.trim_end().ends_with(&named), "{gone}");
     env.create(&proxy, "isb-1", "tok-1").await;
 
     // Routed by the headers, then by the Host name, then to another port.
@@ -1392,6 +1402,7 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
     let resp = send(addr, envd_request(addr, &longest, "/health")).await;
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
     assert_eq!(env.lookups(&longest).len(), 1);
+
     env.assert_envd_clean();
     proxy.finish().await;
 }

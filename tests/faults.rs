@@ -5718,7 +5718,8 @@ async fn a_client_hanging_up_after_its_body_ends_the_upstream_exchange() {
 }
 
 /// A client that hangs up while its request waits for the upstream still gets its request
-/// counted and logged, as 499 (nginx's "client closed request"), and in-flight returns to 0:
+/// counted and logged, as 499 (nginx's "client closed request") naming that upstream, and
+/// in-flight returns to 0:
 /// on the fast path and hyper's HTTP/1 (the connection closes), and over HTTP/2, where the
 /// client resets the stream and keeps the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -5754,6 +5755,8 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
         }
         // Dropping the answer's future resets the stream (CANCEL).
     }
+    // Named as nginx's `$upstream_addr` names the upstream tried.
+    let host = url.trim_start_matches("http://");
     let gone = [
         ("GET", "/gone-fast"),
         ("POST", "/gone-hyper"),
@@ -5764,7 +5767,7 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
         path,
         plane: "api",
         status: 499,
-        upstream: "",
+        upstream: host,
     });
     assert_counted_once(admin, &before, &gone).await;
     let text = scrape(admin).await;
@@ -5787,6 +5790,7 @@ async fn a_request_whose_client_hangs_up_is_logged_and_counted_as_499() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_followed_by_a_half_close_is_logged_and_counted() {
     let (url, _accepted, holder) = silent_upstream().await;
+    let host = url.trim_start_matches("http://");
     let pki = Pki::new();
     let proxy = traced(ProxyCmd::new(&url, &pki)).spawn().await;
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
@@ -5818,7 +5822,8 @@ async fn a_request_followed_by_a_half_close_is_logged_and_counted() {
             path,
             plane: "api",
             status: if refused(i) { 400 } else { 499 },
-            upstream: "",
+            // Routed before the handler runs, if it ever does.
+            upstream: if refused(i) { "" } else { host },
         })
         .collect();
     assert_counted_once(admin, &before, &answers).await;

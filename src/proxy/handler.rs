@@ -85,35 +85,40 @@ impl Proxy {
         let repeatable = method.is_idempotent()
             || parts.headers.contains_key(IDEMPOTENCY_KEY)
             || harmless_to_repeat(uri.path());
-        // Before the future exists: hyper drops a future it never polled (its HTTP/1
-        // dispatcher reads the client's FIN right behind the head and closes first).
+        // route, and everything else, before the future exists: hyper drops a future it
+        // never polled (its HTTP/1 dispatcher reads the client's FIN right behind the head
+        // and closes first), and the 499 says where the request was going.
+        let routed = (!oversized).then(|| self.route_of(&mut parts));
+        let (plane, route, refused) = match routed {
+            None => (Plane::Api, None, None),
+            Some(Ok(route)) => (route.plane(), Some(route), None),
+            // Boxed: rare, and inline it sizes every request's future.
+            Some(Err((plane, refused))) => (plane, None, Some(Box::new(refused))),
+        };
         let mut unanswered = Unanswered {
             proxy: self,
             method,
             uri,
-            plane: Plane::Api,
+            plane,
+            route,
             start,
             // Answered with its 431 and its own line (`head_refused`).
             answered: oversized,
         };
         async move {
-            // A borrow of the one field: `unanswered` is still marked as the work goes.
+            // Borrows of two fields: `unanswered` is still marked as the work goes.
             let this = &unanswered.proxy;
-            if oversized {
-                let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                this.head_refused(status, start.elapsed());
-                let mut too_large = Response::new(body::empty());
-                *too_large.status_mut() = status;
-                return Ok(too_large);
-            }
-            let (plane, result) = match this.route_of(&mut parts) {
-                Err((plane, refused)) => {
-                    unanswered.plane = plane;
-                    (plane, Err(refused))
+            let result = match (&unanswered.route, refused) {
+                (_, Some(refused)) => Err(*refused),
+                // Neither routed nor refused: not looked at, for its size.
+                (None, None) => {
+                    let status = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                    this.head_refused(status, start.elapsed());
+                    let mut too_large = Response::new(body::empty());
+                    *too_large.status_mut() = status;
+                    return Ok(too_large);
                 }
-                Ok(route) => {
-                    let plane = route.plane();
-                    unanswered.plane = plane;
+                (Some(route), None) => {
                     let in_flight = GaugeGuard::new(this.metrics.in_flight_for(plane));
                     let result = match route {
                         Route::Api => this.api(parts, body, upgrade).await,
@@ -121,11 +126,11 @@ impl Proxy {
                         // state is several times the control plane's, and would size
                         // every request.
                         Route::Envd { sandbox_id, port } => {
-                            Box::pin(this.envd(parts, body, &sandbox_id, port, upgrade)).await
+                            Box::pin(this.envd(parts, body, sandbox_id, *port, upgrade)).await
                         }
                     };
                     drop(in_flight);
-                    (plane, result)
+                    result
                 }
             };
             // An HTTP/2 client that reset its stream before the end of its upload has given
@@ -375,12 +380,16 @@ pub(super) struct GaveUp;
 /// even before the handler's future was first polled): counted and logged as 499, nginx's
 /// "client closed request", so that every request the proxy began has its access line
 /// and its count. Marked `answered` once the answer is there. It holds what the handler
-/// works with (the proxy, the method, the target), so that it exists before the future.
+/// works with (the proxy, the method, the target, the route), so that it exists before the
+/// future.
 struct Unanswered {
     proxy: Arc<Proxy>,
     method: Method,
     uri: http::Uri,
     plane: Plane,
+    /// Where the request goes: its 499 names that upstream, whether or not the request
+    /// reached it yet (nginx's `$upstream_addr` names the one tried).
+    route: Option<Route>,
     start: Instant,
     answered: bool,
 }
@@ -390,15 +399,22 @@ impl Unanswered {
     fn client_closed(&self) {
         const CLIENT_CLOSED: u16 = 499;
         let elapsed = self.start.elapsed();
-        let metrics = &self.proxy.metrics;
-        metrics.request_done(self.plane, &self.method, CLIENT_CLOSED, elapsed);
+        let proxy = &self.proxy;
+        proxy
+            .metrics
+            .request_done(self.plane, &self.method, CLIENT_CLOSED, elapsed);
+        let upstream = match &self.route {
+            None => Arc::from(""),
+            Some(Route::Api) => proxy.api_host.clone(),
+            Some(Route::Envd { sandbox_id, port }) => proxy.envd_shown_host(sandbox_id, *port),
+        };
         crate::logging::access(
             &self.method,
             logged_target(&self.uri),
             self.plane.label(),
             CLIENT_CLOSED,
             elapsed,
-            "",
+            &upstream,
             None,
         );
     }
@@ -779,6 +795,22 @@ impl Proxy {
             return None;
         };
         Some(Failed::from(Error::Refused { reason }))
+    }
+
+    /// The envd host a request for `sandbox_id` on `port` goes to, as printed: what
+    /// [`Proxy::envd_uri`] names, for a request that did not get that far.
+    fn envd_shown_host(&self, sandbox_id: &str, port: u16) -> Arc<str> {
+        match &self.envd {
+            None => Arc::from(""),
+            Some(EnvdTarget::Url { shown_host, .. }) => shown_host.clone(),
+            Some(EnvdTarget::Domain {
+                domain,
+                shown_domain,
+            }) => {
+                let domain = shown_domain.as_ref().unwrap_or(domain);
+                Arc::from(format!("{port}-{sandbox_id}.{domain}"))
+            }
+        }
     }
 
     /// The envd URI for a request, and its host as printed (see [`EnvdTarget`]).
