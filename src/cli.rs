@@ -1,4 +1,6 @@
-//! The command line (clap definitions only) and its translation into settings inputs.
+//! The command line: clap's definitions, argv's clean-up (blank repeats) and the flag
+//! layer of the settings chain (the `-file` flags' secrets read, `--provider-option`
+//! checked).
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -555,7 +557,8 @@ impl SettingsArgs {
     /// One without `=` is a bad command line (E8004, exit 2); it is not quoted back, as it
     /// may be a value typed in the wrong place. A blank one is skipped, as a blank value of
     /// any flag is (SPEC §2; `--provider-option "$UNSET"` in a unit file). A field given
-    /// twice is refused, as any flag given twice is: the last one won without a word.
+    /// twice takes its last value, as a flag given twice does (a wrapper's `$DEFAULTS`
+    /// before the user's own), in the place it was first given.
     pub fn provider_options(&self) -> Result<Vec<(String, String)>, Error> {
         let options: Vec<(String, String)> = self
             .provider_option
@@ -576,15 +579,14 @@ impl SettingsArgs {
                 }
             })
             .collect::<Result<_, _>>()?;
-        for (i, (field, _)) in options.iter().enumerate() {
-            if options[..i].iter().any(|(f, _)| f == field) {
-                return Err(Error::ProviderOption {
-                    field: field.clone(),
-                    reason: "given more than once".into(),
-                });
+        let mut kept: Vec<(String, String)> = Vec::with_capacity(options.len());
+        for (field, value) in options {
+            match kept.iter_mut().find(|(f, _)| *f == field) {
+                Some(earlier) => earlier.1 = value,
+                None => kept.push((field, value)),
             }
         }
-        Ok(options)
+        Ok(kept)
     }
 }
 
@@ -908,18 +910,18 @@ mod tests {
         assert_eq!(options, [("region".to_string(), "eu".to_string())]);
         let e = parse(&["--provider-option", "", "--provider-option", "oops"]).expect_err("no '='");
         assert!(e.to_string().contains("#2"), "{e}");
-        let e = parse(&[
+        // A field given twice: its last value, where it was first given.
+        let options = parse(&[
             "--provider-option",
             "region=eu",
             "--provider-option",
+            "zone=a",
+            "--provider-option",
             " region=us",
         ])
-        .expect_err("a field twice");
-        assert!(
-            e.to_string()
-                .contains("--provider-option region: given more than once"),
-            "{e}"
-        );
+        .expect("a field twice");
+        let pair = |f: &str, v: &str| (f.to_string(), v.to_string());
+        assert_eq!(options, [pair("region", "us"), pair("zone", "a")]);
         let e = parse(&["--provider-option", " =x"]).expect_err("no field");
         assert!(
             e.to_string()
