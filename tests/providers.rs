@@ -213,7 +213,7 @@ async fn each_key_reaches_only_its_own_provider() {
 }
 
 /// What a browser keeps from an answer for its host or origin, beside cookies.
-const HOST_STATE: [(&str, &str); 8] = [
+const HOST_STATE: [(&str, &str); 11] = [
     ("clear-site-data", "\"cookies\""),
     (
         "strict-transport-security",
@@ -228,6 +228,15 @@ const HOST_STATE: [(&str, &str); 8] = [
     ("reporting-endpoints", "app=\"https://evil.example/r\""),
     ("accept-ch", "Sec-CH-UA-Full-Version-List"),
     ("critical-ch", "Sec-CH-UA-Full-Version-List"),
+    (
+        "sec-session-registration",
+        "(ES256 RS256);path=\"/dbsc\";challenge=\"c\"",
+    ),
+    (
+        "secure-session-registration",
+        "(ES256 RS256);path=\"/dbsc\";challenge=\"c\"",
+    ),
+    ("set-login", "logged-in"),
 ];
 
 /// OpenSandbox's route to a sandbox's app through its server (`use_server_proxy`'s

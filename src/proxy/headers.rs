@@ -39,8 +39,11 @@ pub const E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static("e2b-sandbox-po
 /// HTTPS forced on every `http://localhost:*` site (with `includeSubDomains`, on the
 /// sandbox hosts too); the proxy's later requests sent elsewhere (`Alt-Svc`) or reported
 /// to the app's collector (`NEL`, `Report-To`, `Reporting-Endpoints`); client hints asked
-/// of every later request there (`Accept-CH`, `Critical-CH`).
-const HOST_STATE: [HeaderName; 9] = [
+/// of every later request there (`Accept-CH`, `Critical-CH`); a device-bound session
+/// registered, whose scope may take in the whole site, every local port (DBSC's
+/// `Sec-Session-Registration`, `Secure-Session-Registration` in the W3C draft); the origin
+/// marked as an identity provider's, logged in (FedCM's `Set-Login`).
+const HOST_STATE: [HeaderName; 12] = [
     header::SET_COOKIE,
     HeaderName::from_static("clear-site-data"),
     header::STRICT_TRANSPORT_SECURITY,
@@ -50,6 +53,9 @@ const HOST_STATE: [HeaderName; 9] = [
     HeaderName::from_static("reporting-endpoints"),
     HeaderName::from_static("accept-ch"),
     HeaderName::from_static("critical-ch"),
+    HeaderName::from_static("sec-session-registration"),
+    HeaderName::from_static("secure-session-registration"),
+    HeaderName::from_static("set-login"),
 ];
 
 /// The pace, in whole seconds, at which envd sends keepalive events on a quiet Connect
