@@ -64,11 +64,12 @@ pub enum Error {
     /// E2009: the control plane does not know the sandbox.
     #[error("sandbox not found: {sandbox_id}")]
     SandboxNotFound { sandbox_id: String },
-    /// E5001: the upstream could not be reached or gave no usable answer (connect, TLS,
-    /// reset, broken framing, a look-up or exchange answer it cannot use).
+    /// E5001: the upstream could not be reached or its answer broke (connect, TLS, reset,
+    /// broken framing, an answer cut off mid-body).
     #[error("upstream unreachable: {reason} ({host})")]
     UpstreamUnreachable { reason: String, host: String },
-    /// E5001 too: the upstream answered, but it is failing (5xx) or throttling; unlike
+    /// E5001 too: the upstream answered, but it is failing (5xx) or throttling, or what it
+    /// answered a look-up is not its API's (a login page, a reshaped body); unlike
     /// [`Error::UpstreamUnreachable`], not a matter of network access.
     #[error("upstream unavailable: {reason} ({host})")]
     UpstreamUnavailable { reason: String, host: String },
@@ -175,7 +176,7 @@ impl Error {
             Error::Bind { .. } => "The reason above says what is in the way (another process listening there, a missing directory or a file that is not a socket at a unix: path, a port below 1024 without privileges, the process's open-file or thread limit: LimitNOFILE= / ulimit -n, TasksMax= / ulimit -u); or choose another address with --listen / --admin-listen.",
             Error::CredentialRejected { .. } => "The key is wrong, expired or for another region; check the provider's key or the AccessKey pair: `abx-proxy config list` shows which is used and where it comes from (a plugin also reads its SDK's variable, such as OPEN_SANDBOX_API_KEY, which may hold a dummy meant for the proxy).",
             Error::UpstreamUnreachable { .. } => "Check network access to the host named above, the URL setting that names it (sandbox_base_url, token_exchange_url, a plugin's <id>.base_url) and --upstream-ca.",
-            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling: retry later. If it persists, check that host's status and the URL setting that names it.",
+            Error::UpstreamUnavailable { .. } => "The host named above answered but is failing or throttling, or is not the API the URL setting should name (a login page, another service): retry later. If it persists, check that host's status and the URL setting that names it.",
             Error::UpstreamRedirect { .. } => "Set the base URL to the API's own address (an http:// one for an https:// API, or a path added or missing, is redirected); `abx-proxy config list` shows where it comes from.",
             // The exchange's own bound is fixed: the flag alone would not change its answer.
             Error::UpstreamTimeout { .. } => {

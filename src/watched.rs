@@ -20,6 +20,7 @@ use std::sync::{Mutex, PoisonError};
 
 /// Far more than any key or certificate chain.
 pub const MAX_LEN: u64 = 1 << 20;
+const _: () = assert!(MAX_LEN == 1 << 20, "`read_bounded_to`'s error says 1 MiB");
 
 /// What a pipe gave the start; `Debug` shows its length only (it is a secret, or a key).
 struct Kept(Vec<u8>);
@@ -56,6 +57,10 @@ pub enum Limit {
 /// written with `openssl x509 -text` for each certificate several times that (1 MiB
 /// refused such bundles, which curl and nginx take).
 pub const MAX_BUNDLE_LEN: u64 = 16 << 20;
+const _: () = assert!(
+    MAX_BUNDLE_LEN == 16 << 20,
+    "`read_bounded_to`'s error says 16 MiB"
+);
 
 /// [`read`], refusing past `limit`.
 pub fn read_up_to(path: &Path, limit: Limit) -> io::Result<Vec<u8>> {

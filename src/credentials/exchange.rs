@@ -65,6 +65,7 @@ pub const SHORT_KEY: Duration = Duration::from_secs(6);
 
 /// An answer is a few hundred bytes; anything far larger is not an answer we can use.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024;
+const _: () = assert!(MAX_RESPONSE_BYTES == 64 << 10, "its errors say 64 KiB");
 /// The refresher re-reads the wall clock at least this often, so a suspended laptop
 /// refreshes soon after waking instead of when the monotonic timer finally fires.
 const RECHECK_EVERY: Duration = Duration::from_secs(30);

@@ -23,6 +23,10 @@ use crate::upstream::{BoxError, ProxyBody};
 /// body, or an answer it learns envd tokens from (a longer one of these streams on,
 /// unread), or its own token look-up's answer (a longer one fails the look-up).
 pub const READ_WHOLE_LIMIT: usize = 1024 * 1024;
+const _: () = assert!(
+    READ_WHOLE_LIMIT == 1 << 20,
+    "the token look-up's error says 1 MiB"
+);
 
 /// What the proxy holds at once, in all, of the bodies it reads whole ([`Held`]).
 pub const HELD_LIMIT: usize = 32 * 1024 * 1024;

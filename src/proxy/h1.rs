@@ -838,7 +838,8 @@ fn parse_head(head: &Bytes) -> Option<Head> {
 }
 
 /// A request's `Content-Length`: digits only, no sign, no list, at most 18 of them (a
-/// longer one goes to hyper, which refuses it).
+/// longer one goes to hyper's path, whose framing watch refuses one over `i64::MAX`;
+/// hyper itself takes nearly any `u64`).
 fn decimal(v: &[u8]) -> Option<u64> {
     if v.len() > 18 {
         return None;
