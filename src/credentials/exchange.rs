@@ -503,12 +503,13 @@ fn without_bytes(secret: &[u8], body: Bytes) -> Bytes {
 }
 
 /// JSON can spell the secret in a code with escapes (`\u0041`, `\/`) that its bytes do not
-/// match: the code is looked at as read, and as the characters of it that are said.
+/// match: the code is looked at as read, and as the characters of it that are said, in any
+/// ASCII case (a gateway may fold what it repeats, as the log's masking assumes too).
 fn without_in_code(secret: &str, body: Bytes) -> Bytes {
     let Ok(Value::Object(mut json)) = serde_json::from_slice::<Value>(&body) else {
         return body;
     };
-    let said = code_chars(secret);
+    let said = code_chars(secret).to_ascii_lowercase();
     let mut masked = false;
     for field in ["Code", "code"] {
         let Some(Value::String(code)) = json.get_mut(field) else {
@@ -518,8 +519,17 @@ fn without_in_code(secret: &str, body: Bytes) -> Bytes {
             *code = code.replace(secret, "****");
             masked = true;
         }
-        if !said.is_empty() && code_chars(code).contains(&said) {
-            *code = code_chars(code).replace(&said, "");
+        let chars = code_chars(code);
+        // ASCII only: the folded copy's offsets are the code's.
+        let folded = chars.to_ascii_lowercase();
+        if !said.is_empty() && folded.contains(&said) {
+            let (mut kept, mut from) = (String::new(), 0);
+            while let Some(at) = folded[from..].find(&said) {
+                kept.push_str(&chars[from..from + at]);
+                from += at + said.len();
+            }
+            kept.push_str(&chars[from..]);
+            *code = kept;
             masked = true;
         }
     }
@@ -1747,6 +1757,8 @@ mod tests {
             r#"{"Code": "InvalidAccessKeySecret.Ab\/cd1234567890Ef"}"#,
             r#"{"code": "InvalidAccessKeySecret.\u0041b/cd1234567890Ef"}"#,
             r#"{"Code": "InvalidAccessKeySecret.Abcd1234567890Ef"}"#,
+            r#"{"Code": "InvalidAccessKeySecret.abcd1234567890ef"}"#,
+            r#"{"Code": "InvalidAccessKeySecret.AB\/CD1234567890EF.x"}"#,
         ] {
             let rid = without(&secret, Bytes::from(body));
             let e = parse_response(400, &rid, now(), TTL).err();
