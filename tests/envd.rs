@@ -640,11 +640,11 @@ async fn a_look_up_outlives_the_client_that_gave_up_on_it() {
     let addr = proxy.addr();
 
     give_up_during_look_up(&mut env, &proxy, "isb-slow").await;
-    // Its 499 names the upstream it was going to (`--sandbox-url`'s).
-    let envd_host = env.envd.addr.to_string();
+    // Its 499 names the upstream it waited for: the control plane's look-up.
     let gone = proxy.wait_for_line(" status=499 ").await;
-    let named = format!(" upstream={envd_host}");
+    let named = format!(" upstream={}", env.api.addr);
     assert!(gone.trim_end().ends_with(&named), "{gone}");
+    let envd_host = env.envd.addr.to_string();
     let (status, body) = text(send(addr, envd_request(addr, "isb-slow", "/health")).await).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(env.lookups("isb-slow").len(), 1, "asked again");
@@ -1330,10 +1330,10 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
         .await;
     let addr = proxy.addr();
     // A client gone during a look-up (the control plane's first request here): its 499
-    // names the sandbox's host, where it was going.
+    // names the control plane, which it waited for.
     give_up_during_look_up(&mut env, &proxy, "isb-gone").await;
     let gone = proxy.wait_for_line(" status=499 ").await;
-    let named = format!(" upstream={ENVD_PORT}-isb-gone.{domain}");
+    let named = format!(" upstream={}", env.api.addr);
     assert!(gone.trim_end().ends_with(&named), "{gone}");
     env.create(&proxy, "isb-1", "tok-1").await;
 
@@ -1402,6 +1402,21 @@ async fn sandbox_domain_reaches_port_dash_id_dot_domain_over_tls() {
     let resp = send(addr, envd_request(addr, &longest, "/health")).await;
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
     assert_eq!(env.lookups(&longest).len(), 1);
+
+    // A client gone while envd holds its request (a 401 held until a second comes): its
+    // 499 names the sandbox's host.
+    env.cloud.exists("isb-1", "tok-rotated");
+    let held = Arc::new(Barrier::new(2));
+    *env.cloud.unauthorized_together.lock().unwrap() = Some(held.clone());
+    let impatient =
+        tokio::spawn(async move { send(addr, envd_request(addr, "isb-1", "/held")).await });
+    while env.envd.next_request().await.uri.path() != "/held" {}
+    impatient.abort();
+    let gone = proxy.wait_for_line(" status=499 ").await;
+    let named = format!(" upstream={ENVD_PORT}-isb-1.{domain}");
+    assert!(gone.trim_end().ends_with(&named), "{gone}");
+    // envd's 401 stays held: its connection is the proxy's to close, and it has.
+    drop(held);
 
     env.assert_envd_clean();
     proxy.finish().await;

@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,7 +88,7 @@ impl Proxy {
             || harmless_to_repeat(uri.path());
         // route, and everything else, before the future exists: hyper drops a future it
         // never polled (its HTTP/1 dispatcher reads the client's FIN right behind the head
-        // and closes first), and the 499 says where the request was going.
+        // and closes first), and the plane its 499 is counted on is the route's.
         let routed = (!oversized).then(|| self.route_of(&mut parts));
         let (plane, route, refused) = match routed {
             None => (Plane::Api, None, None),
@@ -101,13 +102,14 @@ impl Proxy {
             uri,
             plane,
             route,
+            tried: Tried::default(),
             start,
             // Answered with its 431 and its own line (`head_refused`).
             answered: oversized,
         };
         async move {
-            // Borrows of two fields: `unanswered` is still marked as the work goes.
-            let this = &unanswered.proxy;
+            // Borrows of three fields: `unanswered` is still marked as the work goes.
+            let (this, tried) = (&unanswered.proxy, &unanswered.tried);
             let result = match (&unanswered.route, refused) {
                 (_, Some(refused)) => Err(*refused),
                 // Neither routed nor refused: not looked at, for its size.
@@ -121,12 +123,13 @@ impl Proxy {
                 (Some(route), None) => {
                     let in_flight = GaugeGuard::new(this.metrics.in_flight_for(plane));
                     let result = match route {
-                        Route::Api => this.api(parts, body, upgrade).await,
+                        Route::Api => this.api(parts, body, upgrade, tried).await,
                         // Boxed: with its token look-up and 401 replay the envd plane's
                         // state is several times the control plane's, and would size
                         // every request.
                         Route::Envd { sandbox_id, port } => {
-                            Box::pin(this.envd(parts, body, sandbox_id, *port, upgrade)).await
+                            let envd = this.envd(parts, body, sandbox_id, *port, upgrade, tried);
+                            Box::pin(envd).await
                         }
                     };
                     drop(in_flight);
@@ -387,11 +390,31 @@ struct Unanswered {
     method: Method,
     uri: http::Uri,
     plane: Plane,
-    /// Where the request goes: its 499 names that upstream, whether or not the request
-    /// reached it yet (nginx's `$upstream_addr` names the one tried).
+    /// Where the request goes (its 499 is counted on its plane).
     route: Option<Route>,
+    tried: Tried,
     start: Instant,
     answered: bool,
+}
+
+/// Where a request went before its client left, for its 499's `upstream`, as nginx's
+/// `$upstream_addr` names the upstream a request was sent to: nowhere yet (waiting for the
+/// key, or for its body to be rewritten), the control plane (its sandbox's token looked
+/// up: a slow control plane, not the sandbox), or its route's upstream.
+#[derive(Default)]
+struct Tried(AtomicU8);
+
+impl Tried {
+    const CONTROL_PLANE: u8 = 1;
+    const ROUTE: u8 = 2;
+
+    fn control_plane(&self) {
+        self.0.store(Self::CONTROL_PLANE, Ordering::Relaxed);
+    }
+
+    fn route(&self) {
+        self.0.store(Self::ROUTE, Ordering::Relaxed);
+    }
 }
 
 impl Unanswered {
@@ -403,10 +426,12 @@ impl Unanswered {
         proxy
             .metrics
             .request_done(self.plane, &self.method, CLIENT_CLOSED, elapsed);
-        let upstream = match &self.route {
-            None => Arc::from(""),
-            Some(Route::Api) => proxy.api_host.clone(),
-            Some(Route::Envd { sandbox_id, port }) => proxy.envd_shown_host(sandbox_id, *port),
+        let upstream = match (self.tried.0.load(Ordering::Relaxed), &self.route) {
+            (Tried::CONTROL_PLANE, _) | (Tried::ROUTE, Some(Route::Api)) => proxy.api_host.clone(),
+            (Tried::ROUTE, Some(Route::Envd { sandbox_id, port })) => {
+                proxy.envd_shown_host(sandbox_id, *port)
+            }
+            _ => Arc::from(""),
         };
         crate::logging::access(
             &self.method,
@@ -451,12 +476,13 @@ impl Proxy {
     /// The control plane: attach the key, rewrite `/v2`, learn envd tokens.
     /// Not an `async fn`, for the reason given at [`Proxy::handle`].
     #[allow(clippy::manual_async_fn)] // on purpose: see above
-    fn api(
-        &self,
+    fn api<'a>(
+        &'a self,
         mut parts: Parts,
         body: ProxyBody,
         upgrade: Option<Upgrade>,
-    ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failed>> + Send + '_ {
+        tried: &'a Tried,
+    ) -> impl Future<Output = Result<(Response<ProxyBody>, Arc<str>), Failed>> + Send + 'a {
         async move {
             // rewrite
             let path = parts.uri.path();
@@ -544,6 +570,7 @@ impl Proxy {
                 Some(_) => &self.envd_client,
                 None => &self.api_client,
             };
+            tried.route();
             let mut resp =
                 forward::send(client, Plane::Api, req, self.upstream_timeout, &host).await?;
             // Borrowed, and the replay decided outside: moved into the branch, they took
@@ -636,6 +663,7 @@ impl Proxy {
         sandbox_id: &str,
         port: u16,
         upgrade: Option<Upgrade>,
+        tried: &Tried,
     ) -> Result<(Response<ProxyBody>, Arc<str>), Failed> {
         // route, to the end: where the request goes, before a look-up is spent on it.
         let pq = origin_form(&parts.uri).map_err(unbuildable)?;
@@ -670,10 +698,12 @@ impl Proxy {
                     && !deleted
                     && self.tokens.was_refused(sandbox_id, &c) =>
             {
+                tried.control_plane();
                 (self.lookup_token(sandbox_id).await?, false)
             }
             (None, Some(t)) => (t, true),
             (None, None) if port == DEFAULT_ENVD_PORT && !deleted => {
+                tried.control_plane();
                 (self.lookup_token(sandbox_id).await?, false)
             }
             (None, None) => (Secret::new(""), false),
@@ -708,6 +738,7 @@ impl Proxy {
 
         // forward
         let req = Request::from_parts(parts, body);
+        tried.route();
         let mut resp = forward::send(
             &self.envd_client,
             Plane::Envd,
@@ -735,6 +766,7 @@ impl Proxy {
             // control plane down, the key exchange failing, the sandbox gone), as it does
             // for a sandbox with no token stored: envd's 401 alone read as a bad key. A
             // token the client sent is the client's to mend: envd's 401 is its answer.
+            tried.control_plane();
             let fresh = match self.lookup_token(sandbox_id).await {
                 Ok(fresh) => Some(fresh),
                 Err(_) if client_sent => None,
@@ -745,6 +777,7 @@ impl Proxy {
             {
                 headers::authorize_envd(&mut headers, self.auth.scheme(), &fresh, sandbox_id, port);
                 let req = rebuild(method, uri, headers);
+                tried.route();
                 resp = forward::send(
                     &self.envd_client,
                     Plane::Envd,
@@ -1131,7 +1164,7 @@ mod tests {
     /// is memory per request, a stalled download's included.
     #[test]
     fn a_requests_future_stays_small() {
-        // 2,056 bytes today in debug (2,160 before the body rewrite went into a boxed
+        // 1,984 bytes today in debug (2,160 before the body rewrite went into a boxed
         // function of its own); 2,376 when the volume-content branch (0460693) moved the
         // credential and the replay into it. The room above is for small changes.
         const BUDGET: usize = 2200;
