@@ -558,7 +558,9 @@ impl SettingsArgs {
     /// may be a value typed in the wrong place. A blank one is skipped, as a blank value of
     /// any flag is (SPEC §2; `--provider-option "$UNSET"` in a unit file). A field given
     /// twice takes its last value, as a flag given twice does (a wrapper's `$DEFAULTS`
-    /// before the user's own), in the place it was first given.
+    /// before the user's own), in the place it was first given; a blank value beside
+    /// another is skipped, as a blank flag is (`region=$UNSET` keeps the wrapper's, and
+    /// `api_key=<secret> api_key=` is still a secret on the command line, refused).
     pub fn provider_options(&self) -> Result<Vec<(String, String)>, Error> {
         let options: Vec<(String, String)> = self
             .provider_option
@@ -582,7 +584,8 @@ impl SettingsArgs {
         let mut kept: Vec<(String, String)> = Vec::with_capacity(options.len());
         for (field, value) in options {
             match kept.iter_mut().find(|(f, _)| *f == field) {
-                Some(earlier) => earlier.1 = value,
+                Some(earlier) if !value.trim().is_empty() => earlier.1 = value,
+                Some(_) => {}
                 None => kept.push((field, value)),
             }
         }
@@ -922,6 +925,17 @@ mod tests {
         .expect("a field twice");
         let pair = |f: &str, v: &str| (f.to_string(), v.to_string());
         assert_eq!(options, [pair("region", "us"), pair("zone", "a")]);
+        // A blank value beside another is skipped, before it or after it.
+        let options = parse(&[
+            "--provider-option",
+            "region=",
+            "--provider-option",
+            "region=eu",
+            "--provider-option",
+            "region= ",
+        ])
+        .expect("a blank beside a value");
+        assert_eq!(options, [pair("region", "eu")]);
         let e = parse(&["--provider-option", " =x"]).expect_err("no field");
         assert!(
             e.to_string()

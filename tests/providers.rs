@@ -777,20 +777,22 @@ async fn plugin_settings_canonical_first_secrets_never_on_the_command_line() {
         (Some("env"), Some("OPEN_SANDBOX_DOMAIN"))
     );
 
-    // A secret field as --provider-option: refused, exit 2, the value not repeated.
-    let out = abx(
-        h,
-        &env,
-        &[
+    // A secret field as --provider-option: refused, exit 2, the value not repeated; also
+    // with a blank one after it (skipped, as a blank flag is: the secret stays in argv).
+    for blank_after in [false, true] {
+        let mut args = vec![
             "config",
             "list",
             "--provider-option",
             "api_key=sneaky-value-123",
-        ],
-    )
-    .await;
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(!text(&out).contains("sneaky-value-123"));
+        ];
+        if blank_after {
+            args.extend(["--provider-option", "api_key="]);
+        }
+        let out = abx(h, &env, &args).await;
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(!text(&out).contains("sneaky-value-123"));
+    }
 
     // No key anywhere (and no consent to inherit one): no credential, said as unset, while
     // the fields that have values still show them.
