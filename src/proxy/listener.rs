@@ -483,6 +483,7 @@ async fn with_hyper(
             uri: req.uri().clone(),
             activity: activity.clone(),
             upload,
+            open: http2.then(|| open.clone()),
         };
         // Boxed: hyper keeps the service future's slot for the connection's whole life,
         // so an unboxed one (about 1.7 KB, held twice by this wrapper) stays resident on every
@@ -602,6 +603,9 @@ struct Shaping {
     /// The upload's progress, when there is one: on HTTP/2 for the answer's idle limit
     /// (see `IdleLimited`), on HTTP/1 whether it had ended when the answer came.
     upload: Option<Moved>,
+    /// An HTTP/2 stream's share of its connection, for its answer's body (see
+    /// `AnswerCut::holding`).
+    open: Option<Arc<OpenConnection>>,
 }
 
 impl Shaping {
@@ -645,7 +649,10 @@ impl Shaping {
         }
         // See `IdleLimited`: HTTP/1.1 answers have the connection's idle timeout.
         if !tunnel && !unsent && !http_body::Body::is_end_stream(resp.body()) {
-            let cut = AnswerCut::new(&self.activity, self.uri);
+            let mut cut = AnswerCut::new(&self.activity, self.uri);
+            if let Some(open) = self.open {
+                cut = cut.holding(open);
+            }
             resp = resp.map(|b| {
                 use super::body::{boxed, CutLogged, IdleLimited};
                 if self.http2 {

@@ -111,6 +111,10 @@ pub(in crate::proxy) struct AnswerCut {
     uri: http::Uri,
     began: Instant,
     ended: bool,
+    /// An HTTP/2 answer's share of its connection (see [`AnswerCut::holding`]).
+    open: Option<Arc<super::OpenConnection>>,
+    /// A line was said: flushed before the share goes.
+    said: bool,
 }
 
 impl AnswerCut {
@@ -121,7 +125,19 @@ impl AnswerCut {
             uri,
             began: Instant::now(),
             ended: false,
+            open: None,
+            said: false,
         }
+    }
+
+    /// An HTTP/2 answer's body lives in a task of hyper's own, which drops it after the
+    /// connection's task has ended when the connection was cut: without a share of the
+    /// connection, a drain begun then was over at once, and the process exited before the
+    /// body was dropped and its `answer cut` said (as [`super::StreamHeld`] keeps a
+    /// request's 499).
+    pub(in crate::proxy) fn holding(mut self, open: Arc<super::OpenConnection>) -> Self {
+        self.open = Some(open);
+        self
     }
 
     /// The answer went out whole, or ended for a reason of its own.
@@ -179,8 +195,9 @@ impl AnswerCut {
         self.clocks.has_parked.store(true, Ordering::Relaxed);
     }
 
-    fn log(&self, end: &str) {
+    fn log(&mut self, end: &str) {
         log_cut(&self.uri, self.began, end);
+        self.said = true;
     }
 }
 
@@ -197,18 +214,23 @@ fn log_cut(uri: &http::Uri, began: Instant, end: &str) {
 impl Drop for AnswerCut {
     fn drop(&mut self) {
         self.clocks.answers.fetch_sub(1, Ordering::Relaxed);
-        if self.ended {
-            return;
+        if !self.ended {
+            match self.clocks.cut.load(Ordering::Relaxed) {
+                CUT_IDLE => self.log("idle"),
+                CUT_DRAIN => self.log("drain"),
+                CUT_HEAD => self.log("header-timeout"),
+                // hyper dropped it (the client reset its stream, or closed), or the fast
+                // path stopped writing when the client went: after the upstream broke, if
+                // it did (a splice gives the client what its pipe holds first).
+                _ if self.clocks.upstream_broke.swap(false, Ordering::Relaxed) => {
+                    self.log("upstream")
+                }
+                _ => self.log("client"),
+            }
         }
-        match self.clocks.cut.load(Ordering::Relaxed) {
-            CUT_IDLE => self.log("idle"),
-            CUT_DRAIN => self.log("drain"),
-            CUT_HEAD => self.log("header-timeout"),
-            // hyper dropped it (the client reset its stream, or closed), or the fast path
-            // stopped writing when the client went: after the upstream broke, if it did (a
-            // splice gives the client what its pipe holds first).
-            _ if self.clocks.upstream_broke.swap(false, Ordering::Relaxed) => self.log("upstream"),
-            _ => self.log("client"),
+        // The exit may come as soon as the last share goes: this thread's lines first.
+        if self.said && self.open.take().is_some() {
+            crate::logging::flush_thread();
         }
     }
 }
