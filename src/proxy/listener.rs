@@ -45,6 +45,10 @@ pub use bind::{Listener, SocketFile};
 
 /// Request heads larger than this get 431 (SPEC §4).
 pub const MAX_HEAD: usize = 64 * 1024;
+const _: () = assert!(
+    MAX_HEAD == 64 << 10,
+    "`Refusal::HeadTooLarge`'s reason says 64 KiB"
+);
 
 /// Request heads with more header lines than this get 431 (hyper's default, set here so it
 /// is a decision, not an accident; Apache's `LimitRequestFields` default too).

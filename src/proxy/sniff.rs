@@ -42,6 +42,7 @@ pub const MAX_LEARNED: usize = 64;
 /// 10 000 tokens of the 1 MiB an answer may be, from a buggy or hostile control plane,
 /// would be gigabytes.
 pub const MAX_TOKEN_LEN: usize = 4096;
+const _: () = assert!(MAX_TOKEN_LEN == 4 << 10, "the messages below say 4 KiB");
 
 /// Each `(sandboxID, envdAccessToken)` with a token in a JSON answer: the one sandbox it
 /// describes (create, connect, resume, `GET /sandboxes/{id}`), or a fork's list of

@@ -20,6 +20,10 @@ use crate::proxy::headers::has_token;
 /// The largest response head (and trailer section) accepted; HTTP/2 answers get the same
 /// (`crate::upstream`).
 pub(crate) const MAX_HEAD: usize = 64 * 1024;
+const _: () = assert!(
+    MAX_HEAD == 64 << 10,
+    "`failure`'s HTTP/2 answers say 64 KiB"
+);
 
 /// `HTTP/1.1 200 \r\n` and the head's closing CRLF, as [`admit`] counts a head hyper read.
 const STATUS_LINE: usize = 17;
