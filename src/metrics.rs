@@ -31,6 +31,9 @@ pub struct Metrics {
     pub log_lines_dropped: IntCounter,
     /// Handshakes a client began on the `--tls-cert` listener that failed.
     pub tls_handshake_failures: IntCounter,
+    /// The `--tls-cert` chain's first expiry; registered only with that listener (see
+    /// [`Metrics::serve_tls`]).
+    listener_cert_expiry: Gauge,
     /// Reloads (SIGHUP, a changed watched file), by result.
     pub reloads: IntCounterVec,
     /// 0 while what the last reload read has not taken effect.
@@ -272,6 +275,10 @@ impl Metrics {
             "abx_proxy_tls_handshake_failures_total",
             "TLS handshakes with clients that ended in an error on the --tls-cert listener.",
         )?;
+        let listener_cert_expiry = Gauge::new(
+            "abx_proxy_listener_certificate_expiry_timestamp_seconds",
+            "When the first certificate of the --tls-cert listener's chain in use expires (unix seconds).",
+        )?;
         let reloads = IntCounterVec::new(
             Opts::new(
                 "abx_proxy_reloads_total",
@@ -352,10 +359,25 @@ impl Metrics {
             upstream_connections,
             log_lines_dropped,
             tls_handshake_failures,
+            listener_cert_expiry,
             reloads,
             last_reload_successful,
             hot,
         })
+    }
+
+    /// The `--tls-cert` listener serves: its chain's first expiry is a series from now on,
+    /// for an alert before handshakes fail (a proxy without the listener has none, rather
+    /// than a 0 an alert would have to tell from an expiry). Called once, at the start.
+    pub fn serve_tls(&self, expires: f64) -> Result<(), prometheus::Error> {
+        self.listener_cert_expiry.set(expires);
+        self.registry
+            .register(Box::new(self.listener_cert_expiry.clone()))
+    }
+
+    /// A reload swapped in a new pair: its chain's first expiry.
+    pub fn listener_cert_swapped(&self, expires: f64) {
+        self.listener_cert_expiry.set(expires);
     }
 
     /// `abx_proxy_in_flight_requests{plane}`.

@@ -597,6 +597,7 @@ impl Running {
                     key = %key.display(),
                     "listener certificate reloaded; new connections get it"
                 );
+                self.proxy.metrics.listener_cert_swapped(tls.expires());
                 if let Some(w) = tls.validity_warning(std::time::SystemTime::now()) {
                     tracing::warn!("{w}");
                 }

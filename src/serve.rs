@@ -120,10 +120,14 @@ async fn serve(
     files: FileWatch,
     hangups: Option<tokio::signal::unix::Signal>,
 ) -> Result<(), Error> {
-    let metrics = Arc::new(Metrics::new().map_err(|e| Error::Bind {
+    let registry = |e: prometheus::Error| Error::Bind {
         addr: settings.shown(&settings.admin_listen),
         reason: format!("metrics registry: {e}"),
-    })?);
+    };
+    let metrics = Arc::new(Metrics::new().map_err(registry)?);
+    if let Some(tls) = &tls {
+        metrics.serve_tls(tls.expires()).map_err(registry)?;
+    }
     // Once: a reload swapping in a new pair uses it too, never reading the files again.
     let trust = crate::upstream::tls_config(options.upstream_ca.as_deref())?;
     (metrics.max_connections).set(i64::try_from(options.max_connections).unwrap_or(i64::MAX));

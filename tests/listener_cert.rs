@@ -331,6 +331,73 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     proxy.finish().await;
 }
 
+/// The listener's chain is read whole: its first expiry (the leaf's `notAfter`, or an
+/// intermediate's before it) is `abx_proxy_listener_certificate_expiry_timestamp_seconds`,
+/// for an alert before handshakes fail, set again by a reload that swaps a pair in; an
+/// intermediate that expired is said as an expired leaf is (every client that checks it
+/// refuses the handshake). Only the leaf was looked at, and only at a start or a reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chains_first_expiry_is_a_metric_and_an_expired_intermediate_is_said() {
+    const EXPIRY: &str = "abx_proxy_listener_certificate_expiry_timestamp_seconds";
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let leaf = |until: (i32, u8, u8)| {
+        let mut params = CertificateParams::new(vec!["localhost".into()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(until.0, until.1, until.2);
+        params
+    };
+    let key = KeyPair::generate().expect("key");
+    let cert = leaf((2031, 5, 1)).self_signed(&key).expect("certificate");
+    std::fs::write(&cert_path, cert.pem()).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    let mut proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
+    let text = scrape(proxy.admin_addr()).await;
+    // 2031-05-01T00:00:00Z
+    assert_eq!(metric(&text, EXPIRY), Some(1_935_360_000.0), "{text}");
+
+    // A leaf good until 2031 under an intermediate that ran out in 2021.
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&ca_key).expect("CA");
+    let (inter_key, mut inter) = (
+        KeyPair::generate().expect("key"),
+        CertificateParams::new(Vec::<String>::new()).expect("params"),
+    );
+    inter.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    inter.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    inter.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let inter = inter
+        .signed_by(&inter_key, &ca, &ca_key)
+        .expect("intermediate");
+    let key = KeyPair::generate().expect("key");
+    let cert = leaf((2031, 5, 1))
+        .signed_by(&key, &inter, &inter_key)
+        .expect("leaf");
+    std::fs::write(&cert_path, format!("{}{}", cert.pem(), inter.pem())).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    proxy.signal("HUP");
+    proxy.wait_for_line("listener certificate reloaded").await;
+    let line = proxy.wait_for_line("expired at 2021-01-01T00:00:00Z").await;
+    assert!(
+        line.contains("certificate #2 of the listener's chain ("),
+        "{line}"
+    );
+    let text = scrape(proxy.admin_addr()).await;
+    assert_eq!(metric(&text, EXPIRY), Some(1_609_459_200.0), "{text}");
+    proxy.finish().await;
+
+    // No `--tls-cert` listener, no series.
+    let plain = ProxyCmd::new(&upstream.url(), &pki).spawn().await;
+    let text = scrape(plain.admin_addr()).await;
+    assert!(!text.contains(EXPIRY), "{text}");
+    plain.finish().await;
+}
+
 /// A TLS listener beyond loopback is taken without `--allow-remote` (SPEC §7), but TLS
 /// checks no client: `check` says whoever reaches the port spends the key, until
 /// `--allow-remote` says that is meant.

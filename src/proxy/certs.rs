@@ -66,30 +66,50 @@ impl ListenerCert {
         })
     }
 
-    /// What a client would refuse of the leaf certificate in use now, if anything: that
-    /// it expired, or is not valid yet. A warning, not an error, as nginx serves such a
-    /// certificate too (a client may not check, or check another clock); but every
-    /// client that checks fails its handshake, and the proxy sees no request to log.
+    /// What a client would refuse of the certificates in use now, if anything: that one
+    /// expired, or is not valid yet (the leaf, or an intermediate the file sends after it:
+    /// an expired one fails the handshake as surely). A warning, not an error, as nginx
+    /// serves such a certificate too (a client may not check, or check another clock); but
+    /// every client that checks fails its handshake, and the proxy sees no request to log.
     pub fn validity_warning(&self, now: SystemTime) -> Option<String> {
         let pair = self.current.0.load();
-        let leaf = pair.cert.first()?;
-        let (not_before, not_after) = validity(leaf.as_ref())?;
         let file = self.cert.display();
-        if now > not_after {
-            Some(format!(
-                "the listener certificate ({file}) expired at {}: clients that check it refuse \
-                 the handshake; renew it (a SIGHUP, or its files' change, applies the new one)",
-                crate::credentials::exchange::iso8601(not_after)
-            ))
-        } else if now < not_before {
-            Some(format!(
-                "the listener certificate ({file}) is not valid before {}: clients that check \
-                 it refuse the handshake until then (or this machine's clock is behind)",
-                crate::credentials::exchange::iso8601(not_before)
-            ))
-        } else {
-            None
-        }
+        pair.cert.iter().enumerate().find_map(|(i, cert)| {
+            let (not_before, not_after) = validity(cert.as_ref())?;
+            let which = match i {
+                0 => format!("the listener certificate ({file})"),
+                _ => format!("certificate #{} of the listener's chain ({file})", i + 1),
+            };
+            if now > not_after {
+                Some(format!(
+                    "{which} expired at {}: clients that check it refuse the handshake; renew \
+                     it (a SIGHUP, or its files' change, applies the new one)",
+                    crate::credentials::exchange::iso8601(not_after)
+                ))
+            } else if now < not_before {
+                Some(format!(
+                    "{which} is not valid before {}: clients that check it refuse the \
+                     handshake until then (or this machine's clock is behind)",
+                    crate::credentials::exchange::iso8601(not_before)
+                ))
+            } else {
+                None
+            }
+        })
+    }
+
+    /// When the first certificate of the chain in use expires (the leaf's `notAfter`, or an
+    /// intermediate's before it), in unix seconds; NaN when a date cannot be read (no
+    /// alert compares true with it).
+    pub fn expires(&self) -> f64 {
+        let pair = self.current.0.load();
+        let dates = pair.cert.iter().map(|c| validity(c.as_ref()).map(|v| v.1));
+        let first = dates
+            .collect::<Option<Vec<_>>>()
+            .and_then(|d| d.into_iter().min());
+        first
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(f64::NAN, |d| d.as_secs_f64())
     }
 
     /// The listener's TLS; its handshakes follow every later [`ListenerCert::apply`].
