@@ -234,7 +234,10 @@ async fn drain(
             false
         }
     };
+    // What was open at the end of the drain, and cut; `left` after that, at the exit.
+    let mut cut = 0;
     if !clean {
+        cut = proxy.metrics.open_connections.get();
         // What is left is closed by its own task, which logs a cut request as 499 and
         // flushes its worker's lines: a moment for that, not another grace period.
         proxy.abort();
@@ -245,9 +248,11 @@ async fn drain(
     if clean {
         tracing::info!(clean, left, "stopped");
     } else {
-        // Requests and tunnels were cut: worth a WARN, as the second signal's is.
+        // Requests and tunnels were cut: worth a WARN, as the second signal's is. `cut`
+        // beside `left`: a `left=0` alone read as nothing cut.
         tracing::warn!(
             clean,
+            cut,
             left,
             "stopped; what was still open at the end of the drain was cut"
         );

@@ -5858,6 +5858,11 @@ async fn requests_cut_at_the_end_of_the_grace_are_logged_as_499() {
         stopped.is_some_and(|l| l.contains("left=0")),
         "connections left to the exit:\n{stderr}"
     );
+    // The three connections (fast path, hyper's, HTTP/2) were cut: said beside `left=0`.
+    assert!(
+        stopped.is_some_and(|l| l.contains(" cut=3 ")),
+        "connections cut:\n{stderr}"
+    );
 }
 
 /// `--shutdown-grace 0` gives what is in flight no time: requests waiting for their
