@@ -133,6 +133,76 @@ async fn a_renewed_certificate_is_served_after_sighup_and_open_connections_keep_
     assert_no_key_bytes(&stderr, &[&r.old_key, &r.new_key]);
 }
 
+/// One request over a TLS connection made with `config` (its sessions kept for the next):
+/// how the handshake went, and the leaf certificate served.
+async fn one_request(
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+) -> (Option<rustls::HandshakeKind>, CertificateDer<'static>) {
+    let connector = tokio_rustls::TlsConnector::from(config.clone());
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("server name");
+    let tls = within("the TLS handshake", connector.connect(name, tcp))
+        .await
+        .expect("a handshake");
+    let kind = tls.get_ref().1.handshake_kind();
+    let leaf = tls.get_ref().1.peer_certificates().expect("a certificate")[0].clone();
+    // The answer read: TLS 1.3 sends the session's ticket after the handshake.
+    let mut client = handshake(tls).await;
+    assert_eq!(status_on(&mut client, addr).await, StatusCode::OK);
+    (kind, leaf)
+}
+
+/// A renewed pair begins the listener's TLS sessions afresh: a client that resumed its
+/// session with the old certificate gets a full handshake, and the new certificate, after
+/// the swap (TLS 1.2 session ids and TLS 1.3 tickets alike). Such sessions were resumed for
+/// as long as the cache kept them, TLS 1.2's with no age limit, the rotated key's
+/// certificate never shown again (nginx's sessions end with the reload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_certificate_ends_the_resumption_of_older_sessions() {
+    use rustls::HandshakeKind::{Full, Resumed};
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let (r, mut proxy) = Renewal::start().await;
+        let addr = proxy.addr();
+        let mut roots = rustls::RootCertStore::empty();
+        for pki in [&r.old, &r.new] {
+            let ca = std::fs::read(&pki.ca_pem).expect("read ca.pem");
+            for cert in CertificateDer::pem_slice_iter(&ca) {
+                roots.add(cert.expect("CA PEM")).expect("add the CA");
+            }
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[version])
+            .expect("protocol version")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = std::sync::Arc::new(config);
+        let leaf = |pki: &Pki| CertificateDer::from_pem_file(pki.server_pem_files().0);
+        let old = leaf(&r.old).expect("old leaf");
+        assert_eq!(one_request(&config, addr).await, (Some(Full), old.clone()));
+        assert_eq!(
+            one_request(&config, addr).await.0,
+            Some(Resumed),
+            "{version:?}"
+        );
+
+        std::fs::write(&r.cert, &r.new_cert).expect("renew cert");
+        std::fs::write(&r.key, &r.new_key).expect("renew key");
+        proxy
+            .reload_files(&[], "listener certificate reloaded")
+            .await;
+        let new = leaf(&r.new).expect("new leaf");
+        assert_eq!(
+            one_request(&config, addr).await,
+            (Some(Full), new),
+            "{version:?}"
+        );
+        proxy.finish().await;
+    }
+}
+
 /// cert-manager renews the mounted Secret as the kubelet writes it (a new `..data`
 /// directory, swapped in by a link), and nothing in the pod sends a SIGHUP: the file
 /// watch picks the pair up once two reads agree.

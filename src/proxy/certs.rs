@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
-use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::server::{
+    ClientHello, ResolvesServerCert, ServerSessionMemoryCache, StoresServerSessions,
+};
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -31,6 +33,7 @@ pub struct ListenerCert {
     /// is kept): a reload that finds nothing new swaps nothing and logs nothing, so that
     /// a SIGHUP or a rotated API key file does not claim a certificate reload.
     read: [u8; 32],
+    sessions: Arc<Sessions>,
     config: Arc<rustls::ServerConfig>,
 }
 
@@ -48,6 +51,7 @@ impl ListenerCert {
     pub fn load(cert: &Path, key: &Path) -> Result<Self, Error> {
         let (pair, read) = read_pair(cert, key)?;
         let current = Arc::new(Current(ArcSwap::from_pointee(pair)));
+        let sessions = Arc::new(Sessions(ArcSwap::new(Sessions::fresh())));
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -57,11 +61,13 @@ impl ListenerCert {
         // `http/1.0` too, as nginx offers it: a client offering only that (`curl
         // --http1.0`) failed its handshake with `no_application_protocol`.
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
+        config.session_storage = sessions.clone();
         Ok(ListenerCert {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
             current,
             read,
+            sessions,
             config: Arc::new(config),
         })
     }
@@ -133,6 +139,7 @@ impl ListenerCert {
         }
         let pair = parse_pair(&self.cert, &cert_pem, &self.key, &key_pem)?;
         self.current.0.store(Arc::new(pair));
+        self.sessions.0.store(Sessions::fresh());
         self.read = read;
         Ok(Reloaded::Swapped)
     }
@@ -144,6 +151,37 @@ struct Current(ArcSwap<CertifiedKey>);
 impl ResolvesServerCert for Current {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.0.load_full())
+    }
+}
+
+/// The listener's TLS sessions (rustls' own cache, 256 of them), begun afresh when a new
+/// pair is swapped in: a resumed session skips the certificate, and sessions from before
+/// a rotation (a key replaced because it may have leaked) were resumed for as long as the
+/// cache kept them (TLS 1.2's with no age limit), as nginx's are not.
+#[derive(Debug)]
+struct Sessions(ArcSwap<ServerSessionMemoryCache>);
+
+impl Sessions {
+    fn fresh() -> Arc<ServerSessionMemoryCache> {
+        ServerSessionMemoryCache::new(256)
+    }
+}
+
+impl StoresServerSessions for Sessions {
+    fn put(&self, key: Vec<u8>, value: Vec<u8>) -> bool {
+        self.0.load().put(key, value)
+    }
+
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.0.load().get(key)
+    }
+
+    fn take(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.0.load().take(key)
+    }
+
+    fn can_cache(&self) -> bool {
+        true
     }
 }
 
