@@ -3527,16 +3527,25 @@ async fn an_ipv6_wildcard_admin_listener_takes_ipv4_whatever_the_hosts_default()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_reaches_the_proxys_own_listener_is_refused_at_connect() {
     let pki = Pki::new();
-    // Known before the proxy starts only as a port bound and released.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-        l.local_addr().expect("addr").port()
+    // Known before the proxy starts only as a port bound and released, which a concurrent
+    // test's listener can take in between (E1008): then another port.
+    let mut tries = 0;
+    let proxy = loop {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+            l.local_addr().expect("addr").port()
+        };
+        let started = ProxyCmd::new(&format!("http://127.1:{port}"), &pki)
+            .listen(&format!("127.0.0.1:{port}"))
+            .arg("--allow-remote")
+            .try_spawn()
+            .await;
+        match started {
+            Ok(proxy) => break proxy,
+            Err(stderr) if stderr.contains("[E1008]") && tries < 5 => tries += 1,
+            Err(stderr) => panic!("abx-proxy exited before listening:\n{stderr}"),
+        }
     };
-    let proxy = ProxyCmd::new(&format!("http://127.1:{port}"), &pki)
-        .listen(&format!("127.0.0.1:{port}"))
-        .arg("--allow-remote")
-        .spawn()
-        .await;
     let (status, body) = get(proxy.addr(), "/sandboxes").await;
     let body = String::from_utf8_lossy(&body).to_string();
     assert_eq!(status, 502, "{body}");

@@ -973,6 +973,16 @@ impl ProxyCmd {
 
     /// Starts the proxy and waits for its "listening" line.
     pub async fn spawn(self) -> ProxyProc {
+        match self.try_spawn().await {
+            Ok(proc) => proc,
+            Err(stderr) => panic!("abx-proxy exited before listening; stderr:\n{stderr}"),
+        }
+    }
+
+    /// [`ProxyCmd::spawn`], or the stderr of a proxy that exited before listening (a port
+    /// bound and released to be given to `--listen`, which a concurrent test's listener
+    /// took in between: E1008, and another port to try).
+    pub async fn try_spawn(self) -> Result<ProxyProc, String> {
         let home = tempfile::tempdir().expect("home");
         let mut command = self.command(home.path());
         self.prepare(home.path()).await;
@@ -1020,10 +1030,12 @@ impl ProxyCmd {
             reading,
             _home: home,
         };
-        let line = proc.wait_for_line("abx-proxy listening").await;
+        let Some(line) = proc.line_before_exit("abx-proxy listening").await else {
+            return Err(proc.stderr());
+        };
         proc.listen = field(&line, "listen").expect("listen= in the listening line");
         proc.admin = field(&line, "admin").expect("admin= in the listening line");
-        proc
+        Ok(proc)
     }
 
     /// Starts the proxy with its stderr on `stderr` (a file, a pipe), not waiting for anything:
@@ -1144,6 +1156,17 @@ impl ProxyProc {
 
     /// Waits for a stderr line containing `needle` (lines before it are consumed).
     pub async fn wait_for_line(&mut self, needle: &str) -> String {
+        match self.line_before_exit(needle).await {
+            Some(line) => line,
+            None => panic!(
+                "abx-proxy exited before logging {needle:?}; stderr:\n{}",
+                self.stderr()
+            ),
+        }
+    }
+
+    /// [`ProxyProc::wait_for_line`], or `None` when the proxy exits first.
+    async fn line_before_exit(&mut self, needle: &str) -> Option<String> {
         let found = tokio::time::timeout(GUARD, async {
             while let Some(line) = self.lines.recv().await {
                 if line.contains(needle) {
@@ -1154,11 +1177,7 @@ impl ProxyProc {
         })
         .await;
         match found {
-            Ok(Some(line)) => line,
-            Ok(None) => panic!(
-                "abx-proxy exited before logging {needle:?}; stderr:\n{}",
-                self.stderr()
-            ),
+            Ok(found) => found,
             Err(_) => panic!(
                 "abx-proxy did not log {needle:?} within {GUARD:?}; stderr:\n{}",
                 self.stderr()
