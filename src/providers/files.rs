@@ -162,8 +162,15 @@ mod tests {
 
         std::fs::set_permissions(d.join(LOCK_FILE), std::fs::Permissions::from_mode(0o444))
             .expect("chmod");
-        // Root writes a 0444 file anyway; elsewhere this takes the read-only way.
-        InstallLock::take(d).expect("a read-only lock file locks");
+        // Root writes a 0444 file anyway; elsewhere this takes the read-only way. Either
+        // way it holds: a second taker is kept out.
+        let held = InstallLock::take(d).expect("a read-only lock file locks");
+        let file = File::open(d.join(LOCK_FILE)).expect("lock file");
+        assert!(
+            flock(&file, FlockOperation::NonBlockingLockShared).is_err(),
+            "a read-only lock file held"
+        );
+        drop((held, file));
 
         let fifo = tempfile::tempdir().expect("temp dir");
         rustix::fs::mknodat(
