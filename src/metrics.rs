@@ -31,7 +31,7 @@ pub struct Metrics {
     pub log_lines_dropped: IntCounter,
     /// Handshakes a client began on the `--tls-cert` listener that failed.
     pub tls_handshake_failures: IntCounter,
-    /// The `--tls-cert` chain's first expiry; registered only with that listener (see
+    /// The `--tls-cert` leaf's expiry; registered only with that listener (see
     /// [`Metrics::serve_tls`]).
     listener_cert_expiry: Gauge,
     /// Reloads (SIGHUP, a changed watched file), by result.
@@ -277,7 +277,7 @@ impl Metrics {
         )?;
         let listener_cert_expiry = Gauge::new(
             "abx_proxy_listener_certificate_expiry_timestamp_seconds",
-            "When the first certificate of the --tls-cert listener's chain in use expires (unix seconds).",
+            "When the --tls-cert listener's certificate in use (the leaf) expires (unix seconds).",
         )?;
         let reloads = IntCounterVec::new(
             Opts::new(
@@ -366,7 +366,7 @@ impl Metrics {
         })
     }
 
-    /// The `--tls-cert` listener serves: its chain's first expiry is a series from now on,
+    /// The `--tls-cert` listener serves: its certificate's expiry is a series from now on,
     /// for an alert before handshakes fail (a proxy without the listener has none, rather
     /// than a 0 an alert would have to tell from an expiry). Called once, at the start.
     pub fn serve_tls(&self, expires: f64) -> Result<(), prometheus::Error> {
@@ -375,7 +375,7 @@ impl Metrics {
             .register(Box::new(self.listener_cert_expiry.clone()))
     }
 
-    /// A reload swapped in a new pair: its chain's first expiry.
+    /// A reload swapped in a new pair: its certificate's expiry.
     pub fn listener_cert_swapped(&self, expires: f64) {
         self.listener_cert_expiry.set(expires);
     }

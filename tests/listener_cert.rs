@@ -401,13 +401,12 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     proxy.finish().await;
 }
 
-/// The listener's chain is read whole: its first expiry (the leaf's `notAfter`, or an
-/// intermediate's before it) is `abx_proxy_listener_certificate_expiry_timestamp_seconds`,
-/// for an alert before handshakes fail, set again by a reload that swaps a pair in; an
-/// intermediate that expired is said as an expired leaf is (every client that checks it
-/// refuses the handshake). Only the leaf was looked at, and only at a start or a reload.
+/// The leaf's expiry is `abx_proxy_listener_certificate_expiry_timestamp_seconds`, for an
+/// alert before handshakes fail, set again by a reload that swaps a pair in; the chain is
+/// read whole for the warning: an intermediate that expired is said (a client whose path
+/// goes through it refuses the handshake), where only the leaf was looked at.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_chains_first_expiry_is_a_metric_and_an_expired_intermediate_is_said() {
+async fn the_leafs_expiry_is_a_metric_and_an_expired_intermediate_is_said() {
     const EXPIRY: &str = "abx_proxy_listener_certificate_expiry_timestamp_seconds";
     use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
     let pki = Pki::new();
@@ -429,7 +428,7 @@ async fn the_chains_first_expiry_is_a_metric_and_an_expired_intermediate_is_said
     // 2031-05-01T00:00:00Z
     assert_eq!(metric(&text, EXPIRY), Some(1_935_360_000.0), "{text}");
 
-    // A leaf good until 2031 under an intermediate that ran out in 2021.
+    // A leaf good until 2030 under an intermediate that ran out in 2021.
     let ca_key = KeyPair::generate().expect("key");
     let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -445,7 +444,7 @@ async fn the_chains_first_expiry_is_a_metric_and_an_expired_intermediate_is_said
         .signed_by(&inter_key, &ca, &ca_key)
         .expect("intermediate");
     let key = KeyPair::generate().expect("key");
-    let cert = leaf((2031, 5, 1))
+    let cert = leaf((2030, 6, 1))
         .signed_by(&key, &inter, &inter_key)
         .expect("leaf");
     std::fs::write(&cert_path, format!("{}{}", cert.pem(), inter.pem())).expect("cert");
@@ -457,8 +456,14 @@ async fn the_chains_first_expiry_is_a_metric_and_an_expired_intermediate_is_said
         line.contains("certificate #2 of the listener's chain ("),
         "{line}"
     );
+    assert!(
+        line.contains("path to a trusted root goes through it"),
+        "{line}"
+    );
     let text = scrape(proxy.admin_addr()).await;
-    assert_eq!(metric(&text, EXPIRY), Some(1_609_459_200.0), "{text}");
+    // 2030-06-01T00:00:00Z, the new leaf's: not the intermediate's, which a client with
+    // another path never uses.
+    assert_eq!(metric(&text, EXPIRY), Some(1_906_502_400.0), "{text}");
     proxy.finish().await;
 
     // No `--tls-cert` listener, no series.

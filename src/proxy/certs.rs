@@ -72,30 +72,39 @@ impl ListenerCert {
         })
     }
 
-    /// What a client would refuse of the certificates in use now, if anything: that one
-    /// expired, or is not valid yet (the leaf, or an intermediate the file sends after it:
-    /// an expired one fails the handshake as surely). A warning, not an error, as nginx
-    /// serves such a certificate too (a client may not check, or check another clock); but
-    /// every client that checks fails its handshake, and the proxy sees no request to log.
+    /// What a client would refuse of the certificates in use now, if anything: that the
+    /// leaf expired, or is not valid yet; or that a certificate the file sends after it
+    /// did, which a client whose path to its trusted root goes through it refuses (one
+    /// whose path does not, through a root of its own or another cross-sign, does not: an
+    /// expired cross-sign left in a chain, AddTrust's in 2020, broke only old clients). A
+    /// warning, not an error, as nginx serves such a certificate too (a client may not
+    /// check, or check another clock); but every client that refuses it fails its
+    /// handshake, and the proxy sees no request to log.
     pub fn validity_warning(&self, now: SystemTime) -> Option<String> {
         let pair = self.current.0.load();
         let file = self.cert.display();
         pair.cert.iter().enumerate().find_map(|(i, cert)| {
             let (not_before, not_after) = validity(cert.as_ref())?;
-            let which = match i {
-                0 => format!("the listener certificate ({file})"),
-                _ => format!("certificate #{} of the listener's chain ({file})", i + 1),
+            let (which, refuse) = match i {
+                0 => (
+                    format!("the listener certificate ({file})"),
+                    "clients that check it refuse the handshake",
+                ),
+                _ => (
+                    format!("certificate #{} of the listener's chain ({file})", i + 1),
+                    "clients whose path to a trusted root goes through it refuse the handshake",
+                ),
             };
             if now > not_after {
                 Some(format!(
-                    "{which} expired at {}: clients that check it refuse the handshake; renew \
-                     it (a SIGHUP, or its files' change, applies the new one)",
+                    "{which} expired at {}: {refuse}; renew it, or leave it out of the file (a \
+                     SIGHUP, or its files' change, applies the new one)",
                     crate::credentials::exchange::iso8601(not_after)
                 ))
             } else if now < not_before {
                 Some(format!(
-                    "{which} is not valid before {}: clients that check it refuse the \
-                     handshake until then (or this machine's clock is behind)",
+                    "{which} is not valid before {}: {refuse} until then (or this machine's \
+                     clock is behind)",
                     crate::credentials::exchange::iso8601(not_before)
                 ))
             } else {
@@ -104,17 +113,14 @@ impl ListenerCert {
         })
     }
 
-    /// When the first certificate of the chain in use expires (the leaf's `notAfter`, or an
-    /// intermediate's before it), in unix seconds; NaN when a date cannot be read (no
-    /// alert compares true with it).
+    /// When the leaf certificate in use expires, in unix seconds; NaN when its date cannot
+    /// be read (no alert compares true with it). The leaf's alone: which of the others a
+    /// client's path goes through depends on the client's roots, and an expired cross-sign
+    /// many clients never use would have kept an alert saying "expired" for good.
     pub fn expires(&self) -> f64 {
         let pair = self.current.0.load();
-        let dates = pair.cert.iter().map(|c| validity(c.as_ref()).map(|v| v.1));
-        let first = dates
-            .collect::<Option<Vec<_>>>()
-            .and_then(|d| d.into_iter().min());
-        first
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        let leaf = pair.cert.first().and_then(|c| validity(c.as_ref()));
+        leaf.and_then(|(_, not_after)| not_after.duration_since(std::time::UNIX_EPOCH).ok())
             .map_or(f64::NAN, |d| d.as_secs_f64())
     }
 
