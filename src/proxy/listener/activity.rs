@@ -229,8 +229,11 @@ impl Drop for AnswerCut {
             }
         }
         // The exit may come as soon as the last share goes: this thread's lines first.
-        if self.said && self.open.take().is_some() {
-            crate::logging::flush_thread();
+        if self.said {
+            if let Some(open) = self.open.take() {
+                crate::logging::flush_thread();
+                drop(open);
+            }
         }
     }
 }
