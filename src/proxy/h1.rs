@@ -1190,6 +1190,24 @@ pub async fn write_one(
     written
 }
 
+/// The fast path's head reader on `data` arriving at once: the request it serves itself
+/// (method, target, fields), its `Content-Length`, whether it asked to close, and the
+/// bytes its head took; `None` when it waits for more or hands the connection to hyper.
+/// For the `fast_head` fuzz target, which holds it to hyper's server and the framing watch.
+#[doc(hidden)]
+pub fn read_one_head(data: &[u8]) -> Option<(Request<()>, u64, bool, usize)> {
+    let mut buf = BytesMut::from(data);
+    let mut scanned = 0;
+    match parse(&mut buf, &mut scanned) {
+        Parsed::Head(head) => {
+            let (length, close, taken) = (head.content_length, head.close, data.len() - buf.len());
+            let req = head.into_request(body::empty()).map(|_| ());
+            Some((req, length, close, taken))
+        }
+        Parsed::Partial | Parsed::HandOver => None,
+    }
+}
+
 /// What [`take_now`] found.
 enum Taken {
     /// The whole body is in `out`.

@@ -28,7 +28,7 @@ mod splice;
 mod tunnel;
 
 #[doc(hidden)]
-pub use h1::write_one;
+pub use h1::{read_one_head, write_one};
 
 use std::path::PathBuf;
 use std::sync::Arc;
