@@ -138,12 +138,42 @@ pub fn looked_up(body: &[u8], sandbox_id: &str) -> Result<Secret, &'static str> 
 }
 
 /// A sandbox as the control plane describes it: its id and envd token.
-#[derive(serde::Deserialize)]
 struct Sandbox {
-    #[serde(rename = "sandboxID")]
     sandbox_id: String,
-    #[serde(rename = "envdAccessToken")]
     envd_access_token: Option<String>,
+}
+
+impl<'de> serde::Deserialize<'de> for Sandbox {
+    /// From a JSON object only. serde's derive also reads a struct from a list of its
+    /// fields in order: `["isb-1", "tok"]`, which no control plane answers, was a sandbox
+    /// with a token to `looked_up` (the token-look-up fuzz target found it).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{value::MapAccessDeserializer, MapAccess, Visitor};
+        use serde::Deserialize;
+
+        #[derive(serde::Deserialize)]
+        struct Fields {
+            #[serde(rename = "sandboxID")]
+            sandbox_id: String,
+            #[serde(rename = "envdAccessToken")]
+            envd_access_token: Option<String>,
+        }
+        struct OnlyAnObject;
+        impl<'de> Visitor<'de> for OnlyAnObject {
+            type Value = Sandbox;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a sandbox (a JSON object)")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Sandbox, A::Error> {
+                let f = Fields::deserialize(MapAccessDeserializer::new(map))?;
+                Ok(Sandbox {
+                    sandbox_id: f.sandbox_id,
+                    envd_access_token: f.envd_access_token,
+                })
+            }
+        }
+        d.deserialize_map(OnlyAnObject)
+    }
 }
 
 impl Sandbox {
@@ -273,6 +303,12 @@ mod tests {
             looked_up(b"<html>", "isb-1").map(|_| ()),
             Err("envd token look-up: the answer describes no sandbox")
         );
+        // A list of the fields in order is no sandbox (serde's derive read it as one).
+        assert_eq!(
+            looked_up(br#"["isb-1", "t0k"]"#, "isb-1").map(|_| ()),
+            Err("envd token look-up: the answer describes no sandbox")
+        );
+        assert!(learn(br#"[[["isb-1", "t0k"]]]"#).is_empty());
         let unsecured = looked_up(br#"{"sandboxID":"isb-1"}"#, "isb-1").unwrap();
         assert_eq!(unsecured.expose(), "");
         let sized = |n: usize| {
