@@ -31,7 +31,7 @@ pub struct Metrics {
     pub log_lines_dropped: IntCounter,
     /// Handshakes a client began on the `--tls-cert` listener that failed.
     pub tls_handshake_failures: IntCounter,
-    /// The `--tls-cert` leaf's expiry; registered only with that listener (see
+    /// The `--tls-cert` leaf's (or its issuer's) expiry; registered only with that listener (see
     /// [`Metrics::serve_tls`]).
     listener_cert_expiry: Gauge,
     /// Reloads (SIGHUP, a changed watched file), by result.
@@ -277,7 +277,7 @@ impl Metrics {
         )?;
         let listener_cert_expiry = Gauge::new(
             "abx_proxy_listener_certificate_expiry_timestamp_seconds",
-            "When the --tls-cert listener's certificate in use (the leaf) expires (unix seconds).",
+            "When the --tls-cert listener's certificate in use expires, or its issuer sent next to it before it (unix seconds).",
         )?;
         let reloads = IntCounterVec::new(
             Opts::new(

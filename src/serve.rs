@@ -166,7 +166,7 @@ async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let config = ServeConfig {
-        tls: tls.as_ref().map(ListenerCert::acceptor),
+        tls: tls.as_ref().map(ListenerCert::handshakes),
         idle_timeout: options.idle_timeout,
         header_timeout: options.header_timeout,
         max_connections: options.max_connections,

@@ -196,7 +196,13 @@ async fn a_renewed_certificate_ends_the_resumption_of_older_sessions() {
         let new = leaf(&r.new).expect("new leaf");
         assert_eq!(
             one_request(&config, addr).await,
-            (Some(Full), new),
+            (Some(Full), new.clone()),
+            "{version:?}"
+        );
+        // And the new pair's sessions resume.
+        assert_eq!(
+            one_request(&config, addr).await,
+            (Some(Resumed), new),
             "{version:?}"
         );
         proxy.finish().await;
@@ -401,26 +407,37 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     proxy.finish().await;
 }
 
-/// The leaf's expiry is `abx_proxy_listener_certificate_expiry_timestamp_seconds`, for an
-/// alert before handshakes fail, set again by a reload that swaps a pair in; the chain is
-/// read whole for the warning: an intermediate that expired is said (a client whose path
-/// goes through it refuses the handshake), where only the leaf was looked at.
+/// The listener certificate's expiry, or its issuer's before it when the file sends that
+/// next (every client's path goes through it), is
+/// `abx_proxy_listener_certificate_expiry_timestamp_seconds`, for an alert before
+/// handshakes fail, set again by a reload that swaps a pair in; not another's in the file
+/// (an expired cross-sign many clients never use). The chain is read whole for the
+/// warning: a certificate after the leaf that expired is said, where only the leaf was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_leafs_expiry_is_a_metric_and_an_expired_intermediate_is_said() {
+async fn the_expiry_metric_is_the_leafs_or_its_issuers_and_expired_chain_certificates_are_said() {
     const EXPIRY: &str = "abx_proxy_listener_certificate_expiry_timestamp_seconds";
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
     let dir = tempfile::tempdir().expect("dir");
     let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    let leaf = |until: (i32, u8, u8)| {
-        let mut params = CertificateParams::new(vec!["localhost".into()]).expect("params");
+    let params = |name: &str, until: (i32, u8, u8), ca: bool| {
+        let sans = if ca {
+            vec![]
+        } else {
+            vec!["localhost".to_string()]
+        };
+        let mut params = CertificateParams::new(sans).expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        if ca {
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        }
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);
         params.not_after = rcgen::date_time_ymd(until.0, until.1, until.2);
         params
     };
     let key = KeyPair::generate().expect("key");
-    let cert = leaf((2031, 5, 1)).self_signed(&key).expect("certificate");
+    let cert = (params("leaf", (2031, 5, 1), false).self_signed(&key)).expect("certificate");
     std::fs::write(&cert_path, cert.pem()).expect("cert");
     std::fs::write(&key_path, key.serialize_pem()).expect("key");
     let mut proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
@@ -428,41 +445,48 @@ async fn the_leafs_expiry_is_a_metric_and_an_expired_intermediate_is_said() {
     // 2031-05-01T00:00:00Z
     assert_eq!(metric(&text, EXPIRY), Some(1_935_360_000.0), "{text}");
 
-    // A leaf good until 2030 under an intermediate that ran out in 2021.
     let ca_key = KeyPair::generate().expect("key");
-    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca.self_signed(&ca_key).expect("CA");
-    let (inter_key, mut inter) = (
-        KeyPair::generate().expect("key"),
-        CertificateParams::new(Vec::<String>::new()).expect("params"),
-    );
-    inter.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    inter.not_before = rcgen::date_time_ymd(2020, 1, 1);
-    inter.not_after = rcgen::date_time_ymd(2021, 1, 1);
-    let inter = inter
-        .signed_by(&inter_key, &ca, &ca_key)
-        .expect("intermediate");
-    let key = KeyPair::generate().expect("key");
-    let cert = leaf((2030, 6, 1))
-        .signed_by(&key, &inter, &inter_key)
-        .expect("leaf");
-    std::fs::write(&cert_path, format!("{}{}", cert.pem(), inter.pem())).expect("cert");
-    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    let ca = (params("root", (2040, 1, 1), true).self_signed(&ca_key)).expect("CA");
+    // A leaf good until 2030 under an intermediate good until `until`, with what else the
+    // file sends between them; swapped in.
+    let swap = |until: (i32, u8, u8), between: String| {
+        let inter_key = KeyPair::generate().expect("key");
+        let inter = params("intermediate", until, true)
+            .signed_by(&inter_key, &ca, &ca_key)
+            .expect("intermediate");
+        let key = KeyPair::generate().expect("key");
+        let cert = params("leaf", (2030, 6, 1), false)
+            .signed_by(&key, &inter, &inter_key)
+            .expect("leaf");
+        let chain = format!("{}{between}{}", cert.pem(), inter.pem());
+        std::fs::write(&cert_path, chain).expect("cert");
+        std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    };
+    // Its issuer ran out in 2021: on every client's path.
+    swap((2021, 1, 1), String::new());
     proxy.signal("HUP");
     proxy.wait_for_line("listener certificate reloaded").await;
     let line = proxy.wait_for_line("expired at 2021-01-01T00:00:00Z").await;
-    assert!(
-        line.contains("certificate #2 of the listener's chain ("),
-        "{line}"
-    );
-    assert!(
-        line.contains("path to a trusted root goes through it"),
-        "{line}"
-    );
+    let said = [
+        "certificate #2 of the listener's chain (",
+        "goes through it",
+    ];
+    assert!(said.iter().all(|s| line.contains(s)), "{line}");
     let text = scrape(proxy.admin_addr()).await;
-    // 2030-06-01T00:00:00Z, the new leaf's: not the intermediate's, which a client with
-    // another path never uses.
+    assert_eq!(metric(&text, EXPIRY), Some(1_609_459_200.0), "{text}");
+
+    // Its issuer good until 2029, after a cross-sign of another root that expired in 2021:
+    // the one next to the leaf is not its issuer, and counts for nothing.
+    let other_key = KeyPair::generate().expect("key");
+    let other =
+        (params("old cross-sign", (2021, 1, 1), true).self_signed(&other_key)).expect("another");
+    swap((2029, 6, 1), other.pem());
+    proxy.signal("HUP");
+    proxy.wait_for_line("listener certificate reloaded").await;
+    let line = proxy.wait_for_line("expired at 2021-01-01T00:00:00Z").await;
+    assert!(line.contains("certificate #2 of"), "{line}");
+    let text = scrape(proxy.admin_addr()).await;
+    // 2030-06-01T00:00:00Z, the leaf's: not the cross-sign's 2021.
     assert_eq!(metric(&text, EXPIRY), Some(1_906_502_400.0), "{text}");
     proxy.finish().await;
 

@@ -13,9 +13,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
-use rustls::server::{
-    ClientHello, ResolvesServerCert, ServerSessionMemoryCache, StoresServerSessions,
-};
+use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -28,13 +26,31 @@ use crate::error::Error;
 pub struct ListenerCert {
     cert: PathBuf,
     key: PathBuf,
-    current: Arc<Current>,
+    /// The pair in use, for its dates.
+    pair: Arc<CertifiedKey>,
     /// The two files' contents the pair in use was read from, hashed (no copy of the key
     /// is kept): a reload that finds nothing new swaps nothing and logs nothing, so that
     /// a SIGHUP or a rotated API key file does not claim a certificate reload.
     read: [u8; 32],
-    sessions: Arc<Sessions>,
-    config: Arc<rustls::ServerConfig>,
+    handshakes: Handshakes,
+}
+
+/// The listener's TLS settings: one `ServerConfig` per pair, each with its own session
+/// cache (rustls' default, 256 sessions), swapped whole by a reload. A handshake begun on
+/// the old pair keeps the old settings to its end, its session stored in the old cache,
+/// which goes with them: sessions from before a rotation (a key replaced because it may
+/// have leaked) were resumed, the new certificate never shown, for as long as the one cache
+/// kept them (TLS 1.2's and 1.3's alike: rustls checks neither's age), as nginx's are not;
+/// and a cache replaced under one config took a session from a handshake the swap caught
+/// midway.
+#[derive(Clone)]
+pub struct Handshakes(Arc<ArcSwap<rustls::ServerConfig>>);
+
+impl Handshakes {
+    /// An acceptor for one connection, with the settings in use now.
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.0.load_full())
+    }
 }
 
 /// What a reload did.
@@ -50,25 +66,14 @@ impl ListenerCert {
     /// Reads and checks the pair, for `serve` and `check` at startup: any fault is E1006.
     pub fn load(cert: &Path, key: &Path) -> Result<Self, Error> {
         let (pair, read) = read_pair(cert, key)?;
-        let current = Arc::new(Current(ArcSwap::from_pointee(pair)));
-        let sessions = Arc::new(Sessions(ArcSwap::new(Sessions::fresh())));
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| read_err(cert, e.to_string()))?
-            .with_no_client_auth()
-            .with_cert_resolver(current.clone());
-        // `http/1.0` too, as nginx offers it: a client offering only that (`curl
-        // --http1.0`) failed its handshake with `no_application_protocol`.
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
-        config.session_storage = sessions.clone();
+        let pair = Arc::new(pair);
+        let config = server_config(&pair, cert)?;
         Ok(ListenerCert {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
-            current,
+            pair,
             read,
-            sessions,
-            config: Arc::new(config),
+            handshakes: Handshakes(Arc::new(ArcSwap::from_pointee(config))),
         })
     }
 
@@ -81,7 +86,7 @@ impl ListenerCert {
     /// check, or check another clock); but every client that refuses it fails its
     /// handshake, and the proxy sees no request to log.
     pub fn validity_warning(&self, now: SystemTime) -> Option<String> {
-        let pair = self.current.0.load();
+        let pair = &self.pair;
         let file = self.cert.display();
         pair.cert.iter().enumerate().find_map(|(i, cert)| {
             let (not_before, not_after) = validity(cert.as_ref())?;
@@ -113,20 +118,32 @@ impl ListenerCert {
         })
     }
 
-    /// When the leaf certificate in use expires, in unix seconds; NaN when its date cannot
-    /// be read (no alert compares true with it). The leaf's alone: which of the others a
-    /// client's path goes through depends on the client's roots, and an expired cross-sign
-    /// many clients never use would have kept an alert saying "expired" for good.
+    /// When the leaf certificate in use expires, or its issuer before it when the file
+    /// sends that next (every client's path goes through it), in unix seconds; NaN when the
+    /// leaf's date cannot be read (no alert compares true with it). Not the others': which
+    /// a client's path goes through depends on the client's roots, and an expired
+    /// cross-sign many clients never use would have kept an alert saying "expired" for good.
     pub fn expires(&self) -> f64 {
-        let pair = self.current.0.load();
-        let leaf = pair.cert.first().and_then(|c| validity(c.as_ref()));
-        leaf.and_then(|(_, not_after)| not_after.duration_since(std::time::UNIX_EPOCH).ok())
+        let chain = &self.pair.cert;
+        let Some(leaf) = chain.first().map(|c| c.as_ref()) else {
+            return f64::NAN;
+        };
+        let issuer = chain.get(1).map(|c| c.as_ref()).filter(|issuer| {
+            let (leaf, issuer) = (fields(leaf), fields(issuer));
+            leaf.zip(issuer).is_some_and(|(l, i)| l.issuer == i.subject)
+        });
+        let until = |der: &[u8]| validity(der).map(|(_, not_after)| not_after);
+        let at = match (until(leaf), issuer.and_then(until)) {
+            (Some(leaf), Some(issuer)) => Some(leaf.min(issuer)),
+            (leaf, _) => leaf,
+        };
+        at.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map_or(f64::NAN, |d| d.as_secs_f64())
     }
 
     /// The listener's TLS; its handshakes follow every later [`ListenerCert::apply`].
-    pub fn acceptor(&self) -> TlsAcceptor {
-        TlsAcceptor::from(self.config.clone())
+    pub fn handshakes(&self) -> Handshakes {
+        self.handshakes.clone()
     }
 
     /// The certificate and key files, as given.
@@ -143,58 +160,42 @@ impl ListenerCert {
         if read == self.read {
             return Ok(Reloaded::Unchanged);
         }
-        let pair = parse_pair(&self.cert, &cert_pem, &self.key, &key_pem)?;
-        self.current.0.store(Arc::new(pair));
-        self.sessions.0.store(Sessions::fresh());
+        let pair = Arc::new(parse_pair(&self.cert, &cert_pem, &self.key, &key_pem)?);
+        let config = server_config(&pair, &self.cert)?;
+        self.handshakes.0.store(Arc::new(config));
+        self.pair = pair;
         self.read = read;
         Ok(Reloaded::Swapped)
     }
 }
 
-/// Hands every handshake the pair in use. (One load per handshake: no lock is held.)
-struct Current(ArcSwap<CertifiedKey>);
+/// The TLS settings that serve `pair`, with a session cache of their own.
+fn server_config(pair: &Arc<CertifiedKey>, cert: &Path) -> Result<rustls::ServerConfig, Error> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| read_err(cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(Pair(pair.clone())));
+    // `http/1.0` too, as nginx offers it: a client offering only that (`curl
+    // --http1.0`) failed its handshake with `no_application_protocol`.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
+    Ok(config)
+}
 
-impl ResolvesServerCert for Current {
+/// Hands every handshake its settings' pair.
+struct Pair(Arc<CertifiedKey>);
+
+impl ResolvesServerCert for Pair {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.load_full())
-    }
-}
-
-/// The listener's TLS sessions (rustls' own cache, 256 of them), begun afresh when a new
-/// pair is swapped in: a resumed session skips the certificate, and sessions from before
-/// a rotation (a key replaced because it may have leaked) were resumed for as long as the
-/// cache kept them (TLS 1.2's with no age limit), as nginx's are not.
-#[derive(Debug)]
-struct Sessions(ArcSwap<ServerSessionMemoryCache>);
-
-impl Sessions {
-    fn fresh() -> Arc<ServerSessionMemoryCache> {
-        ServerSessionMemoryCache::new(256)
-    }
-}
-
-impl StoresServerSessions for Sessions {
-    fn put(&self, key: Vec<u8>, value: Vec<u8>) -> bool {
-        self.0.load().put(key, value)
-    }
-
-    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.0.load().get(key)
-    }
-
-    fn take(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.0.load().take(key)
-    }
-
-    fn can_cache(&self) -> bool {
-        true
+        Some(self.0.clone())
     }
 }
 
 // rustls requires Debug of a resolver; the pair's own would reach the signing key.
-impl fmt::Debug for Current {
+impl fmt::Debug for Pair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Current(listener certificate)")
+        f.write_str("Pair(listener certificate)")
     }
 }
 
@@ -202,22 +203,41 @@ impl fmt::Debug for Current {
 /// hand: nothing in the TLS stack exposes them, and a certificate parser would be a
 /// dependency for two dates. `None` when the DER is not laid out as a certificate is.
 fn validity(der: &[u8]) -> Option<(SystemTime, SystemTime)> {
+    let (t1, before, rest) = der_item(fields(der)?.validity)?;
+    let (t2, after, _) = der_item(rest)?;
+    Some((der_time(t1, before)?, der_time(t2, after)?))
+}
+
+/// The fields of a certificate's DER this file reads (RFC 5280 §4.1): its issuer's and its
+/// subject's names (their DER, compared byte for byte, as a chain's issuer writes its
+/// subject) and its validity.
+struct Fields<'a> {
+    issuer: &'a [u8],
+    validity: &'a [u8],
+    subject: &'a [u8],
+}
+
+fn fields(der: &[u8]) -> Option<Fields<'_>> {
     let (_, certificate, _) = der_item(der)?;
-    let (_, mut tbs, _) = der_item(certificate)?;
-    // version [0] EXPLICIT (absent in v1), serialNumber, signature, issuer, then validity.
-    let (tag, _, rest) = der_item(tbs)?;
-    let skip = if tag == 0xa0 { 3 } else { 2 };
-    tbs = rest;
-    for _ in 0..skip {
-        tbs = der_item(tbs)?.2;
+    let (_, tbs, _) = der_item(certificate)?;
+    // version [0] EXPLICIT (absent in v1), serialNumber, signature, issuer, validity,
+    // subject.
+    let (tag, _, mut rest) = der_item(tbs)?;
+    if tag == 0xa0 {
+        rest = der_item(rest)?.2;
     }
-    let (tag, validity, _) = der_item(tbs)?;
+    rest = der_item(rest)?.2;
+    let (_, issuer, rest) = der_item(rest)?;
+    let (tag, validity, rest) = der_item(rest)?;
     if tag != 0x30 {
         return None;
     }
-    let (t1, before, rest) = der_item(validity)?;
-    let (t2, after, _) = der_item(rest)?;
-    Some((der_time(t1, before)?, der_time(t2, after)?))
+    let (_, subject, _) = der_item(rest)?;
+    Some(Fields {
+        issuer,
+        validity,
+        subject,
+    })
 }
 
 /// One DER item: its tag, its contents and what follows it.

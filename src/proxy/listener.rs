@@ -21,7 +21,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
-use tokio_rustls::TlsAcceptor;
 
 use super::body::Moved;
 use super::framing;
@@ -56,7 +55,7 @@ pub const MAX_HEADERS: usize = 100;
 
 /// How connections are served.
 pub struct ServeConfig {
-    pub tls: Option<TlsAcceptor>,
+    pub tls: Option<super::certs::Handshakes>,
     pub idle_timeout: Duration,
     /// `--header-timeout`: the time a client may take to send a request head.
     pub header_timeout: Duration,
@@ -362,14 +361,14 @@ async fn connection(
                 h1::Outcome::HandOver(sock, prefix) => Box::new(h1::Rewind::new(sock, prefix)),
             }
         }
-        Some(acceptor) => {
+        Some(handshakes) => {
             // No timer of its own: the watchdog's first-head deadline (`--header-timeout`)
             // covers the handshake, as nginx's `client_header_timeout` does. A drain does
             // not wait for it: there is no request yet. Boxed, as the hyper part below.
             let stop = &mut stop;
             let handshake = Box::pin(async move {
                 tokio::select! {
-                    io = tls_or_plain(acceptor, sock, &proxy.metrics) => io,
+                    io = tls_or_plain(handshakes, sock, &proxy.metrics) => io,
                     _ = stop.wait_for(|s| *s) => None,
                 }
             });
@@ -400,7 +399,7 @@ async fn connection(
 /// would be theirs to write; a count that climbs after a certificate's renewal is the
 /// operator's sign that clients refuse it.
 async fn tls_or_plain(
-    acceptor: &TlsAcceptor,
+    handshakes: &super::certs::Handshakes,
     sock: Sock,
     metrics: &crate::metrics::Metrics,
 ) -> Option<(Box<dyn Io>, Option<PlainOnTls>)> {
@@ -409,7 +408,8 @@ async fn tls_or_plain(
     if first.is_ascii_uppercase() {
         return Some((Box::new(sock), Some(PlainOnTls)));
     }
-    match acceptor.accept(sock).await {
+    // The settings in use as this handshake begins, to its end (see `Handshakes`).
+    match handshakes.acceptor().accept(sock).await {
         Ok(tls) => Some((Box::new(tls), None)),
         Err(e) => {
             metrics.tls_handshake_failures.inc();
