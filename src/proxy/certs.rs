@@ -1,5 +1,6 @@
 //! The listener's certificate and key (`--tls-cert`, `--tls-key`): read and checked as a
-//! pair, and handed to each new TLS handshake by a resolver whose pair a reload swaps.
+//! pair, and served by TLS settings of their own ([`Handshakes`]), which a reload swaps
+//! whole for the next handshakes.
 //!
 //! cert-manager renews a certificate by rewriting the mounted files in place, and a user
 //! who renews one by hand expects SIGHUP to apply it, as nginx does; a restart would cut
@@ -119,10 +120,11 @@ impl ListenerCert {
     }
 
     /// When the leaf certificate in use expires, or its issuer before it when the file
-    /// sends that next (every client's path goes through it), in unix seconds; NaN when the
-    /// leaf's date cannot be read (no alert compares true with it). Not the others': which
-    /// a client's path goes through depends on the client's roots, and an expired
-    /// cross-sign many clients never use would have kept an alert saying "expired" for good.
+    /// sends that next (clients with no copy of it of their own go through it: the usual
+    /// case, a CA's intermediate), in unix seconds; NaN when the leaf's date cannot be read
+    /// (no alert compares true with it). Not the others': which a client's path goes
+    /// through depends on the client's roots, and an expired cross-sign many clients never
+    /// use would have kept an alert saying "expired" for good.
     pub fn expires(&self) -> f64 {
         let chain = &self.pair.cert;
         let Some(leaf) = chain.first().map(|c| c.as_ref()) else {
