@@ -18,7 +18,7 @@
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use abx_proxy::proxy::framing::watch;
@@ -31,6 +31,11 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+#[path = "hyper_client.rs"]
+mod hyper_client;
+
+use hyper_client::{pairs, runtime};
 
 /// The first request hyper served, as the fuzz target compares it.
 #[derive(Debug, Clone)]
@@ -58,9 +63,7 @@ fuzz_target!(|data: &[u8]| {
     };
     assert_eq!(h.method, fast.method().as_str(), "method: {head:?}");
     assert_eq!(h.target, fast.uri().to_string(), "target: {head:?}");
-    let fields: Vec<(String, Vec<u8>)> = (fast.headers().iter())
-        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
-        .collect();
+    let fields = pairs(fast.headers());
     assert_eq!(h.headers, fields, "fields: {head:?}");
     let length = usize::try_from(length).unwrap_or(usize::MAX);
     if data.len() - taken >= length {
@@ -74,12 +77,6 @@ fuzz_target!(|data: &[u8]| {
 
 /// What hyper's HTTP/1 server, configured as the listener's, serves first from `data`.
 fn serve(data: &[u8]) -> Option<Served> {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    let rt = RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("a current-thread runtime")
-    });
     let first: Arc<Mutex<Option<Served>>> = Arc::new(Mutex::new(None));
     let log = first.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -87,9 +84,7 @@ fn serve(data: &[u8]) -> Option<Served> {
         async move {
             let method = req.method().to_string();
             let target = req.uri().to_string();
-            let headers = (req.headers().iter())
-                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
-                .collect();
+            let headers = pairs(req.headers());
             let body = match req.into_body().collect().await {
                 Ok(c) => Ok(c.to_bytes().to_vec()),
                 Err(e) => Err(e.to_string()),
@@ -112,7 +107,7 @@ fn serve(data: &[u8]) -> Option<Served> {
         }
     });
     let io = Wire(Bytes::copy_from_slice(data));
-    rt.block_on(async move {
+    runtime().block_on(async move {
         // `half_close`: the input's end is the client's FIN after its request, which
         // hyper would otherwise take for the client gone and drop the request unserved.
         let _ = hyper::server::conn::http1::Builder::new()

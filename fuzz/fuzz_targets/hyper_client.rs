@@ -1,6 +1,6 @@
 //! hyper's HTTP/1.1 client reading one response from given bytes: the reference the
 //! `response` and `response_writer` targets hold the proxy's HTTP/1 code to (each includes
-//! this file with `#[path]`).
+//! this file with `#[path]`; `fast_head` takes its runtime and `pairs`).
 #![allow(dead_code)]
 
 use std::io;
