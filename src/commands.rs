@@ -278,7 +278,11 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     }
     if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
         let pair = crate::proxy::certs::ListenerCert::load(cert, key)?;
-        if let Some(w) = pair.validity_warning(std::time::SystemTime::now()) {
+        let now = std::time::SystemTime::now();
+        if let Some(w) = pair
+            .validity_warning(now)
+            .or_else(|| pair.expiry_notice(now))
+        {
             crate::logging::warning(&w);
         }
     }

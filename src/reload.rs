@@ -21,7 +21,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tokio::signal::unix::Signal;
@@ -512,8 +512,25 @@ pub async fn on_hangup(mut running: Running, mut hangups: Option<Signal>, mut fi
                 false => files.changed().await,
             }
         };
+        // The listener certificate's coming end, said in the log as it nears and passes.
+        let look = running
+            .tls
+            .as_ref()
+            .and_then(|tls| tls.next_look(SystemTime::now()));
+        let expiring = async {
+            match look {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             got = hangup => if got.is_none() { return },
+            () = expiring => {
+                if let Some(line) = running.tls.as_mut().and_then(|tls| tls.due(SystemTime::now())) {
+                    tracing::warn!("{line}");
+                }
+                continue;
+            }
             event = watched => match event {
                 FileEvent::Changed => tracing::info!("a watched file changed: reloading"),
                 FileEvent::Retry => tracing::info!("a changed watched file: trying its reload again"),

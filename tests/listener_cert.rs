@@ -365,6 +365,20 @@ fn check(
     check
 }
 
+/// A new self-signed pair for `localhost`, valid from 2020 to `not_after`, written to
+/// `tls.crt` and `tls.key` in `dir`; their paths.
+fn dated_pair(dir: &Path, not_after: time::OffsetDateTime) -> (PathBuf, PathBuf) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".into()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = not_after;
+    let cert = params.self_signed(&key).expect("certificate");
+    let (cert_path, key_path) = (dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::write(&cert_path, cert.pem()).expect("cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    (cert_path, key_path)
+}
+
 /// A listener certificate that expired loads (as nginx serves one), but `check`, the start
 /// and a reload that swaps one in say so with the date: every client that checks it
 /// refuses the handshake, and the proxy sees no request to log.
@@ -373,14 +387,7 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
     let dir = tempfile::tempdir().expect("dir");
-    let key = rcgen::KeyPair::generate().expect("key");
-    let mut params = rcgen::CertificateParams::new(vec!["localhost".into()]).expect("params");
-    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-    params.not_after = rcgen::date_time_ymd(2021, 1, 1);
-    let cert = params.clone().self_signed(&key).expect("certificate");
-    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert_path, cert.pem()).expect("cert");
-    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    let (cert_path, key_path) = dated_pair(dir.path(), rcgen::date_time_ymd(2021, 1, 1));
     let said = "the listener certificate (";
     let when = "expired at 2021-01-01T00:00:00Z";
 
@@ -396,15 +403,46 @@ async fn an_expired_listener_certificate_is_said_at_check_and_start() {
         "{started}"
     );
     // Another expired pair swapped in: said again, after the swap.
-    let key = rcgen::KeyPair::generate().expect("key");
-    let cert = params.self_signed(&key).expect("certificate");
-    std::fs::write(&cert_path, cert.pem()).expect("cert");
-    std::fs::write(&key_path, key.serialize_pem()).expect("key");
+    dated_pair(dir.path(), rcgen::date_time_ymd(2021, 1, 1));
     proxy.signal("HUP");
     proxy.wait_for_line("listener certificate reloaded").await;
     let line = proxy.wait_for_line(when).await;
     assert!(line.contains(said), "{line}");
     proxy.finish().await;
+}
+
+/// A certificate within a week of its end is said by `check`, and by a running proxy's
+/// log as no scrape may (a proxy nobody scrapes had no word of it before handshakes
+/// failed): that it nears its end, then that it passed it, each once, on the proxy's own
+/// clock, with no signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_near_its_end_is_said_and_so_is_its_passing() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().expect("dir");
+    // In whole seconds, as X.509 writes them; far enough ahead for the proxy to start
+    // before it.
+    let now = time::OffsetDateTime::now_utc();
+    let end = now.replace_nanosecond(0).expect("a time") + time::Duration::seconds(10);
+    let (cert_path, key_path) = dated_pair(dir.path(), end);
+    let when = end
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("a date");
+    let said = "the listener certificate (";
+
+    let out = output_within(check(dir.path(), &cert_path, &key_path), "check").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let soon = format!("expires at {when} (in ");
+    assert!(stderr.contains(said) && stderr.contains(&soon), "{stderr}");
+
+    let mut proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
+    let line = proxy.wait_for_line(&soon).await;
+    assert!(line.contains(said) && line.contains("renew it"), "{line}");
+    let line = proxy.wait_for_line(&format!("expired at {when}")).await;
+    assert!(line.contains(said), "{line}");
+    let stderr = proxy.finish().await;
+    assert_eq!(stderr.matches(&soon).count(), 1, "{stderr}");
 }
 
 /// The listener certificate's expiry, or its issuer's before it when the file sends that

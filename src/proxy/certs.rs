@@ -11,7 +11,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -34,6 +34,32 @@ pub struct ListenerCert {
     /// a SIGHUP or a rotated API key file does not claim a certificate reload.
     read: [u8; 32],
     handshakes: Handshakes,
+    /// What the log has said of the pair's coming end (see [`ListenerCert::due`]).
+    said: Said,
+}
+
+/// How long before the certificate in use expires the log says so: the week of the alert
+/// `AbxProxyListenerCertificateExpiring`, for a proxy nobody scrapes.
+pub const EXPIRY_NOTICE: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// The log's word on the pair in use as its end nears, each said once per pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    Nothing,
+    /// That it expires within [`EXPIRY_NOTICE`].
+    Soon,
+    /// That it expired (at its load, [`ListenerCert::validity_warning`] said it).
+    Expired,
+}
+
+impl Said {
+    /// At a pair's load: an expired one was said by its load's warning.
+    fn at_load(end: Option<(SystemTime, usize)>) -> Said {
+        match end {
+            Some((end, _)) if SystemTime::now() > end => Said::Expired,
+            _ => Said::Nothing,
+        }
+    }
 }
 
 /// The listener's TLS settings: one `ServerConfig` per pair, each with its own session
@@ -72,6 +98,7 @@ impl ListenerCert {
         Ok(ListenerCert {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
+            said: Said::at_load(end(&pair)),
             pair,
             read,
             handshakes: Handshakes(Arc::new(ArcSwap::from_pointee(config))),
@@ -120,27 +147,68 @@ impl ListenerCert {
     }
 
     /// When the leaf certificate in use expires, or its issuer before it when the file
-    /// sends that next (clients with no copy of it of their own go through it: the usual
-    /// case, a CA's intermediate), in unix seconds; NaN when the leaf's date cannot be read
-    /// (no alert compares true with it). Not the others': which a client's path goes
-    /// through depends on the client's roots, and an expired cross-sign many clients never
-    /// use would have kept an alert saying "expired" for good.
+    /// sends that next (see `end`), in unix seconds; NaN when the leaf's date cannot be
+    /// read (no alert compares true with it).
     pub fn expires(&self) -> f64 {
-        let chain = &self.pair.cert;
-        let Some(leaf) = chain.first().map(|c| c.as_ref()) else {
-            return f64::NAN;
-        };
-        let issuer = chain.get(1).map(|c| c.as_ref()).filter(|issuer| {
-            let (leaf, issuer) = (fields(leaf), fields(issuer));
-            leaf.zip(issuer).is_some_and(|(l, i)| l.issuer == i.subject)
-        });
-        let until = |der: &[u8]| validity(der).map(|(_, not_after)| not_after);
-        let at = match (until(leaf), issuer.and_then(until)) {
-            (Some(leaf), Some(issuer)) => Some(leaf.min(issuer)),
-            (leaf, _) => leaf,
-        };
-        at.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        end(&self.pair)
+            .and_then(|(t, _)| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map_or(f64::NAN, |d| d.as_secs_f64())
+    }
+
+    /// That the certificate in use expires within [`EXPIRY_NOTICE`] of `now`, when it
+    /// does: for `check`, and the log of a running proxy (see [`ListenerCert::due`]).
+    pub fn expiry_notice(&self, now: SystemTime) -> Option<String> {
+        let (end, i) = end(&self.pair)?;
+        let left = end.duration_since(now).ok()?;
+        if left > EXPIRY_NOTICE {
+            return None;
+        }
+        let file = self.cert.display();
+        let which = match i {
+            0 => format!("the listener certificate ({file})"),
+            _ => format!("the issuer of the listener certificate, #2 in its chain ({file}),"),
+        };
+        Some(format!(
+            "{which} expires at {} (in {}): clients that check it will refuse the handshake; \
+             renew it (a SIGHUP, or its files' change, applies the new one)",
+            crate::credentials::exchange::iso8601(end),
+            in_words(left)
+        ))
+    }
+
+    /// What the log should say now of the pair's coming end, said once per pair: that it
+    /// expires within [`EXPIRY_NOTICE`], then that it expired. A running proxy's only word
+    /// between its start and the first refused handshake, which it never sees.
+    pub fn due(&mut self, now: SystemTime) -> Option<String> {
+        let (end, _) = end(&self.pair)?;
+        if now > end {
+            if self.said == Said::Expired {
+                return None;
+            }
+            self.said = Said::Expired;
+            return self.validity_warning(now);
+        }
+        if self.said != Said::Nothing {
+            return None;
+        }
+        let notice = self.expiry_notice(now)?;
+        self.said = Said::Soon;
+        Some(notice)
+    }
+
+    /// How long from `now` until [`ListenerCert::due`] may have something new to say;
+    /// `None` when nothing is left to say of this pair. At most an hour: the wall clock
+    /// runs on while a laptop sleeps, and a timer does not.
+    pub fn next_look(&self, now: SystemTime) -> Option<Duration> {
+        let (end, _) = end(&self.pair)?;
+        let at = match self.said {
+            Said::Nothing => end.checked_sub(EXPIRY_NOTICE).unwrap_or(now),
+            // Past its last second: `notAfter` is the last valid one (RFC 5280 §4.1.2.5).
+            Said::Soon => end.checked_add(Duration::from_secs(1)).unwrap_or(end),
+            Said::Expired => return None,
+        };
+        let wait = at.duration_since(now).unwrap_or(Duration::ZERO);
+        Some(wait.min(Duration::from_secs(60 * 60)))
     }
 
     /// The listener's TLS; its handshakes follow every later [`ListenerCert::apply`].
@@ -165,10 +233,44 @@ impl ListenerCert {
         let pair = Arc::new(parse_pair(&self.cert, &cert_pem, &self.key, &key_pem)?);
         let config = server_config(&pair, &self.cert)?;
         self.handshakes.0.store(Arc::new(config));
+        self.said = Said::at_load(end(&pair));
         self.pair = pair;
         self.read = read;
         Ok(Reloaded::Swapped)
     }
+}
+
+/// When the pair's leaf certificate expires, or its issuer before it when the file sends
+/// that next (clients with no copy of it of their own go through it: the usual case, a CA's
+/// intermediate), with the index of the one that does; `None` when the leaf's date cannot
+/// be read. Not the others': which a client's path goes through depends on the client's
+/// roots, and an expired cross-sign many clients never use would have kept an alert saying
+/// "expired" for good.
+fn end(pair: &CertifiedKey) -> Option<(SystemTime, usize)> {
+    let chain = &pair.cert;
+    let leaf = chain.first()?.as_ref();
+    let issuer = chain.get(1).map(|c| c.as_ref()).filter(|issuer| {
+        let (leaf, issuer) = (fields(leaf), fields(issuer));
+        leaf.zip(issuer).is_some_and(|(l, i)| l.issuer == i.subject)
+    });
+    let until = |der: &[u8]| validity(der).map(|(_, not_after)| not_after);
+    match (until(leaf)?, issuer.and_then(until)) {
+        (leaf, Some(issuer)) if issuer < leaf => Some((issuer, 1)),
+        (leaf, _) => Some((leaf, 0)),
+    }
+}
+
+/// A time left, in the largest unit it holds twice or more, rounded down: "3 days".
+fn in_words(left: Duration) -> String {
+    let secs = left.as_secs();
+    let (n, unit) = match secs {
+        s if s >= 2 * 86_400 => (s / 86_400, "days"),
+        s if s >= 2 * 3_600 => (s / 3_600, "hours"),
+        s if s >= 2 * 60 => (s / 60, "minutes"),
+        1 => (1, "second"),
+        s => (s, "seconds"),
+    };
+    format!("{n} {unit}")
 }
 
 /// The TLS settings that serve `pair`, with a session cache of their own.
@@ -432,6 +534,111 @@ mod tests {
         params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
         let cert = params.self_signed(&key).expect("certificate");
         (cert.pem(), key.serialize_pem())
+    }
+
+    /// Midnight UTC of a date.
+    fn midnight(y: i32, m: u8, d: u8) -> SystemTime {
+        let date = time::Date::from_calendar_date(y, time::Month::try_from(m).unwrap(), d);
+        let secs = date.unwrap().midnight().assume_utc().unix_timestamp();
+        std::time::UNIX_EPOCH + Duration::from_secs(secs as u64)
+    }
+
+    /// The log's word on a pair's coming end: once within the alert's week, once past it,
+    /// nothing more of that pair, with a look at least hourly meanwhile; a new pair
+    /// starts over. (Far ahead of this clock: a pair's load asks it whether it expired.)
+    #[test]
+    fn a_pairs_coming_end_is_said_once_near_it_and_once_past_it() {
+        let end = midnight(2040, 1, 1);
+        let (cert, key) = dated((2020, 1, 1), (2040, 1, 1));
+        let mut pair = load(&cert, &key).expect("loads");
+        let hour = Duration::from_secs(3600);
+        let (notice, second) = (EXPIRY_NOTICE, Duration::from_secs(1));
+
+        assert_eq!(pair.due(end - notice - hour), None);
+        assert_eq!(pair.expiry_notice(end - notice - second), None);
+        assert_eq!(pair.next_look(end - notice - 2 * hour), Some(hour));
+        assert_eq!(
+            pair.next_look(end - notice - 60 * second),
+            Some(60 * second)
+        );
+        let soon = end - 3 * 24 * hour;
+        let line = pair.due(soon).expect("said within the week");
+        let said = "the listener certificate (";
+        let when = "expires at 2040-01-01T00:00:00Z (in 3 days)";
+        assert!(
+            line.contains(said) && line.contains("tls.crt") && line.contains(when),
+            "{line}"
+        );
+        assert_eq!(pair.due(soon + second), None, "said once");
+        assert_eq!(pair.next_look(soon), Some(hour));
+        assert_eq!(pair.next_look(end - 10 * second), Some(11 * second));
+        // `notAfter` is its last valid second.
+        assert_eq!(pair.due(end), None);
+        let line = pair.due(end + second).expect("said past its end");
+        assert!(
+            line.contains(said) && line.contains("expired at 2040-01-01T00:00:00Z"),
+            "{line}"
+        );
+        assert_eq!(pair.due(end + 2 * 24 * hour), None, "said once");
+        assert_eq!(pair.next_look(end + second), None);
+
+        // A new pair, its issuer's end before its own.
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let dates = |until: (i32, u8, u8), ca: bool| {
+            let mut params = CertificateParams::new(if ca {
+                vec![]
+            } else {
+                vec!["a.localhost".into()]
+            })
+            .expect("params");
+            params.is_ca = if ca {
+                IsCa::Ca(BasicConstraints::Unconstrained)
+            } else {
+                IsCa::NoCa
+            };
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(until.0, until.1, until.2);
+            params
+        };
+        let ca_key = KeyPair::generate().expect("key");
+        let ca = dates((2041, 1, 1), true).self_signed(&ca_key).expect("CA");
+        let leaf_key = KeyPair::generate().expect("key");
+        let leaf = dates((2042, 1, 1), false)
+            .signed_by(&leaf_key, &ca, &ca_key)
+            .expect("leaf");
+        let files = (
+            format!("{}{}", leaf.pem(), ca.pem()).into_bytes(),
+            leaf_key.serialize_pem().into_bytes(),
+        );
+        assert_eq!(
+            pair.apply(Ok(files)).map_err(|e| e.line()),
+            Ok(Reloaded::Swapped)
+        );
+        let end = midnight(2041, 1, 1);
+        assert_eq!(pair.next_look(end + second), Some(Duration::ZERO));
+        let line = pair.due(end - 47 * hour).expect("said anew");
+        let said = "the issuer of the listener certificate, #2 in its chain (";
+        assert!(
+            line.contains(said) && line.contains("expires at 2041-01-01T00:00:00Z (in 47 hours)"),
+            "{line}"
+        );
+        let line = pair.due(end + second).expect("said past its end");
+        assert!(
+            line.contains("certificate #2 of the listener's chain ("),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn time_left_is_said_in_its_largest_unit_held_twice() {
+        let words = |secs| in_words(Duration::from_secs(secs));
+        assert_eq!(words(0), "0 seconds");
+        assert_eq!(words(1), "1 second");
+        assert_eq!(words(119), "119 seconds");
+        assert_eq!(words(120), "2 minutes");
+        assert_eq!(words(2 * 3600 - 1), "119 minutes");
+        assert_eq!(words(2 * 3600), "2 hours");
+        assert_eq!(words(7 * 86_400), "7 days");
     }
 
     /// A byte-order mark before either file (Notepad, PowerShell 5) is not a parse error:
