@@ -685,8 +685,12 @@ fn value_control_character(value: &toml::Value) -> Option<Vec<String>> {
 /// strings are printed for the user to decide on; the parser refuses control characters,
 /// and this keeps one that got through (a manifest installed by an older build) inert.
 pub fn printable(s: &str) -> Cow<'_, str> {
-    let hidden =
-        |c: char| c.is_control() || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}');
+    // U+2028 and U+2029 are no controls, but end a line for a Unicode-aware reader
+    // (Python's `splitlines`, JavaScript), and serde_json writes them raw.
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+    };
     if !s.chars().any(hidden) {
         return Cow::Borrowed(s);
     }
@@ -1052,6 +1056,10 @@ inherit = ["sandbox_api_key"]
         assert_eq!(
             printable("a\u{1b}[8mb\nc\u{7f}\u{85}\u{202e}d"),
             "a\\u{1b}[8mb\\u{a}c\\u{7f}\\u{85}\\u{202e}d"
+        );
+        assert_eq!(
+            printable("k\u{2028}FAKE\u{2029}x"),
+            "k\\u{2028}FAKE\\u{2029}x"
         );
     }
 
