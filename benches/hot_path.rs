@@ -220,6 +220,7 @@ fn access_log(c: &mut Criterion) {
         elapsed: Duration::from_micros(772),
         upstream: "api.sandbox.example.com",
         error: None,
+        reason: None,
     };
     let mut group = c.benchmark_group("access_log");
     let mut buf = Vec::with_capacity(256);
@@ -233,21 +234,9 @@ fn access_log(c: &mut Criterion) {
         });
         // `init`'s subscriber (colours off, default filter) writing into a sink; scoped to
         // this thread, so the dispatcher look-up is a little dearer than the global one.
-        let filter = || tracing_subscriber::EnvFilter::new("info");
-        let builder = tracing_subscriber::fmt()
-            .with_env_filter(filter())
-            .with_ansi(false)
-            .with_writer(std::io::sink);
-        let dispatch = match format {
-            LogFormat::Text => tracing::Dispatch::new(builder.finish()),
-            LogFormat::Json => tracing::Dispatch::new(
-                builder
-                    .json()
-                    .flatten_event(true)
-                    .with_current_span(false)
-                    .finish(),
-            ),
-        };
+        let filter = tracing_subscriber::EnvFilter::new("info");
+        let timer = tracing_subscriber::fmt::time::SystemTime;
+        let dispatch = logging::subscriber(format, filter, false, timer, std::io::sink);
         tracing::dispatcher::with_default(&dispatch, || {
             group.bench_function(format!("fast path/{name}"), |b| {
                 b.iter(|| {

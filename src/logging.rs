@@ -17,6 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::fmt::time::FormatTime;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
@@ -157,22 +160,9 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         .unwrap_or_else(|| EnvFilter::new(quiet_rustls(default)));
     // Colour codes only for a terminal: journald, kubectl logs and pipes get plain text.
     let ansi = std::io::stderr().is_terminal();
-    // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
-    // which panics when stderr is what failed (see `stderr_line`).
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(crate::log_writer::Stderr)
-        .log_internal_errors(false);
-    let installed = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .try_init(),
-    }
-    .is_ok();
+    let timer = tracing_subscriber::fmt::time::SystemTime;
+    let subscriber = subscriber(format, filter, ansi, timer, crate::log_writer::Stderr);
+    let installed = subscriber.try_init().is_ok();
     JSON_LOGS.store(installed && format == LogFormat::Json, Ordering::Release);
     // The hand-written line mirrors exactly this subscriber's plain output; if another
     // subscriber was already installed, or it paints colours, `access` defers to tracing.
@@ -187,6 +177,41 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
         warning(&format!(
             "RUST_LOG is not a filter ({why}); logging at {default:?}"
         ));
+    }
+}
+
+/// The subscriber [`init`] installs, in `format`, colours only when `ansi`, its lines
+/// stamped by `timer` and written by `writer`: one place, so that the benches, tests and
+/// fuzz targets that hold the access line's fast path to it hold it to this one.
+#[doc(hidden)]
+pub fn subscriber<T, W>(
+    format: LogFormat,
+    filter: EnvFilter,
+    ansi: bool,
+    timer: T,
+    writer: W,
+) -> tracing::Dispatch
+where
+    T: FormatTime + Send + Sync + 'static,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    // Internal errors off: on a failed write the subscriber reports it with `eprintln!`,
+    // which panics when stderr is what failed (see `stderr_line`).
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_timer(timer)
+        .with_writer(writer)
+        .log_internal_errors(false);
+    match format {
+        LogFormat::Text => tracing::Dispatch::new(builder.finish()),
+        LogFormat::Json => tracing::Dispatch::new(
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .finish(),
+        ),
     }
 }
 
@@ -336,6 +361,11 @@ pub struct AccessLine<'a> {
     /// fields; none for the upstream's own answers. A 502 of the proxy's and one of the
     /// upstream's looked alike in the log.
     pub error: Option<&'static str>,
+    /// Why, in words, when the upstream could not be reached or broke its answer (E5001):
+    /// the words its answer's body gives the client. Without them the log said only
+    /// `error="E5001"` of an upstream certificate that expired, a refused connect or a
+    /// reset, at any level, where nginx's error log says which.
+    pub reason: Option<&'a str>,
 }
 
 impl AccessLine<'_> {
@@ -346,31 +376,13 @@ impl AccessLine<'_> {
     }
 }
 
-/// One access line (SPEC §7), if `abx_proxy::access` is enabled at info.
-pub fn access(
-    method: &http::Method,
-    path: &str,
-    plane: &str,
-    status: u16,
-    elapsed: Duration,
-    upstream: &str,
-    error: Option<&'static str>,
-) {
-    let escaped;
-    let path = if shown_as_is(path) {
-        path
-    } else {
-        escaped = escape_path(path);
-        &escaped
-    };
+/// One access line (SPEC §7), if `abx_proxy::access` is enabled at info; its path as
+/// [`shown_path`] shows it.
+pub fn access(line: &AccessLine<'_>) {
+    let path = shown_path(line.path);
     let line = AccessLine {
-        method,
-        path,
-        plane,
-        status,
-        elapsed,
-        upstream,
-        error,
+        path: &path,
+        ..*line
     };
     let format = match FAST_FORMAT.load(Ordering::Acquire) {
         TEXT => LogFormat::Text,
@@ -391,8 +403,19 @@ pub fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
 
 /// Whether [`escape_path`] leaves `path` as it is (nearly every path).
 fn shown_as_is(path: &str) -> bool {
-    path.bytes().all(|b| b.is_ascii() && !needs_percent(b))
+    path.len() <= SHOWN_PATH_MAX && path.bytes().all(|b| b.is_ascii() && !needs_percent(b))
 }
+
+/// The most of a path a log line shows, escaped; then [`CUT`]. The head limit lets a path
+/// run to 64 KiB, which escaping triples: a line of 196 KB, which journald (`LineMax`,
+/// 48 KiB) and containerd (16 KiB) split into pieces none of which is a JSON object, and
+/// which any client could send to fill the log's queue. nginx's request line is 8 KiB at
+/// most.
+pub const SHOWN_PATH_MAX: usize = 4096;
+
+/// After a path cut at [`SHOWN_PATH_MAX`]: no path shows it (every byte past ASCII is
+/// escaped), so it cannot be mistaken for the path's own.
+pub const CUT: &str = "\u{2026}";
 
 /// ASCII bytes that, unquoted in a text line, make logfmt readers (Loki's, go-logfmt)
 /// refuse the line, and with it its status and upstream: a `"` or `\` (httparse takes
@@ -404,11 +427,17 @@ fn needs_percent(b: u8) -> bool {
 /// A path's non-ASCII bytes, and those of [`needs_percent`], percent-encoded, as a client
 /// would have sent them: hyper and httparse accept raw UTF-8 in a target, and written as
 /// is, U+2028 or U+0085 end the line for a Unicode-aware reader and U+202E turns its
-/// display around.
+/// display around. At most [`SHOWN_PATH_MAX`] bytes of it, then [`CUT`].
 fn escape_path(path: &str) -> String {
-    let mut out = String::with_capacity(path.len() * 3);
+    let mut out = String::with_capacity((path.len() * 3).min(SHOWN_PATH_MAX + CUT.len()));
     for b in path.bytes() {
-        if b.is_ascii() && !needs_percent(b) {
+        let shown = b.is_ascii() && !needs_percent(b);
+        // Never half an escape.
+        if out.len() + if shown { 1 } else { 3 } > SHOWN_PATH_MAX {
+            out.push_str(CUT);
+            break;
+        }
+        if shown {
             out.push(char::from(b));
         } else {
             let _ = std::fmt::Write::write_fmt(&mut out, format_args!("%{b:02X}"));
@@ -538,6 +567,7 @@ pub fn access_via_tracing(line: &AccessLine<'_>) {
         duration_ms = line.duration_ms(),
         upstream = %line.upstream,
         error = line.error,
+        reason = line.reason,
     );
 }
 
@@ -568,6 +598,10 @@ pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line
                 buf.extend_from_slice(b" error=");
                 write_debug_str(buf, code);
             }
+            if let Some(reason) = line.reason {
+                buf.extend_from_slice(b" reason=");
+                write_debug_str(buf, reason);
+            }
         }
         // Keys in the order the layer emits them: timestamp, level, the event's fields,
         // target. The float, and any string that needs escaping, go through serde_json,
@@ -591,6 +625,10 @@ pub fn format_access(buf: &mut Vec<u8>, format: LogFormat, now: SystemTime, line
             if let Some(code) = line.error {
                 buf.extend_from_slice(b",\"error\":");
                 write_json_str(buf, code);
+            }
+            if let Some(reason) = line.reason {
+                buf.extend_from_slice(b",\"reason\":");
+                write_json_str(buf, reason);
             }
             buf.extend_from_slice(b",\"target\":\"abx_proxy::access\"}");
         }
@@ -845,8 +883,6 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use tracing_subscriber::fmt::format::Writer;
-    use tracing_subscriber::fmt::time::FormatTime;
-    use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
 
@@ -994,22 +1030,9 @@ mod tests {
         T: FormatTime + Send + Sync + 'static,
     {
         let capture = Capture::default();
-        let builder = tracing_subscriber::fmt()
-            .with_env_filter(EnvFilter::new(filter))
-            .with_ansi(false)
-            .with_timer(timer)
-            .with_writer(capture.clone());
-        match format {
-            LogFormat::Text => tracing::subscriber::with_default(builder.finish(), emit),
-            LogFormat::Json => tracing::subscriber::with_default(
-                builder
-                    .json()
-                    .flatten_event(true)
-                    .with_current_span(false)
-                    .finish(),
-                emit,
-            ),
-        }
+        let filter = EnvFilter::new(filter);
+        let subscriber = subscriber(format, filter, false, timer, capture.clone());
+        tracing::dispatcher::with_default(&subscriber, emit);
         capture.text()
     }
 
@@ -1083,6 +1106,8 @@ mod tests {
                 elapsed,
                 upstream,
                 error,
+                // Words as nasty as the paths, escaped alike.
+                reason: error.map(|_| *path),
             })
     }
 
@@ -1169,6 +1194,7 @@ mod tests {
             elapsed: Duration::from_micros(1234),
             upstream: "127.0.0.1",
             error: None,
+            reason: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             let capture = Capture::default();
@@ -1261,6 +1287,7 @@ mod tests {
             elapsed: Duration::from_nanos(nanos),
             upstream: "u",
             error: None,
+            reason: None,
         };
         for i in 0..20_000u64 {
             let nanos = match i % 4 {
@@ -1388,6 +1415,7 @@ mod tests {
                     elapsed: Duration::from_millis(1),
                     upstream: "u",
                     error: None,
+                    reason: None,
                 };
                 let printed = tracing_output(LogFormat::Text, filter, Fixed(UNIX_EPOCH), || {
                     enabled = access_enabled();
@@ -1414,13 +1442,17 @@ mod tests {
             elapsed: Duration::from_micros(4321),
             upstream: "sbx.example:49983",
             error: None,
+            reason: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             let via_access =
                 tracing_output(format, "info", Fixed(UNIX_EPOCH), || log_access(&line));
             assert_eq!(via_access, ours(format, UNIX_EPOCH, &line));
             let filtered = tracing_output(format, "warn", Fixed(UNIX_EPOCH), || {
-                access(&method, "/files", "envd", 201, line.elapsed, "u", None)
+                access(&AccessLine {
+                    path: "/files",
+                    ..line
+                })
             });
             assert_eq!(filtered, "");
         }
@@ -1488,6 +1520,7 @@ mod tests {
             elapsed: Duration::from_micros(987),
             upstream: "127.0.0.1",
             error: None,
+            reason: None,
         };
         for format in [LogFormat::Text, LogFormat::Json] {
             for (filter, expected) in [
@@ -1577,7 +1610,8 @@ mod tests {
         }
         init(LogFormat::Text, Some("info"), "info");
         batch_this_thread();
-        let long = format!("/long/{}", "x".repeat(2 * BATCH_MAX));
+        // Shown whole, and its line longer than a batch.
+        let long = format!("/long/{}", "x".repeat(SHOWN_PATH_MAX - "/long/".len()));
         let paths: Vec<String> = (0..60)
             .map(|i| {
                 if i == 30 {
@@ -1672,7 +1706,7 @@ mod tests {
                 .nth(1)
                 .and_then(|r| r.split(' ').next());
             let expected = if i == 30 {
-                format!("/long/{}", "x".repeat(2 * BATCH_MAX))
+                format!("/long/{}", "x".repeat(SHOWN_PATH_MAX - "/long/".len()))
             } else {
                 format!("/p/{i}")
             };
@@ -1682,15 +1716,7 @@ mod tests {
 
     /// [`access`] with the fields of `line`.
     fn log_access(line: &AccessLine<'_>) {
-        access(
-            line.method,
-            line.path,
-            line.plane,
-            line.status,
-            line.elapsed,
-            line.upstream,
-            line.error,
-        );
+        access(line);
     }
 
     fn child_line() -> AccessLine<'static> {
@@ -1702,6 +1728,7 @@ mod tests {
             elapsed: Duration::from_nanos(772_670),
             upstream: "127.0.0.1",
             error: None,
+            reason: None,
         }
     }
 
@@ -1816,6 +1843,28 @@ mod tests {
                 assert_eq!(fast[skip..], expected[skip..], "{spec}");
             }
         }
+    }
+
+    /// A path past [`SHOWN_PATH_MAX`] is cut there, never inside an escape, and marked;
+    /// one up to it is shown whole.
+    #[test]
+    fn a_long_path_is_cut_whole_escapes_and_all() {
+        let max = SHOWN_PATH_MAX;
+        let plain = "a".repeat(max);
+        assert_eq!(shown_path(&plain), plain.as_str());
+        let longer = "a".repeat(max + 1);
+        assert_eq!(shown_path(&longer), format!("{plain}{CUT}"));
+        for lead in 0..4 {
+            // Each `é` is two bytes, six escaped: the cut falls at every offset.
+            let path = format!("{}{}", "a".repeat(lead), "\u{e9}".repeat(max));
+            let shown = shown_path(&path);
+            let kept = shown.strip_suffix(CUT).expect("marked");
+            assert!(kept.len() <= max && kept.len() > max - 3, "{}", kept.len());
+            assert!(kept[lead..].len().is_multiple_of(3) && kept[lead..].starts_with("%C3%A9"));
+            assert!(!kept[kept.len() - 2..].contains('%'), "{kept}");
+        }
+        let escaped_whole = "=".repeat(max / 3);
+        assert_eq!(shown_path(&escaped_whole), "%3D".repeat(max / 3));
     }
 
     #[test]

@@ -1321,8 +1321,9 @@ async fn upstream_down_is_502_e5001() {
     proxy.finish().await;
 }
 
-/// An answer the proxy gave itself says its E-code on the access line; the upstream's own
-/// 502 says none (the two looked alike in the log: the E-code reached only the client).
+/// An answer the proxy gave itself says its E-code on the access line, and an upstream it
+/// could not reach why; the upstream's own 502 says none (the two looked alike in the
+/// log: the E-code and the reason reached only the client).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxys_own_answers_say_their_e_code_on_the_access_line() {
     let pki = Pki::new();
@@ -1352,8 +1353,9 @@ async fn the_proxys_own_answers_say_their_e_code_on_the_access_line() {
             .to_string()
     };
     assert!(!line("api").contains("error="), "{}", line("api"));
+    // And why, as the client's body says it: nginx's error log names a refused connect.
     assert!(
-        line("envd").ends_with(" error=\"E5001\""),
+        line("envd").ends_with(" error=\"E5001\" reason=\"connect refused\""),
         "{}",
         line("envd")
     );

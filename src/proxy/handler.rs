@@ -29,6 +29,7 @@ use super::{EnvdTarget, Proxy};
 use crate::credentials::envd::TokenOwner;
 use crate::credentials::ApiCredential;
 use crate::error::{Error, Within};
+use crate::logging::AccessLine;
 use crate::metrics::{GaugeGuard, Plane};
 use crate::secret::Secret;
 use crate::settings::{CompatMode, UpstreamUrl};
@@ -152,17 +153,21 @@ impl Proxy {
                 gone.extensions_mut().insert(GaveUp);
                 return Ok(gone);
             }
-            let (resp, upstream, error) = match result {
+            let (resp, upstream, error, reason) = match result {
                 Ok((mut resp, upstream)) => {
                     if !repeatable && plane == Plane::Api {
                         say_not_to_retry_a_gateway_failure(&mut resp);
                     }
-                    (resp, upstream, None)
+                    (resp, upstream, None, None)
                 }
                 Err(f) => {
                     let code = f.error.code();
+                    let reason = match &f.error {
+                        Error::UpstreamUnreachable { reason, .. } => Some(reason.clone()),
+                        _ => None,
+                    };
                     let (resp, host) = this.failure_answer(plane, f, repeatable);
-                    (resp, host, Some(code))
+                    (resp, host, Some(code), reason)
                 }
             };
             unanswered.answered = true;
@@ -172,8 +177,16 @@ impl Proxy {
             this.metrics.request_done(plane, method, status, elapsed);
             // Never the query string: signed file URLs carry secrets there.
             let path = logged_target(&unanswered.uri);
-            let (label, upstream) = (plane.label(), &upstream);
-            crate::logging::access(method, path, label, status, elapsed, upstream, error);
+            crate::logging::access(&AccessLine {
+                method,
+                path,
+                plane: plane.label(),
+                status,
+                elapsed,
+                upstream: &upstream,
+                error,
+                reason: reason.as_deref(),
+            });
             Ok(resp)
         }
     }
@@ -343,7 +356,16 @@ impl Proxy {
         let unknown = Method::from_bytes(b"-").unwrap_or_default();
         let (plane, status) = (Plane::Api, status.as_u16());
         self.metrics.head_refused(plane, &unknown, status);
-        crate::logging::access(&unknown, "-", plane.label(), status, took, "", None);
+        crate::logging::access(&AccessLine {
+            method: &unknown,
+            path: "-",
+            plane: plane.label(),
+            status,
+            elapsed: took,
+            upstream: "",
+            error: None,
+            reason: None,
+        });
     }
 }
 
@@ -433,15 +455,16 @@ impl Unanswered {
             }
             _ => Arc::from(""),
         };
-        crate::logging::access(
-            &self.method,
-            logged_target(&self.uri),
-            self.plane.label(),
-            CLIENT_CLOSED,
+        crate::logging::access(&AccessLine {
+            method: &self.method,
+            path: logged_target(&self.uri),
+            plane: self.plane.label(),
+            status: CLIENT_CLOSED,
             elapsed,
-            &upstream,
-            None,
-        );
+            upstream: &upstream,
+            error: None,
+            reason: None,
+        });
     }
 }
 
