@@ -37,14 +37,18 @@ const JSON: u8 = 2;
 /// Whether [`init`] installed the JSON subscriber (see [`warning`]).
 static JSON_LOGS: AtomicBool = AtomicBool::new(false);
 
+/// Whether settings warnings are log lines in either format (see [`warning`]).
+static WARNINGS_LOGGED: AtomicBool = AtomicBool::new(false);
+
 /// A settings warning: `warning: …` on stderr, as every command prints them; where the
 /// logs are JSON, an object through the subscriber instead, so that a log pipeline reading
-/// one object per line never meets a bare line. What a terminal would act on is escaped: a
-/// warning quotes values from `.env` files, and a line feed or an escape sequence in one
-/// could forge or hide the very warning that says where the key goes.
+/// one object per line never meets a bare line; and a line like any other under `serve`
+/// (see [`warnings_as_log_lines`]). What a terminal would act on is escaped: a warning
+/// quotes values from `.env` files, and a line feed or an escape sequence in one could
+/// forge or hide the very warning that says where the key goes.
 pub fn warning(text: &str) {
     let text = crate::providers::manifest::printable(text);
-    if JSON_LOGS.load(Ordering::Acquire) {
+    if JSON_LOGS.load(Ordering::Acquire) || WARNINGS_LOGGED.load(Ordering::Acquire) {
         tracing::warn!("{text}");
     } else {
         stderr_line(&format!("warning: {text}"));
@@ -59,6 +63,17 @@ pub fn stderr_line(text: &str) {
     line.extend_from_slice(text.as_bytes());
     line.push(b'\n');
     crate::log_writer::write(line);
+}
+
+/// Whether [`init`] installed its subscriber.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// From now on settings warnings are log lines, with a timestamp and a level, in text too:
+/// for `serve`, whose every other line is one. A bare `warning: …` among them (at the
+/// start, and at a reload) had neither, and a shipper that starts a record at a timestamp
+/// glued it to the line before.
+pub fn warnings_as_log_lines() {
+    WARNINGS_LOGGED.store(INSTALLED.load(Ordering::Acquire), Ordering::Release);
 }
 
 /// The error that ends a command, in the house format; where the logs are JSON, an object
@@ -164,6 +179,7 @@ pub fn init(format: LogFormat, level: Option<&str>, default: &str) {
     let subscriber = subscriber(format, filter, ansi, timer, crate::log_writer::Stderr);
     let installed = subscriber.try_init().is_ok();
     JSON_LOGS.store(installed && format == LogFormat::Json, Ordering::Release);
+    INSTALLED.store(installed, Ordering::Release);
     // The hand-written line mirrors exactly this subscriber's plain output; if another
     // subscriber was already installed, or it paints colours, `access` defers to tracing.
     if installed && !ansi {

@@ -467,6 +467,16 @@ pub struct Running {
     pub tls: Option<ListenerCert>,
     /// The upstream trust store built at the start, for a new pair's exchange client.
     pub trust: rustls::ClientConfig,
+    /// The settings warnings last said, at the start or by a reload: a reload says only
+    /// those it finds anew. Said again at every reload (a key file rotated each hour,
+    /// every SIGHUP), a `.env` file's mode or a misspelt name was noise.
+    pub warned: Vec<String>,
+}
+
+/// The settings read at the start, and the warnings said of them.
+pub struct Started {
+    pub resolved: Resolved,
+    pub warned: Vec<String>,
 }
 
 impl Running {
@@ -475,11 +485,12 @@ impl Running {
         proxy: Arc<Proxy>,
         flags: SettingsArgs,
         options: Options,
-        resolved: Resolved,
+        started: Started,
         settings: &Settings,
         tls: Option<ListenerCert>,
         trust: rustls::ClientConfig,
     ) -> Self {
+        let Started { resolved, warned } = started;
         Running {
             proxy,
             flags,
@@ -491,6 +502,7 @@ impl Running {
             settings: settings.clone(),
             tls,
             trust,
+            warned,
         }
     }
 }
@@ -678,11 +690,18 @@ impl Running {
         // selected, would be untrue. The others stand (a misspelt name, an unset `${VAR}`
         // may be why it failed or a host moved). Said once the outcome is known, before
         // its line: a new pair's first exchange can still fail the reload.
-        let say = |applies: bool| {
+        let mut say = |applies: bool| {
             let untrue = if applies { &[][..] } else { &selection[..] };
-            (warnings.iter())
+            let standing: Vec<String> = (warnings.iter())
                 .filter(|w| !untrue.contains(w))
+                .cloned()
+                .collect();
+            (standing.iter())
+                .filter(|w| !self.warned.contains(w))
                 .for_each(|w| logging::warning(w));
+            // Those kept back as untrue still hold for what runs, said before or not.
+            let held = (self.warned.iter()).filter(|w| untrue.contains(w)).cloned();
+            self.warned = held.chain(standing).collect();
         };
         let next = match next {
             Ok(next) => next,
@@ -743,7 +762,7 @@ impl Running {
             Plan::Swap { restart } => {
                 let swapped = with_credential_of(&self.settings, &next);
                 let metrics = &self.proxy.metrics;
-                let kept = |e: Error| {
+                let mut kept = |e: Error| {
                     say(false);
                     tracing::warn!(error = %e.line(), "reload failed; keeping the running credential");
                     false

@@ -14,8 +14,8 @@ use crate::metrics::Metrics;
 use crate::proxy::certs::ListenerCert;
 use crate::proxy::listener::{self, Listener, ServeConfig};
 use crate::proxy::{Options, Proxy};
-use crate::reload::{FileWatch, Running};
-use crate::settings::{Resolved, Settings};
+use crate::reload::{FileWatch, Running, Started};
+use crate::settings::Settings;
 use crate::signals;
 use crate::workers::{self, Workers};
 
@@ -53,7 +53,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
             .collect(),
         reader,
     );
-    let resolved = commands::resolve(&args.settings)?;
+    let (resolved, warned) = commands::resolve_unsaid(&args.settings)?;
+    for w in &warned {
+        crate::logging::warning(w);
+    }
     let settings = resolved.validate()?;
     for w in settings.cleartext_upstreams() {
         tracing::warn!("{w}");
@@ -96,7 +99,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     })?;
     let served = runtime.block_on(serve(
         settings,
-        resolved,
+        Started { resolved, warned },
         options,
         tls,
         args.settings.clone(),
@@ -113,7 +116,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
 
 async fn serve(
     settings: Settings,
-    resolved: Resolved,
+    started: Started,
     options: Options,
     tls: Option<ListenerCert>,
     flags: SettingsArgs,
@@ -182,7 +185,7 @@ async fn serve(
         proxy.clone(),
         flags,
         options.clone(),
-        resolved,
+        started,
         &settings,
         tls,
         trust,

@@ -2558,7 +2558,10 @@ fn group_or_world_readable_dotenv_files_get_a_warning() {
             ];
             for cmd in commands {
                 let out = c.run(cmd);
-                let warning = out.stderr.lines().find(|l| l.starts_with("warning: "));
+                // `serve`'s are log lines, as its others are.
+                let warning = (out.stderr.lines()).find(|l| {
+                    l.starts_with("warning: ") || l.contains(" WARN abx_proxy::logging: ")
+                });
                 if warned {
                     let w = warning.unwrap_or_else(|| panic!("{mode:o} {cmd:?}: no warning"));
                     assert!(w.contains(label), "{w}");
