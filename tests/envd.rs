@@ -750,7 +750,8 @@ async fn unknown_sandbox_is_404_e2009_and_a_client_token_is_used_on_a_miss() {
 
 /// A look-up answered 200 with what describes no sandbox (a gateway's or a captive portal's
 /// page) is the control plane failing, 502 E5001 and an upstream error, and is not remembered: taken for a
-/// sandbox without a token, every request for it went to envd without one.
+/// sandbox without a token, every request for it went to envd without one. Its access
+/// lines say why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lookup_answer_that_describes_no_sandbox_is_502() {
     let env = Env::start(Pki::new()).await;
@@ -781,7 +782,11 @@ async fn a_lookup_answer_that_describes_no_sandbox_is_502() {
     // request for the sandbox gets 502.
     let protocol = r#"abx_proxy_upstream_errors_total{plane="api",kind="protocol"}"#;
     assert_eq!(gauge(&proxy, protocol).await, Some(2.0));
-    proxy.finish().await;
+    // And the log says why, as the body does: nothing else says it while requests wait.
+    let stderr = proxy.finish().await;
+    let reason = "error=\"E5001\" reason=\"envd token look-up: the answer describes no sandbox\"";
+    let said = stderr.lines().filter(|l| l.ends_with(reason)).count();
+    assert_eq!(said, 2, "{stderr}");
 }
 
 /// An unsecured sandbox has no envd token: the look-up learns that, and then no

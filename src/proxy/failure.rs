@@ -118,7 +118,7 @@ impl UpstreamError {
     /// A short, secret-free reason: "connect refused", "tls: invalid peer certificate: …".
     pub fn describe(&self) -> String {
         use io::ErrorKind::*;
-        match self {
+        bounded(match self {
             UpstreamError::Legacy(e) => describe(e),
             UpstreamError::ClientBody(_) => "the request body could not be read".into(),
             UpstreamError::Connect(e) => match find_io(e.as_ref()) {
@@ -136,7 +136,7 @@ impl UpstreamError {
             UpstreamError::PingUnanswered => "keep-alive ping unanswered".into(),
             UpstreamError::BodyStalled => "the request body stalled".into(),
             UpstreamError::Protocol(what) => format!("invalid response: {what}"),
-        }
+        })
     }
 }
 
@@ -375,7 +375,10 @@ pub(crate) fn tls_failed(e: &rustls::Error) -> String {
             "it is not valid for this host name".into()
         }
         Revoked => "it has been revoked".into(),
-        InvalidPurpose => "it is not issued for TLS server authentication".into(),
+        // The context lists every purpose the certificate names, as many as it likes.
+        InvalidPurpose | InvalidPurposeContext { .. } => {
+            "it is not issued for TLS server authentication".into()
+        }
         UnhandledCriticalExtension => "it has a critical extension that is not supported".into(),
         Other(other) => {
             let name = other.to_string();
@@ -387,7 +390,25 @@ pub(crate) fn tls_failed(e: &rustls::Error) -> String {
         // Already in words: an expiry with its times, …
         _ => cert.to_string(),
     };
-    format!("tls: invalid peer certificate: {words}")
+    bounded(format!("tls: invalid peer certificate: {words}"))
+}
+
+/// The most of a reason the proxy says (in its answer's body and on the access line):
+/// rustls words some certificate errors with what the certificate holds, and a
+/// certificate may hold 60 KB of it.
+pub const REASON_MAX: usize = 512;
+
+/// `reason` cut at [`REASON_MAX`] bytes, on a character, and marked as cut.
+fn bounded(mut reason: String) -> String {
+    if reason.len() > REASON_MAX {
+        let mut end = REASON_MAX;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+        reason.push_str(crate::logging::CUT);
+    }
+    reason
 }
 
 /// The certificate path errors rustls passes on from webpki by their variant names, in
@@ -414,7 +435,7 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
     if let Some(tls) = find_rustls(e) {
         return tls_failed(tls);
     }
-    match find_io(e) {
+    bounded(match find_io(e) {
         Some(ConnectionRefused) => "connect refused".into(),
         Some(TimedOut) => crate::upstream::timed_out_words(e).into(),
         Some(ConnectionReset) => "connection reset".into(),
@@ -427,7 +448,7 @@ pub fn describe(e: &hyper_util::client::legacy::Error) -> String {
                 format!("upstream connection failed: {msg}")
             }
         },
-    }
+    })
 }
 
 /// An HTTP/2 stream's end in HTTP/2's own names: a stream the upstream reset is not a
@@ -541,6 +562,27 @@ mod tests {
             assert!(!format!("{variant:?}").contains(' '));
             assert!(said(variant).ends_with(words));
         }
+        // A certificate that names many purposes, none of them TLS server's: rustls
+        // lists every one (a 60 KB certificate's made a 286 KB line).
+        let purposes = C::InvalidPurposeContext {
+            required: rustls::ExtendedKeyPurpose::ServerAuth,
+            presented: vec![rustls::ExtendedKeyPurpose::Other(vec![1, 2, 3, 4]); 5000],
+        };
+        assert_eq!(
+            said(purposes),
+            "tls: invalid peer certificate: it is not issued for TLS server authentication"
+        );
+        let signature = C::UnsupportedSignatureAlgorithmContext {
+            signature_algorithm_id: vec![7; 5000],
+            supported_algorithms: vec![],
+        };
+        let words = said(signature);
+        assert!(
+            words.len() <= REASON_MAX + crate::logging::CUT.len(),
+            "{}",
+            words.len()
+        );
+        assert!(words.ends_with(crate::logging::CUT), "{words}");
         let alert = rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure);
         assert_eq!(tls_failed(&alert), format!("tls: {alert}"));
         let plain = rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType);

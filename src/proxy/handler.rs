@@ -163,7 +163,8 @@ impl Proxy {
                 Err(f) => {
                     let code = f.error.code();
                     let reason = match &f.error {
-                        Error::UpstreamUnreachable { reason, .. } => Some(reason.clone()),
+                        Error::UpstreamUnreachable { reason, .. }
+                        | Error::UpstreamUnavailable { reason, .. } => Some(reason.clone()),
                         _ => None,
                     };
                     let (resp, host) = this.failure_answer(plane, f, repeatable);
