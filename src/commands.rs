@@ -278,12 +278,11 @@ pub fn check(args: &CheckArgs) -> Result<i32, Error> {
     }
     if let (Some(cert), Some(key)) = (&exposure.tls_cert, &exposure.tls_key) {
         let pair = crate::proxy::certs::ListenerCert::load(cert, key)?;
+        // Both: an expired cross-sign left in the file is said first, and hid that the
+        // leaf ends within days.
         let now = std::time::SystemTime::now();
-        if let Some(w) = pair
-            .validity_warning(now)
-            .or_else(|| pair.expiry_notice(now))
-        {
-            crate::logging::warning(&w);
+        for w in [pair.validity_warning(now), pair.expiry_notice(now)] {
+            w.iter().for_each(|w| crate::logging::warning(w));
         }
     }
     // And of its own flags: the idle timeout's warning, and room under the open-file limit

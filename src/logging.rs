@@ -235,7 +235,9 @@ where
 /// client's handshake held (a malformed SNI name, an address given as one), a line per
 /// handshake that any client reaching the listener could repeat without end, and that
 /// pushed the proxy's own lines out of a log reader that cannot keep up (nginx logs
-/// handshake trouble at `info`). A `debug` or `trace` level, and `RUST_LOG`, keep them.
+/// handshake trouble at `info`). A `debug` or `trace` level, or a directive for rustls,
+/// keeps them; `RUST_LOG=info` is held as `--log-level info` is (containers set levels
+/// that way).
 fn quiet_rustls(level: &str) -> String {
     let plain = level.trim().parse::<LevelFilter>();
     match plain {
@@ -359,7 +361,7 @@ fn rust_log(refused: &mut Option<String>) -> Option<EnvFilter> {
             *refused = Some(why);
             None
         }
-        None => EnvFilter::try_new(quiet_h2(&normalized(&raw))).ok(),
+        None => EnvFilter::try_new(quiet_h2(&quiet_rustls(&normalized(&raw)))).ok(),
     }
 }
 

@@ -43,7 +43,9 @@ fn notify(state: &str) {
             if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     state,
-                    socket = %Path::new(&target).display(),
+                    socket = %crate::providers::manifest::printable(
+                        &Path::new(&target).to_string_lossy()
+                    ),
                     error = %e,
                     "sd_notify failed; serving anyway (further failures are not logged)"
                 );

@@ -473,10 +473,12 @@ pub struct Running {
     pub warned: Vec<String>,
 }
 
-/// The settings read at the start, and the warnings said of them.
+/// The settings read at the start, the warnings said of them, and the credential they
+/// give, in words.
 pub struct Started {
     pub resolved: Resolved,
     pub warned: Vec<String>,
+    pub credential: String,
 }
 
 impl Running {
@@ -490,7 +492,9 @@ impl Running {
         tls: Option<ListenerCert>,
         trust: rustls::ClientConfig,
     ) -> Self {
-        let Started { resolved, warned } = started;
+        let Started {
+            resolved, warned, ..
+        } = started;
         Running {
             proxy,
             flags,
@@ -696,12 +700,16 @@ impl Running {
                 .filter(|w| !untrue.contains(w))
                 .cloned()
                 .collect();
-            (standing.iter())
+            let new: Vec<String> = (standing.into_iter())
                 .filter(|w| !self.warned.contains(w))
-                .for_each(|w| logging::warning(w));
-            // Those kept back as untrue still hold for what runs, said before or not.
-            let held = (self.warned.iter()).filter(|w| untrue.contains(w)).cloned();
-            self.warned = held.chain(standing).collect();
+                .collect();
+            new.iter().for_each(|w| logging::warning(w));
+            // What runs changes only when the reload applies: until then, what was said of
+            // it still stands (a refused read's host, gone again, was said anew).
+            if applies {
+                self.warned.retain(|w| warnings.contains(w));
+            }
+            self.warned.extend(new);
         };
         let next = match next {
             Ok(next) => next,

@@ -99,7 +99,11 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     })?;
     let served = runtime.block_on(serve(
         settings,
-        Started { resolved, warned },
+        Started {
+            credential: in_use(&resolved),
+            resolved,
+            warned,
+        },
         options,
         tls,
         args.settings.clone(),
@@ -112,6 +116,15 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // signal handled any more.
     runtime.shutdown_background();
     served
+}
+
+/// Which credential the proxy starts with, and from where (`api_key from ~/.abx/.env
+/// (…)`), as a reload's line says it: an AccessKey pair exported for Alibaba Cloud's own
+/// tools beats an API key in a lower level's `.env`, and the start said nothing of it.
+fn in_use(resolved: &crate::settings::Resolved) -> String {
+    commands::credential_in_use(resolved)
+        .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
+        .unwrap_or_default()
 }
 
 async fn serve(
@@ -158,6 +171,7 @@ async fn serve(
         listen = %settings.shown(&listener.local_addr()),
         admin = %settings.shown(&admin.local_addr()),
         upstream = %settings.shown(&settings.sandbox_base_url),
+        credential = %started.credential,
         "abx-proxy listening"
     );
     crate::notify::ready();

@@ -308,13 +308,13 @@ fn client_hello(sni: &str) -> Vec<u8> {
 async fn a_clients_malformed_sni_does_not_write_to_the_log() {
     let pki = Pki::new();
     let upstream = Upstream::start(&pki, Proto::Http1, |_r| async { response(200, "ok") }).await;
-    // The default level, and `info` given.
-    for info in [false, true] {
+    // The default level, `info` given, and `info` from RUST_LOG (a container's way).
+    for level in ["default", "flag", "RUST_LOG"] {
         let cmd = ProxyCmd::new(&upstream.url(), &pki).tls_listener(&pki);
-        let cmd = if info {
-            cmd.log_level("info")
-        } else {
-            cmd.omit(&["--log-level"])
+        let cmd = match level {
+            "flag" => cmd.log_level("info"),
+            "RUST_LOG" => (cmd.omit(&["--log-level"])).env("RUST_LOG", Some("info")),
+            _ => cmd.omit(&["--log-level"]),
         };
         sni_refused_quietly(&pki, cmd.spawn().await).await;
     }
@@ -435,6 +435,22 @@ async fn a_certificate_near_its_end_is_said_and_so_is_its_passing() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let soon = format!("expires at {when} (in ");
     assert!(stderr.contains(said) && stderr.contains(&soon), "{stderr}");
+    // With an expired certificate after it (a cross-sign left in the file): both said.
+    let mut params = rcgen::CertificateParams::new(vec![]).expect("params");
+    (params.distinguished_name).push(rcgen::DnType::CommonName, "old cross-sign");
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let key = rcgen::KeyPair::generate().expect("key");
+    let expired = params.self_signed(&key).expect("certificate").pem();
+    let both = tempfile::tempdir().expect("dir");
+    let chain = both.path().join("tls.crt");
+    let leaf = std::fs::read_to_string(&cert_path).expect("read");
+    std::fs::write(&chain, leaf + &expired).expect("chain");
+    let out = output_within(check(both.path(), &chain, &key_path), "check").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let cross = "certificate #2 of the listener's chain (";
+    assert!(stderr.contains(cross) && stderr.contains(&soon), "{stderr}");
 
     let mut proxy = tls_proxy(&upstream, &pki, &cert_path, &key_path).await;
     let line = proxy.wait_for_line(&soon).await;

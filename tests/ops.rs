@@ -676,7 +676,8 @@ async fn sighup_swaps_the_key_without_a_restart_or_a_failed_request() {
 
 /// Settings warnings are log lines, with a timestamp and a level, in text too; and a
 /// reload says only those it finds anew: said again at every SIGHUP and every rotated key
-/// file, a misspelt name was noise. One that went away and came back is said again.
+/// file, a misspelt name was noise. One that went away and came back is said again; one
+/// of what runs stands through a reload that was refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_says_only_the_warnings_it_finds_anew() {
     const KEY: &str = "sk-warned-once-GGGG7777hhhh8888";
@@ -688,13 +689,25 @@ async fn a_reload_says_only_the_warnings_it_finds_anew() {
         names.iter().for_each(|n| env += &format!("{n}=x\n"));
         env
     };
+    // envd's host in the working directory's `.env`: the key from ~/.abx/.env goes there.
+    let envd = |host: &str| format!("ABX_SANDBOX_URL=https://{host}\n");
     let mut proxy = ProxyCmd::new(&upstream.url(), &pki)
         .env("ABX_SANDBOX_API_KEY", None)
         .abx_file(".env", &with(&["ABX_REGION"]))
+        .cwd_dotenv(&envd("envd.invalid"))
         .spawn()
         .await;
     let unchanged = "reload: no setting changed";
     proxy.reload_env(&with(&["ABX_REGION"]), unchanged).await;
+    // A reload refused (the host moved) changes nothing that runs: back where it was, what
+    // was said of where the key goes still stands.
+    let here = proxy.cwd().join(".env");
+    let moved = envd("elsewhere.invalid");
+    proxy
+        .reload_files(&[(here.clone(), &moved)], "reload refused")
+        .await;
+    let back = envd("envd.invalid");
+    proxy.reload_files(&[(here, &back)], unchanged).await;
     proxy
         .reload_env(&with(&["ABX_REGION", "ABX_LISTEN"]), unchanged)
         .await;
@@ -712,6 +725,7 @@ async fn a_reload_says_only_the_warnings_it_finds_anew() {
             .count()
     };
     assert_eq!((said(region), said(listen)), (2, 1), "{stderr}");
+    assert_eq!(stderr.matches("goes there").count(), 1, "{stderr}");
     for line in stderr.lines().filter(|l| l.contains(region)) {
         assert!(line.starts_with("20") && line.contains(" WARN "), "{line}");
     }
@@ -2142,6 +2156,12 @@ async fn sighup_keeps_a_working_temporary_key_until_a_new_pair_has_one() {
         .await;
     let goes_there = |proxy: &ProxyProc| proxy.stderr().matches("goes there").count();
     assert_eq!(goes_there(&proxy), 1, "{}", proxy.stderr());
+    // The start says which credential it took, and from where.
+    let started = proxy.stderr();
+    let listening = started.lines().find(|l| l.contains("abx-proxy listening"));
+    let listening = listening.unwrap_or_else(|| panic!("{started}"));
+    let said = " credential=access_key from ~/.abx/.env (";
+    assert!(listening.contains(said), "{listening}");
     let (addr, admin) = (proxy.addr(), proxy.admin_addr());
     assert_eq!(get(addr, "/sandboxes").await.0, 200);
     let first = fake.issued_keys();

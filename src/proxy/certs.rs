@@ -39,14 +39,15 @@ pub struct ListenerCert {
 }
 
 /// How long before the certificate in use expires the log says so: the week of the alert
-/// `AbxProxyListenerCertificateExpiring`, for a proxy nobody scrapes.
+/// `AbxProxyListenerCertificateExpiring`, for a proxy nobody scrapes; for a certificate
+/// that lives three weeks or less, a sixth of its life (see [`End`]).
 pub const EXPIRY_NOTICE: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
 /// The log's word on the pair in use as its end nears, each said once per pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Said {
     Nothing,
-    /// That it expires within [`EXPIRY_NOTICE`].
+    /// That it expires within its notice (see [`End`]).
     Soon,
     /// That it expired (at its load, [`ListenerCert::validity_warning`] said it).
     Expired,
@@ -54,9 +55,9 @@ enum Said {
 
 impl Said {
     /// At a pair's load: an expired one was said by its load's warning.
-    fn at_load(end: Option<(SystemTime, usize)>) -> Said {
+    fn at_load(end: Option<End>) -> Said {
         match end {
-            Some((end, _)) if SystemTime::now() > end => Said::Expired,
+            Some(end) if SystemTime::now() > end.at => Said::Expired,
             _ => Said::Nothing,
         }
     }
@@ -115,7 +116,7 @@ impl ListenerCert {
     /// handshake, and the proxy sees no request to log.
     pub fn validity_warning(&self, now: SystemTime) -> Option<String> {
         let pair = &self.pair;
-        let file = self.cert.display();
+        let file = self.shown_file();
         pair.cert.iter().enumerate().find_map(|(i, cert)| {
             let (not_before, not_after) = validity(cert.as_ref())?;
             let (which, refuse) = match i {
@@ -151,37 +152,37 @@ impl ListenerCert {
     /// read (no alert compares true with it).
     pub fn expires(&self) -> f64 {
         end(&self.pair)
-            .and_then(|(t, _)| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .and_then(|end| end.at.duration_since(std::time::UNIX_EPOCH).ok())
             .map_or(f64::NAN, |d| d.as_secs_f64())
     }
 
-    /// That the certificate in use expires within [`EXPIRY_NOTICE`] of `now`, when it
-    /// does: for `check`, and the log of a running proxy (see [`ListenerCert::due`]).
+    /// That the certificate in use expires within its notice of `now` (see [`End`]), when
+    /// it does: for `check`, and the log of a running proxy (see [`ListenerCert::due`]).
     pub fn expiry_notice(&self, now: SystemTime) -> Option<String> {
-        let (end, i) = end(&self.pair)?;
-        let left = end.duration_since(now).ok()?;
-        if left > EXPIRY_NOTICE {
+        let end = end(&self.pair)?;
+        let left = end.at.duration_since(now).ok()?;
+        if left > end.notice {
             return None;
         }
-        let file = self.cert.display();
-        let which = match i {
+        let file = self.shown_file();
+        let which = match end.which {
             0 => format!("the listener certificate ({file})"),
             _ => format!("the issuer of the listener certificate, #2 in its chain ({file}),"),
         };
         Some(format!(
             "{which} expires at {} (in {}): clients that check it will refuse the handshake; \
              renew it (a SIGHUP, or its files' change, applies the new one)",
-            crate::credentials::exchange::iso8601(end),
+            crate::credentials::exchange::iso8601(end.at),
             in_words(left)
         ))
     }
 
     /// What the log should say now of the pair's coming end, said once per pair: that it
-    /// expires within [`EXPIRY_NOTICE`], then that it expired. A running proxy's only word
+    /// expires within its notice, then that it expired. A running proxy's only word
     /// between its start and the first refused handshake, which it never sees.
     pub fn due(&mut self, now: SystemTime) -> Option<String> {
-        let (end, _) = end(&self.pair)?;
-        if now > end {
+        let end = end(&self.pair)?;
+        if now > end.at {
             if self.said == Said::Expired {
                 return None;
             }
@@ -200,15 +201,23 @@ impl ListenerCert {
     /// `None` when nothing is left to say of this pair. At most an hour: the wall clock
     /// runs on while a laptop sleeps, and a timer does not.
     pub fn next_look(&self, now: SystemTime) -> Option<Duration> {
-        let (end, _) = end(&self.pair)?;
+        let End {
+            at: end, notice, ..
+        } = end(&self.pair)?;
         let at = match self.said {
-            Said::Nothing => end.checked_sub(EXPIRY_NOTICE).unwrap_or(now),
+            Said::Nothing => end.checked_sub(notice).unwrap_or(now),
             // Past its last second: `notAfter` is the last valid one (RFC 5280 §4.1.2.5).
             Said::Soon => end.checked_add(Duration::from_secs(1)).unwrap_or(end),
             Said::Expired => return None,
         };
         let wait = at.duration_since(now).unwrap_or(Duration::ZERO);
         Some(wait.min(Duration::from_secs(60 * 60)))
+    }
+
+    /// The certificate file's path as the log shows it: a line break or a bidirectional
+    /// override in a file's name is the operator's, and still must not split or turn a line.
+    fn shown_file(&self) -> String {
+        crate::providers::manifest::printable(&self.cert.to_string_lossy()).into_owned()
     }
 
     /// The listener's TLS; its handshakes follow every later [`ListenerCert::apply`].
@@ -240,37 +249,57 @@ impl ListenerCert {
     }
 }
 
+/// The end of the pair's certificates that comes first for clients: the leaf's, or its
+/// issuer's before it when the file sends that next (see [`end`]).
+#[derive(Debug, Clone, Copy)]
+struct End {
+    /// Its `notAfter`.
+    at: SystemTime,
+    /// How long before it the log says so: [`EXPIRY_NOTICE`], or a sixth of that
+    /// certificate's life when shorter. Certificates are renewed a third of their life
+    /// before their end (cert-manager, certbot), and one of 6 days (Let's Encrypt's
+    /// short-lived) or 24 hours (step-ca's) was said to need renewing the moment it came.
+    notice: Duration,
+    /// Its place in the file: 0 for the leaf, 1 for its issuer.
+    which: usize,
+}
+
 /// When the pair's leaf certificate expires, or its issuer before it when the file sends
 /// that next (clients with no copy of it of their own go through it: the usual case, a CA's
-/// intermediate), with the index of the one that does; `None` when the leaf's date cannot
-/// be read. Not the others': which a client's path goes through depends on the client's
-/// roots, and an expired cross-sign many clients never use would have kept an alert saying
-/// "expired" for good.
-fn end(pair: &CertifiedKey) -> Option<(SystemTime, usize)> {
+/// intermediate); `None` when the leaf's date cannot be read. Not the others': which a
+/// client's path goes through depends on the client's roots, and an expired cross-sign
+/// many clients never use would have kept an alert saying "expired" for good.
+fn end(pair: &CertifiedKey) -> Option<End> {
     let chain = &pair.cert;
     let leaf = chain.first()?.as_ref();
     let issuer = chain.get(1).map(|c| c.as_ref()).filter(|issuer| {
         let (leaf, issuer) = (fields(leaf), fields(issuer));
         leaf.zip(issuer).is_some_and(|(l, i)| l.issuer == i.subject)
     });
-    let until = |der: &[u8]| validity(der).map(|(_, not_after)| not_after);
-    match (until(leaf)?, issuer.and_then(until)) {
-        (leaf, Some(issuer)) if issuer < leaf => Some((issuer, 1)),
-        (leaf, _) => Some((leaf, 0)),
-    }
+    let leaf = validity(leaf)?;
+    let (which, (from, at)) = match issuer.and_then(validity) {
+        Some(issuer) if issuer.1 < leaf.1 => (1, issuer),
+        _ => (0, leaf),
+    };
+    let life = at.duration_since(from).unwrap_or(Duration::ZERO);
+    Some(End {
+        at,
+        notice: EXPIRY_NOTICE.min(life / 6),
+        which,
+    })
 }
 
-/// A time left, in the largest unit it holds twice or more, rounded down: "3 days".
+/// A time left, in the largest unit it holds twice or more, to the nearest: "3 days".
 fn in_words(left: Duration) -> String {
     let secs = left.as_secs();
-    let (n, unit) = match secs {
-        s if s >= 2 * 86_400 => (s / 86_400, "days"),
-        s if s >= 2 * 3_600 => (s / 3_600, "hours"),
-        s if s >= 2 * 60 => (s / 60, "minutes"),
+    let (unit, name) = match secs {
+        s if s >= 2 * 86_400 => (86_400, "days"),
+        s if s >= 2 * 3_600 => (3_600, "hours"),
+        s if s >= 2 * 60 => (60, "minutes"),
         1 => (1, "second"),
-        s => (s, "seconds"),
+        _ => (1, "seconds"),
     };
-    format!("{n} {unit}")
+    format!("{} {name}", (secs + unit / 2) / unit)
 }
 
 /// The TLS settings that serve `pair`, with a session cache of their own.
@@ -627,16 +656,34 @@ mod tests {
             line.contains("certificate #2 of the listener's chain ("),
             "{line}"
         );
+
+        // One that lives six days (Let's Encrypt's short-lived): a sixth of its life, a
+        // day, not a week, or it was said the moment it came.
+        let (cert, key) = dated((2039, 12, 26), (2040, 1, 1));
+        let files = (cert.into_bytes(), key.into_bytes());
+        assert_eq!(
+            pair.apply(Ok(files)).map_err(|e| e.line()),
+            Ok(Reloaded::Swapped)
+        );
+        let end = midnight(2040, 1, 1);
+        assert_eq!(pair.due(end - 5 * 24 * hour), None, "just renewed");
+        assert_eq!(pair.due(end - 25 * hour), None);
+        assert_eq!(pair.next_look(end - 25 * hour), Some(hour));
+        let line = pair.due(end - 23 * hour).expect("said within a day");
+        assert!(line.contains("(in 23 hours)"), "{line}");
     }
 
     #[test]
-    fn time_left_is_said_in_its_largest_unit_held_twice() {
+    fn time_left_is_said_in_its_largest_unit_held_twice_to_the_nearest() {
         let words = |secs| in_words(Duration::from_secs(secs));
         assert_eq!(words(0), "0 seconds");
         assert_eq!(words(1), "1 second");
         assert_eq!(words(119), "119 seconds");
         assert_eq!(words(120), "2 minutes");
-        assert_eq!(words(2 * 3600 - 1), "119 minutes");
+        assert_eq!(words(2 * 3600 - 1), "120 minutes");
+        // Where a running proxy first looks: just under the notice's week.
+        assert_eq!(words(7 * 86_400 - 1), "7 days");
+        assert_eq!(words(6 * 86_400 + 11 * 3600), "6 days");
         assert_eq!(words(2 * 3600), "2 hours");
         assert_eq!(words(7 * 86_400), "7 days");
     }

@@ -213,7 +213,11 @@ impl fmt::Display for ListenAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ListenAddr::Tcp(a) => write!(f, "{a}"),
-            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+            // A socket's path is the operator's, and still must not split or turn a line.
+            ListenAddr::Unix(p) => {
+                let path = p.to_string_lossy();
+                write!(f, "unix:{}", crate::providers::manifest::printable(&path))
+            }
         }
     }
 }
