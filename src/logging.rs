@@ -48,7 +48,8 @@ static WARNINGS_LOGGED: AtomicBool = AtomicBool::new(false);
 /// forge or hide the very warning that says where the key goes.
 pub fn warning(text: &str) {
     let text = crate::providers::manifest::printable(text);
-    if JSON_LOGS.load(Ordering::Acquire) || WARNINGS_LOGGED.load(Ordering::Acquire) {
+    let logged = WARNINGS_LOGGED.load(Ordering::Acquire) && INSTALLED.load(Ordering::Acquire);
+    if JSON_LOGS.load(Ordering::Acquire) || logged {
         tracing::warn!("{text}");
     } else {
         stderr_line(&format!("warning: {text}"));
@@ -68,12 +69,13 @@ pub fn stderr_line(text: &str) {
 /// Whether [`init`] installed its subscriber.
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-/// From now on settings warnings are log lines, with a timestamp and a level, in text too:
-/// for `serve`, whose every other line is one. A bare `warning: …` among them (at the
-/// start, and at a reload) had neither, and a shipper that starts a record at a timestamp
-/// glued it to the line before.
+/// Settings warnings are log lines, with a timestamp and a level, in text too, once
+/// [`init`] has installed its subscriber (its own warning of a `RUST_LOG` it refused
+/// included): for `serve`, whose every other line is one. A bare `warning: …` among them
+/// (at the start, and at a reload) had neither, and a shipper that starts a record at a
+/// timestamp glued it to the line before.
 pub fn warnings_as_log_lines() {
-    WARNINGS_LOGGED.store(INSTALLED.load(Ordering::Acquire), Ordering::Release);
+    WARNINGS_LOGGED.store(true, Ordering::Release);
 }
 
 /// The error that ends a command, in the house format; where the logs are JSON, an object

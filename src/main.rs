@@ -46,8 +46,8 @@ fn main() -> ExitCode {
             // log reader that stalls stops nothing (see `log_writer`). The others write
             // where they log, in order with their output on stdout.
             abx_proxy::log_writer::start();
-            logging::init(args.run.log_format, args.run.log_level.as_deref(), "info");
             logging::warnings_as_log_lines();
+            logging::init(args.run.log_format, args.run.log_level.as_deref(), "info");
             logging::panics_as_lines();
             // A panic that ends the process: its line is queued (see the hook), and the
             // writer thread must be given the moment it is given at any other exit.
