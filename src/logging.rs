@@ -233,20 +233,27 @@ where
     }
 }
 
-/// `level` with rustls held to errors when it is `info` or `warn`: rustls warns of what a
-/// client's handshake held (a malformed SNI name, an address given as one), a line per
-/// handshake that any client reaching the listener could repeat without end, and that
-/// pushed the proxy's own lines out of a log reader that cannot keep up (nginx logs
-/// handshake trouble at `info`). A `debug` or `trace` level, or a directive for rustls,
-/// keeps them; `RUST_LOG=info` is held as `--log-level info` is (containers set levels
-/// that way).
-fn quiet_rustls(level: &str) -> String {
-    let plain = level.trim().parse::<LevelFilter>();
-    match plain {
-        Ok(l) if l == LevelFilter::INFO || l == LevelFilter::WARN => {
-            format!("{},rustls=error", level.trim())
-        }
-        _ => level.to_string(),
+/// `filter` with rustls held to errors when its level for everything is `info` or `warn`
+/// and it names no rustls target: rustls warns of what a client's handshake held (a
+/// malformed SNI name, an address given as one), a line per handshake that any client
+/// reaching the listener could repeat without end, and that pushed the proxy's own lines
+/// out of a log reader that cannot keep up (nginx logs handshake trouble at `info`). A
+/// `debug` or `trace` level, or a directive for rustls, keeps them; `RUST_LOG=info` is held
+/// as `--log-level info` is (containers set levels that way), and so is
+/// `info,abx_proxy::access=off`, which the proxy itself suggests.
+fn quiet_rustls(filter: &str) -> String {
+    let directives = || filter.split(',').map(str::trim);
+    let everything = directives()
+        .filter_map(|d| d.parse::<LevelFilter>().ok())
+        .next_back();
+    let names_rustls = |d: &str| {
+        let target = d.split(['=', '[']).next().unwrap_or_default();
+        d.parse::<LevelFilter>().is_err() && !target.is_empty() && "rustls".starts_with(target)
+    };
+    let quiet = everything.is_some_and(|l| l == LevelFilter::INFO || l == LevelFilter::WARN);
+    match quiet && !directives().any(names_rustls) {
+        true => format!("{},rustls=error", filter.trim()),
+        false => filter.to_string(),
     }
 }
 
@@ -923,6 +930,35 @@ mod tests {
             ("warn", "warn"),
         ] {
             assert_eq!(quiet_h2(filter), held, "{filter}");
+        }
+    }
+
+    /// rustls is held to errors under `info` or `warn` for everything, whatever else the
+    /// filter says of other targets, and left alone under any other level or when the
+    /// filter names it.
+    #[test]
+    fn rustls_is_held_to_errors_under_info_or_warn() {
+        for (filter, held) in [
+            ("info", "info,rustls=error"),
+            (" WARN ", "WARN,rustls=error"),
+            ("3", "3,rustls=error"),
+            (
+                "info,abx_proxy::access=off",
+                "info,abx_proxy::access=off,rustls=error",
+            ),
+            ("warn,h2=debug", "warn,h2=debug,rustls=error"),
+            ("info,abx_proxy=debug", "info,abx_proxy=debug,rustls=error"),
+            ("info,rustls=warn", "info,rustls=warn"),
+            (
+                "info,rustls::msgs=warn",
+                "info,rustls::msgs=warn,rustls=error",
+            ),
+            ("debug", "debug"),
+            ("error", "error"),
+            ("abx_proxy=info", "abx_proxy=info"),
+            ("debug,info", "debug,info,rustls=error"),
+        ] {
+            assert_eq!(quiet_rustls(filter), held, "{filter}");
         }
     }
 

@@ -626,8 +626,8 @@ impl Running {
             Ok(Reloaded::Swapped) => {
                 let (cert, key) = tls.paths();
                 tracing::info!(
-                    cert = %cert.display(),
-                    key = %key.display(),
+                    cert = %crate::providers::manifest::printable(&cert.to_string_lossy()),
+                    key = %crate::providers::manifest::printable(&key.to_string_lossy()),
                     "listener certificate reloaded; new connections get it"
                 );
                 self.proxy.metrics.listener_cert_swapped(tls.expires());

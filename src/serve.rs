@@ -124,6 +124,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
 fn in_use(resolved: &crate::settings::Resolved) -> String {
     commands::credential_in_use(resolved)
         .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
+        .map(|from| crate::providers::manifest::printable(&from).into_owned())
         .unwrap_or_default()
 }
 

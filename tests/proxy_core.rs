@@ -2932,6 +2932,31 @@ async fn signals_right_after_startup_are_handled() {
 // Listeners
 // ---------------------------------------------------------------------------------------
 
+/// A socket's path is the operator's, and the log shows what would split or turn a line
+/// escaped (U+2028 ends a line for Python's `splitlines` and JavaScript), as every other
+/// line that names a file does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_sockets_path_is_logged_on_one_line() {
+    let pki = Pki::new();
+    let upstream = Upstream::start(&pki, Proto::Http1, |_req| async { response(200, "ok") }).await;
+    let dir = tempfile::tempdir().unwrap();
+    let odd = dir.path().join("a\u{2028}b");
+    std::fs::create_dir(&odd).unwrap();
+    let sock = odd.join("abx.sock");
+    let proxy = ProxyCmd::new(&upstream.url(), &pki)
+        .listen(&format!("unix:{}", sock.display()))
+        .spawn()
+        .await;
+    let shown = format!("unix:{}/a\\u{{2028}}b/abx.sock", dir.path().display());
+    assert_eq!(proxy.listen, shown);
+    assert_eq!(
+        send_unix(&sock, "/sandboxes").await.status(),
+        StatusCode::OK
+    );
+    let stderr = proxy.finish().await;
+    assert!(!stderr.contains('\u{2028}'), "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unix_socket_listener_serves_requests() {
     use std::os::unix::fs::PermissionsExt;

@@ -40,7 +40,7 @@ pub struct ListenerCert {
 
 /// How long before the certificate in use expires the log says so: the week of the alert
 /// `AbxProxyListenerCertificateExpiring`, for a proxy nobody scrapes; for a certificate
-/// that lives three weeks or less, a sixth of its life (see [`End`]).
+/// that lives under six weeks, a sixth of its life (see [`End`]).
 pub const EXPIRY_NOTICE: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
 /// The log's word on the pair in use as its end nears, each said once per pair.

@@ -68,11 +68,12 @@ impl Listener {
         }
     }
 
-    /// The bound address (with the real port when 0 was asked for).
+    /// The bound address (with the real port when 0 was asked for), as logs show it (a
+    /// socket's path as `ListenAddr` shows it).
     pub fn local_addr(&self) -> String {
         match self {
             Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-            Listener::Unix(_, f) => format!("unix:{}", f.path.display()),
+            Listener::Unix(_, f) => crate::settings::ListenAddr::Unix(f.path.clone()).to_string(),
         }
     }
 }
