@@ -246,9 +246,11 @@ fn quiet_rustls(filter: &str) -> String {
     let everything = directives()
         .filter_map(|d| d.parse::<LevelFilter>().ok())
         .next_back();
+    // As in `quiet_h2`: a span's or a field's directive names no target whole.
     let names_rustls = |d: &str| {
-        let target = d.split(['=', '[']).next().unwrap_or_default();
-        d.parse::<LevelFilter>().is_err() && !target.is_empty() && "rustls".starts_with(target)
+        let target = d.split('=').next().unwrap_or_default();
+        let level = d.parse::<LevelFilter>().is_ok();
+        !level && !d.contains('[') && !target.is_empty() && "rustls".starts_with(target)
     };
     let quiet = everything.is_some_and(|l| l == LevelFilter::INFO || l == LevelFilter::WARN);
     match quiet && !directives().any(names_rustls) {
@@ -269,9 +271,11 @@ fn quiet_h2(filter: &str) -> String {
     });
     // A directive for h2 itself; one for a module below it (`h2::codec=info`) is more
     // specific than `h2=info` and still wins, while the rest of h2 stays held.
+    // Not a span's or a field's directive: it only lets lines through, in its spans or
+    // for its fields, and everything else still goes by the level for everything.
     let names_h2 = |d: &str| {
-        let target = d.split(['=', '[']).next().unwrap_or_default();
-        !target.is_empty() && "h2".starts_with(target)
+        let target = d.split('=').next().unwrap_or_default();
+        !d.contains('[') && !target.is_empty() && "h2".starts_with(target)
     };
     match verbose && !directives().any(names_h2) {
         true => format!("{filter},h2=info"),
@@ -926,6 +930,7 @@ mod tests {
             ("debug,h2o=info", "debug,h2o=info,h2=info"),
             ("trace,h2::server=trace", "trace,h2::server=trace,h2=info"),
             ("debug,h2::codec=info", "debug,h2::codec=info,h2=info"),
+            ("debug,h2[x]=info", "debug,h2[x]=info,h2=info"),
             ("off", "off"),
             ("warn", "warn"),
         ] {
@@ -952,6 +957,14 @@ mod tests {
             (
                 "info,rustls::msgs=warn",
                 "info,rustls::msgs=warn,rustls=error",
+            ),
+            (
+                "info,rustls[hs]=debug",
+                "info,rustls[hs]=debug,rustls=error",
+            ),
+            (
+                "info,rustls[{x}]=warn",
+                "info,rustls[{x}]=warn,rustls=error",
             ),
             ("debug", "debug"),
             ("error", "error"),
