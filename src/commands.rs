@@ -171,6 +171,14 @@ pub(crate) fn credential_in_use(resolved: &Resolved) -> Result<(&'static str, So
     }
 }
 
+/// [`credential_in_use`] in words, as the start's and a reload's lines say it: `api_key
+/// from ~/.abx/.env (…)`; empty when there is none.
+pub(crate) fn credential_said(resolved: &Resolved) -> String {
+    credential_in_use(resolved)
+        .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
+        .unwrap_or_default()
+}
+
 /// A value `check` and `serve` refuse (E1005, and half an AccessKey pair: E1003), said by
 /// `config list|get`, which show it as it resolved (a region with a space was shown in
 /// usable-looking URLs, with no word), as a provider that cannot be loaded is. The missing

@@ -676,9 +676,7 @@ impl Running {
             // through, as SPEC §2 orders them, and a forgotten `~/.abx/.env` one went into
             // service said as a changed key alone. Here: a plugin's is found by reading
             // its manifest.
-            let from = commands::credential_in_use(&resolved)
-                .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
-                .unwrap_or_default();
+            let from = commands::credential_said(&resolved);
             Ok::<_, Error>((resolved, warnings, next, selection, from))
         });
         let (resolved, warnings, next, selection, from) = match read.await {

@@ -100,7 +100,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     let served = runtime.block_on(serve(
         settings,
         Started {
-            credential: in_use(&resolved),
+            credential: commands::credential_said(&resolved),
             resolved,
             warned,
         },
@@ -116,16 +116,6 @@ pub fn run(args: &ServeArgs) -> Result<(), Error> {
     // signal handled any more.
     runtime.shutdown_background();
     served
-}
-
-/// Which credential the proxy starts with, and from where (`api_key from ~/.abx/.env
-/// (…)`), as a reload's line says it: an AccessKey pair exported for Alibaba Cloud's own
-/// tools beats an API key in a lower level's `.env`, and the start said nothing of it.
-fn in_use(resolved: &crate::settings::Resolved) -> String {
-    commands::credential_in_use(resolved)
-        .map(|(kind, source)| format!("{kind} from {}", resolved.file_shown(source)))
-        .map(|from| crate::providers::manifest::printable(&from).into_owned())
-        .unwrap_or_default()
 }
 
 async fn serve(
@@ -172,7 +162,9 @@ async fn serve(
         listen = %settings.shown(&listener.local_addr()),
         admin = %settings.shown(&admin.local_addr()),
         upstream = %settings.shown(&settings.sandbox_base_url),
-        credential = %started.credential,
+        // An AccessKey pair exported for Alibaba Cloud's own tools beats an API key in a
+        // lower level's `.env`, and the start said nothing of which it took.
+        credential = %crate::providers::manifest::printable(&started.credential),
         "abx-proxy listening"
     );
     crate::notify::ready();
