@@ -30,7 +30,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use libfuzzer_sys::fuzz_target;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// Requests looked at per input.
 const REQUESTS: usize = 16;
@@ -165,7 +165,10 @@ fn serve(data: &[u8], shared: Arc<Mutex<Shared>>, verdicts: Verdicts) -> Vec<Ser
             .max_headers(100)
             .max_buf_size(64 * 1024)
             .keep_alive(true)
-            .serve_connection(TokioIo::new(io), service)
+            .serve_connection(
+                TokioIo::new(tokio::io::join(io, tokio::io::sink())),
+                service,
+            )
             .await;
     });
     let served = served.lock().expect("not poisoned");
@@ -203,18 +206,6 @@ impl AsyncRead for Wire {
         }
         s.was_in_head = in_head;
         buf.put_slice(&byte);
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl AsyncWrite for Wire {
-    fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
-        Poll::Ready(Ok(b.len()))
-    }
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         Poll::Ready(Ok(()))
     }
 }
